@@ -1,0 +1,32 @@
+# Two set-up commands that work on a fresh machine:
+#   make serve   - create .venv, install, start the server on the embedded default model
+#   make test    - create .venv, install, run the whole test suite
+# The pinned CPU torch is installed before the project so nothing pulls CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN ?= torch==2.13.0
+SERVE_ARGS ?=
+
+.PHONY: install serve test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) launch.py $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

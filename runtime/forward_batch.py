@@ -1,0 +1,71 @@
+"""ForwardBatch: everything one model forward needs, on the model's device.
+
+Built by the scheduler (or by tests) and read by the model and the attention
+backend. Tokens of all requests are packed back to back (no padding): request i
+owns ``input_ids[extend_start_loc[i] : extend_start_loc[i] + extend_lens[i]]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from memory.kv_pool import MHATokenToKVPool
+    from memory.req_to_token_pool import ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens, possibly after a cached prefix
+    DECODE = 2  # exactly one new token per request
+    MIXED = 3  # extend requests and decode requests (extend_len 1) in one batch
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        """MIXED runs through the extend path: a decode request is an extend of length 1."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]: absolute position of each token
+    req_pool_indices: torch.Tensor  # int64 [bs]: row of each request in req_to_token
+    seq_lens: torch.Tensor  # int64 [bs]: total tokens of the request after this forward
+    prefix_lens: torch.Tensor  # int64 [bs]: tokens already in the KV pool before this forward
+    extend_lens: torch.Tensor  # int64 [bs]: new tokens this forward (1 in decode)
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]: KV slot for each new token
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "MHATokenToKVPool"
+    # Host copies, so backends can plan without a device sync.
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    # Logits are computed only where a token is sampled; None means the last token of each request.
+    sampling_info: Any = None  # runtime.layers.sampler.SamplingBatchInfo
+    return_logprob: bool = False
+    # Filled by the attention backend's init_forward_metadata.
+    attn_metadata: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def extend_start_loc(self) -> torch.Tensor:
+        """Offset of each request's first new token in the packed token axis."""
+        return torch.cumsum(self.extend_lens, 0) - self.extend_lens
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the packed token axis of each request's last new token (where it samples)."""
+        return torch.cumsum(self.extend_lens, 0) - 1
