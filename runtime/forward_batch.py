@@ -50,6 +50,7 @@ class ForwardBatch:
     # Logits are computed only where a token is sampled; None means the last token of each request.
     sampling_info: Any = None  # runtime.layers.sampler.SamplingBatchInfo
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # max over the batch; 0 = none
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 

@@ -1,0 +1,168 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Each socket carries one tagged union, decoded with a typed
+``msgspec.msgpack.Decoder``; no pickle anywhere. A frame that does not decode
+is logged and dropped (or answered with an ErrorReply on the client socket).
+
+Flows (DESIGN.md section 2):
+  client --ClientRequest--> tokenizer --SchedulerInput--> scheduler(s)
+  scheduler --DetokenizerInput--> detokenizer --TokenizerInput--> tokenizer
+  tokenizer --ClientReply--> client
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from runtime.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------- client-facing
+
+
+class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
+    """One generate call. Exactly one of text, input_ids, messages is set.
+
+    ``sampling_params`` stays a plain dict here so the tokenizer can answer an
+    unknown or mistyped field with an error that names it.
+    """
+
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the tokenizer's template
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    api_key: str | None = None
+
+
+class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+class ServerInfoReq(msgspec.Struct, tag="server_info", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+class HealthReq(msgspec.Struct, tag="health", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+
+
+class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
+    """A stream delta, or the whole result when not streaming (then ``finished`` is True)."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, latency, logprobs
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    rid: str
+    code: str  # e.g. "invalid_request", "unauthorized", "too_long", "aborted", "internal"
+    message: str
+
+
+class ControlReply(msgspec.Struct, tag="control"):
+    rid: str
+    kind: str  # "flush_cache" | "server_info" | "health" | "abort"
+    payload: dict[str, Any]
+
+
+ClientReply = Union[GenerateChunk, ErrorReply, ControlReply]
+
+# --------------------------------------------------------------------------- internal
+
+
+class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    arrival_time: float = 0.0
+
+
+class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
+    rid: str  # "" aborts every request (abort_all)
+
+
+class SchedControlReq(msgspec.Struct, tag="sched_control"):
+    rid: str
+    kind: str  # "flush_cache" | "server_info"
+
+
+SchedulerInput = Union[TokenizedGenerateReq, SchedAbortReq, SchedControlReq]
+
+
+class ReqOutput(msgspec.Struct, omit_defaults=True):
+    """What one request produced since the last BatchTokenIDOut that mentioned it."""
+
+    rid: str
+    new_output_ids: list[int]
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[float] | None = None  # one per new output id, when asked
+    output_top_logprobs: list[list[list[float]]] | None = None  # per new id: [[logprob, token_id], ...]
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
+    # any text that may be the start of one, and cuts the final text at the first match
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+
+
+class BatchTokenIDOut(msgspec.Struct, tag="token_ids"):
+    outputs: list[ReqOutput]
+
+
+class SchedErrorOut(msgspec.Struct, tag="sched_error"):
+    """A request the scheduler rejected or finished with an error; forwarded as ErrorReply."""
+
+    rid: str
+    code: str
+    message: str
+
+
+class SchedControlOut(msgspec.Struct, tag="sched_control_out"):
+    rid: str
+    kind: str
+    payload: dict[str, Any]
+
+
+DetokenizerInput = Union[BatchTokenIDOut, SchedErrorOut, SchedControlOut]
+
+
+class StrOutput(msgspec.Struct, omit_defaults=True):
+    rid: str
+    text_delta: str
+    new_output_ids: list[int]
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    meta: dict[str, Any] = {}
+
+
+class BatchStrOut(msgspec.Struct, tag="str_out"):
+    outputs: list[StrOutput]
+
+
+TokenizerInput = Union[BatchStrOut, SchedErrorOut, SchedControlOut]

@@ -1,0 +1,169 @@
+"""Turn scheduled requests into a ForwardBatch: take request rows and KV slots, fill req_to_token.
+
+Memory taken here is owned by the requests from then on: a request's row and
+every KV slot past its cached prefix are released by the tree cache's
+``cache_finished_req`` (or kept for reuse by ``cache_unfinished_req``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.layers.sampler import SamplingBatchInfo
+from scheduler_proc.req import Req
+
+
+class OutOfMemory(RuntimeError):
+    """The KV pool cannot hold this batch even after evicting the prefix cache."""
+
+
+class BatchBuilder:
+    def __init__(self, model_runner: Any, allocator: Any, tree_cache: Any, page_size: int) -> None:
+        self.runner = model_runner
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.device = model_runner.device
+
+    # ------------------------------------------------------------------ memory
+
+    def ensure_available(self, num_tokens: int) -> bool:
+        """Evict unlocked prefix-cache entries until ``num_tokens`` slots are free."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        return self.allocator.available_size() >= num_tokens
+
+    def _last_loc(self, rows: list[int], lens: list[int]) -> torch.Tensor:
+        """KV slot of each request's last stored token (-1 where it has none)."""
+        table = self.req_to_token_pool.req_to_token
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=table.device)
+        last = table[rows_t, (lens_t - 1).clamp(min=0)].to(torch.int64)
+        return torch.where(lens_t > 0, last, torch.full_like(last, -1))
+
+    def decode_tokens_needed(self, reqs: Sequence[Req]) -> int:
+        """Slots a decode step takes: one per request, or one page per request crossing a page boundary."""
+        if self.page_size == 1:
+            return len(reqs)
+        # The token being computed sits at position seqlen-1; a page starts there.
+        return self.page_size * sum(1 for r in reqs if (r.seqlen - 1) % self.page_size == 0)
+
+    # ------------------------------------------------------------------ batches
+
+    def _sampling(self, reqs: Sequence[Req]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            self.runner.vocab_size,
+            self.runner.eos_token_ids,
+            self.device,
+        )
+
+    def build_extend(self, reqs: Sequence[Req], mode: ForwardMode = ForwardMode.EXTEND) -> ForwardBatch:
+        """Prefill ``req.fill_ids[len(prefix_indices):]`` for every request (a decode request is an extend of 1)."""
+        pool = self.req_to_token_pool
+        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        seq_lens = [len(r.fill_ids) for r in reqs]
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        total = sum(extend_lens)
+        slack = self.page_size * len(reqs) if self.page_size > 1 else 0
+        if not self.ensure_available(total + slack):
+            raise OutOfMemory(f"need {total} KV slots, {self.allocator.available_size()} free after eviction")
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        taken = pool.alloc(len(new_rows))
+        if taken is None:
+            raise OutOfMemory("no free request slot")
+        for req, row in zip(new_rows, taken):
+            req.req_pool_idx = row
+            req.kv_committed_len = len(req.prefix_indices)
+            if len(req.prefix_indices):
+                pool.write(row, 0, req.prefix_indices)
+        rows = [r.req_pool_idx for r in reqs]
+        if self.page_size == 1:
+            out_cache_loc = self.allocator.alloc(total)
+        else:
+            out_cache_loc = self.allocator.alloc_extend(
+                torch.tensor(prefix_lens, dtype=torch.int64, device=self.device),
+                torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+                self._last_loc(rows, prefix_lens),
+                total,
+            )
+        if out_cache_loc is None:
+            pool.free(taken)
+            for req in new_rows:
+                req.req_pool_idx = None
+            raise OutOfMemory(f"allocator refused {total} KV slots")
+        offset = 0
+        for req, p, n in zip(reqs, prefix_lens, extend_lens):
+            pool.write(req.req_pool_idx, p, out_cache_loc[offset : offset + n])
+            offset += n
+        input_ids = [t for r, p in zip(reqs, prefix_lens) for t in r.fill_ids[p:]]
+        positions = [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)]
+        return self._forward_batch(
+            reqs, mode, input_ids, positions, rows, seq_lens, prefix_lens, extend_lens, out_cache_loc
+        )
+
+    def build_decode(self, reqs: Sequence[Req]) -> ForwardBatch:
+        """One new token per request: the last sampled one, at position seqlen - 1."""
+        rows = [r.req_pool_idx for r in reqs]
+        seq_lens = [r.seqlen for r in reqs]
+        prefix_lens = [s - 1 for s in seq_lens]
+        if not self.ensure_available(self.decode_tokens_needed(reqs)):
+            raise OutOfMemory("decode needs more KV slots than are free")
+        if self.page_size == 1:
+            out_cache_loc = self.allocator.alloc(len(reqs))
+        else:
+            out_cache_loc = self.allocator.alloc_decode(
+                torch.tensor(seq_lens, dtype=torch.int64, device=self.device), self._last_loc(rows, prefix_lens)
+            )
+        if out_cache_loc is None:
+            raise OutOfMemory("allocator refused decode slots")
+        table = self.req_to_token_pool.req_to_token
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
+        pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=table.device)
+        table[rows_t, pos_t] = out_cache_loc.to(table.dtype)
+        input_ids = [r.output_ids[-1] for r in reqs]
+        return self._forward_batch(
+            reqs, ForwardMode.DECODE, input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs),
+            out_cache_loc,
+        )
+
+    def _forward_batch(
+        self,
+        reqs: Sequence[Req],
+        mode: ForwardMode,
+        input_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        seq_lens: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+    ) -> ForwardBatch:
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            forward_mode=mode,
+            input_ids=t(input_ids),
+            positions=t(positions),
+            req_pool_indices=t(rows),
+            seq_lens=t(seq_lens),
+            prefix_lens=t(prefix_lens),
+            extend_lens=t(extend_lens),
+            out_cache_loc=out_cache_loc.to(torch.int64),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool,
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+            sampling_info=self._sampling(reqs),
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+        )

@@ -1,0 +1,98 @@
+"""Schedule policies: the order in which waiting requests are offered to the PrefillAdder.
+
+Cache-aware policies (lpm, dfs-weight) match every waiting request against the
+radix tree first; on a long queue that costs more than it saves, so they fall
+back to fcfs (as SGLang does), and with the radix cache disabled they are fcfs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from typing import Any
+
+from scheduler_proc.req import Req
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+CACHE_AWARE = ("lpm", "dfs-weight")
+# Beyond this many waiting requests, matching each one every step costs too much.
+CACHE_AWARE_QUEUE_LIMIT = 128
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, radix_enabled: bool, seed: int = 0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; choose from {', '.join(POLICIES)}")
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.radix_enabled = radix_enabled
+        self._rng = random.Random(seed)
+
+    def effective_policy(self, queue_len: int) -> str:
+        if self.policy in CACHE_AWARE and (not self.radix_enabled or queue_len > CACHE_AWARE_QUEUE_LIMIT):
+            return "fcfs"
+        return self.policy
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """Return the waiting queue in the order to try admitting (a new list)."""
+        policy = self.effective_policy(len(waiting))
+        if policy == "fcfs":
+            return list(waiting)
+        if policy == "lof":
+            return sorted(waiting, key=lambda r: -r.sampling_params.max_new_tokens)
+        if policy == "random":
+            shuffled = list(waiting)
+            self._rng.shuffle(shuffled)
+            return shuffled
+        for req in waiting:
+            self.match(req)
+        if policy == "lpm":
+            # Stable sort: ties keep arrival order.
+            return sorted(waiting, key=lambda r: -len(r.prefix_indices))
+        return self._dfs_weight(waiting)
+
+    def match(self, req: Req) -> None:
+        """Match ``req``'s known tokens against the tree; at least one token is left to compute."""
+        req.init_next_round_input()
+        key = req.fill_ids[: len(req.fill_ids) - 1]
+        # Hit statistics are counted once per request by the scheduler, not per lookup here.
+        result = self.tree_cache.match_prefix(key, extra_key=req.extra_key, count_hit=False)
+        req.prefix_indices = result.device_indices
+        req.last_node = result.last_node
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        """Visit the tree depth first, heaviest subtree (most waiting requests) first.
+
+        Requests that share a prefix run back to back, so the shared part is
+        computed once and stays cached while its siblings use it.
+        """
+        by_node: dict[Any, list[Req]] = defaultdict(list)
+        for req in waiting:
+            by_node[req.last_node].append(req)
+        weight: dict[Any, int] = defaultdict(int)
+        children: dict[Any, list[Any]] = defaultdict(list)
+        root = self.tree_cache.root
+        for node, reqs in by_node.items():
+            # Walk up to the root, adding this node's requests to every ancestor.
+            cur, prev = node, None
+            while cur is not None:
+                if prev is not None and prev not in children[cur]:
+                    children[cur].append(prev)
+                weight[cur] += len(reqs)
+                if cur is root:
+                    break
+                prev, cur = cur, cur.parent
+        # Post-order: a node's heavier children first, then the requests ending at the node
+        # itself, so requests that extend a shared prefix run next to each other.
+        ordered: list[Req] = []
+        stack: list[tuple[Any, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                ordered.extend(by_node.get(node, []))
+                continue
+            stack.append((node, True))
+            # Pushed lightest first, so the heaviest child is visited first.
+            for child in sorted(children.get(node, []), key=lambda c: weight[c]):
+                stack.append((child, False))
+        return ordered

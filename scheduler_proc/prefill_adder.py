@@ -1,0 +1,123 @@
+"""PrefillAdder: decides which waiting requests fit into the next prefill batch.
+
+The token budget is what the KV pool can still give (free + evictable slots)
+minus what the running requests are expected to need to finish decoding,
+scaled by ``new_token_ratio`` (not every request runs to max_new_tokens). A
+prompt longer than the remaining chunk budget is truncated to a chunk and
+becomes the batch's chunked request; its prefix is cached between chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+from scheduler_proc.req import Req
+
+# A request's future decode reservation is clipped so one huge max_new_tokens
+# cannot block admission of everyone else (SGLang uses the same idea).
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class AddResult(enum.Enum):
+    CONTINUE = 0  # added; more may fit
+    NO_TOKEN = 1  # out of KV budget: stop adding
+    OTHER = 2  # some other limit (batch input tokens, running requests): stop adding
+
+
+def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
+    """KV a running request is expected to still need, per the current ratio."""
+    return int(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+
+
+def round_down(n: int, page_size: int) -> int:
+    return n - n % page_size
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        tree_cache: Any,
+        allocator: Any,
+        running_reqs: Sequence[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        max_running_requests: int,
+        page_size: int = 1,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+        self.rem_total_tokens = (
+            allocator.available_size()
+            + tree_cache.evictable_size()
+            - sum(reserved_decode_tokens(r, new_token_ratio) for r in running_reqs)
+        )
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size else None
+        self.rem_running_slots = max_running_requests - len(running_reqs)
+        self.can_run: list[Req] = []
+        # On an idle server the first request is admitted on its prompt alone: a
+        # reservation larger than the pool must not block it forever (it may stop
+        # early; if it outgrows the pool, decode finishes it with an error).
+        self.server_idle = not running_reqs
+        self.new_chunked_req: Req | None = None
+
+    def _lock(self, req: Req) -> None:
+        """Lock the request's prefix; locked tokens are no longer evictable, so charge them."""
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prefill (its prefix is already locked)."""
+        self._add(req, locked=True)
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if self.rem_running_slots <= 0:
+            return AddResult.OTHER
+        return self._add(req, locked=False)
+
+    def _add(self, req: Req, locked: bool) -> AddResult:
+        prefix_len = len(req.prefix_indices)
+        extend_len = len(req.fill_ids) - prefix_len
+        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        if self.server_idle and not self.can_run:
+            reserve = min(reserve, max(self.rem_total_tokens - extend_len - self.page_size, 0))
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddResult.OTHER
+        fits_whole = extend_len <= self.rem_input_tokens and (
+            self.rem_chunk_tokens is None or extend_len <= self.rem_chunk_tokens
+        )
+        if fits_whole:
+            # Need room for the prompt plus its own decode; a page of slack for paged pools.
+            if extend_len + reserve + self.page_size > self.rem_total_tokens:
+                return AddResult.NO_TOKEN
+            if not locked:
+                self._lock(req)
+            req.extend_input_len = extend_len
+            req.is_chunked = False
+            self._take(req, extend_len, extend_len + reserve)
+            return AddResult.CONTINUE
+        # Chunk: as much as every limit allows, page aligned.
+        kv_room = self.rem_total_tokens - self.page_size
+        limit = min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens, kv_room)
+        trunc = round_down(limit, self.page_size)
+        if trunc <= 0:
+            return AddResult.NO_TOKEN if kv_room <= limit else AddResult.OTHER
+        if not locked:
+            self._lock(req)
+        req.extend_input_len = trunc
+        req.fill_ids = req.fill_ids[: prefix_len + trunc]
+        req.is_chunked = True
+        self.new_chunked_req = req
+        self._take(req, trunc, trunc)
+        return AddResult.OTHER  # a chunked request ends the batch
+
+    def _take(self, req: Req, input_tokens: int, total_tokens: int) -> None:
+        self.can_run.append(req)
+        self.rem_total_tokens -= total_tokens
+        self.rem_input_tokens -= input_tokens
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= input_tokens
+        self.rem_running_slots -= 1

@@ -1,0 +1,116 @@
+"""Req: one request's state inside the scheduler, from arrival to finish.
+
+Memory ownership while a request is alive:
+- ``req_pool_idx``: its row in ReqToTokenPool (taken at its first prefill, freed by
+  the tree cache's ``cache_finished_req``).
+- ``prefix_indices``: KV slots it shares with the prefix cache, protected by the
+  lock on ``last_node``; every slot in its row past the prefix is its own.
+The tree cache reads ``origin_input_ids``, ``output_ids``, ``fill_ids``,
+``prefix_indices``, ``last_node``, ``req_pool_idx`` and ``extra_key``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    extra_key: str | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV this request's row holds or will hold after the current prefill.
+    fill_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    # Tokens of fill_ids computed in the current prefill (after the prefix).
+    extend_input_len: int = 0
+    # True while a chunked prefill has more chunks to run.
+    is_chunked: bool = False
+    cached_tokens: int = 0
+    # Tokens whose KV is in the request's row now; what cache_finished_req may cache.
+    kv_committed_len: int = 0
+    # Prefix length found in the cache when the request was first admitted (before chunking).
+    first_prefix_len: int = 0
+    admitted: bool = False
+    is_retracted: bool = False
+
+    finish_reason: dict[str, Any] | None = None
+    to_abort: str | None = None  # abort message, applied at the next safe point
+    sent_offset: int = 0  # output ids already sent to the detokenizer
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[list[float]]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        """Tokens of the request so far (prompt + generated)."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def init_next_round_input(self) -> None:
+        """Before a (re-)prefill: everything known so far must get KV, prompt and outputs alike."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+
+class StopChecker:
+    """Decides when a request is done after a token was appended.
+
+    Stop strings need text, so the checker decodes only the tail of the output
+    that could contain a newly completed stop string.
+    """
+
+    def __init__(self, eos_token_ids: set[int], context_len: int, tokenizer: Any = None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self._tokenizer = tokenizer
+
+    def check(self, req: Req) -> None:
+        if req.finished:
+            return
+        params = req.sampling_params
+        if req.to_abort is not None:
+            req.finish_reason = {"type": "abort", "message": req.to_abort}
+            return
+        if not req.output_ids:
+            return
+        last = req.output_ids[-1]
+        if params.stop_token_ids and last in params.stop_token_ids:
+            req.finish_reason = {"type": "stop", "matched": last}
+            return
+        if not params.ignore_eos and last in self.eos_token_ids:
+            req.finish_reason = {"type": "stop", "matched": last}
+            return
+        stops = params.stop_strs
+        if stops and self._tokenizer is not None:
+            longest = max(len(s) for s in stops)
+            # A character can take up to 4 byte-level tokens; look back far enough.
+            tail = self._tokenizer.decode(req.output_ids[-(4 * longest + 4) :], skip_special_tokens=False)
+            for stop in stops:
+                if stop in tail:
+                    req.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if len(req.output_ids) >= params.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            return
+        if req.seqlen >= self.context_len:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}

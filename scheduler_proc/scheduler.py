@@ -1,0 +1,520 @@
+"""The scheduler: continuous batching over one ModelRunner, SGLang's request lifecycle.
+
+Per step: take new messages, pick a batch (a prefill of waiting requests, or a
+decode of the running ones), run it, then for every request: append the token,
+check whether it finished, and hand its KV to the prefix cache
+(``cache_unfinished_req`` keeps it running, ``cache_finished_req`` releases it).
+
+Memory owners: the scheduler's ``allocator`` hands out KV slots, the model
+runner owns the pools, ``tree_cache`` owns cached prefixes, and each running
+request owns its row plus the slots past its locked prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import msgspec
+import torch
+
+from memory import ChunkCache, PagedTokenToKVPoolAllocator, RadixCache, TokenToKVPoolAllocator
+from memory.invariant import InvariantReport, check_memory_invariant
+from runtime.forward_batch import ForwardMode
+from runtime.messages import (
+    BatchTokenIDOut,
+    ReqOutput,
+    SchedAbortReq,
+    SchedControlOut,
+    SchedControlReq,
+    SchedErrorOut,
+    SchedulerInput,
+    TokenizedGenerateReq,
+)
+from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
+from scheduler_proc.policy import SchedulePolicy
+from scheduler_proc.prefill_adder import AddResult, PrefillAdder
+from scheduler_proc.req import Req, StopChecker
+
+logger = logging.getLogger(__name__)
+
+# new_token_ratio: the fraction of max_new_tokens a running request is expected to
+# still use; starts optimistic, jumps up on retraction, decays back on success.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# Decode never starves: at most this many prefill batches in a row while requests are running.
+MAX_CONSECUTIVE_PREFILLS = 2
+
+
+class Scheduler:
+    """One TP rank's scheduler. Usable in-process (tests call ``add_request``/``step``)."""
+
+    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: Any = None) -> None:
+        self.args = server_args
+        self.tp_rank = tp_rank
+        if model_runner is None:
+            from runtime.model_runner import ModelRunner
+
+            model_runner = ModelRunner(
+                server_args.resolved_model_path(),
+                device=server_args.device,
+                dtype=server_args.dtype,
+                attention_backend=server_args.attention_backend,
+                max_total_tokens=server_args.max_total_tokens,
+                mem_fraction_static=server_args.mem_fraction_static,
+                page_size=server_args.page_size,
+                max_running_requests=server_args.max_running_requests,
+                context_length=server_args.context_length,
+                tp_rank=tp_rank,
+                tp_size=server_args.tp_size,
+                random_seed=server_args.random_seed or 0,
+            )
+        self.runner = model_runner
+        self.page_size = server_args.page_size
+        self.context_len: int = model_runner.context_len
+        self.max_running_requests: int = model_runner.max_running_requests
+        device = model_runner.device
+        if self.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(model_runner.max_total_tokens, device)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(model_runner.max_total_tokens, self.page_size, device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        # The allocator rounds the pool down to whole pages: that is the real capacity.
+        self.max_total_tokens: int = self.allocator.size
+        self.radix_enabled = not server_args.disable_radix_cache
+        if self.radix_enabled:
+            self.tree_cache: Any = RadixCache(
+                self.req_to_token_pool, self.allocator, self.page_size, eviction_policy=server_args.radix_eviction_policy
+            )
+        else:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.radix_enabled,
+                                     seed=server_args.random_seed or 0)
+        self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
+        self.stop_checker = StopChecker(set(model_runner.eos_token_ids), self.context_len, tokenizer=None)
+        self.max_prefill_tokens: int = server_args.max_prefill_tokens
+        chunk = server_args.chunked_prefill_size
+        self.chunked_prefill_size: int | None = chunk if chunk and chunk > 0 else None
+        self.stream_interval: int = server_args.stream_interval
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.consecutive_prefills = 0
+        self.outbox: list[Any] = []  # messages for the detokenizer, flushed after each step
+        self.stats = {"num_retractions": 0, "num_retracted_reqs": 0, "num_prefill_batches": 0,
+                      "num_decode_batches": 0, "num_finished": 0, "num_aborted": 0,
+                      "prompt_tokens": 0, "cached_prompt_tokens": 0}
+        self._was_idle = True
+        self.last_invariant: InvariantReport | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def _tokenizer(self) -> Any:
+        if self.stop_checker._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = self.args.tokenizer_path or self.args.resolved_model_path()
+            self.stop_checker._tokenizer = AutoTokenizer.from_pretrained(path)
+        return self.stop_checker._tokenizer
+
+    def handle_message(self, msg: SchedulerInput) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, SchedAbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, SchedControlReq):
+            self.outbox.append(SchedControlOut(msg.rid, msg.kind, self.control(msg.kind)))
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+        )
+        error = self._reject_reason(req)
+        if error is not None:
+            self.outbox.append(SchedErrorOut(req.rid, error[0], error[1]))
+            return
+        if req.sampling_params.stop_strs:
+            self._tokenizer()
+        if req.sampling_params.max_new_tokens == 0:
+            # Nothing to generate: answer at once, no memory touched.
+            req.finish_reason = {"type": "length", "length": 0}
+            self._emit(req)
+            return
+        self.waiting.append(req)
+
+    def _reject_reason(self, req: Req) -> tuple[str, str] | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "invalid_request", "the prompt is empty"
+        if n >= self.context_len:
+            return "too_long", f"the prompt has {n} tokens; the context length is {self.context_len}"
+        if n + 1 > self.max_total_tokens - self.page_size:
+            return "too_long", f"the prompt has {n} tokens; the KV pool holds {self.max_total_tokens}"
+        vocab = self.runner.vocab_size
+        bad = next((t for t in req.origin_input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return "invalid_request", f"token id {bad} is outside the vocabulary [0, {vocab})"
+        return None
+
+    def abort(self, rid: str) -> None:
+        """Abort one request (or all when rid is ''): queued ones at once, others at the next step."""
+        for req in list(self.waiting):
+            if rid in ("", req.rid):
+                self.waiting.remove(req)
+                req.finish_reason = {"type": "abort", "message": "aborted by the client"}
+                self.stats["num_aborted"] += 1
+                self._release_unscheduled(req)
+                self._emit(req)
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if rid in ("", req.rid):
+                req.to_abort = "aborted by the client"
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> bool:
+        """Run one batch if there is work. Returns True when a batch ran."""
+        self._apply_aborts()
+        ran = False
+        batch_reqs = self._get_new_prefill()
+        if batch_reqs:
+            self._run_extend(batch_reqs)
+            ran = True
+        elif self.running:
+            self._run_decode()
+            ran = True
+        if not ran and not self.waiting and self.chunked_req is None:
+            if not self._was_idle:
+                self.on_idle()
+            self._was_idle = True
+        else:
+            self._was_idle = False
+        return ran
+
+    def on_idle(self) -> InvariantReport:
+        report = self.check_memory()
+        if not report.ok:
+            logger.error("memory invariant violated when idle: %s", report.message)
+        return report
+
+    def check_memory(self) -> InvariantReport:
+        holders = self.running + ([self.chunked_req] if self.chunked_req else [])
+        active_rows = {r.req_pool_idx: r.kv_committed_len for r in holders if r.req_pool_idx is not None}
+        self.last_invariant = check_memory_invariant(
+            self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens,
+            idle=not holders, active_rows=active_rows,
+        )
+        return self.last_invariant
+
+    def _apply_aborts(self) -> None:
+        """Finish requests marked for abort through the normal release path."""
+        for req in [r for r in self.running if r.to_abort]:
+            self.running.remove(req)
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self.stats["num_aborted"] += 1
+        req = self.chunked_req
+        if req is not None and req.to_abort:
+            self.chunked_req = None
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self.stats["num_aborted"] += 1
+
+    def _get_new_prefill(self) -> list[Req]:
+        if not self.waiting and self.chunked_req is None:
+            return []
+        if self.running and self.consecutive_prefills >= MAX_CONSECUTIVE_PREFILLS and self.chunked_req is None:
+            self.consecutive_prefills = 0
+            return []
+        if len(self.running) >= self.max_running_requests and self.chunked_req is None:
+            return []
+        adder = PrefillAdder(
+            self.tree_cache, self.allocator, self.running, self.new_token_ratio, self.max_prefill_tokens,
+            self.chunked_prefill_size, self.max_running_requests, self.page_size,
+        )
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            req.fill_ids = req.origin_input_ids + req.output_ids
+            adder.add_chunked_req(req)
+            if req not in adder.can_run:
+                # No room for its next chunk yet; decode makes progress meanwhile.
+                req.fill_ids = req.fill_ids[: len(req.prefix_indices)]
+                self.chunked_req = req
+                return []
+        ordered = self.policy.order(self.waiting)
+        matched = self.policy.effective_policy(len(self.waiting)) in ("lpm", "dfs-weight")
+        for req in ordered:
+            if adder.new_chunked_req is not None:
+                break
+            if not matched:
+                self.policy.match(req)
+            if self._never_fits(req):
+                continue
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+        for req in adder.can_run:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if not req.admitted:
+                req.admitted = True
+                req.first_prefix_len = len(req.prefix_indices)
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cached_prompt_tokens"] += req.first_prefix_len
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if adder.can_run:
+            self.consecutive_prefills += 1
+        return adder.can_run
+
+    def _never_fits(self, req: Req) -> bool:
+        """A request that could not run even alone on an empty pool finishes with an error."""
+        if len(req.fill_ids) + self.page_size < self.max_total_tokens:
+            return False
+        self.waiting.remove(req)
+        req.finish_reason = {"type": "abort", "message": "out of memory"}
+        self._release_unscheduled(req)
+        self.outbox.append(SchedErrorOut(
+            req.rid, "out_of_memory",
+            f"the request needs {len(req.fill_ids) + 1} KV slots; the pool holds {self.max_total_tokens}"))
+        return True
+
+    def _release_unscheduled(self, req: Req) -> None:
+        """A waiting request holds nothing: no lock, no row (retracted ones released theirs)."""
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node = None
+
+    # ------------------------------------------------------------------ running batches
+
+    def _run_extend(self, reqs: list[Req]) -> None:
+        try:
+            batch = self.builder.build_extend(reqs)
+        except OutOfMemory as exc:
+            # The adder budgets KV, so this means the budget was wrong; put them back.
+            logger.warning("prefill could not allocate (%s); requeueing %d requests", exc, len(reqs))
+            for req in reqs:
+                self._requeue(req)
+            return
+        self.stats["num_prefill_batches"] += 1
+        output = self.runner.forward(batch)
+        next_ids = output.next_token_ids.tolist()
+        for i, req in enumerate(reqs):
+            req.kv_committed_len = len(req.fill_ids)
+            if req.is_chunked:
+                # More chunks to come: keep its KV as a cached prefix, don't sample.
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            self._append_token(req, next_ids[i], output, i)
+            if req.finished:
+                self._finish(req, req.finish_reason)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+                self._maybe_stream(req)
+
+    def _run_decode(self) -> None:
+        self.consecutive_prefills = 0
+        if not self._reserve_decode_memory():
+            return
+        reqs = list(self.running)
+        batch = self.builder.build_decode(reqs)
+        self.stats["num_decode_batches"] += 1
+        output = self.runner.forward(batch)
+        next_ids = output.next_token_ids.tolist()
+        still_running: list[Req] = []
+        for i, req in enumerate(reqs):
+            req.kv_committed_len += 1
+            self._append_token(req, next_ids[i], output, i)
+            if req.finished:
+                self._finish(req, req.finish_reason)
+            else:
+                still_running.append(req)
+                self._maybe_stream(req)
+        self.running = still_running
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def _reserve_decode_memory(self) -> bool:
+        """Make room for one decode step, retracting the least-progressed requests if needed."""
+        needed = self.builder.decode_tokens_needed(self.running)
+        if self.builder.ensure_available(needed):
+            return True
+        # Retract: fewest generated tokens first, longest prompt first among equals.
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        retracted: list[Req] = []
+        while order and not self.builder.ensure_available(self.builder.decode_tokens_needed(self.running)):
+            if len(self.running) == 1:
+                req = self.running.pop()
+                self._finish(req, {"type": "abort", "message": "out of memory"}, error_code="out_of_memory")
+                return False
+            req = order.pop(0)
+            self.running.remove(req)
+            self._retract(req)
+            retracted.append(req)
+        if retracted:
+            self.stats["num_retractions"] += 1
+            self.stats["num_retracted_reqs"] += len(retracted)
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1 * len(retracted) + 0.1)
+            logger.info("retracted %d requests; new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
+        return bool(self.running)
+
+    def _retract(self, req: Req) -> None:
+        """Back to the queue: its computed KV goes to the prefix cache (evictable), its row is freed."""
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+        req.is_retracted = True
+        self.waiting.insert(0, req)
+
+    def _requeue(self, req: Req) -> None:
+        """Undo a scheduling decision that could not be carried out."""
+        # The failed extend allocated nothing: its row (if any) holds what it held before.
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+        req.is_chunked = False
+        if req not in self.waiting:
+            self.waiting.insert(0, req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+
+    # ------------------------------------------------------------------ results
+
+    def _append_token(self, req: Req, token: int, output: Any, i: int) -> None:
+        if not req.output_ids and not req.is_retracted:
+            req.cached_tokens = req.first_prefix_len
+        req.output_ids.append(token)
+        if req.return_logprob and output.logprobs is not None:
+            req.output_logprobs.append(float(output.logprobs[i]))
+            if req.top_logprobs_num and output.top_logprobs is not None:
+                vals, ids = output.top_logprobs
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(
+                    [[float(v), int(t)] for v, t in zip(vals[i, :k].tolist(), ids[i, :k].tolist())])
+        self.stop_checker.check(req)
+
+    def _finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
+        req.finish_reason = reason
+        # Caches what has KV, frees the rest and the row, and drops the prefix lock.
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+        self.stats["num_finished"] += 1
+        if error_code is not None:
+            self.outbox.append(SchedErrorOut(req.rid, error_code, str((reason or {}).get("message"))))
+        else:
+            self._emit(req)
+
+    def _maybe_stream(self, req: Req) -> None:
+        if not req.stream:
+            return
+        unsent = len(req.output_ids) - req.sent_offset
+        if req.sent_offset == 0 or unsent >= self.stream_interval:
+            self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        start = req.sent_offset
+        params = req.sampling_params
+        out = ReqOutput(
+            rid=req.rid,
+            new_output_ids=req.output_ids[start:],
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
+            output_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop_strs=params.stop_strs or None,
+            no_stop_trim=params.no_stop_trim,
+        )
+        req.sent_offset = len(req.output_ids)
+        if self.outbox and isinstance(self.outbox[-1], BatchTokenIDOut):
+            self.outbox[-1].outputs.append(out)
+        else:
+            self.outbox.append(BatchTokenIDOut([out]))
+
+    def take_outbox(self) -> list[Any]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ------------------------------------------------------------------ control
+
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting and self.chunked_req is None
+
+    def control(self, kind: str) -> dict[str, Any]:
+        if kind == "flush_cache":
+            if not self.is_idle():
+                return {"success": False, "message": "requests are running; flush when idle"}
+            # Idle: nothing but the tree holds slots, so every slot and row goes back.
+            self.tree_cache.reset()
+            self.allocator.clear()
+            self.req_to_token_pool.clear()
+            return {"success": True}
+        if kind == "server_info":
+            return self.server_info()
+        return {"success": False, "message": f"unknown control request {kind!r}"}
+
+    def server_info(self) -> dict[str, Any]:
+        report = self.check_memory()
+        looked_up = self.stats["prompt_tokens"]
+        return {
+            "max_total_tokens": self.max_total_tokens,
+            "context_len": self.context_len,
+            "page_size": self.page_size,
+            "available_tokens": self.allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "kv_usage": 1.0 - (self.allocator.available_size() + self.tree_cache.evictable_size()) / self.max_total_tokens,
+            "num_running": len(self.running),
+            "num_queued": len(self.waiting),
+            "num_chunked": int(self.chunked_req is not None),
+            "new_token_ratio": self.new_token_ratio,
+            "cache_hit_rate": self.stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
+            "memory_invariant": dataclasses.asdict(report),
+            **self.stats,
+        }
+
+
+# ---------------------------------------------------------------------- process entry
+
+
+def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, ready_conn: Any) -> None:
+    """Child-process main: build the scheduler, report ready (or the error), then loop forever."""
+    from runtime.ipc import PullSocket, PushSocket
+    from runtime.messages import DetokenizerInput
+
+    logging.basicConfig(level=getattr(logging, str(server_args.log_level).upper(), logging.INFO),
+                        format=f"%(asctime)s scheduler[{tp_rank}] %(levelname)s %(message)s")
+    try:
+        if server_args.random_seed is not None:
+            random.seed(server_args.random_seed)
+            torch.manual_seed(server_args.random_seed)
+        scheduler = Scheduler(server_args, tp_rank)
+        recv = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
+        send = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
+    except Exception:
+        ready_conn.send_bytes(msgspec.json.encode({"status": "error", "error": traceback.format_exc()}))
+        raise
+    ready_conn.send_bytes(msgspec.json.encode({
+        "status": "ready",
+        "max_total_tokens": scheduler.max_total_tokens,
+        "context_len": scheduler.context_len,
+        "vocab_size": scheduler.runner.vocab_size,
+        "max_req_input_len": min(scheduler.context_len - 1, scheduler.max_total_tokens - 2 * scheduler.page_size),
+    }))
+    logger.info("scheduler ready: %d KV tokens", scheduler.max_total_tokens)
+    while True:
+        # Block only when there is nothing to run, so the model step is never delayed.
+        timeout = 0 if not scheduler.is_idle() else 1000
+        if recv.poll(timeout):
+            while (msg := recv.recv_nowait()) is not None:
+                scheduler.handle_message(msg)
+        scheduler.step()
+        for msg in scheduler.take_outbox():
+            send.send(msg)

@@ -1,0 +1,179 @@
+"""The scheduler's request lifecycle, in-process, over the KV-verifying stub model.
+
+The stub's next token is a hash of the sequence it reads back through
+req_to_token, so any wrong slot mapping, lost prefix or early free changes the
+tokens; the reference sequence is computed on plain lists.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.args import ServerArgs
+from runtime.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams
+from runtime.stub_runner import StubModelRunner, reference_next_token
+from scheduler_proc.scheduler import Scheduler
+
+VOCAB = 1000
+EOS = 0
+
+
+def make_scheduler(max_total_tokens: int = 8192, page_size: int = 1, **overrides) -> Scheduler:
+    args = ServerArgs(page_size=page_size, max_total_tokens=max_total_tokens, **overrides)
+    runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=VOCAB, page_size=page_size,
+                             eos_token_ids=(EOS,))
+    return Scheduler(args, model_runner=runner)
+
+
+def expected_output(prompt: list[int], max_new_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        tok = reference_next_token(seq, VOCAB, {EOS})
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 100_000) -> dict[str, dict]:
+    """Step until nothing is left; collect each request's output ids and final info."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        sched.step()
+        for msg in sched.take_outbox():
+            if isinstance(msg, SchedErrorOut):
+                results[msg.rid] = {"error": msg.code}
+                continue
+            assert isinstance(msg, BatchTokenIDOut)
+            for out in msg.outputs:
+                entry = results.setdefault(out.rid, {"ids": [], "finished": False})
+                entry["ids"].extend(out.new_output_ids)
+                entry["finished"] = out.finished
+                entry["reason"] = out.finish_reason
+                entry["cached"] = out.cached_tokens
+        if sched.is_idle():
+            return results
+    raise AssertionError("scheduler did not go idle")
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], max_new_tokens: int, stream: bool = False) -> None:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream))
+
+
+def random_prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+
+
+def assert_idle_invariant(sched: Scheduler) -> None:
+    report = sched.check_memory()
+    assert report.ok, report.message
+    assert report.protected == 0
+    assert report.available + report.evictable == sched.max_total_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+@pytest.mark.parametrize("chunked_prefill_size", [-1, 16])
+def test_outputs_match_reference(page_size: int, disable_radix_cache: bool, chunked_prefill_size: int) -> None:
+    sched = make_scheduler(page_size=page_size, disable_radix_cache=disable_radix_cache,
+                           chunked_prefill_size=chunked_prefill_size)
+    prompts = random_prompts(12, seed=1, shared_prefix=24)
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, max_new_tokens=10 + i)
+    results = run_until_idle(sched)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 10 + i), f"request r{i}"
+        assert results[f"r{i}"]["reason"]["type"] == "length"
+    assert_idle_invariant(sched)
+
+
+def test_prefix_cache_hit_on_repeat() -> None:
+    sched = make_scheduler()
+    prompt = random_prompts(1, seed=2, shared_prefix=40)[0]
+    submit(sched, "a", prompt, 5)
+    first = run_until_idle(sched)["a"]
+    submit(sched, "b", prompt, 5)
+    second = run_until_idle(sched)["b"]
+    assert first["cached"] == 0
+    assert second["cached"] == len(prompt) - 1  # everything but the token that must be recomputed
+    assert first["ids"] == second["ids"] == expected_output(prompt, 5)
+    assert_idle_invariant(sched)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_under_small_pool(page_size: int) -> None:
+    # 40 requests of 64 + 64 tokens cannot all fit in 512 slots: decode must retract.
+    sched = make_scheduler(max_total_tokens=512, page_size=page_size)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(64)] for _ in range(40)]
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, 64)
+    results = run_until_idle(sched)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 64), f"request r{i}"
+    assert sched.stats["num_retractions"] > 0
+    assert_idle_invariant(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])
+def test_every_policy_completes_correctly(policy: str) -> None:
+    sched = make_scheduler(schedule_policy=policy, max_total_tokens=1024)
+    prompts = random_prompts(16, seed=4, shared_prefix=30) + random_prompts(8, seed=5)
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, 8)
+    results = run_until_idle(sched)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 8)
+    assert_idle_invariant(sched)
+
+
+def test_abort_in_queue_mid_prefill_and_mid_decode() -> None:
+    sched = make_scheduler(chunked_prefill_size=8, max_prefill_tokens=64)
+    rng = random.Random(6)
+    long_prompt = [rng.randrange(1, VOCAB) for _ in range(50)]
+    submit(sched, "decoding", [5, 6, 7], 1000)
+    submit(sched, "chunked", long_prompt, 10)
+    sched.step()  # prefill "decoding" and the first chunk of "chunked"
+    assert sched.chunked_req is not None and sched.chunked_req.rid == "chunked"
+    submit(sched, "queued", [9, 9, 9], 10)
+    sched.abort("queued")
+    sched.abort("chunked")
+    for _ in range(3):
+        sched.step()
+    sched.abort("decoding")
+    results = run_until_idle(sched)
+    for rid in ("queued", "chunked", "decoding"):
+        assert results[rid]["finished"] and results[rid]["reason"]["type"] == "abort", rid
+    assert len(results["decoding"]["ids"]) < 1000
+    assert_idle_invariant(sched)
+
+
+def test_request_that_can_never_fit_gets_an_error() -> None:
+    sched = make_scheduler(max_total_tokens=64)
+    submit(sched, "huge", list(range(1, 100)), 4)
+    submit(sched, "ok", [1, 2, 3], 4)
+    results = run_until_idle(sched)
+    assert results["huge"] == {"error": "too_long"}
+    assert results["ok"]["ids"] == expected_output([1, 2, 3], 4)
+    # One request that outgrows the pool while decoding alone finishes with an error, not a hang.
+    submit(sched, "grows", [1, 2, 3], 200)
+    results = run_until_idle(sched)
+    assert results["grows"] == {"error": "out_of_memory"}
+    assert_idle_invariant(sched)
+
+
+def test_streaming_sends_every_interval() -> None:
+    sched = make_scheduler(stream_interval=3)
+    submit(sched, "s", [4, 5, 6], 10, stream=True)
+    sizes: list[int] = []
+    while not sched.is_idle() or not sizes:
+        sched.step()
+        for msg in sched.take_outbox():
+            sizes.extend(len(o.new_output_ids) for o in msg.outputs)
+    # First token at once, then every 3 tokens, the rest at finish.
+    assert sizes == [1, 3, 3, 3]
