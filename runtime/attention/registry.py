@@ -1,0 +1,41 @@
+"""``--attention-backend`` name -> backend class.
+
+Backends are constructed as ``cls(model_runner)`` (SGLang's convention): a backend reads
+what it needs (device, pools, head counts, max_running_requests) from the runner. The
+Triton backend is imported lazily so CPU-only code paths never import Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from runtime.attention.base import AttentionBackend
+
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch_native": "runtime.attention.torch_native:TorchNativeAttnBackend",
+    "triton": "runtime.attention.triton_backend:TritonAttnBackend",
+}
+
+
+def resolve_attention_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on cuda, ``torch_native`` elsewhere; other names are checked."""
+    key = name.strip().lower()
+    if key == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    if key not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose auto, {', '.join(ATTENTION_BACKENDS)}")
+    return key
+
+
+def get_attention_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
+    target = ATTENTION_BACKENDS[resolve_attention_backend_name(name, device)]
+    module_name, cls_name = target.split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, cls_name)
+
+
+def create_attention_backend(name: str, model_runner: Any) -> AttentionBackend:
+    return get_attention_backend_class(name, model_runner.device)(model_runner)

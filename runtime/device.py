@@ -1,0 +1,73 @@
+"""Device and dtype resolution for ``--device`` and ``--dtype``.
+
+Kept apart from the model runner because the CLI, the scheduler and tests all need
+the same answer to "what does auto mean on this machine" before any model exists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``auto`` -> cuda when a GPU is visible, else cpu; ``cuda``/``cuda:N``/``cpu`` as given."""
+    if isinstance(name, torch.device):
+        return name
+    name = name.strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name} was requested but no CUDA device is available")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {name!r}: use auto, cuda or cpu")
+    return device
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX) through oneDNN.
+
+    Without it, bf16 on CPU is emulated and both slower and less accurate than fp32.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(cpu, probe, None)
+        if fn is not None:
+            try:
+                if fn():
+                    return True
+            except Exception:  # a probe that fails means "unknown": fall through to fp32
+                logger.debug("bf16 probe %s failed", probe, exc_info=True)
+    return False
+
+
+def resolve_dtype(name: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> torch.dtype:
+    """``auto`` -> bf16 on cuda (fp16 on GPUs without bf16) and on bf16-capable CPUs, else fp32."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.strip().lower()
+    device = torch.device(device)
+    if key == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: use auto, bfloat16, float16 or float32")
+    return _DTYPES[key]

@@ -1,0 +1,74 @@
+"""Vocab-parallel token embedding and LM head.
+
+Each rank owns a contiguous block of ``ceil(vocab / tp_size)`` vocabulary rows (the last
+block is zero-padded). The embedding looks up only ids in its block, zeroes the rest and
+all-reduces; the LM head computes logits for its block and all-gathers them, then the
+padding columns are cut off so callers always see exactly ``vocab_size`` logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.layers.linear import (
+    LazyWeight,
+    check_shape,
+    copy_into,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.rows_per_rank = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        check_shape(name, weight.shape, (self.vocab_size, self.hidden_size))
+        n = max(self.vocab_end - self.vocab_start, 0)
+        with torch.no_grad():
+            param.data[n:].zero_()  # padding rows of the last block: never looked up, zero logits
+        if n:
+            copy_into(param.data[:n], weight.narrow(0, self.vocab_start, n), name)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_block = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_block, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_block.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; shares the embedding's weight when tied."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
+        return logits[:, : self.vocab_size].float()

@@ -1,0 +1,218 @@
+"""ModelRunner: owns the model, the KV memory and the attention backend of one TP rank.
+
+The scheduler hands it a ForwardBatch (packed tokens, KV slots already allocated) and
+gets back the next token of each request. Memory sizing happens once at start-up:
+the KV pool takes what is left of the memory budget after the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memory.kv_pool import MHATokenToKVPool
+from memory.req_to_token_pool import ReqToTokenPool
+from runtime.attention.base import AttentionBackend
+from runtime.attention.registry import create_attention_backend, resolve_attention_backend_name
+from runtime.device import resolve_device, resolve_dtype
+from runtime.forward_batch import ForwardBatch
+from runtime.layers.sampler import Sampler
+from runtime.model_config import ModelConfig
+from runtime.models.registry import get_model_class
+from runtime.weight_loader import load_model_weights
+
+logger = logging.getLogger(__name__)
+
+# On CPU the KV pool comes out of the same RAM as everything else on the machine, so the
+# default budget is a small fraction of MemAvailable rather than the GPU's 0.8.
+CPU_DEFAULT_MEM_FRACTION = 0.05
+# ...and, by default, no more tokens than a CPU can usefully serve (64 requests x 2048).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 131072
+GPU_DEFAULT_MEM_FRACTION = 0.8
+DEFAULT_MAX_RUNNING_REQUESTS = 512
+
+
+@dataclass
+class ModelOutput:
+    next_token_ids: torch.Tensor  # int64 [bs]
+    logprobs: torch.Tensor | None = None  # float32 [bs]: log_softmax of the raw logits at the chosen token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [bs, k], ids [bs, k])
+    logits: torch.Tensor | None = None  # float32 [bs, vocab]: raw logits (for tests / debugging)
+
+
+def cpu_mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (falls back to 4 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        attention_backend: str = "auto",
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
+        page_size: int = 1,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        random_seed: int = 0,
+        load_progress: bool = True,
+    ) -> None:
+        start = time.perf_counter()
+        self.model_path = Path(model_path)
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
+        if dtype == "auto" and self.device.type == "cpu" and self.attention_backend_name == "triton":
+            # The Triton interpreter gets bf16 math wrong: run interpreted kernels in fp32.
+            dtype = "float32"
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.page_size = page_size
+        self.random_seed = random_seed
+        torch.manual_seed(random_seed)
+
+        self.model_config = ModelConfig.from_pretrained(self.model_path, context_length=context_length)
+        cfg = self.model_config
+        self.context_len = cfg.context_len
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        logger.info(
+            "loading %s (%s, %d layers, hidden %d) on %s as %s, tp %d/%d",
+            self.model_path,
+            cfg.architecture,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            self.device,
+            self.dtype,
+            tp_rank,
+            tp_size,
+        )
+
+        with torch.device(self.device):
+            self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype)
+        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0)
+        self.model.eval()
+        attn0 = self.model.model.layers[0].self_attn
+        self.num_heads = attn0.num_heads  # query heads on this rank
+        self.num_kv_heads = attn0.num_kv_heads  # KV heads on this rank
+        self.head_dim = cfg.head_dim
+
+        self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static)
+        self.max_running_requests = max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens)
+        # Pools: owned here, written by the scheduler (req_to_token) and the attention backend (KV).
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_tokens,
+            page_size,
+            self.dtype,
+            cfg.num_hidden_layers,
+            self.num_kv_heads,
+            cfg.head_dim,
+            self.device,
+        )
+        kv_gib = self.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / (1 << 30)
+        logger.info(
+            "KV pool: %d tokens (%.3f GiB), %d request slots x context %d",
+            self.max_total_tokens,
+            kv_gib,
+            self.max_running_requests,
+            self.context_len,
+        )
+        self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
+        self.sampler = Sampler()
+        logger.info(
+            "model ready in %.1fs (attention backend %s)", time.perf_counter() - start, self.attention_backend_name
+        )
+
+    # ---- memory sizing ---------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+
+    def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> int:
+        """Tokens the KV pool holds: ``max_total_tokens`` if given (capped by memory), else the budget."""
+        per_token = self.kv_bytes_per_token()
+        if self.device.type == "cuda":
+            frac = GPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Everything this process holds after the pools may use at most frac * total.
+            budget = free - total * (1.0 - frac)
+        else:
+            frac = CPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
+            budget = cpu_mem_available_bytes() * frac
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {frac}")
+        budget_tokens = int(budget // per_token)
+        if max_total_tokens is not None:
+            if max_total_tokens <= 0:
+                raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
+            if self.device.type == "cuda" and max_total_tokens > budget_tokens:
+                logger.warning("max_total_tokens %d exceeds the memory budget (%d tokens)", max_total_tokens, budget_tokens)
+            tokens = max_total_tokens
+        else:
+            if budget_tokens < self.page_size * 16:
+                raise RuntimeError(
+                    f"not enough memory for the KV cache: budget {budget / (1 << 20):.1f} MiB "
+                    f"({per_token} bytes per token); raise mem_fraction_static or set max_total_tokens"
+                )
+            tokens = budget_tokens
+            if self.device.type == "cpu" and mem_fraction_static is None:
+                tokens = min(tokens, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+        return max(self.page_size, tokens // self.page_size * self.page_size)
+
+    # ---- forward --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; fp32 logits ``[bs, vocab]`` at each request's last new token."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.attn_backend)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, top_logprobs_num: int | None = None) -> ModelOutput:
+        """One model step. Greedy argmax when ``batch.sampling_info`` is None, else the Sampler.
+
+        ``top_logprobs_num`` (default: ``batch.top_logprobs_num``, the largest any request
+        in the batch asked for) asks for the k best logprobs of every request.
+        """
+        logits = self.compute_logits(batch)
+        info = batch.sampling_info
+        k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
+        if info is None:
+            next_ids = logits.argmax(dim=-1)
+            out = ModelOutput(next_token_ids=next_ids, logits=logits)
+            if batch.return_logprob or k > 0:
+                logprobs = torch.log_softmax(logits, dim=-1)
+                if batch.return_logprob:
+                    out.logprobs = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+                if k > 0:
+                    values, ids = logprobs.topk(min(k, logits.shape[1]), dim=-1)
+                    out.top_logprobs = (values, ids)
+            return out
+        sampled = self.sampler(logits, info, return_logprob=batch.return_logprob, top_logprobs_num=k)
+        return ModelOutput(
+            next_token_ids=sampled.next_token_ids,
+            logprobs=sampled.logprobs,
+            top_logprobs=sampled.top_logprobs,
+            logits=logits,
+        )

@@ -1,0 +1,230 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed tokens.
+
+The four architectures differ only in switches read from ModelConfig: Qwen2 has q/k/v
+biases, Qwen3 normalises q and k per head before RoPE and may set head_dim explicitly,
+Llama 3 uses llama3 RoPE scaling, and any of them may tie the LM head to the embedding.
+
+Tokens of every request in the batch are packed back to back (``[T, hidden]``, no
+padding); attention goes through the backend, which owns all per-request structure.
+Logits are computed only at each request's last new token, in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from runtime.attention.base import AttentionBackend, AttentionLayerSpec
+from runtime.forward_batch import ForwardBatch
+from runtime.layers.activation import SiluAndMul
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.linear import (
+    LazyWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    replicated_weight_loader,
+)
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rotary import RotaryEmbedding
+from runtime.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# checkpoint sub-module name -> (our merged module name, shard id)
+_STACKED: dict[str, tuple[str, object]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
+        self.rotary = rotary  # shared by every layer; registered once on the model
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=config.head_dim,
+            scaling=config.head_dim**-0.5,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v.contiguous(), self.spec, batch)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp_rank: int, tp_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary, tp_rank, tp_size, dtype)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, tp_rank, tp_size, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, sample_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens."""
+        hidden = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, batch, backend)
+        assert residual is not None, "model has no layers"
+        return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters are created uninitialised on the current default device; load_weights fills them."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.model = LlamaModel(config, tp_rank, tp_size, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """fp32 logits ``[bs, vocab_size]`` at each request's last new token."""
+        rows = batch.last_token_indices()
+        return self.lm_head(self.model(batch, backend, rows))
+
+    # ---- weights --------------------------------------------------------------------
+
+    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, object]]:
+        """Every checkpoint tensor name this model needs -> (parameter, shard id)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        targets: dict[str, tuple[nn.Parameter, object]] = {}
+        for name, param in params.items():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # same tensor as model.embed_tokens.weight
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            expanded = [(ckpt, shard) for ckpt, (ours, shard) in _STACKED.items() if ours == module]
+            if expanded:
+                for ckpt, shard in expanded:
+                    targets[f"{parent}.{ckpt}.{leaf}"] = (param, shard)
+            else:
+                targets[name] = (param, None)
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load (name, tensor) pairs; returns the set of target names that were loaded.
+
+        Tensors the model has no use for (rotary inv_freq buffers, an lm_head of a tied
+        checkpoint) are skipped; the caller checks that every target was loaded.
+        """
+        targets = self.checkpoint_targets()
+        loaded: set[str] = set()
+        for name, weight in weights:
+            target = targets.get(name)
+            if target is None:
+                logger.debug("checkpoint tensor %s is not used by this model", name)
+                continue
+            param, shard = target
+            loader = getattr(param, "weight_loader", replicated_weight_loader)
+            loader(param, weight, name, shard)
+            loaded.add(name)
+        return loaded

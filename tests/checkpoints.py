@@ -1,0 +1,193 @@
+"""The one place that builds tiny test checkpoints (Llama, Mistral, Qwen2, Qwen3, tied Llama 3).
+
+Each is a genuine HF folder made with transformers' config classes and save_pretrained
+(through ``runtime.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
+loads. Shapes are tiny (hidden 64, 2 layers) so a whole test session stays fast on CPU.
+All 1-D weights (norm scales, biases) are randomised after transformers' init, which
+leaves them at 1 / 0: otherwise a loader that dropped them would go unnoticed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from runtime.tiny_model import build_checkpoint, train_bpe_tokenizer
+
+CHECKPOINT_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "llama_tied_llama3")
+TOKENIZER_VOCAB = 384
+MAX_POSITIONS = 512
+SEED = 1234
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _common(tok: dict[str, int]) -> dict[str, Any]:
+    return {
+        "vocab_size": tok["vocab_size"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": 0.1,
+        "bos_token_id": tok["bos_token_id"],
+        "eos_token_id": tok["eos_token_id"],
+        "pad_token_id": tok["pad_token_id"],
+    }
+
+
+def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
+    """The transformers config of test checkpoint ``name`` (tokenizer ids from ``tok``)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    c = _common(tok)
+    if name == "llama":
+        return LlamaConfig(**c, rope_theta=10000.0, tie_word_embeddings=False)
+    if name == "mistral":  # GQA group 4 (4 query heads share 1 KV head)
+        return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=4096)
+    if name == "qwen2":  # q/k/v biases, linear RoPE scaling
+        return Qwen2Config(
+            **c,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+        )
+    if name == "qwen3":  # per-head q/k RMSNorm, head_dim 32 != hidden / heads
+        return Qwen3Config(**c, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+    if name == "llama_tied_llama3":
+        return LlamaConfig(
+            **c,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    raise ValueError(f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}")
+
+
+def _randomise_1d_weights(seed: int) -> Callable[[nn.Module], None]:
+    def init(model: nn.Module) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.dim() == 1:
+                    base = 1.0 if "norm" in pname else 0.0
+                    p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+
+    return init
+
+
+def build_test_checkpoint(name: str, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
+    """Tokenizer + fp32 random weights of checkpoint ``name`` in ``out_dir``."""
+    out = Path(out_dir)
+    qwen = name.startswith("qwen")
+    tok = train_bpe_tokenizer(
+        TOKENIZER_VOCAB, out, qwen_split=qwen, add_bos=not qwen, model_max_length=MAX_POSITIONS
+    )
+    config = checkpoint_config(name, tok)
+    build_checkpoint(
+        config,
+        out,
+        seed=SEED,
+        dtype=torch.float32,
+        max_shard_size=max_shard_size,
+        init_fn=_randomise_1d_weights(SEED + 1),
+    )
+    return out
+
+
+def build_sharded_copy(src: str | Path, out_dir: str | Path, max_shard_size: str = "60KB") -> Path:
+    """Re-save checkpoint ``src`` as several safetensors shards + model.safetensors.index.json."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    copy_tokenizer(src, out)
+    if not (out / "model.safetensors.index.json").is_file():
+        raise RuntimeError(f"save_pretrained did not shard {src} at {max_shard_size}")
+    return out
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    for fname in TOKENIZER_FILES:
+        if (Path(src) / fname).is_file():
+            shutil.copy2(Path(src) / fname, Path(dst) / fname)
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A private copy a test may damage (missing file, wrong shape, other architecture)."""
+    shutil.copytree(src, dst)
+    return Path(dst)
+
+
+def load_hf_model(path: str | Path) -> Any:
+    """The transformers reference model of a checkpoint, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+class TinyCheckpoints:
+    """Builds each test checkpoint at most once, on first request, under ``root``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._paths: dict[str, Path] = {}
+
+    def path(self, name: str) -> Path:
+        if name not in self._paths:
+            self._paths[name] = build_test_checkpoint(name, self.root / name)
+        return self._paths[name]
+
+    def sharded(self, name: str) -> Path:
+        key = f"{name}-sharded"
+        if key not in self._paths:
+            self._paths[key] = build_sharded_copy(self.path(name), self.root / key)
+        return self._paths[key]
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers ``generate(do_sample=False)`` of one prompt, EOS stopping disabled.
+
+    Returns the new tokens and, per step, ``log_softmax`` of the raw logits at the chosen
+    token. Passing ``eos_token_id=None`` is not enough (generate falls back to the model's
+    generation_config), so the model's own EOS is cleared for the call.
+    """
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        ids = torch.tensor([prompt], dtype=torch.int64)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        model.generation_config.eos_token_id = saved
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[t]) for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def random_prompt(length: int, vocab_size: int, seed: int, low: int = 3) -> list[int]:
+    """A reproducible prompt of ordinary (non-special) token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab_size, (length,), generator=gen).tolist()

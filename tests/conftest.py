@@ -1,0 +1,35 @@
+"""Session-wide fixtures: tiny checkpoints are built once per test session, on first use."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+# Make the repository root and tests/ importable however pytest was started.
+_TESTS = Path(__file__).resolve().parent
+for _p in (str(_TESTS.parent), str(_TESTS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
+    """Lazy builder: ``tiny_checkpoints.path(name)`` / ``.sharded(name)``, each built once."""
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny_checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tiny_checkpoints: TinyCheckpoints) -> Path:
+    """The tiny Llama checkpoint folder (tokenizer included): the default for other tests."""
+    return tiny_checkpoints.path("llama")
+
+
+@pytest.fixture(scope="session", params=CHECKPOINT_NAMES)
+def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Iterator[tuple[str, Path]]:
+    """``(name, folder)`` for each tiny architecture: llama, mistral, qwen2, qwen3, llama_tied_llama3."""
+    yield request.param, tiny_checkpoints.path(request.param)

@@ -1,0 +1,144 @@
+"""TorchNativeAttnBackend over the paged pool, against a per-request reference softmax."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import random_prompt
+from harness import Harness
+from memory.kv_pool import MHATokenToKVPool
+from memory.req_to_token_pool import ReqToTokenPool
+from runtime.attention import torch_native
+from runtime.attention.base import AttentionLayerSpec
+from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
+from runtime.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner import ModelRunner
+
+H, HKV, D = 4, 2, 8
+
+
+def _reference(q_req: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Plain causal attention of one request: q ``[n, H, D]`` over its ``prefix + n`` keys."""
+    n = q_req.shape[0]
+    k = k_all.repeat_interleave(H // HKV, dim=1)  # [L, H, D]
+    v = v_all.repeat_interleave(H // HKV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q_req.double(), k.double()) / math.sqrt(D)
+    allowed = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0) -> TorchNativeMetadata:
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(prefix_lens)
+    total = sum(p + e for p, e in zip(prefix_lens, extend_lens))
+    pool = MHATokenToKVPool(total + 8, 1, torch.float32, 1, HKV, D, "cpu")
+    rtt = ReqToTokenPool(bs + 1, max(p + e for p, e in zip(prefix_lens, extend_lens)) + 1, "cpu")
+    # Scattered, non-contiguous slots, so reading through req_to_token is really tested.
+    slots = (torch.randperm(total, generator=gen) + 1).tolist()
+    rows = list(range(bs))[::-1]
+    k_seq, v_seq, new_locs = [], [], []
+    for i in range(bs):
+        n = prefix_lens[i] + extend_lens[i]
+        mine, slots = slots[:n], slots[n:]
+        rtt.write(rows[i], 0, torch.tensor(mine))
+        k_seq.append(torch.randn(n, HKV, D, generator=gen))
+        v_seq.append(torch.randn(n, HKV, D, generator=gen))
+        pool.set_kv_buffer(0, torch.tensor(mine[: prefix_lens[i]], dtype=torch.int64), k_seq[i][: prefix_lens[i]], v_seq[i][: prefix_lens[i]])
+        new_locs.extend(mine[prefix_lens[i] :])
+    q = torch.randn(sum(extend_lens), H, D, generator=gen)
+    k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
+    v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64)
+
+    batch = ForwardBatch(
+        forward_mode=mode,
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
+        positions=torch.zeros(sum(extend_lens), dtype=torch.int64),
+        req_pool_indices=t(rows),
+        seq_lens=t(seq_lens),
+        prefix_lens=t(prefix_lens),
+        extend_lens=t(extend_lens),
+        out_cache_loc=t(new_locs),
+        req_to_token_pool=rtt,
+        token_to_kv_pool=pool,
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=prefix_lens,
+        extend_lens_cpu=extend_lens,
+    )
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+    start = 0
+    for i in range(bs):
+        n = extend_lens[i]
+        expected = _reference(q[start : start + n], k_seq[i], v_seq[i], prefix_lens[i])
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        start += n
+    return batch.attn_metadata
+
+
+def test_extend_with_and_without_prefix() -> None:
+    meta = _run(ForwardMode.EXTEND, [0, 5, 0, 17], [9, 4, 1, 6])
+    assert len(meta.groups) == 2  # the 1-token extend runs in the decode-shaped group
+
+
+def test_decode_is_one_padded_group() -> None:
+    meta = _run(ForwardMode.DECODE, [3, 40, 1, 12, 7], [1, 1, 1, 1, 1])
+    assert len(meta.groups) == 1
+
+
+def test_mixed_decode_rows_and_extends() -> None:
+    _run(ForwardMode.MIXED, [10, 0, 33, 4], [1, 12, 1, 5])
+
+
+def test_long_prompt_is_not_padded_against_many_short_ones() -> None:
+    meta = _run(ForwardMode.EXTEND, [0] * 9, [300] + [2] * 8)
+    # Padding one short prompt to 300x300 doubles the group's work: the limit. The rest go apart.
+    shapes = sorted(tuple(g.q_index.shape) for g in meta.groups)
+    assert shapes == [(2, 300), (7, 2)]
+
+
+def test_registry_names() -> None:
+    assert resolve_attention_backend_name("auto", torch.device("cpu")) == "torch_native"
+    assert resolve_attention_backend_name("auto", torch.device("cuda")) == "triton"
+    assert get_attention_backend_class("torch_native", torch.device("cpu")) is TorchNativeAttnBackend
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        resolve_attention_backend_name("flash", torch.device("cpu"))
+
+
+def test_64_concurrent_decodes_match_one_at_a_time(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=16384, load_progress=False)
+    harness = Harness(runner)
+    prompts = [random_prompt(1 + (7 * i) % 50, runner.vocab_size, seed=500 + i) for i in range(64)]
+    steps = 6
+    reqs = [harness.add_request(p) for p in prompts]
+    harness.prefill(reqs)
+
+    calls = []
+    real_sdpa = torch_native.F.scaled_dot_product_attention
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch_native.F, "scaled_dot_product_attention", counting_sdpa)
+    harness.decode(reqs, steps - 1)
+    monkeypatch.undo()
+    # One SDPA call per layer per decode step, each covering all 64 requests.
+    assert calls == [64] * (runner.model_config.num_hidden_layers * (steps - 1))
+    batched = [r.output_ids for r in reqs]
+    harness.reset()
+
+    for prompt, expected in zip(prompts, batched):
+        (alone,) = harness.generate([prompt], steps)
+        assert alone.output_ids == expected
+        harness.reset()
