@@ -50,6 +50,8 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 # Decode never starves: at most this many prefill batches in a row while requests are running.
 MAX_CONSECUTIVE_PREFILLS = 2
+# Requests sharing at least this many leading tokens with one already in the batch wait a round.
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 class Scheduler:
@@ -253,12 +255,15 @@ class Scheduler:
                 return []
         ordered = self.policy.order(self.waiting)
         matched = self.policy.effective_policy(len(self.waiting)) in ("lpm", "dfs-weight")
+        in_batch_prefixes: set[tuple[int, ...]] = set()
         for req in ordered:
             if adder.new_chunked_req is not None:
                 break
             if not matched:
                 self.policy.match(req)
             if self._never_fits(req):
+                continue
+            if self._defer_for_in_batch_prefix(req, in_batch_prefixes):
                 continue
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 break
@@ -275,6 +280,22 @@ class Scheduler:
         if adder.can_run:
             self.consecutive_prefills += 1
         return adder.can_run
+
+    def _defer_for_in_batch_prefix(self, req: Req, seen: set[tuple[int, ...]]) -> bool:
+        """Hold back a request that shares its start with one already in this prefill batch.
+
+        Both would compute the shared tokens; waiting one round lets the first cache
+        them, so the rest hit the cache (SGLang's in-batch prefix caching check).
+        """
+        if not self.radix_enabled or len(req.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
+            return False
+        if len(req.fill_ids) <= IN_BATCH_PREFIX_TOKENS:
+            return False
+        key = tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS])
+        if key in seen:
+            return True
+        seen.add(key)
+        return False
 
     def _never_fits(self, req: Req) -> bool:
         """A request that could not run even alone on an empty pool finishes with an error."""

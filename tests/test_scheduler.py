@@ -177,3 +177,17 @@ def test_streaming_sends_every_interval() -> None:
             sizes.extend(len(o.new_output_ids) for o in msg.outputs)
     # First token at once, then every 3 tokens, the rest at finish.
     assert sizes == [1, 3, 3, 3]
+
+
+def test_in_batch_prefix_dedup_computes_a_shared_prefix_once() -> None:
+    # 8 requests arrive together sharing a 64-token prefix: one prefills it, the rest hit the cache.
+    sched = make_scheduler()
+    prompts = random_prompts(8, seed=7, shared_prefix=64)
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, 4)
+    results = run_until_idle(sched)
+    cached = sorted(results[f"r{i}"]["cached"] for i in range(8))
+    assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 4)
+    assert_idle_invariant(sched)
