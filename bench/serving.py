@@ -1,0 +1,467 @@
+"""Online serving benchmark: drives a tinyserve server through the Python client.
+
+Either point it at a running server (``--address tcp://HOST:PORT``) or let it start
+one (``--model-path DIR`` or ``--model bench|tiny``; every flag it does not know is
+passed to ``launch.py``). Each workload (see bench/workloads.py) is sent as
+``input_ids`` with greedy sampling and ``ignore_eos``, so each request produces
+exactly ``max_new_tokens`` tokens; all at once by default, or as a Poisson process
+(``--request-rate``) and/or under a concurrency cap (``--max-concurrency``).
+
+    python -m bench.serving --model bench --workload uniform shared-prefix --device cpu
+    python -m bench.serving --address tcp://127.0.0.1:30000 --workload all --request-rate 8
+
+Reports output and total tokens/s, TTFT and inter-token latency (p50, p99), request
+latency and the prefix-cache hit rate; prints a table, writes JSON (``--output``) and
+can draw a PNG chart (``--plot``, needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    Pinning,
+    default_output_path,
+    machine_info,
+    parse_cpu_list,
+    pin_threads,
+    print_table,
+    summarize,
+    write_json,
+)
+from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, token_range_for
+
+ENGINE = "tinyserve"
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds, relative to the run's start)."""
+
+    index: int
+    prompt_len: int
+    sent_at: float = 0.0
+    output_len: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    latency: float | None = None
+    itl: list[float] = field(default_factory=list)  # gap before each stream chunk after the first
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+def summarize_run(records: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
+    """The figures of one run from its request records (pure: unit-tested)."""
+    ok = [r for r in records if r.error is None]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    ttft = summarize([r.ttft * 1e3 for r in ok if r.ttft is not None])
+    itl = summarize([g * 1e3 for r in ok for g in r.itl])
+    lat = summarize([r.latency for r in ok if r.latency is not None])
+    tpot = summarize([(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in ok
+                      if r.latency is not None and r.ttft is not None and r.output_len > 1])
+    return {
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else math.nan,
+        "output_tok_s": output_tokens / duration if duration > 0 else math.nan,
+        "total_tok_s": (input_tokens + output_tokens) / duration if duration > 0 else math.nan,
+        "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"], "ttft_mean_ms": ttft["mean"],
+        "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"], "itl_mean_ms": itl["mean"],
+        "tpot_p50_ms": tpot["p50"],
+        "latency_p50_s": lat["p50"], "latency_p99_s": lat["p99"],
+        "cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
+        "errors": sorted({r.error for r in records if r.error is not None}),
+    }
+
+
+TABLE_COLUMNS = [
+    ("engine", "engine"), ("workload", "workload"), ("completed", "done"), ("duration_s", "time s"),
+    ("output_tok_s", "out tok/s"), ("total_tok_s", "total tok/s"),
+    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
+    ("latency_p50_s", "lat p50 s"), ("cache_hit_rate", "cache hit"),
+]
+
+
+def table_row(run: dict[str, Any]) -> dict[str, Any]:
+    return {"engine": run["engine"], "workload": run["workload"]["name"], **run["metrics"]}
+
+
+# ---------------------------------------------------------------------- sending
+
+
+def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float]:
+    """Start offsets of the chains: all 0 for an infinite rate, else a Poisson process."""
+    if math.isinf(request_rate) or request_rate <= 0:
+        return [0.0] * num_chains
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num_chains):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+def sampling_params(req: BenchRequest) -> dict[str, Any]:
+    """Greedy, exactly max_new_tokens tokens: the same work for every engine."""
+    return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar: Any) -> RequestRecord:
+    from runtime.client import RequestError
+
+    rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
+    start = time.perf_counter()
+    rec.sent_at = start - t0
+    try:
+        if stream:
+            last = start
+            async for chunk in client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req),
+                                               stream=True):
+                now = time.perf_counter()
+                n = len(chunk["output_ids"])
+                if n:
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    rec.output_len += n
+                if chunk["finished"]:
+                    rec.cached_tokens = int(chunk["meta"].get("cached_tokens", 0))
+        else:
+            result = await client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req))
+            rec.output_len = len(result["output_ids"])
+            rec.cached_tokens = int(result["meta"].get("cached_tokens", 0))
+        rec.latency = time.perf_counter() - start
+    except RequestError as exc:
+        rec.error = exc.code
+    except Exception as exc:  # a benchmark reports a failure; it does not stop
+        rec.error = type(exc).__name__
+    bar.update(1)
+    return rec
+
+
+async def run_workload_async(address: str, workload: Workload, *, api_key: str | None = None,
+                             request_rate: float = math.inf, max_concurrency: int | None = None,
+                             stream: bool = True, seed: int = 0, timeout: float | None = None,
+                             show_progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send ``workload`` to the server; the request records and the wall time of the whole run.
+
+    Chains (multi-turn sessions) start at their arrival time; within a chain each
+    request is sent when the previous one finished.
+    """
+    from tqdm import tqdm
+
+    from runtime.client import AsyncClient
+
+    chains = workload.chains()
+    starts = arrival_times(len(chains), request_rate, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
+    async with AsyncClient(address, api_key=api_key, timeout=timeout) as client:
+        bar = tqdm(total=workload.num_requests, desc=workload.name, file=sys.stderr, leave=False,
+                   disable=not show_progress, dynamic_ncols=True)
+        t0 = time.perf_counter()
+
+        async def run_chain(chain: list[BenchRequest], start: float) -> None:
+            delay = t0 + start - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            failed = False
+            for req in chain:
+                if failed:  # later turns depend on the failed one: count them as failed, unsent
+                    records.append(RequestRecord(index=req.index, prompt_len=len(req.input_ids), error="skipped"))
+                    bar.update(1)
+                    continue
+                async with sem if sem is not None else contextlib.nullcontext():
+                    rec = await _send_one(client, req, stream, t0, bar)
+                records.append(rec)
+                failed = rec.error is not None
+
+        await asyncio.gather(*(run_chain(c, s) for c, s in zip(chains, starts)))
+        duration = time.perf_counter() - t0
+        bar.close()
+    records.sort(key=lambda r: r.index)
+    return records, duration
+
+
+def run_workload(address: str, workload: Workload, **kwargs: Any) -> tuple[list[RequestRecord], float]:
+    """Blocking wrapper of ``run_workload_async`` (uvloop when available)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run_workload_async(address, workload, **kwargs))
+    return uvloop.run(run_workload_async(address, workload, **kwargs))
+
+
+# ---------------------------------------------------------------------- the server
+
+
+@dataclass
+class ServerHandle:
+    address: str
+    api_key: str | None
+    model_path: str | None
+    vocab_size: int | None
+    server_args: dict[str, Any]
+    started_here: bool
+
+
+@contextlib.contextmanager
+def server_for(address: str | None, model_path: str | None, server_flags: Sequence[str], api_key: str | None,
+               pinning: Pinning | None, ready_timeout: float = 600.0) -> Iterator[ServerHandle]:
+    """The server at ``address``, or one started with ``model_path`` + ``server_flags`` (stopped on exit).
+
+    A started server inherits this process's cpu affinity and gets its thread count
+    through OMP_NUM_THREADS, so it runs under the same pinning as an in-process baseline.
+    """
+    from runtime.client import Client
+
+    if address is not None:
+        with Client(address, api_key=api_key, timeout=60) as c:
+            info = c.server_info()
+        yield _handle(address, api_key, info, started_here=False)
+        return
+    from launch import launch_server
+
+    argv = list(server_flags)
+    if model_path is not None:
+        argv = ["--model-path", str(model_path), *argv]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
+    env = pinning.child_env() if pinning is not None else None
+    with launch_server(argv, env=env, ready_timeout=ready_timeout, client_timeout=60) as c:
+        info = c.server_info()
+        yield _handle(c.server.address, api_key, info, started_here=True)
+
+
+def _handle(address: str, api_key: str | None, info: dict[str, Any], started_here: bool) -> ServerHandle:
+    model = info.get("model", {})
+    return ServerHandle(address, api_key, model.get("model_path"), model.get("vocab_size"),
+                        info.get("server_args", {}), started_here)
+
+
+def flush_cache(address: str, api_key: str | None, attempts: int = 50) -> bool:
+    """Empty the prefix cache so runs do not see each other's prompts (the server must be idle)."""
+    from runtime.client import Client
+
+    with Client(address, api_key=api_key, timeout=60) as c:
+        for _ in range(attempts):
+            if c.flush_cache().get("success"):
+                return True
+            time.sleep(0.1)  # still finishing the last requests: nothing to wait on from here
+    return False
+
+
+def warm_up(address: str, api_key: str | None, workload: Workload, num: int) -> None:
+    """Send the workload's first ``num`` prompts (all when ``num < 0``) for 2 tokens each.
+
+    The same prompt lengths and batch sizes as the measured run, so one-off costs that
+    depend on shapes (kernel selection, JIT compilation, allocator growth) are paid here.
+    """
+    if num == 0 or not workload.requests:
+        return
+    picked = workload.requests if num < 0 else workload.requests[:num]
+    reqs = [BenchRequest(i, r.input_ids, min(r.max_new_tokens, 2), session=i) for i, r in enumerate(picked)]
+    run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False)
+
+
+def model_dims_dict(model_path: str | None) -> dict[str, int] | None:
+    from bench.roofline import ModelDims
+
+    if model_path is None or not Path(model_path, "config.json").is_file():
+        return None
+    return ModelDims.from_path(model_path).as_dict()
+
+
+def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, request_rate: float,
+                        max_concurrency: int | None, stream: bool, seed: int, warmup: int,
+                        timeout: float | None, flush: bool = True) -> list[dict[str, Any]]:
+    """Run each workload once against the server; one run record each."""
+    runs = []
+    dims = model_dims_dict(handle.model_path)
+    for wl in workloads:
+        warm_up(handle.address, handle.api_key, wl, warmup)
+        if flush and not flush_cache(handle.address, handle.api_key):
+            print("warning: could not flush the prefix cache; the hit rate includes earlier runs", file=sys.stderr)
+        records, duration = run_workload(handle.address, wl, api_key=handle.api_key, request_rate=request_rate,
+                                         max_concurrency=max_concurrency, stream=stream, seed=seed,
+                                         timeout=timeout)
+        runs.append({
+            "kind": "serving",
+            "engine": ENGINE,
+            "workload": wl.spec(),
+            "model": dims,
+            "model_path": handle.model_path,
+            "server_args": handle.server_args,
+            "settings": {"request_rate": request_rate, "max_concurrency": max_concurrency, "stream": stream,
+                         "seed": seed, "warmup": warmup},
+            "metrics": summarize_run(records, duration),
+            "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in records],
+        })
+    return runs
+
+
+# ---------------------------------------------------------------------- chart
+
+
+def plot_runs(runs: list[dict[str, Any]], path: str | Path) -> bool:
+    """Bar charts of throughput and latency per (engine, workload); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the chart", file=sys.stderr)
+        return False
+    labels = [f"{r['engine']}\n{r['workload']['name']}" for r in runs]
+    panels = [("output tokens/s", ["output_tok_s"]), ("total tokens/s", ["total_tok_s"]),
+              ("TTFT ms (p50, p99)", ["ttft_p50_ms", "ttft_p99_ms"]),
+              ("ITL ms (p50, p99)", ["itl_p50_ms", "itl_p99_ms"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4))
+    for ax, (title, keys) in zip(axes, panels):
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            vals = [r["metrics"].get(key) or 0.0 for r in runs]
+            ax.bar([i + j * width for i in range(len(runs))], vals, width, label=key)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], labels, fontsize=7)
+        ax.set_title(title)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", nargs="+", default=["uniform"], metavar="NAME",
+                   help=f"one or more of {', '.join(WORKLOADS)}, or 'all' (default uniform)")
+    g.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 64)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per request (default 64)")
+    g.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a workload parameter, e.g. prompt_len=32, prefix_len=128, segment_lens=64,32,16 "
+                        "(repeatable; see bench/workloads.py)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival process")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-path", default=None, help="checkpoint folder (overrides --model)")
+    g.add_argument("--model", choices=("bench", "tiny"), default="bench",
+                   help="bench: the ~200M benchmark checkpoint (built on first use); tiny: the embedded default")
+
+
+def add_pinning_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pinning")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: one per allowed cpu)")
+    g.add_argument("--cpus", type=str, default=None, help="restrict to these cpus, taskset syntax: 0-3,6")
+
+
+def resolve_model_path(args: argparse.Namespace) -> str:
+    if args.model_path is not None:
+        return str(args.model_path)
+    if args.model == "tiny":
+        from runtime.tiny_model import default_model_path
+
+        return str(default_model_path())
+    from bench.checkpoint import build_bench_checkpoint
+
+    return str(build_bench_checkpoint())
+
+
+def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None) -> list[Workload]:
+    names = list(WORKLOADS) if args.workload == ["all"] else args.workload
+    low, high = token_range_for(model_path, vocab_size)
+    params = parse_workload_args(args.workload_arg)
+    if args.num_requests is not None:
+        params["num_requests"] = args.num_requests
+    if args.max_new_tokens is not None:
+        params["max_new_tokens"] = args.max_new_tokens
+    unknown = [k for k in params if not any(k in inspect.signature(WORKLOADS[n]).parameters for n in names)]
+    if unknown:
+        raise SystemExit(f"unknown workload parameter(s) {unknown} for {names}")
+    out = []
+    for name in names:
+        accepted = inspect.signature(WORKLOADS[name]).parameters
+        own = {k: v for k, v in params.items() if k in accepted}  # e.g. prefix_len only for shared-prefix
+        out.append(make_workload(name, **own, seed=args.seed, vocab_low=low, vocab_high=high))
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Any other flag (e.g. --device cpu --max-total-tokens 40000) is passed to launch.py.")
+    parser.add_argument("--address", default=None, help="a running server (default: start one)")
+    parser.add_argument("--api-key", default=None)
+    add_model_args(parser)
+    add_workload_args(parser)
+    g = parser.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests (sessions) per second, Poisson arrivals (default: all at once)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT / ITL)")
+    g.add_argument("--warmup", type=int, default=-1,
+                   help="warm-up requests (2 tokens each) before each workload; -1: all its prompts (default)")
+    g.add_argument("--timeout", type=float, default=None, help="per-request client timeout in seconds")
+    add_pinning_args(parser)
+    g = parser.add_argument_group("output")
+    g.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workloads>_<time>.json)")
+    g.add_argument("--plot", default=None, help="also draw a PNG chart here (needs matplotlib)")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, server_flags = parse_args(argv)
+    pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
+    model_path = None if args.address else resolve_model_path(args)
+    with server_for(args.address, model_path, server_flags, args.api_key, pinning) as handle:
+        workloads = build_workloads(args, handle.model_path, handle.vocab_size)
+        runs = benchmark_workloads(handle, workloads, request_rate=args.request_rate,
+                                   max_concurrency=args.max_concurrency, stream=not args.no_stream,
+                                   seed=args.seed, warmup=args.warmup, timeout=args.timeout)
+    for run in runs:
+        run["machine"] = machine_info(pinning)
+        if run["metrics"]["failed"]:
+            print(f"warning: {run['metrics']['failed']} requests failed in {run['workload']['name']}: "
+                  f"{run['metrics']['errors']}", file=sys.stderr)
+    print_table([table_row(r) for r in runs], TABLE_COLUMNS, title="serving benchmark")
+    tag = "-".join(w.name for w in workloads)
+    out = write_json(args.output or default_output_path("serving", tag), {"kind": "serving", "runs": runs})
+    print(f"\nwrote {out}")
+    if args.plot:
+        if plot_runs(runs, args.plot):
+            print(f"wrote {args.plot}")
+    return 1 if any(r["metrics"]["completed"] == 0 for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Benchmark workloads: lists of token-id prompts, identical for every engine.
+
+Prompts are random token ids under a fixed seed (never special tokens), sent as
+``input_ids`` so tokenization cannot make two engines see different inputs.
+Every workload is rebuilt from its ``spec()`` (name + parameters), which is
+stored in each result file; the roofline script rebuilds it from there to count
+the work it contained.
+
+- ``uniform``: independent prompts of one length (no prefix sharing).
+- ``shared-prefix``: one long prefix (a system prompt) plus a short unique suffix each.
+- ``multi-turn``: chat sessions; turn t's prompt is turn t-1's prompt plus a fixed
+  stand-in for the assistant's answer plus a new user message, and turn t is sent
+  only after turn t-1 finished (so the prefix cache can serve the history).
+  The answer is a fixed stand-in, not the engine's output, so every engine gets
+  the same tokens.
+- ``tree``: prompts that form a prefix tree (shared instructions, then shared
+  few-shot examples / agent context per branch, then a unique question), shuffled.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_VOCAB_LOW = 6  # the tokenizers built here put their 6 special tokens first
+DEFAULT_VOCAB_HIGH = 32000
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    input_ids: list[int]
+    max_new_tokens: int
+    after: int | None = None  # index of the request that must finish before this one is sent
+    session: int = 0  # requests of one session form a chain through ``after``
+
+
+@dataclass
+class Workload:
+    name: str
+    params: dict[str, Any]  # make_workload(name, **params) rebuilds exactly this workload
+    requests: list[BenchRequest] = field(default_factory=list)
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.input_ids) for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.max_new_tokens for r in self.requests)
+
+    def chains(self) -> list[list[BenchRequest]]:
+        """Requests grouped into dependency chains, each in send order (a session's turns)."""
+        chains: dict[int, list[BenchRequest]] = {}
+        for req in self.requests:
+            chains.setdefault(req.session, []).append(req)
+        return list(chains.values())
+
+    @property
+    def max_parallel(self) -> int:
+        """How many requests can be in flight at once (independent chains)."""
+        return len(self.chains())
+
+    def levels(self) -> list[list[BenchRequest]]:
+        """Requests grouped by dependency depth: level k may run once level k-1 finished."""
+        depth: dict[int, int] = {}
+        by_index = {r.index: r for r in self.requests}
+        levels: list[list[BenchRequest]] = []
+        for req in self.requests:
+            d = 0 if req.after is None else depth[by_index[req.after].index] + 1
+            depth[req.index] = d
+            while len(levels) <= d:
+                levels.append([])
+            levels[d].append(req)
+        return levels
+
+
+def _random_ids(rng: random.Random, n: int, low: int, high: int) -> list[int]:
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def _check_range(vocab_low: int, vocab_high: int) -> None:
+    if not 0 <= vocab_low < vocab_high:
+        raise ValueError(f"empty token range [{vocab_low}, {vocab_high})")
+
+
+def uniform(num_requests: int = 64, prompt_len: int = 128, max_new_tokens: int = 64, seed: int = 0,
+            vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    _check_range(vocab_low, vocab_high)
+    rng = random.Random(f"uniform-{seed}")
+    reqs = [BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens, session=i)
+            for i in range(num_requests)]
+    return Workload("uniform", dict(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                    seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+
+
+def shared_prefix(num_requests: int = 64, prefix_len: int = 512, suffix_len: int = 32, max_new_tokens: int = 64,
+                  seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
+                  vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    _check_range(vocab_low, vocab_high)
+    rng = random.Random(f"shared-prefix-{seed}")
+    prefix = _random_ids(rng, prefix_len, vocab_low, vocab_high)
+    reqs = [BenchRequest(i, prefix + _random_ids(rng, suffix_len, vocab_low, vocab_high), max_new_tokens, session=i)
+            for i in range(num_requests)]
+    return Workload("shared-prefix", dict(num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len,
+                                          max_new_tokens=max_new_tokens, seed=seed, vocab_low=vocab_low,
+                                          vocab_high=vocab_high), reqs)
+
+
+def multi_turn(num_requests: int = 64, num_turns: int = 4, system_len: int = 128, user_len: int = 64,
+               answer_len: int = 64, max_new_tokens: int = 64, seed: int = 0,
+               vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    """``num_requests // num_turns`` sessions (at least one) of ``num_turns`` turns each."""
+    _check_range(vocab_low, vocab_high)
+    if num_turns < 1:
+        raise ValueError("num_turns must be >= 1")
+    rng = random.Random(f"multi-turn-{seed}")
+    sessions = max(1, num_requests // num_turns)
+    reqs: list[BenchRequest] = []
+    for s in range(sessions):
+        history = _random_ids(rng, system_len, vocab_low, vocab_high)
+        prev: int | None = None
+        for t in range(num_turns):
+            if t > 0:
+                history = history + _random_ids(rng, answer_len, vocab_low, vocab_high)  # the "answer" of turn t-1
+            history = history + _random_ids(rng, user_len, vocab_low, vocab_high)
+            index = len(reqs)
+            reqs.append(BenchRequest(index, history, max_new_tokens, after=prev, session=s))
+            prev = index
+    return Workload("multi-turn", dict(num_requests=num_requests, num_turns=num_turns, system_len=system_len,
+                                       user_len=user_len, answer_len=answer_len, max_new_tokens=max_new_tokens,
+                                       seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+
+
+def tree(num_requests: int = 64, branching: int = 4, segment_lens: tuple[int, ...] | list[int] = (256, 128, 64, 32),
+         max_new_tokens: int = 64, seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
+         vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    """Prompt i = root segment + one segment per inner level + a unique leaf segment.
+
+    With ``segment_lens=(root, l1, ..., leaf)`` there are ``len - 2`` inner levels; at
+    each, ``branching`` children per node, so request i's path is its index written in
+    base ``branching``. The defaults give 1 root, 4 + 16 inner nodes and 64 leaves.
+    Requests are shuffled so siblings are not sent next to each other.
+    """
+    _check_range(vocab_low, vocab_high)
+    lens = [int(x) for x in segment_lens]
+    if len(lens) < 2 or branching < 1:
+        raise ValueError("tree needs at least a root and a leaf segment and branching >= 1")
+    inner = len(lens) - 2
+    segments: dict[tuple[int, int], list[int]] = {}
+
+    def segment(level: int, node: int) -> list[int]:
+        if (level, node) not in segments:
+            rng = random.Random(f"tree-{seed}-{level}-{node}")
+            segments[(level, node)] = _random_ids(rng, lens[level], vocab_low, vocab_high)
+        return segments[(level, node)]
+
+    prompts = []
+    for i in range(num_requests):
+        ids = list(segment(0, 0))
+        for level in range(1, inner + 1):
+            # The node at this level: i's path digits down to this level.
+            ids += segment(level, i // branching ** (inner - level + 1))
+        ids += segment(inner + 1, i)
+        prompts.append(ids)
+    order = list(range(num_requests))
+    random.Random(f"tree-order-{seed}").shuffle(order)
+    reqs = [BenchRequest(k, prompts[i], max_new_tokens, session=k) for k, i in enumerate(order)]
+    return Workload("tree", dict(num_requests=num_requests, branching=branching, segment_lens=lens,
+                                 max_new_tokens=max_new_tokens, seed=seed, vocab_low=vocab_low,
+                                 vocab_high=vocab_high), reqs)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "uniform": uniform,
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "tree": tree,
+}
+
+
+def make_workload(name: str, **params: Any) -> Workload:
+    """Build workload ``name``; unknown parameters raise TypeError naming them."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](**params)
+
+
+def from_spec(spec: dict[str, Any]) -> Workload:
+    """Inverse of ``Workload.spec()``."""
+    params = dict(spec)
+    return make_workload(params.pop("name"), **params)
+
+
+def parse_workload_args(items: list[str] | None) -> dict[str, Any]:
+    """``["prefix_len=256", "segment_lens=64,32,16"]`` -> parameters (ints, int lists, floats)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        key = key.strip().replace("-", "_")
+        if "," in raw:
+            out[key] = [int(x) for x in raw.split(",") if x.strip()]
+        else:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                out[key] = float(raw)
+    return out
+
+
+# ---------------------------------------------------------------------- work accounting
+
+
+@dataclass(frozen=True)
+class PrefixTreeStats:
+    """The prompts' tokens with shared prefixes counted once (the least prefill any engine must do)."""
+
+    unique_tokens: int  # nodes of the token trie of all prompts
+    attended_keys: int  # sum over those tokens of (position + 1): causal attention's key count
+
+
+def prefix_tree_stats(prompts: list[list[int]]) -> PrefixTreeStats:
+    root: dict[int, Any] = {}
+    unique = 0
+    keys = 0
+    for ids in prompts:
+        node = root
+        for pos, tok in enumerate(ids):
+            child = node.get(tok)
+            if child is None:
+                child = {}
+                node[tok] = child
+                unique += 1
+                keys += pos + 1
+            node = child
+    return PrefixTreeStats(unique, keys)
+
+
+def token_range_for(model_path: str | None, vocab_size: int | None = None) -> tuple[int, int]:
+    """``[low, high)`` of prompt ids for a checkpoint: above every special token, inside
+    both the tokenizer's and the model's vocabulary."""
+    low, high = DEFAULT_VOCAB_LOW, vocab_size or DEFAULT_VOCAB_HIGH
+    if model_path is None or not Path(model_path).is_dir():  # e.g. a remote server's path
+        return low, high
+    cfg_file = Path(model_path) / "config.json"
+    if cfg_file.is_file():
+        high = min(high, int(json.loads(cfg_file.read_text()).get("vocab_size", high)))
+    tok_file = Path(model_path) / "tokenizer.json"
+    if tok_file.is_file():
+        data = json.loads(tok_file.read_text())
+        added = [int(t["id"]) for t in data.get("added_tokens", [])]
+        vocab = data.get("model", {}).get("vocab", {})
+        ids = added + [int(i) for i in vocab.values()] if isinstance(vocab, dict) else added
+        if ids:
+            high = min(high, max(ids) + 1)
+        special = sorted(int(t["id"]) for t in data.get("added_tokens", []) if t.get("special"))
+        # Special tokens sit at the start (Llama, the tokenizers built here) or the end (Qwen).
+        if special and special[-1] < high // 2:
+            low = special[-1] + 1
+        elif special:
+            low, high = 0, min(high, special[0])
+    if low >= high:
+        raise ValueError(f"no ordinary token ids in {model_path} (range [{low}, {high}))")
+    return low, high

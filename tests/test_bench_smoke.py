@@ -1,0 +1,256 @@
+"""Smoke tests of the benchmark suite's pure parts, on tiny inputs (no timing assertions).
+
+The benchmarks themselves run for minutes on the full-size checkpoint; these tests
+only prove that each script's building blocks compute what they claim: workload
+shapes, prefix sharing, FLOP accounting on a known config, the metric summaries,
+the baseline's batching, and a few real scheduler steps under the stub model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import compare, hf_baseline, roofline, scheduler_overhead, serving
+from bench.checkpoint import BENCH_SPEC, BenchModelSpec, build_bench_checkpoint, synthetic_corpus
+from bench.common import format_table, median_of_runs, parse_cpu_list, percentile, read_json, write_json
+from bench.workloads import (
+    WORKLOADS,
+    from_spec,
+    make_workload,
+    multi_turn,
+    parse_workload_args,
+    prefix_tree_stats,
+    shared_prefix,
+    token_range_for,
+    tree,
+    uniform,
+)
+
+# ---------------------------------------------------------------------- common
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    vals = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(vals, 50) == 2.5
+    assert percentile(vals, 0) == 1.0 and percentile(vals, 100) == 4.0
+    assert percentile(list(range(101)), 99) == 99.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_cpu_list_and_table_and_json(tmp_path: Path) -> None:
+    assert parse_cpu_list("0-2,5") == [0, 1, 2, 5]
+    with pytest.raises(ValueError):
+        parse_cpu_list("3-1")
+    table = format_table([{"a": 1.5, "b": "x"}, {"a": math.nan, "b": None}], [("a", "A"), ("b", "B")])
+    assert table.splitlines()[0].split() == ["A", "B"]
+    assert table.splitlines()[3].split() == ["-", "-"]  # NaN and None print as "-"
+    path = write_json(tmp_path / "sub" / "r.json", {"x": math.nan, "y": [math.inf, 1.0]})
+    assert read_json(path) == {"x": None, "y": [None, 1.0]}
+    assert median_of_runs([{"v": 1.0}, {"v": 3.0}, {"v": math.nan}, {}], ["v"]) == {"v": 2.0}
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+def test_default_workloads_have_the_issue_shapes() -> None:
+    u = uniform()
+    assert u.num_requests == 64 and {len(r.input_ids) for r in u.requests} == {128}
+    assert {r.max_new_tokens for r in u.requests} == {64}
+
+    s = shared_prefix()
+    assert s.num_requests == 64 and {len(r.input_ids) for r in s.requests} == {512 + 32}
+    assert len({tuple(r.input_ids[:512]) for r in s.requests}) == 1
+    assert len({tuple(r.input_ids[512:]) for r in s.requests}) == 64
+    assert prefix_tree_stats([r.input_ids for r in s.requests]).unique_tokens == 512 + 64 * 32
+
+    t = tree()  # 1 root (256) -> 4 (128) -> 16 (64) -> 64 unique leaves (32)
+    assert t.num_requests == 64 and {len(r.input_ids) for r in t.requests} == {480}
+    assert prefix_tree_stats([r.input_ids for r in t.requests]).unique_tokens == 256 + 4 * 128 + 16 * 64 + 64 * 32
+    assert len({tuple(r.input_ids[:384]) for r in t.requests}) == 4
+
+
+def test_multi_turn_turns_extend_the_previous_turn() -> None:
+    w = multi_turn(num_requests=6, num_turns=3, system_len=5, user_len=3, answer_len=2, max_new_tokens=4)
+    assert w.num_requests == 6 and w.max_parallel == 2
+    for chain in w.chains():
+        assert chain[0].after is None
+        for prev, cur in zip(chain, chain[1:]):
+            assert cur.after == prev.index
+            assert cur.input_ids[: len(prev.input_ids)] == prev.input_ids
+            assert len(cur.input_ids) == len(prev.input_ids) + 2 + 3
+    assert [len(level) for level in w.levels()] == [2, 2, 2]
+
+
+def test_workloads_are_deterministic_in_range_and_rebuildable() -> None:
+    for name in WORKLOADS:
+        w = make_workload(name, num_requests=8, max_new_tokens=2, vocab_low=10, vocab_high=20, seed=3)
+        assert w.num_requests == 8
+        assert all(10 <= t < 20 for r in w.requests for t in r.input_ids)
+        again = from_spec(json.loads(json.dumps(w.spec())))
+        assert again.requests == w.requests
+    assert uniform(seed=1).requests != uniform(seed=2).requests
+    with pytest.raises(ValueError):
+        make_workload("nope")
+
+
+def test_prefix_tree_stats_counts_shared_prefixes_once() -> None:
+    stats = prefix_tree_stats([[1, 2, 3], [1, 2, 4], [5]])
+    assert stats.unique_tokens == 5  # 1, 2, 3, 4, 5
+    assert stats.attended_keys == 1 + 2 + 3 + 3 + 1  # position + 1 of each unique token
+
+
+def test_workload_args_and_token_range(tiny_llama_path: Path) -> None:
+    assert parse_workload_args(["prefix_len=8", "segment_lens=4,2,1", "x=0.5"]) == {
+        "prefix_len": 8, "segment_lens": [4, 2, 1], "x": 0.5}
+    low, high = token_range_for(str(tiny_llama_path))
+    cfg = json.loads((tiny_llama_path / "config.json").read_text())
+    assert low == 6 and high == cfg["vocab_size"]  # the 6 special tokens come first
+
+
+# ---------------------------------------------------------------------- checkpoint
+
+
+def test_bench_spec_is_about_200m_parameters() -> None:
+    dims = roofline.ModelDims(BENCH_SPEC.hidden_size, BENCH_SPEC.num_layers, BENCH_SPEC.num_heads,
+                              BENCH_SPEC.num_kv_heads, BENCH_SPEC.hidden_size // BENCH_SPEC.num_heads,
+                              BENCH_SPEC.intermediate_size, BENCH_SPEC.vocab_size)
+    # per layer: q 1024x1024, k and v 1024x256, o 1024x1024, gate+up+down 3x1024x2816
+    assert dims.block_params == 12 * (1024 * 1536 + 1024 * 1024 + 1024 * 5632 + 2816 * 1024)
+    total = dims.block_params + dims.lm_head_params + dims.embedding_params
+    assert 195e6 < total < 205e6
+
+
+def test_small_spec_checkpoint_builds_and_caches(tmp_path: Path) -> None:
+    spec = BenchModelSpec(name="t", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                          intermediate_size=64, vocab_size=300, max_positions=128, corpus_lines=400,
+                          lexicon_size=300)
+    assert synthetic_corpus(50, 100, 1) == synthetic_corpus(50, 100, 1)
+    out = build_bench_checkpoint(tmp_path / "ckpt", spec)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 300 and cfg["hidden_size"] == 32 and cfg["num_key_value_heads"] == 1
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert build_bench_checkpoint(tmp_path / "ckpt", spec) == out  # cached: not rebuilt
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert roofline.ModelDims.from_path(out).vocab_size == 300
+
+
+# ---------------------------------------------------------------------- roofline
+
+TINY = roofline.ModelDims(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                          intermediate_size=16, vocab_size=10)
+
+
+def test_flop_accounting_on_a_known_config() -> None:
+    # per layer: qkv 8x(8+4+4), o 8x8, gate_up 8x32, down 16x8 -> 128 + 64 + 256 + 128 = 576
+    assert TINY.block_params == 2 * 576
+    assert TINY.lm_head_params == 80
+    w = uniform(num_requests=2, prompt_len=4, max_new_tokens=3, vocab_low=0, vocab_high=1000)
+    work = roofline.count_work(w)
+    assert work.prefill_tokens == 8 and work.prefill_keys == 2 * (1 + 2 + 3 + 4)
+    assert work.decode_tokens == 4 and work.decode_keys == 2 * (5 + 6)  # fed tokens at positions 4 and 5
+    assert work.sampled_tokens == 6 and work.decode_batch == 2 and work.prefill_batch_tokens == 8
+    flops = roofline.useful_flops(TINY, work)
+    assert flops["linear_prefill"] == 2 * 1152 * 8
+    assert flops["linear_decode"] == 2 * 1152 * 4
+    assert flops["lm_head"] == 2 * 80 * 6
+    per_key = 4 * 2 * 2 * 4  # 4 FLOPs x layers x heads x head_dim
+    assert flops["attention_prefill"] == per_key * 20 and flops["attention_decode"] == per_key * 22
+    assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
+
+
+def test_shared_prefix_counts_once_in_the_useful_work() -> None:
+    w = shared_prefix(num_requests=4, prefix_len=10, suffix_len=2, max_new_tokens=1)
+    assert roofline.count_work(w).prefill_tokens == 10 + 4 * 2
+
+
+def test_roofline_of_a_run_record() -> None:
+    meter = roofline.MatmulMeter("cpu", "float32", min_time_s=0.0)
+    w = uniform(num_requests=2, prompt_len=4, max_new_tokens=3)
+    run = {"engine": "x", "workload": w.spec(), "model": TINY.as_dict(), "metrics": {"duration_s": 0.5}}
+    row = roofline.evaluate_run(run, meter)
+    assert row["useful_gflop"] == pytest.approx(roofline.useful_flops(TINY, roofline.count_work(w))["total"] / 1e9)
+    assert row["roofline_s"] > 0 and row["fraction"] == pytest.approx(row["roofline_s"] / 0.5)
+    assert all(g > 0 and math.isfinite(g) for g in meter.cache.values())
+
+
+# ---------------------------------------------------------------------- serving / baseline / compare
+
+
+def test_serving_summary_from_records() -> None:
+    recs = [serving.RequestRecord(0, prompt_len=10, output_len=4, cached_tokens=5, ttft=0.1, latency=0.4,
+                                  itl=[0.1, 0.1, 0.1]),
+            serving.RequestRecord(1, prompt_len=10, output_len=4, cached_tokens=0, ttft=0.3, latency=0.6,
+                                  itl=[0.1, 0.1, 0.1]),
+            serving.RequestRecord(2, prompt_len=10, error="too_long")]
+    m = serving.summarize_run(recs, duration=2.0)
+    assert (m["completed"], m["failed"], m["errors"]) == (2, 1, ["too_long"])
+    assert m["output_tok_s"] == 4.0 and m["total_tok_s"] == 14.0
+    assert m["ttft_p50_ms"] == pytest.approx(200.0) and m["itl_p50_ms"] == pytest.approx(100.0)
+    assert m["tpot_p50_ms"] == pytest.approx(100.0)
+    assert m["cache_hit_rate"] == 0.25
+
+
+def test_arrivals_and_sampling_params() -> None:
+    assert serving.arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    times = serving.arrival_times(50, 10.0, 0)
+    assert times == sorted(times) and times[0] == 0.0 and times == serving.arrival_times(50, 10.0, 0)
+    req = uniform(num_requests=1, max_new_tokens=7).requests[0]
+    assert serving.sampling_params(req) == {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_hf_batches_follow_dependency_levels() -> None:
+    w = multi_turn(num_requests=12, num_turns=2, system_len=2, user_len=1, answer_len=1)
+    batches = hf_baseline.hf_batches(w, batch_size=4)
+    assert [len(b) for b in batches] == [4, 2, 4, 2]
+    seen: set[int] = set()
+    for batch in batches:
+        assert all(r.after is None or r.after in seen for r in batch)
+        seen |= {r.index for r in batch}
+    ids, mask = hf_baseline.left_pad([[5, 6], [7]], pad_id=0)
+    assert ids == [[5, 6], [0, 7]] and mask == [[1, 1], [0, 1]]
+
+
+def test_hf_baseline_generates_exactly_max_new_tokens(tiny_llama_path: Path) -> None:
+    runner = hf_baseline.HFRunner(str(tiny_llama_path), device="cpu", dtype="float32")
+    low, high = token_range_for(str(tiny_llama_path))
+    w = uniform(num_requests=3, prompt_len=5, max_new_tokens=4, vocab_low=low, vocab_high=high)
+    run = hf_baseline.run_baseline(runner, w, batch_size=2, show_progress=False)
+    m = run["metrics"]
+    assert (m["completed"], m["output_tokens"], m["num_batches"]) == (3, 12, 2)
+    assert m["input_tokens"] == 15 and run["workload"] == w.spec()
+
+
+def test_compare_summary_has_medians_and_ratio() -> None:
+    def run(engine: str, tok_s: float) -> dict:
+        return {"engine": engine, "workload": {"name": "uniform"},
+                "metrics": {"output_tok_s": tok_s, "total_tok_s": 2 * tok_s, "duration_s": 10.0 / tok_s}}
+
+    runs = [run("ours", 10.0), run("ours", 30.0), run("ours", 20.0), run("hf", 5.0), run("hf", 5.0)]
+    rows = compare.summarize_comparison(runs, "ours", "hf")
+    assert [r["engine"] for r in rows] == ["ours", "hf", "ratio ours/hf"]
+    assert rows[0]["output_tok_s"] == 20.0 and rows[0]["repeats"] == 3
+    assert rows[2]["output_tok_s"] == 4.0 and rows[2]["total_tok_s"] == 4.0
+
+
+# ---------------------------------------------------------------------- scheduler overhead
+
+
+def test_scheduler_overhead_runs_decode_steps() -> None:
+    result = scheduler_overhead.measure_overhead(num_requests=8, prompt_len=8, steps=5, warmup_steps=2)
+    assert result["steps"] == 5 and result["num_requests"] == 8
+    assert result["cpu_ms_p50"] >= 0 and math.isfinite(result["cpu_ms_p99"])
+
+
+def test_scheduler_overhead_profile_names_scheduler_functions() -> None:
+    import cProfile
+
+    prof = cProfile.Profile()
+    scheduler_overhead.measure_overhead(num_requests=4, prompt_len=4, steps=3, warmup_steps=1, page_size=4,
+                                        profile=prof)
+    report = scheduler_overhead.profile_report(prof, top=5)
+    assert "scheduler_proc/scheduler.py" in report and "step" in report
