@@ -1,5 +1,366 @@
-def main() -> None:
-    raise SystemExit("server not built yet")
+"""CLI entry point: parse flags, spawn the processes, wait until they are ready, supervise.
+
+    python launch.py [flags]          # see --help; prints "ready: tcp://HOST:PORT"
+
+Processes (DESIGN.md section 2), all children of this one, started with "spawn":
+  scheduler-0..tp-1    one per TP rank (only rank 0 owns sockets); with --dp-size N,
+                       scheduler-dp{d}-tp{r} for each replica d, and a dp-controller;
+  detokenizer, tokenizer.
+With --nnodes > 1, node k runs its share of the TP ranks; only node 0 runs the
+tokenizer, detokenizer and DP controller (and prints the client address).
+Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
+{"status": "error", "error": traceback}. The tokenizer is told the scheduler's
+figures (vocab size, context length) once the lead scheduler (dp 0, tp 0) is ready.
+
+Supervision: if any child dies or reports an error, every child is stopped and this
+process exits 1 with that child's error. SIGINT/SIGTERM stop every child and exit 0.
+The ipc directory is removed on every exit path. Children die with this process
+even when it is SIGKILLed (PR_SET_PDEATHSIG).
+
+Also importable: ``launch_server(...)`` starts a server in a subprocess and yields a
+connected ``Client`` (for tests and notebooks); ``ServerProcess`` is the handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Iterator, Sequence
+
+from runtime.args import PortArgs, ServerArgs
+from runtime.utils import configure_logging, recv_status, run_child, send_status
+
+logger = logging.getLogger("launch")
+
+STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping children
+READY_PREFIX = "ready: "
+
+
+@dataclass
+class Child:
+    name: str
+    process: multiprocessing.process.BaseProcess
+    conn: Connection  # the parent's end of the status pipe
+    ready: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # its ready status
+
+
+class ChildFailed(Exception):
+    def __init__(self, name: str, error: str) -> None:
+        super().__init__(f"{name}: {error}")
+        self.name = name
+        self.error = error
+
+
+class Supervisor:
+    """Owns the child processes from spawn to stop."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.ctx = multiprocessing.get_context("spawn")
+        self.children: list[Child] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._wake_open = True  # the signal handler writes to the pipe only while open
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ signals
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            if not self.stop_requested:
+                logger.info("received %s; shutting down", signal.Signals(signum).name)
+            self.stop_requested = True
+            if self._wake_open:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    # ------------------------------------------------------------------ spawn
+
+    def spawn(self, name: str, target: str, *args: Any, **kwargs: Any) -> Child:
+        """Start ``target`` ("module:function") as child ``name``: ``target(*args, ready_conn, **kwargs)``."""
+        parent_conn, child_conn = self.ctx.Pipe(duplex=True)
+        process = self.ctx.Process(
+            target=run_child, name=name,
+            args=(name, self.server_args.log_level, child_conn, target, *args), kwargs=kwargs,
+        )
+        process.start()
+        child_conn.close()  # the child holds the only other end: EOF means it died
+        child = Child(name=name, process=process, conn=parent_conn)
+        self.children.append(child)
+        logger.debug("started %s (pid %s)", name, process.pid)
+        return child
+
+    def start_all(self) -> None:
+        sa, pa = self.server_args, self.port_args
+        ranks_per_node = sa.tp_size // sa.nnodes
+        local_ranks = range(sa.node_rank * ranks_per_node, (sa.node_rank + 1) * ranks_per_node)
+        for dp_rank in range(sa.dp_size):
+            for tp_rank in local_ranks:
+                self.spawn(scheduler_name(sa, dp_rank, tp_rank), "scheduler_proc.scheduler:run_scheduler_process",
+                           sa, pa, tp_rank, dp_rank=dp_rank)
+        if sa.node_rank != 0:
+            return  # the other nodes only contribute TP ranks
+        if sa.dp_size > 1:
+            self.spawn("dp-controller", "scheduler_proc.dp_controller:run_dp_controller_process", sa, pa)
+        self.spawn("detokenizer", "detokenizer_proc.detokenizer_manager:run_detokenizer_process", sa, pa)
+        self.spawn("tokenizer", "tokenizer_proc.tokenizer_manager:run_tokenizer_process", sa, pa)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    # ------------------------------------------------------------------ events
+
+    def wait_event(self, timeout: float | None = None) -> None:
+        """Block until a child writes, a child exits, or a signal arrives; handle it.
+
+        Raises ChildFailed for an error status or an unexpected exit."""
+        objs: list[Any] = [self._wake_r]
+        objs += [c.conn for c in self.children]
+        objs += [c.process.sentinel for c in self.children]
+        ready = multiprocessing.connection.wait(objs, timeout)
+        if self._wake_r in ready:
+            os.read(self._wake_r, 4096)
+        for child in self.children:
+            if child.conn in ready:
+                self._on_status(child)
+        for child in self.children:
+            if child.process.sentinel in ready:
+                child.process.join(0.1)
+                raise ChildFailed(child.name, f"exited with code {child.process.exitcode}"
+                                  f"{' before becoming ready' if not child.ready else ''}")
+
+    def _on_status(self, child: Child) -> None:
+        try:
+            status = recv_status(child.conn)
+        except (EOFError, OSError):
+            child.process.join(STOP_GRACE_S)
+            raise ChildFailed(child.name, f"exited with code {child.process.exitcode}"
+                              f"{' before becoming ready' if not child.ready else ''}") from None
+        if status.get("status") == "error":
+            raise ChildFailed(child.name, str(status.get("error")))
+        if status.get("status") != "ready" or child.ready:
+            logger.warning("ignoring an unexpected status from %s: %s", child.name, status)
+            return
+        child.ready = True
+        child.info = status
+        logger.debug("%s is ready: %s", child.name, status)
+        if child.name == scheduler_name(self.server_args, 0, 0) and self.server_args.node_rank == 0:
+            # The tokenizer waits for the scheduler's figures before it serves.
+            try:
+                processes = {c.name: c.process.pid for c in self.children}
+                processes["launch"] = os.getpid()
+                send_status(self.child("tokenizer").conn,
+                            {**status, "status": "scheduler_ready", "processes": processes})
+            except OSError:
+                pass  # the tokenizer died; its sentinel reports it
+
+    def wait_ready(self) -> str | None:
+        """Wait until every child is ready; the client address (on other nodes than 0: a
+        description of this node), or None on a stop signal."""
+        while not all(c.ready for c in self.children):
+            if self.stop_requested:
+                return None
+            self.wait_event()
+        if self.server_args.node_rank != 0:
+            return f"node {self.server_args.node_rank} of {self.server_args.nnodes} (scheduler ranks only)"
+        return str(self.child("tokenizer").info["address"])
+
+    def supervise(self) -> None:
+        """Return on a stop signal; raise ChildFailed when a child fails."""
+        while not self.stop_requested:
+            self.wait_event()
+
+    # ------------------------------------------------------------------ stop
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child (tokenizer first: no new work), SIGKILL stragglers."""
+        for child in reversed(self.children):
+            if child.process.is_alive():
+                child.process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            child.process.join(max(deadline - time.monotonic(), 0.0))
+        for child in self.children:
+            if child.process.is_alive():
+                logger.warning("%s did not stop within %.0f s; killing it", child.name, STOP_GRACE_S)
+                child.process.kill()
+                child.process.join(STOP_GRACE_S)
+        for child in self.children:
+            child.conn.close()
+        self._wake_open = False
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
+    return f"scheduler-{tp_rank}" if server_args.dp_size == 1 else f"scheduler-dp{dp_rank}-tp{tp_rank}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a server until SIGINT/SIGTERM (0) or a child failure (1)."""
+    server_args = ServerArgs.from_cli(argv)
+    configure_logging(server_args.log_level, "launch")
+    if server_args.model_path is None:
+        # Build the embedded default model once, here, before any child looks for it.
+        server_args = dataclasses.replace(server_args, model_path=server_args.resolved_model_path())
+    port_args = PortArgs.create(server_args)
+    supervisor = Supervisor(server_args, port_args)
+    supervisor.install_signal_handlers()
+    try:
+        supervisor.start_all()
+        address = supervisor.wait_ready()
+        if address is None:
+            return 0
+        print(f"{READY_PREFIX}{address}", flush=True)
+        logger.info("serving on %s", address)
+        supervisor.supervise()
+        return 0
+    except ChildFailed as exc:
+        logger.error("%s failed; stopping the server:\n%s", exc.name, exc.error)
+        return 1
+    finally:
+        supervisor.stop_all()
+        port_args.cleanup()
+
+
+# ====================================================================== for tests and notebooks
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """A server running ``launch.py`` in a subprocess; its stderr goes to ``log_path``
+    (by default a temporary file, read back and removed at ``stop``)."""
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
+                 ready_timeout: float = 300.0, log_path: str | None = None) -> None:
+        self.argv = list(argv)
+        self._own_log = log_path is None  # a temporary log is read back and removed at stop
+        self._log_text: str | None = None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="tinyserve-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *self.argv],
+            stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+        )
+        self.address: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(ready_timeout):
+            self.stop()
+            raise ServerStartError(f"server not ready within {ready_timeout:.0f} s\n{self.log_tail()}")
+        if self.address is None:
+            code = self.stop()
+            raise ServerStartError(f"server exited with code {code} before it was ready\n{self.log_tail()}")
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:  # keeps draining after ready so the pipe never fills
+            if self.address is None and line.startswith(READY_PREFIX):
+                self.address = line[len(READY_PREFIX):].strip()
+                self._ready.set()
+        self._ready.set()  # EOF: the server exited
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's stderr (still available after ``stop``)."""
+        if self._log_text is not None:
+            return self._log_text[-chars:]
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-chars:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, SIGKILL after ``timeout``; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        if not self._log.closed:
+            self._log.close()
+            if self._own_log:
+                self._log_text = self.log_tail(1 << 20)
+                os.remove(self.log_path)
+        return self.process.returncode
+
+
+def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
+    """CLI flags for ``args`` (a ServerArgs becomes the flags of its non-default fields)."""
+    if not isinstance(args, ServerArgs):
+        return list(args)
+    default = ServerArgs()
+    argv: list[str] = []
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(args, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag)  # only True differs from the (False) default
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@contextlib.contextmanager
+def launch_server(args: Sequence[str] | ServerArgs = (), *, env: dict[str, str] | None = None,
+                  ready_timeout: float = 300.0, client_timeout: float | None = None) -> Iterator[Any]:
+    """Start a server and yield a connected ``Client``; stop both on exit.
+
+    Without ``--port`` the server picks a free port. The client carries the
+    server's api key, and ``client.server`` is the ``ServerProcess``.
+    """
+    from runtime.client import Client
+
+    argv = server_argv(args)
+    if "--port" not in argv and not any(a.startswith("--port=") for a in argv):
+        argv += ["--port", "0"]
+    parsed = ServerArgs.from_cli(argv)
+    server = ServerProcess(argv, env=env, ready_timeout=ready_timeout)
+    client = None
+    try:
+        assert server.address is not None
+        client = Client(server.address, api_key=parsed.api_key, timeout=client_timeout)
+        client.server = server
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        server.stop()
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -166,3 +166,28 @@ class BatchStrOut(msgspec.Struct, tag="str_out"):
 
 
 TokenizerInput = Union[BatchStrOut, SchedErrorOut, SchedControlOut]
+
+
+# --------------------------------------------------------------------------- data parallelism
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """A prefix-cache change on one replica (see memory.prefix_cache.KVCacheEvent)."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    token_ids: list[int]
+    start: int
+    extra_key: str | None = None
+
+
+class LoadReport(msgspec.Struct, tag="load"):
+    """A replica's load and prefix-cache changes, sent to the DP controller after each step."""
+
+    dp_rank: int
+    num_running: int
+    num_queued: int
+    available_tokens: int
+    events: list[KVEvent] = []
+
+
+ControllerInput = Union[LoadReport, SchedControlOut]

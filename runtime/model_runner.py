@@ -20,6 +20,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.registry import create_attention_backend, resolve_attention_backend_name
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
+from runtime.layers.linear import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class
@@ -208,11 +209,29 @@ class ModelRunner:
                 if k > 0:
                     values, ids = logprobs.topk(min(k, logits.shape[1]), dim=-1)
                     out.top_logprobs = (values, ids)
-            return out
+            return self._same_on_every_rank(out)
         sampled = self.sampler(logits, info, return_logprob=batch.return_logprob, top_logprobs_num=k)
-        return ModelOutput(
+        return self._same_on_every_rank(ModelOutput(
             next_token_ids=sampled.next_token_ids,
             logprobs=sampled.logprobs,
             top_logprobs=sampled.top_logprobs,
             logits=logits,
-        )
+        ))
+
+    def _same_on_every_rank(self, out: "ModelOutput") -> "ModelOutput":
+        """Under TP every rank must append the same tokens: rank 0's samples win.
+
+        Logits are already identical after the vocab all-gather, so greedy rows
+        agree anyway; this makes random sampling agree without relying on every
+        rank's RNG staying in lockstep.
+        """
+        if self.tp_size == 1:
+            return out
+        group = get_tp_group()
+        group.broadcast_tensor(out.next_token_ids, src=0)
+        if out.logprobs is not None:
+            group.broadcast_tensor(out.logprobs, src=0)
+        if out.top_logprobs is not None:
+            group.broadcast_tensor(out.top_logprobs[0], src=0)
+            group.broadcast_tensor(out.top_logprobs[1], src=0)
+        return out

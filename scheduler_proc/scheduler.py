@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import time
 import traceback
@@ -57,7 +58,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 class Scheduler:
     """One TP rank's scheduler. Usable in-process (tests call ``add_request``/``step``)."""
 
-    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: Any = None) -> None:
+    def __init__(self, server_args: Any, tp_rank: int = 0, model_runner: Any = None, kv_events: bool = False) -> None:
         self.args = server_args
         self.tp_rank = tp_rank
         if model_runner is None:
@@ -92,7 +93,8 @@ class Scheduler:
         self.radix_enabled = not server_args.disable_radix_cache
         if self.radix_enabled:
             self.tree_cache: Any = RadixCache(
-                self.req_to_token_pool, self.allocator, self.page_size, eviction_policy=server_args.radix_eviction_policy
+                self.req_to_token_pool, self.allocator, self.page_size,
+                eviction_policy=server_args.radix_eviction_policy, enable_kv_events=kv_events,
             )
         else:
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
@@ -481,6 +483,13 @@ class Scheduler:
             return self.server_info()
         return {"success": False, "message": f"unknown control request {kind!r}"}
 
+    def load_report(self, dp_rank: int) -> Any:
+        """Load and prefix-cache changes for the DP controller's routing."""
+        from runtime.messages import KVEvent, LoadReport
+
+        events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key) for e in self.tree_cache.take_events()]
+        return LoadReport(dp_rank, len(self.running), len(self.waiting), self.allocator.available_size(), events)
+
     def server_info(self) -> dict[str, Any]:
         report = self.check_memory()
         looked_up = self.stats["prompt_tokens"]
@@ -505,20 +514,91 @@ class Scheduler:
 # ---------------------------------------------------------------------- process entry
 
 
-def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, ready_conn: Any) -> None:
-    """Child-process main: build the scheduler, report ready (or the error), then loop forever."""
-    from runtime.ipc import PullSocket, PushSocket
-    from runtime.messages import DetokenizerInput
+def _place_rank(server_args: Any, tp_rank: int, dp_rank: int) -> None:
+    """Pin this rank to its GPU, or give it its share of the CPU threads."""
+    from runtime.device import resolve_device
 
+    device = resolve_device(server_args.device)
+    if device.type == "cuda":
+        local = tp_rank % max(server_args.tp_size // server_args.nnodes, 1)
+        gpu = server_args.base_gpu_id + (dp_rank * server_args.tp_size + local) * server_args.gpu_id_step
+        torch.cuda.set_device(gpu)
+    else:
+        if server_args.attention_backend == "triton":
+            # Triton kernels run on CPU only under the interpreter, which Triton reads at import.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        ranks_here = max(server_args.tp_size // server_args.nnodes, 1) * server_args.dp_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+
+
+class SchedulerIO:
+    """Rank 0's sockets, and the broadcast that gives every TP rank the same inputs.
+
+    Only rank 0 of a TP group talks to other processes; the other ranks receive
+    rank 0's messages as msgspec bytes over the CPU group and discard their
+    outputs (they are identical to rank 0's).
+    """
+
+    def __init__(self, server_args: Any, port_args: Any, tp_rank: int, dp_rank: int, tp_group: Any) -> None:
+        from runtime.ipc import PullSocket, PushSocket
+        from runtime.messages import ControllerInput, DetokenizerInput
+
+        self.tp_rank, self.dp_rank, self.tp_group = tp_rank, dp_rank, tp_group
+        self.dp = server_args.dp_size > 1
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(list[SchedulerInput])
+        self.recv = self.send = self.controller = None
+        if tp_rank == 0:
+            endpoint = port_args.dp_scheduler_input_ipcs[dp_rank] if self.dp else port_args.scheduler_input_ipc
+            self.recv = PullSocket(endpoint, SchedulerInput, bind=True)
+            self.send = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
+            if self.dp:
+                self.controller = PushSocket(port_args.dp_controller_ipc, ControllerInput, bind=False)
+
+    def receive(self, block_ms: int) -> list[Any]:
+        msgs: list[Any] = []
+        if self.recv is not None and self.recv.poll(block_ms):
+            while (msg := self.recv.recv_nowait()) is not None:
+                msgs.append(msg)
+        if self.tp_group is None:
+            return msgs
+        payload = self.tp_group.broadcast_bytes(self._encoder.encode(msgs) if self.tp_rank == 0 else None)
+        return msgs if self.tp_rank == 0 else self._decoder.decode(payload)
+
+    def publish(self, scheduler: "Scheduler") -> None:
+        outputs = scheduler.take_outbox()
+        if self.send is None:
+            return
+        for msg in outputs:
+            if self.controller is not None and isinstance(msg, SchedControlOut):
+                self.controller.send(msg)  # the controller merges the replicas' replies
+            else:
+                self.send.send(msg)
+        if self.controller is not None:
+            self.controller.send(scheduler.load_report(self.dp_rank))
+
+
+def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, ready_conn: Any, dp_rank: int = 0) -> None:
+    """Child-process main: build the scheduler, report ready (or the error), then loop forever."""
     logging.basicConfig(level=getattr(logging, str(server_args.log_level).upper(), logging.INFO),
-                        format=f"%(asctime)s scheduler[{tp_rank}] %(levelname)s %(message)s")
+                        format=f"%(asctime)s scheduler[dp{dp_rank} tp{tp_rank}] %(levelname)s %(message)s")
     try:
         if server_args.random_seed is not None:
             random.seed(server_args.random_seed)
             torch.manual_seed(server_args.random_seed)
-        scheduler = Scheduler(server_args, tp_rank)
-        recv = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
-        send = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
+        _place_rank(server_args, tp_rank, dp_rank)
+        tp_group = None
+        if server_args.tp_size > 1:
+            from runtime.device import resolve_device
+            from runtime.distributed import init_tp_group
+            from runtime.layers.linear import set_tp_group
+
+            tp_group = init_tp_group(tp_rank, server_args.tp_size, port_args.dist_init_method(dp_rank),
+                                     resolve_device(server_args.device))
+            set_tp_group(tp_group)
+        scheduler = Scheduler(server_args, tp_rank, kv_events=server_args.load_balance_method == "cache_aware"
+                              and server_args.dp_size > 1)
+        io = SchedulerIO(server_args, port_args, tp_rank, dp_rank, tp_group)
     except Exception:
         ready_conn.send_bytes(msgspec.json.encode({"status": "error", "error": traceback.format_exc()}))
         raise
@@ -532,10 +612,7 @@ def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, ready_
     logger.info("scheduler ready: %d KV tokens", scheduler.max_total_tokens)
     while True:
         # Block only when there is nothing to run, so the model step is never delayed.
-        timeout = 0 if not scheduler.is_idle() else 1000
-        if recv.poll(timeout):
-            while (msg := recv.recv_nowait()) is not None:
-                scheduler.handle_message(msg)
+        for msg in io.receive(0 if not scheduler.is_idle() else 1000):
+            scheduler.handle_message(msg)
         scheduler.step()
-        for msg in scheduler.take_outbox():
-            send.send(msg)
+        io.publish(scheduler)

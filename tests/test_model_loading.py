@@ -198,6 +198,11 @@ class ThreadTPGroup:
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(tensor), dim=dim)
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        source = self._exchange(tensor)[src].clone()
+        self.barrier.wait()  # every rank has read rank src's values before anyone overwrites its own
+        return tensor.copy_(source)
+
 
 @pytest.fixture
 def thread_tp_group() -> Iterator[ThreadTPGroup]:

@@ -34,6 +34,10 @@ class TPGroup(Protocol):
         """Concatenate every rank's ``tensor`` along ``dim`` in rank order."""
         ...
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` in place with rank ``src``'s values (the sampled ids)."""
+        ...
+
 
 _TP_GROUP: TPGroup | None = None
 

@@ -1,0 +1,126 @@
+"""The DetokenizerManager process: token ids from the scheduler in, text deltas out.
+
+A plain synchronous loop (it has one input socket and nothing else to wait for).
+It owns one ``DecodeState`` per unfinished request that has produced output; the
+state is freed when the request finishes or errors. Control replies and errors
+from the scheduler pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from detokenizer_proc.incremental import DecodeState
+from runtime.args import PortArgs, ServerArgs
+from runtime.ipc import PullSocket, PushSocket
+from runtime.messages import (
+    BatchStrOut,
+    BatchTokenIDOut,
+    DetokenizerInput,
+    ReqOutput,
+    SchedControlOut,
+    SchedErrorOut,
+    StrOutput,
+    TokenizerInput,
+)
+from runtime.utils import send_status
+
+logger = logging.getLogger(__name__)
+
+
+class _Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class DetokenizerManager:
+    """Turns ``BatchTokenIDOut`` into ``BatchStrOut``; pure logic, no sockets (testable)."""
+
+    def __init__(self, tokenizer: _Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}  # rid -> state, owned here until finish
+
+    def handle(self, msg: Any) -> Any | None:
+        """The message to forward to the tokenizer for one input message (None: nothing)."""
+        if isinstance(msg, BatchTokenIDOut):
+            return self.handle_batch(msg)
+        if isinstance(msg, SchedErrorOut):
+            self.states.pop(msg.rid, None)
+            return msg
+        if isinstance(msg, SchedControlOut):
+            return msg
+        logger.error("unexpected message type %s", type(msg).__name__)
+        return None
+
+    def handle_batch(self, batch: BatchTokenIDOut) -> BatchStrOut:
+        return BatchStrOut(outputs=[self._one(out) for out in batch.outputs])
+
+    def _one(self, out: ReqOutput) -> StrOutput:
+        state = self.states.get(out.rid)
+        if state is None:
+            state = DecodeState(
+                skip_special_tokens=out.skip_special_tokens,
+                stop_strs=tuple(out.stop_strs or ()),
+                no_stop_trim=out.no_stop_trim,
+            )
+            if not out.finished:
+                self.states[out.rid] = state
+        try:
+            delta = state.step(self.tokenizer, out.new_output_ids, out.finished, out.finish_reason)
+        except Exception:  # a tokenizer failure must not take the process down
+            logger.exception("detokenization of %s failed", out.rid)
+            delta = ""
+        if out.finished:
+            self.states.pop(out.rid, None)
+        meta: dict[str, Any] = {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+        }
+        if out.output_logprobs is not None:
+            meta["output_token_logprobs"] = [
+                [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)
+            ]
+        if out.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = out.output_top_logprobs
+        return StrOutput(
+            rid=out.rid,
+            text_delta=delta,
+            new_output_ids=out.new_output_ids,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            meta=meta,
+        )
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    """Child-process main: load the tokenizer, bind, report ready, loop until killed."""
+    manager = DetokenizerManager(load_tokenizer(server_args.resolved_tokenizer_path()))
+    recv: PullSocket[Any] = PullSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=True)
+    send: PushSocket[Any] = PushSocket(port_args.tokenizer_ipc, TokenizerInput, bind=False)
+    send_status(ready_conn, {"status": "ready"})
+    logger.info("detokenizer ready")
+    while True:
+        recv.poll(None)
+        # Merge the text of every waiting batch into one message; pass-through messages
+        # keep their place in the order.
+        merged: list[StrOutput] = []
+        for msg in recv.recv_all_nowait():
+            out = manager.handle(msg)
+            if isinstance(out, BatchStrOut):
+                merged.extend(out.outputs)
+                continue
+            if merged:
+                send.send(BatchStrOut(outputs=merged))
+                merged = []
+            if out is not None:
+                send.send(out)
+        if merged:
+            send.send(BatchStrOut(outputs=merged))

@@ -1,0 +1,337 @@
+"""Server configuration: ``ServerArgs`` (the CLI flags) and ``PortArgs`` (the ipc endpoints).
+
+The flag names are SGLang's so that an SGLang user needs no translation; every flag is
+documented in ``python launch.py --help``. ``ServerArgs`` is a plain dataclass so that
+it can be handed to spawned child processes and printed in server info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+LOAD_BALANCE_CHOICES = ("round_robin", "shortest_queue", "cache_aware")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
+SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+EVICTION_POLICY_CHOICES = ("lru", "lfu")
+LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+
+# Unix socket paths are limited to 108 bytes (sun_path) including the terminator.
+_MAX_IPC_PATH = 107
+_IPC_SUFFIX_LEN = len("/tinyserve-XXXXXXXX/detokenizer")  # what create() appends to the base
+
+
+@dataclass
+class ServerArgs:
+    """Every server flag; ``from_cli`` parses them, ``validate`` checks them."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    dtype: str = "auto"
+    tp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    attention_backend: str = "auto"
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 8192
+    page_size: int = 1
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+    context_length: int | None = None
+    stream_interval: int = 1
+    random_seed: int | None = None
+    api_key: str | None = None
+    log_level: str = "info"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    enable_mixed_chunk: bool = False
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+
+    # ------------------------------------------------------------------ CLI
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (same name, dashes for underscores), each with help text."""
+        d = ServerArgs()
+        g = parser.add_argument_group("model")
+        g.add_argument("--model-path", type=str, default=d.model_path,
+                       help="HF checkpoint folder (config.json, safetensors, tokenizer files). "
+                            "Default: the embedded tiny Llama model, built into $TINYSERVE_CACHE on first use.")
+        g.add_argument("--tokenizer-path", type=str, default=d.tokenizer_path,
+                       help="tokenizer folder (default: the model path)")
+        g.add_argument("--context-length", type=int, default=d.context_length,
+                       help="maximum tokens per request, prompt + output (default: the model's config)")
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", type=str, default=d.host,
+                       help=f"address the client socket binds (default {d.host})")
+        g.add_argument("--port", type=int, default=d.port,
+                       help=f"TCP port of the client socket; 0 picks a free port (default {d.port}). "
+                            "The chosen address is printed as 'ready: tcp://HOST:PORT'.")
+        g.add_argument("--api-key", type=str, default=d.api_key,
+                       help="when set, every request must carry this key (default: none)")
+        g.add_argument("--log-level", type=str.lower, default=d.log_level, choices=LOG_LEVEL_CHOICES,
+                       help=f"logging level of every process (default {d.log_level})")
+        g.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                       help=f"send a stream chunk every N generated tokens (default {d.stream_interval})")
+        g = parser.add_argument_group("execution")
+        g.add_argument("--device", type=str, default=d.device, choices=DEVICE_CHOICES,
+                       help="auto picks cuda when available, else cpu (default auto)")
+        g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
+                       help="weight and activation dtype; auto is bfloat16 where supported (default auto)")
+        g.add_argument("--attention-backend", type=str, default=d.attention_backend,
+                       choices=ATTENTION_BACKEND_CHOICES,
+                       help="auto is triton on cuda and torch_native on cpu (default auto)")
+        g.add_argument("--random-seed", type=int, default=d.random_seed,
+                       help="seed of the server's random generators (default: unseeded)")
+        g = parser.add_argument_group("memory")
+        g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                       help="fraction of device memory for weights + KV cache, in (0, 1) "
+                            "(default: chosen from the device)")
+        g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
+                       help="KV cache size in tokens; overrides --mem-fraction-static (default: derived)")
+        g.add_argument("--page-size", type=int, default=d.page_size,
+                       help=f"tokens per KV page, a power of two (default {d.page_size})")
+        g.add_argument("--disable-radix-cache", action="store_true", default=d.disable_radix_cache,
+                       help="turn off prefix caching (every request prefills its whole prompt)")
+        g.add_argument("--radix-eviction-policy", type=str, default=d.radix_eviction_policy,
+                       choices=EVICTION_POLICY_CHOICES,
+                       help=f"which cached prefixes are evicted first (default {d.radix_eviction_policy})")
+        g = parser.add_argument_group("scheduling")
+        g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                       help="maximum requests decoding at once (default: derived from memory)")
+        g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                       help=f"token budget of one prefill batch (default {d.max_prefill_tokens})")
+        g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                       help=f"prefill long prompts in chunks of this many tokens; -1 or 0 disables "
+                            f"chunking (default {d.chunked_prefill_size})")
+        g.add_argument("--schedule-policy", type=str, default=d.schedule_policy,
+                       choices=SCHEDULE_POLICY_CHOICES,
+                       help=f"order of waiting requests (default {d.schedule_policy})")
+        g.add_argument("--enable-mixed-chunk", action="store_true", default=d.enable_mixed_chunk,
+                       help="run decode requests inside prefill batches")
+        g = parser.add_argument_group("parallelism")
+        g.add_argument("--tp-size", type=int, default=d.tp_size,
+                       help=f"tensor-parallel ranks (default {d.tp_size})")
+        g.add_argument("--dp-size", type=int, default=d.dp_size,
+                       help=f"data-parallel replicas (default {d.dp_size})")
+        g.add_argument("--load-balance-method", type=str, default=d.load_balance_method,
+                       choices=LOAD_BALANCE_CHOICES,
+                       help=f"how the DP controller picks a replica (default {d.load_balance_method})")
+        g.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
+                       help=f"first GPU used by this node (default {d.base_gpu_id})")
+        g.add_argument("--gpu-id-step", type=int, default=d.gpu_id_step,
+                       help=f"distance between the GPUs of consecutive ranks (default {d.gpu_id_step})")
+        g.add_argument("--nnodes", type=int, default=d.nnodes,
+                       help=f"number of nodes (default {d.nnodes})")
+        g.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help=f"rank of this node, in [0, nnodes) (default {d.node_rank})")
+        g.add_argument("--dist-init-addr", type=str, default=d.dist_init_addr,
+                       help="HOST:PORT of the torch.distributed rendezvous (required when --nnodes > 1)")
+
+    @classmethod
+    def make_parser(cls) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog="launch.py",
+            description="Start a tinyserve server: tokenizer, scheduler and detokenizer processes. "
+                        "Prints 'ready: tcp://HOST:PORT' once it accepts requests.",
+        )
+        cls.add_cli_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        """Parse and validate ``argv``; a bad flag exits with status 2 and a usage message."""
+        parser = cls.make_parser()
+        ns = parser.parse_args(argv)
+        args = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        try:
+            args.validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+        return args
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag when a value is out of range or inconsistent."""
+        _choice("--device", self.device, DEVICE_CHOICES)
+        _choice("--dtype", self.dtype, DTYPE_CHOICES)
+        _choice("--load-balance-method", self.load_balance_method, LOAD_BALANCE_CHOICES)
+        _choice("--attention-backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
+        _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICY_CHOICES)
+        _choice("--radix-eviction-policy", self.radix_eviction_policy, EVICTION_POLICY_CHOICES)
+        _choice("--log-level", self.log_level.lower(), LOG_LEVEL_CHOICES)
+        for flag, path in (("--model-path", self.model_path), ("--tokenizer-path", self.tokenizer_path)):
+            if path is not None and not os.path.isdir(path):
+                raise ValueError(f"{flag} {path!r} is not a directory")
+        if not self.host:
+            raise ValueError("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535] (0 picks a free port), got {self.port}")
+        for flag, value in (
+            ("--tp-size", self.tp_size),
+            ("--dp-size", self.dp_size),
+            ("--max-prefill-tokens", self.max_prefill_tokens),
+            ("--stream-interval", self.stream_interval),
+            ("--nnodes", self.nnodes),
+            ("--gpu-id-step", self.gpu_id_step),
+        ):
+            _positive(flag, value)
+        for flag, opt in (
+            ("--max-total-tokens", self.max_total_tokens),
+            ("--max-running-requests", self.max_running_requests),
+            ("--context-length", self.context_length),
+        ):
+            if opt is not None:
+                _positive(flag, opt)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < -1:
+            raise ValueError(
+                f"--chunked-prefill-size must be positive, or -1/0 to disable, got {self.chunked_prefill_size}"
+            )
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size ({self.tp_size}) must be a multiple of --nnodes ({self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    # ------------------------------------------------------------------ derived
+
+    def resolved_model_path(self) -> str:
+        """The checkpoint folder to load: ``model_path``, or the embedded default model
+        (built into the cache on first use)."""
+        if self.model_path is not None:
+            return self.model_path
+        from runtime.tiny_model import default_model_path
+
+        return str(default_model_path())
+
+    def resolved_tokenizer_path(self) -> str:
+        return self.tokenizer_path if self.tokenizer_path is not None else self.resolved_model_path()
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    def client_address(self) -> str:
+        """The ``tcp://`` address clients connect to (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    def redacted(self) -> dict[str, object]:
+        """Field values for server info, without the api key."""
+        d = dataclasses.asdict(self)
+        if d["api_key"] is not None:
+            d["api_key"] = "<set>"
+        return d
+
+
+def _choice(flag: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+@dataclass
+class PortArgs:
+    """The endpoints between the processes: ipc sockets inside one private directory,
+    and the torch.distributed rendezvous of each tensor-parallel group.
+
+    The directory is created with mode 0700 (only this user can connect to the
+    sockets) and removed at exit by whoever called ``create`` (``launch.py``).
+    """
+
+    ipc_dir: str
+    tokenizer_ipc: str  # detokenizer -> tokenizer (the tokenizer binds a PULL)
+    scheduler_input_ipc: str  # tokenizer -> scheduler rank 0, or the DP controller (binds a PULL)
+    detokenizer_ipc: str  # scheduler(s) -> detokenizer (the detokenizer binds a PULL)
+    dp_controller_ipc: str = ""  # DP replicas -> DP controller (the controller binds a PULL)
+    dp_scheduler_input_ipcs: list[str] = field(default_factory=list)  # DP controller -> replica i
+    dist_init_addrs: list[str] = field(default_factory=list)  # per DP group: tcp://host:port rendezvous
+    _owner_pid: int = field(default=0, repr=False)
+
+    @classmethod
+    def create(cls, server_args: ServerArgs | None = None) -> "PortArgs":
+        """Make the private directory and name every endpoint for ``server_args``'s layout."""
+        sa = server_args or ServerArgs()
+        base = tempfile.gettempdir()
+        if len(base.encode()) + _IPC_SUFFIX_LEN > _MAX_IPC_PATH:
+            base = "/tmp"
+        ipc_dir = tempfile.mkdtemp(prefix="tinyserve-", dir=base)
+        os.chmod(ipc_dir, 0o700)
+        dp = sa.dp_size > 1
+        args = cls(
+            ipc_dir=ipc_dir,
+            tokenizer_ipc=f"ipc://{ipc_dir}/tokenizer",
+            scheduler_input_ipc=f"ipc://{ipc_dir}/scheduler",
+            detokenizer_ipc=f"ipc://{ipc_dir}/detokenizer",
+            dp_controller_ipc=f"ipc://{ipc_dir}/dpctl" if dp else "",
+            dp_scheduler_input_ipcs=[f"ipc://{ipc_dir}/dp{i}" for i in range(sa.dp_size)] if dp else [],
+            dist_init_addrs=_dist_init_addrs(sa),
+            _owner_pid=os.getpid(),
+        )
+        atexit.register(args.cleanup)
+        return args
+
+    def dist_init_method(self, dp_rank: int = 0) -> str:
+        """``tcp://host:port`` where the TP ranks of DP group ``dp_rank`` meet."""
+        if dp_rank >= len(self.dist_init_addrs):
+            raise ValueError(f"no rendezvous address for DP group {dp_rank} (is --tp-size > 1?)")
+        return self.dist_init_addrs[dp_rank]
+
+    def cleanup(self) -> None:
+        """Remove the ipc directory; only the creating process does (children share the object)."""
+        if self._owner_pid == os.getpid():
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _dist_init_addrs(sa: ServerArgs) -> list[str]:
+    """One rendezvous per DP group: from --dist-init-addr (port + group index, so that every
+    node derives the same ones), else free local ports. Empty without tensor parallelism."""
+    if sa.tp_size == 1 and sa.dist_init_addr is None:
+        return []
+    if sa.dist_init_addr is not None:
+        host, _, port = sa.dist_init_addr.rpartition(":")
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return [f"tcp://{host}:{int(port) + i}" for i in range(sa.dp_size)]
+    return [f"tcp://127.0.0.1:{_free_port()}" for _ in range(sa.dp_size)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,475 @@
+"""Python clients of a tinyserve server (DESIGN.md section 7).
+
+    from runtime.client import Client
+    c = Client("tcp://127.0.0.1:30000")
+    r = c.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    r["text"], r["output_ids"], r["meta"]
+
+``AsyncClient`` is the implementation (one DEALER socket, a reader task that routes
+replies to the waiting call by rid); ``Client`` runs an ``AsyncClient`` on a private
+event loop thread, so its blocking methods are safe to call from several threads.
+
+Errors: a rejected request raises ``RequestError(code, message)`` for that request
+only; no reply within ``timeout`` seconds raises ``RequestTimeout`` (a TimeoutError)
+and aborts the request on the server. A stream that is not read to the end (a
+``break``, an exception, garbage collection) and every request still in flight when
+the client closes are aborted on the server, so they stop holding KV memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Coroutine, Generator, Iterator, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from runtime.messages import (
+    AbortReq,
+    ClientReply,
+    ControlReply,
+    ErrorReply,
+    FlushCacheReq,
+    GenerateChunk,
+    GenerateReq,
+    HealthReq,
+    ServerInfoReq,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_HEALTH_TIMEOUT_S = 30.0
+
+
+class RequestError(Exception):
+    """The server rejected or failed one request; ``code`` is machine-readable
+    ("invalid_request", "unauthorized", "too_long", "internal", ...)."""
+
+    def __init__(self, code: str, message: str, rid: str = "") -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.rid = rid
+        self.results: list[Any] | None = None  # for a batch: every result, errors in place
+
+
+class RequestTimeout(TimeoutError):
+    """No reply within the client's timeout; the request was aborted on the server."""
+
+
+def _chunk_dict(chunk: GenerateChunk) -> dict[str, Any]:
+    return {
+        "rid": chunk.rid,
+        "text": chunk.text,
+        "output_ids": chunk.output_ids,
+        "finished": chunk.finished,
+        "finish_reason": chunk.finish_reason,
+        "meta": chunk.meta,
+        "index": chunk.meta.get("index", 0),
+    }
+
+
+def _result_dict(chunk: GenerateChunk) -> dict[str, Any]:
+    return {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.output_ids, "meta": chunk.meta}
+
+
+def _is_batch(prompt: Any, input_ids: Any, messages: Any) -> bool:
+    if prompt is not None:
+        return isinstance(prompt, (list, tuple))
+    if input_ids is not None:
+        return bool(input_ids) and isinstance(input_ids[0], (list, tuple))
+    if messages is not None:
+        return bool(messages) and isinstance(messages[0], (list, tuple))
+    return False
+
+
+class AsyncClient:
+    """Asyncio client (works on uvloop). Use one per event loop."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(address)
+        self._sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ClientReply)
+        # (kind, rid) -> queue of replies; kind is "gen", "ctl" or "abort".
+        self._queues: dict[tuple[str, str], asyncio.Queue[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 rid: str | list[str] | None = None) -> "GenerateCall":
+        """``await`` it for the result (a list for a batch or for n > 1); with
+        ``stream=True`` iterate it (``async for chunk in client.generate(...)``)."""
+        given = [x for x in (prompt, input_ids, messages) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, input_ids, messages")
+        batch = _is_batch(prompt, input_ids, messages)
+        items = list(given[0]) if batch else [given[0]]
+        if batch and stream:
+            raise ValueError("stream=True takes a single prompt")
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in items]
+        elif batch:
+            if isinstance(rid, str) or len(rid) != len(items):
+                raise ValueError("for a batch, rid must be a list with one rid per prompt")
+            rids = list(rid)
+        else:
+            if not isinstance(rid, str):
+                raise ValueError("rid must be a str")
+            rids = [rid]
+        field = "text" if prompt is not None else "input_ids" if input_ids is not None else "messages"
+        reqs = [
+            GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num, api_key=self.api_key, **{field: item})
+            for r, item in zip(rids, items)
+        ]
+        n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        return GenerateCall(self, reqs, batch=batch, stream=stream, n=n)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request of this client; True if it was still in flight."""
+        payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key), rid)
+        return bool(payload.get("aborted"))
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop the prefix cache (only when the server is idle); the server's answer."""
+        rid = uuid.uuid4().hex
+        return await self._control("ctl", FlushCacheReq(rid=rid, api_key=self.api_key), rid)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Scheduler figures (memory, queue, memory_invariant, ...), the tokenizer's
+        figures ("tokenizer"), the model ("model") and the server's flags ("server_args")."""
+        rid = uuid.uuid4().hex
+        return await self._control("ctl", ServerInfoReq(rid=rid, api_key=self.api_key), rid)
+
+    async def health(self, timeout: float | None = None) -> bool:
+        """True when the server answered through a scheduler round trip within ``timeout``
+        (default: the client's timeout, else 30 s)."""
+        rid = uuid.uuid4().hex
+        wait = timeout if timeout is not None else (self.timeout or DEFAULT_HEALTH_TIMEOUT_S)
+        try:
+            payload = await self._control("ctl", HealthReq(rid=rid, api_key=self.api_key), rid, timeout=wait)
+        except (RequestError, RequestTimeout):
+            return False
+        return bool(payload.get("ok"))
+
+    async def close(self) -> None:
+        """Abort this client's requests in flight and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        in_flight = [rid for kind, rid in self._queues if kind == "gen"]
+        for rid in in_flight:
+            self._send_nowait(AbortReq(rid=rid, api_key=self.api_key))
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        for queue in self._queues.values():
+            queue.put_nowait(ConnectionError("client closed"))
+        # A short linger lets the aborts leave; without them nothing needs to wait.
+        self._sock.close(linger=200 if in_flight else 0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ConnectionError("the client is closed")
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    def _send_nowait(self, msg: Any) -> None:
+        # No high-water mark: never blocks; the returned future is already resolved.
+        self._sock.send(self._encoder.encode(msg), flags=zmq.DONTWAIT)
+
+    def _register(self, kind: str, rid: str) -> asyncio.Queue[Any]:
+        key = (kind, rid)
+        if key in self._queues:
+            raise ValueError(f"rid {rid!r} is already in flight on this client")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[key] = queue
+        return queue
+
+    async def _next(self, queue: asyncio.Queue[Any], timeout: float | None = None) -> Any:
+        wait = self.timeout if timeout is None else timeout
+        try:
+            item = await asyncio.wait_for(queue.get(), wait) if wait is not None else await queue.get()
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {self.address} within {wait} s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            if not frame:
+                continue  # the server's keepalive probe
+            try:
+                msg = self._decoder.decode(frame)
+            except Exception as exc:
+                logger.error("dropping a malformed reply (%d bytes): %s", len(frame), exc)
+                continue
+            if isinstance(msg, GenerateChunk):
+                keys = [("gen", msg.rid)]
+            elif isinstance(msg, ControlReply):
+                keys = [("abort" if msg.kind == "abort" else "ctl", msg.rid)]
+            else:  # ErrorReply: whichever call waits on this rid
+                keys = [("gen", msg.rid), ("ctl", msg.rid), ("abort", msg.rid)]
+            delivered = False
+            for key in keys:
+                queue = self._queues.get(key)
+                if queue is not None:
+                    queue.put_nowait(msg)
+                    delivered = True
+            if not delivered and isinstance(msg, ErrorReply):
+                logger.warning("server error for no pending request (rid %r): [%s] %s",
+                               msg.rid, msg.code, msg.message)
+
+    async def _control(self, kind: str, req: Any, rid: str, timeout: float | None = None) -> dict[str, Any]:
+        self._ensure_open()
+        queue = self._register(kind, rid)
+        try:
+            self._send_nowait(req)
+            reply = await self._next(queue, timeout)
+        finally:
+            self._queues.pop((kind, rid), None)
+        if isinstance(reply, ErrorReply):
+            raise RequestError(reply.code, reply.message, reply.rid)
+        assert isinstance(reply, ControlReply)
+        return reply.payload
+
+    async def _collect(self, req: GenerateReq, queue: asyncio.Queue[Any], n: int) -> Any:
+        """Wait for every sample of one non-stream request."""
+        results: list[dict[str, Any] | None] = [None] * n
+        done = False
+        try:
+            while any(r is None for r in results):
+                msg = await self._next(queue)
+                if isinstance(msg, ErrorReply):
+                    done = True  # the server has dropped the request
+                    raise RequestError(msg.code, msg.message, msg.rid)
+                if isinstance(msg, GenerateChunk) and msg.finished:
+                    index = msg.meta.get("index", 0)
+                    if isinstance(index, int) and 0 <= index < n:
+                        results[index] = _result_dict(msg)
+            done = True
+        finally:
+            self._queues.pop(("gen", req.rid), None)
+            if not done and not self._closed:
+                self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
+        return results[0] if n == 1 else results
+
+    async def _run(self, reqs: list[GenerateReq], batch: bool, n: int) -> Any:
+        self._ensure_open()
+        queues = [self._register("gen", r.rid) for r in reqs]
+        # Send everything first, then wait: the server sees the whole batch at once.
+        for r in reqs:
+            self._send_nowait(r)
+        outcomes = await asyncio.gather(*(self._collect(r, q, n) for r, q in zip(reqs, queues)),
+                                        return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            first = errors[0]
+            if isinstance(first, RequestError) and batch:
+                first.results = list(outcomes)
+            raise first
+        return list(outcomes) if batch else outcomes[0]
+
+    async def _stream(self, req: GenerateReq, n: int) -> AsyncIterator[dict[str, Any]]:
+        self._ensure_open()
+        queue = self._register("gen", req.rid)
+        finished = 0
+        done = False
+        try:
+            self._send_nowait(req)
+            while finished < n:
+                msg = await self._next(queue)
+                if isinstance(msg, ErrorReply):
+                    done = True
+                    raise RequestError(msg.code, msg.message, msg.rid)
+                if isinstance(msg, GenerateChunk):
+                    finished += int(msg.finished)
+                    yield _chunk_dict(msg)
+            done = True
+        finally:
+            self._queues.pop(("gen", req.rid), None)
+            if not done and not self._closed:
+                self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
+
+
+class GenerateCall:
+    """What ``AsyncClient.generate`` returns: awaitable (the result) and, when
+    streaming, async-iterable (the chunks). Nothing is sent until it is used."""
+
+    def __init__(self, client: AsyncClient, reqs: list[GenerateReq], *, batch: bool, stream: bool, n: int) -> None:
+        self._client = client
+        self._reqs = reqs
+        self._batch = batch
+        self._stream = stream
+        self._n = n
+
+    @property
+    def rids(self) -> list[str]:
+        return [r.rid for r in self._reqs]
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._stream:
+            return self._as_iterator().__await__()
+        return self._client._run(self._reqs, self._batch, self._n).__await__()
+
+    async def _as_iterator(self) -> AsyncIterator[dict[str, Any]]:
+        return self.__aiter__()
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        if not self._stream:
+            raise TypeError("iterate only a stream=True call; await the others")
+        return self._client._stream(self._reqs[0], self._n)
+
+
+class Client:
+    """Blocking client: an ``AsyncClient`` on a private uvloop thread.
+
+    ``generate(..., stream=True)`` returns a generator of chunk dicts; leaving it early
+    aborts the request on the server. Thread-safe; use as a context manager or close().
+    """
+
+    def __init__(self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None,
+                 timeout: float | None = None) -> None:
+        import uvloop
+
+        self.address = address
+        self.server: Any = None  # set by launch.launch_server to the ServerProcess
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tinyserve-client", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncClient:
+            return AsyncClient(address, api_key=api_key, timeout=timeout)
+
+        self._async = self._call(make())
+        # Runs on close(), on garbage collection, or at interpreter exit (while the loop
+        # thread still runs), whichever comes first; it holds no reference to self.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._async)
+
+    @property
+    def api_key(self) -> str | None:
+        return self._async.api_key
+
+    @property
+    def timeout(self) -> float | None:
+        return self._async.timeout
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: the request is aborted on the server
+            raise
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 rid: str | list[str] | None = None) -> Any:
+        """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
+        a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
+        ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
+        call = self._async.generate(prompt, sampling_params, input_ids=input_ids, messages=messages,
+                                    stream=stream, return_logprob=return_logprob,
+                                    top_logprobs_num=top_logprobs_num, rid=rid)
+        if stream:
+            return self._iterate(call)
+
+        async def run() -> Any:
+            return await call
+
+        return self._call(run())
+
+    def _iterate(self, call: GenerateCall) -> Iterator[dict[str, Any]]:
+        agen = call.__aiter__()
+        try:
+            while True:
+                try:
+                    chunk = self._call(agen.__anext__())  # type: ignore[attr-defined]
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self.closed:
+                self._call(agen.aclose())  # type: ignore[attr-defined]  # aborts an unfinished stream
+
+    def abort(self, rid: str) -> bool:
+        return self._call(self._async.abort(rid))
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._call(self._async.flush_cache())
+
+    def server_info(self) -> dict[str, Any]:
+        return self._call(self._async.server_info())
+
+    def health(self, timeout: float | None = None) -> bool:
+        return self._call(self._async.health(timeout))
+
+    def close(self) -> None:
+        """Abort this client's requests in flight, close the socket, stop the loop thread."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:
+    try:
+        if thread.is_alive():
+            asyncio.run_coroutine_threadsafe(aclient.close(), loop).result(10)
+    except Exception:  # closing must not raise (it also runs from the garbage collector)
+        logger.debug("error while closing a client", exc_info=True)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if not thread.is_alive():
+            loop.close()
+
+
+__all__ = ["AsyncClient", "Client", "GenerateCall", "RequestError", "RequestTimeout"]

@@ -1,0 +1,81 @@
+"""Tensor-parallel process groups over torch.distributed.
+
+Each scheduler rank joins one group for tensor traffic (NCCL on cuda, gloo on
+CPU) and one gloo group on the CPU for control traffic: rank 0 owns the sockets
+and broadcasts what it received as msgspec bytes, so every rank forms the same
+batch. No pickle: only raw bytes and tensors cross these groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# Ranks other than 0 wait in a broadcast while the server is idle; never time that out.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass
+class TPGroup:
+    """This rank's view of its tensor-parallel group (satisfies runtime.layers.linear.TPGroup)."""
+
+    rank: int
+    world_size: int
+    device_group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.device_group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Make every rank hold rank ``src``'s values (in place; on the tensor group)."""
+        dist.broadcast(tensor, src=src, group=self.device_group)
+        return tensor
+
+    def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
+        """Send ``payload`` from rank ``src`` to all ranks over the CPU group; others pass None."""
+        size = torch.zeros(1, dtype=torch.int64)
+        if self.rank == src:
+            assert payload is not None
+            size[0] = len(payload)
+        dist.broadcast(size, src=src, group=self.cpu_group)
+        n = int(size[0])
+        if n == 0:
+            return b""
+        if self.rank == src:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self.cpu_group)
+        return payload if self.rank == src else buf.numpy().tobytes()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.cpu_group)
+
+
+def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the TP group. ``init_method`` is a ``tcp://host:port`` every rank can reach."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=IDLE_TIMEOUT)
+    world = dist.group.WORLD
+    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    logger.info("rank %d/%d joined the TP group (%s)", rank, world_size, backend)
+    return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu_group)
+
+
+def destroy_tp_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,285 @@
+"""Client and AsyncClient against a fake in-test ROUTER server (no model, no processes).
+
+The fake server runs on a thread with a plain zmq ROUTER; ``handler(identity, request)``
+returns the replies to send, so each test scripts exactly what the server says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+import pytest
+import uvloop
+import zmq
+
+from runtime.client import AsyncClient, Client, RequestError, RequestTimeout
+from runtime.messages import (
+    AbortReq,
+    ClientRequest,
+    ControlReply,
+    ErrorReply,
+    FlushCacheReq,
+    GenerateChunk,
+    GenerateReq,
+    HealthReq,
+    ServerInfoReq,
+)
+
+Handler = Callable[["FakeServer", bytes, Any], list[Any]]
+
+
+class FakeServer:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.received: "queue.Queue[Any]" = queue.Queue()
+        self.outbox: "queue.Queue[tuple[bytes, bytes]]" = queue.Queue()  # replies sent later by tests
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        dec = msgspec.msgpack.Decoder(ClientRequest)
+        enc = msgspec.msgpack.Encoder()
+        while not self._stop.is_set():
+            while not self.outbox.empty():
+                self.sock.send_multipart(list(self.outbox.get()))
+            if not self.sock.poll(20):
+                continue
+            identity, payload = self.sock.recv_multipart()
+            req = dec.decode(payload)
+            self.received.put(req)
+            for reply in self.handler(self, identity, req):
+                self.sock.send_multipart([identity, reply if isinstance(reply, bytes) else enc.encode(reply)])
+
+    def send_later(self, identity: bytes, msg: Any) -> None:
+        self.outbox.put((identity, msgspec.msgpack.encode(msg)))
+
+    def next_received(self, timeout: float = 5.0) -> Any:
+        return self.received.get(timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+        self.ctx.term()
+
+
+def echo_handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+    """Non-stream: text = prompt reversed; stream: one chunk per character."""
+    if isinstance(req, GenerateReq):
+        text = req.text or "".join(chr(65 + i % 26) for i in (req.input_ids or []))
+        meta = {"prompt_tokens": len(text), "completion_tokens": len(text), "cached_tokens": 0}
+        n = (req.sampling_params or {}).get("n", 1)
+        if req.stream:
+            return [b""] + [  # an empty keepalive frame first: the client must ignore it
+                GenerateChunk(rid=req.rid, text=c, output_ids=[ord(c)], finished=i == len(text) - 1,
+                              finish_reason={"type": "length", "length": len(text)} if i == len(text) - 1 else None,
+                              meta=meta)
+                for i, c in enumerate(text)
+            ]
+        return [
+            GenerateChunk(rid=req.rid, text=text[::-1] + (str(i) if n > 1 else ""), output_ids=[ord(c) for c in text],
+                          finished=True, finish_reason={"type": "length", "length": len(text)},
+                          meta={**meta, **({"index": i} if n > 1 else {})})
+            for i in reversed(range(n))  # out of order on purpose
+        ]
+    if isinstance(req, AbortReq):
+        return [ControlReply(rid=req.rid, kind="abort", payload={"aborted": True})]
+    if isinstance(req, FlushCacheReq):
+        return [ControlReply(rid=req.rid, kind="flush_cache", payload={"success": True})]
+    if isinstance(req, ServerInfoReq):
+        return [ControlReply(rid=req.rid, kind="server_info", payload={"num_running": 0})]
+    if isinstance(req, HealthReq):
+        return [ControlReply(rid=req.rid, kind="health", payload={"ok": True})]
+    return []
+
+
+@pytest.fixture()
+def server() -> Any:
+    s = FakeServer(echo_handler)
+    yield s
+    s.close()
+
+
+def test_generate_returns_a_result_dict(server: FakeServer) -> None:
+    with Client(server.address, api_key="k") as c:
+        r = c.generate("abc", {"max_new_tokens": 3, "temperature": 0})
+        assert r["text"] == "cba" and r["output_ids"] == [97, 98, 99]
+        assert r["meta"]["completion_tokens"] == 3
+        sent = server.next_received()
+        assert isinstance(sent, GenerateReq)
+        assert sent.text == "abc" and sent.sampling_params == {"max_new_tokens": 3, "temperature": 0}
+        assert sent.api_key == "k" and not sent.stream and len(sent.rid) == 32  # uuid4 hex
+        r = c.generate(input_ids=[0, 1], rid="mine")
+        assert r["rid"] == "mine" and r["text"] == "BA"
+
+
+def test_batch_is_sent_at_once_and_keeps_order() -> None:
+    """The fake server answers only when the whole batch has arrived, in reverse order."""
+    held: list[GenerateReq] = []
+
+    def handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+        held.append(req)
+        if len(held) < 5:
+            return []
+        return [GenerateChunk(rid=r.rid, text=r.text.upper(), output_ids=[], finished=True) for r in reversed(held)]
+
+    s = FakeServer(handler)
+    try:
+        with Client(s.address) as c:
+            prompts = ["a", "b", "c", "d", "e"]
+            results = c.generate(prompts, {"max_new_tokens": 1})
+            assert [r["text"] for r in results] == ["A", "B", "C", "D", "E"]
+    finally:
+        s.close()
+
+
+def test_stream_yields_deltas_and_an_early_break_aborts(server: FakeServer) -> None:
+    with Client(server.address) as c:
+        chunks = list(c.generate("hello", stream=True))
+        assert "".join(ch["text"] for ch in chunks) == "hello"
+        assert [ch["finished"] for ch in chunks] == [False] * 4 + [True]
+        assert chunks[-1]["finish_reason"] == {"type": "length", "length": 5}
+        server.next_received()
+        gen = c.generate("a long prompt", stream=True, rid="s1")
+        assert next(gen)["text"] == "a"
+        gen.close()  # the caller stops reading
+        sent = server.next_received()
+        assert isinstance(sent, GenerateReq) and sent.stream
+        abort = server.next_received()
+        assert isinstance(abort, AbortReq) and abort.rid == "s1"
+
+
+def test_error_reply_raises_for_that_request_only() -> None:
+    def handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+        if isinstance(req, GenerateReq) and req.text == "bad":
+            return [ErrorReply(rid=req.rid, code="invalid_request", message="sampling_params.top_k: nope")]
+        return echo_handler(server, identity, req)
+
+    s = FakeServer(handler)
+    try:
+        with Client(s.address) as c:
+            with pytest.raises(RequestError) as exc:
+                c.generate("bad")
+            assert exc.value.code == "invalid_request" and "top_k" in exc.value.message
+            with pytest.raises(RequestError) as exc:
+                c.generate(["ok", "bad", "fine"])
+            results = exc.value.results
+            assert results is not None and results[0]["text"] == "ko" and results[2]["text"] == "enif"
+            assert isinstance(results[1], RequestError)
+            assert c.generate("still")["text"] == "llits"  # the client keeps working
+    finally:
+        s.close()
+
+
+def test_timeout_raises_and_aborts() -> None:
+    s = FakeServer(lambda server, identity, req: [])  # never answers
+    try:
+        with Client(s.address, timeout=0.3) as c:
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeout) as exc:
+                c.generate("x", rid="slow")
+            assert isinstance(exc.value, TimeoutError)
+            assert time.monotonic() - t0 < 3
+            assert isinstance(s.next_received(), GenerateReq)
+            abort = s.next_received()
+            assert isinstance(abort, AbortReq) and abort.rid == "slow"
+            assert c.health(timeout=0.2) is False
+    finally:
+        s.close()
+
+
+def test_parallel_samples_come_back_in_index_order(server: FakeServer) -> None:
+    with Client(server.address) as c:
+        r = c.generate("ab", {"n": 3})
+        assert [x["text"] for x in r] == ["ba0", "ba1", "ba2"]
+
+
+def test_control_calls(server: FakeServer) -> None:
+    with Client(server.address) as c:
+        assert c.flush_cache() == {"success": True}
+        assert c.server_info() == {"num_running": 0}
+        assert c.health() is True
+        assert c.abort("some-rid") is True
+
+
+def test_abort_ends_a_pending_generate() -> None:
+    """abort() from another thread: the pending generate gets the server's final chunk."""
+    def handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+        if isinstance(req, AbortReq):
+            return [GenerateChunk(rid=req.rid, text="", output_ids=[], finished=True,
+                                  finish_reason={"type": "abort"}),
+                    ControlReply(rid=req.rid, kind="abort", payload={"aborted": True})]
+        return []
+
+    s = FakeServer(handler)
+    try:
+        with Client(s.address) as c:
+            result: dict[str, Any] = {}
+            t = threading.Thread(target=lambda: result.update(c.generate("x", rid="r1")))
+            t.start()
+            assert isinstance(s.next_received(), GenerateReq)
+            assert c.abort("r1") is True
+            t.join(5)
+            assert result["meta"] == {} and result["text"] == ""
+    finally:
+        s.close()
+
+
+def test_async_client_on_uvloop(server: FakeServer) -> None:
+    async def main() -> None:
+        async with AsyncClient(server.address) as c:
+            r = await c.generate("xyz")
+            assert r["text"] == "zyx"
+            rs = await c.generate(["a", "bc"])
+            assert [x["text"] for x in rs] == ["a", "cb"]
+            text = ""
+            async for ch in c.generate("stream", stream=True):
+                text += ch["text"]
+            assert text == "stream"
+            it = await c.generate("again", stream=True)  # the awaited form works too
+            assert [ch["text"] async for ch in it] == list("again")
+            assert await c.server_info() == {"num_running": 0}
+
+    uvloop.run(main())
+
+
+def test_close_aborts_requests_in_flight() -> None:
+    s = FakeServer(lambda server, identity, req: [])
+    try:
+        async def main() -> None:
+            c = AsyncClient(s.address)
+            task = asyncio.ensure_future(c.generate("x", rid="inflight"))
+            assert isinstance(await asyncio.get_running_loop().run_in_executor(None, s.next_received), GenerateReq)
+            await c.close()
+            with pytest.raises(ConnectionError):
+                await task
+
+        asyncio.run(main())
+        abort = s.next_received()
+        assert isinstance(abort, AbortReq) and abort.rid == "inflight"
+    finally:
+        s.close()
+
+
+def test_argument_errors_are_raised_locally() -> None:
+    c = AsyncClient("tcp://127.0.0.1:1")
+    with pytest.raises(ValueError):
+        c.generate()
+    with pytest.raises(ValueError):
+        c.generate("a", input_ids=[1])
+    with pytest.raises(ValueError):
+        c.generate(["a", "b"], stream=True)
+    with pytest.raises(ValueError):
+        c.generate(["a", "b"], rid="one")
+    asyncio.run(c.close())

@@ -1,0 +1,159 @@
+"""Turn a client's ``GenerateReq`` into scheduler requests, or reject it with a reason.
+
+Every check a client can fail lives here, so that the rejection (code + message
+naming the problem) is decided in one place and nothing malformed ever reaches the
+scheduler: the scheduler trusts what it receives.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgspec
+
+from runtime.messages import GenerateReq, TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+
+MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
+
+
+class Rejected(Exception):
+    """A request the server refuses; ``code`` goes to the client in an ErrorReply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the scheduler reported when it became ready."""
+
+    vocab_size: int
+    context_len: int
+    max_req_input_len: int
+    max_total_tokens: int
+
+
+def check_api_key(expected: str | None, given: str | None) -> None:
+    if expected is None:
+        return
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise Rejected("unauthorized", "invalid or missing api key")
+
+
+class RequestBuilder:
+    """Validates and tokenizes generate requests (owns no state besides the tokenizer)."""
+
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def build(self, req: GenerateReq) -> list[TokenizedGenerateReq]:
+        """One scheduler request per sample (``n`` of them, with fresh internal rids)."""
+        params = self._sampling_params(req)
+        input_ids = self._input_ids(req)
+        self._check_ids(input_ids)
+        params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
+        top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
+        return_logprob = req.return_logprob or top_logprobs_num > 0
+        now = time.time()
+        out = []
+        for i in range(params.n):
+            sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
+                                          top_logprobs_num=top_logprobs_num)
+            out.append(TokenizedGenerateReq(
+                rid=uuid.uuid4().hex,
+                input_ids=input_ids,
+                sampling_params=sub,
+                stream=req.stream,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                arrival_time=now,
+            ))
+        return out
+
+    # ------------------------------------------------------------------ pieces
+
+    def _sampling_params(self, req: GenerateReq) -> SamplingParams:
+        try:
+            params = SamplingParams.from_dict(req.sampling_params)
+            params.validate(self.limits.vocab_size)
+        except SamplingParamsError as exc:
+            raise Rejected("invalid_request", str(exc)) from None
+        if params.n > MAX_N:
+            raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}")
+        if req.top_logprobs_num < 0:
+            raise Rejected("invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}")
+        if req.top_logprobs_num > self.limits.vocab_size:
+            raise Rejected("invalid_request",
+                           f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}")
+        return params
+
+    def _input_ids(self, req: GenerateReq) -> list[int]:
+        given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise Rejected("invalid_request",
+                           f"give exactly one of text, input_ids, messages (got {', '.join(given) or 'none'})")
+        if req.text is not None:
+            if not req.text:
+                raise Rejected("invalid_request", "empty prompt: text is ''")
+            return list(self.tokenizer.encode(req.text))
+        if req.input_ids is not None:
+            if not req.input_ids:
+                raise Rejected("invalid_request", "empty prompt: input_ids is []")
+            return req.input_ids
+        assert req.messages is not None
+        if not req.messages:
+            raise Rejected("invalid_request", "empty prompt: messages is []")
+        return self._render_chat(req.messages)
+
+    def _render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise Rejected("invalid_request", "messages: the model's tokenizer has no chat template")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or "content" not in m:
+                raise Rejected("invalid_request", f"messages[{i}]: needs a string 'role' and a 'content'")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # template errors are the client's message structure
+            raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise Rejected("invalid_request", "empty prompt: the rendered chat is empty")
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) > self.limits.max_req_input_len:
+            raise Rejected("too_long", f"the prompt has {len(ids)} tokens; the maximum is "
+                                       f"{self.limits.max_req_input_len}")
+
+    def _fit_context(self, n: int, params: SamplingParams, explicit: bool) -> SamplingParams:
+        """Prompt + output must fit the context: an explicit max_new_tokens that does not
+        is rejected (as SGLang and vLLM do); the default one is shortened to fit."""
+        room = self.limits.context_len - n
+        if params.max_new_tokens <= room:
+            return params
+        if explicit:
+            raise Rejected("too_long", f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                                       f"{n + params.max_new_tokens} exceeds the context length "
+                                       f"{self.limits.context_len}")
+        return msgspec.structs.replace(params, max_new_tokens=room,
+                                       min_new_tokens=min(params.min_new_tokens, room))
+
+
+def _nth_seed(seed: int | None, i: int) -> int | None:
+    """Distinct seeds for the samples of one request (the same seed would repeat a sample)."""
+    if seed is None or i == 0:
+        return seed
+    return seed + i if seed + i < 2**64 else seed - i

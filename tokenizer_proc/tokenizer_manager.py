@@ -1,0 +1,431 @@
+"""The TokenizerManager process: the server's front door.
+
+One asyncio loop (uvloop) runs three tasks:
+  * clients: a ROUTER socket (one DEALER per client). Each request is checked,
+    tokenized and pushed to the scheduler; control requests become a round trip to
+    the scheduler.
+  * outputs: text deltas from the detokenizer, routed back to the client that asked,
+    by its ZMQ identity (a chunk per stream step, one reply for a non-stream request).
+  * probe: every PROBE_INTERVAL_S an empty frame to each client with requests in
+    flight; the ROUTER is ``ROUTER_MANDATORY``, so a client that has gone away makes
+    the send fail, and its requests are aborted in the scheduler (their KV is freed).
+    A streaming client is noticed at its next chunk already. (libzmq's
+    ROUTER_NOTIFY would say it directly, but it is a draft option that the bundled
+    libzmq does not enable.)
+
+This process owns the per-request routing state (``ReqGroup``); an entry lives
+from the accepted request until its last output, an error, or an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from runtime.args import PortArgs, ServerArgs
+from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientGone, PushSocket
+from runtime.messages import (
+    AbortReq,
+    BatchStrOut,
+    ClientRequest,
+    ControlReply,
+    ErrorReply,
+    FlushCacheReq,
+    GenerateChunk,
+    GenerateReq,
+    HealthReq,
+    SchedAbortReq,
+    SchedControlOut,
+    SchedControlReq,
+    SchedErrorOut,
+    SchedulerInput,
+    ServerInfoReq,
+    StrOutput,
+    TokenizerInput,
+)
+from runtime.utils import recv_status, send_status
+from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
+
+logger = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 0.1
+HEALTH_TIMEOUT_S = 20.0
+CONTROL_TIMEOUT_S = 120.0
+
+
+@dataclass
+class SampleState:
+    """One scheduler request (one of the ``n`` samples of a client request)."""
+
+    index: int
+    internal_rid: str
+    finished: bool = False
+    text: list[str] = field(default_factory=list)  # non-stream: accumulated deltas
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[Any] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class ReqGroup:
+    """A client's generate request, from acceptance until every sample has finished."""
+
+    identity: bytes
+    client_rid: str
+    stream: bool
+    created: float
+    samples: list[SampleState]
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def unfinished(self) -> list[SampleState]:
+        return [s for s in self.samples if not s.finished]
+
+
+@dataclass
+class PendingControl:
+    identity: bytes
+    client_rid: str
+    kind: str  # the client's kind: "flush_cache" | "server_info" | "health"
+    sent_at: float
+    timer: asyncio.TimerHandle | None = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, tokenizer: Any, limits: ModelLimits,
+                 router: AsyncRouter, to_scheduler: PushSocket[Any]) -> None:
+        self.server_args = server_args
+        self.limits = limits
+        self.builder = RequestBuilder(tokenizer, limits)
+        self.router = router
+        self.to_scheduler = to_scheduler
+        self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
+        self.groups: dict[tuple[bytes, str], ReqGroup] = {}
+        self.by_internal: dict[str, tuple[ReqGroup, SampleState]] = {}
+        self.by_identity: dict[bytes, set[str]] = {}
+        self.controls: dict[str, PendingControl] = {}
+        self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
+        self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
+                      "clients_gone": 0, "malformed_frames": 0}
+
+    # ================================================================== client side
+
+    async def client_loop(self) -> None:
+        while True:
+            identity, frames = await self.router.recv()
+            try:
+                await self.handle_client_frames(identity, frames)
+            except Exception:  # one bad request must never stop the server
+                logger.exception("failed to handle a client message")
+
+    async def handle_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) == 1 and not frames[0]:
+            return  # an empty frame is a keepalive; nothing to answer
+        if len(frames) != 1:
+            self.stats["malformed_frames"] += 1
+            await self.reply(identity, ErrorReply(rid="", code="invalid_request",
+                                                  message=f"expected one frame per message, got {len(frames)}"))
+            return
+        try:
+            req = self.client_decoder.decode(frames[0])
+        except Exception as exc:  # DecodeError / ValidationError: name the problem
+            self.stats["malformed_frames"] += 1
+            rid = _loose_rid(frames[0])
+            logger.warning("rejecting a malformed request from %s: %s", identity.hex(), exc)
+            await self.reply(identity, ErrorReply(rid=rid, code="invalid_request",
+                                                  message=f"malformed request: {exc}"))
+            return
+        try:
+            check_api_key(self.server_args.api_key, req.api_key)
+            if isinstance(req, GenerateReq):
+                await self.handle_generate(identity, req)
+            elif isinstance(req, AbortReq):
+                await self.handle_abort(identity, req)
+            elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq)):
+                self.start_control(identity, req)
+        except Rejected as exc:
+            self.stats["requests_rejected"] += 1
+            await self.reply(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
+        except Exception as exc:  # a bug here must not leave the client waiting forever
+            logger.exception("failed to handle request %s", req.rid)
+            await self.reply(identity, ErrorReply(rid=req.rid, code="internal",
+                                                  message=f"{type(exc).__name__}: {exc}"))
+
+    async def handle_generate(self, identity: bytes, req: GenerateReq) -> None:
+        key = (identity, req.rid)
+        if key in self.groups:
+            raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
+        subs = self.builder.build(req)
+        group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream, created=time.time(),
+                         samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)])
+        self.groups[key] = group
+        self.by_identity.setdefault(identity, set()).add(req.rid)
+        for sample in group.samples:
+            self.by_internal[sample.internal_rid] = (group, sample)
+        for sub in subs:
+            self.to_scheduler.send(sub)
+        self.stats["requests_accepted"] += 1
+        logger.debug("accepted %s from %s as %s", req.rid, identity.hex(), [s.rid for s in subs])
+
+    async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
+        group = self.groups.get((identity, req.rid))
+        if group is not None:
+            self.stats["requests_aborted"] += 1
+            unfinished = self.drop_group(group, abort_in_scheduler=True)
+            for sample in unfinished:
+                await self.reply(identity, self.final_chunk(
+                    group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
+        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload={"aborted": group is not None}))
+
+    def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
+        """Forget a group; abort its unfinished samples in the scheduler. Returns those samples."""
+        unfinished = group.unfinished()
+        for sample in group.samples:
+            self.by_internal.pop(sample.internal_rid, None)
+            if abort_in_scheduler and not sample.finished:
+                self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
+        self.groups.pop((group.identity, group.client_rid), None)
+        rids = self.by_identity.get(group.identity)
+        if rids is not None:
+            rids.discard(group.client_rid)
+            if not rids:
+                del self.by_identity[group.identity]
+        return unfinished
+
+    def client_gone(self, identity: bytes) -> None:
+        """The client disconnected: abort everything it had in flight (frees its KV)."""
+        rids = list(self.by_identity.get(identity, ()))
+        if rids:
+            self.stats["clients_gone"] += 1
+            logger.info("client %s went away; aborting %d request(s)", identity.hex(), len(rids))
+        for rid in rids:
+            group = self.groups.get((identity, rid))
+            if group is not None:
+                self.drop_group(group, abort_in_scheduler=True)
+        for crid, pending in list(self.controls.items()):
+            if pending.identity == identity:
+                self._drop_control(crid)
+
+    async def reply(self, identity: bytes, msg: Any) -> bool:
+        """Send to one client; False (and its requests aborted) when it has gone away."""
+        try:
+            await self.router.send(identity, msg)
+            return True
+        except ClientGone:
+            self.client_gone(identity)
+            return False
+
+    async def probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for identity in list(self.by_identity):
+                try:
+                    await self.router.send_raw(identity, b"")
+                except ClientGone:
+                    self.client_gone(identity)
+
+    # ================================================================== control
+
+    def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
+        kind = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}[type(req)]
+        internal = uuid.uuid4().hex
+        pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
+        timeout = HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S
+        pending.timer = asyncio.get_running_loop().call_later(
+            timeout, lambda: asyncio.ensure_future(self._control_timed_out(internal)))
+        self.controls[internal] = pending
+        # Health is a server_info round trip: it proves the scheduler loop is turning.
+        self.to_scheduler.send(SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache"
+                                               else "server_info"))
+
+    def _drop_control(self, internal: str) -> PendingControl | None:
+        pending = self.controls.pop(internal, None)
+        if pending is not None and pending.timer is not None:
+            pending.timer.cancel()
+        return pending
+
+    async def _control_timed_out(self, internal: str) -> None:
+        pending = self._drop_control(internal)
+        if pending is None:
+            return
+        code = "unhealthy" if pending.kind == "health" else "internal"
+        await self.reply(pending.identity, ErrorReply(
+            rid=pending.client_rid, code=code,
+            message=f"the scheduler did not answer {pending.kind} within "
+                    f"{HEALTH_TIMEOUT_S if pending.kind == 'health' else CONTROL_TIMEOUT_S:.0f} s"))
+
+    async def handle_control_out(self, out: SchedControlOut) -> None:
+        pending = self._drop_control(out.rid)
+        if pending is None:
+            return
+        if pending.kind == "health":
+            payload: dict[str, Any] = {"ok": True, "scheduler_round_trip_s": time.monotonic() - pending.sent_at}
+        elif pending.kind == "server_info":
+            payload = self.server_info(out.payload)
+        else:
+            payload = dict(out.payload)
+        await self.reply(pending.identity, ControlReply(rid=pending.client_rid, kind=pending.kind, payload=payload))
+
+    def server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
+        info = dict(scheduler_payload)
+        info["tokenizer"] = {
+            "active_requests": len(self.groups),
+            "active_samples": len(self.by_internal),
+            "active_clients": len(self.by_identity),
+            "pending_controls": len(self.controls),
+            **self.stats,
+        }
+        info["model"] = {
+            "model_path": self.server_args.model_path,
+            "tokenizer_path": self.server_args.resolved_tokenizer_path(),
+            "vocab_size": self.limits.vocab_size,
+            "context_len": self.limits.context_len,
+            "max_req_input_len": self.limits.max_req_input_len,
+            "max_total_tokens": self.limits.max_total_tokens,
+        }
+        info["server_args"] = self.server_args.redacted()
+        info["processes"] = self.processes
+        return info
+
+    # ================================================================== outputs
+
+    async def output_loop(self, from_detokenizer: AsyncPullSocket[Any]) -> None:
+        while True:
+            msg = await from_detokenizer.recv()
+            try:
+                if isinstance(msg, BatchStrOut):
+                    for out in msg.outputs:
+                        await self.handle_output(out)
+                elif isinstance(msg, SchedErrorOut):
+                    await self.handle_sched_error(msg)
+                elif isinstance(msg, SchedControlOut):
+                    await self.handle_control_out(msg)
+            except Exception:
+                logger.exception("failed to route a scheduler output")
+
+    async def handle_output(self, out: StrOutput) -> None:
+        entry = self.by_internal.get(out.rid)
+        if entry is None:
+            return  # aborted or its client is gone: nobody to send to
+        group, sample = entry
+        if out.finished:
+            sample.finished = True
+        if group.stream:
+            chunk = GenerateChunk(rid=group.client_rid, text=out.text_delta, output_ids=out.new_output_ids,
+                                  finished=out.finished, finish_reason=out.finish_reason,
+                                  meta=self.meta(group, sample, out.meta, out.finish_reason if out.finished else None))
+            if not await self.reply(group.identity, chunk):
+                return
+        else:
+            sample.text.append(out.text_delta)
+            sample.output_ids.extend(out.new_output_ids)
+            sample.token_logprobs.extend(out.meta.get("output_token_logprobs", ()))
+            sample.top_logprobs.extend(out.meta.get("output_top_logprobs", ()))
+            if out.finished:
+                meta = self.meta(group, sample, out.meta, out.finish_reason)
+                if sample.token_logprobs or "output_token_logprobs" in out.meta:
+                    meta["output_token_logprobs"] = sample.token_logprobs
+                if sample.top_logprobs or "output_top_logprobs" in out.meta:
+                    meta["output_top_logprobs"] = sample.top_logprobs
+                chunk = GenerateChunk(rid=group.client_rid, text="".join(sample.text), output_ids=sample.output_ids,
+                                      finished=True, finish_reason=out.finish_reason, meta=meta)
+                if not await self.reply(group.identity, chunk):
+                    return
+        if out.finished:
+            self.by_internal.pop(out.rid, None)
+            if not group.unfinished():
+                self.drop_group(group, abort_in_scheduler=False)
+
+    def meta(self, group: ReqGroup, sample: SampleState, out_meta: dict[str, Any],
+             finish_reason: dict[str, Any] | None) -> dict[str, Any]:
+        meta = dict(out_meta)
+        if group.n > 1:
+            meta["index"] = sample.index
+        if sample.finished:
+            meta["finish_reason"] = finish_reason
+            meta["latency"] = time.time() - group.created
+        return meta
+
+    def final_chunk(self, group: ReqGroup, sample: SampleState, finish_reason: dict[str, Any]) -> GenerateChunk:
+        """The last reply of a sample that ends here (abort): what it produced so far (non-stream)."""
+        sample.finished = True
+        text = "" if group.stream else "".join(sample.text)
+        ids = [] if group.stream else sample.output_ids
+        return GenerateChunk(rid=group.client_rid, text=text, output_ids=ids, finished=True,
+                             finish_reason=finish_reason,
+                             meta=self.meta(group, sample, {"completion_tokens": len(sample.output_ids)},
+                                            finish_reason))
+
+    async def handle_sched_error(self, err: SchedErrorOut) -> None:
+        if err.rid in self.controls:
+            pending = self._drop_control(err.rid)
+            assert pending is not None
+            await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code=err.code, message=err.message))
+            return
+        entry = self.by_internal.get(err.rid)
+        if entry is None:
+            return
+        group, sample = entry
+        sample.finished = True  # the scheduler has already dropped it
+        self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
+        await self.reply(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
+
+
+def _loose_rid(frame: bytes) -> str:
+    """The rid of a frame that failed typed decoding, when it has one (so the error
+    reaches the right request); "" for garbage."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except Exception:
+        return ""
+    rid = obj.get("rid") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
+# ====================================================================== process entry
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    # Bind first: a port conflict is reported in a second, not after the imports and the
+    # model load of the other processes.
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, server_args.client_address())
+    from_detokenizer: AsyncPullSocket[Any] = AsyncPullSocket(port_args.tokenizer_ipc, TokenizerInput, ctx, bind=True)
+    to_scheduler: PushSocket[Any] = PushSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=False)
+    tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())  # blocking; nothing else runs yet
+    # The launcher sends the scheduler's figures once the scheduler is ready.
+    info = await asyncio.get_running_loop().run_in_executor(None, recv_status, ready_conn)
+    limits = ModelLimits(vocab_size=int(info["vocab_size"]), context_len=int(info["context_len"]),
+                         max_req_input_len=int(info["max_req_input_len"]),
+                         max_total_tokens=int(info["max_total_tokens"]))
+    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler)
+    manager.processes = dict(info.get("processes") or {})
+    host = server_args.host
+    address = f"tcp://[{host}]:{router.port}" if ":" in host else f"tcp://{host}:{router.port}"
+    send_status(ready_conn, {"status": "ready", "address": address})
+    logger.info("tokenizer ready on %s", address)
+    await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop())
+
+
+def run_tokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    """Child-process main: bind, load the tokenizer, wait for the scheduler's figures, serve."""
+    import uvloop
+
+    uvloop.run(_serve(server_args, port_args, ready_conn))
