@@ -7,6 +7,7 @@ every KV slot past its cached prefix are released by the tree cache's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -65,8 +66,29 @@ class BatchBuilder:
             self.device,
         )
 
-    def build_extend(self, reqs: Sequence[Req], mode: ForwardMode = ForwardMode.EXTEND) -> ForwardBatch:
-        """Prefill ``req.fill_ids[len(prefix_indices):]`` for every request (a decode request is an extend of 1)."""
+    def build_extend(self, reqs: Sequence[Req]) -> ForwardBatch:
+        """Prefill ``req.fill_ids[len(prefix_indices):]`` for every request."""
+        return self._to_batch(ForwardMode.EXTEND, [self._extend_parts(reqs)])
+
+    def build_decode(self, reqs: Sequence[Req]) -> ForwardBatch:
+        """One new token per request: the last sampled one, at position seqlen - 1."""
+        return self._to_batch(ForwardMode.DECODE, [self._decode_parts(reqs)])
+
+    def build_mixed(self, extend_reqs: Sequence[Req], decode_reqs: Sequence[Req]) -> ForwardBatch:
+        """Prefill ``extend_reqs`` and decode ``decode_reqs`` in one forward (MIXED).
+
+        The extend part is allocated first; if the decode part then does not fit
+        (``_decode_parts`` allocates nothing when it raises), the prefill runs alone
+        and the batch's mode says so.
+        """
+        extend = self._extend_parts(extend_reqs)
+        try:
+            decode = self._decode_parts(decode_reqs)
+        except OutOfMemory:
+            return self._to_batch(ForwardMode.EXTEND, [extend])
+        return self._to_batch(ForwardMode.MIXED, [extend, decode])
+
+    def _extend_parts(self, reqs: Sequence[Req]) -> "_Parts":
         pool = self.req_to_token_pool
         prefix_lens = [len(r.prefix_indices) for r in reqs]
         seq_lens = [len(r.fill_ids) for r in reqs]
@@ -105,12 +127,9 @@ class BatchBuilder:
             offset += n
         input_ids = [t for r, p in zip(reqs, prefix_lens) for t in r.fill_ids[p:]]
         positions = [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)]
-        return self._forward_batch(
-            reqs, mode, input_ids, positions, rows, seq_lens, prefix_lens, extend_lens, out_cache_loc
-        )
+        return _Parts(list(reqs), input_ids, positions, rows, seq_lens, prefix_lens, extend_lens, out_cache_loc)
 
-    def build_decode(self, reqs: Sequence[Req]) -> ForwardBatch:
-        """One new token per request: the last sampled one, at position seqlen - 1."""
+    def _decode_parts(self, reqs: Sequence[Req]) -> "_Parts":
         rows = [r.req_pool_idx for r in reqs]
         seq_lens = [r.seqlen for r in reqs]
         prefix_lens = [s - 1 for s in seq_lens]
@@ -129,35 +148,27 @@ class BatchBuilder:
         pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=table.device)
         table[rows_t, pos_t] = out_cache_loc.to(table.dtype)
         input_ids = [r.output_ids[-1] for r in reqs]
-        return self._forward_batch(
-            reqs, ForwardMode.DECODE, input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs),
-            out_cache_loc,
-        )
+        return _Parts(list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs), out_cache_loc)
 
-    def _forward_batch(
-        self,
-        reqs: Sequence[Req],
-        mode: ForwardMode,
-        input_ids: list[int],
-        positions: list[int],
-        rows: list[int],
-        seq_lens: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        out_cache_loc: torch.Tensor,
-    ) -> ForwardBatch:
+    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"]) -> ForwardBatch:
+        def cat(name: str) -> list[int]:
+            return [x for p in parts for x in getattr(p, name)]
+
         def t(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        reqs = [r for p in parts for r in p.reqs]
+        seq_lens, prefix_lens, extend_lens = cat("seq_lens"), cat("prefix_lens"), cat("extend_lens")
+        out_cache_loc = torch.cat([p.out_cache_loc.to(torch.int64) for p in parts])
         return ForwardBatch(
             forward_mode=mode,
-            input_ids=t(input_ids),
-            positions=t(positions),
-            req_pool_indices=t(rows),
+            input_ids=t(cat("input_ids")),
+            positions=t(cat("positions")),
+            req_pool_indices=t(cat("rows")),
             seq_lens=t(seq_lens),
             prefix_lens=t(prefix_lens),
             extend_lens=t(extend_lens),
-            out_cache_loc=out_cache_loc.to(torch.int64),
+            out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.runner.token_to_kv_pool,
             seq_lens_cpu=seq_lens,
@@ -167,3 +178,17 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
         )
+
+
+@dataclass
+class _Parts:
+    """The host-side pieces of one batch section (an extend part or a decode part)."""
+
+    reqs: list[Req]
+    input_ids: list[int]
+    positions: list[int]
+    rows: list[int]
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor

@@ -68,8 +68,9 @@ class ReplicaState:
             self.cached_blocks.clear()
             return
         hashes = block_hashes(event.token_ids, event.extra_key)
-        # Blocks that end after ``start`` changed; the ones before it are untouched.
-        changed = hashes[event.start // BLOCK :] if event.kind == "stored" else hashes[-(-event.start // BLOCK) :]
+        # Block j covers tokens [0, (j+1)*BLOCK): those ending after ``start`` hold changed
+        # tokens (stored: now complete; removed: no longer complete), those before it are untouched.
+        changed = hashes[event.start // BLOCK :]
         if event.kind == "stored":
             self.cached_blocks.update(changed)
         else:

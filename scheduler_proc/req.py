@@ -20,7 +20,7 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity equality and hashing
 class Req:
     rid: str
     origin_input_ids: list[int]

@@ -114,7 +114,7 @@ class Scheduler:
         self.consecutive_prefills = 0
         self.outbox: list[Any] = []  # messages for the detokenizer, flushed after each step
         self.stats = {"num_retractions": 0, "num_retracted_reqs": 0, "num_prefill_batches": 0,
-                      "num_decode_batches": 0, "num_finished": 0, "num_aborted": 0,
+                      "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0, "num_aborted": 0,
                       "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
@@ -237,7 +237,8 @@ class Scheduler:
     def _get_new_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked_req is None:
             return []
-        if self.running and self.consecutive_prefills >= MAX_CONSECUTIVE_PREFILLS and self.chunked_req is None:
+        if self.running and self.consecutive_prefills >= MAX_CONSECUTIVE_PREFILLS:
+            # Let the running requests decode; a chunked prefill resumes next step.
             self.consecutive_prefills = 0
             return []
         if len(self.running) >= self.max_running_requests and self.chunked_req is None:
@@ -287,11 +288,11 @@ class Scheduler:
         """Hold back a request that shares its start with one already in this prefill batch.
 
         Both would compute the shared tokens; waiting one round lets the first cache
-        them, so the rest hit the cache (SGLang's in-batch prefix caching check).
+        them, so the rest hit the cache (SGLang's in-batch prefix caching check). A
+        prompt shorter than the threshold only clashes with an identical prompt: the
+        samples of a parallel-sampling (n > 1) request share their prompt this way.
         """
         if not self.radix_enabled or len(req.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
-            return False
-        if len(req.fill_ids) <= IN_BATCH_PREFIX_TOKENS:
             return False
         key = tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS])
         if key in seen:
@@ -319,8 +320,13 @@ class Scheduler:
     # ------------------------------------------------------------------ running batches
 
     def _run_extend(self, reqs: list[Req]) -> None:
+        """Prefill ``reqs``; with --enable-mixed-chunk the running requests decode in the same forward."""
+        mix = self.args.enable_mixed_chunk and bool(self.running)
         try:
-            batch = self.builder.build_extend(reqs)
+            if mix:
+                batch = self.builder.build_mixed(reqs, self.running)
+            else:
+                batch = self.builder.build_extend(reqs)
         except OutOfMemory as exc:
             # The adder budgets KV, so this means the budget was wrong; put them back.
             logger.warning("prefill could not allocate (%s); requeueing %d requests", exc, len(reqs))
@@ -330,6 +336,7 @@ class Scheduler:
         self.stats["num_prefill_batches"] += 1
         output = self.runner.forward(batch)
         next_ids = output.next_token_ids.tolist()
+        decoding = list(self.running) if batch.forward_mode == ForwardMode.MIXED else []
         for i, req in enumerate(reqs):
             req.kv_committed_len = len(req.fill_ids)
             if req.is_chunked:
@@ -343,6 +350,11 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
                 self._maybe_stream(req)
+        if decoding:
+            self.consecutive_prefills = 0  # the running requests made progress too
+            self.stats["num_mixed_batches"] += 1
+            finished = self._process_decoded(decoding, next_ids, output, offset=len(reqs))
+            self.running = [r for r in self.running if r not in finished]
 
     def _run_decode(self) -> None:
         self.consecutive_prefills = 0
@@ -352,18 +364,23 @@ class Scheduler:
         batch = self.builder.build_decode(reqs)
         self.stats["num_decode_batches"] += 1
         output = self.runner.forward(batch)
-        next_ids = output.next_token_ids.tolist()
-        still_running: list[Req] = []
-        for i, req in enumerate(reqs):
+        finished = self._process_decoded(reqs, output.next_token_ids.tolist(), output, offset=0)
+        if finished:
+            self.running = [r for r in reqs if r not in finished]
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def _process_decoded(self, reqs: list[Req], next_ids: list[int], output: Any, offset: int) -> set[Req]:
+        """Append each decoded token (batch rows ``offset..``); returns the requests that finished."""
+        finished: set[Req] = set()
+        for i, req in enumerate(reqs, start=offset):
             req.kv_committed_len += 1
             self._append_token(req, next_ids[i], output, i)
             if req.finished:
                 self._finish(req, req.finish_reason)
+                finished.add(req)
             else:
-                still_running.append(req)
                 self._maybe_stream(req)
-        self.running = still_running
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        return finished
 
     def _reserve_decode_memory(self) -> bool:
         """Make room for one decode step, retracting the least-progressed requests if needed."""
@@ -520,8 +537,10 @@ def _place_rank(server_args: Any, tp_rank: int, dp_rank: int) -> None:
 
     device = resolve_device(server_args.device)
     if device.type == "cuda":
-        local = tp_rank % max(server_args.tp_size // server_args.nnodes, 1)
-        gpu = server_args.base_gpu_id + (dp_rank * server_args.tp_size + local) * server_args.gpu_id_step
+        # This node holds tp_size // nnodes ranks of each DP group: number them densely.
+        ranks_per_node = max(server_args.tp_size // server_args.nnodes, 1)
+        local = dp_rank * ranks_per_node + tp_rank % ranks_per_node
+        gpu = server_args.base_gpu_id + local * server_args.gpu_id_step
         torch.cuda.set_device(gpu)
     else:
         if server_args.attention_backend == "triton":

@@ -191,3 +191,45 @@ def test_in_batch_prefix_dedup_computes_a_shared_prefix_once() -> None:
     for i, p in enumerate(prompts):
         assert results[f"r{i}"]["ids"] == expected_output(p, 4)
     assert_idle_invariant(sched)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_progresses_under_a_stream_of_long_prompts(mixed: bool) -> None:
+    """A running request keeps decoding while new long prompts arrive every step."""
+    sched = make_scheduler(chunked_prefill_size=32, enable_mixed_chunk=mixed)
+    submit(sched, "runner", [7, 8, 9], 40)
+    rng = random.Random(8)
+    progress: list[int] = []
+    for step in range(30):
+        submit(sched, f"long{step}", [rng.randrange(1, VOCAB) for _ in range(100)], 2)
+        sched.step()
+        sched.take_outbox()
+        runner = next((r for r in sched.running if r.rid == "runner"), None)
+        progress.append(len(runner.output_ids) if runner else 40)
+    # Without mixing, at most MAX_CONSECUTIVE_PREFILLS prefills run between two decodes;
+    # with mixing, every prefill step also decodes the running request.
+    window = 1 if mixed else 3
+    for a, b in zip(progress, progress[window:]):
+        assert b > a or b == 40, progress
+    run_until_idle(sched)
+    assert_idle_invariant(sched)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mixed_chunk_outputs_match_reference(page_size: int) -> None:
+    sched = make_scheduler(page_size=page_size, chunked_prefill_size=16, enable_mixed_chunk=True)
+    prompts = random_prompts(10, seed=9, shared_prefix=20)
+    collected: dict[str, dict] = {}
+    for i, p in enumerate(prompts):
+        # Staggered arrivals so prefills overlap with running decodes.
+        submit(sched, f"r{i}", p, 12)
+        sched.step()
+        for msg in sched.take_outbox():
+            for out in msg.outputs:
+                collected.setdefault(out.rid, {"ids": []})["ids"].extend(out.new_output_ids)
+    for rid, entry in run_until_idle(sched).items():
+        collected.setdefault(rid, {"ids": []})["ids"].extend(entry["ids"])
+    assert sched.stats["num_mixed_batches"] > 0
+    for i, p in enumerate(prompts):
+        assert collected[f"r{i}"]["ids"] == expected_output(p, 12), f"r{i}"
+    assert_idle_invariant(sched)
