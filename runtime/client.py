@@ -154,6 +154,12 @@ class AsyncClient:
         payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key), rid)
         return bool(payload.get("aborted"))
 
+    async def abort_all(self) -> int:
+        """Abort every request on the server (every client's); the number aborted."""
+        rid = uuid.uuid4().hex
+        payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key, all=True), rid)
+        return int(payload.get("aborted", 0))
+
     async def flush_cache(self) -> dict[str, Any]:
         """Drop the prefix cache (only when the server is idle); the server's answer."""
         rid = uuid.uuid4().hex
@@ -434,6 +440,9 @@ class Client:
 
     def abort(self, rid: str) -> bool:
         return self._call(self._async.abort(rid))
+
+    def abort_all(self) -> int:
+        return self._call(self._async.abort_all())
 
     def flush_cache(self) -> dict[str, Any]:
         return self._call(self._async.flush_cache())

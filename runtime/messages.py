@@ -40,8 +40,11 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
+    """Abort one request of this client by its rid, or with ``all`` every request on the server."""
+
     rid: str
     api_key: str | None = None
+    all: bool = False
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True, omit_defaults=True):

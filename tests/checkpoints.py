@@ -49,6 +49,8 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
     c = _common(tok)
     if name == "llama":
         return LlamaConfig(**c, rope_theta=10000.0, tie_word_embeddings=False)
+    if name == "llama_long":  # long prompts (scheduler tests); not in the parametrized set
+        return LlamaConfig(**{**c, "max_position_embeddings": 4096}, rope_theta=10000.0, tie_word_embeddings=False)
     if name == "mistral":  # GQA group 4 (4 query heads share 1 KV head)
         return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=4096)
     if name == "qwen2":  # q/k/v biases, linear RoPE scaling
@@ -72,7 +74,7 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
-    raise ValueError(f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}")
+    raise ValueError(f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long")
 
 
 def _randomise_1d_weights(seed: int) -> Callable[[nn.Module], None]:

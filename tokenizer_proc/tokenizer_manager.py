@@ -179,14 +179,18 @@ class TokenizerManager:
         logger.debug("accepted %s from %s as %s", req.rid, identity.hex(), [s.rid for s in subs])
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
-        group = self.groups.get((identity, req.rid))
-        if group is not None:
+        if req.all:
+            groups = list(self.groups.values())
+        else:
+            group = self.groups.get((identity, req.rid))
+            groups = [group] if group is not None else []
+        for group in groups:
             self.stats["requests_aborted"] += 1
-            unfinished = self.drop_group(group, abort_in_scheduler=True)
-            for sample in unfinished:
-                await self.reply(identity, self.final_chunk(
+            for sample in self.drop_group(group, abort_in_scheduler=True):
+                await self.reply(group.identity, self.final_chunk(
                     group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
-        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload={"aborted": group is not None}))
+        payload: dict[str, Any] = {"aborted": len(groups) if req.all else bool(groups)}
+        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload=payload))
 
     def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
         """Forget a group; abort its unfinished samples in the scheduler. Returns those samples."""
