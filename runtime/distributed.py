@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
+class TPPeerLost(RuntimeError):
+    """A control broadcast failed because another rank of the TP group is gone."""
+
+
 @dataclass
 class TPGroup:
     """This rank's view of its tensor-parallel group (satisfies runtime.layers.linear.TPGroup)."""
@@ -45,7 +49,18 @@ class TPGroup:
         return tensor
 
     def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
-        """Send ``payload`` from rank ``src`` to all ranks over the CPU group; others pass None."""
+        """Send ``payload`` from rank ``src`` to all ranks over the CPU group; others pass None.
+
+        Idle ranks wait here; when a peer's process (or its whole node) goes away, gloo
+        reports the closed connection and this raises TPPeerLost, so the rank exits and
+        its launcher stops instead of waiting forever."""
+        try:
+            return self._broadcast_bytes(payload, src)
+        except RuntimeError as exc:
+            raise TPPeerLost(f"TP rank {self.rank} of {self.world_size} lost a peer "
+                             f"(a rank's process or node stopped): {exc}") from exc
+
+    def _broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
         size = torch.zeros(1, dtype=torch.int64)
         if self.rank == src:
             assert payload is not None

@@ -615,8 +615,9 @@ def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, ready_
             tp_group = init_tp_group(tp_rank, server_args.tp_size, port_args.dist_init_method(dp_rank),
                                      resolve_device(server_args.device))
             set_tp_group(tp_group)
+        # Only rank 0 reports to the DP controller; events on other ranks would pile up unread.
         scheduler = Scheduler(server_args, tp_rank, kv_events=server_args.load_balance_method == "cache_aware"
-                              and server_args.dp_size > 1)
+                              and server_args.dp_size > 1 and tp_rank == 0)
         io = SchedulerIO(server_args, port_args, tp_rank, dp_rank, tp_group)
     except Exception:
         ready_conn.send_bytes(msgspec.json.encode({"status": "error", "error": traceback.format_exc()}))

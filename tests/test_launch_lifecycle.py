@@ -23,7 +23,7 @@ from checkpoints import hf_greedy
 from launch import ServerProcess, ServerStartError, launch_server
 from runtime.args import ServerArgs
 from runtime.client import Client
-from runtime.utils import pid_alive
+from runtime.utils import child_pids, pid_alive
 
 pytest_plugins = ["server_fixtures"]
 
@@ -121,22 +121,30 @@ def test_port_in_use_fails_fast_with_the_reason(tmp_path: Path, short_tmpdir: Pa
 
 def test_tp_and_dp_layout_serves_transformers_greedy_output(
         tiny_llama_path: Path, hf_reference: Callable[[str], Any]) -> None:
-    """--tp-size 2 --dp-size 2: four scheduler ranks behind a DP controller, one server."""
+    """--tp-size 2 --dp-size 2 (shortest_queue): four scheduler ranks behind a DP
+    controller, one server; SIGTERM exits 0 and leaves no process behind."""
     model, tok = hf_reference("llama")
     prompts = ["Hello world", "The quick brown fox", "Once upon a time", "def add(a, b):"]
     with launch_server(["--model-path", str(tiny_llama_path), "--dtype", "float32", "--device", "cpu",
-                        "--max-total-tokens", "2048", "--tp-size", "2", "--dp-size", "2"], client_timeout=120) as c:
+                        "--max-total-tokens", "2048", "--tp-size", "2", "--dp-size", "2",
+                        "--load-balance-method", "shortest_queue"], client_timeout=120) as c:
         results = c.generate(prompts, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         info = c.server_info()
+    assert c.server.process.returncode == 0, c.server.log_tail()
     for prompt, r in zip(prompts, results):
         assert r["output_ids"] == hf_greedy(model, tok.encode(prompt), 8)[0]
     assert {"scheduler-dp0-tp0", "scheduler-dp0-tp1", "scheduler-dp1-tp0", "scheduler-dp1-tp1",
             "dp-controller", "detokenizer", "tokenizer"} <= set(info["processes"])
     assert info["memory_invariant"]["ok"]
+    # Ties on load go to the replica with fewer dispatches: a burst lands on both.
+    assert info["load_balance_method"] == "shortest_queue"
+    assert sum(info["dispatch_counts"]) == 4 and min(info["dispatch_counts"]) >= 1
+    assert wait_gone([pid for name, pid in info["processes"].items() if name != "launch"], 10) == []
 
 
 def test_two_nodes_share_the_tp_ranks(tiny_llama_path: Path, hf_reference: Callable[[str], Any]) -> None:
-    """--nnodes 2 on one host: node 1 runs TP rank 1 only; node 0 serves."""
+    """--nnodes 2 on one host: node 1 runs TP rank 1 only; node 0 serves. Stopping node 0
+    stops node 1 on its own: its rank sees the closed TP connection and exits non-zero."""
     model, tok = hf_reference("llama")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,6 +173,15 @@ def test_two_nodes_share_the_tp_ranks(tiny_llama_path: Path, hf_reference: Calla
             r = c.generate("Hello world", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
             assert set(c.server_info()["processes"]) == {"scheduler-0", "detokenizer", "tokenizer", "launch"}
         assert r["output_ids"] == hf_greedy(model, tok.encode("Hello world"), 8)[0]
+        node1_children = child_pids(node1.pid)
+        assert len(node1_children) >= 1  # scheduler-1 (and multiprocessing's helpers, if any)
+        assert node0.stop() == 0
+        t0 = time.monotonic()
+        code1 = node1.process.wait(30)
+        assert time.monotonic() - t0 < 30
+        assert code1 != 0
+        assert "lost a peer" in node1.log_tail(1 << 20)
+        assert wait_gone(node1_children, 10) == []
     finally:
         for node in (node0, node1):
             if isinstance(node, ServerProcess):
