@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from itertools import accumulate
@@ -33,7 +30,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from runtime.tiny_model import SPECIAL_TOKENS, build_checkpoint, cache_root, train_bpe_tokenizer
+from runtime.tiny_model import SPECIAL_TOKENS, build_checkpoint, build_once, cache_root, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -160,26 +157,7 @@ def build_bench_checkpoint(out_dir: str | Path | None = None, spec: BenchModelSp
     concurrent builders both end with the same complete folder.
     """
     final = Path(out_dir) if out_dir is not None else cache_root() / spec.name
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the checkpoint is not secret
-    try:
-        logger.info("building the benchmark checkpoint into %s", final)
-        build_into(tmp, spec)
-        try:
-            if final.exists() and not any(final.iterdir()):
-                final.rmdir()  # an empty folder the caller created for us
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-            logger.info("another process built %s first; using it", final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, lambda tmp: build_into(tmp, spec), "the benchmark checkpoint")
 
 
 def special_token_ids() -> range:

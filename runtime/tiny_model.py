@@ -296,18 +296,24 @@ def cache_root() -> Path:
     return base / "tinyserve"
 
 
-def default_model_path() -> Path:
-    """The default checkpoint folder, built on first use (atomic, safe under concurrency)."""
-    root = cache_root()
-    final = root / TINY_MODEL_NAME
+def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
+    """``final`` built by ``build(tmp_dir)`` on first use, atomically and safely under concurrency.
+
+    The build goes to a temporary sibling folder that is renamed into place, so a crash
+    never leaves a half-built folder and concurrent builders all end with one complete
+    folder. An existing folder with a config.json is reused as is.
+    """
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}.tmp-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is not secret
     try:
-        logger.info("building the embedded default model into %s", final)
-        build_tiny_model(tmp)
+        logger.info("building %s into %s", what, final)
+        build(tmp)
         try:
+            if final.exists() and not any(final.iterdir()):
+                final.rmdir()  # an empty folder the caller created for us
             os.rename(tmp, final)  # atomic; fails if another process got there first
         except OSError:
             if not (final / "config.json").is_file():
@@ -317,6 +323,11 @@ def default_model_path() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def default_model_path() -> Path:
+    """The default checkpoint folder, built on first use (atomic, safe under concurrency)."""
+    return build_once(cache_root() / TINY_MODEL_NAME, build_tiny_model, "the embedded default model")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from runtime.attention.triton_ops.common import triton_loaded_interpreted  # noq
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
 from harness import Harness  # noqa: E402
+from triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from memory.kv_pool import MHATokenToKVPool  # noqa: E402
 from memory.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from runtime.attention.base import AttentionLayerSpec  # noqa: E402
@@ -212,18 +213,4 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
 # ---- fallback when triton was imported in compiled mode first ----------------------------
 
 if not IN_PROCESS:
-    for _name in [n for n in globals() if n.startswith("test_")]:
-        del globals()[_name]
-
-    def test_backend_in_fresh_interpreter_process() -> None:
-        """Triton was imported before TRITON_INTERPRET=1 could apply: run this file in its own process."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    replace_tests_with_fresh_process_run(globals(), __file__)

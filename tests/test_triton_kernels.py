@@ -9,9 +9,7 @@ replaced by one test that runs this file in a fresh interpreter-mode process.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, see the module docstring
 
@@ -26,8 +24,8 @@ from runtime.attention.triton_ops import decode_attention as decode_mod  # noqa:
 from runtime.attention.triton_ops.decode_attention import decode_attention_fwd, get_num_kv_splits  # noqa: E402
 from runtime.attention.triton_ops.extend_attention import extend_attention_fwd  # noqa: E402
 from runtime.attention.triton_ops.kv_indices import create_kv_indices  # noqa: E402
+from triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_SPLITS = 8
 
 
@@ -275,18 +273,4 @@ def test_extend_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
 # ---- fallback when triton was imported in compiled mode first ----------------------------
 
 if not IN_PROCESS:
-    for _name in [n for n in globals() if n.startswith("test_")]:
-        del globals()[_name]
-
-    def test_kernels_in_fresh_interpreter_process() -> None:
-        """Triton was imported before TRITON_INTERPRET=1 could apply: run this file in its own process."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    replace_tests_with_fresh_process_run(globals(), __file__)

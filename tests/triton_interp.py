@@ -1,0 +1,34 @@
+"""Running Triton kernel tests under the interpreter (TRITON_INTERPRET=1) on CPU.
+
+Triton reads TRITON_INTERPRET when it is first imported. A test module sets it before
+importing triton; if something earlier in the session already imported triton in
+compiled mode (transformers does), the module's tests are replaced by one test that
+re-runs the module in a fresh process with the variable set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def replace_tests_with_fresh_process_run(module_globals: dict[str, Any], module_file: str) -> None:
+    """Swap every ``test_*`` of the module for one test that runs the file in a new interpreter."""
+    for name in [n for n in module_globals if n.startswith("test_")]:
+        del module_globals[name]
+
+    def test_in_fresh_interpreter_process() -> None:
+        """Triton was imported before TRITON_INTERPRET=1 could apply: run this file in its own process."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(module_file))],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+    module_globals["test_in_fresh_interpreter_process"] = test_in_fresh_interpreter_process
