@@ -56,12 +56,14 @@ def block_hashes(token_ids: list[int], extra_key: str | None = None) -> list[int
 class ReplicaState:
     num_running: int = 0
     num_queued: int = 0
-    dispatched_since_report: int = 0
+    num_dispatched: int = 0  # requests the controller sent to this replica
+    num_received: int = 0  # of those, how many the replica had seen at its last report
     cached_blocks: set[int] = field(default_factory=set)
 
     @property
     def load(self) -> int:
-        return self.num_running + self.num_queued + self.dispatched_since_report
+        # Requests in flight to the replica are not in its report yet: count them exactly.
+        return self.num_running + self.num_queued + self.num_dispatched - self.num_received
 
     def apply(self, event: KVEvent) -> None:
         if event.kind == "cleared":
@@ -99,7 +101,7 @@ class Router:
     def on_report(self, report: LoadReport) -> None:
         state = self.replicas[report.dp_rank]
         state.num_running, state.num_queued = report.num_running, report.num_queued
-        state.dispatched_since_report = 0
+        state.num_received = report.num_received
         for event in report.events:
             state.apply(event)
 
@@ -113,7 +115,7 @@ class Router:
             target = self.least_loaded()
         else:
             target = self._cache_aware(input_ids)
-        self.replicas[target].dispatched_since_report += 1
+        self.replicas[target].num_dispatched += 1
         self.dispatch_counts[target] += 1
         return target
 

@@ -115,7 +115,7 @@ class Scheduler:
         self.outbox: list[Any] = []  # messages for the detokenizer, flushed after each step
         self.stats = {"num_retractions": 0, "num_retracted_reqs": 0, "num_prefill_batches": 0,
                       "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0, "num_aborted": 0,
-                      "prompt_tokens": 0, "cached_prompt_tokens": 0}
+                      "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0}
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
 
@@ -131,6 +131,7 @@ class Scheduler:
 
     def handle_message(self, msg: SchedulerInput) -> None:
         if isinstance(msg, TokenizedGenerateReq):
+            self.stats["num_received"] += 1
             self.add_request(msg)
         elif isinstance(msg, SchedAbortReq):
             self.abort(msg.rid)
@@ -505,7 +506,8 @@ class Scheduler:
         from runtime.messages import KVEvent, LoadReport
 
         events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key) for e in self.tree_cache.take_events()]
-        return LoadReport(dp_rank, len(self.running), len(self.waiting), self.allocator.available_size(), events)
+        return LoadReport(dp_rank, len(self.running), len(self.waiting), self.allocator.available_size(),
+                          num_received=self.stats["num_received"], events=events)
 
     def server_info(self) -> dict[str, Any]:
         report = self.check_memory()

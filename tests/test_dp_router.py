@@ -25,8 +25,9 @@ from scheduler_proc.dp_controller import (
 PREFIX = list(range(100, 100 + 3 * BLOCK))  # three whole blocks
 
 
-def report(dp_rank: int, running: int = 0, queued: int = 0, events: list[KVEvent] | None = None) -> LoadReport:
-    return LoadReport(dp_rank, running, queued, available_tokens=1000, events=events or [])
+def report(dp_rank: int, running: int = 0, queued: int = 0, events: list[KVEvent] | None = None,
+           received: int = 0) -> LoadReport:
+    return LoadReport(dp_rank, running, queued, available_tokens=1000, num_received=received, events=events or [])
 
 
 def stored(tokens: list[int], start: int = 0, extra_key: str | None = None) -> KVEvent:
@@ -162,7 +163,7 @@ def test_a_report_replaces_the_load_and_keeps_the_blocks() -> None:
     assert router.replicas[0].load == 5
     router.choose(PREFIX)
     assert router.replicas[0].load == 6 and router.dispatch_counts == [1, 0]
-    router.on_report(report(0, running=1))
+    router.on_report(report(0, running=1, received=1))  # the replica has seen the dispatched request
     assert router.replicas[0].load == 1
     assert router.replicas[0].matched_blocks(block_hashes(PREFIX)) == 3
 
@@ -207,3 +208,14 @@ def test_flush_cache_succeeds_only_when_every_replica_flushed() -> None:
     assert ok == {"success": True, "replicas": [{"success": True}, {"success": True}]}
     busy = {"success": False, "message": "requests are running; flush when idle"}
     assert merge_control_replies("flush_cache", [{"success": True}, busy])["success"] is False
+
+
+def test_shortest_queue_counts_requests_in_flight_past_a_stale_report() -> None:
+    """A report written before a dispatched request arrived must not hide that request."""
+    router = Router(2, "shortest_queue")
+    assert router.choose([1]) == 0 and router.choose([2]) == 1 and router.choose([3]) == 0
+    # Replica 0 reports having received only its first request, replica 1 its one.
+    router.on_report(LoadReport(dp_rank=0, num_running=1, num_queued=0, available_tokens=100, num_received=1))
+    router.on_report(LoadReport(dp_rank=1, num_running=1, num_queued=0, available_tokens=100, num_received=1))
+    assert router.replicas[0].load == 2 and router.replicas[1].load == 1
+    assert router.choose([4]) == 1
