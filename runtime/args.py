@@ -208,6 +208,13 @@ class ServerArgs:
             )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+        # Prefill budgets are cut into whole pages: below one page nothing could ever be admitted.
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
+                             f"--page-size ({self.page_size})")
+        if self.chunked_prefill_size and 0 < self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least "
+                             f"--page-size ({self.page_size}), or -1/0 to disable chunking")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.base_gpu_id < 0:

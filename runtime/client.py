@@ -300,7 +300,17 @@ class AsyncClient:
 
     async def _run(self, reqs: list[GenerateReq], batch: bool, n: int) -> Any:
         self._ensure_open()
-        queues = [self._register("gen", r.rid) for r in reqs]
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"a batch needs distinct rids, got {rids}")
+        queues: list[asyncio.Queue[Any]] = []
+        try:
+            for r in reqs:
+                queues.append(self._register("gen", r.rid))
+        except ValueError:
+            for r in reqs[: len(queues)]:  # leave nothing registered for a batch that never went out
+                self._queues.pop(("gen", r.rid), None)
+            raise
         # Send everything first, then wait: the server sees the whole batch at once.
         for r in reqs:
             self._send_nowait(r)

@@ -14,6 +14,7 @@ import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.sampler import SamplingBatchInfo
+from scheduler_proc.prefill_adder import kv_slots_for_extend
 from scheduler_proc.req import Req
 
 
@@ -94,9 +95,9 @@ class BatchBuilder:
         seq_lens = [len(r.fill_ids) for r in reqs]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         total = sum(extend_lens)
-        slack = self.page_size * len(reqs) if self.page_size > 1 else 0
-        if not self.ensure_available(total + slack):
-            raise OutOfMemory(f"need {total} KV slots, {self.allocator.available_size()} free after eviction")
+        slots = sum(kv_slots_for_extend(p, s, self.page_size) for p, s in zip(prefix_lens, seq_lens))
+        if not self.ensure_available(slots):
+            raise OutOfMemory(f"need {slots} KV slots, {self.allocator.available_size()} free after eviction")
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         taken = pool.alloc(len(new_rows))
         if taken is None:

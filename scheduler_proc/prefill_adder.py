@@ -34,6 +34,13 @@ def round_down(n: int, page_size: int) -> int:
     return n - n % page_size
 
 
+def kv_slots_for_extend(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """KV slots an extend from ``prefix_len`` to ``seq_len`` tokens takes: whole new pages
+    (the prefix's partly used last page is filled first)."""
+    pages = -(-seq_len // page_size) - -(-prefix_len // page_size)
+    return pages * page_size
+
+
 class PrefillAdder:
     def __init__(
         self,
@@ -63,11 +70,17 @@ class PrefillAdder:
         self.server_idle = not running_reqs
         self.new_chunked_req: Req | None = None
 
-    def _lock(self, req: Req) -> None:
-        """Lock the request's prefix; locked tokens are no longer evictable, so charge them."""
+    def _lock(self, req: Req) -> int:
+        """Lock the request's prefix. Locked tokens are no longer evictable: charge them, return the charge."""
         before = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
-        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+        charged = before - self.tree_cache.evictable_size()
+        self.rem_total_tokens -= charged
+        return charged
+
+    def _unlock(self, req: Req, charged: int) -> None:
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.rem_total_tokens += charged
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prefill (its prefix is already locked)."""
@@ -79,39 +92,41 @@ class PrefillAdder:
         return self._add(req, locked=False)
 
     def _add(self, req: Req, locked: bool) -> AddResult:
-        prefix_len = len(req.prefix_indices)
-        extend_len = len(req.fill_ids) - prefix_len
-        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
-        if self.server_idle and not self.can_run:
-            reserve = min(reserve, max(self.rem_total_tokens - extend_len - self.page_size, 0))
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddResult.OTHER
+        # Lock first: the request's own prefix stops being evictable room (SGLang does the same).
+        charged = 0 if locked else self._lock(req)
+        prefix_len = len(req.prefix_indices)
+        extend_len = len(req.fill_ids) - prefix_len
+        need = kv_slots_for_extend(prefix_len, prefix_len + extend_len, self.page_size)
+        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        if self.server_idle and not self.can_run:
+            reserve = min(reserve, max(self.rem_total_tokens - need, 0))
         fits_whole = extend_len <= self.rem_input_tokens and (
             self.rem_chunk_tokens is None or extend_len <= self.rem_chunk_tokens
         )
         if fits_whole:
-            # Need room for the prompt plus its own decode; a page of slack for paged pools.
-            if extend_len + reserve + self.page_size > self.rem_total_tokens:
+            if need + reserve > self.rem_total_tokens:
+                if not locked:
+                    self._unlock(req, charged)
                 return AddResult.NO_TOKEN
-            if not locked:
-                self._lock(req)
             req.extend_input_len = extend_len
             req.is_chunked = False
-            self._take(req, extend_len, extend_len + reserve)
+            self._take(req, extend_len, need + reserve)
             return AddResult.CONTINUE
-        # Chunk: as much as every limit allows, page aligned.
+        # Chunk: as much as every limit allows, page aligned, leaving room for a partly used page.
         kv_room = self.rem_total_tokens - self.page_size
         limit = min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens, kv_room)
         trunc = round_down(limit, self.page_size)
         if trunc <= 0:
+            if not locked:
+                self._unlock(req, charged)
             return AddResult.NO_TOKEN if kv_room <= limit else AddResult.OTHER
-        if not locked:
-            self._lock(req)
         req.extend_input_len = trunc
         req.fill_ids = req.fill_ids[: prefix_len + trunc]
         req.is_chunked = True
         self.new_chunked_req = req
-        self._take(req, trunc, trunc)
+        self._take(req, trunc, kv_slots_for_extend(prefix_len, prefix_len + trunc, self.page_size))
         return AddResult.OTHER  # a chunked request ends the batch
 
     def _take(self, req: Req, input_tokens: int, total_tokens: int) -> None:

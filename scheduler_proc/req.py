@@ -93,6 +93,8 @@ class StopChecker:
             return
         if not req.output_ids:
             return
+        if len(req.output_ids) < params.min_new_tokens:
+            return  # nothing but an abort ends a request before min_new_tokens
         last = req.output_ids[-1]
         if params.stop_token_ids and last in params.stop_token_ids:
             req.finish_reason = {"type": "stop", "matched": last}

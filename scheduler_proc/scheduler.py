@@ -329,10 +329,15 @@ class Scheduler:
             else:
                 batch = self.builder.build_extend(reqs)
         except OutOfMemory as exc:
-            # The adder budgets KV, so this means the budget was wrong; put them back.
-            logger.warning("prefill could not allocate (%s); requeueing %d requests", exc, len(reqs))
-            for req in reqs:
+            # The adder budgets KV, so this is a budgeting slip: never retry the same batch
+            # forever. Put back all but the first request and try it alone.
+            logger.warning("prefill of %d requests could not allocate (%s)", len(reqs), exc)
+            for req in reversed(reqs[1:]):
                 self._requeue(req)
+            if len(reqs) > 1:
+                self._run_extend(reqs[:1])
+            else:
+                self._requeue(reqs[0])
             return
         self.stats["num_prefill_batches"] += 1
         output = self.runner.forward(batch)
@@ -354,6 +359,7 @@ class Scheduler:
         if decoding:
             self.consecutive_prefills = 0  # the running requests made progress too
             self.stats["num_mixed_batches"] += 1
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
             finished = self._process_decoded(decoding, next_ids, output, offset=len(reqs))
             self.running = [r for r in self.running if r not in finished]
 
@@ -388,6 +394,12 @@ class Scheduler:
         needed = self.builder.decode_tokens_needed(self.running)
         if self.builder.ensure_available(needed):
             return True
+        if self.chunked_req is not None:
+            # A half-prefilled prompt gives way first: its chunks become evictable cache,
+            # and it resumes from whatever of them is still cached.
+            self._requeue(self.chunked_req)
+            if self.builder.ensure_available(needed):
+                return True
         # Retract: fewest generated tokens first, longest prompt first among equals.
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         retracted: list[Req] = []

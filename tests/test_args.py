@@ -96,6 +96,8 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         ({"gpu_id_step": 0}, "--gpu-id-step"),
         ({"model_path": "/definitely/not/here"}, "--model-path"),
         ({"api_key": ""}, "--api-key"),
+        ({"page_size": 4, "chunked_prefill_size": 2}, "--chunked-prefill-size"),
+        ({"page_size": 16, "max_prefill_tokens": 8}, "--max-prefill-tokens"),
     ],
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:

@@ -283,3 +283,11 @@ def test_argument_errors_are_raised_locally() -> None:
     with pytest.raises(ValueError):
         c.generate(["a", "b"], rid="one")
     asyncio.run(c.close())
+
+
+def test_a_rejected_batch_leaves_no_rid_registered(server: FakeServer) -> None:
+    """Repeated rids in a batch are refused before anything is sent, and the rids stay usable."""
+    with Client(server.address) as c:
+        with pytest.raises(ValueError, match="distinct rids"):
+            c.generate(["x", "y"], rid=["a", "a"])
+        assert c.generate("x", rid="a")["rid"] == "a"

@@ -101,6 +101,9 @@ class FakeTree:
     def inc_lock_ref(self, node: object) -> None:
         self.locked.append(node)
 
+    def dec_lock_ref(self, node: object) -> None:
+        self.locked.remove(node)
+
 
 def adder(available: int, running: list[Req] | None = None, ratio: float = 1.0, max_prefill: int = 10_000,
           chunk: int | None = None, max_running: int = 64, evictable: int = 0) -> PrefillAdder:
@@ -109,13 +112,13 @@ def adder(available: int, running: list[Req] | None = None, ratio: float = 1.0, 
 
 
 def test_adder_admits_exactly_what_fits() -> None:
-    # Each request needs 30 prompt + 10 decode = 40 tokens; one page (1 token) of slack each.
+    # Each request needs 30 prompt + 10 decode = 40 tokens: two fit in 80, not a third.
     running = [req("busy", [1], max_new_tokens=0)]  # makes the server non-idle; reserves nothing
-    a = adder(available=82, running=running)
+    a = adder(available=80, running=running)
     results = [a.add_one_req(req(f"r{i}", list(range(1, 31)), 10)) for i in range(3)]
     assert results == [AddResult.CONTINUE, AddResult.CONTINUE, AddResult.NO_TOKEN]
     assert rids(a.can_run) == ["r0", "r1"]
-    assert a.rem_total_tokens == 2
+    assert a.rem_total_tokens == 0
 
 
 def test_adder_counts_evictable_tokens_as_available() -> None:
@@ -130,7 +133,7 @@ def test_adder_counts_running_requests_reserve() -> None:
     assert a.rem_total_tokens == 75
     assert a.add_one_req(req("fits", list(range(1, 51)), 20)) == AddResult.CONTINUE
     assert a.rem_total_tokens == 5
-    assert a.add_one_req(req("no", [5, 6, 7, 8], 1)) == AddResult.NO_TOKEN  # 4 + 1 + 1 slack > 5
+    assert a.add_one_req(req("no", [5, 6, 7, 8, 9], 1)) == AddResult.NO_TOKEN  # 5 + 1 > 5
 
 
 def test_adder_chunks_the_overflowing_prompt_at_the_chunk_size() -> None:
@@ -152,3 +155,34 @@ def test_adder_respects_max_prefill_tokens_and_running_limit() -> None:
     assert a.add_one_req(b) == AddResult.OTHER and b.extend_input_len == 5
     full = adder(available=1000, running=[req(f"run{i}", [1]) for i in range(3)], max_running=3)
     assert full.add_one_req(req("c", [1, 2], 4)) == AddResult.OTHER
+
+
+def test_adder_charges_whole_pages() -> None:
+    """page_size 4: a 2-token prompt takes a whole page, and a prefix's partial page is filled first."""
+    running = [req("busy", [1], max_new_tokens=0)]
+    a = PrefillAdder(FakeTree(), FakeAllocator(8), running, 1.0, 10_000, None, 64, page_size=4)
+    assert a.add_one_req(req("r0", [1, 2], max_new_tokens=0)) == AddResult.CONTINUE
+    assert a.rem_total_tokens == 4
+    assert a.add_one_req(req("r1", [1, 2], max_new_tokens=0)) == AddResult.CONTINUE
+    assert a.add_one_req(req("r2", [1, 2], max_new_tokens=0)) == AddResult.NO_TOKEN
+    continued = req("c", list(range(1, 11)), max_new_tokens=0)
+    continued.prefix_indices = torch.arange(6)  # 6 tokens held: 2 of its second page are free
+    fresh = PrefillAdder(FakeTree(), FakeAllocator(4), running, 1.0, 10_000, None, 64, page_size=4)
+    assert fresh.add_one_req(continued) == AddResult.CONTINUE  # 10 - 6 = 4 tokens need one new page
+
+
+def test_adder_locks_the_prefix_before_checking_and_unlocks_on_reject() -> None:
+    """Locking a request's own cached prefix removes it from the evictable room it would need."""
+    tree = tree_with([list(range(1, 51))])  # 50 evictable tokens
+    running = [req("busy", [999], max_new_tokens=0)]
+    small = PrefillAdder(tree, FakeAllocator(30), running, 1.0, 10_000, None, 64)
+    r = req("r", list(range(1, 51)) + list(range(200, 240)), max_new_tokens=10)
+    SchedulePolicy("fcfs", tree, radix_enabled=True).match(r)
+    assert len(r.prefix_indices) == 50
+    # Room before locking: 30 free + 50 evictable = 80 >= 40 + 10; after: 30 < 50.
+    assert small.add_one_req(r) == AddResult.NO_TOKEN
+    assert tree.protected_size() == 0 and tree.evictable_size() == 50  # lock released
+    assert small.rem_total_tokens == 80
+    roomy = PrefillAdder(tree, FakeAllocator(50), running, 1.0, 10_000, None, 64)
+    assert roomy.add_one_req(r) == AddResult.CONTINUE
+    assert tree.protected_size() == 50
