@@ -233,3 +233,32 @@ def test_mixed_chunk_outputs_match_reference(page_size: int) -> None:
     for i, p in enumerate(prompts):
         assert collected[f"r{i}"]["ids"] == expected_output(p, 12), f"r{i}"
     assert_idle_invariant(sched)
+
+
+def test_cached_prefixes_do_not_count_as_room_for_their_own_extension() -> None:
+    """Two requests whose prefixes are cached, each fitting alone, must not livelock together."""
+    sched = make_scheduler(max_total_tokens=200)
+    pa, pb = list(range(1, 51)), list(range(101, 151))
+    submit(sched, "seed-a", pa, 1)
+    submit(sched, "seed-b", pb, 1)
+    run_until_idle(sched)
+    a, b = pa + list(range(300, 340)), pb + list(range(400, 485))
+    submit(sched, "a", a, 10)
+    submit(sched, "b", b, 1)
+    results = run_until_idle(sched, max_steps=2000)
+    assert results["a"]["ids"] == expected_output(a, 10)
+    assert results["b"]["ids"] == expected_output(b, 1)
+    assert_idle_invariant(sched)
+
+
+def test_a_chunked_prompt_gives_way_to_a_decoding_request_that_fits() -> None:
+    """Decode short of KV requeues the half-prefilled prompt rather than failing a request that fits."""
+    sched = make_scheduler(max_total_tokens=256, chunked_prefill_size=32)
+    short, long = [1, 2, 3], [5 + i % 900 for i in range(199)]
+    submit(sched, "a", short, 220)  # 223 tokens: fits the pool alone
+    sched.step()
+    submit(sched, "b", long, 10)
+    results = run_until_idle(sched)
+    assert results["a"]["ids"] == expected_output(short, 220)
+    assert results["b"]["ids"] == expected_output(long, 10)
+    assert_idle_invariant(sched)
