@@ -15,6 +15,27 @@ Masks are boolean (True = may attend): key ``j`` of a request is visible to its 
 ``i`` when ``j < seq_len`` and ``j <= prefix_len + i``. Padded query rows may see key 0 so
 no row is fully masked (which would give NaN); their outputs are discarded. Padded key
 positions read the pool's padding slot 0.
+
+What keeps it fast on CPU (each measured on the 200M bench model, see bench/model_step.py):
+
+- one-token groups fold the GQA group into the query axis (``[n, kv_heads, group, D]``
+  against ``[n, kv_heads, L, D]``): the CPU flash kernel's cost is per (batch, head)
+  pair, so this is ~8x cheaper than ``enable_gqa`` with one query per head;
+- keys are gathered with ``index_select`` on flattened slots (advanced indexing with a
+  2-D index is ~20x slower on CPU);
+- a group whose queries are a contiguous, unpadded run of the packed tokens reads and
+  writes them as views (no query gather, no output scatter); when it also has no cached
+  prefix, its keys are the new tokens themselves (no pool gather) and the mask is
+  ``is_causal``;
+- a one-token group whose requests all start with the same KV slots (a shared prompt
+  prefix served from the radix cache) attends to that prefix once for the whole group
+  (one flash call, every request's queries against one copy of the prefix keys) and to
+  each request's own suffix separately, then merges the two softmaxes by their
+  log-sum-exp ("cascade" attention): the prefix is read once per layer instead of once
+  per request;
+- consecutive decode steps of the same requests keep a dense copy of each request's keys
+  (``DecodeKVMirror``, ``[n, kv_heads, cap, D]`` per layer): a step appends the new token to it instead of gathering every cached key
+  from the pool again, and the flash kernel reads contiguous per-head rows.
 """
 
 from __future__ import annotations
@@ -30,6 +51,23 @@ from runtime.forward_batch import ForwardBatch
 
 # Padded work below this many (query, key) pairs is always acceptable in one group.
 _GROUP_SLACK = 1 << 16
+# A shared prefix shorter than this is not worth a separate cascade pass.
+CASCADE_MIN_PREFIX = 32
+# Dense decode-key copies are kept only while all layers' K and V take at most this
+# fraction of the KV pool's own memory.
+MIRROR_MAX_POOL_FRACTION = 1.0
+# Their capacity (keys per request) grows in steps of this many tokens.
+MIRROR_CAP_STEP = 64
+
+
+@dataclass
+class SharedPrefix:
+    """Cascade plan of a one-token group: ``loc`` keys common to every member, then each one's own."""
+
+    loc: torch.Tensor  # int64 [P]: KV slots of the shared prefix
+    suffix_loc: torch.Tensor  # int64 [n * Ls]: each member's remaining slots, padded with slot 0
+    suffix_len: int  # Ls
+    suffix_mask: torch.Tensor | None  # bool [n, 1, 1, Ls]: True = a real key (None: no padding)
 
 
 @dataclass
@@ -38,9 +76,18 @@ class AttnGroup:
 
     q_index: torch.Tensor  # int64 [n, q_len]: packed-token row of each padded query (0 for padding)
     kv_loc: torch.Tensor  # int64 [n, kv_len]: KV-pool slot of each padded key (0 for padding)
-    mask: torch.Tensor  # bool [n, 1, q_len, kv_len]
+    mask: torch.Tensor | None  # bool [n, 1, q_len, kv_len] (one-token groups: [n, 1, 1, kv_len]); None: no mask
     out_tokens: torch.Tensor | None  # int64 [t]: packed rows this group produces; None = all rows in order
     out_rows: torch.Tensor | None  # int64 [t]: matching rows of the flattened [n * q_len] output
+    one_token: bool = False  # every member has exactly one query: GQA folded into the query axis
+    q_start: int | None = None  # queries are packed rows [q_start, q_start + n * q_len), unpadded
+    kv_flat: torch.Tensor | None = None  # int64 [n * kv_len]: kv_loc flattened for index_select
+    keys_are_new: bool = False  # no cached prefix, no padding: K/V are the new tokens (causal)
+    shared: SharedPrefix | None = None  # cascade plan (one-token groups only)
+    mirror: "MirrorPlan | None" = None  # dense-key plan (pure decode batches only)
+    # Extend groups: int64 [P] slots of a prefix every member has cached (attended once, then
+    # merged); the rest of the plan (mask, kv_flat) covers the keys after it.
+    shared_loc: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,10 +96,15 @@ class TorchNativeMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Stateless between forwards; ``model_runner`` is accepted for a uniform constructor."""
+    """``model_runner`` is accepted for a uniform constructor.
+
+    The only state kept between forwards is the decode-key mirror, which every forward
+    re-validates against ``req_to_token`` before it is trusted.
+    """
 
     def __init__(self, model_runner: Any = None) -> None:
         self.model_runner = model_runner
+        self.mirror = DecodeKVMirror()
 
     # ---- planning (once per forward) -------------------------------------------------
 
@@ -62,8 +114,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         prefix_lens = _host_list(batch.prefix_lens_cpu, batch.prefix_lens)
         bs = len(seq_lens)
         if batch.forward_mode.is_decode():
-            groups = [self._decode_group(batch, list(range(bs)), seq_lens, in_order=True)]
+            group = self._decode_group(batch, list(range(bs)), seq_lens, in_order=True)
+            group.mirror = self.mirror.plan(batch, group, seq_lens)
+            groups = [group]
         else:
+            self.mirror.reset()  # an extend may reuse freed slots: trust nothing mirrored before it
             starts = [0] * bs
             for i in range(1, bs):
                 starts[i] = starts[i - 1] + ext_lens[i - 1]
@@ -71,17 +126,20 @@ class TorchNativeAttnBackend(AttentionBackend):
             multi = [i for i in range(bs) if ext_lens[i] != 1]
             groups = []
             if ones:
-                groups.append(self._decode_group(batch, ones, seq_lens, in_order=False, starts=starts))
+                in_order = len(ones) == bs
+                groups.append(self._decode_group(batch, ones, seq_lens, in_order=in_order, starts=starts))
             for members in _pack_groups(multi, ext_lens, seq_lens):
-                groups.append(self._extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens))
+                groups.append(self._extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, bs))
         batch.attn_metadata = TorchNativeMetadata(groups)
 
     def _kv_locations(self, batch: ForwardBatch, members: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_loc [n, L], key_valid [n, L])`` read from req_to_token for the group's requests."""
         device = batch.req_pool_indices.device
         kv_len = max(seq_lens[i] for i in members)
-        idx = torch.tensor(members, dtype=torch.int64, device=device)
-        rows = batch.req_pool_indices.index_select(0, idx)
+        if len(members) == batch.req_pool_indices.shape[0] and members == list(range(len(members))):
+            rows = batch.req_pool_indices
+        else:
+            rows = batch.req_pool_indices.index_select(0, torch.tensor(members, dtype=torch.int64, device=device))
         kv_loc = batch.req_to_token_pool.req_to_token[rows, :kv_len].to(torch.int64)
         lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.int64, device=device)
         valid = torch.arange(kv_len, device=device)[None, :] < lens[:, None]
@@ -97,6 +155,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> AttnGroup:
         device = batch.req_pool_indices.device
         kv_loc, valid = self._kv_locations(batch, members, seq_lens)
+        lens = [seq_lens[i] for i in members]
         if in_order:
             q_index = torch.arange(len(members), dtype=torch.int64, device=device)[:, None]
             out_tokens = out_rows = None
@@ -106,7 +165,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             q_index = tokens[:, None]
             out_tokens = tokens
             out_rows = torch.arange(len(members), dtype=torch.int64, device=device)
-        return AttnGroup(q_index, kv_loc, valid[:, None, None, :], out_tokens, out_rows)
+        mask = None if min(lens) == max(lens) else valid[:, None, None, :]
+        group = AttnGroup(q_index, kv_loc, mask, out_tokens, out_rows, one_token=True,
+                          q_start=0 if in_order else None, kv_flat=kv_loc.reshape(-1))
+        group.shared = _plan_shared_prefix(kv_loc, lens)
+        return group
 
     def _extend_group(
         self,
@@ -116,24 +179,47 @@ class TorchNativeAttnBackend(AttentionBackend):
         ext_lens: list[int],
         prefix_lens: list[int],
         seq_lens: list[int],
+        bs: int,
     ) -> AttnGroup:
         device = batch.req_pool_indices.device
-        kv_loc, valid = self._kv_locations(batch, members, seq_lens)
+        kv_loc, _ = self._kv_locations(batch, members, seq_lens)
+        # A prefix cached for every member (same slots) is attended once for all (cascade):
+        # the rest of the plan then covers only the keys after it.
+        shared_loc = _common_cached_prefix(kv_loc, [prefix_lens[i] for i in members])
+        p = 0 if shared_loc is None else int(shared_loc.numel())
         q_len = max(ext_lens[i] for i in members)
         n = len(members)
+        unpadded = all(ext_lens[i] == q_len for i in members)
+        contiguous = unpadded and all(starts[m] == starts[members[0]] + j * q_len for j, m in enumerate(members))
+        no_prefix = all(prefix_lens[i] == p for i in members)
         ext = torch.tensor([ext_lens[i] for i in members], dtype=torch.int64, device=device)
         start = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=device)
-        prefix = torch.tensor([prefix_lens[i] for i in members], dtype=torch.int64, device=device)
+        prefix = torch.tensor([prefix_lens[i] - p for i in members], dtype=torch.int64, device=device)
         qi = torch.arange(q_len, dtype=torch.int64, device=device)[None, :]  # [1, q_len]
         q_valid = qi < ext[:, None]  # [n, q_len]
         q_index = torch.where(q_valid, start[:, None] + qi, 0)
-        kj = torch.arange(kv_loc.shape[1], dtype=torch.int64, device=device)[None, None, :]
-        causal = kj <= (prefix[:, None, None] + qi[:, :, None])  # [n, q_len, kv_len]
+        q_start = starts[members[0]] if contiguous else None
+        covers_all = contiguous and q_start == 0 and n * q_len == sum(ext_lens[:bs])
+        if contiguous and no_prefix:
+            # Keys (after any shared prefix) are exactly the group's new tokens: plain causal
+            # attention over them, nothing to gather.
+            out_tokens = None if covers_all else q_index.reshape(-1)
+            out_rows = None if covers_all else torch.arange(n * q_len, device=device)
+            return AttnGroup(q_index, kv_loc, None, out_tokens, out_rows, q_start=q_start, keys_are_new=True,
+                             shared_loc=shared_loc)
+        own_loc = kv_loc[:, p:]
+        own_lens = torch.tensor([seq_lens[i] - p for i in members], dtype=torch.int64, device=device)
+        kj = torch.arange(own_loc.shape[1], dtype=torch.int64, device=device)[None, :]
+        valid = kj < own_lens[:, None]  # [n, kv_len]
+        causal = kj[:, None, :] <= (prefix[:, None, None] + qi[:, :, None])  # [n, q_len, kv_len]
         mask = causal & valid[:, None, :]
         mask[:, :, 0] |= ~q_valid  # padded query rows see key 0 only, to stay finite
         out_tokens = q_index[q_valid]  # row-major: request by request, token by token
         out_rows = (torch.arange(n, device=device)[:, None] * q_len + qi).expand(n, q_len)[q_valid]
-        return AttnGroup(q_index, kv_loc, mask[:, None], out_tokens, out_rows)
+        if covers_all:
+            out_tokens = out_rows = None  # the group's output is every packed row, in order
+        return AttnGroup(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
+                         kv_flat=own_loc.masked_fill(~valid, 0).reshape(-1), shared_loc=shared_loc)
 
     # ---- per layer -------------------------------------------------------------------
 
@@ -144,24 +230,361 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
-        gqa = layer.num_heads != layer.num_kv_heads
         out: torch.Tensor | None = None
         for g in meta.groups:
-            n, q_len = g.q_index.shape
-            qg = q[g.q_index].transpose(1, 2)  # [n, H, q_len, D]
-            kg = k_buf[g.kv_loc].transpose(1, 2)  # [n, Hkv, kv_len, D]
-            vg = v_buf[g.kv_loc].transpose(1, 2)
-            og = F.scaled_dot_product_attention(
-                qg, kg.to(qg.dtype), vg.to(qg.dtype), attn_mask=g.mask, scale=layer.scaling, enable_gqa=gqa
-            )
-            og = og.transpose(1, 2).reshape(n * q_len, layer.num_heads, layer.head_dim)
+            if g.one_token:
+                og = self._one_token(q, k, v, k_buf, v_buf, layer, g)
+            else:
+                og = self._extend(q, k, v, k_buf, v_buf, layer, g)
             if g.out_tokens is None:
-                return og  # a single in-order decode group covers every token
+                return og  # this group produces every packed row, in order
             if out is None:
                 out = q.new_empty(q.shape[0], layer.num_heads, layer.head_dim)
-            out.index_copy_(0, g.out_tokens, og.index_select(0, g.out_rows))
+            assert g.out_rows is not None
+            rows = og if g.shared_loc is not None else og.index_select(0, g.out_rows)  # cascade: real rows already
+            out.index_copy_(0, g.out_tokens, rows)
         assert out is not None, "attention called on an empty batch"
         return out
+
+    @staticmethod
+    def _gather(buf: torch.Tensor, flat_loc: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n, Hkv, L, D]`` (a strided view) of the pool rows at ``flat_loc`` (``n * L`` slots)."""
+        return buf.index_select(0, flat_loc).view(n, -1, buf.shape[1], buf.shape[2]).transpose(1, 2)
+
+    def _one_token(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayerSpec,
+        g: AttnGroup,
+    ) -> torch.Tensor:
+        """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
+        n = g.q_index.shape[0]
+        hkv, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        qs = q[g.q_start : g.q_start + n] if g.q_start is not None else q.index_select(0, g.q_index.view(-1))
+        qg = qs.view(n, hkv, group, d)  # query head h uses KV head h // group
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        if g.mirror is not None:
+            kd, vd, prefix = self.mirror.keys(layer.layer_id, g.mirror, k, v, k_buf, v_buf)
+            mask = g.mirror.mask
+        elif g.shared is not None:
+            plan = g.shared
+            prefix = (self._gather(k_buf, plan.loc, 1), self._gather(v_buf, plan.loc, 1))
+            kd, vd = self._gather(k_buf, plan.suffix_loc, n), self._gather(v_buf, plan.suffix_loc, n)
+            mask = plan.suffix_mask
+        else:
+            assert g.kv_flat is not None
+            kd, vd = self._gather(k_buf, g.kv_flat, n), self._gather(v_buf, g.kv_flat, n)
+            mask = g.mask
+        kd, vd = kd.to(qg.dtype), vd.to(qg.dtype)
+        if prefix is not None:
+            kp, vp = prefix[0].to(qg.dtype), prefix[1].to(qg.dtype)
+            og = _cascade(qg, kp, vp, kd, vd, mask, layer.scaling)
+        else:
+            og = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=layer.scaling)
+        return og.reshape(n, layer.num_heads, d)
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayerSpec,
+        g: AttnGroup,
+    ) -> torch.Tensor:
+        """Rows ``[n * q_len, H, D]`` of the padded group, request by request.
+
+        Cascade groups (``shared_loc``) return only the real rows, in ``out_tokens`` order.
+        """
+        n, q_len = g.q_index.shape
+        h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        gqa = h != hkv
+        if g.q_start is not None:
+            qs = q[g.q_start : g.q_start + n * q_len]
+        else:
+            qs = q.index_select(0, g.q_index.view(-1))
+        qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
+        if g.keys_are_new:
+            assert g.q_start is not None
+            end = g.q_start + n * q_len
+            kg = k[g.q_start : end].view(n, q_len, hkv, d).transpose(1, 2).to(qg.dtype)
+            vg = v[g.q_start : end].view(n, q_len, hkv, d).transpose(1, 2).to(qg.dtype)
+        else:
+            assert g.kv_flat is not None
+            kg = self._gather(k_buf, g.kv_flat, n).to(qg.dtype)
+            vg = self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
+        if g.shared_loc is None:
+            if g.keys_are_new:
+                og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=layer.scaling, enable_gqa=gqa)
+            return og.transpose(1, 2).reshape(n * q_len, h, d)
+        # Cascade: own keys (causal, returning the log-sum-exp) ...
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        if g.keys_are_new:
+            o_own, lse_own = flash(qg, kg, vg, is_causal=True, scale=layer.scaling)
+        else:
+            assert g.mask is not None
+            add_mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
+            o_own, lse_own = flash(qg, kg, vg, attn_mask=add_mask, scale=layer.scaling)
+        o_own = o_own.transpose(1, 2).reshape(n * q_len, h, d)
+        lse_own = lse_own.transpose(1, 2).reshape(n * q_len, h)
+        padded = g.out_rows is not None and not g.keys_are_new
+        if padded:  # keep the real rows, in out_tokens order
+            assert g.out_rows is not None and g.out_tokens is not None
+            o_own, lse_own = o_own.index_select(0, g.out_rows), lse_own.index_select(0, g.out_rows)
+        # ... and every real query of the group against the shared prefix at once.
+        real = q.index_select(0, g.out_tokens) if padded else qs
+        t = real.shape[0]
+        group = h // hkv
+        q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
+        kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
+        vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
+        o_pre, lse_pre = flash(q_all, kp, vp, scale=layer.scaling)
+        o_pre = o_pre.view(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, h, d)
+        lse_pre = lse_pre.view(hkv, t, group).permute(1, 0, 2).reshape(t, h)
+        return _merge(o_pre, lse_pre, o_own, lse_own)
+
+
+def _plan_shared_prefix(kv_loc: torch.Tensor, lens: list[int]) -> SharedPrefix | None:
+    """The cascade plan when every member's first slots are the same (and long enough), else None."""
+    n = kv_loc.shape[0]
+    limit = min(lens) - 1  # every member keeps at least one key of its own
+    if n < 2 or limit < CASCADE_MIN_PREFIX:
+        return None
+    same = (kv_loc[:, :limit] == kv_loc[:1, :limit]).all(dim=0)
+    differ = (~same).nonzero()
+    p = int(differ[0, 0]) if differ.numel() else limit
+    if p < CASCADE_MIN_PREFIX:
+        return None
+    suffix_lens = [length - p for length in lens]
+    ls = max(suffix_lens)
+    suffix = kv_loc[:, p : p + ls].contiguous()
+    return SharedPrefix(loc=kv_loc[0, :p].contiguous(), suffix_loc=suffix.reshape(-1), suffix_len=ls,
+                        suffix_mask=_length_mask(suffix_lens, ls, kv_loc.device))
+
+
+def _common_cached_prefix(kv_loc: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor | None:
+    """int64 ``[P]`` slots that start every member's cached prefix (P >= CASCADE_MIN_PREFIX), else None.
+
+    Only cached keys qualify (``P <= min(prefix_lens)``), so every new token of every
+    member sees the whole shared part and the causal mask only concerns the rest.
+    """
+    limit = min(prefix_lens)
+    if kv_loc.shape[0] < 2 or limit < CASCADE_MIN_PREFIX:
+        return None
+    same = (kv_loc[:, :limit] == kv_loc[:1, :limit]).all(dim=0)
+    differ = (~same).nonzero()
+    p = int(differ[0, 0]) if differ.numel() else limit
+    return kv_loc[0, :p].contiguous() if p >= CASCADE_MIN_PREFIX else None
+
+
+def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax over the union of two key sets from each set's output and log-sum-exp.
+
+    ``o_*`` ``[..., D]`` in the model dtype, ``lse_*`` ``[...]`` fp32; computed in fp32.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (o_a.float() * w_a + o_b.float() * w_b).to(o_a.dtype)
+
+
+def _length_mask(lens: list[int], width: int, device: torch.device) -> torch.Tensor | None:
+    """bool ``[n, 1, 1, width]``: key j of request i is real when ``j < lens[i]``; None when all are."""
+    if min(lens) == width:
+        return None
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    return (torch.arange(width, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+
+
+def _cascade(
+    qg: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    suffix_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``[n, Hkv, group, D]`` queries: softmax over (shared prefix ++ own suffix), in two flash calls.
+
+    ``kp``/``vp`` ``[1, Hkv, P, D]`` are the shared prefix, ``ks``/``vs`` ``[n, Hkv, Ls, D]``
+    each request's own keys (``suffix_mask`` bool ``[n, 1, 1, Ls]`` marks the real ones).
+    The prefix call sees every member's queries as one long query axis per KV head, so the
+    prefix keys are read once. Each call returns its log-sum-exp; the two partial outputs
+    are combined with weights ``exp(lse_part - lse_total)``.
+    """
+    n, hkv, group, d = qg.shape
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    dtype = qg.dtype
+    q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
+    out_p, lse_p = flash(q_all, kp, vp, scale=scale)
+    out_p = out_p.view(hkv, n, group, d).transpose(0, 1)  # [n, Hkv, group, D]
+    lse_p = lse_p.view(hkv, n, group).transpose(0, 1)
+    add_mask = None
+    if suffix_mask is not None:  # the flash op takes an additive mask in the query's dtype
+        add_mask = torch.zeros(suffix_mask.shape, dtype=dtype, device=qg.device).masked_fill_(~suffix_mask, float("-inf"))
+    out_s, lse_s = flash(qg, ks, vs, attn_mask=add_mask, scale=scale)
+    return _merge(out_p, lse_p, out_s, lse_s).contiguous()
+
+
+@dataclass
+class MirrorPlan:
+    """How one decode forward's keys reach the mirror's dense copies."""
+
+    rebuild: bool  # True: gather every key from the pool; False: append the new token only
+    width: int  # W: own keys per request this step (the dense part's used width)
+    prefix_len: int  # P: keys shared by every request ahead of the dense part (cascade); 0 if none
+    own_flat: torch.Tensor | None  # rebuild: int64 [n * W] pool slots of each request's own keys (0-padded)
+    prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
+    append_index: torch.Tensor | None  # append: int64 [n * Hkv] rows of the dense [n * Hkv * cap, D] view
+    mask: torch.Tensor | None  # bool [n, 1, 1, W]; None when every request has W keys
+
+
+class DecodeKVMirror:
+    """Dense copies of the running decode batch's keys, one ``[n, Hkv, cap, D]`` K and V per layer.
+
+    Owner: the torch-native backend; the pool stays the source of truth. A decode step of
+    exactly the previous step's requests (same req_to_token rows, each one token longer,
+    the same slots for every key already mirrored, and no extend forward in between)
+    appends the new token's K/V; any other forward rebuilds the copies from the pool
+    (the gather every step would do anyway) or, after an extend, drops them. Requests
+    with a common shared prefix (cascade) keep that prefix once, ``[1, Hkv, P, D]``.
+    The copies take at most ``MIRROR_MAX_POOL_FRACTION`` of the pool's memory; a batch
+    that would need more is served by gathering from the pool every step.
+    """
+
+    def __init__(self) -> None:
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.prefix_k: list[torch.Tensor | None] = []
+        self.prefix_v: list[torch.Tensor | None] = []
+        self.rows: torch.Tensor | None = None  # req_to_token rows of the mirrored requests, in batch order
+        self.own_lens: list[int] = []  # own keys mirrored per request (after the shared prefix)
+        self.own_slots: torch.Tensor | None = None  # int64 [n, W]: their pool slots (0-padded)
+        self.prefix_slots: torch.Tensor | None = None  # int64 [P]
+        self.cap = 0
+        self.num_layers = 0
+        self.layers_done = 0  # layers of the last planned forward whose copies are up to date
+
+    def reset(self) -> None:
+        """Forget the mirrored requests (buffers are dropped too: nothing may read them)."""
+        self.rows = self.own_slots = self.prefix_slots = None
+        self.own_lens = []
+        self.k, self.v, self.prefix_k, self.prefix_v = [], [], [], []
+        self.layers_done = 0
+
+    def plan(self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int]) -> MirrorPlan | None:
+        """This decode forward's plan (records the state it leaves behind), or None when over budget."""
+        pool = batch.token_to_kv_pool
+        kv_loc = group.kv_loc
+        device = kv_loc.device
+        n = kv_loc.shape[0]
+        p = int(group.shared.loc.numel()) if group.shared is not None else 0
+        own_lens = [length - p for length in seq_lens]
+        width = max(own_lens)
+        own = kv_loc[:, p : p + width]
+        prefix_slots = kv_loc[0, :p]
+        num_layers = len(pool.k_buffer)
+        _, hkv, d = pool.k_buffer[0].shape
+        append = self._can_append(batch, own, own_lens, p, prefix_slots, num_layers, width)
+        mask = _length_mask(own_lens, width, device)
+        if append:
+            pos = torch.tensor(self.own_lens, dtype=torch.int64, device=device)  # the new key's index
+            heads = torch.arange(hkv, dtype=torch.int64, device=device)
+            rows = torch.arange(n, dtype=torch.int64, device=device)
+            index = ((rows[:, None] * hkv + heads[None, :]) * self.cap + pos[:, None]).reshape(-1)
+            result = MirrorPlan(False, width, p, None, None, index, mask)
+        else:
+            cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
+            nbytes = 2 * num_layers * (n * cap + p) * hkv * d * pool.k_buffer[0].element_size()
+            pool_bytes = 2 * num_layers * pool.k_buffer[0].numel() * pool.k_buffer[0].element_size()
+            if nbytes > MIRROR_MAX_POOL_FRACTION * pool_bytes:
+                self.reset()
+                return None
+            if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
+                self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
+            self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
+            self.cap = cap
+            result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, mask)
+        self.rows = batch.req_pool_indices.clone()
+        self.own_lens = own_lens
+        self.own_slots = own.clone()
+        self.prefix_slots = prefix_slots.clone()
+        self.num_layers = num_layers
+        self.layers_done = 0
+        return result
+
+    def _can_append(
+        self,
+        batch: ForwardBatch,
+        own: torch.Tensor,
+        own_lens: list[int],
+        p: int,
+        prefix_slots: torch.Tensor,
+        num_layers: int,
+        width: int,
+    ) -> bool:
+        if self.rows is None or self.own_slots is None or self.prefix_slots is None:
+            return False
+        if self.layers_done != self.num_layers or num_layers != self.num_layers or width > self.cap:
+            return False  # the last forward did not finish, or the copies are too small
+        if own_lens != [length + 1 for length in self.own_lens] or p != self.prefix_slots.numel():
+            return False
+        if not torch.equal(batch.req_pool_indices, self.rows) or not torch.equal(prefix_slots, self.prefix_slots):
+            return False
+        prev_w = self.own_slots.shape[1]
+        lens = torch.tensor(self.own_lens, dtype=torch.int64, device=own.device)
+        mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
+        return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
+
+    def keys(
+        self,
+        layer_id: int,
+        plan: MirrorPlan,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Bring layer ``layer_id``'s copies up to date; ``(K, V, prefix)`` views for attention.
+
+        K/V are ``[n, Hkv, W, D]``; prefix is ``([1, Hkv, P, D], same)`` or None.
+        """
+        n = plan.mask.shape[0] if plan.mask is not None else k_new.shape[0]
+        _, hkv, d = k_buf.shape
+        dense_k, dense_v = self.k[layer_id], self.v[layer_id]
+        if plan.rebuild:
+            if dense_k is None or dense_v is None:
+                # Zeroed, not empty: keys past a request's length are masked, but a NaN bit
+                # pattern there would still poison its softmax (NaN + -inf is NaN).
+                dense_k = torch.zeros(n, hkv, self.cap, d, dtype=k_buf.dtype, device=k_buf.device)
+                dense_v = torch.zeros_like(dense_k)
+                self.k[layer_id], self.v[layer_id] = dense_k, dense_v
+            assert plan.own_flat is not None and plan.prefix_loc is not None
+            w = plan.width
+            dense_k[:, :, :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
+            dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
+            if plan.prefix_len:
+                self.prefix_k[layer_id] = k_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
+                self.prefix_v[layer_id] = v_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
+        else:
+            assert dense_k is not None and dense_v is not None and plan.append_index is not None
+            dense_k.view(-1, d).index_copy_(0, plan.append_index, k_new.reshape(-1, d).to(dense_k.dtype))
+            dense_v.view(-1, d).index_copy_(0, plan.append_index, v_new.reshape(-1, d).to(dense_v.dtype))
+        self.layers_done += 1
+        prefix = None
+        if plan.prefix_len:
+            pk, pv = self.prefix_k[layer_id], self.prefix_v[layer_id]
+            assert pk is not None and pv is not None
+            prefix = (pk, pv)
+        return dense_k[:, :, : plan.width], dense_v[:, :, : plan.width], prefix
 
 
 def _host_list(cached: list[int], tensor: torch.Tensor) -> list[int]:

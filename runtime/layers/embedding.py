@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.layers.prepacked import linear
+
 from runtime.layers.linear import (
     LazyWeight,
     check_shape,
@@ -44,6 +46,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        for head in getattr(self, "tied_heads", ()):
+            head.packed_weight = None  # a head sharing this weight must not keep a stale packed copy
+        if isinstance(self, ParallelLMHead):
+            self.packed_weight = None
         check_shape(name, weight.shape, (self.vocab_size, self.hidden_size))
         n = max(self.vocab_end - self.vocab_start, 0)
         with torch.no_grad():
@@ -63,12 +69,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; shares the embedding's weight when tied."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        heads: list[ParallelLMHead] = embedding.__dict__.setdefault("tied_heads", [])
+        heads.append(self)  # plain attribute, not a submodule: the embedding's loader clears our copy
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from runtime.layers.prepacked import linear
 
 
 class TPGroup(Protocol):
@@ -112,14 +113,19 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
-        self.weight.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        self.packed_weight = None
+        replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -157,6 +163,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
 
     def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
@@ -164,6 +171,7 @@ class ColumnParallelLinear(nn.Module):
         return self.local_offsets[shard_id], self.tp_rank * size, size
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
+        self.packed_weight = None
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
@@ -172,7 +180,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -261,11 +269,13 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        self.packed_weight = None
         check_shape(name, weight.shape, (self.out_features, self.in_features))
         copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight), self.tp_size)
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight, None, self.packed_weight), self.tp_size)
         return out if self.bias is None else out + self.bias

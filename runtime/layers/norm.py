@@ -3,6 +3,10 @@
 The variance is computed in fp32 whatever the model dtype, and the result is cast back
 before the weight multiply, exactly as transformers' Llama/Qwen RMSNorm does, so fp32
 and bf16 outputs both match the reference implementation.
+
+Cheap on CPU: in half precision the fp32 copy is private, so it is scaled in place (the
+same products as HF, without a second fp32 temporary); the residual sum is written into
+the residual stream's own buffer, which the decoder layers hand down and nothing else reads.
 """
 
 from __future__ import annotations
@@ -19,13 +23,20 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if dtype == torch.float32:
+            # x.float() would alias x: stay out of place (the caller may still need x).
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        xf = x.float()  # a private copy
+        xf.mul_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
         return self.weight * xf.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
+
+        With ``residual`` the sum is accumulated into ``residual`` in place (the caller owns
+        that buffer and gets it back as the new residual).
+        """
         if residual is None:
             return self._norm(x)
-        summed = x + residual
-        return self._norm(summed), summed
+        residual.add_(x)
+        return self._norm(residual), residual

@@ -38,6 +38,13 @@ def rope_inv_freq(rotary_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables plus the rotation.
+
+    A forward computes ``cos_sin(positions)`` once (every layer uses the same positions)
+    and then ``apply`` per layer. ``apply`` works on any ``[T, heads, D]`` view, so the
+    model rotates q and k together as one slice of the fused qkv output.
+    """
+
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -49,17 +56,32 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, rotary_dim // 2]`` in ``dtype`` (the activations' dtype, as in HF)."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, D]`` (any strides) -> a new contiguous rotated tensor.
+
+        ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``: each product rounded, then the sum,
+        the same operations as HF's ``q * cos + rotate_half(q) * sin``, so fp32 results are
+        bit-identical to it; written straight into the output halves (no cat, no upcast).
+        """
         half = self.rotary_dim // 2
-        rot = x[..., : self.rotary_dim].float()
-        x1, x2 = rot[..., :half], rot[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        if self.rotary_dim == self.head_dim:
-            return out
-        return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
+        torch.mul(x1, cos, out=o1)
+        o1.sub_(x2 * sin)
+        torch.mul(x2, cos, out=o2)
+        o2.add_(x1 * sin)
+        if self.rotary_dim != self.head_dim:
+            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        return out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated (new tensors)."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim // 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)

@@ -104,19 +104,24 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
+        """``rope`` is the forward's ``(cos, sin)`` from ``RotaryEmbedding.cos_sin`` (shared by all layers)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        cos, sin = rope
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v.contiguous(), self.spec, batch)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self.rotary.apply(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
+            k = self.rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            # q and k are adjacent in the fused output: rotate them as one [T, Hq + Hkv, D] view.
+            qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                                   cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, self.spec, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -132,18 +137,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual`` (None before the first layer) is owned by the layer stack and updated in place."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, backend)
+        hidden = self.self_attn(rope, hidden, batch, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -164,10 +170,11 @@ class LlamaModel(nn.Module):
         self, batch: ForwardBatch, backend: AttentionBackend, sample_rows: torch.Tensor
     ) -> torch.Tensor:
         """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens."""
-        hidden = self.embed_tokens(batch.input_ids)
+        hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
+        rope = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)  # once, not per layer
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(batch.positions, hidden, residual, batch, backend)
+            hidden, residual = layer(rope, hidden, residual, batch, backend)
         assert residual is not None, "model has no layers"
         return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
 
