@@ -13,6 +13,7 @@ import pytest
 
 from launch import launch_server
 from runtime.client import Client
+from scheduler_proc.scheduler import MAX_CONSECUTIVE_PREFILLS
 
 pytest.register_assert_rewrite("server_fixtures")
 from server_fixtures import CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
@@ -145,7 +146,10 @@ def test_running_request_keeps_decoding_under_a_stream_of_long_prompts(long_prom
         else:
             gaps.append(run_len)
             run_len = 0
-    assert max(gaps) <= 2, events
+    # The scheduler runs at most MAX_CONSECUTIVE_PREFILLS (2) prefill batches between decodes.
+    # Events come from two asyncio tasks: when replies arrive together, one completion may be
+    # recorded before a token that preceded it, hence + 1. Starvation would show gaps up to 8.
+    assert max(gaps) <= MAX_CONSECUTIVE_PREFILLS + 1, events
 
 
 def test_abort_in_queue_while_running_and_all_at_once(small_pool_server: Client) -> None:
