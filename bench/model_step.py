@@ -178,7 +178,11 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     import torch
     import torch.nn.functional as F
 
-    from runtime.layers.prepacked import linear
+    try:
+        from runtime.layers.prepacked import linear
+    except ImportError:  # a checkout from before prepacked weights (for before/after runs)
+        def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
+            return F.linear(x, weight, bias)
 
     model = runner.model
     hidden = model.config.hidden_size
@@ -194,11 +198,11 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
 
     def run() -> None:
         for qkv, o, gu, down in layers:  # through the same (possibly prepacked) weights as the model
-            linear(x, qkv.weight, None, qkv.packed_weight)
-            linear(o_in, o.weight, None, o.packed_weight)
-            linear(x, gu.weight, None, gu.packed_weight)
-            linear(d_in, down.weight, None, down.packed_weight)
-        linear(xs, head.weight, None, head.packed_weight)
+            linear(x, qkv.weight, None, getattr(qkv, "packed_weight", None))
+            linear(o_in, o.weight, None, getattr(o, "packed_weight", None))
+            linear(x, gu.weight, None, getattr(gu, "packed_weight", None))
+            linear(d_in, down.weight, None, getattr(down, "packed_weight", None))
+        linear(xs, head.weight, None, getattr(head, "packed_weight", None))
     return run
 
 

@@ -3,7 +3,7 @@
 Batched, not a loop per request per layer. ``init_forward_metadata`` plans once per
 forward: requests are packed into a few *groups*; within a group every request's queries
 are padded to the group's longest extend and its keys to the group's longest sequence, so
-each layer does one gather from the pool and one SDPA call per group:
+each layer does (at most) one gather from the pool and one SDPA call per group:
 
 - decode: one group holding every request (queries padded to 1, keys to the max seq len);
 - extend / mixed: requests extending by one token (the decode part of a mixed batch) form
@@ -34,8 +34,12 @@ What keeps it fast on CPU (each measured on the 200M bench model, see bench/mode
   log-sum-exp ("cascade" attention): the prefix is read once per layer instead of once
   per request;
 - consecutive decode steps of the same requests keep a dense copy of each request's keys
-  (``DecodeKVMirror``, ``[n, kv_heads, cap, D]`` per layer): a step appends the new token to it instead of gathering every cached key
-  from the pool again, and the flash kernel reads contiguous per-head rows.
+  (``DecodeKVMirror``, ``[n, kv_heads, cap, D]`` per layer): a step appends the new
+  token to it instead of gathering every cached key from the pool again, and the flash
+  kernel reads contiguous per-head rows;
+- an extend group whose members all have the same cached prefix (the shared-prefix
+  prefill after the first request warmed the cache) attends to that prefix in one flash
+  call for all of its queries and to the new tokens causally, merged the same way.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ _GROUP_SLACK = 1 << 16
 # A shared prefix shorter than this is not worth a separate cascade pass.
 CASCADE_MIN_PREFIX = 32
 # Dense decode-key copies are kept only while all layers' K and V take at most this
-# fraction of the KV pool's own memory.
+# fraction of the KV pool's own memory (or MIRROR_MIN_BUDGET_BYTES, whichever is larger).
 MIRROR_MAX_POOL_FRACTION = 1.0
+MIRROR_MIN_BUDGET_BYTES = 64 << 20
 # Their capacity (keys per request) grows in steps of this many tokens.
 MIRROR_CAP_STEP = 64
 
@@ -403,6 +408,21 @@ def _length_mask(lens: list[int], width: int, device: torch.device) -> torch.Ten
     return (torch.arange(width, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
 
 
+def _attend_prefix(
+    qg: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every member's queries ``[n, Hkv, group, D]`` against one shared prefix ``[1, Hkv, P, D]``.
+
+    The members' queries become one long query axis per KV head, so the prefix keys are
+    read once. Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group])``.
+    """
+    n, hkv, group, d = qg.shape
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
+    out_p, lse_p = flash(q_all, kp.to(qg.dtype), vp.to(qg.dtype), scale=scale)
+    return out_p.view(hkv, n, group, d).transpose(0, 1), lse_p.view(hkv, n, group).transpose(0, 1)
+
+
 def _cascade(
     qg: torch.Tensor,
     kp: torch.Tensor,
@@ -416,20 +436,14 @@ def _cascade(
 
     ``kp``/``vp`` ``[1, Hkv, P, D]`` are the shared prefix, ``ks``/``vs`` ``[n, Hkv, Ls, D]``
     each request's own keys (``suffix_mask`` bool ``[n, 1, 1, Ls]`` marks the real ones).
-    The prefix call sees every member's queries as one long query axis per KV head, so the
-    prefix keys are read once. Each call returns its log-sum-exp; the two partial outputs
-    are combined with weights ``exp(lse_part - lse_total)``.
+    Each call returns its log-sum-exp; the two partial outputs are combined with weights
+    ``exp(lse_part - lse_total)``.
     """
-    n, hkv, group, d = qg.shape
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    dtype = qg.dtype
-    q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
-    out_p, lse_p = flash(q_all, kp, vp, scale=scale)
-    out_p = out_p.view(hkv, n, group, d).transpose(0, 1)  # [n, Hkv, group, D]
-    lse_p = lse_p.view(hkv, n, group).transpose(0, 1)
+    out_p, lse_p = _attend_prefix(qg, kp, vp, scale)
     add_mask = None
     if suffix_mask is not None:  # the flash op takes an additive mask in the query's dtype
-        add_mask = torch.zeros(suffix_mask.shape, dtype=dtype, device=qg.device).masked_fill_(~suffix_mask, float("-inf"))
+        add_mask = torch.zeros(suffix_mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~suffix_mask, float("-inf"))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out_s, lse_s = flash(qg, ks, vs, attn_mask=add_mask, scale=scale)
     return _merge(out_p, lse_p, out_s, lse_s).contiguous()
 
@@ -456,8 +470,9 @@ class DecodeKVMirror:
     appends the new token's K/V; any other forward rebuilds the copies from the pool
     (the gather every step would do anyway) or, after an extend, drops them. Requests
     with a common shared prefix (cascade) keep that prefix once, ``[1, Hkv, P, D]``.
-    The copies take at most ``MIRROR_MAX_POOL_FRACTION`` of the pool's memory; a batch
-    that would need more is served by gathering from the pool every step.
+    The copies take at most ``MIRROR_MAX_POOL_FRACTION`` of the pool's memory (at least
+    ``MIRROR_MIN_BUDGET_BYTES`` are allowed); a batch that would need more is served by
+    gathering from the pool every step.
     """
 
     def __init__(self) -> None:
@@ -503,9 +518,10 @@ class DecodeKVMirror:
             result = MirrorPlan(False, width, p, None, None, index, mask)
         else:
             cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
-            nbytes = 2 * num_layers * (n * cap + p) * hkv * d * pool.k_buffer[0].element_size()
-            pool_bytes = 2 * num_layers * pool.k_buffer[0].numel() * pool.k_buffer[0].element_size()
-            if nbytes > MIRROR_MAX_POOL_FRACTION * pool_bytes:
+            buf = pool.k_buffer[0]
+            nbytes = 2 * num_layers * (n * cap + p) * hkv * d * buf.element_size()
+            pool_bytes = 2 * num_layers * buf.numel() * buf.element_size()
+            if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
                 self.reset()
                 return None
             if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:

@@ -1,0 +1,276 @@
+"""Fast paths of TorchNativeAttnBackend (views, causal, cascade over a shared prefix, the
+decode-key mirror) and prepacked bf16 linears, against per-request references.
+
+Proposed by the performance work (runtime/attention/torch_native.py, runtime/layers/prepacked.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import random_prompt
+from harness import Harness
+from memory.kv_pool import MHATokenToKVPool
+from memory.req_to_token_pool import ReqToTokenPool
+from runtime.attention.base import AttentionLayerSpec
+from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeAttnBackend, TorchNativeMetadata
+from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.layers.prepacked import prepack_available, prepack_model
+from runtime.model_runner import ModelRunner
+from runtime.weight_loader import load_model_weights
+from test_model_attention import HKV, D, H, _reference, _run
+
+
+def t(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_equal_length_prefill_uses_views_and_causal() -> None:
+    meta = _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9])
+    (g,) = meta.groups
+    assert g.keys_are_new and g.q_start == 0 and g.out_tokens is None
+
+
+def test_equal_length_extend_after_prefix() -> None:
+    meta = _run(ForwardMode.EXTEND, [5, 5, 5], [7, 7, 7])
+    (g,) = meta.groups
+    assert not g.keys_are_new and g.q_start == 0 and g.out_tokens is None
+
+
+def test_decode_equal_lengths_has_no_mask() -> None:
+    meta = _run(ForwardMode.DECODE, [12, 12, 12, 12], [1, 1, 1, 1])
+    assert meta.groups[0].mask is None
+
+
+def _run_shared(
+    mode: ForwardMode, shared: int, own_lens: list[int], ext_lens: list[int], seed: int = 0
+) -> TorchNativeMetadata:
+    """Requests whose first ``shared`` KV slots are the same (then ``own_lens`` cached tokens of
+    their own), extended by ``ext_lens``; every output row checked against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(own_lens)
+    total = shared + sum(o + e for o, e in zip(own_lens, ext_lens))
+    pool = MHATokenToKVPool(total + 8, 1, torch.float32, 1, HKV, D, "cpu")
+    rtt = ReqToTokenPool(bs + 1, shared + max(o + e for o, e in zip(own_lens, ext_lens)) + 1, "cpu")
+    slots = (torch.randperm(total, generator=gen) + 1).tolist()
+    shared_slots, slots = slots[:shared], slots[shared:]
+    k_sh = torch.randn(shared, HKV, D, generator=gen)
+    v_sh = torch.randn(shared, HKV, D, generator=gen)
+    pool.set_kv_buffer(0, torch.tensor(shared_slots, dtype=torch.int64), k_sh, v_sh)
+    rows = list(range(bs))[::-1]
+    k_seq, v_seq, new_locs, prefix_lens = [], [], [], []
+    for i in range(bs):
+        n = own_lens[i] + ext_lens[i]
+        mine, slots = slots[:n], slots[n:]
+        rtt.write(rows[i], 0, torch.tensor(shared_slots + mine))
+        k_i = torch.randn(n, HKV, D, generator=gen)
+        v_i = torch.randn(n, HKV, D, generator=gen)
+        k_seq.append(torch.cat([k_sh, k_i]))
+        v_seq.append(torch.cat([v_sh, v_i]))
+        own = own_lens[i]
+        pool.set_kv_buffer(0, torch.tensor(mine[:own], dtype=torch.int64), k_i[:own], v_i[:own])
+        new_locs.extend(mine[own:])
+        prefix_lens.append(shared + own)
+    q = torch.randn(sum(ext_lens), H, D, generator=gen)
+    k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
+    v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
+    batch = ForwardBatch(
+        forward_mode=mode, input_ids=torch.zeros(sum(ext_lens), dtype=torch.int64),
+        positions=torch.zeros(sum(ext_lens), dtype=torch.int64), req_pool_indices=t(rows), seq_lens=t(seq_lens),
+        prefix_lens=t(prefix_lens), extend_lens=t(ext_lens), out_cache_loc=t(new_locs), req_to_token_pool=rtt,
+        token_to_kv_pool=pool, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=list(ext_lens),
+    )
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+    start = 0
+    for i in range(bs):
+        n = ext_lens[i]
+        expected = _reference(q[start : start + n], k_seq[i], v_seq[i], prefix_lens[i])
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        start += n
+    return batch.attn_metadata
+
+
+@pytest.mark.parametrize("own", [[0, 0, 0], [3, 0, 7, 1], [5, 5]])
+def test_decode_cascade_over_shared_prefix(own) -> None:
+    meta = _run_shared(ForwardMode.DECODE, CASCADE_MIN_PREFIX + 9, own, [1] * len(own))
+    (g,) = meta.groups
+    assert g.shared is not None and g.shared.loc.numel() >= CASCADE_MIN_PREFIX + 9
+
+
+def test_short_shared_prefix_is_not_cascaded() -> None:
+    meta = _run_shared(ForwardMode.DECODE, CASCADE_MIN_PREFIX - 1, [2, 4], [1, 1])
+    assert meta.groups[0].shared is None
+
+
+def test_mixed_with_cascaded_one_token_rows() -> None:
+    meta = _run_shared(ForwardMode.MIXED, CASCADE_MIN_PREFIX + 3, [4, 0, 6, 2], [1, 5, 1, 3])
+    assert meta.groups[0].shared is not None
+
+
+# ---- end to end through the tiny model: cascade + mirror against one request at a time ----
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_llama_path: Path) -> ModelRunner:
+    return ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=16384, load_progress=False)
+
+
+def _alone(h: Harness, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    (r,) = h.generate([prompt], steps, return_logprob=True)
+    out = (r.output_ids, r.logprobs)
+    h.reset()
+    return out
+
+
+def test_shared_prefix_decode_batch_equals_alone(tiny_runner: ModelRunner) -> None:
+    h = Harness(tiny_runner)
+    vocab = tiny_runner.vocab_size
+    prefix = random_prompt(45, vocab, seed=7)
+    prompts = [prefix + random_prompt(1 + 3 * i, vocab, seed=70 + i) for i in range(6)]
+    first = h.add_request(prompts[0])
+    h.prefill([first], return_logprob=True)
+    others = [h.add_request(p) for p in prompts[1:]]
+    for o in others:
+        h.share_prefix(first, o, len(prefix))
+    h.prefill(others, return_logprob=True)
+    reqs = [first] + others
+    backend = tiny_runner.attn_backend
+    h.decode(reqs, 7, return_logprob=True)
+    assert backend.mirror.rows is not None and backend.mirror.prefix_slots.numel() >= len(prefix)
+    batched = [(r.output_ids, r.logprobs) for r in reqs]
+    h.reset()
+    for p, (ids, lps) in zip(prompts, batched):
+        ids1, lps1 = _alone(h, p, 8)
+        assert ids == ids1
+        assert lps == pytest.approx(lps1, abs=1e-4)
+
+
+def test_mirror_survives_batch_changes(tiny_runner: ModelRunner) -> None:
+    h = Harness(tiny_runner)
+    vocab = tiny_runner.vocab_size
+    prompts = [random_prompt(5 + 4 * i, vocab, seed=90 + i) for i in range(5)]
+    a = [h.add_request(p) for p in prompts[:4]]
+    h.prefill(a, return_logprob=True)
+    h.decode(a, 3, return_logprob=True)          # rebuild, then appends
+    h.decode(a[:3], 2, return_logprob=True)      # one left: rows differ -> rebuild
+    late = h.add_request(prompts[4])
+    h.prefill([late], return_logprob=True)       # an extend in between -> dropped
+    h.decode(a[:3] + [late], 4, return_logprob=True)
+    h.decode(a[:3], 1, return_logprob=True)
+    got = [(r.output_ids, r.logprobs) for r in a[:3] + [a[3], late]]
+    h.reset()
+    steps = [11, 11, 11, 4, 5]
+    for p, n, (ids, lps) in zip(prompts[:3] + [prompts[3], prompts[4]], steps, got):
+        ids1, lps1 = _alone(h, p, n)
+        assert ids == ids1
+        assert lps == pytest.approx(lps1, abs=1e-4)
+
+
+def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None:
+    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="bfloat16", max_total_tokens=4096, load_progress=False)
+    packed = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    assert bool(packed) == prepack_available()
+    prompts = [random_prompt(n, runner.vocab_size, seed=n) for n in (3, 17, 30)]
+
+    def logits() -> torch.Tensor:
+        h = Harness(runner)
+        reqs = [h.add_request(p) for p in prompts]
+        batch, _ = h.build_batch(reqs, ForwardMode.EXTEND)
+        out = runner.forward(batch).logits
+        h.reset()
+        return out
+
+    with_packed = logits()
+    for m in packed:
+        m.packed_weight = None
+    assert torch.equal(with_packed, logits())
+    if packed:
+        prepack_model(runner.model)
+        load_model_weights(runner.model, tiny_llama_path, progress=False)  # a reload drops every packed copy
+        assert all(m.packed_weight is None for m in packed)
+
+
+@pytest.mark.parametrize("own,ext", [([0, 0, 0], [5, 5, 5]), ([0, 2, 0, 7], [3, 6, 1, 4]), ([4, 4], [9, 9]),
+                                     ([0, 0], [1, 6])])
+def test_extend_cascade_over_shared_prefix(own, ext) -> None:
+    meta = _run_shared(ForwardMode.EXTEND, CASCADE_MIN_PREFIX + 5, own, ext)
+    multi = [g for g in meta.groups if not g.one_token]
+    assert multi and all(g.shared_loc is not None for g in multi if g.q_index.shape[0] > 1)
+
+
+def test_mixed_batch_with_uneven_cached_prefixes() -> None:
+    _run_shared(ForwardMode.MIXED, CASCADE_MIN_PREFIX + 2, [3, 0, 11], [4, 1, 2])
+
+
+def _decode_steps(
+    dtype: torch.dtype, shared: int, own_lens: list[int], steps: int, seed: int = 0
+) -> list[TorchNativeMetadata]:
+    """Consecutive decode steps through one backend (mirror rebuild, then appends) vs the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(own_lens)
+    total = shared + sum(own_lens) + bs * steps
+    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, D, "cpu")
+    rtt = ReqToTokenPool(bs + 1, shared + max(own_lens) + steps + 1, "cpu")
+    slots = (torch.randperm(total, generator=gen) + 1).tolist()
+    shared_slots, slots = slots[:shared], slots[shared:]
+    k_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
+    v_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
+    if shared:
+        pool.set_kv_buffer(0, torch.tensor(shared_slots, dtype=torch.int64), k_sh, v_sh)
+    rows = list(range(bs))[::-1]
+    ks, vs, tables = [], [], []
+    for i in range(bs):
+        mine, slots = slots[: own_lens[i]], slots[own_lens[i] :]
+        k_i = torch.randn(own_lens[i], HKV, D, generator=gen).to(dtype)
+        v_i = torch.randn(own_lens[i], HKV, D, generator=gen).to(dtype)
+        pool.set_kv_buffer(0, torch.tensor(mine, dtype=torch.int64), k_i, v_i)
+        ks.append(torch.cat([k_sh, k_i]))
+        vs.append(torch.cat([v_sh, v_i]))
+        tables.append(shared_slots + mine)
+        rtt.write(rows[i], 0, torch.tensor(tables[i]))
+    backend = TorchNativeAttnBackend()
+    metas = []
+    for _ in range(steps):
+        new = slots[:bs]
+        slots = slots[bs:]
+        prefix_lens = [len(tb) for tb in tables]
+        for i in range(bs):
+            rtt.write(rows[i], prefix_lens[i], torch.tensor([new[i]]))
+            tables[i].append(new[i])
+        seq_lens = [p + 1 for p in prefix_lens]
+        q = torch.randn(bs, H, D, generator=gen).to(dtype)
+        k_new = torch.randn(bs, HKV, D, generator=gen).to(dtype)
+        v_new = torch.randn(bs, HKV, D, generator=gen).to(dtype)
+        for i in range(bs):
+            ks[i] = torch.cat([ks[i], k_new[i : i + 1]])
+            vs[i] = torch.cat([vs[i], v_new[i : i + 1]])
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(bs, dtype=torch.int64),
+            positions=torch.zeros(bs, dtype=torch.int64), req_pool_indices=t(rows), seq_lens=t(seq_lens),
+            prefix_lens=t(prefix_lens), extend_lens=t([1] * bs), out_cache_loc=t(new), req_to_token_pool=rtt,
+            token_to_kv_pool=pool, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=[1] * bs,
+        )
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+        assert out.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for i in range(bs):
+            expected = _reference(q[i : i + 1].float(), ks[i].float(), vs[i].float(), prefix_lens[i])
+            torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol)
+        metas.append(batch.attn_metadata)
+    return metas
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [0, CASCADE_MIN_PREFIX + 3])
+def test_consecutive_decode_steps_through_the_mirror(dtype, shared) -> None:
+    metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=4)
+    plans = [m.groups[0].mirror for m in metas]
+    assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
+    assert all((m.groups[0].shared is not None) == bool(shared) for m in metas)
