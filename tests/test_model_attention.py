@@ -124,16 +124,16 @@ def test_64_concurrent_decodes_match_one_at_a_time(tiny_llama_path: Path, monkey
     harness.prefill(reqs)
 
     calls = []
-    real_sdpa = torch_native.F.scaled_dot_product_attention
+    real_attention = torch_native._few_query_attention
 
-    def counting_sdpa(*args, **kwargs):
+    def counting_attention(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return real_sdpa(*args, **kwargs)
+        return real_attention(*args, **kwargs)
 
-    monkeypatch.setattr(torch_native.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(torch_native, "_few_query_attention", counting_attention)
     harness.decode(reqs, steps - 1)
     monkeypatch.undo()
-    # One SDPA call per layer per decode step, each covering all 64 requests.
+    # One batched attention call per layer per decode step, each covering all 64 requests.
     assert calls == [64] * (runner.model_config.num_hidden_layers * (steps - 1))
     batched = [r.output_ids for r in reqs]
     harness.reset()
