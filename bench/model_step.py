@@ -232,9 +232,9 @@ def profile_step(runner: Any, make: Callable[[], Any], rows: int = 25) -> None:
 
     run_batches(runner, make())
     batches = make()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         run_batches(runner, batches)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

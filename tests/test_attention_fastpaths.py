@@ -16,6 +16,7 @@ from harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
+from runtime.attention import torch_native
 from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeAttnBackend, TorchNativeMetadata
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.prepacked import prepack_available, prepack_model
@@ -274,3 +275,34 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared) -> None:
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
     assert all((m.groups[0].shared is not None) == bool(shared) for m in metas)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("score_bytes", [1 << 30, 1])  # all requests in one chunk / one request per chunk
+def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads, score_bytes, monkeypatch) -> None:
+    """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA."""
+    monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
+    gen = torch.Generator().manual_seed(3)
+    n, length, d = 5, 11, 16
+    q = torch.randn(n, length, heads, d, generator=gen).bfloat16()
+    k = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
+    v = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
+    out = torch_native._causal_prefill_attention(q, k, v, d**-0.5)
+    assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
+    ).transpose(1, 2).reshape(n * length, heads, d)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
+    calls: list[int] = []
+    real = torch_native._causal_prefill_attention
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return real(q, *args)
+
+    monkeypatch.setattr(torch_native, "_causal_prefill_attention", counting)
+    _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)
+    assert calls == [3]

@@ -33,11 +33,15 @@ def _reference(q_req: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pr
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0) -> TorchNativeMetadata:
+def _run(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> TorchNativeMetadata:
+    """One attention forward over a scattered pool, every output row checked against ``_reference``
+    (inputs rounded to ``dtype``; half precision within 3e-2)."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
     total = sum(p + e for p, e in zip(prefix_lens, extend_lens))
-    pool = MHATokenToKVPool(total + 8, 1, torch.float32, 1, HKV, D, "cpu")
+    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, D, "cpu")
     rtt = ReqToTokenPool(bs + 1, max(p + e for p, e in zip(prefix_lens, extend_lens)) + 1, "cpu")
     # Scattered, non-contiguous slots, so reading through req_to_token is really tested.
     slots = (torch.randperm(total, generator=gen) + 1).tolist()
@@ -47,11 +51,11 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed
         n = prefix_lens[i] + extend_lens[i]
         mine, slots = slots[:n], slots[n:]
         rtt.write(rows[i], 0, torch.tensor(mine))
-        k_seq.append(torch.randn(n, HKV, D, generator=gen))
-        v_seq.append(torch.randn(n, HKV, D, generator=gen))
+        k_seq.append(torch.randn(n, HKV, D, generator=gen).to(dtype))
+        v_seq.append(torch.randn(n, HKV, D, generator=gen).to(dtype))
         pool.set_kv_buffer(0, torch.tensor(mine[: prefix_lens[i]], dtype=torch.int64), k_seq[i][: prefix_lens[i]], v_seq[i][: prefix_lens[i]])
         new_locs.extend(mine[prefix_lens[i] :])
-    q = torch.randn(sum(extend_lens), H, D, generator=gen)
+    q = torch.randn(sum(extend_lens), H, D, generator=gen).to(dtype)
     k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
     v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -77,11 +81,13 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed
     backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for i in range(bs):
         n = extend_lens[i]
-        expected = _reference(q[start : start + n], k_seq[i], v_seq[i], prefix_lens[i])
-        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        expected = _reference(q[start : start + n].float(), k_seq[i].float(), v_seq[i].float(), prefix_lens[i])
+        torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)
         start += n
     return batch.attn_metadata
 
@@ -94,6 +100,15 @@ def test_extend_with_and_without_prefix() -> None:
 def test_decode_is_one_padded_group() -> None:
     meta = _run(ForwardMode.DECODE, [3, 40, 1, 12, 7], [1, 1, 1, 1, 1])
     assert len(meta.groups) == 1
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", [
+    (ForwardMode.DECODE, [3, 40, 1, 12, 7], [1, 1, 1, 1, 1]),  # padded one-token group (key bias)
+    (ForwardMode.EXTEND, [0, 0, 0, 0], [6, 6, 6, 6]),  # equal-length prompts: the matmul prefill path
+    (ForwardMode.MIXED, [10, 0, 33, 4], [1, 12, 1, 5]),
+])
+def test_bf16_paths_match_the_reference(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]) -> None:
+    _run(mode, prefix_lens, extend_lens, dtype=torch.bfloat16)
 
 
 def test_mixed_decode_rows_and_extends() -> None:

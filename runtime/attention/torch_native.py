@@ -325,6 +325,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             kg = self._gather(k_buf, g.kv_flat, n).to(qg.dtype)
             vg = self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
         if g.shared_loc is None:
+            if (g.keys_are_new and qg.device.type == "cpu" and qg.dtype in _MATMUL_PREFILL_DTYPES
+                    and q_len <= _MATMUL_PREFILL_MAX_LEN):
+                return _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)
             if g.keys_are_new:
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
             else:
@@ -355,6 +358,44 @@ class TorchNativeAttnBackend(AttentionBackend):
         o_pre = o_pre.view(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, h, d)
         lse_pre = lse_pre.view(hkv, t, group).permute(1, 0, 2).reshape(t, h)
         return _merge(o_pre, lse_pre, o_own, lse_own)
+
+
+# Half-precision CPU prefill attention goes through batched matmuls (oneDNN bf16/fp16
+# GEMMs) instead of the CPU flash kernel; fp32 keeps SDPA.
+_MATMUL_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
+# Longer prompts keep SDPA: their scores (heads x L x L fp32 per request) stop fitting in cache.
+_MATMUL_PREFILL_MAX_LEN = 512
+# fp32 score bytes per chunk of requests in _causal_prefill_attention (cache-sized).
+_PREFILL_SCORE_BYTES = 8 << 20
+
+
+def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of ``n`` equal-length prompts with no cached prefix, as matmuls.
+
+    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``[n * L, H, D]``. Each
+    KV head's query group is folded into one ``[group * L, D]`` operand (one GEMM per
+    request and KV head, no repeated keys), scores are fp32 with the causal mask added,
+    and requests are taken a few at a time so the scores stay in cache. On the bench
+    model (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes
+    ~25 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
+    transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
+    """
+    n, length, h, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    causal = torch.full((length, length), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
+    out = q.new_empty(n, length, h, d)
+    step = max(1, _PREFILL_SCORE_BYTES // (h * length * length * 4))
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        c = end - start
+        qg = q[start:end].permute(0, 2, 1, 3).reshape(c, hkv, group * length, d)
+        scores = torch.matmul(qg, k[start:end].transpose(-1, -2)).float()  # [c, Hkv, group * L, L]
+        scores = scores.view(c, hkv, group, length, length).mul_(scale).add_(causal)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(c, hkv, group * length, length)
+        o = torch.matmul(probs, v[start:end])  # [c, Hkv, group * L, D]
+        out[start:end] = o.view(c, h, length, d).transpose(1, 2)
+    return out.view(n * length, h, d)
 
 
 def _plan_shared_prefix(kv_loc: torch.Tensor, lens: list[int]) -> SharedPrefix | None:
