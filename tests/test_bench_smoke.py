@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, hf_baseline, roofline, scheduler_overhead, serving
+from bench import chart, compare, hf_baseline, roofline, scheduler_overhead, serving
 from bench.checkpoint import BENCH_SPEC, BenchModelSpec, build_bench_checkpoint, synthetic_corpus
 from bench.common import format_table, median_of_runs, parse_cpu_list, percentile, read_json, write_json
 from bench.workloads import (
@@ -235,6 +235,21 @@ def test_compare_summary_has_medians_and_ratio() -> None:
     assert [r["engine"] for r in rows] == ["ours", "hf", "ratio ours/hf"]
     assert rows[0]["output_tok_s"] == 20.0 and rows[0]["repeats"] == 3
     assert rows[2]["output_tok_s"] == 4.0 and rows[2]["total_tok_s"] == 4.0
+
+
+def test_chart_inputs_from_compare_and_roofline_files(tmp_path: Path) -> None:
+    compare_file = tmp_path / "compare.json"
+    write_json(compare_file, {"summary": [{"engine": "tinyserve", "workload": "uniform", "output_tok_s": 600.0},
+                                          {"engine": "hf-transformers", "workload": "uniform", "output_tok_s": 200.0}]})
+    roofline_file = tmp_path / "roofline.json"
+    write_json(roofline_file, {"rows": [{"engine": "tinyserve", "workload": "uniform", "fraction": f}
+                                        for f in (0.7, 0.9, 0.8)]})
+    summary = chart.load_summary([str(compare_file)])
+    assert summary[("tinyserve", "uniform")]["output_tok_s"] == 600.0
+    assert chart.load_fractions(str(roofline_file)) == {("tinyserve", "uniform"): 0.8}
+    assert chart.load_fractions(None) == {}
+    drawn = chart.draw(summary, {}, tmp_path / "chart.png", "t")
+    assert drawn == (tmp_path / "chart.png").exists()  # False only where matplotlib is missing
 
 
 # ---------------------------------------------------------------------- scheduler overhead

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import cpu_decode
 from runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.forward_batch import ForwardBatch
 
@@ -278,7 +279,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             mask = g.mirror.mask
         elif g.shared is not None:
             plan = g.shared
-            prefix = (self._gather(k_buf, plan.loc, 1), self._gather(v_buf, plan.loc, 1))
+            prefix = (self._gather(k_buf, plan.loc, 1).transpose(-1, -2), self._gather(v_buf, plan.loc, 1))
             kd_t, vd = self._gather(k_buf, plan.suffix_loc, n).transpose(-1, -2), self._gather(v_buf, plan.suffix_loc, n)
             mask = plan.suffix_mask
         else:
@@ -286,11 +287,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             kd_t, vd = self._gather(k_buf, g.kv_flat, n).transpose(-1, -2), self._gather(v_buf, g.kv_flat, n)
             mask = g.mask
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
-        if prefix is not None:
-            kp, vp = prefix[0].to(qg.dtype), prefix[1].to(qg.dtype)
-            og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling)
+        width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
+        if prefix is not None and cpu_decode.supports(qg, kd_t, vd, mask, prefix):
+            # bf16 on CPU: shared prefix and own keys in one kernel pass (no cascade merge).
+            og, _ = cpu_decode.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1],
+                                                with_lse=False, prefix=prefix)
+        elif prefix is not None:
+            kp = prefix[0].transpose(-1, -2).to(qg.dtype).contiguous()  # flash wants unit-stride rows
+            vp = prefix[1].to(qg.dtype)
+            og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width)
         else:
-            og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False)
+            og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width)
         return og.reshape(n, layer.num_heads, d)
 
     def _extend(
@@ -482,6 +489,7 @@ def _cascade(
     vs: torch.Tensor,
     suffix_mask: torch.Tensor | None,
     scale: float,
+    suffix_width: int | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, group, D]`` queries: softmax over (shared prefix ++ own suffix), in two passes.
 
@@ -492,13 +500,14 @@ def _cascade(
     ``exp(lse_part - lse_total)``.
     """
     out_p, lse_p = _attend_prefix(qg, kp, vp, scale)
-    out_s, lse_s = _few_query_attention(qg, ks_t, vs, suffix_mask, scale, with_lse=True)
+    out_s, lse_s = _few_query_attention(qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width)
     assert lse_s is not None
     return _merge(out_p, lse_p, out_s, lse_s).contiguous()
 
 
 def _few_query_attention(
-    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, with_lse: bool
+    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, with_lse: bool,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, Hkv, group, D]`` queries (a decode step, GQA folded) against keys ``k_t``
     ``[n, Hkv, D, L]`` (transposed: a view of ``[..., D, cap]`` rows is a strided batched
@@ -508,10 +517,16 @@ def _few_query_attention(
     Two batched matmuls around an fp32 softmax, as transformers' eager attention computes
     it: with a handful of queries per (request, KV head) the CPU flash kernel's per-block
     setup dominates, and this is ~2.3x faster on the bench model's decode (64 requests,
-    4 KV heads x 4 queries, 160 keys: 0.49 vs 1.15 ms per layer). ``mask`` is an fp32
-    key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf for padding) or None. Returns ``(out [n, Hkv, group, D],
-    lse [n, Hkv, group] fp32 or None)``.
+    4 KV heads x 4 queries, 160 keys: 0.49 vs 1.15 ms per layer). bf16 on CPU goes to
+    the C kernel of ``cpu_decode`` instead when it is available (~0.7 ms, fp32 scores).
+
+    ``mask`` is an fp32 key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf
+    for padding) or None; ``width``: keys at ``width`` and beyond are all padding (the
+    kernel skips them). Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group] fp32 or None)``.
     """
+    if cpu_decode.supports(qg, k_t, v, mask):
+        return cpu_decode.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse)
+
     scores = torch.matmul(qg, k_t).float().mul_(scale)  # [n, Hkv, group, L]
     if mask is not None:
         scores.add_(mask)
@@ -545,7 +560,8 @@ class DecodeKVMirror:
     the same slots for every key already mirrored, and no extend forward in between)
     appends the new token's K/V; any other forward rebuilds the copies from the pool
     (the gather every step would do anyway) or, after an extend, drops them. Requests
-    with a common shared prefix (cascade) keep that prefix once, ``[1, Hkv, P, D]``.
+    with a common shared prefix (cascade) keep that prefix once (K^T ``[1, Hkv, D, P]``,
+    V ``[1, Hkv, P, D]``).
     The copies take at most ``MIRROR_MAX_POOL_FRACTION`` of the pool's memory (at least
     ``MIRROR_MIN_BUDGET_BYTES`` are allowed); a batch that would need more is served by
     gathering from the pool every step.
@@ -654,7 +670,7 @@ class DecodeKVMirror:
         K^T is ``[n, Hkv, D, cap]``, V ``[n, Hkv, cap, D]``: the whole buffers, keys past each
         request's length masked by the plan (a narrower view would make the CPU batched matmul
         copy its operand every call, which costs more than the masked columns). Prefix is
-        ``([1, Hkv, P, D], same)`` or None.
+        ``(K^T [1, Hkv, D, P], V [1, Hkv, P, D])`` or None.
         """
         n = plan.mask.shape[0] if plan.mask is not None else k_new.shape[0]
         _, hkv, d = k_buf.shape
@@ -671,7 +687,7 @@ class DecodeKVMirror:
             dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
             dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
             if plan.prefix_len:
-                self.prefix_k[layer_id] = k_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
+                self.prefix_k[layer_id] = k_buf.index_select(0, plan.prefix_loc).unsqueeze(0).permute(0, 2, 3, 1).contiguous()
                 self.prefix_v[layer_id] = v_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
         else:
             assert dense_k is not None and dense_v is not None

@@ -1,0 +1,165 @@
+/* Decode attention over bf16 keys/values on CPU: one online-softmax pass per (request, KV head),
+ * the KV head's query group sharing every key load. Built and called by
+ * runtime/attention/cpu_decode.py (which documents the layouts and why it exists). */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+#define BLOCK 128      /* keys per online-softmax block */
+#define MAX_G 16       /* query heads per KV head */
+#define MAX_D 256      /* head dim */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+/* exp(x) for x <= 0 (-inf gives 0): 2^(x log2 e) from exponent bits and a degree-6 polynomial. */
+static inline float fast_exp(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.0f ? -126.0f : t;
+    float fi = floorf(t);
+    float f = t - fi;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)fi + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load_bf16x16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* scores s[g][j] (g < group, j < jn) += sum_i qf[g][i] * kt[i][j]; kt rows are `cap` apart. */
+static void block_scores(const float* qf, const uint16_t* kt, int64_t cap, int64_t group, int64_t d,
+                         int64_t jn, float* s) {
+    int64_t j = 0;
+#ifdef __AVX512F__
+    if (group <= 8) {
+        for (; j + 16 <= jn; j += 16) {
+            __m512 acc[8];
+            for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_loadu_ps(s + g * BLOCK + j);
+            for (int64_t i = 0; i < d; ++i) {
+                const __m512 k = load_bf16x16(kt + i * cap + j);
+                for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * d + i]), k, acc[g]);
+            }
+            for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(s + g * BLOCK + j, acc[g]);
+        }
+    }
+#endif
+    for (; j < jn; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+            float a = s[g * BLOCK + j];
+            for (int64_t i = 0; i < d; ++i) a += qf[g * d + i] * bf16_to_f32(kt[i * cap + j]);
+            s[g * BLOCK + j] = a;
+        }
+}
+
+/* acc[g][:] += sum_j p[g][j] * v[j][:] for j < jn; v rows are d apart. */
+static void block_values(const float* s, const uint16_t* v, int64_t group, int64_t d, int64_t jn, float* acc) {
+    int64_t i0 = 0;
+#ifdef __AVX512F__
+    for (; i0 + 64 <= d; i0 += 64)
+        for (int64_t g = 0; g < group; ++g) {
+            float* ag = acc + g * d + i0;
+            __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16);
+            __m512 a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
+            const float* sg = s + g * BLOCK;
+            for (int64_t j = 0; j < jn; ++j) {
+                const uint16_t* vr = v + j * d + i0;
+                const __m512 p = _mm512_set1_ps(sg[j]);
+                a0 = _mm512_fmadd_ps(p, load_bf16x16(vr), a0);
+                a1 = _mm512_fmadd_ps(p, load_bf16x16(vr + 16), a1);
+                a2 = _mm512_fmadd_ps(p, load_bf16x16(vr + 32), a2);
+                a3 = _mm512_fmadd_ps(p, load_bf16x16(vr + 48), a3);
+            }
+            _mm512_storeu_ps(ag, a0); _mm512_storeu_ps(ag + 16, a1);
+            _mm512_storeu_ps(ag + 32, a2); _mm512_storeu_ps(ag + 48, a3);
+        }
+#endif
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < jn; ++j) {
+            const float p = s[g * BLOCK + j];
+            for (int64_t i = i0; i < d; ++i) acc[g * d + i] += p * bf16_to_f32(v[j * d + i]);
+        }
+}
+
+/* Online-softmax state of one (request, KV head): m, l per query, acc [group, d]. */
+static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t* vp, const float* bp,
+                           int64_t cap, int64_t width, int64_t group, int64_t d,
+                           float* s, float* m, float* l, float* acc) {
+    for (int64_t j0 = 0; j0 < width; j0 += BLOCK) {
+        const int64_t jn = width - j0 < BLOCK ? width - j0 : BLOCK;
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t j = 0; j < jn; ++j) s[g * BLOCK + j] = bp ? bp[j0 + j] : 0.0f;
+        block_scores(qf, ktp + j0, cap, group, d, jn, s);
+        for (int64_t g = 0; g < group; ++g) {
+            float* sg = s + g * BLOCK;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < jn; ++j) mx = sg[j] > mx ? sg[j] : mx;
+            const float m_new = mx > m[g] ? mx : m[g];
+            if (m_new == -INFINITY) { for (int64_t j = 0; j < jn; ++j) sg[j] = 0.0f; continue; }
+            const float corr = fast_exp(m[g] - m_new);
+            for (int64_t j = 0; j < jn; ++j) sg[j] = fast_exp(sg[j] - m_new);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < jn; ++j) sum += sg[j];
+            l[g] = l[g] * corr + sum;
+            m[g] = m_new;
+            if (corr != 1.0f) for (int64_t i = 0; i < d; ++i) acc[g * d + i] *= corr;
+        }
+        block_values(s, vp + j0 * d, group, d, jn, acc);
+    }
+}
+
+/* One decode step: q [n, hkv, group, d] (request rows q_stride apart) attends to
+ *   - a shared prefix (optional, prefix_width > 0): pkt [hkv, d, prefix_cap], pv [hkv, prefix_cap, d],
+ *     the same keys for every request (read from cache after the first), no mask;
+ *   - its own keys: kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] fp32 or NULL (0 / -inf),
+ *     keys [0, width) read;
+ * in one online softmax (no separate merge). Writes out [n, hkv, group, d] bf16 and, when lse
+ * is not NULL, lse [n, hkv, group] fp32. Returns 0, or -1 when group or d exceed the kernel's
+ * bounds (nothing written). */
+int decode_attention_bf16(
+    const uint16_t* q, int64_t q_stride,
+    const uint16_t* pkt, const uint16_t* pv, int64_t prefix_cap, int64_t prefix_width,
+    const uint16_t* kt, const uint16_t* v, const float* bias, int64_t cap, int64_t width,
+    uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale)
+{
+    if (group > MAX_G || d > MAX_D || group * d > MAX_G * 128) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < n * hkv; ++bh) {
+        const int64_t b = bh / hkv, h = bh % hkv;
+        const uint16_t* qp = q + b * q_stride + h * group * d;
+        float qf[MAX_G * 128], acc[MAX_G * 128], s[MAX_G * BLOCK];
+        float m[MAX_G], l[MAX_G];
+        for (int64_t i = 0; i < group * d; ++i) { qf[i] = bf16_to_f32(qp[i]) * scale; acc[i] = 0.0f; }
+        for (int64_t g = 0; g < group; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
+        if (prefix_width > 0)
+            attend_segment(qf, pkt + h * d * prefix_cap, pv + h * prefix_cap * d, 0, prefix_cap, prefix_width,
+                           group, d, s, m, l, acc);
+        if (width > 0)
+            attend_segment(qf, kt + bh * d * cap, v + bh * cap * d, bias ? bias + b * cap : 0, cap, width,
+                           group, d, s, m, l, acc);
+        uint16_t* op = out + bh * group * d;
+        for (int64_t g = 0; g < group; ++g) {
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int64_t i = 0; i < d; ++i) op[g * d + i] = f32_to_bf16(acc[g * d + i] * inv);
+            if (lse) lse[bh * group + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+        }
+    }
+    return 0;
+}

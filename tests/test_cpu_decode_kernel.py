@@ -1,0 +1,109 @@
+"""The C decode-attention kernel (runtime/attention/cpu_decode.py) against an fp32 reference.
+
+Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64) and the
+plain-C remainders (group 12, head dim 80, key counts that are not a multiple of 16 or of
+the 128-key softmax block), padded keys through the bias, ``width`` below the buffer
+capacity, strided query rows and the log-sum-exp output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention import cpu_decode
+
+
+def _reference(q, k_t, v, lens, scale):
+    """fp32 softmax attention; keys >= lens[i] of request i are excluded."""
+    scores = torch.matmul(q.float(), k_t.float()) * scale  # [n, Hkv, group, cap]
+    valid = torch.arange(k_t.shape[-1])[None, :] < torch.tensor(lens)[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()), torch.logsumexp(scores, -1)
+
+
+def _bias(lens: list[int], cap: int) -> torch.Tensor:
+    valid = torch.arange(cap)[None, :] < torch.tensor(lens)[:, None]
+    return torch.zeros(len(lens), 1, 1, cap).masked_fill_(~valid[:, None, None, :], float("-inf"))
+
+
+def test_the_kernel_builds_here() -> None:
+    assert cpu_decode.available(), "gcc should build the kernel on every supported machine"
+
+
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 64), (8, 128), (2, 80), (12, 64)])
+@pytest.mark.parametrize("lens", [[1, 1], [5, 17, 128], [129, 40, 300, 7]])
+def test_matches_fp32_attention(group: int, d: int, lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(group * 1000 + d + len(lens))
+    n, hkv = len(lens), 2
+    width = max(lens)
+    cap = width + 9  # keys past the widest request are padding the kernel must not read
+    rows = torch.randn(n, hkv * group * d + 24, generator=gen).bfloat16()  # strided query rows
+    q = rows[:, : hkv * group * d].view(n, hkv, group, d)
+    k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
+    v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
+    k_t[..., width:] = float("nan")  # never read: width stops the kernel first
+    v[:, :, width:] = float("nan")
+    bias = _bias(lens, cap)
+    assert cpu_decode.supports(q, k_t, v, bias)
+    out, lse = cpu_decode.decode_attention(q, k_t, v, bias, d**-0.5, width, with_lse=True)
+    expected, expected_lse = _reference(q, k_t[..., :width], v[:, :, :width], lens, d**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, hkv, group, d)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_without_bias_or_lse_reads_every_key() -> None:
+    gen = torch.Generator().manual_seed(7)
+    n, hkv, group, d, cap = 3, 4, 4, 64, 33
+    q = torch.randn(n, hkv, group, d, generator=gen).bfloat16()
+    k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
+    v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
+    out, lse = cpu_decode.decode_attention(q, k_t, v, None, 0.3, cap, with_lse=False)
+    assert lse is None
+    expected, _ = _reference(q, k_t, v, [cap] * n, 0.3)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_operands_it_does_not_take() -> None:
+    q = torch.randn(2, 2, 4, 64).bfloat16()
+    k_t = torch.randn(2, 2, 64, 8).bfloat16()
+    v = torch.randn(2, 2, 8, 64).bfloat16()
+    assert cpu_decode.supports(q, k_t, v, None)
+    assert not cpu_decode.supports(q.float(), k_t.float(), v.float(), None)  # fp32 keeps the torch path
+    assert not cpu_decode.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    assert not cpu_decode.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
+    assert not cpu_decode.supports(torch.randn(2, 1, 32, 64).bfloat16(), k_t[:, :1], v[:, :1], None)  # group > 16
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
+    cpu_decode._library.cache_clear()
+    try:
+        assert not cpu_decode.available()
+    finally:
+        monkeypatch.undo()
+        cpu_decode._library.cache_clear()
+    assert cpu_decode.available()
+
+
+@pytest.mark.parametrize("prefix_len,lens", [(40, [3, 1, 20]), (200, [129, 2]), (1, [5])])
+def test_shared_prefix_in_the_same_pass(prefix_len: int, lens: list[int]) -> None:
+    """Every request sees the shared prefix, then its own keys: equals attention over the concatenation."""
+    gen = torch.Generator().manual_seed(prefix_len)
+    n, hkv, group, d = len(lens), 2, 4, 64
+    width = max(lens)
+    cap = width + 3
+    q = torch.randn(n, hkv, group, d, generator=gen).bfloat16()
+    p_kt = torch.randn(1, hkv, d, prefix_len, generator=gen).bfloat16()
+    p_v = torch.randn(1, hkv, prefix_len, d, generator=gen).bfloat16()
+    k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
+    v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
+    bias = _bias(lens, cap)
+    assert cpu_decode.supports(q, k_t, v, bias, (p_kt, p_v))
+    out, lse = cpu_decode.decode_attention(q, k_t, v, bias, 0.125, width, with_lse=True, prefix=(p_kt, p_v))
+    full_kt = torch.cat([p_kt.expand(n, -1, -1, -1), k_t], dim=-1)
+    full_v = torch.cat([p_v.expand(n, -1, -1, -1), v], dim=2)
+    expected, expected_lse = _reference(q, full_kt, full_v, [prefix_len + length for length in lens], 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
