@@ -47,19 +47,21 @@ def test_decode_equal_lengths_has_no_mask() -> None:
 
 
 def _run_shared(
-    mode: ForwardMode, shared: int, own_lens: list[int], ext_lens: list[int], seed: int = 0
+    mode: ForwardMode, shared: int, own_lens: list[int], ext_lens: list[int], seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> TorchNativeMetadata:
     """Requests whose first ``shared`` KV slots are the same (then ``own_lens`` cached tokens of
-    their own), extended by ``ext_lens``; every output row checked against the reference."""
+    their own), extended by ``ext_lens``; every output row checked against the reference
+    (inputs rounded to ``dtype``; half precision within 3e-2)."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(own_lens)
     total = shared + sum(o + e for o, e in zip(own_lens, ext_lens))
-    pool = MHATokenToKVPool(total + 8, 1, torch.float32, 1, HKV, D, "cpu")
+    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, D, "cpu")
     rtt = ReqToTokenPool(bs + 1, shared + max(o + e for o, e in zip(own_lens, ext_lens)) + 1, "cpu")
     slots = (torch.randperm(total, generator=gen) + 1).tolist()
     shared_slots, slots = slots[:shared], slots[shared:]
-    k_sh = torch.randn(shared, HKV, D, generator=gen)
-    v_sh = torch.randn(shared, HKV, D, generator=gen)
+    k_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
+    v_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
     pool.set_kv_buffer(0, torch.tensor(shared_slots, dtype=torch.int64), k_sh, v_sh)
     rows = list(range(bs))[::-1]
     k_seq, v_seq, new_locs, prefix_lens = [], [], [], []
@@ -67,15 +69,15 @@ def _run_shared(
         n = own_lens[i] + ext_lens[i]
         mine, slots = slots[:n], slots[n:]
         rtt.write(rows[i], 0, torch.tensor(shared_slots + mine))
-        k_i = torch.randn(n, HKV, D, generator=gen)
-        v_i = torch.randn(n, HKV, D, generator=gen)
+        k_i = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        v_i = torch.randn(n, HKV, D, generator=gen).to(dtype)
         k_seq.append(torch.cat([k_sh, k_i]))
         v_seq.append(torch.cat([v_sh, v_i]))
         own = own_lens[i]
         pool.set_kv_buffer(0, torch.tensor(mine[:own], dtype=torch.int64), k_i[:own], v_i[:own])
         new_locs.extend(mine[own:])
         prefix_lens.append(shared + own)
-    q = torch.randn(sum(ext_lens), H, D, generator=gen)
+    q = torch.randn(sum(ext_lens), H, D, generator=gen).to(dtype)
     k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
     v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
     seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
@@ -88,13 +90,26 @@ def _run_shared(
     backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for i in range(bs):
         n = ext_lens[i]
-        expected = _reference(q[start : start + n], k_seq[i], v_seq[i], prefix_lens[i])
-        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        expected = _reference(q[start : start + n].float(), k_seq[i].float(), v_seq[i].float(), prefix_lens[i])
+        torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)
         start += n
     return batch.attn_metadata
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 30, 64])  # one chunk of query rows / many
+@pytest.mark.parametrize("mode,own,ext", [(ForwardMode.EXTEND, [0, 0, 0], [5, 5, 5]),
+                                           (ForwardMode.EXTEND, [0, 2, 0, 7], [3, 6, 1, 4]),
+                                           (ForwardMode.DECODE, [0, 3, 9], [1, 1, 1])])
+def test_bf16_cascade_over_shared_prefix(score_bytes, mode, own, ext, monkeypatch) -> None:
+    """bf16 cascades: the shared keys through bf16 GEMMs + the C row softmax (prefill) or the
+    decode kernel's prefix segment, against the fp32 reference."""
+    monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
+    _run_shared(mode, CASCADE_MIN_PREFIX + 5, own, ext, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("own", [[0, 0, 0], [3, 0, 7, 1], [5, 5]])

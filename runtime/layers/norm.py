@@ -7,12 +7,15 @@ and bf16 outputs both match the reference implementation.
 Cheap on CPU: in half precision the fp32 copy is private, so it is scaled in place (the
 same products as HF, without a second fp32 temporary); the residual sum is written into
 the residual stream's own buffer, which the decoder layers hand down and nothing else reads.
+bf16 on CPU goes through ``cpu_kernels.rms_norm`` (the same roundings, one pass).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from runtime import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +39,9 @@ class RMSNorm(nn.Module):
         With ``residual`` the sum is accumulated into ``residual`` in place (the caller owns
         that buffer and gets it back as the new residual).
         """
+        fused = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)  # bf16 on CPU: one pass
+        if fused is not None:
+            return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
         residual.add_(x)

@@ -1,6 +1,6 @@
-/* Decode attention over bf16 keys/values on CPU: one online-softmax pass per (request, KV head),
- * the KV head's query group sharing every key load. Built and called by
- * runtime/attention/cpu_decode.py (which documents the layouts and why it exists). */
+/* bf16 CPU kernels: decode attention (one online-softmax pass per (request, KV head),
+ * the KV head's query group sharing every key load), a row softmax, silu*mul, RMSNorm. Built
+ * and called by runtime/cpu_kernels.py (which documents the layouts and why each exists). */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -162,4 +162,88 @@ int decode_attention_bf16(
         }
     }
     return 0;
+}
+
+#define MAX_COLS 8192
+
+/* Row softmax of bf16 scores, in place: x [rows, cols] (rows `cols` apart) becomes
+ * softmax(scale * x) in bf16, computed in fp32. causal_len > 0: row r sees keys
+ * j <= r % causal_len (rows are consecutive queries of requests of that length; the rest
+ * of the row is written 0). lse (optional, fp32 [rows]) gets each row's log-sum-exp of the
+ * scaled scores. Returns 0, or -1 when cols exceeds MAX_COLS (nothing written). */
+int softmax_rows_bf16(uint16_t* x, int64_t rows, int64_t cols, float scale, int64_t causal_len, float* lse)
+{
+    if (cols > MAX_COLS) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* row = x + r * cols;
+        int64_t n = causal_len > 0 ? r % causal_len + 1 : cols;
+        if (n > cols) n = cols;
+        float buf[MAX_COLS];
+        for (int64_t j = 0; j < n; ++j) buf[j] = bf16_to_f32(row[j]) * scale;
+        float mx = -INFINITY;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(buf + j));
+        mx = _mm512_reduce_max_ps(vmx);
+#endif
+        for (; j < n; ++j) mx = buf[j] > mx ? buf[j] : mx;
+        for (j = 0; j < n; ++j) buf[j] = fast_exp(buf[j] - mx);
+        float sum = 0.0f;
+        for (j = 0; j < n; ++j) sum += buf[j];
+        const float inv = 1.0f / sum;
+        for (j = 0; j < n; ++j) row[j] = f32_to_bf16(buf[j] * inv);
+        for (j = n; j < cols; ++j) row[j] = 0;
+        if (lse) lse[r] = mx + logf(sum);
+    }
+    return 0;
+}
+
+/* ---- elementwise kernels of the decoder layer (bf16), each rounding where torch's bf16 ops do ---- */
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* out [rows, inter] = bf16(bf16(silu(gate)) * up), gate_up [rows, 2 * inter] (gate first). */
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gate_up + r * 2 * inter;
+        const uint16_t* u = g + inter;
+        uint16_t* o = out + r * inter;
+        for (int64_t j = 0; j < inter; ++j) {
+            const float x = bf16_to_f32(g[j]);
+            const float e = fast_exp(-fabsf(x));  /* in (0, 1]: no overflow for either sign */
+            const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[j] = f32_to_bf16(round_bf16(x * sig) * bf16_to_f32(u[j]));
+        }
+    }
+}
+
+/* RMSNorm over rows of `hidden`: with residual != NULL, first residual = bf16(residual + x) and
+ * the norm reads the sum; out = bf16(w * bf16(v * rsqrt(mean(v^2) + eps))), v in fp32. */
+void rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t rows, int64_t hidden,
+                  float eps, uint16_t* out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + r * hidden;
+        uint16_t* o = out + r * hidden;
+        float v[8192];
+        if (residual) {
+            uint16_t* res = residual + r * hidden;
+            for (int64_t j = 0; j < hidden; ++j) {
+                const uint16_t s = f32_to_bf16(bf16_to_f32(res[j]) + bf16_to_f32(xr[j]));
+                res[j] = s;
+                v[j] = bf16_to_f32(s);
+            }
+        } else {
+            for (int64_t j = 0; j < hidden; ++j) v[j] = bf16_to_f32(xr[j]);
+        }
+        float ss = 0.0f;
+        for (int64_t j = 0; j < hidden; ++j) ss += v[j] * v[j];
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t j = 0; j < hidden; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(v[j] * inv));
+    }
 }

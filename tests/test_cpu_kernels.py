@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (runtime/attention/cpu_decode.py) against an fp32 reference.
+"""The C kernels of runtime/cpu_kernels.py against fp32 / torch references.
 
 Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64) and the
 plain-C remainders (group 12, head dim 80, key counts that are not a multiple of 16 or of
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import cpu_decode
+from runtime import cpu_kernels
 
 
 def _reference(q, k_t, v, lens, scale):
@@ -28,7 +28,7 @@ def _bias(lens: list[int], cap: int) -> torch.Tensor:
 
 
 def test_the_kernel_builds_here() -> None:
-    assert cpu_decode.available(), "gcc should build the kernel on every supported machine"
+    assert cpu_kernels.available(), "gcc should build the kernel on every supported machine"
 
 
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 64), (8, 128), (2, 80), (12, 64)])
@@ -45,8 +45,8 @@ def test_matches_fp32_attention(group: int, d: int, lens: list[int]) -> None:
     k_t[..., width:] = float("nan")  # never read: width stops the kernel first
     v[:, :, width:] = float("nan")
     bias = _bias(lens, cap)
-    assert cpu_decode.supports(q, k_t, v, bias)
-    out, lse = cpu_decode.decode_attention(q, k_t, v, bias, d**-0.5, width, with_lse=True)
+    assert cpu_kernels.supports(q, k_t, v, bias)
+    out, lse = cpu_kernels.decode_attention(q, k_t, v, bias, d**-0.5, width, with_lse=True)
     expected, expected_lse = _reference(q, k_t[..., :width], v[:, :, :width], lens, d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (n, hkv, group, d)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -59,7 +59,7 @@ def test_without_bias_or_lse_reads_every_key() -> None:
     q = torch.randn(n, hkv, group, d, generator=gen).bfloat16()
     k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
     v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
-    out, lse = cpu_decode.decode_attention(q, k_t, v, None, 0.3, cap, with_lse=False)
+    out, lse = cpu_kernels.decode_attention(q, k_t, v, None, 0.3, cap, with_lse=False)
     assert lse is None
     expected, _ = _reference(q, k_t, v, [cap] * n, 0.3)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -69,22 +69,22 @@ def test_operands_it_does_not_take() -> None:
     q = torch.randn(2, 2, 4, 64).bfloat16()
     k_t = torch.randn(2, 2, 64, 8).bfloat16()
     v = torch.randn(2, 2, 8, 64).bfloat16()
-    assert cpu_decode.supports(q, k_t, v, None)
-    assert not cpu_decode.supports(q.float(), k_t.float(), v.float(), None)  # fp32 keeps the torch path
-    assert not cpu_decode.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
-    assert not cpu_decode.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
-    assert not cpu_decode.supports(torch.randn(2, 1, 32, 64).bfloat16(), k_t[:, :1], v[:, :1], None)  # group > 16
+    assert cpu_kernels.supports(q, k_t, v, None)
+    assert not cpu_kernels.supports(q.float(), k_t.float(), v.float(), None)  # fp32 keeps the torch path
+    assert not cpu_kernels.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    assert not cpu_kernels.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
+    assert not cpu_kernels.supports(torch.randn(2, 1, 32, 64).bfloat16(), k_t[:, :1], v[:, :1], None)  # group > 16
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
-    cpu_decode._library.cache_clear()
+    cpu_kernels._library.cache_clear()
     try:
-        assert not cpu_decode.available()
+        assert not cpu_kernels.available()
     finally:
         monkeypatch.undo()
-        cpu_decode._library.cache_clear()
-    assert cpu_decode.available()
+        cpu_kernels._library.cache_clear()
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("prefix_len,lens", [(40, [3, 1, 20]), (200, [129, 2]), (1, [5])])
@@ -100,10 +100,63 @@ def test_shared_prefix_in_the_same_pass(prefix_len: int, lens: list[int]) -> Non
     k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
     v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
     bias = _bias(lens, cap)
-    assert cpu_decode.supports(q, k_t, v, bias, (p_kt, p_v))
-    out, lse = cpu_decode.decode_attention(q, k_t, v, bias, 0.125, width, with_lse=True, prefix=(p_kt, p_v))
+    assert cpu_kernels.supports(q, k_t, v, bias, (p_kt, p_v))
+    out, lse = cpu_kernels.decode_attention(q, k_t, v, bias, 0.125, width, with_lse=True, prefix=(p_kt, p_v))
     full_kt = torch.cat([p_kt.expand(n, -1, -1, -1), k_t], dim=-1)
     full_v = torch.cat([p_v.expand(n, -1, -1, -1), v], dim=2)
     expected, expected_lse = _reference(q, full_kt, full_v, [prefix_len + length for length in lens], 0.125)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal_len", [0, 7])
+def test_row_softmax_in_place(causal_len: int) -> None:
+    gen = torch.Generator().manual_seed(causal_len)
+    rows, cols = 3 * 7, 7 if causal_len else 300
+    scores = (torch.randn(rows, cols, generator=gen) * 4).bfloat16()
+    logits = scores.float() * 0.3
+    if causal_len:
+        visible = torch.arange(cols)[None, :] <= (torch.arange(rows) % causal_len)[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+    assert cpu_kernels.softmax_supported(scores)
+    lse = cpu_kernels.softmax_rows(scores, 0.3, causal_len=causal_len, with_lse=True)
+    torch.testing.assert_close(scores.float(), logits.softmax(-1), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-4)
+    assert cpu_kernels.softmax_rows(scores, 1.0) is None
+    assert not cpu_kernels.softmax_supported(scores.float())
+    assert not cpu_kernels.softmax_supported(torch.zeros(2, cpu_kernels.MAX_SOFTMAX_COLS + 1, dtype=torch.bfloat16))
+
+
+def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 1e-3) -> None:
+    """bf16 results equal torch's except for rare one-ulp rounding differences."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)  # within one bf16 ulp
+    assert (got != want).float().mean().item() <= max_mismatch
+
+
+def test_silu_and_mul_matches_torch_bf16() -> None:
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(37, 2 * 300, generator=gen) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.5])  # zero, saturating tails
+    out = cpu_kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _ulp_close(out, torch.nn.functional.silu(gate) * up)
+    assert cpu_kernels.silu_and_mul(gate_up.float()) is None
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_hf_recipe(with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(9, 1024, generator=gen) * 3).bfloat16()
+    residual = torch.randn(9, 1024, generator=gen).bfloat16()
+    weight = torch.randn(1024, generator=gen).bfloat16()
+    source = (residual + x) if with_residual else x
+    v = source.float()
+    want = weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    res = residual.clone() if with_residual else None
+    out = cpu_kernels.rms_norm(x, res, weight, 1e-6)
+    _ulp_close(out, want, max_mismatch=2e-3)
+    if with_residual:
+        assert torch.equal(res, source)  # the sum is left in the residual buffer
+    assert cpu_kernels.rms_norm(x.float(), None, weight.float(), 1e-6) is None
+    assert cpu_kernels.rms_norm(x.t().contiguous().t(), None, weight, 1e-6) is None  # strided rows: torch path
