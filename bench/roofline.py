@@ -101,6 +101,9 @@ class WorkCount:
     prefill_keys: int  # sum over them of the keys each attends to
     decode_tokens: int  # generated tokens fed back through the model (all but the last of each request)
     decode_keys: int
+    # of decode_keys, those in the prompt prefix common to every request: an engine can
+    # attend to them as one GEMM per KV head (every request's queries against one copy)
+    decode_shared_keys: int
     sampled_tokens: int  # tokens the LM head produces
     prefill_batch_tokens: int  # M of a prefill matmul
     decode_batch: int  # M of a decode matmul
@@ -113,7 +116,8 @@ class WorkCount:
 
 def count_work(workload: Workload, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> WorkCount:
     stats = prefix_tree_stats([r.input_ids for r in workload.requests])
-    decode_tokens = decode_keys = sampled = 0
+    decode_tokens = decode_keys = decode_shared = sampled = 0
+    common = _common_prefix_len([r.input_ids for r in workload.requests]) if workload.num_requests > 1 else 0
     for r in workload.requests:
         p, n = len(r.input_ids), r.max_new_tokens
         sampled += n
@@ -121,6 +125,7 @@ def count_work(workload: Workload, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -
         decode_tokens += steps
         # generated token j (0-based) sits at position p + j and attends to p + j + 1 keys
         decode_keys += steps * (p + 1) + steps * (steps - 1) // 2
+        decode_shared += steps * common
     levels = max(len(workload.levels()), 1)
     prefill_m = max(1, min(prefill_chunk, math.ceil(stats.unique_tokens / levels)))
     decode_m = max(1, min(workload.max_parallel, workload.num_requests))
@@ -129,12 +134,23 @@ def count_work(workload: Workload, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -
         prefill_keys=stats.attended_keys,
         decode_tokens=decode_tokens,
         decode_keys=decode_keys,
+        decode_shared_keys=decode_shared,
         sampled_tokens=sampled,
         prefill_batch_tokens=prefill_m,
         decode_batch=decode_m,
         avg_prefill_context=stats.attended_keys / stats.unique_tokens if stats.unique_tokens else 0.0,
         avg_decode_context=decode_keys / decode_tokens if decode_tokens else 0.0,
     )
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix every prompt starts with."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return n
 
 
 def useful_flops(dims: ModelDims, work: WorkCount) -> dict[str, float]:
@@ -278,10 +294,20 @@ def roofline(dims: ModelDims, work: WorkCount, meter: MatmulMeter) -> dict[str, 
     g = meter.bmm_gflops(dims.num_kv_heads, group * min(per_req, 2048), dims.head_dim, min(ctx_p, 8192))
     rates["attention@prefill"] = g
     seconds["attention_prefill"] = flops["attention_prefill"] / (g * 1e9)
-    ctx_d = max(1, round(work.avg_decode_context))
+    # decode: each request's own keys per (request, KV head) at the batched-matmul rate (a
+    # memory-bound GEMM with M = group); keys of the prefix every request shares as one GEMM
+    # per KV head with every request's queries (M = batch x group), which is compute-bound.
+    per_key = flops["attention_decode"] / work.decode_keys if work.decode_keys else 0.0
+    own_keys = work.decode_keys - work.decode_shared_keys
+    ctx_d = max(1, round(own_keys / work.decode_tokens)) if work.decode_tokens else 1
     g = meter.bmm_gflops(work.decode_batch * dims.num_kv_heads, group, dims.head_dim, ctx_d)
     rates["attention@decode"] = g
-    seconds["attention_decode"] = flops["attention_decode"] / (g * 1e9) if work.decode_keys else 0.0
+    seconds["attention_decode"] = per_key * own_keys / (g * 1e9)
+    if work.decode_shared_keys:
+        shared_len = max(1, round(work.decode_shared_keys / work.decode_tokens))
+        g = meter.bmm_gflops(dims.num_kv_heads, group * work.decode_batch, dims.head_dim, min(shared_len, 8192))
+        rates["attention@decode-shared-prefix"] = g
+        seconds["attention_decode"] += per_key * work.decode_shared_keys / (g * 1e9)
     total = sum(seconds.values())
     return {"flops": flops, "seconds": {**seconds, "total": total}, "gflops_measured": rates,
             "roofline_gflops": flops["total"] / total / 1e9 if total else math.nan}

@@ -168,6 +168,14 @@ def test_shared_prefix_counts_once_in_the_useful_work() -> None:
     assert roofline.count_work(w).prefill_tokens == 10 + 4 * 2
 
 
+def test_decode_keys_of_the_common_prefix_are_counted_apart() -> None:
+    w = shared_prefix(num_requests=4, prefix_len=10, suffix_len=2, max_new_tokens=5)
+    work = roofline.count_work(w)
+    assert work.decode_shared_keys == 4 * 4 * 10  # 4 requests x 4 fed-back tokens x 10 shared keys
+    assert work.decode_keys == 4 * sum(12 + 1 + j for j in range(4))
+    assert roofline.count_work(uniform(num_requests=4, prompt_len=8, max_new_tokens=3)).decode_shared_keys == 0
+
+
 def test_roofline_of_a_run_record() -> None:
     meter = roofline.MatmulMeter("cpu", "float32", min_time_s=0.0)
     w = uniform(num_requests=2, prompt_len=4, max_new_tokens=3)
