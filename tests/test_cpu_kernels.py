@@ -87,28 +87,6 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.available()
 
 
-@pytest.mark.parametrize("prefix_len,lens", [(40, [3, 1, 20]), (200, [129, 2]), (1, [5])])
-def test_shared_prefix_in_the_same_pass(prefix_len: int, lens: list[int]) -> None:
-    """Every request sees the shared prefix, then its own keys: equals attention over the concatenation."""
-    gen = torch.Generator().manual_seed(prefix_len)
-    n, hkv, group, d = len(lens), 2, 4, 64
-    width = max(lens)
-    cap = width + 3
-    q = torch.randn(n, hkv, group, d, generator=gen).bfloat16()
-    p_kt = torch.randn(1, hkv, d, prefix_len, generator=gen).bfloat16()
-    p_v = torch.randn(1, hkv, prefix_len, d, generator=gen).bfloat16()
-    k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
-    v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
-    bias = _bias(lens, cap)
-    assert cpu_kernels.supports(q, k_t, v, bias, (p_kt, p_v))
-    out, lse = cpu_kernels.decode_attention(q, k_t, v, bias, 0.125, width, with_lse=True, prefix=(p_kt, p_v))
-    full_kt = torch.cat([p_kt.expand(n, -1, -1, -1), k_t], dim=-1)
-    full_v = torch.cat([p_v.expand(n, -1, -1, -1), v], dim=2)
-    expected, expected_lse = _reference(q, full_kt, full_v, [prefix_len + length for length in lens], 0.125)
-    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("causal_len", [0, 7])
 def test_row_softmax_in_place(causal_len: int) -> None:
     gen = torch.Generator().manual_seed(causal_len)

@@ -288,13 +288,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             mask = g.mask
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
-        if prefix is not None and cpu_kernels.supports(qg, kd_t, vd, mask, prefix):
-            # bf16 on CPU: shared prefix and own keys in one kernel pass (no cascade merge).
-            og, _ = cpu_kernels.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1],
-                                                with_lse=False, prefix=prefix)
-        elif prefix is not None:
-            kp = prefix[0].transpose(-1, -2).to(qg.dtype).contiguous()  # flash wants unit-stride rows
-            vp = prefix[1].to(qg.dtype)
+        if prefix is not None:
+            kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
             og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width)
         else:
             og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width)
@@ -498,7 +493,7 @@ def _attend_shared_keys(
     if not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and 0 < p <= cpu_kernels.MAX_SOFTMAX_COLS
             and cpu_kernels.available()):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(q, k, v, scale=scale)[:2]
+        return flash(q, k.contiguous(), v, scale=scale)[:2]  # (the flash op wants unit-stride rows)
     hkv = q.shape[1]
     out = q.new_empty(q.shape)
     lse = torch.empty(1, hkv, m, dtype=torch.float32, device=q.device)

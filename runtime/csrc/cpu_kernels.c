@@ -98,7 +98,8 @@ static void block_values(const float* s, const uint16_t* v, int64_t group, int64
         }
 }
 
-/* Online-softmax state of one (request, KV head): m, l per query, acc [group, d]. */
+/* Keys [0, width) of one (request, KV head) into its online-softmax state: m, l per query,
+ * acc [group, d]. */
 static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t* vp, const float* bp,
                            int64_t cap, int64_t width, int64_t group, int64_t d,
                            float* s, float* m, float* l, float* acc) {
@@ -125,17 +126,12 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
     }
 }
 
-/* One decode step: q [n, hkv, group, d] (request rows q_stride apart) attends to
- *   - a shared prefix (optional, prefix_width > 0): pkt [hkv, d, prefix_cap], pv [hkv, prefix_cap, d],
- *     the same keys for every request (read from cache after the first), no mask;
- *   - its own keys: kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] fp32 or NULL (0 / -inf),
- *     keys [0, width) read;
- * in one online softmax (no separate merge). Writes out [n, hkv, group, d] bf16 and, when lse
- * is not NULL, lse [n, hkv, group] fp32. Returns 0, or -1 when group or d exceed the kernel's
- * bounds (nothing written). */
+/* One decode step: q [n, hkv, group, d] (request rows q_stride apart) attends to its own keys
+ * kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] fp32 or NULL (0 / -inf), keys [0, width)
+ * read. Writes out [n, hkv, group, d] bf16 and, when lse is not NULL, lse [n, hkv, group] fp32.
+ * Returns 0, or -1 when group or d exceed the kernel's bounds (nothing written). */
 int decode_attention_bf16(
     const uint16_t* q, int64_t q_stride,
-    const uint16_t* pkt, const uint16_t* pv, int64_t prefix_cap, int64_t prefix_width,
     const uint16_t* kt, const uint16_t* v, const float* bias, int64_t cap, int64_t width,
     uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale)
 {
@@ -148,9 +144,6 @@ int decode_attention_bf16(
         float m[MAX_G], l[MAX_G];
         for (int64_t i = 0; i < group * d; ++i) { qf[i] = bf16_to_f32(qp[i]) * scale; acc[i] = 0.0f; }
         for (int64_t g = 0; g < group; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
-        if (prefix_width > 0)
-            attend_segment(qf, pkt + h * d * prefix_cap, pv + h * prefix_cap * d, 0, prefix_cap, prefix_width,
-                           group, d, s, m, l, acc);
         if (width > 0)
             attend_segment(qf, kt + bh * d * cap, v + bh * cap * d, bias ? bias + b * cap : 0, cap, width,
                            group, d, s, m, l, acc);
