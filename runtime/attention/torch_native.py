@@ -19,8 +19,8 @@ positions read the pool's padding slot 0.
 What keeps it fast on CPU (each measured on the 200M bench model, see bench/model_step.py):
 
 - one-token groups fold the GQA group into the query axis (``[n, kv_heads, group, D]``
-  against ``[n, kv_heads, L, D]``): the CPU flash kernel's cost is per (batch, head)
-  pair, so this is ~8x cheaper than ``enable_gqa`` with one query per head;
+  against ``[n, kv_heads, L, D]``): every KV head's keys are read once for its whole
+  query group;
 - keys are gathered with ``index_select`` on flattened slots (advanced indexing with a
   2-D index is ~20x slower on CPU);
 - a group whose queries are a contiguous, unpadded run of the packed tokens reads and
@@ -29,17 +29,24 @@ What keeps it fast on CPU (each measured on the 200M bench model, see bench/mode
   ``is_causal``;
 - a one-token group whose requests all start with the same KV slots (a shared prompt
   prefix served from the radix cache) attends to that prefix once for the whole group
-  (one flash call, every request's queries against one copy of the prefix keys) and to
+  (one GEMM per KV head, every request's queries against one copy of the prefix keys) and to
   each request's own suffix separately, then merges the two softmaxes by their
   log-sum-exp ("cascade" attention): the prefix is read once per layer instead of once
   per request;
 - consecutive decode steps of the same requests keep a dense copy of each request's keys
-  (``DecodeKVMirror``, ``[n, kv_heads, cap, D]`` per layer): a step appends the new
-  token to it instead of gathering every cached key from the pool again, and the flash
-  kernel reads contiguous per-head rows;
+  (``DecodeKVMirror``, K transposed ``[n, kv_heads, D, cap]`` and V ``[n, kv_heads, cap, D]``
+  per layer): a step appends the new token to it instead of gathering every cached key
+  from the pool again, and attention reads contiguous per-head rows;
 - an extend group whose members all have the same cached prefix (the shared-prefix
-  prefill after the first request warmed the cache) attends to that prefix in one flash
-  call for all of its queries and to the new tokens causally, merged the same way.
+  prefill after the first request warmed the cache) attends to that prefix in one call
+  for all of its queries and to the new tokens causally, merged the same way;
+- one-token groups do not use the flash kernel (its per-block setup dominates with a
+  handful of queries): bf16 goes through the C decode kernel of ``runtime.cpu_kernels``,
+  other dtypes through two batched matmuls around an fp32 softmax; the mirror keeps K
+  transposed for both, and a shared prefix is attended as one GEMM per KV head with
+  every request's queries;
+- half-precision equal-length prompts with no cached prefix, and every shared prefix of
+  a prefill, are attended with bf16 GEMMs around the C row softmax (``softmax_rows``).
 """
 
 from __future__ import annotations
@@ -376,16 +383,18 @@ def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``[n * L, H, D]``. Each
     KV head's query group is folded into one ``[group * L, D]`` operand (one GEMM per
-    request and KV head, no repeated keys), scores are fp32 with the causal mask added,
-    and requests are taken a few at a time so the scores stay in cache. On the bench
-    model (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes
-    ~25 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
-    transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
+    request and KV head, no repeated keys), the bf16 scores go through the causal row
+    softmax of ``cpu_kernels`` in place (torch ops in fp32 where it is unavailable), and
+    requests are taken a few at a time so the scores stay in cache. On the bench model
+    (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes ~19 ms per
+    layer (~37 ms with the torch softmax) where the CPU flash kernel takes ~40 ms;
+    precision is that of transformers' eager attention (bf16 scores and probabilities,
+    fp32 softmax).
     """
     n, length, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
-    causal = torch.full((length, length), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
+    causal: torch.Tensor | None = None  # the torch fallback's additive mask, made on first use
     out = q.new_empty(n, length, h, d)
     step = max(1, _PREFILL_SCORE_BYTES // (h * length * length * 4))
     for start in range(0, n, step):
@@ -397,6 +406,8 @@ def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cpu_kernels.softmax_rows(scores, scale, causal_len=length)  # in place: scores become probs
             probs = scores
         else:
+            if causal is None:
+                causal = torch.full((length, length), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
             scores = scores.float().view(c, hkv, group, length, length).mul_(scale).add_(causal)
             probs = torch.softmax(scores, dim=-1).to(v.dtype).view(c, hkv, group * length, length)
         o = torch.matmul(probs, v[start:end])  # [c, Hkv, group * L, D]
