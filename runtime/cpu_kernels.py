@@ -127,24 +127,20 @@ def available() -> bool:
     return _library() is not None
 
 
-def supports(
-    q: torch.Tensor,
-    k_t: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> bool:
+def _bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def supports(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``decode_attention`` takes these operands as they are (else use the torch path)."""
-    tensors = [k_t, v]
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or any(x.dtype != q.dtype for x in tensors):
-        return False
     n, hkv, group, d = q.shape
     if group > MAX_GROUP or d > MAX_HEAD_DIM or group * d > MAX_GROUP_X_DIM:
         return False
-    if q.stride()[1:] != (group * d, d, 1) or not all(x.is_contiguous() for x in tensors):
-        return False
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.stride()[1:] != (group * d, d, 1):
+        return False  # requests may be strided rows; within one, heads and dims are packed
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return False
-    return available()
+    return _bf16_cpu(k_t, v) and available()
 
 
 def decode_attention(
@@ -178,8 +174,12 @@ def decode_attention(
 
 def softmax_supported(scores: torch.Tensor) -> bool:
     """Whether ``softmax_rows`` takes this tensor (else use torch)."""
-    return (scores.device.type == "cpu" and scores.dtype == torch.bfloat16 and scores.is_contiguous()
-            and 0 < scores.shape[-1] <= MAX_SOFTMAX_COLS and available())
+    return _bf16_cpu(scores) and softmax_applies(scores.device, scores.dtype, scores.shape[-1])
+
+
+def softmax_applies(device: torch.device, dtype: torch.dtype, cols: int) -> bool:
+    """Whether contiguous scores of this device, dtype and row length would go to ``softmax_rows``."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and 0 < cols <= MAX_SOFTMAX_COLS and available()
 
 
 def softmax_rows(scores: torch.Tensor, scale: float, causal_len: int = 0, with_lse: bool = False) -> torch.Tensor | None:
@@ -200,10 +200,6 @@ def softmax_rows(scores: torch.Tensor, scale: float, causal_len: int = 0, with_l
     if rc != 0:
         raise ValueError(f"softmax kernel rejected {cols} columns")
     return lse
-
-
-def _bf16_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -14,6 +14,9 @@ for _p in (str(_TESTS.parent), str(_TESTS)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+# Test modules import helpers from server_fixtures before pytest loads it as their plugin.
+pytest.register_assert_rewrite("server_fixtures")
+
 from checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
 
 

@@ -21,15 +21,16 @@ import pytest
 
 from launch import launch_server
 from runtime.client import Client
+from runtime.utils import pid_alive
 
 API_KEY = "test-key"
 MAX_TOTAL_TOKENS = 6144
 CLIENT_TIMEOUT_S = 120.0
 
 
-def base_args(model: Path, *extra: str) -> list[str]:
+def base_args(model: Path, *extra: str, max_total_tokens: int = MAX_TOTAL_TOKENS) -> list[str]:
     return ["--model-path", str(model), "--dtype", "float32", "--device", "cpu",
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--random-seed", "0", *extra]
+            "--max-total-tokens", str(max_total_tokens), "--random-seed", "0", *extra]
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +76,16 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive after ``timeout`` (they were already reaped or reparented)."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
 
 
 def is_idle(client: Client) -> dict[str, Any] | None:

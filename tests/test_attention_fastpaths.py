@@ -22,7 +22,7 @@ from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.prepacked import prepack_available, prepack_model
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
-from test_model_attention import HKV, D, H, _reference, _run
+from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
 
 
 def t(values: list[int]) -> torch.Tensor:
@@ -77,28 +77,7 @@ def _run_shared(
         pool.set_kv_buffer(0, torch.tensor(mine[:own], dtype=torch.int64), k_i[:own], v_i[:own])
         new_locs.extend(mine[own:])
         prefix_lens.append(shared + own)
-    q = torch.randn(sum(ext_lens), H, D, generator=gen).to(dtype)
-    k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
-    v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
-    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
-    batch = ForwardBatch(
-        forward_mode=mode, input_ids=torch.zeros(sum(ext_lens), dtype=torch.int64),
-        positions=torch.zeros(sum(ext_lens), dtype=torch.int64), req_pool_indices=t(rows), seq_lens=t(seq_lens),
-        prefix_lens=t(prefix_lens), extend_lens=t(ext_lens), out_cache_loc=t(new_locs), req_to_token_pool=rtt,
-        token_to_kv_pool=pool, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=list(ext_lens),
-    )
-    backend = TorchNativeAttnBackend()
-    backend.init_forward_metadata(batch)
-    out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
-    assert out.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    start = 0
-    for i in range(bs):
-        n = ext_lens[i]
-        expected = _reference(q[start : start + n].float(), k_seq[i].float(), v_seq[i].float(), prefix_lens[i])
-        torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)
-        start += n
-    return batch.attn_metadata
+    return _forward_and_check(mode, k_seq, v_seq, prefix_lens, ext_lens, rows, new_locs, pool, rtt, gen, dtype)
 
 
 @pytest.mark.parametrize("score_bytes", [1 << 30, 64])  # one chunk of query rows / many

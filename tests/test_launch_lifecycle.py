@@ -23,7 +23,8 @@ from checkpoints import hf_greedy
 from launch import ServerProcess, ServerStartError, launch_server
 from runtime.args import ServerArgs
 from runtime.client import Client
-from runtime.utils import child_pids, pid_alive
+from runtime.utils import child_pids
+from server_fixtures import wait_gone
 
 pytest_plugins = ["server_fixtures"]
 
@@ -46,16 +47,6 @@ def server_env(tmp_path: Path, tmpdir: Path) -> dict[str, str]:
 
 def ipc_dirs(tmpdir: Path) -> list[Path]:
     return [p for p in tmpdir.iterdir() if p.name.startswith("tinyserve-")]
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive after ``timeout`` (they were already reaped or reparented)."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
 
 
 def test_default_model_serves_and_sigterm_cleans_up(tmp_path: Path, short_tmpdir: Path) -> None:

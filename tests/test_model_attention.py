@@ -55,6 +55,24 @@ def _run(
         v_seq.append(torch.randn(n, HKV, D, generator=gen).to(dtype))
         pool.set_kv_buffer(0, torch.tensor(mine[: prefix_lens[i]], dtype=torch.int64), k_seq[i][: prefix_lens[i]], v_seq[i][: prefix_lens[i]])
         new_locs.extend(mine[prefix_lens[i] :])
+    return _forward_and_check(mode, k_seq, v_seq, prefix_lens, extend_lens, rows, new_locs, pool, rtt, gen, dtype)
+
+
+def _forward_and_check(
+    mode: ForwardMode,
+    k_seq: list[torch.Tensor],
+    v_seq: list[torch.Tensor],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    rows: list[int],
+    new_locs: list[int],
+    pool: MHATokenToKVPool,
+    rtt: ReqToTokenPool,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+) -> TorchNativeMetadata:
+    """One backend forward of requests whose cached keys are in ``pool`` (their new keys are
+    ``k_seq[i][prefix_lens[i]:]``), every output row checked against ``_reference``."""
     q = torch.randn(sum(extend_lens), H, D, generator=gen).to(dtype)
     k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
     v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
@@ -75,8 +93,8 @@ def _run(
         req_to_token_pool=rtt,
         token_to_kv_pool=pool,
         seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=prefix_lens,
-        extend_lens_cpu=extend_lens,
+        prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens),
     )
     backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(batch)
@@ -84,7 +102,7 @@ def _run(
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
-    for i in range(bs):
+    for i in range(len(prefix_lens)):
         n = extend_lens[i]
         expected = _reference(q[start : start + n].float(), k_seq[i].float(), v_seq[i].float(), prefix_lens[i])
         torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)

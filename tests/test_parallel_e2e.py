@@ -27,7 +27,7 @@ import pytest
 from checkpoints import hf_greedy, random_prompt
 from launch import launch_server
 from runtime.client import Client
-from runtime.utils import pid_alive
+from server_fixtures import base_args, wait_gone
 
 pytest_plugins = ["server_fixtures"]
 
@@ -39,18 +39,7 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
 def args(model: Path, *extra: str) -> list[str]:
-    return ["--model-path", str(model), "--dtype", "float32", "--device", "cpu",
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--random-seed", "0", *extra]
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
+    return base_args(model, *extra, max_total_tokens=MAX_TOTAL_TOKENS)
 
 
 def hf_outputs(hf_reference: Callable[[str], Any], name: str, prompts: list[str]) -> list[list[int]]:

@@ -501,8 +501,7 @@ def _attend_shared_keys(
     shared-prefix prefill: 8064 queries x 512 keys per KV head). Otherwise the flash op.
     """
     m, p = q.shape[2], k.shape[2]
-    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and 0 < p <= cpu_kernels.MAX_SOFTMAX_COLS
-            and cpu_kernels.available()):
+    if not cpu_kernels.softmax_applies(q.device, q.dtype, p):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         return flash(q, k.contiguous(), v, scale=scale)[:2]  # (the flash op wants unit-stride rows)
     hkv = q.shape[1]
