@@ -1,6 +1,7 @@
 """The C kernels of runtime/cpu_kernels.py against fp32 / torch references.
 
-Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64) and the
+Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64; group <= 4
+scores 32 keys per pass, then 16, then one at a time) and the
 plain-C remainders (group 12, head dim 80, key counts that are not a multiple of 16 or of
 the 128-key softmax block), padded keys through the bias, ``width`` below the buffer
 capacity, strided query rows and the log-sum-exp output.
@@ -31,8 +32,8 @@ def test_the_kernel_builds_here() -> None:
     assert cpu_kernels.available(), "gcc should build the kernel on every supported machine"
 
 
-@pytest.mark.parametrize("group,d", [(1, 64), (4, 64), (8, 128), (2, 80), (12, 64)])
-@pytest.mark.parametrize("lens", [[1, 1], [5, 17, 128], [129, 40, 300, 7]])
+@pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (4, 64), (8, 128), (2, 80), (12, 64)])
+@pytest.mark.parametrize("lens", [[1, 1], [5, 17, 128], [129, 40, 300, 7], [178, 50, 3]])
 def test_matches_fp32_attention(group: int, d: int, lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(group * 1000 + d + len(lens))
     n, hkv = len(lens), 2

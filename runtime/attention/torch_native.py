@@ -554,7 +554,7 @@ def _few_query_attention(
     it: with a handful of queries per (request, KV head) the CPU flash kernel's per-block
     setup dominates, and this is ~2.3x faster on the bench model's decode (64 requests,
     4 KV heads x 4 queries, 160 keys: 0.49 vs 1.15 ms per layer). bf16 on CPU goes to
-    the C kernel of ``cpu_kernels`` instead when it is available (~0.7 ms, fp32 scores).
+    the C kernel of ``cpu_kernels`` instead when it is available (~0.45 ms, fp32 scores).
 
     ``mask`` is an fp32 key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf
     for padding) or None; ``width``: keys at ``width`` and beyond are all padding (the

@@ -44,16 +44,63 @@ static inline __m512 load_bf16x16(const uint16_t* p) {
 }
 #endif
 
+
+/* Prefetch cursor over the next (request, KV head)'s keys and values: each step() brings one
+ * more cache line toward L2 while this one computes (the kernel is otherwise latency-bound on
+ * the cold mirror buffers: memory and compute would not overlap). */
+typedef struct {
+    const char* k; const char* v;  /* next K^T block, next V block (NULL: nothing to fetch) */
+    int64_t k_row_bytes, k_stride, k_lines, v_lines, t;
+} Prefetch;
+
+static inline void pf_step(Prefetch* pf) {
+    if (!pf->k) return;
+    const int64_t per_row = (pf->k_row_bytes + 63) / 64;
+    if (pf->t < pf->k_lines) {
+        _mm_prefetch(pf->k + (pf->t / per_row) * pf->k_stride + (pf->t % per_row) * 64, _MM_HINT_T1);
+    } else if (pf->t < pf->k_lines + pf->v_lines) {
+        _mm_prefetch(pf->v + (pf->t - pf->k_lines) * 64, _MM_HINT_T1);
+    } else {
+        pf->k = 0;
+        return;
+    }
+    pf->t++;
+}
+
 /* scores s[g][j] (g < group, j < jn) += sum_i qf[g][i] * kt[i][j]; kt rows are `cap` apart. */
 static void block_scores(const float* qf, const uint16_t* kt, int64_t cap, int64_t group, int64_t d,
-                         int64_t jn, float* s) {
+                         int64_t jn, float* s, Prefetch* pf) {
     int64_t j = 0;
 #ifdef __AVX512F__
+    if (group <= 4) {
+        /* two 16-key columns at a time: 2 * group independent FMA chains */
+        for (; j + 32 <= jn; j += 32) {
+            __m512 a0[4], a1[4];
+            for (int64_t g = 0; g < group; ++g) {
+                a0[g] = _mm512_loadu_ps(s + g * BLOCK + j);
+                a1[g] = _mm512_loadu_ps(s + g * BLOCK + j + 16);
+            }
+            for (int64_t i = 0; i < d; ++i) {
+                pf_step(pf);
+                const __m512 k0 = load_bf16x16(kt + i * cap + j), k1 = load_bf16x16(kt + i * cap + j + 16);
+                for (int64_t g = 0; g < group; ++g) {
+                    const __m512 qb = _mm512_set1_ps(qf[g * d + i]);
+                    a0[g] = _mm512_fmadd_ps(qb, k0, a0[g]);
+                    a1[g] = _mm512_fmadd_ps(qb, k1, a1[g]);
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                _mm512_storeu_ps(s + g * BLOCK + j, a0[g]);
+                _mm512_storeu_ps(s + g * BLOCK + j + 16, a1[g]);
+            }
+        }
+    }
     if (group <= 8) {
         for (; j + 16 <= jn; j += 16) {
             __m512 acc[8];
             for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_loadu_ps(s + g * BLOCK + j);
             for (int64_t i = 0; i < d; ++i) {
+                pf_step(pf);
                 const __m512 k = load_bf16x16(kt + i * cap + j);
                 for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * d + i]), k, acc[g]);
             }
@@ -70,26 +117,50 @@ static void block_scores(const float* qf, const uint16_t* kt, int64_t cap, int64
 }
 
 /* acc[g][:] += sum_j p[g][j] * v[j][:] for j < jn; v rows are d apart. */
-static void block_values(const float* s, const uint16_t* v, int64_t group, int64_t d, int64_t jn, float* acc) {
+static void block_values(const float* s, const uint16_t* v, int64_t group, int64_t d, int64_t jn, float* acc,
+                         Prefetch* pf) {
     int64_t i0 = 0;
 #ifdef __AVX512F__
-    for (; i0 + 64 <= d; i0 += 64)
-        for (int64_t g = 0; g < group; ++g) {
-            float* ag = acc + g * d + i0;
-            __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16);
-            __m512 a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
-            const float* sg = s + g * BLOCK;
+    if (group <= 4) {
+        for (; i0 + 64 <= d; i0 += 64) {
+            __m512 a[4][4];
+            for (int64_t g = 0; g < group; ++g)
+                for (int u = 0; u < 4; ++u) a[g][u] = _mm512_loadu_ps(acc + g * d + i0 + 16 * u);
             for (int64_t j = 0; j < jn; ++j) {
+                pf_step(pf);
                 const uint16_t* vr = v + j * d + i0;
-                const __m512 p = _mm512_set1_ps(sg[j]);
-                a0 = _mm512_fmadd_ps(p, load_bf16x16(vr), a0);
-                a1 = _mm512_fmadd_ps(p, load_bf16x16(vr + 16), a1);
-                a2 = _mm512_fmadd_ps(p, load_bf16x16(vr + 32), a2);
-                a3 = _mm512_fmadd_ps(p, load_bf16x16(vr + 48), a3);
+                const __m512 v0 = load_bf16x16(vr), v1 = load_bf16x16(vr + 16);
+                const __m512 v2 = load_bf16x16(vr + 32), v3 = load_bf16x16(vr + 48);
+                for (int64_t g = 0; g < group; ++g) {
+                    const __m512 p = _mm512_set1_ps(s[g * BLOCK + j]);
+                    a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
+                    a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
+                    a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
+                    a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+                }
             }
-            _mm512_storeu_ps(ag, a0); _mm512_storeu_ps(ag + 16, a1);
-            _mm512_storeu_ps(ag + 32, a2); _mm512_storeu_ps(ag + 48, a3);
+            for (int64_t g = 0; g < group; ++g)
+                for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + g * d + i0 + 16 * u, a[g][u]);
         }
+    } else {
+        for (; i0 + 64 <= d; i0 += 64)
+            for (int64_t g = 0; g < group; ++g) {
+                float* ag = acc + g * d + i0;
+                __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16);
+                __m512 a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
+                const float* sg = s + g * BLOCK;
+                for (int64_t j = 0; j < jn; ++j) {
+                    const uint16_t* vr = v + j * d + i0;
+                    const __m512 p = _mm512_set1_ps(sg[j]);
+                    a0 = _mm512_fmadd_ps(p, load_bf16x16(vr), a0);
+                    a1 = _mm512_fmadd_ps(p, load_bf16x16(vr + 16), a1);
+                    a2 = _mm512_fmadd_ps(p, load_bf16x16(vr + 32), a2);
+                    a3 = _mm512_fmadd_ps(p, load_bf16x16(vr + 48), a3);
+                }
+                _mm512_storeu_ps(ag, a0); _mm512_storeu_ps(ag + 16, a1);
+                _mm512_storeu_ps(ag + 32, a2); _mm512_storeu_ps(ag + 48, a3);
+            }
+    }
 #endif
     for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < jn; ++j) {
@@ -102,16 +173,22 @@ static void block_values(const float* s, const uint16_t* v, int64_t group, int64
  * acc [group, d]. */
 static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t* vp, const float* bp,
                            int64_t cap, int64_t width, int64_t group, int64_t d,
-                           float* s, float* m, float* l, float* acc) {
+                           float* s, float* m, float* l, float* acc, Prefetch* pf) {
     for (int64_t j0 = 0; j0 < width; j0 += BLOCK) {
         const int64_t jn = width - j0 < BLOCK ? width - j0 : BLOCK;
         for (int64_t g = 0; g < group; ++g)
             for (int64_t j = 0; j < jn; ++j) s[g * BLOCK + j] = bp ? bp[j0 + j] : 0.0f;
-        block_scores(qf, ktp + j0, cap, group, d, jn, s);
+        block_scores(qf, ktp + j0, cap, group, d, jn, s, pf);
         for (int64_t g = 0; g < group; ++g) {
             float* sg = s + g * BLOCK;
             float mx = -INFINITY;
-            for (int64_t j = 0; j < jn; ++j) mx = sg[j] > mx ? sg[j] : mx;
+            int64_t j = 0;
+#ifdef __AVX512F__
+            __m512 vmx = _mm512_set1_ps(-INFINITY);
+            for (; j + 16 <= jn; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sg + j));
+            mx = _mm512_reduce_max_ps(vmx);
+#endif
+            for (; j < jn; ++j) mx = sg[j] > mx ? sg[j] : mx;
             const float m_new = mx > m[g] ? mx : m[g];
             if (m_new == -INFINITY) { for (int64_t j = 0; j < jn; ++j) sg[j] = 0.0f; continue; }
             const float corr = fast_exp(m[g] - m_new);
@@ -122,7 +199,7 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
             m[g] = m_new;
             if (corr != 1.0f) for (int64_t i = 0; i < d; ++i) acc[g * d + i] *= corr;
         }
-        block_values(s, vp + j0 * d, group, d, jn, acc);
+        block_values(s, vp + j0 * d, group, d, jn, acc, pf);
     }
 }
 
@@ -144,9 +221,16 @@ int decode_attention_bf16(
         float m[MAX_G], l[MAX_G];
         for (int64_t i = 0; i < group * d; ++i) { qf[i] = bf16_to_f32(qp[i]) * scale; acc[i] = 0.0f; }
         for (int64_t g = 0; g < group; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
+        Prefetch pf = {0, 0, width * 2, cap * 2, 0, 0, 0};
+        if (bh + 1 < n * hkv) {
+            pf.k = (const char*)(kt + (bh + 1) * d * cap);
+            pf.v = (const char*)(v + (bh + 1) * cap * d);
+            pf.k_lines = d * ((width * 2 + 63) / 64);
+            pf.v_lines = (width * d * 2 + 63) / 64;
+        }
         if (width > 0)
             attend_segment(qf, kt + bh * d * cap, v + bh * cap * d, bias ? bias + b * cap : 0, cap, width,
-                           group, d, s, m, l, acc);
+                           group, d, s, m, l, acc, &pf);
         uint16_t* op = out + bh * group * d;
         for (int64_t g = 0; g < group; ++g) {
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
