@@ -12,7 +12,13 @@ where torch's bf16 ops round:
   bf16 matmuls (one pass where torch needs a float copy, a scale, a mask add, a softmax
   and a cast back);
 - ``silu_and_mul``: the gated MLP activation;
-- ``rms_norm``: RMSNorm, with the residual add fused.
+- ``rms_norm``: RMSNorm, with the residual add fused;
+- ``rotary_``: rotary embedding in place on the fused qkv output's q and k heads (torch
+  needs four ops and a new tensor: ~7 ms per layer on an 8192-token prefill);
+- ``merge_attention``: two partial attentions (a shared prefix's and each request's own
+  keys, cascade attention) combined by their log-sum-exp, reading both through their
+  strides (torch's strided fp32 elementwise ops took ~30 ms per layer on the
+  shared-prefix prefill's ``[2016, 16, 64]`` outputs).
 
 They apply to bf16 CPU tensors only: fp32 keeps torch's ops, the path the fp32
 equivalence tests compare with transformers.
@@ -57,6 +63,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,7 +122,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.decode_attention_bf16
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                   ptr, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     fn = lib.softmax_rows_bf16
     fn.argtypes = [ptr, i64, i64, ctypes.c_float, i64, ptr]
@@ -124,6 +132,10 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul_bf16.restype = None
     lib.rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
     lib.rmsnorm_bf16.restype = None
+    lib.merge_attn_bf16.argtypes = [i64] * 4 + ([ptr] + [i64] * 3) * 4 + [ptr]
+    lib.merge_attn_bf16.restype = None
+    lib.rotary_bf16.argtypes = [ptr] + [i64] * 5 + [ptr, ptr]
+    lib.rotary_bf16.restype = None
     return lib
 
 
@@ -148,6 +160,26 @@ def supports(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Te
     return _bf16_cpu(k_t, v) and available()
 
 
+@dataclass
+class KeyAppend:
+    """A decode step's new keys and values for the kernel to store into the mirror before it
+    attends: ``k``/``v`` ``[n, Hkv, D]`` (request rows may be strided, heads packed) go to key
+    index ``pos[b]`` (int64 ``[n]``) of request ``b``'s ``k_t``/``v``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+
+
+def append_supported(append: KeyAppend, k_t: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` can store ``append`` into ``k_t`` (and its V) itself."""
+    n, hkv, d, _ = k_t.shape
+    return all(
+        t.dtype == k_t.dtype and t.device.type == "cpu" and t.shape == (n, hkv, d) and t.stride()[1:] == (d, 1)
+        for t in (append.k, append.v)
+    ) and append.pos.dtype == torch.int64 and append.pos.shape == (n,) and append.pos.is_contiguous()
+
+
 def decode_attention(
     q: torch.Tensor,
     k_t: torch.Tensor,
@@ -156,9 +188,11 @@ def decode_attention(
     scale: float,
     width: int,
     with_lse: bool,
+    append: KeyAppend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [n, Hkv, group, D] bf16, lse [n, Hkv, group] fp32 or None)``; see the module doc.
 
+    ``append`` (checked with ``append_supported``): store these keys and values first.
     Call only when ``supports(...)`` is True.
     """
     lib = _library()
@@ -166,14 +200,21 @@ def decode_attention(
     n, hkv, group, d = q.shape
     cap = k_t.shape[-1]
     assert k_t.shape == (n, hkv, d, cap) and v.shape == (n, hkv, cap, d) and 0 <= width <= cap
+    assert append is None or append_supported(append, k_t)
     out = q.new_empty(n, hkv, group, d)
     lse = torch.empty(n, hkv, group, dtype=torch.float32) if with_lse else None
+    new_k = new_v = pos = None
+    stride_k = stride_v = 0
+    if append is not None:
+        new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
+        stride_k, stride_v = append.k.stride(0), append.v.stride(0)
     rc = lib.decode_attention_bf16(
         q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap, width,
         out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
+        new_k, stride_k, new_v, stride_v, pos,
     )
     if rc != 0:
-        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d}")
+        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position)")
     return out, lse
 
 
@@ -235,3 +276,40 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     lib.rmsnorm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                      x.numel() // hidden, hidden, float(eps), out.data_ptr())
     return out
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor | None:
+    """Softmax over the union of two key sets from each set's output ``[T, A, B, D]`` (bf16,
+    any strides with unit stride along D) and log-sum-exp ``[T, A, B]`` (fp32, any strides):
+    a new contiguous ``[T, A, B, D]`` bf16 tensor, or None where the kernel does not apply."""
+    if not (o_a.dim() == 4 and o_a.shape == o_b.shape and lse_a.shape == lse_b.shape == o_a.shape[:3]):
+        return None
+    if not all(t.device.type == "cpu" for t in (o_a, o_b, lse_a, lse_b)) or not available():
+        return None
+    if o_a.dtype != torch.bfloat16 or o_b.dtype != torch.bfloat16 or o_a.stride(-1) != 1 or o_b.stride(-1) != 1:
+        return None
+    if lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32:
+        return None
+    out = torch.empty(o_a.shape, dtype=o_a.dtype)
+    lib = _library()
+    assert lib is not None
+    lib.merge_attn_bf16(*o_a.shape, o_a.data_ptr(), *o_a.stride()[:3], lse_a.data_ptr(), *lse_a.stride(),
+                        o_b.data_ptr(), *o_b.stride()[:3], lse_b.data_ptr(), *lse_b.stride(), out.data_ptr())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> bool:
+    """Rotate ``x [T, heads, D]`` in place (neox halves of the first ``rotary_dim`` dims) by
+    ``cos``/``sin`` ``[T, 1, rotary_dim // 2]``; rows may be strided, heads must be packed.
+    Returns False, touching nothing, where the kernel does not apply (then use torch)."""
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or rotary_dim % 2 or rotary_dim > x.shape[2]:
+        return False
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not _bf16_cpu(cos, sin):
+        return False
+    if cos.shape != (x.shape[0], 1, rotary_dim // 2) or sin.shape != cos.shape or not available():
+        return False
+    lib = _library()
+    assert lib is not None
+    lib.rotary_bf16(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim, cos.data_ptr(),
+                    sin.data_ptr())
+    return True

@@ -16,6 +16,7 @@ from harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
+from runtime import cpu_kernels
 from runtime.attention import torch_native
 from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeAttnBackend, TorchNativeMetadata
 from runtime.forward_batch import ForwardBatch, ForwardMode
@@ -240,8 +241,8 @@ def _decode_steps(
             tables[i].append(new[i])
         seq_lens = [p + 1 for p in prefix_lens]
         q = torch.randn(bs, H, D, generator=gen).to(dtype)
-        k_new = torch.randn(bs, HKV, D, generator=gen).to(dtype)
-        v_new = torch.randn(bs, HKV, D, generator=gen).to(dtype)
+        kv_new = torch.randn(bs, 2 * HKV, D, generator=gen).to(dtype)
+        k_new, v_new = kv_new[:, :HKV], kv_new[:, HKV:]  # strided rows, as views of the model's qkv output
         for i in range(bs):
             ks[i] = torch.cat([ks[i], k_new[i : i + 1]])
             vs[i] = torch.cat([vs[i], v_new[i : i + 1]])
@@ -264,38 +265,60 @@ def _decode_steps(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, CASCADE_MIN_PREFIX + 3])
-def test_consecutive_decode_steps_through_the_mirror(dtype, shared) -> None:
+def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch) -> None:
+    appends: list[bool] = []
+    real = cpu_kernels.decode_attention
+
+    def spy(*args, **kwargs):
+        appends.append(kwargs.get("append", args[7] if len(args) > 7 else None) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "decode_attention", spy)
     metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=4)
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
     assert all((m.groups[0].shared is not None) == bool(shared) for m in metas)
+    # bf16: the kernel stores each append step's new keys itself (the first step rebuilds from the pool)
+    assert appends == ([False, True, True, True] if dtype == torch.bfloat16 and cpu_kernels.available() else [])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("score_bytes", [1 << 30, 1])  # all requests in one chunk / one request per chunk
-def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads, score_bytes, monkeypatch) -> None:
-    """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA."""
+@pytest.mark.parametrize("c_softmax", [True, False])
+def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads, score_bytes, c_softmax,
+                                                                monkeypatch) -> None:
+    """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA,
+    with its log-sum-exp (the cascade's merge input), through the C softmax and through torch's."""
     monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
+    if not c_softmax:
+        monkeypatch.setattr(cpu_kernels, "softmax_supported", lambda scores: False)
     gen = torch.Generator().manual_seed(3)
     n, length, d = 5, 11, 16
     q = torch.randn(n, length, heads, d, generator=gen).bfloat16()
     k = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
     v = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
-    out = torch_native._causal_prefill_attention(q, k, v, d**-0.5)
+    out, lse = torch_native._causal_prefill_attention(q, k, v, d**-0.5, with_lse=True)
     assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
+    assert lse is not None and lse.shape == (n * length, heads) and lse.dtype == torch.float32
+    qf, kf = q.float().transpose(1, 2), k.float().repeat_interleave(heads // kv_heads, dim=1)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(1, 2), k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
+        qf, k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
     ).transpose(1, 2).reshape(n * length, heads, d)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    scores = (qf @ kf.transpose(-1, -2) * d**-0.5).masked_fill(
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected_lse = scores.logsumexp(-1).transpose(1, 2).reshape(n * length, heads)
+    torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)  # scores were bf16 GEMM outputs
+    assert torch_native._causal_prefill_attention(q, k, v, d**-0.5)[1] is None
 
 
 def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
     calls: list[int] = []
     real = torch_native._causal_prefill_attention
 
-    def counting(q, *args):
+    def counting(q, *args, **kwargs):
         calls.append(q.shape[0])
-        return real(q, *args)
+        return real(q, *args, **kwargs)
 
     monkeypatch.setattr(torch_native, "_causal_prefill_attention", counting)
     _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)

@@ -139,3 +139,80 @@ def test_rms_norm_matches_the_hf_recipe(with_residual: bool) -> None:
         assert torch.equal(res, source)  # the sum is left in the residual buffer
     assert cpu_kernels.rms_norm(x.float(), None, weight.float(), 1e-6) is None
     assert cpu_kernels.rms_norm(x.t().contiguous().t(), None, weight, 1e-6) is None  # strided rows: torch path
+
+
+def test_merge_attention_reads_strided_operands() -> None:
+    """Two partial softmaxes merged by log-sum-exp equal one softmax over both key sets."""
+    torch.manual_seed(3)
+    t, hkv, group, d = 5, 2, 3, 64
+    q = torch.randn(t, hkv, group, d)
+    keys_a, keys_b = torch.randn(t, hkv, 7, d), torch.randn(t, hkv, 11, d)
+    vals_a, vals_b = torch.randn(t, hkv, 7, d), torch.randn(t, hkv, 11, d)
+
+    def part(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = q @ k.transpose(-1, -2)
+        return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+    o_a, lse_a = part(keys_a, vals_a)
+    o_b, lse_b = part(keys_b, vals_b)
+    expected = (q @ torch.cat([keys_a, keys_b], 2).transpose(-1, -2)).softmax(-1) @ torch.cat([vals_a, vals_b], 2)
+    # o_a laid out head-major, as the cascade's prefix pass produces it: a strided [T, A, B, D] view
+    o_a_strided = o_a.bfloat16().permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    lse_a_strided = lse_a.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    merged = cpu_kernels.merge_attention(o_a_strided, lse_a_strided, o_b.bfloat16(), lse_b)
+    assert merged is not None and merged.is_contiguous() and merged.dtype == torch.bfloat16
+    torch.testing.assert_close(merged.float(), expected, atol=2e-2, rtol=2e-2)
+    # a row with no keys on either side is 0, not NaN
+    lse_a[0, 0, 0] = lse_b[0, 0, 0] = float("-inf")
+    merged = cpu_kernels.merge_attention(o_a.bfloat16(), lse_a, o_b.bfloat16(), lse_b)
+    assert merged is not None and bool((merged[0, 0, 0] == 0).all()) and not merged.isnan().any()
+    # operands it does not take: fp32 outputs, fp16 lse
+    assert cpu_kernels.merge_attention(o_a, lse_a, o_b, lse_b) is None
+    assert cpu_kernels.merge_attention(o_a.bfloat16(), lse_a.half(), o_b.bfloat16(), lse_b) is None
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_in_place_is_bit_identical_to_torch(rotary_dim: int) -> None:
+    """On the q and k heads of a fused qkv output (strided rows), including a partial rotary dim."""
+    from runtime.layers.rotary import RotaryEmbedding
+    from runtime.model_config import RopeConfig
+
+    torch.manual_seed(4)
+    t, heads, kv_heads, d = 9, 4, 2, 64
+    rope = RotaryEmbedding(d, 128, RopeConfig(rope_type="default", theta=10000.0), rotary_dim=rotary_dim)
+    cos, sin = rope.cos_sin(torch.tensor([0, 5, 7, 1, 100, 3, 2, 8, 127]), torch.bfloat16)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).bfloat16()
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    expected = rope.apply(qk, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    assert rope.rotate_(qk, cos, sin) is qk  # in place: q and k stay views of qkv
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+    assert not cpu_kernels.rotary_(qk.float(), cos, sin, rotary_dim)  # fp32 keeps torch's path
+
+
+def test_decode_attention_stores_the_appended_keys_first() -> None:
+    torch.manual_seed(5)
+    n, hkv, group, d, cap = 3, 2, 4, 64, 40
+    lens = [7, 33, 20]
+    q = torch.randn(n, hkv, group, d).bfloat16()
+    k_t = torch.randn(n, hkv, d, cap).bfloat16()
+    v = torch.randn(n, hkv, cap, d).bfloat16()
+    kv_new = torch.randn(n, 2 * hkv, d).bfloat16()
+    pos = torch.tensor([length - 1 for length in lens])
+    stored_k, stored_v = k_t.clone(), v.clone()
+    for b, p in enumerate(pos.tolist()):
+        stored_k[b, :, :, p] = kv_new[b, :hkv]
+        stored_v[b, :, p] = kv_new[b, hkv:]
+        k_t[b, :, :, p] = float("nan")  # the kernel must overwrite these before reading them
+        v[b, :, p] = float("nan")
+    append = cpu_kernels.KeyAppend(kv_new[:, :hkv], kv_new[:, hkv:], pos)
+    assert cpu_kernels.append_supported(append, k_t)
+    out, lse = cpu_kernels.decode_attention(q, k_t, v, _bias(lens, cap), d**-0.5, max(lens), True, append)
+    assert torch.equal(k_t, stored_k) and torch.equal(v, stored_v)
+    expected, expected_lse = _reference(q, stored_k, stored_v, lens, d**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError):
+        cpu_kernels.decode_attention(q, k_t, v, None, 1.0, cap, False, cpu_kernels.KeyAppend(append.k, append.v, pos + cap))
+    assert not cpu_kernels.append_supported(cpu_kernels.KeyAppend(append.k.float(), append.v, pos), k_t)

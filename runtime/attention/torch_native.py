@@ -281,8 +281,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         qs = q[g.q_start : g.q_start + n] if g.q_start is not None else q.index_select(0, g.q_index.view(-1))
         qg = qs.view(n, hkv, group, d)  # query head h uses KV head h // group
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        append: cpu_kernels.KeyAppend | None = None
         if g.mirror is not None:
-            kd_t, vd, prefix = self.mirror.keys(layer.layer_id, g.mirror, k, v, k_buf, v_buf)
+            append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
+            kd_t, vd, prefix = self.mirror.keys(layer.layer_id, g.mirror, k, v, k_buf, v_buf,
+                                                defer_append=append is not None)
             mask = g.mirror.mask
         elif g.shared is not None:
             plan = g.shared
@@ -297,9 +300,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
         if prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
-            og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width)
+            og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append)
         else:
-            og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width)
+            og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append)
         return og.reshape(n, layer.num_heads, d)
 
     def _extend(
@@ -334,24 +337,27 @@ class TorchNativeAttnBackend(AttentionBackend):
             kg = self._gather(k_buf, g.kv_flat, n).to(qg.dtype)
             vg = self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
         if g.shared_loc is None:
-            if (g.keys_are_new and qg.device.type == "cpu" and qg.dtype in _MATMUL_PREFILL_DTYPES
-                    and q_len <= _MATMUL_PREFILL_MAX_LEN):
-                return _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)
+            if g.keys_are_new and _matmul_prefill_applies(qg, q_len):
+                return _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
             if g.keys_are_new:
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
             else:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=layer.scaling, enable_gqa=gqa)
             return og.transpose(1, 2).reshape(n * q_len, h, d)
         # Cascade: own keys (causal, returning the log-sum-exp) ...
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        if g.keys_are_new:
-            o_own, lse_own = flash(qg, kg, vg, is_causal=True, scale=layer.scaling)
+        if g.keys_are_new and _matmul_prefill_applies(qg, q_len):
+            o_own, lse_own = _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling, with_lse=True)
+            assert lse_own is not None
         else:
-            assert g.mask is not None
-            add_mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
-            o_own, lse_own = flash(qg, kg, vg, attn_mask=add_mask, scale=layer.scaling)
-        o_own = o_own.transpose(1, 2).reshape(n * q_len, h, d)
-        lse_own = lse_own.transpose(1, 2).reshape(n * q_len, h)
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            if g.keys_are_new:
+                o_own, lse_own = flash(qg, kg, vg, is_causal=True, scale=layer.scaling)
+            else:
+                assert g.mask is not None
+                add_mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
+                o_own, lse_own = flash(qg, kg, vg, attn_mask=add_mask, scale=layer.scaling)
+            o_own = o_own.transpose(1, 2).reshape(n * q_len, h, d)
+            lse_own = lse_own.transpose(1, 2).reshape(n * q_len, h)
         padded = g.out_rows is not None and not g.keys_are_new
         if padded:  # keep the real rows, in out_tokens order
             assert g.out_rows is not None and g.out_tokens is not None
@@ -364,9 +370,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         o_pre, lse_pre = _attend_shared_keys(q_all, kp, vp, layer.scaling)
-        o_pre = o_pre.view(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, h, d)
-        lse_pre = lse_pre.view(hkv, t, group).permute(1, 0, 2).reshape(t, h)
-        return _merge(o_pre, lse_pre, o_own, lse_own)
+        # (reshape: views where the layouts allow, which they do on the bf16 paths)
+        merged = _merge(o_pre.reshape(hkv, t, group, d).permute(1, 0, 2, 3),
+                        lse_pre.reshape(hkv, t, group).permute(1, 0, 2),
+                        o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group))
+        return merged.reshape(t, h, d)
 
 
 # Half-precision CPU prefill attention goes through batched matmuls (oneDNN bf16/fp16
@@ -378,10 +386,19 @@ _MATMUL_PREFILL_MAX_LEN = 512
 _PREFILL_SCORE_BYTES = 8 << 20
 
 
-def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal self-attention of ``n`` equal-length prompts with no cached prefix, as matmuls.
+def _matmul_prefill_applies(q: torch.Tensor, q_len: int) -> bool:
+    """Whether prompts of ``q_len`` new tokens (no padding) go through ``_causal_prefill_attention``."""
+    return q.device.type == "cpu" and q.dtype in _MATMUL_PREFILL_DTYPES and q_len <= _MATMUL_PREFILL_MAX_LEN
 
-    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``[n * L, H, D]``. Each
+
+def _causal_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal self-attention of ``n`` equal-length prompts over their new tokens, as matmuls.
+
+    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
+    lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
+    prefix attended separately). Each
     KV head's query group is folded into one ``[group * L, D]`` operand (one GEMM per
     request and KV head, no repeated keys), the bf16 scores go through the causal row
     softmax of ``cpu_kernels`` in place (torch ops in fp32 where it is unavailable), and
@@ -396,6 +413,7 @@ def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = h // hkv
     causal: torch.Tensor | None = None  # the torch fallback's additive mask, made on first use
     out = q.new_empty(n, length, h, d)
+    lse_out = torch.empty(n, length, hkv, group, dtype=torch.float32, device=q.device) if with_lse else None
     step = max(1, _PREFILL_SCORE_BYTES // (h * length * length * 4))
     for start in range(0, n, step):
         end = min(n, start + step)
@@ -403,16 +421,21 @@ def _causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q[start:end].permute(0, 2, 1, 3).reshape(c, hkv, group * length, d)
         scores = torch.matmul(qg, k[start:end].transpose(-1, -2))  # [c, Hkv, group * L, L]
         if cpu_kernels.softmax_supported(scores):
-            cpu_kernels.softmax_rows(scores, scale, causal_len=length)  # in place: scores become probs
+            # in place: scores become probs
+            lse = cpu_kernels.softmax_rows(scores, scale, causal_len=length, with_lse=with_lse)
             probs = scores
         else:
             if causal is None:
                 causal = torch.full((length, length), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
             scores = scores.float().view(c, hkv, group, length, length).mul_(scale).add_(causal)
+            lse = torch.logsumexp(scores, dim=-1) if with_lse else None
             probs = torch.softmax(scores, dim=-1).to(v.dtype).view(c, hkv, group * length, length)
         o = torch.matmul(probs, v[start:end])  # [c, Hkv, group * L, D]
         out[start:end] = o.view(c, h, length, d).transpose(1, 2)
-    return out.view(n * length, h, d)
+        if lse_out is not None:
+            assert lse is not None
+            lse_out[start:end] = lse.view(c, hkv, group, length).permute(0, 3, 1, 2)
+    return out.view(n * length, h, d), None if lse_out is None else lse_out.view(n * length, h)
 
 
 def _plan_shared_prefix(kv_loc: torch.Tensor, lens: list[int]) -> SharedPrefix | None:
@@ -452,7 +475,12 @@ def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: tor
     """Softmax over the union of two key sets from each set's output and log-sum-exp.
 
     ``o_*`` ``[..., D]`` in the model dtype, ``lse_*`` ``[...]`` fp32; computed in fp32.
+    bf16 ``[T, A, B, D]`` operands (any strides) go through ``cpu_kernels.merge_attention``,
+    which reads them in place and returns a contiguous result.
     """
+    merged = cpu_kernels.merge_attention(o_a, lse_a, o_b, lse_b)
+    if merged is not None:
+        return merged
     lse = torch.logaddexp(lse_a, lse_b)
     w_a = torch.exp(lse_a - lse).unsqueeze(-1)
     w_b = torch.exp(lse_b - lse).unsqueeze(-1)
@@ -526,6 +554,7 @@ def _cascade(
     suffix_mask: torch.Tensor | None,
     scale: float,
     suffix_width: int | None = None,
+    append: cpu_kernels.KeyAppend | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, group, D]`` queries: softmax over (shared prefix ++ own suffix), in two passes.
 
@@ -536,14 +565,15 @@ def _cascade(
     ``exp(lse_part - lse_total)``.
     """
     out_p, lse_p = _attend_prefix(qg, kp, vp, scale)
-    out_s, lse_s = _few_query_attention(qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width)
+    out_s, lse_s = _few_query_attention(qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width,
+                                        append=append)
     assert lse_s is not None
     return _merge(out_p, lse_p, out_s, lse_s).contiguous()
 
 
 def _few_query_attention(
     qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, with_lse: bool,
-    width: int | None = None,
+    width: int | None = None, append: cpu_kernels.KeyAppend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, Hkv, group, D]`` queries (a decode step, GQA folded) against keys ``k_t``
     ``[n, Hkv, D, L]`` (transposed: a view of ``[..., D, cap]`` rows is a strided batched
@@ -558,10 +588,13 @@ def _few_query_attention(
 
     ``mask`` is an fp32 key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf
     for padding) or None; ``width``: keys at ``width`` and beyond are all padding (the
-    kernel skips them). Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group] fp32 or None)``.
+    kernel skips them); ``append`` (``kernel_append``, only given when the kernel runs): the
+    new keys the kernel stores first. Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group]
+    fp32 or None)``.
     """
     if cpu_kernels.supports(qg, k_t, v, mask):
-        return cpu_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse)
+        return cpu_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse, append)
+    assert append is None, "a deferred mirror append needs the decode kernel"
 
     scores = torch.matmul(qg, k_t).float().mul_(scale)  # [n, Hkv, group, L]
     if mask is not None:
@@ -585,6 +618,7 @@ class MirrorPlan:
     append_index: torch.Tensor | None  # append: int64 [n * Hkv] rows of the dense V's [n * Hkv * cap, D] view
     append_k_index: torch.Tensor | None  # append: int64 [n * Hkv * D] elements of the dense K (flattened)
     mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (_key_bias): 0 for each request's real keys
+    append_pos: torch.Tensor | None = None  # append: int64 [n]: the new key's index in each request's row
 
 
 class DecodeKVMirror:
@@ -646,7 +680,7 @@ class DecodeKVMirror:
             index = (row_heads * self.cap + pos[:, None]).reshape(-1)
             dims = torch.arange(d, dtype=torch.int64, device=device)
             k_index = ((row_heads[:, :, None] * d + dims) * self.cap + pos[:, None, None]).reshape(-1)
-            result = MirrorPlan(False, width, p, None, None, index, k_index, mask)
+            result = MirrorPlan(False, width, p, None, None, index, k_index, mask, append_pos=pos)
         else:
             cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
             mask = _length_mask(own_lens, cap, device)
@@ -692,6 +726,20 @@ class DecodeKVMirror:
         mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
         return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
 
+    def kernel_append(
+        self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> cpu_kernels.KeyAppend | None:
+        """An append step's new K/V as the decode kernel's job (it stores them while it reads
+        those rows anyway), when the kernel will run on this layer's copies and can store them;
+        else None and ``keys`` copies them."""
+        if plan.rebuild or plan.append_pos is None or layer_id >= len(self.k):
+            return None
+        dense_k, dense_v = self.k[layer_id], self.v[layer_id]
+        if dense_k is None or dense_v is None or not cpu_kernels.supports(qg, dense_k, dense_v, plan.mask):
+            return None
+        append = cpu_kernels.KeyAppend(k_new, v_new, plan.append_pos)
+        return append if cpu_kernels.append_supported(append, dense_k) else None
+
     def keys(
         self,
         layer_id: int,
@@ -700,8 +748,12 @@ class DecodeKVMirror:
         v_new: torch.Tensor,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
+        defer_append: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Bring layer ``layer_id``'s copies up to date; ``(K^T, V, prefix)`` views for attention.
+
+        ``defer_append``: an append step leaves the new token's K/V for the caller to store
+        (the decode kernel does it while it reads those rows: ``kernel_append``).
 
         K^T is ``[n, Hkv, D, cap]``, V ``[n, Hkv, cap, D]``: the whole buffers, keys past each
         request's length masked by the plan (a narrower view would make the CPU batched matmul
@@ -725,11 +777,12 @@ class DecodeKVMirror:
             if plan.prefix_len:
                 self.prefix_k[layer_id] = k_buf.index_select(0, plan.prefix_loc).unsqueeze(0).permute(0, 2, 3, 1).contiguous()
                 self.prefix_v[layer_id] = v_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
-        else:
+        elif not defer_append:
             assert dense_k is not None and dense_v is not None
             assert plan.append_index is not None and plan.append_k_index is not None
             dense_k.view(-1).index_copy_(0, plan.append_k_index, k_new.reshape(-1).to(dense_k.dtype))
             dense_v.view(-1, d).index_copy_(0, plan.append_index, v_new.reshape(-1, d).to(dense_v.dtype))
+        assert dense_k is not None and dense_v is not None
         self.layers_done += 1
         prefix = None
         if plan.prefix_len:

@@ -205,17 +205,31 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
 
 /* One decode step: q [n, hkv, group, d] (request rows q_stride apart) attends to its own keys
  * kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] fp32 or NULL (0 / -inf), keys [0, width)
- * read. Writes out [n, hkv, group, d] bf16 and, when lse is not NULL, lse [n, hkv, group] fp32.
- * Returns 0, or -1 when group or d exceed the kernel's bounds (nothing written). */
+ * read. With k_new != NULL, first stores each request's new key and value (k_new, v_new
+ * [n, hkv, d], request rows *_stride apart) at key index pos[b] of kt and v: the mirror's append,
+ * done here while the lines are brought in anyway. Writes out [n, hkv, group, d] bf16 and, when
+ * lse is not NULL, lse [n, hkv, group] fp32. Returns 0, or -1 when group or d exceed the kernel's
+ * bounds (nothing written). */
 int decode_attention_bf16(
     const uint16_t* q, int64_t q_stride,
-    const uint16_t* kt, const uint16_t* v, const float* bias, int64_t cap, int64_t width,
-    uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale)
+    uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
+    uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+    const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos)
 {
     if (group > MAX_G || d > MAX_D || group * d > MAX_G * 128) return -1;
+    if (k_new) {
+        for (int64_t b = 0; b < n; ++b)
+            if (pos[b] < 0 || pos[b] >= cap) return -1;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < n * hkv; ++bh) {
         const int64_t b = bh / hkv, h = bh % hkv;
+        if (k_new) {
+            const uint16_t* kn = k_new + b * k_new_stride + h * d;
+            uint16_t* kcol = kt + bh * d * cap + pos[b];
+            for (int64_t i = 0; i < d; ++i) kcol[i * cap] = kn[i];
+            memcpy(v + (bh * cap + pos[b]) * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(uint16_t));
+        }
         const uint16_t* qp = q + b * q_stride + h * group * d;
         float qf[MAX_G * 128], acc[MAX_G * 128], s[MAX_G * BLOCK];
         float m[MAX_G], l[MAX_G];
@@ -322,5 +336,60 @@ void rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, int6
         for (int64_t j = 0; j < hidden; ++j) ss += v[j] * v[j];
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
         for (int64_t j = 0; j < hidden; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(v[j] * inv));
+    }
+}
+
+/* Softmax over the union of two key sets, from each set's attention output and log-sum-exp:
+ * out[t][a][b][:] = bf16(o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)), lse = logaddexp(lse_a,
+ * lse_b), in fp32. o_* are bf16 [T, A, B, D] with element strides (t, a, b) given and unit stride
+ * along D; lse_* fp32 [T, A, B] with strides; out is contiguous [T, A, B, D]. Rows where both
+ * sets are empty (-inf, -inf) become 0. */
+void merge_attn_bf16(int64_t T, int64_t A, int64_t B, int64_t D,
+                     const uint16_t* oa, int64_t oa_t, int64_t oa_a, int64_t oa_b,
+                     const float* la, int64_t la_t, int64_t la_a, int64_t la_b,
+                     const uint16_t* ob, int64_t ob_t, int64_t ob_a, int64_t ob_b,
+                     const float* lb, int64_t lb_t, int64_t lb_a, int64_t lb_b,
+                     uint16_t* out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < T * A * B; ++r) {
+        const int64_t t = r / (A * B), a = (r / B) % A, b = r % B;
+        const float xa = la[t * la_t + a * la_a + b * la_b], xb = lb[t * lb_t + a * lb_a + b * lb_b];
+        const float mx = xa > xb ? xa : xb;
+        float wa = 0.0f, wb = 0.0f;
+        if (mx != -INFINITY) {
+            const float ea = expf(xa - mx), eb = expf(xb - mx), inv = 1.0f / (ea + eb);
+            wa = ea * inv;
+            wb = eb * inv;
+        }
+        const uint16_t* pa = oa + t * oa_t + a * oa_a + b * oa_b;
+        const uint16_t* pb = ob + t * ob_t + a * ob_a + b * ob_b;
+        uint16_t* po = out + r * D;
+        for (int64_t i = 0; i < D; ++i) po[i] = f32_to_bf16(bf16_to_f32(pa[i]) * wa + bf16_to_f32(pb[i]) * wb);
+    }
+}
+
+/* Rotary embedding (neox halves) in place on bf16 rows: x[t][h][:] for h < heads, rows
+ * `row_stride` apart (the q and k heads of a fused qkv output, D apart), the first rot_dim
+ * dims rotated by cos/sin [T, rot_dim / 2] (bf16): (x1 c - x2 s, x2 c + x1 s), each product
+ * and the sum rounded to bf16, as torch's bf16 ops round. */
+void rotary_bf16(uint16_t* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                 const uint16_t* cos, const uint16_t* sin)
+{
+    const int64_t half = rot_dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* ct = cos + t * half;
+        const uint16_t* st = sin + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t* x1 = x + t * row_stride + h * d;
+            uint16_t* x2 = x1 + half;
+            for (int64_t j = 0; j < half; ++j) {
+                const float a = bf16_to_f32(x1[j]), b = bf16_to_f32(x2[j]);
+                const float c = bf16_to_f32(ct[j]), s = bf16_to_f32(st[j]);
+                x1[j] = f32_to_bf16(round_bf16(a * c) - round_bf16(b * s));
+                x2[j] = f32_to_bf16(round_bf16(b * c) + round_bf16(a * s));
+            }
+        }
     }
 }

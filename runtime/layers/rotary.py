@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from runtime import cpu_kernels
 from runtime.model_config import RopeConfig
 
 
@@ -80,6 +81,13 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim != self.head_dim:
             out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
         return out
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``apply``, in place where the C kernel takes ``x`` (bf16 on CPU): returns ``x`` itself
+        then, else ``apply``'s new tensor. The caller must own ``x`` (a fresh projection output)."""
+        if cpu_kernels.rotary_(x, cos, sin, self.rotary_dim):
+            return x
+        return self.apply(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated (new tensors)."""

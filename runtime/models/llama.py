@@ -113,12 +113,13 @@ class LlamaAttention(nn.Module):
         cos, sin = rope
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self.rotary.apply(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
-            k = self.rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = self.rotary.rotate_(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
+            k = self.rotary.rotate_(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
         else:
-            # q and k are adjacent in the fused output: rotate them as one [T, Hq + Hkv, D] view.
-            qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                                   cos, sin)
+            # q and k are adjacent in the fused output (owned by this forward): rotate them as one
+            # [T, Hq + Hkv, D] view, in place where the CPU kernel applies (q, k then stay views of qkv).
+            qk = self.rotary.rotate_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                                     cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, self.spec, batch)
