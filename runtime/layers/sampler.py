@@ -273,6 +273,10 @@ class Sampler:
                 f"logits {tuple(logits.shape)} do not match batch {info.batch_size} x vocab {vocab}"
             )
         # Columns past vocab_size are LM-head padding (vocab-parallel): never sampled.
+        if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
+                and not return_logprob and top_logprobs_num <= 0):
+            # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
+            return SamplerOutput(next_token_ids=logits[:, :vocab].argmax(dim=-1).to(torch.int64))
         # A private fp32 copy: the caller's logits buffer is never modified.
         x = logits[:, :vocab].to(torch.float32, copy=True)
         raw_logprobs = None
