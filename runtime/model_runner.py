@@ -24,7 +24,7 @@ from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group
 from runtime.layers.prepacked import prepack_model
-from runtime.layers.sampler import Sampler
+from runtime.layers.sampler import Sampler, greedy_argmax
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class
 from runtime.weight_loader import load_model_weights
@@ -230,7 +230,7 @@ class ModelRunner:
         info = batch.sampling_info
         k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
         if info is None:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_argmax(logits)
             out = ModelOutput(next_token_ids=next_ids, logits=logits)
             if batch.return_logprob or k > 0:
                 logprobs = torch.log_softmax(logits, dim=-1)

@@ -216,3 +216,19 @@ def test_decode_attention_stores_the_appended_keys_first() -> None:
     with pytest.raises(ValueError):
         cpu_kernels.decode_attention(q, k_t, v, None, 1.0, cap, False, cpu_kernels.KeyAppend(append.k, append.v, pos + cap))
     assert not cpu_kernels.append_supported(cpu_kernels.KeyAppend(append.k.float(), append.v, pos), k_t)
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows() -> None:
+    torch.manual_seed(6)
+    x = torch.randn(5, 1000)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the first one wins
+    x[2, 3] = float("nan")  # torch.argmax answers the first NaN
+    x[2, 700] = float("nan")
+    x[3] = float("-inf")
+    x[4, 999] = 99.0  # the max in the scalar tail (cols not a multiple of 16)
+    for rows in (x, x[:, :999], torch.cat([x, x], 1)[:, 3:1003]):  # contiguous, shorter rows, offset rows
+        out = cpu_kernels.argmax_rows(rows)
+        assert out is not None and out.dtype == torch.int64
+        assert torch.equal(out, rows.argmax(dim=-1))
+    assert cpu_kernels.argmax_rows(x.bfloat16()) is None
+    assert cpu_kernels.argmax_rows(x.t()) is None  # columns not unit-stride

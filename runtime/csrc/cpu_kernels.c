@@ -393,3 +393,47 @@ void rotary_bf16(uint16_t* x, int64_t T, int64_t row_stride, int64_t heads, int6
         }
     }
 }
+
+/* out[r] = index of the largest of x[r][0..cols) (fp32 rows `stride` apart), the first one on
+ * ties, or of the first NaN when the row has one (torch.argmax's answer). */
+void argmax_rows_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = x + r * stride;
+        float best = -INFINITY;
+        int nan_seen = 0;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan_mask = 0;
+        for (; j + 16 <= cols; j += 16) {
+            const __m512 v = _mm512_loadu_ps(row + j);
+            nan_mask |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, v);
+        }
+        nan_seen = nan_mask != 0;
+        best = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; j < cols; ++j) {
+            if (row[j] != row[j]) nan_seen = 1;
+            else if (row[j] > best) best = row[j];
+        }
+        int64_t at = -1;
+        j = 0;
+#ifdef __AVX512F__
+        const __m512 vbest = _mm512_set1_ps(best);
+        for (; at < 0 && j + 16 <= cols; j += 16) {
+            const __m512 v = _mm512_loadu_ps(row + j);
+            const __mmask16 hit = nan_seen ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                           : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+            if (hit) at = j + __builtin_ctz((unsigned)hit);
+        }
+#endif
+        for (; at < 0 && j < cols; ++j) {
+            const float v = row[j];
+            if (nan_seen ? v != v : v == best) at = j;
+        }
+        out[r] = at < 0 ? 0 : at;
+    }
+}

@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from runtime import cpu_kernels
 from runtime.layers import penalties as pen
 from runtime.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -250,6 +251,12 @@ class SamplerOutput:
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 argmax of each row of ``[bs, vocab]`` logits (the C kernel for fp32 CPU rows)."""
+    ids = cpu_kernels.argmax_rows(logits)
+    return ids if ids is not None else logits.argmax(dim=-1).to(torch.int64)
+
+
 class Sampler:
     """Callable batched sampler; see the module docstring for the order of operations."""
 
@@ -276,7 +283,7 @@ class Sampler:
         if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
                 and not return_logprob and top_logprobs_num <= 0):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
-            return SamplerOutput(next_token_ids=logits[:, :vocab].argmax(dim=-1).to(torch.int64))
+            return SamplerOutput(next_token_ids=greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
         x = logits[:, :vocab].to(torch.float32, copy=True)
         raw_logprobs = None
@@ -286,7 +293,7 @@ class Sampler:
         x = self._adjust_logits(x, info)
 
         if info.all_greedy:
-            next_ids = x.argmax(dim=-1)
+            next_ids = greedy_argmax(x)
         else:
             next_ids = self._sample(x, info)
             if info.any_greedy:
