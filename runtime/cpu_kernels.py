@@ -128,7 +128,7 @@ def _library() -> ctypes.CDLL | None:
                    ptr, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     fn = lib.softmax_rows_bf16
-    fn.argtypes = [ptr, i64, i64, ctypes.c_float, i64, ptr]
+    fn.argtypes = [ptr, i64, i64, ctypes.c_float, i64, i64, i64, ptr]
     fn.restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [ptr, i64, i64, ptr]
     lib.silu_mul_bf16.restype = None
@@ -232,21 +232,24 @@ def softmax_applies(device: torch.device, dtype: torch.dtype, cols: int) -> bool
     return device.type == "cpu" and dtype == torch.bfloat16 and 0 < cols <= MAX_SOFTMAX_COLS and available()
 
 
-def softmax_rows(scores: torch.Tensor, scale: float, causal_len: int = 0, with_lse: bool = False) -> torch.Tensor | None:
+def softmax_rows(scores: torch.Tensor, scale: float, causal_period: int = 0, rows_per_position: int = 1,
+                 first_position: int = 0, with_lse: bool = False) -> torch.Tensor | None:
     """``scores`` (bf16, contiguous, rows along the last dim) becomes ``softmax(scale * scores)`` in place.
 
-    ``causal_len > 0``: consecutive rows are the queries of requests of that length
-    attending to their own keys, so row ``r`` sees keys ``j <= r % causal_len`` (the rest
-    become 0). Returns the rows' fp32 log-sum-exp (shape ``scores.shape[:-1]``) when
-    ``with_lse``. Call only when ``softmax_supported(scores)``.
+    ``causal_period > 0``: the rows come in blocks of ``causal_period`` (one request's
+    queries, or a run of them), and row ``i`` of a block is the query at position
+    ``first_position + i // rows_per_position`` (``rows_per_position``: the GQA group, when
+    a KV head's query heads are folded position-major); it sees keys ``j <=`` that position
+    and the rest of its row becomes 0. Returns the rows' fp32 log-sum-exp (shape
+    ``scores.shape[:-1]``) when ``with_lse``. Call only when ``softmax_supported(scores)``.
     """
     lib = _library()
     assert lib is not None
     cols = scores.shape[-1]
     rows = scores.numel() // cols
     lse = torch.empty(scores.shape[:-1], dtype=torch.float32) if with_lse else None
-    rc = lib.softmax_rows_bf16(scores.data_ptr(), rows, cols, float(scale), causal_len,
-                               lse.data_ptr() if lse is not None else None)
+    rc = lib.softmax_rows_bf16(scores.data_ptr(), rows, cols, float(scale), causal_period, rows_per_position,
+                               first_position, lse.data_ptr() if lse is not None else None)
     if rc != 0:
         raise ValueError(f"softmax kernel rejected {cols} columns")
     return lse

@@ -283,7 +283,7 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("score_bytes", [1 << 30, 1])  # all requests in one chunk / one request per chunk
+@pytest.mark.parametrize("score_bytes", [1 << 30, 700, 1])  # all in one chunk / runs of 6 positions / of 1
 @pytest.mark.parametrize("c_softmax", [True, False])
 def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads, score_bytes, c_softmax,
                                                                 monkeypatch) -> None:

@@ -88,17 +88,21 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.available()
 
 
-@pytest.mark.parametrize("causal_len", [0, 7])
-def test_row_softmax_in_place(causal_len: int) -> None:
-    gen = torch.Generator().manual_seed(causal_len)
-    rows, cols = 3 * 7, 7 if causal_len else 300
+@pytest.mark.parametrize("period,rows_per_position,first_position", [(0, 1, 0), (7, 1, 0), (12, 3, 0), (6, 2, 5)])
+def test_row_softmax_in_place(period: int, rows_per_position: int, first_position: int) -> None:
+    """Plain rows; causal blocks of one request's queries (group-major); position-major GQA
+    folding (3 query heads per position); a run of queries starting at position 5."""
+    gen = torch.Generator().manual_seed(period)
+    rows = 3 * period if period else 21
+    cols = first_position + period // rows_per_position if period else 300
     scores = (torch.randn(rows, cols, generator=gen) * 4).bfloat16()
     logits = scores.float() * 0.3
-    if causal_len:
-        visible = torch.arange(cols)[None, :] <= (torch.arange(rows) % causal_len)[:, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
+    if period:
+        position = first_position + (torch.arange(rows) % period) // rows_per_position
+        logits = logits.masked_fill(torch.arange(cols)[None, :] > position[:, None], float("-inf"))
     assert cpu_kernels.softmax_supported(scores)
-    lse = cpu_kernels.softmax_rows(scores, 0.3, causal_len=causal_len, with_lse=True)
+    lse = cpu_kernels.softmax_rows(scores, 0.3, causal_period=period, rows_per_position=rows_per_position,
+                                   first_position=first_position, with_lse=True)
     torch.testing.assert_close(scores.float(), logits.softmax(-1), atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-4)
     assert cpu_kernels.softmax_rows(scores, 1.0) is None

@@ -380,10 +380,14 @@ class TorchNativeAttnBackend(AttentionBackend):
 # Half-precision CPU prefill attention goes through batched matmuls (oneDNN bf16/fp16
 # GEMMs) instead of the CPU flash kernel; fp32 keeps SDPA.
 _MATMUL_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
-# Longer prompts keep SDPA: their scores (heads x L x L fp32 per request) stop fitting in cache.
-_MATMUL_PREFILL_MAX_LEN = 512
-# fp32 score bytes per chunk of requests in _causal_prefill_attention (cache-sized).
-_PREFILL_SCORE_BYTES = 8 << 20
+# Longer prompts keep SDPA (the matmul path splits them into runs of query positions, each
+# a GEMM against the keys before its end; far longer prompts make many small GEMMs).
+_MATMUL_PREFILL_MAX_LEN = 4096
+# Score bytes per chunk in _causal_prefill_attention and _attend_shared_keys (cache-sized).
+_PREFILL_SCORE_BYTES = 4 << 20
+# _causal_prefill_attention splits prompts at least this long into at least two runs of query
+# positions, so the first run's scores skip the keys after it (a quarter of the work).
+_PREFILL_SPLIT_MIN_LEN = 256
 
 
 def _matmul_prefill_applies(q: torch.Tensor, q_len: int) -> bool:
@@ -398,43 +402,50 @@ def _causal_prefill_attention(
 
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
     lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
-    prefix attended separately). Each
-    KV head's query group is folded into one ``[group * L, D]`` operand (one GEMM per
-    request and KV head, no repeated keys), the bf16 scores go through the causal row
-    softmax of ``cpu_kernels`` in place (torch ops in fp32 where it is unavailable), and
-    requests are taken a few at a time so the scores stay in cache. On the bench model
-    (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes ~19 ms per
-    layer (~37 ms with the torch softmax) where the CPU flash kernel takes ~40 ms;
-    precision is that of transformers' eager attention (bf16 scores and probabilities,
-    fp32 softmax).
+    prefix attended separately). Each KV head's query group is folded position-major into
+    one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
+    bf16 scores go through the causal row softmax of ``cpu_kernels`` in place (torch ops in
+    fp32 where it is unavailable). Work is cut into cache-sized chunks: several requests at
+    a time for short prompts, runs of query positions for long ones (each run only reads the
+    keys up to its last position, so the causal upper triangle is mostly skipped). On the
+    bench model (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes
+    ~12 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
+    transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
     """
     n, length, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
-    causal: torch.Tensor | None = None  # the torch fallback's additive mask, made on first use
     out = q.new_empty(n, length, h, d)
     lse_out = torch.empty(n, length, hkv, group, dtype=torch.float32, device=q.device) if with_lse else None
-    step = max(1, _PREFILL_SCORE_BYTES // (h * length * length * 4))
-    for start in range(0, n, step):
-        end = min(n, start + step)
+    row_bytes = hkv * group * length * 2  # bf16 scores of one query position against every key
+    runs = max(-(-row_bytes * length // _PREFILL_SCORE_BYTES), 2 if length >= _PREFILL_SPLIT_MIN_LEN else 1)
+    run_len = -(-length // runs)
+    per_chunk = max(1, _PREFILL_SCORE_BYTES // (row_bytes * run_len))  # requests per chunk
+    q_fold = q.view(n, length, hkv, group, d).permute(0, 2, 1, 3, 4)  # [n, Hkv, L, group, D]
+    for start in range(0, n, per_chunk):
+        end = min(n, start + per_chunk)
         c = end - start
-        qg = q[start:end].permute(0, 2, 1, 3).reshape(c, hkv, group * length, d)
-        scores = torch.matmul(qg, k[start:end].transpose(-1, -2))  # [c, Hkv, group * L, L]
-        if cpu_kernels.softmax_supported(scores):
-            # in place: scores become probs
-            lse = cpu_kernels.softmax_rows(scores, scale, causal_len=length, with_lse=with_lse)
-            probs = scores
-        else:
-            if causal is None:
-                causal = torch.full((length, length), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
-            scores = scores.float().view(c, hkv, group, length, length).mul_(scale).add_(causal)
-            lse = torch.logsumexp(scores, dim=-1) if with_lse else None
-            probs = torch.softmax(scores, dim=-1).to(v.dtype).view(c, hkv, group * length, length)
-        o = torch.matmul(probs, v[start:end])  # [c, Hkv, group * L, D]
-        out[start:end] = o.view(c, h, length, d).transpose(1, 2)
-        if lse_out is not None:
-            assert lse is not None
-            lse_out[start:end] = lse.view(c, hkv, group, length).permute(0, 3, 1, 2)
+        for first in range(0, length, run_len):
+            last = min(length, first + run_len)  # positions [first, last) see keys [0, last)
+            m = (last - first) * group
+            qg = q_fold[start:end, :, first:last].reshape(c, hkv, m, d)  # row = position * group + head
+            scores = torch.matmul(qg, k[start:end, :, :last].transpose(-1, -2))  # [c, Hkv, m, last]
+            if cpu_kernels.softmax_supported(scores):  # in place: scores become probs
+                lse = cpu_kernels.softmax_rows(scores, scale, causal_period=m, rows_per_position=group,
+                                               first_position=first, with_lse=with_lse)
+                probs = scores
+            else:
+                position = first + torch.arange(m, device=q.device) // group
+                hidden = torch.arange(last, device=q.device)[None, :] > position[:, None]
+                logits = scores.float().mul_(scale).masked_fill_(hidden, float("-inf"))
+                lse = torch.logsumexp(logits, dim=-1) if with_lse else None
+                probs = torch.softmax(logits, dim=-1).to(v.dtype)
+            o = torch.matmul(probs, v[start:end, :, :last])  # [c, Hkv, m, D]
+            out[start:end, first:last].view(c, last - first, hkv, group, d).copy_(
+                o.view(c, hkv, last - first, group, d).transpose(1, 2))
+            if lse_out is not None:
+                assert lse is not None
+                lse_out[start:end, first:last] = lse.view(c, hkv, last - first, group).transpose(1, 2)
     return out.view(n * length, h, d), None if lse_out is None else lse_out.view(n * length, h)
 
 

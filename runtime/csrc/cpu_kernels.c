@@ -258,17 +258,19 @@ int decode_attention_bf16(
 #define MAX_COLS 8192
 
 /* Row softmax of bf16 scores, in place: x [rows, cols] (rows `cols` apart) becomes
- * softmax(scale * x) in bf16, computed in fp32. causal_len > 0: row r sees keys
- * j <= r % causal_len (rows are consecutive queries of requests of that length; the rest
- * of the row is written 0). lse (optional, fp32 [rows]) gets each row's log-sum-exp of the
- * scaled scores. Returns 0, or -1 when cols exceeds MAX_COLS (nothing written). */
-int softmax_rows_bf16(uint16_t* x, int64_t rows, int64_t cols, float scale, int64_t causal_len, float* lse)
+ * softmax(scale * x) in bf16, computed in fp32. period > 0 (causal): rows come in blocks of
+ * `period` (a request's queries, or a run of them); row r of a block is the query at position
+ * first_pos + (r % period) / rows_per_pos and sees keys j <= that position (the rest of the
+ * row is written 0). lse (optional, fp32 [rows]) gets each row's log-sum-exp of the scaled
+ * scores. Returns 0, or -1 when cols exceeds MAX_COLS (nothing written). */
+int softmax_rows_bf16(uint16_t* x, int64_t rows, int64_t cols, float scale, int64_t period, int64_t rows_per_pos,
+                      int64_t first_pos, float* lse)
 {
-    if (cols > MAX_COLS) return -1;
+    if (cols > MAX_COLS || (period > 0 && rows_per_pos < 1)) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* row = x + r * cols;
-        int64_t n = causal_len > 0 ? r % causal_len + 1 : cols;
+        int64_t n = period > 0 ? first_pos + (r % period) / rows_per_pos + 1 : cols;
         if (n > cols) n = cols;
         float buf[MAX_COLS];
         for (int64_t j = 0; j < n; ++j) buf[j] = bf16_to_f32(row[j]) * scale;
