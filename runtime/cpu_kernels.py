@@ -6,7 +6,8 @@ gate takes ~21 ms per layer, and each op is its own pass over memory. These kern
 (``csrc/cpu_kernels.c``) do each job in one pass, in fp32 registers, rounding to bf16
 where torch's bf16 ops round:
 
-- ``decode_attention``: a decode step's attention over the decode-key mirror (below);
+- ``decode_attention``: a decode step's attention over the decode-key mirror (below),
+  storing the step's new keys and values into it first (``KeyAppend``);
 - ``softmax_rows``: an in-place row softmax of bf16 scores (optionally causal, optionally
   returning each row's log-sum-exp), for the prefill paths that compute scores with
   bf16 matmuls (one pass where torch needs a float copy, a scale, a mask add, a softmax

@@ -1,5 +1,6 @@
 /* bf16 CPU kernels: decode attention (one online-softmax pass per (request, KV head),
- * the KV head's query group sharing every key load), a row softmax, silu*mul, RMSNorm. Built
+ * the KV head's query group sharing every key load), a row softmax, silu*mul, RMSNorm, the
+ * log-sum-exp merge of two partial attentions, rotary embedding, and an fp32 row argmax. Built
  * and called by runtime/cpu_kernels.py (which documents the layouts and why each exists). */
 #include <stdint.h>
 #include <string.h>
