@@ -48,6 +48,16 @@ T = TypeVar("T")
 DEFAULT_HEALTH_TIMEOUT_S = 30.0
 
 
+async def _get_within(queue: "asyncio.Queue[Any]", wait: float | None) -> Any:
+    """``queue.get()`` with a timeout; asyncio.timeout (3.11+) makes no task per call, as wait_for does."""
+    if wait is None:
+        return await queue.get()
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(wait):
+            return await queue.get()
+    return await asyncio.wait_for(queue.get(), wait)
+
+
 class RequestError(Exception):
     """The server rejected or failed one request; ``code`` is machine-readable
     ("invalid_request", "unauthorized", "too_long", "internal", ...)."""
@@ -231,9 +241,12 @@ class AsyncClient:
     async def _next(self, queue: asyncio.Queue[Any], timeout: float | None = None) -> Any:
         wait = self.timeout if timeout is None else timeout
         try:
-            item = await asyncio.wait_for(queue.get(), wait) if wait is not None else await queue.get()
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"no reply from {self.address} within {wait} s") from None
+            item = queue.get_nowait()  # a stream's chunks arrive in bursts: no await when one is queued
+        except asyncio.QueueEmpty:
+            try:
+                item = await _get_within(queue, wait)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise RequestTimeout(f"no reply from {self.address} within {wait} s") from None
         if isinstance(item, BaseException):
             raise item
         return item
