@@ -18,6 +18,10 @@ where torch's bf16 ops round:
   needs four ops and a new tensor: ~7 ms per layer on an 8192-token prefill);
 - ``argmax_rows``: greedy sampling's argmax over fp32 logits rows (torch's takes ~0.65 ms
   for a decode step's ``[64, 32000]``);
+- ``prefix_attention``: every decode query against a prompt prefix all requests share
+  (cascade attention), with bf16-pair dot products (AVX512-BF16) on a pair-packed copy of the prefix
+  (``pack_prefix``); ``decode_attention`` then continues each softmax over the request's own
+  keys (``init``), so no merge is needed;
 - ``merge_attention``: two partial attentions (a shared prefix's and each request's own
   keys, cascade attention) combined by their log-sum-exp, reading both through their
   strides (torch's strided fp32 elementwise ops took ~30 ms per layer on the
@@ -126,7 +130,7 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.decode_attention_bf16
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
-                   ptr, i64, ptr, i64, ptr]
+                   ptr, i64, ptr, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
     fn = lib.softmax_rows_bf16
     fn.argtypes = [ptr, i64, i64, ctypes.c_float, i64, i64, i64, ptr]
@@ -141,6 +145,10 @@ def _library() -> ctypes.CDLL | None:
     lib.rotary_bf16.restype = None
     lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.argmax_rows_f32.restype = None
+    lib.prefix_attention_available.argtypes = []
+    lib.prefix_attention_available.restype = ctypes.c_int
+    lib.prefix_attention_bf16.argtypes = [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, ptr, ptr]
+    lib.prefix_attention_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -194,10 +202,13 @@ def decode_attention(
     width: int,
     with_lse: bool,
     append: KeyAppend | None = None,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [n, Hkv, group, D] bf16, lse [n, Hkv, group] fp32 or None)``; see the module doc.
 
     ``append`` (checked with ``append_supported``): store these keys and values first.
+    ``init``: ``(out, lse)`` of the same queries over earlier keys (``prefix_attention``):
+    the softmax continues from it, so the result covers those keys too.
     Call only when ``supports(...)`` is True.
     """
     lib = _library()
@@ -206,6 +217,9 @@ def decode_attention(
     cap = k_t.shape[-1]
     assert k_t.shape == (n, hkv, d, cap) and v.shape == (n, hkv, cap, d) and 0 <= width <= cap
     assert append is None or append_supported(append, k_t)
+    if init is not None:
+        assert init[0].shape == (n, hkv, group, d) and init[1].shape == (n, hkv, group)
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in init)
     out = q.new_empty(n, hkv, group, d)
     lse = torch.empty(n, hkv, group, dtype=torch.float32) if with_lse else None
     new_k = new_v = pos = None
@@ -217,6 +231,7 @@ def decode_attention(
         q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap, width,
         out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
         new_k, stride_k, new_v, stride_v, pos,
+        init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
     )
     if rc != 0:
         raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position)")
@@ -336,3 +351,57 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     assert lib is not None
     lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+PREFIX_KEY_ALIGN = 32  # csrc: the packed prefix is padded to a multiple of this many keys
+
+
+def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether ``prefix_attention`` runs for this dtype, device and head dim (it needs AVX-512; it
+    uses the BF16 dot-product instruction where the CPU has it)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 64 or head_dim > MAX_HEAD_DIM:
+        return False
+    lib = _library()
+    return lib is not None and bool(lib.prefix_attention_available())
+
+
+@dataclass
+class PackedPrefix:
+    """A shared prefix's keys and values in the bf16-pair layouts ``prefix_attention`` reads:
+    ``k`` ``[Hkv, P_pad / 16, D / 2, 16, 2]`` (two adjacent dims of a key; a 16-key block's
+    lines contiguous), ``v`` ``[Hkv, P_pad / 2, D, 2]`` (two adjacent keys of a dim); keys
+    ``length..P_pad-1`` are zeros."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
+    """Pack ``k``/``v`` ``[P, Hkv, D]`` (bf16) for ``prefix_attention``."""
+    p, hkv, d = k.shape
+    p_pad = -(-p // PREFIX_KEY_ALIGN) * PREFIX_KEY_ALIGN
+    kz = k.new_zeros(p_pad, hkv, d)
+    vz = v.new_zeros(p_pad, hkv, d)
+    kz[:p], vz[:p] = k, v
+    packed_k = kz.view(p_pad // 16, 16, hkv, d // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
+    packed_v = vz.view(p_pad // 2, 2, hkv, d).permute(2, 0, 3, 1).contiguous()
+    return PackedPrefix(packed_k, packed_v, p)
+
+
+def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[n, Hkv, group, D]`` (bf16, request rows may be strided) against a packed shared
+    prefix: ``(out [n, Hkv, group, D] fp32, lse [n, Hkv, group] fp32)``. Call only when
+    ``prefix_supported`` holds for ``q``."""
+    lib = _library()
+    assert lib is not None
+    n, hkv, group, d = q.shape
+    assert q.stride()[1:] == (group * d, d, 1) and prefix.k.shape[0] == hkv and prefix.k.shape[2] == d // 2
+    out = torch.empty(n, hkv, group, d, dtype=torch.float32)
+    lse = torch.empty(n, hkv, group, dtype=torch.float32)
+    rc = lib.prefix_attention_bf16(q.data_ptr(), q.stride(0), prefix.k.data_ptr(), prefix.v.data_ptr(),
+                                   prefix.length, prefix.k.shape[1] * 16, n, hkv, group, d, float(scale),
+                                   out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"prefix attention kernel rejected head_dim={d}, {prefix.length} keys")
+    return out, lse

@@ -205,26 +205,26 @@ def test_mixed_batch_with_uneven_cached_prefixes() -> None:
 
 
 def _decode_steps(
-    dtype: torch.dtype, shared: int, own_lens: list[int], steps: int, seed: int = 0
+    dtype: torch.dtype, shared: int, own_lens: list[int], steps: int, seed: int = 0, head_dim: int = D
 ) -> list[TorchNativeMetadata]:
     """Consecutive decode steps through one backend (mirror rebuild, then appends) vs the reference."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(own_lens)
     total = shared + sum(own_lens) + bs * steps
-    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, D, "cpu")
+    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, head_dim, "cpu")
     rtt = ReqToTokenPool(bs + 1, shared + max(own_lens) + steps + 1, "cpu")
     slots = (torch.randperm(total, generator=gen) + 1).tolist()
     shared_slots, slots = slots[:shared], slots[shared:]
-    k_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
-    v_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
+    k_sh = torch.randn(shared, HKV, head_dim, generator=gen).to(dtype)
+    v_sh = torch.randn(shared, HKV, head_dim, generator=gen).to(dtype)
     if shared:
         pool.set_kv_buffer(0, torch.tensor(shared_slots, dtype=torch.int64), k_sh, v_sh)
     rows = list(range(bs))[::-1]
     ks, vs, tables = [], [], []
     for i in range(bs):
         mine, slots = slots[: own_lens[i]], slots[own_lens[i] :]
-        k_i = torch.randn(own_lens[i], HKV, D, generator=gen).to(dtype)
-        v_i = torch.randn(own_lens[i], HKV, D, generator=gen).to(dtype)
+        k_i = torch.randn(own_lens[i], HKV, head_dim, generator=gen).to(dtype)
+        v_i = torch.randn(own_lens[i], HKV, head_dim, generator=gen).to(dtype)
         pool.set_kv_buffer(0, torch.tensor(mine, dtype=torch.int64), k_i, v_i)
         ks.append(torch.cat([k_sh, k_i]))
         vs.append(torch.cat([v_sh, v_i]))
@@ -240,8 +240,8 @@ def _decode_steps(
             rtt.write(rows[i], prefix_lens[i], torch.tensor([new[i]]))
             tables[i].append(new[i])
         seq_lens = [p + 1 for p in prefix_lens]
-        q = torch.randn(bs, H, D, generator=gen).to(dtype)
-        kv_new = torch.randn(bs, 2 * HKV, D, generator=gen).to(dtype)
+        q = torch.randn(bs, H, head_dim, generator=gen).to(dtype)
+        kv_new = torch.randn(bs, 2 * HKV, head_dim, generator=gen).to(dtype)
         k_new, v_new = kv_new[:, :HKV], kv_new[:, HKV:]  # strided rows, as views of the model's qkv output
         for i in range(bs):
             ks[i] = torch.cat([ks[i], k_new[i : i + 1]])
@@ -253,7 +253,7 @@ def _decode_steps(
             token_to_kv_pool=pool, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=[1] * bs,
         )
         backend.init_forward_metadata(batch)
-        out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+        out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, head_dim, head_dim**-0.5), batch)
         assert out.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for i in range(bs):
@@ -280,6 +280,24 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch)
     assert all((m.groups[0].shared is not None) == bool(shared) for m in metas)
     # bf16: the kernel stores each append step's new keys itself (the first step rebuilds from the pool)
     assert appends == ([False, True, True, True] if dtype == torch.bfloat16 and cpu_kernels.available() else [])
+
+
+def test_bf16_decode_cascade_through_the_packed_prefix_kernel(monkeypatch) -> None:
+    """bf16, head dim 64: a shared prefix goes through cpu_kernels.prefix_attention (packed once per
+    rebuild) and each request's own keys through the decode kernel continuing its softmax."""
+    calls: list[int] = []
+    real = cpu_kernels.prefix_attention
+
+    def spy(q, packed, scale):
+        calls.append(packed.length)
+        return real(q, packed, scale)
+
+    monkeypatch.setattr(cpu_kernels, "prefix_attention", spy)
+    shared = CASCADE_MIN_PREFIX + 7
+    metas = _decode_steps(torch.bfloat16, shared, [5, 1, 9, 3], steps=3, head_dim=64)
+    assert all(m.groups[0].shared is not None for m in metas)
+    supported = cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), 64)
+    assert calls == ([shared] * 3 if supported else [])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])

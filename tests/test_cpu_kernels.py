@@ -236,3 +236,38 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows() -> None:
         assert torch.equal(out, rows.argmax(dim=-1))
     assert cpu_kernels.argmax_rows(x.bfloat16()) is None
     assert cpu_kernels.argmax_rows(x.t()) is None  # columns not unit-stride
+
+
+@pytest.mark.parametrize("group,d,p", [(4, 64, 512), (1, 64, 37), (8, 128, 300), (3, 64, 33)])
+def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p: int) -> None:
+    """The shared prefix through the pair-packed BF16 kernel, then each request's own keys through
+    the decode kernel continuing from it, against one fp32 softmax over both."""
+    torch.manual_seed(7)
+    n, hkv, cap = 5, 2, 24
+    lens = [1, 24, 9, 17, 3]
+    rows = torch.randn(n, hkv * group * d + 8).bfloat16()  # strided request rows
+    q = rows[:, : hkv * group * d].view(n, hkv, group, d)
+    k_pre, v_pre = torch.randn(p, hkv, d).bfloat16(), torch.randn(p, hkv, d).bfloat16()
+    k_t, v = torch.randn(n, hkv, d, cap).bfloat16(), torch.randn(n, hkv, cap, d).bfloat16()
+    scale = d**-0.5
+    packed = cpu_kernels.pack_prefix(k_pre, v_pre)
+    assert (packed.k.shape[1] * 16) % cpu_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
+    if not cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
+        with pytest.raises(ValueError):  # built without AVX-512: it refuses, and the backend keeps the GEMM cascade
+            cpu_kernels.prefix_attention(q, packed, scale)
+        return
+    o_pre, lse_pre = cpu_kernels.prefix_attention(q, packed, scale)
+    qf = q.float()
+    scores_pre = torch.einsum("nhgd,phd->nhgp", qf, k_pre.float()) * scale
+    torch.testing.assert_close(lse_pre, scores_pre.logsumexp(-1), atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(o_pre, scores_pre.softmax(-1) @ v_pre.float().transpose(0, 1), atol=2e-2, rtol=2e-2)
+    out, lse = cpu_kernels.decode_attention(q, k_t, v, _bias(lens, cap), scale, max(lens), True,
+                                            init=(o_pre, lse_pre))
+    own = torch.matmul(qf, k_t.float()) * scale
+    own = own.masked_fill(torch.arange(cap)[None, None, None, :] >= torch.tensor(lens)[:, None, None, None],
+                          float("-inf"))
+    scores = torch.cat([scores_pre, own], -1)
+    values = torch.cat([v_pre.float().transpose(0, 1)[None].expand(n, -1, -1, -1), v.float()], 2)
+    torch.testing.assert_close(out.float(), scores.softmax(-1) @ values, atol=2e-2, rtol=2e-2)
+    assert lse is not None
+    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=2e-3, rtol=1e-3)

@@ -27,7 +27,7 @@ def _reference(q_req: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pr
     n = q_req.shape[0]
     k = k_all.repeat_interleave(H // HKV, dim=1)  # [L, H, D]
     v = v_all.repeat_interleave(H // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q_req.double(), k.double()) / math.sqrt(D)
+    scores = torch.einsum("qhd,khd->hqk", q_req.double(), k.double()) / math.sqrt(q_req.shape[-1])
     allowed = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(n))[:, None]
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()

@@ -298,7 +298,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             mask = g.mask
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
-        if prefix is not None:
+        packed = self.mirror.packed_prefix(layer.layer_id) if g.mirror is not None and prefix is not None else None
+        if packed is not None and cpu_kernels.supports(qg, kd_t, vd, mask):
+            # Cascade in two kernels: the shared prefix for every query at once, then each
+            # request's own keys continuing the same softmax (no merge pass).
+            init = cpu_kernels.prefix_attention(qg, packed, layer.scaling)
+            og, _ = cpu_kernels.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1], False,
+                                                 append, init)
+        elif prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
             og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append)
         else:
@@ -653,6 +660,7 @@ class DecodeKVMirror:
         self.v: list[torch.Tensor | None] = []
         self.prefix_k: list[torch.Tensor | None] = []
         self.prefix_v: list[torch.Tensor | None] = []
+        self.prefix_packed: list[cpu_kernels.PackedPrefix | None] = []  # for cpu_kernels.prefix_attention
         self.rows: torch.Tensor | None = None  # req_to_token rows of the mirrored requests, in batch order
         self.own_lens: list[int] = []  # own keys mirrored per request (after the shared prefix)
         self.own_slots: torch.Tensor | None = None  # int64 [n, W]: their pool slots (0-padded)
@@ -665,7 +673,7 @@ class DecodeKVMirror:
         """Forget the mirrored requests (buffers are dropped too: nothing may read them)."""
         self.rows = self.own_slots = self.prefix_slots = None
         self.own_lens = []
-        self.k, self.v, self.prefix_k, self.prefix_v = [], [], [], []
+        self.k, self.v, self.prefix_k, self.prefix_v, self.prefix_packed = [], [], [], [], []
         self.layers_done = 0
 
     def plan(self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int]) -> MirrorPlan | None:
@@ -704,6 +712,7 @@ class DecodeKVMirror:
             if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
                 self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
             self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
+            self.prefix_packed = [None] * num_layers
             self.cap = cap
             result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, None, mask)
         self.rows = batch.req_pool_indices.clone()
@@ -736,6 +745,10 @@ class DecodeKVMirror:
         lens = torch.tensor(self.own_lens, dtype=torch.int64, device=own.device)
         mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
         return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
+
+    def packed_prefix(self, layer_id: int) -> cpu_kernels.PackedPrefix | None:
+        """Layer ``layer_id``'s shared prefix packed for ``cpu_kernels.prefix_attention``, if made."""
+        return self.prefix_packed[layer_id] if layer_id < len(self.prefix_packed) else None
 
     def kernel_append(
         self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
@@ -786,8 +799,11 @@ class DecodeKVMirror:
             dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
             dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
             if plan.prefix_len:
-                self.prefix_k[layer_id] = k_buf.index_select(0, plan.prefix_loc).unsqueeze(0).permute(0, 2, 3, 1).contiguous()
-                self.prefix_v[layer_id] = v_buf.index_select(0, plan.prefix_loc).unsqueeze(0).transpose(1, 2).contiguous()
+                k_pre, v_pre = k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
+                self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()
+                self.prefix_v[layer_id] = v_pre.unsqueeze(0).transpose(1, 2).contiguous()
+                if cpu_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
+                    self.prefix_packed[layer_id] = cpu_kernels.pack_prefix(k_pre, v_pre)
         elif not defer_append:
             assert dense_k is not None and dense_v is not None
             assert plan.append_index is not None and plan.append_k_index is not None

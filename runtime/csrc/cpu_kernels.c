@@ -208,14 +208,17 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
  * kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] fp32 or NULL (0 / -inf), keys [0, width)
  * read. With k_new != NULL, first stores each request's new key and value (k_new, v_new
  * [n, hkv, d], request rows *_stride apart) at key index pos[b] of kt and v: the mirror's append,
- * done here while the lines are brought in anyway. Writes out [n, hkv, group, d] bf16 and, when
+ * done here while the lines are brought in anyway. With init_o != NULL the softmax continues from
+ * an attention over earlier keys (fp32 output init_o [n, hkv, group, d] and log-sum-exp init_lse
+ * [n, hkv, group], from prefix_attention_bf16), so the result covers both. Writes out [n, hkv, group, d] bf16 and, when
  * lse is not NULL, lse [n, hkv, group] fp32. Returns 0, or -1 when group or d exceed the kernel's
  * bounds (nothing written). */
 int decode_attention_bf16(
     const uint16_t* q, int64_t q_stride,
     uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
     uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
-    const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos)
+    const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos,
+    const float* init_o, const float* init_lse)
 {
     if (group > MAX_G || d > MAX_D || group * d > MAX_G * 128) return -1;
     if (k_new) {
@@ -236,6 +239,13 @@ int decode_attention_bf16(
         float m[MAX_G], l[MAX_G];
         for (int64_t i = 0; i < group * d; ++i) { qf[i] = bf16_to_f32(qp[i]) * scale; acc[i] = 0.0f; }
         for (int64_t g = 0; g < group; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
+        if (init_o) {  /* continue a softmax over earlier keys (a shared prefix): its output and lse */
+            for (int64_t i = 0; i < group * d; ++i) acc[i] = init_o[bh * group * d + i];
+            for (int64_t g = 0; g < group; ++g) {
+                m[g] = init_lse[bh * group + g];
+                l[g] = m[g] == -INFINITY ? 0.0f : 1.0f;
+            }
+        }
         Prefetch pf = {0, 0, width * 2, cap * 2, 0, 0, 0};
         if (bh + 1 < n * hkv) {
             pf.k = (const char*)(kt + (bh + 1) * d * cap);
@@ -439,4 +449,167 @@ void argmax_rows_f32(const float* x, int64_t rows, int64_t cols, int64_t stride,
         }
         out[r] = at < 0 ? 0 : at;
     }
+}
+
+
+/* ---- a shared prefix's attention for every decode query, with bf16-pair dot products ---- */
+
+#define PREFIX_ROWS 16   /* query rows (of one KV head) per work item */
+#define PREFIX_KEYS 256  /* keys per online-softmax block */
+
+/* 1 when prefix_attention_bf16 is compiled in (the CPU has AVX-512), else 0. */
+int prefix_attention_available(void)
+{
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512F__
+/* 16 probabilities (finite, >= 0) rounded to bf16, nearest-even. */
+static inline __m256i probs_to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
+#endif
+}
+
+/* acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1] over 16 lanes of bf16 pairs: one AVX512-BF16
+ * instruction where the CPU has it, else the pairs widened to fp32 and two FMAs. */
+static inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 a_lo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), b_lo = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    const __m512 a_hi = _mm512_castsi512_ps(_mm512_and_si512(a, hi)), b_hi = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+    return _mm512_fmadd_ps(a_hi, b_hi, _mm512_fmadd_ps(a_lo, b_lo, acc));
+#endif
+}
+#endif
+
+/* Every query q [n, hkv, group, d] (request rows q_stride apart) against one shared key set of p
+ * keys, stored as bf16 pairs: kp [hkv, p_pad / 16, d / 2, 16, 2] (two adjacent dims of a key
+ * together, 16 keys per 64-byte line, a 16-key block's lines contiguous) and vp [hkv, p_pad / 2, d, 2]
+ * (two adjacent keys of a dim together), keys p..p_pad-1 zero
+ * padding. For each KV head, 16 query rows at a time (the group's heads of consecutive
+ * requests) share every key load; scores are fp32 dot products of bf16 pairs, probabilities
+ * are rounded to bf16 for the value products (as a bf16 GEMM of probabilities would). Writes
+ * out [n, hkv, group, d] fp32 (normalised) and lse [n, hkv, group] fp32 of the scaled scores.
+ * Returns 0, or -1 when the shapes are outside its bounds or it is not compiled in (no AVX-512). */
+int prefix_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp,
+                          int64_t p, int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+                          float* out, float* lse)
+{
+#ifdef __AVX512F__
+    if (d % 64 || d > MAX_D || p_pad % 32 || p < 1 || p > p_pad) return -1;
+    const int64_t rows = n * group;  /* query rows per KV head */
+    const int64_t blocks = (rows + PREFIX_ROWS - 1) / PREFIX_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t w = 0; w < hkv * blocks; ++w) {
+        /* Always PREFIX_ROWS rows (a short last block repeats its first row; those results are
+         * dropped), so every row loop has a constant trip count and its accumulators stay in registers. */
+        const int64_t h = w / blocks, r0 = (w % blocks) * PREFIX_ROWS;
+        const int64_t nr = rows - r0 < PREFIX_ROWS ? rows - r0 : PREFIX_ROWS;
+        uint32_t qpair[MAX_D / 2][PREFIX_ROWS];  /* bf16 pairs of each row's query, row-minor */
+        for (int r = 0; r < PREFIX_ROWS; ++r) {
+            const int64_t row = r0 + (r < nr ? r : 0), b = row / group, g = row % group;
+            const uint32_t* src = (const uint32_t*)(q + b * q_stride + (h * group + g) * d);
+            for (int64_t ip = 0; ip < d / 2; ++ip) qpair[ip][r] = src[ip];
+        }
+        float s[PREFIX_ROWS][PREFIX_KEYS];
+        uint16_t pb[PREFIX_ROWS][PREFIX_KEYS];
+        float acc[PREFIX_ROWS][MAX_D];
+        float m[PREFIX_ROWS], l[PREFIX_ROWS];
+        for (int r = 0; r < PREFIX_ROWS; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            for (int64_t i = 0; i < d; ++i) acc[r][i] = 0.0f;
+        }
+        const uint16_t* kh = kp + h * (d / 2) * p_pad * 2;
+        const uint16_t* vh = vp + h * (p_pad / 2) * d * 2;
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int64_t j0 = 0; j0 < p; j0 += PREFIX_KEYS) {
+            const int64_t jn = p_pad - j0 < PREFIX_KEYS ? p_pad - j0 : PREFIX_KEYS;  /* a multiple of 32 */
+            const int64_t valid = p - j0 < jn ? p - j0 : jn;
+            for (int64_t j = 0; j < jn; j += 16) {
+                __m512 a[PREFIX_ROWS];
+#pragma GCC unroll 16
+                for (int r = 0; r < PREFIX_ROWS; ++r) a[r] = _mm512_setzero_ps();
+                for (int64_t ip = 0; ip < d / 2; ++ip) {
+                    const __m512i k = _mm512_loadu_si512((const void*)(kh + (((j0 + j) / 16) * (d / 2) + ip) * 32));
+#pragma GCC unroll 16
+                    for (int r = 0; r < PREFIX_ROWS; ++r)
+                        a[r] = dot_bf16_pairs(a[r], k, _mm512_set1_epi32((int)qpair[ip][r]));
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < PREFIX_ROWS; ++r) _mm512_storeu_ps(&s[r][j], _mm512_mul_ps(a[r], vscale));
+            }
+            for (int r = 0; r < PREFIX_ROWS; ++r) {
+                float* sr = s[r];
+                for (int64_t j = valid; j < jn; ++j) sr[j] = -INFINITY;
+                __m512 vmx = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < jn; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sr + j));
+                const float mx = _mm512_reduce_max_ps(vmx);
+                const float m_new = mx > m[r] ? mx : m[r];
+                const float corr = fast_exp(m[r] - m_new);
+                for (int64_t j = 0; j < jn; ++j) sr[j] = fast_exp(sr[j] - m_new);  /* (separate loops vectorise) */
+                float sum = 0.0f;
+                for (int64_t j = 0; j < jn; ++j) sum += sr[j];
+                for (int64_t j = 0; j < jn; j += 16)
+                    _mm256_storeu_si256((__m256i*)&pb[r][j], probs_to_bf16(_mm512_loadu_ps(sr + j)));
+                l[r] = l[r] * corr + sum;
+                m[r] = m_new;
+                if (corr != 1.0f) for (int64_t i = 0; i < d; ++i) acc[r][i] *= corr;
+            }
+            for (int r4 = 0; r4 < PREFIX_ROWS; r4 += 4) {
+                for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                    __m512 o[4][4];
+#pragma GCC unroll 4
+                    for (int rr = 0; rr < 4; ++rr)
+#pragma GCC unroll 4
+                        for (int u = 0; u < 4; ++u) o[rr][u] = _mm512_loadu_ps(&acc[r4 + rr][i0 + 16 * u]);
+                    for (int64_t jp = 0; jp < jn / 2; ++jp) {
+                        const uint16_t* vr = vh + ((j0 / 2 + jp) * d + i0) * 2;
+                        const __m512i v0 = _mm512_loadu_si512((const void*)vr);
+                        const __m512i v1 = _mm512_loadu_si512((const void*)(vr + 32));
+                        const __m512i v2 = _mm512_loadu_si512((const void*)(vr + 64));
+                        const __m512i v3 = _mm512_loadu_si512((const void*)(vr + 96));
+#pragma GCC unroll 4
+                        for (int rr = 0; rr < 4; ++rr) {
+                            uint32_t pair;
+                            memcpy(&pair, &pb[r4 + rr][2 * jp], 4);
+                            const __m512i pp = _mm512_set1_epi32((int)pair);
+                            o[rr][0] = dot_bf16_pairs(o[rr][0], v0, pp);
+                            o[rr][1] = dot_bf16_pairs(o[rr][1], v1, pp);
+                            o[rr][2] = dot_bf16_pairs(o[rr][2], v2, pp);
+                            o[rr][3] = dot_bf16_pairs(o[rr][3], v3, pp);
+                        }
+                    }
+#pragma GCC unroll 4
+                    for (int rr = 0; rr < 4; ++rr)
+#pragma GCC unroll 4
+                        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(&acc[r4 + rr][i0 + 16 * u], o[rr][u]);
+                }
+            }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+            const int64_t b = (r0 + r) / group, g = (r0 + r) % group;
+            const int64_t row = (b * hkv + h) * group + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int64_t i = 0; i < d; ++i) out[row * d + i] = acc[r][i] * inv;
+            lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        }
+    }
+    return 0;
+#else
+    (void)q; (void)q_stride; (void)kp; (void)vp; (void)p; (void)p_pad; (void)n; (void)hkv; (void)group; (void)d;
+    (void)scale; (void)out; (void)lse;
+    return -1;
+#endif
 }
