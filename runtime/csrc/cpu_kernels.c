@@ -38,6 +38,19 @@ static inline float fast_exp(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* max of x[0..n) (-inf for n == 0). */
+static inline float row_max(const float* x, int64_t n) {
+    float mx = -INFINITY;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + j));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+    return mx;
+}
+
 #ifdef __AVX512F__
 static inline __m512 load_bf16x16(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256((const __m256i*)p);
@@ -182,14 +195,7 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
         block_scores(qf, ktp + j0, cap, group, d, jn, s, pf);
         for (int64_t g = 0; g < group; ++g) {
             float* sg = s + g * BLOCK;
-            float mx = -INFINITY;
-            int64_t j = 0;
-#ifdef __AVX512F__
-            __m512 vmx = _mm512_set1_ps(-INFINITY);
-            for (; j + 16 <= jn; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sg + j));
-            mx = _mm512_reduce_max_ps(vmx);
-#endif
-            for (; j < jn; ++j) mx = sg[j] > mx ? sg[j] : mx;
+            const float mx = row_max(sg, jn);
             const float m_new = mx > m[g] ? mx : m[g];
             if (m_new == -INFINITY) { for (int64_t j = 0; j < jn; ++j) sg[j] = 0.0f; continue; }
             const float corr = fast_exp(m[g] - m_new);
@@ -285,14 +291,8 @@ int softmax_rows_bf16(uint16_t* x, int64_t rows, int64_t cols, float scale, int6
         if (n > cols) n = cols;
         float buf[MAX_COLS];
         for (int64_t j = 0; j < n; ++j) buf[j] = bf16_to_f32(row[j]) * scale;
-        float mx = -INFINITY;
-        int64_t j = 0;
-#ifdef __AVX512F__
-        __m512 vmx = _mm512_set1_ps(-INFINITY);
-        for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(buf + j));
-        mx = _mm512_reduce_max_ps(vmx);
-#endif
-        for (; j < n; ++j) mx = buf[j] > mx ? buf[j] : mx;
+        const float mx = row_max(buf, n);
+        int64_t j;
         for (j = 0; j < n; ++j) buf[j] = fast_exp(buf[j] - mx);
         float sum = 0.0f;
         for (j = 0; j < n; ++j) sum += buf[j];
@@ -553,9 +553,7 @@ int prefix_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k
             for (int r = 0; r < PREFIX_ROWS; ++r) {
                 float* sr = s[r];
                 for (int64_t j = valid; j < jn; ++j) sr[j] = -INFINITY;
-                __m512 vmx = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < jn; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sr + j));
-                const float mx = _mm512_reduce_max_ps(vmx);
+                const float mx = row_max(sr, jn);
                 const float m_new = mx > m[r] ? mx : m[r];
                 const float corr = fast_exp(m[r] - m_new);
                 for (int64_t j = 0; j < jn; ++j) sr[j] = fast_exp(sr[j] - m_new);  /* (separate loops vectorise) */
