@@ -43,10 +43,13 @@ What keeps it fast on CPU (each measured on the 200M bench model, see bench/mode
 - one-token groups do not use the flash kernel (its per-block setup dominates with a
   handful of queries): bf16 goes through the C decode kernel of ``runtime.cpu_kernels``,
   other dtypes through two batched matmuls around an fp32 softmax; the mirror keeps K
-  transposed for both, and a shared prefix is attended as one GEMM per KV head with
-  every request's queries;
-- half-precision equal-length prompts with no cached prefix, and every shared prefix of
-  a prefill, are attended with bf16 GEMMs around the C row softmax (``softmax_rows``).
+  transposed for both. A shared prefix is attended as one GEMM per KV head with every
+  request's queries, or, in bf16 with the C kernels, by ``cpu_kernels.prefix_attention``
+  on a pair-packed copy the mirror makes once per rebuild, after which the decode kernel
+  continues each softmax over the request's own keys (no merge);
+- half-precision prompts of equal length with no cached prefix (up to 4096 tokens, in
+  runs of query positions that skip most of the causal upper triangle), and every shared
+  prefix of a prefill, are attended with bf16 GEMMs around the C row softmax (``softmax_rows``).
 """
 
 from __future__ import annotations
@@ -704,7 +707,8 @@ class DecodeKVMirror:
             cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
             mask = _length_mask(own_lens, cap, device)
             buf = pool.k_buffer[0]
-            nbytes = 2 * num_layers * (n * cap + p) * hkv * d * buf.element_size()
+            # (the prefix counted twice: a packed copy is kept for cpu_kernels.prefix_attention)
+            nbytes = 2 * num_layers * (n * cap + 2 * p) * hkv * d * buf.element_size()
             pool_bytes = 2 * num_layers * buf.numel() * buf.element_size()
             if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
                 self.reset()
