@@ -49,9 +49,9 @@ Layouts (the torch-native backend's decode-key mirror keeps exactly these):
 ``q`` ``[n, Hkv, group, D]`` (rows of a request contiguous, requests ``q.stride(0)``
 apart), ``k_t`` ``[n, Hkv, D, cap]`` and ``v`` ``[n, Hkv, cap, D]`` contiguous, key bias
 fp32 ``[n, 1, 1, cap]`` (0 / -inf) or None; only keys ``[0, width)`` are read. (A shared
-prompt prefix is not attended here: as one GEMM per KV head with every request's queries
-plus ``softmax_rows`` it is faster than streaming it once per request, 0.43 vs ~0.9 ms per
-layer for 512 keys x 64 requests; the backend merges the two parts by log-sum-exp.)
+prompt prefix is not streamed through this kernel once per request (~0.9 ms per layer for
+512 keys x 64 requests): ``prefix_attention`` reads it once per 16 query rows of a KV head,
+and this kernel continues from its result through ``init``.)
 
 Building: ``$CC`` (default ``gcc``) with ``-O3 -march=native -fopenmp`` into
 ``<cache_root>/kernels/`` under a name keyed by the source, the flags and this CPU's
