@@ -112,7 +112,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
-        logger.info("no C compiler found: CPU decode attention uses torch matmuls")
+        logger.info("no C compiler found: the CPU kernels' work runs as torch ops")
         return None
     from runtime.tiny_model import cache_root
 
@@ -121,11 +121,11 @@ def _library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _build(compiler, path)
-            logger.info("compiled the CPU decode attention kernel into %s", path)
+            logger.info("compiled the CPU kernels into %s", path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("CPU decode attention kernel unavailable (%s): using torch matmuls", detail)
+        logger.warning("CPU kernels unavailable (%s): using torch ops", detail)
         return None
     fn = lib.decode_attention_bf16
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -354,6 +354,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 PREFIX_KEY_ALIGN = 32  # csrc: the packed prefix is padded to a multiple of this many keys
+PREFIX_KEY_BLOCK = 16  # csrc: keys per 64-byte line of the packed K (one AVX-512 register of pairs)
 
 
 def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -384,7 +385,8 @@ def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
     kz = k.new_zeros(p_pad, hkv, d)
     vz = v.new_zeros(p_pad, hkv, d)
     kz[:p], vz[:p] = k, v
-    packed_k = kz.view(p_pad // 16, 16, hkv, d // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
+    block = PREFIX_KEY_BLOCK
+    packed_k = kz.view(p_pad // block, block, hkv, d // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
     packed_v = vz.view(p_pad // 2, 2, hkv, d).permute(2, 0, 3, 1).contiguous()
     return PackedPrefix(packed_k, packed_v, p)
 
@@ -400,7 +402,7 @@ def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tup
     out = torch.empty(n, hkv, group, d, dtype=torch.float32)
     lse = torch.empty(n, hkv, group, dtype=torch.float32)
     rc = lib.prefix_attention_bf16(q.data_ptr(), q.stride(0), prefix.k.data_ptr(), prefix.v.data_ptr(),
-                                   prefix.length, prefix.k.shape[1] * 16, n, hkv, group, d, float(scale),
+                                   prefix.length, prefix.k.shape[1] * PREFIX_KEY_BLOCK, n, hkv, group, d, float(scale),
                                    out.data_ptr(), lse.data_ptr())
     if rc != 0:
         raise ValueError(f"prefix attention kernel rejected head_dim={d}, {prefix.length} keys")

@@ -251,7 +251,7 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     k_t, v = torch.randn(n, hkv, d, cap).bfloat16(), torch.randn(n, hkv, cap, d).bfloat16()
     scale = d**-0.5
     packed = cpu_kernels.pack_prefix(k_pre, v_pre)
-    assert (packed.k.shape[1] * 16) % cpu_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
+    assert (packed.k.shape[1] * cpu_kernels.PREFIX_KEY_BLOCK) % cpu_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
     if not cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
         with pytest.raises(ValueError):  # built without AVX-512: it refuses, and the backend keeps the GEMM cascade
             cpu_kernels.prefix_attention(q, packed, scale)

@@ -535,7 +535,7 @@ def _attend_prefix(
     """
     n, hkv, group, d = qg.shape
     q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
-    out_p, lse_p = _attend_shared_keys(q_all, kp.to(qg.dtype), vp.to(qg.dtype), scale)
+    out_p, lse_p = _attend_shared_keys(q_all, kp, vp, scale)
     return out_p.view(hkv, n, group, d).transpose(0, 1), lse_p.view(hkv, n, group).transpose(0, 1)
 
 
@@ -636,10 +636,8 @@ class MirrorPlan:
     prefix_len: int  # P: keys shared by every request ahead of the dense part (cascade); 0 if none
     own_flat: torch.Tensor | None  # rebuild: int64 [n * W] pool slots of each request's own keys (0-padded)
     prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
-    append_index: torch.Tensor | None  # append: int64 [n * Hkv] rows of the dense V's [n * Hkv * cap, D] view
-    append_k_index: torch.Tensor | None  # append: int64 [n * Hkv * D] elements of the dense K (flattened)
+    append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
     mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (_key_bias): 0 for each request's real keys
-    append_pos: torch.Tensor | None = None  # append: int64 [n]: the new key's index in each request's row
 
 
 class DecodeKVMirror:
@@ -696,13 +694,7 @@ class DecodeKVMirror:
         if append:
             mask = _length_mask(own_lens, self.cap, device)
             pos = torch.tensor(self.own_lens, dtype=torch.int64, device=device)  # the new key's index
-            heads = torch.arange(hkv, dtype=torch.int64, device=device)
-            rows = torch.arange(n, dtype=torch.int64, device=device)
-            row_heads = rows[:, None] * hkv + heads[None, :]  # [n, Hkv]
-            index = (row_heads * self.cap + pos[:, None]).reshape(-1)
-            dims = torch.arange(d, dtype=torch.int64, device=device)
-            k_index = ((row_heads[:, :, None] * d + dims) * self.cap + pos[:, None, None]).reshape(-1)
-            result = MirrorPlan(False, width, p, None, None, index, k_index, mask, append_pos=pos)
+            result = MirrorPlan(False, width, p, None, None, pos, mask)
         else:
             cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
             mask = _length_mask(own_lens, cap, device)
@@ -718,7 +710,7 @@ class DecodeKVMirror:
             self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
             self.prefix_packed = [None] * num_layers
             self.cap = cap
-            result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, None, mask)
+            result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, mask)
         self.rows = batch.req_pool_indices.clone()
         self.own_lens = own_lens
         self.own_slots = own.clone()
@@ -809,10 +801,10 @@ class DecodeKVMirror:
                 if cpu_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
                     self.prefix_packed[layer_id] = cpu_kernels.pack_prefix(k_pre, v_pre)
         elif not defer_append:
-            assert dense_k is not None and dense_v is not None
-            assert plan.append_index is not None and plan.append_k_index is not None
-            dense_k.view(-1).index_copy_(0, plan.append_k_index, k_new.reshape(-1).to(dense_k.dtype))
-            dense_v.view(-1, d).index_copy_(0, plan.append_index, v_new.reshape(-1, d).to(dense_v.dtype))
+            assert dense_k is not None and dense_v is not None and plan.append_pos is not None
+            rows = torch.arange(n, device=dense_k.device)  # request b's new key goes to column append_pos[b]
+            dense_k[rows, :, :, plan.append_pos] = k_new.to(dense_k.dtype)
+            dense_v[rows, :, plan.append_pos] = v_new.to(dense_v.dtype)
         assert dense_k is not None and dense_v is not None
         self.layers_done += 1
         prefix = None

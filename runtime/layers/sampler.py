@@ -297,7 +297,7 @@ class Sampler:
         else:
             next_ids = self._sample(x, info)
             if info.any_greedy:
-                next_ids = torch.where(info.is_greedy, x.argmax(dim=-1), next_ids)
+                next_ids = torch.where(info.is_greedy, greedy_argmax(x), next_ids)
 
         out = SamplerOutput(next_token_ids=next_ids.to(torch.int64))
         if raw_logprobs is not None:
