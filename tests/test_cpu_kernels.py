@@ -117,14 +117,48 @@ def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 1e-3
     assert (got != want).float().mean().item() <= max_mismatch
 
 
-def test_silu_and_mul_matches_torch_bf16() -> None:
+@pytest.mark.parametrize("inter", [7, 300, 2816])  # no 16-lane block, 18 blocks + a tail, whole blocks
+def test_silu_and_mul_matches_torch_bf16(inter: int) -> None:
     gen = torch.Generator().manual_seed(11)
-    gate_up = (torch.randn(37, 2 * 300, generator=gen) * 6).bfloat16()
-    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.5])  # zero, saturating tails
+    gate_up = (torch.randn(37, 2 * inter, generator=gen) * 6).bfloat16()
+    specials = torch.tensor([0.0, -100.0, 100.0, -0.5, -90.0, float("inf"), float("-inf"), float("nan")])
+    gate_up[0, : min(inter, 8)] = specials[: min(inter, 8)]  # zero, saturating tails, exp's cut-off
+    gate_up[1, inter - 1] = float("nan")  # in the scalar tail where there is one
     out = cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    _ulp_close(out, torch.nn.functional.silu(gate) * up)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(out.isnan(), want.isnan())
+    finite = ~want.isnan()
+    _ulp_close(out[finite], want[finite])
     assert cpu_kernels.silu_and_mul(gate_up.float()) is None
+
+
+@pytest.mark.parametrize("n", [0, 5, 300])  # 300: the parallel loop
+def test_store_kv_writes_the_rows_index_put_would(n: int) -> None:
+    gen = torch.Generator().manual_seed(13)
+    slots, hkv, d = 400, 2, 64
+    k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen).bfloat16(), torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    qkv = torch.randn(n, 4 * hkv * d, generator=gen).bfloat16()  # k and v as strided views, as the model has them
+    k, v = qkv[:, hkv * d : 2 * hkv * d].view(n, hkv, d), qkv[:, 2 * hkv * d : 3 * hkv * d].view(n, hkv, d)
+    loc = torch.randperm(slots, generator=gen)[:n]
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    want_k[loc], want_v[loc] = k, v
+    assert cpu_kernels.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+
+
+def test_store_kv_refuses_what_it_cannot_write() -> None:
+    k_buf, v_buf = torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)
+    k = v = torch.ones(2, 2, 4)
+    before = k_buf.clone()
+    assert not cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, 8]), k, v)  # slot past the pool
+    assert not cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, -1]), k, v)
+    assert torch.equal(k_buf, before)
+    assert not cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, 2], dtype=torch.int32), k, v)
+    assert not cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, 2]), k.bfloat16(), v.bfloat16())  # dtype
+    assert not cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, 2]), k.transpose(1, 2), v)  # layout
+    assert cpu_kernels.store_kv(k_buf, v_buf, torch.tensor([1, 2]), k, v)  # fp32 rows are bytes too
+    assert torch.equal(k_buf[1:3], k) and torch.equal(v_buf[1:3], v)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -244,8 +244,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if not cpu_kernels.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v):
+            pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None
         for g in meta.groups:
