@@ -24,6 +24,10 @@ where torch's bf16 ops round:
   (cascade attention), with bf16-pair dot products (AVX512-BF16) on a pair-packed copy of the prefix
   (``pack_prefix``); ``decode_attention`` then continues each softmax over the request's own
   keys (``init``), so no merge is needed;
+- ``causal_attention``: a prefill's causal self-attention over its new tokens, each
+  (request, KV head) packed as a prefix is and its query rows reading only the keys up to
+  their own position (the matmul path computes bf16 scores for the whole square, and
+  torch's flash kernel is ~4x slower still);
 - ``merge_attention``: two partial attentions (a shared prefix's and each request's own
   keys, cascade attention) combined by their log-sum-exp, reading both through their
   strides (torch's strided fp32 elementwise ops took ~30 ms per layer on the
@@ -153,6 +157,8 @@ def _library() -> ctypes.CDLL | None:
     lib.prefix_attention_available.restype = ctypes.c_int
     lib.prefix_attention_bf16.argtypes = [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, ptr, ptr]
     lib.prefix_attention_bf16.restype = ctypes.c_int
+    lib.causal_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64] + [i64] * 5 + [ctypes.c_float, ptr, ptr]
+    lib.causal_attention_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -433,3 +439,33 @@ def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tup
     if rc != 0:
         raise ValueError(f"prefix attention kernel rejected head_dim={d}, {prefix.length} keys")
     return out, lse
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Causal self-attention of ``n`` prompts of ``L`` new tokens each, with no cached keys:
+    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, L, Hkv, D]`` (bf16; token rows may be strided, as
+    views of a fused qkv output are, but evenly across requests). Returns ``(out [n * L, H, D]
+    bf16, lse [n * L, H] fp32 or None)``, or None where the kernel does not apply (then use the
+    matmul path). Each (request, KV head) is packed once as ``pack_prefix`` packs a prefix and its
+    query rows read only the keys up to their own position, 16 rows per key load."""
+    n, length, h, d = q.shape
+    hkv = k.shape[2]
+    if not prefix_supported(q.dtype, q.device, d) or hkv == 0 or h % hkv:
+        return None
+    token_strides = []
+    for t, heads in ((q, h), (k, hkv), (v, hkv)):
+        token_stride = t.stride(1) if length > 1 else t.stride(0)  # (a size-1 dim's stride is arbitrary)
+        if (t.dtype != q.dtype or t.device.type != "cpu" or tuple(t.shape) != (n, length, heads, d)
+                or t.stride()[2:] != (d, 1) or (n > 1 and t.stride(0) != length * token_stride)):
+            return None
+        token_strides.append(token_stride)
+    out = torch.empty(n * length, h, d, dtype=q.dtype)
+    lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
+    lib = _library()
+    assert lib is not None
+    rc = lib.causal_attention_bf16(q.data_ptr(), token_strides[0], k.data_ptr(), token_strides[1], v.data_ptr(),
+                                   token_strides[2], n, length, hkv, h // hkv, d, float(scale), out.data_ptr(),
+                                   lse.data_ptr() if lse is not None else None)
+    return None if rc != 0 else (out, lse)

@@ -305,3 +305,50 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     torch.testing.assert_close(out.float(), scores.softmax(-1) @ values, atol=2e-2, rtol=2e-2)
     assert lse is not None
     torch.testing.assert_close(lse, scores.logsumexp(-1), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("n,length,group,d", [
+    (3, 37, 4, 64),    # a 16-row block that ends mid-position, a partly padded 32-key tail
+    (1, 300, 1, 64),   # two online-softmax key blocks (256 + 44), one position per row
+    (2, 1, 8, 128),    # a single token: one key, half a row block
+    (4, 17, 3, 64),    # a group that does not divide 16
+])
+def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int) -> None:
+    """The prefill kernel (each request's keys packed once, rows read only the keys up to their
+    position) against fp32 causal attention, out and log-sum-exp, on the strided token rows of a
+    fused qkv output."""
+    gen = torch.Generator().manual_seed(length * 10 + group)
+    hkv = 2
+    h = hkv * group
+    qkv = torch.randn(n * length, (h + 2 * hkv) * d + 8, generator=gen).bfloat16()  # padded rows: strided
+    q = qkv[:, : h * d].view(n, length, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(n, length, hkv, d)
+    v = qkv[:, (h + hkv) * d : (h + 2 * hkv) * d].view(n, length, hkv, d)
+    scale = d**-0.5
+    result = cpu_kernels.causal_attention(q, k, v, scale, with_lse=True)
+    if not cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
+        assert result is None  # built without AVX-512: the matmul path runs instead
+        return
+    assert result is not None
+    out, lse = result
+    assert out.shape == (n * length, h, d) and out.dtype == torch.bfloat16 and lse is not None
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected = (scores.softmax(-1) @ vf).transpose(1, 2).reshape(n * length, h, d)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, scores.logsumexp(-1).transpose(1, 2).reshape(n * length, h), atol=2e-3, rtol=1e-3)
+    again = cpu_kernels.causal_attention(q, k, v, scale)
+    assert again is not None and again[1] is None and torch.equal(again[0], out)
+
+
+def test_causal_attention_refuses_what_it_cannot_read() -> None:
+    q = torch.randn(2, 5, 4, 64).bfloat16()
+    k = v = torch.randn(2, 5, 2, 64).bfloat16()
+    assert cpu_kernels.causal_attention(q.float(), k.float(), v.float(), 0.1) is None
+    assert cpu_kernels.causal_attention(q[..., :48], k[..., :48], v[..., :48], 0.1) is None  # head dim 48
+    assert cpu_kernels.causal_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # head-major
+    assert cpu_kernels.causal_attention(q, torch.randn(2, 5, 3, 64).bfloat16(), v, 0.1) is None  # 4 heads, 3 KV heads
+    uneven = torch.randn(2, 7, 2, 64).bfloat16()[:, :5]  # requests 7 token rows apart, 5 used
+    assert cpu_kernels.causal_attention(q, uneven, v, 0.1) is None

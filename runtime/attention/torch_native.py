@@ -413,7 +413,10 @@ def _causal_prefill_attention(
 
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
     lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
-    prefix attended separately). Each KV head's query group is folded position-major into
+    prefix attended separately). bf16 with a head dim that is a multiple of 64 on an
+    AVX-512 CPU goes to ``cpu_kernels.causal_attention`` instead (the same work in one pass,
+    fp32 scores: ~2.3x faster at 64 x 128 tokens, ~1.8x at 512-2048). Otherwise each KV
+    head's query group is folded position-major into
     one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
     bf16 scores go through the causal row softmax of ``cpu_kernels`` in place (torch ops in
     fp32 where it is unavailable). Work is cut into cache-sized chunks: several requests at
@@ -423,6 +426,9 @@ def _causal_prefill_attention(
     ~12 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
     transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
     """
+    fused = cpu_kernels.causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, with_lse)
+    if fused is not None:
+        return fused
     n, length, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
