@@ -277,3 +277,16 @@ def test_scheduler_overhead_profile_names_scheduler_functions() -> None:
                                         profile=prof)
     report = scheduler_overhead.profile_report(prof, top=5)
     assert "scheduler_proc/scheduler.py" in report and "step" in report
+
+
+def test_cpu_prefill_attention_bench_times_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cpu_prefill_attention
+
+    out = tmp_path / "prefill.json"
+    assert cpu_prefill_attention.main(["--shapes", "2x16", "--repeat", "1", "--json", str(out)]) == 0
+    rows = read_json(out)["rows"]
+    paths = {row["path"] for row in rows}
+    assert {"matmul path", "flash"} <= paths  # the C kernel too where it applies (AVX-512, a compiler)
+    assert all(row["shape"] == "2x16" and row["ms"] > 0 for row in rows)
+    assert next(row for row in rows if row["path"] == "matmul path")["vs_matmul"] == 1.0
+    assert "speed-up vs matmul path" in capsys.readouterr().out
