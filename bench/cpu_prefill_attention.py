@@ -5,8 +5,8 @@ Each shape is ``n`` prompts of ``L`` new tokens with no cached keys, the bench m
 the model has them. Paths, timed one after another on the same inputs:
 
 - ``C kernel``: ``cpu_kernels.causal_attention`` (what the torch-native backend runs);
-- ``matmul path``: ``torch_native._causal_prefill_attention`` with the kernel turned off
-  (bf16 GEMMs around the C row softmax);
+- ``matmul path``: ``torch_native._matmul_causal_attention`` (bf16 GEMMs around the C row
+  softmax; where the kernel does not apply);
 - ``flash``: ``F.scaled_dot_product_attention(is_causal=True)`` (torch's CPU flash kernel).
 
 GFLOPS count the causal half of QK^T and PV. Run:
@@ -60,16 +60,6 @@ def median_ms(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def matmul_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
-    """``_causal_prefill_attention`` with the C kernel turned off for the call."""
-    kernel = cpu_kernels.causal_attention
-    cpu_kernels.causal_attention = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        return torch_native._causal_prefill_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale)
-    finally:
-        cpu_kernels.causal_attention = kernel  # type: ignore[assignment]
-
-
 def measure(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
     gen = torch.Generator().manual_seed(n * 100_003 + length)
@@ -80,7 +70,8 @@ def measure(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any
     scale = d**-0.5
     paths: dict[str, Callable[[], Any]] = {
         "C kernel": lambda: cpu_kernels.causal_attention(q, k, v, scale),
-        "matmul path": lambda: matmul_path(q, k, v, scale),
+        "matmul path": lambda: torch_native._matmul_causal_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), scale),
     }
     if not args.skip_flash:
         paths["flash"] = lambda: torch.nn.functional.scaled_dot_product_attention(

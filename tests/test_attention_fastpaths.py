@@ -308,7 +308,6 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads,
     """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA,
     with its log-sum-exp (the cascade's merge input), through the C softmax and through torch's."""
     monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
-    monkeypatch.setattr(cpu_kernels, "causal_attention", lambda *args, **kwargs: None)  # the matmul path itself
     if not c_softmax:
         monkeypatch.setattr(cpu_kernels, "softmax_supported", lambda scores: False)
     gen = torch.Generator().manual_seed(3)
@@ -316,7 +315,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads,
     q = torch.randn(n, length, heads, d, generator=gen).bfloat16()
     k = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
     v = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
-    out, lse = torch_native._causal_prefill_attention(q, k, v, d**-0.5, with_lse=True)
+    out, lse = torch_native._matmul_causal_attention(q, k, v, d**-0.5, with_lse=True)
     assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
     assert lse is not None and lse.shape == (n * length, heads) and lse.dtype == torch.float32
     qf, kf = q.float().transpose(1, 2), k.float().repeat_interleave(heads // kv_heads, dim=1)
@@ -328,7 +327,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads,
         torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     expected_lse = scores.logsumexp(-1).transpose(1, 2).reshape(n * length, heads)
     torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)  # scores were bf16 GEMM outputs
-    assert torch_native._causal_prefill_attention(q, k, v, d**-0.5)[1] is None
+    assert torch_native._matmul_causal_attention(q, k, v, d**-0.5)[1] is None
 
 
 def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:

@@ -394,9 +394,9 @@ _MATMUL_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 # Longer prompts keep SDPA (the matmul path splits them into runs of query positions, each
 # a GEMM against the keys before its end; far longer prompts make many small GEMMs).
 _MATMUL_PREFILL_MAX_LEN = 4096
-# Score bytes per chunk in _causal_prefill_attention and _attend_shared_keys (cache-sized).
+# Score bytes per chunk in _matmul_causal_attention and _attend_shared_keys (cache-sized).
 _PREFILL_SCORE_BYTES = 4 << 20
-# _causal_prefill_attention splits prompts at least this long into at least two runs of query
+# _matmul_causal_attention splits prompts at least this long into at least two runs of query
 # positions, so the first run's scores skip the keys after it (a quarter of the work).
 _PREFILL_SPLIT_MIN_LEN = 256
 
@@ -414,9 +414,9 @@ def _causal_prefill_attention(
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
     lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
     prefix attended separately). bf16 with a head dim that is a multiple of 64 on an
-    AVX-512 CPU goes to ``cpu_kernels.causal_attention`` instead (the same work in one pass,
-    fp32 scores: ~2.3x faster at 64 x 128 tokens, ~1.8x at 512-2048). Otherwise each KV
-    head's query group is folded position-major into
+    AVX-512 CPU goes to ``cpu_kernels.causal_attention`` (the same work in one pass, fp32
+    scores: ~2.3x faster at 64 x 128 tokens, ~1.8x at 512-2048). Otherwise
+    (``_matmul_causal_attention``) each KV head's query group is folded position-major into
     one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
     bf16 scores go through the causal row softmax of ``cpu_kernels`` in place (torch ops in
     fp32 where it is unavailable). Work is cut into cache-sized chunks: several requests at
@@ -427,8 +427,13 @@ def _causal_prefill_attention(
     transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
     """
     fused = cpu_kernels.causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, with_lse)
-    if fused is not None:
-        return fused
+    return fused if fused is not None else _matmul_causal_attention(q, k, v, scale, with_lse)
+
+
+def _matmul_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_causal_prefill_attention`` as bf16 matmuls around the row softmax (see there)."""
     n, length, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv

@@ -22,22 +22,32 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-/* exp(x) for x <= 0 (-inf gives 0): 2^(x log2 e) from exponent bits and a degree-6 polynomial. */
+/* exp(x) for x <= 0 (-inf gives 0): 2^(x log2 e) from exponent bits and a degree-6 polynomial
+ * in the fraction (coefficients highest first; fast_exp16 is the same on 16 lanes). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_MIN_T -126.0f   /* 2^t below this is a denormal: clamped */
+#define EXP_ZERO_BELOW -87.0f
+#define EXP_C6 1.535336188319500e-4f
+#define EXP_C5 1.339887440266574e-3f
+#define EXP_C4 9.618437357674640e-3f
+#define EXP_C3 5.550332471162809e-2f
+#define EXP_C2 2.402264791363012e-1f
+#define EXP_C1 6.931472028550421e-1f
 static inline float fast_exp(float x) {
-    float t = x * 1.44269504088896341f;
-    t = t < -126.0f ? -126.0f : t;
+    float t = x * EXP_LOG2E;
+    t = t < EXP_MIN_T ? EXP_MIN_T : t;
     float fi = floorf(t);
     float f = t - fi;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
+    float p = EXP_C6;
+    p = p * f + EXP_C5;
+    p = p * f + EXP_C4;
+    p = p * f + EXP_C3;
+    p = p * f + EXP_C2;
+    p = p * f + EXP_C1;
     p = p * f + 1.0f;
     uint32_t bits = (uint32_t)((int32_t)fi + 127) << 23;
     float scale; memcpy(&scale, &bits, 4);
-    return x < -87.0f ? 0.0f : p * scale;
+    return x < EXP_ZERO_BELOW ? 0.0f : p * scale;
 }
 
 /* max of x[0..n) (-inf for n == 0). */
@@ -532,22 +542,22 @@ static inline __mmask16 seen_lanes(int64_t seen)
     return seen <= 0 ? 0 : (seen >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << seen) - 1));
 }
 
-/* fast_exp on 16 lanes (x <= 0 or -inf; the same polynomial and cut-offs). */
+/* fast_exp on 16 lanes (x <= 0 or -inf). */
 static inline __m512 fast_exp16(__m512 x)
 {
-    const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
+    const __m512 t = _mm512_max_ps(_mm512_set1_ps(EXP_MIN_T), _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)));
     const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, fi);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23);
     const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), r);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_ZERO_BELOW), _CMP_NLT_UQ), r);
 }
 
 static inline void rows_start(RowBlock* rb, int64_t d)
@@ -715,7 +725,7 @@ static void pack_pairs(const uint16_t* k, int64_t k_stride, const uint16_t* v, i
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i key_offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(k_stride * 2)));
     for (int64_t j0 = 0; j0 < len_pad; j0 += 16) {
-        const __mmask16 real = j0 >= len ? 0 : (len - j0 >= 16 ? 0xffff : (__mmask16)((1u << (len - j0)) - 1));
+        const __mmask16 real = seen_lanes(len - j0);
         uint32_t* dst = (uint32_t*)kp + (j0 / 16) * (d / 2) * 16;
         const char* base = (const char*)(k + (j0 < len ? j0 : 0) * k_stride);
         for (int64_t ip = 0; ip < d / 2; ++ip)
