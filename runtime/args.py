@@ -11,6 +11,7 @@ import argparse
 import atexit
 import dataclasses
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -24,6 +25,8 @@ ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICY_CHOICES = ("lru", "lfu")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
 # Unix socket paths are limited to 108 bytes (sun_path) including the terminator.
 _MAX_IPC_PATH = 107
@@ -64,6 +67,13 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     base_gpu_id: int = 0
     gpu_id_step: int = 1
+    revision: str | None = None
+    http_port: int | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    enable_metrics: bool = False
+    log_requests: bool = False
+    decode_log_interval: int = 40
 
     # ------------------------------------------------------------------ CLI
 
@@ -73,8 +83,17 @@ class ServerArgs:
         d = ServerArgs()
         g = parser.add_argument_group("model")
         g.add_argument("--model-path", type=str, default=d.model_path,
-                       help="HF checkpoint folder (config.json, safetensors, tokenizer files). "
+                       help="HF checkpoint folder (config.json, safetensors, tokenizer files), or a Hugging "
+                            "Face hub id ORG/NAME, fetched with huggingface_hub into its cache (safetensors "
+                            "only; HF_HUB_OFFLINE=1 uses the cache alone). "
                             "Default: the embedded tiny Llama model, built into $TINYSERVE_CACHE on first use.")
+        g.add_argument("--revision", type=str, default=d.revision,
+                       help="hub revision (branch, tag or commit) of a hub --model-path (default: main)")
+        g.add_argument("--served-model-name", type=str, default=d.served_model_name,
+                       help="the model name of the OpenAI API (/v1/models, the 'model' field); "
+                            "default: --model-path as given")
+        g.add_argument("--chat-template", type=str, default=d.chat_template,
+                       help="a Jinja chat template file used instead of the tokenizer's own")
         g.add_argument("--tokenizer-path", type=str, default=d.tokenizer_path,
                        help="tokenizer folder (default: the model path)")
         g.add_argument("--context-length", type=int, default=d.context_length,
@@ -85,8 +104,21 @@ class ServerArgs:
         g.add_argument("--port", type=int, default=d.port,
                        help=f"TCP port of the client socket; 0 picks a free port (default {d.port}). "
                             "The chosen address is printed as 'ready: tcp://HOST:PORT'.")
+        g.add_argument("--http-port", type=int, default=d.http_port,
+                       help="TCP port of the HTTP (OpenAI-compatible) server on --host; default --port + 1 "
+                            "(0 when --port is 0: a free port). The chosen address is printed as "
+                            "'http: http://HOST:PORT' before the ready line.")
         g.add_argument("--api-key", type=str, default=d.api_key,
-                       help="when set, every request must carry this key (default: none)")
+                       help="when set, every request must carry this key; over HTTP as "
+                            "'Authorization: Bearer KEY' (default: none)")
+        g.add_argument("--enable-metrics", action="store_true", default=d.enable_metrics,
+                       help="serve Prometheus metrics on the HTTP server's /metrics")
+        g.add_argument("--log-requests", action="store_true", default=d.log_requests,
+                       help="log one info line per request when it arrives and when it finishes "
+                            "(rid, lengths, finish reason, latency)")
+        g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
+                       help=f"log the scheduler's decode figures every N decode steps "
+                            f"(default {d.decode_log_interval})")
         g.add_argument("--log-level", type=str.lower, default=d.log_level, choices=LOG_LEVEL_CHOICES,
                        help=f"logging level of every process (default {d.log_level})")
         g.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -180,12 +212,19 @@ class ServerArgs:
         _choice("--radix-eviction-policy", self.radix_eviction_policy, EVICTION_POLICY_CHOICES)
         _choice("--log-level", self.log_level.lower(), LOG_LEVEL_CHOICES)
         for flag, path in (("--model-path", self.model_path), ("--tokenizer-path", self.tokenizer_path)):
-            if path is not None and not os.path.isdir(path):
-                raise ValueError(f"{flag} {path!r} is not a directory")
+            if path is not None and not os.path.isdir(path) and not is_hub_id(path):
+                raise ValueError(f"{flag} {path!r} is neither a directory nor a hub id ORG/NAME")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if not self.host:
             raise ValueError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free port), got {self.port}")
+        if not 0 <= self.resolved_http_port() <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535] (0 picks a free port), got "
+                             f"{self.resolved_http_port()}")
+        if self.port and self.resolved_http_port() == self.port:
+            raise ValueError(f"--http-port must differ from --port ({self.port})")
         for flag, value in (
             ("--tp-size", self.tp_size),
             ("--dp-size", self.dp_size),
@@ -193,6 +232,7 @@ class ServerArgs:
             ("--stream-interval", self.stream_interval),
             ("--nnodes", self.nnodes),
             ("--gpu-id-step", self.gpu_id_step),
+            ("--decode-log-interval", self.decode_log_interval),
         ):
             _positive(flag, value)
         for flag, opt in (
@@ -246,6 +286,13 @@ class ServerArgs:
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path if self.tokenizer_path is not None else self.resolved_model_path()
 
+    def resolved_http_port(self) -> int:
+        """--http-port, else next to the ZMQ port (SGLang serves HTTP on --port itself; here
+        --port stays the ZMQ front door, so existing clients keep working)."""
+        if self.http_port is not None:
+            return self.http_port
+        return self.port + 1 if self.port else 0
+
     @property
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
@@ -261,6 +308,11 @@ class ServerArgs:
         if d["api_key"] is not None:
             d["api_key"] = "<set>"
         return d
+
+
+def is_hub_id(path: str) -> bool:
+    """``ORG/NAME`` that names no local path: a Hugging Face hub repository id."""
+    return _HUB_ID.fullmatch(path) is not None and not os.path.exists(path)
 
 
 def _choice(flag: str, value: str, choices: Sequence[str]) -> None:

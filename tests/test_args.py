@@ -21,7 +21,8 @@ EXPECTED_DEFAULTS = {
     "schedule_policy": "fcfs", "disable_radix_cache": False, "radix_eviction_policy": "lru",
     "context_length": None, "stream_interval": 1, "random_seed": None, "api_key": None, "log_level": "info",
     "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False, "base_gpu_id": 0,
-    "gpu_id_step": 1,
+    "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
+    "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
 }
 
 
@@ -39,6 +40,8 @@ def test_help_documents_every_flag() -> None:
 
 
 def test_cli_parses_every_flag(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages }}")
     argv = [
         "--model-path", str(tmp_path), "--tokenizer-path", str(tmp_path), "--host", "0.0.0.0", "--port", "31000",
         "--device", "cpu", "--dtype", "float32", "--tp-size", "2", "--dp-size", "3",
@@ -48,7 +51,9 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "--disable-radix-cache", "--radix-eviction-policy", "lfu", "--context-length", "256",
         "--stream-interval", "4", "--random-seed", "7", "--api-key", "k", "--log-level", "DEBUG",
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-mixed-chunk",
-        "--base-gpu-id", "2", "--gpu-id-step", "2",
+        "--base-gpu-id", "2", "--gpu-id-step", "2", "--revision", "v1", "--http-port", "8080",
+        "--served-model-name", "m", "--chat-template", str(template), "--enable-metrics", "--log-requests",
+        "--decode-log-interval", "5",
     ]
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
@@ -61,6 +66,8 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.context_length, a.stream_interval, a.random_seed, a.api_key, a.log_level) == (256, 4, 7, "k", "debug")
     assert (a.nnodes, a.node_rank, a.dist_init_addr, a.enable_mixed_chunk) == (2, 1, "10.0.0.1:5000", True)
     assert (a.base_gpu_id, a.gpu_id_step) == (2, 2)
+    assert (a.revision, a.http_port, a.served_model_name, a.chat_template) == ("v1", 8080, "m", str(template))
+    assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
     assert ServerArgs.from_cli(server_argv(a)) == a
 
@@ -95,6 +102,12 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         ({"base_gpu_id": -1}, "--base-gpu-id"),
         ({"gpu_id_step": 0}, "--gpu-id-step"),
         ({"model_path": "/definitely/not/here"}, "--model-path"),
+        ({"model_path": "not/a/hub/id"}, "--model-path"),
+        ({"chat_template": "/definitely/not/here.jinja"}, "--chat-template"),
+        ({"http_port": 70000}, "--http-port"),
+        ({"port": 65535}, "--http-port"),
+        ({"port": 5000, "http_port": 5000}, "--http-port"),
+        ({"decode_log_interval": 0}, "--decode-log-interval"),
         ({"api_key": ""}, "--api-key"),
         ({"page_size": 4, "chunked_prefill_size": 2}, "--chunked-prefill-size"),
         ({"page_size": 16, "max_prefill_tokens": 8}, "--max-prefill-tokens"),
@@ -112,6 +125,17 @@ def test_chunked_prefill_disable_values_are_valid(size: int | None) -> None:
 
 def test_port_zero_means_any_free_port() -> None:
     ServerArgs(port=0).validate()
+    assert ServerArgs(port=0).resolved_http_port() == 0
+
+
+def test_http_port_defaults_to_the_next_port() -> None:
+    assert ServerArgs().resolved_http_port() == 30001
+    assert ServerArgs(port=4000, http_port=9000).resolved_http_port() == 9000
+
+
+def test_hub_ids_pass_validation() -> None:
+    ServerArgs(model_path="meta-llama/Llama-3.2-1B").validate()
+    ServerArgs(tokenizer_path="org/name_v1.5").validate()
 
 
 def test_cli_error_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
