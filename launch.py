@@ -1,11 +1,13 @@
 """CLI entry point: parse flags, spawn the processes, wait until they are ready, supervise.
 
-    python launch.py [flags]          # see --help; prints "ready: tcp://HOST:PORT"
+    python launch.py [flags]          # see --help; prints "http: http://HOST:PORT" (the
+                                      # HTTP server) then "ready: tcp://HOST:PORT" (ZMQ)
 
 Processes (DESIGN.md section 2), all children of this one, started with "spawn":
   scheduler-0..tp-1    one per TP rank (only rank 0 owns sockets); with --dp-size N,
                        scheduler-dp{d}-tp{r} for each replica d, and a dp-controller;
-  detokenizer, tokenizer.
+  detokenizer, tokenizer (the ZMQ and HTTP front doors).
+Each child's process title (``ps``) is ``tinyserve::NAME`` (runtime.utils.process_title).
 With --nnodes > 1, node k runs its share of the TP ranks; only node 0 runs the
 tokenizer, detokenizer and DP controller (and prints the client address).
 Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
@@ -39,13 +41,15 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Sequence
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import PortArgs, ServerArgs, is_hub_id
+from runtime.hub import HubError, resolve_hub_path
 from runtime.utils import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
 
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping children
 READY_PREFIX = "ready: "
+HTTP_PREFIX = "http: "  # printed just before the ready line
 
 
 @dataclass
@@ -184,6 +188,13 @@ class Supervisor:
             return f"node {self.server_args.node_rank} of {self.server_args.nnodes} (scheduler ranks only)"
         return str(self.child("tokenizer").info["address"])
 
+    def http_address(self) -> str | None:
+        """The HTTP server's ``http://HOST:PORT`` (node 0, once ready)."""
+        if self.server_args.node_rank != 0:
+            return None
+        address = self.child("tokenizer").info.get("http_address")
+        return str(address) if address else None
+
     def supervise(self) -> None:
         """Return on a stop signal; raise ChildFailed when a child fails."""
         while not self.stop_requested:
@@ -211,6 +222,22 @@ class Supervisor:
         os.close(self._wake_w)
 
 
+def resolve_paths(server_args: ServerArgs) -> ServerArgs:
+    """Local folders for --model-path and --tokenizer-path, made once here before any child
+    looks for them: the embedded default model is built, hub ids are fetched (HubError when
+    that fails). The served model name defaults to --model-path as given."""
+    sa = server_args
+    served = sa.served_model_name
+    model_path = sa.resolved_model_path()  # builds the embedded default model when unset
+    if is_hub_id(model_path):
+        model_path = resolve_hub_path(model_path, sa.revision)
+    tokenizer_path = sa.tokenizer_path
+    if tokenizer_path is not None and is_hub_id(tokenizer_path):
+        tokenizer_path = resolve_hub_path(tokenizer_path, sa.revision, need_weights=False)
+    return dataclasses.replace(sa, model_path=model_path, tokenizer_path=tokenizer_path,
+                               served_model_name=served if served is not None else (sa.model_path or model_path))
+
+
 def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
     return f"scheduler-{tp_rank}" if server_args.dp_size == 1 else f"scheduler-dp{dp_rank}-tp{tp_rank}"
 
@@ -219,9 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a server until SIGINT/SIGTERM (0) or a child failure (1)."""
     server_args = ServerArgs.from_cli(argv)
     configure_logging(server_args.log_level, "launch")
-    if server_args.model_path is None:
-        # Build the embedded default model once, here, before any child looks for it.
-        server_args = dataclasses.replace(server_args, model_path=server_args.resolved_model_path())
+    try:
+        server_args = resolve_paths(server_args)
+    except HubError as exc:
+        logger.error("%s", exc)
+        return 1
     port_args = PortArgs.create(server_args)
     supervisor = Supervisor(server_args, port_args)
     supervisor.install_signal_handlers()
@@ -230,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         address = supervisor.wait_ready()
         if address is None:
             return 0
+        http = supervisor.http_address()
+        if http is not None:
+            print(f"{HTTP_PREFIX}{http}", flush=True)
         print(f"{READY_PREFIX}{address}", flush=True)
         logger.info("serving on %s", address)
         supervisor.supervise()
@@ -268,6 +300,7 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
         )
         self.address: str | None = None
+        self.http_address: str | None = None  # http://HOST:PORT of the HTTP server
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()
@@ -281,6 +314,8 @@ class ServerProcess:
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:  # keeps draining after ready so the pipe never fills
+            if self.http_address is None and line.startswith(HTTP_PREFIX):
+                self.http_address = line[len(HTTP_PREFIX):].strip()
             if self.address is None and line.startswith(READY_PREFIX):
                 self.address = line[len(READY_PREFIX):].strip()
                 self._ready.set()

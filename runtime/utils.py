@@ -87,6 +87,7 @@ def run_child(name: str, log_level: str, ready_conn: Connection, target: str, *a
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     die_with_parent()
+    set_process_title(process_title(name))
     # The launcher's stdout carries exactly one line ("ready: ..."); whatever a child
     # prints (even from C code) goes to stderr with the logs.
     sys.stdout.flush()
@@ -104,6 +105,27 @@ def run_child(name: str, log_level: str, ready_conn: Connection, target: str, *a
         logging.getLogger(name).error("%s failed:\n%s", name, error)
         send_error(ready_conn, error)
         sys.exit(1)
+
+
+def process_title(name: str) -> str:
+    """What ``ps`` shows for child ``name``, in SGLang's style: ``scheduler-0`` ->
+    ``tinyserve::scheduler_TP0``, ``scheduler-dp1-tp0`` -> ``tinyserve::scheduler_DP1_TP0``,
+    ``dp-controller`` -> ``tinyserve::dp_controller``."""
+    head, *ranks = name.split("-")
+    if head == "scheduler":
+        parts = [r.upper() for r in ranks] if len(ranks) > 1 else [f"TP{ranks[0]}"] if ranks else []
+        return "tinyserve::" + "_".join([head, *parts])
+    return "tinyserve::" + name.replace("-", "_")
+
+
+def set_process_title(title: str) -> None:
+    """Replace ``python -c "from multiprocessing.spawn ..."`` in ps/top with ``title``
+    (no-op without setproctitle)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
