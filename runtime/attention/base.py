@@ -3,6 +3,12 @@
 A backend owns no KV memory: it writes each layer's new K/V into the
 MHATokenToKVPool at ``batch.out_cache_loc`` and reads each request's cached
 tokens through ``req_to_token[req_pool_indices[i], :seq_lens[i]]``.
+
+A backend that can run inside a captured CUDA graph (``supports_cuda_graph``) splits
+its decode planning in two, as SGLang does: at capture time the plan is made of views
+of buffers allocated once (``init_cuda_graph_state``), so the captured kernels read
+fixed addresses; at replay time the plan for the real batch is written into those same
+buffers in place, outside the graph, before it is replayed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class AttentionLayerSpec:
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Plan once per forward (indices, split counts); stored in ``batch.attn_metadata``."""
@@ -39,3 +47,17 @@ class AttentionBackend(ABC):
         attention output ``[T, num_heads, head_dim]``: each new token attends causally to its
         request's prefix and to the new tokens up to itself.
         """
+
+    # ---- decode under CUDA graphs (runtime/cuda_graph_runner.py) ----------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_kv_tokens: int) -> None:
+        """Allocate the fixed plan buffers: up to ``max_bs`` requests, ``max_kv_tokens`` KV slots in total."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Plan the static decode ``batch`` (of a captured size) as views of the fixed buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Rewrite, in place, the plan made at capture for ``batch``'s current contents."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -10,6 +10,11 @@
 ``kv_indices`` is built on the device by a Triton kernel from ``req_to_token``; the host
 only needs the batch's host-side length lists (no device sync when they are filled).
 
+Under CUDA graphs (decode only) the plan lives in buffers allocated once by
+``init_cuda_graph_state``: capture hands the kernels views of them, replay rewrites them
+in place with the same planning kernels as the eager path. Padded rows of a graph batch
+are ordinary requests of length 1 to these kernels.
+
 On cpu the kernels run under Triton's interpreter: constructing the backend switches it
 on when ``triton`` has not been imported yet, else it must already be on (see
 ``triton_ops.common``). The kernel modules are imported here, after that check.
@@ -44,12 +49,25 @@ class TritonAttnMetadata:
     attn_lse: torch.Tensor | None = None  # fp32 [bs, H, max_kv_splits]
 
 
+@dataclass
+class _GraphPlanBuffers:
+    """The decode plan's fixed buffers for CUDA graphs (sized for the largest captured batch)."""
+
+    kv_indptr: torch.Tensor  # int32 [max_bs + 1]
+    kv_indices: torch.Tensor  # int32 [max_kv_tokens]
+    num_kv_splits: torch.Tensor  # int32 [max_bs]
+    attn_logits: torch.Tensor  # fp32 [max_bs, H, max_kv_splits, Dv]
+    attn_lse: torch.Tensor  # fp32 [max_bs, H, max_kv_splits]
+
+
 class TritonAttnBackend(AttentionBackend):
     """Same constructor as TorchNativeAttnBackend: ``cls(model_runner)``.
 
     The runner (when given) supplies the device and the head counts used to plan
     ``num_kv_splits``; without one they are read from the batch's KV pool.
     """
+
+    supports_cuda_graph = True
 
     def __init__(self, model_runner: Any = None, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
         if max_kv_splits < 1:
@@ -58,8 +76,10 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = max_kv_splits
         self.num_heads: int | None = getattr(model_runner, "num_heads", None)
         self.num_kv_heads: int | None = getattr(model_runner, "num_kv_heads", None)
+        self.head_dim: int | None = getattr(model_runner, "head_dim", None)
         device = getattr(model_runner, "device", None)
         self._kernels: Any = None
+        self._graph_state: _GraphPlanBuffers | None = None
         if device is not None:
             self._load_kernels(torch.device(device))
 
@@ -87,9 +107,7 @@ class TritonAttnBackend(AttentionBackend):
         ops.create_kv_indices(req_to_token, batch.req_pool_indices, kv_lens, kv_indptr, None, kv_indices)
 
         if batch.forward_mode.is_decode():
-            num_kv_heads = self.num_kv_heads or batch.token_to_kv_pool.kv_heads
-            num_heads = self.num_heads or num_kv_heads
-            num_kv_splits = ops.get_num_kv_splits(batch.seq_lens, num_heads, num_kv_heads, self.max_kv_splits, device)
+            num_kv_splits = self._num_kv_splits(batch)
             batch.attn_metadata = TritonAttnMetadata(True, kv_indptr, kv_indices, num_kv_splits=num_kv_splits)
         else:
             ext_lens_cpu = _host_list(batch.extend_lens_cpu, batch.extend_lens)
@@ -100,6 +118,59 @@ class TritonAttnBackend(AttentionBackend):
                 qo_indptr=_indptr(batch.extend_lens, device),
                 max_len_extend=max(ext_lens_cpu, default=0),
             )
+
+    def _num_kv_splits(self, batch: ForwardBatch) -> torch.Tensor:
+        num_kv_heads = self.num_kv_heads or batch.token_to_kv_pool.kv_heads
+        num_heads = self.num_heads or num_kv_heads
+        device = batch.seq_lens.device
+        return self._kernels.get_num_kv_splits(batch.seq_lens, num_heads, num_kv_heads, self.max_kv_splits, device)
+
+    # ---- planning under CUDA graphs (decode) -----------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_kv_tokens: int) -> None:
+        device = getattr(self.model_runner, "device", None)
+        if device is None or self.num_heads is None or self.head_dim is None:
+            raise RuntimeError("CUDA graph state needs a model runner (device, num_heads, head_dim)")
+        self._load_kernels(torch.device(device))
+        i32 = dict(dtype=torch.int32, device=device)
+        scratch = (max_bs, self.num_heads, self.max_kv_splits, self.head_dim)
+        self._graph_state = _GraphPlanBuffers(
+            kv_indptr=torch.zeros(max_bs + 1, **i32),
+            kv_indices=torch.zeros(max_kv_tokens, **i32),
+            num_kv_splits=torch.ones(max_bs, **i32),
+            attn_logits=torch.zeros(scratch, dtype=torch.float32, device=device),
+            attn_lse=torch.zeros(scratch[:3], dtype=torch.float32, device=device),
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        state = self._graph_state
+        if state is None:
+            raise RuntimeError("init_cuda_graph_state must run before capture")
+        if not batch.forward_mode.is_decode():
+            raise ValueError("the triton backend captures decode batches only")
+        bs = batch.batch_size
+        batch.attn_metadata = TritonAttnMetadata(
+            True,
+            state.kv_indptr[: bs + 1],
+            state.kv_indices,  # whole buffer: the kernels only read kv_indptr's ranges of it
+            num_kv_splits=state.num_kv_splits[:bs],
+            attn_logits=state.attn_logits[:bs],
+            attn_lse=state.attn_lse[:bs],
+        )
+        self.init_forward_metadata_replay_cuda_graph(batch)  # valid contents for the warm-up runs
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        meta: TritonAttnMetadata = batch.attn_metadata
+        total = sum(_host_list(batch.seq_lens_cpu, batch.seq_lens))
+        if total > meta.kv_indices.shape[0]:
+            raise ValueError(f"{total} KV tokens exceed the graph plan's {meta.kv_indices.shape[0]}")
+        meta.kv_indptr[1:].copy_(torch.cumsum(batch.seq_lens, dim=0))
+        self._kernels.create_kv_indices(
+            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, meta.kv_indptr, None,
+            meta.kv_indices,
+        )
+        assert meta.num_kv_splits is not None
+        meta.num_kv_splits.copy_(self._num_kv_splits(batch))
 
     # ---- per layer -------------------------------------------------------------------
 
