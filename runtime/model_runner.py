@@ -20,6 +20,7 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionBackend
 from runtime.attention.registry import create_attention_backend, resolve_attention_backend_name
+from runtime.cuda_graph_runner import CudaGraphRunner, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group
@@ -100,6 +101,9 @@ class ModelRunner:
         tp_size: int = 1,
         random_seed: int = 0,
         load_progress: bool = True,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
+        cuda_graph_bs: list[int] | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_path = Path(model_path)
@@ -170,8 +174,14 @@ class ModelRunner:
         )
         self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
+        self.graph_runner: CudaGraphRunner | None = None  # decode through captured graphs (cuda only)
+        if not disable_cuda_graph and self.device.type == "cuda":
+            self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
         logger.info(
-            "model ready in %.1fs (attention backend %s)", time.perf_counter() - start, self.attention_backend_name
+            "model ready in %.1fs (attention backend %s, %s)",
+            time.perf_counter() - start,
+            self.attention_backend_name,
+            self.graph_runner.summary() if self.graph_runner is not None else "no cuda graphs",
         )
 
     # ---- memory sizing ---------------------------------------------------------------
@@ -216,6 +226,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; fp32 logits ``[bs, vocab]`` at each request's last new token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 

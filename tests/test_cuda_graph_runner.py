@@ -1,0 +1,206 @@
+"""CudaGraphRunner on CPU: padding, static buffers and the two-step attention plan in eager replay.
+
+``replay="eager"`` runs the model on the graph runner's static buffers where a GPU would
+call ``graph.replay()``, so everything but the capture itself is exercised here: the
+Triton backend under TRITON_INTERPRET=1 in fp32 on the tiny Llama. Triton picks its mode
+when first imported, so this module sets the variable before anything imports it and
+falls back to a fresh process when triton was already loaded compiled (see triton_interp).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, see the module docstring
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from runtime.attention.triton_ops.common import triton_loaded_interpreted  # noqa: E402
+
+IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
+
+from harness import Harness  # noqa: E402
+from triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
+from runtime import cuda_graph_runner as cgr  # noqa: E402
+from runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from runtime.attention.triton_ops import decode_attention as decode_mod  # noqa: E402
+from runtime.forward_batch import ForwardMode  # noqa: E402
+from runtime.model_runner import ModelRunner  # noqa: E402
+
+SIZES = [1, 2, 4, 8]
+
+
+def _runner(path: Path, backend: str = "triton") -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=1024,
+                       max_running_requests=16, load_progress=False)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[5 + i, 9, 11 + 2 * i, 3 * i + 7][: 2 + i % 3] for i in range(n)]
+
+
+class ReplaySpy:
+    """Counts replays per (batch size, padded size) by wrapping ``CudaGraphRunner.replay``."""
+
+    def __init__(self, graph_runner: cgr.CudaGraphRunner) -> None:
+        self.calls: list[tuple[int, int]] = []
+        inner = graph_runner.replay
+
+        def replay(batch: Any) -> torch.Tensor:
+            self.calls.append((batch.batch_size, graph_runner.padded_size(batch.batch_size)))
+            return inner(batch)
+
+        graph_runner.replay = replay  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_path: Path) -> ModelRunner:
+    return _runner(tiny_llama_path)
+
+
+def test_eager_replay_greedy_equals_plain_eager(runner: ModelRunner) -> None:
+    """Batch sizes on and between captured sizes (3 -> 4, 5 -> 8): same tokens as without the runner."""
+    graphs = cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager")
+    assert graphs is not None and graphs.batch_sizes == SIZES
+    spy = ReplaySpy(graphs)
+    harness = Harness(runner)
+    for bs in (1, 3, 5, 8):
+        harness.reset()
+        runner.graph_runner = None
+        expected = [r.output_ids for r in harness.generate(_prompts(bs), max_new_tokens=4)]
+        harness.reset()
+        runner.graph_runner = graphs
+        spy.calls.clear()
+        got = [r.output_ids for r in harness.generate(_prompts(bs), max_new_tokens=4)]
+        assert got == expected, f"batch {bs}"
+        assert spy.calls == [(bs, graphs.padded_size(bs))] * 3, "every decode step must go through the runner"
+    runner.graph_runner = None
+    harness.reset()
+
+
+def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of 3 in the graph of 4: the KV pool and req_to_token end up as after eager, but for slot 0."""
+    graphs = cgr.CudaGraphRunner(runner, SIZES, replay="eager")
+    graphs.capture()
+    harness = Harness(runner)
+    reqs = [harness.add_request(p) for p in _prompts(3)]
+    harness.prefill(reqs)
+    pool = runner.token_to_kv_pool
+    # a previous, larger batch left real rows in the static columns the padding now owns
+    graphs.inputs.rows[:, 3].fill_(5)
+    batch, _ = harness.build_batch(reqs, ForwardMode.DECODE)
+    before = [t.clone() for t in pool.k_buffer + pool.v_buffer]
+    table_before = runner.req_to_token_pool.req_to_token.clone()
+
+    expected = cgr.eager_forward(runner, batch)
+    eager_kv = [t.clone() for t in pool.k_buffer + pool.v_buffer]
+    for buf, saved in zip(pool.k_buffer + pool.v_buffer, before):
+        buf.copy_(saved)
+    written: list[list[int]] = []
+    monkeypatch.setattr(pool, "set_kv_buffer", lambda layer_id, loc, k, v: (
+        written.append(loc.tolist()), type(pool).set_kv_buffer(pool, layer_id, loc, k, v))[1])
+    got = graphs.replay(batch)
+
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.shape[0] == 3
+    assert written == [batch.out_cache_loc.tolist() + [cgr.PAD_SLOT]] * runner.model_config.num_hidden_layers
+    assert torch.equal(graphs.inputs.rows[:, 3], graphs.inputs.pad[:, 0]), "padding column not reset"
+    for buf, eager in zip(pool.k_buffer + pool.v_buffer, eager_kv):
+        assert torch.equal(buf[1:], eager[1:]), "a real slot differs from the eager step"
+    assert torch.equal(runner.req_to_token_pool.req_to_token, table_before)
+    harness.reset()
+
+
+def test_replay_plan_equals_the_eager_plan(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture-then-replay planning writes the same kv_indptr/kv_indices/num_kv_splits as the eager plan."""
+    monkeypatch.setattr(decode_mod, "device_core_count", lambda device: 132)  # a GPU's split-K plan
+    backend = runner.attn_backend
+    assert isinstance(backend, TritonAttnBackend) and backend.supports_cuda_graph
+    graphs = cgr.CudaGraphRunner(runner, [4], replay="eager")
+    graphs.capture()
+    harness = Harness(runner)
+    reqs = [harness.add_request(list(range(10, 10 + n))) for n in (40, 3, 17, 25)]
+    harness.prefill(reqs)
+    batch, _ = harness.build_batch(reqs, ForwardMode.DECODE)
+    backend.init_forward_metadata(batch)
+    eager = batch.attn_metadata
+    graphs.inputs.load(batch, 4)
+    static = graphs.batches[4]
+    static.seq_lens_cpu = list(batch.seq_lens_cpu)
+    backend.init_forward_metadata_replay_cuda_graph(static)
+    meta = static.attn_metadata
+    total = sum(batch.seq_lens_cpu)
+    assert torch.equal(meta.kv_indptr, eager.kv_indptr)
+    assert torch.equal(meta.kv_indices[:total], eager.kv_indices)
+    assert torch.equal(meta.num_kv_splits, eager.num_kv_splits) and int(meta.num_kv_splits.max()) > 1
+    assert meta.attn_logits.data_ptr() == backend._graph_state.attn_logits.data_ptr()  # the fixed buffers
+    harness.reset()
+
+
+def test_self_check_mismatch_logs_and_serves_eager(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    inner = cgr.CudaGraphRunner.replay
+    monkeypatch.setattr(cgr.CudaGraphRunner, "replay", lambda self, batch: inner(self, batch) + 0.5)
+    table = runner.req_to_token_pool.req_to_token
+    table[:3] = 7  # the self-check borrows rows 0..2 (free at start-up) and must clear them again
+    with caplog.at_level(logging.INFO, logger="runtime.cuda_graph_runner"):
+        assert cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager") is None
+    failed = [r for r in caplog.records if "self-check failed" in r.getMessage()]
+    assert failed and failed[0].levelno == logging.WARNING
+    assert "batch 3 padded to 4" in failed[0].getMessage() and "serving eager" in failed[0].getMessage()
+    assert not table[:3].any(), "the self-check must give back its request rows cleared"
+    runner.graph_runner = None  # what ModelRunner keeps after a failed check: eager still serves
+    harness = Harness(runner)
+    out = harness.generate(_prompts(3), max_new_tokens=2)
+    assert all(len(r.output_ids) == 2 for r in out)
+    harness.reset()
+
+
+def test_capture_error_falls_back_to_eager(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(self: Any, batch: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata_capture_cuda_graph", broken)
+    with caplog.at_level(logging.WARNING, logger="runtime.cuda_graph_runner"):
+        assert cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager") is None
+    assert "capture failed: operation not permitted" in caplog.text
+
+
+def test_unsupported_setups_say_why(tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    native = _runner(tiny_llama_path, backend="torch_native")
+    with caplog.at_level(logging.INFO, logger="runtime.cuda_graph_runner"):
+        assert cgr.setup_cuda_graphs(native, replay="eager") is None
+        assert cgr.setup_cuda_graphs(native, replay="cuda") is None
+    assert "torch_native attention backend cannot run in a graph" in caplog.text
+    assert "device is cpu" in caplog.text
+    assert native.graph_runner is None  # ModelRunner never sets graphs up on cpu
+
+
+def test_can_run_only_decode_batches_that_fit(runner: ModelRunner) -> None:
+    graphs = cgr.CudaGraphRunner(runner, [1, 2], replay="eager")
+    graphs.capture()
+    harness = Harness(runner)
+    reqs = [harness.add_request(p) for p in _prompts(5)]
+    extend, _ = harness.build_batch(reqs, ForwardMode.EXTEND)
+    assert not graphs.can_run(extend)
+    runner.forward(extend)
+    for r in reqs:  # the extend ran every prompt token: each request now has its first output pending
+        r.output_ids.append(1)
+    assert not graphs.can_run(harness.build_batch(reqs[:3], ForwardMode.DECODE)[0])  # 3 > largest size 2
+    two, _ = harness.build_batch(reqs[3:], ForwardMode.DECODE)
+    assert graphs.can_run(two)
+    two.seq_lens_cpu = []  # no host lengths: planning would need a device sync, so run eagerly
+    assert not graphs.can_run(two)
+    harness.reset()
+
+
+if not IN_PROCESS:
+    replace_tests_with_fresh_process_run(globals(), __file__)
