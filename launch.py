@@ -365,6 +365,8 @@ def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag)  # only True differs from the (False) default
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]  # nargs="+" flags such as --cuda-graph-bs
         else:
             argv += [flag, str(value)]
     return argv

@@ -59,6 +59,9 @@ class ServerArgs:
     context_length: int | None = None
     stream_interval: int = 1
     random_seed: int | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
     api_key: str | None = None
     log_level: str = "info"
     nnodes: int = 1
@@ -133,6 +136,14 @@ class ServerArgs:
                        help="auto is triton on cuda and torch_native on cpu (default auto)")
         g.add_argument("--random-seed", type=int, default=d.random_seed,
                        help="seed of the server's random generators (default: unseeded)")
+        g.add_argument("--disable-cuda-graph", action="store_true", default=d.disable_cuda_graph,
+                       help="run decode eagerly instead of replaying captured CUDA graphs (cuda only)")
+        g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                       help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
+                            "(default 256, capped by --max-running-requests)")
+        g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=d.cuda_graph_bs, metavar="BS",
+                       help="the decode batch sizes to capture (default 1 2 4 8 16 24 32 ... up to "
+                            "--cuda-graph-max-bs); a batch is padded to the next captured size")
         g = parser.add_argument_group("memory")
         g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
                        help="fraction of device memory for weights + KV cache, in (0, 1) "
@@ -239,9 +250,13 @@ class ServerArgs:
             ("--max-total-tokens", self.max_total_tokens),
             ("--max-running-requests", self.max_running_requests),
             ("--context-length", self.context_length),
+            ("--cuda-graph-max-bs", self.cuda_graph_max_bs),
         ):
             if opt is not None:
                 _positive(flag, opt)
+        if self.cuda_graph_bs is not None:
+            if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
+                raise ValueError(f"--cuda-graph-bs needs batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < -1:
             raise ValueError(
                 f"--chunked-prefill-size must be positive, or -1/0 to disable, got {self.chunked_prefill_size}"

@@ -20,6 +20,7 @@ EXPECTED_DEFAULTS = {
     "max_running_requests": None, "max_prefill_tokens": 16384, "chunked_prefill_size": 8192, "page_size": 1,
     "schedule_policy": "fcfs", "disable_radix_cache": False, "radix_eviction_policy": "lru",
     "context_length": None, "stream_interval": 1, "random_seed": None, "api_key": None, "log_level": "info",
+    "disable_cuda_graph": False, "cuda_graph_max_bs": None, "cuda_graph_bs": None,
     "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False, "base_gpu_id": 0,
     "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
     "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
