@@ -119,14 +119,14 @@ class Supervisor:
         local_ranks = range(sa.node_rank * ranks_per_node, (sa.node_rank + 1) * ranks_per_node)
         for dp_rank in range(sa.dp_size):
             for tp_rank in local_ranks:
-                self.spawn(scheduler_name(sa, dp_rank, tp_rank), "scheduler_proc.scheduler:run_scheduler_process",
+                self.spawn(scheduler_name(sa, dp_rank, tp_rank), "scheduler_proc.scheduler_process:run_scheduler_process",
                            sa, pa, tp_rank, dp_rank=dp_rank)
         if sa.node_rank != 0:
             return  # the other nodes only contribute TP ranks
         if sa.dp_size > 1:
             self.spawn("dp-controller", "scheduler_proc.dp_controller:run_dp_controller_process", sa, pa)
         self.spawn("detokenizer", "detokenizer_proc.detokenizer_manager:run_detokenizer_process", sa, pa)
-        self.spawn("tokenizer", "tokenizer_proc.tokenizer_manager:run_tokenizer_process", sa, pa)
+        self.spawn("tokenizer", "tokenizer_proc.process:run_tokenizer_process", sa, pa)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

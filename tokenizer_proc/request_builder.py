@@ -22,12 +22,14 @@ MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood
 
 
 class Rejected(Exception):
-    """A request the server refuses; ``code`` goes to the client in an ErrorReply."""
+    """A request the server refuses; ``code`` goes to the client in an ErrorReply, and
+    ``param`` names the offending field where there is one (HTTP reports it)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,15 @@ class RequestBuilder:
             params = SamplingParams.from_dict(req.sampling_params)
             params.validate(self.limits.vocab_size)
         except SamplingParamsError as exc:
-            raise Rejected("invalid_request", str(exc)) from None
+            raise Rejected("invalid_request", str(exc), exc.field) from None
         if params.n > MAX_N:
-            raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}")
+            raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}", "n")
         if req.top_logprobs_num < 0:
-            raise Rejected("invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}")
+            raise Rejected("invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}",
+                           "top_logprobs_num")
         if req.top_logprobs_num > self.limits.vocab_size:
             raise Rejected("invalid_request",
-                           f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}")
+                           f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}", "top_logprobs_num")
         return params
 
     def _input_ids(self, req: GenerateReq) -> list[int]:
@@ -133,10 +136,11 @@ class RequestBuilder:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                           "input_ids")
         if len(ids) > self.limits.max_req_input_len:
             raise Rejected("too_long", f"the prompt has {len(ids)} tokens; the maximum is "
-                                       f"{self.limits.max_req_input_len}")
+                                       f"{self.limits.max_req_input_len}", "prompt")
 
     def _fit_context(self, n: int, params: SamplingParams, explicit: bool) -> SamplingParams:
         """Prompt + output must fit the context: an explicit max_new_tokens that does not
@@ -147,7 +151,7 @@ class RequestBuilder:
         if explicit:
             raise Rejected("too_long", f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                                        f"{n + params.max_new_tokens} exceeds the context length "
-                                       f"{self.limits.context_len}")
+                                       f"{self.limits.context_len}", "max_new_tokens")
         return msgspec.structs.replace(params, max_new_tokens=room,
                                        min_new_tokens=min(params.min_new_tokens, room))
 

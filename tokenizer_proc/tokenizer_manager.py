@@ -1,6 +1,6 @@
 """The TokenizerManager process: the server's front door.
 
-One asyncio loop (uvloop) runs three tasks:
+One asyncio loop (uvloop) runs three tasks, and the HTTP server (tokenizer_proc/http_server.py):
   * clients: a ROUTER socket (one DEALER per client). Each request is checked,
     tokenized and pushed to the scheduler; control requests become a round trip to
     the scheduler.
@@ -13,6 +13,11 @@ One asyncio loop (uvloop) runs three tasks:
     ROUTER_NOTIFY would say it directly, but it is a draft option that the bundled
     libzmq does not enable.)
 
+HTTP requests take the same path as ZMQ ones: each HTTP request is a *local client*
+(``open_local``), an identity whose replies go to an asyncio queue instead of the
+socket; it is validated by the same RequestBuilder, its rids live in the same maps,
+and closing it (the HTTP client went away) aborts what it still has in flight.
+
 This process owns the per-request routing state (``ReqGroup``); an entry lives
 from the accepted request until its last output, an error, or an abort.
 """
@@ -24,14 +29,11 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
 from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientGone, PushSocket
 from runtime.messages import (
     AbortReq,
@@ -47,17 +49,17 @@ from runtime.messages import (
     SchedControlOut,
     SchedControlReq,
     SchedErrorOut,
-    SchedulerInput,
     ServerInfoReq,
     StrOutput,
-    TokenizerInput,
 )
-from runtime.utils import recv_status, send_status
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.1
+# Identities of local (HTTP) clients. ZMQ identities never start with a zero byte except the
+# 5-byte ones libzmq makes up for peers without one, so these longer ones cannot collide.
+LOCAL_PREFIX = b"\x00local-"
 HEALTH_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 120.0
 
@@ -73,6 +75,8 @@ class SampleState:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[Any] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)
+    first_output_at: float | None = None  # perf_counter of the first output (its prompt is prefilled)
+    last_output_at: float = 0.0
 
 
 @dataclass
@@ -84,6 +88,7 @@ class ReqGroup:
     stream: bool
     created: float
     samples: list[SampleState]
+    started: float = field(default_factory=time.perf_counter)  # for latencies (created is wall time)
 
     @property
     def n(self) -> int:
@@ -118,6 +123,9 @@ class TokenizerManager:
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
         self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
                       "clients_gone": 0, "malformed_frames": 0}
+        self.local: dict[bytes, asyncio.Queue[Any]] = {}  # local (HTTP) clients' reply queues
+        self.metrics: Any = None  # a tokenizer_proc.metrics.Metrics when --enable-metrics
+        self.log_requests = server_args.log_requests
 
     # ================================================================== client side
 
@@ -155,12 +163,17 @@ class TokenizerManager:
             elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq)):
                 self.start_control(identity, req)
         except Rejected as exc:
-            self.stats["requests_rejected"] += 1
+            self.note_rejected(exc)
             await self.reply(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
         except Exception as exc:  # a bug here must not leave the client waiting forever
             logger.exception("failed to handle request %s", req.rid)
             await self.reply(identity, ErrorReply(rid=req.rid, code="internal",
                                                   message=f"{type(exc).__name__}: {exc}"))
+
+    def note_rejected(self, exc: Rejected) -> None:
+        self.stats["requests_rejected"] += 1
+        if self.metrics is not None:
+            self.metrics.rejected_request(exc.code)
 
     async def handle_generate(self, identity: bytes, req: GenerateReq) -> None:
         key = (identity, req.rid)
@@ -177,6 +190,11 @@ class TokenizerManager:
             self.to_scheduler.send(sub)
         self.stats["requests_accepted"] += 1
         logger.debug("accepted %s from %s as %s", req.rid, identity.hex(), [s.rid for s in subs])
+        if self.log_requests:
+            sp = subs[0].sampling_params
+            logger.info("request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, "
+                        "from %s", req.rid, len(subs[0].input_ids), len(subs), sp.max_new_tokens, sp.temperature,
+                        req.stream, "http" if identity.startswith(LOCAL_PREFIX) else "zmq")
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
         if req.all:
@@ -199,6 +217,7 @@ class TokenizerManager:
             self.by_internal.pop(sample.internal_rid, None)
             if abort_in_scheduler and not sample.finished:
                 self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
+                self.note_finished(group, sample, "abort", {})
         self.groups.pop((group.identity, group.client_rid), None)
         rids = self.by_identity.get(group.identity)
         if rids is not None:
@@ -223,6 +242,12 @@ class TokenizerManager:
 
     async def reply(self, identity: bytes, msg: Any) -> bool:
         """Send to one client; False (and its requests aborted) when it has gone away."""
+        queue = self.local.get(identity)
+        if queue is not None:
+            queue.put_nowait(msg)
+            return True
+        if identity.startswith(LOCAL_PREFIX):
+            return False  # a local client that has closed: its requests were aborted then
         try:
             await self.router.send(identity, msg)
             return True
@@ -234,10 +259,36 @@ class TokenizerManager:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for identity in list(self.by_identity):
+                if identity.startswith(LOCAL_PREFIX):
+                    continue  # the HTTP server notices its own disconnects
                 try:
                     await self.router.send_raw(identity, b"")
                 except ClientGone:
                     self.client_gone(identity)
+
+    # ================================================================== local (HTTP) clients
+
+    def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
+        """A new local client: its identity, and the queue its replies go to."""
+        identity = LOCAL_PREFIX + uuid.uuid4().bytes
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.local[identity] = queue
+        return identity, queue
+
+    def close_local(self, identity: bytes) -> None:
+        """The local client is done or went away: abort whatever it still has in flight."""
+        self.local.pop(identity, None)
+        self.client_gone(identity)
+
+    async def local_control(self, req: FlushCacheReq | ServerInfoReq | HealthReq) -> ControlReply | ErrorReply:
+        """A control round trip for the HTTP server (server info, flush, health)."""
+        identity, queue = self.open_local()
+        try:
+            self.start_control(identity, req)
+            reply: ControlReply | ErrorReply = await queue.get()
+            return reply
+        finally:
+            self.close_local(identity)
 
     # ================================================================== control
 
@@ -323,6 +374,7 @@ class TokenizerManager:
         if entry is None:
             return  # aborted or its client is gone: nobody to send to
         group, sample = entry
+        self.note_output(group, sample, out)
         if out.finished:
             sample.finished = True
         if group.stream:
@@ -350,6 +402,37 @@ class TokenizerManager:
             self.by_internal.pop(out.rid, None)
             if not group.unfinished():
                 self.drop_group(group, abort_in_scheduler=False)
+
+    def note_output(self, group: ReqGroup, sample: SampleState, out: StrOutput) -> None:
+        """Timing, metrics and the --log-requests line, as the outputs arrive."""
+        now = time.perf_counter()
+        first = sample.first_output_at is None
+        m = self.metrics
+        if first:
+            sample.first_output_at = now
+            if m is not None:
+                m.started(int(out.meta.get("prompt_tokens", 0)), int(out.meta.get("cached_tokens", 0)))
+                if group.stream:
+                    m.first_token(now - group.started)
+        elif m is not None and group.stream:
+            m.gap(now - sample.last_output_at, len(out.new_output_ids))
+        sample.last_output_at = now
+        if m is not None:
+            m.generated(len(out.new_output_ids))
+        if out.finished:
+            reason = (out.finish_reason or {}).get("type", "stop")
+            self.note_finished(group, sample, str(reason), out.meta)
+
+    def note_finished(self, group: ReqGroup, sample: SampleState, reason: str, meta: dict[str, Any]) -> None:
+        latency = time.perf_counter() - group.started
+        if self.metrics is not None:
+            self.metrics.finished(reason, latency)
+        if self.log_requests:
+            ttft = "-" if sample.first_output_at is None else f"{sample.first_output_at - group.started:.3f} s"
+            logger.info("finished %s%s: %s, %d prompt tokens (%d cached), %d output tokens, ttft %s, "
+                        "latency %.3f s", group.client_rid, f"[{sample.index}]" if group.n > 1 else "", reason,
+                        int(meta.get("prompt_tokens", 0)), int(meta.get("cached_tokens", 0)),
+                        int(meta.get("completion_tokens", len(sample.output_ids))), ttft, latency)
 
     def meta(self, group: ReqGroup, sample: SampleState, out_meta: dict[str, Any],
              finish_reason: dict[str, Any] | None) -> dict[str, Any]:
@@ -382,6 +465,7 @@ class TokenizerManager:
             return
         group, sample = entry
         sample.finished = True  # the scheduler has already dropped it
+        self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.reply(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
 
@@ -395,41 +479,3 @@ def _loose_rid(frame: bytes) -> str:
         return ""
     rid = obj.get("rid") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else ""
-
-
-# ====================================================================== process entry
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
-    # Bind first: a port conflict is reported in a second, not after the imports and the
-    # model load of the other processes.
-    ctx = zmq.asyncio.Context()
-    router = AsyncRouter(ctx, server_args.client_address())
-    from_detokenizer: AsyncPullSocket[Any] = AsyncPullSocket(port_args.tokenizer_ipc, TokenizerInput, ctx, bind=True)
-    to_scheduler: PushSocket[Any] = PushSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=False)
-    tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())  # blocking; nothing else runs yet
-    # The launcher sends the scheduler's figures once the scheduler is ready.
-    info = await asyncio.get_running_loop().run_in_executor(None, recv_status, ready_conn)
-    limits = ModelLimits(vocab_size=int(info["vocab_size"]), context_len=int(info["context_len"]),
-                         max_req_input_len=int(info["max_req_input_len"]),
-                         max_total_tokens=int(info["max_total_tokens"]))
-    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler)
-    manager.processes = dict(info.get("processes") or {})
-    host = server_args.host
-    address = f"tcp://[{host}]:{router.port}" if ":" in host else f"tcp://{host}:{router.port}"
-    send_status(ready_conn, {"status": "ready", "address": address})
-    logger.info("tokenizer ready on %s", address)
-    await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop())
-
-
-def run_tokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
-    """Child-process main: bind, load the tokenizer, wait for the scheduler's figures, serve."""
-    import uvloop
-
-    uvloop.run(_serve(server_args, port_args, ready_conn))

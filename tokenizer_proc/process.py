@@ -1,0 +1,76 @@
+"""The tokenizer process's entry: bind both front doors, load the tokenizer, wait for the
+scheduler's figures, then serve.
+
+The HTTP server starts listening first, so that ``/health`` answers 503 while the rest
+starts (the tokenizer load runs in a thread meanwhile); the ZMQ socket is bound as early,
+so that a port conflict is reported in a second, not after the model load of the other
+processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.args import PortArgs, ServerArgs
+from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
+from runtime.messages import SchedulerInput, TokenizerInput
+from runtime.utils import recv_status, send_status
+from tokenizer_proc.request_builder import ModelLimits
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
+    """The HF tokenizer; ``chat_template`` (a Jinja file) replaces its own template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        with open(chat_template, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    return tokenizer
+
+
+async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    from tokenizer_proc.http_server import HttpServer
+    from tokenizer_proc.metrics import Metrics
+
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, server_args.client_address())
+    from_detokenizer: AsyncPullSocket[Any] = AsyncPullSocket(port_args.tokenizer_ipc, TokenizerInput, ctx, bind=True)
+    to_scheduler: PushSocket[Any] = PushSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=False)
+    http = HttpServer(server_args)
+    http_task = asyncio.ensure_future(http.serve())
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, server_args.resolved_tokenizer_path(),
+                                           server_args.chat_template)
+    # The launcher sends the scheduler's figures once the scheduler is ready.
+    info = await loop.run_in_executor(None, recv_status, ready_conn)
+    limits = ModelLimits(vocab_size=int(info["vocab_size"]), context_len=int(info["context_len"]),
+                         max_req_input_len=int(info["max_req_input_len"]),
+                         max_total_tokens=int(info["max_total_tokens"]))
+    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler)
+    manager.processes = dict(info.get("processes") or {})
+    if server_args.enable_metrics:
+        manager.metrics = Metrics(http.model_name)
+    http.attach(manager)
+    host = server_args.host
+    address = f"tcp://[{host}]:{router.port}" if ":" in host else f"tcp://{host}:{router.port}"
+    send_status(ready_conn, {"status": "ready", "address": address, "http_address": http.address})
+    logger.info("tokenizer ready on %s and %s", address, http.address)
+    await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop(),
+                         http_task)
+
+
+def run_tokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    """Child-process main: bind, load the tokenizer, wait for the scheduler's figures, serve."""
+    import uvloop
+
+    uvloop.run(_serve(server_args, port_args, ready_conn))
