@@ -179,7 +179,7 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     import torch.nn.functional as F
 
     try:
-        from runtime.layers.prepacked import linear
+        from runtime.cpu.prepacked import linear
     except ImportError:  # a checkout from before prepacked weights (for before/after runs)
         def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
             return F.linear(x, weight, bias)

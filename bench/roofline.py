@@ -239,7 +239,7 @@ class MatmulMeter:
 
     def _packed_linear_gflops(self, x: Any, ws: list[Any]) -> float | None:
         """The same product through oneDNN-prepacked weights; None where the runtime would not pack."""
-        from runtime.layers.prepacked import linear, pack_weight, prepack_available
+        from runtime.cpu.prepacked import linear, pack_weight, prepack_available
 
         if self.device.type != "cpu" or not prepack_available():
             return None

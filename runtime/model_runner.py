@@ -7,8 +7,6 @@ the KV pool takes what is left of the memory budget after the weights.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import time
 from dataclasses import dataclass
@@ -19,12 +17,17 @@ import torch
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionBackend
-from runtime.attention.registry import create_attention_backend, resolve_attention_backend_name
+from runtime.attention.registry import (
+    create_attention_backend,
+    get_attention_backend_class,
+    resolve_attention_backend_name,
+)
+from runtime.cpu.host_memory import cpu_mem_available_bytes, keep_freed_memory_in_process
+from runtime.cpu.prepacked import prepack_model
 from runtime.cuda_graph_runner import CudaGraphRunner, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group
-from runtime.layers.prepacked import prepack_model
 from runtime.layers.sampler import Sampler, greedy_argmax
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class
@@ -47,41 +50,6 @@ class ModelOutput:
     logprobs: torch.Tensor | None = None  # float32 [bs]: log_softmax of the raw logits at the chosen token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [bs, k], ids [bs, k])
     logits: torch.Tensor | None = None  # float32 [bs, vocab]: raw logits (for tests / debugging)
-
-
-def cpu_mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (falls back to 4 GiB where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
-def keep_freed_memory_in_process() -> bool:
-    """Stop glibc from handing big freed blocks back to the kernel (CPU inference).
-
-    By default glibc serves every allocation above a threshold (at most 32 MiB) with a
-    fresh ``mmap`` and unmaps it on free, so each activation of a large prefill (a
-    ``[8192, 5632]`` bf16 gate/up output is 92 MiB) is page-faulted in from zeroed pages,
-    every layer, every forward: on the bench model that made an 8192-token prefill ~50%
-    slower and elementwise ops up to 10x slower. With mmap off and a high trim threshold,
-    freed blocks stay in the heap and the next layer reuses them. Returns False where
-    glibc's ``mallopt`` is unavailable (other libcs keep their defaults).
-    """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h parameter numbers
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 class ModelRunner:
@@ -187,8 +155,13 @@ class ModelRunner:
     # ---- memory sizing ---------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
+        """Memory one token of KV pool capacity costs: its K and V in every layer, plus the share
+        of any extra KV copy the attention backend keeps (``kv_copy_fraction``: the CPU decode
+        mirror), so that a pool sized from a memory budget leaves room for that copy inside it."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+        pool = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+        backend = get_attention_backend_class(self.attention_backend_name, self.device)
+        return int(pool * (1.0 + getattr(backend, "kv_copy_fraction", 0.0)))
 
     def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> int:
         """Tokens the KV pool holds: ``max_total_tokens`` if given (capped by memory), else the budget."""

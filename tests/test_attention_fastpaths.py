@@ -16,11 +16,12 @@ from harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
-from runtime import cpu_kernels
-from runtime.attention import torch_native
-from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeAttnBackend, TorchNativeMetadata
+from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeMetadata
+from runtime.cpu import attention as torch_native
+from runtime.cpu import kernels as cpu_kernels
+from runtime.cpu.attention import TorchNativeAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.prepacked import prepack_available, prepack_model
+from runtime.cpu.prepacked import prepack_available, prepack_model
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
 from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import cpu_kernels
+from runtime.cpu import kernels as cpu_kernels
 
 
 def _reference(q, k_t, v, lens, scale):

@@ -12,10 +12,11 @@ from checkpoints import random_prompt
 from harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.attention import torch_native
 from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
-from runtime.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+from runtime.attention.torch_native import TorchNativeMetadata
+from runtime.cpu import attention as torch_native
+from runtime.cpu.attention import TorchNativeAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner import ModelRunner
 

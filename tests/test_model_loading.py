@@ -16,7 +16,8 @@ from harness import Harness
 from runtime.device import resolve_device, resolve_dtype
 from runtime.layers import linear
 from runtime.model_config import ModelConfig, UnsupportedModelError
-from runtime.model_runner import ModelRunner, cpu_mem_available_bytes
+from runtime.cpu.host_memory import cpu_mem_available_bytes
+from runtime.model_runner import ModelRunner
 from runtime.weight_loader import MissingWeightError, checkpoint_files
 
 

@@ -2,7 +2,9 @@
 
 Backends are constructed as ``cls(model_runner)`` (SGLang's convention): a backend reads
 what it needs (device, pools, head counts, max_running_requests) from the runner. The
-Triton backend is imported lazily so CPU-only code paths never import Triton.
+Triton backend is imported lazily so CPU-only code paths never import Triton. A name may
+have a device-specific class: ``torch_native`` on CPU is the CPU wing's backend (the same
+plan, run through the CPU kernels), so the plain backend never passes through CPU paths.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ ATTENTION_BACKENDS: dict[str, str] = {
     "torch_native": "runtime.attention.torch_native:TorchNativeAttnBackend",
     "triton": "runtime.attention.triton_backend:TritonAttnBackend",
 }
+# (name, device type) -> the class that replaces the default one on that device.
+DEVICE_BACKENDS: dict[tuple[str, str], str] = {
+    ("torch_native", "cpu"): "runtime.cpu.attention:TorchNativeAttnBackend",
+}
 
 
 def resolve_attention_backend_name(name: str, device: torch.device) -> str:
@@ -31,7 +37,8 @@ def resolve_attention_backend_name(name: str, device: torch.device) -> str:
 
 
 def get_attention_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    target = ATTENTION_BACKENDS[resolve_attention_backend_name(name, device)]
+    key = resolve_attention_backend_name(name, device)
+    target = DEVICE_BACKENDS.get((key, device.type), ATTENTION_BACKENDS[key])
     module_name, cls_name = target.split(":")
     module = importlib.import_module(module_name)
     return getattr(module, cls_name)

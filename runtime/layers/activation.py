@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import cpu_kernels
+from runtime.cpu import kernels as cpu_kernels
 
 
 class SiluAndMul(nn.Module):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.prepacked import linear
+from runtime.cpu.prepacked import linear
 
 from runtime.layers.linear import (
     LazyWeight,
@@ -71,7 +71,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from runtime.layers.prepacked import linear
+from runtime.cpu.prepacked import linear
 
 
 class TPGroup(Protocol):
@@ -118,7 +118,7 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         self.packed_weight = None
@@ -163,7 +163,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
@@ -269,7 +269,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see layers.prepacked; dropped on reload
+        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         self.packed_weight = None

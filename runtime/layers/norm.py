@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime import cpu_kernels
+from runtime.cpu import kernels as cpu_kernels
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from runtime import cpu_kernels
+from runtime.cpu import kernels as cpu_kernels
 from runtime.model_config import RopeConfig
 
 

@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from runtime import cpu_kernels
+from runtime.cpu import kernels as cpu_kernels
 from runtime.layers import penalties as pen
 from runtime.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 

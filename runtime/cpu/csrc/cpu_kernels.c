@@ -2,7 +2,7 @@
  * the KV head's query group sharing every key load), a row softmax, silu*mul, RMSNorm, the
  * log-sum-exp merge of two partial attentions, rotary embedding, an fp32 row argmax, the KV pool
  * write, and attention with bf16-pair dot products for a shared prefix and a causal prefill. Built
- * and called by runtime/cpu_kernels.py (which documents the layouts and why each exists). */
+ * and called by runtime/cpu/kernels.py (which documents the layouts and why each exists). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked weights for half-precision linears on CPU.
+"""oneDNN-prepacked weights for half-precision linears on CPU (``CpuOps.linear`` calls ``linear``).
 
 ``F.linear`` on a bf16 CPU weight hands oneDNN a plain ``[out, in]`` matrix, which it
 re-lays-out into its blocked format inside every call. Reordering once, after the

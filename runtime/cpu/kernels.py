@@ -51,7 +51,7 @@ requests, 4 KV heads x 4 queries, head dim 64, 160 keys, 2 cores) that is ~0.4-0
 layer where the matmul path takes ~0.9-1.1 ms, and it is more accurate (fp32 scores
 throughout).
 
-Layouts (the torch-native backend's decode-key mirror keeps exactly these):
+Layouts (the decode-key mirror, ``runtime.cpu.decode_mirror``, keeps exactly these):
 ``q`` ``[n, Hkv, group, D]`` (rows of a request contiguous, requests ``q.stride(0)``
 apart), ``k_t`` ``[n, Hkv, D, cap]`` and ``v`` ``[n, Hkv, cap, D]`` contiguous, key bias
 fp32 ``[n, 1, 1, cap]`` (0 / -inf) or None; only keys ``[0, width)`` are read. (A shared

@@ -1,0 +1,219 @@
+"""The decode-key mirror: dense per-request copies of the running decode batch's keys.
+
+Consecutive decode steps of the same requests would otherwise gather every cached key
+from the paged pool again, every layer, every step. The mirror keeps K transposed
+``[n, kv_heads, D, cap]`` and V ``[n, kv_heads, cap, D]`` per layer (the layouts the CPU
+decode kernel and the score matmul read as they are); a step appends the new token to it.
+
+Memory: the copies may take up to ``MIRROR_MAX_POOL_FRACTION`` of the KV pool's bytes (at
+least ``MIRROR_MIN_BUDGET_BYTES``). The model runner counts that share in its KV sizing
+(``kv_copy_fraction`` of the CPU backend), so a pool sized from a memory budget leaves room
+for its mirror inside that budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention.torch_native import AttnGroup, length_mask
+from runtime.cpu import kernels as cpu_kernels
+from runtime.forward_batch import ForwardBatch
+
+# Dense decode-key copies are kept only while all layers' K and V take at most this
+# fraction of the KV pool's own memory (or MIRROR_MIN_BUDGET_BYTES, whichever is larger).
+MIRROR_MAX_POOL_FRACTION = 1.0
+MIRROR_MIN_BUDGET_BYTES = 64 << 20
+# Their capacity (keys per request) grows in steps of this many tokens: attention reads all
+# ``cap`` columns (masked), so a larger step wastes work, a smaller one rebuilds more often.
+MIRROR_CAP_STEP = 32
+
+
+@dataclass
+class MirrorPlan:
+    """How one decode forward's keys reach the mirror's dense copies."""
+
+    rebuild: bool  # True: gather every key from the pool; False: append the new token only
+    width: int  # W: own keys per request this step (the dense part's used width)
+    prefix_len: int  # P: keys shared by every request ahead of the dense part (cascade); 0 if none
+    own_flat: torch.Tensor | None  # rebuild: int64 [n * W] pool slots of each request's own keys (0-padded)
+    prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
+    append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
+    mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (key_bias): 0 for each request's real keys
+
+
+class DecodeKVMirror:
+    """Dense copies of the running decode batch's keys per layer: K ``[n, Hkv, D, cap]`` (transposed,
+    the layout the score matmul reads) and V ``[n, Hkv, cap, D]``.
+
+    Owner: the torch-native backend; the pool stays the source of truth. A decode step of
+    exactly the previous step's requests (same req_to_token rows, each one token longer,
+    the same slots for every key already mirrored, and no extend forward in between)
+    appends the new token's K/V; any other forward rebuilds the copies from the pool
+    (the gather every step would do anyway) or, after an extend, drops them. Requests
+    with a common shared prefix (cascade) keep that prefix once (K^T ``[1, Hkv, D, P]``,
+    V ``[1, Hkv, P, D]``).
+    The copies take at most ``MIRROR_MAX_POOL_FRACTION`` of the pool's memory (at least
+    ``MIRROR_MIN_BUDGET_BYTES`` are allowed); a batch that would need more is served by
+    gathering from the pool every step.
+    """
+
+    def __init__(self) -> None:
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.prefix_k: list[torch.Tensor | None] = []
+        self.prefix_v: list[torch.Tensor | None] = []
+        self.prefix_packed: list[cpu_kernels.PackedPrefix | None] = []  # for cpu_kernels.prefix_attention
+        self.rows: torch.Tensor | None = None  # req_to_token rows of the mirrored requests, in batch order
+        self.own_lens: list[int] = []  # own keys mirrored per request (after the shared prefix)
+        self.own_slots: torch.Tensor | None = None  # int64 [n, W]: their pool slots (0-padded)
+        self.prefix_slots: torch.Tensor | None = None  # int64 [P]
+        self.cap = 0
+        self.num_layers = 0
+        self.layers_done = 0  # layers of the last planned forward whose copies are up to date
+
+    def reset(self) -> None:
+        """Forget the mirrored requests (buffers are dropped too: nothing may read them)."""
+        self.rows = self.own_slots = self.prefix_slots = None
+        self.own_lens = []
+        self.k, self.v, self.prefix_k, self.prefix_v, self.prefix_packed = [], [], [], [], []
+        self.layers_done = 0
+
+    def plan(self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int]) -> MirrorPlan | None:
+        """This decode forward's plan (records the state it leaves behind), or None when over budget."""
+        pool = batch.token_to_kv_pool
+        kv_loc = group.kv_loc
+        device = kv_loc.device
+        n = kv_loc.shape[0]
+        p = int(group.shared.loc.numel()) if group.shared is not None else 0
+        own_lens = [length - p for length in seq_lens]
+        width = max(own_lens)
+        own = kv_loc[:, p : p + width]
+        prefix_slots = kv_loc[0, :p]
+        num_layers = len(pool.k_buffer)
+        _, hkv, d = pool.k_buffer[0].shape
+        append = self._can_append(batch, own, own_lens, p, prefix_slots, num_layers, width)
+        if append:
+            mask = length_mask(own_lens, self.cap, device)
+            pos = torch.tensor(self.own_lens, dtype=torch.int64, device=device)  # the new key's index
+            result = MirrorPlan(False, width, p, None, None, pos, mask)
+        else:
+            cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
+            mask = length_mask(own_lens, cap, device)
+            buf = pool.k_buffer[0]
+            # (the prefix counted twice: a packed copy is kept for cpu_kernels.prefix_attention)
+            nbytes = 2 * num_layers * (n * cap + 2 * p) * hkv * d * buf.element_size()
+            pool_bytes = 2 * num_layers * buf.numel() * buf.element_size()
+            if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
+                self.reset()
+                return None
+            if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
+                self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
+            self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
+            self.prefix_packed = [None] * num_layers
+            self.cap = cap
+            result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, mask)
+        self.rows = batch.req_pool_indices.clone()
+        self.own_lens = own_lens
+        self.own_slots = own.clone()
+        self.prefix_slots = prefix_slots.clone()
+        self.num_layers = num_layers
+        self.layers_done = 0
+        return result
+
+    def _can_append(
+        self,
+        batch: ForwardBatch,
+        own: torch.Tensor,
+        own_lens: list[int],
+        p: int,
+        prefix_slots: torch.Tensor,
+        num_layers: int,
+        width: int,
+    ) -> bool:
+        if self.rows is None or self.own_slots is None or self.prefix_slots is None:
+            return False
+        if self.layers_done != self.num_layers or num_layers != self.num_layers or width > self.cap:
+            return False  # the last forward did not finish, or the copies are too small
+        if own_lens != [length + 1 for length in self.own_lens] or p != self.prefix_slots.numel():
+            return False
+        if not torch.equal(batch.req_pool_indices, self.rows) or not torch.equal(prefix_slots, self.prefix_slots):
+            return False
+        prev_w = self.own_slots.shape[1]
+        lens = torch.tensor(self.own_lens, dtype=torch.int64, device=own.device)
+        mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
+        return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
+
+    def packed_prefix(self, layer_id: int) -> cpu_kernels.PackedPrefix | None:
+        """Layer ``layer_id``'s shared prefix packed for ``cpu_kernels.prefix_attention``, if made."""
+        return self.prefix_packed[layer_id] if layer_id < len(self.prefix_packed) else None
+
+    def kernel_append(
+        self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> cpu_kernels.KeyAppend | None:
+        """An append step's new K/V as the decode kernel's job (it stores them while it reads
+        those rows anyway), when the kernel will run on this layer's copies and can store them;
+        else None and ``keys`` copies them."""
+        if plan.rebuild or plan.append_pos is None or layer_id >= len(self.k):
+            return None
+        dense_k, dense_v = self.k[layer_id], self.v[layer_id]
+        if dense_k is None or dense_v is None or not cpu_kernels.supports(qg, dense_k, dense_v, plan.mask):
+            return None
+        append = cpu_kernels.KeyAppend(k_new, v_new, plan.append_pos)
+        return append if cpu_kernels.append_supported(append, dense_k) else None
+
+    def keys(
+        self,
+        layer_id: int,
+        plan: MirrorPlan,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        defer_append: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Bring layer ``layer_id``'s copies up to date; ``(K^T, V, prefix)`` views for attention.
+
+        ``defer_append``: an append step leaves the new token's K/V for the caller to store
+        (the decode kernel does it while it reads those rows: ``kernel_append``).
+
+        K^T is ``[n, Hkv, D, cap]``, V ``[n, Hkv, cap, D]``: the whole buffers, keys past each
+        request's length masked by the plan (a narrower view would make the CPU batched matmul
+        copy its operand every call, which costs more than the masked columns). Prefix is
+        ``(K^T [1, Hkv, D, P], V [1, Hkv, P, D])`` or None.
+        """
+        n = plan.mask.shape[0] if plan.mask is not None else k_new.shape[0]
+        _, hkv, d = k_buf.shape
+        dense_k, dense_v = self.k[layer_id], self.v[layer_id]
+        if plan.rebuild:
+            if dense_k is None or dense_v is None:
+                # Zeroed, not empty: keys past a request's length are masked, but a NaN bit
+                # pattern there would still poison its softmax (NaN + -inf is NaN).
+                dense_k = torch.zeros(n, hkv, d, self.cap, dtype=k_buf.dtype, device=k_buf.device)
+                dense_v = torch.zeros(n, hkv, self.cap, d, dtype=k_buf.dtype, device=k_buf.device)
+                self.k[layer_id], self.v[layer_id] = dense_k, dense_v
+            assert plan.own_flat is not None and plan.prefix_loc is not None
+            w = plan.width
+            dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
+            dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
+            if plan.prefix_len:
+                k_pre, v_pre = k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
+                self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()
+                self.prefix_v[layer_id] = v_pre.unsqueeze(0).transpose(1, 2).contiguous()
+                if cpu_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
+                    self.prefix_packed[layer_id] = cpu_kernels.pack_prefix(k_pre, v_pre)
+        elif not defer_append:
+            assert dense_k is not None and dense_v is not None and plan.append_pos is not None
+            rows = torch.arange(n, device=dense_k.device)  # request b's new key goes to column append_pos[b]
+            dense_k[rows, :, :, plan.append_pos] = k_new.to(dense_k.dtype)
+            dense_v[rows, :, plan.append_pos] = v_new.to(dense_v.dtype)
+        assert dense_k is not None and dense_v is not None
+        self.layers_done += 1
+        prefix = None
+        if plan.prefix_len:
+            pk, pv = self.prefix_k[layer_id], self.prefix_v[layer_id]
+            assert pk is not None and pv is not None
+            prefix = (pk, pv)
+        return dense_k, dense_v, prefix
+
