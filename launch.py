@@ -286,7 +286,7 @@ class ServerProcess:
     (by default a temporary file, read back and removed at ``stop``)."""
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0, log_path: str | None = None) -> None:
+                 ready_timeout: float = 300.0, log_path: str | None = None, wait: bool = True) -> None:
         self.argv = list(argv)
         self._own_log = log_path is None  # a temporary log is read back and removed at stop
         self._log_text: str | None = None
@@ -304,9 +304,15 @@ class ServerProcess:
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()
-        if not self._ready.wait(ready_timeout):
+        if wait:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until the ready line (the constructor does unless ``wait=False``); on a
+        timeout or an early exit, stop the server and raise ServerStartError."""
+        if not self._ready.wait(timeout):
             self.stop()
-            raise ServerStartError(f"server not ready within {ready_timeout:.0f} s\n{self.log_tail()}")
+            raise ServerStartError(f"server not ready within {timeout:.0f} s\n{self.log_tail()}")
         if self.address is None:
             code = self.stop()
             raise ServerStartError(f"server exited with code {code} before it was ready\n{self.log_tail()}")

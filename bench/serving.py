@@ -1,4 +1,6 @@
-"""Online serving benchmark: drives a tinyserve server through the Python client.
+"""Online serving benchmark: drives a tinyserve server through the Python client
+(``--backend zmq``, the default) or its HTTP front door (``--backend http``: OpenAI
+``/v1/completions`` with token-id prompts, see bench/http_backend.py).
 
 Either point it at a running server (``--address tcp://HOST:PORT``) or let it start
 one (``--model-path DIR`` or ``--model bench|tiny``; every flag it does not know is
@@ -9,6 +11,10 @@ exactly ``max_new_tokens`` tokens; all at once by default, or as a Poisson proce
 
     python -m bench.serving --model bench --workload uniform shared-prefix --device cpu
     python -m bench.serving --address tcp://127.0.0.1:30000 --workload all --request-rate 8
+    python -m bench.serving --model bench --workload uniform --device cpu --backend http
+
+With ``--backend http`` and ``--address``, also give ``--http-address http://HOST:PORT``
+(control requests, flushing the cache and server info, still use the ZMQ address).
 
 Reports output and total tokens/s, TTFT and inter-token latency (p50, p99), request
 latency and the prefix-cache hit rate; prints a table, writes JSON (``--output``) and
@@ -127,14 +133,36 @@ def sampling_params(req: BenchRequest) -> dict[str, Any]:
     return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
+async def _send_http(client: Any, req: BenchRequest, stream: bool, rec: RequestRecord, start: float) -> None:
+    """One request through bench.http_backend.CompletionsClient (same figures as the ZMQ path)."""
+    if not stream:
+        done = await client.complete(req.input_ids, req.max_new_tokens)
+        rec.output_len, rec.cached_tokens = done.completion_tokens, done.cached_tokens
+        return
+    last = start
+    async for event in client.stream(req.input_ids, req.max_new_tokens):
+        now = time.perf_counter()
+        if event.choice:
+            if rec.ttft is None:
+                rec.ttft = now - start
+            else:
+                rec.itl.append(now - last)
+            last = now
+        else:  # the usage event after the last chunk
+            rec.output_len, rec.cached_tokens = event.completion_tokens, event.cached_tokens
+
+
 async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar: Any) -> RequestRecord:
+    from bench.http_backend import CompletionsClient, HttpError
     from runtime.client import RequestError
 
     rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
     start = time.perf_counter()
     rec.sent_at = start - t0
     try:
-        if stream:
+        if isinstance(client, CompletionsClient):
+            await _send_http(client, req, stream, rec, start)
+        elif stream:
             last = start
             async for chunk in client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req),
                                                stream=True):
@@ -154,7 +182,7 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
             rec.output_len = len(result["output_ids"])
             rec.cached_tokens = int(result["meta"].get("cached_tokens", 0))
         rec.latency = time.perf_counter() - start
-    except RequestError as exc:
+    except (RequestError, HttpError) as exc:
         rec.error = exc.code
     except Exception as exc:  # a benchmark reports a failure; it does not stop
         rec.error = type(exc).__name__
@@ -165,21 +193,31 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
 async def run_workload_async(address: str, workload: Workload, *, api_key: str | None = None,
                              request_rate: float = math.inf, max_concurrency: int | None = None,
                              stream: bool = True, seed: int = 0, timeout: float | None = None,
-                             show_progress: bool = True) -> tuple[list[RequestRecord], float]:
+                             show_progress: bool = True, backend: str = "zmq",
+                             model: str | None = None) -> tuple[list[RequestRecord], float]:
     """Send ``workload`` to the server; the request records and the wall time of the whole run.
 
-    Chains (multi-turn sessions) start at their arrival time; within a chain each
-    request is sent when the previous one finished.
+    ``address`` is the ZMQ address, or with ``backend="http"`` the HTTP one
+    (``http://HOST:PORT``; ``model`` is then the served model name). Chains (multi-turn
+    sessions) start at their arrival time; within a chain each request is sent when the
+    previous one finished.
     """
     from tqdm import tqdm
 
+    from bench.http_backend import CompletionsClient
     from runtime.client import AsyncClient
 
     chains = workload.chains()
     starts = arrival_times(len(chains), request_rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
-    async with AsyncClient(address, api_key=api_key, timeout=timeout) as client:
+    if backend == "http":
+        if model is None:
+            raise ValueError("backend 'http' needs the served model name")
+        opened: Any = contextlib.nullcontext(CompletionsClient(address, model, api_key))
+    else:
+        opened = AsyncClient(address, api_key=api_key, timeout=timeout)
+    async with opened as client:
         bar = tqdm(total=workload.num_requests, desc=workload.name, file=sys.stderr, leave=False,
                    disable=not show_progress, dynamic_ncols=True)
         t0 = time.perf_counter()
@@ -226,11 +264,17 @@ class ServerHandle:
     vocab_size: int | None
     server_args: dict[str, Any]
     started_here: bool
+    http_address: str | None = None
+
+    @property
+    def served_model_name(self) -> str | None:
+        return self.server_args.get("served_model_name") or self.model_path
 
 
 @contextlib.contextmanager
 def server_for(address: str | None, model_path: str | None, server_flags: Sequence[str], api_key: str | None,
-               pinning: Pinning | None, ready_timeout: float = 600.0) -> Iterator[ServerHandle]:
+               pinning: Pinning | None, ready_timeout: float = 600.0,
+               http_address: str | None = None) -> Iterator[ServerHandle]:
     """The server at ``address``, or one started with ``model_path`` + ``server_flags`` (stopped on exit).
 
     A started server inherits this process's cpu affinity and gets its thread count
@@ -241,7 +285,7 @@ def server_for(address: str | None, model_path: str | None, server_flags: Sequen
     if address is not None:
         with Client(address, api_key=api_key, timeout=60) as c:
             info = c.server_info()
-        yield _handle(address, api_key, info, started_here=False)
+        yield _handle(address, api_key, info, started_here=False, http_address=http_address)
         return
     from launch import launch_server
 
@@ -253,13 +297,14 @@ def server_for(address: str | None, model_path: str | None, server_flags: Sequen
     env = pinning.child_env() if pinning is not None else None
     with launch_server(argv, env=env, ready_timeout=ready_timeout, client_timeout=60) as c:
         info = c.server_info()
-        yield _handle(c.server.address, api_key, info, started_here=True)
+        yield _handle(c.server.address, api_key, info, started_here=True, http_address=c.server.http_address)
 
 
-def _handle(address: str, api_key: str | None, info: dict[str, Any], started_here: bool) -> ServerHandle:
+def _handle(address: str, api_key: str | None, info: dict[str, Any], started_here: bool,
+            http_address: str | None = None) -> ServerHandle:
     model = info.get("model", {})
     return ServerHandle(address, api_key, model.get("model_path"), model.get("vocab_size"),
-                        info.get("server_args", {}), started_here)
+                        info.get("server_args", {}), started_here, http_address)
 
 
 def flush_cache(address: str, api_key: str | None, attempts: int = 50) -> bool:
@@ -274,7 +319,7 @@ def flush_cache(address: str, api_key: str | None, attempts: int = 50) -> bool:
     return False
 
 
-def warm_up(address: str, api_key: str | None, workload: Workload, num: int) -> None:
+def warm_up(address: str, api_key: str | None, workload: Workload, num: int, **via: Any) -> None:
     """Send the workload's first ``num`` prompts (all when ``num < 0``) for 2 tokens each.
 
     The same prompt lengths and batch sizes as the measured run, so one-off costs that
@@ -284,7 +329,7 @@ def warm_up(address: str, api_key: str | None, workload: Workload, num: int) -> 
         return
     picked = workload.requests if num < 0 else workload.requests[:num]
     reqs = [BenchRequest(i, r.input_ids, min(r.max_new_tokens, 2), session=i) for i, r in enumerate(picked)]
-    run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False)
+    run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False, **via)
 
 
 def model_dims_dict(model_path: str | None) -> dict[str, int] | None:
@@ -297,26 +342,31 @@ def model_dims_dict(model_path: str | None) -> dict[str, int] | None:
 
 def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, request_rate: float,
                         max_concurrency: int | None, stream: bool, seed: int, warmup: int,
-                        timeout: float | None, flush: bool = True) -> list[dict[str, Any]]:
-    """Run each workload once against the server; one run record each."""
+                        timeout: float | None, flush: bool = True, backend: str = "zmq") -> list[dict[str, Any]]:
+    """Run each workload once against the server; one run record each. With
+    ``backend="http"`` the requests (warm-up included) go to the HTTP front door."""
     runs = []
     dims = model_dims_dict(handle.model_path)
+    if backend == "http" and handle.http_address is None:
+        raise SystemExit("--backend http needs the server's HTTP address (--http-address)")
+    target = handle.http_address if backend == "http" else handle.address
+    via = {"backend": backend, "model": handle.served_model_name}
     for wl in workloads:
-        warm_up(handle.address, handle.api_key, wl, warmup)
+        warm_up(target, handle.api_key, wl, warmup, **via)
         if flush and not flush_cache(handle.address, handle.api_key):
             print("warning: could not flush the prefix cache; the hit rate includes earlier runs", file=sys.stderr)
-        records, duration = run_workload(handle.address, wl, api_key=handle.api_key, request_rate=request_rate,
+        records, duration = run_workload(target, wl, api_key=handle.api_key, request_rate=request_rate,
                                          max_concurrency=max_concurrency, stream=stream, seed=seed,
-                                         timeout=timeout)
+                                         timeout=timeout, **via)
         runs.append({
             "kind": "serving",
-            "engine": ENGINE,
+            "engine": ENGINE if backend == "zmq" else f"{ENGINE}-{backend}",
             "workload": wl.spec(),
             "model": dims,
             "model_path": handle.model_path,
             "server_args": handle.server_args,
             "settings": {"request_rate": request_rate, "max_concurrency": max_concurrency, "stream": stream,
-                         "seed": seed, "warmup": warmup},
+                         "seed": seed, "warmup": warmup, "backend": backend},
             "metrics": summarize_run(records, duration),
             "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in records],
         })
@@ -422,6 +472,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         epilog="Any other flag (e.g. --device cpu --max-total-tokens 40000) is passed to launch.py.")
     parser.add_argument("--address", default=None, help="a running server (default: start one)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--backend", choices=("zmq", "http"), default="zmq",
+                        help="zmq: the Python client (default); http: OpenAI /v1/completions over HTTP")
+    parser.add_argument("--http-address", default=None,
+                        help="with --address and --backend http: the server's http://HOST:PORT")
     add_model_args(parser)
     add_workload_args(parser)
     g = parser.add_argument_group("load")
@@ -443,11 +497,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, server_flags = parse_args(argv)
     pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
     model_path = None if args.address else resolve_model_path(args)
-    with server_for(args.address, model_path, server_flags, args.api_key, pinning) as handle:
+    with server_for(args.address, model_path, server_flags, args.api_key, pinning,
+                    http_address=args.http_address) as handle:
         workloads = build_workloads(args, handle.model_path, handle.vocab_size)
         runs = benchmark_workloads(handle, workloads, request_rate=args.request_rate,
                                    max_concurrency=args.max_concurrency, stream=not args.no_stream,
-                                   seed=args.seed, warmup=args.warmup, timeout=args.timeout)
+                                   seed=args.seed, warmup=args.warmup, timeout=args.timeout,
+                                   backend=args.backend)
     for run in runs:
         run["machine"] = machine_info(pinning)
         if run["metrics"]["failed"]:

@@ -27,7 +27,7 @@ from runtime.messages import GenerateChunk, GenerateReq
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # What the server's names are called in the OpenAI schema (for error messages).
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt"}
 
 
 class BadRequest(Exception):

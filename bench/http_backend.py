@@ -1,0 +1,111 @@
+"""bench.serving's HTTP backend: OpenAI ``/v1/completions`` requests with token-id prompts.
+
+A small asyncio client on h11 (the HTTP/1.1 state machine uvicorn already depends on),
+one connection per request as sglang.bench_serving's aiohttp client opens them: the
+benchmark shares the CPU with the server, so the client should cost as little as the
+ZMQ one does (the openai SDK builds a pydantic object per stream event).
+
+A stream asks for ``stream_options.include_usage`` so that the token count comes from
+the server, whatever ``--stream-interval`` groups into one event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import h11
+
+
+@dataclass
+class Event:
+    """One stream event: a chunk of tokens (``choice``), or the final usage."""
+
+    choice: bool
+    finished: bool = False
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"HTTP {status} [{code}] {message}")
+        self.status = status
+        self.code = code
+
+
+class CompletionsClient:
+    """POST /v1/completions for bench requests (greedy, exactly ``max_new_tokens`` tokens)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
+        parts = urlsplit(base_url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.model = model
+        self.headers = [("Host", parts.netloc), ("Content-Type", "application/json")]
+        if api_key is not None:
+            self.headers.append(("Authorization", f"Bearer {api_key}"))
+
+    def body(self, input_ids: list[int], max_new_tokens: int, stream: bool) -> bytes:
+        body: dict[str, Any] = {"model": self.model, "prompt": input_ids, "max_tokens": max_new_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return json.dumps(body).encode()
+
+    async def _post(self, body: bytes) -> AsyncIterator[bytes]:
+        """The response body's pieces as they arrive; HttpError for a status other than 200."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        conn = h11.Connection(h11.CLIENT)
+        try:
+            writer.write(conn.send(h11.Request(method="POST", target="/v1/completions",
+                                               headers=[*self.headers, ("Content-Length", str(len(body)))])))
+            writer.write(conn.send(h11.Data(data=body)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            status, error = 0, b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    if status == 200:
+                        yield bytes(event.data)
+                    else:
+                        error += bytes(event.data)
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+            if status != 200:
+                err = json.loads(error or b"{}").get("error", {})
+                raise HttpError(status, str(err.get("code", status)), str(err.get("message", "")))
+        finally:
+            writer.close()
+
+    async def stream(self, input_ids: list[int], max_new_tokens: int) -> AsyncIterator[Event]:
+        buf = b""
+        async for piece in self._post(self.body(input_ids, max_new_tokens, stream=True)):
+            buf += piece
+            while b"\n\n" in buf:
+                line, buf = buf.split(b"\n\n", 1)
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise HttpError(200, str(data["error"].get("code")), str(data["error"].get("message")))
+                if data["choices"]:
+                    yield Event(choice=True, finished=data["choices"][0]["finish_reason"] is not None)
+                if data.get("usage"):
+                    usage = data["usage"]
+                    yield Event(choice=False, completion_tokens=usage["completion_tokens"],
+                                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+
+    async def complete(self, input_ids: list[int], max_new_tokens: int) -> Event:
+        raw = b"".join([piece async for piece in self._post(self.body(input_ids, max_new_tokens, stream=False))])
+        usage = json.loads(raw)["usage"]
+        return Event(choice=False, finished=True, completion_tokens=usage["completion_tokens"],
+                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
