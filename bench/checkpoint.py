@@ -1,4 +1,4 @@
-"""The benchmark checkpoint: a ~200M-parameter random Llama with a 32000-token BPE tokenizer.
+"""The benchmark checkpoints: random Llamas with one 32000-token BPE tokenizer.
 
 Benchmarks need a model big enough that the matmuls, not Python, dominate, and it
 must be buildable offline and identical on every machine so results are
@@ -8,6 +8,15 @@ pseudo-words that is large and varied enough for 32000 BPE merges.
 
     python -m bench.checkpoint            # builds (once) and prints the folder
     python -m bench.checkpoint --out-dir /tmp/bench-model
+    python -m bench.checkpoint --shape llama-8b --device cuda   # GPU-sized shapes (``SHAPES``)
+
+The default is the ~200M model CPU benchmarks use. ``--shape llama-1b`` / ``llama-8b``
+have Llama-3.2-1B's and Llama-3-8B's block shapes (hidden, layers, heads, MLP width,
+RoPE theta, tied or not) with the same tokenizer as the default, so the vocabulary is
+32000, not Llama-3's 128256: the served tokenizer must be able to decode every id the
+LM head can produce. Their weights are drawn on ``--device`` (a GPU draws 8B parameters
+in seconds; a CPU in fp32 would need 32 GB) and saved as bf16 shards; the tokenizer is
+copied from the default checkpoint's folder (built first when missing).
 
 The folder is cached under the tinyserve cache (``$TINYSERVE_CACHE``, else
 ``~/.cache/tinyserve``) and built atomically, so concurrent first uses are safe.
@@ -51,6 +60,8 @@ class BenchModelSpec:
     intermediate_size: int = 2816
     vocab_size: int = 32000
     max_positions: int = 4096
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
     corpus_lines: int = 120_000
     lexicon_size: int = 60_000
     seed: int = BENCH_SEED
@@ -60,6 +71,17 @@ class BenchModelSpec:
 
 
 BENCH_SPEC = BenchModelSpec()
+# GPU benchmark shapes: Llama-3.2-1B and Llama-3-8B blocks over the bench tokenizer's vocabulary.
+SHAPES: dict[str, BenchModelSpec] = {
+    "bench-200m": BENCH_SPEC,
+    "llama-1b": BenchModelSpec(name=f"bench-llama-1b-v{BENCH_MODEL_VERSION}", hidden_size=2048, num_layers=16,
+                               num_heads=32, num_kv_heads=8, intermediate_size=8192, max_positions=8192,
+                               rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-8b": BenchModelSpec(name=f"bench-llama-8b-v{BENCH_MODEL_VERSION}", hidden_size=4096, num_layers=32,
+                               num_heads=32, num_kv_heads=8, intermediate_size=14336, max_positions=8192,
+                               rope_theta=500000.0),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # ---------------------------------------------------------------------- corpus
 
@@ -124,8 +146,8 @@ def bench_llama_config(spec: BenchModelSpec, tokenizer_info: dict[str, int]) -> 
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_positions,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
+        rope_theta=spec.rope_theta,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer_info["bos_token_id"],
         eos_token_id=tokenizer_info["eos_token_id"],
         pad_token_id=tokenizer_info["pad_token_id"],
@@ -160,6 +182,48 @@ def build_bench_checkpoint(out_dir: str | Path | None = None, spec: BenchModelSp
     return build_once(final, lambda tmp: build_into(tmp, spec), "the benchmark checkpoint")
 
 
+def build_shaped_into(out: Path, spec: BenchModelSpec, tokenizer_dir: Path, device: str) -> Path:
+    """Weights of ``spec`` drawn on ``device`` (transformers' init, seeded), saved as bf16 shards
+    next to a copy of ``tokenizer_dir``'s tokenizer (its special-token ids go into the config)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tok) != spec.vocab_size:
+        raise ValueError(f"the tokenizer in {tokenizer_dir} has {len(tok)} tokens, the shape wants {spec.vocab_size}")
+    ids = json.loads((tokenizer_dir / "config.json").read_text()) if (tokenizer_dir / "config.json").is_file() else {}
+    info = {key: ids.get(key, getattr(tok, key)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir / name, out / name)
+    config = bench_llama_config(spec, info)
+    on_cuda = torch.device(device).type == "cuda"
+    with torch.random.fork_rng(devices=[torch.device(device).index or 0] if on_cuda else [], device_type="cuda"):
+        torch.manual_seed(spec.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="4GB")
+    logger.info("built %s (%s, drawn on %s) in %.1f s", out, spec.name, device, time.perf_counter() - t0)
+    return out
+
+
+def build_shaped_checkpoint(shape: str, out_dir: str | Path | None = None, device: str = "auto") -> Path:
+    """The checkpoint of ``SHAPES[shape]``, built on first use (cached like ``build_bench_checkpoint``)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    spec = SHAPES[shape]
+    if spec == BENCH_SPEC:
+        return build_bench_checkpoint(out_dir)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    final = Path(out_dir) if out_dir is not None else cache_root() / spec.name
+    tokenizer_dir = build_bench_checkpoint()
+    return build_once(final, lambda tmp: build_shaped_into(tmp, spec, tokenizer_dir, device), f"the {shape} checkpoint")
+
+
 def special_token_ids() -> range:
     """Ids of the special tokens (pad, bos, eos, roles): the first ones in every tokenizer built here."""
     return range(len(SPECIAL_TOKENS))
@@ -169,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=str, default=None,
                         help="build here instead of the tinyserve cache folder")
+    parser.add_argument("--shape", choices=list(SHAPES), default="bench-200m",
+                        help="model shape (default bench-200m, the CPU benchmarks' model)")
+    parser.add_argument("--device", default="auto",
+                        help="where llama-1b/llama-8b weights are drawn: auto (cuda when available), cuda, cpu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    print(build_bench_checkpoint(args.out_dir))
+    print(build_shaped_checkpoint(args.shape, args.out_dir, args.device))
     return 0
 
 

@@ -105,6 +105,18 @@ def machine_info(pinning: Pinning | None = None) -> dict[str, Any]:
     return info
 
 
+def device_sync(device: Any) -> None:
+    """Wait for the work queued on ``device`` (a no-op on cpu, where ops finish before returning).
+
+    GPU timings need it on both ends of the measured region: launches return at once.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ---------------------------------------------------------------------- statistics
 
 

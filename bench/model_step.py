@@ -15,15 +15,22 @@ each against ``matmul``: the same step's linear layers (qkv, o, gate_up, down pe
 layer, plus the LM head on the sampled rows) as bare matmuls on the model's own weights
 (prepacked where the model uses prepacked weights). ``model / matmul`` is the overhead factor the rest of the step adds
 (attention, norms, rotary, gathers, the sampler, Python). Every figure is the median
-(and min) of ``--repeat`` timings, per step; ``--profile`` prints torch.profiler's top ops.
+(and min) of ``--repeat`` timings, per step; ``--profile`` prints torch.profiler's top ops
+and the launches per step (on cuda: kernel and CUDA-graph launches, what graphs cut; on
+cpu: torch ops).
 
-    python -m bench.model_step                       # all three scenarios, 64 requests
+``--device cuda`` runs the model on the GPU (decode through CUDA graphs unless
+``--disable-cuda-graph``), timed with a device sync around each measurement.
+
+    python -m bench.model_step                       # all scenarios, 64 requests
     python -m bench.model_step --scenario decode --profile
+    python -m bench.model_step --device cuda --model-path DIR --scenario decode --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -34,7 +41,7 @@ from typing import Any, Callable, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import pin_threads, print_table
+from bench.common import device_sync, pin_threads, print_table
 
 SCENARIOS = ("prefill", "decode", "shared", "shared-decode")
 
@@ -186,13 +193,14 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
 
     model = runner.model
     hidden = model.config.hidden_size
-    x = torch.randn(tokens, hidden, dtype=runner.dtype)
+    on = dict(dtype=runner.dtype, device=runner.device)
+    x = torch.randn(tokens, hidden, **on)
     layers = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
-    o_in = torch.randn(tokens, layers[0][1].weight.shape[1], dtype=runner.dtype)
-    d_in = torch.randn(tokens, layers[0][3].weight.shape[1], dtype=runner.dtype)
+    o_in = torch.randn(tokens, layers[0][1].weight.shape[1], **on)
+    d_in = torch.randn(tokens, layers[0][3].weight.shape[1], **on)
     head = model.lm_head
     xs = x[:sampled]
 
@@ -207,7 +215,9 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
 
 
 def time_calls(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> list[float]:
+               clock: Callable[[], float] = time.perf_counter,
+               sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds per call; ``sync`` waits for queued device work (before the clock starts and stops)."""
     import torch
 
     times: list[float] = []
@@ -216,8 +226,10 @@ def time_calls(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | No
         fn() if setup is None else fn(arg)  # warm-up
         for _ in range(repeat):
             arg = setup() if setup else None
+            sync()
             t0 = clock()
             fn() if setup is None else fn(arg)
+            sync()
             times.append(clock() - t0)
     return times
 
@@ -227,20 +239,52 @@ def run_batches(runner: Any, batches: list[Any]) -> None:
         runner.forward(batch)
 
 
-def profile_step(runner: Any, make: Callable[[], Any], rows: int = 25) -> None:
+# Runtime-API events that start GPU work: one per kernel launched eagerly, one per graph replayed.
+KERNEL_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch",)
+
+
+def launches_per_step(counts: dict[str, int], steps: int, device_type: str) -> dict[str, float]:
+    """Launches per step from profiler event counts (name -> calls) over ``steps`` steps.
+
+    On cuda: kernel launches and graph launches (a replayed graph is one launch however
+    many kernels it holds). On cpu there are no launches; torch ops (``aten::``, at every
+    nesting level) are the nearest count of per-op dispatch work.
+    """
+    if device_type == "cuda":
+        return {"kernel_launches": sum(counts.get(n, 0) for n in KERNEL_LAUNCH_EVENTS) / steps,
+                "graph_launches": sum(counts.get(n, 0) for n in GRAPH_LAUNCH_EVENTS) / steps}
+    return {"torch_ops": sum(c for n, c in counts.items() if n.startswith("aten::")) / steps}
+
+
+def profile_step(runner: Any, make: Callable[[], Any], rows: int = 25) -> dict[str, float]:
+    """Print the top ops of one timed run and the launches per step; returns the latter."""
     from torch.profiler import ProfilerActivity, profile
 
+    on_cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     run_batches(runner, make())
     batches = make()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    device_sync(runner.device)
+    with profile(activities=activities, record_shapes=True) as prof:
         run_batches(runner, batches)
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows))
+        device_sync(runner.device)
+    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows))
+    counts = {e.key: e.count for e in prof.key_averages()}
+    per_step = launches_per_step(counts, len(batches), runner.device.type)
+    print("per step: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in per_step.items()))
+    return per_step
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="checkpoint folder (default: the bench checkpoint)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="cuda: decode eagerly")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="cuda: largest captured decode batch")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--batch", type=int, default=64)
@@ -265,19 +309,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     path = args.model_path or str(build_bench_checkpoint())
     t0 = time.perf_counter()
-    runner = ModelRunner(path, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend,
+    runner = ModelRunner(path, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                          max_total_tokens=args.batch * (args.shared_context + args.context + 2 * args.decode_steps)
                          + 1024,
-                         max_running_requests=2 * args.batch + 2, load_progress=False)
-    print(f"ModelRunner ready in {time.perf_counter() - t0:.2f}s ({runner.attention_backend_name}, {runner.dtype})")
+                         max_running_requests=2 * args.batch + 2, load_progress=False,
+                         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs)
+    graphs = getattr(runner, "graph_runner", None)
+    print(f"ModelRunner ready in {time.perf_counter() - t0:.2f}s ({runner.device}, {runner.attention_backend_name}, "
+          f"{runner.dtype}, {graphs.summary() if graphs is not None else 'no cuda graphs'})")
+    sync = functools.partial(device_sync, runner.device)
     driver = StepDriver(runner)
     rows: list[dict[str, Any]] = []
     for name in args.scenario:
         make, tokens, sampled = scenario_batches(driver, name, args)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         steps = len(make())
-        model_t = [t / steps for t in time_calls(lambda b: run_batches(runner, b), args.repeat, setup=make, clock=clock)]
-        mm_t = time_calls(matmul_step(runner, tokens, sampled), args.repeat, clock=clock)
+        model_t = [t / steps for t in time_calls(lambda b: run_batches(runner, b), args.repeat, setup=make, clock=clock,
+                                                 sync=sync)]
+        mm_t = time_calls(matmul_step(runner, tokens, sampled), args.repeat, clock=clock, sync=sync)
         med_m, med_mm = statistics.median(model_t), statistics.median(mm_t)
         rows.append({"scenario": name, "tokens": tokens, "model_ms": med_m * 1e3, "model_min_ms": min(model_t) * 1e3,
                      "matmul_ms": med_mm * 1e3, "matmul_min_ms": min(mm_t) * 1e3, "ratio": med_m / med_mm,

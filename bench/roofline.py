@@ -16,8 +16,15 @@ prefill batch token count and at the decode batch size, the LM head at the decod
 batch size, and attention as batched matmuls at the average context. The fraction
 reported is roofline time / measured time (1.0 = as fast as the matmuls alone).
 
+Two device-wide rates are measured too (on cuda as on cpu): the copy bandwidth (bytes
+read + written per second by one large ``copy_``) and the bf16 rate of one large square
+GEMM. The first gives ``decode_memory_s``, the least time decode can take if every step
+streams the weights once and every generated token reads its request's KV once; the
+second is the compute ceiling the per-shape rates are measured against.
+
     python -m bench.roofline bench/results/serving_uniform_*.json
     python -m bench.roofline --model-path DIR --workload uniform   # the roofline alone
+    python -m bench.roofline --device cuda --model-path DIR --workload uniform
 """
 
 from __future__ import annotations
@@ -34,10 +41,14 @@ from typing import Any, Callable
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import default_output_path, pin_threads, print_table, read_json, write_json
+from bench.common import default_output_path, device_sync, pin_threads, print_table, read_json, write_json
 from bench.workloads import Workload, from_spec, make_workload, prefix_tree_stats
 
 DEFAULT_PREFILL_CHUNK = 8192  # the server's default --chunked-prefill-size
+# Sizes of the device-wide measurements: past any last-level cache, and a GEMM big enough
+# to reach the device's peak (an H100 needs thousands per side; a CPU core count's worth less).
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
+PEAK_GEMM_SIZE = {"cuda": 8192, "cpu": 2048}
 ROTATE_BYTES = 256 << 20  # weights cycled per measured shape: more than any CPU/GPU last-level cache
 MAX_WEIGHT_COPIES = 64
 
@@ -202,10 +213,29 @@ class MatmulMeter:
         self.cache: dict[tuple[Any, ...], float] = {}
         # per linear shape: (F.linear GFLOPS, oneDNN-prepacked GFLOPS or None where unavailable)
         self.linear_methods: dict[tuple[Any, ...], tuple[float, float | None]] = {}
+        self.device_rates: dict[str, float] = {}
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
+        device_sync(self.device)
+
+    def copy_gbps(self, nbytes: int | None = None) -> float:
+        """Memory bandwidth as one ``dst.copy_(src)`` of ``nbytes`` achieves it (read + written, GB/s)."""
+        if "copy_gbps" not in self.device_rates:
+            n = nbytes or COPY_BYTES.get(self.device.type, COPY_BYTES["cpu"])
+            src = self.torch.ones(n, dtype=self.torch.uint8, device=self.device)
+            dst = self.torch.empty_like(src)
+            sec = time_op(lambda: dst.copy_(src), self._sync, self.min_time_s)
+            self.device_rates["copy_bytes"] = float(n)
+            self.device_rates["copy_gbps"] = 2.0 * n / sec / 1e9
+        return self.device_rates["copy_gbps"]
+
+    def peak_gemm_gflops(self, size: int | None = None) -> float:
+        """The dtype's rate on one ``size``-cubed GEMM: the compute ceiling of this device."""
+        if "peak_gemm_gflops" not in self.device_rates:
+            n = size or PEAK_GEMM_SIZE.get(self.device.type, PEAK_GEMM_SIZE["cpu"])
+            self.device_rates["peak_gemm_size"] = float(n)
+            self.device_rates["peak_gemm_gflops"] = self.linear_gflops(n, n, n)
+        return self.device_rates["peak_gemm_gflops"]
 
     def _copies(self, nbytes: int) -> int:
         """Weight copies to rotate through so each call reads them from memory, not cache."""
@@ -310,7 +340,16 @@ def roofline(dims: ModelDims, work: WorkCount, meter: MatmulMeter) -> dict[str, 
         seconds["attention_decode"] += per_key * work.decode_shared_keys / (g * 1e9)
     total = sum(seconds.values())
     return {"flops": flops, "seconds": {**seconds, "total": total}, "gflops_measured": rates,
-            "roofline_gflops": flops["total"] / total / 1e9 if total else math.nan}
+            "roofline_gflops": flops["total"] / total / 1e9 if total else math.nan,
+            "decode_memory_s": decode_bytes(dims, work, meter.dtype.itemsize) / (meter.copy_gbps() * 1e9)}
+
+
+def decode_bytes(dims: ModelDims, work: WorkCount, elem_bytes: int) -> float:
+    """Bytes decode must move at least: the weights once per step, each token's KV keys once."""
+    steps = math.ceil(work.decode_tokens / work.decode_batch) if work.decode_tokens else 0
+    weights = (dims.block_params + dims.lm_head_params) * elem_bytes
+    kv_per_key = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem_bytes
+    return float(steps * weights + work.decode_keys * kv_per_key)
 
 
 def evaluate_run(run: dict[str, Any], meter: MatmulMeter, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
@@ -330,6 +369,7 @@ def evaluate_run(run: dict[str, Any], meter: MatmulMeter, prefill_chunk: int = D
         "roofline_gflops": roof["roofline_gflops"],
         "roofline_s": roof["seconds"]["total"],
         "fraction": roof["seconds"]["total"] / duration if duration > 0 else math.nan,
+        "decode_memory_s": roof["decode_memory_s"],
         "work": work.as_dict(),
         "roofline": roof,
     }
@@ -342,7 +382,8 @@ def runs_in(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 ROOF_COLUMNS = [("engine", "engine"), ("workload", "workload"), ("duration_s", "time s"),
                 ("useful_gflop", "useful GFLOP"), ("achieved_gflops", "achieved GFLOPS"),
-                ("roofline_gflops", "roofline GFLOPS"), ("roofline_s", "roofline s"), ("fraction", "fraction")]
+                ("roofline_gflops", "roofline GFLOPS"), ("roofline_s", "roofline s"), ("fraction", "fraction"),
+                ("decode_memory_s", "decode memory s")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="largest prefill batch (the server's --chunked-prefill-size)")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds to time each shape")
+    parser.add_argument("--copy-bytes", type=int, default=None,
+                        help="bytes per bandwidth copy (default 1 GiB on cuda, 256 MiB on cpu)")
+    parser.add_argument("--peak-gemm-size", type=int, default=None,
+                        help="side of the peak-rate GEMM (default 8192 on cuda, 2048 on cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per allowed cpu)")
     parser.add_argument("--output", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
@@ -366,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     meter = MatmulMeter(device, args.dtype, args.min_time)
+    meter.copy_gbps(args.copy_bytes)
+    meter.peak_gemm_gflops(args.peak_gemm_size)
     rows: list[dict[str, Any]] = []
     if args.results:
         for path in args.results:
@@ -377,8 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         roof = roofline(dims, work, meter)
         rows.append({"engine": "-", "workload": args.workload, "useful_gflop": roof["flops"]["total"] / 1e9,
                      "roofline_gflops": roof["roofline_gflops"], "roofline_s": roof["seconds"]["total"],
-                     "work": work.as_dict(), "roofline": roof})
+                     "decode_memory_s": roof["decode_memory_s"], "work": work.as_dict(), "roofline": roof})
     print_table(rows, ROOF_COLUMNS, title=f"roofline ({device}, {args.dtype})", digits=3)
+    r = meter.device_rates
+    print_table([{"copy": r["copy_gbps"], "gemm": r["peak_gemm_gflops"], "size": int(r["peak_gemm_size"])}],
+                [("copy", "copy GB/s (read + write)"), ("gemm", f"{args.dtype} GEMM GFLOPS"), ("size", "GEMM side")],
+                title=f"device rates ({device})")
     rates = [{"shape": f"{key[0]} {'x'.join(map(str, key[1:]))}", "gflops": g,
               "plain": meter.linear_methods.get(key, (None, None))[0],
               "packed": meter.linear_methods.get(key, (None, None))[1]} for key, g in meter.cache.items()]
@@ -387,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                 title="measured matmul rates (linear: the faster of F.linear and oneDNN-prepacked weights)")
     out = write_json(args.output or default_output_path("roofline", device), {"kind": "roofline", "device": device,
                                                                              "dtype": args.dtype, "rows": rows,
-                                                                             "rates": rates})
+                                                                             "rates": rates,
+                                                                             "device_rates": meter.device_rates})
     print(f"\nwrote {out}")
     return 0
 

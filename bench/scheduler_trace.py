@@ -9,6 +9,10 @@ into prefill and decode time.
 
     python -m bench.scheduler_trace --workload uniform
     python -m bench.scheduler_trace --workload shared-prefix --steps      # plus one line per step
+    python -m bench.scheduler_trace --device cuda --model-path DIR --workload uniform
+
+On cuda each forward is followed by a device sync so that its model time is the GPU's
+(the server overlaps that wait with scheduling; here it is measured apart).
 
 Like serving.py, each workload is first sent once for 2 tokens (warm-up), then the
 prefix cache is flushed, then the workload is submitted all at once and timed.
@@ -25,7 +29,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import pin_threads, print_table
+from bench.common import device_sync, pin_threads, print_table
+from bench.serving import add_workload_args, build_workloads
 
 
 class TracingRunner:
@@ -41,6 +46,7 @@ class TracingRunner:
     def forward(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         out = self.runner.forward(batch, *args, **kwargs)
+        device_sync(self.runner.device)
         mode = "decode" if batch.forward_mode.is_decode() else "prefill"
         self.calls.append((mode, batch.batch_size, batch.num_tokens, time.perf_counter() - t0))
         return out
@@ -87,18 +93,20 @@ def summarize_steps(name: str, duration: float, steps: list[dict[str, Any]], out
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="checkpoint folder (default: the bench checkpoint)")
-    parser.add_argument("--workload", nargs="+", default=["uniform"])
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", action="store_true", help="print one line per step")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a ServerArgs field, e.g. max_prefill_tokens=4096 (repeatable)")
+                        help="a ServerArgs field, e.g. max_prefill_tokens=4096 or disable_cuda_graph=1 "
+                             "(repeatable)")
+    add_workload_args(parser)
     args = parser.parse_args(argv)
 
     pin_threads(args.threads)
     from bench.checkpoint import build_bench_checkpoint
-    from bench.workloads import make_workload
     from runtime.args import ServerArgs
     from scheduler_proc.scheduler import Scheduler
 
@@ -106,15 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     for item in args.server_arg:
         key, _, value = item.partition("=")
-        overrides[key] = type(getattr(ServerArgs(), key))(value) if getattr(ServerArgs(), key) is not None else int(value)
-    server_args = ServerArgs(model_path=path, device="cpu", dtype=args.dtype, **overrides)
+        default = getattr(ServerArgs(), key)
+        if isinstance(default, bool):  # bool("0") is True: spell booleans out
+            overrides[key] = value.lower() in ("1", "true", "yes")
+        else:
+            overrides[key] = type(default)(value) if default is not None else int(value)
+    server_args = ServerArgs(model_path=path, device=args.device, dtype=args.dtype, **overrides)
     sched = Scheduler(server_args)
     tracer = TracingRunner(sched.runner)
-    sched.runner = tracer
-    sched.builder.runner = tracer
+    for owner in (sched, sched.builder, getattr(sched, "worker", None)):  # whoever calls forward
+        if owner is not None and hasattr(owner, "runner"):
+            owner.runner = tracer
     rows = []
-    for name in args.workload:
-        wl = make_workload(name)
+    for wl in build_workloads(args, path):
+        name = wl.name
         if not args.no_warmup:
             run_once(sched, tracer, wl, max_new=2)
             sched.control("flush_cache")

@@ -290,3 +290,94 @@ def test_cpu_prefill_attention_bench_times_every_path(tmp_path: Path, capsys: py
     assert all(row["shape"] == "2x16" and row["ms"] > 0 for row in rows)
     assert next(row for row in rows if row["path"] == "matmul path")["vs_matmul"] == 1.0
     assert "speed-up vs matmul path" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- GPU benchmark support, run on CPU
+
+
+def test_gpu_shapes_have_the_llama_block_dims() -> None:
+    from bench.checkpoint import SHAPES
+
+    one, eight = SHAPES["llama-1b"], SHAPES["llama-8b"]
+    assert (one.hidden_size, one.num_layers, one.num_heads, one.num_kv_heads, one.intermediate_size) == (
+        2048, 16, 32, 8, 8192)
+    assert (eight.hidden_size, eight.num_layers, eight.num_heads, eight.num_kv_heads, eight.intermediate_size) == (
+        4096, 32, 32, 8, 14336)
+    assert one.vocab_size == eight.vocab_size == BENCH_SPEC.vocab_size  # the bench tokenizer's: every id decodes
+    assert one.tie_word_embeddings and not eight.tie_word_embeddings
+    dims = roofline.ModelDims(4096, 32, 32, 8, 128, 14336, eight.vocab_size)
+    assert 6.9e9 < dims.block_params < 7.0e9  # Llama-3-8B's blocks; its 128256-token head is not modelled
+
+
+def test_shaped_checkpoint_is_drawn_on_the_device_and_serves(
+    tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import checkpoint
+    from harness import Harness
+    from runtime.model_runner import ModelRunner
+
+    vocab = json.loads((tiny_llama_path / "config.json").read_text())["vocab_size"]
+    spec = BenchModelSpec(name="t", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                          vocab_size=vocab, max_positions=128, rope_theta=500000.0, tie_word_embeddings=True)
+    monkeypatch.setitem(checkpoint.SHAPES, "tiny-test", spec)
+    monkeypatch.setattr(checkpoint, "build_bench_checkpoint", lambda out_dir=None: tiny_llama_path)  # its tokenizer
+    out = tmp_path / "shaped"
+    assert checkpoint.main(["--shape", "tiny-test", "--out-dir", str(out), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (32, 2, vocab)
+    assert cfg["tie_word_embeddings"] and cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta")) == 5e5
+    assert (out / "tokenizer.json").read_bytes() == (tiny_llama_path / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="tokens"):
+        checkpoint.build_shaped_into(tmp_path / "bad", BenchModelSpec(vocab_size=vocab + 1), tiny_llama_path, "cpu")
+    runner = ModelRunner(out, device="cpu", dtype="float32", max_total_tokens=256, load_progress=False)
+    assert len(Harness(runner).generate([[5, 6, 7]], max_new_tokens=3)[0].output_ids) == 3
+
+
+def test_launch_counts_per_step() -> None:
+    from bench.model_step import launches_per_step
+
+    counts = {"cudaLaunchKernel": 30, "cuLaunchKernel": 10, "cudaGraphLaunch": 4, "aten::mm": 8, "aten::add": 4}
+    assert launches_per_step(counts, 4, "cuda") == {"kernel_launches": 10.0, "graph_launches": 1.0}
+    assert launches_per_step(counts, 4, "cpu") == {"torch_ops": 3.0}
+
+
+def test_model_step_runs_on_a_device_and_profiles(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import model_step
+
+    assert model_step.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
+                            "--scenario", "decode", "--batch", "2", "--context", "6", "--decode-steps", "2",
+                            "--repeat", "1", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "ModelRunner ready" in out and "(cpu," in out and "no cuda graphs" in out
+    per_step = [line for line in out.splitlines() if line.startswith("per step: torch ops")]
+    assert per_step and float(per_step[0].split()[-1]) > 0
+    assert any(line.split()[:1] == ["decode"] for line in out.splitlines())
+
+
+def test_scheduler_trace_takes_a_device(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import scheduler_trace
+
+    assert scheduler_trace.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
+                                 "--workload", "uniform", "--num-requests", "3", "--max-new-tokens", "3",
+                                 "--workload-arg", "prompt_len=5", "--no-warmup", "--steps"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["uniform"])
+    decodes = int(row[6])
+    assert decodes >= 2  # 3 tokens per request: one from the prefill, then two decode steps at least
+
+
+def test_roofline_measures_copy_bandwidth_and_peak_gemm(tiny_llama_path: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "roof.json"
+    assert roofline.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
+                          "--workload", "uniform", "--min-time", "0", "--copy-bytes", str(1 << 20),
+                          "--peak-gemm-size", "64", "--output", str(out)]) == 0
+    data = read_json(out)
+    rates = data["device_rates"]
+    assert rates["copy_gbps"] > 0 and rates["peak_gemm_gflops"] > 0 and rates["peak_gemm_size"] == 64
+    row = data["rows"][0]
+    work = roofline.WorkCount(**row["work"])
+    dims = roofline.ModelDims.from_path(tiny_llama_path)
+    assert row["decode_memory_s"] == pytest.approx(roofline.decode_bytes(dims, work, 4) / (rates["copy_gbps"] * 1e9))
+    assert "device rates (cpu)" in capsys.readouterr().out
