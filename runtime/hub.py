@@ -30,17 +30,17 @@ def resolve_hub_path(repo_id: str, revision: str | None = None, need_weights: bo
     safetensors weights (``need_weights``)."""
     try:
         import huggingface_hub
-        from huggingface_hub import errors
+        from huggingface_hub import constants, errors
     except ImportError:  # pragma: no cover - a declared dependency
         raise HubError(f"{repo_id!r} looks like a hub id, but huggingface_hub is not installed") from None
     where = f"{repo_id}" + (f" (revision {revision})" if revision else "")
-    cache = huggingface_hub.constants.HF_HUB_CACHE
+    cache = constants.HF_HUB_CACHE
     try:
         path = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
     except errors.LocalEntryNotFoundError as exc:
         if type(exc).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x: a partial snapshot
             raise HubError(f"{where}: {exc}") from exc
-        if huggingface_hub.constants.HF_HUB_OFFLINE:
+        if constants.HF_HUB_OFFLINE:
             reason = "HF_HUB_OFFLINE is set"
         else:
             reason = "the hub could not be reached"
