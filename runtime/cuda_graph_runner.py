@@ -8,8 +8,9 @@ graph replays all of them with one launch.
 How (SGLang's design, our code):
 
 - Batch sizes ``1, 2, 4, 8, 16, 24, 32, ...`` up to the largest (``--cuda-graph-max-bs``,
-  at most ``max_running_requests``), or the ``--cuda-graph-bs`` list. A batch runs in the
-  graph of the next captured size; the rows past its own are padding.
+  at most ``max_running_requests``, halved while capture runs out of memory), or the
+  ``--cuda-graph-bs`` list. A batch runs in the graph of the next captured size; the rows
+  past its own are padding.
 - The graphs read fixed input buffers (``_StaticInputs``): a replay copies the batch into
   them. Padded rows are requests of length 1 in request row 0 whose token goes to KV slot 0,
   the pool's padding slot: they write nowhere else, and their logits are cut off.
@@ -227,12 +228,24 @@ def setup_cuda_graphs(
     if not sizes:
         logger.info("cuda graphs off: no batch size in %s is <= %d", list(batch_sizes or []), limit)
         return None
-    runner = CudaGraphRunner(model_runner, sizes, replay)
-    try:
-        runner.capture()
-        check = self_check(model_runner, runner)
-    except RuntimeError as exc:  # capture errors, out of memory: the eager path still works
-        check = SelfCheckResult(False, f"capture failed: {exc}")
+    while True:
+        runner = CudaGraphRunner(model_runner, sizes, replay)
+        try:
+            runner.capture()
+            check = self_check(model_runner, runner)
+        except torch.OutOfMemoryError as exc:  # "or what fits": halve the largest size and retry
+            runner.release()
+            smaller = [b for b in sizes if b <= sizes[-1] // 2]
+            if not smaller:
+                check = SelfCheckResult(False, f"out of memory capturing batch size {sizes[-1]}: {exc}")
+                break
+            logger.warning("out of memory capturing decode batches up to %d: retrying up to %d", sizes[-1],
+                           smaller[-1])
+            sizes = smaller
+            continue
+        except RuntimeError as exc:  # an op that cannot be captured, a CUDA error: eager still works
+            check = SelfCheckResult(False, f"capture failed: {exc}")
+        break
     if not _agreed_on_every_rank(model_runner, check.ok):
         runner.release()
         logger.warning("cuda graph self-check failed (%s): serving eager", check.detail)

@@ -174,6 +174,29 @@ def test_capture_error_falls_back_to_eager(
     assert "capture failed: operation not permitted" in caplog.text
 
 
+def test_out_of_memory_captures_what_fits(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Capture that runs out of memory retries with the largest size halved (16 -> 8 -> 4 here)."""
+    inner = cgr.CudaGraphRunner.capture
+
+    def capture(self: cgr.CudaGraphRunner) -> None:
+        if self.max_bs > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        inner(self)
+
+    monkeypatch.setattr(cgr.CudaGraphRunner, "capture", capture)
+    with caplog.at_level(logging.INFO, logger="runtime.cuda_graph_runner"):
+        graphs = cgr.setup_cuda_graphs(runner, replay="eager")  # default sizes up to max_running_requests 16
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4]
+    assert "retrying up to 8" in caplog.text and "retrying up to 4" in caplog.text
+    monkeypatch.setattr(cgr.CudaGraphRunner, "capture", lambda self: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory")))
+    with caplog.at_level(logging.WARNING, logger="runtime.cuda_graph_runner"):
+        assert cgr.setup_cuda_graphs(runner, replay="eager") is None
+    assert "out of memory capturing batch size 1" in caplog.text and "serving eager" in caplog.text
+
+
 def test_unsupported_setups_say_why(tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     native = _runner(tiny_llama_path, backend="torch_native")
     with caplog.at_level(logging.INFO, logger="runtime.cuda_graph_runner"):
