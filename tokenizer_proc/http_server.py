@@ -331,19 +331,16 @@ def build_app(http: HttpServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        http.authorize(request)
-        body: oai.CompletionRequest = await _body(request, oai.CompletionRequest)
-        http.check_model(body.model)
-        return await openai_generate(request, body, "completion")
+        return await openai_generate(request, oai.CompletionRequest, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        http.authorize(request)
-        body: oai.ChatCompletionRequest = await _body(request, oai.ChatCompletionRequest)
-        http.check_model(body.model)
-        return await openai_generate(request, body, "chat")
+        return await openai_generate(request, oai.ChatCompletionRequest, "chat")
 
-    async def openai_generate(request: Request, body: Any, kind: oai.Kind) -> Response:
+    async def openai_generate(request: Request, schema: type[BaseModel], kind: oai.Kind) -> Response:
+        http.authorize(request)
+        body: Any = await _body(request, schema)
+        http.check_model(body.model)
         run = await http.start(body.generate_reqs())
         assert http.logprobs is not None
         reply = OpenAIReply(kind, body, run.n, http.model_name, http.logprobs)
