@@ -225,7 +225,8 @@ class Supervisor:
 def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     """Local folders for --model-path and --tokenizer-path, made once here before any child
     looks for them: the embedded default model is built, hub ids are fetched (HubError when
-    that fails). The served model name defaults to --model-path as given."""
+    that fails). The served model name defaults to --model-path as given (for the embedded
+    model, its folder's name: tiny-llama-v1)."""
     sa = server_args
     served = sa.served_model_name
     model_path = sa.resolved_model_path()  # builds the embedded default model when unset
@@ -235,7 +236,8 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     if tokenizer_path is not None and is_hub_id(tokenizer_path):
         tokenizer_path = resolve_hub_path(tokenizer_path, sa.revision, need_weights=False)
     return dataclasses.replace(sa, model_path=model_path, tokenizer_path=tokenizer_path,
-                               served_model_name=served if served is not None else (sa.model_path or model_path))
+                               served_model_name=served if served is not None
+                               else sa.model_path or os.path.basename(model_path))
 
 
 def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
