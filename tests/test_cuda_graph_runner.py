@@ -64,12 +64,12 @@ def runner(tiny_llama_path: Path) -> ModelRunner:
 
 
 def test_eager_replay_greedy_equals_plain_eager(runner: ModelRunner) -> None:
-    """Batch sizes on and between captured sizes (3 -> 4, 5 -> 8): same tokens as without the runner."""
+    """Batch sizes on and between captured sizes (1, 3 -> 4, 5 -> 8): same tokens as without the runner."""
     graphs = cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager")
     assert graphs is not None and graphs.batch_sizes == SIZES
     spy = ReplaySpy(graphs)
     harness = Harness(runner)
-    for bs in (1, 3, 5, 8):
+    for bs in (1, 3, 5):
         harness.reset()
         runner.graph_runner = None
         expected = [r.output_ids for r in harness.generate(_prompts(bs), max_new_tokens=4)]
