@@ -22,15 +22,15 @@ from runtime.attention.registry import (
     get_attention_backend_class,
     resolve_attention_backend_name,
 )
-from runtime.cpu.host_memory import cpu_mem_available_bytes, keep_freed_memory_in_process
-from runtime.cpu.prepacked import prepack_model
+from runtime.cpu.host_memory import cpu_mem_available_bytes
 from runtime.cuda_graph_runner import CudaGraphRunner, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group
-from runtime.layers.sampler import Sampler, greedy_argmax
+from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class
+from runtime.ops import DeviceOps, get_ops
 from runtime.weight_loader import load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class ModelRunner:
             # The Triton interpreter gets bf16 math wrong: run interpreted kernels in fp32.
             dtype = "float32"
         self.dtype = resolve_dtype(dtype, self.device)
-        if self.device.type == "cpu" and not keep_freed_memory_in_process():
-            logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
+        # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
+        self.ops: DeviceOps = get_ops(self.device, self.dtype)
+        self.ops.prepare_process()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.page_size = page_size
@@ -109,11 +110,10 @@ class ModelRunner:
         )
 
         with torch.device(self.device):
-            self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype)
+            self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
         load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0)
         self.model.eval()
-        if self.device.type == "cpu":
-            prepack_model(self.model)  # half-precision linears only; fp32 stays on F.linear
+        self.ops.prepare_model(self.model)
         attn0 = self.model.model.layers[0].self_attn
         self.num_heads = attn0.num_heads  # query heads on this rank
         self.num_kv_heads = attn0.num_kv_heads  # KV heads on this rank
@@ -141,7 +141,7 @@ class ModelRunner:
             self.context_len,
         )
         self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops=self.ops)
         self.graph_runner: CudaGraphRunner | None = None  # decode through captured graphs (cuda only)
         if not disable_cuda_graph and self.device.type == "cuda":
             self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
@@ -215,7 +215,7 @@ class ModelRunner:
         info = batch.sampling_info
         k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
         if info is None:
-            next_ids = greedy_argmax(logits)
+            next_ids = self.ops.argmax_rows(logits)
             out = ModelOutput(next_token_ids=next_ids, logits=logits)
             if batch.return_logprob or k > 0:
                 logprobs = torch.log_softmax(logits, dim=-1)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.forward_batch import ForwardBatch
+from runtime.ops import DeviceOps, get_ops
 
 # Padded work below this many (query, key) pairs is always acceptable in one group.
 _GROUP_SLACK = 1 << 16
@@ -89,7 +90,9 @@ class TorchNativeMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """``model_runner`` is accepted for a uniform constructor. Keeps no state between forwards."""
+    """``model_runner`` (optional) supplies the device ops (``model_runner.ops``, for the KV
+    store); without one they are those of the KV pool's device and dtype. Keeps no state
+    between forwards."""
 
     # Plan a prefix shared by every member of a group as its own pass (only a backend that
     # can run that pass, the CPU one, turns this on).
@@ -100,6 +103,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any = None) -> None:
         self.model_runner = model_runner
+        self._ops: DeviceOps | None = getattr(model_runner, "ops", None)
 
     # ---- planning (once per forward) -------------------------------------------------
 
@@ -220,7 +224,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        self.store_kv(pool, layer.layer_id, batch.out_cache_loc, k, v)
+        if self._ops is None:
+            self._ops = get_ops(pool.device, pool.dtype)
+        self._ops.store_kv(pool, layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None
@@ -238,10 +244,6 @@ class TorchNativeAttnBackend(AttentionBackend):
             out.index_copy_(0, g.out_tokens, rows)
         assert out is not None, "attention called on an empty batch"
         return out
-
-    def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the forward's new K/V of layer ``layer_id`` at pool slots ``loc``."""
-        pool.set_kv_buffer(layer_id, loc, k, v)
 
     @staticmethod
     def _gather(buf: torch.Tensor, flat_loc: torch.Tensor, n: int) -> torch.Tensor:

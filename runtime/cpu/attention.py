@@ -25,7 +25,7 @@ What keeps it fast (each measured on the 200M bench model, see bench/model_step.
 - half-precision prompts of equal length with no cached prefix (up to 4096 tokens, in
   runs of query positions that skip most of the causal upper triangle), and every shared
   prefix of a prefill, are attended with bf16 GEMMs around the C row softmax (``softmax_rows``);
-- the forward's new K/V go into the pool through the C row copy (``cpu_kernels.store_kv``).
+- the forward's new K/V go into the pool through ``CpuOps.store_kv`` (the C row copy).
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         if batch.forward_mode.is_decode():
             (group,) = batch.attn_metadata.groups
             group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens))
-
-    def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        k_buf, v_buf = pool.get_kv_buffer(layer_id)
-        if not cpu_kernels.store_kv(k_buf, v_buf, loc, k, v):
-            pool.set_kv_buffer(layer_id, loc, k, v)
 
     def _one_token(
         self,

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from runtime.cpu import kernels as cpu_kernels
+from runtime.ops import DeviceOps, default_ops
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate_up [..., 2*I]`` (gate first, as MergedColumnParallelLinear stores it) -> ``[..., I]``.
+    def __init__(self, ops: DeviceOps | None = None) -> None:
+        super().__init__()
+        self.ops = ops or default_ops()
 
-        The product is written into silu's fresh output (one temporary instead of two);
-        bf16 on CPU takes one pass through ``cpu_kernels.silu_and_mul`` instead.
-        """
-        fused = cpu_kernels.silu_and_mul(gate_up)
-        if fused is not None:
-            return fused
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [..., 2*I]`` (gate first, as MergedColumnParallelLinear stores it) -> ``[..., I]``
+        (one fused pass where the device ops have a kernel for it)."""
+        return self.ops.silu_and_mul(gate_up)

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.cpu.prepacked import linear
-
 from runtime.layers.linear import (
     LazyWeight,
     check_shape,
@@ -23,6 +21,7 @@ from runtime.layers.linear import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from runtime.ops import DeviceOps, default_ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,8 +32,10 @@ class VocabParallelEmbedding(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or default_ops(params_dtype)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.tp_rank = tp_rank
@@ -80,7 +81,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = self.ops.linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
         return logits[:, : self.vocab_size].float()

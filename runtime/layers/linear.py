@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from runtime.cpu.prepacked import linear
+from runtime.ops import DeviceOps, default_ops
 
 
 class TPGroup(Protocol):
@@ -110,8 +110,16 @@ def replicated_weight_loader(param: nn.Parameter, weight: LazyWeight, name: str,
 class ReplicatedLinear(nn.Module):
     """A full (unsharded) linear; used where every rank needs the whole result."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
+    ) -> None:
         super().__init__()
+        self.ops = ops or default_ops(params_dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -125,7 +133,7 @@ class ReplicatedLinear(nn.Module):
         replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -146,8 +154,10 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
         local_sizes: Sequence[int] | None = None,
+        ops: DeviceOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or default_ops(params_dtype)
         self.in_features = in_features
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -180,7 +190,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -204,6 +214,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
     ) -> None:
         local_heads = divide(num_heads, tp_size, "num_attention_heads")
         if tp_size >= num_kv_heads:
@@ -221,6 +232,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             tp_size=tp_size,
             params_dtype=params_dtype,
             local_sizes=[local_heads * head_dim, local_kv_heads * head_dim, local_kv_heads * head_dim],
+            ops=ops,
         )
         self.head_dim = head_dim
         self.num_heads = local_heads
@@ -256,8 +268,10 @@ class RowParallelLinear(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or default_ops(params_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.tp_rank = tp_rank
@@ -277,5 +291,5 @@ class RowParallelLinear(nn.Module):
         copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(linear(x, self.weight, None, self.packed_weight), self.tp_size)
+        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None, self.packed_weight), self.tp_size)
         return out if self.bias is None else out + self.bias

@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
-from runtime.cpu import kernels as cpu_kernels
 from runtime.model_config import RopeConfig
+from runtime.ops.torch_ops import rotate_half_
 
 
 def rope_inv_freq(rotary_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -39,11 +39,10 @@ def rope_inv_freq(rotary_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables plus the rotation.
+    """The cos/sin tables (the ``RopeCache`` of ``runtime.ops``).
 
-    A forward computes ``cos_sin(positions)`` once (every layer uses the same positions)
-    and then ``apply`` per layer. ``apply`` works on any ``[T, heads, D]`` view, so the
-    model rotates q and k together as one slice of the fused qkv output.
+    A forward makes its rotary inputs once (``DeviceOps.rope``: every layer uses the same
+    positions) and each layer rotates its q and k in place with ``DeviceOps.rotary_``.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig, rotary_dim: int | None = None) -> None:
@@ -64,32 +63,9 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, D]`` (any strides) -> a new contiguous rotated tensor.
-
-        ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``: each product rounded, then the sum,
-        the same operations as HF's ``q * cos + rotate_half(q) * sin``, so fp32 results are
-        bit-identical to it; written straight into the output halves (no cat, no upcast).
-        """
-        half = self.rotary_dim // 2
+        """``x`` ``[T, heads, D]`` (any strides) rotated as a new contiguous tensor, in plain torch
+        (the reference the device ops' in-place ``rotary_`` must equal)."""
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
-        o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
-        torch.mul(x1, cos, out=o1)
-        o1.sub_(x2 * sin)
-        torch.mul(x2, cos, out=o2)
-        o2.add_(x1 * sin)
-        if self.rotary_dim != self.head_dim:
-            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        out.copy_(x)
+        rotate_half_(out, cos, sin, self.rotary_dim)
         return out
-
-    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``apply``, in place where the C kernel takes ``x`` (bf16 on CPU): returns ``x`` itself
-        then, else ``apply``'s new tensor. The caller must own ``x`` (a fresh projection output)."""
-        if cpu_kernels.rotary_(x, cos, sin, self.rotary_dim):
-            return x
-        return self.apply(x, cos, sin)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated (new tensors)."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.apply(q, cos, sin), self.apply(k, cos, sin)

@@ -30,8 +30,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from runtime.cpu import kernels as cpu_kernels
 from runtime.layers import penalties as pen
+from runtime.ops import DeviceOps, get_ops
 from runtime.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -251,21 +251,22 @@ class SamplerOutput:
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """int64 argmax of each row of ``[bs, vocab]`` logits (the C kernel for fp32 CPU rows)."""
-    ids = cpu_kernels.argmax_rows(logits)
-    return ids if ids is not None else logits.argmax(dim=-1).to(torch.int64)
-
-
 class Sampler:
     """Callable batched sampler; see the module docstring for the order of operations."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, ops: DeviceOps | None = None) -> None:
         # Unseeded rows draw from ``generator`` (None -> the device's default torch RNG).
         self._generator = generator
+        # Greedy rows take ``ops.argmax_rows`` (None: the ops of the logits' device, per call).
+        self._ops = ops
         # One reusable generator per device for seeded rows; it is re-seeded per row, and
         # a kernel captures its seed/offset at launch, so reuse is safe.
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 argmax of each row of ``[bs, vocab]`` logits (the device ops' ``argmax_rows``)."""
+        ops = self._ops or get_ops(logits.device, logits.dtype)
+        return ops.argmax_rows(logits)
 
     def __call__(
         self,
@@ -283,7 +284,7 @@ class Sampler:
         if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
                 and not return_logprob and top_logprobs_num <= 0):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
-            return SamplerOutput(next_token_ids=greedy_argmax(logits[:, :vocab]))
+            return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
         x = logits[:, :vocab].to(torch.float32, copy=True)
         raw_logprobs = None
@@ -293,11 +294,11 @@ class Sampler:
         x = self._adjust_logits(x, info)
 
         if info.all_greedy:
-            next_ids = greedy_argmax(x)
+            next_ids = self.greedy_argmax(x)
         else:
             next_ids = self._sample(x, info)
             if info.any_greedy:
-                next_ids = torch.where(info.is_greedy, greedy_argmax(x), next_ids)
+                next_ids = torch.where(info.is_greedy, self.greedy_argmax(x), next_ids)
 
         out = SamplerOutput(next_token_ids=next_ids.to(torch.int64))
         if raw_logprobs is not None:

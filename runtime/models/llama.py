@@ -6,7 +6,9 @@ Llama 3 uses llama3 RoPE scaling, and any of them may tie the LM head to the emb
 
 Tokens of every request in the batch are packed back to back (``[T, hidden]``, no
 padding); attention goes through the backend, which owns all per-request structure.
-Logits are computed only at each request's last new token, in fp32.
+Logits are computed only at each request's last new token, in fp32. Every device-specific
+piece of work goes through the model's ``DeviceOps`` (``runtime.ops``), handed to each
+layer at construction.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from runtime.layers.linear import (
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_config import ModelConfig
+from runtime.ops import DeviceOps, RopeInputs, default_ops
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +48,16 @@ _STACKED: dict[str, tuple[str, object]] = {
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype
+            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
-        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -63,12 +68,13 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         layer_id: int,
-        rotary: RotaryEmbedding,
         tp_rank: int,
         tp_size: int,
         dtype: torch.dtype,
+        ops: DeviceOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -79,6 +85,7 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
             params_dtype=dtype,
+            ops=ops,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
@@ -86,15 +93,15 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
             params_dtype=dtype,
+            ops=ops,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
-        self.rotary = rotary  # shared by every layer; registered once on the model
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
             num_heads=self.num_heads,
@@ -103,42 +110,34 @@ class LlamaAttention(nn.Module):
             scaling=config.head_dim**-0.5,
         )
 
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
-    ) -> torch.Tensor:
-        """``rope`` is the forward's ``(cos, sin)`` from ``RotaryEmbedding.cos_sin`` (shared by all layers)."""
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """``rope`` is the forward's rotary inputs from ``DeviceOps.rope`` (shared by all layers)."""
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden)  # owned by this forward: q and k are rotated in place in it
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        cos, sin = rope
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self.rotary.rotate_(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
-            k = self.rotary.rotate_(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        else:
-            # q and k are adjacent in the fused output (owned by this forward): rotate them as one
-            # [T, Hq + Hkv, D] view, in place where the CPU kernel applies (q, k then stay views of qkv).
-            qk = self.rotary.rotate_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                                     cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # new tensors
+        self.ops.rotary_(q, k, rope)
         out = backend.forward(q, k, v, self.spec, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp_rank: int, tp_size: int, dtype: torch.dtype
+        self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, tp_rank, tp_size, dtype)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, dtype, ops)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size, dtype, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
@@ -156,23 +155,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
         super().__init__()
+        self.ops = ops
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
         )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope)  # shared by every layer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, tp_rank, tp_size, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp_rank, tp_size, dtype, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend, sample_rows: torch.Tensor
     ) -> torch.Tensor:
         """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens."""
         hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
-        rope = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)  # once, not per layer
+        rope = self.ops.rope(self.rotary_emb, batch.positions, hidden.dtype)  # once, not per layer
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, batch, backend)
@@ -181,15 +181,29 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameters are created uninitialised on the current default device; load_weights fills them."""
+    """Parameters are created uninitialised on the current default device; load_weights fills them.
 
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.float32) -> None:
+    ``ops``: the device ops every layer uses (default: ``runtime.ops.default_ops`` for the
+    current default device and ``dtype``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        ops: DeviceOps | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.model = LlamaModel(config, tp_rank, tp_size, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype)
+        ops = ops or default_ops(dtype)
+        self.model = LlamaModel(config, tp_rank, tp_size, dtype, ops)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -1,0 +1,79 @@
+"""``CpuOps``: the device-ops seam on CPU.
+
+Each op goes to its C kernel (``runtime.cpu.kernels``) or prepacked oneDNN weight
+(``runtime.cpu.prepacked``) under exactly the conditions the kernel states (bf16, packed
+heads, sizes within its bounds, the library built), and to the plain torch op otherwise:
+fp32 keeps torch's ops (what the fp32 equivalence tests compare with transformers) except
+the byte-exact KV row copy and the fp32 argmax.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.cpu import kernels as cpu_kernels
+from runtime.cpu.host_memory import keep_freed_memory_in_process
+from runtime.cpu.prepacked import linear, prepack_model
+from runtime.ops.base import RopeInputs
+from runtime.ops.torch_ops import TorchOps, rotate_half_
+
+logger = logging.getLogger(__name__)
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def prepare_process(self) -> None:
+        if not keep_freed_memory_in_process():
+            logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
+
+    def prepare_model(self, model: nn.Module) -> None:
+        prepack_model(model)  # half-precision linears only; fp32 stays on F.linear
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    ) -> torch.Tensor:
+        return linear(x, weight, bias, packed)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # bf16: one pass, the same roundings
+        return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
+        cos, sin = self._cos_sin(rope, q.dtype)
+        rotary_dim = rope.cache.rotary_dim
+        joint = _adjacent_heads(q, k)  # q and k as one run of a fused qkv output: one call for both
+        for x in (q, k) if joint is None else (joint,):
+            if not cpu_kernels.rotary_(x, cos, sin, rotary_dim):
+                rotate_half_(x, cos, sin, rotary_dim)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernels.silu_and_mul(x)
+        return fused if fused is not None else super().silu_and_mul(x)
+
+    def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        if not cpu_kernels.store_kv(k_buf, v_buf, loc, k, v):
+            super().store_kv(pool, layer_id, loc, k, v)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = cpu_kernels.argmax_rows(logits)
+        return ids if ids is not None else super().argmax_rows(logits)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``q`` and ``k`` as one ``[T, Hq + Hkv, D]`` view when k's heads directly follow q's in
+    every token row (the fused qkv output's layout), else None."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    if q.stride() != k.stride() or q.stride(1) != q.shape[2] or q.stride(2) != 1:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())

@@ -1,0 +1,56 @@
+"""``TritonOps``: the device-ops seam on cuda, through the Triton kernels of
+``runtime.ops.triton_kernels`` (falling back to the torch op where a kernel does not take a
+layout). Linears stay cuBLAS (``F.linear``) and greedy argmax stays torch's.
+
+The kernel module is imported on first use, after ``prepare_triton_for_device``: on a CPU
+(tests, under Triton's interpreter) that is what switches the interpreter on.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from runtime.attention.triton_ops.common import prepare_triton_for_device
+from runtime.ops.base import RopeCache, RopeInputs
+from runtime.ops.torch_ops import TorchOps
+
+
+class TritonOps(TorchOps):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._module: ModuleType | None = None
+
+    def _kernels(self, device: torch.device) -> ModuleType:
+        if self._module is None:
+            prepare_triton_for_device(device)
+            from runtime.ops import triton_kernels
+
+            self._module = triton_kernels
+        return self._module
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = self._kernels(x.device).rms_norm(x, weight, eps, residual)
+        return out if out is not None else super().rms_norm(x, weight, eps, residual)
+
+    def rope(self, cache: RopeCache, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        return RopeInputs(positions, cache)  # the kernel reads the fp32 tables at the positions itself
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
+        cache = rope.cache
+        if not self._kernels(q.device).rotary_(q, k, rope.positions, cache.cos_cache, cache.sin_cache, cache.rotary_dim):
+            super().rotary_(q, k, rope)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._kernels(x.device).silu_and_mul(x)
+        return out if out is not None else super().silu_and_mul(x)
+
+    def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        if not self._kernels(k.device).store_kv(k_buf, v_buf, loc, k, v):
+            super().store_kv(pool, layer_id, loc, k, v)
