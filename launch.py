@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Sequence
 
-from runtime.args import PortArgs, ServerArgs, is_hub_id
+from runtime.args import FALSE_FLAGS, PortArgs, ServerArgs, is_hub_id
 from runtime.hub import HubError, resolve_hub_path
 from runtime.utils import configure_logging, recv_status, run_child, send_status
 
@@ -372,7 +372,8 @@ def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
-            argv.append(flag)  # only True differs from the (False) default
+            # Only True differs from a False default; a None default (auto) may be forced off.
+            argv.append(flag if value else FALSE_FLAGS[f.name])
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]  # nargs="+" flags such as --cuda-graph-bs
         else:

@@ -28,6 +28,9 @@ LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
+# Tri-state flags (default None = decided at start-up): the flag that sets each to False.
+FALSE_FLAGS = {"disable_overlap_schedule": "--enable-overlap-schedule"}
+
 # Unix socket paths are limited to 108 bytes (sun_path) including the terminator.
 _MAX_IPC_PATH = 107
 _IPC_SUFFIX_LEN = len("/tinyserve-XXXXXXXX/detokenizer")  # what create() appends to the base
@@ -68,6 +71,8 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     enable_mixed_chunk: bool = False
+    # None: overlap where it pays (see scheduler_proc.model_worker.overlap_default); True/False: forced.
+    disable_overlap_schedule: bool | None = None
     base_gpu_id: int = 0
     gpu_id_step: int = 1
     revision: str | None = None
@@ -170,6 +175,12 @@ class ServerArgs:
                        help=f"order of waiting requests (default {d.schedule_policy})")
         g.add_argument("--enable-mixed-chunk", action="store_true", default=d.enable_mixed_chunk,
                        help="run decode requests inside prefill batches")
+        g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
+                       const=True, default=d.disable_overlap_schedule,
+                       help="schedule each step only after the previous one's tokens are on the host "
+                            "(default: overlap on cuda, off on cpu)")
+        g.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
+                       const=False, help="plan step N+1 while step N runs, also on cpu")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", type=int, default=d.tp_size,
                        help=f"tensor-parallel ranks (default {d.tp_size})")

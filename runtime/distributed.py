@@ -86,7 +86,9 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=IDLE_TIMEOUT)
     world = dist.group.WORLD
-    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Control traffic has a group of its own even on CPU: with overlap scheduling the
+    # model's collectives run on the worker thread while the scheduler thread broadcasts.
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     logger.info("rank %d/%d joined the TP group (%s)", rank, world_size, backend)
     return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu_group)
 

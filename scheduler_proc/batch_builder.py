@@ -3,18 +3,26 @@
 Memory taken here is owned by the requests from then on: a request's row and
 every KV slot past its cached prefix are released by the tree cache's
 ``cache_finished_req`` (or kept for reuse by ``cache_unfinished_req``).
+
+A prefill carries out admission's ``PrefillPlan``: this is the one place a request's
+``fill_ids`` are written. A decode of requests whose last token is still being computed
+(overlap scheduling) takes their lengths from ``Req.scheduled_len`` and their input
+tokens from the step in flight (``FutureInputs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.sampler import SamplingBatchInfo
-from scheduler_proc.prefill_adder import kv_slots_for_extend
+from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.prefix_cache import BasePrefixCache
+from scheduler_proc.model_worker import ForwardRunner, FutureInputs
+from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
 from scheduler_proc.req import Req
 
 
@@ -23,7 +31,8 @@ class OutOfMemory(RuntimeError):
 
 
 class BatchBuilder:
-    def __init__(self, model_runner: Any, allocator: Any, tree_cache: Any, page_size: int) -> None:
+    def __init__(self, model_runner: ForwardRunner, allocator: BaseTokenToKVPoolAllocator,
+                 tree_cache: BasePrefixCache, page_size: int) -> None:
         self.runner = model_runner
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -52,8 +61,8 @@ class BatchBuilder:
         """Slots a decode step takes: one per request, or one page per request crossing a page boundary."""
         if self.page_size == 1:
             return len(reqs)
-        # The token being computed sits at position seqlen-1; a page starts there.
-        return self.page_size * sum(1 for r in reqs if (r.seqlen - 1) % self.page_size == 0)
+        # The token being computed sits at position scheduled_len-1; a page starts there.
+        return self.page_size * sum(1 for r in reqs if (r.scheduled_len - 1) % self.page_size == 0)
 
     # ------------------------------------------------------------------ batches
 
@@ -61,37 +70,44 @@ class BatchBuilder:
         return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs],
+            [_outputs_for_sampling(r) for r in reqs],
             self.runner.vocab_size,
             self.runner.eos_token_ids,
             self.device,
         )
 
-    def build_extend(self, reqs: Sequence[Req]) -> ForwardBatch:
-        """Prefill ``req.fill_ids[len(prefix_indices):]`` for every request."""
-        return self._to_batch(ForwardMode.EXTEND, [self._extend_parts(reqs)])
+    def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:
+        """Prefill each planned request's ``extend_len`` tokens after its cached prefix."""
+        return self._to_batch(ForwardMode.EXTEND, [self._extend_parts(items)])[0]
 
-    def build_decode(self, reqs: Sequence[Req]) -> ForwardBatch:
-        """One new token per request: the last sampled one, at position seqlen - 1."""
-        return self._to_batch(ForwardMode.DECODE, [self._decode_parts(reqs)])
+    def build_decode(self, reqs: Sequence[Req],
+                     inflight_rows: Mapping[Req, int] | None = None) -> tuple[ForwardBatch, FutureInputs | None]:
+        """One new token per request at position scheduled_len - 1: its last sampled token,
+        or, for a request in ``inflight_rows``, that row of the step in flight's tokens."""
+        return self._to_batch(ForwardMode.DECODE, [self._decode_parts(reqs, inflight_rows or {})])
 
-    def build_mixed(self, extend_reqs: Sequence[Req], decode_reqs: Sequence[Req]) -> ForwardBatch:
+    def build_mixed(self, items: Sequence[PlannedExtend], decode_reqs: Sequence[Req]) -> ForwardBatch:
         """Prefill ``extend_reqs`` and decode ``decode_reqs`` in one forward (MIXED).
 
         The extend part is allocated first; if the decode part then does not fit
         (``_decode_parts`` allocates nothing when it raises), the prefill runs alone
         and the batch's mode says so.
         """
-        extend = self._extend_parts(extend_reqs)
+        extend = self._extend_parts(items)
         try:
-            decode = self._decode_parts(decode_reqs)
+            decode = self._decode_parts(decode_reqs, {})
         except OutOfMemory:
-            return self._to_batch(ForwardMode.EXTEND, [extend])
-        return self._to_batch(ForwardMode.MIXED, [extend, decode])
+            return self._to_batch(ForwardMode.EXTEND, [extend])[0]
+        return self._to_batch(ForwardMode.MIXED, [extend, decode])[0]
 
-    def _extend_parts(self, reqs: Sequence[Req]) -> "_Parts":
+    def _extend_parts(self, items: Sequence[PlannedExtend]) -> "_Parts":
         pool = self.req_to_token_pool
-        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        reqs = [item.req for item in items]
+        for item in items:
+            assert item.prefix_len == len(item.req.prefix_indices), "the plan's prefix is the locked one"
+            assert item.req.num_inflight == 0, "a request prefills only with all its tokens on the host"
+            item.req.begin_extend(item.prefix_len, item.extend_len)
+        prefix_lens = [item.prefix_len for item in items]
         seq_lens = [len(r.fill_ids) for r in reqs]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         total = sum(extend_lens)
@@ -130,9 +146,9 @@ class BatchBuilder:
         positions = [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)]
         return _Parts(list(reqs), input_ids, positions, rows, seq_lens, prefix_lens, extend_lens, out_cache_loc)
 
-    def _decode_parts(self, reqs: Sequence[Req]) -> "_Parts":
+    def _decode_parts(self, reqs: Sequence[Req], inflight_rows: Mapping[Req, int]) -> "_Parts":
         rows = [r.req_pool_idx for r in reqs]
-        seq_lens = [r.seqlen for r in reqs]
+        seq_lens = [r.scheduled_len for r in reqs]
         prefix_lens = [s - 1 for s in seq_lens]
         if not self.ensure_available(self.decode_tokens_needed(reqs)):
             raise OutOfMemory("decode needs more KV slots than are free")
@@ -148,10 +164,13 @@ class BatchBuilder:
         rows_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
         pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=table.device)
         table[rows_t, pos_t] = out_cache_loc.to(table.dtype)
-        input_ids = [r.output_ids[-1] for r in reqs]
-        return _Parts(list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs), out_cache_loc)
+        # A token still in flight is a placeholder (0) the worker fills from the device.
+        input_ids = [0 if r.num_inflight else r.output_ids[-1] for r in reqs]
+        future = [(i, inflight_rows[r]) for i, r in enumerate(reqs) if r.num_inflight]
+        return _Parts(list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs),
+                      out_cache_loc, future)
 
-    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"]) -> ForwardBatch:
+    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"]) -> tuple[ForwardBatch, FutureInputs | None]:
         def cat(name: str) -> list[int]:
             return [x for p in parts for x in getattr(p, name)]
 
@@ -161,7 +180,15 @@ class BatchBuilder:
         reqs = [r for p in parts for r in p.reqs]
         seq_lens, prefix_lens, extend_lens = cat("seq_lens"), cat("prefix_lens"), cat("extend_lens")
         out_cache_loc = torch.cat([p.out_cache_loc.to(torch.int64) for p in parts])
-        return ForwardBatch(
+        future, offset = [], 0
+        for p in parts:
+            future.extend((offset + i, src) for i, src in p.future)
+            offset += len(p.input_ids)
+        future_inputs = None
+        if future:
+            both = t([i for i, _ in future] + [src for _, src in future]).view(2, -1)
+            future_inputs = FutureInputs(positions=both[0], source_rows=both[1])
+        batch = ForwardBatch(
             forward_mode=mode,
             input_ids=t(cat("input_ids")),
             positions=t(cat("positions")),
@@ -179,6 +206,15 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
         )
+        return batch, future_inputs
+
+
+def _outputs_for_sampling(req: Req) -> list[int]:
+    """The output ids the sampler sees: it reads only their count when a token is in flight
+    (the seeded step, min_new_tokens); penalties, which read values, never overlap."""
+    if not req.num_inflight:
+        return req.output_ids
+    return req.output_ids + [-1] * req.num_inflight
 
 
 @dataclass
@@ -193,3 +229,5 @@ class _Parts:
     prefix_lens: list[int]
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
+    # (index in this part's input_ids, row of the step in flight) of each future input token.
+    future: list[tuple[int, int]] = field(default_factory=list)

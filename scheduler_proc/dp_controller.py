@@ -17,8 +17,13 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
+import zmq
+
+from runtime.args import PortArgs, ServerArgs
+from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import (
     ControllerInput,
     DetokenizerInput,
@@ -30,6 +35,7 @@ from runtime.messages import (
     SchedulerInput,
     TokenizedGenerateReq,
 )
+from runtime.utils import send_status
 
 logger = logging.getLogger(__name__)
 
@@ -150,27 +156,15 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     return merged
 
 
-def run_dp_controller_process(server_args: Any, port_args: Any, ready_conn: Any) -> None:
-    """Child-process main: PULL from the tokenizer, PUSH to each replica, merge control replies."""
-    import traceback
-
-    import msgspec
-    import zmq
-
-    from runtime.ipc import PullSocket, PushSocket
-
-    logging.basicConfig(level=getattr(logging, str(server_args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s dp-controller %(levelname)s %(message)s")
-    try:
-        router = Router(server_args.dp_size, server_args.load_balance_method)
-        from_tokenizer = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
-        from_replicas = PullSocket(port_args.dp_controller_ipc, ControllerInput, bind=True)
-        to_replicas = [PushSocket(addr, SchedulerInput, bind=False) for addr in port_args.dp_scheduler_input_ipcs]
-        to_detokenizer = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
-    except Exception:
-        ready_conn.send_bytes(msgspec.json.encode({"status": "error", "error": traceback.format_exc()}))
-        raise
-    ready_conn.send_bytes(msgspec.json.encode({"status": "ready"}))
+def run_dp_controller_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
+    """Child-process main (spawned through ``runtime.utils.run_child``, which reports errors):
+    PULL from the tokenizer, PUSH to each replica, merge control replies."""
+    router = Router(server_args.dp_size, server_args.load_balance_method)
+    from_tokenizer = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
+    from_replicas = PullSocket(port_args.dp_controller_ipc, ControllerInput, bind=True)
+    to_replicas = [PushSocket(addr, SchedulerInput, bind=False) for addr in port_args.dp_scheduler_input_ipcs]
+    to_detokenizer = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
+    send_status(ready_conn, {"status": "ready"})
     pending: dict[str, list[dict[str, Any]]] = {}
     poller = zmq.Poller()
     poller.register(from_tokenizer.socket, zmq.POLLIN)

@@ -11,6 +11,7 @@ import random
 from collections import defaultdict
 from typing import Any
 
+from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -20,7 +21,7 @@ CACHE_AWARE_QUEUE_LIMIT = 128
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, radix_enabled: bool, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.policy = policy
@@ -53,8 +54,8 @@ class SchedulePolicy:
 
     def match(self, req: Req) -> None:
         """Match ``req``'s known tokens against the tree; at least one token is left to compute."""
-        req.init_next_round_input()
-        key = req.fill_ids[: len(req.fill_ids) - 1]
+        known = req.known_ids()
+        key = known[: len(known) - 1]
         # Hit statistics are counted once per request by the scheduler, not per lookup here.
         result = self.tree_cache.match_prefix(key, extra_key=req.extra_key, count_hit=False)
         req.prefix_indices = result.device_indices

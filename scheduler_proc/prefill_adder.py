@@ -10,8 +10,11 @@ becomes the batch's chunked request; its prefix is cached between chunks.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
+from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
 
 # A request's future decode reservation is clipped so one huge max_new_tokens
@@ -23,6 +26,42 @@ class AddResult(enum.Enum):
     CONTINUE = 0  # added; more may fit
     NO_TOKEN = 1  # out of KV budget: stop adding
     OTHER = 2  # some other limit (batch input tokens, running requests): stop adding
+
+
+@dataclass(frozen=True)
+class PlannedExtend:
+    """One request of a prefill plan: ``extend_len`` tokens after its locked cached prefix."""
+
+    req: Req
+    prefix_len: int
+    extend_len: int
+
+    @property
+    def chunked(self) -> bool:
+        """Only part of the request's known tokens is computed; it continues next round."""
+        return self.prefix_len + self.extend_len < self.req.seqlen
+
+
+@dataclass
+class PrefillPlan:
+    """What admission decided for the next prefill; the batch builder carries it out.
+
+    ``rejected`` requests can never run (bigger than the whole pool); ``deferred_chunk`` is a
+    chunked request whose next chunk found no room this round (it keeps its locked prefix).
+    """
+
+    items: list[PlannedExtend] = field(default_factory=list)
+    rejected: list[Req] = field(default_factory=list)
+    deferred_chunk: Req | None = None
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [item.req for item in self.items]
+
+    @property
+    def chunked_req(self) -> Req | None:
+        """The request cut to a chunk, if any (always the plan's last)."""
+        return self.items[-1].req if self.items and self.items[-1].chunked else None
 
 
 def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
@@ -44,8 +83,8 @@ def kv_slots_for_extend(prefix_len: int, seq_len: int, page_size: int) -> int:
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: Any,
-        allocator: Any,
+        tree_cache: BasePrefixCache,
+        allocator: BaseTokenToKVPoolAllocator,
         running_reqs: Sequence[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,
@@ -63,12 +102,16 @@ class PrefillAdder:
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size else None
         self.rem_running_slots = max_running_requests - len(running_reqs)
-        self.can_run: list[Req] = []
+        self.planned: list[PlannedExtend] = []
         # On an idle server the first request is admitted on its prompt alone: a
         # reservation larger than the pool must not block it forever (it may stop
         # early; if it outgrows the pool, decode finishes it with an error).
         self.server_idle = not running_reqs
         self.new_chunked_req: Req | None = None
+
+    @property
+    def can_run(self) -> list[Req]:
+        return [item.req for item in self.planned]
 
     def _lock(self, req: Req) -> int:
         """Lock the request's prefix. Locked tokens are no longer evictable: charge them, return the charge."""
@@ -97,7 +140,7 @@ class PrefillAdder:
         # Lock first: the request's own prefix stops being evictable room (SGLang does the same).
         charged = 0 if locked else self._lock(req)
         prefix_len = len(req.prefix_indices)
-        extend_len = len(req.fill_ids) - prefix_len
+        extend_len = req.seqlen - prefix_len
         need = kv_slots_for_extend(prefix_len, prefix_len + extend_len, self.page_size)
         reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
         if self.server_idle and not self.can_run:
@@ -110,9 +153,7 @@ class PrefillAdder:
                 if not locked:
                     self._unlock(req, charged)
                 return AddResult.NO_TOKEN
-            req.extend_input_len = extend_len
-            req.is_chunked = False
-            self._take(req, extend_len, need + reserve)
+            self._take(PlannedExtend(req, prefix_len, extend_len), need + reserve)
             return AddResult.CONTINUE
         # Chunk: as much as every limit allows, page aligned, leaving room for a partly used page.
         kv_room = self.rem_total_tokens - self.page_size
@@ -122,15 +163,13 @@ class PrefillAdder:
             if not locked:
                 self._unlock(req, charged)
             return AddResult.NO_TOKEN if kv_room <= limit else AddResult.OTHER
-        req.extend_input_len = trunc
-        req.fill_ids = req.fill_ids[: prefix_len + trunc]
-        req.is_chunked = True
         self.new_chunked_req = req
-        self._take(req, trunc, kv_slots_for_extend(prefix_len, prefix_len + trunc, self.page_size))
+        self._take(PlannedExtend(req, prefix_len, trunc), kv_slots_for_extend(prefix_len, prefix_len + trunc, self.page_size))
         return AddResult.OTHER  # a chunked request ends the batch
 
-    def _take(self, req: Req, input_tokens: int, total_tokens: int) -> None:
-        self.can_run.append(req)
+    def _take(self, item: PlannedExtend, total_tokens: int) -> None:
+        input_tokens = item.extend_len
+        self.planned.append(item)
         self.rem_total_tokens -= total_tokens
         self.rem_input_tokens -= input_tokens
         if self.rem_chunk_tokens is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from runtime.args import ServerArgs
 from runtime.sampling_params import SamplingParams
 
 
@@ -32,7 +33,11 @@ class Req:
     extra_key: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
+    # Tokens a launched forward has sampled for this request that have not reached the host
+    # yet (overlap scheduling: at most one). They count towards its length, not output_ids.
+    num_inflight: int = 0
     # Tokens whose KV this request's row holds or will hold after the current prefill.
+    # Written only by ``begin_extend`` (the batch builder carrying out a prefill plan).
     fill_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -64,12 +69,31 @@ class Req:
         """Tokens of the request so far (prompt + generated)."""
         return len(self.origin_input_ids) + len(self.output_ids)
 
-    def init_next_round_input(self) -> None:
-        """Before a (re-)prefill: everything known so far must get KV, prompt and outputs alike."""
-        self.fill_ids = self.origin_input_ids + self.output_ids
+    @property
+    def scheduled_len(self) -> int:
+        """Tokens of the request once the forwards launched so far have finished."""
+        return len(self.origin_input_ids) + len(self.output_ids) + self.num_inflight
+
+    def known_ids(self) -> list[int]:
+        """Prompt and generated tokens on the host: what a (re-)prefill must give KV."""
+        return self.origin_input_ids + self.output_ids
+
+    def begin_extend(self, prefix_len: int, extend_len: int) -> None:
+        """A prefill of ``known_ids()[prefix_len : prefix_len + extend_len]`` is being built."""
+        self.fill_ids = self.known_ids()[: prefix_len + extend_len]
+        self.extend_input_len = extend_len
+        self.is_chunked = prefix_len + extend_len < self.seqlen
 
     def remaining_new_tokens(self) -> int:
-        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids) - self.num_inflight, 0)
+
+    def finishes_by_length(self, context_len: int) -> bool:
+        """Sure to finish once its in-flight tokens land, whatever they are (StopChecker's
+        length rules: nothing but an abort ends it before ``min_new_tokens``)."""
+        done = len(self.output_ids) + self.num_inflight
+        if done < self.sampling_params.min_new_tokens:
+            return False
+        return done >= self.sampling_params.max_new_tokens or self.scheduled_len >= context_len
 
 
 class StopChecker:
@@ -84,8 +108,16 @@ class StopChecker:
         self.context_len = context_len
         self._tokenizer = tokenizer
 
+    def load_tokenizer(self, server_args: ServerArgs) -> None:
+        """Stop strings need text: load the server's tokenizer the first time one is asked for."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = server_args.tokenizer_path or server_args.resolved_model_path()
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+
     def check(self, req: Req) -> None:
-        if req.finished:
+        if req.finish_reason is not None:
             return
         params = req.sampling_params
         if req.to_abort is not None:

@@ -21,7 +21,8 @@ EXPECTED_DEFAULTS = {
     "schedule_policy": "fcfs", "disable_radix_cache": False, "radix_eviction_policy": "lru",
     "context_length": None, "stream_interval": 1, "random_seed": None, "api_key": None, "log_level": "info",
     "disable_cuda_graph": False, "cuda_graph_max_bs": None, "cuda_graph_bs": None,
-    "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False, "base_gpu_id": 0,
+    "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False,
+    "disable_overlap_schedule": None, "base_gpu_id": 0,
     "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
     "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
 }
@@ -70,6 +71,14 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.revision, a.http_port, a.served_model_name, a.chat_template) == ("v1", 8080, "m", str(template))
     assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
+    assert ServerArgs.from_cli(server_argv(a)) == a
+
+
+@pytest.mark.parametrize("flags, value", [([], None), (["--disable-overlap-schedule"], True),
+                                          (["--enable-overlap-schedule"], False)])
+def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | None) -> None:
+    a = ServerArgs.from_cli(flags)
+    assert a.disable_overlap_schedule is value
     assert ServerArgs.from_cli(server_argv(a)) == a
 
 

@@ -362,9 +362,14 @@ def test_scheduler_trace_takes_a_device(tiny_llama_path: Path, capsys: pytest.Ca
                                  "--workload", "uniform", "--num-requests", "3", "--max-new-tokens", "3",
                                  "--workload-arg", "prompt_len=5", "--no-warmup", "--steps"]) == 0
     out = capsys.readouterr().out
-    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["uniform"])
-    decodes = int(row[6])
-    assert decodes >= 2  # 3 tokens per request: one from the prefill, then two decode steps at least
+    rows = {" ".join(line.split()[1:3]): line.split()[3:] for line in out.splitlines()
+            if line.split()[:1] == ["uniform"]}
+    assert set(rows) == {"(overlap off)", "(overlap on)"}  # both modes by default, one table
+    for cols in rows.values():
+        decodes, device_ms, wall_ms, host_ms, exposed_ms, hidden_ms = cols[4:10]
+        assert int(decodes) >= 2  # 3 tokens per request: one from the prefill, then two decode steps at least
+        assert float(device_ms) > 0 and float(wall_ms) > 0 and float(host_ms) > 0
+    assert float(rows["(overlap off)"][9]) == 0.0  # nothing is hidden without overlap
 
 
 def test_roofline_measures_copy_bandwidth_and_peak_gemm(tiny_llama_path: Path, tmp_path: Path,

@@ -14,7 +14,6 @@ from scheduler_proc.req import Req
 def req(rid: str, prompt: list[int], max_new_tokens: int = 16, output: list[int] | None = None) -> Req:
     r = Req(rid=rid, origin_input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=max_new_tokens))
     r.output_ids = list(output or [])
-    r.init_next_round_input()
     return r
 
 
@@ -143,8 +142,9 @@ def test_adder_chunks_the_overflowing_prompt_at_the_chunk_size() -> None:
     assert a.add_one_req(first) == AddResult.CONTINUE
     assert a.add_one_req(long) == AddResult.OTHER
     assert a.new_chunked_req is long
-    assert long.extend_input_len == 30 and len(long.fill_ids) == 30  # 50 - 20 left in the chunk
-    assert long.is_chunked
+    planned = a.planned[-1]
+    assert planned.req is long and planned.extend_len == 30  # 50 - 20 left in the chunk
+    assert planned.chunked and not a.planned[0].chunked
 
 
 def test_adder_respects_max_prefill_tokens_and_running_limit() -> None:
@@ -152,7 +152,7 @@ def test_adder_respects_max_prefill_tokens_and_running_limit() -> None:
     assert a.add_one_req(req("a", list(range(1, 21)), 4)) == AddResult.CONTINUE
     # 5 prompt tokens remain in this batch's budget: the next prompt is chunked to 5.
     b = req("b", list(range(1, 21)), 4)
-    assert a.add_one_req(b) == AddResult.OTHER and b.extend_input_len == 5
+    assert a.add_one_req(b) == AddResult.OTHER and a.planned[-1].extend_len == 5
     full = adder(available=1000, running=[req(f"run{i}", [1]) for i in range(3)], max_running=3)
     assert full.add_one_req(req("c", [1, 2], 4)) == AddResult.OTHER
 

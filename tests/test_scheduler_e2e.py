@@ -13,7 +13,7 @@ import pytest
 
 from launch import launch_server
 from runtime.client import Client
-from scheduler_proc.scheduler import MAX_CONSECUTIVE_PREFILLS
+from scheduler_proc.admission import MAX_CONSECUTIVE_PREFILLS
 
 pytest.register_assert_rewrite("server_fixtures")
 from server_fixtures import CLIENT_TIMEOUT_S, base_args, is_idle, wait_until

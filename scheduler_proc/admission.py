@@ -1,0 +1,103 @@
+"""Admission: which waiting requests the next prefill takes, as a typed ``PrefillPlan``.
+
+The policy orders the queue (matching prefixes where it is cache-aware), the
+``PrefillAdder`` checks each request against the KV, token and request budgets, and
+the result says, per request, how many cached tokens it starts from and how many it
+computes now. Nothing here touches a request's ``fill_ids``: the batch builder writes
+them when it carries the plan out (``Req.begin_extend``). Admission does take locks:
+every planned request's prefix is locked by the adder, and a deferred chunk keeps its own.
+"""
+
+from __future__ import annotations
+
+from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.prefix_cache import BasePrefixCache
+from runtime.args import ServerArgs
+from scheduler_proc.policy import SchedulePolicy
+from scheduler_proc.prefill_adder import AddResult, PrefillAdder, PrefillPlan
+from scheduler_proc.req import Req
+
+# Decode never starves: at most this many prefill batches in a row while requests are running.
+MAX_CONSECUTIVE_PREFILLS = 2
+# Requests sharing at least this many leading tokens with one already in the batch wait a round.
+IN_BATCH_PREFIX_TOKENS = 32
+
+
+class Admission:
+    """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
+
+    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: BaseTokenToKVPoolAllocator,
+                 max_total_tokens: int, max_running_requests: int) -> None:
+        self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.radix_enabled = not args.disable_radix_cache
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, self.radix_enabled, seed=args.random_seed or 0)
+        self.page_size = args.page_size
+        self.max_total_tokens = max_total_tokens
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = args.max_prefill_tokens
+        chunk = args.chunked_prefill_size
+        self.chunked_prefill_size: int | None = chunk if chunk and chunk > 0 else None
+        self.consecutive_prefills = 0
+
+    def decoded(self) -> None:
+        """The running requests made progress: prefills may take the next turns again."""
+        self.consecutive_prefills = 0
+
+    def plan(self, waiting: list[Req], running: list[Req], chunked_req: Req | None,
+             new_token_ratio: float) -> PrefillPlan:
+        """The next prefill (empty when decode should run, or nothing fits)."""
+        if not waiting and chunked_req is None:
+            return PrefillPlan()
+        if running and self.consecutive_prefills >= MAX_CONSECUTIVE_PREFILLS:
+            # Let the running requests decode; a chunked prefill resumes next step.
+            self.consecutive_prefills = 0
+            return PrefillPlan(deferred_chunk=chunked_req)
+        if len(running) >= self.max_running_requests and chunked_req is None:
+            return PrefillPlan()
+        adder = PrefillAdder(
+            self.tree_cache, self.allocator, running, new_token_ratio, self.max_prefill_tokens,
+            self.chunked_prefill_size, self.max_running_requests, self.page_size,
+        )
+        plan = PrefillPlan()
+        if chunked_req is not None:
+            adder.add_chunked_req(chunked_req)
+            if chunked_req not in adder.can_run:
+                # No room for its next chunk yet; decode makes progress meanwhile.
+                plan.deferred_chunk = chunked_req
+                return plan
+        ordered = self.policy.order(waiting)
+        matched = self.policy.effective_policy(len(waiting)) in ("lpm", "dfs-weight")
+        in_batch_prefixes: set[tuple[int, ...]] = set()
+        for req in ordered:
+            if adder.new_chunked_req is not None:
+                break
+            if not matched:
+                self.policy.match(req)
+            if req.seqlen + self.page_size >= self.max_total_tokens:
+                plan.rejected.append(req)  # could not run even alone on an empty pool
+                continue
+            if self._defer_for_in_batch_prefix(req, in_batch_prefixes):
+                continue
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+        plan.items = list(adder.planned)
+        if plan.items:
+            self.consecutive_prefills += 1
+        return plan
+
+    def _defer_for_in_batch_prefix(self, req: Req, seen: set[tuple[int, ...]]) -> bool:
+        """Hold back a request that shares its start with one already in this prefill batch.
+
+        Both would compute the shared tokens; waiting one round lets the first cache
+        them, so the rest hit the cache (SGLang's in-batch prefix caching check). A
+        prompt shorter than the threshold only clashes with an identical prompt: the
+        samples of a parallel-sampling (n > 1) request share their prompt this way.
+        """
+        if not self.radix_enabled or len(req.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
+            return False
+        key = tuple(req.known_ids()[:IN_BATCH_PREFIX_TOKENS])
+        if key in seen:
+            return True
+        seen.add(key)
+        return False

@@ -1,0 +1,173 @@
+"""Overlap scheduling, in-process over the KV-verifying stub: step N+1 is launched before
+step N's tokens reach the host, and nothing about the outputs or the memory changes.
+
+The stub writes each input token into its KV slot and predicts the next token from the
+sequence it reads back through req_to_token, so a future token resolved from the wrong
+row, a slot freed twice or reused early, or a lost prefix all change the tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.args import ServerArgs
+from runtime.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams
+from runtime.stub_runner import StubModelRunner, reference_next_token
+from scheduler_proc.model_worker import ModelWorker, OverlapModelWorker
+from scheduler_proc.scheduler import Scheduler
+
+VOCAB = 1000
+EOS = 0
+
+
+def make(overlap: bool, max_total_tokens: int = 8192, **overrides) -> Scheduler:
+    args = ServerArgs(max_total_tokens=max_total_tokens, disable_overlap_schedule=not overlap, **overrides)
+    runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=VOCAB,
+                             page_size=args.page_size, eos_token_ids=(EOS,))
+    return Scheduler(args, model_runner=runner)
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams, stream: bool = False) -> None:
+    sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream))
+
+
+def collect(sched: Scheduler, results: dict[str, dict]) -> None:
+    for msg in sched.take_outbox():
+        if isinstance(msg, SchedErrorOut):
+            results[msg.rid] = {"error": msg.code}
+            continue
+        assert isinstance(msg, BatchTokenIDOut)
+        for out in msg.outputs:
+            entry = results.setdefault(out.rid, {"ids": [], "finished": False, "chunks": 0})
+            entry["ids"].extend(out.new_output_ids)
+            entry["chunks"] += 1
+            entry["finished"] = out.finished
+            entry["reason"] = out.finish_reason
+
+
+def run_until_idle(sched: Scheduler, results: dict[str, dict] | None = None) -> dict[str, dict]:
+    results = {} if results is None else results
+    for _ in range(100_000):
+        sched.step()
+        collect(sched, results)
+        if sched.is_idle():
+            return results
+    raise AssertionError("scheduler did not go idle")
+
+
+def assert_idle_invariant(sched: Scheduler) -> None:
+    report = sched.check_memory()
+    assert report.ok, report.message
+    assert report.protected == 0
+    assert report.available + report.evictable == sched.max_total_tokens
+
+
+def stub_continuation(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(reference_next_token(seq, VOCAB, {EOS}))
+        seq.append(out[-1])
+    return out
+
+
+def test_the_worker_kind_follows_the_flags() -> None:
+    assert isinstance(make(overlap=True).worker, OverlapModelWorker)
+    serial = make(overlap=False).worker
+    assert isinstance(serial, ModelWorker) and not serial.overlap
+    # Unset: overlap on cuda only (the stub runs on cpu).
+    assert not Scheduler(ServerArgs(max_total_tokens=512), model_runner=StubModelRunner(512)).worker.overlap
+
+
+def test_decode_steps_are_launched_before_the_previous_tokens_are_read() -> None:
+    sched = make(overlap=True)
+    prompt = list(range(1, 20))
+    submit(sched, "r", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))
+    results: dict[str, dict] = {}
+    ahead = 0
+    while not sched.is_idle():
+        sched.step()
+        collect(sched, results)
+        step = sched.inflight
+        if step is not None and step.decode:
+            req = step.decode[0]
+            # Launched with a future input: its last token is not on the host yet.
+            assert req.num_inflight == 1
+            ahead += 1
+    assert ahead >= 9
+    assert results["r"]["ids"] == stub_continuation(prompt, 12)
+    assert_idle_invariant(sched)
+
+
+def test_a_request_that_stops_while_its_next_step_runs_drops_that_token_and_frees_once() -> None:
+    """Stop tokens end requests at steps the scheduler cannot foresee: the next step already
+    holds them. Their output stops at the stop token and every slot comes back."""
+    prompts = [[random.Random(i).randrange(1, VOCAB) for _ in range(5 + i)] for i in range(12)]
+    outputs = {}
+    for overlap in (False, True):
+        for page_size in (1, 4):
+            sched = make(overlap, page_size=page_size)
+            for i, prompt in enumerate(prompts):
+                stop_at = 1 + i % 7  # the stop token is the request's (stop_at)-th output
+                stop = stub_continuation(prompt, stop_at)[-1]
+                params = SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=[stop])
+                submit(sched, f"r{i}", prompt, params, stream=i % 2 == 0)
+            results = run_until_idle(sched)
+            assert_idle_invariant(sched)
+            outputs[overlap, page_size] = {rid: (r["ids"], r["reason"]["type"]) for rid, r in results.items()}
+            for i, prompt in enumerate(prompts):
+                ids, reason = outputs[overlap, page_size][f"r{i}"]
+                assert reason == "stop"
+                full = stub_continuation(prompt, 1 + i % 7)
+                assert ids == full[: full.index(full[-1]) + 1]
+    assert outputs[True, 1] == outputs[False, 1] and outputs[True, 4] == outputs[False, 4]
+
+
+def test_random_aborts_leak_nothing_with_overlap() -> None:
+    """2,000 requests, about a fifth aborted at random moments (queued, prefilling, decoding),
+    a small pool that forces retraction: every request ends once and no slot leaks."""
+    rng = random.Random(1234)
+    sched = make(overlap=True, max_total_tokens=1024, chunked_prefill_size=64, page_size=4)
+    results: dict[str, dict] = {}
+    live: list[str] = []
+    sent = 0
+    while sent < 2000 or not sched.is_idle():
+        for _ in range(min(rng.randrange(0, 6), 2000 - sent)):
+            rid = f"r{sent}"
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 150))]
+            max_new = rng.randrange(1, 40)
+            # A third stop at a token of their own output: at a step the scheduler cannot foresee.
+            stop = [stub_continuation(prompt, rng.randrange(1, max_new + 1))[-1]] if rng.random() < 0.33 else None
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop)
+            submit(sched, rid, prompt, params, stream=rng.random() < 0.5)
+            live.append(rid)
+            sent += 1
+        if live and rng.random() < 0.2:
+            sched.abort(live.pop(rng.randrange(len(live))))
+        sched.step()
+        collect(sched, results)
+    assert_idle_invariant(sched)
+    assert len(results) == 2000
+    assert all(r.get("finished") or "error" in r for r in results.values())
+    reasons = {r["reason"]["type"] for r in results.values() if "reason" in r}
+    assert {"abort", "length", "stop"} <= reasons
+    assert sched.stats["num_retractions"] > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_equal_the_serial_scheduler_under_retraction_and_chunking(page_size: int) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(10, 120))] for _ in range(24)]
+    runs = []
+    for overlap in (False, True):
+        sched = make(overlap, max_total_tokens=768, chunked_prefill_size=48, page_size=page_size)
+        for i, prompt in enumerate(prompts):
+            submit(sched, f"r{i}", prompt, SamplingParams(max_new_tokens=30, temperature=0.0))
+        runs.append(run_until_idle(sched))
+        assert_idle_invariant(sched)
+        assert sched.stats["num_retractions"] > 0
+    assert {k: v["ids"] for k, v in runs[0].items()} == {k: v["ids"] for k, v in runs[1].items()}
+    for i, prompt in enumerate(prompts):
+        assert runs[1][f"r{i}"]["ids"] == stub_continuation(prompt, 30)
