@@ -246,6 +246,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     @staticmethod
+    def _group_queries(q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        """The group's padded queries ``[n * q_len, H, D]``: a view of the packed rows where they
+        are a contiguous run, else gathered (padding reads row 0)."""
+        if g.q_start is not None:
+            return q[g.q_start : g.q_start + g.q_index.numel()]
+        return q.index_select(0, g.q_index.view(-1))
+
+    @staticmethod
     def _gather(buf: torch.Tensor, flat_loc: torch.Tensor, n: int) -> torch.Tensor:
         """``[n, Hkv, L, D]`` (a strided view) of the pool rows at ``flat_loc`` (``n * L`` slots)."""
         return buf.index_select(0, flat_loc).view(n, -1, buf.shape[1], buf.shape[2]).transpose(1, 2)
@@ -263,8 +271,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
         n = g.q_index.shape[0]
         hkv, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-        qs = q[g.q_start : g.q_start + n] if g.q_start is not None else q.index_select(0, g.q_index.view(-1))
-        qg = qs.view(n, hkv, group, d)  # query head h uses KV head h // group
+        qg = self._group_queries(q, g).view(n, hkv, group, d)  # query head h uses KV head h // group
         assert g.kv_flat is not None
         kd, vd = self._gather(k_buf, g.kv_flat, n).to(qg.dtype), self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
         mask = None if g.mask is None else g.mask.to(qg.dtype)  # SDPA wants a float mask in q's dtype
@@ -284,8 +291,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Rows ``[n * q_len, H, D]`` of the padded group, request by request."""
         n, q_len = g.q_index.shape
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        qs = q[g.q_start : g.q_start + n * q_len] if g.q_start is not None else q.index_select(0, g.q_index.view(-1))
-        qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
+        qg = self._group_queries(q, g).view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
         kg, vg = self._group_keys(k, v, k_buf, v_buf, layer, g)
         if g.keys_are_new:
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=h != hkv)

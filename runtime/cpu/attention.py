@@ -78,8 +78,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
         n = g.q_index.shape[0]
         hkv, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-        qs = q[g.q_start : g.q_start + n] if g.q_start is not None else q.index_select(0, g.q_index.view(-1))
-        qg = qs.view(n, hkv, group, d)  # query head h uses KV head h // group
+        qg = self._group_queries(q, g).view(n, hkv, group, d)  # query head h uses KV head h // group
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         append: cpu_kernels.KeyAppend | None = None
         if g.mirror is not None:
@@ -129,10 +128,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         n, q_len = g.q_index.shape
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         gqa = h != hkv
-        if g.q_start is not None:
-            qs = q[g.q_start : g.q_start + n * q_len]
-        else:
-            qs = q.index_select(0, g.q_index.view(-1))
+        qs = self._group_queries(q, g)
         qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
         kg, vg = self._group_keys(k, v, k_buf, v_buf, layer, g)
         if g.shared_loc is None:
