@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_model_attention
 import torch
 
-import test_model_attention
 from runtime.attention import torch_native
 from runtime.attention.registry import get_attention_backend_class
 from runtime.cpu import attention as cpu_attention

@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ops_cases
 import pytest
 import torch
-
-import ops_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -70,6 +69,7 @@ def test_store_kv(dtype: torch.dtype, tol: float, head_dim: int) -> None:
 def test_tiny_model_through_triton_ops_matches_torch_ops(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 on the GPU: the same greedy tokens through TritonOps as through TorchOps."""
     from harness import Harness
+
     from runtime import model_runner
     from runtime.ops import TorchOps
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import AttentionLayerSpec
 from runtime.attention import torch_native
+from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.torch_native import AttnGroup, host_list
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror
