@@ -243,6 +243,11 @@ def build_app(http: HttpServer) -> FastAPI:
     async def failed(request: Request, exc: RequestFailed) -> JSONResponse:
         return error_response(STATUS_OF_CODE.get(exc.code, 500), exc.message, exc.code)
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"{type(exc).__name__}: {exc}", "internal")
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "http")

@@ -52,6 +52,7 @@ from runtime.messages import (
     ServerInfoReq,
     StrOutput,
 )
+from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class TokenizerManager:
         self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
                       "clients_gone": 0, "malformed_frames": 0}
         self.local: dict[bytes, asyncio.Queue[Any]] = {}  # local (HTTP) clients' reply queues
-        self.metrics: Any = None  # a tokenizer_proc.metrics.Metrics when --enable-metrics
+        self.metrics: Metrics | None = None  # set when --enable-metrics
         self.log_requests = server_args.log_requests
 
     # ================================================================== client side
