@@ -11,7 +11,7 @@ exactly ``max_new_tokens`` tokens; all at once by default, or as a Poisson proce
 
     python -m bench.serving --model bench --workload uniform shared-prefix --device cpu
     python -m bench.serving --address tcp://127.0.0.1:30000 --workload all --request-rate 8
-    python -m bench.serving --model bench --workload uniform --device cpu --backend http
+    python -m bench.serving --model bench --workload uniform --device cpu --backend zmq http
 
 With ``--backend http`` and ``--address``, also give ``--http-address http://HOST:PORT``
 (control requests, flushing the cache and server info, still use the ZMQ address).
@@ -472,8 +472,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         epilog="Any other flag (e.g. --device cpu --max-total-tokens 40000) is passed to launch.py.")
     parser.add_argument("--address", default=None, help="a running server (default: start one)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--backend", choices=("zmq", "http"), default="zmq",
-                        help="zmq: the Python client (default); http: OpenAI /v1/completions over HTTP")
+    parser.add_argument("--backend", nargs="+", choices=("zmq", "http"), default=["zmq"],
+                        help="zmq: the Python client (default); http: OpenAI /v1/completions over HTTP; "
+                             "both ('--backend zmq http') run each workload through each, on the same server")
     parser.add_argument("--http-address", default=None,
                         help="with --address and --backend http: the server's http://HOST:PORT")
     add_model_args(parser)
@@ -500,10 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with server_for(args.address, model_path, server_flags, args.api_key, pinning,
                     http_address=args.http_address) as handle:
         workloads = build_workloads(args, handle.model_path, handle.vocab_size)
-        runs = benchmark_workloads(handle, workloads, request_rate=args.request_rate,
-                                   max_concurrency=args.max_concurrency, stream=not args.no_stream,
-                                   seed=args.seed, warmup=args.warmup, timeout=args.timeout,
-                                   backend=args.backend)
+        runs = [run for backend in args.backend
+                for run in benchmark_workloads(handle, workloads, request_rate=args.request_rate,
+                                               max_concurrency=args.max_concurrency, stream=not args.no_stream,
+                                               seed=args.seed, warmup=args.warmup, timeout=args.timeout,
+                                               backend=backend)]
     for run in runs:
         run["machine"] = machine_info(pinning)
         if run["metrics"]["failed"]:
