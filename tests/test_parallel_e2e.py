@@ -53,7 +53,10 @@ def ids(results: list[dict[str, Any]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tp2_llama(tiny_checkpoints: Any) -> Iterator[Client]:
-    with launch_server(args(tiny_checkpoints.path("llama"), "--tp-size", "2"), client_timeout=CLIENT_TIMEOUT_S) as c:
+    # With overlap scheduling: each rank's forwards (and their collectives) on a worker thread,
+    # the input broadcast on the scheduler thread. tp2_qwen3 keeps the serial loop.
+    with launch_server(args(tiny_checkpoints.path("llama"), "--tp-size", "2", "--enable-overlap-schedule"),
+                       client_timeout=CLIENT_TIMEOUT_S) as c:
         yield c
 
 
@@ -88,6 +91,7 @@ def test_tp2_greedy_equals_transformers(name: str, request: pytest.FixtureReques
     info = client.server_info()
     assert {"scheduler-0", "scheduler-1"} <= set(info["processes"])
     assert info["server_args"]["tp_size"] == 2
+    assert info["overlap_schedule"] is (name == "llama")
     assert info["memory_invariant"]["ok"]
 
 
