@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
@@ -109,3 +110,24 @@ class CompletionsClient:
         usage = json.loads(raw)["usage"]
         return Event(choice=False, finished=True, completion_tokens=usage["completion_tokens"],
                      cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+
+
+async def send(client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool, rec: Any,
+               start: float) -> None:
+    """One bench request; fills ``rec`` (a bench.serving.RequestRecord) as the ZMQ path does:
+    TTFT at the first token event, a gap per later event, token counts from the usage."""
+    if not stream:
+        done = await client.complete(input_ids, max_new_tokens)
+        rec.output_len, rec.cached_tokens = done.completion_tokens, done.cached_tokens
+        return
+    last = start
+    async for event in client.stream(input_ids, max_new_tokens):
+        now = time.perf_counter()
+        if event.choice:
+            if rec.ttft is None:
+                rec.ttft = now - start
+            else:
+                rec.itl.append(now - last)
+            last = now
+        else:  # the usage event after the last chunk
+            rec.output_len, rec.cached_tokens = event.completion_tokens, event.cached_tokens

@@ -133,27 +133,8 @@ def sampling_params(req: BenchRequest) -> dict[str, Any]:
     return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
-async def _send_http(client: Any, req: BenchRequest, stream: bool, rec: RequestRecord, start: float) -> None:
-    """One request through bench.http_backend.CompletionsClient (same figures as the ZMQ path)."""
-    if not stream:
-        done = await client.complete(req.input_ids, req.max_new_tokens)
-        rec.output_len, rec.cached_tokens = done.completion_tokens, done.cached_tokens
-        return
-    last = start
-    async for event in client.stream(req.input_ids, req.max_new_tokens):
-        now = time.perf_counter()
-        if event.choice:
-            if rec.ttft is None:
-                rec.ttft = now - start
-            else:
-                rec.itl.append(now - last)
-            last = now
-        else:  # the usage event after the last chunk
-            rec.output_len, rec.cached_tokens = event.completion_tokens, event.cached_tokens
-
-
 async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar: Any) -> RequestRecord:
-    from bench.http_backend import CompletionsClient, HttpError
+    from bench.http_backend import CompletionsClient, HttpError, send
     from runtime.client import RequestError
 
     rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
@@ -161,7 +142,7 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
     rec.sent_at = start - t0
     try:
         if isinstance(client, CompletionsClient):
-            await _send_http(client, req, stream, rec, start)
+            await send(client, req.input_ids, req.max_new_tokens, stream, rec, start)
         elif stream:
             last = start
             async for chunk in client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req),
