@@ -58,6 +58,10 @@ class RequestFailed(Exception):
         self.message = message
 
 
+class ClientWentAway(Exception):
+    """The HTTP client disconnected before its reply; nothing is left to answer."""
+
+
 def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
                       "code": code}}
@@ -94,7 +98,7 @@ class LocalRun:
 
     async def events(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(prompt index, chunk) until every sample has finished; RequestFailed on an error
-        reply, ConnectionError when the HTTP client went away."""
+        reply, ClientWentAway when the HTTP client went away."""
         left = len(self.reqs) * self.n
         while left:
             try:
@@ -111,7 +115,7 @@ class LocalRun:
 
     def disconnected(self) -> None:
         self.close()
-        self.queue.put_nowait(ConnectionError("the HTTP client went away"))
+        self.queue.put_nowait(ClientWentAway())
 
     def close(self) -> None:
         """Idempotent: aborts whatever has not finished."""
@@ -242,6 +246,10 @@ def build_app(http: HttpServer) -> FastAPI:
     @app.exception_handler(RequestFailed)
     async def failed(request: Request, exc: RequestFailed) -> JSONResponse:
         return error_response(STATUS_OF_CODE.get(exc.code, 500), exc.message, exc.code)
+
+    @app.exception_handler(ClientWentAway)
+    async def went_away(request: Request, exc: ClientWentAway) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": never read by anyone
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
