@@ -10,7 +10,8 @@ replies to the waiting call by rid); ``Client`` runs an ``AsyncClient`` on a pri
 event loop thread, so its blocking methods are safe to call from several threads.
 
 Errors: a rejected request raises ``RequestError(code, message)`` for that request
-only; no reply within ``timeout`` seconds raises ``RequestTimeout`` (a TimeoutError)
+only, and so does one the client cannot encode (a lone surrogate in a string, an
+integer past 64 bits, an object msgpack has no type for), before it is sent; no reply within ``timeout`` seconds raises ``RequestTimeout`` (a TimeoutError)
 and aborts the request on the server. A stream that is not read to the end (a
 ``break``, an exception, garbage collection) and every request still in flight when
 the client closes are aborted on the server, so they stop holding KV memory.
@@ -68,6 +69,11 @@ class RequestError(Exception):
         self.message = message
         self.rid = rid
         self.results: list[Any] | None = None  # for a batch: every result, errors in place
+
+
+async def _raise(exc: BaseException) -> Any:
+    """A coroutine that fails with ``exc``: a batch member that was never sent, in its place."""
+    raise exc
 
 
 class RequestTimeout(TimeoutError):
@@ -226,9 +232,22 @@ class AsyncClient:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
-    def _send_nowait(self, msg: Any) -> None:
+    def _encode(self, msg: Any) -> bytes:
+        """The frame of ``msg``; a value msgpack cannot carry is that request's RequestError
+        (``invalid_request``), so nothing half-encoded is ever sent."""
+        try:
+            return self._encoder.encode(msg)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            # UnicodeEncodeError (a lone surrogate) is a ValueError; an unknown type a TypeError.
+            raise RequestError("invalid_request", f"the request cannot be encoded: {type(exc).__name__}: {exc}",
+                               getattr(msg, "rid", "")) from None
+
+    def _send_frame(self, frame: bytes) -> None:
         # No high-water mark: never blocks; the returned future is already resolved.
-        self._sock.send(self._encoder.encode(msg), flags=zmq.DONTWAIT)
+        self._sock.send(frame, flags=zmq.DONTWAIT)
+
+    def _send_nowait(self, msg: Any) -> None:
+        self._send_frame(self._encode(msg))
 
     def _register(self, kind: str, rid: str) -> asyncio.Queue[Any]:
         key = (kind, rid)
@@ -279,9 +298,10 @@ class AsyncClient:
 
     async def _control(self, kind: str, req: Any, rid: str, timeout: float | None = None) -> dict[str, Any]:
         self._ensure_open()
+        frame = self._encode(req)
         queue = self._register(kind, rid)
         try:
-            self._send_nowait(req)
+            self._send_frame(frame)
             reply = await self._next(queue, timeout)
         finally:
             self._queues.pop((kind, rid), None)
@@ -316,18 +336,30 @@ class AsyncClient:
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise ValueError(f"a batch needs distinct rids, got {rids}")
-        queues: list[asyncio.Queue[Any]] = []
+        # A request that cannot be encoded fails alone: in a batch, in its place (as a server's
+        # rejection would); a single one before anything is registered.
+        frames: list[bytes | RequestError] = []
+        for r in reqs:
+            try:
+                frames.append(self._encode(r))
+            except RequestError as exc:
+                frames.append(exc)
+        if not batch and isinstance(frames[0], RequestError):
+            raise frames[0]
+        queues: list[asyncio.Queue[Any] | None] = []
         try:
-            for r in reqs:
-                queues.append(self._register("gen", r.rid))
+            for r, frame in zip(reqs, frames):
+                queues.append(self._register("gen", r.rid) if isinstance(frame, bytes) else None)
         except ValueError:
             for r in reqs[: len(queues)]:  # leave nothing registered for a batch that never went out
                 self._queues.pop(("gen", r.rid), None)
             raise
         # Send everything first, then wait: the server sees the whole batch at once.
-        for r in reqs:
-            self._send_nowait(r)
-        outcomes = await asyncio.gather(*(self._collect(r, q, n) for r, q in zip(reqs, queues)),
+        for frame in frames:
+            if isinstance(frame, bytes):
+                self._send_frame(frame)
+        outcomes = await asyncio.gather(*(self._collect(r, q, n) if q is not None else _raise(f)
+                                          for r, q, f in zip(reqs, queues, frames)),
                                         return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
@@ -339,11 +371,12 @@ class AsyncClient:
 
     async def _stream(self, req: GenerateReq, n: int) -> AsyncIterator[dict[str, Any]]:
         self._ensure_open()
+        frame = self._encode(req)
         queue = self._register("gen", req.rid)
         finished = 0
         done = False
         try:
-            self._send_nowait(req)
+            self._send_frame(frame)
             while finished < n:
                 msg = await self._next(queue)
                 if isinstance(msg, ErrorReply):

@@ -291,3 +291,48 @@ def test_a_rejected_batch_leaves_no_rid_registered(server: FakeServer) -> None:
         with pytest.raises(ValueError, match="distinct rids"):
             c.generate(["x", "y"], rid=["a", "a"])
         assert c.generate("x", rid="a")["rid"] == "a"
+
+
+def test_a_request_the_client_cannot_encode_is_a_request_error(server: FakeServer) -> None:
+    """Values msgpack cannot carry (a lone surrogate, an int past 64 bits, an unknown type)
+    fail that request alone with RequestError("invalid_request"), before anything is sent."""
+    with Client(server.address) as c:
+        with pytest.raises(RequestError) as exc:
+            c.generate("lone \ud800 surrogate", rid="bad")
+        assert exc.value.code == "invalid_request" and exc.value.rid == "bad"
+        assert "UnicodeEncodeError" in exc.value.message and "surrogate" in exc.value.message
+        for kwargs in ({"input_ids": [1, 2 ** 70]}, {"prompt": "x", "sampling_params": {"stop": object()}},
+                       {"messages": [{"role": "user", "content": "\udfff"}]}):
+            with pytest.raises(RequestError, match="cannot be encoded") as exc:
+                c.generate(**kwargs)
+            assert exc.value.code == "invalid_request"
+        with pytest.raises(RequestError, match="UnicodeEncodeError"):
+            list(c.generate("\ud800", stream=True))
+        with pytest.raises(RequestError, match="UnicodeEncodeError"):
+            c.abort("rid-\ud800")
+        assert c.generate("x", rid="bad")["text"] == "x"  # nothing of the failed one stayed registered
+        sent = server.next_received()
+        assert isinstance(sent, GenerateReq) and sent.rid == "bad" and sent.text == "x"  # the first thing sent
+        # In a batch the unencodable prompt fails in its place; the others are sent and answered.
+        with pytest.raises(RequestError) as exc:
+            c.generate(["ok", "b\ud800d", "fine"])
+        results = exc.value.results
+        assert results is not None and results[0]["text"] == "ko" and results[2]["text"] == "enif"
+        assert isinstance(results[1], RequestError) and results[1].code == "invalid_request"
+        assert sorted(server.next_received().text for _ in range(2)) == ["fine", "ok"]
+        assert server.received.empty()
+
+
+def test_async_client_encoding_failure_is_a_request_error(server: FakeServer) -> None:
+    async def main() -> None:
+        async with AsyncClient(server.address) as c:
+            with pytest.raises(RequestError, match="UnicodeEncodeError"):
+                await c.generate("\ud800")
+            with pytest.raises(RequestError, match="OverflowError"):
+                async for _ in c.generate(input_ids=[-(2 ** 64)], stream=True):
+                    pass
+            with pytest.raises(RequestError, match="UnicodeEncodeError"):
+                await c.abort("\ud800")
+            assert (await c.generate("ab"))["text"] == "ba"
+
+    uvloop.run(main())
