@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 from checkpoints import hf_greedy
 from launch import ServerProcess, ServerStartError, launch_server
@@ -25,6 +26,7 @@ from runtime.args import ServerArgs
 from runtime.client import Client
 from runtime.utils import child_pids
 from server_fixtures import wait_gone
+from triton_interp import compiled_triton_env
 
 pytest_plugins = ["server_fixtures"]
 
@@ -42,7 +44,9 @@ def short_tmpdir() -> Iterator[Path]:
 
 
 def server_env(tmp_path: Path, tmpdir: Path) -> dict[str, str]:
-    return dict(os.environ, TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(tmp_path / "cache"))
+    """A private TMPDIR and model cache, and no TRITON_INTERPRET (which the Triton test
+    modules set for the whole session: see tests/triton_interp.py)."""
+    return compiled_triton_env(TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(tmp_path / "cache"))
 
 
 def ipc_dirs(tmpdir: Path) -> list[Path]:
@@ -50,11 +54,12 @@ def ipc_dirs(tmpdir: Path) -> list[Path]:
 
 
 def test_default_model_serves_and_sigterm_cleans_up(tmp_path: Path, short_tmpdir: Path) -> None:
-    """The README's `make serve` (launch.py with no --model-path): builds the embedded
+    """The README's `make serve` (launch.py with no --model-path) on cpu: builds the embedded
     model into $TINYSERVE_CACHE, answers the README's example query, and SIGTERM exits 0
-    leaving no process and no ipc file."""
+    leaving no process and no ipc file. (On a GPU machine --device auto picks cuda: that is
+    test_default_model_serves_on_cuda.)"""
     env, tmpdir = server_env(tmp_path, short_tmpdir), short_tmpdir
-    server = ServerProcess(["--port", "0"], env=env)
+    server = ServerProcess(["--port", "0", "--device", "cpu"], env=env)
     try:
         assert server.address is not None and server.address.startswith("tcp://127.0.0.1:")
         with Client(server.address, timeout=120) as c:
@@ -73,6 +78,26 @@ def test_default_model_serves_and_sigterm_cleans_up(tmp_path: Path, short_tmpdir
     assert code == 0, server.log_tail()
     assert wait_gone(pids, 10) == []
     assert ipc_dirs(tmpdir) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_model_serves_on_cuda(tmp_path: Path, short_tmpdir: Path) -> None:
+    """`make serve` on a GPU machine: no --device, so cuda, Triton kernels, CUDA graphs and
+    overlap scheduling. Its environment has no TRITON_INTERPRET: inherited from this session
+    (the Triton test modules set it at collection), it made the server run its kernels in
+    the interpreter, which copies every tensor argument to the host and back at each launch
+    (the KV pool is most of the GPU), so in suite order this query got no reply."""
+    server = ServerProcess(["--port", "0"], env=server_env(tmp_path, short_tmpdir), ready_timeout=600)
+    try:
+        with Client(server.address, timeout=300) as c:
+            r = c.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+            info = c.server_info()
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_tail()
+    assert len(r["output_ids"]) >= 1 and r["meta"]["completion_tokens"] == len(r["output_ids"])
+    assert info["overlap_schedule"] is True  # the cuda default: --device auto picked the GPU
+    assert info["memory_invariant"]["ok"], info["memory_invariant"]
 
 
 def test_killed_child_stops_the_server(tmp_path: Path, short_tmpdir: Path, tiny_llama_path: Path) -> None:

@@ -4,6 +4,11 @@ Triton reads TRITON_INTERPRET when it is first imported. A test module sets it b
 importing triton; if something earlier in the session already imported triton in
 compiled mode (transformers does), the module's tests are replaced by one test that
 re-runs the module in a fresh process with the variable set.
+
+Those modules set the variable in ``os.environ`` when pytest imports them, that is during
+collection, before any test runs: from then on every process a test starts inherits it
+unless its environment is made with ``compiled_triton_env``. A server that picks cuda
+would otherwise run its Triton kernels in the interpreter (minutes per request).
 """
 
 from __future__ import annotations
@@ -15,6 +20,14 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def compiled_triton_env(**extra: str) -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET (plus ``extra``): for a child
+    process that may run Triton on a GPU, where the kernels must compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra)
+    return env
 
 
 def replace_tests_with_fresh_process_run(module_globals: dict[str, Any], module_file: str) -> None:
