@@ -229,6 +229,12 @@ def test_native_generate_body_and_reply(server: Client) -> None:
     events = sse_events(raw)
     assert events[-1]["text"] == zmq["text"]  # cumulative text, as SGLang streams it
     assert [t for e in events for t in e["output_ids"]] == zmq["output_ids"]
+    # --log-requests: a line when the request arrives and one when it finishes, with its rid
+    status, body = http(server, "POST", "/generate", {"text": PROMPTS[1], "sampling_params": params, "rid": "log-me"})
+    n = json.loads(body)["meta_info"]["prompt_tokens"]
+    log = server.server.log_tail(1 << 20)
+    assert status == 200 and f"request log-me: {n} prompt tokens, n=1, max_new_tokens=8" in log
+    assert f"finished log-me: length, {n} prompt tokens" in log and "8 output tokens" in log
     status, body = http(server, "POST", "/generate", {"text": "x", "sampling_params": {"temperature": -1}})
     assert status == 400 and json.loads(body)["error"]["param"] == "temperature"
     status, body = http(server, "POST", "/generate", {"text": "x", "bogus": 1})

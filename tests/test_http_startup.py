@@ -88,6 +88,17 @@ def test_launch_reports_an_uncached_hub_id(tmp_path: Path) -> None:
     assert "nobody/nothing is not in the hub cache" in proc.stderr
 
 
+def test_chat_template_file_replaces_the_tokenizers(tmp_path: Path, tiny_llama_path: Path) -> None:
+    from tokenizer_proc.process import load_tokenizer
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    tok = load_tokenizer(str(tiny_llama_path), str(template))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<user>hi<assistant>"
+    assert load_tokenizer(str(tiny_llama_path)).chat_template != tok.chat_template
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
