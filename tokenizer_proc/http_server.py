@@ -203,6 +203,9 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def install_signal_handlers(self) -> None:  # the same hook in uvicorn < 0.29
+        pass
+
 
 async def _body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
