@@ -3,7 +3,7 @@
     python launch.py [flags]          # see --help; prints "http: http://HOST:PORT" (the
                                       # HTTP server) then "ready: tcp://HOST:PORT" (ZMQ)
 
-Processes (DESIGN.md section 2), all children of this one, started with "spawn":
+Processes (docs/architecture.md), all children of this one, started with "spawn":
   scheduler-0..tp-1    one per TP rank (only rank 0 owns sockets); with --dp-size N,
                        scheduler-dp{d}-tp{r} for each replica d, and a dp-controller;
   detokenizer, tokenizer (the ZMQ and HTTP front doors).

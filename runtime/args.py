@@ -1,7 +1,7 @@
 """Server configuration: ``ServerArgs`` (the CLI flags) and ``PortArgs`` (the ipc endpoints).
 
 The flag names are SGLang's so that an SGLang user needs no translation; every flag is
-documented in ``python launch.py --help``. ``ServerArgs`` is a plain dataclass so that
+documented in ``tinyserve --help`` (``python launch.py --help``) and in docs/serving.md. ``ServerArgs`` is a plain dataclass so that
 it can be handed to spawned child processes and printed in server info.
 """
 
@@ -17,6 +17,8 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from runtime.version import package_version
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -203,10 +205,11 @@ class ServerArgs:
     @classmethod
     def make_parser(cls) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
-            prog="launch.py",
+            prog="tinyserve",  # the console script; `python launch.py` is the same program
             description="Start a tinyserve server: tokenizer, scheduler and detokenizer processes. "
                         "Prints 'ready: tcp://HOST:PORT' once it accepts requests.",
         )
+        parser.add_argument("--version", action="version", version=f"tinyserve {package_version()}")
         cls.add_cli_args(parser)
         return parser
 

@@ -1,4 +1,4 @@
-"""Python clients of a tinyserve server (DESIGN.md section 7).
+"""Python clients of a tinyserve server (docs/serving.md shows them in use).
 
     from runtime.client import Client
     c = Client("tcp://127.0.0.1:30000")

@@ -4,7 +4,7 @@ Each socket carries one tagged union, decoded with a typed
 ``msgspec.msgpack.Decoder``; no pickle anywhere. A frame that does not decode
 is logged and dropped (or answered with an ErrorReply on the client socket).
 
-Flows (DESIGN.md section 2):
+Flows (docs/architecture.md):
   client --ClientRequest--> tokenizer --SchedulerInput--> scheduler(s)
   scheduler --DetokenizerInput--> detokenizer --TokenizerInput--> tokenizer
   tokenizer --ClientReply--> client
