@@ -102,8 +102,9 @@ def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatc
     for buf, saved in zip(pool.k_buffer + pool.v_buffer, before):
         buf.copy_(saved)
     written: list[list[int]] = []
-    monkeypatch.setattr(pool, "set_kv_buffer", lambda layer_id, loc, k, v: (
-        written.append(loc.tolist()), type(pool).set_kv_buffer(pool, layer_id, loc, k, v))[1])
+    store = runner.ops.store_kv  # the backend writes K/V through the runner's device ops
+    monkeypatch.setattr(runner.ops, "store_kv", lambda pool_, layer_id, loc, k, v: (
+        written.append(loc.tolist()), store(pool_, layer_id, loc, k, v))[1])
     got = graphs.replay(batch)
 
     torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.forward_batch import ForwardBatch
+from runtime.ops import DeviceOps, get_ops
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class AttentionLayerSpec:
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    # The device ops that write K/V: the model runner's, else picked from the pool at first use.
+    _ops: DeviceOps | None = None
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
+        """Write the new tokens' K/V at ``batch.out_cache_loc`` of layer ``layer.layer_id``."""
+        pool = batch.token_to_kv_pool
+        if self._ops is None:
+            self._ops = getattr(getattr(self, "model_runner", None), "ops", None) or get_ops(pool.device, pool.dtype)
+        self._ops.store_kv(pool, layer.layer_id, batch.out_cache_loc, k, v)
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.forward_batch import ForwardBatch
-from runtime.ops import DeviceOps, get_ops
 
 # Padded work below this many (query, key) pairs is always acceptable in one group.
 _GROUP_SLACK = 1 << 16
@@ -103,7 +102,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any = None) -> None:
         self.model_runner = model_runner
-        self._ops: DeviceOps | None = getattr(model_runner, "ops", None)
+        self._ops = getattr(model_runner, "ops", None)
 
     # ---- planning (once per forward) -------------------------------------------------
 
@@ -224,9 +223,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        if self._ops is None:
-            self._ops = get_ops(pool.device, pool.dtype)
-        self._ops.store_kv(pool, layer.layer_id, batch.out_cache_loc, k, v)
+        self.store_kv(k, v, layer, batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None

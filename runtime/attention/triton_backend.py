@@ -96,7 +96,6 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.req_pool_indices.device
         ops = self._load_kernels(device)
-        bs = batch.batch_size
         req_to_token = batch.req_to_token_pool.req_to_token
         if batch.forward_mode.is_decode():
             kv_lens, kv_lens_cpu = batch.seq_lens, _host_list(batch.seq_lens_cpu, batch.seq_lens)
@@ -178,7 +177,7 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        self.store_kv(k, v, layer, batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TritonAttnMetadata = batch.attn_metadata
         ops = self._kernels
