@@ -4,7 +4,9 @@ the private ipc directory."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -12,6 +14,9 @@ import pytest
 
 from launch import server_argv
 from runtime.args import PortArgs, ServerArgs
+from runtime.version import VERSION, package_version
+
+REPO = Path(__file__).resolve().parent.parent
 
 EXPECTED_DEFAULTS = {
     "model_path": None, "tokenizer_path": None, "host": "127.0.0.1", "port": 30000, "device": "auto",
@@ -39,6 +44,36 @@ def test_help_documents_every_flag() -> None:
     # every flag has help text (argparse prints it after the flag)
     for action in ServerArgs.make_parser()._actions:
         assert action.help, action.option_strings
+
+
+def test_serving_doc_documents_every_flag() -> None:
+    """docs/serving.md names every flag --help lists (so a new flag comes with its documentation)."""
+    doc = (REPO / "docs" / "serving.md").read_text()
+    flags = [opt for action in ServerArgs.make_parser()._actions for opt in action.option_strings
+             if opt.startswith("--")]
+    assert len(flags) > len(EXPECTED_DEFAULTS)  # every field's flag, --enable-overlap-schedule, --help, --version
+    missing = [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", doc)]
+    assert missing == [], f"flags not in docs/serving.md: {missing}"
+
+
+def test_usage_is_tinyserve_and_version_is_pyprojects(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ServerArgs.make_parser().format_usage().startswith("usage: tinyserve ")
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.from_cli(["--version"])
+    assert exc.value.code == 0
+    version = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert capsys.readouterr().out == f"tinyserve {version}\n"
+    assert package_version() == VERSION == version  # the fallback for an uninstalled checkout agrees
+
+
+def test_console_script_is_launch_main(capsys: pytest.CaptureFixture[str]) -> None:
+    """The installed `tinyserve` command runs launch.main: its help starts `usage: tinyserve`."""
+    (script,) = importlib.metadata.entry_points(group="console_scripts", name="tinyserve")
+    assert script.value == "launch:main"
+    with pytest.raises(SystemExit) as exc:
+        script.load()(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: tinyserve ")
 
 
 def test_cli_parses_every_flag(tmp_path: Path) -> None:
