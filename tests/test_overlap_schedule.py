@@ -15,64 +15,21 @@ import pytest
 import torch
 
 from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
+from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.stub_runner import StubModelRunner, reference_next_token
+from runtime.stub_runner import StubModelRunner
 from scheduler_proc.model_worker import ModelWorker, OverlapModelWorker
 from scheduler_proc.scheduler import Scheduler
+from stub_scheduler import VOCAB, assert_idle_invariant, collect, expected_output, run_until_idle, stub_scheduler
 
-VOCAB = 1000
-EOS = 0
 
 
 def make(overlap: bool, max_total_tokens: int = 8192, **overrides) -> Scheduler:
-    args = ServerArgs(max_total_tokens=max_total_tokens, disable_overlap_schedule=not overlap, **overrides)
-    runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=VOCAB,
-                             page_size=args.page_size, eos_token_ids=(EOS,))
-    return Scheduler(args, model_runner=runner)
+    return stub_scheduler(overlap, max_total_tokens, **overrides)
 
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams, stream: bool = False) -> None:
     sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream))
-
-
-def collect(sched: Scheduler, results: dict[str, dict]) -> None:
-    for msg in sched.take_outbox():
-        if isinstance(msg, SchedErrorOut):
-            results[msg.rid] = {"error": msg.code}
-            continue
-        assert isinstance(msg, BatchTokenIDOut)
-        for out in msg.outputs:
-            entry = results.setdefault(out.rid, {"ids": [], "finished": False, "chunks": 0})
-            entry["ids"].extend(out.new_output_ids)
-            entry["chunks"] += 1
-            entry["finished"] = out.finished
-            entry["reason"] = out.finish_reason
-
-
-def run_until_idle(sched: Scheduler, results: dict[str, dict] | None = None) -> dict[str, dict]:
-    results = {} if results is None else results
-    for _ in range(100_000):
-        sched.step()
-        collect(sched, results)
-        if sched.is_idle():
-            return results
-    raise AssertionError("scheduler did not go idle")
-
-
-def assert_idle_invariant(sched: Scheduler) -> None:
-    report = sched.check_memory()
-    assert report.ok, report.message
-    assert report.protected == 0
-    assert report.available + report.evictable == sched.max_total_tokens
-
-
-def stub_continuation(prompt: list[int], n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(n):
-        out.append(reference_next_token(seq, VOCAB, {EOS}))
-        seq.append(out[-1])
-    return out
 
 
 def test_the_worker_kind_follows_the_flags() -> None:
@@ -99,7 +56,7 @@ def test_decode_steps_are_launched_before_the_previous_tokens_are_read() -> None
             assert req.num_inflight == 1
             ahead += 1
     assert ahead >= 9
-    assert results["r"]["ids"] == stub_continuation(prompt, 12)
+    assert results["r"]["ids"] == expected_output(prompt, 12)
     assert_idle_invariant(sched)
 
 
@@ -113,7 +70,7 @@ def test_a_request_that_stops_while_its_next_step_runs_drops_that_token_and_free
             sched = make(overlap, page_size=page_size)
             for i, prompt in enumerate(prompts):
                 stop_at = 1 + i % 7  # the stop token is the request's (stop_at)-th output
-                stop = stub_continuation(prompt, stop_at)[-1]
+                stop = expected_output(prompt, stop_at)[-1]
                 params = SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=[stop])
                 submit(sched, f"r{i}", prompt, params, stream=i % 2 == 0)
             results = run_until_idle(sched)
@@ -122,7 +79,7 @@ def test_a_request_that_stops_while_its_next_step_runs_drops_that_token_and_free
             for i, prompt in enumerate(prompts):
                 ids, reason = outputs[overlap, page_size][f"r{i}"]
                 assert reason == "stop"
-                full = stub_continuation(prompt, 1 + i % 7)
+                full = expected_output(prompt, 1 + i % 7)
                 assert ids == full[: full.index(full[-1]) + 1]
     assert outputs[True, 1] == outputs[False, 1] and outputs[True, 4] == outputs[False, 4]
 
@@ -141,7 +98,7 @@ def test_random_aborts_leak_nothing_with_overlap() -> None:
             prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 150))]
             max_new = rng.randrange(1, 40)
             # A third stop at a token of their own output: at a step the scheduler cannot foresee.
-            stop = [stub_continuation(prompt, rng.randrange(1, max_new + 1))[-1]] if rng.random() < 0.33 else None
+            stop = [expected_output(prompt, rng.randrange(1, max_new + 1))[-1]] if rng.random() < 0.33 else None
             params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop)
             submit(sched, rid, prompt, params, stream=rng.random() < 0.5)
             live.append(rid)
@@ -172,7 +129,7 @@ def test_outputs_equal_the_serial_scheduler_under_retraction_and_chunking(page_s
         assert sched.stats["num_retractions"] > 0
     assert {k: v["ids"] for k, v in runs[0].items()} == {k: v["ids"] for k, v in runs[1].items()}
     for i, prompt in enumerate(prompts):
-        assert runs[1][f"r{i}"]["ids"] == stub_continuation(prompt, 30)
+        assert runs[1][f"r{i}"]["ids"] == expected_output(prompt, 30)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

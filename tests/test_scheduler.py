@@ -11,15 +11,10 @@ import random
 
 import pytest
 
-from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
+from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.stub_runner import StubModelRunner, reference_next_token
 from scheduler_proc.scheduler import Scheduler
-
-VOCAB = 1000
-EOS = 0
-
+from stub_scheduler import VOCAB, assert_idle_invariant, expected_output, run_until_idle, stub_scheduler
 
 OVERLAP = {"overlap": True}
 
@@ -32,41 +27,7 @@ def overlap_schedule(request: pytest.FixtureRequest) -> bool:
 
 
 def make_scheduler(max_total_tokens: int = 8192, page_size: int = 1, **overrides) -> Scheduler:
-    overrides.setdefault("disable_overlap_schedule", not OVERLAP["overlap"])
-    args = ServerArgs(page_size=page_size, max_total_tokens=max_total_tokens, **overrides)
-    runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=VOCAB, page_size=page_size,
-                             eos_token_ids=(EOS,))
-    return Scheduler(args, model_runner=runner)
-
-
-def expected_output(prompt: list[int], max_new_tokens: int) -> list[int]:
-    seq, out = list(prompt), []
-    for _ in range(max_new_tokens):
-        tok = reference_next_token(seq, VOCAB, {EOS})
-        out.append(tok)
-        seq.append(tok)
-    return out
-
-
-def run_until_idle(sched: Scheduler, max_steps: int = 100_000) -> dict[str, dict]:
-    """Step until nothing is left; collect each request's output ids and final info."""
-    results: dict[str, dict] = {}
-    for _ in range(max_steps):
-        sched.step()
-        for msg in sched.take_outbox():
-            if isinstance(msg, SchedErrorOut):
-                results[msg.rid] = {"error": msg.code}
-                continue
-            assert isinstance(msg, BatchTokenIDOut)
-            for out in msg.outputs:
-                entry = results.setdefault(out.rid, {"ids": [], "finished": False})
-                entry["ids"].extend(out.new_output_ids)
-                entry["finished"] = out.finished
-                entry["reason"] = out.finish_reason
-                entry["cached"] = out.cached_tokens
-        if sched.is_idle():
-            return results
-    raise AssertionError("scheduler did not go idle")
+    return stub_scheduler(OVERLAP["overlap"], max_total_tokens, page_size, **overrides)
 
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], max_new_tokens: int, stream: bool = False) -> None:
@@ -78,13 +39,6 @@ def random_prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]
     rng = random.Random(seed)
     prefix = [rng.randrange(1, VOCAB) for _ in range(shared_prefix)]
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
-
-
-def assert_idle_invariant(sched: Scheduler) -> None:
-    report = sched.check_memory()
-    assert report.ok, report.message
-    assert report.protected == 0
-    assert report.available + report.evictable == sched.max_total_tokens
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
