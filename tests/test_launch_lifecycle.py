@@ -25,6 +25,7 @@ from launch import ServerProcess, ServerStartError, launch_server
 from runtime.args import ServerArgs
 from runtime.client import Client
 from runtime.utils import child_pids
+from runtime.version import package_version
 from server_fixtures import wait_gone
 from triton_interp import compiled_triton_env
 
@@ -211,8 +212,11 @@ def run_launch(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_help_documents_every_flag() -> None:
     out = run_launch("--help")
     assert out.returncode == 0
+    assert out.stdout.startswith("usage: tinyserve ")
     for field in ServerArgs.__dataclass_fields__:
         assert "--" + field.replace("_", "-") in out.stdout
+    version = run_launch("--version")
+    assert version.returncode == 0 and version.stdout == f"tinyserve {package_version()}\n"
 
 
 @pytest.mark.parametrize("argv, message", [
