@@ -1,7 +1,8 @@
 """Fast paths of TorchNativeAttnBackend (views, causal, cascade over a shared prefix, the
 decode-key mirror) and prepacked bf16 linears, against per-request references.
 
-Proposed by the performance work (runtime/attention/torch_native.py, runtime/layers/prepacked.py).
+The code under test: runtime/attention/torch_native.py (planning), runtime/cpu/attention.py and
+runtime/cpu/prepacked.py.
 """
 
 from __future__ import annotations
