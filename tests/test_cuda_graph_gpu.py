@@ -6,20 +6,15 @@ kernel tests do, for the whole process) the tests run in a fresh process without
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from triton_interp import run_compiled_when_interpreting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _runner(path: Path, **kwargs: Any) -> Any:
@@ -57,6 +52,7 @@ def test_graph_decode_matches_eager_in_bf16(tiny_llama_path: Path) -> None:
 def test_decode_step_syncs_only_to_read_its_tokens(tiny_llama_path: Path) -> None:
     """The forward queues work and returns; reading the sampled ids is the step's one sync."""
     from harness import Harness
+
     from runtime.forward_batch import ForwardMode
 
     runner = _runner(tiny_llama_path)
@@ -81,15 +77,4 @@ def test_decode_step_syncs_only_to_read_its_tokens(tiny_llama_path: Path) -> Non
             req.output_ids.append(token)
 
 
-if not COMPILED:
-    for _name in [n for n in globals() if n.startswith("test_")]:
-        del globals()[_name]
-
-    def test_in_fresh_compiled_process() -> None:
-        """TRITON_INTERPRET=1 was set by an earlier module: run this file where Triton compiles."""
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+run_compiled_when_interpreting(globals(), __file__)

@@ -9,10 +9,8 @@ row, a slot freed twice or reused early, or a lost prefix all change the tokens.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
-import torch
 
 from runtime.args import ServerArgs
 from runtime.messages import TokenizedGenerateReq
@@ -131,23 +129,3 @@ def test_outputs_equal_the_serial_scheduler_under_retraction_and_chunking(page_s
     for i, prompt in enumerate(prompts):
         assert runs[1][f"r{i}"]["ids"] == expected_output(prompt, 30)
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_overlap_on_cuda_gives_the_serial_tokens(tiny_llama_path: Path) -> None:
-    """The real model on a GPU: the worker's stream, future inputs resolved on the device and
-    the event-waited copy of the ids give the serial scheduler's greedy tokens."""
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 40))] for _ in range(16)]
-    outputs = []
-    for overlap in (False, True):
-        args = ServerArgs(model_path=str(tiny_llama_path), device="cuda", dtype="bfloat16",
-                          attention_backend="torch_native", max_total_tokens=4096,
-                          disable_overlap_schedule=not overlap)
-        sched = Scheduler(args)
-        assert sched.worker.overlap is overlap
-        for i, prompt in enumerate(prompts):
-            submit(sched, f"r{i}", prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-        outputs.append({rid: r["ids"] for rid, r in run_until_idle(sched).items()})
-        assert_idle_invariant(sched)
-        sched.worker.close()
-    assert outputs[0] == outputs[1]

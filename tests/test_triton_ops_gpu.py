@@ -8,19 +8,13 @@ tests do, for the whole process) the tests run in a fresh process without it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import ops_cases
 import pytest
 import torch
+from triton_interp import run_compiled_when_interpreting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DTYPES = [(torch.float32, 1e-4), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)]
 
 
@@ -84,15 +78,4 @@ def test_tiny_model_through_triton_ops_matches_torch_ops(tiny_checkpoints, monke
     assert outputs[0] == outputs[1]
 
 
-if not COMPILED:
-    for _name in [n for n in globals() if n.startswith("test_")]:
-        del globals()[_name]
-
-    def test_in_fresh_compiled_process() -> None:
-        """TRITON_INTERPRET=1 was set by an earlier module: run this file where Triton compiles."""
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+run_compiled_when_interpreting(globals(), __file__)

@@ -45,3 +45,22 @@ def replace_tests_with_fresh_process_run(module_globals: dict[str, Any], module_
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
     module_globals["test_in_fresh_interpreter_process"] = test_in_fresh_interpreter_process
+
+
+def run_compiled_when_interpreting(module_globals: dict[str, Any], module_file: str) -> None:
+    """For GPU test modules: when TRITON_INTERPRET=1 is set in this process (an earlier
+    module set it), swap the module's tests for one that re-runs the file where Triton compiles."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    for name in [n for n in module_globals if n.startswith("test_")]:
+        del module_globals[name]
+
+    def test_in_fresh_compiled_process() -> None:
+        """TRITON_INTERPRET=1 was set by an earlier module: run this file where Triton compiles."""
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(module_file))],
+            cwd=REPO_ROOT, env=compiled_triton_env(), capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+    module_globals["test_in_fresh_compiled_process"] = test_in_fresh_compiled_process
