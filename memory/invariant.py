@@ -114,3 +114,43 @@ def check_memory_invariant(
     if problems:
         logger.error("memory invariant violated: %s", message)
     return InvariantReport(not problems, available, evictable, protected, leaked, double_owned, message)
+
+
+def check_host_invariant(host_allocator: BaseTokenToKVPoolAllocator, host_slots: torch.Tensor,
+                         host_evictable: int, host_protected: int) -> InvariantReport:
+    """The host tier of a hierarchical cache (:mod:`memory.hiradix_cache`): every host slot is free or
+    held by exactly one tree node (``host_slots``: all of them, in any order), and
+    ``available + evictable + protected == host size``. Host slots belong to the tree alone,
+    so this holds whether or not requests are running."""
+    p = host_allocator.page_size
+    available = host_allocator.available_size()
+    problems: list[str] = []
+    n_slots = (host_allocator.num_pages + 1) * p
+    usable = torch.ones(n_slots, dtype=torch.bool)
+    usable[:p] = False
+    free = host_allocator.free_slot_mask()
+    if host_allocator.free_page_count_with_duplicates() * p != int(free.sum()):
+        problems.append("a host page is on the free list twice")
+    slots = host_slots.to(torch.int64).cpu()
+    if slots.numel() and (int(slots.min()) < p or int(slots.max()) >= n_slots):
+        problems.append("the tree references host slots outside the host pool")
+        slots = slots[(slots >= p) & (slots < n_slots)]
+    count = torch.bincount(slots, minlength=n_slots)
+    held = count > 0
+    double = sorted(set((count > 1).nonzero().flatten().tolist()) | set((free & held).nonzero().flatten().tolist()))
+    if int(held.sum()) != host_evictable + host_protected:
+        problems.append(f"the tree holds {int(held.sum())} distinct host slots but host evictable + protected = "
+                        f"{host_evictable + host_protected}")
+    accounted = available + host_evictable + host_protected
+    if accounted != host_allocator.size:
+        problems.append(f"host available {available} + evictable {host_evictable} + protected {host_protected}"
+                        f" = {accounted} != host size {host_allocator.size}")
+    leaked = (usable & ~free & ~held).nonzero().flatten().tolist()
+    if leaked:
+        problems.append(f"{len(leaked)} leaked host slots: {leaked[:_MAX_LISTED]}")
+    if double:
+        problems.append(f"{len(double)} host slots owned twice: {double[:_MAX_LISTED]}")
+    message = "; ".join(problems) if problems else "ok"
+    if problems:
+        logger.error("host memory invariant violated: %s", message)
+    return InvariantReport(not problems, available, host_evictable, host_protected, leaked, double, message)

@@ -25,10 +25,17 @@ from memory.req_state import CacheRequest
 
 @dataclass
 class MatchResult:
-    """Longest cached prefix: its KV slots (int64, on the allocator's device) and the node where it ends."""
+    """Longest cached prefix: its KV slots (int64, on the allocator's device) and the node where it ends.
+
+    With a host tier (:mod:`memory.hiradix_cache`) the prefix may go on past the device part:
+    its next ``host_hit_len`` tokens are cached in host memory only, up to ``last_host_node``
+    (``last_node`` itself when there is no host part).
+    """
 
     device_indices: torch.Tensor
     last_node: Any
+    host_hit_len: int = 0
+    last_host_node: Any = None
 
 
 @dataclass(frozen=True)
@@ -38,13 +45,16 @@ class KVCacheEvent:
     ``stored``: tokens ``token_ids[start:]`` became cached after the (already cached)
     prefix ``token_ids[:start]``. ``removed``: tokens ``token_ids[start:]`` were evicted;
     ``token_ids[:start]`` may still be cached. ``cleared``: everything was dropped
-    (token_ids empty). Keys are namespaced by ``extra_key``.
+    (token_ids empty). Keys are namespaced by ``extra_key``. ``tier`` says which memory the
+    tokens entered or left: ``device`` (the KV pool) or ``host`` (the hierarchical cache's
+    host pool); ``cleared`` clears both.
     """
 
     kind: Literal["stored", "removed", "cleared"]
     token_ids: tuple[int, ...]
     start: int
     extra_key: str | None
+    tier: Literal["device", "host"] = "device"
 
 
 @dataclass(frozen=True)

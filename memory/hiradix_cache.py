@@ -1,0 +1,510 @@
+"""HiRadixCache: the radix tree over two tiers, the device KV pool and a host KV pool.
+
+A node's KV lives on the device (``value``), on the host (``host_value``), or on both.
+Two rules keep a match cheap to use:
+
+- the device part of every path is a prefix of it: a node on the device has every
+  ancestor on the device (eviction takes device *leaves*, nodes whose children are all
+  host-only, and a load brings a whole path back), so ``match_prefix`` returns the device
+  part and then the host part after it;
+- every node is somewhere: a node that leaves the device without a host copy leaves the
+  tree, and its (host-only) subtree with it.
+
+Write policies (SGLang's names): ``write_through`` backs a node up when it is inserted;
+``write_back`` only when the device evicts it (synchronously: its device slots are freed
+once the copy is done). Either way, device eviction keeps host-backed nodes in the tree
+as host-only nodes; host eviction (LRU) takes host-only leaves and drops them.
+
+Ownership: device slots in ``value`` and host slots in ``host_value`` are the tree's. A
+node being backed up or loaded is locked (``lock_ref``) from the moment its copy is queued
+until the copy completed, so neither tier evicts it meanwhile. Queued copies are issued as
+one batch per direction by ``issue_transfers`` (once per scheduler step); the previous
+batch is completed first, so on cuda a copy overlaps the step it was issued with.
+
+Sizes: ``evictable_size``/``protected_size`` count device tokens (as in RadixCache);
+``host_sizes`` counts host tokens, evictable where the node is host-only and unlocked.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+
+from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.host_pool import HostKVPool
+from memory.kv_transfer import KVTransfer, TransferOp
+from memory.prefix_cache import KVCacheEvent, MatchResult
+from memory.radix_cache import RadixCache, TreeNode
+from memory.req_to_token_pool import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+class HiTreeNode(TreeNode):
+    """A radix-tree node whose KV may be on the device (``value``), the host (``host_value``) or both.
+
+    ``value`` is None while the node is host-only.
+    """
+
+    __slots__ = ("host_value",)
+
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
+                 extra_key: str | None) -> None:
+        super().__init__(node_id, key, value, parent, extra_key)  # type: ignore[arg-type]
+        self.host_value: torch.Tensor | None = None
+
+
+@dataclass
+class TierStats:
+    """Token counters of the host tier since start (or the last reset)."""
+
+    loaded_tokens: int = 0  # host hits: tokens copied back to the device
+    backed_up_tokens: int = 0  # tokens copied to the host
+    device_evicted_tokens: int = 0  # tokens evicted from the device (to the host, or dropped)
+    device_dropped_tokens: int = 0  # of those, tokens that left the tree (no host copy)
+    host_evicted_tokens: int = 0  # tokens evicted from the host (they left the tree)
+    load_bytes: int = 0
+    load_seconds: float = 0.0  # time the loads took, measured where they were completed
+    backup_bytes: int = 0
+
+
+class HiRadixCache(RadixCache):
+    """RadixCache with a host tier; see the module docstring."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: BaseTokenToKVPoolAllocator,
+        host_pool: HostKVPool,
+        transfer: KVTransfer,
+        page_size: int = 1,
+        eviction_policy: Literal["lru", "lfu"] = "lru",
+        write_policy: str = "write_through",
+        enable_kv_events: bool = False,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r} ({' or '.join(WRITE_POLICIES)})")
+        if host_pool.page_size != page_size:
+            raise ValueError(f"host pool page_size {host_pool.page_size} != page_size {page_size}")
+        self.host_pool = host_pool
+        self.host_allocator = host_pool.allocator
+        self.transfer = transfer
+        self.write_policy = write_policy
+        self.tier_stats = TierStats()
+        self._pending_backups: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
+        self._pending_loads: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
+        self._inflight: list[tuple[TransferOp, list[HiTreeNode]]] = []
+        super().__init__(req_to_token_pool, allocator, page_size, eviction_policy, False, enable_kv_events)
+
+    # ------------------------------------------------------------ bookkeeping
+    def reset(self) -> None:
+        """Drop both tiers (the caller clears the device allocator; queued copies must be done)."""
+        super().reset()
+        self._pending_backups, self._pending_loads, self._inflight = [], [], []
+        self.host_allocator.clear()
+
+    def _new_node(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
+                  extra_key: str | None) -> HiTreeNode:
+        node = HiTreeNode(self._next_id, key, value, parent, extra_key)
+        self._next_id += 1
+        return node
+
+    def _nodes(self) -> Iterator[HiTreeNode]:
+        stack: list[HiTreeNode] = list(self.root.children.values())  # type: ignore[arg-type]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())  # type: ignore[arg-type]
+
+    def total_size(self) -> int:
+        """Device tokens in the tree, counted by walking it (checks the two device counters)."""
+        return sum(len(n.key) for n in self._nodes() if n.value is not None)
+
+    def cached_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes() if n.value is not None]
+        return torch.cat(values) if values else self._empty
+
+    def cached_host_slots(self) -> torch.Tensor:
+        """Every host slot the tree owns (for the host invariant); int64 on the cpu."""
+        values = [n.host_value for n in self._nodes() if n.host_value is not None]
+        return torch.cat(values) if values else torch.empty((0,), dtype=torch.int64)
+
+    def host_sizes(self) -> tuple[int, int]:
+        """Host tokens (evictable, protected): evictable where the node is host-only and unlocked;
+        a node also on the device keeps its host copy until it leaves the tree."""
+        evictable = protected = 0
+        for node in self._nodes():
+            if node.host_value is not None:
+                if node.value is None and node.lock_ref == 0:
+                    evictable += len(node.key)
+                else:
+                    protected += len(node.key)
+        return evictable, protected
+
+    def host_only_size(self) -> int:
+        return sum(len(n.key) for n in self._nodes() if n.value is None)
+
+    def _emit_tier(self, kind: Literal["stored", "removed"], node: TreeNode, tier: Literal["device", "host"]) -> None:
+        if self.enable_kv_events:
+            tokens, start = self._path_tokens(node)
+            self._events.append(KVCacheEvent(kind, tokens, start, node.extra_key, tier))
+
+    def _on_device(self, node: HiTreeNode, value: torch.Tensor) -> None:
+        """``node`` (host-only) gets device slots ``value``: count them in the device sizes."""
+        node.value = value
+        if node.lock_ref > 0:
+            self._protected_size += len(node.key)
+        else:
+            self._evictable_size += len(node.key)
+        self._emit_tier("stored", node, "device")
+
+    # ---------------------------------------------------------------- lookups
+    def match_prefix(self, key: list[int], extra_key: str | None = None, count_hit: bool = True) -> MatchResult:
+        """Longest cached prefix: the device part's slots and node, then the host-only part's length and node."""
+        if count_hit:
+            self._lookups += 1
+            self._lookup_tokens += len(key)
+        usable = len(key) // self.page_size * self.page_size
+        dev, dev_node, host, host_node = self._walk(key[:usable], extra_key)
+        indices = torch.cat(dev) if len(dev) > 1 else (dev[0] if dev else self._empty)
+        host_len = sum(h.numel() for h in host)
+        if count_hit:
+            self._matched_tokens += indices.numel() + host_len
+        return MatchResult(indices, dev_node, host_len, host_node)
+
+    def _match(self, key: list[int], extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
+        dev, dev_node, _, _ = self._walk(key, extra_key)
+        return dev, dev_node
+
+    def _walk(self, key: list[int], extra_key: str | None
+              ) -> tuple[list[torch.Tensor], HiTreeNode, list[torch.Tensor], HiTreeNode]:
+        now = self._tick()
+        node: HiTreeNode = self.root  # type: ignore[assignment]
+        dev_node = node
+        node.last_access_time = now
+        dev: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        off = 0
+        while off < len(key):
+            child = node.children.get(self._child_key(key, off, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            child.hit_count += 1
+            n = self._match_len(child.key, key, off)
+            diverged = n < len(child.key)
+            if diverged:
+                child = self._split(child, n)
+            if child.value is not None:
+                dev.append(child.value)
+                dev_node = child  # type: ignore[assignment]
+            else:
+                assert child.host_value is not None, "a node with no KV in either tier"
+                host.append(child.host_value)
+            node = child  # type: ignore[assignment]
+            off += n
+            if diverged:
+                break
+        return dev, dev_node, host, node
+
+    def _split(self, child: TreeNode, split_len: int) -> HiTreeNode:
+        parent = child.parent
+        assert parent is not None and 0 < split_len < len(child.key)
+        value = child.value
+        upper = self._new_node(child.key[:split_len], None if value is None else value[:split_len], parent,
+                               child.extra_key)
+        host = child.host_value  # type: ignore[attr-defined]
+        upper.host_value = None if host is None else host[:split_len]
+        upper.lock_ref = child.lock_ref
+        upper.last_access_time = child.last_access_time
+        upper.hit_count = child.hit_count
+        parent.children[self._child_key(child.key, 0, child.extra_key)] = upper
+        child.key = child.key[split_len:]
+        child.value = None if value is None else value[split_len:]  # type: ignore[assignment]
+        child.host_value = None if host is None else host[split_len:]  # type: ignore[attr-defined]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0, child.extra_key)] = child
+        return upper
+
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Cache ``key -> value``; return how many leading tokens were already on the device.
+
+        Host-only nodes on the path take the request's slots (``value``) as their device
+        copy, so the tree owns ``value[returned:]`` of the aligned part, as in RadixCache.
+        """
+        if len(key) != value.numel():
+            raise ValueError(f"insert: key has {len(key)} tokens but value has {value.numel()} slots")
+        usable = len(key) // self.page_size * self.page_size
+        key = key[:usable]
+        value = value[:usable].to(device=self.device, dtype=torch.int64)
+        now = self._tick()
+        node: HiTreeNode = self.root  # type: ignore[assignment]
+        node.last_access_time = now
+        off, on_device = 0, -1
+        while off < usable:
+            child = node.children.get(self._child_key(key, off, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key, off)
+            diverged = n < len(child.key)
+            if diverged:
+                child = self._split(child, n)
+            if child.value is None:  # host-only: the request computed this KV again
+                on_device = off if on_device < 0 else on_device
+                self._on_device(child, value[off : off + n].clone())  # type: ignore[arg-type]
+            node = child  # type: ignore[assignment]
+            off += n
+            if diverged:
+                break
+        present = off if on_device < 0 else on_device
+        if off < usable:
+            leaf = self._new_node(key[off:], value[off:].clone(), node, extra_key)
+            leaf.last_access_time = now
+            node.children[self._child_key(key, off, extra_key)] = leaf
+            self._evictable_size += usable - off
+            self._emit_tier("stored", leaf, "device")
+            if self.write_policy == "write_through":
+                self._queue_backup(leaf)
+        return present
+
+    # ---------------------------------------------------------------- locking
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
+        """Protect the path root..node; device sizes change only for nodes on the device."""
+        if node is None:
+            return 0
+        delta = 0
+        while node is not self.root:
+            assert node is not None, "node is not attached to this tree"
+            if node.lock_ref == 0 and node.value is not None:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                delta -= len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
+        if node is None:
+            return 0
+        delta = 0
+        while node is not self.root:
+            assert node is not None, "node is not attached to this tree"
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+            if node.lock_ref == 1 and node.value is not None:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                delta += len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+        return delta
+
+    # -------------------------------------------------------------- transfers
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.host_allocator.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens - self.host_allocator.available_size())
+            slots = self.host_allocator.alloc(num_tokens)
+        return slots
+
+    def _queue_backup(self, node: HiTreeNode) -> bool:
+        """Give ``node`` host slots and queue its device -> host copy (locked until it completed)."""
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_value = host
+        self.inc_lock_ref(node)
+        assert node.value is not None
+        self._pending_backups.append((node, node.value, host))
+        self._emit_tier("stored", node, "host")
+        return True
+
+    def load_back(self, node: TreeNode) -> torch.Tensor | None:
+        """Bring the host-only nodes on the path to ``node`` back to the device (a match's host part).
+
+        Returns their new device slots, in path order (empty if none are host-only), or None
+        when the device has no room even after eviction. The copy is queued; the nodes stay
+        locked until it completed, and ``issue_transfers`` must run before a forward reads them.
+        """
+        path: list[HiTreeNode] = []
+        cur = node
+        while cur is not self.root and cur.value is None:
+            path.append(cur)  # type: ignore[arg-type]
+            cur = cur.parent  # type: ignore[assignment]
+        if not path:
+            return self._empty
+        path.reverse()
+        num = sum(len(p.key) for p in path)
+        self.inc_lock_ref(node)  # the device ancestors must not be evicted to make room
+        slots = self.allocator.alloc(num)
+        if slots is None:
+            self.evict(num - self.allocator.available_size())
+            slots = self.allocator.alloc(num)
+        if slots is None:
+            self.dec_lock_ref(node)
+            return None
+        off = 0
+        for p in path:
+            self._on_device(p, slots[off : off + len(p.key)])
+            off += len(p.key)
+        host = torch.cat([p.host_value for p in path])  # type: ignore[misc]
+        self._pending_loads.append((node, slots, host))  # type: ignore[arg-type]
+        self.tier_stats.loaded_tokens += num
+        return slots
+
+    def issue_transfers(self) -> None:
+        """Complete the copies issued before, then issue the queued ones (one batch per direction)."""
+        self._complete()
+        if self._pending_backups:
+            nodes, dev, host = zip(*self._pending_backups)
+            self._pending_backups = []
+            op = self.transfer.to_host(torch.cat(dev), torch.cat(host))
+            self._inflight.append((op, list(nodes)))
+        if self._pending_loads:
+            nodes, dev, host = zip(*self._pending_loads)
+            self._pending_loads = []
+            op = self.transfer.to_device(torch.cat(host), torch.cat(dev))
+            self._inflight.append((op, list(nodes)))
+        if not self.transfer.asynchronous:
+            self._complete()
+
+    def wait_transfers(self) -> None:
+        """Issue what is queued and wait for every copy: afterwards no node is locked by a copy."""
+        self.issue_transfers()
+        self._complete()
+
+    def pending_transfers(self) -> int:
+        return len(self._pending_backups) + len(self._pending_loads) + len(self._inflight)
+
+    def _complete(self) -> None:
+        inflight, self._inflight = self._inflight, []
+        for op, nodes in inflight:
+            op.wait()
+            self._count(op)
+            for node in nodes:
+                self.dec_lock_ref(node)
+
+    def _count(self, op: TransferOp) -> None:
+        stats = self.tier_stats
+        if op.to_device:
+            stats.load_bytes += op.nbytes
+            stats.load_seconds += op.seconds
+        else:
+            stats.backed_up_tokens += op.num_tokens
+            stats.backup_bytes += op.nbytes
+
+    # --------------------------------------------------------------- eviction
+    def _is_device_leaf(self, node: HiTreeNode, leaving: set[HiTreeNode]) -> bool:
+        return (node is not self.root and node.value is not None and node.lock_ref == 0
+                and all(c.value is None or c in leaving for c in node.children.values()))
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots (or all that is evictable), least valuable first.
+
+        A node with a host copy stays in the tree as host-only; one without gets a copy first
+        (both policies: write-through's insertion copy may have found the host full) and is
+        dropped, with its host-only subtree, when the host has no room for it.
+        """
+        if num_tokens <= 0:
+            return 0
+        leaving: set[HiTreeNode] = set()  # being copied to the host, leaving the device after
+        heap = [(self._priority(n), n) for n in self._nodes() if self._is_device_leaf(n, leaving)]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            if not self._is_device_leaf(node, leaving) or node in leaving:
+                continue  # already taken (pushed twice)
+            evicted += len(node.key)
+            freed.append(node.value)
+            if node.host_value is not None:
+                self._leave_device(node)
+            elif self._alloc_host_for(node):
+                leaving.add(node)  # still on the device (so host eviction spares it) until copied
+            else:
+                self.tier_stats.device_dropped_tokens += len(node.key)
+                self._drop(node)
+            parent = node.parent
+            if self._is_device_leaf(parent, leaving):  # type: ignore[arg-type]
+                heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
+        if leaving:
+            nodes = list(leaving)
+            op = self.transfer.to_host(torch.cat([n.value for n in nodes]),  # type: ignore[misc]
+                                       torch.cat([n.host_value for n in nodes]))  # type: ignore[misc]
+            op.wait()  # the device slots are reused as soon as they are free
+            self._count(op)
+            for node in nodes:
+                self._leave_device(node)
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        self.tier_stats.device_evicted_tokens += evicted
+        return evicted
+
+    def _alloc_host_for(self, node: HiTreeNode) -> bool:
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_value = host
+        self._emit_tier("stored", node, "host")
+        return True
+
+    def _leave_device(self, node: HiTreeNode) -> None:
+        self._evictable_size -= len(node.key)
+        self._emit_tier("removed", node, "device")
+        node.value = None
+
+    def _drop(self, node: HiTreeNode) -> None:
+        """Remove an unlocked device leaf without a host copy, and its host-only subtree, from the tree."""
+        parent = node.parent
+        assert parent is not None and node.lock_ref == 0
+        self._evictable_size -= len(node.key)
+        self._emit_tier("removed", node, "device")
+        node.value = None  # its device slots are the caller's to free
+        host: list[torch.Tensor] = []
+        stack = list(node.children.values())
+        while stack:
+            sub = stack.pop()
+            assert sub.value is None and sub.host_value is not None and sub.lock_ref == 0  # type: ignore[attr-defined]
+            self._emit_tier("removed", sub, "host")
+            host.append(sub.host_value)  # type: ignore[attr-defined]
+            stack.extend(sub.children.values())
+        del parent.children[self._child_key(node.key, 0, node.extra_key)]
+        if host:
+            self.host_allocator.free(torch.cat(host))
+            self.tier_stats.host_evicted_tokens += sum(h.numel() for h in host)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Drop at least ``num_tokens`` of host-only, unlocked leaves (cascading upwards), least recently used first."""
+        if num_tokens <= 0:
+            return 0
+
+        def evictable(n: TreeNode) -> bool:
+            return n is not self.root and n.value is None and not n.children and n.lock_ref == 0
+
+        heap = [(self._priority(n), n) for n in self._nodes() if evictable(n)]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            assert node.host_value is not None
+            freed.append(node.host_value)
+            evicted += len(node.key)
+            self._emit_tier("removed", node, "host")
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(node.key, 0, node.extra_key)]
+            if evictable(parent):
+                heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
+        if freed:
+            self.host_allocator.free(torch.cat(freed))
+        self.tier_stats.host_evicted_tokens += evicted
+        return evicted
