@@ -4,6 +4,11 @@ One normalised view over the several spellings found in the wild: transformers 5
 writes RoPE settings as ``rope_parameters`` while older and most real checkpoints
 use ``rope_theta`` + ``rope_scaling``; Qwen2 always has a QKV bias while Llama says
 so with ``attention_bias``; Qwen3 has per-head q/k RMSNorm and an explicit head_dim.
+
+Sliding windows: Mistral's ``sliding_window`` makes every layer attend only to its last W
+tokens; Qwen2/Qwen3 with ``use_sliding_window`` window the layers from ``max_window_layers``
+on (an explicit ``layer_types`` list wins over both). ``layer_windows`` holds each layer's
+window (None: full attention); the context length is not capped by it.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
-    context_len: int  # what the server admits: min(max_position_embeddings, --context-length, sliding window)
+    context_len: int  # what the server admits: min(max_position_embeddings, --context-length)
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
@@ -64,11 +69,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     checkpoint_dtype: str | None = None  # torch_dtype / dtype as saved, informational
+    # Per layer: W when the layer attends to its last W tokens only (query included), else None.
+    layer_windows: tuple[int | None, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the windowed layers (one value per checkpoint), None when no layer has one."""
+        return next((w for w in self.layer_windows if w is not None), None)
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        """Some layers windowed: their KV can live in a pool that keeps only the last W tokens."""
+        return self.sliding_window is not None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, context_length: int | None = None) -> "ModelConfig":
@@ -106,24 +123,18 @@ class ModelConfig:
         rope = _parse_rope(raw, folder)
 
         context_len = max_pos
-        window = _effective_sliding_window(raw, family)
-        if window is not None and window < context_len:
-            logger.warning(
-                "%s uses sliding-window attention (window %d); the context length is capped at the window, "
-                "inside which full attention is exact",
-                arch,
-                window,
-            )
-            context_len = window
+        layer_windows = _layer_windows(raw, family, int(raw["num_hidden_layers"]))
         if context_length is not None:
             if context_length <= 0:
                 raise ValueError(f"context_length must be > 0, got {context_length}")
             if context_length > context_len:
                 raise ValueError(
                     f"context_length {context_length} exceeds what the model supports ({context_len}, "
-                    f"from max_position_embeddings / sliding window in config.json)"
+                    f"from max_position_embeddings in config.json)"
                 )
             context_len = context_length
+        if all(w is None or w >= context_len for w in layer_windows):
+            layer_windows = (None,) * len(layer_windows)  # no sequence outgrows the window: attention is full
 
         # Qwen2 always has q/k/v biases (its config has no attention_bias key).
         qkv_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
@@ -150,6 +161,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            layer_windows=layer_windows,
             raw=raw,
         )
 
@@ -183,13 +195,23 @@ def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
     )
 
 
-def _effective_sliding_window(raw: dict[str, Any], family: str) -> int | None:
+def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window, read as transformers reads it (``layer_types`` first, then the family rule)."""
     window = raw.get("sliding_window")
-    if window is None:
-        return None
     if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None  # Qwen configs carry a window value that is off unless use_sliding_window
-    return int(window)
+        window = None  # Qwen configs carry a window value that is off unless use_sliding_window
+    if window is None or family == "llama":
+        return (None,) * num_layers
+    window = int(window)
+    if window <= 0:
+        raise UnsupportedModelError(f"sliding_window must be > 0, got {window}")
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if family in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -1,4 +1,5 @@
-"""The one place that builds tiny test checkpoints (Llama, Mistral, Qwen2, Qwen3, tied Llama 3).
+"""The one place that builds tiny test checkpoints (Llama, Mistral, Qwen2, Qwen3, tied Llama 3,
+and the sliding-window Mistral and hybrid Qwen2).
 
 Each is a genuine HF folder made with transformers' config classes and save_pretrained
 (through ``runtime.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
@@ -19,6 +20,8 @@ from torch import nn
 from runtime.tiny_model import build_checkpoint, train_bpe_tokenizer
 
 CHECKPOINT_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "llama_tied_llama3")
+# Sliding-window checkpoints (sliding-window tests): window of their windowed layers.
+SWA_WINDOWS: dict[str, int] = {"mistral_swa": 16, "qwen2_swa": 24}
 TOKENIZER_VOCAB = 384
 MAX_POSITIONS = 512
 SEED = 1234
@@ -59,6 +62,17 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
             tie_word_embeddings=False,
         )
+    if name == "mistral_swa":  # every layer windowed (W = 16); not in the parametrized set
+        return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=SWA_WINDOWS[name])
+    if name == "qwen2_swa":  # 4 layers: 0-1 full attention, 2-3 windowed (W = 24); not in the parametrized set
+        return Qwen2Config(
+            **{**c, "num_hidden_layers": 4},
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=SWA_WINDOWS[name],
+            max_window_layers=2,
+        )
     if name == "qwen3":  # per-head q/k RMSNorm, head_dim 32 != hidden / heads
         return Qwen3Config(**c, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
     if name == "llama_tied_llama3":
@@ -74,7 +88,9 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
-    raise ValueError(f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long")
+    raise ValueError(
+        f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, {', '.join(SWA_WINDOWS)}"
+    )
 
 
 def _randomise_1d_weights(seed: int) -> Callable[[nn.Module], None]:

@@ -137,10 +137,17 @@ def test_old_style_rope_scaling_equals_rope_parameters(tmp_path: Path) -> None:
 def test_config_switches(tmp_path: Path) -> None:
     qwen2 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32}, tmp_path)
     assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.context_len == 4096  # window off without use_sliding_window
+    assert qwen2.sliding_window is None and not qwen2.is_hybrid_swa
+    hybrid = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
+                                    "use_sliding_window": True, "max_window_layers": 1}, tmp_path)
+    assert hybrid.layer_windows == (None, 32) and hybrid.sliding_window == 32 and hybrid.is_hybrid_swa
     qwen3 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}, tmp_path)
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
     mistral = ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path)
-    assert mistral.context_len == 1024
+    assert mistral.context_len == 4096  # not capped at the window: windowed layers attend to their last 1024
+    assert mistral.layer_windows == (1024,) * _BASE["num_hidden_layers"]
+    assert ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path,
+                                 context_length=1024).layer_windows == (None,) * _BASE["num_hidden_layers"]
     assert ModelConfig.from_dict(_BASE, tmp_path, context_length=100).context_len == 100
     with pytest.raises(ValueError, match="exceeds"):
         ModelConfig.from_dict(_BASE, tmp_path, context_length=5000)

@@ -25,6 +25,7 @@ from runtime.attention.triton_ops.common import triton_loaded_interpreted  # noq
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
+from checkpoints import random_prompt  # noqa: E402
 from harness import Harness  # noqa: E402
 from triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from memory.kv_pool import MHATokenToKVPool  # noqa: E402
@@ -103,12 +104,13 @@ class PagedRequests:
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,page_size,sm_count",
-    [(4, 4, 64, 1, None), (8, 2, 80, 16, 132)],
-    ids=["mha-d64-page1", "gqa4-d80-page16-splitk"],
+    "num_heads,num_kv_heads,head_dim,page_size,sm_count,window",
+    [(4, 4, 64, 1, None, None), (8, 2, 80, 16, 132, None), (4, 2, 64, 1, None, 7), (8, 2, 64, 16, 132, 11)],
+    ids=["mha-d64-page1", "gqa4-d80-page16-splitk", "window7-page1", "window11-page16-splitk"],
 )
 def test_backend_matches_torch_native_on_shared_pools(
-    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, sm_count: int | None, monkeypatch: pytest.MonkeyPatch
+    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, sm_count: int | None, window: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if sm_count is not None:  # plan decode as on a GPU with this many SMs: real split-K
         monkeypatch.setattr(decode_mod, "device_core_count", lambda device: sm_count)
@@ -116,7 +118,7 @@ def test_backend_matches_torch_native_on_shared_pools(
     num_pages = 128 if page_size == 1 else 16  # room for the 73 tokens below, plus unused pages
     pool = MHATokenToKVPool(num_pages * page_size, page_size, torch.float32, NUM_LAYERS, num_kv_heads, head_dim, "cpu")
     reqs = PagedRequests(pool, ReqToTokenPool(8, 256, "cpu"), gen)
-    layer = AttentionLayerSpec(LAYER, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+    layer = AttentionLayerSpec(LAYER, num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
     runner = type("RunnerView", (), {"device": torch.device("cpu"), "num_heads": num_heads, "num_kv_heads": num_kv_heads})
     triton_backend, native = TritonAttnBackend(runner), TorchNativeAttnBackend(runner)
 
@@ -147,8 +149,13 @@ def test_backend_matches_torch_native_on_shared_pools(
         k_buf, v_buf = pool.get_kv_buffer(LAYER)
         assert torch.equal(k_buf[batch.out_cache_loc], k) and torch.equal(v_buf[batch.out_cache_loc], v)
         assert not pool.get_kv_buffer(0)[0].any(), "another layer's KV was written"
-        if mode.is_decode() and sm_count is not None:
+        if mode.is_decode() and sm_count is not None and window is None:
             assert int(meta.num_kv_splits.max()) > 1, "the GPU plan should split these decodes"
+        if window is not None:  # each request's plan covers its last W keys at most
+            plan = meta.windowed[window]
+            reach = window if mode.is_decode() else window - 1
+            ends = batch.seq_lens if mode.is_decode() else batch.prefix_lens
+            assert (plan.kv_indptr[1:] - plan.kv_indptr[:-1]).tolist() == ends.clamp(max=reach).tolist()
 
 
 def test_registry_builds_triton_backend_from_runner_view() -> None:
@@ -208,6 +215,26 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
     assert all(len(ids) == 8 for ids in outputs["triton"])
     assert outputs["triton"] == outputs["torch_native"]
     assert outputs["triton"][1] == outputs["triton"][3]  # chunked prefill changes nothing
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
+def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name: str) -> None:
+    """Windowed layers through the Triton plans (decode: the last W keys; extend: the last W - 1
+    cached keys and the kernel's window mask), whole and chunked (37 > W), equal torch_native's
+    tokens (which tests/test_sliding_window.py checks against transformers)."""
+    path = tiny_checkpoints.path(name)
+    prompts = [random_prompt(70, 384, seed=1), random_prompt(23, 384, seed=2)]
+    outputs = {}
+    for backend in ("torch_native", "triton"):
+        runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=1024,
+                             load_progress=False)
+        harness = Harness(runner)
+        whole = harness.generate(prompts, max_new_tokens=12)
+        harness.reset()
+        chunked = harness.generate(prompts[:1], max_new_tokens=12, chunk_size=37)
+        outputs[backend] = [r.output_ids for r in whole] + [chunked[0].output_ids]
+    assert outputs["triton"] == outputs["torch_native"]
+    assert outputs["triton"][0] == outputs["triton"][2]
 
 
 # ---- fallback when triton was imported in compiled mode first ----------------------------

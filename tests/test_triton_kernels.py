@@ -58,10 +58,12 @@ def _slot_layout(total_lens: list[int], page_size: int, gen: torch.Generator) ->
 
 
 def _reference(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_rows: list[torch.Tensor], scale: float
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_rows: list[torch.Tensor], scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention in fp64 per request: request i's queries ``q[q_rows[i]]`` see ``keys[i]``
-    causally aligned to the end (query j of n sees keys ``0 .. len - n + j``)."""
+    causally aligned to the end (query j of n sees keys ``0 .. len - n + j``; with ``window`` W,
+    only the last W of those)."""
     num_heads = q.shape[1]
     out = torch.zeros(q.shape[0], num_heads, values[0].shape[-1], dtype=torch.float64)
     for rows, k, v in zip(q_rows, keys, values):
@@ -71,7 +73,8 @@ def _reference(
         qq = q[rows].double()
         n, total = qq.shape[0], k.shape[0]
         scores = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        visible = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+        distance = (total - n + torch.arange(n))[:, None] - torch.arange(total)[None, :]
+        visible = (distance >= 0) & (distance < (window if window is not None else total + 1))
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
@@ -199,7 +202,12 @@ def test_num_kv_splits_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- extend ----------------------------------------------------------------------------
 
 
-def _extend_case(group: int, page_size: int, head_dim: int, dtype: torch.dtype, seed: int) -> tuple[dict, torch.Tensor]:
+def _extend_case(
+    group: int, page_size: int, head_dim: int, dtype: torch.dtype, seed: int, window: int | None = None
+) -> tuple[dict, torch.Tensor]:
+    """Four requests extending after cached prefixes. ``window`` W: the kernel gets each prefix's
+    last W - 1 tokens only (what a windowed layer's plan hands it); the reference sees all of them
+    and masks by distance."""
     gen = torch.Generator().manual_seed(seed)
     num_kv_heads = 4 // group
     num_heads = num_kv_heads * group
@@ -217,7 +225,8 @@ def _extend_case(group: int, page_size: int, head_dim: int, dtype: torch.dtype, 
     rows = [torch.arange(int(qo_indptr[i]), int(qo_indptr[i + 1])) for i in range(len(extend))]
     keys = [torch.cat([k_buf[s[:p]], k_ext[r]]) for s, p, r in zip(slots, prefix, rows)]
     values = [torch.cat([v_buf[s[:p]], v_ext[r]]) for s, p, r in zip(slots, prefix, rows)]
-    ref = _reference(q, keys, values, rows, head_dim**-0.5)
+    ref = _reference(q, keys, values, rows, head_dim**-0.5, window)
+    first = [0 if window is None else max(0, p - window + 1) for p in prefix]  # the prefix the kernel reads
     case = dict(
         q_extend=q,
         k_extend=k_ext,
@@ -225,9 +234,10 @@ def _extend_case(group: int, page_size: int, head_dim: int, dtype: torch.dtype, 
         k_buffer=k_buf,
         v_buffer=v_buf,
         qo_indptr=qo_indptr,
-        kv_indptr=_indptr(prefix),
-        kv_indices=torch.cat([s[:p] for s, p in zip(slots, prefix)]).to(torch.int32),
+        kv_indptr=_indptr([p - f for p, f in zip(prefix, first)]),
+        kv_indices=torch.cat([s[f:p] for s, f, p in zip(slots, first, prefix)]).to(torch.int32),
         max_len_extend=max(extend),
+        sliding_window=window,
     )
     if page_size > 1:  # the layout really is page-contiguous runs in shuffled page order
         first = slots[2]
@@ -250,6 +260,7 @@ def _run_extend(case: dict) -> torch.Tensor:
         case["kv_indices"],
         case["max_len_extend"],
         head_dim**-0.5,
+        case["sliding_window"],
     )
     return o
 
@@ -260,6 +271,15 @@ def test_extend_matches_reference_fp32(group: int, page_size: int) -> None:
     head_dim = 80 if group == 4 else 64  # 80 is padded to a 128-wide block inside the kernel
     case, ref = _extend_case(group, page_size, head_dim, torch.float32, seed=group * 100 + page_size)
     torch.testing.assert_close(_run_extend(case).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 24])
+def test_extend_with_sliding_window_matches_reference_fp32(window: int) -> None:
+    """Windows shorter than a prefix, than a block (16 under the interpreter), and spanning blocks."""
+    case, ref = _extend_case(2, 1, 64, torch.float32, seed=window, window=window)
+    torch.testing.assert_close(_run_extend(case).double(), ref, atol=1e-5, rtol=1e-5)
+    full, _ = _extend_case(2, 1, 64, torch.float32, seed=window)
+    assert not torch.allclose(_run_extend(full).double(), ref, atol=1e-3), "the window changed nothing"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])

@@ -29,6 +29,8 @@ class AttentionLayerSpec:
     num_kv_heads: int  # KV heads on this rank
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+    # W: each query sees only keys at positions q - W < j <= q (a windowed layer); None: full attention.
+    sliding_window: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -37,11 +39,18 @@ class AttentionBackend(ABC):
     _ops: DeviceOps | None = None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
-        """Write the new tokens' K/V at ``batch.out_cache_loc`` of layer ``layer.layer_id``."""
+        """Write the new tokens' K/V at ``batch.out_cache_loc`` of layer ``layer.layer_id``.
+
+        A windowed layer of a pool that keeps those layers apart writes at the tokens' SWA
+        slots (``translate_swa``: one small gather per layer, valid inside a CUDA graph too)."""
         pool = batch.token_to_kv_pool
         if self._ops is None:
             self._ops = getattr(getattr(self, "model_runner", None), "ops", None) or get_ops(pool.device, pool.dtype)
-        self._ops.store_kv(pool, layer.layer_id, batch.out_cache_loc, k, v)
+        loc = batch.out_cache_loc
+        translate = getattr(pool, "translate_swa", None) if layer.sliding_window is not None else None
+        if translate is not None:
+            loc = translate(loc)
+        self._ops.store_kv(pool, layer.layer_id, loc, k, v)
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

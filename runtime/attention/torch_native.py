@@ -37,7 +37,7 @@ paths; this module never touches either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +86,8 @@ class AttnGroup:
 @dataclass
 class TorchNativeMetadata:
     groups: list[AttnGroup]
+    # Windowed layers' plans by window, made when the first such layer runs (window_plan).
+    windowed: dict[int, list[AttnGroup]] = field(default_factory=dict)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -227,7 +229,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None
-        for g in meta.groups:
+        for g in meta.groups if layer.sliding_window is None else self._window_groups(batch, layer.sliding_window):
             if g.one_token:
                 og = self._one_token(q, k, v, k_buf, v_buf, layer, g)
             else:
@@ -241,6 +243,19 @@ class TorchNativeAttnBackend(AttentionBackend):
             out.index_copy_(0, g.out_tokens, rows)
         assert out is not None, "attention called on an empty batch"
         return out
+
+    @staticmethod
+    def _window_groups(batch: ForwardBatch, window: int) -> list[AttnGroup]:
+        """The plan of the layers with this window (made once per forward, see ``window_plan``)."""
+        meta: TorchNativeMetadata = batch.attn_metadata
+        if window not in meta.windowed:
+            from runtime.attention.window_plan import plan_window_groups
+
+            meta.windowed[window] = plan_window_groups(
+                batch, window, host_list(batch.seq_lens_cpu, batch.seq_lens),
+                host_list(batch.extend_lens_cpu, batch.extend_lens), host_list(batch.prefix_lens_cpu, batch.prefix_lens),
+            )
+        return meta.windowed[window]
 
     @staticmethod
     def _group_queries(q: torch.Tensor, g: AttnGroup) -> torch.Tensor:

@@ -10,6 +10,12 @@
 ``kv_indices`` is built on the device by a Triton kernel from ``req_to_token``; the host
 only needs the batch's host-side length lists (no device sync when they are filled).
 
+Windowed layers (``AttentionLayerSpec.sliding_window = W``) get plans of their own, made once
+per forward for each window: decode reads each request's last ``min(seq_len, W)`` keys
+(``kv_start_idx`` of the indices kernel), extend the last ``W - 1`` cached keys at most,
+and the extend kernel masks each query's window. Slots are translated into the KV pool's
+SWA slots when the pool keeps windowed layers apart (``translate_swa``).
+
 Under CUDA graphs (decode only) the plan lives in buffers allocated once by
 ``init_cuda_graph_state``: capture hands the kernels views of them, replay rewrites them
 in place with the same planning kernels as the eager path. Padded rows of a graph batch
@@ -22,7 +28,7 @@ on when ``triton`` has not been imported yet, else it must already be on (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +53,17 @@ class TritonAttnMetadata:
     # Decode scratch, shared by every layer of the forward (allocated by the first layer).
     attn_logits: torch.Tensor | None = None  # fp32 [bs, H, max_kv_splits, Dv]
     attn_lse: torch.Tensor | None = None  # fp32 [bs, H, max_kv_splits]
+    # Windowed layers' key ranges by window (kv_indptr, kv_indices, num_kv_splits: see _WindowPlan).
+    windowed: dict[int, "_WindowPlan"] = field(default_factory=dict)
+
+
+@dataclass
+class _WindowPlan:
+    """The keys windowed layers read: decode, each request's last W; extend, its last W - 1 cached."""
+
+    kv_indptr: torch.Tensor  # int32 [bs + 1]
+    kv_indices: torch.Tensor  # int32: slots (SWA-pool slots when the pool keeps those layers apart)
+    num_kv_splits: torch.Tensor | None = None  # int32 [bs]: decode only
 
 
 @dataclass
@@ -58,6 +75,7 @@ class _GraphPlanBuffers:
     num_kv_splits: torch.Tensor  # int32 [max_bs]
     attn_logits: torch.Tensor  # fp32 [max_bs, H, max_kv_splits, Dv]
     attn_lse: torch.Tensor  # fp32 [max_bs, H, max_kv_splits]
+    windowed: dict[int, _WindowPlan] = field(default_factory=dict)  # the same per window
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -77,6 +95,8 @@ class TritonAttnBackend(AttentionBackend):
         self.num_heads: int | None = getattr(model_runner, "num_heads", None)
         self.num_kv_heads: int | None = getattr(model_runner, "num_kv_heads", None)
         self.head_dim: int | None = getattr(model_runner, "head_dim", None)
+        layer_windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
+        self.windows: list[int] = sorted({w for w in layer_windows if w is not None})  # planned up front
         device = getattr(model_runner, "device", None)
         self._kernels: Any = None
         self._graph_state: _GraphPlanBuffers | None = None
@@ -117,12 +137,38 @@ class TritonAttnBackend(AttentionBackend):
                 qo_indptr=_indptr(batch.extend_lens, device),
                 max_len_extend=max(ext_lens_cpu, default=0),
             )
+        for window in self.windows:
+            self._window_plan(batch, window)
 
-    def _num_kv_splits(self, batch: ForwardBatch) -> torch.Tensor:
+    def _window_plan(self, batch: ForwardBatch, window: int) -> _WindowPlan:
+        """The key ranges of layers with this window (made once per forward, kept in the metadata)."""
+        meta: TritonAttnMetadata = batch.attn_metadata
+        if window in meta.windowed:
+            return meta.windowed[window]
+        device = batch.req_pool_indices.device
+        if meta.is_decode:  # the query at seq_len - 1 sees keys from seq_len - W on
+            ends, ends_cpu = batch.seq_lens, _host_list(batch.seq_lens_cpu, batch.seq_lens)
+            reach = window
+        else:  # the first new token (at prefix_len) sees cached keys from prefix_len - W + 1 on
+            ends, ends_cpu = batch.prefix_lens, _host_list(batch.prefix_lens_cpu, batch.prefix_lens)
+            reach = window - 1
+        starts = (ends - reach).clamp(min=0)
+        lens = ends - starts
+        kv_indptr = _indptr(lens, device)
+        kv_indices = torch.empty(sum(min(e, reach) for e in ends_cpu), dtype=torch.int32, device=device)
+        self._kernels.create_kv_indices(
+            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, kv_indptr, starts, kv_indices
+        )
+        _translate_swa(batch, kv_indices)
+        splits = self._num_kv_splits(batch, lens) if meta.is_decode else None
+        meta.windowed[window] = _WindowPlan(kv_indptr, kv_indices, splits)
+        return meta.windowed[window]
+
+    def _num_kv_splits(self, batch: ForwardBatch, kv_lens: torch.Tensor | None = None) -> torch.Tensor:
         num_kv_heads = self.num_kv_heads or batch.token_to_kv_pool.kv_heads
         num_heads = self.num_heads or num_kv_heads
-        device = batch.seq_lens.device
-        return self._kernels.get_num_kv_splits(batch.seq_lens, num_heads, num_kv_heads, self.max_kv_splits, device)
+        lens = batch.seq_lens if kv_lens is None else kv_lens
+        return self._kernels.get_num_kv_splits(lens, num_heads, num_kv_heads, self.max_kv_splits, lens.device)
 
     # ---- planning under CUDA graphs (decode) -----------------------------------------
 
@@ -139,6 +185,11 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits=torch.ones(max_bs, **i32),
             attn_logits=torch.zeros(scratch, dtype=torch.float32, device=device),
             attn_lse=torch.zeros(scratch[:3], dtype=torch.float32, device=device),
+            windowed={
+                w: _WindowPlan(torch.zeros(max_bs + 1, **i32), torch.zeros(min(max_kv_tokens, max_bs * w), **i32),
+                               torch.ones(max_bs, **i32))
+                for w in self.windows
+            },
         )
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -155,6 +206,10 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits=state.num_kv_splits[:bs],
             attn_logits=state.attn_logits[:bs],
             attn_lse=state.attn_lse[:bs],
+            windowed={
+                w: _WindowPlan(plan.kv_indptr[: bs + 1], plan.kv_indices, plan.num_kv_splits[:bs])
+                for w, plan in state.windowed.items()
+            },
         )
         self.init_forward_metadata_replay_cuda_graph(batch)  # valid contents for the warm-up runs
 
@@ -170,6 +225,17 @@ class TritonAttnBackend(AttentionBackend):
         )
         assert meta.num_kv_splits is not None
         meta.num_kv_splits.copy_(self._num_kv_splits(batch))
+        for window, plan in meta.windowed.items():
+            starts = (batch.seq_lens - window).clamp(min=0)
+            lens = batch.seq_lens - starts
+            plan.kv_indptr[1:].copy_(torch.cumsum(lens, dim=0))
+            self._kernels.create_kv_indices(
+                batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, plan.kv_indptr, starts,
+                plan.kv_indices,
+            )
+            _translate_swa(batch, plan.kv_indices)  # (slots past the batch's keys are never read)
+            assert plan.num_kv_splits is not None
+            plan.num_kv_splits.copy_(self._num_kv_splits(batch, lens))
 
     # ---- per layer -------------------------------------------------------------------
 
@@ -181,6 +247,10 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: TritonAttnMetadata = batch.attn_metadata
         ops = self._kernels
+        kv_indptr, kv_indices, num_kv_splits = meta.kv_indptr, meta.kv_indices, meta.num_kv_splits
+        if layer.sliding_window is not None:
+            plan = self._window_plan(batch, layer.sliding_window)
+            kv_indptr, kv_indices, num_kv_splits = plan.kv_indptr, plan.kv_indices, plan.num_kv_splits
         q = _last_dim_contiguous(q.reshape(-1, layer.num_heads, layer.head_dim))
         out = q.new_empty(q.shape[0], layer.num_heads, layer.head_dim)
         if meta.is_decode:
@@ -194,11 +264,11 @@ class TritonAttnBackend(AttentionBackend):
                 k_buf,
                 v_buf,
                 out,
-                meta.kv_indptr,
-                meta.kv_indices,
+                kv_indptr,
+                kv_indices,
                 meta.attn_logits,
                 meta.attn_lse,
-                meta.num_kv_splits,
+                num_kv_splits,
                 self.max_kv_splits,
                 layer.scaling,
             )
@@ -213,10 +283,11 @@ class TritonAttnBackend(AttentionBackend):
                 k_buf,
                 v_buf,
                 meta.qo_indptr,
-                meta.kv_indptr,
-                meta.kv_indices,
+                kv_indptr,
+                kv_indices,
                 meta.max_len_extend,
                 layer.scaling,
+                layer.sliding_window,
             )
         return out
 
@@ -226,6 +297,13 @@ def _indptr(lens: torch.Tensor, device: torch.device) -> torch.Tensor:
     indptr = torch.zeros(int(lens.shape[0]) + 1, dtype=torch.int32, device=device)
     indptr[1:] = torch.cumsum(lens, dim=0)
     return indptr
+
+
+def _translate_swa(batch: ForwardBatch, kv_indices: torch.Tensor) -> None:
+    """Full-pool slots -> the pool's SWA slots, in place, when the pool keeps windowed layers apart."""
+    translate = getattr(batch.token_to_kv_pool, "translate_swa", None)
+    if translate is not None and kv_indices.numel():
+        kv_indices.copy_(translate(kv_indices))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,10 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
     def __init__(self, model_runner: Any = None) -> None:
         super().__init__(model_runner)
         self.mirror = DecodeKVMirror()
+        # Windowed layers (their own plan, window_plan) never read the mirror, the cascade or the
+        # unmasked prefill paths: only the full-attention layers count as the mirror's readers.
+        windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
+        self.mirrored_layers: int | None = sum(w is None for w in windows) if windows else None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.forward_mode.is_decode():
@@ -63,7 +67,9 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         super().init_forward_metadata(batch)
         if batch.forward_mode.is_decode():
             (group,) = batch.attn_metadata.groups
-            group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens))
+            if self.mirrored_layers != 0:
+                group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens),
+                                                self.mirrored_layers)
 
     def _one_token(
         self,

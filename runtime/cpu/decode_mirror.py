@@ -71,6 +71,7 @@ class DecodeKVMirror:
         self.prefix_slots: torch.Tensor | None = None  # int64 [P]
         self.cap = 0
         self.num_layers = 0
+        self.mirrored_layers = 0  # layers that read the copies (the full-attention ones)
         self.layers_done = 0  # layers of the last planned forward whose copies are up to date
 
     def reset(self) -> None:
@@ -80,8 +81,13 @@ class DecodeKVMirror:
         self.k, self.v, self.prefix_k, self.prefix_v, self.prefix_packed = [], [], [], [], []
         self.layers_done = 0
 
-    def plan(self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int]) -> MirrorPlan | None:
-        """This decode forward's plan (records the state it leaves behind), or None when over budget."""
+    def plan(
+        self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int], mirrored_layers: int | None = None
+    ) -> MirrorPlan | None:
+        """This decode forward's plan (records the state it leaves behind), or None when over budget.
+
+        ``mirrored_layers``: how many layers read the copies each forward (the full-attention
+        ones; windowed layers read their last W keys from the pool); default every layer."""
         pool = batch.token_to_kv_pool
         kv_loc = group.kv_loc
         device = kv_loc.device
@@ -91,9 +97,10 @@ class DecodeKVMirror:
         width = max(own_lens)
         own = kv_loc[:, p : p + width]
         prefix_slots = kv_loc[0, :p]
-        num_layers = len(pool.k_buffer)
+        num_layers = len(pool.k_buffer)  # copies are indexed by layer id
+        mirrored = num_layers if mirrored_layers is None else mirrored_layers
         _, hkv, d = pool.k_buffer[0].shape
-        append = self._can_append(batch, own, own_lens, p, prefix_slots, num_layers, width)
+        append = self._can_append(batch, own, own_lens, p, prefix_slots, num_layers, width, mirrored)
         if append:
             mask = length_mask(own_lens, self.cap, device)
             pos = torch.tensor(self.own_lens, dtype=torch.int64, device=device)  # the new key's index
@@ -103,8 +110,8 @@ class DecodeKVMirror:
             mask = length_mask(own_lens, cap, device)
             buf = pool.k_buffer[0]
             # (the prefix counted twice: a packed copy is kept for cpu_kernels.prefix_attention)
-            nbytes = 2 * num_layers * (n * cap + 2 * p) * hkv * d * buf.element_size()
-            pool_bytes = 2 * num_layers * buf.numel() * buf.element_size()
+            nbytes = 2 * mirrored * (n * cap + 2 * p) * hkv * d * buf.element_size()
+            pool_bytes = 2 * sum(b.numel() for b in pool.k_buffer) * buf.element_size()
             if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
                 self.reset()
                 return None
@@ -119,6 +126,7 @@ class DecodeKVMirror:
         self.own_slots = own.clone()
         self.prefix_slots = prefix_slots.clone()
         self.num_layers = num_layers
+        self.mirrored_layers = mirrored
         self.layers_done = 0
         return result
 
@@ -131,10 +139,13 @@ class DecodeKVMirror:
         prefix_slots: torch.Tensor,
         num_layers: int,
         width: int,
+        mirrored: int,
     ) -> bool:
         if self.rows is None or self.own_slots is None or self.prefix_slots is None:
             return False
-        if self.layers_done != self.num_layers or num_layers != self.num_layers or width > self.cap:
+        if self.layers_done != self.mirrored_layers or mirrored != self.mirrored_layers:
+            return False  # the last forward did not update every mirrored layer
+        if num_layers != self.num_layers or width > self.cap:
             return False  # the last forward did not finish, or the copies are too small
         if own_lens != [length + 1 for length in self.own_lens] or p != self.prefix_slots.numel():
             return False

@@ -108,6 +108,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             head_dim=config.head_dim,
             scaling=config.head_dim**-0.5,
+            sliding_window=config.layer_windows[layer_id] if config.layer_windows else None,
         )
 
     def forward(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:

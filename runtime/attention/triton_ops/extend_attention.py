@@ -12,6 +12,12 @@ state across two loops:
 Reading the new tokens from the packed tensors (instead of from the pool after the write)
 keeps stage 2's loads contiguous.
 
+Sliding window (``sliding_window = W > 0``): a query sees only keys less than W positions
+behind it. The caller passes as the prefix only the keys the first new token can see (the
+last ``W - 1`` cached ones at most), so the prefix ends where the new tokens start and a key's
+distance to a query is its offset from that end plus the query's offset; the kernel masks
+by that distance and starts stage 2 at the first block any row of the block can see.
+
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``q_extend``/``k_extend``/``v_extend`` are the layer's activations; ``o_extend`` is the caller's.
 """
@@ -67,6 +73,7 @@ def _extend_kernel(
     kv_indptr,  # [bs + 1]: prefix only
     kv_indices,
     sm_scale,
+    window,  # W > 0: keys less than W positions behind each query only (USE_WINDOW)
     stride_qt,
     stride_qh,
     stride_ket,
@@ -86,6 +93,7 @@ def _extend_kernel(
     BLOCK_DV: tl.constexpr,
     FP32_MATH: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -140,12 +148,19 @@ def _extend_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            visible = mask_n[None, :]
+            if USE_WINDOW:
+                visible = visible & ((pre_len + offs_m[:, None] - offs_n[None, :]) < window)
+            qk = tl.where(visible, qk, float("-inf"))
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
 
-        # Stage 2: the new tokens themselves, causal; no row of this block sees past its last row.
+        # Stage 2: the new tokens themselves, causal; no row of this block sees past its last row
+        # (nor, windowed, before the first row's window).
         end = tl.minimum(ext_len, m_begin + BLOCK_M)
-        for start in range(0, end, BLOCK_N):
+        first = 0
+        if USE_WINDOW:
+            first = tl.maximum(m_begin - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(first, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             cols = (q_start + offs_n).to(tl.int64)
@@ -164,10 +179,13 @@ def _extend_kernel(
                 v = v.to(tl.float32)
             qk = tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale
             causal = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
+            if USE_WINDOW:
+                causal = causal & ((offs_m[:, None] - offs_n[None, :]) < window)
             qk = tl.where(causal, qk, float("-inf"))
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
 
-        out = acc / l_i[:, None]
+        # (a padded row past the last query may see no key at all under a window: l_i = 0, never stored)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             O_Ext + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
             out.to(O_Ext.dtype.element_ty),
@@ -187,13 +205,18 @@ def extend_attention_fwd(
     kv_indices: torch.Tensor,
     max_len_extend: int,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> None:
     """Attention of the packed new tokens ``q_extend [T, H, Dk]`` into ``o_extend [T, H, Dv]``.
 
     Request i owns new tokens ``qo_indptr[i]:qo_indptr[i+1]`` of q/k/v_extend and a cached
     prefix at ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``. ``max_len_extend`` bounds the
     number of new tokens of any request (it sizes the grid; a host-side int, no sync).
+    ``sliding_window`` W: each query sees keys less than W positions behind it; the prefix
+    must then be the cached tokens right before the new ones (at most the last W - 1).
     """
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
     num_tokens, num_heads, lk = q_extend.shape
     num_kv_heads = k_extend.shape[1]
     lv = v_extend.shape[-1]
@@ -226,6 +249,7 @@ def extend_attention_fwd(
         kv_indptr,
         kv_indices,
         sm_scale,
+        sliding_window or 0,
         q_extend.stride(0),
         q_extend.stride(1),
         k_extend.stride(0),
@@ -245,4 +269,5 @@ def extend_attention_fwd(
         BLOCK_DV=max(16, next_power_of_2(lv)),
         FP32_MATH=fp32_math,
         PRECISION=dot_precision(torch.float32 if fp32_math else k_buffer.dtype),
+        USE_WINDOW=sliding_window is not None,
     )
