@@ -104,9 +104,11 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
-        """Drop both tiers (the caller clears the device allocator; queued copies must be done)."""
+        """Drop both tiers (the caller clears the device allocator). Copies in flight finish
+        first (they write slots that are free afterwards); queued ones are dropped."""
+        self._complete()
         super().reset()
-        self._pending_backups, self._pending_loads, self._inflight = [], [], []
+        self._pending_backups, self._pending_loads = [], []
         self.host_allocator.clear()
 
     def _new_node(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
@@ -359,9 +361,11 @@ class HiRadixCache(RadixCache):
         self.tier_stats.loaded_tokens += num
         return slots
 
-    def issue_transfers(self) -> None:
-        """Complete the copies issued before, then issue the queued ones (one batch per direction)."""
-        self._complete()
+    def issue_transfers(self, complete: bool = True) -> None:
+        """Issue the queued copies (one batch per direction); first complete the ones issued
+        before, unless ``complete`` is False (loads issued while the step's backups still run)."""
+        if complete:
+            self._complete()
         if self._pending_backups:
             nodes, dev, host = zip(*self._pending_backups)
             self._pending_backups = []

@@ -26,6 +26,7 @@ LOAD_BALANCE_CHOICES = ("round_robin", "shortest_queue", "cache_aware")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICY_CHOICES = ("lru", "lfu")
+HICACHE_WRITE_POLICY_CHOICES = ("write_through", "write_back")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
@@ -61,6 +62,10 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     context_length: int | None = None
     stream_interval: int = 1
     random_seed: int | None = None
@@ -164,6 +169,18 @@ class ServerArgs:
         g.add_argument("--radix-eviction-policy", type=str, default=d.radix_eviction_policy,
                        choices=EVICTION_POLICY_CHOICES,
                        help=f"which cached prefixes are evicted first (default {d.radix_eviction_policy})")
+        g.add_argument("--enable-hierarchical-cache", action="store_true", default=d.enable_hierarchical_cache,
+                       help="keep prefixes evicted from the KV pool in a host-memory tier and load them "
+                            "back when a request matches them")
+        g.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
+                       help=f"host tier size in host tokens per KV pool token (default {d.hicache_ratio}); "
+                            "--hicache-size wins when set")
+        g.add_argument("--hicache-size", type=float, default=d.hicache_size,
+                       help="host tier size in GB (default 0: use --hicache-ratio)")
+        g.add_argument("--hicache-write-policy", type=str, default=d.hicache_write_policy,
+                       choices=HICACHE_WRITE_POLICY_CHOICES,
+                       help="write_through copies a prefix to the host when it is cached, write_back only "
+                            f"when the KV pool evicts it (default {d.hicache_write_policy})")
         g = parser.add_argument_group("scheduling")
         g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                        help="maximum requests decoding at once (default: derived from memory)")
@@ -235,6 +252,7 @@ class ServerArgs:
         _choice("--attention-backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICY_CHOICES)
         _choice("--radix-eviction-policy", self.radix_eviction_policy, EVICTION_POLICY_CHOICES)
+        _choice("--hicache-write-policy", self.hicache_write_policy, HICACHE_WRITE_POLICY_CHOICES)
         _choice("--log-level", self.log_level.lower(), LOG_LEVEL_CHOICES)
         for flag, path in (("--model-path", self.model_path), ("--tokenizer-path", self.tokenizer_path)):
             if path is not None and not os.path.isdir(path) and not is_hub_id(path):
@@ -298,6 +316,12 @@ class ServerArgs:
             host, sep, port = self.dist_init_addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
                 raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"--hicache-ratio must be > 0, got {self.hicache_ratio}")
+        if not self.hicache_size >= 0:
+            raise ValueError(f"--hicache-size must be >= 0 (GB), got {self.hicache_size}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 

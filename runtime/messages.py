@@ -181,6 +181,7 @@ class KVEvent(msgspec.Struct, array_like=True):
     token_ids: list[int]
     start: int
     extra_key: str | None = None
+    tier: str = "device"  # "device" | "host" (the hierarchical cache's host tier)
 
 
 class LoadReport(msgspec.Struct, tag="load"):

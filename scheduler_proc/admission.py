@@ -10,12 +10,17 @@ every planned request's prefix is locked by the adder, and a deferred chunk keep
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
 from scheduler_proc.policy import SchedulePolicy
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder, PrefillPlan
 from scheduler_proc.req import Req
+
+if TYPE_CHECKING:
+    from scheduler_proc.hicache import HostTier
 
 # Decode never starves: at most this many prefill batches in a row while requests are running.
 MAX_CONSECUTIVE_PREFILLS = 2
@@ -27,8 +32,10 @@ class Admission:
     """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
 
     def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: BaseTokenToKVPoolAllocator,
-                 max_total_tokens: int, max_running_requests: int) -> None:
+                 max_total_tokens: int, max_running_requests: int, host_tier: HostTier | None = None) -> None:
         self.tree_cache = tree_cache
+        # A host tier's loads evict while planning: every request is matched right before it is added.
+        self.host_tier = host_tier
         self.allocator = allocator
         self.radix_enabled = not args.disable_radix_cache
         self.policy = SchedulePolicy(args.schedule_policy, tree_cache, self.radix_enabled, seed=args.random_seed or 0)
@@ -57,7 +64,7 @@ class Admission:
             return PrefillPlan()
         adder = PrefillAdder(
             self.tree_cache, self.allocator, running, new_token_ratio, self.max_prefill_tokens,
-            self.chunked_prefill_size, self.max_running_requests, self.page_size,
+            self.chunked_prefill_size, self.max_running_requests, self.page_size, self.host_tier,
         )
         plan = PrefillPlan()
         if chunked_req is not None:
@@ -72,7 +79,7 @@ class Admission:
         for req in ordered:
             if adder.new_chunked_req is not None:
                 break
-            if not matched:
+            if not matched or self.host_tier is not None:
                 self.policy.match(req)
             if req.seqlen + self.page_size >= self.max_total_tokens:
                 plan.rejected.append(req)  # could not run even alone on an empty pool

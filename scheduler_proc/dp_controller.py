@@ -65,6 +65,7 @@ class ReplicaState:
     num_dispatched: int = 0  # requests the controller sent to this replica
     num_received: int = 0  # of those, how many the replica had seen at its last report
     cached_blocks: set[int] = field(default_factory=set)
+    host_blocks: set[int] = field(default_factory=set)  # in the hierarchical cache's host tier
 
     @property
     def load(self) -> int:
@@ -74,20 +75,22 @@ class ReplicaState:
     def apply(self, event: KVEvent) -> None:
         if event.kind == "cleared":
             self.cached_blocks.clear()
+            self.host_blocks.clear()
             return
         hashes = block_hashes(event.token_ids, event.extra_key)
         # Block j covers tokens [0, (j+1)*BLOCK): those ending after ``start`` hold changed
         # tokens (stored: now complete; removed: no longer complete), those before it are untouched.
         changed = hashes[event.start // BLOCK :]
+        blocks = self.host_blocks if event.tier == "host" else self.cached_blocks
         if event.kind == "stored":
-            self.cached_blocks.update(changed)
+            blocks.update(changed)
         else:
-            self.cached_blocks.difference_update(changed)
+            blocks.difference_update(changed)
 
     def matched_blocks(self, hashes: list[int]) -> int:
         n = 0
-        for h in hashes:
-            if h not in self.cached_blocks:
+        for h in hashes:  # a block in either tier is a hit (the host tier loads it back)
+            if h not in self.cached_blocks and h not in self.host_blocks:
                 break
             n += 1
         return n
@@ -144,7 +147,8 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
         return {"success": all(p.get("success") for p in payloads), "replicas": payloads}
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
     for key in ("num_running", "num_queued", "max_total_tokens", "available_tokens", "evictable_tokens",
-                "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens"):
+                "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens",
+                "host_hit_tokens"):
         if all(key in p for p in payloads):
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):

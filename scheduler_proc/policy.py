@@ -60,6 +60,7 @@ class SchedulePolicy:
         result = self.tree_cache.match_prefix(key, extra_key=req.extra_key, count_hit=False)
         req.prefix_indices = result.device_indices
         req.last_node = result.last_node
+        req.host_hit_len, req.last_host_node = result.host_hit_len, result.last_host_node
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         """Visit the tree depth first, heaviest subtree (most waiting requests) first.

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
+
+if TYPE_CHECKING:
+    from scheduler_proc.hicache import HostTier
 
 # A request's future decode reservation is clipped so one huge max_new_tokens
 # cannot block admission of everyone else (SGLang uses the same idea).
@@ -91,8 +94,11 @@ class PrefillAdder:
         chunked_prefill_size: int | None,
         max_running_requests: int,
         page_size: int = 1,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.host_tier = host_tier
         self.page_size = page_size
         self.rem_total_tokens = (
             allocator.available_size()
@@ -114,10 +120,15 @@ class PrefillAdder:
         return [item.req for item in self.planned]
 
     def _lock(self, req: Req) -> int:
-        """Lock the request's prefix. Locked tokens are no longer evictable: charge them, return the charge."""
-        before = self.tree_cache.evictable_size()
+        """Lock the request's prefix. Locked tokens are no longer evictable: charge them, return the charge.
+
+        With a host tier the prefix first grows by its host part, loaded into free (or evicted)
+        slots: those are charged too, and count as cached tokens, not as prefill work."""
+        before = self.allocator.available_size() + self.tree_cache.evictable_size()
+        if self.host_tier is not None:
+            self.host_tier.load_prefix(req, self.rem_total_tokens - len(req.prefix_indices))
         self.tree_cache.inc_lock_ref(req.last_node)
-        charged = before - self.tree_cache.evictable_size()
+        charged = before - self.allocator.available_size() - self.tree_cache.evictable_size()
         self.rem_total_tokens -= charged
         return charged
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def load_report(sched: "Scheduler", dp_rank: int) -> LoadReport:
     """Load and prefix-cache changes for the DP controller's routing."""
-    events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key) for e in sched.tree_cache.take_events()]
+    events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in sched.tree_cache.take_events()]
     return LoadReport(dp_rank, len(sched.running), len(sched.waiting), sched.allocator.available_size(),
                       num_received=sched.stats["num_received"], events=events)
 
@@ -37,5 +37,7 @@ def server_info(sched: "Scheduler") -> dict[str, Any]:
         "overlap_schedule": sched.worker.overlap,
         "cache_hit_rate": sched.stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
         "memory_invariant": dataclasses.asdict(report),
+        "hierarchical_cache": sched.host_tier is not None,
+        **(sched.host_tier.info() if sched.host_tier else {}),
         **sched.stats,
     }

@@ -42,6 +42,9 @@ class Req:
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    # The last match's continuation in the host tier (hierarchical cache): tokens and end node.
+    host_hit_len: int = 0
+    last_host_node: Any = None
     # Tokens of fill_ids computed in the current prefill (after the prefix).
     extend_input_len: int = 0
     # True while a chunked prefill has more chunks to run.

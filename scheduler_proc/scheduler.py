@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
-from memory import ChunkCache, PagedTokenToKVPoolAllocator, RadixCache, TokenToKVPoolAllocator
+from memory import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
@@ -37,6 +37,7 @@ from scheduler_proc import reports
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
+from scheduler_proc.hicache import create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
@@ -67,14 +68,10 @@ class Scheduler:
         # The allocator rounds the pool down to whole pages: that is the real capacity.
         self.max_total_tokens: int = self.allocator.size
         self.tree_cache: BasePrefixCache
-        if server_args.disable_radix_cache:
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
-        else:
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size,
-                                         eviction_policy=server_args.radix_eviction_policy,
-                                         enable_kv_events=kv_events)
+        # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
+        self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
         self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
-                                   self.max_running_requests)
+                                   self.max_running_requests, self.host_tier)
         self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
         self.output = OutputProcessor(StopChecker(set(model_runner.eos_token_ids), self.context_len),
                                       server_args.stream_interval, server_args.decode_log_interval)
@@ -175,7 +172,11 @@ class Scheduler:
             self.finish(req, {"type": "abort", "message": req.to_abort})
 
     def _launch_next(self) -> LaunchedStep | None:
+        if self.host_tier:  # copies queued since the last step go out; loads go out before the launch
+            self.host_tier.begin_step()
         plan = self.admission.plan(self.waiting, self.running, self.chunked_req, self.memory.new_token_ratio)
+        if self.host_tier:
+            self.host_tier.issue_loads()
         for req in plan.rejected:
             self.waiting.remove(req)
             self._release_unscheduled(req)
@@ -312,12 +313,15 @@ class Scheduler:
 
     def check_memory(self) -> InvariantReport:
         self.drain()
+        if self.host_tier:
+            self.host_tier.drain()
         holders = self.running + ([self.chunked_req] if self.chunked_req else [])
         active_rows = {r.req_pool_idx: r.kv_committed_len for r in holders if r.req_pool_idx is not None}
-        self.last_invariant = check_memory_invariant(
+        report = check_memory_invariant(
             self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens,
             idle=not holders, active_rows=active_rows,
         )
+        self.last_invariant = self.host_tier.check(report) if self.host_tier else report
         return self.last_invariant
 
     def kv_usage(self) -> float:

@@ -30,6 +30,8 @@ EXPECTED_DEFAULTS = {
     "disable_overlap_schedule": None, "base_gpu_id": 0,
     "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
     "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
+    "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
+    "hicache_write_policy": "write_through",
 }
 
 
@@ -156,6 +158,10 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"api_key": ""}, "--api-key"),
         ({"page_size": 4, "chunked_prefill_size": 2}, "--chunked-prefill-size"),
         ({"page_size": 16, "max_prefill_tokens": 8}, "--max-prefill-tokens"),
+        ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "--enable-hierarchical-cache"),
+        ({"hicache_ratio": 0.0}, "--hicache-ratio"),
+        ({"hicache_size": -1.0}, "--hicache-size"),
+        ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
     ],
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:

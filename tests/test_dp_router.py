@@ -149,6 +149,20 @@ def test_branches_are_tracked_separately_and_cleared_together() -> None:
     assert state.cached_blocks == set()
 
 
+def test_blocks_in_the_host_tier_still_match() -> None:
+    """Hierarchical cache: a prefix the KV pool evicts to the host is still a hit there; it stops
+    being one when the host evicts it too."""
+    router = Router(1, "cache_aware")
+    state = router.replicas[0]
+    to_host = [KVEvent("stored", PREFIX, 0, None, "host"), KVEvent("removed", PREFIX, 0, None, "device")]
+    router.on_report(report(0, events=[stored(PREFIX), *to_host]))
+    assert state.cached_blocks == set() and state.matched_blocks(block_hashes(PREFIX)) == 3
+    router.on_report(report(0, events=[KVEvent("removed", PREFIX, BLOCK, None, "host")]))
+    assert state.matched_blocks(block_hashes(PREFIX)) == 1
+    router.on_report(report(0, events=[KVEvent("cleared", [], 0)]))
+    assert state.host_blocks == set()
+
+
 def test_extra_keys_namespace_the_blocks() -> None:
     router = Router(2, "cache_aware")
     router.on_report(report(1, events=[stored(PREFIX, extra_key="lora-a")]))
