@@ -12,7 +12,12 @@ event loop thread, so its blocking methods are safe to call from several threads
 Errors: a rejected request raises ``RequestError(code, message)`` for that request
 only, and so does one the client cannot encode (a lone surrogate in a string, an
 integer past 64 bits, an object msgpack has no type for), before it is sent; no reply within ``timeout`` seconds raises ``RequestTimeout`` (a TimeoutError)
-and aborts the request on the server. A stream that is not read to the end (a
+and aborts the request on the server. A server that stops tells every request in flight
+(``RequestError`` code ``server_shutdown``); one that vanishes without a word (killed, or
+hung so that it stops answering ZMQ heartbeats) is noticed by the client itself, and every
+request in flight raises ``ServerGone`` within ``HEARTBEAT_IVL_S + HEARTBEAT_TIMEOUT_S``
+seconds, also with ``timeout=None``; a request made while no connection is up raises it
+after ``CONNECT_TIMEOUT_S``. A stream that is not read to the end (a
 ``break``, an exception, garbage collection) and every request still in flight when
 the client closes are aborted on the server, so they stop holding KV memory.
 """
@@ -23,6 +28,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import uuid
 import weakref
 from typing import Any, AsyncIterator, Coroutine, Generator, Iterator, TypeVar
@@ -30,6 +36,7 @@ from typing import Any, AsyncIterator, Coroutine, Generator, Iterator, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from runtime.messages import (
     AbortReq,
@@ -47,6 +54,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_HEALTH_TIMEOUT_S = 30.0
+# Liveness: libzmq pings the server every HEARTBEAT_IVL_S and drops the connection when
+# nothing came back for HEARTBEAT_TIMEOUT_S (the server's I/O thread answers pings even
+# while its Python code is busy); the socket monitor reports the drop.
+HEARTBEAT_IVL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 4.0
+CONNECT_TIMEOUT_S = 5.0  # how long a request waits for a connection that is down
+_WATCHDOG_S = 0.5  # how often the reader checks that deadline while idle
 
 
 async def _get_within(queue: "asyncio.Queue[Any]", wait: float | None) -> Any:
@@ -78,6 +92,15 @@ async def _raise(exc: BaseException) -> Any:
 
 class RequestTimeout(TimeoutError):
     """No reply within the client's timeout; the request was aborted on the server."""
+
+
+class ServerGone(RequestError, ConnectionError):
+    """The connection to the server closed, or the server stopped answering heartbeats, or
+    no connection came up within ``CONNECT_TIMEOUT_S``: the request is lost (a server that
+    loses a client aborts its requests). Code ``server_gone``; also a ConnectionError."""
+
+    def __init__(self, message: str, rid: str = "") -> None:
+        super().__init__("server_gone", message, rid)
 
 
 def _chunk_dict(chunk: GenerateChunk) -> dict[str, Any]:
@@ -120,8 +143,17 @@ class AsyncClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        # Before connect, so that the first handshake is seen.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(address)
         self._sock = sock
+        # Non-blocking reads of both sockets from the reader (one wake drains everything).
+        self._raw = zmq.Socket.shadow(sock.underlying)
+        self._raw_monitor = zmq.Socket.shadow(self._monitor.underlying)
+        self._connected = False
+        self._down_since = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ClientReply)
         # (kind, rid) -> queue of replies; kind is "gen", "ctl" or "abort".
@@ -214,6 +246,8 @@ class AsyncClient:
                 pass
         for queue in self._queues.values():
             queue.put_nowait(ConnectionError("client closed"))
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         # A short linger lets the aborts leave; without them nothing needs to wait.
         self._sock.close(linger=200 if in_flight else 0)
         self._ctx.term()
@@ -271,30 +305,67 @@ class AsyncClient:
         return item
 
     async def _read_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            frame = await self._sock.recv()
-            if not frame:
-                continue  # the server's keepalive probe
-            try:
-                msg = self._decoder.decode(frame)
-            except Exception as exc:
-                logger.error("dropping a malformed reply (%d bytes): %s", len(frame), exc)
-                continue
-            if isinstance(msg, GenerateChunk):
-                keys = [("gen", msg.rid)]
-            elif isinstance(msg, ControlReply):
-                keys = [("abort" if msg.kind == "abort" else "ctl", msg.rid)]
-            else:  # ErrorReply: whichever call waits on this rid
-                keys = [("gen", msg.rid), ("ctl", msg.rid), ("abort", msg.rid)]
-            delivered = False
-            for key in keys:
-                queue = self._queues.get(key)
-                if queue is not None:
-                    queue.put_nowait(msg)
-                    delivered = True
-            if not delivered and isinstance(msg, ErrorReply):
-                logger.warning("server error for no pending request (rid %r): [%s] %s",
-                               msg.rid, msg.code, msg.message)
+            await poller.poll(_WATCHDOG_S * 1000)
+            # Replies first: what arrived before a disconnect is delivered before it fails the rest.
+            while True:
+                try:
+                    frame = self._raw.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._deliver(frame)
+            while True:
+                try:
+                    event = parse_monitor_message(self._raw_monitor.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                self._on_event(event["event"])
+            if not self._connected and self._queues and \
+                    time.monotonic() - self._down_since > CONNECT_TIMEOUT_S:
+                self._fail_all(f"no connection to {self.address} for {CONNECT_TIMEOUT_S:.0f} s")
+
+    def _on_event(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self._connected:
+            self._connected = False
+            self._down_since = time.monotonic()
+            # The server forgets a client whose connection dropped: nothing in flight will be answered.
+            self._fail_all(f"lost the connection to {self.address} (closed, or no heartbeat answered "
+                           f"within {HEARTBEAT_TIMEOUT_S:.0f} s)")
+
+    def _fail_all(self, message: str) -> None:
+        """Every call waiting now raises ServerGone (each removes its own queue as it ends)."""
+        for (_, rid), queue in list(self._queues.items()):
+            queue.put_nowait(ServerGone(message, rid))
+        self._queues.clear()
+
+    def _deliver(self, frame: bytes) -> None:
+        if not frame:
+            return  # the server's keepalive probe
+        try:
+            msg = self._decoder.decode(frame)
+        except Exception as exc:
+            logger.error("dropping a malformed reply (%d bytes): %s", len(frame), exc)
+            return
+        if isinstance(msg, GenerateChunk):
+            keys = [("gen", msg.rid)]
+        elif isinstance(msg, ControlReply):
+            keys = [("abort" if msg.kind == "abort" else "ctl", msg.rid)]
+        else:  # ErrorReply: whichever call waits on this rid
+            keys = [("gen", msg.rid), ("ctl", msg.rid), ("abort", msg.rid)]
+        delivered = False
+        for key in keys:
+            queue = self._queues.get(key)
+            if queue is not None:
+                queue.put_nowait(msg)
+                delivered = True
+        if not delivered and isinstance(msg, ErrorReply):
+            logger.warning("server error for no pending request (rid %r): [%s] %s",
+                           msg.rid, msg.code, msg.message)
 
     async def _control(self, kind: str, req: Any, rid: str, timeout: float | None = None) -> dict[str, Any]:
         self._ensure_open()
@@ -537,4 +608,4 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient
             loop.close()
 
 
-__all__ = ["AsyncClient", "Client", "GenerateCall", "RequestError", "RequestTimeout"]
+__all__ = ["AsyncClient", "Client", "GenerateCall", "RequestError", "RequestTimeout", "ServerGone"]
