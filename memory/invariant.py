@@ -12,6 +12,7 @@ account for the slots they own as well; without it only the cheaper checks run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ class InvariantReport:
     leaked_slots: list[int] = field(default_factory=list)
     double_owned_slots: list[int] = field(default_factory=list)
     message: str = ""
+    # Models with sliding-window layers: the SWA pool's numbers (memory.swa_invariant.SWAReport).
+    swa: dict | None = None
 
 
 def check_memory_invariant(
@@ -48,7 +51,8 @@ def check_memory_invariant(
 ) -> InvariantReport:
     """Check the accounting and ownership of every KV slot; log and return what is wrong."""
     p = allocator.page_size
-    available = allocator.available_size()
+    # (the full pool's own count: a hybrid SWA allocator's available_size is the smaller of its two pools)
+    available = getattr(allocator, "full_available_size", allocator.available_size)()
     evictable = tree_cache.evictable_size()
     protected = tree_cache.protected_size()
     problems: list[str] = []
@@ -109,11 +113,19 @@ def check_memory_invariant(
     double_owned = sorted(double)
     if double_owned:
         problems.append(f"{len(double_owned)} slots owned twice: {double_owned[:_MAX_LISTED]}")
+    swa = None
+    if hasattr(allocator, "swa"):  # the SWA pool too (memory.swa_invariant)
+        from memory.swa_invariant import check_swa_memory
+
+        swa_report = check_swa_memory(allocator, tree_cache, req_to_token_pool, idle,  # type: ignore[arg-type]
+                                      active_rows)
+        problems.extend(swa_report.problems)
+        swa = dataclasses.asdict(swa_report)
 
     message = "; ".join(problems) if problems else "ok"
     if problems:
         logger.error("memory invariant violated: %s", message)
-    return InvariantReport(not problems, available, evictable, protected, leaked, double_owned, message)
+    return InvariantReport(not problems, available, evictable, protected, leaked, double_owned, message, swa)
 
 
 def check_host_invariant(host_allocator: BaseTokenToKVPoolAllocator, host_slots: torch.Tensor,

@@ -66,6 +66,8 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_through"
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     context_length: int | None = None
     stream_interval: int = 1
     random_seed: int | None = None
@@ -196,6 +198,13 @@ class ServerArgs:
                        help="run decode requests inside prefill batches")
         g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
                        const=True, default=d.disable_overlap_schedule,
+        g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                       help="models with sliding-window layers: SWA pool tokens per full pool token, in "
+                            f"(0, 1] (default {d.swa_full_tokens_ratio}); windowed layers keep only each "
+                            "request's last W tokens")
+        g.add_argument("--disable-hybrid-swa-memory", action="store_true", default=d.disable_hybrid_swa_memory,
+                       help="keep every layer's KV for the whole sequence (one pool) even when some layers "
+                            "are windowed")
                        help="schedule each step only after the previous one's tokens are on the host "
                             "(default: overlap on cuda, off on cpu)")
         g.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
@@ -338,6 +347,8 @@ class ServerArgs:
 
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path if self.tokenizer_path is not None else self.resolved_model_path()
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
 
     def resolved_http_port(self) -> int:
         """--http-port, else next to the ZMQ port (SGLang serves HTTP on --port itself; here

@@ -16,6 +16,7 @@ import torch
 
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
 from runtime.attention.base import AttentionBackend
 from runtime.attention.registry import (
     create_attention_backend,
@@ -72,6 +73,8 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
         cuda_graph_bs: list[int] | None = None,
+        swa_full_tokens_ratio: float = 0.8,
+        disable_hybrid_swa_memory: bool = False,
     ) -> None:
         start = time.perf_counter()
         self.model_path = Path(model_path)
@@ -123,15 +126,31 @@ class ModelRunner:
         self.max_running_requests = max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens)
         # Pools: owned here, written by the scheduler (req_to_token) and the attention backend (KV).
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_tokens,
-            page_size,
-            self.dtype,
-            cfg.num_hidden_layers,
-            self.num_kv_heads,
-            cfg.head_dim,
-            self.device,
-        )
+        self.token_to_kv_pool: MHATokenToKVPool | SWAKVPool
+        if cfg.is_hybrid_swa and page_size == 1 and not disable_hybrid_swa_memory:
+            # Windowed layers keep their last W tokens in a pool of their own (memory.swa_kv_pool);
+            # max_total_tokens counts the full pool's tokens. Sized from memory, the budget of a
+            # full-attention pool is shared out between the two by the ratio.
+            if max_total_tokens is None:
+                windowed = sum(w is not None for w in cfg.layer_windows)
+                self.max_total_tokens, _ = swa_pool_sizes(self.max_total_tokens, swa_full_tokens_ratio,
+                                                          cfg.num_hidden_layers - windowed, windowed)
+            self.token_to_kv_pool = SWAKVPool(
+                self.max_total_tokens, max(1, int(self.max_total_tokens * swa_full_tokens_ratio)), page_size,
+                self.dtype, cfg.layer_windows, self.num_kv_heads, cfg.head_dim, self.device,
+            )
+        else:
+            if cfg.is_hybrid_swa and not disable_hybrid_swa_memory:
+                logger.info("page size %d: the windowed layers keep KV for every token (one pool)", page_size)
+            self.token_to_kv_pool = MHATokenToKVPool(
+                self.max_total_tokens,
+                page_size,
+                self.dtype,
+                cfg.num_hidden_layers,
+                self.num_kv_heads,
+                cfg.head_dim,
+                self.device,
+            )
         kv_gib = self.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / (1 << 30)
         logger.info(
             "KV pool: %d tokens (%.3f GiB), %d request slots x context %d",

@@ -238,6 +238,8 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         disable_cuda_graph=server_args.disable_cuda_graph,
         cuda_graph_max_bs=server_args.cuda_graph_max_bs,
         cuda_graph_bs=server_args.cuda_graph_bs,
+        swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
+        disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
     )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from runtime.messages import KVEvent, LoadReport
+from scheduler_proc import swa_memory
 
 if TYPE_CHECKING:
     from scheduler_proc.scheduler import Scheduler
@@ -38,6 +39,7 @@ def server_info(sched: "Scheduler") -> dict[str, Any]:
         "cache_hit_rate": sched.stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
         "memory_invariant": dataclasses.asdict(report),
         "hierarchical_cache": sched.host_tier is not None,
+        **swa_memory.swa_info(sched.allocator, sched.tree_cache),
         **(sched.host_tier.info() if sched.host_tier else {}),
         **sched.stats,
     }

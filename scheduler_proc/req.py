@@ -52,6 +52,8 @@ class Req:
     cached_tokens: int = 0
     # Tokens whose KV is in the request's row now; what cache_finished_req may cache.
     kv_committed_len: int = 0
+    # Leading positions of the row whose SWA slots were given back (sliding-window models).
+    swa_evicted_len: int = 0
     # Prefix length found in the cache when the request was first admitted (before chunking).
     first_prefix_len: int = 0
     admitted: bool = False

@@ -26,14 +26,13 @@ from typing import Any, Iterable
 
 import torch
 
-from memory import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
 from runtime.forward_batch import ForwardMode
 from runtime.messages import LoadReport, SchedAbortReq, SchedControlOut, SchedControlReq, SchedulerInput, \
     TokenizedGenerateReq
-from scheduler_proc import reports
+from scheduler_proc import reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
@@ -59,17 +58,15 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.context_len: int = model_runner.context_len
         self.max_running_requests: int = model_runner.max_running_requests
-        if self.page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(model_runner.max_total_tokens, model_runner.device)
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(model_runner.max_total_tokens, self.page_size,
-                                                         model_runner.device)
+        self.allocator = swa_memory.create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
         self.req_to_token_pool = model_runner.req_to_token_pool
         # The allocator rounds the pool down to whole pages: that is the real capacity.
         self.max_total_tokens: int = self.allocator.size
         self.tree_cache: BasePrefixCache
         # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
-        self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
+        caches = (swa_memory.create_tree_cache(server_args, model_runner, self.allocator, kv_events)
+                  or create_tree_cache(server_args, model_runner, self.allocator, kv_events))
+        self.tree_cache, self.host_tier = caches
         self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
                                    self.max_running_requests, self.host_tier)
         self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
@@ -261,6 +258,7 @@ class Scheduler:
         for req in step.decode:
             req.kv_committed_len += 1
         self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
+        swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
             self.running = [r for r in self.running if r not in finished]
 

@@ -33,6 +33,8 @@ EXPECTED_DEFAULTS = {
     "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
 }
+    "swa_full_tokens_ratio": 0.8,
+    "disable_hybrid_swa_memory": False,
 
 
 def test_fields_and_defaults_are_sglangs() -> None:
@@ -163,6 +165,8 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"hicache_size": -1.0}, "--hicache-size"),
         ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
     ],
+        ({"swa_full_tokens_ratio": 0.0}, "--swa-full-tokens-ratio"),
+        ({"swa_full_tokens_ratio": 1.5}, "--swa-full-tokens-ratio"),
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
