@@ -13,6 +13,11 @@ the work it contained.
   only after turn t-1 finished (so the prefix cache can serve the history).
   The answer is a fixed stand-in, not the engine's output, so every engine gets
   the same tokens.
+- ``multi-turn-overflow``: multi-turn sessions (600-token system prompts by default) whose
+  histories add up to ``working_set_ratio`` times a KV pool of ``pool_tokens`` tokens: the
+  pool cannot hold them, so a session's history is evicted before its next turn (what a
+  hierarchical cache's host tier is for). Give ``pool_tokens`` the server's
+  ``--max-total-tokens``.
 - ``tree``: prompts that form a prefix tree (shared instructions, then shared
   few-shot examples / agent context per branch, then a unique question), shuffled.
 """
@@ -142,6 +147,25 @@ def multi_turn(num_requests: int = 64, num_turns: int = 4, system_len: int = 128
                                        seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
 
 
+def multi_turn_overflow(pool_tokens: int = 16384, working_set_ratio: float = 4.0, num_turns: int = 4,
+                        system_len: int = 600, user_len: int = 64, answer_len: int = 64, max_new_tokens: int = 64,
+                        num_requests: int | None = None, seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
+                        vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    """Enough ``multi_turn`` sessions that their final histories total ``working_set_ratio * pool_tokens``
+    tokens (``num_requests``, when given, fixes the request count instead)."""
+    if pool_tokens < 1 or working_set_ratio <= 0:
+        raise ValueError("pool_tokens must be >= 1 and working_set_ratio > 0")
+    final_len = system_len + num_turns * user_len + (num_turns - 1) * answer_len
+    sessions = max(1, -(-int(working_set_ratio * pool_tokens) // final_len))
+    inner = multi_turn(num_requests if num_requests is not None else sessions * num_turns, num_turns, system_len,
+                       user_len, answer_len, max_new_tokens, seed, vocab_low, vocab_high)
+    return Workload("multi-turn-overflow", dict(pool_tokens=pool_tokens, working_set_ratio=working_set_ratio,
+                                                num_turns=num_turns, system_len=system_len, user_len=user_len,
+                                                answer_len=answer_len, max_new_tokens=max_new_tokens,
+                                                num_requests=num_requests, seed=seed, vocab_low=vocab_low,
+                                                vocab_high=vocab_high), inner.requests)
+
+
 def tree(num_requests: int = 64, branching: int = 4, segment_lens: tuple[int, ...] | list[int] = (256, 128, 64, 32),
          max_new_tokens: int = 64, seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
          vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
@@ -185,6 +209,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "uniform": uniform,
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
+    "multi-turn-overflow": multi_turn_overflow,
     "tree": tree,
 }
 

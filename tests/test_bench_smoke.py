@@ -85,6 +85,16 @@ def test_multi_turn_turns_extend_the_previous_turn() -> None:
     assert [len(level) for level in w.levels()] == [2, 2, 2]
 
 
+def test_multi_turn_overflow_is_four_pools_of_history() -> None:
+    w = make_workload("multi-turn-overflow", pool_tokens=1024)
+    finals = [chain[-1].input_ids for chain in w.chains()]
+    assert {len(f) for f in finals} == {600 + 4 * 64 + 3 * 64}
+    # The fewest sessions whose histories (no prefix shared between sessions) reach 4 pools.
+    working_set = prefix_tree_stats(finals).unique_tokens
+    assert working_set >= 4 * 1024 > working_set - len(finals[0])
+    assert w.max_parallel == len(finals) and w.num_requests == 4 * len(finals)
+
+
 def test_workloads_are_deterministic_in_range_and_rebuildable() -> None:
     for name in WORKLOADS:
         w = make_workload(name, num_requests=8, max_new_tokens=2, vocab_low=10, vocab_high=20, seed=3)
