@@ -91,6 +91,9 @@ class ServerArgs:
     enable_metrics: bool = False
     log_requests: bool = False
     decode_log_interval: int = 40
+    max_requests_per_client: int = 4096
+    max_controls_per_client: int = 16
+    max_request_bytes: int | None = None
 
     # ------------------------------------------------------------------ CLI
 
@@ -138,6 +141,18 @@ class ServerArgs:
                             f"(default {d.decode_log_interval})")
         g.add_argument("--log-level", type=str.lower, default=d.log_level, choices=LOG_LEVEL_CHOICES,
                        help=f"logging level of every process (default {d.log_level})")
+        g.add_argument("--max-requests-per-client", type=int, default=d.max_requests_per_client,
+                       help="scheduler requests (each of n samples counts) one client may have in flight; "
+                            "more are refused with too_many_requests (HTTP 429). A ZMQ client is its "
+                            f"connection, an HTTP client one request (default {d.max_requests_per_client})")
+        g.add_argument("--max-controls-per-client", type=int, default=d.max_controls_per_client,
+                       help="server_info / health / flush_cache round trips one client may have waiting for "
+                            f"the scheduler; more are refused with too_many_requests "
+                            f"(default {d.max_controls_per_client})")
+        g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                       help="largest request frame (ZMQ_MAXMSGSIZE; a larger frame closes that client's "
+                            "connection) and HTTP body (413) in bytes (default: room for the longest prompt "
+                            "the model admits, 32 bytes per token of context + 1 MiB)")
         g.add_argument("--stream-interval", type=int, default=d.stream_interval,
                        help=f"send a stream chunk every N generated tokens (default {d.stream_interval})")
         g = parser.add_argument_group("execution")
@@ -285,6 +300,8 @@ class ServerArgs:
             ("--nnodes", self.nnodes),
             ("--gpu-id-step", self.gpu_id_step),
             ("--decode-log-interval", self.decode_log_interval),
+            ("--max-requests-per-client", self.max_requests_per_client),
+            ("--max-controls-per-client", self.max_controls_per_client),
         ):
             _positive(flag, value)
         for flag, opt in (
@@ -292,6 +309,7 @@ class ServerArgs:
             ("--max-running-requests", self.max_running_requests),
             ("--context-length", self.context_length),
             ("--cuda-graph-max-bs", self.cuda_graph_max_bs),
+            ("--max-request-bytes", self.max_request_bytes),
         ):
             if opt is not None:
                 _positive(flag, opt)

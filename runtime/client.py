@@ -203,7 +203,8 @@ class AsyncClient:
         return bool(payload.get("aborted"))
 
     async def abort_all(self) -> int:
-        """Abort every request on the server (every client's); the number aborted."""
+        """Abort every client's requests on a server with ``--api-key``, only this client's
+        on one without (anyone could call it); the number aborted."""
         rid = uuid.uuid4().hex
         payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key, all=True), rid)
         return int(payload.get("aborted", 0))

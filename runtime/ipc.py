@@ -129,19 +129,25 @@ class AsyncRouter:
     * ``ROUTER_MANDATORY``: a send to a client that has gone away raises
       ``ClientGone`` instead of being silently dropped, so the tokenizer can abort
       that client's requests.
-    * No send high-water mark: ``send`` never waits on a slow client (the price is
-      memory held for a client that does not read).
-    * TCP heartbeats, so a peer that vanished without closing is noticed.
+    * Bounded queues per client: at most ``sndhwm`` replies wait for a client (past it
+      ``send`` raises ``ClientBusy``: a client that does not read loses its own replies and
+      holds no more memory), at most ``rcvhwm`` of its requests wait to be read (a flood
+      is pushed back to its sender), and a frame over ``maxmsgsize`` bytes closes that
+      client's connection before it is read (0: no limit, for tests).
+    * ZMQ heartbeats, so a peer that vanished without closing is noticed.
 
     Frames are ``[identity, payload]``; the payload decoding is the caller's
     (it must answer a malformed payload with an error reply, not just drop it).
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, sndhwm: int = 0, rcvhwm: int = 0,
+                 maxmsgsize: int = 0) -> None:
         sock: zmq.asyncio.Socket = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if maxmsgsize > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
@@ -164,19 +170,23 @@ class AsyncRouter:
         return frames[0], frames[1:]
 
     async def send(self, identity: bytes, msg: Any) -> None:
-        """Send one reply; raise ``ClientGone`` when the client is no longer connected."""
+        """Send one reply; ``ClientGone`` when the client is no longer connected,
+        ``ClientBusy`` when its send queue is full (the reply is dropped)."""
         await self.send_raw(identity, self._encoder.encode(msg))
 
     async def send_raw(self, identity: bytes, payload: bytes) -> None:
         try:
             await self._sock.send_multipart([identity, payload], flags=zmq.DONTWAIT)
         except zmq.ZMQError as exc:
-            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            if exc.errno == zmq.EHOSTUNREACH:
                 raise ClientGone(identity) from None
+            if exc.errno == zmq.EAGAIN:
+                raise ClientBusy(identity) from None
             raise
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets replies already queued leave first (at shutdown)."""
+        self._sock.close(linger=linger_ms)
 
 
 class ClientGone(Exception):
@@ -184,6 +194,14 @@ class ClientGone(Exception):
 
     def __init__(self, identity: bytes) -> None:
         super().__init__(f"client {identity.hex()} is gone")
+        self.identity = identity
+
+
+class ClientBusy(Exception):
+    """The client's send queue is full (it is not reading its replies): this one was dropped."""
+
+    def __init__(self, identity: bytes) -> None:
+        super().__init__(f"client {identity.hex()} is not reading; reply dropped")
         self.identity = identity
 
 

@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import msgspec
 
@@ -129,6 +129,10 @@ def set_process_title(title: str) -> None:
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    exit_now()
+
+
+def exit_now() -> NoReturn:
     """Exit 0 at once, after the multiprocessing finalizers (they unregister named
     semaphores, e.g. tqdm's lock, which would otherwise be reported as leaked). A full
     interpreter shutdown with torch loaded takes seconds and buys nothing here."""

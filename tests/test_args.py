@@ -30,6 +30,7 @@ EXPECTED_DEFAULTS = {
     "disable_overlap_schedule": None, "base_gpu_id": 0,
     "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
     "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
+    "max_requests_per_client": 4096, "max_controls_per_client": 16, "max_request_bytes": None,
     "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
 }

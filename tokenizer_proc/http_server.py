@@ -42,9 +42,10 @@ logger = logging.getLogger(__name__)
 
 # The ZMQ error codes as HTTP statuses (an unknown code is a 500).
 STATUS_OF_CODE = {"invalid_request": 400, "too_long": 400, "unauthorized": 401, "model_not_found": 404,
-                  "out_of_memory": 503, "unhealthy": 503, "starting": 503, "aborted": 499, "internal": 500}
+                  "too_many_requests": 429, "out_of_memory": 503, "unhealthy": 503, "starting": 503,
+                  "server_shutdown": 503, "aborted": 499, "internal": 500}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               503: "service_unavailable"}
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
 
@@ -143,8 +144,9 @@ class HttpServer:
     """Binds at construction (a port conflict is reported at once); ``serve`` runs it;
     ``attach`` makes it answer once the tokenizer manager exists."""
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, max_request_bytes: int) -> None:
         self.server_args = server_args
+        self.max_request_bytes = max_request_bytes  # a larger body is refused (413) before it is read
         self.model_name = server_args.served_model_name or server_args.resolved_model_path()
         self.manager: TokenizerManager | None = None
         self.logprobs: oai.LogprobFormatter | None = None
@@ -207,8 +209,21 @@ class _Server(uvicorn.Server):
         pass
 
 
-async def _body(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+async def _body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The body, validated; one over ``limit`` bytes is refused before it is read whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise oai.BadRequest(f"the request body has {declared} bytes; the most this server reads is {limit} "
+                             f"(--max-request-bytes)", status=413, code="too_long")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise oai.BadRequest(f"the request body is longer than {limit} bytes (--max-request-bytes)",
+                                 status=413, code="too_long")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -328,7 +343,7 @@ def build_app(http: HttpServer) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         http.authorize(request)
-        body: oai.NativeGenerateReq = await _body(request, oai.NativeGenerateReq)
+        body: oai.NativeGenerateReq = await _body(request, oai.NativeGenerateReq, http.max_request_bytes)
         reqs, batch = body.generate_reqs()
         run = await http.start(reqs)
         if body.stream:
@@ -355,7 +370,7 @@ def build_app(http: HttpServer) -> FastAPI:
 
     async def openai_generate(request: Request, schema: type[BaseModel], kind: oai.Kind) -> Response:
         http.authorize(request)
-        body: Any = await _body(request, schema)
+        body: Any = await _body(request, schema, http.max_request_bytes)
         http.check_model(body.model)
         run = await http.start(body.generate_reqs())
         assert http.logprobs is not None

@@ -5,12 +5,18 @@ The HTTP server starts listening first, so that ``/health`` answers 503 while th
 starts (the tokenizer load runs in a thread meanwhile); the ZMQ socket is bound as early,
 so that a port conflict is reported in a second, not after the model load of the other
 processes.
+
+SIGTERM (from the launcher: a stop, or another process died) is handled on the loop: once
+serving, every request in flight gets a ``server_shutdown`` error, the HTTP server lets
+its responses finish, and the ZMQ replies are given up to SHUTDOWN_LINGER_MS to leave,
+before the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,11 +26,16 @@ import zmq.asyncio
 from runtime.args import PortArgs, ServerArgs
 from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
-from runtime.utils import recv_status, send_status
+from runtime.utils import exit_now, recv_status, send_status
+from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 1.0  # for HTTP responses to finish (they were all answered already)
+SHUTDOWN_LINGER_MS = 500  # for the ZMQ replies to leave
+ROUTER_RCVHWM = 1000  # requests read ahead per client: a flood waits in its sender's queue
 
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
@@ -42,13 +53,26 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     from tokenizer_proc.http_server import HttpServer
     from tokenizer_proc.metrics import Metrics
 
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+    manager: TokenizerManager | None = None
+
+    def on_sigterm() -> None:
+        if manager is None:
+            exit_now()  # not serving yet: nothing to tell anyone
+        if not stopping:
+            stopping.append(asyncio.ensure_future(_stop(manager, http, http_task, ctx, router, from_detokenizer)))
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     ctx = zmq.asyncio.Context()
-    router = AsyncRouter(ctx, server_args.client_address())
+    max_request_bytes = server_args.max_request_bytes or default_max_request_bytes(
+        server_args.resolved_model_path(), server_args.context_length)
+    router = AsyncRouter(ctx, server_args.client_address(), maxmsgsize=max_request_bytes, rcvhwm=ROUTER_RCVHWM,
+                         sndhwm=send_hwm(server_args.max_requests_per_client, server_args.max_controls_per_client))
     from_detokenizer: AsyncPullSocket[Any] = AsyncPullSocket(port_args.tokenizer_ipc, TokenizerInput, ctx, bind=True)
     to_scheduler: PushSocket[Any] = PushSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=False)
-    http = HttpServer(server_args)
+    http = HttpServer(server_args, max_request_bytes)
     http_task = asyncio.ensure_future(http.serve())
-    loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_tokenizer, server_args.resolved_tokenizer_path(),
                                            server_args.chat_template)
     # The launcher sends the scheduler's figures once the scheduler is ready.
@@ -67,6 +91,24 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     logger.info("tokenizer ready on %s and %s", address, http.address)
     await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop(),
                          http_task)
+
+
+async def _stop(manager: TokenizerManager, http: Any, http_task: "asyncio.Future[None]", ctx: zmq.asyncio.Context,
+                router: AsyncRouter, from_detokenizer: AsyncPullSocket[Any]) -> None:
+    """Answer everything in flight with server_shutdown, let the answers leave, exit 0."""
+    try:
+        logger.info("shutting down: %d request(s) in flight get server_shutdown", len(manager.groups))
+        await manager.shutdown()
+        http.server.should_exit = True  # uvicorn closes idle connections and finishes the answered ones
+        try:
+            await asyncio.wait_for(asyncio.shield(http_task), SHUTDOWN_GRACE_S)
+        except (asyncio.TimeoutError, Exception):
+            pass
+        router.close(SHUTDOWN_LINGER_MS)
+        from_detokenizer.close()
+        ctx.term()  # returns once the router's queued replies are sent, or after the linger
+    finally:
+        exit_now()
 
 
 def run_tokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:

@@ -17,6 +17,7 @@ import msgspec
 
 from runtime.messages import GenerateReq, TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams, SamplingParamsError
+from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
 
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 
@@ -55,6 +56,7 @@ class RequestBuilder:
     def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.max_prompt_bytes = max_prompt_bytes(limits.max_req_input_len)
 
     def build(self, req: GenerateReq) -> list[TokenizedGenerateReq]:
         """One scheduler request per sample (``n`` of them, with fresh internal rids)."""
@@ -85,6 +87,7 @@ class RequestBuilder:
     def _sampling_params(self, req: GenerateReq) -> SamplingParams:
         try:
             params = SamplingParams.from_dict(req.sampling_params)
+            _check_stop_strs(params.stop_strs)
             params.validate(self.limits.vocab_size)
         except SamplingParamsError as exc:
             raise Rejected("invalid_request", str(exc), exc.field) from None
@@ -106,6 +109,7 @@ class RequestBuilder:
         if req.text is not None:
             if not req.text:
                 raise Rejected("invalid_request", "empty prompt: text is ''")
+            self._check_text_size(req.text)
             return list(self.tokenizer.encode(req.text))
         if req.input_ids is not None:
             if not req.input_ids:
@@ -127,20 +131,30 @@ class RequestBuilder:
                                                       add_generation_prompt=True)
         except Exception as exc:  # template errors are the client's message structure
             raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
+        self._check_text_size(text)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise Rejected("invalid_request", "empty prompt: the rendered chat is empty")
         return ids
 
+    def _check_text_size(self, text: str) -> None:
+        """A text too long in bytes to be a prompt the server admits is refused before it is
+        tokenized (that would take the tokenizer's time and memory for nothing)."""
+        # Characters are never more than bytes: the cheap bound first, the UTF-8 length after.
+        if len(text) > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+            raise Rejected("too_long", f"the prompt has more than {self.max_prompt_bytes} bytes, more than a "
+                                       f"prompt of at most {self.limits.max_req_input_len} tokens can have",
+                           "prompt")
+
     def _check_ids(self, ids: list[int]) -> None:
+        if len(ids) > self.limits.max_req_input_len:  # first: it bounds the vocabulary scan
+            raise Rejected("too_long", f"the prompt has {len(ids)} tokens; the maximum is "
+                                       f"{self.limits.max_req_input_len}", "prompt")
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})",
                            "input_ids")
-        if len(ids) > self.limits.max_req_input_len:
-            raise Rejected("too_long", f"the prompt has {len(ids)} tokens; the maximum is "
-                                       f"{self.limits.max_req_input_len}", "prompt")
 
     def _fit_context(self, n: int, params: SamplingParams, explicit: bool) -> SamplingParams:
         """Prompt + output must fit the context: an explicit max_new_tokens that does not
@@ -154,6 +168,17 @@ class RequestBuilder:
                                        f"{self.limits.context_len}", "max_new_tokens")
         return msgspec.structs.replace(params, max_new_tokens=room,
                                        min_new_tokens=min(params.min_new_tokens, room))
+
+
+def _check_stop_strs(stops: list[str]) -> None:
+    """A bounded number of bounded stop strings: the scheduler tests every one after each token."""
+    if len(stops) > MAX_STOP_STRS:
+        raise SamplingParamsError("stop", f"at most {MAX_STOP_STRS} stop strings, "
+                                          f"got {len(stops)}")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_STR_CHARS:
+        raise SamplingParamsError("stop", f"a stop string may have at most "
+                                          f"{MAX_STOP_STR_CHARS} characters, got one of {len(longest)}")
 
 
 def _nth_seed(seed: int | None, i: int) -> int | None:

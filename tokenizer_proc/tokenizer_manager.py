@@ -13,6 +13,16 @@ One asyncio loop (uvloop) runs three tasks, and the HTTP server (tokenizer_proc/
     ROUTER_NOTIFY would say it directly, but it is a draft option that the bundled
     libzmq does not enable.)
 
+Limits (tokenizer_proc/limits.py): per client, requests in flight and control round trips
+(``too_many_requests`` past them), and replies queued (a client that does not read loses
+its own replies: a stream whose chunk is dropped is aborted). Big prompts are tokenized
+on a worker thread, from a task of their own, so the client loop keeps reading.
+
+Shutdown (SIGTERM, which the launcher also sends when another process died): every
+request in flight, ZMQ or HTTP, gets an ``ErrorReply`` with code ``server_shutdown``, and
+so does anything that arrives afterwards, before the process exits
+(``tokenizer_proc/process.py``).
+
 HTTP requests take the same path as ZMQ ones: each HTTP request is a *local client*
 (``open_local``), an identity whose replies go to an asyncio queue instead of the
 socket; it is validated by the same RequestBuilder, its rids live in the same maps,
@@ -28,13 +38,14 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from runtime.args import ServerArgs
-from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientGone, PushSocket
+from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientBusy, ClientGone, PushSocket
 from runtime.messages import (
     AbortReq,
     BatchStrOut,
@@ -52,6 +63,7 @@ from runtime.messages import (
     ServerInfoReq,
     StrOutput,
 )
+from tokenizer_proc.limits import OFFLOAD_BYTES
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
 
@@ -63,6 +75,7 @@ PROBE_INTERVAL_S = 0.1
 LOCAL_PREFIX = b"\x00local-"
 HEALTH_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 120.0
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclass
@@ -123,7 +136,15 @@ class TokenizerManager:
         self.controls: dict[str, PendingControl] = {}
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
         self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
-                      "clients_gone": 0, "malformed_frames": 0}
+                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0}
+        # Per client: scheduler requests of its groups in flight, control round trips
+        # waiting, and rids being tokenized on the worker thread (issue 17's fairness).
+        self.client_samples: dict[bytes, int] = {}
+        self.client_controls: dict[bytes, int] = {}
+        self.building: dict[bytes, set[str]] = {}
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
+        self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
+        self.stopping = False
         self.local: dict[bytes, asyncio.Queue[Any]] = {}  # local (HTTP) clients' reply queues
         self.metrics: Metrics | None = None  # set when --enable-metrics
         self.log_requests = server_args.log_requests
@@ -155,6 +176,16 @@ class TokenizerManager:
             await self.reply(identity, ErrorReply(rid=rid, code="invalid_request",
                                                   message=f"malformed request: {exc}"))
             return
+        if isinstance(req, GenerateReq) and _prompt_chars(req) >= OFFLOAD_BYTES:
+            # Tokenized on the worker thread: this loop goes on reading the other clients.
+            task = asyncio.ensure_future(self.handle_request(identity, req))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            return
+        await self.handle_request(identity, req)
+
+    async def handle_request(self, identity: bytes, req: ClientRequest) -> None:
+        """Answer one decoded request; every failure is an ErrorReply to its client."""
         try:
             check_api_key(self.server_args.api_key, req.api_key)
             if isinstance(req, GenerateReq):
@@ -177,13 +208,40 @@ class TokenizerManager:
             self.metrics.rejected_request(exc.code)
 
     async def handle_generate(self, identity: bytes, req: GenerateReq) -> None:
+        if self.stopping:
+            raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         key = (identity, req.rid)
-        if key in self.groups:
+        building = self.building.setdefault(identity, set())
+        if key in self.groups or req.rid in building:
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
-        subs = self.builder.build(req)
+        limit = self.server_args.max_requests_per_client
+        if self.client_samples.get(identity, 0) + len(building) >= limit:
+            raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
+                                                f"--max-requests-per-client allows; wait for some to finish")
+        if _prompt_chars(req) >= OFFLOAD_BYTES:
+            building.add(req.rid)
+            try:
+                subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req)
+            finally:
+                building.discard(req.rid)
+                if not building:
+                    self.building.pop(identity, None)
+            if self.stopping:
+                raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
+            if identity.startswith(LOCAL_PREFIX) and identity not in self.local:
+                raise Rejected("aborted", "the client went away while its prompt was tokenized")
+        else:
+            if not building:
+                self.building.pop(identity, None)
+            subs = self.builder.build(req)
+        held = self.client_samples.get(identity, 0)
+        if held + len(subs) > limit:
+            raise Rejected("too_many_requests", f"{len(subs)} more requests would put this client past "
+                                                f"--max-requests-per-client ({limit}; {held} in flight)")
         group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream, created=time.time(),
                          samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)])
         self.groups[key] = group
+        self.client_samples[identity] = held + group.n
         self.by_identity.setdefault(identity, set()).add(req.rid)
         for sample in group.samples:
             self.by_internal[sample.internal_rid] = (group, sample)
@@ -198,8 +256,10 @@ class TokenizerManager:
                         req.stream, "http" if identity.startswith(LOCAL_PREFIX) else "zmq")
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
-        if req.all:
-            groups = list(self.groups.values())
+        if req.all and self.server_args.api_key is not None:
+            groups = list(self.groups.values())  # the key holder may stop everyone's requests
+        elif req.all:  # without --api-key nobody proves to be the operator: only the caller's own
+            groups = [self.groups[(identity, rid)] for rid in self.by_identity.get(identity, ())]
         else:
             group = self.groups.get((identity, req.rid))
             groups = [group] if group is not None else []
@@ -219,7 +279,12 @@ class TokenizerManager:
             if abort_in_scheduler and not sample.finished:
                 self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
                 self.note_finished(group, sample, "abort", {})
-        self.groups.pop((group.identity, group.client_rid), None)
+        if self.groups.pop((group.identity, group.client_rid), None) is not None:
+            left = self.client_samples.get(group.identity, 0) - group.n
+            if left > 0:
+                self.client_samples[group.identity] = left
+            else:
+                self.client_samples.pop(group.identity, None)
         rids = self.by_identity.get(group.identity)
         if rids is not None:
             rids.discard(group.client_rid)
@@ -242,7 +307,8 @@ class TokenizerManager:
                 self._drop_control(crid)
 
     async def reply(self, identity: bytes, msg: Any) -> bool:
-        """Send to one client; False (and its requests aborted) when it has gone away."""
+        """Send to one client; False when it has gone away (its requests are aborted) or
+        its send queue is full (the reply is dropped: it is not reading)."""
         queue = self.local.get(identity)
         if queue is not None:
             queue.put_nowait(msg)
@@ -255,6 +321,9 @@ class TokenizerManager:
         except ClientGone:
             self.client_gone(identity)
             return False
+        except ClientBusy:
+            self.stats["replies_dropped"] += 1
+            return False
 
     async def probe_loop(self) -> None:
         while True:
@@ -266,6 +335,8 @@ class TokenizerManager:
                     await self.router.send_raw(identity, b"")
                 except ClientGone:
                     self.client_gone(identity)
+                except ClientBusy:
+                    pass  # connected, just not reading
 
     # ================================================================== local (HTTP) clients
 
@@ -294,6 +365,13 @@ class TokenizerManager:
     # ================================================================== control
 
     def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
+        if self.stopping:
+            raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
+        waiting = self.client_controls.get(identity, 0)
+        if waiting >= self.server_args.max_controls_per_client:
+            raise Rejected("too_many_requests", f"this client has {waiting} control requests waiting for the "
+                                                f"scheduler, the most --max-controls-per-client allows")
+        self.client_controls[identity] = waiting + 1
         kind = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}[type(req)]
         internal = uuid.uuid4().hex
         pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
@@ -307,8 +385,15 @@ class TokenizerManager:
 
     def _drop_control(self, internal: str) -> PendingControl | None:
         pending = self.controls.pop(internal, None)
-        if pending is not None and pending.timer is not None:
+        if pending is None:
+            return None
+        if pending.timer is not None:
             pending.timer.cancel()
+        left = self.client_controls.get(pending.identity, 0) - 1
+        if left > 0:
+            self.client_controls[pending.identity] = left
+        else:
+            self.client_controls.pop(pending.identity, None)
         return pending
 
     async def _control_timed_out(self, internal: str) -> None:
@@ -340,6 +425,8 @@ class TokenizerManager:
             "active_samples": len(self.by_internal),
             "active_clients": len(self.by_identity),
             "pending_controls": len(self.controls),
+            "max_requests_per_client": self.server_args.max_requests_per_client,
+            "max_controls_per_client": self.server_args.max_controls_per_client,
             **self.stats,
         }
         info["model"] = {
@@ -383,6 +470,7 @@ class TokenizerManager:
                                   finished=out.finished, finish_reason=out.finish_reason,
                                   meta=self.meta(group, sample, out.meta, out.finish_reason if out.finished else None))
             if not await self.reply(group.identity, chunk):
+                self.reply_lost(group)
                 return
         else:
             sample.text.append(out.text_delta)
@@ -398,11 +486,34 @@ class TokenizerManager:
                 chunk = GenerateChunk(rid=group.client_rid, text="".join(sample.text), output_ids=sample.output_ids,
                                       finished=True, finish_reason=out.finish_reason, meta=meta)
                 if not await self.reply(group.identity, chunk):
+                    self.reply_lost(group)
                     return
         if out.finished:
             self.by_internal.pop(out.rid, None)
             if not group.unfinished():
                 self.drop_group(group, abort_in_scheduler=False)
+
+    def reply_lost(self, group: ReqGroup) -> None:
+        """A reply of ``group`` was dropped (its client is gone or not reading): the rest is
+        moot, so abort what is still running (a no-op when client_gone dropped it already)."""
+        if (group.identity, group.client_rid) in self.groups:
+            self.stats["requests_aborted"] += 1
+            self.drop_group(group, abort_in_scheduler=True)
+
+    async def shutdown(self) -> None:
+        """Tell every request in flight, and every control call waiting, that the server is
+        going away; refuse whatever arrives afterwards (``stopping``)."""
+        self.stopping = True
+        for group in list(self.groups.values()):
+            self.drop_group(group, abort_in_scheduler=True)
+            await self.reply(group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown",
+                                                        message=SHUTDOWN_MESSAGE))
+        for internal in list(self.controls):
+            pending = self._drop_control(internal)
+            if pending is not None:
+                await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code="server_shutdown",
+                                                              message=SHUTDOWN_MESSAGE))
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def note_output(self, group: ReqGroup, sample: SampleState, out: StrOutput) -> None:
         """Timing, metrics and the --log-requests line, as the outputs arrive."""
@@ -469,6 +580,15 @@ class TokenizerManager:
         self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.reply(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
+
+
+def _prompt_chars(req: GenerateReq) -> int:
+    """Characters to tokenize for ``req`` (0 for token ids): how long it would hold the loop."""
+    if req.text is not None:
+        return len(req.text)
+    if req.messages is not None:
+        return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
+    return 0
 
 
 def _loose_rid(frame: bytes) -> str:
