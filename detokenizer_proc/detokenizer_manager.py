@@ -2,7 +2,9 @@
 
 A plain synchronous loop (it has one input socket and nothing else to wait for).
 It owns one ``DecodeState`` per unfinished request that has produced output; the
-state is freed when the request finishes or errors. Control replies and errors
+state is freed when the request finishes or errors. The per-request settings (stop
+strings, special-token handling) are taken from a request's first ``ReqOutput`` and
+kept in its state: later outputs need not carry them. Control replies and errors
 from the scheduler pass through unchanged.
 """
 

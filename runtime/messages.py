@@ -130,7 +130,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
-    # any text that may be the start of one, and cuts the final text at the first match
+    # any text that may be the start of one, and cuts the final text at the first match. Read
+    # from a request's first ReqOutput only (the detokenizer keeps them in its state until the
+    # request ends), so the scheduler need send them once, not with every chunk
     no_stop_trim: bool = False  # keep the matched stop string in the text
 
 

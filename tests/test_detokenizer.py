@@ -81,7 +81,10 @@ def test_invalid_bytes_from_a_model_are_kept_consistently(tokenizer: Any) -> Non
     assert "".join(streamed) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_stop_string_never_leaks_while_streaming(tokenizer: Any) -> None:
+@pytest.mark.parametrize("first_output_only", [False, True], ids=["every-output", "first-output-only"])
+def test_stop_string_never_leaks_while_streaming(tokenizer: Any, first_output_only: bool) -> None:
+    """Also when the stop strings come with the request's first output only (the scheduler
+    need not resend them with every chunk)."""
     stop = "wörld 世"
     full = tokenizer.encode(TEXT, add_special_tokens=False)
     # the scheduler finishes at the first token whose text completes the stop string
@@ -92,7 +95,8 @@ def test_stop_string_never_leaks_while_streaming(tokenizer: Any) -> None:
     emitted = ""
     for i, tid in enumerate(ids):
         last = i == len(ids) - 1
-        res = m.handle(out("r", [tid], finished=last, stop_strs=[stop, "never"],
+        stops = [stop, "never"] if i == 0 or not first_output_only else None
+        res = m.handle(out("r", [tid], finished=last, stop_strs=stops,
                            finish_reason={"type": "stop", "matched": stop} if last else None))
         emitted += res.outputs[0].text_delta
         assert expected.startswith(emitted), emitted  # nothing of the stop string, ever
