@@ -418,6 +418,10 @@ class HiRadixCache(RadixCache):
         """
         if num_tokens <= 0:
             return 0
+        if self._evictable_size < num_tokens and self.pending_transfers():
+            # Nodes being copied are locked: when they are needed (a decode step short of room,
+            # a retraction), finish their copies now rather than retract or refuse.
+            self.wait_transfers()
         leaving: set[HiTreeNode] = set()  # being copied to the host, leaving the device after
         heap = [(self._priority(n), n) for n in self._nodes() if self._is_device_leaf(n, leaving)]
         heapq.heapify(heap)

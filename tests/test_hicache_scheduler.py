@@ -107,3 +107,27 @@ def test_host_hits_count_as_cached_not_as_prefill() -> None:
     assert sched.control("flush_cache")["success"]
     info = sched.server_info()
     assert info["host_available_tokens"] == info["host_total_tokens"] and info["available_tokens"] == 256
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size,policy", [(1, "write_through"), (4, "write_back")])
+def test_retraction_and_chunking_with_the_tier(overlap: bool, page_size: int, policy: str) -> None:
+    """A pool too small for the running requests: retraction, chunked prefills and host loads at
+    once. Write-through copies lock what was just cached; eviction must still find room."""
+    rng = random.Random(7)
+    shared = [[rng.randrange(1, VOCAB) for _ in range(60)] for _ in range(3)]
+    prompts = [rng.choice(shared) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(30)]
+    sched = stub_scheduler(overlap, max_total_tokens=512, page_size=page_size, chunked_prefill_size=48,
+                           enable_hierarchical_cache=True, hicache_write_policy=policy)
+    for i, prompt in enumerate(prompts):
+        sched.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt,
+                                                  sampling_params=SamplingParams(max_new_tokens=30, temperature=0.0)))
+    results: dict[str, dict] = {}
+    while not sched.is_idle():
+        sched.step()
+        collect(sched, results)
+    assert sched.stats["num_retractions"] > 0
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(prompt, 30)
+    assert_idle_invariant(sched)
+    assert sched.server_info()["host_hit_tokens"] > 0

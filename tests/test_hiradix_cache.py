@@ -228,7 +228,7 @@ def test_locks_hold_while_a_copy_is_in_flight() -> None:
     assert t.insert([1, 2, 3, 4])
     assert t.cache.protected_size() == 4  # queued backup
     t.cache.issue_transfers()  # issued, not completed
-    assert t.cache.protected_size() == 4 and t.cache.evict(8) == 0
+    assert t.cache.protected_size() == 4 and t.cache.evictable_size() == 0
     t.check(idle=False)
     t.cache.issue_transfers()  # the next step completes it
     assert t.cache.protected_size() == 0 and t.cache.pending_transfers() == 0
@@ -237,12 +237,24 @@ def test_locks_hold_while_a_copy_is_in_flight() -> None:
     slots = t.cache.load_back(m.last_host_node)
     assert slots is not None
     t.cache.issue_transfers()
-    # Loading: locked on the device, and not evictable from the host either.
-    assert t.cache.evict(8) == 0 and t.cache.evict_host(16) == 0
+    # Loading: protected on the device, and the host may not drop its source.
+    assert t.cache.protected_size() == 4 and t.cache.evict_host(16) == 0
     assert t.cache.host_sizes() == (0, 4)
     t.cache.wait_transfers()
     assert t.cache.host_sizes() == (0, 4)  # on both tiers: the host copy stays
     assert torch.equal(t.device_kv(slots), t.expected([1, 2, 3, 4]))
+    t.check()
+
+
+def test_eviction_short_of_room_finishes_copies_first() -> None:
+    """A decode step or a retraction that needs the slots of a node still being copied waits for
+    the copy (then evicts it) instead of failing."""
+    t = Tiers(device_tokens=8, host_tokens=16, deferred=True)
+    assert t.insert([1, 2, 3, 4])
+    t.cache.issue_transfers()
+    assert t.cache.evictable_size() == 0 and t.cache.pending_transfers() == 1
+    assert t.cache.evict(4) == 4  # the backup completed first: the host holds the KV
+    assert t.cache.pending_transfers() == 0 and t.cache.match_prefix([1, 2, 3, 4]).host_hit_len == 4
     t.check()
 
 
