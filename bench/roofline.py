@@ -249,7 +249,7 @@ class MatmulMeter:
         rotate through enough weight copies to exceed any last-level cache.
 
         On CPU in half precision the runtime multiplies with oneDNN-prepacked weights
-        (runtime/layers/prepacked.py), which is faster than ``F.linear``; the rate is the
+        (runtime/cpu/prepacked.py), which is faster than ``F.linear``; the rate is the
         faster of the two, so the roofline stays the best this machine can do.
         """
         key = ("linear", m, k, n)

@@ -1,4 +1,4 @@
-"""The C kernels of runtime/cpu_kernels.py against fp32 / torch references.
+"""The C kernels of runtime/cpu/kernels.py against fp32 / torch references.
 
 Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64; group <= 4
 scores 32 keys per pass, then 16, then one at a time) and the
