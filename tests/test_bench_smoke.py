@@ -396,3 +396,14 @@ def test_roofline_measures_copy_bandwidth_and_peak_gemm(tiny_llama_path: Path, t
     dims = roofline.ModelDims.from_path(tiny_llama_path)
     assert row["decode_memory_s"] == pytest.approx(roofline.decode_bytes(dims, work, 4) / (rates["copy_gbps"] * 1e9))
     assert "device rates (cpu)" in capsys.readouterr().out
+
+
+def test_hicache_bandwidth_rows() -> None:
+    import torch
+
+    from bench.hicache_bandwidth import measure
+
+    rows = measure(torch.device("cpu"), (2, 1, 4), tokens=32, page_size=4, dtype=torch.float32, repeat=1)
+    assert [r["op"] for r in rows] == ["copy", "load", "backup"]
+    assert all(r["mib"] == 32 * 2 * 2 * 4 * 4 / (1 << 20) and r["gb_s"] > 0 for r in rows)
+    assert rows[0]["of_copy"] == 1.0
