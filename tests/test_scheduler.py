@@ -226,3 +226,16 @@ def test_a_chunked_prompt_gives_way_to_a_decoding_request_that_fits() -> None:
     assert results["a"]["ids"] == expected_output(short, 220)
     assert results["b"]["ids"] == expected_output(long, 10)
     assert_idle_invariant(sched)
+
+
+def test_logs_each_prefill_batch_and_every_nth_decode_step(caplog: pytest.LogCaptureFixture) -> None:
+    sched = make_scheduler(decode_log_interval=3)
+    for i in range(2):
+        submit(sched, f"r{i}", [5 + i, 6, 7], 10)
+    with caplog.at_level("INFO", logger="scheduler_proc.output"):
+        run_until_idle(sched)
+    prefills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
+    decodes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert prefills and "#new-seq: " in prefills[0] and "#new-token: " in prefills[0]
+    assert len(decodes) == sched.stats["num_decode_batches"] // 3 > 0
+    assert all("#running-req: " in d and "gen throughput (token/s): " in d for d in decodes)
