@@ -100,6 +100,7 @@ class HiRadixCache(RadixCache):
         self._pending_backups: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
         self._pending_loads: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
         self._inflight: list[tuple[TransferOp, list[HiTreeNode]]] = []
+        self._first_adopted = -1  # insert's offset of the first host-only node it put back on the device
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy, False, enable_kv_events)
 
     # ------------------------------------------------------------ bookkeeping
@@ -186,34 +187,15 @@ class HiRadixCache(RadixCache):
 
     def _walk(self, key: list[int], extra_key: str | None
               ) -> tuple[list[torch.Tensor], HiTreeNode, list[torch.Tensor], HiTreeNode]:
-        now = self._tick()
-        node: HiTreeNode = self.root  # type: ignore[assignment]
-        dev_node = node
-        node.last_access_time = now
-        dev: list[torch.Tensor] = []
-        host: list[torch.Tensor] = []
-        off = 0
-        while off < len(key):
-            child = node.children.get(self._child_key(key, off, extra_key))
-            if child is None:
-                break
-            child.last_access_time = now
-            child.hit_count += 1
-            n = self._match_len(child.key, key, off)
-            diverged = n < len(child.key)
-            if diverged:
-                child = self._split(child, n)
-            if child.value is not None:
-                dev.append(child.value)
-                dev_node = child  # type: ignore[assignment]
-            else:
-                assert child.host_value is not None, "a node with no KV in either tier"
-                host.append(child.host_value)
-            node = child  # type: ignore[assignment]
-            off += n
-            if diverged:
-                break
-        return dev, dev_node, host, node
+        """The match's device values and last device node, then its host-only values and last node."""
+        nodes: list[HiTreeNode] = self._match_nodes(key, extra_key)  # type: ignore[assignment]
+        on_device = [n for n in nodes if n.value is not None]  # a prefix of ``nodes`` (module docstring)
+        host_only = nodes[len(on_device):]
+        assert all(n.host_value is not None for n in host_only), "a node with no KV in either tier"
+        dev_node = on_device[-1] if on_device else self.root
+        last = nodes[-1] if nodes else self.root
+        return ([n.value for n in on_device], dev_node,  # type: ignore[return-value,misc]
+                [n.host_value for n in host_only], last)  # type: ignore[misc]
 
     def _split(self, child: TreeNode, split_len: int) -> HiTreeNode:
         parent = child.parent
@@ -240,73 +222,25 @@ class HiRadixCache(RadixCache):
         Host-only nodes on the path take the request's slots (``value``) as their device
         copy, so the tree owns ``value[returned:]`` of the aligned part, as in RadixCache.
         """
-        if len(key) != value.numel():
-            raise ValueError(f"insert: key has {len(key)} tokens but value has {value.numel()} slots")
-        usable = len(key) // self.page_size * self.page_size
-        key = key[:usable]
-        value = value[:usable].to(device=self.device, dtype=torch.int64)
-        now = self._tick()
-        node: HiTreeNode = self.root  # type: ignore[assignment]
-        node.last_access_time = now
-        off, on_device = 0, -1
-        while off < usable:
-            child = node.children.get(self._child_key(key, off, extra_key))
-            if child is None:
-                break
-            child.last_access_time = now
-            n = self._match_len(child.key, key, off)
-            diverged = n < len(child.key)
-            if diverged:
-                child = self._split(child, n)
-            if child.value is None:  # host-only: the request computed this KV again
-                on_device = off if on_device < 0 else on_device
-                self._on_device(child, value[off : off + n].clone())  # type: ignore[arg-type]
-            node = child  # type: ignore[assignment]
-            off += n
-            if diverged:
-                break
-        present = off if on_device < 0 else on_device
-        if off < usable:
-            leaf = self._new_node(key[off:], value[off:].clone(), node, extra_key)
-            leaf.last_access_time = now
-            node.children[self._child_key(key, off, extra_key)] = leaf
-            self._evictable_size += usable - off
-            self._emit_tier("stored", leaf, "device")
-            if self.write_policy == "write_through":
-                self._queue_backup(leaf)
-        return present
+        self._first_adopted = -1
+        present = super().insert(key, value, extra_key)
+        return present if self._first_adopted < 0 else self._first_adopted
+
+    def _on_insert_path(self, node: TreeNode, value: torch.Tensor, off: int) -> None:
+        if node.value is None:  # host-only: the request computed this KV again
+            if self._first_adopted < 0:
+                self._first_adopted = off
+            slots = value[off : off + len(node.key)].to(device=self.device, dtype=torch.int64).clone()
+            self._on_device(node, slots)  # type: ignore[arg-type]
+
+    def _on_insert_leaf(self, leaf: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._queue_backup(leaf)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- locking
-    def inc_lock_ref(self, node: TreeNode | None) -> int:
-        """Protect the path root..node; device sizes change only for nodes on the device."""
-        if node is None:
-            return 0
-        delta = 0
-        while node is not self.root:
-            assert node is not None, "node is not attached to this tree"
-            if node.lock_ref == 0 and node.value is not None:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                delta -= len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-        return delta
-
-    def dec_lock_ref(self, node: TreeNode | None) -> int:
-        if node is None:
-            return 0
-        delta = 0
-        while node is not self.root:
-            assert node is not None, "node is not attached to this tree"
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == 1 and node.value is not None:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-                delta += len(node.key)
-            node.lock_ref -= 1
-            node = node.parent
-        return delta
+    def _sized_len(self, node: TreeNode) -> int:
+        """Locks move only device tokens between evictable and protected (host-only nodes have none)."""
+        return 0 if node.value is None else len(node.key)
 
     # -------------------------------------------------------------- transfers
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
@@ -318,14 +252,10 @@ class HiRadixCache(RadixCache):
 
     def _queue_backup(self, node: HiTreeNode) -> bool:
         """Give ``node`` host slots and queue its device -> host copy (locked until it completed)."""
-        host = self._alloc_host(len(node.key))
-        if host is None:
+        if not self._alloc_host_for(node):
             return False
-        node.host_value = host
         self.inc_lock_ref(node)
-        assert node.value is not None
-        self._pending_backups.append((node, node.value, host))
-        self._emit_tier("stored", node, "host")
+        self._pending_backups.append((node, node.value, node.host_value))  # type: ignore[arg-type]
         return True
 
     def load_back(self, node: TreeNode) -> torch.Tensor | None:
@@ -482,9 +412,11 @@ class HiRadixCache(RadixCache):
             sub = stack.pop()
             assert sub.value is None and sub.host_value is not None and sub.lock_ref == 0  # type: ignore[attr-defined]
             self._emit_tier("removed", sub, "host")
+            self._leaves.discard(sub)
             host.append(sub.host_value)  # type: ignore[attr-defined]
             stack.extend(sub.children.values())
         del parent.children[self._child_key(node.key, 0, node.extra_key)]
+        self._leaves.discard(node)  # RadixCache's leaf set (unused here) must not keep it alive
         if host:
             self.host_allocator.free(torch.cat(host))
             self.tier_stats.host_evicted_tokens += sum(h.numel() for h in host)
@@ -510,6 +442,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             assert parent is not None
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
+            self._leaves.discard(node)
             if evictable(parent):
                 heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
         if freed:

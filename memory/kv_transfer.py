@@ -63,21 +63,21 @@ class KVTransfer:
 
     def to_host(self, device_idx: torch.Tensor, host_idx: torch.Tensor) -> TransferOp:
         """Copy the KV of ``device_idx`` into host slots ``host_idx`` (equal lengths)."""
-        start = time.perf_counter()
-        dev_idx = device_idx.to(torch.int64)
-        for dev, host in self._pairs():
-            host.index_copy_(0, host_idx, dev.index_select(0, dev_idx))
-        return self._finished(host_idx.numel(), False, start)
+        return self._copy(device_idx, host_idx, to_device=False)
 
     def to_device(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> TransferOp:
         """Copy the KV of host slots ``host_idx`` into device slots ``device_idx``."""
+        return self._copy(device_idx, host_idx, to_device=True)
+
+    def _copy(self, device_idx: torch.Tensor, host_idx: torch.Tensor, to_device: bool) -> TransferOp:
         start = time.perf_counter()
         dev_idx = device_idx.to(torch.int64)
         for dev, host in self._pairs():
-            dev.index_copy_(0, dev_idx, host.index_select(0, host_idx))
-        return self._finished(host_idx.numel(), True, start)
-
-    def _finished(self, n: int, to_device: bool, start: float) -> TransferOp:
+            if to_device:
+                dev.index_copy_(0, dev_idx, host.index_select(0, host_idx))
+            else:
+                host.index_copy_(0, host_idx, dev.index_select(0, dev_idx))
+        n = host_idx.numel()
         op = TransferOp(n, n * self.bytes_per_token, to_device)
         op.seconds = time.perf_counter() - start
         return op

@@ -191,8 +191,14 @@ class RadixCache(BasePrefixCache):
         return MatchResult(indices, node)
 
     def _match(self, key: list[int], extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
+        nodes = self._match_nodes(key, extra_key)
+        return [n.value for n in nodes], (nodes[-1] if nodes else self.root)
+
+    def _match_nodes(self, key: list[int], extra_key: str | None) -> list[TreeNode]:
+        """The nodes of ``key``'s longest cached prefix, root side first (the last one split where
+        the match ends); marks them accessed."""
         now = self._tick()
-        node, off, values = self.root, 0, []
+        node, off, nodes = self.root, 0, []
         node.last_access_time = now
         while off < len(key):
             child = node.children.get(self._child_key(key, off, extra_key))
@@ -202,13 +208,12 @@ class RadixCache(BasePrefixCache):
             child.hit_count += 1
             n = self._match_len(child.key, key, off)
             if n < len(child.key):
-                node = self._split(child, n)
-                values.append(node.value)
+                nodes.append(self._split(child, n))
                 break
-            values.append(child.value)
+            nodes.append(child)
             node = child
             off += n
-        return values, node
+        return nodes
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut ``child`` after ``split_len`` tokens; return the new upper node (sizes are unchanged)."""
@@ -248,11 +253,11 @@ class RadixCache(BasePrefixCache):
                 break
             child.last_access_time = now
             n = self._match_len(child.key, key, off)
+            node = self._split(child, n) if n < len(child.key) else child
+            self._on_insert_path(node, value, off)
             off += n
             if n < len(child.key):
-                node = self._split(child, n)
                 break
-            node = child
         if off < usable:
             leaf = self._new_node(key[off:usable], value[off:usable].to(device=self.device, dtype=torch.int64).clone(), node, extra_key)
             leaf.last_access_time = now
@@ -262,9 +267,21 @@ class RadixCache(BasePrefixCache):
             self._evictable_size += usable - off
             if self.enable_kv_events:
                 self._emit("stored", leaf)
+            self._on_insert_leaf(leaf)
         return off
 
+    def _on_insert_path(self, node: TreeNode, value: torch.Tensor, off: int) -> None:
+        """Hook: ``insert`` passes through cached ``node``, which covers ``value[off:]``'s first tokens."""
+
+    def _on_insert_leaf(self, leaf: TreeNode) -> None:
+        """Hook: ``insert`` cached new tokens in ``leaf``."""
+
     # ---------------------------------------------------------------- locking
+    def _sized_len(self, node: TreeNode) -> int:
+        """Tokens of ``node`` that evictable/protected count: all of them (a tier without device
+        slots, as in memory.hiradix_cache, counts none)."""
+        return len(node.key)
+
     def inc_lock_ref(self, node: TreeNode | None) -> int:
         """Protect the path root..node from eviction; returns the change of evictable_size (<= 0)."""
         if self.disable or node is None:
@@ -273,9 +290,10 @@ class RadixCache(BasePrefixCache):
         while node is not self.root:
             assert node is not None, "node is not attached to this tree"
             if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                delta -= len(node.key)
+                n = self._sized_len(node)
+                self._evictable_size -= n
+                self._protected_size += n
+                delta -= n
             node.lock_ref += 1
             node = node.parent
         return delta
@@ -290,9 +308,10 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
             if node.lock_ref == 1:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-                delta += len(node.key)
+                n = self._sized_len(node)
+                self._evictable_size += n
+                self._protected_size -= n
+                delta += n
             node.lock_ref -= 1
             node = node.parent
         return delta
