@@ -1,25 +1,47 @@
-"""SWARadixCache: ``RadixCache`` for a model with sliding-window layers (full + SWA pools).
+"""SWARadixCache: ``RadixCache`` over the hybrid pools of a model with sliding-window layers.
 
-Every token the tree holds keeps both its full slot and its SWA slot, so any prefix the
-tree matches can be extended: the windowed layers of the next token find the last W
-tokens of the prefix in the SWA pool. Eviction frees both halves together.
+Every cached token keeps its full slot while the tree holds it. Its SWA slot (the windowed
+layers' K/V) is only needed while some window can still see the token, so a node whose
+tokens no window needs gives its SWA half back and stays in the tree as a *tombstone*: the
+full-attention layers can still use it as a prefix, the windowed layers never look at it.
 
-A running request gives back the SWA slots of its *own* tokens (those past the prefix it
-shares with the tree) once they slide out of its window (``free_out_of_window``). Such a
-request's tokens then miss their SWA half, so when it finishes (or is retracted) none of
-them is inserted: it is released as by ``release_req``. What it shared from the tree stays
-cached. (SGLang goes further: its tree keeps prefixes whose SWA part was freed as
-tombstones that still match where the window allows; not done here.)
+Which windows need a node: every lock (``inc_lock_ref(node)``, taken by a request that
+matched or cached a prefix ending at ``node``) guards the last ``W - 1`` tokens before the
+node's end, the keys the request's next token sees there. A running request's own tokens
+past that are its own (freed by ``free_out_of_window`` as they leave its window). When a
+request moves on (``free_out_of_window``), the nodes on its path that no guard covers become
+tombstones (a node that a guard covers in part is split at the guard's start first).
+
+Matching: a prefix is usable only up to a point whose last ``W - 1`` tokens are all live
+(or that starts at token 0 with every token live): ``match_prefix`` backs off to the last
+such point. A finished request whose oldest own tokens lost their SWA half is inserted
+with that part as a tombstone. Eviction frees both halves of a node (a tombstone only has
+the full one). SGLang's SWARadixCache works the same way in spirit; this is written for
+this tree's lock and split rules.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from memory.radix_cache import RadixCache
+import torch
+
+from memory.prefix_cache import MatchResult, request_kv_len
+from memory.radix_cache import RadixCache, TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
+
+
+class SWATreeNode(TreeNode):
+    """A tree node that may have given its SWA half back (``swa_tombstone``)."""
+
+    __slots__ = ("swa_tombstone",)
+
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None,
+                 extra_key: str | None) -> None:
+        super().__init__(node_id, key, value, parent, extra_key)
+        self.swa_tombstone = False
 
 
 class SWARadixCache(RadixCache):
@@ -31,29 +53,200 @@ class SWARadixCache(RadixCache):
         eviction_policy: Literal["lru", "lfu"] = "lru",
         enable_kv_events: bool = False,
     ) -> None:
+        self.window = window
+        self.swa_allocator = allocator
+        self._guards: dict[TreeNode, int] = {}  # lock end node -> locks held on it
         super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,  # type: ignore[arg-type]
                          enable_kv_events=enable_kv_events)
-        self.swa_allocator = allocator
-        self.window = window
 
+    # ------------------------------------------------------------ tree shape
+    def reset(self) -> None:
+        self._guards = {}
+        super().reset()
+
+    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
+                  extra_key: str | None) -> TreeNode:
+        node = SWATreeNode(self._next_id, key, value, parent, extra_key)
+        self._next_id += 1
+        return node
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        upper = super()._split(child, split_len)
+        upper.swa_tombstone = child.swa_tombstone  # type: ignore[attr-defined]
+        return upper  # (guards are keyed by end node: the child keeps its end, the upper part is new)
+
+    def _end(self, node: TreeNode) -> int:
+        """Tokens from the root to the end of ``node``."""
+        total = 0
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            total += len(cur.key)
+            cur = cur.parent
+        return total
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """Root's children down to ``node``, in order."""
+        path = []
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            path.append(cur)
+            cur = cur.parent
+        return path[::-1]
+
+    # ---------------------------------------------------------------- locking
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
+        if node is not None and node is not self.root and not self.disable:
+            self._guards[node] = self._guards.get(node, 0) + 1
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
+        if node is not None and node is not self.root and not self.disable:
+            left = self._guards.get(node, 0) - 1
+            if left > 0:
+                self._guards[node] = left
+            else:
+                self._guards.pop(node, None)
+        return super().dec_lock_ref(node)
+
+    def _guarded_from(self, node: TreeNode) -> int | None:
+        """The first position of ``node``'s path that a guard below (or at) it keeps live, or None."""
+        first: int | None = None
+        for guard in self._guards:
+            cur: TreeNode | None = guard
+            while cur is not None and cur is not node and cur is not self.root:
+                cur = cur.parent
+            if cur is node:
+                start = max(0, self._end(guard) - self.window + 1)
+                first = start if first is None else min(first, start)
+        return first
+
+    # ---------------------------------------------------------------- lookups
+    def match_prefix(self, key: list[int], extra_key: str | None = None, count_hit: bool = True) -> MatchResult:
+        """The longest cached prefix whose windowed layers have what the next token sees."""
+        result = super().match_prefix(key, extra_key, count_hit)
+        end = int(result.device_indices.numel())
+        usable = self._usable_end(result.last_node) if end else 0
+        if usable == end:
+            return result
+        if count_hit:
+            self._matched_tokens -= end - usable
+        values, node = self._match(key[:usable], extra_key)
+        indices = torch.cat(values) if values else self._empty
+        return MatchResult(indices, node)
+
+    def _usable_end(self, node: TreeNode) -> int:
+        """The last end of a node on the path whose preceding W - 1 tokens are all live (0 if none)."""
+        best, run_start, pos = 0, 0, 0
+        for cur in self._path(node):
+            start, pos = pos, pos + len(cur.key)
+            if cur.swa_tombstone:  # type: ignore[attr-defined]
+                run_start = pos
+            elif run_start == 0 or pos - (self.window - 1) >= run_start:
+                best = pos
+        return best
+
+    # ------------------------------------------------------ request lifecycle
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
-        """Free the SWA slots of ``req``'s own tokens before ``kv_len - W + 1`` (see ``swa_allocator``)."""
-        return free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len, self.window,
-                                  self._held_len(req))
+        """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its
+        path that no guard covers (those nodes become tombstones). Returns SWA slots freed."""
+        freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len,
+                                   self.window, self._held_len(req))
+        node = req.last_node
+        if node is None or node is self.root or self.disable:
+            return freed
+        pos = self._end(node)
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            start = pos - len(cur.key)
+            parent = cur.parent
+            if not cur.swa_tombstone:  # type: ignore[attr-defined]
+                limit = self._guarded_from(cur)
+                if limit is None or limit >= pos:
+                    freed += self._tombstone(cur)
+                elif limit > start:
+                    freed += self._tombstone(self._split(cur, limit - start))
+            cur, pos = parent, start
+        return freed
+
+    def cache_unfinished_req(self, req: CacheRequest) -> None:
+        """As ``RadixCache``'s, after giving the tombstones the chunk lands on its live SWA slots."""
+        if not self.disable:
+            kv_len = len(req.fill_ids)
+            self._revive(list(req.fill_ids[:kv_len]), self._row(req, kv_len), self._held_len(req), req.extra_key)
+        super().cache_unfinished_req(req)
+
+    def _revive(self, key: list[int], own: torch.Tensor, start: int, extra_key: str | None) -> None:
+        """Tombstones on ``key``'s cached path from ``start`` on take the SWA slots of ``own`` (the
+        caller's slots for the same tokens, whose KV is the same): the tree's tokens become live and
+        the caller's duplicates keep only their full slots (freed when the tree remaps the row)."""
+        values, node = self._match(key, extra_key)
+        if not values:
+            return
+        mapping = self.swa_allocator.full_to_swa
+        pos = 0
+        for cur in self._path(node):
+            a, b = pos, pos + len(cur.key)
+            pos = b
+            if b <= start or not cur.swa_tombstone:  # type: ignore[attr-defined]
+                continue
+            if a < start:  # keep the part before start as it is
+                self._split(cur, start - a)
+                a = start
+            tree, mine = cur.value, own[a:b]
+            moved = tree != mine
+            mapping[tree[moved]] = mapping[mine[moved]]
+            mapping[mine[moved]] = 0
+            cur.swa_tombstone = False  # type: ignore[attr-defined]
+
+    def _tombstone(self, node: TreeNode) -> int:
+        node.swa_tombstone = True  # type: ignore[attr-defined]
+        return self.swa_allocator.free_swa(node.value)
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
-        if req.req_pool_idx is not None and getattr(req, "swa_evicted_len", 0) > self._held_len(req):
-            self.release_req(req, kv_len)  # some own tokens lost their SWA slots: nothing to insert
+        """As ``RadixCache``'s, with the request's own tokens that lost their SWA slots inserted as a tombstone."""
+        if req.req_pool_idx is None or self.disable:
+            super().cache_finished_req(req, kv_len)
+            req.swa_evicted_len = 0  # type: ignore[attr-defined]
             return
-        super().cache_finished_req(req, kv_len)
+        kv_len = request_kv_len(req) if kv_len is None else kv_len
+        kv_indices = self._row(req, kv_len)
+        tokens = (list(req.origin_input_ids) + list(req.output_ids))[:kv_len]
+        held = self._held_len(req)
+        evicted = min(getattr(req, "swa_evicted_len", 0), kv_len)
+        self._revive(tokens, kv_indices, max(held, evicted), req.extra_key)
+        present = self.insert(tokens, kv_indices, req.extra_key)
+        if evicted > present:  # the new leaf's first evicted - present tokens have no SWA half
+            _, node = self._match(tokens[:evicted], req.extra_key)
+            self._tombstone(node)
+        if present > held:
+            self.allocator.free(kv_indices[held:present])  # duplicates of tree slots
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        self._unlock(req)
         req.swa_evicted_len = 0  # type: ignore[attr-defined]
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)
         req.swa_evicted_len = 0  # type: ignore[attr-defined]
 
+    # ------------------------------------------------------------- accounting
+    def _live_sizes(self) -> tuple[int, int]:
+        evictable = protected = 0
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.swa_tombstone:  # type: ignore[attr-defined]
+                if node.lock_ref > 0:
+                    protected += len(node.key)
+                else:
+                    evictable += len(node.key)
+        return evictable, protected
+
     def swa_evictable_size(self) -> int:
-        return self.evictable_size()  # every cached token keeps its SWA slot
+        """Cached tokens with an SWA slot in unlocked nodes (eviction gives it back)."""
+        return self._live_sizes()[0]
 
     def swa_protected_size(self) -> int:
-        return self.protected_size()
+        """Cached tokens with an SWA slot in locked nodes."""
+        return self._live_sizes()[1]

@@ -147,9 +147,16 @@ def assert_both_pools_clean(sched: Scheduler) -> None:
 
 
 def _prompts(vocab: int) -> list[list[int]]:
-    base = [random_prompt(n, vocab, seed=900 + n) for n in (23, 50, 70)]
-    # Second round: prefixes of the first longer than any window, new endings.
-    return base + [base[1][:45] + random_prompt(9, vocab, seed=1), base[2][:30] + random_prompt(20, vocab, seed=2)]
+    return [random_prompt(n, vocab, seed=900 + n) for n in (23, 50, 70)]
+
+
+def _second_round(first: list[list[int]], outputs: list[list[int]], vocab: int) -> list[list[int]]:
+    """Two conversations go on (prompt + answer + a new turn: the whole history is cached, its
+    last window live), one reuses a prefix that ends where the first request's window had
+    moved on (the match backs off to what the windowed layers still have)."""
+    return [first[0] + outputs[0] + random_prompt(9, vocab, seed=1),
+            first[2] + outputs[2] + random_prompt(20, vocab, seed=2),
+            first[1][:45] + random_prompt(12, vocab, seed=3)]
 
 
 @pytest.mark.parametrize("name", sorted(SWA_WINDOWS))
@@ -162,19 +169,23 @@ def test_scheduler_greedy_equals_transformers(tiny_checkpoints, references, name
     sched = make_scheduler(tiny_checkpoints.path(name), disable_radix_cache=not radix, chunked_prefill_size=chunk,
                            disable_overlap_schedule=not overlap)
     assert sched.allocator.swa_size == sched.max_total_tokens // 2
-    prompts = _prompts(sched.runner.vocab_size)
+    vocab = sched.runner.vocab_size
+    first = _prompts(vocab)
     results: dict[str, dict] = {}
-    for i, prompt in enumerate(prompts[:3]):
+    for i, prompt in enumerate(first):
         submit(sched, f"a{i}", prompt)
     run_until_idle(sched, results)
-    for i, prompt in enumerate(prompts[3:]):
+    for i, prompt in enumerate(first):
+        assert results[f"a{i}"]["ids"] == expected(references, name, prompt), f"a{i}"
+    second = _second_round(first, [results[f"a{i}"]["ids"] for i in range(3)], vocab)
+    for i, prompt in enumerate(second):
         submit(sched, f"b{i}", prompt)
     run_until_idle(sched, results)
-    for i, prompt in enumerate(prompts[:3]):
-        assert results[f"a{i}"]["ids"] == expected(references, name, prompt), f"a{i}"
-    for i, prompt in enumerate(prompts[3:]):
+    for i, prompt in enumerate(second):
         assert results[f"b{i}"]["ids"] == expected(references, name, prompt), f"b{i}"
-        assert results[f"b{i}"]["cached"] > 0 if radix else results[f"b{i}"]["cached"] == 0
+    for i in (0, 1):  # the history up to its last token's KV (prompt + answer - 1)
+        history = len(first[2 * i]) + NEW_TOKENS - 1
+        assert results[f"b{i}"]["cached"] == (history if radix else 0), f"b{i}"
     assert_both_pools_clean(sched)
 
 
@@ -194,9 +205,9 @@ def test_swa_usage_stays_near_the_window_during_a_long_generation(tiny_checkpoin
         collect(sched, results)
         peak_swa = max(peak_swa, alloc.swa_size - alloc.swa_available_size())
         peak_full = max(peak_full, alloc.size - alloc.full_available_size())
-    # Each request keeps its last W tokens (+ the step's new ones); with the radix cache its
-    # prompt, shared through the tree, keeps its SWA half until evicted.
-    per_request = window + 16 + (40 if radix else 0)
+    # Each request keeps its last W tokens (+ a chunk's new ones); with the radix cache the tree
+    # also keeps the W - 1 tokens before the end of the prefix a request locks (its guard).
+    per_request = window + 16 + (window - 1 if radix else 0)
     assert peak_swa <= 2 * per_request, (peak_swa, peak_full)
     assert peak_full >= 2 * (40 + 140)  # the full pool holds every token
     for i, prompt in enumerate(prompts):
