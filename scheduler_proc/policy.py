@@ -48,8 +48,8 @@ class SchedulePolicy:
         for req in waiting:
             self.match(req)
         if policy == "lpm":
-            # Stable sort: ties keep arrival order.
-            return sorted(waiting, key=lambda r: -len(r.prefix_indices))
+            # Stable sort: ties keep arrival order. A host-tier hit counts: it is loaded, not computed.
+            return sorted(waiting, key=lambda r: -len(r.prefix_indices) - r.host_hit_len)
         return self._dfs_weight(waiting)
 
     def match(self, req: Req) -> None:

@@ -131,3 +131,21 @@ def test_retraction_and_chunking_with_the_tier(overlap: bool, page_size: int, po
         assert results[f"r{i}"]["ids"] == expected_output(prompt, 30)
     assert_idle_invariant(sched)
     assert sched.server_info()["host_hit_tokens"] > 0
+
+
+def test_lpm_counts_host_hits_as_matched() -> None:
+    from scheduler_proc.req import Req
+
+    sched = stub_scheduler(False, max_total_tokens=256, enable_hierarchical_cache=True, schedule_policy="lpm")
+    rng = random.Random(2)
+    first, other = ([rng.randrange(1, VOCAB) for _ in range(150)] for _ in range(2))
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    for rid, prompt in (("a", first), ("b", other)):  # "b" pushes "a"'s prompt to the host
+        sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params))
+        while not sched.is_idle():
+            sched.step()
+    fresh = Req(rid="fresh", origin_input_ids=other[:20] + [1, 2], sampling_params=params)
+    again = Req(rid="again", origin_input_ids=first + [3], sampling_params=params)
+    ordered = sched.admission.policy.order([fresh, again])
+    assert again.host_hit_len == 150 and len(again.prefix_indices) == 0 and len(fresh.prefix_indices) == 20
+    assert ordered == [again, fresh]
