@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientGone, PullSocket, PushSocket
+from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientBusy, ClientGone, PullSocket, PushSocket
 from runtime.messages import (
     BatchStrOut,
     BatchTokenIDOut,
@@ -148,3 +148,36 @@ def test_router_picks_a_free_port_and_reports_gone_clients() -> None:
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_router_send_queue_is_bounded_per_client(endpoint: str) -> None:
+    """A client that does not read fills its own queue (ClientBusy: the reply is dropped);
+    another client on the same ROUTER is still served."""
+    async def main() -> int:
+        ctx = zmq.asyncio.Context()
+        router = AsyncRouter(ctx, endpoint, sndhwm=8)
+        idle, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for name, sock in ((b"idle", idle), (b"reader", reader)):
+            sock.setsockopt(zmq.ROUTING_ID, name)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 8)
+            sock.connect(router.endpoint)
+            await sock.send(b"hello")
+            await asyncio.wait_for(router.recv(), 5)
+        try:
+            payload = b"x" * 4096
+            sent = 0
+            with pytest.raises(ClientBusy):
+                while sent < 100_000:  # the socket buffers in between hold a bounded amount
+                    await router.send_raw(b"idle", payload)
+                    sent += 1
+            await router.send(b"reader", SchedAbortReq(rid="still served"))
+            assert msgspec.msgpack.decode(await asyncio.wait_for(reader.recv(), 5))["rid"] == "still served"
+            return sent
+        finally:
+            idle.close()
+            reader.close()
+            router.close()
+            ctx.term()
+
+    assert 8 <= asyncio.run(main()) < 100_000

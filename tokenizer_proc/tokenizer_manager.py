@@ -76,6 +76,7 @@ LOCAL_PREFIX = b"\x00local-"
 HEALTH_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 120.0
 SHUTDOWN_MESSAGE = "the server is shutting down"
+YIELD_EVERY = 16  # client messages handled between turns of the other tasks
 
 
 @dataclass
@@ -152,12 +153,18 @@ class TokenizerManager:
     # ================================================================== client side
 
     async def client_loop(self) -> None:
+        handled = 0
         while True:
             identity, frames = await self.router.recv()
             try:
                 await self.handle_client_frames(identity, frames)
             except Exception:  # one bad request must never stop the server
                 logger.exception("failed to handle a client message")
+            handled += 1
+            if handled % YIELD_EVERY == 0:
+                # An await on a socket with a message waiting does not yield: without this a
+                # flood of requests would starve the outputs (and the HTTP server) until drained.
+                await asyncio.sleep(0)
 
     async def handle_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
         if len(frames) == 1 and not frames[0]:
