@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
 from checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
 from harness import Harness
@@ -145,3 +146,50 @@ def test_decode_mirror_serves_the_full_attention_layers(swa_model, harness) -> N
     else:
         assert backend.mirror.mirrored_layers == full_layers
         assert plans[0].rebuild and not plans[1].rebuild and not plans[2].rebuild
+
+
+_GPU_SCRIPT = """
+import json, sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from checkpoints import random_prompt
+from runtime.args import ServerArgs
+from runtime.messages import TokenizedGenerateReq
+from runtime.model_runner import ModelRunner
+from runtime.sampling_params import SamplingParams
+from scheduler_proc.scheduler import Scheduler
+from stub_scheduler import run_until_idle
+
+prompts = [random_prompt(70, 384, seed=1), random_prompt(23, 384, seed=2), random_prompt(40, 384, seed=3)]
+out = {}
+for backend in ("torch_native", "triton"):  # triton: compiled kernels, decode through CUDA graphs
+    runner = ModelRunner(sys.argv[1], device="cuda", dtype="float32", attention_backend=backend,
+                         max_total_tokens=1024, swa_full_tokens_ratio=0.5, load_progress=False)
+    sched = Scheduler(ServerArgs(max_total_tokens=1024, chunked_prefill_size=16), model_runner=runner)
+    for i, p in enumerate(prompts):
+        sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=p,
+                                                  sampling_params=SamplingParams(max_new_tokens=40, temperature=0.0)))
+    res = run_until_idle(sched)
+    assert sched.check_memory().ok
+    out[backend] = [res[str(i)]["ids"] for i in range(len(prompts))]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(SWA_WINDOWS))
+def test_compiled_triton_windows_on_a_gpu(tiny_checkpoints, name: str) -> None:
+    """On cuda, the compiled Triton kernels (windowed extend, windowed decode plans under CUDA
+    graphs, the SWA pool's slots) give torch_native's tokens."""
+    import json
+    import subprocess
+    import sys
+
+    from triton_interp import REPO_ROOT, compiled_triton_env
+
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run([sys.executable, "-c", _GPU_SCRIPT, str(tiny_checkpoints.path(name)), tests,
+                             str(REPO_ROOT)], cwd=REPO_ROOT, env=compiled_triton_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["triton"] == out["torch_native"]
