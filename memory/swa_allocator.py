@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memory.allocator import AllocatorState, TokenToKVPoolAllocator
+from memory.allocator import AllocatorState, BaseTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 
 class SWATokenToKVPoolAllocator:
@@ -129,15 +129,9 @@ class SWATokenToKVPoolAllocator:
             self.full_to_swa[full[held]] = 0
         return int(swa.numel())
 
-    def free_group_begin(self) -> None:
-        self._in_free_group = True
-        self._free_group = []
-
-    def free_group_end(self) -> None:
-        self._in_free_group = False
-        group, self._free_group = self._free_group, []
-        if group:
-            self.free(torch.cat([g.to(device=self.device, dtype=torch.int64) for g in group]))
+    # Collect frees until free_group_end, then one call (the same bookkeeping as the base allocator's).
+    free_group_begin = BaseTokenToKVPoolAllocator.free_group_begin
+    free_group_end = BaseTokenToKVPoolAllocator.free_group_end
 
 
 def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, req: Any, kv_len: int,

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from memory.kv_pool import MHATokenToKVPool
 
-class SWAKVPool:
-    """Per-layer K/V buffers: full layers ``[full_size + page, Hkv, D]``, windowed ``[swa_size + page, Hkv, D]``."""
+
+class SWAKVPool(MHATokenToKVPool):
+    """Per-layer K/V buffers: full layers ``[full_size + page, Hkv, D]``, windowed ``[swa_size + page, Hkv, D]``.
+
+    ``get_kv_buffer``/``set_kv_buffer`` are the plain pool's: a layer's own buffers, at the slots
+    the caller passes (SWA slots for a windowed layer)."""
 
     def __init__(
         self,
@@ -31,7 +36,7 @@ class SWAKVPool:
         kv_heads: int,
         head_dim: int,
         device: str | torch.device,
-    ) -> None:
+    ) -> None:  # (its own layout: the plain pool's constructor is not called)
         if full_size <= 0 or swa_size <= 0:
             raise ValueError(f"SWAKVPool needs full_size > 0 and swa_size > 0, got {full_size}, {swa_size}")
         if page_size != 1:
@@ -58,14 +63,6 @@ class SWAKVPool:
     def translate_swa(self, loc: torch.Tensor) -> torch.Tensor:
         """The SWA slots of full slots ``loc`` (any shape; 0 where a token has none), in loc's dtype."""
         return self.full_to_swa[loc.to(torch.int64)].to(loc.dtype)
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
-
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write at ``loc`` of the layer's own buffers (a windowed layer's caller passes SWA slots)."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
 
     def copy_slots(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """Copy every layer's KV from full slots ``src_loc`` to ``dst_loc`` (windowed layers: their SWA slots)."""
