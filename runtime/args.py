@@ -198,6 +198,13 @@ class ServerArgs:
                        choices=HICACHE_WRITE_POLICY_CHOICES,
                        help="write_through copies a prefix to the host when it is cached, write_back only "
                             f"when the KV pool evicts it (default {d.hicache_write_policy})")
+        g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                       help="models with sliding-window layers: SWA pool tokens per full pool token, in "
+                            f"(0, 1] (default {d.swa_full_tokens_ratio}); windowed layers keep only each "
+                            "request's last W tokens")
+        g.add_argument("--disable-hybrid-swa-memory", action="store_true", default=d.disable_hybrid_swa_memory,
+                       help="keep every layer's KV for the whole sequence (one pool) even when some layers "
+                            "are windowed")
         g = parser.add_argument_group("scheduling")
         g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                        help="maximum requests decoding at once (default: derived from memory)")
@@ -213,13 +220,6 @@ class ServerArgs:
                        help="run decode requests inside prefill batches")
         g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
                        const=True, default=d.disable_overlap_schedule,
-        g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
-                       help="models with sliding-window layers: SWA pool tokens per full pool token, in "
-                            f"(0, 1] (default {d.swa_full_tokens_ratio}); windowed layers keep only each "
-                            "request's last W tokens")
-        g.add_argument("--disable-hybrid-swa-memory", action="store_true", default=d.disable_hybrid_swa_memory,
-                       help="keep every layer's KV for the whole sequence (one pool) even when some layers "
-                            "are windowed")
                        help="schedule each step only after the previous one's tokens are on the host "
                             "(default: overlap on cuda, off on cpu)")
         g.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
@@ -347,6 +347,8 @@ class ServerArgs:
             raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
         if not self.hicache_ratio > 0:
             raise ValueError(f"--hicache-ratio must be > 0, got {self.hicache_ratio}")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not self.hicache_size >= 0:
             raise ValueError(f"--hicache-size must be >= 0 (GB), got {self.hicache_size}")
         if self.api_key is not None and not self.api_key:
@@ -365,8 +367,6 @@ class ServerArgs:
 
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path if self.tokenizer_path is not None else self.resolved_model_path()
-        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
-            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
 
     def resolved_http_port(self) -> int:
         """--http-port, else next to the ZMQ port (SGLang serves HTTP on --port itself; here
