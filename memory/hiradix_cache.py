@@ -429,7 +429,10 @@ class HiRadixCache(RadixCache):
         def evictable(n: TreeNode) -> bool:
             return n is not self.root and n.value is None and not n.children and n.lock_ref == 0
 
-        heap = [(self._priority(n), n) for n in self._nodes() if evictable(n)]
+        def lru(n: TreeNode) -> tuple[int, int]:  # the host tier is LRU whatever the device's policy
+            return (n.last_access_time, n.id)
+
+        heap = [(lru(n), n) for n in self._nodes() if evictable(n)]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         evicted = 0
@@ -444,7 +447,7 @@ class HiRadixCache(RadixCache):
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             self._leaves.discard(node)
             if evictable(parent):
-                heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
+                heapq.heappush(heap, (lru(parent), parent))  # type: ignore[arg-type]
         if freed:
             self.host_allocator.free(torch.cat(freed))
         self.tier_stats.host_evicted_tokens += evicted

@@ -59,14 +59,14 @@ class Tiers:
     """A device pool, a host pool and the cache over them; ``tags`` is what each prefix's KV holds."""
 
     def __init__(self, device_tokens: int, host_tokens: int, page_size: int = 1, policy: str = "write_through",
-                 deferred: bool = False) -> None:
+                 deferred: bool = False, eviction: str = "lru") -> None:
         self.p = page_size
         self.pool = MHATokenToKVPool(device_tokens, page_size, torch.float32, LAYERS, HEADS, DIM, "cpu")
         self.alloc = BaseTokenToKVPoolAllocator(device_tokens, page_size, "cpu", debug=True)
         self.host = HostKVPool(self.pool, host_tokens)
         transfer = (DeferredTransfer if deferred else KVTransfer)(self.pool, self.host)
         self.cache = HiRadixCache(ReqToTokenPool(2, 8, "cpu"), self.alloc, self.host, transfer, page_size,
-                                  write_policy=policy)
+                                  eviction_policy=eviction, write_policy=policy)  # type: ignore[arg-type]
 
     @staticmethod
     def tag(prefix: tuple[int, ...], layer: int, v: bool) -> torch.Tensor:
@@ -324,8 +324,9 @@ OPS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10**6)), min_size=1, 
 
 @settings(max_examples=40, deadline=None)
 @given(ops=OPS, page_size=st.sampled_from([1, 2]), policy=st.sampled_from(["write_through", "write_back"]),
-       deferred=st.booleans())
+       deferred=st.booleans(), eviction=st.sampled_from(["lru", "lfu"]))
 def test_random_sequences_keep_both_invariants(ops: list[tuple[int, int]], page_size: int, policy: str,
-                                               deferred: bool) -> None:
-    t = Tiers(device_tokens=16, host_tokens=24, page_size=page_size, policy=policy, deferred=deferred)
+                                               deferred: bool, eviction: str) -> None:
+    t = Tiers(device_tokens=16, host_tokens=24, page_size=page_size, policy=policy, deferred=deferred,
+              eviction=eviction)
     _run(t, ops)
