@@ -58,11 +58,11 @@ from runtime.messages import (
     HealthReq,
     SchedAbortReq,
     SchedControlOut,
-    SchedControlReq,
     SchedErrorOut,
     ServerInfoReq,
     StrOutput,
 )
+from tokenizer_proc.control import ControlCalls
 from tokenizer_proc.limits import OFFLOAD_BYTES
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
@@ -73,8 +73,6 @@ PROBE_INTERVAL_S = 0.1
 # Identities of local (HTTP) clients. ZMQ identities never start with a zero byte except the
 # 5-byte ones libzmq makes up for peers without one, so these longer ones cannot collide.
 LOCAL_PREFIX = b"\x00local-"
-HEALTH_TIMEOUT_S = 20.0
-CONTROL_TIMEOUT_S = 120.0
 SHUTDOWN_MESSAGE = "the server is shutting down"
 YIELD_EVERY = 16  # client messages handled between turns of the other tasks
 
@@ -113,15 +111,6 @@ class ReqGroup:
         return [s for s in self.samples if not s.finished]
 
 
-@dataclass
-class PendingControl:
-    identity: bytes
-    client_rid: str
-    kind: str  # the client's kind: "flush_cache" | "server_info" | "health"
-    sent_at: float
-    timer: asyncio.TimerHandle | None = None
-
-
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, tokenizer: Any, limits: ModelLimits,
                  router: AsyncRouter, to_scheduler: PushSocket[Any]) -> None:
@@ -134,14 +123,13 @@ class TokenizerManager:
         self.groups: dict[tuple[bytes, str], ReqGroup] = {}
         self.by_internal: dict[str, tuple[ReqGroup, SampleState]] = {}
         self.by_identity: dict[bytes, set[str]] = {}
-        self.controls: dict[str, PendingControl] = {}
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
+        self.control = ControlCalls(to_scheduler, self.reply, server_args.max_controls_per_client, self.server_info)
         self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
                       "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0}
         # Per client: scheduler requests of its groups in flight, control round trips
         # waiting, and rids being tokenized on the worker thread (issue 17's fairness).
         self.client_samples: dict[bytes, int] = {}
-        self.client_controls: dict[bytes, int] = {}
         self.building: dict[bytes, set[str]] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
         self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
@@ -309,9 +297,7 @@ class TokenizerManager:
             group = self.groups.get((identity, rid))
             if group is not None:
                 self.drop_group(group, abort_in_scheduler=True)
-        for crid, pending in list(self.controls.items()):
-            if pending.identity == identity:
-                self._drop_control(crid)
+        self.control.client_gone(identity)
 
     async def reply(self, identity: bytes, msg: Any) -> bool:
         """Send to one client; False when it has gone away (its requests are aborted) or
@@ -369,61 +355,10 @@ class TokenizerManager:
         finally:
             self.close_local(identity)
 
-    # ================================================================== control
-
     def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
-        waiting = self.client_controls.get(identity, 0)
-        if waiting >= self.server_args.max_controls_per_client:
-            raise Rejected("too_many_requests", f"this client has {waiting} control requests waiting for the "
-                                                f"scheduler, the most --max-controls-per-client allows")
-        self.client_controls[identity] = waiting + 1
-        kind = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}[type(req)]
-        internal = uuid.uuid4().hex
-        pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
-        timeout = HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S
-        pending.timer = asyncio.get_running_loop().call_later(
-            timeout, lambda: asyncio.ensure_future(self._control_timed_out(internal)))
-        self.controls[internal] = pending
-        # Health is a server_info round trip: it proves the scheduler loop is turning.
-        self.to_scheduler.send(SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache"
-                                               else "server_info"))
-
-    def _drop_control(self, internal: str) -> PendingControl | None:
-        pending = self.controls.pop(internal, None)
-        if pending is None:
-            return None
-        if pending.timer is not None:
-            pending.timer.cancel()
-        left = self.client_controls.get(pending.identity, 0) - 1
-        if left > 0:
-            self.client_controls[pending.identity] = left
-        else:
-            self.client_controls.pop(pending.identity, None)
-        return pending
-
-    async def _control_timed_out(self, internal: str) -> None:
-        pending = self._drop_control(internal)
-        if pending is None:
-            return
-        code = "unhealthy" if pending.kind == "health" else "internal"
-        await self.reply(pending.identity, ErrorReply(
-            rid=pending.client_rid, code=code,
-            message=f"the scheduler did not answer {pending.kind} within "
-                    f"{HEALTH_TIMEOUT_S if pending.kind == 'health' else CONTROL_TIMEOUT_S:.0f} s"))
-
-    async def handle_control_out(self, out: SchedControlOut) -> None:
-        pending = self._drop_control(out.rid)
-        if pending is None:
-            return
-        if pending.kind == "health":
-            payload: dict[str, Any] = {"ok": True, "scheduler_round_trip_s": time.monotonic() - pending.sent_at}
-        elif pending.kind == "server_info":
-            payload = self.server_info(out.payload)
-        else:
-            payload = dict(out.payload)
-        await self.reply(pending.identity, ControlReply(rid=pending.client_rid, kind=pending.kind, payload=payload))
+        self.control.start(identity, req)
 
     def server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
         info = dict(scheduler_payload)
@@ -431,7 +366,7 @@ class TokenizerManager:
             "active_requests": len(self.groups),
             "active_samples": len(self.by_internal),
             "active_clients": len(self.by_identity),
-            "pending_controls": len(self.controls),
+            "pending_controls": len(self.control.pending),
             "max_requests_per_client": self.server_args.max_requests_per_client,
             "max_controls_per_client": self.server_args.max_controls_per_client,
             **self.stats,
@@ -460,7 +395,7 @@ class TokenizerManager:
                 elif isinstance(msg, SchedErrorOut):
                     await self.handle_sched_error(msg)
                 elif isinstance(msg, SchedControlOut):
-                    await self.handle_control_out(msg)
+                    await self.control.handle_out(msg)
             except Exception:
                 logger.exception("failed to route a scheduler output")
 
@@ -515,11 +450,7 @@ class TokenizerManager:
             self.drop_group(group, abort_in_scheduler=True)
             await self.reply(group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown",
                                                         message=SHUTDOWN_MESSAGE))
-        for internal in list(self.controls):
-            pending = self._drop_control(internal)
-            if pending is not None:
-                await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code="server_shutdown",
-                                                              message=SHUTDOWN_MESSAGE))
+        await self.control.fail_all("server_shutdown", SHUTDOWN_MESSAGE)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def note_output(self, group: ReqGroup, sample: SampleState, out: StrOutput) -> None:
@@ -574,10 +505,7 @@ class TokenizerManager:
                                             finish_reason))
 
     async def handle_sched_error(self, err: SchedErrorOut) -> None:
-        if err.rid in self.controls:
-            pending = self._drop_control(err.rid)
-            assert pending is not None
-            await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code=err.code, message=err.message))
+        if await self.control.handle_error(err):
             return
         entry = self.by_internal.get(err.rid)
         if entry is None:
