@@ -48,7 +48,8 @@ from bench.common import (
     summarize,
     write_json,
 )
-from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, token_range_for
+from bench.workloads import ALL_WORKLOADS, WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, \
+    token_range_for
 
 ENGINE = "tinyserve"
 
@@ -394,7 +395,8 @@ def plot_runs(runs: list[dict[str, Any]], path: str | Path) -> bool:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", nargs="+", default=["uniform"], metavar="NAME",
-                   help=f"one or more of {', '.join(WORKLOADS)}, or 'all' (default uniform)")
+                   help=f"one or more of {', '.join(WORKLOADS)}, or 'all' ({', '.join(ALL_WORKLOADS)}; "
+                        "default uniform)")
     g.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 64)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per request (default 64)")
     g.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -429,7 +431,7 @@ def resolve_model_path(args: argparse.Namespace) -> str:
 
 
 def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None) -> list[Workload]:
-    names = list(WORKLOADS) if args.workload == ["all"] else args.workload
+    names = list(ALL_WORKLOADS) if args.workload == ["all"] else args.workload
     low, high = token_range_for(model_path, vocab_size)
     params = parse_workload_args(args.workload_arg)
     if args.num_requests is not None:
