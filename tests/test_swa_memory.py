@@ -8,6 +8,7 @@ a prefix matched without its SWA half, changes the tokens.
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,34 @@ def test_random_aborts_and_retraction_leak_nothing(tiny_checkpoints, references)
     info = sched.server_info()
     assert info["swa_hybrid_memory"] and info["swa_max_total_tokens"] == sched.allocator.swa_size
     assert info["swa_available_tokens"] + info["swa_evictable_tokens"] == info["swa_max_total_tokens"]
+
+
+@pytest.mark.parametrize("radix", [False, True], ids=["chunk-cache", "radix"])
+def test_capacity_bench_fits_more_requests_than_a_full_attention_cache(radix: bool) -> None:
+    """bench/swa_capacity.py on a small shape: the same KV bytes hold at least 1.6x the requests."""
+    from bench.swa_capacity import BENCH_SPEC, max_requests
+
+    args = argparse.Namespace(context=512, decode=64, window=32, chunk=64, radix=radix)
+    layers = BENCH_SPEC.num_layers
+    full_size, swa_size = swa_pool_sizes(4 * 512, 0.125, layers - layers // 2, layers // 2)
+    assert max_requests(full_size, swa_size, args) >= 1.6 * 4
+    one_pool = swa_pool_sizes(4 * 512, 1.0, layers - layers // 2, layers // 2)  # SWA as big as the full pool
+    assert max_requests(*one_pool, args) == 4  # no saving without a smaller SWA pool
+
+
+def test_paged_pool_keeps_one_pool_and_still_applies_the_window(tiny_checkpoints, references) -> None:
+    """Page size 16: no SWA pool (the windowed layers keep every token), same tokens."""
+    name = "mistral_swa"
+    runner = ModelRunner(tiny_checkpoints.path(name), device="cpu", dtype="float32", attention_backend="torch_native",
+                         max_total_tokens=1024, page_size=16, load_progress=False)
+    sched = Scheduler(ServerArgs(max_total_tokens=1024, page_size=16, chunked_prefill_size=32,
+                                 disable_overlap_schedule=True), model_runner=runner)
+    assert not hasattr(sched.allocator, "swa")
+    prompts = _prompts(runner.vocab_size)[1:]
+    for i, prompt in enumerate(prompts):
+        submit(sched, str(i), prompt)
+    results = run_until_idle(sched)
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)]["ids"] == expected(references, name, prompt)
+    report = sched.check_memory()
+    assert report.ok and report.swa is None, report.message
