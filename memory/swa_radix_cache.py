@@ -56,6 +56,9 @@ class SWARadixCache(RadixCache):
         self.window = window
         self.swa_allocator = allocator
         self._guards: dict[TreeNode, int] = {}  # lock end node -> locks held on it
+        # Bumped whenever a node may have become free of guards (a lock dropped, a prefix inserted):
+        # a request's path is walked again only after that (``free_out_of_window``).
+        self._epoch = 0
         super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,  # type: ignore[arg-type]
                          enable_kv_events=enable_kv_events)
 
@@ -99,7 +102,12 @@ class SWARadixCache(RadixCache):
             self._guards[node] = self._guards.get(node, 0) + 1
         return super().inc_lock_ref(node)
 
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        self._epoch += 1
+        return super().insert(key, value, extra_key)
+
     def dec_lock_ref(self, node: TreeNode | None) -> int:
+        self._epoch += 1
         if node is not None and node is not self.root and not self.disable:
             left = self._guards.get(node, 0) - 1
             if left > 0:
@@ -152,8 +160,9 @@ class SWARadixCache(RadixCache):
         freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len,
                                    self.window, self._held_len(req))
         node = req.last_node
-        if node is None or node is self.root or self.disable:
-            return freed
+        if node is None or node is self.root or self.disable or getattr(req, "swa_tree_epoch", -1) == self._epoch:
+            return freed  # nothing on its path can have lost its guards since the last walk
+        req.swa_tree_epoch = self._epoch  # type: ignore[attr-defined]
         pos = self._end(node)
         cur: TreeNode | None = node
         while cur is not None and cur is not self.root:

@@ -54,6 +54,8 @@ class Req:
     kv_committed_len: int = 0
     # Leading positions of the row whose SWA slots were given back (sliding-window models).
     swa_evicted_len: int = 0
+    # The SWA radix cache's epoch at its last walk of this request's path (memory.swa_radix_cache).
+    swa_tree_epoch: int = -1
     # Prefix length found in the cache when the request was first admitted (before chunking).
     first_prefix_len: int = 0
     admitted: bool = False
