@@ -31,13 +31,15 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Coroutine, Generator, Iterator, TypeVar
+from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from runtime.client_errors import RequestError, RequestTimeout, ServerGone
+from runtime.generate_call import GenerateCall, chunk_dict, is_batch, result_dict
 from runtime.messages import (
     AbortReq,
     ClientReply,
@@ -73,60 +75,9 @@ async def _get_within(queue: "asyncio.Queue[Any]", wait: float | None) -> Any:
     return await asyncio.wait_for(queue.get(), wait)
 
 
-class RequestError(Exception):
-    """The server rejected or failed one request; ``code`` is machine-readable
-    ("invalid_request", "unauthorized", "too_long", "internal", ...)."""
-
-    def __init__(self, code: str, message: str, rid: str = "") -> None:
-        super().__init__(f"[{code}] {message}")
-        self.code = code
-        self.message = message
-        self.rid = rid
-        self.results: list[Any] | None = None  # for a batch: every result, errors in place
-
-
 async def _raise(exc: BaseException) -> Any:
     """A coroutine that fails with ``exc``: a batch member that was never sent, in its place."""
     raise exc
-
-
-class RequestTimeout(TimeoutError):
-    """No reply within the client's timeout; the request was aborted on the server."""
-
-
-class ServerGone(RequestError, ConnectionError):
-    """The connection to the server closed, or the server stopped answering heartbeats, or
-    no connection came up within ``CONNECT_TIMEOUT_S``: the request is lost (a server that
-    loses a client aborts its requests). Code ``server_gone``; also a ConnectionError."""
-
-    def __init__(self, message: str, rid: str = "") -> None:
-        super().__init__("server_gone", message, rid)
-
-
-def _chunk_dict(chunk: GenerateChunk) -> dict[str, Any]:
-    return {
-        "rid": chunk.rid,
-        "text": chunk.text,
-        "output_ids": chunk.output_ids,
-        "finished": chunk.finished,
-        "finish_reason": chunk.finish_reason,
-        "meta": chunk.meta,
-        "index": chunk.meta.get("index", 0),
-    }
-
-
-def _result_dict(chunk: GenerateChunk) -> dict[str, Any]:
-    return {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.output_ids, "meta": chunk.meta}
-
-
-def _is_batch(prompt: Any, input_ids: Any, messages: Any) -> bool:
-    if prompt is not None:
-        return isinstance(prompt, (list, tuple))
-    if input_ids is not None:
-        return bool(input_ids) and isinstance(input_ids[0], (list, tuple))
-    if messages is not None:
-        return bool(messages) and isinstance(messages[0], (list, tuple))
-    return False
 
 
 class AsyncClient:
@@ -173,7 +124,7 @@ class AsyncClient:
         given = [x for x in (prompt, input_ids, messages) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of prompt, input_ids, messages")
-        batch = _is_batch(prompt, input_ids, messages)
+        batch = is_batch(prompt, input_ids, messages)
         items = list(given[0]) if batch else [given[0]]
         if batch and stream:
             raise ValueError("stream=True takes a single prompt")
@@ -395,7 +346,7 @@ class AsyncClient:
                 if isinstance(msg, GenerateChunk) and msg.finished:
                     index = msg.meta.get("index", 0)
                     if isinstance(index, int) and 0 <= index < n:
-                        results[index] = _result_dict(msg)
+                        results[index] = result_dict(msg)
             done = True
         finally:
             self._queues.pop(("gen", req.rid), None)
@@ -456,41 +407,12 @@ class AsyncClient:
                     raise RequestError(msg.code, msg.message, msg.rid)
                 if isinstance(msg, GenerateChunk):
                     finished += int(msg.finished)
-                    yield _chunk_dict(msg)
+                    yield chunk_dict(msg)
             done = True
         finally:
             self._queues.pop(("gen", req.rid), None)
             if not done and not self._closed:
                 self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
-
-
-class GenerateCall:
-    """What ``AsyncClient.generate`` returns: awaitable (the result) and, when
-    streaming, async-iterable (the chunks). Nothing is sent until it is used."""
-
-    def __init__(self, client: AsyncClient, reqs: list[GenerateReq], *, batch: bool, stream: bool, n: int) -> None:
-        self._client = client
-        self._reqs = reqs
-        self._batch = batch
-        self._stream = stream
-        self._n = n
-
-    @property
-    def rids(self) -> list[str]:
-        return [r.rid for r in self._reqs]
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        if self._stream:
-            return self._as_iterator().__await__()
-        return self._client._run(self._reqs, self._batch, self._n).__await__()
-
-    async def _as_iterator(self) -> AsyncIterator[dict[str, Any]]:
-        return self.__aiter__()
-
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        if not self._stream:
-            raise TypeError("iterate only a stream=True call; await the others")
-        return self._client._stream(self._reqs[0], self._n)
 
 
 class Client:

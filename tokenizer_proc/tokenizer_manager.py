@@ -206,7 +206,7 @@ class TokenizerManager:
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         key = (identity, req.rid)
-        building = self.building.setdefault(identity, set())
+        building = self.building.get(identity, set())
         if key in self.groups or req.rid in building:
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
         limit = self.server_args.max_requests_per_client
@@ -214,20 +214,8 @@ class TokenizerManager:
             raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
                                                 f"--max-requests-per-client allows; wait for some to finish")
         if _prompt_chars(req) >= OFFLOAD_BYTES:
-            building.add(req.rid)
-            try:
-                subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req)
-            finally:
-                building.discard(req.rid)
-                if not building:
-                    self.building.pop(identity, None)
-            if self.stopping:
-                raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
-            if identity.startswith(LOCAL_PREFIX) and identity not in self.local:
-                raise Rejected("aborted", "the client went away while its prompt was tokenized")
+            subs = await self._build_off_loop(identity, req)
         else:
-            if not building:
-                self.building.pop(identity, None)
             subs = self.builder.build(req)
         held = self.client_samples.get(identity, 0)
         if held + len(subs) > limit:
@@ -249,6 +237,26 @@ class TokenizerManager:
             logger.info("request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, "
                         "from %s", req.rid, len(subs[0].input_ids), len(subs), sp.max_new_tokens, sp.temperature,
                         req.stream, "http" if identity.startswith(LOCAL_PREFIX) else "zmq")
+
+    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> list[Any]:
+        """``builder.build`` on the worker thread; the rid counts as in flight meanwhile."""
+        building = self.building.setdefault(identity, set())
+        building.add(req.rid)
+        try:
+            subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            subs = []  # shutdown cancelled the queued work: answered below
+        finally:
+            building.discard(req.rid)
+            if not building:
+                self.building.pop(identity, None)
+        if self.stopping:
+            raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
+        if identity.startswith(LOCAL_PREFIX) and identity not in self.local:
+            raise Rejected("aborted", "the client went away while its prompt was tokenized")
+        return subs
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
         if req.all and self.server_args.api_key is not None:
