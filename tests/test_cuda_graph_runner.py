@@ -83,6 +83,41 @@ def test_eager_replay_greedy_equals_plain_eager(runner: ModelRunner) -> None:
     harness.reset()
 
 
+def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: Any) -> None:
+    """The hybrid Qwen2 (windowed layers in the SWA pool) served by a scheduler whose decode goes
+    through the graph runner: the per-window plan buffers are rewritten in place and translated
+    to SWA slots at every replay; same tokens as torch_native without graphs."""
+    from checkpoints import random_prompt
+    from runtime.args import ServerArgs
+    from runtime.messages import TokenizedGenerateReq
+    from runtime.sampling_params import SamplingParams
+    from scheduler_proc.scheduler import Scheduler
+    from stub_scheduler import run_until_idle
+
+    path = tiny_checkpoints.path("qwen2_swa")
+    prompts = [random_prompt(n, 384, seed=n) for n in (30, 50, 41)]
+    outputs = {}
+    for backend in ("torch_native", "triton"):
+        runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512,
+                             max_running_requests=8, swa_full_tokens_ratio=0.5, load_progress=False)
+        spy = None
+        if backend == "triton":
+            runner.graph_runner = cgr.setup_cuda_graphs(runner, batch_sizes=[4], replay="eager")
+            assert runner.graph_runner is not None
+            spy = ReplaySpy(runner.graph_runner)
+        sched = Scheduler(ServerArgs(max_total_tokens=512, chunked_prefill_size=16, disable_overlap_schedule=True),
+                          model_runner=runner)
+        for i, prompt in enumerate(prompts):
+            sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt,
+                                                      sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0)))
+        results = run_until_idle(sched)
+        outputs[backend] = [results[str(i)]["ids"] for i in range(len(prompts))]
+        assert sched.check_memory().ok
+        if spy is not None:
+            assert len(spy.calls) >= 8, "the decode steps go through the graph runner"
+    assert outputs["triton"] == outputs["torch_native"]
+
+
 def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 3 in the graph of 4: the KV pool and req_to_token end up as after eager, but for slot 0."""
     graphs = cgr.CudaGraphRunner(runner, SIZES, replay="eager")

@@ -233,7 +233,8 @@ class TritonAttnBackend(AttentionBackend):
                 batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, plan.kv_indptr, starts,
                 plan.kv_indices,
             )
-            _translate_swa(batch, plan.kv_indices)  # (slots past the batch's keys are never read)
+            used = sum(min(n, window) for n in _host_list(batch.seq_lens_cpu, batch.seq_lens))
+            _translate_swa(batch, plan.kv_indices[:used])
             assert plan.num_kv_splits is not None
             plan.num_kv_splits.copy_(self._num_kv_splits(batch, lens))
 
