@@ -33,9 +33,9 @@ EXPECTED_DEFAULTS = {
     "max_requests_per_client": 4096, "max_controls_per_client": 16, "max_request_bytes": None,
     "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
-}
     "swa_full_tokens_ratio": 0.8,
     "disable_hybrid_swa_memory": False,
+}
 
 
 def test_fields_and_defaults_are_sglangs() -> None:
@@ -165,9 +165,9 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"hicache_ratio": 0.0}, "--hicache-ratio"),
         ({"hicache_size": -1.0}, "--hicache-size"),
         ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
-    ],
         ({"swa_full_tokens_ratio": 0.0}, "--swa-full-tokens-ratio"),
         ({"swa_full_tokens_ratio": 1.5}, "--swa-full-tokens-ratio"),
+    ],
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
