@@ -131,6 +131,7 @@ class TokenizerManager:
         # waiting, and rids being tokenized on the worker thread (issue 17's fairness).
         self.client_samples: dict[bytes, int] = {}
         self.building: dict[bytes, set[str]] = {}
+        self.abandoned: set[tuple[bytes, str]] = set()  # aborted while being tokenized
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
         self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
         self.stopping = False
@@ -213,8 +214,9 @@ class TokenizerManager:
         if self.client_samples.get(identity, 0) + len(building) >= limit:
             raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
                                                 f"--max-requests-per-client allows; wait for some to finish")
+        abandoned = False  # aborted while it was tokenized: accepted, then aborted at once
         if _prompt_chars(req) >= OFFLOAD_BYTES:
-            subs = await self._build_off_loop(identity, req)
+            subs, abandoned = await self._build_off_loop(identity, req)
         else:
             subs = self.builder.build(req)
         held = self.client_samples.get(identity, 0)
@@ -237,9 +239,12 @@ class TokenizerManager:
             logger.info("request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, "
                         "from %s", req.rid, len(subs[0].input_ids), len(subs), sp.max_new_tokens, sp.temperature,
                         req.stream, "http" if identity.startswith(LOCAL_PREFIX) else "zmq")
+        if abandoned:
+            await self.abort_groups([group])
 
-    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> list[Any]:
-        """``builder.build`` on the worker thread; the rid counts as in flight meanwhile."""
+    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> tuple[list[Any], bool]:
+        """``builder.build`` on the worker thread, and whether the client aborted the request
+        meanwhile (the rid counts as in flight while it is tokenized)."""
         building = self.building.setdefault(identity, set())
         building.add(req.rid)
         try:
@@ -252,11 +257,13 @@ class TokenizerManager:
             building.discard(req.rid)
             if not building:
                 self.building.pop(identity, None)
+            abandoned = (identity, req.rid) in self.abandoned
+            self.abandoned.discard((identity, req.rid))
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         if identity.startswith(LOCAL_PREFIX) and identity not in self.local:
             raise Rejected("aborted", "the client went away while its prompt was tokenized")
-        return subs
+        return subs, abandoned
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
         if req.all and self.server_args.api_key is not None:
@@ -266,13 +273,21 @@ class TokenizerManager:
         else:
             group = self.groups.get((identity, req.rid))
             groups = [group] if group is not None else []
+            if req.rid in self.building.get(identity, ()):  # still being tokenized: aborted once accepted
+                self.abandoned.add((identity, req.rid))
+                await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload={"aborted": True}))
+                return
+        await self.abort_groups(groups)
+        payload: dict[str, Any] = {"aborted": len(groups) if req.all else bool(groups)}
+        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload=payload))
+
+    async def abort_groups(self, groups: list[ReqGroup]) -> None:
+        """Abort each group; its client gets each unfinished sample's last chunk (reason abort)."""
         for group in groups:
             self.stats["requests_aborted"] += 1
             for sample in self.drop_group(group, abort_in_scheduler=True):
                 await self.reply(group.identity, self.final_chunk(
                     group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
-        payload: dict[str, Any] = {"aborted": len(groups) if req.all else bool(groups)}
-        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload=payload))
 
     def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
         """Forget a group; abort its unfinished samples in the scheduler. Returns those samples."""

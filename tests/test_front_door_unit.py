@@ -1,0 +1,170 @@
+"""TokenizerManager's fairness and shutdown logic without processes: a recording router and
+scheduler socket, and a tokenizer that can be held mid-encode (issue 17)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any
+
+import msgspec
+
+from runtime.args import ServerArgs
+from runtime.ipc import ClientBusy
+from runtime.messages import (
+    AbortReq,
+    ControlReply,
+    ErrorReply,
+    GenerateChunk,
+    GenerateReq,
+    SchedAbortReq,
+    SchedControlReq,
+    ServerInfoReq,
+    StrOutput,
+    TokenizedGenerateReq,
+)
+from tokenizer_proc.limits import OFFLOAD_BYTES
+from tokenizer_proc.request_builder import ModelLimits
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+LIMITS = ModelLimits(vocab_size=100, context_len=100_000, max_req_input_len=50_000, max_total_tokens=100_000)
+
+
+class Tokenizer:
+    """One id per 10 characters; ``hold`` blocks encode until ``release`` is set."""
+
+    chat_template = None
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.hold:
+            self.entered.set()
+            self.release.wait(10)
+        return [1] * max(1, len(text) // 10)
+
+
+class Router:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Any]] = []
+        self.busy: set[bytes] = set()
+
+    async def send(self, identity: bytes, msg: Any) -> None:
+        if identity in self.busy:
+            raise ClientBusy(identity)
+        self.sent.append((identity, msg))
+
+    async def send_raw(self, identity: bytes, payload: bytes) -> None:
+        pass
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def manager(**args: Any) -> tuple[TokenizerManager, Router, Scheduler, Tokenizer]:
+    router, sched, tok = Router(), Scheduler(), Tokenizer()
+    m = TokenizerManager(dataclasses.replace(ServerArgs(), **args), tok, LIMITS, router, sched)  # type: ignore[arg-type]
+    return m, router, sched, tok
+
+
+def frame(msg: Any) -> list[bytes]:
+    return [msgspec.msgpack.encode(msg)]
+
+
+def test_an_abort_while_tokenizing_aborts_the_request_once_accepted() -> None:
+    async def main() -> None:
+        m, router, sched, tok = manager()
+        tok.hold = True
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="big", text="a" * OFFLOAD_BYTES)))
+        await asyncio.get_running_loop().run_in_executor(None, tok.entered.wait, 10)
+        # The client loop was not held: another request is handled meanwhile.
+        await m.handle_client_frames(b"c", frame(AbortReq(rid="big")))
+        assert router.sent[-1] == (b"c", ControlReply(rid="big", kind="abort", payload={"aborted": True}))
+        tok.release.set()
+        await asyncio.wait_for(asyncio.gather(*m.tasks), 10)
+        tokenized = [x for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
+        assert len(tokenized) == 1 and sched.sent[-1] == SchedAbortReq(rid=tokenized[0].rid)
+        last = router.sent[-1][1]
+        assert isinstance(last, GenerateChunk) and last.finished and last.finish_reason["type"] == "abort"
+        assert not m.groups and not m.building and not m.abandoned and not m.client_samples
+
+    asyncio.run(main())
+
+
+def test_control_calls_per_client_are_limited() -> None:
+    async def main() -> None:
+        m, router, sched, _ = manager(max_controls_per_client=2)
+        for i in range(3):
+            await m.handle_client_frames(b"c", frame(ServerInfoReq(rid=str(i))))
+        await m.handle_client_frames(b"other", frame(ServerInfoReq(rid="o")))
+        assert sum(isinstance(x, SchedControlReq) for x in sched.sent) == 3
+        errors = [msg for _, msg in router.sent if isinstance(msg, ErrorReply)]
+        assert [(e.rid, e.code) for e in errors] == [("2", "too_many_requests")]
+        assert "--max-controls-per-client" in errors[0].message
+
+    asyncio.run(main())
+
+
+def test_requests_per_client_are_limited_counting_samples() -> None:
+    async def main() -> None:
+        m, router, _, _ = manager(max_requests_per_client=3)
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="a", input_ids=[1], sampling_params={"n": 2})))
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="b", input_ids=[1], sampling_params={"n": 2})))
+        await m.handle_client_frames(b"d", frame(GenerateReq(rid="b", input_ids=[1], sampling_params={"n": 2})))
+        errors = [(who, msg.rid, msg.code) for who, msg in router.sent if isinstance(msg, ErrorReply)]
+        assert errors == [(b"c", "b", "too_many_requests")]
+        assert m.client_samples == {b"c": 2, b"d": 2}
+
+    asyncio.run(main())
+
+
+def test_a_client_that_does_not_read_loses_its_stream() -> None:
+    async def main() -> None:
+        m, router, sched, _ = manager()
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="s", input_ids=[1], stream=True)))
+        internal = sched.sent[-1].rid
+        router.busy.add(b"c")
+        await m.handle_output(StrOutput(rid=internal, text_delta="x", new_output_ids=[1]))
+        assert sched.sent[-1] == SchedAbortReq(rid=internal)
+        assert m.stats["replies_dropped"] == 1 and not m.groups and not m.client_samples
+
+    asyncio.run(main())
+
+
+def test_shutdown_answers_everything_in_flight_and_refuses_the_rest() -> None:
+    async def main() -> None:
+        m, router, sched, _ = manager()
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="g", input_ids=[1])))
+        await m.handle_client_frames(b"d", frame(ServerInfoReq(rid="i")))
+        internal = next(x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq))
+        await m.shutdown()
+        assert SchedAbortReq(rid=internal) in sched.sent
+        await m.handle_client_frames(b"e", frame(GenerateReq(rid="late", input_ids=[1])))
+        replies = {(who, msg.rid): msg.code for who, msg in router.sent if isinstance(msg, ErrorReply)}
+        assert replies == {(b"c", "g"): "server_shutdown", (b"d", "i"): "server_shutdown",
+                           (b"e", "late"): "server_shutdown"}
+        assert not m.groups and not m.control.pending
+
+    asyncio.run(main())
+
+
+def test_abort_all_without_api_key_is_the_callers_own_with_it_everyones() -> None:
+    async def main() -> None:
+        for key, expected in ((None, {"mine"}), ("k", {"mine", "theirs"})):
+            m, router, _, _ = manager(api_key=key)
+            await m.handle_client_frames(b"me", frame(GenerateReq(rid="mine", input_ids=[1], api_key=key)))
+            await m.handle_client_frames(b"you", frame(GenerateReq(rid="theirs", input_ids=[1], api_key=key)))
+            await m.handle_client_frames(b"me", frame(AbortReq(rid="x", all=True, api_key=key)))
+            aborted = {msg.rid for _, msg in router.sent if isinstance(msg, GenerateChunk)}
+            assert aborted == expected, key
+            assert router.sent[-1][1].payload == {"aborted": len(expected)}
+
+    asyncio.run(main())
