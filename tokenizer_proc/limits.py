@@ -18,8 +18,9 @@ queue or on the tokenizer's memory is bounded here before any work is done for i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from runtime.messages import GenerateReq
 
 # A token of any tokenizer we serve spans far fewer bytes than this, so a text with more
 # bytes than PROMPT_BYTES_PER_TOKEN * (the longest prompt in tokens) cannot fit.
@@ -59,10 +60,10 @@ def send_hwm(max_requests_per_client: int, max_controls_per_client: int) -> int:
     return max_requests_per_client + max_controls_per_client + SNDHWM_SLACK
 
 
-@dataclass
-class ClientBudget:
-    """What one client (a ZMQ identity; for HTTP one request) holds at the front door."""
-
-    samples: int = 0  # scheduler requests in flight (n samples count n times)
-    controls: int = 0  # control round trips waiting for the scheduler
-    reserved: set[str] = field(default_factory=set)  # rids being tokenized on the worker thread
+def prompt_chars(req: GenerateReq) -> int:
+    """Characters to tokenize for ``req`` (0 for token ids): how long it would hold the loop."""
+    if req.text is not None:
+        return len(req.text)
+    if req.messages is not None:
+        return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
+    return 0

@@ -39,7 +39,6 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -63,8 +62,9 @@ from runtime.messages import (
     StrOutput,
 )
 from tokenizer_proc.control import ControlCalls
-from tokenizer_proc.limits import OFFLOAD_BYTES
+from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.req_state import ReqGroup, SampleState
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
 
 logger = logging.getLogger(__name__)
@@ -75,40 +75,6 @@ PROBE_INTERVAL_S = 0.1
 LOCAL_PREFIX = b"\x00local-"
 SHUTDOWN_MESSAGE = "the server is shutting down"
 YIELD_EVERY = 16  # client messages handled between turns of the other tasks
-
-
-@dataclass
-class SampleState:
-    """One scheduler request (one of the ``n`` samples of a client request)."""
-
-    index: int
-    internal_rid: str
-    finished: bool = False
-    text: list[str] = field(default_factory=list)  # non-stream: accumulated deltas
-    output_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[Any] = field(default_factory=list)
-    top_logprobs: list[Any] = field(default_factory=list)
-    first_output_at: float | None = None  # perf_counter of the first output (its prompt is prefilled)
-    last_output_at: float = 0.0
-
-
-@dataclass
-class ReqGroup:
-    """A client's generate request, from acceptance until every sample has finished."""
-
-    identity: bytes
-    client_rid: str
-    stream: bool
-    created: float
-    samples: list[SampleState]
-    started: float = field(default_factory=time.perf_counter)  # for latencies (created is wall time)
-
-    @property
-    def n(self) -> int:
-        return len(self.samples)
-
-    def unfinished(self) -> list[SampleState]:
-        return [s for s in self.samples if not s.finished]
 
 
 class TokenizerManager:
@@ -172,7 +138,7 @@ class TokenizerManager:
             await self.reply(identity, ErrorReply(rid=rid, code="invalid_request",
                                                   message=f"malformed request: {exc}"))
             return
-        if isinstance(req, GenerateReq) and _prompt_chars(req) >= OFFLOAD_BYTES:
+        if isinstance(req, GenerateReq) and prompt_chars(req) >= OFFLOAD_BYTES:
             # Tokenized on the worker thread: this loop goes on reading the other clients.
             task = asyncio.ensure_future(self.handle_request(identity, req))
             self.tasks.add(task)
@@ -215,7 +181,7 @@ class TokenizerManager:
             raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
                                                 f"--max-requests-per-client allows; wait for some to finish")
         abandoned = False  # aborted while it was tokenized: accepted, then aborted at once
-        if _prompt_chars(req) >= OFFLOAD_BYTES:
+        if prompt_chars(req) >= OFFLOAD_BYTES:
             subs, abandoned = await self._build_off_loop(identity, req)
         else:
             subs = self.builder.build(req)
@@ -538,15 +504,6 @@ class TokenizerManager:
         self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.reply(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
-
-
-def _prompt_chars(req: GenerateReq) -> int:
-    """Characters to tokenize for ``req`` (0 for token ids): how long it would hold the loop."""
-    if req.text is not None:
-        return len(req.text)
-    if req.messages is not None:
-        return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
-    return 0
 
 
 def _loose_rid(frame: bytes) -> str:

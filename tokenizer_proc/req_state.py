@@ -1,0 +1,46 @@
+"""The tokenizer's routing state of a client request, from acceptance to its last output.
+
+A ``ReqGroup`` is one client request (its client identity and rid); each of its ``n``
+samples is one scheduler request (``SampleState``, by internal rid). The TokenizerManager
+owns them; a group is dropped when its last sample finishes, errors or is aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SampleState:
+    """One scheduler request (one of the ``n`` samples of a client request)."""
+
+    index: int
+    internal_rid: str
+    finished: bool = False
+    text: list[str] = field(default_factory=list)  # non-stream: accumulated deltas
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[Any] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)
+    first_output_at: float | None = None  # perf_counter of the first output (its prompt is prefilled)
+    last_output_at: float = 0.0
+
+
+@dataclass
+class ReqGroup:
+    """A client's generate request, from acceptance until every sample has finished."""
+
+    identity: bytes
+    client_rid: str
+    stream: bool
+    created: float
+    samples: list[SampleState]
+    started: float = field(default_factory=time.perf_counter)  # for latencies (created is wall time)
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def unfinished(self) -> list[SampleState]:
+        return [s for s in self.samples if not s.finished]
