@@ -160,12 +160,10 @@ class Scheduler:
         """Finish requests marked for abort through the normal release path."""
         for req in [r for r in self.running if r.to_abort]:
             self.running.remove(req)
-            self.stats["num_aborted"] += 1
             self.finish(req, {"type": "abort", "message": req.to_abort})
         req = self.chunked_req
         if req is not None and req.to_abort:
             self.chunked_req = None
-            self.stats["num_aborted"] += 1
             self.finish(req, {"type": "abort", "message": req.to_abort})
 
     def _launch_next(self) -> LaunchedStep | None:
@@ -282,6 +280,8 @@ class Scheduler:
 
     def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
         """Tell the client, then release the request's memory unless a step still uses it."""
+        if req.to_abort is not None:  # here, or when its step in flight completed (overlap)
+            self.stats["num_aborted"] += 1
         self.output.finish(req, reason, error_code)
         if req.num_inflight == 0:
             self._release(req)
