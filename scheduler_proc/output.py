@@ -85,7 +85,7 @@ class OutputProcessor:
             output_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop_strs=params.stop_strs or None,
+            stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
         )
         req.sent_offset = len(req.output_ids)

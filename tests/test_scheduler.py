@@ -14,7 +14,7 @@ import pytest
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
-from stub_scheduler import VOCAB, assert_idle_invariant, expected_output, run_until_idle, stub_scheduler
+from stub_scheduler import EOS, VOCAB, assert_idle_invariant, expected_output, run_until_idle, stub_scheduler
 
 OVERLAP = {"overlap": True}
 
@@ -239,3 +239,16 @@ def test_logs_each_prefill_batch_and_every_nth_decode_step(caplog: pytest.LogCap
     assert prefills and "#new-seq: " in prefills[0] and "#new-token: " in prefills[0]
     assert len(decodes) == sched.stats["num_decode_batches"] // 3 > 0
     assert all("#running-req: " in d and "gen throughput (token/s): " in d for d in decodes)
+
+
+def test_stop_strings_travel_with_a_requests_first_output_only() -> None:
+    from scheduler_proc.output import OutputProcessor
+    from scheduler_proc.req import Req, StopChecker
+
+    output = OutputProcessor(StopChecker({EOS}, 100), stream_interval=1, decode_log_interval=0)
+    req = Req(rid="s", origin_input_ids=[1, 2], sampling_params=SamplingParams(stop=["ab", "cd"]), stream=True)
+    for token in (5, 6, 7):
+        req.output_ids.append(token)
+        output.emit(req)
+    sent = [out for msg in output.take_outbox() for out in msg.outputs]
+    assert [out.stop_strs for out in sent] == [["ab", "cd"], None, None]
