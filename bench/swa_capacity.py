@@ -22,7 +22,6 @@ every allocation succeeds, against the full-attention cache's ``--budget-request
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.checkpoint import BENCH_SPEC  # noqa: E402
+from bench.common import default_output_path, print_table, write_json  # noqa: E402
 from memory.req_state import SimpleCacheRequest  # noqa: E402
 from memory.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from memory.swa_allocator import SWATokenToKVPoolAllocator  # noqa: E402
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--swa-full-tokens-ratio", type=float, default=0.125, help="SWA / full pool size (0.125)")
     parser.add_argument("--chunk", type=int, default=512, help="chunked prefill size (default 512)")
     parser.add_argument("--radix", action="store_true", help="the radix cache instead of the chunk cache")
+    parser.add_argument("--output", default=None, help="JSON path (default bench/results/swa_capacity_<cache>_<time>.json)")
     args = parser.parse_args()
     layers = BENCH_SPEC.num_layers
     swa_layers = layers // 2  # every other layer windowed
@@ -112,7 +113,13 @@ def main() -> None:
         "full_pool_tokens": full_size, "swa_pool_tokens": swa_size,
         "hybrid_requests": hybrid, "ratio": round(hybrid / args.budget_requests, 3),
     }
-    print(json.dumps(result))
+    print_table([result], [("context", "context"), ("window", "window"), ("windowed_layers", "windowed layers"),
+                           ("cache", "cache"), ("full_attention_requests", "full-attention requests"),
+                           ("hybrid_requests", "hybrid SWA requests"), ("ratio", "ratio"),
+                           ("full_pool_tokens", "full pool tokens"), ("swa_pool_tokens", "SWA pool tokens")],
+                title="requests that reach the context in the same KV bytes")
+    out = write_json(args.output or default_output_path("swa_capacity", result["cache"]), result)
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
