@@ -368,23 +368,31 @@ class HiRadixCache(RadixCache):
             elif self._alloc_host_for(node):
                 leaving.add(node)  # still on the device (so host eviction spares it) until copied
             else:
+                if any(c in leaving for c in node.children.values()):
+                    self._copy_out(leaving)  # its children finish leaving before it drops them
                 self.tier_stats.device_dropped_tokens += len(node.key)
                 self._drop(node)
             parent = node.parent
             if self._is_device_leaf(parent, leaving):  # type: ignore[arg-type]
                 heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
-        if leaving:
-            nodes = list(leaving)
-            op = self.transfer.to_host(torch.cat([n.value for n in nodes]),  # type: ignore[misc]
-                                       torch.cat([n.host_value for n in nodes]))  # type: ignore[misc]
-            op.wait()  # the device slots are reused as soon as they are free
-            self._count(op)
-            for node in nodes:
-                self._leave_device(node)
+        self._copy_out(leaving)
         if freed:
             self.allocator.free(torch.cat(freed))
         self.tier_stats.device_evicted_tokens += evicted
         return evicted
+
+    def _copy_out(self, leaving: set[HiTreeNode]) -> None:
+        """Copy the ``leaving`` nodes to their host slots now; they become host-only."""
+        if not leaving:
+            return
+        nodes = list(leaving)
+        op = self.transfer.to_host(torch.cat([n.value for n in nodes]),  # type: ignore[misc]
+                                   torch.cat([n.host_value for n in nodes]))  # type: ignore[misc]
+        op.wait()  # the device slots are reused as soon as they are free
+        self._count(op)
+        for node in nodes:
+            self._leave_device(node)
+        leaving.clear()
 
     def _alloc_host_for(self, node: HiTreeNode) -> bool:
         host = self._alloc_host(len(node.key))

@@ -330,3 +330,14 @@ def test_random_sequences_keep_both_invariants(ops: list[tuple[int, int]], page_
     t = Tiers(device_tokens=16, host_tokens=24, page_size=page_size, policy=policy, deferred=deferred,
               eviction=eviction)
     _run(t, ops)
+
+
+def test_a_parent_dropped_while_its_child_is_leaving_for_the_host() -> None:
+    """write_back, a host too small for the parent: the child gets the last host room and is
+    copied out, then the parent, with no room, is dropped with it (no half-copied child left)."""
+    t = Tiers(device_tokens=16, host_tokens=4, policy="write_back")
+    assert t.insert(list(range(1, 7))) and t.insert(list(range(1, 9)))  # parent [1..6], child [7, 8]
+    assert t.cache.evict(8) == 8
+    t.check()
+    assert t.alloc.available_size() == 16
+    assert t.cache.match_prefix(list(range(1, 9))).device_indices.numel() == 0
