@@ -74,8 +74,10 @@ class StepResult:
 class PendingStep:
     """A launched forward; ``wait`` returns its host results (once ready)."""
 
-    def __init__(self, batch: ForwardBatch) -> None:
+    def __init__(self, batch: ForwardBatch, future: FutureInputs | None = None) -> None:
+        # Held until ``wait``: the device may read them until the step is done.
         self.batch: ForwardBatch | None = batch
+        self.future = future
         self._done = threading.Event()
         self._output: Any = None
         self._copied: torch.cuda.Event | None = None
@@ -98,7 +100,7 @@ class PendingStep:
             if self._copied is not None:
                 self._copied.synchronize()
             self._result = _to_result(self._output)
-            self._output = self.batch = None  # the device is done with the step's tensors
+            self._output = self.batch = self.future = None  # the device is done with the step's tensors
         return self._result
 
 
@@ -176,7 +178,7 @@ class OverlapModelWorker(ModelWorker):
         self._thread.start()
 
     def launch(self, batch: ForwardBatch, future: FutureInputs | None = None) -> PendingStep:
-        pending = PendingStep(batch)
+        pending = PendingStep(batch, future)
         ready = None
         if self._cuda:
             # Everything the scheduler wrote for this batch (req_to_token, inputs) happens first.

@@ -8,9 +8,9 @@ cache (``cache_unfinished_req`` keeps it running, ``cache_finished_req`` release
 Overlap (``OverlapModelWorker``): step N+1 is launched before step N's results are
 processed, so the host's bookkeeping runs while the device computes. A request then has
 at most one token in flight (``Req.num_inflight``). Anything that needs the exact host
-state first (a chunk's prefix, the prefixes a prefill inserts, an abort, a retraction,
-penalties over the output history, a mixed batch, a control request) completes the step
-in flight before planning.
+state first (any prefill: processing it inserts its prompt into the prefix cache; an
+abort, a retraction, penalties over the output history, a mixed batch, a control request)
+completes the step in flight before planning.
 A request that finishes at step N after being placed in step N+1 drops that extra token;
 its memory is released once, when its last step in flight completes.
 
@@ -148,10 +148,11 @@ class Scheduler:
     def _can_plan_ahead(self) -> bool:
         step = self.inflight
         assert step is not None
-        if step.mode == ForwardMode.MIXED or any(item.chunked for item in step.extend):
-            return False  # the next chunk / decode needs this step's cache insertion
-        if step.extend and self.waiting:
-            return False  # the next prefill may hit the prefixes this one inserts
+        if step.extend:
+            # Its processing inserts the prompts into the prefix cache, which remaps their rows,
+            # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
+            # slots: no later step may be in flight then. The next prefill may also hit them.
+            return False
         if self.args.enable_mixed_chunk and (self.waiting or self.chunked_req is not None):
             return False  # a mixed batch's decode part takes host inputs
         return not any(r.to_abort is not None or r.sampling_params.has_penalties for r in self.running)

@@ -130,3 +130,26 @@ def test_outputs_equal_the_serial_scheduler_under_retraction_and_chunking(page_s
     for i, prompt in enumerate(prompts):
         assert runs[1][f"r{i}"]["ids"] == expected_output(prompt, 30)
 
+
+
+def test_a_prefill_is_processed_before_anything_is_launched_after_it() -> None:
+    """Processing a prefill inserts its prompts into the prefix cache (rows remapped, duplicate
+    slots freed, SWA slots moved): no later step may be in flight while that happens."""
+    sched = make(overlap=True, chunked_prefill_size=16)
+    events: list[str] = []
+    launch, complete = sched.worker.launch, sched._complete_inflight
+    sched.worker.launch = lambda batch, future=None: (  # type: ignore[method-assign]
+        events.append("decode" if batch.forward_mode.is_decode() else "prefill"), launch(batch, future))[1]
+    sched._complete_inflight = lambda: (events.append("done"), complete())[1]  # type: ignore[method-assign]
+    rng = random.Random(8)
+    for i in range(6):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 40))]
+        submit(sched, f"r{i}", prompt, SamplingParams(max_new_tokens=8, temperature=0.0))
+        sched.step()
+    results = run_until_idle(sched)
+    assert all(r["finished"] for r in results.values()) and len(results) == 6
+    for i, event in enumerate(events):
+        if event == "prefill":
+            assert events[i + 1] == "done", events
+    assert events.count("decode") > 0 and "decode" in [events[i + 1] for i, e in enumerate(events[:-1]) if e == "decode"]
+    assert_idle_invariant(sched)
