@@ -1,4 +1,4 @@
-"""tinyserve vs transformers ``generate``, back to back, under one pinning.
+"""tinyserve vs a baseline (transformers ``generate``, or vLLM's offline engine), back to back, under one pinning.
 
 One invocation pins this process (cpu affinity + torch threads), starts a server
 (which inherits the affinity and gets the same thread count via OMP_NUM_THREADS),
@@ -8,6 +8,12 @@ checkpoint in transformers with the same dtype and runs the same workloads
 tinyserve / baseline (above 1 means tinyserve is faster).
 
     python -m bench.compare --model bench --workload uniform shared-prefix --repeat 3 --device cpu
+    python -m bench.compare --model bench --workload uniform shared-prefix --device cpu \
+        --baseline vllm --vllm-python /path/to/vllm-venv/bin/python
+
+With ``--baseline vllm`` the baseline is vLLM's offline engine in the Python given by
+``--vllm-python`` (see bench/vllm_baseline.py), run after tinyserve's server has stopped:
+one engine at a time.
 
 Flags it does not know are passed to launch.py.
 """
@@ -67,7 +73,7 @@ def summarize_comparison(runs: list[dict[str, Any]], ours: str, baseline: str) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench import hf_baseline, serving
+    from bench import hf_baseline, serving, vllm_baseline
     from bench.roofline import ModelDims
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
@@ -84,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=None, help="tinyserve requests in flight")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="warm-up requests before each run (2 tokens each); -1: the whole workload (default)")
+    parser.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
+                        help="the engine to compare with (default transformers)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="with --baseline vllm: a Python interpreter that can import vllm")
     parser.add_argument("--skip-baseline", action="store_true", help="only tinyserve")
     parser.add_argument("--skip-ours", action="store_true", help="only the baseline")
     serving.add_pinning_args(parser)
@@ -92,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, server_flags = parser.parse_known_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    if args.baseline == "vllm" and not args.skip_baseline and not args.vllm_python:
+        parser.error("--baseline vllm needs --vllm-python")
 
     pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
     model_path = serving.resolve_model_path(args)
@@ -110,7 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     run.update(repeat=rep, machine=machine)
                     run.pop("requests", None)  # medians only; serving.py keeps per-request records
                     runs.append(run)
-    if not args.skip_baseline:
+    if not args.skip_baseline and args.baseline == "vllm":
+        for run in vllm_baseline.run_vllm_baseline(args.vllm_python, model_path, workloads, args.dtype, args.repeat,
+                                                   pinning.cpus):
+            run.update(machine=machine)
+            runs.append(run)
+    elif not args.skip_baseline:
         runner = hf_baseline.HFRunner(model_path, args.device, args.dtype)
         for rep in range(args.repeat):
             for wl in workloads:
@@ -120,13 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.append(run)
         del runner
 
-    rows = summarize_comparison(runs, serving.ENGINE, hf_baseline.ENGINE)
-    print_table(rows, COLUMNS, title=f"tinyserve vs transformers (medians of {args.repeat}; "
+    baseline = vllm_baseline.ENGINE if args.baseline == "vllm" else hf_baseline.ENGINE
+    rows = summarize_comparison(runs, serving.ENGINE, baseline)
+    print_table(rows, COLUMNS, title=f"tinyserve vs {args.baseline} (medians of {args.repeat}; "
                                      f"{pinning.num_threads} threads on cpus {pinning.cpus})")
     print("ratio row: tok/s columns are tinyserve / baseline; 'time s' is the speed-up (baseline time / ours)")
     tag = "-".join(w.name for w in workloads)
     out = write_json(args.output or default_output_path("compare", tag), {
         "kind": "compare", "settings": {"repeat": args.repeat, "device": args.device, "dtype": args.dtype,
+                                        "baseline": args.baseline,
                                         "batch_size": args.batch_size, "server_flags": server_flags,
                                         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
         "machine": machine, "summary": rows, "runs": runs})

@@ -8,8 +8,10 @@ the baseline's batching, and a few real scheduler steps under the stub model.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -426,3 +428,75 @@ def test_soak_on_tiny_settings_leaks_nothing(tiny_llama_path: Path, tmp_path: Pa
     assert result["completed"] == result["planned"]["complete"]
     assert (result["hung"], result["errors"], result["leaked_slots"]) == (0, 0, 0), result
     assert result["invariant_ok"] and result["max_total_tokens"] == soak.SMALL_POOL_TOKENS
+
+
+FAKE_VLLM = '''
+import json, os
+__version__ = "fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
+        self.max_tokens, self.temperature, self.ignore_eos = max_tokens, temperature, ignore_eos
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+
+
+class LLM:
+    def __init__(self, model, dtype, max_model_len, seed, enable_prefix_caching):
+        self.model = model
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps([self.model, [p.prompt_token_ids for p in prompts],
+                                [s.max_tokens for s in params], [s.temperature for s in params]]) + "\\n")
+        return [_Output(list(range(s.max_tokens))) for s in params]
+'''
+
+
+def test_compare_with_vllm_runs_its_offline_engine_in_the_given_python(
+        tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A stand-in vllm package in another interpreter gets the same prompts, greedy, with each
+    request's max_new_tokens (after a 2-token warm pass); its timings become the baseline rows."""
+    package = tmp_path / "fake" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VLLM)
+    (package / "inputs.py").write_text("class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
+                                       "        self.prompt_token_ids = prompt_token_ids\n")
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    out = tmp_path / "cmp.json"
+    flags = ["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32", "--workload", "uniform",
+             "--num-requests", "3", "--max-new-tokens", "4", "--workload-arg", "prompt_len=5", "--repeat", "2",
+             "--skip-ours", "--baseline", "vllm", "--output", str(out)]
+    with pytest.raises(SystemExit):
+        compare.main(flags)  # --baseline vllm needs --vllm-python
+    assert compare.main([*flags, "--vllm-python", sys.executable]) == 0
+    assert "tinyserve vs vllm" in capsys.readouterr().out
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    wanted = argparse.Namespace(workload=["uniform"], workload_arg=["prompt_len=5"], num_requests=3,
+                                max_new_tokens=4, seed=0)
+    workload = serving.build_workloads(wanted, str(tiny_llama_path))[0]
+    prompts = [r.input_ids for r in workload.requests]
+    assert len(calls) == 4  # per repeat: the warm pass, then the timed run
+    for warm, timed in zip(calls[0::2], calls[1::2]):
+        assert warm[0] == timed[0] == str(tiny_llama_path) and warm[1] == timed[1] == prompts
+        assert warm[2] == [2, 2, 2] and timed[2] == [4, 4, 4] and set(timed[3]) == {0.0}
+    data = read_json(out)
+    assert data["settings"]["baseline"] == "vllm"
+    rows = [r for r in data["summary"] if r["engine"] == "vllm"]
+    assert len(rows) == 1 and rows[0]["repeats"] == 2 and rows[0]["output_tok_s"] > 0
