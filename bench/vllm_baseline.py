@@ -18,6 +18,7 @@ is the pinned cpus and ``VLLM_CPU_KVCACHE_SPACE`` is 4 (GiB).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def run_vllm_baseline(python: str, model_path: str, workloads: Sequence[Any], dt
         metrics = summarize_batches([res["time_s"]], [wl.num_requests], wl.prompt_tokens, res["output_tokens"],
                                     res["time_s"])
         metrics.pop("num_batches")
+        metrics["cache_hit_rate"] = math.nan  # vLLM's offline API does not report it
         runs.append({"kind": "vllm_baseline", "engine": ENGINE, "workload": wl.spec(), "repeat": res["repeat"],
                      "model_path": model_path, "settings": {"dtype": dtype, "python": python,
                                                             "vllm_version": res.get("vllm_version")},
