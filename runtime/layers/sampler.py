@@ -32,7 +32,7 @@ import torch
 
 from runtime.layers import penalties as pen
 from runtime.ops import DeviceOps, get_ops
-from runtime.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
