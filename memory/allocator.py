@@ -182,16 +182,22 @@ class BaseTokenToKVPoolAllocator:
     # ------------------------------------------------------------------- free
     def free(self, free_index: torch.Tensor) -> None:
         """Give slots back. Paged: a page is freed once however many of its slots are passed."""
-        if free_index.numel() == 0:
-            return
-        if self._in_free_group:
-            self._free_group.append(free_index)
+        if self._defer_free(free_index):
             return
         free_index = free_index.to(device=self.device, dtype=torch.int64)
         pages = free_index if self.page_size == 1 else torch.unique(free_index // self.page_size)
         if self.debug:
             self._check_free(pages)
         self.release_pages = torch.cat((self.release_pages, pages))
+
+    def _defer_free(self, free_index: torch.Tensor) -> bool:
+        """True when ``free`` has nothing to do now: no slots, or a free group collects them."""
+        if free_index.numel() == 0:
+            return True
+        if self._in_free_group:
+            self._free_group.append(free_index)
+            return True
+        return False
 
     def free_group_begin(self) -> None:
         """Collect frees until ``free_group_end`` and return them with one concatenation."""

@@ -105,10 +105,7 @@ class SWATokenToKVPoolAllocator:
     # ------------------------------------------------------------------- free
     def free(self, free_index: torch.Tensor) -> None:
         """Give full slots back, with whatever SWA slots they still have."""
-        if free_index.numel() == 0:
-            return
-        if self._in_free_group:
-            self._free_group.append(free_index)
+        if self._defer_free(free_index):
             return
         full = free_index.to(device=self.device, dtype=torch.int64)
         self.free_swa(full)
@@ -130,6 +127,7 @@ class SWATokenToKVPoolAllocator:
         return int(swa.numel())
 
     # Collect frees until free_group_end, then one call (the same bookkeeping as the base allocator's).
+    _defer_free = BaseTokenToKVPoolAllocator._defer_free
     free_group_begin = BaseTokenToKVPoolAllocator.free_group_begin
     free_group_end = BaseTokenToKVPoolAllocator.free_group_end
 
