@@ -5,6 +5,8 @@ Shared by the scheduler lifecycle tests and the overlap-scheduling tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 from runtime.args import ServerArgs
 from runtime.messages import BatchTokenIDOut, SchedErrorOut
 from runtime.stub_runner import StubModelRunner, reference_next_token
@@ -63,3 +65,19 @@ def assert_idle_invariant(sched: Scheduler) -> None:
     assert report.ok, report.message
     assert report.protected == 0
     assert report.available + report.evictable == sched.max_total_tokens
+
+
+def generate_greedy(runner: Any, prompts: list[list[int]], max_new_tokens: int, **args: Any) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` through a serial in-process Scheduler over ``runner``
+    (a real ModelRunner too); the memory invariant must hold at the end."""
+    from runtime.messages import TokenizedGenerateReq
+    from runtime.sampling_params import SamplingParams
+
+    server_args = ServerArgs(max_total_tokens=runner.max_total_tokens, disable_overlap_schedule=True, **args)
+    sched = Scheduler(server_args, model_runner=runner)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt, sampling_params=params))
+    results = run_until_idle(sched)
+    assert sched.check_memory().ok
+    return [results[str(i)]["ids"] for i in range(len(prompts))]

@@ -88,11 +88,7 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
     through the graph runner: the per-window plan buffers are rewritten in place and translated
     to SWA slots at every replay; same tokens as torch_native without graphs."""
     from checkpoints import random_prompt
-    from runtime.args import ServerArgs
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
-    from scheduler_proc.scheduler import Scheduler
-    from stub_scheduler import run_until_idle
+    from stub_scheduler import generate_greedy
 
     path = tiny_checkpoints.path("qwen2_swa")
     prompts = [random_prompt(n, 384, seed=n) for n in (30, 50, 41)]
@@ -105,14 +101,7 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
             runner.graph_runner = cgr.setup_cuda_graphs(runner, batch_sizes=[4], replay="eager")
             assert runner.graph_runner is not None
             spy = ReplaySpy(runner.graph_runner)
-        sched = Scheduler(ServerArgs(max_total_tokens=512, chunked_prefill_size=16, disable_overlap_schedule=True),
-                          model_runner=runner)
-        for i, prompt in enumerate(prompts):
-            sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt,
-                                                      sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0)))
-        results = run_until_idle(sched)
-        outputs[backend] = [results[str(i)]["ids"] for i in range(len(prompts))]
-        assert sched.check_memory().ok
+        outputs[backend] = generate_greedy(runner, prompts, 12, chunked_prefill_size=16)
         if spy is not None:
             assert len(spy.calls) >= 8, "the decode steps go through the graph runner"
     assert outputs["triton"] == outputs["torch_native"]

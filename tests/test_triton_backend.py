@@ -240,11 +240,7 @@ def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name:
 def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints) -> None:
     """The Triton plans read windowed layers through the SWA pool's slots (translate_swa) while
     the scheduler frees what left the window and tombstones tree nodes: same tokens as torch_native."""
-    from runtime.args import ServerArgs
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
-    from scheduler_proc.scheduler import Scheduler
-    from stub_scheduler import run_until_idle
+    from stub_scheduler import generate_greedy
 
     path = tiny_checkpoints.path("qwen2_swa")
     prompts = [random_prompt(40, 384, seed=5), random_prompt(30, 384, seed=6)]
@@ -252,14 +248,7 @@ def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints) -> Non
     for backend in ("torch_native", "triton"):
         runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512,
                              swa_full_tokens_ratio=0.5, load_progress=False)
-        sched = Scheduler(ServerArgs(max_total_tokens=512, chunked_prefill_size=16, disable_overlap_schedule=True),
-                          model_runner=runner)
-        for i, prompt in enumerate(prompts):
-            sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt,
-                                                      sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0)))
-        results = run_until_idle(sched)
-        outputs[backend] = [results[str(i)]["ids"] for i in range(len(prompts))]
-        assert sched.check_memory().ok
+        outputs[backend] = generate_greedy(runner, prompts, 16, chunked_prefill_size=16)
     assert outputs["triton"] == outputs["torch_native"] and all(len(ids) == 16 for ids in outputs["triton"])
 
 
