@@ -135,11 +135,9 @@ class LaunchedStep:
     extend: list[PlannedExtend]
     decode: list[Req]
 
-    def rows(self) -> dict[Req, int]:
-        """Batch row of every request that samples a token in this step."""
-        rows = {item.req: i for i, item in enumerate(self.extend) if not item.chunked}
-        rows.update((req, i) for i, req in enumerate(self.decode, start=len(self.extend)))
-        return rows
+    def decode_rows(self) -> dict[Req, int]:
+        """Batch row of each decoding request (the next step is planned ahead of decode steps only)."""
+        return {req: i for i, req in enumerate(self.decode, start=len(self.extend))}
 
 
 class ModelWorker:

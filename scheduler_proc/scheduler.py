@@ -230,7 +230,7 @@ class Scheduler:
         reqs = self.memory.reserve_decode()
         if not reqs:
             return None
-        batch, future = self.builder.build_decode(reqs, self.inflight.rows() if self.inflight else None)
+        batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
         self.stats["num_decode_batches"] += 1
         pending = self.worker.launch(batch, future)
         for req in reqs:
