@@ -18,20 +18,19 @@ With ``--backend http`` and ``--address``, also give ``--http-address http://HOS
 
 Reports output and total tokens/s, TTFT and inter-token latency (p50, p99), request
 latency and the prefix-cache hit rate; prints a table, writes JSON (``--output``) and
-can draw a PNG chart (``--plot``, needs matplotlib).
+can draw a PNG chart (``--plot``, needs matplotlib). Sending the requests and recording
+what each saw is bench/load_runner.py; this module summarises the records and is the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import inspect
 import math
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -48,25 +47,18 @@ from bench.common import (
     summarize,
     write_json,
 )
+# Sending a workload is bench/load_runner.py's; its names stay importable from here.
+from bench.load_runner import (  # noqa: F401
+    RequestRecord,
+    arrival_times,
+    run_workload,
+    run_workload_async,
+    sampling_params,
+)
 from bench.workloads import ALL_WORKLOADS, WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, \
     token_range_for
 
 ENGINE = "tinyserve"
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw of one request (times in seconds, relative to the run's start)."""
-
-    index: int
-    prompt_len: int
-    sent_at: float = 0.0
-    output_len: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    latency: float | None = None
-    itl: list[float] = field(default_factory=list)  # gap before each stream chunk after the first
-    error: str | None = None
 
 
 # ---------------------------------------------------------------------- metrics
@@ -112,127 +104,6 @@ TABLE_COLUMNS = [
 
 def table_row(run: dict[str, Any]) -> dict[str, Any]:
     return {"engine": run["engine"], "workload": run["workload"]["name"], **run["metrics"]}
-
-
-# ---------------------------------------------------------------------- sending
-
-
-def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float]:
-    """Start offsets of the chains: all 0 for an infinite rate, else a Poisson process."""
-    if math.isinf(request_rate) or request_rate <= 0:
-        return [0.0] * num_chains
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(num_chains):
-        out.append(t)
-        t += rng.expovariate(request_rate)
-    return out
-
-
-def sampling_params(req: BenchRequest) -> dict[str, Any]:
-    """Greedy, exactly max_new_tokens tokens: the same work for every engine."""
-    return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-
-
-async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar: Any) -> RequestRecord:
-    from bench.http_backend import CompletionsClient, HttpError, send
-    from runtime.client import RequestError
-
-    rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
-    start = time.perf_counter()
-    rec.sent_at = start - t0
-    try:
-        if isinstance(client, CompletionsClient):
-            await send(client, req.input_ids, req.max_new_tokens, stream, rec, start)
-        elif stream:
-            last = start
-            async for chunk in client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req),
-                                               stream=True):
-                now = time.perf_counter()
-                n = len(chunk["output_ids"])
-                if n:
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.output_len += n
-                if chunk["finished"]:
-                    rec.cached_tokens = int(chunk["meta"].get("cached_tokens", 0))
-        else:
-            result = await client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req))
-            rec.output_len = len(result["output_ids"])
-            rec.cached_tokens = int(result["meta"].get("cached_tokens", 0))
-        rec.latency = time.perf_counter() - start
-    except (RequestError, HttpError) as exc:
-        rec.error = exc.code
-    except Exception as exc:  # a benchmark reports a failure; it does not stop
-        rec.error = type(exc).__name__
-    bar.update(1)
-    return rec
-
-
-async def run_workload_async(address: str, workload: Workload, *, api_key: str | None = None,
-                             request_rate: float = math.inf, max_concurrency: int | None = None,
-                             stream: bool = True, seed: int = 0, timeout: float | None = None,
-                             show_progress: bool = True, backend: str = "zmq",
-                             model: str | None = None) -> tuple[list[RequestRecord], float]:
-    """Send ``workload`` to the server; the request records and the wall time of the whole run.
-
-    ``address`` is the ZMQ address, or with ``backend="http"`` the HTTP one
-    (``http://HOST:PORT``; ``model`` is then the served model name). Chains (multi-turn
-    sessions) start at their arrival time; within a chain each request is sent when the
-    previous one finished.
-    """
-    from tqdm import tqdm
-
-    from bench.http_backend import CompletionsClient
-    from runtime.client import AsyncClient
-
-    chains = workload.chains()
-    starts = arrival_times(len(chains), request_rate, seed)
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    records: list[RequestRecord] = []
-    if backend == "http":
-        if model is None:
-            raise ValueError("backend 'http' needs the served model name")
-        opened: Any = contextlib.nullcontext(CompletionsClient(address, model, api_key))
-    else:
-        opened = AsyncClient(address, api_key=api_key, timeout=timeout)
-    async with opened as client:
-        bar = tqdm(total=workload.num_requests, desc=workload.name, file=sys.stderr, leave=False,
-                   disable=not show_progress, dynamic_ncols=True)
-        t0 = time.perf_counter()
-
-        async def run_chain(chain: list[BenchRequest], start: float) -> None:
-            delay = t0 + start - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            failed = False
-            for req in chain:
-                if failed:  # later turns depend on the failed one: count them as failed, unsent
-                    records.append(RequestRecord(index=req.index, prompt_len=len(req.input_ids), error="skipped"))
-                    bar.update(1)
-                    continue
-                async with sem if sem is not None else contextlib.nullcontext():
-                    rec = await _send_one(client, req, stream, t0, bar)
-                records.append(rec)
-                failed = rec.error is not None
-
-        await asyncio.gather(*(run_chain(c, s) for c, s in zip(chains, starts)))
-        duration = time.perf_counter() - t0
-        bar.close()
-    records.sort(key=lambda r: r.index)
-    return records, duration
-
-
-def run_workload(address: str, workload: Workload, **kwargs: Any) -> tuple[list[RequestRecord], float]:
-    """Blocking wrapper of ``run_workload_async`` (uvloop when available)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(run_workload_async(address, workload, **kwargs))
-    return uvloop.run(run_workload_async(address, workload, **kwargs))
 
 
 # ---------------------------------------------------------------------- the server
