@@ -78,15 +78,6 @@ class SWARadixCache(RadixCache):
         upper.swa_tombstone = child.swa_tombstone  # type: ignore[attr-defined]
         return upper  # (guards are keyed by end node: the child keeps its end, the upper part is new)
 
-    def _end(self, node: TreeNode) -> int:
-        """Tokens from the root to the end of ``node``."""
-        total = 0
-        cur: TreeNode | None = node
-        while cur is not None and cur is not self.root:
-            total += len(cur.key)
-            cur = cur.parent
-        return total
-
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """Root's children down to ``node``, in order."""
         path = []
@@ -116,16 +107,32 @@ class SWARadixCache(RadixCache):
                 self._guards.pop(node, None)
         return super().dec_lock_ref(node)
 
-    def _guarded_from(self, node: TreeNode) -> int | None:
-        """The first position of ``node``'s path that a guard below (or at) it keeps live, or None."""
-        first: int | None = None
+    def _guarded_from(self, path: list[TreeNode]) -> list[int | None]:
+        """For each node of ``path`` (root side first), the first position a guard at or below it keeps
+        live, or None. One climb per guard to the path (not one per guard and path node)."""
+        index = {node: i for i, node in enumerate(path)}
+        ends: list[int] = []
+        pos = 0
+        for node in path:
+            pos += len(node.key)
+            ends.append(pos)
+        own: list[int | None] = [None] * len(path)  # guards whose deepest path ancestor is path[i]
         for guard in self._guards:
-            cur: TreeNode | None = guard
-            while cur is not None and cur is not node and cur is not self.root:
+            below, cur = 0, guard  # tokens between the path node reached and the guard's end
+            while cur is not None and cur is not self.root and cur not in index:
+                below += len(cur.key)
                 cur = cur.parent
-            if cur is node:
-                start = max(0, self._end(guard) - self.window + 1)
-                first = start if first is None else min(first, start)
+            if cur is None or cur is self.root:
+                continue
+            i = index[cur]
+            start = max(0, ends[i] + below - self.window + 1)
+            own[i] = start if own[i] is None else min(own[i], start)  # type: ignore[type-var]
+        first: list[int | None] = [None] * len(path)
+        running: int | None = None
+        for i in range(len(path) - 1, -1, -1):
+            if own[i] is not None:
+                running = own[i] if running is None else min(running, own[i])  # type: ignore[type-var]
+            first[i] = running
         return first
 
     # ---------------------------------------------------------------- lookups
@@ -163,18 +170,16 @@ class SWARadixCache(RadixCache):
         if node is None or node is self.root or self.disable or getattr(req, "swa_tree_epoch", -1) == self._epoch:
             return freed  # nothing on its path can have lost its guards since the last walk
         req.swa_tree_epoch = self._epoch  # type: ignore[attr-defined]
-        pos = self._end(node)
-        cur: TreeNode | None = node
-        while cur is not None and cur is not self.root:
-            start = pos - len(cur.key)
-            parent = cur.parent
+        path = self._path(node)
+        limits = self._guarded_from(path)
+        pos = 0
+        for cur, limit in zip(path, limits):  # (a split below only adds a node above cur's lower part)
+            start, pos = pos, pos + len(cur.key)
             if not cur.swa_tombstone:  # type: ignore[attr-defined]
-                limit = self._guarded_from(cur)
                 if limit is None or limit >= pos:
                     freed += self._tombstone(cur)
                 elif limit > start:
                     freed += self._tombstone(self._split(cur, limit - start))
-            cur, pos = parent, start
         return freed
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:
