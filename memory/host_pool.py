@@ -56,5 +56,4 @@ class HostKVPool:
     def _buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.pinned)
 
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+    bytes_per_token = MHATokenToKVPool.bytes_per_token  # the same layout, so the same count
