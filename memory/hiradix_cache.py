@@ -294,6 +294,8 @@ class HiRadixCache(RadixCache):
     def issue_transfers(self, complete: bool = True) -> None:
         """Issue the queued copies (one batch per direction); first complete the ones issued
         before, unless ``complete`` is False (loads issued while the step's backups still run)."""
+        if not (self._inflight or self._pending_backups or self._pending_loads):
+            return  # (every scheduler step calls this twice; most have nothing to copy)
         if complete:
             self._complete()
         if self._pending_backups:
