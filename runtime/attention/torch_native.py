@@ -116,9 +116,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if batch.forward_mode.is_decode():
             groups = [self._decode_group(batch, list(range(bs)), seq_lens, in_order=True)]
         else:
-            starts = [0] * bs
-            for i in range(1, bs):
-                starts[i] = starts[i - 1] + ext_lens[i - 1]
+            starts = packed_starts(ext_lens)
             ones = [i for i in range(bs) if ext_lens[i] == 1]
             multi = [i for i in range(bs) if ext_lens[i] != 1]
             groups = []
@@ -150,21 +148,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         in_order: bool,
         starts: list[int] | None = None,
     ) -> AttnGroup:
-        device = batch.req_pool_indices.device
         kv_loc, valid = self._kv_locations(batch, members, seq_lens)
         lens = [seq_lens[i] for i in members]
-        if in_order:
-            q_index = torch.arange(len(members), dtype=torch.int64, device=device)[:, None]
-            out_tokens = out_rows = None
-        else:
-            assert starts is not None
-            tokens = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=device)
-            q_index = tokens[:, None]
-            out_tokens = tokens
-            out_rows = torch.arange(len(members), dtype=torch.int64, device=device)
-        mask = None if min(lens) == max(lens) else key_bias(valid[:, None, None, :])
-        group = AttnGroup(q_index, kv_loc, mask, out_tokens, out_rows, one_token=True,
-                          q_start=0 if in_order else None, kv_flat=kv_loc.reshape(-1))
+        group = one_token_group(kv_loc, valid, min(lens) == max(lens), members, starts, in_order)
         if self.plan_cascade:
             group.shared = _plan_shared_prefix(kv_loc, lens)
         return group
@@ -212,10 +198,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         causal = kj[:, None, :] <= (prefix[:, None, None] + qi[:, :, None])  # [n, q_len, kv_len]
         mask = causal & valid[:, None, :]
         mask[:, :, 0] |= ~q_valid  # padded query rows see key 0 only, to stay finite
-        out_tokens = q_index[q_valid]  # row-major: request by request, token by token
-        out_rows = (torch.arange(n, device=device)[:, None] * q_len + qi).expand(n, q_len)[q_valid]
-        if covers_all:
-            out_tokens = out_rows = None  # the group's output is every packed row, in order
+        out_tokens, out_rows = extend_outputs(q_index, q_valid, covers_all)
         return AttnGroup(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
                          kv_flat=own_loc.masked_fill(~valid, 0).reshape(-1), shared_loc=shared_loc)
 
@@ -270,6 +253,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         """``[n, Hkv, L, D]`` (a strided view) of the pool rows at ``flat_loc`` (``n * L`` slots)."""
         return buf.index_select(0, flat_loc).view(n, -1, buf.shape[1], buf.shape[2]).transpose(1, 2)
 
+    @classmethod
+    def _folded_queries(cls, q: torch.Tensor, layer: AttentionLayerSpec, g: AttnGroup) -> torch.Tensor:
+        """A one-token group's queries ``[n, Hkv, group, D]``: query head h uses KV head h // group."""
+        hkv = layer.num_kv_heads
+        return cls._group_queries(q, g).view(g.q_index.shape[0], hkv, layer.num_heads // hkv, layer.head_dim)
+
     def _one_token(
         self,
         q: torch.Tensor,
@@ -281,14 +270,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         g: AttnGroup,
     ) -> torch.Tensor:
         """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
-        n = g.q_index.shape[0]
-        hkv, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-        qg = self._group_queries(q, g).view(n, hkv, group, d)  # query head h uses KV head h // group
+        qg = self._folded_queries(q, layer, g)
+        n = qg.shape[0]
         assert g.kv_flat is not None
         kd, vd = self._gather(k_buf, g.kv_flat, n).to(qg.dtype), self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
         mask = None if g.mask is None else g.mask.to(qg.dtype)  # SDPA wants a float mask in q's dtype
         og = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=layer.scaling)
-        return og.reshape(n, layer.num_heads, d)
+        return og.reshape(n, layer.num_heads, layer.head_dim)
 
     def _extend(
         self,
@@ -327,6 +315,48 @@ class TorchNativeAttnBackend(AttentionBackend):
             return kg, vg
         assert g.kv_flat is not None
         return self._gather(k_buf, g.kv_flat, n).to(k.dtype), self._gather(v_buf, g.kv_flat, n).to(k.dtype)
+
+
+def packed_starts(ext_lens: list[int]) -> list[int]:
+    """Each request's first row among the batch's packed new tokens."""
+    starts = [0] * len(ext_lens)
+    for i in range(1, len(ext_lens)):
+        starts[i] = starts[i - 1] + ext_lens[i - 1]
+    return starts
+
+
+def one_token_group(
+    kv_loc: torch.Tensor, valid: torch.Tensor, uniform: bool, members: list[int], starts: list[int] | None,
+    in_order: bool,
+) -> AttnGroup:
+    """A one-token group over the keys ``kv_loc`` (``valid`` marks the real ones; ``uniform``:
+    every member has the same number, known on the host, so no mask). ``in_order``: the
+    members are the whole batch in order (queries and outputs are the packed rows as they are)."""
+    device = kv_loc.device
+    if in_order:
+        q_index = torch.arange(len(members), dtype=torch.int64, device=device)[:, None]
+        out_tokens = out_rows = None
+    else:
+        assert starts is not None
+        out_tokens = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=device)
+        q_index = out_tokens[:, None]
+        out_rows = torch.arange(len(members), dtype=torch.int64, device=device)
+    mask = None if uniform else key_bias(valid[:, None, None, :])
+    return AttnGroup(q_index, kv_loc, mask, out_tokens, out_rows, one_token=True,
+                     q_start=0 if in_order else None, kv_flat=kv_loc.reshape(-1))
+
+
+def extend_outputs(
+    q_index: torch.Tensor, q_valid: torch.Tensor, covers_all: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(out_tokens, out_rows)`` of an extend group: its real queries' packed rows and their rows
+    in the flattened ``[n * q_len]`` output, request by request; ``(None, None)`` when the group's
+    output is every packed row in order."""
+    if covers_all:
+        return None, None
+    n, q_len = q_index.shape
+    rows = torch.arange(n * q_len, dtype=torch.int64, device=q_index.device).view(n, q_len)
+    return q_index[q_valid], rows[q_valid]
 
 
 def _plan_shared_prefix(kv_loc: torch.Tensor, lens: list[int]) -> SharedPrefix | None:

@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention.torch_native import AttnGroup, _pack_groups, key_bias
+from runtime.attention.torch_native import (
+    AttnGroup,
+    _pack_groups,
+    extend_outputs,
+    one_token_group,
+    packed_starts,
+)
 from runtime.forward_batch import ForwardBatch
 
 
@@ -29,9 +35,7 @@ def plan_window_groups(
 ) -> list[AttnGroup]:
     """The groups of one forward for layers of window ``window`` (see the module docstring)."""
     bs = len(seq_lens)
-    starts = [0] * bs
-    for i in range(1, bs):
-        starts[i] = starts[i - 1] + ext_lens[i - 1]
+    starts = packed_starts(ext_lens)
     # Key range of each request: from the first key its first new token can see, to its end.
     key_start = [max(0, prefix_lens[i] - window + 1) for i in range(bs)]
     ones = [i for i in range(bs) if ext_lens[i] == 1]
@@ -70,18 +74,9 @@ def _one_token_group(
     in_order: bool,
 ) -> AttnGroup:
     # A one-token query sits at position seq_len - 1: it sees exactly the keys from key_start on.
-    device = batch.req_pool_indices.device
     kv_loc, valid = _window_slots(batch, members, key_start, seq_lens)
-    if in_order:
-        q_index = torch.arange(len(members), dtype=torch.int64, device=device)[:, None]
-        out_tokens = out_rows = None
-    else:
-        tokens = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=device)
-        q_index, out_tokens = tokens[:, None], tokens
-        out_rows = torch.arange(len(members), dtype=torch.int64, device=device)
-    mask = None if bool(valid.all()) else key_bias(valid[:, None, None, :])
-    return AttnGroup(q_index, kv_loc, mask, out_tokens, out_rows, one_token=True,
-                     q_start=0 if in_order else None, kv_flat=kv_loc.reshape(-1))
+    uniform = len({seq_lens[i] - key_start[i] for i in members}) == 1  # on the host: no device sync
+    return one_token_group(kv_loc, valid, uniform, members, starts, in_order)
 
 
 def _extend_group(
@@ -108,13 +103,10 @@ def _extend_group(
     delta = (q_pos0[:, None] + qi)[:, :, None] - kj  # [n, q_len, L]: query position - key position
     mask = (delta >= 0) & (delta < window) & valid[:, None, :]
     mask[:, :, 0] |= ~q_valid  # padded query rows see key 0 only, to stay finite
-    unpadded = bool(q_valid.all())
+    unpadded = all(ext_lens[i] == q_len for i in members)  # on the host: no device sync
     contiguous = unpadded and all(starts[m] == starts[members[0]] + j * q_len for j, m in enumerate(members))
     q_start = starts[members[0]] if contiguous else None
     covers_all = contiguous and q_start == 0 and n * q_len == sum(ext_lens)
-    out_tokens = q_index[q_valid]
-    out_rows = (torch.arange(n, device=device)[:, None] * q_len + qi).expand(n, q_len)[q_valid]
-    if covers_all:
-        out_tokens = out_rows = None
+    out_tokens, out_rows = extend_outputs(q_index, q_valid, covers_all)
     return AttnGroup(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
                      kv_flat=kv_loc.reshape(-1))

@@ -82,9 +82,8 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         g: AttnGroup,
     ) -> torch.Tensor:
         """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
-        n = g.q_index.shape[0]
-        hkv, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-        qg = self._group_queries(q, g).view(n, hkv, group, d)  # query head h uses KV head h // group
+        qg = self._folded_queries(q, layer, g)
+        n = qg.shape[0]
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         append: cpu_kernels.KeyAppend | None = None
         if g.mirror is not None:
@@ -115,7 +114,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
             og = _cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append)
         else:
             og, _ = _few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append)
-        return og.reshape(n, layer.num_heads, d)
+        return og.reshape(n, layer.num_heads, layer.head_dim)
 
     def _extend(
         self,
