@@ -142,7 +142,7 @@ class OutputRouting:
             meta["index"] = sample.index
         if sample.finished:
             meta["finish_reason"] = finish_reason
-            meta["latency"] = time.time() - group.created
+            meta["latency"] = time.perf_counter() - group.started
         return meta
 
     def final_chunk(self, group: ReqGroup, sample: SampleState, finish_reason: dict[str, Any]) -> GenerateChunk:

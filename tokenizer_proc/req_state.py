@@ -34,9 +34,8 @@ class ReqGroup:
     identity: bytes
     client_rid: str
     stream: bool
-    created: float
     samples: list[SampleState]
-    started: float = field(default_factory=time.perf_counter)  # for latencies (created is wall time)
+    started: float = field(default_factory=time.perf_counter)  # perf_counter at acceptance: every latency
 
     @property
     def n(self) -> int:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -188,7 +187,7 @@ class TokenizerManager(OutputRouting):
         if held + len(subs) > limit:
             raise Rejected("too_many_requests", f"{len(subs)} more requests would put this client past "
                                                 f"--max-requests-per-client ({limit}; {held} in flight)")
-        group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream, created=time.time(),
+        group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream,
                          samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)])
         self.groups[key] = group
         self.client_samples[identity] = held + group.n
