@@ -21,7 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from runtime.client_errors import RequestError, RequestTimeout, ServerGone
-from runtime.messages import ClientReply, ControlReply, ErrorReply, GenerateChunk
+from runtime.messages import ClientReply, ControlReply, GenerateChunk
 
 logger = logging.getLogger(__name__)
 
@@ -167,19 +167,21 @@ class ClientConnection:
         except Exception as exc:
             logger.error("dropping a malformed reply (%d bytes): %s", len(frame), exc)
             return
-        if isinstance(msg, GenerateChunk):
-            keys = [("gen", msg.rid)]
-        elif isinstance(msg, ControlReply):
-            keys = [("abort" if msg.kind == "abort" else "ctl", msg.rid)]
-        else:  # ErrorReply: whichever call waits on this rid
-            keys = [("gen", msg.rid), ("ctl", msg.rid), ("abort", msg.rid)]
+        if isinstance(msg, (GenerateChunk, ControlReply)):
+            # Every streamed token comes this way: one lookup; a reply nobody waits for
+            # (its call ended, e.g. a stream left early) is dropped.
+            kind = "gen" if isinstance(msg, GenerateChunk) else "abort" if msg.kind == "abort" else "ctl"
+            queue = self._queues.get((kind, msg.rid))
+            if queue is not None:
+                queue.put_nowait(msg)
+            return
         delivered = False
-        for key in keys:
-            queue = self._queues.get(key)
+        for kind in ("gen", "ctl", "abort"):  # an ErrorReply: whichever call waits on this rid
+            queue = self._queues.get((kind, msg.rid))
             if queue is not None:
                 queue.put_nowait(msg)
                 delivered = True
-        if not delivered and isinstance(msg, ErrorReply):
+        if not delivered:
             logger.warning("server error for no pending request (rid %r): [%s] %s",
                            msg.rid, msg.code, msg.message)
 
