@@ -381,8 +381,7 @@ class ServerArgs:
 
     def client_address(self) -> str:
         """The ``tcp://`` address clients connect to (IPv6 hosts in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return endpoint("tcp", self.host, self.port)
 
     def redacted(self) -> dict[str, object]:
         """Field values for server info, without the api key."""
@@ -390,6 +389,11 @@ class ServerArgs:
         if d["api_key"] is not None:
             d["api_key"] = "<set>"
         return d
+
+
+def endpoint(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 host in brackets (the ZMQ and HTTP addresses printed)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def is_hub_id(path: str) -> bool:

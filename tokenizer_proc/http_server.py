@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.args import ServerArgs
+from runtime.args import ServerArgs, endpoint
 from runtime.messages import ErrorReply, FlushCacheReq, GenerateChunk, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.request_builder import Rejected, check_api_key
@@ -161,7 +161,7 @@ class HttpServer:
             self.sock.close()
             raise OSError(f"cannot listen for HTTP on {host}:{port} (--http-port): {exc}") from None
         bound = self.sock.getsockname()[1]
-        self.address = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        self.address = endpoint("http", host, bound)
         self.app = build_app(self)
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
                                 log_level=server_args.log_level, timeout_keep_alive=30)

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import PortArgs, ServerArgs, endpoint
 from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
 from runtime.utils import exit_now, recv_status, send_status
@@ -85,8 +85,7 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     if server_args.enable_metrics:
         manager.metrics = Metrics(http.model_name)
     http.attach(manager)
-    host = server_args.host
-    address = f"tcp://[{host}]:{router.port}" if ":" in host else f"tcp://{host}:{router.port}"
+    address = endpoint("tcp", server_args.host, router.port)
     send_status(ready_conn, {"status": "ready", "address": address, "http_address": http.address})
     logger.info("tokenizer ready on %s and %s", address, http.address)
     await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop(),
