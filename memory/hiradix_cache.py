@@ -197,24 +197,13 @@ class HiRadixCache(RadixCache):
         return ([n.value for n in on_device], dev_node,  # type: ignore[return-value,misc]
                 [n.host_value for n in host_only], last)  # type: ignore[misc]
 
-    def _split(self, child: TreeNode, split_len: int) -> HiTreeNode:
-        parent = child.parent
-        assert parent is not None and 0 < split_len < len(child.key)
-        value = child.value
-        upper = self._new_node(child.key[:split_len], None if value is None else value[:split_len], parent,
-                               child.extra_key)
-        host = child.host_value  # type: ignore[attr-defined]
-        upper.host_value = None if host is None else host[:split_len]
-        upper.lock_ref = child.lock_ref
-        upper.last_access_time = child.last_access_time
-        upper.hit_count = child.hit_count
-        parent.children[self._child_key(child.key, 0, child.extra_key)] = upper
-        child.key = child.key[split_len:]
+    def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
+        """Both tiers' slots split where the key does (either may be None: not in that tier)."""
+        value, host = child.value, child.host_value  # type: ignore[attr-defined]
+        upper.value = None if value is None else value[:split_len]  # type: ignore[assignment]
         child.value = None if value is None else value[split_len:]  # type: ignore[assignment]
+        upper.host_value = None if host is None else host[:split_len]  # type: ignore[attr-defined]
         child.host_value = None if host is None else host[split_len:]  # type: ignore[attr-defined]
-        child.parent = upper
-        upper.children[self._child_key(child.key, 0, child.extra_key)] = child
-        return upper
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache ``key -> value``; return how many leading tokens were already on the device.

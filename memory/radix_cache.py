@@ -219,16 +219,21 @@ class RadixCache(BasePrefixCache):
         """Cut ``child`` after ``split_len`` tokens; return the new upper node (sizes are unchanged)."""
         parent = child.parent
         assert parent is not None and 0 < split_len < len(child.key)
-        upper = self._new_node(child.key[:split_len], child.value[:split_len], parent, child.extra_key)
+        upper = self._new_node(child.key[:split_len], self._empty, parent, child.extra_key)
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         upper.hit_count = child.hit_count
         parent.children[self._child_key(child.key, 0, child.extra_key)] = upper
         child.key = child.key[split_len:]
-        child.value = child.value[split_len:]
+        self._split_values(child, upper, split_len)
         child.parent = upper
         upper.children[self._child_key(child.key, 0, child.extra_key)] = child
         return upper
+
+    def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
+        """Give ``upper`` the first ``split_len`` tokens' slots of ``child`` (a subclass whose nodes
+        keep more per token, or no device slots, splits that here too)."""
+        upper.value, child.value = child.value[:split_len], child.value[split_len:]
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache ``key -> value`` (page-aligned part); return how many leading tokens were already cached.

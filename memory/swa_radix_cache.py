@@ -73,10 +73,10 @@ class SWARadixCache(RadixCache):
         self._next_id += 1
         return node
 
-    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
-        upper = super()._split(child, split_len)
+    def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
+        super()._split_values(child, upper, split_len)
         upper.swa_tombstone = child.swa_tombstone  # type: ignore[attr-defined]
-        return upper  # (guards are keyed by end node: the child keeps its end, the upper part is new)
+        # (guards are keyed by end node: the child keeps its end, the upper part is new)
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """Root's children down to ``node``, in order."""
