@@ -66,9 +66,8 @@ class ControlCalls:
         kind = _KIND[type(req)]
         internal = uuid.uuid4().hex
         pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
-        timeout = HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S
         pending.timer = asyncio.get_running_loop().call_later(
-            timeout, lambda: asyncio.ensure_future(self._timed_out(internal)))
+            _timeout_s(kind), lambda: asyncio.ensure_future(self._timed_out(internal)))
         self.pending[internal] = pending
         # Health is a server_info round trip: it proves the scheduler loop is turning.
         self.to_scheduler.send(SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache"
@@ -99,8 +98,7 @@ class ControlCalls:
         code = "unhealthy" if pending.kind == "health" else "internal"
         await self.reply(pending.identity, ErrorReply(
             rid=pending.client_rid, code=code,
-            message=f"the scheduler did not answer {pending.kind} within "
-                    f"{HEALTH_TIMEOUT_S if pending.kind == 'health' else CONTROL_TIMEOUT_S:.0f} s"))
+            message=f"the scheduler did not answer {pending.kind} within {_timeout_s(pending.kind):.0f} s"))
 
     async def handle_out(self, out: SchedControlOut) -> None:
         pending = self.drop(out.rid)
@@ -127,3 +125,8 @@ class ControlCalls:
             pending = self.drop(internal)
             if pending is not None:
                 await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code=code, message=message))
+
+
+def _timeout_s(kind: str) -> float:
+    """How long a control call of ``kind`` waits for the scheduler."""
+    return HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S
