@@ -15,10 +15,13 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import urlsplit
 
 import h11
+
+if TYPE_CHECKING:
+    from bench.load_runner import RequestRecord
 
 
 @dataclass
@@ -26,7 +29,6 @@ class Event:
     """One stream event: a chunk of tokens (``choice``), or the final usage."""
 
     choice: bool
-    finished: bool = False
     completion_tokens: int = 0
     cached_tokens: int = 0
 
@@ -99,7 +101,7 @@ class CompletionsClient:
                 if "error" in data:
                     raise HttpError(200, str(data["error"].get("code")), str(data["error"].get("message")))
                 if data["choices"]:
-                    yield Event(choice=True, finished=data["choices"][0]["finish_reason"] is not None)
+                    yield Event(choice=True)
                 if data.get("usage"):
                     usage = data["usage"]
                     yield Event(choice=False, completion_tokens=usage["completion_tokens"],
@@ -108,13 +110,13 @@ class CompletionsClient:
     async def complete(self, input_ids: list[int], max_new_tokens: int) -> Event:
         raw = b"".join([piece async for piece in self._post(self.body(input_ids, max_new_tokens, stream=False))])
         usage = json.loads(raw)["usage"]
-        return Event(choice=False, finished=True, completion_tokens=usage["completion_tokens"],
+        return Event(choice=False, completion_tokens=usage["completion_tokens"],
                      cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
 
 
-async def send(client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool, rec: Any,
-               start: float) -> None:
-    """One bench request; fills ``rec`` (a bench.serving.RequestRecord) as the ZMQ path does:
+async def send(client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool,
+               rec: RequestRecord, start: float) -> None:
+    """One bench request; fills ``rec`` as the ZMQ path does:
     TTFT at the first token event, a gap per later event, token counts from the usage."""
     if not stream:
         done = await client.complete(input_ids, max_new_tokens)
