@@ -24,7 +24,7 @@ from runtime.attention.registry import (
     resolve_attention_backend_name,
 )
 from runtime.cpu.host_memory import cpu_mem_available_bytes
-from runtime.cuda_graph_runner import CudaGraphRunner, setup_cuda_graphs
+from runtime.cuda_graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group
@@ -220,8 +220,7 @@ class ModelRunner:
         """Run the model; fp32 logits ``[bs, vocab]`` at each request's last new token."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
-        self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.attn_backend)
+        return eager_forward(self, batch)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, top_logprobs_num: int | None = None) -> ModelOutput:
