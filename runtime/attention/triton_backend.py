@@ -152,17 +152,27 @@ class TritonAttnBackend(AttentionBackend):
         else:  # the first new token (at prefix_len) sees cached keys from prefix_len - W + 1 on
             ends, ends_cpu = batch.prefix_lens, _host_list(batch.prefix_lens_cpu, batch.prefix_lens)
             reach = window - 1
+        used = sum(min(e, reach) for e in ends_cpu)
+        plan = _WindowPlan(torch.zeros(len(ends_cpu) + 1, dtype=torch.int32, device=device),
+                           torch.empty(used, dtype=torch.int32, device=device))
+        lens = self._fill_window_plan(batch, ends, reach, used, plan)
+        plan.num_kv_splits = self._num_kv_splits(batch, lens) if meta.is_decode else None
+        meta.windowed[window] = plan
+        return plan
+
+    def _fill_window_plan(
+        self, batch: ForwardBatch, ends: torch.Tensor, reach: int, used: int, plan: _WindowPlan
+    ) -> torch.Tensor:
+        """Write, in place, ``plan``'s ranges of each request's last ``reach`` keys before ``ends``
+        (``used`` slots in all); returns their lengths. Shared by the eager plan and graph replay."""
         starts = (ends - reach).clamp(min=0)
         lens = ends - starts
-        kv_indptr = _indptr(lens, device)
-        kv_indices = torch.empty(sum(min(e, reach) for e in ends_cpu), dtype=torch.int32, device=device)
+        plan.kv_indptr[1:].copy_(torch.cumsum(lens, dim=0))
         self._kernels.create_kv_indices(
-            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, kv_indptr, starts, kv_indices
+            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, plan.kv_indptr, starts, plan.kv_indices
         )
-        _translate_swa(batch, kv_indices)
-        splits = self._num_kv_splits(batch, lens) if meta.is_decode else None
-        meta.windowed[window] = _WindowPlan(kv_indptr, kv_indices, splits)
-        return meta.windowed[window]
+        _translate_swa(batch, plan.kv_indices[:used])
+        return lens
 
     def _num_kv_splits(self, batch: ForwardBatch, kv_lens: torch.Tensor | None = None) -> torch.Tensor:
         num_kv_heads = self.num_kv_heads or batch.token_to_kv_pool.kv_heads
@@ -215,7 +225,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         meta: TritonAttnMetadata = batch.attn_metadata
-        total = sum(_host_list(batch.seq_lens_cpu, batch.seq_lens))
+        seq_lens = _host_list(batch.seq_lens_cpu, batch.seq_lens)
+        total = sum(seq_lens)
         if total > meta.kv_indices.shape[0]:
             raise ValueError(f"{total} KV tokens exceed the graph plan's {meta.kv_indices.shape[0]}")
         meta.kv_indptr[1:].copy_(torch.cumsum(batch.seq_lens, dim=0))
@@ -226,15 +237,7 @@ class TritonAttnBackend(AttentionBackend):
         assert meta.num_kv_splits is not None
         meta.num_kv_splits.copy_(self._num_kv_splits(batch))
         for window, plan in meta.windowed.items():
-            starts = (batch.seq_lens - window).clamp(min=0)
-            lens = batch.seq_lens - starts
-            plan.kv_indptr[1:].copy_(torch.cumsum(lens, dim=0))
-            self._kernels.create_kv_indices(
-                batch.req_to_token_pool.req_to_token, batch.req_pool_indices, lens, plan.kv_indptr, starts,
-                plan.kv_indices,
-            )
-            used = sum(min(n, window) for n in _host_list(batch.seq_lens_cpu, batch.seq_lens))
-            _translate_swa(batch, plan.kv_indices[:used])
+            lens = self._fill_window_plan(batch, batch.seq_lens, window, sum(min(n, window) for n in seq_lens), plan)
             assert plan.num_kv_splits is not None
             plan.num_kv_splits.copy_(self._num_kv_splits(batch, lens))
 
