@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from runtime.attention import torch_native
 from runtime.attention.base import AttentionLayerSpec
@@ -131,21 +130,17 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         Cascade groups (``shared_loc``) return only the real rows, in ``out_tokens`` order.
         """
         n, q_len = g.q_index.shape
+        matmul_prefill = g.keys_are_new and _matmul_prefill_applies(q, q_len)
+        if g.shared_loc is None and not matmul_prefill:
+            return super()._extend(q, k, v, k_buf, v_buf, layer, g)  # the plain SDPA of the plan
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        gqa = h != hkv
         qs = self._group_queries(q, g)
         qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
         kg, vg = self._group_keys(k, v, k_buf, v_buf, layer, g)
         if g.shared_loc is None:
-            if g.keys_are_new and _matmul_prefill_applies(qg, q_len):
-                return _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
-            if g.keys_are_new:
-                og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
-            else:
-                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=layer.scaling, enable_gqa=gqa)
-            return og.transpose(1, 2).reshape(n * q_len, h, d)
+            return _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
         # Cascade: own keys (causal, returning the log-sum-exp) ...
-        if g.keys_are_new and _matmul_prefill_applies(qg, q_len):
+        if matmul_prefill:
             o_own, lse_own = _causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling, with_lse=True)
             assert lse_own is not None
         else:
