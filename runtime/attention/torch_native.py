@@ -104,6 +104,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any = None) -> None:
         self.model_runner = model_runner
+        self._ops = getattr(model_runner, "ops", None)
 
     # ---- planning (once per forward) -------------------------------------------------
 
