@@ -19,6 +19,7 @@ from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeMetadata
 from runtime.cpu import attention as torch_native
+from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.attention import TorchNativeAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
@@ -301,13 +302,13 @@ def _decode_steps(
 @pytest.mark.parametrize("shared", [0, CASCADE_MIN_PREFIX + 3])
 def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch) -> None:
     appends: list[bool] = []
-    real = cpu_kernels.decode_attention
+    real = attn_kernels.decode_attention
 
     def spy(*args, **kwargs):
         appends.append(kwargs.get("append", args[7] if len(args) > 7 else None) is not None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "decode_attention", spy)
+    monkeypatch.setattr(attn_kernels, "decode_attention", spy)
     metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=4)
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
@@ -317,20 +318,20 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch)
 
 
 def test_bf16_decode_cascade_through_the_packed_prefix_kernel(monkeypatch) -> None:
-    """bf16, head dim 64: a shared prefix goes through cpu_kernels.prefix_attention (packed once per
+    """bf16, head dim 64: a shared prefix goes through attn_kernels.prefix_attention (packed once per
     rebuild) and each request's own keys through the decode kernel continuing its softmax."""
     calls: list[int] = []
-    real = cpu_kernels.prefix_attention
+    real = attn_kernels.prefix_attention
 
     def spy(q, packed, scale):
         calls.append(packed.length)
         return real(q, packed, scale)
 
-    monkeypatch.setattr(cpu_kernels, "prefix_attention", spy)
+    monkeypatch.setattr(attn_kernels, "prefix_attention", spy)
     shared = CASCADE_MIN_PREFIX + 7
     metas = _decode_steps(torch.bfloat16, shared, [5, 1, 9, 3], steps=3, head_dim=64)
     assert all(m.groups[0].shared is not None for m in metas)
-    supported = cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), 64)
+    supported = attn_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), 64)
     assert calls == ([shared] * 3 if supported else [])
 
 

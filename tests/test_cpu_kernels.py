@@ -9,10 +9,21 @@ capacity, strided query rows and the log-sum-exp output.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 
+from runtime.cpu import kernel_library
+from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
+
+
+@pytest.fixture(autouse=True, params=kernel_library.host_levels())
+def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs against each build this CPU can execute (AVX-512 + BF16, AVX-512, AVX2, plain C)."""
+    with kernel_library.use_level(request.param):
+        yield request.param
 
 
 def _reference(q, k_t, v, lens, scale):
@@ -46,8 +57,8 @@ def test_matches_fp32_attention(group: int, d: int, lens: list[int]) -> None:
     k_t[..., width:] = float("nan")  # never read: width stops the kernel first
     v[:, :, width:] = float("nan")
     bias = _bias(lens, cap)
-    assert cpu_kernels.supports(q, k_t, v, bias)
-    out, lse = cpu_kernels.decode_attention(q, k_t, v, bias, d**-0.5, width, with_lse=True)
+    assert attn_kernels.supports(q, k_t, v, bias)
+    out, lse = attn_kernels.decode_attention(q, k_t, v, bias, d**-0.5, width, with_lse=True)
     expected, expected_lse = _reference(q, k_t[..., :width], v[:, :, :width], lens, d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (n, hkv, group, d)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -60,7 +71,7 @@ def test_without_bias_or_lse_reads_every_key() -> None:
     q = torch.randn(n, hkv, group, d, generator=gen).bfloat16()
     k_t = torch.randn(n, hkv, d, cap, generator=gen).bfloat16()
     v = torch.randn(n, hkv, cap, d, generator=gen).bfloat16()
-    out, lse = cpu_kernels.decode_attention(q, k_t, v, None, 0.3, cap, with_lse=False)
+    out, lse = attn_kernels.decode_attention(q, k_t, v, None, 0.3, cap, with_lse=False)
     assert lse is None
     expected, _ = _reference(q, k_t, v, [cap] * n, 0.3)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -70,21 +81,21 @@ def test_operands_it_does_not_take() -> None:
     q = torch.randn(2, 2, 4, 64).bfloat16()
     k_t = torch.randn(2, 2, 64, 8).bfloat16()
     v = torch.randn(2, 2, 8, 64).bfloat16()
-    assert cpu_kernels.supports(q, k_t, v, None)
-    assert not cpu_kernels.supports(q.float(), k_t.float(), v.float(), None)  # fp32 keeps the torch path
-    assert not cpu_kernels.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
-    assert not cpu_kernels.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
-    assert not cpu_kernels.supports(torch.randn(2, 1, 32, 64).bfloat16(), k_t[:, :1], v[:, :1], None)  # group > 16
+    assert attn_kernels.supports(q, k_t, v, None)
+    assert not attn_kernels.supports(q.float(), k_t.float(), v.float(), None)  # fp32 keeps the torch path
+    assert not attn_kernels.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    assert not attn_kernels.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
+    assert not attn_kernels.supports(torch.randn(2, 1, 32, 64).bfloat16(), k_t[:, :1], v[:, :1], None)  # group > 16
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
+    kernel_library.reset()
     try:
         assert not cpu_kernels.available()
     finally:
         monkeypatch.undo()
-        cpu_kernels._library.cache_clear()
+        kernel_library.reset()
     assert cpu_kernels.available()
 
 
@@ -244,16 +255,16 @@ def test_decode_attention_stores_the_appended_keys_first() -> None:
         stored_v[b, :, p] = kv_new[b, hkv:]
         k_t[b, :, :, p] = float("nan")  # the kernel must overwrite these before reading them
         v[b, :, p] = float("nan")
-    append = cpu_kernels.KeyAppend(kv_new[:, :hkv], kv_new[:, hkv:], pos)
-    assert cpu_kernels.append_supported(append, k_t)
-    out, lse = cpu_kernels.decode_attention(q, k_t, v, _bias(lens, cap), d**-0.5, max(lens), True, append)
+    append = attn_kernels.KeyAppend(kv_new[:, :hkv], kv_new[:, hkv:], pos)
+    assert attn_kernels.append_supported(append, k_t)
+    out, lse = attn_kernels.decode_attention(q, k_t, v, _bias(lens, cap), d**-0.5, max(lens), True, append)
     assert torch.equal(k_t, stored_k) and torch.equal(v, stored_v)
     expected, expected_lse = _reference(q, stored_k, stored_v, lens, d**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
     with pytest.raises(ValueError):
-        cpu_kernels.decode_attention(q, k_t, v, None, 1.0, cap, False, cpu_kernels.KeyAppend(append.k, append.v, pos + cap))
-    assert not cpu_kernels.append_supported(cpu_kernels.KeyAppend(append.k.float(), append.v, pos), k_t)
+        attn_kernels.decode_attention(q, k_t, v, None, 1.0, cap, False, attn_kernels.KeyAppend(append.k, append.v, pos + cap))
+    assert not attn_kernels.append_supported(attn_kernels.KeyAppend(append.k.float(), append.v, pos), k_t)
 
 
 def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows() -> None:
@@ -284,18 +295,18 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     k_pre, v_pre = torch.randn(p, hkv, d).bfloat16(), torch.randn(p, hkv, d).bfloat16()
     k_t, v = torch.randn(n, hkv, d, cap).bfloat16(), torch.randn(n, hkv, cap, d).bfloat16()
     scale = d**-0.5
-    packed = cpu_kernels.pack_prefix(k_pre, v_pre)
-    assert (packed.k.shape[1] * cpu_kernels.PREFIX_KEY_BLOCK) % cpu_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
-    if not cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
+    packed = attn_kernels.pack_prefix(k_pre, v_pre)
+    assert (packed.k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK) % attn_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
+    if not attn_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
         with pytest.raises(ValueError):  # built without AVX-512: it refuses, and the backend keeps the GEMM cascade
-            cpu_kernels.prefix_attention(q, packed, scale)
+            attn_kernels.prefix_attention(q, packed, scale)
         return
-    o_pre, lse_pre = cpu_kernels.prefix_attention(q, packed, scale)
+    o_pre, lse_pre = attn_kernels.prefix_attention(q, packed, scale)
     qf = q.float()
     scores_pre = torch.einsum("nhgd,phd->nhgp", qf, k_pre.float()) * scale
     torch.testing.assert_close(lse_pre, scores_pre.logsumexp(-1), atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(o_pre, scores_pre.softmax(-1) @ v_pre.float().transpose(0, 1), atol=2e-2, rtol=2e-2)
-    out, lse = cpu_kernels.decode_attention(q, k_t, v, _bias(lens, cap), scale, max(lens), True,
+    out, lse = attn_kernels.decode_attention(q, k_t, v, _bias(lens, cap), scale, max(lens), True,
                                             init=(o_pre, lse_pre))
     own = torch.matmul(qf, k_t.float()) * scale
     own = own.masked_fill(torch.arange(cap)[None, None, None, :] >= torch.tensor(lens)[:, None, None, None],
@@ -325,8 +336,8 @@ def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int) 
     k = qkv[:, h * d : (h + hkv) * d].view(n, length, hkv, d)
     v = qkv[:, (h + hkv) * d : (h + 2 * hkv) * d].view(n, length, hkv, d)
     scale = d**-0.5
-    result = cpu_kernels.causal_attention(q, k, v, scale, with_lse=True)
-    if not cpu_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
+    result = attn_kernels.causal_attention(q, k, v, scale, with_lse=True)
+    if not attn_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
         assert result is None  # built without AVX-512: the matmul path runs instead
         return
     assert result is not None
@@ -339,16 +350,16 @@ def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int) 
     expected = (scores.softmax(-1) @ vf).transpose(1, 2).reshape(n * length, h, d)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, scores.logsumexp(-1).transpose(1, 2).reshape(n * length, h), atol=2e-3, rtol=1e-3)
-    again = cpu_kernels.causal_attention(q, k, v, scale)
+    again = attn_kernels.causal_attention(q, k, v, scale)
     assert again is not None and again[1] is None and torch.equal(again[0], out)
 
 
 def test_causal_attention_refuses_what_it_cannot_read() -> None:
     q = torch.randn(2, 5, 4, 64).bfloat16()
     k = v = torch.randn(2, 5, 2, 64).bfloat16()
-    assert cpu_kernels.causal_attention(q.float(), k.float(), v.float(), 0.1) is None
-    assert cpu_kernels.causal_attention(q[..., :48], k[..., :48], v[..., :48], 0.1) is None  # head dim 48
-    assert cpu_kernels.causal_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # head-major
-    assert cpu_kernels.causal_attention(q, torch.randn(2, 5, 3, 64).bfloat16(), v, 0.1) is None  # 4 heads, 3 KV heads
+    assert attn_kernels.causal_attention(q.float(), k.float(), v.float(), 0.1) is None
+    assert attn_kernels.causal_attention(q[..., :48], k[..., :48], v[..., :48], 0.1) is None  # head dim 48
+    assert attn_kernels.causal_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # head-major
+    assert attn_kernels.causal_attention(q, torch.randn(2, 5, 3, 64).bfloat16(), v, 0.1) is None  # 4 heads, 3 KV heads
     uneven = torch.randn(2, 7, 2, 64).bfloat16()[:, :5]  # requests 7 token rows apart, 5 used
-    assert cpu_kernels.causal_attention(q, uneven, v, 0.1) is None
+    assert attn_kernels.causal_attention(q, uneven, v, 0.1) is None

@@ -19,7 +19,7 @@ What keeps it fast (each measured on the 200M bench model, see bench/model_step.
   handful of queries): bf16 goes through the C decode kernel of ``runtime.cpu.kernels``,
   other dtypes through two batched matmuls around an fp32 softmax; the mirror keeps K
   transposed for both. A shared prefix is attended as one GEMM per KV head with every
-  request's queries, or, in bf16 with the C kernels, by ``cpu_kernels.prefix_attention``
+  request's queries, or, in bf16 with the C kernels, by ``attn_kernels.prefix_attention``
   on a pair-packed copy the mirror makes once per rebuild, after which the decode kernel
   continues each softmax over the request's own keys (no merge);
 - half-precision prompts of equal length with no cached prefix (up to 4096 tokens, in
@@ -37,6 +37,7 @@ import torch
 from runtime.attention import torch_native
 from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.torch_native import AttnGroup, host_list
+from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror
 from runtime.forward_batch import ForwardBatch
@@ -84,7 +85,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         qg = self._folded_queries(q, layer, g)
         n = qg.shape[0]
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-        append: cpu_kernels.KeyAppend | None = None
+        append: attn_kernels.KeyAppend | None = None
         if g.mirror is not None:
             append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
             kd_t, vd, prefix = self.mirror.keys(layer.layer_id, g.mirror, k, v, k_buf, v_buf,
@@ -102,11 +103,11 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
         packed = self.mirror.packed_prefix(layer.layer_id) if g.mirror is not None and prefix is not None else None
-        if packed is not None and cpu_kernels.supports(qg, kd_t, vd, mask):
+        if packed is not None and attn_kernels.supports(qg, kd_t, vd, mask):
             # Cascade in two kernels: the shared prefix for every query at once, then each
             # request's own keys continuing the same softmax (no merge pass).
-            init = cpu_kernels.prefix_attention(qg, packed, layer.scaling)
-            og, _ = cpu_kernels.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1], False,
+            init = attn_kernels.prefix_attention(qg, packed, layer.scaling)
+            og, _ = attn_kernels.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1], False,
                                                  append, init)
         elif prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
@@ -196,7 +197,7 @@ def _causal_prefill_attention(
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
     lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
     prefix attended separately). bf16 with a head dim that is a multiple of 64 on an
-    AVX-512 CPU goes to ``cpu_kernels.causal_attention`` (the same work in one pass, fp32
+    AVX-512 CPU goes to ``attn_kernels.causal_attention`` (the same work in one pass, fp32
     scores: ~2.3x faster at 64 x 128 tokens, ~1.8x at 512-2048). Otherwise
     (``_matmul_causal_attention``) each KV head's query group is folded position-major into
     one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
@@ -208,7 +209,7 @@ def _causal_prefill_attention(
     ~12 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
     transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
     """
-    fused = cpu_kernels.causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, with_lse)
+    fused = attn_kernels.causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, with_lse)
     return fused if fused is not None else _matmul_causal_attention(q, k, v, scale, with_lse)
 
 
@@ -319,7 +320,7 @@ def _cascade(
     suffix_mask: torch.Tensor | None,
     scale: float,
     suffix_width: int | None = None,
-    append: cpu_kernels.KeyAppend | None = None,
+    append: attn_kernels.KeyAppend | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, group, D]`` queries: softmax over (shared prefix ++ own suffix), in two passes.
 
@@ -338,7 +339,7 @@ def _cascade(
 
 def _few_query_attention(
     qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, with_lse: bool,
-    width: int | None = None, append: cpu_kernels.KeyAppend | None = None,
+    width: int | None = None, append: attn_kernels.KeyAppend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, Hkv, group, D]`` queries (a decode step, GQA folded) against keys ``k_t``
     ``[n, Hkv, D, L]`` (transposed: a view of ``[..., D, cap]`` rows is a strided batched
@@ -357,8 +358,8 @@ def _few_query_attention(
     new keys the kernel stores first. Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group]
     fp32 or None)``.
     """
-    if cpu_kernels.supports(qg, k_t, v, mask):
-        return cpu_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse, append)
+    if attn_kernels.supports(qg, k_t, v, mask):
+        return attn_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse, append)
     assert append is None, "a deferred mirror append needs the decode kernel"
 
     scores = torch.matmul(qg, k_t).float().mul_(scale)  # [n, Hkv, group, L]

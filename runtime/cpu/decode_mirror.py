@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.torch_native import AttnGroup, length_mask
-from runtime.cpu import kernels as cpu_kernels
+from runtime.cpu import attention_kernels as attn_kernels
 from runtime.forward_batch import ForwardBatch
 
 # Dense decode-key copies are kept only while all layers' K and V take at most this
@@ -64,7 +64,7 @@ class DecodeKVMirror:
         self.v: list[torch.Tensor | None] = []
         self.prefix_k: list[torch.Tensor | None] = []
         self.prefix_v: list[torch.Tensor | None] = []
-        self.prefix_packed: list[cpu_kernels.PackedPrefix | None] = []  # for cpu_kernels.prefix_attention
+        self.prefix_packed: list[attn_kernels.PackedPrefix | None] = []  # for attn_kernels.prefix_attention
         self.rows: torch.Tensor | None = None  # req_to_token rows of the mirrored requests, in batch order
         self.own_lens: list[int] = []  # own keys mirrored per request (after the shared prefix)
         self.own_slots: torch.Tensor | None = None  # int64 [n, W]: their pool slots (0-padded)
@@ -109,7 +109,7 @@ class DecodeKVMirror:
             cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
             mask = length_mask(own_lens, cap, device)
             buf = pool.k_buffer[0]
-            # (the prefix counted twice: a packed copy is kept for cpu_kernels.prefix_attention)
+            # (the prefix counted twice: a packed copy is kept for attn_kernels.prefix_attention)
             nbytes = 2 * mirrored * (n * cap + 2 * p) * hkv * d * buf.element_size()
             pool_bytes = 2 * sum(b.numel() for b in pool.k_buffer) * buf.element_size()
             if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
@@ -156,23 +156,23 @@ class DecodeKVMirror:
         mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
         return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
 
-    def packed_prefix(self, layer_id: int) -> cpu_kernels.PackedPrefix | None:
-        """Layer ``layer_id``'s shared prefix packed for ``cpu_kernels.prefix_attention``, if made."""
+    def packed_prefix(self, layer_id: int) -> attn_kernels.PackedPrefix | None:
+        """Layer ``layer_id``'s shared prefix packed for ``attn_kernels.prefix_attention``, if made."""
         return self.prefix_packed[layer_id] if layer_id < len(self.prefix_packed) else None
 
     def kernel_append(
         self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
-    ) -> cpu_kernels.KeyAppend | None:
+    ) -> attn_kernels.KeyAppend | None:
         """An append step's new K/V as the decode kernel's job (it stores them while it reads
         those rows anyway), when the kernel will run on this layer's copies and can store them;
         else None and ``keys`` copies them."""
         if plan.rebuild or plan.append_pos is None or layer_id >= len(self.k):
             return None
         dense_k, dense_v = self.k[layer_id], self.v[layer_id]
-        if dense_k is None or dense_v is None or not cpu_kernels.supports(qg, dense_k, dense_v, plan.mask):
+        if dense_k is None or dense_v is None or not attn_kernels.supports(qg, dense_k, dense_v, plan.mask):
             return None
-        append = cpu_kernels.KeyAppend(k_new, v_new, plan.append_pos)
-        return append if cpu_kernels.append_supported(append, dense_k) else None
+        append = attn_kernels.KeyAppend(k_new, v_new, plan.append_pos)
+        return append if attn_kernels.append_supported(append, dense_k) else None
 
     def keys(
         self,
@@ -212,8 +212,8 @@ class DecodeKVMirror:
                 k_pre, v_pre = k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
                 self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()
                 self.prefix_v[layer_id] = v_pre.unsqueeze(0).transpose(1, 2).contiguous()
-                if cpu_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
-                    self.prefix_packed[layer_id] = cpu_kernels.pack_prefix(k_pre, v_pre)
+                if attn_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
+                    self.prefix_packed[layer_id] = attn_kernels.pack_prefix(k_pre, v_pre)
         elif not defer_append:
             assert dense_k is not None and dense_v is not None and plan.append_pos is not None
             rows = torch.arange(n, device=dense_k.device)  # request b's new key goes to column append_pos[b]

@@ -1,0 +1,223 @@
+"""CPU attention kernels (``csrc/cpu_kernels.c``, built by ``runtime.cpu.kernel_library``).
+
+- ``decode_attention``: a decode step's attention over the decode-key mirror (below),
+  storing the step's new keys and values into it first (``KeyAppend``);
+- ``prefix_attention``: every decode query against a prompt prefix all requests share
+  (cascade attention), with bf16-pair dot products (AVX512-BF16) on a pair-packed copy of the prefix
+  (``pack_prefix``); ``decode_attention`` then continues each softmax over the request's own
+  keys (``init``), so no merge is needed;
+- ``causal_attention``: a prefill's causal self-attention over its new tokens, each
+  (request, KV head) packed as a prefix is and its query rows reading only the keys up to
+  their own position (the matmul path computes bf16 scores for the whole square, and
+  torch's flash kernel is ~4x slower still);
+
+Decode attention, why: a decode step has a handful of queries per (request, KV head) (the GQA group), so
+torch's batched matmuls run GEMMs with M = 4 and the fp32 softmax between them makes
+four more passes over the scores; the CPU flash kernel is slower still. This kernel
+walks each request's keys once per KV head, keeps the group's scores and outputs in
+registers (AVX-512 where the compiler targets it, plain C elsewhere) with an online
+softmax, and parallelises over (request, KV head) with OpenMP (the process's libgomp,
+which torch has already loaded). The mirror of a 64-request batch is ~10 MB per layer,
+read once per step from DRAM: the kernel software-prefetches the next (request, KV head)'s
+keys and values, a cache line per inner-loop step, while it computes the current one
+(without it memory and compute did not overlap: 0.8 vs 0.37 ms per layer, the latter
+~28 GB/s of a measured ~35 GB/s streaming read). On the bench model's decode (64
+requests, 4 KV heads x 4 queries, head dim 64, 160 keys, 2 cores) that is ~0.4-0.46 ms per
+layer where the matmul path takes ~0.9-1.1 ms, and it is more accurate (fp32 scores
+throughout).
+
+Layouts (the decode-key mirror, ``runtime.cpu.decode_mirror``, keeps exactly these):
+``q`` ``[n, Hkv, group, D]`` (rows of a request contiguous, requests ``q.stride(0)``
+apart), ``k_t`` ``[n, Hkv, D, cap]`` and ``v`` ``[n, Hkv, cap, D]`` contiguous, key bias
+fp32 ``[n, 1, 1, cap]`` (0 / -inf) or None; only keys ``[0, width)`` are read. (A shared
+prompt prefix is not streamed through this kernel once per request (~0.9 ms per layer for
+512 keys x 64 requests): ``prefix_attention`` reads it once per 16 query rows of a KV head,
+and this kernel continues from its result through ``init``.)
+
+They apply to bf16 CPU tensors; ``prefix_attention`` and ``causal_attention`` need an AVX-512 build
+(``prefix_supported``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from runtime.cpu.kernel_library import declare
+from runtime.cpu.kernels import _bf16_cpu, _library, available
+
+MAX_GROUP = 16  # the kernel's bounds (csrc: MAX_G, MAX_D, group * D <= 2048)
+MAX_HEAD_DIM = 256
+MAX_GROUP_X_DIM = 2048
+
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+declare("decode_attention_bf16", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
+                                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr], _int)
+declare("prefix_attention_available", [], _int)
+declare("prefix_attention_bf16", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
+declare("causal_attention_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
+
+
+def supports(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``decode_attention`` takes these operands as they are (else use the torch path)."""
+    n, hkv, group, d = q.shape
+    if group > MAX_GROUP or d > MAX_HEAD_DIM or group * d > MAX_GROUP_X_DIM:
+        return False
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.stride()[1:] != (group * d, d, 1):
+        return False  # requests may be strided rows; within one, heads and dims are packed
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return False
+    return _bf16_cpu(k_t, v) and available()
+
+
+@dataclass
+class KeyAppend:
+    """A decode step's new keys and values for the kernel to store into the mirror before it
+    attends: ``k``/``v`` ``[n, Hkv, D]`` (request rows may be strided, heads packed) go to key
+    index ``pos[b]`` (int64 ``[n]``) of request ``b``'s ``k_t``/``v``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+
+
+def append_supported(append: KeyAppend, k_t: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` can store ``append`` into ``k_t`` (and its V) itself."""
+    n, hkv, d, _ = k_t.shape
+    return all(
+        t.dtype == k_t.dtype and t.device.type == "cpu" and t.shape == (n, hkv, d) and t.stride()[1:] == (d, 1)
+        for t in (append.k, append.v)
+    ) and append.pos.dtype == torch.int64 and append.pos.shape == (n,) and append.pos.is_contiguous()
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    width: int,
+    with_lse: bool,
+    append: KeyAppend | None = None,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out [n, Hkv, group, D] bf16, lse [n, Hkv, group] fp32 or None)``; see the module doc.
+
+    ``append`` (checked with ``append_supported``): store these keys and values first.
+    ``init``: ``(out, lse)`` of the same queries over earlier keys (``prefix_attention``):
+    the softmax continues from it, so the result covers those keys too.
+    Call only when ``supports(...)`` is True.
+    """
+    lib = _library()
+    assert lib is not None
+    n, hkv, group, d = q.shape
+    cap = k_t.shape[-1]
+    assert k_t.shape == (n, hkv, d, cap) and v.shape == (n, hkv, cap, d) and 0 <= width <= cap
+    assert append is None or append_supported(append, k_t)
+    if init is not None:
+        assert init[0].shape == (n, hkv, group, d) and init[1].shape == (n, hkv, group)
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in init)
+    out = q.new_empty(n, hkv, group, d)
+    lse = torch.empty(n, hkv, group, dtype=torch.float32) if with_lse else None
+    new_k = new_v = pos = None
+    stride_k = stride_v = 0
+    if append is not None:
+        new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
+        stride_k, stride_v = append.k.stride(0), append.v.stride(0)
+    rc = lib.decode_attention_bf16(
+        q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap, width,
+        out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
+        new_k, stride_k, new_v, stride_v, pos,
+        init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
+    )
+    if rc != 0:
+        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position)")
+    return out, lse
+
+
+PREFIX_KEY_ALIGN = 32  # csrc: the packed prefix is padded to a multiple of this many keys
+PREFIX_KEY_BLOCK = 16  # csrc: keys per 64-byte line of the packed K (one AVX-512 register of pairs)
+
+
+def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether ``prefix_attention`` runs for this dtype, device and head dim (it needs AVX-512; it
+    uses the BF16 dot-product instruction where the CPU has it)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 64 or head_dim > MAX_HEAD_DIM:
+        return False
+    lib = _library()
+    return lib is not None and bool(lib.prefix_attention_available())
+
+
+@dataclass
+class PackedPrefix:
+    """A shared prefix's keys and values in the bf16-pair layouts ``prefix_attention`` reads:
+    ``k`` ``[Hkv, P_pad / 16, D / 2, 16, 2]`` (two adjacent dims of a key; a 16-key block's
+    lines contiguous), ``v`` ``[Hkv, P_pad / 2, D, 2]`` (two adjacent keys of a dim); keys
+    ``length..P_pad-1`` are zeros."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
+    """Pack ``k``/``v`` ``[P, Hkv, D]`` (bf16) for ``prefix_attention``."""
+    p, hkv, d = k.shape
+    p_pad = -(-p // PREFIX_KEY_ALIGN) * PREFIX_KEY_ALIGN
+    kz = k.new_zeros(p_pad, hkv, d)
+    vz = v.new_zeros(p_pad, hkv, d)
+    kz[:p], vz[:p] = k, v
+    block = PREFIX_KEY_BLOCK
+    packed_k = kz.view(p_pad // block, block, hkv, d // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
+    packed_v = vz.view(p_pad // 2, 2, hkv, d).permute(2, 0, 3, 1).contiguous()
+    return PackedPrefix(packed_k, packed_v, p)
+
+
+def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[n, Hkv, group, D]`` (bf16, request rows may be strided) against a packed shared
+    prefix: ``(out [n, Hkv, group, D] fp32, lse [n, Hkv, group] fp32)``. Call only when
+    ``prefix_supported`` holds for ``q``."""
+    lib = _library()
+    assert lib is not None
+    n, hkv, group, d = q.shape
+    assert q.stride()[1:] == (group * d, d, 1) and prefix.k.shape[0] == hkv and prefix.k.shape[2] == d // 2
+    out = torch.empty(n, hkv, group, d, dtype=torch.float32)
+    lse = torch.empty(n, hkv, group, dtype=torch.float32)
+    rc = lib.prefix_attention_bf16(q.data_ptr(), q.stride(0), prefix.k.data_ptr(), prefix.v.data_ptr(),
+                                   prefix.length, prefix.k.shape[1] * PREFIX_KEY_BLOCK, n, hkv, group, d, float(scale),
+                                   out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"prefix attention kernel rejected head_dim={d}, {prefix.length} keys")
+    return out, lse
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Causal self-attention of ``n`` prompts of ``L`` new tokens each, with no cached keys:
+    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, L, Hkv, D]`` (bf16; token rows may be strided, as
+    views of a fused qkv output are, but evenly across requests). Returns ``(out [n * L, H, D]
+    bf16, lse [n * L, H] fp32 or None)``, or None where the kernel does not apply (then use the
+    matmul path). Each (request, KV head) is packed once as ``pack_prefix`` packs a prefix and its
+    query rows read only the keys up to their own position, 16 rows per key load."""
+    n, length, h, d = q.shape
+    hkv = k.shape[2]
+    if not prefix_supported(q.dtype, q.device, d) or hkv == 0 or h % hkv:
+        return None
+    token_strides = []
+    for t, heads in ((q, h), (k, hkv), (v, hkv)):
+        token_stride = t.stride(1) if length > 1 else t.stride(0)  # (a size-1 dim's stride is arbitrary)
+        if (t.dtype != q.dtype or t.device.type != "cpu" or tuple(t.shape) != (n, length, heads, d)
+                or t.stride()[2:] != (d, 1) or (n > 1 and t.stride(0) != length * token_stride)):
+            return None
+        token_strides.append(token_stride)
+    out = torch.empty(n * length, h, d, dtype=q.dtype)
+    lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
+    lib = _library()
+    assert lib is not None
+    rc = lib.causal_attention_bf16(q.data_ptr(), token_strides[0], k.data_ptr(), token_strides[1], v.data_ptr(),
+                                   token_strides[2], n, length, hkv, h // hkv, d, float(scale), out.data_ptr(),
+                                   lse.data_ptr() if lse is not None else None)
+    return None if rc != 0 else (out, lse)

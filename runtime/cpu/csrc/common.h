@@ -1,0 +1,95 @@
+/* Helpers shared by the CPU kernels' sources (csrc/*.c, built together by
+ * runtime/cpu/kernel_library.py at each instruction-set level): bf16 <-> fp32, a polynomial
+ * exp, a row max, and their AVX-512 forms where the build targets AVX-512. */
+#ifndef TINYSERVE_CPU_COMMON_H
+#define TINYSERVE_CPU_COMMON_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+#define BLOCK 128      /* keys per online-softmax block */
+#define MAX_G 16       /* query heads per KV head */
+#define MAX_D 256      /* head dim */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+/* exp(x) for x <= 0 (-inf gives 0): 2^(x log2 e) from exponent bits and a degree-6 polynomial
+ * in the fraction (coefficients highest first; fast_exp16 is the same on 16 lanes). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_MIN_T -126.0f   /* 2^t below this is a denormal: clamped */
+#define EXP_ZERO_BELOW -87.0f
+#define EXP_C6 1.535336188319500e-4f
+#define EXP_C5 1.339887440266574e-3f
+#define EXP_C4 9.618437357674640e-3f
+#define EXP_C3 5.550332471162809e-2f
+#define EXP_C2 2.402264791363012e-1f
+#define EXP_C1 6.931472028550421e-1f
+static inline float fast_exp(float x) {
+    float t = x * EXP_LOG2E;
+    t = t < EXP_MIN_T ? EXP_MIN_T : t;
+    float fi = floorf(t);
+    float f = t - fi;
+    float p = EXP_C6;
+    p = p * f + EXP_C5;
+    p = p * f + EXP_C4;
+    p = p * f + EXP_C3;
+    p = p * f + EXP_C2;
+    p = p * f + EXP_C1;
+    p = p * f + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)fi + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return x < EXP_ZERO_BELOW ? 0.0f : p * scale;
+}
+
+/* max of x[0..n) (-inf for n == 0). */
+static inline float row_max(const float* x, int64_t n) {
+    float mx = -INFINITY;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + j));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+    return mx;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load_bf16x16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#ifdef __AVX512F__
+/* fast_exp on 16 lanes (x <= 0 or -inf). */
+static inline __m512 fast_exp16(__m512 x)
+{
+    const __m512 t = _mm512_max_ps(_mm512_set1_ps(EXP_MIN_T), _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23);
+    const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_ZERO_BELOW), _CMP_NLT_UQ), r);
+}
+#endif
+
+#endif
