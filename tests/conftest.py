@@ -36,3 +36,19 @@ def tiny_llama_path(tiny_checkpoints: TinyCheckpoints) -> Path:
 def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Iterator[tuple[str, Path]]:
     """``(name, folder)`` for each tiny architecture: llama, mistral, qwen2, qwen3, llama_tied_llama3."""
     yield request.param, tiny_checkpoints.path(request.param)
+
+
+def _kernel_levels() -> tuple[str, ...]:
+    from runtime.cpu import kernel_library
+
+    return kernel_library.host_levels()
+
+
+@pytest.fixture(params=_kernel_levels())
+def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU kernels' build of each instruction-set level this CPU runs (AVX-512 + BF16, AVX-512,
+    AVX2, plain C): a test that uses it runs once per level (``pytest.mark.usefixtures``)."""
+    from runtime.cpu import kernel_library
+
+    with kernel_library.use_level(request.param):
+        yield request.param

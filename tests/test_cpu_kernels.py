@@ -9,8 +9,6 @@ capacity, strided query rows and the log-sum-exp output.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
 
@@ -19,11 +17,7 @@ from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
 
 
-@pytest.fixture(autouse=True, params=kernel_library.host_levels())
-def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs against each build this CPU can execute (AVX-512 + BF16, AVX-512, AVX2, plain C)."""
-    with kernel_library.use_level(request.param):
-        yield request.param
+pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 
 
 def _reference(q, k_t, v, lens, scale):
