@@ -9,6 +9,8 @@ capacity, strided query rows and the log-sum-exp output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -277,8 +279,17 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows() -> None:
     assert cpu_kernels.argmax_rows(x.t()) is None  # columns not unit-stride
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "no-amx"])
+def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The pair-packed kernels on AMX tiles (where the CPU has them and the build is avx512bf16) and
+    on AVX-512 dot products."""
+    with kernel_library.use_amx(request.param) as used:
+        assert used == (request.param and kernel_library.amx_available() and kernel_library.level() == "avx512bf16")
+        yield used
+
+
 @pytest.mark.parametrize("group,d,p", [(4, 64, 512), (1, 64, 37), (8, 128, 300), (3, 64, 33)])
-def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p: int) -> None:
+def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p: int, amx: bool) -> None:
     """The shared prefix through the pair-packed BF16 kernel, then each request's own keys through
     the decode kernel continuing from it, against one fp32 softmax over both."""
     torch.manual_seed(7)
@@ -318,7 +329,7 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     (2, 1, 8, 128),    # a single token: one key, half a row block
     (4, 17, 3, 64),    # a group that does not divide 16
 ])
-def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int) -> None:
+def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int, amx: bool) -> None:
     """The prefill kernel (each request's keys packed once, rows read only the keys up to their
     position) against fp32 causal attention, out and log-sum-exp, on the strided token rows of a
     fused qkv output."""

@@ -10,6 +10,10 @@ and plain C everywhere else, and compiled once per level:
 - ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C, BMI);
 - ``baseline``: the compiler's default target (plain C that the compiler may vectorise with SSE2).
 
+On a CPU with AMX (``amx_tile`` and ``amx_bf16``) the ``avx512bf16`` build also runs the
+pair-packed attention kernels' block products on AMX tiles; ``TINYSERVE_CPU_AMX=0`` keeps them
+on AVX512-BF16 (``use_amx`` switches at run time, for tests).
+
 The CPU's flags (``/proc/cpuinfo``) pick the best level it can run. ``TINYSERVE_CPU_ISA=<level>``
 asks for a lower one (what an AVX2-only host would run, on a host with AVX-512); a level the
 CPU cannot run is refused with a warning. ``TINYSERVE_CPU_KERNELS=0`` turns the kernels off:
@@ -49,7 +53,7 @@ _X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # level -> (CPU flags it needs, compiler flags), best first
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (_X86_V4 + ("avx512_bf16",), ("-march=x86-64-v4", "-mavx512bf16")),
+    "avx512bf16": (_X86_V4 + ("avx512_bf16",), ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512": (_X86_V4, ("-march=x86-64-v4",)),
     "avx2": (_X86_V3, ("-march=x86-64-v3",)),
     "baseline": ((), ()),
@@ -179,7 +183,36 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         return None
     for fn_name in _signatures:
         _apply(lib, fn_name)
+    lib.tinyserve_amx.argtypes, lib.tinyserve_amx.restype = [ctypes.c_int], ctypes.c_int
+    lib.tinyserve_amx(1 if amx_available() and os.environ.get("TINYSERVE_CPU_AMX", "1") != "0" else 0)
     return lib
+
+
+def amx_available() -> bool:
+    """Whether this CPU has AMX tiles with bf16 products (the OS must still grant them)."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags() and "avx512bf16" in host_levels()
+
+
+def amx_enabled() -> bool:
+    """Whether the selected build runs the pair-packed attention products on AMX tiles."""
+    lib = load()
+    return lib is not None and lib.tinyserve_amx(-1) == 1
+
+
+@contextlib.contextmanager
+def use_amx(on: bool) -> Iterator[bool]:
+    """Within the block the selected build uses AMX tiles (``on``, where the CPU has them and the
+    OS grants them) or not; yields whether AMX is in use."""
+    lib = load()
+    if lib is None:
+        yield False
+        return
+    before = lib.tinyserve_amx(-1) == 1
+    lib.tinyserve_amx(1 if on and amx_available() else 0)
+    try:
+        yield lib.tinyserve_amx(-1) == 1
+    finally:
+        lib.tinyserve_amx(1 if before else 0)
 
 
 def _build(compiler: str, flags: Sequence[str], srcs: Sequence[Path], out: Path) -> None:

@@ -1,4 +1,4 @@
-/* Helpers shared by the CPU kernels' sources (csrc/*.c, built together by
+/* Helpers shared by the CPU kernels' sources (csrc/ *.c, built together by
  * runtime/cpu/kernel_library.py at each instruction-set level): bf16 <-> fp32, a polynomial
  * exp, a row max, and their AVX-512 forms where the build targets AVX-512. */
 #ifndef TINYSERVE_CPU_COMMON_H
