@@ -20,6 +20,7 @@ from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeMetadata
 from runtime.cpu import attention as torch_native
 from runtime.cpu import attention_kernels as attn_kernels
+from runtime.cpu import attention_kernels_f32
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.attention import TorchNativeAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
@@ -313,12 +314,15 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch)
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
     assert all((m.groups[0].shared is not None) == bool(shared) for m in metas)
-    # bf16: the kernel stores each append step's new keys itself (the first step rebuilds from the pool)
-    assert appends == ([False, True, True, True] if dtype == torch.bfloat16 and cpu_kernels.available() else [])
+    # The decode kernel (bf16 wherever the kernels build; fp32 on AVX2 / AVX-512 builds) stores each
+    # append step's new keys itself (the first step rebuilds from the pool); else torch runs throughout.
+    kernel = cpu_kernels.available() if dtype == torch.bfloat16 else attention_kernels_f32.applies()
+    assert appends == ([False, True, True, True] if kernel else [])
 
 
-def test_bf16_decode_cascade_through_the_packed_prefix_kernel(monkeypatch) -> None:
-    """bf16, head dim 64: a shared prefix goes through attn_kernels.prefix_attention (packed once per
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_cascade_through_the_packed_prefix_kernel(dtype, monkeypatch) -> None:
+    """Head dim 64: a shared prefix goes through attn_kernels.prefix_attention (packed once per
     rebuild) and each request's own keys through the decode kernel continuing its softmax."""
     calls: list[int] = []
     real = attn_kernels.prefix_attention
@@ -329,9 +333,9 @@ def test_bf16_decode_cascade_through_the_packed_prefix_kernel(monkeypatch) -> No
 
     monkeypatch.setattr(attn_kernels, "prefix_attention", spy)
     shared = CASCADE_MIN_PREFIX + 7
-    metas = _decode_steps(torch.bfloat16, shared, [5, 1, 9, 3], steps=3, head_dim=64)
+    metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=3, head_dim=64)
     assert all(m.groups[0].shared is not None for m in metas)
-    supported = attn_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), 64)
+    supported = attn_kernels.prefix_supported(dtype, torch.device("cpu"), 64)
     assert calls == ([shared] * 3 if supported else [])
 
 
@@ -376,3 +380,36 @@ def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
     monkeypatch.setattr(torch_native, "_causal_prefill_attention", counting)
     _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)
     assert calls == [3]
+
+
+@pytest.mark.parametrize("extend_lens", [[9, 9, 9], [40]])
+def test_fp32_equal_length_prefill_takes_the_causal_kernel(extend_lens, monkeypatch) -> None:
+    """fp32 prompts with no cached prefix go through attn_kernels.causal_attention where the fp32
+    kernels apply (AVX2 / AVX-512 builds), else through the flash kernel; either way against the reference."""
+    calls: list[int] = []
+    real = attn_kernels.causal_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attn_kernels, "causal_attention", counting)
+    _run(ForwardMode.EXTEND, [0] * len(extend_lens), extend_lens)
+    assert calls == ([len(extend_lens)] if attention_kernels_f32.applies() else [])
+
+
+def test_fp32_extend_cascade_through_the_prefix_kernel(monkeypatch) -> None:
+    """An fp32 shared-prefix prefill attends the shared keys with attn_kernels.prefix_attention
+    (where the fp32 kernels apply) and merges with the causal part; checked against the reference."""
+    calls: list[int] = []
+    real = attn_kernels.prefix_attention
+
+    def spy(q, packed, scale):
+        calls.append(packed.length)
+        return real(q, packed, scale)
+
+    monkeypatch.setattr(attn_kernels, "prefix_attention", spy)
+    shared = CASCADE_MIN_PREFIX + 5
+    _run_shared(ForwardMode.EXTEND, shared, [0, 0, 0], [5, 5, 5])
+    _run_shared(ForwardMode.EXTEND, shared, [0, 2, 0, 7], [3, 6, 1, 4])
+    assert calls == ([shared] * 2 if attention_kernels_f32.applies() else [])

@@ -16,15 +16,18 @@ What keeps it fast (each measured on the 200M bench model, see bench/model_step.
   prefill after the first request warmed the cache) attends to that prefix in one call
   for all of its queries and to the new tokens causally, merged the same way;
 - one-token groups do not use the flash kernel (its per-block setup dominates with a
-  handful of queries): bf16 goes through the C decode kernel of ``runtime.cpu.kernels``,
-  other dtypes through two batched matmuls around an fp32 softmax; the mirror keeps K
-  transposed for both. A shared prefix is attended as one GEMM per KV head with every
-  request's queries, or, in bf16 with the C kernels, by ``attn_kernels.prefix_attention``
-  on a pair-packed copy the mirror makes once per rebuild, after which the decode kernel
-  continues each softmax over the request's own keys (no merge);
+  handful of queries): bf16, and fp32 on AVX2 / AVX-512 builds, go through the C decode
+  kernel of ``runtime.cpu.attention_kernels``, other cases through two batched matmuls
+  around an fp32 softmax; the mirror keeps K transposed for both. A shared prefix is
+  attended as one GEMM per KV head with every request's queries, or, with the C kernels
+  (``attn_kernels.prefix_supported``), by ``attn_kernels.prefix_attention`` on a packed copy
+  the mirror makes once per rebuild, after which the decode kernel continues each softmax
+  over the request's own keys (no merge);
 - half-precision prompts of equal length with no cached prefix (up to 4096 tokens, in
   runs of query positions that skip most of the causal upper triangle), and every shared
   prefix of a prefill, are attended with bf16 GEMMs around the C row softmax (``softmax_rows``);
+  fp32 prompts of equal length go through the fp32 causal kernel instead of the flash kernel,
+  and a shared prefix of an fp32 prefill through the fp32 prefix kernel, where they apply;
 - the forward's new K/V go into the pool through ``CpuOps.store_kv`` (the C row copy).
 """
 
@@ -131,7 +134,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         Cascade groups (``shared_loc``) return only the real rows, in ``out_tokens`` order.
         """
         n, q_len = g.q_index.shape
-        matmul_prefill = g.keys_are_new and _matmul_prefill_applies(q, q_len)
+        matmul_prefill = g.keys_are_new and _matmul_prefill_applies(q, q_len, layer.head_dim)
         if g.shared_loc is None and not matmul_prefill:
             return super()._extend(q, k, v, k_buf, v_buf, layer, g)  # the plain SDPA of the plan
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -162,6 +165,13 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         real = q.index_select(0, g.out_tokens) if padded else qs
         t = real.shape[0]
         group = h // hkv
+        if real.dtype == torch.float32 and attn_kernels.prefix_supported(real.dtype, real.device, d):
+            # fp32: the prefix kernel, every query row of a KV head tile against each key load
+            packed = attn_kernels.pack_prefix(k_buf.index_select(0, g.shared_loc).to(real.dtype),
+                                              v_buf.index_select(0, g.shared_loc).to(real.dtype))
+            o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
+            merged = _merge(o_pre, lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group))
+            return merged.reshape(t, h, d)
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
@@ -184,8 +194,12 @@ _PREFILL_SCORE_BYTES = 4 << 20
 _PREFILL_SPLIT_MIN_LEN = 256
 
 
-def _matmul_prefill_applies(q: torch.Tensor, q_len: int) -> bool:
-    """Whether prompts of ``q_len`` new tokens (no padding) go through ``_causal_prefill_attention``."""
+def _matmul_prefill_applies(q: torch.Tensor, q_len: int, head_dim: int) -> bool:
+    """Whether prompts of ``q_len`` new tokens (no padding) go through ``_causal_prefill_attention``:
+    half precision up to ``_MATMUL_PREFILL_MAX_LEN`` tokens, fp32 where its causal kernel runs
+    (``attn_kernels.causal_attention``: faster than the flash kernel at every length measured)."""
+    if q.dtype == torch.float32:
+        return attn_kernels.prefix_supported(q.dtype, q.device, head_dim)
     return q.dtype in _MATMUL_PREFILL_DTYPES and q_len <= _MATMUL_PREFILL_MAX_LEN
 
 
@@ -197,8 +211,9 @@ def _causal_prefill_attention(
     ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, Hkv, L, D]``; returns ``(out [n * L, H, D],
     lse [n * L, H] fp32 or None)`` (``with_lse``: for a cascade's merge with a cached
     prefix attended separately). bf16 with a head dim that is a multiple of 64 on an
-    AVX-512 CPU goes to ``attn_kernels.causal_attention`` (the same work in one pass, fp32
-    scores: ~2.3x faster at 64 x 128 tokens, ~1.8x at 512-2048). Otherwise
+    AVX-512 CPU, and fp32 on AVX2 / AVX-512 builds, go to ``attn_kernels.causal_attention``
+    (the same work in one pass, fp32 scores: in bf16 ~2.3x faster at 64 x 128 tokens, ~1.8x
+    at 512-2048). Otherwise
     (``_matmul_causal_attention``) each KV head's query group is folded position-major into
     one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
     bf16 scores go through the causal row softmax of ``cpu_kernels`` in place (torch ops in
@@ -349,8 +364,9 @@ def _few_query_attention(
     Two batched matmuls around an fp32 softmax, as transformers' eager attention computes
     it: with a handful of queries per (request, KV head) the CPU flash kernel's per-block
     setup dominates, and this is ~2.3x faster on the bench model's decode (64 requests,
-    4 KV heads x 4 queries, 160 keys: 0.49 vs 1.15 ms per layer). bf16 on CPU goes to
-    the C kernel of ``cpu_kernels`` instead when it is available (~0.45 ms, fp32 scores).
+    4 KV heads x 4 queries, 160 keys: 0.49 vs 1.15 ms per layer). bf16 on CPU, and fp32 on
+    AVX2 / AVX-512 builds, go to the C kernel of ``attn_kernels`` instead when it is available
+    (~0.45 ms in bf16, fp32 scores).
 
     ``mask`` is an fp32 key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf
     for padding) or None; ``width``: keys at ``width`` and beyond are all padding (the

@@ -1,4 +1,6 @@
-"""CPU attention kernels (``csrc/cpu_kernels.c``, built by ``runtime.cpu.kernel_library``).
+"""CPU attention kernels (``csrc/cpu_kernels.c`` for bf16, ``csrc/attention_f32.c`` for fp32 through
+``runtime.cpu.attention_kernels_f32``; built by ``runtime.cpu.kernel_library``). Each entry point
+takes either dtype and dispatches on it.
 
 - ``decode_attention``: a decode step's attention over the decode-key mirror (below),
   storing the step's new keys and values into it first (``KeyAppend``);
@@ -34,8 +36,9 @@ prompt prefix is not streamed through this kernel once per request (~0.9 ms per 
 512 keys x 64 requests): ``prefix_attention`` reads it once per 16 query rows of a KV head,
 and this kernel continues from its result through ``init``.)
 
-They apply to bf16 CPU tensors; ``prefix_attention`` and ``causal_attention`` need an AVX-512 build
-(``prefix_supported``).
+They apply to bf16 CPU tensors (``prefix_attention`` and ``causal_attention`` need an AVX-512 build:
+``prefix_supported``) and to fp32 CPU tensors at the AVX2 and AVX-512 levels (all three paths: the
+fp32 kernels are vectorised for both; ``attention_kernels_f32.applies``).
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cpu import attention_kernels_f32 as attn_f32
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.kernels import _bf16_cpu, _library, available
+from runtime.cpu.kernels import _library, available
 
-MAX_GROUP = 16  # the kernel's bounds (csrc: MAX_G, MAX_D, group * D <= 2048)
+MAX_GROUP = 16  # the kernels' bounds (csrc: MAX_G, MAX_D; bf16 also group * D <= 2048)
 MAX_HEAD_DIM = 256
 MAX_GROUP_X_DIM = 2048
 
@@ -63,13 +67,17 @@ declare("causal_attention_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] *
 def supports(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``decode_attention`` takes these operands as they are (else use the torch path)."""
     n, hkv, group, d = q.shape
-    if group > MAX_GROUP or d > MAX_HEAD_DIM or group * d > MAX_GROUP_X_DIM:
+    if group > MAX_GROUP or d > MAX_HEAD_DIM or (q.dtype == torch.bfloat16 and group * d > MAX_GROUP_X_DIM):
         return False
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.stride()[1:] != (group * d, d, 1):
+    if q.device.type != "cpu" or q.stride()[1:] != (group * d, d, 1):
         return False  # requests may be strided rows; within one, heads and dims are packed
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return False
-    return _bf16_cpu(k_t, v) and available()
+    if not all(t.device.type == "cpu" and t.dtype == q.dtype and t.is_contiguous() for t in (k_t, v)):
+        return False
+    if q.dtype == torch.float32:
+        return attn_f32.applies()
+    return q.dtype == torch.bfloat16 and available()
 
 
 @dataclass
@@ -103,7 +111,7 @@ def decode_attention(
     append: KeyAppend | None = None,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out [n, Hkv, group, D] bf16, lse [n, Hkv, group] fp32 or None)``; see the module doc.
+    """``(out [n, Hkv, group, D] in q's dtype, lse [n, Hkv, group] fp32 or None)``; see the module doc.
 
     ``append`` (checked with ``append_supported``): store these keys and values first.
     ``init``: ``(out, lse)`` of the same queries over earlier keys (``prefix_attention``):
@@ -126,12 +134,15 @@ def decode_attention(
     if append is not None:
         new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
         stride_k, stride_v = append.k.stride(0), append.v.stride(0)
-    rc = lib.decode_attention_bf16(
-        q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap, width,
-        out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
-        new_k, stride_k, new_v, stride_v, pos,
-        init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
-    )
+    if q.dtype == torch.float32:
+        rc = attn_f32.decode(q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init)
+    else:
+        rc = lib.decode_attention_bf16(
+            q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap,
+            width, out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
+            new_k, stride_k, new_v, stride_v, pos,
+            init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
+        )
     if rc != 0:
         raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position)")
     return out, lse
@@ -142,9 +153,14 @@ PREFIX_KEY_BLOCK = 16  # csrc: keys per 64-byte line of the packed K (one AVX-51
 
 
 def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    """Whether ``prefix_attention`` runs for this dtype, device and head dim (it needs AVX-512; it
-    uses the BF16 dot-product instruction where the CPU has it)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 64 or head_dim > MAX_HEAD_DIM:
+    """Whether ``prefix_attention`` (and ``causal_attention``) run for this dtype, device and head dim:
+    bf16 needs AVX-512 (it uses the BF16 dot-product instruction where the CPU has it) and a head
+    dim that is a multiple of 64; fp32 needs an AVX2 or AVX-512 build."""
+    if device.type != "cpu" or head_dim > MAX_HEAD_DIM:
+        return False
+    if dtype == torch.float32:
+        return attn_f32.applies()
+    if dtype != torch.bfloat16 or head_dim % 64:
         return False
     lib = _library()
     return lib is not None and bool(lib.prefix_attention_available())
@@ -152,10 +168,10 @@ def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) ->
 
 @dataclass
 class PackedPrefix:
-    """A shared prefix's keys and values in the bf16-pair layouts ``prefix_attention`` reads:
+    """A shared prefix's keys and values in the layouts ``prefix_attention`` reads. bf16 pairs:
     ``k`` ``[Hkv, P_pad / 16, D / 2, 16, 2]`` (two adjacent dims of a key; a 16-key block's
     lines contiguous), ``v`` ``[Hkv, P_pad / 2, D, 2]`` (two adjacent keys of a dim); keys
-    ``length..P_pad-1`` are zeros."""
+    ``length..P_pad-1`` are zeros. fp32: ``attention_kernels_f32.pack``'s layout."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -163,8 +179,10 @@ class PackedPrefix:
 
 
 def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
-    """Pack ``k``/``v`` ``[P, Hkv, D]`` (bf16) for ``prefix_attention``."""
+    """Pack ``k``/``v`` ``[P, Hkv, D]`` (bf16 or fp32) for ``prefix_attention``."""
     p, hkv, d = k.shape
+    if k.dtype == torch.float32:
+        return PackedPrefix(*attn_f32.pack(k, v), p)
     p_pad = -(-p // PREFIX_KEY_ALIGN) * PREFIX_KEY_ALIGN
     kz = k.new_zeros(p_pad, hkv, d)
     vz = v.new_zeros(p_pad, hkv, d)
@@ -176,9 +194,11 @@ def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
 
 
 def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``[n, Hkv, group, D]`` (bf16, request rows may be strided) against a packed shared
-    prefix: ``(out [n, Hkv, group, D] fp32, lse [n, Hkv, group] fp32)``. Call only when
-    ``prefix_supported`` holds for ``q``."""
+    """Queries ``[n, Hkv, group, D]`` (the prefix's dtype, request rows may be strided) against a
+    packed shared prefix: ``(out [n, Hkv, group, D] fp32, lse [n, Hkv, group] fp32)``. Call only
+    when ``prefix_supported`` holds for ``q``."""
+    if q.dtype == torch.float32:
+        return attn_f32.prefix(q, prefix.k, prefix.v, prefix.length, scale)
     lib = _library()
     assert lib is not None
     n, hkv, group, d = q.shape
@@ -197,11 +217,12 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Causal self-attention of ``n`` prompts of ``L`` new tokens each, with no cached keys:
-    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, L, Hkv, D]`` (bf16; token rows may be strided, as
+    ``q`` ``[n, L, H, D]``, ``k``/``v`` ``[n, L, Hkv, D]`` (bf16 or fp32; token rows may be strided, as
     views of a fused qkv output are, but evenly across requests). Returns ``(out [n * L, H, D]
-    bf16, lse [n * L, H] fp32 or None)``, or None where the kernel does not apply (then use the
-    matmul path). Each (request, KV head) is packed once as ``pack_prefix`` packs a prefix and its
-    query rows read only the keys up to their own position, 16 rows per key load."""
+    in q's dtype, lse [n * L, H] fp32 or None)``, or None where the kernel does not apply (then use
+    the matmul or SDPA path). Each (request, KV head) is packed once as ``pack_prefix`` packs a
+    prefix and its query rows read only the keys up to their own position, a tile of rows (16 in
+    bf16) per key load."""
     n, length, h, d = q.shape
     hkv = k.shape[2]
     if not prefix_supported(q.dtype, q.device, d) or hkv == 0 or h % hkv:
@@ -213,6 +234,8 @@ def causal_attention(
                 or t.stride()[2:] != (d, 1) or (n > 1 and t.stride(0) != length * token_stride)):
             return None
         token_strides.append(token_stride)
+    if q.dtype == torch.float32:
+        return attn_f32.causal(q, k, v, token_strides, scale, with_lse)
     out = torch.empty(n * length, h, d, dtype=q.dtype)
     lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
     lib = _library()

@@ -1,0 +1,484 @@
+/* fp32 attention kernels: the decode step over the decode-key mirror, a shared prefix for every
+ * decode query (cascade), and a causal prefill. The same code serves every build level: it is
+ * written over a vector of AV_W fp32 lanes (16 with AVX-512, 8 with AVX2 + FMA, 1 in plain C),
+ * so an AVX2-only host, where bf16 matmuls are emulated and the server runs in fp32, gets the
+ * fused paths too. Scores, softmax and accumulation are fp32 throughout. Called through
+ * runtime/cpu/attention_kernels_f32.py, which documents the layouts and why each path exists. */
+#include "common.h"
+
+/* ---- the lane vector of this build ---- */
+#if defined(__AVX512F__)
+#define AV_W 16
+typedef __m512 av;
+static inline av av_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void av_store(float* p, av x) { _mm512_storeu_ps(p, x); }
+static inline av av_set1(float x) { return _mm512_set1_ps(x); }
+static inline av av_fma(av a, av b, av c) { return _mm512_fmadd_ps(a, b, c); }
+static inline av av_add(av a, av b) { return _mm512_add_ps(a, b); }
+static inline av av_sub(av a, av b) { return _mm512_sub_ps(a, b); }
+static inline av av_mul(av a, av b) { return _mm512_mul_ps(a, b); }
+static inline av av_max(av a, av b) { return _mm512_max_ps(a, b); }
+static inline float av_hmax(av x) { return _mm512_reduce_max_ps(x); }
+static inline float av_hsum(av x) { return _mm512_reduce_add_ps(x); }
+static inline av av_exp(av x) { return fast_exp16(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AV_W 8
+typedef __m256 av;
+static inline av av_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void av_store(float* p, av x) { _mm256_storeu_ps(p, x); }
+static inline av av_set1(float x) { return _mm256_set1_ps(x); }
+static inline av av_fma(av a, av b, av c) { return _mm256_fmadd_ps(a, b, c); }
+static inline av av_add(av a, av b) { return _mm256_add_ps(a, b); }
+static inline av av_sub(av a, av b) { return _mm256_sub_ps(a, b); }
+static inline av av_mul(av a, av b) { return _mm256_mul_ps(a, b); }
+static inline av av_max(av a, av b) { return _mm256_max_ps(a, b); }
+static inline float av_hmax(av x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline float av_hsum(av x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* fast_exp (common.h) on 8 lanes: x <= 0 or -inf. */
+static inline av av_exp(av x) {
+    const av t = _mm256_max_ps(_mm256_set1_ps(EXP_MIN_T), _mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)));
+    const av fi = _mm256_floor_ps(t);
+    const av f = _mm256_sub_ps(t, fi);
+    av p = _mm256_set1_ps(EXP_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    const av r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(EXP_ZERO_BELOW), _CMP_NLT_UQ));
+}
+#else
+#define AV_W 1
+typedef float av;
+static inline av av_load(const float* p) { return *p; }
+static inline void av_store(float* p, av x) { *p = x; }
+static inline av av_set1(float x) { return x; }
+static inline av av_fma(av a, av b, av c) { return a * b + c; }
+static inline av av_add(av a, av b) { return a + b; }
+static inline av av_sub(av a, av b) { return a - b; }
+static inline av av_mul(av a, av b) { return a * b; }
+static inline av av_max(av a, av b) { return a > b ? a : b; }
+static inline float av_hmax(av x) { return x; }
+static inline float av_hsum(av x) { return x; }
+static inline av av_exp(av x) { return fast_exp(x); }
+#endif
+
+/* Query rows per register tile (each row holds AV_TILE vectors of accumulators): as many as the
+ * vector registers allow with the operand loads (32 zmm, 16 ymm). */
+#if AV_W == 16
+#define AV_ROWS 8
+#elif AV_W == 8
+#define AV_ROWS 6
+#else
+#define AV_ROWS 4
+#endif
+#define AV_TILE 2
+#define AV_INLINE static inline __attribute__((always_inline))
+#define F32_PACK 16    /* keys per block of a packed K (one 64-byte line per dim) */
+#define F32_KEYS 256   /* keys per online-softmax block of the prefix and prefill kernels */
+
+/* 1 when the build has vector lanes (AVX2 or AVX-512), 0 in plain C. */
+int attention_f32_vectorised(void) { return AV_W > 1; }
+
+/* Prefetch cursor: the next work item's K rows (k_rows rows of k_bytes, k_stride bytes apart)
+ * and V bytes (contiguous), `rate` cache lines per step, brought toward L2 while this item
+ * computes (the decode kernel is otherwise latency-bound on the cold mirror). */
+typedef struct {
+    const char* k; const char* v;
+    int64_t k_stride, k_line_per_row, k_lines, v_lines, next, rate;
+} Ahead;
+
+AV_INLINE void ahead_step(Ahead* a) {
+    if (!a->k) return;
+    for (int64_t u = 0; u < a->rate; ++u, ++a->next) {
+        const int64_t t = a->next;
+        if (t < a->k_lines)
+            _mm_prefetch(a->k + (t / a->k_line_per_row) * a->k_stride + (t % a->k_line_per_row) * 64, _MM_HINT_T1);
+        else if (t < a->k_lines + a->v_lines)
+            _mm_prefetch(a->v + (t - a->k_lines) * 64, _MM_HINT_T1);
+        else { a->k = 0; return; }
+    }
+}
+
+/* ---- register tiles; R and NV are constants at every call (the dispatch switches below) ----
+ * K is addressed as key j, dim i at k[(j / F32_PACK) * kblk + j % F32_PACK + i * ks]: the mirror's
+ * K^T rows (kblk = F32_PACK, ks = cap) and the packed layout (kblk = d * F32_PACK, ks = F32_PACK)
+ * alike. Scores of R query rows (q rows d apart, pre-scaled) for keys [j, j + NV * AV_W) go to
+ * s[r * ss + j], plus bias[j] when given. */
+AV_INLINE void scores_tile(const int R, const int NV, const float* q, int64_t d, const float* k, int64_t ks,
+                           int64_t kblk, int64_t j, const float* bias, float* s, int64_t ss, Ahead* pf) {
+    av acc[AV_ROWS][AV_TILE];
+    const float* kp[AV_TILE];
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+        const int64_t jj = j + u * AV_W;
+        kp[u] = k + (jj / F32_PACK) * kblk + jj % F32_PACK;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) acc[r][u] = av_set1(0.0f);
+    for (int64_t i = 0; i < d; ++i) {
+        if (pf) ahead_step(pf);
+        av kv[AV_TILE];
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) kv[u] = av_load(kp[u] + i * ks);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const av qb = av_set1(q[r * d + i]);
+#pragma GCC unroll 8
+            for (int u = 0; u < NV; ++u) acc[r][u] = av_fma(qb, kv[u], acc[r][u]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) {
+            const int64_t jj = j + u * AV_W;
+            av x = acc[r][u];
+            if (bias) x = av_add(x, av_load(bias + jj));
+            av_store(s + r * ss + jj, x);
+        }
+}
+
+/* o[r * os + i0 + ...] += sum_{j < jn} p[r * ps + j] * v[j * vs + i0 + ...] for NV vectors of dims. */
+AV_INLINE void values_tile(const int R, const int NV, const float* p, int64_t ps, int64_t jn, const float* v,
+                           int64_t vs, int64_t i0, float* o, int64_t os, Ahead* pf) {
+    av acc[AV_ROWS][AV_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) acc[r][u] = av_load(o + r * os + i0 + u * AV_W);
+    for (int64_t j = 0; j < jn; ++j) {
+        if (pf) ahead_step(pf);
+        av vv[AV_TILE];
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) vv[u] = av_load(v + j * vs + i0 + u * AV_W);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const av pb = av_set1(p[r * ps + j]);
+#pragma GCC unroll 8
+            for (int u = 0; u < NV; ++u) acc[r][u] = av_fma(pb, vv[u], acc[r][u]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) av_store(o + r * os + i0 + u * AV_W, acc[r][u]);
+}
+
+/* Scores of R rows for keys [0, jn), then the products with values [0, jn) into o. */
+AV_INLINE void scores_rows(const int R, const float* q, int64_t d, const float* k, int64_t ks, int64_t kblk,
+                           int64_t jn, const float* bias, float* s, int64_t ss, Ahead* pf) {
+    int64_t j = 0;
+    for (; j + AV_TILE * AV_W <= jn; j += AV_TILE * AV_W) scores_tile(R, AV_TILE, q, d, k, ks, kblk, j, bias, s, ss, pf);
+    for (; j + AV_W <= jn; j += AV_W) scores_tile(R, 1, q, d, k, ks, kblk, j, bias, s, ss, pf);
+    for (; j < jn; ++j) {
+        const float* kj = k + (j / F32_PACK) * kblk + j % F32_PACK;
+        for (int r = 0; r < R; ++r) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < d; ++i) a += q[r * d + i] * kj[i * ks];
+            s[r * ss + j] = bias ? a + bias[j] : a;
+        }
+    }
+}
+
+AV_INLINE void values_rows(const int R, const float* p, int64_t ps, int64_t jn, const float* v, int64_t vs,
+                           int64_t d, float* o, int64_t os, Ahead* pf) {
+    int64_t i0 = 0;
+    for (; i0 + AV_TILE * AV_W <= d; i0 += AV_TILE * AV_W) values_tile(R, AV_TILE, p, ps, jn, v, vs, i0, o, os, pf);
+    for (; i0 + AV_W <= d; i0 += AV_W) values_tile(R, 1, p, ps, jn, v, vs, i0, o, os, pf);
+    for (; i0 < d; ++i0)
+        for (int r = 0; r < R; ++r) {
+            float a = o[r * os + i0];
+            for (int64_t j = 0; j < jn; ++j) a += p[r * ps + j] * v[j * vs + i0];
+            o[r * os + i0] = a;
+        }
+}
+
+/* CALL(R) with R a constant in [1, AV_ROWS] (the cases above AV_ROWS are never taken). */
+#define AV_CAP(R) ((R) < AV_ROWS ? (R) : AV_ROWS)
+#define AV_DISPATCH(R, CALL) \
+    switch (R) { case 1: CALL(1); break; case 2: CALL(AV_CAP(2)); break; case 3: CALL(AV_CAP(3)); break; \
+                 case 4: CALL(AV_CAP(4)); break; case 5: CALL(AV_CAP(5)); break; case 6: CALL(AV_CAP(6)); break; \
+                 case 7: CALL(AV_CAP(7)); break; default: CALL(AV_CAP(8)); break; }
+
+static void scores_any(int R, const float* q, int64_t d, const float* k, int64_t ks, int64_t kblk, int64_t jn,
+                       const float* bias, float* s, int64_t ss, Ahead* pf) {
+#define SCORES(RR) scores_rows(RR, q, d, k, ks, kblk, jn, bias, s, ss, pf)
+    AV_DISPATCH(R, SCORES)
+#undef SCORES
+}
+
+static void values_any(int R, const float* p, int64_t ps, int64_t jn, const float* v, int64_t vs, int64_t d,
+                       float* o, int64_t os, Ahead* pf) {
+#define VALUES(RR) values_rows(RR, p, ps, jn, v, vs, d, o, os, pf)
+    AV_DISPATCH(R, VALUES)
+#undef VALUES
+}
+
+/* Online-softmax update of row state (m, l, o [d]) with scores s[0, jn), of which the first
+ * `seen` count (the rest become probability 0); s becomes the probabilities. */
+static inline void softmax_update(float* s, int64_t jn, int64_t seen, float* m, float* l, float* o, int64_t d) {
+    if (seen > jn) seen = jn;
+    if (seen < 0) seen = 0;
+    float mx = -INFINITY;
+    int64_t j = 0;
+    if (seen >= AV_W) {
+        av vm = av_load(s);
+        for (j = AV_W; j + AV_W <= seen; j += AV_W) vm = av_max(vm, av_load(s + j));
+        mx = av_hmax(vm);
+    }
+    for (; j < seen; ++j) mx = s[j] > mx ? s[j] : mx;
+    const float m_new = mx > *m ? mx : *m;
+    if (m_new == -INFINITY) {  /* nothing seen yet */
+        memset(s, 0, (size_t)jn * sizeof(float));
+        return;
+    }
+    const float corr = fast_exp(*m - m_new);
+    const av vmn = av_set1(m_new);
+    av vs = av_set1(0.0f);
+    for (j = 0; j + AV_W <= seen; j += AV_W) {
+        const av e = av_exp(av_sub(av_load(s + j), vmn));
+        vs = av_add(vs, e);
+        av_store(s + j, e);
+    }
+    float sum = av_hsum(vs);
+    for (; j < seen; ++j) { s[j] = fast_exp(s[j] - m_new); sum += s[j]; }
+    for (; j < jn; ++j) s[j] = 0.0f;
+    if (corr != 1.0f && *l != 0.0f) {
+        const av vc = av_set1(corr);
+        int64_t i = 0;
+        for (; i + AV_W <= d; i += AV_W) av_store(o + i, av_mul(av_load(o + i), vc));
+        for (; i < d; ++i) o[i] *= corr;
+    }
+    *l = *l * corr + sum;
+    *m = m_new;
+}
+
+/* Row state -> normalised output (out, d values) and the log-sum-exp (returned). */
+static inline float finish_row(float m, float l, const float* o, int64_t d, float* out) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t i = 0; i < d; ++i) out[i] = o[i] * inv;
+    return l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+/* Rows per chunk when `rows` rows are cut into the fewest chunks of at most AV_ROWS, evenly. */
+static inline int64_t chunk_rows(int64_t rows) {
+    const int64_t chunks = (rows + AV_ROWS - 1) / AV_ROWS;
+    return (rows + chunks - 1) / chunks;
+}
+
+/* decode_attention_bf16's contract in fp32 (see cpu_kernels.c): q [n, hkv, group, d] (request
+ * rows q_stride apart), kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] or NULL, keys
+ * [0, width); k_new / v_new [n, hkv, d] (rows *_stride apart) stored first at key pos[b]; init_o
+ * [n, hkv, group, d] and init_lse [n, hkv, group] continue an earlier softmax. Writes out
+ * [n, hkv, group, d] and, when lse != NULL, lse [n, hkv, group]. Returns 0, or -1 (nothing
+ * written) when group or d exceed the bounds or an append position is outside [0, cap). */
+int decode_attention_f32(
+    const float* q, int64_t q_stride,
+    float* kt, float* v, const float* bias, int64_t cap, int64_t width,
+    float* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+    const float* k_new, int64_t k_new_stride, const float* v_new, int64_t v_new_stride, const int64_t* pos,
+    const float* init_o, const float* init_lse)
+{
+    if (group < 1 || group > MAX_G || d < 1 || d > MAX_D) return -1;
+    if (k_new)
+        for (int64_t b = 0; b < n; ++b)
+            if (pos[b] < 0 || pos[b] >= cap) return -1;
+    const int64_t per = chunk_rows(group);
+    const int64_t chunks = (group + per - 1) / per;
+    /* steps of the tile loops per item, to spread the next item's lines over them */
+    const int64_t steps = chunks * (((width + AV_TILE * AV_W - 1) / (AV_TILE * AV_W)) * d
+                                    + ((d + AV_TILE * AV_W - 1) / (AV_TILE * AV_W)) * width);
+    const int64_t k_line_per_row = (width * 4 + 63) / 64;
+    const int64_t lines = d * k_line_per_row + (width * d * 4 + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < n * hkv; ++bh) {
+        const int64_t b = bh / hkv, h = bh % hkv;
+        float* ktp = kt + bh * d * cap;
+        float* vp = v + bh * cap * d;
+        if (k_new) {
+            const float* kn = k_new + b * k_new_stride + h * d;
+            for (int64_t i = 0; i < d; ++i) ktp[i * cap + pos[b]] = kn[i];
+            memcpy(vp + pos[b] * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(float));
+        }
+        const float* qp = q + b * q_stride + h * group * d;
+        float qf[MAX_G * MAX_D], acc[MAX_G * MAX_D], s[AV_ROWS * BLOCK];
+        float m[MAX_G], l[MAX_G];
+        for (int64_t i = 0; i < group * d; ++i) { qf[i] = qp[i] * scale; acc[i] = 0.0f; }
+        for (int64_t g = 0; g < group; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
+        if (init_o) {
+            memcpy(acc, init_o + bh * group * d, (size_t)(group * d) * sizeof(float));
+            for (int64_t g = 0; g < group; ++g) {
+                m[g] = init_lse[bh * group + g];
+                l[g] = m[g] == -INFINITY ? 0.0f : 1.0f;
+            }
+        }
+        Ahead pf = {0, 0, cap * 4, k_line_per_row, d * k_line_per_row, lines - d * k_line_per_row, 0,
+                    steps > 0 ? (lines + steps - 1) / steps : 1};
+        if (bh + 1 < n * hkv && width > 0) {
+            pf.k = (const char*)(ktp + d * cap);
+            pf.v = (const char*)(vp + cap * d);
+        }
+        const float* bp = bias ? bias + b * cap : 0;
+        for (int64_t j0 = 0; j0 < width; j0 += BLOCK) {
+            const int64_t jn = width - j0 < BLOCK ? width - j0 : BLOCK;
+            for (int64_t g0 = 0; g0 < group; g0 += per) {
+                const int64_t r = group - g0 < per ? group - g0 : per;
+                scores_any((int)r, qf + g0 * d, d, ktp + j0, cap, F32_PACK, jn, bp ? bp + j0 : 0, s, BLOCK, &pf);
+                for (int64_t g = 0; g < r; ++g)
+                    softmax_update(s + g * BLOCK, jn, jn, &m[g0 + g], &l[g0 + g], acc + (g0 + g) * d, d);
+                values_any((int)r, s, BLOCK, jn, vp + j0 * d, d, d, acc + g0 * d, d, &pf);
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            const float row_lse = finish_row(m[g], l[g], acc + g * d, d, out + (bh * group + g) * d);
+            if (lse) lse[bh * group + g] = row_lse;
+        }
+    }
+    return 0;
+}
+
+/* Up to AV_ROWS query rows of one KV head: pre-scaled queries, scores of one key block and the
+ * online-softmax state. */
+typedef struct {
+    float q[AV_ROWS * MAX_D];
+    float s[AV_ROWS * F32_KEYS];
+    float o[AV_ROWS * MAX_D];
+    float m[AV_ROWS], l[AV_ROWS];
+} Rows;
+
+static inline void rows_begin(Rows* rw, int64_t nr, int64_t d) {
+    for (int64_t r = 0; r < nr; ++r) { rw->m[r] = -INFINITY; rw->l[r] = 0.0f; }
+    memset(rw->o, 0, (size_t)(nr * d) * sizeof(float));
+}
+
+/* Rows [0, nr) against keys [0, keys) of a packed K (kp [keys_pad / 16, d, 16]) and V rows vs
+ * apart; row r sees the keys below limit[r] (NULL: all). */
+static void rows_attend(Rows* rw, int64_t nr, int64_t d, const float* kp, const float* v, int64_t vs, int64_t keys,
+                        const int64_t* limit) {
+    for (int64_t j0 = 0; j0 < keys; j0 += F32_KEYS) {
+        const int64_t jn = keys - j0 < F32_KEYS ? keys - j0 : F32_KEYS;
+        const int64_t jn_pad = (jn + F32_PACK - 1) / F32_PACK * F32_PACK;  /* packed zeros past keys */
+        scores_any((int)nr, rw->q, d, kp + j0 * d, F32_PACK, d * F32_PACK, jn_pad, 0, rw->s, F32_KEYS, 0);
+        for (int64_t r = 0; r < nr; ++r)
+            softmax_update(rw->s + r * F32_KEYS, jn, limit ? limit[r] - j0 : jn, &rw->m[r], &rw->l[r], rw->o + r * d, d);
+        values_any((int)nr, rw->s, F32_KEYS, jn, v + j0 * vs, vs, d, rw->o, d, 0);
+    }
+}
+
+/* Every query q [n, hkv, group, d] (request rows q_stride apart) against one shared key set of p
+ * keys: kp [hkv, p_pad / 16, d, 16] (packed, zeros past p), v [hkv, p, d]. AV_ROWS query rows of
+ * a KV head share each key load. Writes out [n, hkv, group, d] (normalised) and lse
+ * [n, hkv, group] of the scaled scores. Returns 0, or -1 when the shapes are outside its bounds. */
+int prefix_attention_f32(const float* q, int64_t q_stride, const float* kp, const float* v, int64_t p,
+                         int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+                         float* out, float* lse)
+{
+    if (d < 1 || d > MAX_D || p < 1 || p > p_pad || p_pad % F32_PACK || group < 1) return -1;
+    const int64_t rows = n * group;
+    const int64_t per = chunk_rows(rows < AV_ROWS ? rows : AV_ROWS);
+    const int64_t blocks = (rows + per - 1) / per;
+#pragma omp parallel for schedule(static)
+    for (int64_t w = 0; w < hkv * blocks; ++w) {
+        const int64_t h = w / blocks, r0 = (w % blocks) * per;
+        const int64_t nr = rows - r0 < per ? rows - r0 : per;
+        Rows rw;
+        for (int64_t r = 0; r < nr; ++r) {
+            const int64_t b = (r0 + r) / group, g = (r0 + r) % group;
+            const float* src = q + b * q_stride + (h * group + g) * d;
+            for (int64_t i = 0; i < d; ++i) rw.q[r * d + i] = src[i] * scale;
+        }
+        rows_begin(&rw, nr, d);
+        rows_attend(&rw, nr, d, kp + h * p_pad * d, v + h * p * d, d, p, 0);
+        for (int64_t r = 0; r < nr; ++r) {
+            const int64_t b = (r0 + r) / group, g = (r0 + r) % group, row = (b * hkv + h) * group + g;
+            lse[row] = finish_row(rw.m[r], rw.l[r], rw.o + r * d, d, out + row * d);
+        }
+    }
+    return 0;
+}
+
+/* Keys of one KV head, rows k + j * k_stride (j < len, d each), into the packed layout
+ * kp [len_pad / 16, d, 16], zeros past len. */
+static void pack_keys(const float* k, int64_t k_stride, int64_t len, int64_t len_pad, int64_t d, float* kp) {
+    for (int64_t j0 = 0; j0 < len_pad; j0 += F32_PACK) {
+        float* dst = kp + j0 * d;
+        for (int64_t jj = 0; jj < F32_PACK; ++jj) {
+            const int64_t j = j0 + jj;
+            if (j < len) {
+                const float* src = k + j * k_stride;
+                for (int64_t i = 0; i < d; ++i) dst[i * F32_PACK + jj] = src[i];
+            } else {
+                for (int64_t i = 0; i < d; ++i) dst[i * F32_PACK + jj] = 0.0f;
+            }
+        }
+    }
+}
+
+/* Causal self-attention of n prompts of len new tokens each, no cached keys: token
+ * t = b * len + pos has its query heads at q + t * q_stride (head h * group + g of KV head h),
+ * its key and value heads at k + t * k_stride + h * d (likewise v). Each (request, KV head)
+ * packs its keys once; its query rows, position-major (row = pos * group + g), go AV_ROWS at a
+ * time, reading only the keys up to their last position. Writes out [n * len, hkv * group, d]
+ * and, when lse != NULL, lse [n * len, hkv * group]. Returns 0, or -1 (nothing usable written)
+ * when the shapes are outside its bounds or memory runs out. */
+int causal_attention_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                         int64_t v_stride, int64_t n, int64_t len, int64_t hkv, int64_t group, int64_t d, float scale,
+                         float* out, float* lse)
+{
+    if (d < 1 || d > MAX_D || len < 1 || group < 1) return -1;
+    const int64_t len_pad = (len + F32_PACK - 1) / F32_PACK * F32_PACK, rows = len * group, heads = hkv * group;
+    const int64_t per = chunk_rows(rows < AV_ROWS ? rows : AV_ROWS);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float* kp = malloc((size_t)(len_pad * d) * sizeof(float));
+        Rows* rw = malloc(sizeof(Rows));
+        if (!kp || !rw) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < n * hkv; ++w) {
+            if (!kp || !rw) continue;
+            const int64_t b = w / hkv, h = w % hkv;
+            pack_keys(k + b * len * k_stride + h * d, k_stride, len, len_pad, d, kp);
+            const float* vh = v + b * len * v_stride + h * d;
+            for (int64_t r0 = 0; r0 < rows; r0 += per) {
+                const int64_t nr = rows - r0 < per ? rows - r0 : per;
+                int64_t limit[AV_ROWS];
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t row = r0 + r, ps = row / group;
+                    const float* src = q + (b * len + ps) * q_stride + (h * group + row % group) * d;
+                    for (int64_t i = 0; i < d; ++i) rw->q[r * d + i] = src[i] * scale;
+                    limit[r] = ps + 1;
+                }
+                rows_begin(rw, nr, d);
+                rows_attend(rw, nr, d, kp, vh, v_stride, limit[nr - 1], limit);
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t row = r0 + r, t = b * len + row / group, head = h * group + row % group;
+                    const float row_lse = finish_row(rw->m[r], rw->l[r], rw->o + r * d, d, out + (t * heads + head) * d);
+                    if (lse) lse[t * heads + head] = row_lse;
+                }
+            }
+        }
+        free(kp);
+        free(rw);
+    }
+    return failed ? -1 : 0;
+}
