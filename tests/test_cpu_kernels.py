@@ -137,7 +137,7 @@ def test_silu_and_mul_matches_torch_bf16(inter: int) -> None:
     assert torch.equal(out.isnan(), want.isnan())
     finite = ~want.isnan()
     _ulp_close(out[finite], want[finite])
-    assert cpu_kernels.silu_and_mul(gate_up.float()) is None
+    assert cpu_kernels.silu_and_mul(gate_up.half()) is None  # fp32: tests/test_cpu_kernels_f32.py
 
 
 @pytest.mark.parametrize("n", [0, 5, 300])  # 300: the parallel loop
@@ -182,7 +182,7 @@ def test_rms_norm_matches_the_hf_recipe(with_residual: bool) -> None:
     _ulp_close(out, want, max_mismatch=2e-3)
     if with_residual:
         assert torch.equal(res, source)  # the sum is left in the residual buffer
-    assert cpu_kernels.rms_norm(x.float(), None, weight.float(), 1e-6) is None
+    assert cpu_kernels.rms_norm(x.half(), None, weight.half(), 1e-6) is None  # fp32: test_cpu_kernels_f32.py
     assert cpu_kernels.rms_norm(x.t().contiguous().t(), None, weight, 1e-6) is None  # strided rows: torch path
 
 

@@ -25,13 +25,19 @@ where torch's bf16 ops round:
 
 The attention kernels (decode, shared prefix, causal prefill) are in ``runtime.cpu.attention_kernels``.
 
-They apply to bf16 CPU tensors only: fp32 keeps torch's ops, the path the fp32
-equivalence tests compare with transformers.
+They apply to bf16 CPU tensors, except three that also take fp32: ``silu_and_mul``,
+``rms_norm`` and ``rotary_`` (``csrc/elementwise_f32.c``). fp32 is what a host without
+native bf16 (AVX2 only: torch emulates bf16 there) serves in, and what the equivalence tests
+compare with transformers, so the fp32 kernels compute torch's fp32 formulas: rotary and
+RMSNorm bit-identical (each product rounded, no FMA contraction, RMSNorm's sum of squares in
+the order of torch's vector reduction), silu's ``x / (1 + exp(-x))`` with a vectorised exp
+within ~2 ulp of torch's.
 
 Building: ``runtime.cpu.kernel_library`` compiles ``csrc/*.c`` once per instruction-set
 level (AVX-512 with BF16, AVX-512, AVX2, plain C) and loads the best one this CPU runs. The
-bf16 kernels take AVX-512 paths where the build has them and plain C elsewhere; the
-pair-packed prefix and prefill attention need AVX-512 (``prefix_supported``). Without a
+bf16 kernels take AVX-512 paths where the build has them and plain C elsewhere (the fp32
+elementwise ones: 16 lanes of AVX-512, 8 of AVX2, or plain C); the pair-packed prefix and
+prefill attention need AVX-512 (``prefix_supported``). Without a
 compiler, or with ``TINYSERVE_CPU_KERNELS=0``, ``available()`` is False and callers keep the
 torch path.
 """
@@ -56,6 +62,12 @@ declare("rmsnorm_bf16", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("merge_attn_bf16", [_i64] * 4 + ([_ptr] + [_i64] * 3) * 4 + [_ptr], None)
 declare("rotary_bf16", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 declare("argmax_rows_f32", [_ptr, _i64, _i64, _i64, _ptr], None)
+declare("silu_mul_f32", [_ptr, _i64, _i64, _ptr], None)
+declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
+declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
+
+# dtype -> the suffix of its elementwise kernels (silu_mul_*, rmsnorm_*, rotary_*)
+_ELEMENTWISE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _library() -> ctypes.CDLL | None:
@@ -69,6 +81,16 @@ def available() -> bool:
 
 def _bf16_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def _elementwise_suffix(first: torch.Tensor, *rest: torch.Tensor) -> str | None:
+    """``"bf16"``/``"f32"`` when every tensor is a contiguous CPU tensor of that one dtype, else None."""
+    suffix = _ELEMENTWISE.get(first.dtype)
+    if suffix is None or not all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous()
+                                 for t in (first, *rest)):
+        return None
+    return suffix
+
 
 def softmax_supported(scores: torch.Tensor) -> bool:
     """Whether ``softmax_rows`` takes this tensor (else use torch)."""
@@ -126,32 +148,37 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``gate_up [..., 2 * I]`` (gate first) as a new ``[..., I]``
-    tensor, or None where the kernel does not apply (then use torch)."""
-    if not (_bf16_cpu(gate_up) and gate_up.shape[-1] % 2 == 0 and available()):
+    """``silu(gate) * up`` of ``gate_up [..., 2 * I]`` (gate first; bf16 or fp32, contiguous) as a
+    new ``[..., I]`` tensor, or None where the kernel does not apply (then use torch)."""
+    suffix = _elementwise_suffix(gate_up)
+    if not (suffix and gate_up.shape[-1] % 2 == 0 and available()):
         return None
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    if out.numel() == 0:
+        return out
     lib = _library()
     assert lib is not None
-    lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
+    getattr(lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
     return out
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of ``x [..., H]`` (of ``residual + x`` when ``residual`` is given, which then
-    holds that sum, in place) as a new tensor, or None where the kernel does not apply."""
+    holds that sum, in place) as a new tensor, or None where the kernel does not apply: every
+    operand contiguous, one dtype (bf16 with ``H <= MAX_NORM_HIDDEN``, or fp32)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     hidden = x.shape[-1]
-    if not (_bf16_cpu(*tensors) and hidden <= MAX_NORM_HIDDEN and weight.shape == (hidden,) and available()):
+    suffix = _elementwise_suffix(*tensors)
+    if not (suffix and 0 < hidden and weight.shape == (hidden,) and available()):
         return None
-    if residual is not None and residual.shape != x.shape:
+    if (residual is not None and residual.shape != x.shape) or (suffix == "bf16" and hidden > MAX_NORM_HIDDEN):
         return None
     out = torch.empty_like(x)
     lib = _library()
     assert lib is not None
-    lib.rmsnorm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                     x.numel() // hidden, hidden, float(eps), out.data_ptr())
+    getattr(lib, f"rmsnorm_{suffix}")(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                      weight.data_ptr(), x.numel() // hidden, hidden, float(eps), out.data_ptr())
     return out
 
 
@@ -177,18 +204,20 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> bool:
     """Rotate ``x [T, heads, D]`` in place (neox halves of the first ``rotary_dim`` dims) by
-    ``cos``/``sin`` ``[T, 1, rotary_dim // 2]``; rows may be strided, heads must be packed.
+    ``cos``/``sin`` ``[T, 1, rotary_dim // 2]`` (contiguous, x's dtype: bf16 or fp32); rows may be
+    strided, heads must be packed.
     Returns False, touching nothing, where the kernel does not apply (then use torch)."""
     if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or rotary_dim % 2 or rotary_dim > x.shape[2]:
         return False
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not _bf16_cpu(cos, sin):
+    suffix = _elementwise_suffix(cos, sin)
+    if suffix is None or x.dtype != cos.dtype or x.device.type != "cpu":
         return False
     if cos.shape != (x.shape[0], 1, rotary_dim // 2) or sin.shape != cos.shape or not available():
         return False
     lib = _library()
     assert lib is not None
-    lib.rotary_bf16(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim, cos.data_ptr(),
-                    sin.data_ptr())
+    getattr(lib, f"rotary_{suffix}")(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim,
+                                     cos.data_ptr(), sin.data_ptr())
     return True
 
 

@@ -1,10 +1,12 @@
 """``CpuOps``: the device-ops seam on CPU.
 
 Each op goes to its C kernel (``runtime.cpu.kernels``) or prepacked oneDNN weight
-(``runtime.cpu.prepacked``) under exactly the conditions the kernel states (bf16, packed
-heads, sizes within its bounds, the library built), and to the plain torch op otherwise:
-fp32 keeps torch's ops (what the fp32 equivalence tests compare with transformers) except
-the byte-exact KV row copy and the fp32 argmax.
+(``runtime.cpu.prepacked``) under exactly the conditions the kernel states (dtype, packed
+heads, sizes within its bounds, the library built), and to the plain torch op otherwise.
+bf16 takes each of them. fp32 (what an AVX2-only host serves in, and what the equivalence
+tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and rotary,
+which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
+the byte-exact KV row copy and the argmax; its linears stay on ``F.linear``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class CpuOps(TorchOps):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # bf16: one pass, the same roundings
+        fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # one pass, torch's roundings
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
