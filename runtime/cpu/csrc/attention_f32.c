@@ -93,23 +93,30 @@ static inline av av_exp(av x) { return fast_exp(x); }
 /* 1 when the build has vector lanes (AVX2 or AVX-512), 0 in plain C. */
 int attention_f32_vectorised(void) { return AV_W > 1; }
 
-/* Prefetch cursor: the next work item's K rows (k_rows rows of k_bytes, k_stride bytes apart)
- * and V bytes (contiguous), `rate` cache lines per step, brought toward L2 while this item
- * computes (the decode kernel is otherwise latency-bound on the cold mirror). */
+/* Prefetch cursor: the next work item's K rows (rows of row_bytes, k_stride bytes apart) and V
+ * bytes (contiguous), `rate` cache lines per step, brought toward L2 while this item computes
+ * (the decode kernel is otherwise latency-bound on the cold mirror). */
 typedef struct {
-    const char* k; const char* v;
-    int64_t k_stride, k_line_per_row, k_lines, v_lines, next, rate;
+    const char* k; const char* k_row; const char* v; const char* v_end;  /* k: next line (NULL: none) */
+    int64_t k_stride, row_bytes, k_rows_left, rate;
 } Ahead;
 
 AV_INLINE void ahead_step(Ahead* a) {
-    if (!a->k) return;
-    for (int64_t u = 0; u < a->rate; ++u, ++a->next) {
-        const int64_t t = a->next;
-        if (t < a->k_lines)
-            _mm_prefetch(a->k + (t / a->k_line_per_row) * a->k_stride + (t % a->k_line_per_row) * 64, _MM_HINT_T1);
-        else if (t < a->k_lines + a->v_lines)
-            _mm_prefetch(a->v + (t - a->k_lines) * 64, _MM_HINT_T1);
-        else { a->k = 0; return; }
+    for (int64_t u = 0; u < a->rate; ++u) {
+        if (a->k_rows_left > 0) {
+            _mm_prefetch(a->k, _MM_HINT_T1);
+            a->k += 64;
+            if (a->k >= a->k_row + a->row_bytes) {
+                a->k_row += a->k_stride;
+                a->k = a->k_row;
+                a->k_rows_left--;
+            }
+        } else if (a->v < a->v_end) {
+            _mm_prefetch(a->v, _MM_HINT_T1);
+            a->v += 64;
+        } else {
+            return;
+        }
     }
 }
 
@@ -304,8 +311,7 @@ int decode_attention_f32(
     /* steps of the tile loops per item, to spread the next item's lines over them */
     const int64_t steps = chunks * (((width + AV_TILE * AV_W - 1) / (AV_TILE * AV_W)) * d
                                     + ((d + AV_TILE * AV_W - 1) / (AV_TILE * AV_W)) * width);
-    const int64_t k_line_per_row = (width * 4 + 63) / 64;
-    const int64_t lines = d * k_line_per_row + (width * d * 4 + 63) / 64;
+    const int64_t lines = d * ((width * 4 + 63) / 64) + (width * d * 4 + 63) / 64;
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < n * hkv; ++bh) {
         const int64_t b = bh / hkv, h = bh % hkv;
@@ -328,11 +334,12 @@ int decode_attention_f32(
                 l[g] = m[g] == -INFINITY ? 0.0f : 1.0f;
             }
         }
-        Ahead pf = {0, 0, cap * 4, k_line_per_row, d * k_line_per_row, lines - d * k_line_per_row, 0,
-                    steps > 0 ? (lines + steps - 1) / steps : 1};
-        if (bh + 1 < n * hkv && width > 0) {
-            pf.k = (const char*)(ktp + d * cap);
+        Ahead pf = {0, 0, 0, 0, cap * 4, width * 4, 0, steps > 0 ? (lines + steps - 1) / steps : 1};
+        if (bh + 1 < n * hkv) {
+            pf.k = pf.k_row = (const char*)(ktp + d * cap);
+            pf.k_rows_left = d;
             pf.v = (const char*)(vp + cap * d);
+            pf.v_end = pf.v + width * d * 4;
         }
         const float* bp = bias ? bias + b * cap : 0;
         for (int64_t j0 = 0; j0 < width; j0 += BLOCK) {
@@ -413,6 +420,10 @@ int prefix_attention_f32(const float* q, int64_t q_stride, const float* kp, cons
     return 0;
 }
 
+static inline void prefetch_floats(const float* p, int64_t count) {
+    for (int64_t i = 0; i < count; i += 16) _mm_prefetch((const char*)(p + i), _MM_HINT_T0);
+}
+
 /* Keys of one KV head, rows k + j * k_stride (j < len, d each), into the packed layout
  * kp [len_pad / 16, d, 16], zeros past len. */
 static void pack_keys(const float* k, int64_t k_stride, int64_t len, int64_t len_pad, int64_t d, float* kp) {
@@ -459,8 +470,24 @@ int causal_attention_f32(const float* q, int64_t q_stride, const float* k, int64
             const int64_t b = w / hkv, h = w % hkv;
             pack_keys(k + b * len * k_stride + h * d, k_stride, len, len_pad, d, kp);
             const float* vh = v + b * len * v_stride + h * d;
+            const int64_t blocks = (rows + per - 1) / per, share = (len + blocks - 1) / blocks;
             for (int64_t r0 = 0; r0 < rows; r0 += per) {
-                const int64_t nr = rows - r0 < per ? rows - r0 : per;
+                const int64_t nr = rows - r0 < per ? rows - r0 : per, blk = r0 / per;
+                /* The rows come from DRAM a few hundred bytes apart (too sparse for the hardware
+                 * prefetcher): fetch the next block's queries, and a share of the next item's keys
+                 * and values, while this block computes. */
+                for (int64_t row = r0 + per; row < r0 + 2 * per && row < rows; ++row)
+                    prefetch_floats(q + (b * len + row / group) * q_stride + (h * group + row % group) * d, d);
+                if (w + 1 < n * hkv) {
+                    const int64_t b1 = (w + 1) / hkv, h1 = (w + 1) % hkv;
+                    for (int64_t j = blk * share; j < (blk + 1) * share && j < len; ++j) {
+                        prefetch_floats(k + (b1 * len + j) * k_stride + h1 * d, d);
+                        prefetch_floats(v + (b1 * len + j) * v_stride + h1 * d, d);
+                    }
+                    if (r0 + per >= rows)
+                        for (int64_t row = 0; row < per && row < rows; ++row)
+                            prefetch_floats(q + (b1 * len + row / group) * q_stride + (h1 * group + row % group) * d, d);
+                }
                 int64_t limit[AV_ROWS];
                 for (int64_t r = 0; r < nr; ++r) {
                     const int64_t row = r0 + r, ps = row / group;
