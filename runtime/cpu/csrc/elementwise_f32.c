@@ -9,7 +9,8 @@
  * no reassociation (the library builds with -fassociative-math), in this file only. Set
  * before the includes so that the intrinsics inline with the same options. */
 #if defined(__clang__)
-#pragma clang fp contract(off) reassociate(off)
+#pragma clang fp contract(off)
+#pragma clang fp reassociate(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
 #endif
