@@ -1,16 +1,28 @@
-"""oneDNN-prepacked weights for half-precision linears on CPU (``CpuOps.linear`` calls ``linear``).
+"""oneDNN-prepacked linear weights on CPU (``CpuOps.linear`` calls ``linear``).
 
-``F.linear`` on a bf16 CPU weight hands oneDNN a plain ``[out, in]`` matrix, which it
-re-lays-out into its blocked format inside every call. Reordering once, after the
-weights are loaded (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU
-weight freezing uses), and calling ``torch.ops.mkldnn._linear_pointwise`` with the
-packed copy gives bit-identical results and, on the bench model (2 cores, AVX512-BF16),
-~20% more GFLOPS at decode sizes (M = 64) and ~5% at prefill sizes.
+``F.linear`` hands its backend a plain ``[out, in]`` matrix, which is re-laid-out into a
+blocked format inside every call (oneDNN for bf16/fp16, MKL's sgemm for fp32). Reordering
+once, after the weights are loaded (``torch.ops.mkldnn._reorder_linear_weight``, what
+inductor's CPU weight freezing uses), and calling ``torch.ops.mkldnn._linear_pointwise``
+with the packed copy saves that work:
+
+- bf16/fp16: the same oneDNN kernel either way, so the packed path gives bit-identical
+  results, faster at every size; it always runs.
+- fp32: the packed path swaps MKL's sgemm for oneDNN's own kernel. It is faster only for
+  a middle band of rows (``FP32_PACKED_ROWS``; ``bench/cpu_linear.py`` measures it, with
+  AVX-512 and capped at AVX2): MKL wins at one or two rows (a matrix-vector product) and
+  at prefill sizes, where both are compute-bound and MKL's kernel is the better one. So
+  ``linear`` takes the packed copy only for a batch inside the band. The two libraries
+  sum in different orders, so a packed fp32 result is not F.linear's bits: each output
+  differs from F.linear's by at most ~3.2 fp32 epsilons of ``sum_k |x_k * w_k|`` (measured
+  at the bench model's shapes: 2.3e-7 of it with AVX-512, 3.8e-7 capped at AVX2; about
+  1.7e-6 of the largest output), the size of the difference between two valid fp32 sums.
+  The fp32 greedy tokens still equal transformers' (tests/test_model_equivalence.py).
 
 The packed copy is owned by its layer (``packed_weight``) and lives next to the plain
 weight, which stays the source of truth: a layer's weight loader drops the packed copy,
-so a reload can never leave a stale one in use. fp32 layers are never packed: their
-plain path is the one the fp32 equivalence tests compare bit for bit with transformers.
+so a reload can never leave a stale one in use. A CPU oneDNN refuses (bf16 on an
+AVX2-only CPU) leaves the slot empty and the layer on F.linear.
 """
 
 from __future__ import annotations
@@ -24,7 +36,10 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows (tokens) per fp32 call that take the packed copy: oneDNN beats MKL's sgemm at every
+# bench-model shape here, both with AVX-512 and on an AVX2-only CPU; outside it, F.linear.
+FP32_PACKED_ROWS = range(4, 257)
 
 
 def prepack_available() -> bool:
@@ -39,7 +54,7 @@ def prepack_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
-    """The packed copy of a ``[out, in]`` CPU half-precision weight, or None where it cannot be made."""
+    """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         return None
     try:
@@ -50,9 +65,18 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
 
 
+def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` runs ``x`` through a packed copy of ``weight`` (given one)."""
+    if x.dtype != weight.dtype:
+        return False
+    if x.dtype != torch.float32:
+        return True
+    return x.numel() // max(x.shape[-1], 1) in FP32_PACKED_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed copy when there is one."""
-    if packed is not None and x.dtype == weight.dtype:
+    """``F.linear(x, weight, bias)``, through the packed copy when there is one and it is faster."""
+    if packed is not None and takes_packed(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -60,7 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 def prepack_model(model: nn.Module) -> int:
     """Pack every layer with a ``packed_weight`` slot whose weight is packable; returns how many.
 
-    Call after the weights are loaded. A no-op (0) without oneDNN or for fp32 models.
+    Call after the weights are loaded. A no-op (0) without oneDNN.
     """
     if not prepack_available():
         return 0

@@ -1,0 +1,148 @@
+"""Prepacked fp32 linears on CPU (runtime/cpu/prepacked.py): oneDNN's packed kernel runs
+for batches inside ``FP32_PACKED_ROWS`` and stays within the measured bound of F.linear;
+outside the band F.linear runs; a reload drops every packed copy; where oneDNN refuses,
+the model serves unpacked; and fp32 greedy tokens still equal transformers' on a model
+wide enough (hidden 512) that the packed sums differ from MKL's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoints import hf_greedy, load_hf_model, random_prompt
+from harness import Harness
+from runtime.cpu.prepacked import FP32_PACKED_ROWS, linear, pack_weight, prepack_available, prepack_model, takes_packed
+from runtime.model_runner import ModelRunner
+from runtime.weight_loader import load_model_weights
+
+# |packed - F.linear| <= BOUND_EPS * eps * sum_k |x_k w_k| per output: the measured worst is
+# ~3.2 eps (bench/cpu_linear.py shapes, AVX-512 and AVX2); twice that leaves room for other CPUs.
+BOUND_EPS = 8.0
+NEW_TOKENS = 16
+
+
+def _fp32_refusal() -> str | None:
+    """None when oneDNN packs an fp32 weight here, else why not."""
+    if not prepack_available():
+        return "this torch build has no oneDNN prepacked linear ops (torch.ops.mkldnn)"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16), 64)
+    except RuntimeError as exc:
+        return f"oneDNN does not pack fp32 weights on this CPU: {exc}"
+    return None
+
+
+needs_fp32_pack = pytest.mark.skipif(_fp32_refusal() is not None, reason=str(_fp32_refusal()))
+
+
+@needs_fp32_pack
+@pytest.mark.parametrize("out_features,in_features", [(1536, 1024), (1024, 2816), (192, 64)])
+def test_packed_fp32_linear_is_within_the_bound(out_features: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
+    bias = torch.randn(out_features, generator=gen)
+    packed = pack_weight(weight)
+    assert packed is not None
+    eps = torch.finfo(torch.float32).eps
+    for rows in (1, 2, FP32_PACKED_ROWS.start, 17, 64, FP32_PACKED_ROWS.stop - 1, FP32_PACKED_ROWS.stop):
+        x = torch.randn(rows, in_features, generator=gen)
+        got = linear(x, weight, bias, packed)
+        plain = F.linear(x, weight, bias)
+        if not takes_packed(x, weight):  # outside the band: F.linear itself
+            assert rows not in FP32_PACKED_ROWS
+            assert torch.equal(got, plain)
+            continue
+        assert rows in FP32_PACKED_ROWS
+        direct = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        assert torch.equal(got, direct), "inside the band linear must run the packed kernel"
+        scale = F.linear(x.abs(), weight.abs(), bias.abs())
+        excess = (got - plain).abs() - BOUND_EPS * eps * scale
+        assert excess.max().item() <= 0, f"rows={rows}: {(got - plain).abs().max().item():.3e} off F.linear"
+    x3 = torch.randn(2, 8, in_features, generator=gen)  # [batch, seq, in]: rows are counted over both
+    assert takes_packed(x3, weight) == (16 in FP32_PACKED_ROWS)
+    assert linear(x3, weight, bias, packed).shape == (2, 8, out_features)
+
+
+def test_mixed_dtypes_never_take_the_packed_copy() -> None:
+    weight = torch.randn(32, 16)
+    assert not takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), weight)
+    assert takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), weight.bfloat16())  # half precision: any size
+
+
+@needs_fp32_pack
+def test_fp32_model_packs_every_linear_and_a_reload_drops_them(tiny_llama_path: Path) -> None:
+    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=1024, load_progress=False)
+    slots = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
+    assert slots and all(m.packed_weight is not None for m in slots)
+    load_model_weights(runner.model, tiny_llama_path, progress=False)  # the loader drops every packed copy
+    assert all(m.packed_weight is None for m in slots)
+    assert prepack_model(runner.model) == len(slots)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with hidden 512 and MLP 1408: sums long enough that oneDNN's and MKL's differ."""
+    from bench.checkpoint import BenchModelSpec, build_bench_checkpoint
+
+    spec = BenchModelSpec(name="prepack-wide", hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
+                          intermediate_size=1408, vocab_size=600, max_positions=256, corpus_lines=400,
+                          lexicon_size=300)
+    return build_bench_checkpoint(tmp_path_factory.mktemp("wide"), spec)
+
+
+@pytest.fixture(scope="module")
+def wide_reference(wide_checkpoint: Path) -> Iterator[Any]:
+    yield load_hf_model(wide_checkpoint)
+
+
+def _greedy_equals_transformers(path: Path, model: Any) -> ModelRunner:
+    runner = ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=2048, load_progress=False)
+    prompts = [random_prompt(n, runner.vocab_size, seed=n) for n in (3, 9, 20, 41)]
+    h = Harness(runner)
+    try:
+        reqs = h.generate(prompts, NEW_TOKENS)  # batches of 4 rows: inside the packed band
+    finally:
+        h.reset()
+    for prompt, req in zip(prompts, reqs):
+        assert req.output_ids == hf_greedy(model, prompt, NEW_TOKENS)[0], f"prompt of length {len(prompt)}"
+    return runner
+
+
+@needs_fp32_pack
+def test_packed_fp32_greedy_equals_transformers(wide_checkpoint: Path, wide_reference: Any) -> None:
+    runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
+    packed = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    assert packed, "fp32 linears were not packed"
+    x = torch.randn(8, packed[-1].weight.shape[1], generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(linear(x, packed[-1].weight, None, packed[-1].packed_weight),
+                           F.linear(x, packed[-1].weight)), "the packed path gave F.linear's bits: nothing was tested"
+
+
+def test_refused_packing_serves_unpacked(wide_checkpoint: Path, wide_reference: Any,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(weight: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+        raise RuntimeError("this CPU has no kernel for the weight's dtype")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
+    slots = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
+    assert slots and all(m.packed_weight is None for m in slots)
+
+
+def test_cpu_linear_bench_times_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cpu_linear
+    from bench.common import read_json
+
+    out = tmp_path / "linear.json"
+    assert cpu_linear.main(["--shapes", "o", "--m", "4", "--repeat", "1", "--stream-mib", "0",
+                            "--json", str(out)]) == 0
+    (row,) = read_json(out)["rows"]
+    assert row["m"] == 4 and row["plain_ms"] > 0
+    if _fp32_refusal() is None:
+        assert row["onednn_ms"] > 0 and 0 <= row["onednn_rel"] < 1e-5
+    assert "plain/onednn" in capsys.readouterr().out
