@@ -248,8 +248,8 @@ class MatmulMeter:
         matmul that found its weight in cache would overstate the rate: the calls
         rotate through enough weight copies to exceed any last-level cache.
 
-        On CPU in half precision the runtime multiplies with oneDNN-prepacked weights
-        (runtime/cpu/prepacked.py), which is faster than ``F.linear``; the rate is the
+        On CPU the runtime multiplies with oneDNN-prepacked weights where they are faster
+        (runtime/cpu/prepacked.py: half precision always, fp32 at 4..256 rows); the rate is the
         faster of the two, so the roofline stays the best this machine can do.
         """
         key = ("linear", m, k, n)

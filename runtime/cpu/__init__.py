@@ -1,7 +1,10 @@
 """The CPU wing: everything that exists only to make the CPU fast.
 
-- ``kernels`` (+ ``csrc/cpu_kernels.c``): the bf16 C kernels, compiled on first use;
-- ``prepacked``: oneDNN-prepacked weights for half-precision linears;
+- ``kernel_library``: builds ``csrc/*.c`` once per instruction-set level (AVX-512 + BF16 with
+  AMX where present, AVX-512, AVX2, plain C) and loads the best one this CPU runs;
+- ``kernels`` and ``attention_kernels`` (+ ``attention_kernels_f32``): the C kernels' wrappers,
+  bf16 and fp32;
+- ``prepacked``: oneDNN-prepacked weights for linears;
 - ``ops``: ``CpuOps``, the device-ops seam's CPU implementation (the layers' C kernels
   and prepacked linears behind ``runtime.ops``);
 - ``attention`` and ``decode_mirror``: the torch-native attention backend's CPU fast paths
