@@ -1,80 +1,10 @@
 /* fp32 attention kernels: the decode step over the decode-key mirror, a shared prefix for every
  * decode query (cascade), and a causal prefill. The same code serves every build level: it is
- * written over a vector of AV_W fp32 lanes (16 with AVX-512, 8 with AVX2 + FMA, 1 in plain C),
- * so an AVX2-only host, where bf16 matmuls are emulated and the server runs in fp32, gets the
- * fused paths too. Scores, softmax and accumulation are fp32 throughout. Called through
+ * written over the vector of AV_W fp32 lanes of lanes_f32.h (16 with AVX-512, 8 with AVX2 + FMA,
+ * 1 in plain C), so an AVX2-only host, where bf16 matmuls are emulated and the server runs in
+ * fp32, gets the fused paths too. Scores, softmax and accumulation are fp32 throughout. Called through
  * runtime/cpu/attention_kernels_f32.py, which documents the layouts and why each path exists. */
-#include "common.h"
-
-/* ---- the lane vector of this build ---- */
-#if defined(__AVX512F__)
-#define AV_W 16
-typedef __m512 av;
-static inline av av_load(const float* p) { return _mm512_loadu_ps(p); }
-static inline void av_store(float* p, av x) { _mm512_storeu_ps(p, x); }
-static inline av av_set1(float x) { return _mm512_set1_ps(x); }
-static inline av av_fma(av a, av b, av c) { return _mm512_fmadd_ps(a, b, c); }
-static inline av av_add(av a, av b) { return _mm512_add_ps(a, b); }
-static inline av av_sub(av a, av b) { return _mm512_sub_ps(a, b); }
-static inline av av_mul(av a, av b) { return _mm512_mul_ps(a, b); }
-static inline av av_max(av a, av b) { return _mm512_max_ps(a, b); }
-static inline float av_hmax(av x) { return _mm512_reduce_max_ps(x); }
-static inline float av_hsum(av x) { return _mm512_reduce_add_ps(x); }
-static inline av av_exp(av x) { return fast_exp16(x); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define AV_W 8
-typedef __m256 av;
-static inline av av_load(const float* p) { return _mm256_loadu_ps(p); }
-static inline void av_store(float* p, av x) { _mm256_storeu_ps(p, x); }
-static inline av av_set1(float x) { return _mm256_set1_ps(x); }
-static inline av av_fma(av a, av b, av c) { return _mm256_fmadd_ps(a, b, c); }
-static inline av av_add(av a, av b) { return _mm256_add_ps(a, b); }
-static inline av av_sub(av a, av b) { return _mm256_sub_ps(a, b); }
-static inline av av_mul(av a, av b) { return _mm256_mul_ps(a, b); }
-static inline av av_max(av a, av b) { return _mm256_max_ps(a, b); }
-static inline float av_hmax(av x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-static inline float av_hsum(av x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-/* fast_exp (common.h) on 8 lanes: x <= 0 or -inf. */
-static inline av av_exp(av x) {
-    const av t = _mm256_max_ps(_mm256_set1_ps(EXP_MIN_T), _mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)));
-    const av fi = _mm256_floor_ps(t);
-    const av f = _mm256_sub_ps(t, fi);
-    av p = _mm256_set1_ps(EXP_C6);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23);
-    const av r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(EXP_ZERO_BELOW), _CMP_NLT_UQ));
-}
-#else
-#define AV_W 1
-typedef float av;
-static inline av av_load(const float* p) { return *p; }
-static inline void av_store(float* p, av x) { *p = x; }
-static inline av av_set1(float x) { return x; }
-static inline av av_fma(av a, av b, av c) { return a * b + c; }
-static inline av av_add(av a, av b) { return a + b; }
-static inline av av_sub(av a, av b) { return a - b; }
-static inline av av_mul(av a, av b) { return a * b; }
-static inline av av_max(av a, av b) { return a > b ? a : b; }
-static inline float av_hmax(av x) { return x; }
-static inline float av_hsum(av x) { return x; }
-static inline av av_exp(av x) { return fast_exp(x); }
-#endif
+#include "lanes_f32.h"
 
 /* Query rows per register tile (each row holds AV_TILE vectors of accumulators): as many as the
  * vector registers allow with the operand loads (32 zmm, 16 ymm). */
@@ -259,7 +189,7 @@ static inline void softmax_update(float* s, int64_t jn, int64_t seen, float* m, 
     const av vmn = av_set1(m_new);
     av vs = av_set1(0.0f);
     for (j = 0; j + AV_W <= seen; j += AV_W) {
-        const av e = av_exp(av_sub(av_load(s + j), vmn));
+        const av e = av_exp_neg(av_sub(av_load(s + j), vmn));
         vs = av_add(vs, e);
         av_store(s + j, e);
     }
