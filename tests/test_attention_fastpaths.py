@@ -8,6 +8,7 @@ runtime/cpu/prepacked.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -29,6 +30,19 @@ from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
 from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
 
+
+
+def _record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, record: Callable[..., Any]) -> list[Any]:
+    """Wrap ``owner.<name>`` so each call appends ``record(*args, **kwargs)`` to the returned list."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
 
 def t(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
@@ -302,14 +316,8 @@ def _decode_steps(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, CASCADE_MIN_PREFIX + 3])
 def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch) -> None:
-    appends: list[bool] = []
-    real = attn_kernels.decode_attention
-
-    def spy(*args, **kwargs):
-        appends.append(kwargs.get("append", args[7] if len(args) > 7 else None) is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attn_kernels, "decode_attention", spy)
+    appends = _record_calls(monkeypatch, attn_kernels, "decode_attention",
+                            lambda *args, **kwargs: kwargs.get("append", args[7] if len(args) > 7 else None) is not None)
     metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=4)
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
@@ -324,14 +332,7 @@ def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch)
 def test_decode_cascade_through_the_packed_prefix_kernel(dtype, monkeypatch) -> None:
     """Head dim 64: a shared prefix goes through attn_kernels.prefix_attention (packed once per
     rebuild) and each request's own keys through the decode kernel continuing its softmax."""
-    calls: list[int] = []
-    real = attn_kernels.prefix_attention
-
-    def spy(q, packed, scale):
-        calls.append(packed.length)
-        return real(q, packed, scale)
-
-    monkeypatch.setattr(attn_kernels, "prefix_attention", spy)
+    calls = _record_calls(monkeypatch, attn_kernels, "prefix_attention", lambda q, packed, scale: packed.length)
     shared = CASCADE_MIN_PREFIX + 7
     metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=3, head_dim=64)
     assert all(m.groups[0].shared is not None for m in metas)
@@ -370,14 +371,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads,
 
 
 def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
-    calls: list[int] = []
-    real = torch_native._causal_prefill_attention
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(torch_native, "_causal_prefill_attention", counting)
+    calls = _record_calls(monkeypatch, torch_native, "_causal_prefill_attention", lambda q, *args, **kwargs: q.shape[0])
     _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)
     assert calls == [3]
 
@@ -386,14 +380,7 @@ def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
 def test_fp32_equal_length_prefill_takes_the_causal_kernel(extend_lens, monkeypatch) -> None:
     """fp32 prompts with no cached prefix go through attn_kernels.causal_attention where the fp32
     kernels apply (AVX2 / AVX-512 builds), else through the flash kernel; either way against the reference."""
-    calls: list[int] = []
-    real = attn_kernels.causal_attention
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(attn_kernels, "causal_attention", counting)
+    calls = _record_calls(monkeypatch, attn_kernels, "causal_attention", lambda q, *args, **kwargs: q.shape[0])
     _run(ForwardMode.EXTEND, [0] * len(extend_lens), extend_lens)
     assert calls == ([len(extend_lens)] if attention_kernels_f32.applies() else [])
 
@@ -401,14 +388,7 @@ def test_fp32_equal_length_prefill_takes_the_causal_kernel(extend_lens, monkeypa
 def test_fp32_extend_cascade_through_the_prefix_kernel(monkeypatch) -> None:
     """An fp32 shared-prefix prefill attends the shared keys with attn_kernels.prefix_attention
     (where the fp32 kernels apply) and merges with the causal part; checked against the reference."""
-    calls: list[int] = []
-    real = attn_kernels.prefix_attention
-
-    def spy(q, packed, scale):
-        calls.append(packed.length)
-        return real(q, packed, scale)
-
-    monkeypatch.setattr(attn_kernels, "prefix_attention", spy)
+    calls = _record_calls(monkeypatch, attn_kernels, "prefix_attention", lambda q, packed, scale: packed.length)
     shared = CASCADE_MIN_PREFIX + 5
     _run_shared(ForwardMode.EXTEND, shared, [0, 0, 0], [5, 5, 5])
     _run_shared(ForwardMode.EXTEND, shared, [0, 2, 0, 7], [3, 6, 1, 4])

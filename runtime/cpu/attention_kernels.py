@@ -5,8 +5,8 @@ takes either dtype and dispatches on it.
 - ``decode_attention``: a decode step's attention over the decode-key mirror (below),
   storing the step's new keys and values into it first (``KeyAppend``);
 - ``prefix_attention``: every decode query against a prompt prefix all requests share
-  (cascade attention), with bf16-pair dot products (AVX512-BF16) on a pair-packed copy of the prefix
-  (``pack_prefix``); ``decode_attention`` then continues each softmax over the request's own
+  (cascade attention), on a pair-packed copy of the prefix (``pack_prefix``): AMX tile products
+  where the CPU has them, else bf16-pair dot products (``csrc/pair_attention.c``); ``decode_attention`` then continues each softmax over the request's own
   keys (``init``), so no merge is needed;
 - ``causal_attention``: a prefill's causal self-attention over its new tokens, each
   (request, KV head) packed as a prefix is and its query rows reading only the keys up to
@@ -22,19 +22,16 @@ softmax, and parallelises over (request, KV head) with OpenMP (the process's lib
 which torch has already loaded). The mirror of a 64-request batch is ~10 MB per layer,
 read once per step from DRAM: the kernel software-prefetches the next (request, KV head)'s
 keys and values, a cache line per inner-loop step, while it computes the current one
-(without it memory and compute did not overlap: 0.8 vs 0.37 ms per layer, the latter
-~28 GB/s of a measured ~35 GB/s streaming read). On the bench model's decode (64
-requests, 4 KV heads x 4 queries, head dim 64, 160 keys, 2 cores) that is ~0.4-0.46 ms per
-layer where the matmul path takes ~0.9-1.1 ms, and it is more accurate (fp32 scores
-throughout).
+(without it memory and compute did not overlap). It is faster than the matmul path and more
+accurate (fp32 scores throughout); docs/benchmarks.md has the figures.
 
 Layouts (the decode-key mirror, ``runtime.cpu.decode_mirror``, keeps exactly these):
 ``q`` ``[n, Hkv, group, D]`` (rows of a request contiguous, requests ``q.stride(0)``
 apart), ``k_t`` ``[n, Hkv, D, cap]`` and ``v`` ``[n, Hkv, cap, D]`` contiguous, key bias
 fp32 ``[n, 1, 1, cap]`` (0 / -inf) or None; only keys ``[0, width)`` are read. (A shared
-prompt prefix is not streamed through this kernel once per request (~0.9 ms per layer for
-512 keys x 64 requests): ``prefix_attention`` reads it once per 16 query rows of a KV head,
-and this kernel continues from its result through ``init``.)
+prompt prefix is not streamed through this kernel once per request: ``prefix_attention``
+reads it once per 16 query rows of a KV head, and this kernel continues from its result
+through ``init``.)
 
 They apply to bf16 CPU tensors (``prefix_attention`` and ``causal_attention`` need an AVX-512 build:
 ``prefix_supported``) and to fp32 CPU tensors at the AVX2 and AVX-512 levels (all three paths: the

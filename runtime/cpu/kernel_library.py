@@ -193,12 +193,6 @@ def amx_available() -> bool:
     return {"amx_tile", "amx_bf16"} <= _cpu_flags() and "avx512bf16" in host_levels()
 
 
-def amx_enabled() -> bool:
-    """Whether the selected build runs the pair-packed attention products on AMX tiles."""
-    lib = load()
-    return lib is not None and lib.tinyserve_amx(-1) == 1
-
-
 @contextlib.contextmanager
 def use_amx(on: bool) -> Iterator[bool]:
     """Within the block the selected build uses AMX tiles (``on``, where the CPU has them and the
