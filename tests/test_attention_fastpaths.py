@@ -67,7 +67,7 @@ def test_decode_equal_lengths_has_no_mask() -> None:
 
 def _run_shared(
     mode: ForwardMode, shared: int, own_lens: list[int], ext_lens: list[int], seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, head_dim: int = D,
 ) -> TorchNativeMetadata:
     """Requests whose first ``shared`` KV slots are the same (then ``own_lens`` cached tokens of
     their own), extended by ``ext_lens``; every output row checked against the reference
@@ -75,12 +75,12 @@ def _run_shared(
     gen = torch.Generator().manual_seed(seed)
     bs = len(own_lens)
     total = shared + sum(o + e for o, e in zip(own_lens, ext_lens))
-    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, D, "cpu")
+    pool = MHATokenToKVPool(total + 8, 1, dtype, 1, HKV, head_dim, "cpu")
     rtt = ReqToTokenPool(bs + 1, shared + max(o + e for o, e in zip(own_lens, ext_lens)) + 1, "cpu")
     slots = (torch.randperm(total, generator=gen) + 1).tolist()
     shared_slots, slots = slots[:shared], slots[shared:]
-    k_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
-    v_sh = torch.randn(shared, HKV, D, generator=gen).to(dtype)
+    k_sh = torch.randn(shared, HKV, head_dim, generator=gen).to(dtype)
+    v_sh = torch.randn(shared, HKV, head_dim, generator=gen).to(dtype)
     pool.set_kv_buffer(0, torch.tensor(shared_slots, dtype=torch.int64), k_sh, v_sh)
     rows = list(range(bs))[::-1]
     k_seq, v_seq, new_locs, prefix_lens = [], [], [], []
@@ -88,8 +88,8 @@ def _run_shared(
         n = own_lens[i] + ext_lens[i]
         mine, slots = slots[:n], slots[n:]
         rtt.write(rows[i], 0, torch.tensor(shared_slots + mine))
-        k_i = torch.randn(n, HKV, D, generator=gen).to(dtype)
-        v_i = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        k_i = torch.randn(n, HKV, head_dim, generator=gen).to(dtype)
+        v_i = torch.randn(n, HKV, head_dim, generator=gen).to(dtype)
         k_seq.append(torch.cat([k_sh, k_i]))
         v_seq.append(torch.cat([v_sh, v_i]))
         own = own_lens[i]
@@ -385,11 +385,14 @@ def test_fp32_equal_length_prefill_takes_the_causal_kernel(extend_lens, monkeypa
     assert calls == ([len(extend_lens)] if attention_kernels_f32.applies() else [])
 
 
-def test_fp32_extend_cascade_through_the_prefix_kernel(monkeypatch) -> None:
-    """An fp32 shared-prefix prefill attends the shared keys with attn_kernels.prefix_attention
-    (where the fp32 kernels apply) and merges with the causal part; checked against the reference."""
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, D), (torch.bfloat16, 64)])
+def test_extend_cascade_through_the_prefix_kernel(dtype, head_dim, monkeypatch) -> None:
+    """A shared-prefix prefill attends the shared keys with attn_kernels.prefix_attention (where it
+    applies: fp32 at the vector builds, bf16 at head dims of 64 on AVX-512, AMX where present) and
+    merges with the causal part; checked against the reference."""
     calls = _record_calls(monkeypatch, attn_kernels, "prefix_attention", lambda q, packed, scale: packed.length)
     shared = CASCADE_MIN_PREFIX + 5
-    _run_shared(ForwardMode.EXTEND, shared, [0, 0, 0], [5, 5, 5])
-    _run_shared(ForwardMode.EXTEND, shared, [0, 2, 0, 7], [3, 6, 1, 4])
-    assert calls == ([shared] * 2 if attention_kernels_f32.applies() else [])
+    _run_shared(ForwardMode.EXTEND, shared, [0, 0, 0], [5, 5, 5], dtype=dtype, head_dim=head_dim)
+    _run_shared(ForwardMode.EXTEND, shared, [0, 2, 0, 7], [3, 6, 1, 4], dtype=dtype, head_dim=head_dim)
+    supported = attn_kernels.prefix_supported(dtype, torch.device("cpu"), head_dim)
+    assert calls == ([shared] * 2 if supported else [])

@@ -74,7 +74,8 @@ def _forward_and_check(
 ) -> TorchNativeMetadata:
     """One backend forward of requests whose cached keys are in ``pool`` (their new keys are
     ``k_seq[i][prefix_lens[i]:]``), every output row checked against ``_reference``."""
-    q = torch.randn(sum(extend_lens), H, D, generator=gen).to(dtype)
+    d = k_seq[0].shape[-1]  # the keys' head dim
+    q = torch.randn(sum(extend_lens), H, d, generator=gen).to(dtype)
     k_new = torch.cat([k[p:] for k, p in zip(k_seq, prefix_lens)])
     v_new = torch.cat([v[p:] for v, p in zip(v_seq, prefix_lens)])
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -99,7 +100,7 @@ def _forward_and_check(
     )
     backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, D, D**-0.5), batch)
+    out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, d, d**-0.5), batch)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0

@@ -165,12 +165,13 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         real = q.index_select(0, g.out_tokens) if padded else qs
         t = real.shape[0]
         group = h // hkv
-        if real.dtype == torch.float32 and attn_kernels.prefix_supported(real.dtype, real.device, d):
-            # fp32: the prefix kernel, every query row of a KV head tile against each key load
+        if attn_kernels.prefix_supported(real.dtype, real.device, d):
+            # the prefix kernel: a tile of query rows of a KV head against each key load
             packed = attn_kernels.pack_prefix(k_buf.index_select(0, g.shared_loc).to(real.dtype),
                                               v_buf.index_select(0, g.shared_loc).to(real.dtype))
             o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
-            merged = _merge(o_pre, lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group))
+            merged = _merge(o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d),
+                            lse_own.reshape(t, hkv, group))
             return merged.reshape(t, h, d)
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)

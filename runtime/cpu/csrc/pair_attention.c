@@ -90,8 +90,8 @@ static inline void rows_load_query(RowBlock* rb, int r, const uint16_t* src, int
 
 /* ---- AMX: the same block products on tiles (16 x 32 bf16 times 32 x 16 bf16 per instruction) ----
  * Off unless tinyserve_amx_enable() succeeded (the CPU has AMX and the OS granted the tile state).
- * Tiles: 0-3 fp32 accumulators (16 x 16), 4 an A operand (16 rows x 32 bf16), 5 a B operand
- * (16 pair rows x 16 columns), 6 / 7 the half-width A / B of a 16-key tail. */
+ * Tiles: 0-3 fp32 accumulators (16 x 16), 4 an A operand (16 rows x 32 bf16), 5 and 6 B operands
+ * (16 pair rows x 16 columns), alternated so a load need not wait for the previous product. */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -106,52 +106,63 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* This thread's tile configuration (tile state is per thread). */
+/* This thread's tile configuration (tile state is per thread): eight 16 x 64-byte tiles. */
 static void amx_configure(void)
 {
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < 6; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    cfg.colsb[6] = 32; cfg.rows[6] = 16;  /* P for 16 keys */
-    cfg.colsb[7] = 64; cfg.rows[7] = 8;   /* V for 16 keys (8 pair rows) */
+    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
 }
 
-/* Scores of keys [j0 + j, +16) for the block's 16 rows into rb->s (unscaled). */
-static inline void amx_scores(RowBlock* rb, const uint16_t* kh, int64_t j0, int64_t j, int64_t d)
+/* Unscaled scores of keys [j0 + j, +16 * blocks) (blocks 1 or 4) for the block's 16 rows into
+ * rb->s: one accumulator tile per 16 keys, so four blocks' products are independent (a single
+ * tile's products would wait on each other), and each query tile is loaded once for them. */
+static inline void amx_scores(RowBlock* rb, const uint16_t* kh, int64_t j0, int64_t j, int64_t d, int blocks)
 {
+    const uint16_t* kb = kh + ((j0 + j) / 16) * (d / 2) * 32;  /* 16-key blocks are (d / 2) * 32 apart */
+    const int64_t block = (d / 2) * 32;
     _tile_zero(0);
+    if (blocks == 4) { _tile_zero(1); _tile_zero(2); _tile_zero(3); }
     for (int64_t kc = 0; kc < d / 32; ++kc) {
         _tile_loadd(4, &rb->qa[0][kc * 32], MAX_D * sizeof(uint16_t));
-        _tile_loadd(5, kh + (((j0 + j) / 16) * (d / 2) + kc * 16) * 32, 64);
+        _tile_loadd(5, kb + kc * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 5);
+        if (blocks == 4) {
+            _tile_loadd(6, kb + block + kc * 16 * 32, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, kb + 2 * block + kc * 16 * 32, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, kb + 3 * block + kc * 16 * 32, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
     }
     _tile_stored(0, &rb->s[0][j], PREFIX_KEYS * sizeof(float));
+    if (blocks == 4) {
+        _tile_stored(1, &rb->s[0][j + 16], PREFIX_KEYS * sizeof(float));
+        _tile_stored(2, &rb->s[0][j + 32], PREFIX_KEYS * sizeof(float));
+        _tile_stored(3, &rb->s[0][j + 48], PREFIX_KEYS * sizeof(float));
+    }
 }
 
-/* acc[r][:] += sum over keys [j0, j0 + jn) of pb[r][j] * v[j][:], through rb->s as scratch. */
+/* acc[r][:] += sum over keys [j0, j0 + jn) of pb[r][j] * v[j][:], through rb->s as scratch. 32 keys
+ * per product: a 16-key tail (jn an odd multiple of 16) reads 16 more keys of V, which the packed
+ * layout has (its key count is a multiple of 32), against probabilities zeroed here. */
 static inline void amx_values(RowBlock* rb, const uint16_t* vh, int64_t j0, int64_t jn, int64_t d)
 {
     const int64_t v_stride = d * 2 * sizeof(uint16_t);  /* bytes between pair rows */
+    if (jn % 32)
+        for (int r = 0; r < PREFIX_ROWS; ++r) memset(&rb->pb[r][jn], 0, 16 * sizeof(uint16_t));
     for (int64_t dg = 0; dg < d; dg += 64) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        int64_t kk = 0;
-        for (; kk + 32 <= jn; kk += 32) {
+        for (int64_t kk = 0; kk < jn; kk += 32) {
             const uint16_t* vr = vh + ((j0 + kk) / 2 * d + dg) * 2;
             _tile_loadd(4, &rb->pb[0][kk], PREFIX_KEYS * sizeof(uint16_t));
             _tile_loadd(5, vr, v_stride);      _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, vr + 32, v_stride); _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(6, vr + 32, v_stride); _tile_dpbf16ps(1, 4, 6);
             _tile_loadd(5, vr + 64, v_stride); _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, vr + 96, v_stride); _tile_dpbf16ps(3, 4, 5);
-        }
-        if (kk < jn) {  /* a 16-key tail */
-            const uint16_t* vr = vh + ((j0 + kk) / 2 * d + dg) * 2;
-            _tile_loadd(6, &rb->pb[0][kk], PREFIX_KEYS * sizeof(uint16_t));
-            _tile_loadd(7, vr, v_stride);      _tile_dpbf16ps(0, 6, 7);
-            _tile_loadd(7, vr + 32, v_stride); _tile_dpbf16ps(1, 6, 7);
-            _tile_loadd(7, vr + 64, v_stride); _tile_dpbf16ps(2, 6, 7);
-            _tile_loadd(7, vr + 96, v_stride); _tile_dpbf16ps(3, 6, 7);
+            _tile_loadd(6, vr + 96, v_stride); _tile_dpbf16ps(3, 4, 6);
         }
         _tile_stored(0, &rb->s[0][0], PREFIX_KEYS * sizeof(float));
         _tile_stored(1, &rb->s[0][16], PREFIX_KEYS * sizeof(float));
@@ -194,10 +205,10 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
     const __m512 vscale = _mm512_set1_ps(scale);
 #if AMX_COMPILED
     if (amx)
-        for (int64_t j = 0; j < jn; j += 16) {
-            amx_scores(rb, kh, j0, j, d);
-            for (int r = 0; r < PREFIX_ROWS; ++r)
-                _mm512_storeu_ps(&rb->s[r][j], _mm512_mul_ps(_mm512_loadu_ps(&rb->s[r][j]), vscale));
+        for (int64_t j = 0; j < jn;) {
+            const int blocks = jn - j >= 64 ? 4 : 1;
+            amx_scores(rb, kh, j0, j, d, blocks);
+            j += 16 * blocks;
         }
 #endif
     for (int64_t j = 0; j < jn && !amx; j += 16) {
@@ -211,7 +222,7 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
                 a[r] = dot_bf16_pairs(a[r], k, _mm512_set1_epi32((int)rb->q[ip][r]));
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < PREFIX_ROWS; ++r) _mm512_storeu_ps(&rb->s[r][j], _mm512_mul_ps(a[r], vscale));
+        for (int r = 0; r < PREFIX_ROWS; ++r) _mm512_storeu_ps(&rb->s[r][j], a[r]);
     }
     for (int r = 0; r < PREFIX_ROWS; ++r) {
         /* two passes over the row's scores: the max of its seen keys, then their exponentials
@@ -220,7 +231,7 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
         __m512 vmx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < jn; j += 16)
             vmx = _mm512_mask_max_ps(vmx, seen_lanes(valid[r] - j), vmx, _mm512_loadu_ps(sr + j));
-        const float mx = _mm512_reduce_max_ps(vmx);
+        const float mx = _mm512_reduce_max_ps(vmx) * scale;  /* scores are unscaled; scale > 0 */
         const float m_new = mx > rb->m[r] ? mx : rb->m[r];
         if (m_new == -INFINITY) {  /* nothing seen yet: all probabilities 0 */
             memset(rb->pb[r], 0, (size_t)jn * sizeof(uint16_t));
@@ -231,7 +242,7 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < jn; j += 16) {
             const __m512 e = _mm512_maskz_mov_ps(seen_lanes(valid[r] - j),
-                                                 fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm)));
+                                                 fast_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm)));
             vsum = _mm512_add_ps(vsum, e);
             _mm256_storeu_si256((__m256i*)&rb->pb[r][j], probs_to_bf16(e));
         }
