@@ -88,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="tinyserve arrivals (default: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="tinyserve requests in flight")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="tinyserve requests without streaming (whole outputs, as the offline baselines "
+                             "return them; no TTFT / ITL)")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="warm-up requests before each run (2 tokens each); -1: the whole workload (default)")
     parser.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
@@ -118,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep in range(args.repeat):
                 for run in serving.benchmark_workloads(
                         handle, workloads, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                        stream=True, seed=args.seed, warmup=args.warmup, timeout=None):
+                        stream=not args.no_stream, seed=args.seed, warmup=args.warmup, timeout=None):
                     run.update(repeat=rep, machine=machine)
                     run.pop("requests", None)  # medians only; serving.py keeps per-request records
                     runs.append(run)
@@ -147,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kind": "compare", "settings": {"repeat": args.repeat, "device": args.device, "dtype": args.dtype,
                                         "baseline": args.baseline,
                                         "batch_size": args.batch_size, "server_flags": server_flags,
-                                        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
+                                        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                                        "stream": not args.no_stream},
         "machine": machine, "summary": rows, "runs": runs})
     print(f"\nwrote {out}")
     return 0

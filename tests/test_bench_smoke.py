@@ -9,10 +9,12 @@ the baseline's batching, and a few real scheduler steps under the stub model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -255,6 +257,31 @@ def test_compare_summary_has_medians_and_ratio() -> None:
     assert [r["engine"] for r in rows] == ["ours", "hf", "ratio ours/hf"]
     assert rows[0]["output_tok_s"] == 20.0 and rows[0]["repeats"] == 3
     assert rows[2]["output_tok_s"] == 4.0 and rows[2]["total_tok_s"] == 4.0
+
+
+@pytest.mark.parametrize("extra,streamed", [([], True), (["--no-stream"], False)])
+def test_compare_streams_unless_asked_not_to(extra: list[str], streamed: bool, tiny_llama_path: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-stream sends tinyserve's requests unstreamed (whole outputs, as the offline baselines
+    return them); the setting is recorded."""
+    seen: list[bool] = []
+
+    @contextlib.contextmanager
+    def no_server(*args: Any, **kwargs: Any) -> Iterator[None]:
+        yield None
+
+    def fake_workloads(handle: Any, workloads: list[Any], **kwargs: Any) -> list[dict[str, Any]]:
+        seen.append(kwargs["stream"])
+        return [{"engine": serving.ENGINE, "workload": {"name": w.name},
+                 "metrics": {"output_tok_s": 1.0, "total_tok_s": 2.0, "duration_s": 1.0}} for w in workloads]
+
+    monkeypatch.setattr(serving, "server_for", no_server)
+    monkeypatch.setattr(serving, "benchmark_workloads", fake_workloads)
+    out = tmp_path / "cmp.json"
+    assert compare.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--workload", "uniform",
+                         "--num-requests", "2", "--repeat", "2", "--skip-baseline", "--output", str(out), *extra]) == 0
+    assert seen == [streamed, streamed]
+    assert read_json(out)["settings"]["stream"] is streamed
 
 
 def test_chart_inputs_from_compare_and_roofline_files(tmp_path: Path) -> None:
