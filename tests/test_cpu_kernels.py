@@ -289,7 +289,7 @@ def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
         yield used
 
 
-@pytest.mark.parametrize("group,d,p", [(4, 64, 512), (1, 64, 37), (8, 128, 300), (3, 64, 33)])
+@pytest.mark.parametrize("group,d,p", [(4, 64, 512), (1, 64, 37), (8, 128, 600), (3, 64, 33)])  # 600: two key blocks
 def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p: int, amx: bool) -> None:
     """The shared prefix through the pair-packed BF16 kernel, then each request's own keys through
     the decode kernel continuing from it, against one fp32 softmax over both."""
@@ -326,7 +326,7 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
 
 @pytest.mark.parametrize("n,length,group,d", [
     (3, 37, 4, 64),    # a 16-row block that ends mid-position, a partly padded 32-key tail
-    (1, 300, 1, 64),   # two online-softmax key blocks (256 + 44), one position per row
+    (1, 600, 1, 64),   # two online-softmax key blocks (512 + 88), one position per row
     (2, 1, 8, 128),    # a single token: one key, half a row block
     (4, 17, 3, 64),    # a group that does not divide 16
 ])

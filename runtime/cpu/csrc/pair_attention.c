@@ -11,7 +11,7 @@ static int amx_enabled __attribute__((unused)) = 0;  /* tinyserve_amx */
 /* ---- a shared prefix's attention for every decode query, with bf16-pair dot products ---- */
 
 #define PREFIX_ROWS 16   /* query rows (of one KV head) per work item */
-#define PREFIX_KEYS 256  /* keys per online-softmax block */
+#define PREFIX_KEYS 512  /* keys per online-softmax block */
 
 /* 1 when prefix_attention_bf16 is compiled in (the CPU has AVX-512), else 0. */
 int prefix_attention_available(void)
@@ -33,6 +33,23 @@ static inline __m256i probs_to_bf16(__m512 x) {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
 #endif
+}
+
+/* 2^t on 16 lanes for t <= 0, relative error < 3e-6: the probabilities are rounded to bf16
+ * (8 bits) for the value products, so fast_exp16's degree-6 polynomial is more than they keep.
+ * A degree-4 minimax of 2^f on f in [-1/2, 1/2] (p(0) = 1: a row's maximum gets exactly 1) and
+ * the exponent applied by scalef; t is clamped at -125 so no result is a denormal (2^-125 is
+ * as good as 0 next to a row maximum of 1). */
+static inline __m512 exp2_probs16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.582818386e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.590637020e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402409887e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241998e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1] over 16 lanes of bf16 pairs: one AVX512-BF16
@@ -202,7 +219,7 @@ static inline void amx_end(int used)
 static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t* vh, int64_t j0, int64_t jn,
                                const int64_t* valid, int64_t d, float scale, int amx)
 {
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale2 = _mm512_set1_ps(scale * EXP_LOG2E);
 #if AMX_COMPILED
     if (amx)
         for (int64_t j = 0; j < jn;) {
@@ -238,11 +255,11 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
             continue;
         }
         const float corr = fast_exp(rb->m[r] - m_new);
-        const __m512 vm = _mm512_set1_ps(m_new);
+        const __m512 vm2 = _mm512_set1_ps(m_new * EXP_LOG2E);  /* e^(x - m) = 2^(x log2 e - m log2 e) */
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < jn; j += 16) {
             const __m512 e = _mm512_maskz_mov_ps(seen_lanes(valid[r] - j),
-                                                 fast_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm)));
+                                                 exp2_probs16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale2, vm2)));
             vsum = _mm512_add_ps(vsum, e);
             _mm256_storeu_si256((__m256i*)&rb->pb[r][j], probs_to_bf16(e));
         }
