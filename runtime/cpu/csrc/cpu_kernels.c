@@ -13,7 +13,7 @@ typedef struct {
     int64_t k_row_bytes, k_stride, k_lines, v_lines, t;
 } Prefetch;
 
-static inline void pf_step(Prefetch* pf) {
+static inline void pf_line(Prefetch* pf) {
     if (!pf->k) return;
     const int64_t per_row = (pf->k_row_bytes + 63) / 64;
     if (pf->t < pf->k_lines) {
@@ -26,6 +26,10 @@ static inline void pf_step(Prefetch* pf) {
     }
     pf->t++;
 }
+
+/* Two lines per call: the kernel makes fewer calls than the next item has lines
+ * (d + jn per 32 keys, against 2 * d lines of K and V per 32 keys). */
+static inline void pf_step(Prefetch* pf) { pf_line(pf); pf_line(pf); }
 
 /* scores s[g][j] (g < group, j < jn) += sum_i qf[g][i] * kt[i][j]; kt rows are `cap` apart. */
 static void block_scores(const float* qf, const uint16_t* kt, int64_t cap, int64_t group, int64_t d,
