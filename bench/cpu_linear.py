@@ -10,6 +10,8 @@ slows them alike):
 - ``plain``: ``F.linear(x, w)`` (fp32: MKL's sgemm; bf16/fp16: oneDNN, re-laid-out per call);
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by
   ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/cpu/prepacked.py`` runs;
+- ``amx``: ``prepacked.amx_linear`` (``csrc/amx_linear.c``) on that same oneDNN-packed copy,
+  what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run on a CPU with AMX;
 - ``mkl``: ``torch.ops.mkl._mkl_linear`` on an MKL-packed weight (``cblas_sgemm_pack``,
   fp32 only). torch packs it for one M and falls back to plain ``F.linear`` for any other,
   so it is timed packed for exactly the M of the row: its best case.
@@ -60,7 +62,7 @@ SHAPES: dict[str, tuple[int, int]] = {  # name -> (out, in) of the bench model's
 DECODE_MAX_M = 64  # the LM head runs at most this many rows per step (sampled rows only)
 ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 SAMPLE_SECONDS = 0.02
-VARIANTS = ("plain", "onednn", "mkl")
+VARIANTS = ("plain", "onednn", "amx", "mkl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +99,13 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         variants["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (RuntimeError, AttributeError):
         variants["onednn"] = None  # no oneDNN, or it has no kernel for this dtype on this CPU
+    variants["amx"] = None
+    if variants["onednn"] is not None and weight.dtype == torch.bfloat16:
+        from runtime.cpu.prepacked import amx_linear
+
+        n_out, n_in = weight.shape
+        if amx_linear(weight.new_zeros(m, n_in), packed, None, n_out) is not None:  # applies here
+            variants["amx"] = lambda x: amx_linear(x, packed, None, n_out)
     variants["mkl"] = None
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         try:

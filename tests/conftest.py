@@ -52,3 +52,14 @@ def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
 
     with kernel_library.use_level(request.param):
         yield request.param
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "no-amx"])
+def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The kernels that have an AMX path on AMX tiles (where the CPU has them and the build is
+    avx512bf16) and without them; yields whether AMX is in use."""
+    from runtime.cpu import kernel_library
+
+    with kernel_library.use_amx(request.param) as used:
+        assert used == (request.param and kernel_library.amx_available() and kernel_library.level() == "avx512bf16")
+        yield used

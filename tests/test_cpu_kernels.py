@@ -9,8 +9,6 @@ capacity, strided query rows and the log-sum-exp output.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -278,15 +276,6 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows() -> None:
         assert torch.equal(out, rows.argmax(dim=-1))
     assert cpu_kernels.argmax_rows(x.bfloat16()) is None
     assert cpu_kernels.argmax_rows(x.t()) is None  # columns not unit-stride
-
-
-@pytest.fixture(params=[True, False], ids=["amx", "no-amx"])
-def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """The pair-packed kernels on AMX tiles (where the CPU has them and the build is avx512bf16) and
-    on AVX-512 dot products."""
-    with kernel_library.use_amx(request.param) as used:
-        assert used == (request.param and kernel_library.amx_available() and kernel_library.level() == "avx512bf16")
-        yield used
 
 
 @pytest.mark.parametrize("group,d,p", [(4, 64, 512), (1, 64, 37), (8, 128, 600), (3, 64, 33)])  # 600: two key blocks

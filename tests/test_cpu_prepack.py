@@ -1,8 +1,9 @@
-"""Prepacked fp32 linears on CPU (runtime/cpu/prepacked.py): oneDNN's packed kernel runs
+"""Prepacked linears on CPU (runtime/cpu/prepacked.py): oneDNN's packed fp32 kernel runs
 for batches inside ``FP32_PACKED_ROWS`` and stays within the measured bound of F.linear;
 outside the band F.linear runs; a reload drops every packed copy; where oneDNN refuses,
-the model serves unpacked; and fp32 greedy tokens still equal transformers' on a model
-wide enough (hidden 512) that the packed sums differ from MKL's.
+the model serves unpacked; fp32 greedy tokens still equal transformers' on a model
+wide enough (hidden 512) that the packed sums differ from MKL's; and bf16 decode-sized
+batches take the AMX kernel on oneDNN's packed copy where the CPU has AMX.
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ import torch.nn.functional as F
 
 from checkpoints import hf_greedy, load_hf_model, random_prompt
 from harness import Harness
-from runtime.cpu.prepacked import FP32_PACKED_ROWS, linear, pack_weight, prepack_available, prepack_model, takes_packed
+from runtime.cpu.kernel_library import amx_available
+from runtime.cpu.prepacked import (
+    AMX_LINEAR_MAX_ROWS,
+    FP32_PACKED_ROWS,
+    amx_linear,
+    linear,
+    pack_weight,
+    prepack_available,
+    prepack_model,
+    takes_packed,
+    tile_layout,
+)
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
 
@@ -146,3 +158,51 @@ def test_cpu_linear_bench_times_every_variant(tmp_path: Path, capsys: pytest.Cap
     if _fp32_refusal() is None:
         assert row["onednn_ms"] > 0 and 0 <= row["onednn_rel"] < 1e-5
     assert "plain/onednn" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(1536, 1024, False), (96, 2816, True)])
+def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int, in_features: int, with_bias: bool,
+                                                              amx: bool) -> None:
+    """Up to AMX_LINEAR_MAX_ROWS bf16 rows: csrc/amx_linear.c on the oneDNN-packed copy, within one
+    bf16 rounding of the fp32 product and of oneDNN's own result, for row counts around the
+    kernel's 16- and 32-row blocks, strided rows and a 3-d input; beyond the band, without AMX or
+    on a build without it, oneDNN's call itself."""
+    if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    packed = pack_weight(weight)
+    assert packed is not None
+    assert tile_layout(out_features, in_features) == amx_available()  # oneDNN packs for its AMX kernel there
+    wide = torch.randn(AMX_LINEAR_MAX_ROWS + 1, in_features + 64, generator=gen).bfloat16()
+    for rows in (1, 15, 16, 17, 32, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
+        x = wide[:rows, 32 : 32 + in_features]  # rows in_features + 64 apart
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        got = amx_linear(x, packed, bias, out_features)
+        assert torch.equal(linear(x, weight, bias, packed), onednn if got is None else got)
+        if not amx or rows > AMX_LINEAR_MAX_ROWS:
+            assert got is None
+            continue
+        assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        bf16_step = exact.abs() * 2**-8 + 1e-6  # one bf16 rounding of a sum (plus its order)
+        assert ((got.float() - exact).abs() <= bf16_step).all(), f"rows={rows}"
+        assert ((got.float() - onednn.float()).abs() <= 2 * bf16_step).all(), f"rows={rows}"
+    x3 = torch.randn(2, 8, in_features, generator=gen).bfloat16()
+    got3 = amx_linear(x3, packed, bias, out_features)
+    assert (got3 is not None) == amx
+    if got3 is not None:
+        assert torch.equal(got3, amx_linear(x3.reshape(16, in_features), packed, bias, out_features).view(2, 8, -1))
+
+
+def test_amx_linear_reads_only_the_tile_layout() -> None:
+    """Shapes oneDNN does not block by 32 x 32 are never read by the AMX kernel, nor fp32 inputs."""
+    assert not tile_layout(100, 72) and not tile_layout(64, 48)
+    weight = torch.randn(64, 64)
+    packed = pack_weight(weight)
+    if packed is not None:  # fp32: oneDNN's call (or F.linear outside its band), never the bf16 kernel
+        x = torch.randn(8, 64)
+        assert torch.equal(linear(x, weight, None, packed), torch.ops.mkldnn._linear_pointwise(x, packed, None,
+                                                                                                "none", [], ""))

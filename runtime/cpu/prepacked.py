@@ -7,7 +7,15 @@ inductor's CPU weight freezing uses), and calling ``torch.ops.mkldnn._linear_poi
 with the packed copy saves that work:
 
 - bf16/fp16: the same oneDNN kernel either way, so the packed path gives bit-identical
-  results, faster at every size; it always runs.
+  results, faster at every size; it always runs. A bf16 call of at most
+  ``AMX_LINEAR_MAX_ROWS`` rows (a decode batch) on a CPU with AMX goes instead to
+  ``amx_linear_bf16`` (``csrc/amx_linear.c``), which reads the same packed copy: at those
+  sizes a linear streams its weight once, and oneDNN's call left part of the memory
+  bandwidth unused and spent ~20 us setting up (``bench/cpu_linear.py --dtype bfloat16``).
+  Its fp32 sums run in the same tile instruction over the same blocks, so results match
+  oneDNN's to the last bit or differ by one bf16 rounding where the two sum in another order.
+  It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``tile_layout`` checks once per
+  weight shape (oneDNN picks the layout by shape, dtype and CPU).
 - fp32: the packed path swaps MKL's sgemm for oneDNN's own kernel. It is faster only for
   a middle band of rows (``FP32_PACKED_ROWS``; ``bench/cpu_linear.py`` measures it, with
   AVX-512 and capped at AVX2): MKL wins at one or two rows (a matrix-vector product) and
@@ -27,6 +35,8 @@ AVX2-only CPU) leaves the slot empty and the layer on F.linear.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from typing import Any
 
@@ -34,12 +44,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.cpu import kernel_library
+
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows (tokens) per fp32 call that take the packed copy: oneDNN beats MKL's sgemm at every
 # bench-model shape here, both with AVX-512 and on an AVX2-only CPU; outside it, F.linear.
 FP32_PACKED_ROWS = range(4, 257)
+# bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
+# blocking wins: at 128 rows the two are even, at 256 oneDNN is ~1.4x faster).
+AMX_LINEAR_MAX_ROWS = 64
+PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], ctypes.c_int)
 
 
 def prepack_available() -> bool:
@@ -53,7 +72,7 @@ def prepack_available() -> bool:
         return False
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor | None:
     """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         return None
@@ -77,8 +96,51 @@ def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed copy when there is one and it is faster."""
     if packed is not None and takes_packed(x, weight):
+        if x.dtype == torch.bfloat16:
+            out = amx_linear(x, packed, bias, weight.shape[0])
+            if out is not None:
+                return out
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def tile_layout(out_features: int, in_features: int) -> bool:
+    """Whether ``pack_weight`` lays a bf16 ``[out_features, in_features]`` weight out as oneDNN's
+    ``AB16b32a2b`` (``[out / 32][in / 32][16][32][2]``, nothing else in the buffer), the layout
+    ``amx_linear_bf16`` reads. Checked by packing a weight of that shape and comparing bytes."""
+    if out_features % 32 or in_features % 32:
+        return False
+    gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
+    plain = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    packed = pack_weight(plain)
+    if packed is None or not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != plain.numel() * 2:
+        return False
+    raw = torch.frombuffer((ctypes.c_int16 * plain.numel()).from_address(torch.ops.mkldnn.data_ptr(packed)),
+                           dtype=torch.int16)
+    blocks = plain.view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    return torch.equal(raw.view(blocks.shape), blocks)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
+    where it does not apply (more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another layout)."""
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    if not 0 < rows <= AMX_LINEAR_MAX_ROWS or not packed.is_mkldnn or not tile_layout(out_features, in_features):
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1 or bias.numel() != out_features):
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    x2 = x.reshape(rows, in_features)
+    if x2.stride(1) != 1:
+        return None
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    rc = lib.amx_linear_bf16(x2.data_ptr(), rows, x2.stride(0), torch.ops.mkldnn.data_ptr(packed), out_features,
+                             in_features, bias.data_ptr() if bias is not None else None, out.data_ptr())
+    return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
 def prepack_model(model: nn.Module) -> int:

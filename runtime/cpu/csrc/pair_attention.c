@@ -2,11 +2,10 @@
  * against every decode query (prefix_attention_bf16) and a causal prefill (causal_attention_bf16).
  * Both take 16 query rows of one KV head at a time (RowBlock) against keys packed as bf16 pairs;
  * the products run on AMX tiles where the CPU has them and the caller enabled them
- * (tinyserve_amx_enable), else on AVX512-BF16 (or AVX-512 FMAs). Built and called through
+ * (tinyserve_amx, amx.h), else on AVX512-BF16 (or AVX-512 FMAs). Built and called through
  * runtime/cpu/kernel_library.py and runtime/cpu/attention_kernels.py. */
 #include "common.h"
-
-static int amx_enabled __attribute__((unused)) = 0;  /* tinyserve_amx */
+#include "amx.h"
 
 /* ---- a shared prefix's attention for every decode query, with bf16-pair dot products ---- */
 
@@ -106,33 +105,11 @@ static inline void rows_load_query(RowBlock* rb, int r, const uint16_t* src, int
 
 
 /* ---- AMX: the same block products on tiles (16 x 32 bf16 times 32 x 16 bf16 per instruction) ----
- * Off unless tinyserve_amx_enable() succeeded (the CPU has AMX and the OS granted the tile state).
+ * Off unless tinyserve_amx() switched them on (the CPU has AMX and the OS granted the tile state).
  * Tiles: 0-3 fp32 accumulators (16 x 16), 4 an A operand (16 rows x 32 bf16), 5 and 6 B operands
  * (16 pair rows x 16 columns), alternated so a load need not wait for the previous product. */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX_COMPILED 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* This thread's tile configuration (tile state is per thread): eight 16 x 64-byte tiles. */
-static void amx_configure(void)
-{
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
-}
-
+#if AMX_COMPILED
 /* Unscaled scores of keys [j0 + j, +16 * blocks) (blocks 1 or 4) for the block's 16 rows into
  * rb->s: one accumulator tile per 16 keys, so four blocks' products are independent (a single
  * tile's products would wait on each other), and each query tile is loaded once for them. */
@@ -192,27 +169,7 @@ static inline void amx_values(RowBlock* rb, const uint16_t* vh, int64_t j0, int6
             }
     }
 }
-#else
-#define AMX_COMPILED 0
 #endif
-
-/* Per thread, around a parallel region's work: configure the tiles if AMX is on; returns whether. */
-static inline int amx_begin(void)
-{
-#if AMX_COMPILED
-    if (amx_enabled) { amx_configure(); return 1; }
-#endif
-    return 0;
-}
-
-static inline void amx_end(int used)
-{
-#if AMX_COMPILED
-    if (used) _tile_release();
-#else
-    (void)used;
-#endif
-}
 
 /* Keys [j0, j0 + jn) (jn a multiple of 16, j0 of PREFIX_KEYS) of the packed kh / vh: row r sees
  * the first valid[r] of them (the rest count as -inf), folded into each row's online softmax. */
@@ -506,24 +463,6 @@ int causal_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k
 #else
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)n; (void)len; (void)hkv;
     (void)group; (void)d; (void)scale; (void)out; (void)lse;
-    return -1;
-#endif
-}
-
-/* request 1: use AMX tiles for the attention kernels (the first time, asks the OS for the tile
- * state: arch_prctl fails on a CPU without AMX, and then they stay off); 0: do not; -1: only ask.
- * Returns 1 when AMX is now in use, 0 when not, -1 when this build cannot use AMX. Callers switch
- * it only while no kernel runs. */
-int tinyserve_amx(int request)
-{
-#if AMX_COMPILED
-    static int granted = 0;
-    if (request == 1 && !granted)
-        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    if (request >= 0) amx_enabled = request == 1 && granted;
-    return amx_enabled;
-#else
-    (void)request;
     return -1;
 #endif
 }

@@ -1,0 +1,116 @@
+/* A bf16 linear layer for a few rows (a decode batch) on AMX tiles, reading the weight copy that
+ * oneDNN packed for itself (runtime/cpu/prepacked.py), and the switch that turns AMX on for every
+ * kernel (tinyserve_amx).
+ *
+ * Why not oneDNN's own call for those rows: with few rows a linear layer streams its weight from
+ * memory once and does little else, and oneDNN's kernel left part of the bandwidth unused (plus
+ * ~20 us of setup per call). This kernel walks the packed weight in address order, prefetches it
+ * a few blocks ahead, and keeps each block's products on tiles.
+ *
+ * The weight layout is oneDNN's AB16b32a2b for an [n, k] weight: [n / 32][k / 32][16][32][2], a
+ * 32-column by 32-deep block as 16 rows of (32 columns x 2 adjacent k), 2 KiB contiguous; the
+ * caller checks that the copy has it. Each half of a block row (16 columns) is an AMX B tile
+ * with a 128-byte row stride. */
+#include "common.h"
+#include "amx.h"
+#include <sys/syscall.h>
+#include <unistd.h>
+
+int tinyserve_amx_on = 0;
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* request 1: use AMX tiles in the kernels (the first time, asks the OS for the tile state:
+ * arch_prctl fails on a CPU without AMX, and then they stay off); 0: do not; -1: only ask.
+ * Returns 1 when AMX is now in use, 0 when not, -1 when this build cannot use AMX. Callers switch
+ * it only while no kernel runs. */
+int tinyserve_amx(int request)
+{
+#if AMX_COMPILED
+    static int granted = 0;
+    if (request == 1 && !granted)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (request >= 0) tinyserve_amx_on = request == 1 && granted;
+    return tinyserve_amx_on;
+#else
+    (void)request;
+    return -1;
+#endif
+}
+
+#define LINEAR_PREFETCH_BLOCKS 6  /* blocks (2 KiB each) ahead of the one being multiplied */
+
+/* out [m, n] (contiguous) = x [m, k] (rows ldx apart) times the packed weight w (see above),
+ * plus bias [n] when not NULL, in bf16 with fp32 sums. Columns are split between the threads by
+ * 32-column blocks; each block takes the rows 32 at a time (four accumulator tiles: two row
+ * halves by two column halves), the weight block read from memory on the first pass and from
+ * cache after. Rows past the last multiple of 16 come from a zero-padded copy. Returns 0, or -1
+ * (nothing written) when AMX is off or not built, or n or k is not a multiple of 32. */
+int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
+                    const uint16_t* bias, uint16_t* out)
+{
+#if AMX_COMPILED
+    if (!tinyserve_amx_on || n % 32 || k % 32 || m < 1 || ldx < k) return -1;
+    const int64_t col_blocks = n / 32, k_blocks = k / 32;
+    const int64_t full = m / 16 * 16;  /* rows read in place; the rest from tail */
+    uint16_t* tail = NULL;
+    if (full < m) {
+        tail = (uint16_t*)calloc((size_t)(16 * k), sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t r = full; r < m; ++r) memcpy(tail + (r - full) * k, x + r * ldx, (size_t)k * sizeof(uint16_t));
+    }
+#pragma omp parallel
+    {
+        amx_configure();
+        float c[32][32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t cb = 0; cb < col_blocks; ++cb) {
+            const uint16_t* wb = w + cb * k_blocks * 1024;
+            for (int64_t r0 = 0; r0 < m; r0 += 32) {
+                const int two = m - r0 > 16;  /* a second row half */
+                const uint16_t* a0 = r0 < full ? x + r0 * ldx : tail;
+                const int64_t lda0 = r0 < full ? ldx : k;
+                const uint16_t* a1 = r0 + 16 < full ? x + (r0 + 16) * ldx : tail;
+                const int64_t lda1 = r0 + 16 < full ? ldx : k;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < k_blocks; ++kb) {
+                    const uint16_t* blk = wb + kb * 1024;
+                    if (r0 == 0) {  /* the first pass streams the weight: fetch ahead of it */
+                        const char* ahead = (const char*)(blk + LINEAR_PREFETCH_BLOCKS * 1024);
+                        _mm_prefetch(ahead, _MM_HINT_T0); _mm_prefetch(ahead + 512, _MM_HINT_T0);
+                        _mm_prefetch(ahead + 1024, _MM_HINT_T0); _mm_prefetch(ahead + 1536, _MM_HINT_T0);
+                    }
+                    _tile_loadd(6, blk, 128);
+                    _tile_loadd(7, blk + 32, 128);
+                    _tile_loadd(4, a0 + kb * 32, lda0 * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a1 + kb * 32, lda1 * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, &c[0][0], 128);
+                _tile_stored(1, &c[0][16], 128);
+                if (two) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
+                __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+                if (bias) { b0 = load_bf16x16(bias + cb * 32); b1 = load_bf16x16(bias + cb * 32 + 16); }
+                const int64_t rows = m - r0 < 32 ? m - r0 : 32;
+                for (int64_t r = 0; r < rows; ++r) {
+                    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0);
+                    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
+                    _mm512_storeu_si512((void*)(out + (r0 + r) * n + cb * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+#else
+    (void)x; (void)m; (void)ldx; (void)w; (void)n; (void)k; (void)bias; (void)out;
+    return -1;
+#endif
+}
