@@ -73,6 +73,26 @@ static inline __m512 load_bf16x16(const uint16_t* p) {
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #ifdef __AVX512F__
+/* f32_to_bf16 on 16 lanes (nearest-even, NaN kept quiet): one instruction with AVX512-BF16. */
+static inline __m256i f32x16_to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet));
+#endif
+}
+
+/* round_bf16 on 16 lanes. */
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(x)), 16));
+}
+#endif
+
+#ifdef __AVX512F__
 /* fast_exp on 16 lanes (x <= 0 or -inf). */
 static inline __m512 fast_exp16(__m512 x)
 {

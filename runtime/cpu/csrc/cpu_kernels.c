@@ -265,7 +265,18 @@ void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_
         const uint16_t* g = gate_up + r * 2 * inter;
         const uint16_t* u = g + inter;
         uint16_t* o = out + r * inter;
-        for (int64_t j = 0; j < inter; ++j) {
+        int64_t j = 0;
+#ifdef __AVX512F__
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; j + 16 <= inter; j += 16) {  /* the loop below on 16 lanes, the same operations */
+            const __m512 x = load_bf16x16(g + j);
+            const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), one);
+            const __m512 act = round_bf16x16(_mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(one, e))));
+            _mm256_storeu_si256((__m256i*)(o + j), f32x16_to_bf16(_mm512_mul_ps(act, load_bf16x16(u + j))));
+        }
+#endif
+        for (; j < inter; ++j) {
             const float x = bf16_to_f32(g[j]);
             const float e = fast_exp(-fabsf(x));  /* in (0, 1]: no overflow for either sign */
             const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
@@ -301,20 +312,38 @@ void rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, int6
         const uint16_t* xr = x + r * hidden;
         uint16_t* o = out + r * hidden;
         float v[8192];
-        if (residual) {
-            uint16_t* res = residual + r * hidden;
-            for (int64_t j = 0; j < hidden; ++j) {
-                const uint16_t s = f32_to_bf16(bf16_to_f32(res[j]) + bf16_to_f32(xr[j]));
-                res[j] = s;
-                v[j] = bf16_to_f32(s);
-            }
-        } else {
-            for (int64_t j = 0; j < hidden; ++j) v[j] = bf16_to_f32(xr[j]);
-        }
+        uint16_t* res = residual ? residual + r * hidden : NULL;
         float ss = 0.0f;
-        for (int64_t j = 0; j < hidden; ++j) ss += v[j] * v[j];
+        int64_t j = 0;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; j + 16 <= hidden; j += 16) {
+            __m512 vj = load_bf16x16(xr + j);
+            if (res) {
+                const __m256i sum = f32x16_to_bf16(_mm512_add_ps(load_bf16x16(res + j), vj));
+                _mm256_storeu_si256((__m256i*)(res + j), sum);
+                vj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+            }
+            _mm512_storeu_ps(v + j, vj);
+            acc = _mm512_fmadd_ps(vj, vj, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; j < hidden; ++j) {
+            if (res) res[j] = f32_to_bf16(bf16_to_f32(res[j]) + bf16_to_f32(xr[j]));
+            v[j] = bf16_to_f32(res ? res[j] : xr[j]);
+            ss += v[j] * v[j];
+        }
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        for (int64_t j = 0; j < hidden; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(v[j] * inv));
+        j = 0;
+#ifdef __AVX512F__
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; j + 16 <= hidden; j += 16) {
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(v + j), vinv));
+            _mm256_storeu_si256((__m256i*)(o + j), f32x16_to_bf16(_mm512_mul_ps(load_bf16x16(w + j), normed)));
+        }
+#endif
+        for (; j < hidden; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(v[j] * inv));
     }
 }
 

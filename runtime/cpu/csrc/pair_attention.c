@@ -23,17 +23,6 @@ int prefix_attention_available(void)
 }
 
 #ifdef __AVX512F__
-/* 16 probabilities (finite, >= 0) rounded to bf16, nearest-even. */
-static inline __m256i probs_to_bf16(__m512 x) {
-#ifdef __AVX512BF16__
-    return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
-#endif
-}
-
 /* 2^t on 16 lanes for t <= 0, relative error < 3e-6: the probabilities are rounded to bf16
  * (8 bits) for the value products, so fast_exp16's degree-6 polynomial is more than they keep.
  * A degree-4 minimax of 2^f on f in [-1/2, 1/2] (p(0) = 1: a row's maximum gets exactly 1) and
@@ -218,7 +207,7 @@ static inline void rows_attend(RowBlock* rb, const uint16_t* kh, const uint16_t*
             const __m512 e = _mm512_maskz_mov_ps(seen_lanes(valid[r] - j),
                                                  exp2_probs16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale2, vm2)));
             vsum = _mm512_add_ps(vsum, e);
-            _mm256_storeu_si256((__m256i*)&rb->pb[r][j], probs_to_bf16(e));
+            _mm256_storeu_si256((__m256i*)&rb->pb[r][j], f32x16_to_bf16(e));
         }
         if (corr != 1.0f && rb->l[r] != 0.0f) for (int64_t i = 0; i < d; ++i) rb->acc[r][i] *= corr;  /* (0 before any key) */
         rb->l[r] = rb->l[r] * corr + _mm512_reduce_add_ps(vsum);
