@@ -22,6 +22,7 @@ from runtime.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
     FP32_PACKED_ROWS,
     amx_linear,
+    float_linear,
     linear,
     pack_weight,
     prepack_available,
@@ -182,6 +183,8 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
         onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         got = amx_linear(x, packed, bias, out_features)
         assert torch.equal(linear(x, weight, bias, packed), onednn if got is None else got)
+        if bias is None:  # the LM head's call: those values widened to fp32 (by the kernel, where it runs)
+            assert torch.equal(float_linear(x, weight, packed), linear(x, weight, None, packed).float())
         if not amx or rows > AMX_LINEAR_MAX_ROWS:
             assert got is None
             continue

@@ -20,7 +20,7 @@ from torch import nn
 
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.host_memory import keep_freed_memory_in_process
-from runtime.cpu.prepacked import linear, prepack_model
+from runtime.cpu.prepacked import float_linear, linear, prepack_model
 from runtime.ops.base import RopeInputs
 from runtime.ops.torch_ops import TorchOps, rotate_half_
 
@@ -41,6 +41,9 @@ class CpuOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
     ) -> torch.Tensor:
         return linear(x, weight, bias, packed)
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+        return float_linear(x, weight, packed)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

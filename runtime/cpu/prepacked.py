@@ -58,7 +58,7 @@ AMX_LINEAR_MAX_ROWS = 64
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], ctypes.c_int)
+kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
 
 
 def prepack_available() -> bool:
@@ -122,9 +122,21 @@ def tile_layout(out_features: int, in_features: int) -> bool:
     return torch.equal(raw.view(blocks.shape), blocks)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x, weight, None, packed).float()``: the AMX kernel writes those fp32 values itself
+    where it runs (the bf16-rounded sums, widened), saving the bf16 result's copy."""
+    if packed is not None and x.dtype == torch.bfloat16 and takes_packed(x, weight):
+        out = amx_linear(x, packed, None, weight.shape[0], float_out=True)
+        if out is not None:
+            return out
+    return linear(x, weight, None, packed).float()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               float_out: bool = False) -> torch.Tensor | None:
     """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
-    where it does not apply (more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another layout)."""
+    where it does not apply (more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another layout).
+    ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
     if not 0 < rows <= AMX_LINEAR_MAX_ROWS or not packed.is_mkldnn or not tile_layout(out_features, in_features):
@@ -137,9 +149,9 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     x2 = x.reshape(rows, in_features)
     if x2.stride(1) != 1:
         return None
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(rows, out_features, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
     rc = lib.amx_linear_bf16(x2.data_ptr(), rows, x2.stride(0), torch.ops.mkldnn.data_ptr(packed), out_features,
-                             in_features, bias.data_ptr() if bias is not None else None, out.data_ptr())
+                             in_features, bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 

@@ -81,7 +81,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
+        if self.tp_size == 1:  # (one rank: no padding rows, nothing to gather)
+            return self.ops.float_linear(hidden, self.weight, self.packed_weight)
         logits = self.ops.linear(hidden, self.weight, None, self.packed_weight)
-        if self.tp_size > 1:
-            logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
+        logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
         return logits[:, : self.vocab_size].float()

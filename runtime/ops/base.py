@@ -60,6 +60,11 @@ class DeviceOps(Protocol):
         """``F.linear(x, weight, bias)``; ``packed`` is the layer's ``packed_weight`` slot."""
         ...
 
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+        """``linear(x, weight, None, packed).float()`` (the LM head's fp32 logits), where a device
+        can write the fp32 result directly."""
+        ...
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -35,6 +35,9 @@ class TorchOps:
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+        return self.linear(x, weight, None, packed).float()
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -42,13 +42,14 @@ int tinyserve_amx(int request)
 #define LINEAR_PREFETCH_BLOCKS 6  /* blocks (2 KiB each) ahead of the one being multiplied */
 
 /* out [m, n] (contiguous) = x [m, k] (rows ldx apart) times the packed weight w (see above),
- * plus bias [n] when not NULL, in bf16 with fp32 sums. Columns are split between the threads by
+ * plus bias [n] when not NULL, in bf16 with fp32 sums; with float_out, out is fp32 and holds those
+ * bf16 values widened (what .float() of the bf16 result would hold). Columns are split between the threads by
  * 32-column blocks; each block takes the rows 32 at a time (four accumulator tiles: two row
  * halves by two column halves), the weight block read from memory on the first pass and from
  * cache after. Rows past the last multiple of 16 come from a zero-padded copy. Returns 0, or -1
  * (nothing written) when AMX is off or not built, or n or k is not a multiple of 32. */
 int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
-                    const uint16_t* bias, uint16_t* out)
+                    const uint16_t* bias, int float_out, void* out)
 {
 #if AMX_COMPILED
     if (!tinyserve_amx_on || n % 32 || k % 32 || m < 1 || ldx < k) return -1;
@@ -101,7 +102,15 @@ int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w
                 for (int64_t r = 0; r < rows; ++r) {
                     const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0);
                     const __m512 hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
-                    _mm512_storeu_si512((void*)(out + (r0 + r) * n + cb * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* lo's 16 then hi's */
+                    if (float_out) {
+                        float* o = (float*)out + (r0 + r) * n + cb * 32;
+                        _mm512_storeu_si512((void*)o, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pair)), 16));
+                        _mm512_storeu_si512((void*)(o + 16),
+                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pair, 1)), 16));
+                    } else {
+                        _mm512_storeu_si512((void*)((uint16_t*)out + (r0 + r) * n + cb * 32), pair);
+                    }
                 }
             }
         }
@@ -110,7 +119,7 @@ int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w
     free(tail);
     return 0;
 #else
-    (void)x; (void)m; (void)ldx; (void)w; (void)n; (void)k; (void)bias; (void)out;
+    (void)x; (void)m; (void)ldx; (void)w; (void)n; (void)k; (void)bias; (void)float_out; (void)out;
     return -1;
 #endif
 }
