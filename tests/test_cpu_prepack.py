@@ -176,7 +176,8 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     packed = pack_weight(weight)
     assert packed is not None
-    assert tile_layout(out_features, in_features) == amx_available()  # oneDNN packs for its AMX kernel there
+    if amx_available():
+        assert tile_layout(packed)  # oneDNN packs for its AMX kernel there
     wide = torch.randn(AMX_LINEAR_MAX_ROWS + 1, in_features + 64, generator=gen).bfloat16()
     for rows in (1, 15, 16, 17, 32, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = wide[:rows, 32 : 32 + in_features]  # rows in_features + 64 apart
@@ -202,7 +203,11 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
 
 def test_amx_linear_reads_only_the_tile_layout() -> None:
     """Shapes oneDNN does not block by 32 x 32 are never read by the AMX kernel, nor fp32 inputs."""
-    assert not tile_layout(100, 72) and not tile_layout(64, 48)
+    for shape in ((100, 72), (64, 48)):
+        packed_bf16 = pack_weight(torch.randn(shape).bfloat16())
+        assert not tile_layout(packed_bf16)
+        if packed_bf16 is not None:
+            assert amx_linear(torch.randn(4, shape[1]).bfloat16(), packed_bf16, None, shape[0]) is None
     weight = torch.randn(64, 64)
     packed = pack_weight(weight)
     if packed is not None:  # fp32: oneDNN's call (or F.linear outside its band), never the bf16 kernel

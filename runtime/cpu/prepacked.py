@@ -14,8 +14,8 @@ with the packed copy saves that work:
   bandwidth unused and spent ~20 us setting up (``bench/cpu_linear.py --dtype bfloat16``).
   Its fp32 sums run in the same tile instruction over the same blocks, so results match
   oneDNN's to the last bit or differ by one bf16 rounding where the two sum in another order.
-  It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``tile_layout`` checks once per
-  weight shape (oneDNN picks the layout by shape, dtype and CPU).
+  It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``pack_weight`` checks against the
+  weight's bytes when it packs (oneDNN picks the layout by shape, dtype and CPU).
 - fp32: the packed path swaps MKL's sgemm for oneDNN's own kernel. It is faster only for
   a middle band of rows (``FP32_PACKED_ROWS``; ``bench/cpu_linear.py`` measures it, with
   AVX-512 and capped at AVX2): MKL wins at one or two rows (a matrix-vector product) and
@@ -36,7 +36,6 @@ AVX2-only CPU) leaves the slot empty and the layer on F.linear.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from typing import Any
 
@@ -56,6 +55,7 @@ FP32_PACKED_ROWS = range(4, 257)
 # blocking wins: at 128 rows the two are even, at 256 oneDNN is ~1.4x faster).
 AMX_LINEAR_MAX_ROWS = 64
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
+TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
@@ -73,15 +73,19 @@ def prepack_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor | None:
-    """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made."""
+    """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made. A bf16 copy
+    in the layout ``amx_linear_bf16`` reads carries its address (``TILE_ADDRESS``)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         return None
     try:
         with torch.no_grad():
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     except RuntimeError:
         logger.debug("oneDNN could not pack a %s weight of shape %s", weight.dtype, tuple(weight.shape), exc_info=True)
         return None
+    if weight.dtype == torch.bfloat16:
+        setattr(packed, TILE_ADDRESS, _tile_address(weight, packed))
+    return packed
 
 
 def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -104,22 +108,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-@functools.lru_cache(maxsize=None)
-def tile_layout(out_features: int, in_features: int) -> bool:
-    """Whether ``pack_weight`` lays a bf16 ``[out_features, in_features]`` weight out as oneDNN's
-    ``AB16b32a2b`` (``[out / 32][in / 32][16][32][2]``, nothing else in the buffer), the layout
-    ``amx_linear_bf16`` reads. Checked by packing a weight of that shape and comparing bytes."""
+def _tile_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
+    """The address of ``packed`` when it holds bf16 ``weight`` as oneDNN's ``AB16b32a2b``
+    (``[out / 32][in / 32][16][32][2]``, nothing else in the buffer), the layout ``amx_linear_bf16``
+    reads; else 0. oneDNN picks the layout by shape, dtype and CPU: the bytes are compared."""
+    out_features, in_features = weight.shape
     if out_features % 32 or in_features % 32:
-        return False
-    gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
-    plain = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    packed = pack_weight(plain)
-    if packed is None or not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != plain.numel() * 2:
-        return False
-    raw = torch.frombuffer((ctypes.c_int16 * plain.numel()).from_address(torch.ops.mkldnn.data_ptr(packed)),
-                           dtype=torch.int16)
-    blocks = plain.view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4)
-    return torch.equal(raw.view(blocks.shape), blocks)
+        return 0
+    try:  # (torch.ops.mkldnn.data_ptr / _nbytes: what inductor's CPU codegen reads packed weights with)
+        if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != weight.numel() * 2:
+            return 0
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (AttributeError, RuntimeError):
+        return 0
+    raw = torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
+    blocks = weight.detach().view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2)
+    return address if torch.equal(raw.view(-1, in_features // 32, 16, 32, 2), blocks.permute(0, 2, 3, 1, 4)) else 0
+
+
+def tile_layout(packed: torch.Tensor | None) -> bool:
+    """Whether ``amx_linear`` can read this packed copy (see ``_tile_address``)."""
+    return bool(getattr(packed, TILE_ADDRESS, 0))
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
@@ -139,7 +148,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
-    if not 0 < rows <= AMX_LINEAR_MAX_ROWS or not packed.is_mkldnn or not tile_layout(out_features, in_features):
+    address = getattr(packed, TILE_ADDRESS, 0)
+    if not 0 < rows <= AMX_LINEAR_MAX_ROWS or not address:
         return None
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1 or bias.numel() != out_features):
         return None
@@ -150,7 +160,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     if x2.stride(1) != 1:
         return None
     out = torch.empty(rows, out_features, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
-    rc = lib.amx_linear_bf16(x2.data_ptr(), rows, x2.stride(0), torch.ops.mkldnn.data_ptr(packed), out_features,
+    rc = lib.amx_linear_bf16(x2.data_ptr(), rows, x2.stride(0), address, out_features,
                              in_features, bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
