@@ -22,6 +22,7 @@ from runtime.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
     FP32_PACKED_ROWS,
     amx_linear,
+    amx_linear_silu_mul,
     float_linear,
     linear,
     pack_weight,
@@ -214,3 +215,36 @@ def test_amx_linear_reads_only_the_tile_layout() -> None:
         x = torch.randn(8, 64)
         assert torch.equal(linear(x, weight, None, packed), torch.ops.mkldnn._linear_pointwise(x, packed, None,
                                                                                                 "none", [], ""))
+
+
+@pytest.mark.usefixtures("kernel_level")
+def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
+    """The MLP's merged gate/up projection and silu*mul fused (csrc/amx_linear.c) give the bits of
+    the linear followed by the silu*mul kernel, at row counts around the 16- and 32-row blocks;
+    CpuOps.linear_silu_and_mul falls back to the two wherever the fused call does not apply."""
+    from runtime.cpu import kernels as cpu_kernels
+    from runtime.cpu.ops import CpuOps
+
+    if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
+    gen = torch.Generator().manual_seed(5)
+    inter, hidden = 96, 256
+    weight = (torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5 * 4).bfloat16()
+    packed = pack_weight(weight)
+    ops = CpuOps()
+    for rows in (1, 15, 16, 17, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, hidden, generator=gen).bfloat16()
+        two = ops.silu_and_mul(linear(x, weight, None, packed))
+        fused = amx_linear_silu_mul(x, weight, None, packed)
+        assert (fused is not None) == (amx and rows <= AMX_LINEAR_MAX_ROWS), f"rows={rows}"
+        if fused is not None:
+            assert torch.equal(fused, two), f"rows={rows}"
+            assert cpu_kernels.silu_and_mul(linear(x, weight, None, packed)) is not None  # the kernel ran in `two`
+        assert torch.equal(ops.linear_silu_and_mul(x, weight, None, packed), two)
+    x = torch.randn(4, hidden, generator=gen).bfloat16()
+    bias = torch.randn(2 * inter, generator=gen).bfloat16()
+    assert amx_linear_silu_mul(x, weight, bias, packed) is None  # a bias: the two calls
+    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias, packed),
+                       ops.silu_and_mul(linear(x, weight, bias, packed)))
+    assert amx_linear_silu_mul(x.float(), weight.float(), None, pack_weight(weight.float())) is None
+

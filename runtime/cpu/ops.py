@@ -20,7 +20,7 @@ from torch import nn
 
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.host_memory import keep_freed_memory_in_process
-from runtime.cpu.prepacked import float_linear, linear, prepack_model
+from runtime.cpu.prepacked import amx_linear_silu_mul, float_linear, linear, prepack_model
 from runtime.ops.base import RopeInputs
 from runtime.ops.torch_ops import TorchOps, rotate_half_
 
@@ -62,6 +62,12 @@ class CpuOps(TorchOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         fused = cpu_kernels.silu_and_mul(x)
         return fused if fused is not None else super().silu_and_mul(x)
+
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    ) -> torch.Tensor:
+        fused = amx_linear_silu_mul(x, weight, bias, packed)  # a decode batch on AMX: one pass
+        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias, packed)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)

@@ -53,12 +53,13 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_PACKED_ROWS = range(4, 257)
 # bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
 # blocking wins: at 128 rows the two are even, at 256 oneDNN is ~1.4x faster).
-AMX_LINEAR_MAX_ROWS = 64
+AMX_LINEAR_MAX_ROWS = 64  # csrc/amx_linear.c: AMX_LINEAR_MAX_ROWS
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
 TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
+kernel_library.declare("amx_linear_silu_mul_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr], ctypes.c_int)
 
 
 def prepack_available() -> bool:
@@ -186,3 +187,28 @@ def prepack_model(model: nn.Module) -> int:
     if count:
         logger.info("prepacked %d linear weights for oneDNN", count)
     return count
+
+
+def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        packed: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
+    rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
+    followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
+    where it does not apply (a bias, fp32, more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another
+    layout; then run the two)."""
+    address = getattr(packed, TILE_ADDRESS, 0)
+    if not address or bias is not None or x.dtype != torch.bfloat16 or weight.shape[0] % 64:
+        return None
+    in_features, inter = x.shape[-1], weight.shape[0] // 2
+    rows = x.numel() // max(in_features, 1)
+    if not 0 < rows <= AMX_LINEAR_MAX_ROWS:
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    x2 = x.reshape(rows, in_features)
+    if x2.stride(1) != 1:
+        return None
+    out = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
+    rc = lib.amx_linear_silu_mul_bf16(x2.data_ptr(), rows, x2.stride(0), address, inter, in_features, out.data_ptr())
+    return out.view(*x.shape[:-1], inter) if rc == 0 else None

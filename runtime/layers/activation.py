@@ -17,3 +17,8 @@ class SiluAndMul(nn.Module):
         """``gate_up [..., 2*I]`` (gate first, as MergedColumnParallelLinear stores it) -> ``[..., I]``
         (one fused pass where the device ops have a kernel for it)."""
         return self.ops.silu_and_mul(gate_up)
+
+    def of_linear(self, x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
+        """The activation of ``gate_up_proj(x)`` (a MergedColumnParallelLinear), in one pass with
+        the projection where the device ops fuse them."""
+        return self.ops.linear_silu_and_mul(x, gate_up_proj.weight, gate_up_proj.bias, gate_up_proj.packed_weight)

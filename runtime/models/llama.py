@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.of_linear(x, self.gate_up_proj))
 
 
 class LlamaAttention(nn.Module):

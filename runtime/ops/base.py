@@ -87,6 +87,13 @@ class DeviceOps(Protocol):
         """``silu(gate) * up`` of ``x [..., 2 * I]`` (gate first) as a new ``[..., I]`` tensor."""
         ...
 
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu_and_mul(linear(x, weight, bias, packed))`` (a gated MLP's merged gate/up
+        projection), in one pass where a device can fuse the two."""
+        ...
+
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, Hkv, D]`` at KV slots ``loc`` (int64 ``[n]``) of layer ``layer_id``
         of ``pool`` (an ``MHATokenToKVPool``)."""

@@ -38,6 +38,11 @@ class TorchOps:
     def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
         return self.linear(x, weight, None, packed).float()
 
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x, weight, bias, packed))
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:

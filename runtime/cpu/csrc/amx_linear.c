@@ -41,85 +41,153 @@ int tinyserve_amx(int request)
 
 #define LINEAR_PREFETCH_BLOCKS 6  /* blocks (2 KiB each) ahead of the one being multiplied */
 
+#if AMX_COMPILED
+/* The rows of one call: x [m, k] (rows ldx apart), m <= AMX_LINEAR_MAX_ROWS; rows from `full` on
+ * (past the last multiple of 16) come from `tail`, a zero-padded copy 16 rows of k. */
+typedef struct {
+    const uint16_t* x;
+    int64_t m, ldx, k, full;
+    uint16_t* tail;
+} Rows;
+
+#define AMX_LINEAR_MAX_ROWS 64
+
+/* Rows whose count is not a multiple of 16 get their last rows copied into a zero-padded tile
+ * (a tile load reads 16 rows). Returns 0, or -1 when the copy cannot be allocated. */
+static int rows_init(Rows* rows, const uint16_t* x, int64_t m, int64_t ldx, int64_t k)
+{
+    rows->x = x; rows->m = m; rows->ldx = ldx; rows->k = k;
+    rows->full = m / 16 * 16;
+    rows->tail = NULL;
+    if (rows->full < m) {
+        rows->tail = (uint16_t*)calloc((size_t)(16 * k), sizeof(uint16_t));
+        if (!rows->tail) return -1;
+        for (int64_t r = rows->full; r < m; ++r)
+            memcpy(rows->tail + (r - rows->full) * k, x + r * ldx, (size_t)k * sizeof(uint16_t));
+    }
+    return 0;
+}
+
+/* c[r][j] = sum over k of x[r][k] * w[k][32 cb + j] for every row r (fp32, unrounded): the column
+ * block at wb (k / 32 blocks of 2 KiB). Rows 32 at a time (four accumulator tiles: two row halves
+ * by two column halves); the first pass reads the weight from memory, fetching ahead of itself,
+ * later passes from cache. */
+static void column_block(const Rows* rows, const uint16_t* wb, float c[AMX_LINEAR_MAX_ROWS][32])
+{
+    const int64_t k_blocks = rows->k / 32;
+    for (int64_t r0 = 0; r0 < rows->m; r0 += 32) {
+        const int two = rows->m - r0 > 16;  /* a second row half */
+        const uint16_t* a0 = r0 < rows->full ? rows->x + r0 * rows->ldx : rows->tail;
+        const int64_t lda0 = r0 < rows->full ? rows->ldx : rows->k;
+        const uint16_t* a1 = r0 + 16 < rows->full ? rows->x + (r0 + 16) * rows->ldx : rows->tail;
+        const int64_t lda1 = r0 + 16 < rows->full ? rows->ldx : rows->k;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+            const uint16_t* blk = wb + kb * 1024;
+            if (r0 == 0) {  /* the first pass streams the weight: fetch ahead of it */
+                const char* ahead = (const char*)(blk + LINEAR_PREFETCH_BLOCKS * 1024);
+                _mm_prefetch(ahead, _MM_HINT_T0); _mm_prefetch(ahead + 512, _MM_HINT_T0);
+                _mm_prefetch(ahead + 1024, _MM_HINT_T0); _mm_prefetch(ahead + 1536, _MM_HINT_T0);
+            }
+            _tile_loadd(6, blk, 128);
+            _tile_loadd(7, blk + 32, 128);
+            _tile_loadd(4, a0 + kb * 32, lda0 * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, a1 + kb * 32, lda1 * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, &c[r0][0], 128);
+        _tile_stored(1, &c[r0][16], 128);
+        if (two) { _tile_stored(2, &c[r0 + 16][0], 128); _tile_stored(3, &c[r0 + 16][16], 128); }
+    }
+}
+#endif
+
 /* out [m, n] (contiguous) = x [m, k] (rows ldx apart) times the packed weight w (see above),
  * plus bias [n] when not NULL, in bf16 with fp32 sums; with float_out, out is fp32 and holds those
- * bf16 values widened (what .float() of the bf16 result would hold). Columns are split between the threads by
- * 32-column blocks; each block takes the rows 32 at a time (four accumulator tiles: two row
- * halves by two column halves), the weight block read from memory on the first pass and from
- * cache after. Rows past the last multiple of 16 come from a zero-padded copy. Returns 0, or -1
- * (nothing written) when AMX is off or not built, or n or k is not a multiple of 32. */
+ * bf16 values widened (what .float() of the bf16 result would hold). Columns are split between
+ * the threads by 32-column blocks. Returns 0, or -1 (nothing written) when AMX is off or not
+ * built, m is outside [1, 64], or n or k is not a multiple of 32. */
 int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
                     const uint16_t* bias, int float_out, void* out)
 {
 #if AMX_COMPILED
-    if (!tinyserve_amx_on || n % 32 || k % 32 || m < 1 || ldx < k) return -1;
-    const int64_t col_blocks = n / 32, k_blocks = k / 32;
-    const int64_t full = m / 16 * 16;  /* rows read in place; the rest from tail */
-    uint16_t* tail = NULL;
-    if (full < m) {
-        tail = (uint16_t*)calloc((size_t)(16 * k), sizeof(uint16_t));
-        if (!tail) return -1;
-        for (int64_t r = full; r < m; ++r) memcpy(tail + (r - full) * k, x + r * ldx, (size_t)k * sizeof(uint16_t));
-    }
+    if (!tinyserve_amx_on || n % 32 || k % 32 || m < 1 || m > AMX_LINEAR_MAX_ROWS || ldx < k) return -1;
+    Rows rows;
+    if (rows_init(&rows, x, m, ldx, k)) return -1;
 #pragma omp parallel
     {
         amx_configure();
-        float c[32][32] __attribute__((aligned(64)));
+        float c[AMX_LINEAR_MAX_ROWS][32] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-        for (int64_t cb = 0; cb < col_blocks; ++cb) {
-            const uint16_t* wb = w + cb * k_blocks * 1024;
-            for (int64_t r0 = 0; r0 < m; r0 += 32) {
-                const int two = m - r0 > 16;  /* a second row half */
-                const uint16_t* a0 = r0 < full ? x + r0 * ldx : tail;
-                const int64_t lda0 = r0 < full ? ldx : k;
-                const uint16_t* a1 = r0 + 16 < full ? x + (r0 + 16) * ldx : tail;
-                const int64_t lda1 = r0 + 16 < full ? ldx : k;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kb = 0; kb < k_blocks; ++kb) {
-                    const uint16_t* blk = wb + kb * 1024;
-                    if (r0 == 0) {  /* the first pass streams the weight: fetch ahead of it */
-                        const char* ahead = (const char*)(blk + LINEAR_PREFETCH_BLOCKS * 1024);
-                        _mm_prefetch(ahead, _MM_HINT_T0); _mm_prefetch(ahead + 512, _MM_HINT_T0);
-                        _mm_prefetch(ahead + 1024, _MM_HINT_T0); _mm_prefetch(ahead + 1536, _MM_HINT_T0);
-                    }
-                    _tile_loadd(6, blk, 128);
-                    _tile_loadd(7, blk + 32, 128);
-                    _tile_loadd(4, a0 + kb * 32, lda0 * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, a1 + kb * 32, lda1 * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, &c[0][0], 128);
-                _tile_stored(1, &c[0][16], 128);
-                if (two) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
-                __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-                if (bias) { b0 = load_bf16x16(bias + cb * 32); b1 = load_bf16x16(bias + cb * 32 + 16); }
-                const int64_t rows = m - r0 < 32 ? m - r0 : 32;
-                for (int64_t r = 0; r < rows; ++r) {
-                    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0);
-                    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
-                    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* lo's 16 then hi's */
-                    if (float_out) {
-                        float* o = (float*)out + (r0 + r) * n + cb * 32;
-                        _mm512_storeu_si512((void*)o, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pair)), 16));
-                        _mm512_storeu_si512((void*)(o + 16),
-                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pair, 1)), 16));
-                    } else {
-                        _mm512_storeu_si512((void*)((uint16_t*)out + (r0 + r) * n + cb * 32), pair);
-                    }
+        for (int64_t cb = 0; cb < n / 32; ++cb) {
+            column_block(&rows, w + cb * (k / 32) * 1024, c);
+            __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+            if (bias) { b0 = load_bf16x16(bias + cb * 32); b1 = load_bf16x16(bias + cb * 32 + 16); }
+            for (int64_t r = 0; r < m; ++r) {
+                const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0);
+                const __m512 hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
+                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* lo's 16 then hi's */
+                if (float_out) {
+                    float* o = (float*)out + r * n + cb * 32;
+                    _mm512_storeu_si512((void*)o, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pair)), 16));
+                    _mm512_storeu_si512((void*)(o + 16),
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pair, 1)), 16));
+                } else {
+                    _mm512_storeu_si512((void*)((uint16_t*)out + r * n + cb * 32), pair);
                 }
             }
         }
         _tile_release();
     }
-    free(tail);
+    free(rows.tail);
     return 0;
 #else
     (void)x; (void)m; (void)ldx; (void)w; (void)n; (void)k; (void)bias; (void)float_out; (void)out;
+    return -1;
+#endif
+}
+
+/* The gated MLP's first half in one pass: out [m, inter] (contiguous) = silu(gate) * up, where
+ * [gate | up] = x [m, k] times the packed merged weight w ([2 * inter, k], gate rows first), each
+ * rounded to bf16 as the linear's own output would be, then silu_mul16 (the silu_mul_bf16
+ * kernel's rounding). A thread takes gate column block cb and up block cb + inter / 32 together,
+ * so the [m, 2 * inter] intermediate is never written. Returns 0, or -1 (nothing written) when AMX
+ * is off or not built, m is outside [1, 64], or inter or k is not a multiple of 32. */
+int amx_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t inter,
+                             int64_t k, uint16_t* out)
+{
+#if AMX_COMPILED
+    if (!tinyserve_amx_on || inter % 32 || k % 32 || m < 1 || m > AMX_LINEAR_MAX_ROWS || ldx < k) return -1;
+    Rows rows;
+    if (rows_init(&rows, x, m, ldx, k)) return -1;
+    const int64_t block_elems = (k / 32) * 1024, up_first = inter / 32;
+#pragma omp parallel
+    {
+        amx_configure();
+        float gate[AMX_LINEAR_MAX_ROWS][32] __attribute__((aligned(64)));
+        float up[AMX_LINEAR_MAX_ROWS][32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t cb = 0; cb < inter / 32; ++cb) {
+            column_block(&rows, w + cb * block_elems, gate);
+            column_block(&rows, w + (up_first + cb) * block_elems, up);
+            for (int64_t r = 0; r < m; ++r)
+                for (int h = 0; h < 2; ++h) {
+                    const __m512 g = round_bf16x16(_mm512_load_ps(gate[r] + 16 * h));
+                    const __m512 u = round_bf16x16(_mm512_load_ps(up[r] + 16 * h));
+                    _mm256_storeu_si256((__m256i*)(out + r * inter + cb * 32 + 16 * h), silu_mul16(g, u));
+                }
+        }
+        _tile_release();
+    }
+    free(rows.tail);
+    return 0;
+#else
+    (void)x; (void)m; (void)ldx; (void)w; (void)inter; (void)k; (void)out;
     return -1;
 #endif
 }

@@ -267,14 +267,8 @@ void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_
         uint16_t* o = out + r * inter;
         int64_t j = 0;
 #ifdef __AVX512F__
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; j + 16 <= inter; j += 16) {  /* the loop below on 16 lanes, the same operations */
-            const __m512 x = load_bf16x16(g + j);
-            const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-            const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), one);
-            const __m512 act = round_bf16x16(_mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(one, e))));
-            _mm256_storeu_si256((__m256i*)(o + j), f32x16_to_bf16(_mm512_mul_ps(act, load_bf16x16(u + j))));
-        }
+        for (; j + 16 <= inter; j += 16)  /* the loop below on 16 lanes, the same operations */
+            _mm256_storeu_si256((__m256i*)(o + j), silu_mul16(load_bf16x16(g + j), load_bf16x16(u + j)));
 #endif
         for (; j < inter; ++j) {
             const float x = bf16_to_f32(g[j]);
