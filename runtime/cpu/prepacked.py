@@ -142,28 +142,56 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | N
     return linear(x, weight, None, packed).float()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False) -> torch.Tensor | None:
-    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
-    where it does not apply (more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another layout).
-    ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
+def _amx_operand(x: torch.Tensor, packed: torch.Tensor | None) -> tuple[Any, torch.Tensor, int] | None:
+    """``(library, x as [rows, in] with unit column stride, packed copy's address)`` when the AMX
+    kernels take bf16 ``x`` against ``packed`` (at most ``AMX_LINEAR_MAX_ROWS`` rows, AMX built,
+    the tile layout), else None."""
+    address = getattr(packed, TILE_ADDRESS, 0)
+    if not address or x.dtype != torch.bfloat16:
+        return None
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
-    address = getattr(packed, TILE_ADDRESS, 0)
-    if not 0 < rows <= AMX_LINEAR_MAX_ROWS or not address:
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1 or bias.numel() != out_features):
+    if not 0 < rows <= AMX_LINEAR_MAX_ROWS:
         return None
     lib = kernel_library.load()
     if lib is None:
         return None
     x2 = x.reshape(rows, in_features)
-    if x2.stride(1) != 1:
+    return (lib, x2, address) if x2.stride(1) == 1 else None
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               float_out: bool = False) -> torch.Tensor | None:
+    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
+    where it does not apply (see ``_amx_operand``).
+    ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1 or bias.numel() != out_features):
         return None
-    out = torch.empty(rows, out_features, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
-    rc = lib.amx_linear_bf16(x2.data_ptr(), rows, x2.stride(0), address, out_features,
-                             in_features, bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
+    operand = _amx_operand(x, packed)
+    if operand is None:
+        return None
+    lib, x2, address = operand
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32 if float_out else torch.bfloat16)
+    rc = lib.amx_linear_bf16(x2.data_ptr(), x2.shape[0], x2.stride(0), address, out_features, x2.shape[1],
+                             bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
+
+
+def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        packed: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
+    rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
+    followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
+    where it does not apply (a bias, or see ``_amx_operand``; then run the two)."""
+    operand = _amx_operand(x, packed) if bias is None and weight.shape[0] % 64 == 0 else None
+    if operand is None:
+        return None
+    lib, x2, address = operand
+    inter = weight.shape[0] // 2
+    out = torch.empty(x2.shape[0], inter, dtype=torch.bfloat16)
+    rc = lib.amx_linear_silu_mul_bf16(x2.data_ptr(), x2.shape[0], x2.stride(0), address, inter, x2.shape[1],
+                                      out.data_ptr())
+    return out.view(*x.shape[:-1], inter) if rc == 0 else None
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -187,28 +215,3 @@ def prepack_model(model: nn.Module) -> int:
     if count:
         logger.info("prepacked %d linear weights for oneDNN", count)
     return count
-
-
-def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        packed: torch.Tensor | None) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
-    rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
-    followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
-    where it does not apply (a bias, fp32, more than ``AMX_LINEAR_MAX_ROWS`` rows, no AMX, another
-    layout; then run the two)."""
-    address = getattr(packed, TILE_ADDRESS, 0)
-    if not address or bias is not None or x.dtype != torch.bfloat16 or weight.shape[0] % 64:
-        return None
-    in_features, inter = x.shape[-1], weight.shape[0] // 2
-    rows = x.numel() // max(in_features, 1)
-    if not 0 < rows <= AMX_LINEAR_MAX_ROWS:
-        return None
-    lib = kernel_library.load()
-    if lib is None:
-        return None
-    x2 = x.reshape(rows, in_features)
-    if x2.stride(1) != 1:
-        return None
-    out = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
-    rc = lib.amx_linear_silu_mul_bf16(x2.data_ptr(), rows, x2.stride(0), address, inter, in_features, out.data_ptr())
-    return out.view(*x.shape[:-1], inter) if rc == 0 else None
