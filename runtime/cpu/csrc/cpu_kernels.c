@@ -10,21 +10,24 @@
  * the cold mirror buffers: memory and compute would not overlap). */
 typedef struct {
     const char* k; const char* v;  /* next K^T block, next V block (NULL: nothing to fetch) */
-    int64_t k_row_bytes, k_stride, k_lines, v_lines, t;
+    int64_t k_stride;              /* bytes between K^T rows */
+    int64_t row_lines, k_rows;     /* lines per K^T row (the keys read), K^T rows (d) */
+    int64_t v_lines;               /* lines of V */
+    int64_t row, col, t;           /* the cursor: K^T row and line in it, then V line t */
 } Prefetch;
 
+/* (The cursor is counted, not divided: a 64-bit division per line cost ~1/5 of the kernel.) */
 static inline void pf_line(Prefetch* pf) {
     if (!pf->k) return;
-    const int64_t per_row = (pf->k_row_bytes + 63) / 64;
-    if (pf->t < pf->k_lines) {
-        _mm_prefetch(pf->k + (pf->t / per_row) * pf->k_stride + (pf->t % per_row) * 64, _MM_HINT_T1);
-    } else if (pf->t < pf->k_lines + pf->v_lines) {
-        _mm_prefetch(pf->v + (pf->t - pf->k_lines) * 64, _MM_HINT_T1);
+    if (pf->row < pf->k_rows) {
+        _mm_prefetch(pf->k + pf->row * pf->k_stride + pf->col * 64, _MM_HINT_T1);
+        if (++pf->col == pf->row_lines) { pf->col = 0; pf->row++; }
+    } else if (pf->t < pf->v_lines) {
+        _mm_prefetch(pf->v + pf->t * 64, _MM_HINT_T1);
+        pf->t++;
     } else {
         pf->k = 0;
-        return;
     }
-    pf->t++;
 }
 
 /* Two lines per call: the kernel makes fewer calls than the next item has lines
@@ -60,15 +63,17 @@ static void block_scores(const float* qf, const uint16_t* kt, int64_t cap, int64
         }
     }
     if (group <= 8) {
-        for (; j + 16 <= jn; j += 16) {
+        for (; j < jn; j += 16) {  /* the last block masked: a K^T row may end at key jn */
+            const __mmask16 lanes = jn - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (jn - j)) - 1);
             __m512 acc[8];
-            for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_loadu_ps(s + g * BLOCK + j);
+            for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_maskz_loadu_ps(lanes, s + g * BLOCK + j);
             for (int64_t i = 0; i < d; ++i) {
                 pf_step(pf);
-                const __m512 k = load_bf16x16(kt + i * cap + j);
+                const __m512 k = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, kt + i * cap + j)), 16));
                 for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * d + i]), k, acc[g]);
             }
-            for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(s + g * BLOCK + j, acc[g]);
+            for (int64_t g = 0; g < group; ++g) _mm512_mask_storeu_ps(s + g * BLOCK + j, lanes, acc[g]);
         }
     }
 #endif
@@ -202,12 +207,10 @@ int decode_attention_bf16(
                 l[g] = m[g] == -INFINITY ? 0.0f : 1.0f;
             }
         }
-        Prefetch pf = {0, 0, width * 2, cap * 2, 0, 0, 0};
+        Prefetch pf = {0, 0, cap * 2, (width * 2 + 63) / 64, d, (width * d * 2 + 63) / 64, 0, 0, 0};
         if (bh + 1 < n * hkv) {
             pf.k = (const char*)(kt + (bh + 1) * d * cap);
             pf.v = (const char*)(v + (bh + 1) * cap * d);
-            pf.k_lines = d * ((width * 2 + 63) / 64);
-            pf.v_lines = (width * d * 2 + 63) / 64;
         }
         if (width > 0)
             attend_segment(qf, kt + bh * d * cap, v + bh * cap * d, bias ? bias + b * cap : 0, cap, width,
