@@ -11,7 +11,7 @@ with the packed copy saves that work:
   ``AMX_LINEAR_MAX_ROWS`` rows (a decode batch) on a CPU with AMX goes instead to
   ``amx_linear_bf16`` (``csrc/amx_linear.c``), which reads the same packed copy: at those
   sizes a linear streams its weight once, and oneDNN's call left part of the memory
-  bandwidth unused and spent ~20 us setting up (``bench/cpu_linear.py --dtype bfloat16``).
+  bandwidth unused and had a setup cost in every call (``bench/cpu_linear.py --dtype bfloat16``).
   Its fp32 sums run in the same tile instruction over the same blocks, so results match
   oneDNN's to the last bit or differ by one bf16 rounding where the two sum in another order.
   It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``pack_weight`` checks against the
@@ -52,7 +52,7 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # bench-model shape here, both with AVX-512 and on an AVX2-only CPU; outside it, F.linear.
 FP32_PACKED_ROWS = range(4, 257)
 # bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
-# blocking wins: at 128 rows the two are even, at 256 oneDNN is ~1.4x faster).
+# cache blocking wins: bench/cpu_linear.py --dtype bfloat16 --m 64 128 256).
 AMX_LINEAR_MAX_ROWS = 64  # csrc/amx_linear.c: AMX_LINEAR_MAX_ROWS
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
 TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0

@@ -4,7 +4,7 @@
  *
  * Why not oneDNN's own call for those rows: with few rows a linear layer streams its weight from
  * memory once and does little else, and oneDNN's kernel left part of the bandwidth unused (plus
- * ~20 us of setup per call). This kernel walks the packed weight in address order, prefetches it
+ * a setup cost in every call; docs/benchmarks.md has the figures). This kernel walks the packed weight in address order, prefetches it
  * a few blocks ahead, and keeps each block's products on tiles.
  *
  * The weight layout is oneDNN's AB16b32a2b for an [n, k] weight: [n / 32][k / 32][16][32][2], a

@@ -16,7 +16,7 @@ typedef struct {
     int64_t row, col, t;           /* the cursor: K^T row and line in it, then V line t */
 } Prefetch;
 
-/* (The cursor is counted, not divided: a 64-bit division per line cost ~1/5 of the kernel.) */
+/* (The cursor is counted, not divided: a 64-bit division per line was a large share of the kernel.) */
 static inline void pf_line(Prefetch* pf) {
     if (!pf->k) return;
     if (pf->row < pf->k_rows) {
