@@ -135,7 +135,7 @@ def tile_layout(packed: torch.Tensor | None) -> bool:
 def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """``linear(x, weight, None, packed).float()``: the AMX kernel writes those fp32 values itself
     where it runs (the bf16-rounded sums, widened), saving the bf16 result's copy."""
-    if packed is not None and x.dtype == torch.bfloat16 and takes_packed(x, weight):
+    if packed is not None and takes_packed(x, weight):
         out = amx_linear(x, packed, None, weight.shape[0], float_out=True)
         if out is not None:
             return out

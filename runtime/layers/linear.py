@@ -196,6 +196,11 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Gate and up projections stored as one matrix so the MLP does one matmul."""
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated activation ``silu(gate) * up`` of this layer's output ``[..., 2 * I]`` (gate
+        first) as ``[..., I]``, in one pass with the projection where the device ops fuse them."""
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.packed_weight)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul, split by heads over ranks.

@@ -21,7 +21,6 @@ from torch import nn
 
 from runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.forward_batch import ForwardBatch
-from runtime.layers.activation import SiluAndMul
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import (
     LazyWeight,
@@ -57,10 +56,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
         )
-        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.of_linear(x, self.gate_up_proj))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaAttention(nn.Module):

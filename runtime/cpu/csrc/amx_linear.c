@@ -131,14 +131,14 @@ int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w
             for (int64_t r = 0; r < m; ++r) {
                 const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0);
                 const __m512 hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
-                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* lo's 16 then hi's */
                 if (float_out) {
                     float* o = (float*)out + r * n + cb * 32;
-                    _mm512_storeu_si512((void*)o, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pair)), 16));
-                    _mm512_storeu_si512((void*)(o + 16),
-                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pair, 1)), 16));
+                    _mm512_storeu_ps(o, round_bf16x16(lo));
+                    _mm512_storeu_ps(o + 16, round_bf16x16(hi));
                 } else {
-                    _mm512_storeu_si512((void*)((uint16_t*)out + r * n + cb * 32), pair);
+                    uint16_t* o = (uint16_t*)out + r * n + cb * 32;
+                    _mm256_storeu_si256((__m256i*)o, f32x16_to_bf16(lo));
+                    _mm256_storeu_si256((__m256i*)(o + 16), f32x16_to_bf16(hi));
                 }
             }
         }
