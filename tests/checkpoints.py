@@ -54,6 +54,9 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
         return LlamaConfig(**c, rope_theta=10000.0, tie_word_embeddings=False)
     if name == "llama_long":  # long prompts (scheduler tests); not in the parametrized set
         return LlamaConfig(**{**c, "max_position_embeddings": 4096}, rope_theta=10000.0, tie_word_embeddings=False)
+    if name == "llama_hd64":  # head_dim 64, what the pair-packed prefix kernels take; not in the parametrized set
+        return LlamaConfig(**{**c, "hidden_size": 256, "intermediate_size": 256}, rope_theta=10000.0,
+                           tie_word_embeddings=False)
     if name == "mistral":  # GQA group 4 (4 query heads share 1 KV head)
         return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=4096)
     if name == "qwen2":  # q/k/v biases, linear RoPE scaling
@@ -89,7 +92,8 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
             },
         )
     raise ValueError(
-        f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, {', '.join(SWA_WINDOWS)}"
+        f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, llama_hd64, "
+        f"{', '.join(SWA_WINDOWS)}"
     )
 
 

@@ -39,10 +39,10 @@ import torch
 
 from runtime.attention import torch_native
 from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.torch_native import AttnGroup, host_list
+from runtime.attention.torch_native import AttnGroup, TorchNativeMetadata, host_list
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror
+from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
 from runtime.forward_batch import ForwardBatch
 
 
@@ -73,6 +73,21 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
             if self.mirrored_layers != 0:
                 group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens),
                                                 self.mirrored_layers)
+
+    def claim_decode_step(self, batch: ForwardBatch, num_layers: int) -> MirrorStep | None:
+        """This decode forward's mirror, for a caller that runs all ``num_layers`` layers' KV writes
+        and attention through the kernels itself (``runtime.cpu.decode_layers``: the same kernels
+        ``forward`` would call), marked as updated; None where ``forward`` must run per layer (a
+        rebuild, windowed layers, a batch that is not one in-order decode group)."""
+        meta: TorchNativeMetadata | None = batch.attn_metadata
+        if meta is None or not batch.forward_mode.is_decode() or self.mirrored_layers not in (None, num_layers):
+            return None  # (windowed layers read their own plan)
+        if len(meta.groups) != 1:
+            return None
+        (g,) = meta.groups
+        if g.mirror is None or g.out_tokens is not None or g.q_start != 0:
+            return None
+        return self.mirror.claim_append_step(g.mirror, num_layers)
 
     def _one_token(
         self,

@@ -13,7 +13,7 @@ for its mirror inside that budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,17 @@ class MirrorPlan:
     prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
     append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
     mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (key_bias): 0 for each request's real keys
+
+
+@dataclass
+class MirrorStep:
+    """An append step's copies, for a caller that runs every layer's decode kernel itself
+    (``runtime.cpu.decode_layers``): the kernel stores each layer's new K/V at ``plan.append_pos``."""
+
+    plan: MirrorPlan = field(repr=False)
+    k: list[torch.Tensor] = field(repr=False)  # per layer: K^T [n, Hkv, D, cap]
+    v: list[torch.Tensor] = field(repr=False)  # per layer: V [n, Hkv, cap, D]
+    prefix: list[attn_kernels.PackedPrefix] | None = field(repr=False)  # per layer when plan.prefix_len
 
 
 class DecodeKVMirror:
@@ -155,6 +166,26 @@ class DecodeKVMirror:
         lens = torch.tensor(self.own_lens, dtype=torch.int64, device=own.device)
         mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
         return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
+
+    def claim_append_step(self, plan: MirrorPlan, num_layers: int) -> MirrorStep | None:
+        """This append step's copies of all ``num_layers`` layers (every one mirrored, none run yet,
+        each shared prefix packed), marked up to date: the caller runs the kernels that append and
+        attend for every layer. None (nothing marked) where the step is not such a step."""
+        if plan.rebuild or plan.append_pos is None or plan.mask is None or self.layers_done:
+            return None
+        if num_layers != self.mirrored_layers or len(self.k) != num_layers or len(self.v) != num_layers:
+            return None
+        k = [t for t in self.k if t is not None]
+        v = [t for t in self.v if t is not None]
+        if len(k) != num_layers or len(v) != num_layers:
+            return None
+        prefix = None
+        if plan.prefix_len:
+            prefix = [p for p in self.prefix_packed if p is not None]
+            if len(prefix) != num_layers:
+                return None
+        self.layers_done = num_layers
+        return MirrorStep(plan, k, v, prefix)
 
     def packed_prefix(self, layer_id: int) -> attn_kernels.PackedPrefix | None:
         """Layer ``layer_id``'s shared prefix packed for ``attn_kernels.prefix_attention``, if made."""

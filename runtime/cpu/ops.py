@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.cpu import decode_layers
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.host_memory import keep_freed_memory_in_process
 from runtime.cpu.prepacked import amx_linear_silu_mul, float_linear, linear, prepack_model
@@ -68,6 +69,12 @@ class CpuOps(TorchOps):
     ) -> torch.Tensor:
         fused = amx_linear_silu_mul(x, weight, bias, packed)  # a decode batch on AMX: one pass
         return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias, packed)
+
+    def decoder_layers(
+        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cos, sin = self._cos_sin(rope, hidden.dtype)
+        return decode_layers.run(layers, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)

@@ -172,9 +172,13 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens."""
         hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
         rope = self.ops.rope(self.rotary_emb, batch.positions, hidden.dtype)  # once, not per layer
+        whole = self.ops.decoder_layers(self.layers, rope, hidden, batch, backend)  # a device's one-call stack
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, batch, backend)
+        if whole is not None:
+            hidden, residual = whole
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(rope, hidden, residual, batch, backend)
         assert residual is not None, "model has no layers"
         return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
 

@@ -94,6 +94,14 @@ class DeviceOps(Protocol):
         projection), in one pass where a device can fuse the two."""
         ...
 
+    def decoder_layers(
+        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hidden, residual)`` after all of a model's decoder ``layers`` for the embeddings
+        ``hidden`` (which become the residual stream), where the device runs the whole stack of
+        this batch in one call with the layers' own results; None: run the layers one by one."""
+        ...
+
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, Hkv, D]`` at KV slots ``loc`` (int64 ``[n]``) of layer ``layer_id``
         of ``pool`` (an ``MHATokenToKVPool``)."""

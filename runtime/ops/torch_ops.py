@@ -75,6 +75,11 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu's fresh output takes the product: one temporary
 
+    def decoder_layers(
+        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # no whole-stack call: the model runs its layers
+
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool.set_kv_buffer(layer_id, loc, k, v)
 

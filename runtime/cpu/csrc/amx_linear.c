@@ -12,6 +12,7 @@
  * caller checks that the copy has it. Each half of a block row (16 columns) is an AMX B tile
  * with a 128-byte row stride. */
 #include "common.h"
+#include "entry_points.h"
 #include "amx.h"
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -4,6 +4,7 @@
  * write, and attention with bf16-pair dot products for a shared prefix and a causal prefill. Built
  * and called by runtime/cpu/kernels.py (which documents the layouts and why each exists). */
 #include "common.h"
+#include "entry_points.h"
 
 /* Prefetch cursor over the next (request, KV head)'s keys and values: each step() brings one
  * more cache line toward L2 while this one computes (the kernel is otherwise latency-bound on

@@ -5,6 +5,7 @@
  * (tinyserve_amx, amx.h), else on AVX512-BF16 (or AVX-512 FMAs). Built and called through
  * runtime/cpu/kernel_library.py and runtime/cpu/attention_kernels.py. */
 #include "common.h"
+#include "entry_points.h"
 #include "amx.h"
 
 /* ---- a shared prefix's attention for every decode query, with bf16-pair dot products ---- */

@@ -1,0 +1,28 @@
+/* Prototypes of the kernels that one source calls from another (decode_layers.c runs a whole
+ * decode step through them); each defining source includes this header, so the compiler
+ * checks every definition against the prototype the callers use. */
+#ifndef TINYSERVE_CPU_ENTRY_POINTS_H
+#define TINYSERVE_CPU_ENTRY_POINTS_H
+#include <stdint.h>
+
+void rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t rows, int64_t hidden,
+                  float eps, uint16_t* out);
+void rotary_bf16(uint16_t* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                 const uint16_t* cos, const uint16_t* sin);
+int store_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* loc,
+                  int64_t n, int64_t row_bytes, char* k_buf, char* v_buf, int64_t slots);
+int decode_attention_bf16(
+    const uint16_t* q, int64_t q_stride,
+    uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
+    uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+    const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos,
+    const float* init_o, const float* init_lse);
+int prefix_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp,
+                          int64_t p, int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+                          float* out, float* lse);
+int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
+                    const uint16_t* bias, int float_out, void* out);
+int amx_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t inter,
+                             int64_t k, uint16_t* out);
+
+#endif

@@ -1,0 +1,238 @@
+"""A bf16 decode step's decoder layers in one C call (``csrc/decode_layers.c``).
+
+Once its linears run on AMX tiles, a decode step of the bench model spends about a sixth of
+its time between kernels: each layer's ten kernel calls go through their Python wrappers
+(shape checks, ``torch.empty``, views, ctypes argument conversion) and the attention
+backend's per-layer plan, while the second OpenMP thread waits for the next parallel region.
+``decode_layers_bf16`` calls the same kernels in the same order for every layer from C: the
+results are the layer stack's bit for bit, the interpreter work per step is one call.
+
+It takes the steady state of serving, a decode step that appends to the attention backend's
+decode-key mirror (``runtime.cpu.decode_mirror``), of Llama-family layers that the kernels run
+whole: bf16, at most ``AMX_LINEAR_MAX_ROWS`` requests, every linear packed in the layout the
+AMX kernel reads, no tensor parallelism, no per-head q/k norm, no windowed layers. Anything
+else (``run`` returns None) goes through the layers one by one. ``TINYSERVE_CPU_DECODE_LAYERS=0``
+(or ``use_decode_layers(False)``) turns it off.
+
+Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
+the backend's ``forward`` would) and the residual stream (the embeddings' buffer, as the layer
+stack does); its scratch buffers are allocated here per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from runtime.cpu import attention_kernels as attn_kernels
+from runtime.cpu import kernel_library
+from runtime.cpu.kernel_library import declare
+from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, TILE_ADDRESS
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Step(ctypes.Structure):
+    """csrc/decode_layers.c: DecodeStep."""
+
+    _fields_ = [(name, _i64) for name in ("n", "hidden", "q_heads", "kv_heads", "head_dim", "inter", "rot_dim",
+                                          "cap", "width", "prefix_len", "prefix_pad", "pool_slots")] + [
+        ("eps", _f32), ("scale", _f32)] + [(name, _ptr) for name in (
+            "residual", "hidden_out", "cos", "sin", "out_loc", "append_pos", "mask", "normed", "qkv", "attn", "o",
+            "mid", "prefix_out", "prefix_lse")]
+
+
+class _Layer(ctypes.Structure):
+    """csrc/decode_layers.c: DecodeLayer."""
+
+    _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
+                                          "k_pool", "v_pool", "k_t", "v", "prefix_k", "prefix_v")]
+
+
+declare("decode_layers_bf16", [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
+
+_STAGES = ("", "qkv linear", "KV pool write", "prefix attention", "decode attention", "o linear", "gate/up + silu",
+           "down linear")
+_enabled: list[bool] = []  # use_decode_layers' stack
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled_by_env() -> bool:
+    return os.environ.get("TINYSERVE_CPU_DECODE_LAYERS", "1") != "0"
+
+
+def enabled() -> bool:
+    return _enabled[-1] if _enabled else _enabled_by_env()
+
+
+@contextlib.contextmanager
+def use_decode_layers(on: bool) -> Iterator[None]:
+    """Within the block, decode steps take the one-call path (``on``, where it applies) or not."""
+    _enabled.append(on)
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
+@dataclass
+class _Stack:
+    """The per-model part of the call: the shapes and every layer's weight addresses (the packed
+    copies and the modules whose ``packed_weight`` they are, to notice a reload)."""
+
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+    layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
+    packed: list[tuple[nn.Module, torch.Tensor]] = field(repr=False)
+
+    def current(self) -> bool:
+        return all(module.packed_weight is packed for module, packed in self.packed)
+
+
+_stacks: "weakref.WeakKeyDictionary[nn.Module, _Stack | None]" = weakref.WeakKeyDictionary()
+
+
+def _packed_address(linear: nn.Module) -> int:
+    """The address of the layer's packed weight as the AMX kernel reads it, else 0."""
+    if getattr(linear, "tp_size", 1) != 1 or linear.weight.dtype != torch.bfloat16:
+        return 0
+    return int(getattr(getattr(linear, "packed_weight", None), TILE_ADDRESS, 0))
+
+
+def _describe(layers: nn.ModuleList) -> _Stack | None:
+    """The stack's ``_Stack`` when the C call runs every layer exactly as its forward would, else None."""
+    first = layers[0]
+    try:
+        attn0, mlp0 = first.self_attn, first.mlp
+        q_heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        hidden, inter = first.input_layernorm.weight.shape[0], mlp0.down_proj.weight.shape[1]
+        eps, scale = first.input_layernorm.eps, attn0.spec.scaling
+        group = q_heads // kv_heads
+        if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
+            return None
+        if group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
+            return None
+        array = (_Layer * len(layers))()
+        packed: list[tuple[nn.Module, torch.Tensor]] = []
+        for layer, entry in zip(layers, array):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_norm is not None or attn.spec.sliding_window is not None or attn.spec.scaling != scale:
+                return None
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (q_heads, kv_heads, head_dim):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(norm.eps != eps or norm.weight.shape != (hidden,) or norm.weight.dtype != torch.bfloat16
+                   or not norm.weight.is_contiguous() for norm in norms):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
+                (hidden, inter)
+            addresses = [_packed_address(linear) for linear in linears]
+            if not all(addresses) or any(tuple(lin.weight.shape) != shape for lin, shape in zip(linears, shapes)):
+                return None
+            if inter % 32 or any(lin.bias is not None for lin in linears[1:]):
+                return None
+            bias = attn.qkv_proj.bias
+            if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+                return None
+            entry.input_norm, entry.post_norm = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+            entry.qkv, entry.o, entry.gate_up, entry.down = addresses
+            entry.qkv_bias = bias.data_ptr() if bias is not None else None
+            packed.extend((linear, linear.packed_weight) for linear in linears)
+    except AttributeError:  # not a Llama-family layer stack
+        return None
+    return _Stack(hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
+
+
+def _stack(layers: nn.ModuleList) -> _Stack | None:
+    stack = _stacks.get(layers, False)
+    if stack is False or (stack is not None and not stack.current()):
+        stack = _stacks[layers] = _describe(layers) if len(layers) else None
+    return stack
+
+
+def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+        batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
+    ``hidden [n, H]`` (which become the residual stream, as in the layer stack), with the rotary
+    ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
+    (nothing is touched then: run the layers)."""
+    n = hidden.shape[0]
+    if not enabled() or hidden.dtype != torch.bfloat16 or not 0 < n <= AMX_LINEAR_MAX_ROWS:
+        return None
+    claim = getattr(backend, "claim_decode_step", None)
+    lib = kernel_library.load()
+    if claim is None or lib is None or lib.tinyserve_amx(-1) != 1 or not batch.forward_mode.is_decode():
+        return None
+    stack = _stack(layers)
+    if stack is None or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
+        return None
+    half = rotary_dim // 2
+    if rotary_dim % 2 or rotary_dim > stack.head_dim or any(
+            t.dtype != torch.bfloat16 or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin)):
+        return None
+    loc = batch.out_cache_loc
+    pool = batch.token_to_kv_pool
+    if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
+        return None
+    if getattr(pool, "dtype", None) != torch.bfloat16 or len(getattr(pool, "k_buffer", ())) != len(layers):
+        return None
+    mirror = claim(batch, len(layers))  # from here on the step is committed to this call
+    if mirror is None:
+        return None
+    return _call(lib, stack, mirror, hidden, cos, sin, rotary_dim, loc, pool)
+
+
+def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          rotary_dim: int, loc: torch.Tensor, pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h = hidden.shape
+    q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
+    plan = mirror.plan
+    cap = mirror.k[0].shape[-1]
+    assert all(t.shape == (n, stack.kv_heads, stack.head_dim, cap) and t.dtype == torch.bfloat16 and t.is_contiguous()
+               for t in mirror.k) and all(t.shape == (n, stack.kv_heads, cap, stack.head_dim) for t in mirror.v)
+    assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
+    bf16 = dict(dtype=torch.bfloat16)
+    scratch = {"normed": torch.empty(n, h, **bf16), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **bf16),
+               "attn": torch.empty(n, q_cols, **bf16), "o": torch.empty(n, h, **bf16),
+               "mid": torch.empty(n, stack.inter, **bf16), "hidden_out": torch.empty(n, h, **bf16)}
+    prefix_len = prefix_pad = 0
+    if mirror.prefix is not None:
+        prefix_len = mirror.prefix[0].length
+        prefix_pad = mirror.prefix[0].k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK
+        scratch["prefix_out"] = torch.empty(n, q_cols, dtype=torch.float32)
+        scratch["prefix_lse"] = torch.empty(n, stack.q_heads, dtype=torch.float32)
+    layers = stack.layers
+    for i, entry in enumerate(layers):
+        k_pool, v_pool = pool.get_kv_buffer(i)
+        entry.k_pool, entry.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
+        entry.k_t, entry.v = mirror.k[i].data_ptr(), mirror.v[i].data_ptr()
+        if mirror.prefix is not None:
+            packed = mirror.prefix[i]
+            if packed.length != prefix_len or packed.k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK != prefix_pad:
+                raise ValueError("the decode mirror's packed prefixes differ between layers")
+            entry.prefix_k, entry.prefix_v = packed.k.data_ptr(), packed.v.data_ptr()
+    step = _Step(n=n, hidden=h, q_heads=stack.q_heads, kv_heads=stack.kv_heads, head_dim=stack.head_dim,
+                 inter=stack.inter, rot_dim=rotary_dim, cap=cap, width=plan.width, prefix_len=prefix_len,
+                 prefix_pad=prefix_pad, pool_slots=k_pool.shape[0], eps=stack.eps, scale=stack.scale,
+                 residual=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out_loc=loc.data_ptr(),
+                 append_pos=plan.append_pos.data_ptr(), mask=plan.mask.data_ptr(),
+                 **{name: t.data_ptr() for name, t in scratch.items()})
+    rc = lib.decode_layers_bf16(ctypes.byref(step), layers, len(layers))
+    if rc != 0:
+        raise ValueError(f"decode layer {-rc // 16}: the {_STAGES[-rc % 16]} kernel refused its operands "
+                         "(a KV slot outside the pool, or a mirror position past its capacity)")
+    return scratch["hidden_out"], hidden

@@ -1,0 +1,121 @@
+"""The bf16 decode step's decoder layers in one C call (runtime/cpu/decode_layers.py,
+csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
+bit, step after step (the decode-key mirror appended by either path, alternating), on every
+architecture the call takes, with and without a shared prefix; and the cases it must leave to
+the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off) run there untouched.
+
+The one-call path needs AMX tiles (its linears are the AMX kernel's): without them only the
+refusal is tested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from checkpoints import CHECKPOINT_NAMES, random_prompt
+from harness import Harness
+from runtime.cpu import decode_layers, kernel_library
+from runtime.forward_batch import ForwardMode
+from runtime.model_runner import ModelRunner
+
+needs_amx = pytest.mark.skipif(
+    not kernel_library.amx_available(), reason="needs a CPU with AMX tiles (amx_tile, amx_bf16): the call's linears run on them"
+)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
+    seen: list[bool] = []
+    real = decode_layers.run
+
+    def run(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layers, "run", run)
+    yield seen
+
+
+def _bf16_runner(path: Path) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="bfloat16", max_total_tokens=8192, load_progress=False)
+
+
+def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5) -> list[torch.Tensor]:
+    """Prefill ``requests`` prompts (the first ``shared_prefix`` tokens common, cached once), then
+    one decode step per entry of ``modes`` (True: the one-call path allowed); each step's logits."""
+    h = Harness(runner)
+    vocab = runner.vocab_size
+    prefix = random_prompt(shared_prefix, vocab, seed=3) if shared_prefix else []
+    prompts = [prefix + random_prompt(2 + 3 * i, vocab, seed=30 + i) for i in range(requests)]
+    first = h.add_request(prompts[0])
+    h.prefill([first])
+    others = [h.add_request(p) for p in prompts[1:]]
+    for other in others:
+        if shared_prefix:
+            h.share_prefix(first, other, shared_prefix)
+    h.prefill(others)
+    reqs = [first] + others
+    logits = []
+    for on in modes:
+        with decode_layers.use_decode_layers(on):
+            logits.append(h.step(reqs, ForwardMode.DECODE).logits.clone())
+    h.reset()
+    return logits
+
+
+@needs_amx
+@pytest.mark.parametrize("name", CHECKPOINT_NAMES)
+def test_one_call_equals_the_layers_bit_for_bit(name: str, tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _bf16_runner(tiny_checkpoints.path(name))
+    steps = 6
+    layered = _decode_logits(runner, [False] * steps)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * steps)
+    taken = name != "qwen3"  # per-head q/k RMSNorm: the layers' own path
+    # the first decode step builds the mirror (the layers' path), the rest append to it
+    assert calls == [False] * 2 + [False] + [taken] * (steps - 1), calls
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"{name}: decode step {step} differs"
+
+
+@needs_amx
+@pytest.mark.parametrize("shared_prefix", [0, 40])
+def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int, tiny_checkpoints,
+                                                              calls: list[bool]) -> None:
+    """head_dim 64: the shared prefix goes through the pair-packed prefix kernel inside the call.
+    Steps alternate between the two paths, each appending to the mirror the other one reads."""
+    runner = _bf16_runner(tiny_checkpoints.path("llama_hd64"))
+    layered = _decode_logits(runner, [False] * 7, shared_prefix)
+    calls.clear()
+    mixed = _decode_logits(runner, [True, True, False, True, False, False, True], shared_prefix)
+    assert calls[-7:] == [False, True, False, True, False, False, True], calls
+    backend = runner.attn_backend
+    if shared_prefix:
+        assert backend.mirror.prefix_slots is not None and backend.mirror.prefix_slots.numel() == shared_prefix
+    for step, (a, b) in enumerate(zip(layered, mixed)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
+def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _bf16_runner(tiny_checkpoints.path(name))
+    logits = _decode_logits(runner, [True] * 3)
+    assert not any(calls) and all(torch.isfinite(x).all() for x in logits)
+
+
+def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _bf16_runner(tiny_checkpoints.path("llama"))
+    with kernel_library.use_amx(False):
+        without_amx = _decode_logits(runner, [True] * 3)
+    assert not any(calls)
+    turned_off = _decode_logits(runner, [False] * 3)
+    assert not any(calls)
+    with kernel_library.use_amx(False):  # the same path both times: the same bits
+        assert all(torch.equal(a, b) for a, b in zip(without_amx, _decode_logits(runner, [False] * 3)))
+    assert all(torch.isfinite(x).all() for x in turned_off)
