@@ -21,7 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from runtime.client_errors import RequestError, RequestTimeout, ServerGone
-from runtime.messages import ClientReply, ControlReply, GenerateChunk
+from runtime.messages import ClientReply, ControlReply, GenerateChunk, GenerateChunks
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,10 @@ class ClientConnection:
         except Exception as exc:
             logger.error("dropping a malformed reply (%d bytes): %s", len(frame), exc)
             return
+        for one in msg.chunks if isinstance(msg, GenerateChunks) else (msg,):
+            self._deliver_one(one)
+
+    def _deliver_one(self, msg: Any) -> None:
         if isinstance(msg, (GenerateChunk, ControlReply)):
             # Every streamed token comes this way: one lookup; a reply nobody waits for
             # (its call ended, e.g. a stream left early) is dropped.

@@ -76,6 +76,13 @@ class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
     meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, latency, logprobs
 
 
+class GenerateChunks(msgspec.Struct, tag="chunks"):
+    """The chunks one scheduler step produced for several requests of one client, in one frame
+    (a 64-request stream would otherwise cost the client 64 frames and wake-ups per token)."""
+
+    chunks: list[GenerateChunk]
+
+
 class ErrorReply(msgspec.Struct, tag="error"):
     rid: str
     code: str  # e.g. "invalid_request", "unauthorized", "too_long", "aborted", "internal"
@@ -88,7 +95,7 @@ class ControlReply(msgspec.Struct, tag="control"):
     payload: dict[str, Any]
 
 
-ClientReply = Union[GenerateChunk, ErrorReply, ControlReply]
+ClientReply = Union[GenerateChunk, GenerateChunks, ErrorReply, ControlReply]
 
 # --------------------------------------------------------------------------- internal
 

@@ -25,6 +25,7 @@ from runtime.messages import (
     ErrorReply,
     FlushCacheReq,
     GenerateChunk,
+    GenerateChunks,
     GenerateReq,
     HealthReq,
     ServerInfoReq,
@@ -252,6 +253,39 @@ def test_async_client_on_uvloop(server: FakeServer) -> None:
             assert await c.server_info() == {"num_running": 0}
 
     uvloop.run(main())
+
+
+def test_a_frame_of_several_streams_chunks_feeds_each_stream() -> None:
+    """The server sends a step's chunks for several requests of one client as one GenerateChunks
+    frame: each stream gets its own chunks, in order, and ends at its own last one."""
+    held: list[GenerateReq] = []
+
+    def handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+        if not isinstance(req, GenerateReq):
+            return []
+        held.append(req)
+        if len(held) < 2:
+            return []
+        a, b = held
+        steps: list[Any] = [GenerateChunks([GenerateChunk(rid=a.rid, text=f"a{i}", output_ids=[i], finished=False),
+                                            GenerateChunk(rid=b.rid, text=f"b{i}", output_ids=[i], finished=i == 1)])
+                            for i in range(2)]
+        return steps + [GenerateChunk(rid=a.rid, text="a2", output_ids=[2], finished=True)]  # b has ended
+
+    s = FakeServer(handler)
+    try:
+        async def main() -> None:
+            async with AsyncClient(s.address) as c:
+                async def collect(prompt: str) -> list[str]:
+                    return [ch["text"] async for ch in c.generate(prompt, stream=True)]
+
+                return await asyncio.gather(collect("x"), collect("y"))
+
+        first, second = uvloop.run(main())
+        streams = {tuple(first), tuple(second)}
+        assert streams == {("a0", "a1", "a2"), ("b0", "b1")}
+    finally:
+        s.close()
 
 
 def test_close_aborts_requests_in_flight() -> None:

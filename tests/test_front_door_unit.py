@@ -17,6 +17,7 @@ from runtime.messages import (
     ControlReply,
     ErrorReply,
     GenerateChunk,
+    GenerateChunks,
     GenerateReq,
     SchedAbortReq,
     SchedControlReq,
@@ -132,9 +133,39 @@ def test_a_client_that_does_not_read_loses_its_stream() -> None:
         await m.handle_client_frames(b"c", frame(GenerateReq(rid="s", input_ids=[1], stream=True)))
         internal = sched.sent[-1].rid
         router.busy.add(b"c")
-        await m.handle_output(StrOutput(rid=internal, text_delta="x", new_output_ids=[1]))
+        await m.handle_outputs([StrOutput(rid=internal, text_delta="x", new_output_ids=[1])])
         assert sched.sent[-1] == SchedAbortReq(rid=internal)
         assert m.stats["replies_dropped"] == 1 and not m.groups and not m.client_samples
+
+    asyncio.run(main())
+
+
+def test_a_steps_stream_chunks_reach_each_client_in_one_frame() -> None:
+    """Three streams of client c, one of d and a non-stream request of c, all in one step's
+    outputs: c gets its three chunks as one GenerateChunks frame (in output order), d its one
+    chunk as a plain GenerateChunk; the non-stream request's reply waits for its end."""
+    async def main() -> None:
+        m, router, sched, _ = manager()
+        for who, rid, stream in ((b"c", "s1", True), (b"c", "s2", True), (b"d", "t", True), (b"c", "s3", True),
+                                 (b"c", "whole", False)):
+            await m.handle_client_frames(who, frame(GenerateReq(rid=rid, input_ids=[1], stream=stream)))
+        internal = [x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
+        outs = [StrOutput(rid=r, text_delta=f"<{i}>", new_output_ids=[i]) for i, r in enumerate(internal)]
+        outs[1] = StrOutput(rid=internal[1], text_delta="<1>", new_output_ids=[1], finished=True,
+                            finish_reason={"type": "length"})
+        await m.handle_outputs(outs)
+        assert [who for who, _ in router.sent] == [b"c", b"d"]
+        (_, batch), (_, single) = router.sent
+        assert isinstance(batch, GenerateChunks) and isinstance(single, GenerateChunk)
+        assert [(c.rid, c.text, c.finished) for c in batch.chunks] == [("s1", "<0>", False), ("s2", "<1>", True),
+                                                                      ("s3", "<3>", False)]
+        assert (single.rid, single.text) == ("t", "<2>")
+        assert (b"c", "s2") not in m.groups and (b"c", "whole") in m.groups  # s2 finished; the rest run on
+        router.busy.add(b"c")  # a client that stops reading loses every stream of the frame
+        await m.handle_outputs([StrOutput(rid=internal[0], text_delta="x", new_output_ids=[5]),
+                                StrOutput(rid=internal[3], text_delta="y", new_output_ids=[6])])
+        assert SchedAbortReq(rid=internal[0]) in sched.sent and SchedAbortReq(rid=internal[3]) in sched.sent
+        assert (b"c", "s1") not in m.groups and (b"c", "s3") not in m.groups and (b"d", "t") in m.groups
 
     asyncio.run(main())
 

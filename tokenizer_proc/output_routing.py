@@ -2,7 +2,8 @@
 
 Every streamed token passes through ``handle_output``: the detokenizer's text delta is found
 by its internal rid (``by_internal``), timed for the metrics, and becomes a chunk to the
-client's ZMQ identity (stream), or is gathered into the one reply of a non-stream request.
+client's ZMQ identity (stream; a step's chunks for one client go in one frame), or is gathered
+into the one reply of a non-stream request.
 A reply that cannot be delivered (the client is gone or not reading) aborts the rest of its
 request. ``OutputRouting`` is a part of ``TokenizerManager`` (tokenizer_manager.py), which
 owns the state named below and the intake of requests.
@@ -19,6 +20,7 @@ from runtime.messages import (
     BatchStrOut,
     ErrorReply,
     GenerateChunk,
+    GenerateChunks,
     SchedControlOut,
     SchedErrorOut,
     StrOutput,
@@ -36,6 +38,7 @@ class OutputRouting:
 
     groups: dict[tuple[bytes, str], ReqGroup]
     by_internal: dict[str, tuple[ReqGroup, SampleState]]
+    local: dict[bytes, Any]  # the HTTP server's reply queues
     stats: dict[str, int]
     metrics: Metrics | None
     log_requests: bool
@@ -52,8 +55,7 @@ class OutputRouting:
             msg = await from_detokenizer.recv()
             try:
                 if isinstance(msg, BatchStrOut):
-                    for out in msg.outputs:
-                        await self.handle_output(out)
+                    await self.handle_outputs(msg.outputs)
                 elif isinstance(msg, SchedErrorOut):
                     await self.handle_sched_error(msg)
                 elif isinstance(msg, SchedControlOut):
@@ -61,21 +63,40 @@ class OutputRouting:
             except Exception:
                 logger.exception("failed to route a scheduler output")
 
-    async def handle_output(self, out: StrOutput) -> None:
+    async def handle_outputs(self, outs: list[StrOutput]) -> None:
+        """One scheduler step's outputs: each client gets its stream chunks of the step in one
+        frame (``GenerateChunks`` when there are several), after every output was noted."""
+        by_client: dict[bytes, list[tuple[ReqGroup, GenerateChunk]]] = {}
+        for out in outs:
+            routed = await self.handle_output(out)
+            if routed is not None:
+                by_client.setdefault(routed[0].identity, []).append(routed)
+        for identity, replies in by_client.items():
+            if identity in self.local or len(replies) == 1:  # (the HTTP server's queues take chunks)
+                lost = [group for group, chunk in replies if not await self.reply(identity, chunk)]
+            elif await self.reply(identity, GenerateChunks([chunk for _, chunk in replies])):
+                lost = []
+            else:
+                lost = [group for group, _ in replies]
+            for group in lost:
+                self.reply_lost(group)
+
+    async def handle_output(self, out: StrOutput) -> tuple[ReqGroup, GenerateChunk] | None:
+        """Notes ``out``; a stream's chunk is returned for the caller to send (with the step's
+        other chunks for the same client), a whole non-stream reply is sent here."""
         entry = self.by_internal.get(out.rid)
         if entry is None:
-            return  # aborted or its client is gone: nobody to send to
+            return None  # aborted or its client is gone: nobody to send to
         group, sample = entry
         self.note_output(group, sample, out)
         if out.finished:
             sample.finished = True
+        routed = None
         if group.stream:
             chunk = GenerateChunk(rid=group.client_rid, text=out.text_delta, output_ids=out.new_output_ids,
                                   finished=out.finished, finish_reason=out.finish_reason,
                                   meta=self.meta(group, sample, out.meta, out.finish_reason if out.finished else None))
-            if not await self.reply(group.identity, chunk):
-                self.reply_lost(group)
-                return
+            routed = (group, chunk)
         else:
             sample.text.append(out.text_delta)
             sample.output_ids.extend(out.new_output_ids)
@@ -91,11 +112,12 @@ class OutputRouting:
                                       finished=True, finish_reason=out.finish_reason, meta=meta)
                 if not await self.reply(group.identity, chunk):
                     self.reply_lost(group)
-                    return
+                    return None
         if out.finished:
             self.by_internal.pop(out.rid, None)
             if not group.unfinished():
                 self.drop_group(group, abort_in_scheduler=False)
+        return routed
 
     def reply_lost(self, group: ReqGroup) -> None:
         """A reply of ``group`` was dropped (its client is gone or not reading): the rest is
