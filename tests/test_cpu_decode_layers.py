@@ -5,7 +5,7 @@ architecture the call takes, with and without a shared prefix; and the cases it 
 the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off) run there untouched.
 
 The one-call path needs AMX tiles (its linears are the AMX kernel's): without them only the
-refusal is tested.
+refusal is tested. The last test runs the real processes in bf16.
 """
 
 from __future__ import annotations
@@ -119,3 +119,27 @@ def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[b
     with kernel_library.use_amx(False):  # the same path both times: the same bits
         assert all(torch.equal(a, b) for a, b in zip(without_amx, _decode_logits(runner, [False] * 3)))
     assert all(torch.isfinite(x).all() for x in turned_off)
+
+
+@needs_amx
+def test_a_bf16_server_decodes_through_the_one_call_path_as_the_layers_do(tiny_checkpoints) -> None:
+    """The real processes (launch.py, bf16, the path on by default) against this process's model
+    running its layers: one request at a time (the same batch shapes on both sides), the same
+    greedy tokens."""
+    from launch import launch_server
+    from server_fixtures import CLIENT_TIMEOUT_S, base_args
+
+    path = tiny_checkpoints.path("llama")
+    runner = _bf16_runner(path)
+    prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=500 + i) for i in range(3)]
+    steps = 10
+    expected = []
+    with decode_layers.use_decode_layers(False):
+        for prompt in prompts:
+            h = Harness(runner)
+            (req,) = h.generate([prompt], steps)
+            expected.append(req.output_ids)
+    with launch_server(base_args(path, "--dtype", "bfloat16"), client_timeout=CLIENT_TIMEOUT_S) as client:
+        got = [client.generate(input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True,
+                                                             "max_new_tokens": steps})["output_ids"] for p in prompts]
+    assert got == expected
