@@ -420,6 +420,17 @@ void argmax_rows_f32(const float* x, int64_t rows, int64_t cols, int64_t stride,
         }
         nan_seen = nan_mask != 0;
         best = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__)
+        __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+        for (; j + 8 <= cols; j += 8) {
+            const __m256 v = _mm256_loadu_ps(row + j);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vmax = _mm256_max_ps(vmax, v);
+        }
+        nan_seen = _mm256_movemask_ps(vnan) != 0;
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
         for (; j < cols; ++j) {
             if (row[j] != row[j]) nan_seen = 1;
@@ -433,6 +444,14 @@ void argmax_rows_f32(const float* x, int64_t rows, int64_t cols, int64_t stride,
             const __m512 v = _mm512_loadu_ps(row + j);
             const __mmask16 hit = nan_seen ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                            : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+            if (hit) at = j + __builtin_ctz((unsigned)hit);
+        }
+#elif defined(__AVX2__)
+        const __m256 vbest = _mm256_set1_ps(best);
+        for (; at < 0 && j + 8 <= cols; j += 8) {
+            const __m256 v = _mm256_loadu_ps(row + j);
+            const int hit = _mm256_movemask_ps(nan_seen ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                        : _mm256_cmp_ps(v, vbest, _CMP_EQ_OQ));
             if (hit) at = j + __builtin_ctz((unsigned)hit);
         }
 #endif
