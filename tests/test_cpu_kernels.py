@@ -359,3 +359,29 @@ def test_causal_attention_refuses_what_it_cannot_read() -> None:
     assert attn_kernels.causal_attention(q, torch.randn(2, 5, 3, 64).bfloat16(), v, 0.1) is None  # 4 heads, 3 KV heads
     uneven = torch.randn(2, 7, 2, 64).bfloat16()[:, :5]  # requests 7 token rows apart, 5 used
     assert attn_kernels.causal_attention(q, uneven, v, 0.1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mirror_gather_writes_the_pool_rows_in_the_mirrors_layouts(dtype) -> None:
+    """Keys [0, w) of each request: pool rows into transposed K and into V, any w (not a multiple
+    of the kernel's 16-key blocks), padding slot 0 repeated; columns from w on untouched; a slot
+    outside the pool writes nothing."""
+    gen = torch.Generator().manual_seed(8)
+    slots, hkv, d, n, w, cap = 90, 2, 24, 3, 37, 48
+    k_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    v_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    loc = torch.randint(0, slots, (n * w,), generator=gen)
+    loc[w - 3: w] = 0  # a shorter request's padding
+    dense_k = torch.full((n, hkv, d, cap), 7.0, dtype=dtype)
+    dense_v = torch.full((n, hkv, cap, d), 7.0, dtype=dtype)
+    assert cpu_kernels.mirror_gather(k_buf, v_buf, loc, w, dense_k, dense_v)
+    gathered_k, gathered_v = k_buf[loc].view(n, w, hkv, d), v_buf[loc].view(n, w, hkv, d)
+    assert torch.equal(dense_k[..., :w], gathered_k.permute(0, 2, 3, 1))
+    assert torch.equal(dense_v[:, :, :w], gathered_v.transpose(1, 2))
+    assert (dense_k[..., w:] == 7).all() and (dense_v[:, :, w:] == 7).all()
+    before_k, before_v = dense_k.clone(), dense_v.clone()
+    bad = loc.clone()
+    bad[-1] = slots
+    assert not cpu_kernels.mirror_gather(k_buf, v_buf, bad, w, dense_k, dense_v)
+    assert torch.equal(dense_k, before_k) and torch.equal(dense_v, before_v)
+    assert not cpu_kernels.mirror_gather(k_buf, v_buf, loc.int(), w, dense_k, dense_v)  # int32 slots: torch's path

@@ -19,6 +19,7 @@ import torch
 
 from runtime.attention.torch_native import AttnGroup, length_mask
 from runtime.cpu import attention_kernels as attn_kernels
+from runtime.cpu import kernels as cpu_kernels
 from runtime.forward_batch import ForwardBatch
 
 # Dense decode-key copies are kept only while all layers' K and V take at most this
@@ -237,8 +238,9 @@ class DecodeKVMirror:
                 self.k[layer_id], self.v[layer_id] = dense_k, dense_v
             assert plan.own_flat is not None and plan.prefix_loc is not None
             w = plan.width
-            dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
-            dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
+            if not cpu_kernels.mirror_gather(k_buf, v_buf, plan.own_flat, w, dense_k, dense_v):
+                dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
+                dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
             if plan.prefix_len:
                 k_pre, v_pre = k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
                 self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()

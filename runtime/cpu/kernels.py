@@ -13,6 +13,8 @@ where torch's bf16 ops round:
 - ``silu_and_mul``: the gated MLP activation;
 - ``store_kv``: a forward's new K/V rows into their KV pool slots (torch's indexed
   assignment costs ~200 ns per row);
+- ``mirror_gather``: the decode mirror's rebuild, pool rows straight into its transposed K and
+  its V (torch needs a gather and a permuted copy);
 - ``rms_norm``: RMSNorm, with the residual add fused;
 - ``rotary_``: rotary embedding in place on the fused qkv output's q and k heads (torch
   needs four ops and a new tensor: ~7 ms per layer on an 8192-token prefill);
@@ -57,6 +59,7 @@ MAX_NORM_HIDDEN = 8192  # csrc: rmsnorm_bf16's row buffer
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 declare("softmax_rows_bf16", [_ptr, _i64, _i64, _f32, _i64, _i64, _i64, _ptr], _int)
 declare("store_kv_rows", [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("mirror_gather", [_ptr, _ptr, _i64, _ptr] + [_i64] * 6 + [_ptr, _ptr], _int)
 declare("silu_mul_bf16", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_bf16", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("merge_attn_bf16", [_i64] * 4 + ([_ptr] + [_i64] * 3) * 4 + [_ptr], None)
@@ -145,6 +148,28 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     assert lib is not None
     return lib.store_kv_rows(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(), v.stride(0) * v.element_size(),
                              loc.data_ptr(), n, row_bytes, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0]) == 0
+
+
+def mirror_gather(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, width: int,
+                  dense_k: torch.Tensor, dense_v: torch.Tensor) -> bool:
+    """Keys ``[0, width)`` of the decode mirror's copies (``runtime.cpu.decode_mirror``): the pool rows
+    at ``loc`` (int64 ``[n * width]``, request by request) of ``k_buf``/``v_buf`` ``[slots, Hkv, D]``
+    into ``dense_k [n, Hkv, D, cap]`` (transposed) and ``dense_v [n, Hkv, cap, D]``, any dtype of 2
+    or 4 bytes. False, writing nothing, where the kernel does not apply (then use torch's gather);
+    slots outside the pool are refused here too, so that gather raises its usual error."""
+    n, hkv, d, cap = dense_k.shape
+    tensors = (k_buf, v_buf, dense_k, dense_v)
+    if not (available() and loc.dtype == torch.int64 and loc.device.type == "cpu" and loc.is_contiguous()
+            and loc.numel() == n * width and 0 <= width <= cap and k_buf.element_size() in (2, 4)):
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == k_buf.dtype and t.is_contiguous() for t in tensors):
+        return False
+    if k_buf.shape != v_buf.shape or tuple(k_buf.shape[1:]) != (hkv, d) or tuple(dense_v.shape) != (n, hkv, cap, d):
+        return False
+    lib = _library()
+    assert lib is not None
+    return lib.mirror_gather(k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], loc.data_ptr(), n, width, hkv, d,
+                             cap, k_buf.element_size(), dense_k.data_ptr(), dense_v.data_ptr()) == 0
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
