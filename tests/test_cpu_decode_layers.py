@@ -102,6 +102,23 @@ def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int,
         assert torch.equal(a, b), f"decode step {step} differs"
 
 
+@needs_amx
+def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(tiny_checkpoints, calls: list[bool]) -> None:
+    """A weight reload drops a layer's packed copy (its address is stale) and packs again after:
+    meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
+    runner = _bf16_runner(tiny_checkpoints.path("llama"))
+    reference = _decode_logits(runner, [False] * 3)
+    runner.model.model.layers[0].self_attn.qkv_proj.packed_weight = None  # as its weight_loader does
+    calls.clear()
+    _decode_logits(runner, [True] * 3)
+    assert not any(calls), calls
+    runner.ops.prepare_model(runner.model)
+    calls.clear()
+    repacked = _decode_logits(runner, [True] * 3)
+    assert calls == [False, False, False, True, True], calls  # two prefills, the rebuild, two appends
+    assert all(torch.equal(a, b) for a, b in zip(reference, repacked))
+
+
 @pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
 def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
     runner = _bf16_runner(tiny_checkpoints.path(name))

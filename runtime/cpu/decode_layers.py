@@ -1,9 +1,9 @@
 """A bf16 decode step's decoder layers in one C call (``csrc/decode_layers.c``).
 
-Once its linears run on AMX tiles, a decode step of the bench model spends about a sixth of
-its time between kernels: each layer's ten kernel calls go through their Python wrappers
-(shape checks, ``torch.empty``, views, ctypes argument conversion) and the attention
-backend's per-layer plan, while the second OpenMP thread waits for the next parallel region.
+Once its linears run on AMX tiles, what a decode step spends between kernels weighs: each
+layer's ten kernel calls go through their Python wrappers (shape checks, ``torch.empty``,
+views, ctypes argument conversion) and the attention backend's per-layer plan, while the other
+OpenMP threads wait for the next parallel region (docs/benchmarks.md has the figures).
 ``decode_layers_bf16`` calls the same kernels in the same order for every layer from C: the
 results are the layer stack's bit for bit, the interpreter work per step is one call.
 
@@ -157,7 +157,15 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
     return _Stack(hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
 
 
+def forget(model: nn.Module) -> None:
+    """Drop what was described of ``model``'s layer stacks (its weights were just packed again)."""
+    for module in model.modules():
+        _stacks.pop(module, None)
+
+
 def _stack(layers: nn.ModuleList) -> _Stack | None:
+    """The cached description (re-made when a packed copy it read was replaced; a stack that was
+    declined stays declined until ``forget``)."""
     stack = _stacks.get(layers, False)
     if stack is False or (stack is not None and not stack.current()):
         stack = _stacks[layers] = _describe(layers) if len(layers) else None
@@ -202,8 +210,9 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
     plan = mirror.plan
     cap = mirror.k[0].shape[-1]
-    assert all(t.shape == (n, stack.kv_heads, stack.head_dim, cap) and t.dtype == torch.bfloat16 and t.is_contiguous()
-               for t in mirror.k) and all(t.shape == (n, stack.kv_heads, cap, stack.head_dim) for t in mirror.v)
+    # (every layer's copies are made alike in one rebuild: the first layer's stand for all)
+    assert mirror.k[0].shape == (n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == torch.bfloat16
+    assert mirror.v[0].shape == (n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
     bf16 = dict(dtype=torch.bfloat16)
     scratch = {"normed": torch.empty(n, h, **bf16), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **bf16),

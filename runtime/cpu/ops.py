@@ -37,6 +37,7 @@ class CpuOps(TorchOps):
 
     def prepare_model(self, model: nn.Module) -> None:
         prepack_model(model)  # every packable linear; fp32 takes the packed copy for 4..256 rows only
+        decode_layers.forget(model)  # its one-call description read the copies replaced just now
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None

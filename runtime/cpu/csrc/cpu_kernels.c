@@ -304,8 +304,8 @@ int store_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stri
  * rows at slots loc[b * w + j], j < w (rows of hkv * d elements of elem bytes, 2 or 4), go to key j
  * of kt [n, hkv, d, cap] (transposed: 16 keys' values of one dim are written together) and of
  * v [n, hkv, cap, d]; keys from w on are left as they are. Returns -1, writing nothing, when a slot
- * is outside [0, slots), w > cap or elem is neither 2 nor 4. torch's path (an index_select, then a
- * permuted copy into the transposed layout) took ~9 ms per layer for 64 requests x 512 keys. */
+ * is outside [0, slots), w > cap or elem is neither 2 nor 4. (torch needs an index_select, then a
+ * permuted copy into the transposed layout: twice the memory traffic.) */
 #define GATHER_T(T)                                                                              \
     do {                                                                                         \
         T* kb = (T*)kt + bh * d * cap;                                                           \
