@@ -12,6 +12,8 @@ slows them alike):
   ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/cpu/prepacked.py`` runs;
 - ``amx``: ``prepacked.amx_linear`` (``csrc/amx_linear.c``) on that same oneDNN-packed copy,
   what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run on a CPU with AMX;
+- ``panel``: ``prepacked.panel_linear`` (``csrc/linear_f32.c``) on the weight's panel copy, what
+  fp32 calls of ``fp32_panel_rows`` rows run (timed at every M, inside the band or not);
 - ``mkl``: ``torch.ops.mkl._mkl_linear`` on an MKL-packed weight (``cblas_sgemm_pack``,
   fp32 only). torch packs it for one M and falls back to plain ``F.linear`` for any other,
   so it is timed packed for exactly the M of the row: its best case.
@@ -28,7 +30,8 @@ its own weight) do: calls cycle through copies of the weight that together excee
 
 ``--isa avx2`` measures what an AVX2-only host gets: it re-runs this script with
 ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2``
-set before torch loads (they are read once, at library start). ``ONEDNN_VERBOSE=1`` /
+set before torch loads (they are read once, at library start), and our kernels' AVX2 build
+(``TINYSERVE_CPU_ISA=avx2``). ``ONEDNN_VERBOSE=1`` /
 ``MKL_VERBOSE=1`` show the ISA each library picked.
 
     .venv/bin/python -m bench.cpu_linear                       # fp32, this CPU's ISA, 1 thread
@@ -60,9 +63,10 @@ SHAPES: dict[str, tuple[int, int]] = {  # name -> (out, in) of the bench model's
     "lm_head": (32000, 1024),
 }
 DECODE_MAX_M = 64  # the LM head runs at most this many rows per step (sampled rows only)
-ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "TINYSERVE_CPU_ISA": "avx2"}}
 SAMPLE_SECONDS = 0.02
-VARIANTS = ("plain", "onednn", "amx", "mkl")
+VARIANTS = ("plain", "onednn", "amx", "panel", "mkl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +110,14 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         n_out, n_in = weight.shape
         if amx_linear(weight.new_zeros(m, n_in), packed, None, n_out) is not None:  # applies here
             variants["amx"] = lambda x: amx_linear(x, packed, None, n_out)
+    variants["panel"] = None
+    if weight.dtype == torch.float32:
+        from runtime.cpu.prepacked import pack_weight, panel_linear
+
+        n_out, n_in = weight.shape
+        panels = pack_weight(weight)
+        if panels is not None and panel_linear(weight.new_zeros(m, n_in), panels, None, n_out) is not None:
+            variants["panel"] = lambda x: panel_linear(x, panels, None, n_out)
     variants["mkl"] = None
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         try:

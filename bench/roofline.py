@@ -248,9 +248,9 @@ class MatmulMeter:
         matmul that found its weight in cache would overstate the rate: the calls
         rotate through enough weight copies to exceed any last-level cache.
 
-        On CPU the runtime multiplies with oneDNN-prepacked weights where they are faster
-        (runtime/cpu/prepacked.py: half precision always, fp32 at 4..256 rows); the rate is the
-        faster of the two, so the roofline stays the best this machine can do.
+        On CPU the runtime multiplies with prepacked weights where they are faster
+        (runtime/cpu/prepacked.py: half precision always, fp32 for a decode batch's rows); the rate
+        is the faster of the two, so the roofline stays the best this machine can do.
         """
         key = ("linear", m, k, n)
         if key not in self.cache:
@@ -268,10 +268,10 @@ class MatmulMeter:
         return self.cache[key]
 
     def _packed_linear_gflops(self, x: Any, ws: list[Any]) -> float | None:
-        """The same product through oneDNN-prepacked weights; None where the runtime would not pack."""
-        from runtime.cpu.prepacked import linear, pack_weight, prepack_available
+        """The same product through prepacked weights; None where the runtime would not pack."""
+        from runtime.cpu.prepacked import linear, pack_weight
 
-        if self.device.type != "cpu" or not prepack_available():
+        if self.device.type != "cpu":
             return None
         packed = [pack_weight(w) for w in ws]
         if any(p is None for p in packed):

@@ -109,9 +109,9 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
 
 def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 3 in the graph of 4: the KV pool and req_to_token end up as after eager, but for slot 0."""
-    # Padding changes the row count, and on CPU fp32 linears pick their kernel by it (a packed
-    # oneDNN copy inside runtime.cpu.prepacked.FP32_PACKED_ROWS): without the packed copies eager
-    # and the padded replay run the same GEMM, so real rows can be compared bit for bit.
+    # Padding changes the row count, and on CPU fp32 linears pick their kernel by it (the panel
+    # kernel inside runtime.cpu.prepacked.fp32_panel_rows(), F.linear outside): without the packed
+    # copies eager and the padded replay run the same GEMM, so real rows can be compared bit for bit.
     for module in runner.model.modules():
         if getattr(module, "packed_weight", None) is not None:
             monkeypatch.setattr(module, "packed_weight", None)

@@ -1,13 +1,14 @@
 """``CpuOps``: the device-ops seam on CPU.
 
-Each op goes to its C kernel (``runtime.cpu.kernels``) or prepacked oneDNN weight
+Each op goes to its C kernel (``runtime.cpu.kernels``) or prepacked weight
 (``runtime.cpu.prepacked``) under exactly the conditions the kernel states (dtype, packed
 heads, sizes within its bounds, the library built), and to the plain torch op otherwise.
 bf16 takes each of them. fp32 (what an AVX2-only host serves in, and what the equivalence
 tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and rotary,
 which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
-the byte-exact KV row copy and the argmax; its linears take the prepacked oneDNN weights
-for 4 to 256 rows, where oneDNN beats ``F.linear`` (within a few ulp of it, see ``prepacked``).
+the byte-exact KV row copy and the argmax; its linears take the fp32 panel kernel on the
+weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few ulp
+of it, see ``prepacked``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class CpuOps(TorchOps):
             logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
 
     def prepare_model(self, model: nn.Module) -> None:
-        prepack_model(model)  # every packable linear; fp32 takes the packed copy for 4..256 rows only
+        prepack_model(model)  # every packable linear; fp32 takes the packed copy for a decode batch's rows only
         decode_layers.forget(model)  # its one-call description read the copies replaced just now
 
     def linear(

@@ -1,13 +1,13 @@
-"""oneDNN-prepacked linear weights on CPU (``CpuOps.linear`` calls ``linear``).
+"""Prepacked linear weights on CPU (``CpuOps.linear`` calls ``linear``).
 
 ``F.linear`` hands its backend a plain ``[out, in]`` matrix, which is re-laid-out into a
-blocked format inside every call (oneDNN for bf16/fp16, MKL's sgemm for fp32). Reordering
-once, after the weights are loaded (``torch.ops.mkldnn._reorder_linear_weight``, what
-inductor's CPU weight freezing uses), and calling ``torch.ops.mkldnn._linear_pointwise``
-with the packed copy saves that work:
+blocked format inside every call (oneDNN for bf16/fp16, MKL's sgemm for fp32). Laying it out
+once, after the weights are loaded, saves that work:
 
-- bf16/fp16: the same oneDNN kernel either way, so the packed path gives bit-identical
-  results, faster at every size; it always runs. A bf16 call of at most
+- bf16/fp16: oneDNN's reorder (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
+  CPU weight freezing uses) and ``torch.ops.mkldnn._linear_pointwise`` on the packed copy: the
+  same oneDNN kernel either way, so the packed path gives bit-identical results, faster at every
+  size; it always runs. A bf16 call of at most
   ``AMX_LINEAR_MAX_ROWS`` rows (a decode batch) on a CPU with AMX goes instead to
   ``amx_linear_bf16`` (``csrc/amx_linear.c``), which reads the same packed copy: at those
   sizes a linear streams its weight once, and oneDNN's call left part of the memory
@@ -16,21 +16,24 @@ with the packed copy saves that work:
   oneDNN's to the last bit or differ by one bf16 rounding where the two sum in another order.
   It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``pack_weight`` checks against the
   weight's bytes when it packs (oneDNN picks the layout by shape, dtype and CPU).
-- fp32: the packed path swaps MKL's sgemm for oneDNN's own kernel. It is faster only for
-  a middle band of rows (``FP32_PACKED_ROWS``; ``bench/cpu_linear.py`` measures it, with
-  AVX-512 and capped at AVX2): MKL wins at one or two rows (a matrix-vector product) and
-  at prefill sizes, where both are compute-bound and MKL's kernel is the better one. So
-  ``linear`` takes the packed copy only for a batch inside the band. The two libraries
-  sum in different orders, so a packed fp32 result is not F.linear's bits: each output
-  differs from F.linear's by at most ~3.2 fp32 epsilons of ``sum_k |x_k * w_k|`` (measured
-  at the bench model's shapes: 2.3e-7 of it with AVX-512, 3.8e-7 capped at AVX2; about
-  1.7e-6 of the largest output), the size of the difference between two valid fp32 sums.
-  The fp32 greedy tokens still equal transformers' (tests/test_model_equivalence.py).
+- fp32: the copy is laid out in column panels (``[out / 16][in][16]``, ``panel_copy``) for
+  ``linear_f32`` (``csrc/linear_f32.c``), which a decode batch's rows take
+  (``fp32_panel_rows``): at those sizes the libraries' kernels stalled on fetching the weight
+  from memory, this one spreads the fetch over its work (``bench/cpu_linear.py``, with
+  AVX-512 and capped at AVX2). One or two rows (a matrix-vector product; one row with AVX2)
+  and prefill sizes, where MKL's blocking wins, stay on F.linear; so does a build without
+  vector kernels. The kernel sums each output in its own order (blocks of 256 products in
+  sequence, then the blocks), so its result is not F.linear's bits: each output is within a
+  few fp32 epsilons of ``sum_k |x_k * w_k|`` of F.linear's (``tests/test_cpu_prepack.py``
+  holds the bound), the size of the difference between two valid fp32 sums; and a row's
+  result does not depend on the other rows of the batch. The fp32 greedy tokens still equal
+  transformers' (tests/test_model_equivalence.py).
 
 The packed copy is owned by its layer (``packed_weight``) and lives next to the plain
 weight, which stays the source of truth: a layer's weight loader drops the packed copy,
-so a reload can never leave a stale one in use. A CPU oneDNN refuses (bf16 on an
-AVX2-only CPU) leaves the slot empty and the layer on F.linear.
+so a reload can never leave a stale one in use. A weight oneDNN refuses (bf16 on an
+AVX2-only CPU), or an fp32 weight whose rows are not a multiple of 16, leaves the slot empty
+and the layer on F.linear.
 """
 
 from __future__ import annotations
@@ -47,10 +50,14 @@ from runtime.cpu import kernel_library
 
 logger = logging.getLogger(__name__)
 
-PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Rows (tokens) per fp32 call that take the packed copy: oneDNN beats MKL's sgemm at every
-# bench-model shape here, both with AVX-512 and on an AVX2-only CPU; outside it, F.linear.
-FP32_PACKED_ROWS = range(4, 257)
+ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+# Rows (tokens) of an fp32 call that take linear_f32 on the panel copy, by the kernels' build
+# level (bench/cpu_linear.py: against MKL's sgemm and oneDNN's packed kernel at the bench model's
+# shapes). From FP32_PANEL_MAX_ROWS + 1 rows on, MKL's blocking for large products wins; below
+# the level's minimum, the libraries' matrix-vector kernels do (two rows already gain with AVX2).
+FP32_PANEL_MAX_ROWS = 128
+FP32_PANEL_MIN_ROWS = {"avx2": 2, "avx512": 4, "avx512bf16": 4}  # no entry: the kernel declines
+PANEL = 16  # columns per panel of the fp32 copy (csrc/linear_f32.c: PANEL)
 # bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
 # cache blocking wins: bench/cpu_linear.py --dtype bfloat16 --m 64 128 256).
 AMX_LINEAR_MAX_ROWS = 64  # csrc/amx_linear.c: AMX_LINEAR_MAX_ROWS
@@ -60,6 +67,7 @@ TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
 kernel_library.declare("amx_linear_silu_mul_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr], ctypes.c_int)
+kernel_library.declare("linear_f32", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], ctypes.c_int)
 
 
 def prepack_available() -> bool:
@@ -74,9 +82,14 @@ def prepack_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor | None:
-    """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made. A bf16 copy
-    in the layout ``amx_linear_bf16`` reads carries its address (``TILE_ADDRESS``)."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
+    """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made: fp32 as
+    ``panel_copy``, half precision by oneDNN. A bf16 copy in the layout ``amx_linear_bf16`` reads
+    carries its address (``TILE_ADDRESS``)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype == torch.float32:
+        return panel_copy(weight)
+    if weight.dtype not in ONEDNN_DTYPES or not prepack_available():
         return None
     try:
         with torch.no_grad():
@@ -89,18 +102,37 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torc
     return packed
 
 
+def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """fp32 ``[out, in]`` as ``[out / 16][in][16]`` (panel p: columns 16p..16p+15, one cache line
+    per depth), what ``linear_f32`` reads; None when ``out`` is not a multiple of 16."""
+    out_features, in_features = weight.shape
+    if out_features % PANEL or in_features == 0:
+        return None
+    with torch.no_grad():
+        return weight.detach().reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def fp32_panel_rows() -> range:
+    """Rows of an fp32 call that take ``linear_f32`` with the kernels' build in use (empty: none)."""
+    low = FP32_PANEL_MIN_ROWS.get(kernel_library.level() or "")
+    return range(low, FP32_PANEL_MAX_ROWS + 1) if low else range(0)
+
+
 def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` runs ``x`` through a packed copy of ``weight`` (given one)."""
     if x.dtype != weight.dtype:
         return False
     if x.dtype != torch.float32:
         return True
-    return x.numel() // max(x.shape[-1], 1) in FP32_PACKED_ROWS
+    return x.numel() // max(x.shape[-1], 1) in fp32_panel_rows()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed copy when there is one and it is faster."""
     if packed is not None and takes_packed(x, weight):
+        if x.dtype == torch.float32:
+            out = panel_linear(x, packed, bias, weight.shape[0])
+            return out if out is not None else F.linear(x, weight, bias)
         if x.dtype == torch.bfloat16:
             out = amx_linear(x, packed, bias, weight.shape[0])
             if out is not None:
@@ -130,6 +162,29 @@ def _tile_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
 def tile_layout(packed: torch.Tensor | None) -> bool:
     """Whether ``amx_linear`` can read this packed copy (see ``_tile_address``)."""
     return bool(getattr(packed, TILE_ADDRESS, 0))
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor | None:
+    """fp32 ``x [..., in]`` times the weight whose ``panel_copy`` is ``panels``, plus ``bias``,
+    through ``linear_f32``; None where the kernel declines (no vector build, or ``out`` not a
+    whole number of its column groups)."""
+    lib = kernel_library.load()
+    if lib is None or x.dtype != torch.float32 or panels.dtype != torch.float32:
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or bias.stride(-1) != 1 or bias.numel() != out_features):
+        return None
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    if rows == 0 or panels.shape != (out_features // PANEL, in_features, PANEL):
+        return None
+    x2 = x.reshape(rows, in_features)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    rc = lib.linear_f32(x2.data_ptr(), rows, x2.stride(0), panels.data_ptr(), out_features, in_features,
+                        bias.data_ptr() if bias is not None else None, out.data_ptr())
+    return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
@@ -197,10 +252,8 @@ def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def prepack_model(model: nn.Module) -> int:
     """Pack every layer with a ``packed_weight`` slot whose weight is packable; returns how many.
 
-    Call after the weights are loaded. A no-op (0) without oneDNN.
+    Call after the weights are loaded.
     """
-    if not prepack_available():
-        return 0
     count = 0
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
@@ -213,5 +266,5 @@ def prepack_model(model: nn.Module) -> int:
             module.packed_weight = packed
             count += 1
     if count:
-        logger.info("prepacked %d linear weights for oneDNN", count)
+        logger.info("prepacked %d linear weights", count)
     return count
