@@ -27,6 +27,7 @@ IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 from harness import Harness  # noqa: E402
 from triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from runtime import cuda_graph_runner as cgr  # noqa: E402
+from runtime.cpu import prepacked  # noqa: E402
 from runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from runtime.attention.triton_ops import decode_attention as decode_mod  # noqa: E402
 from runtime.forward_batch import ForwardMode  # noqa: E402
@@ -109,11 +110,14 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
 
 def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 3 in the graph of 4: the KV pool and req_to_token end up as after eager, but for slot 0."""
-    # Padding changes the row count, and on CPU fp32 linears pick their kernel by it (the panel
-    # kernel inside runtime.cpu.prepacked.fp32_panel_rows(), F.linear outside): without the packed
-    # copies eager and the padded replay run the same GEMM, so real rows can be compared bit for bit.
-    for module in runner.model.modules():
-        if getattr(module, "packed_weight", None) is not None:
+    # Padding changes the row count, and on CPU an fp32 linear's kernel (and, in MKL's sgemm, the
+    # order of its sums) depends on it. The panel kernel's rows do not depend on the batch: with
+    # every decode-sized call on it, real rows of eager and of the padded replay can be compared
+    # bit for bit (where the kernel runs: a vector build, widths it takes).
+    monkeypatch.setattr(prepacked, "FP32_PANEL_MIN_ROWS", dict.fromkeys(prepacked.FP32_PANEL_MIN_ROWS, 1))
+    panel_layers = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    if prepacked.panel_linear(torch.zeros(1, 32), prepacked.pack_weight(torch.zeros(32, 32)), None, 32) is None:
+        for module in panel_layers:  # no panel kernel here: F.linear everywhere, still one GEMM kind per call
             monkeypatch.setattr(module, "packed_weight", None)
     graphs = cgr.CudaGraphRunner(runner, SIZES, replay="eager")
     graphs.capture()
