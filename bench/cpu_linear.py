@@ -9,7 +9,8 @@ slows them alike):
 
 - ``plain``: ``F.linear(x, w)`` (fp32: MKL's sgemm; bf16/fp16: oneDNN, re-laid-out per call);
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by
-  ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/cpu/prepacked.py`` runs;
+  ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/cpu/prepacked.py`` runs in
+  half precision;
 - ``amx``: ``prepacked.amx_linear`` (``csrc/amx_linear.c``) on that same oneDNN-packed copy,
   what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run on a CPU with AMX;
 - ``panel``: ``prepacked.panel_linear`` (``csrc/linear_f32.c``) on the weight's panel copy, what
@@ -75,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 2048, 8192], help="rows (tokens) per call")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
-                   help="cap oneDNN, MKL and ATen at this ISA (re-runs the script with their env set)")
+                   help="cap oneDNN, MKL and ATen at this ISA and use our kernels' build of it "
+                        "(re-runs the script with their env set)")
     p.add_argument("--batch-hint", type=int, default=64, help="the M oneDNN's reorder is told to expect")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--stream-mib", type=float, default=256.0,

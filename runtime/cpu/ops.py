@@ -7,8 +7,8 @@ bf16 takes each of them. fp32 (what an AVX2-only host serves in, and what the eq
 tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and rotary,
 which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
 the byte-exact KV row copy and the argmax; its linears take the fp32 panel kernel on the
-weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few ulp
-of it, see ``prepacked``).
+weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few
+fp32 epsilons of ``sum |x * w|`` of it, see ``prepacked``).
 """
 
 from __future__ import annotations

@@ -20,14 +20,15 @@ once, after the weights are loaded, saves that work:
   ``linear_f32`` (``csrc/linear_f32.c``), which a decode batch's rows take
   (``fp32_panel_rows``): at those sizes the libraries' kernels stalled on fetching the weight
   from memory, this one spreads the fetch over its work (``bench/cpu_linear.py``, with
-  AVX-512 and capped at AVX2). One or two rows (a matrix-vector product; one row with AVX2)
-  and prefill sizes, where MKL's blocking wins, stay on F.linear; so does a build without
-  vector kernels. The kernel sums each output in its own order (blocks of 256 products in
-  sequence, then the blocks), so its result is not F.linear's bits: each output is within a
-  few fp32 epsilons of ``sum_k |x_k * w_k|`` of F.linear's (``tests/test_cpu_prepack.py``
-  holds the bound), the size of the difference between two valid fp32 sums; and a row's
-  result does not depend on the other rows of the batch. The fp32 greedy tokens still equal
-  transformers' (tests/test_model_equivalence.py).
+  AVX-512 and capped at AVX2). The fewest rows (a matrix-vector product: up to three with
+  AVX-512, one with AVX2) and prefill sizes, where MKL's blocking wins, stay on F.linear. The
+  copy is made only where the kernel can run (a vector build of the kernels). The kernel sums
+  each output in its own order (blocks of 256 products in sequence, then the blocks), so its
+  result is not F.linear's bits: each output is within a few fp32 epsilons of
+  ``sum_k |x_k * w_k|`` of F.linear's (``tests/test_cpu_prepack.py`` holds the bound), the size
+  of the difference between two valid fp32 sums; inside the band a row's result does not
+  depend on the other rows of the batch. The fp32 greedy tokens still equal transformers'
+  (tests/test_model_equivalence.py).
 
 The packed copy is owned by its layer (``packed_weight``) and lives next to the plain
 weight, which stays the source of truth: a layer's weight loader drops the packed copy,
@@ -113,9 +114,10 @@ def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def fp32_panel_rows() -> range:
-    """Rows of an fp32 call that take ``linear_f32`` with the kernels' build in use (empty: none)."""
+    """Rows of an fp32 call that take ``linear_f32`` with the kernels' build in use (empty: none,
+    e.g. kernels off, no compiler, a plain C build)."""
     low = FP32_PANEL_MIN_ROWS.get(kernel_library.level() or "")
-    return range(low, FP32_PANEL_MAX_ROWS + 1) if low else range(0)
+    return range(low, FP32_PANEL_MAX_ROWS + 1) if low and kernel_library.load() is not None else range(0)
 
 
 def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -167,12 +169,15 @@ def tile_layout(packed: torch.Tensor | None) -> bool:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor | None:
     """fp32 ``x [..., in]`` times the weight whose ``panel_copy`` is ``panels``, plus ``bias``,
-    through ``linear_f32``; None where the kernel declines (no vector build, or ``out`` not a
-    whole number of its column groups)."""
+    through ``linear_f32``; None where the kernel does not apply (no vector build, operands it
+    cannot read)."""
     lib = kernel_library.load()
-    if lib is None or x.dtype != torch.float32 or panels.dtype != torch.float32:
+    if lib is None or x.dtype != torch.float32 or panels.dtype != torch.float32 or not panels.is_contiguous():
         return None
-    if bias is not None and (bias.dtype != torch.float32 or bias.stride(-1) != 1 or bias.numel() != out_features):
+    if x.device.type != "cpu" or panels.device.type != "cpu":
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
+                             or not bias.is_contiguous() or bias.numel() != out_features):
         return None
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
@@ -251,15 +256,17 @@ def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def prepack_model(model: nn.Module) -> int:
     """Pack every layer with a ``packed_weight`` slot whose weight is packable; returns how many.
+    fp32 weights only where ``linear_f32`` can run (else their copy would never be read).
 
     Call after the weights are loaded.
     """
     count = 0
+    fp32_kernel = len(fp32_panel_rows()) > 0
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
         weight: Any = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor):
+        if not isinstance(weight, torch.Tensor) or (weight.dtype == torch.float32 and not fp32_kernel):
             continue
         packed = pack_weight(weight)
         if packed is not None:

@@ -3,14 +3,15 @@
  *
  * Why not oneDNN's or MKL's call for those rows: at a decode batch's row count a linear layer
  * is still bound by the FMA units, but the weight arrives from memory, once per step, and the
- * libraries' kernels stalled on it (they fetched it in bursts). This kernel keeps a block of the
- * weight in L1 while every row passes over it, and spreads the fetch of the next block across
- * the passes of the current one, one cache line every few steps (docs/benchmarks.md has the
- * figures).
+ * libraries' kernels ran well below their rate on a weight already in cache. This kernel keeps a
+ * block of the weight in cache while every row passes over it, and spreads the fetch of the next
+ * block across the passes of the current one, one cache line every few steps (a burst of
+ * prefetches at the start of a block was no better than none; docs/benchmarks.md has the figures).
  *
  * Layout: an [n, k] weight as [n / 16][k][16]: panel p holds columns 16p..16p+15, k-major, so
  * the 16 weights of one depth are one cache line. A register block is ROWS rows by one column
- * group: two vectors (AVX2: one panel, 2 x 8 lanes; AVX-512: two panels, 2 x 16 lanes).
+ * group: two vectors (AVX2: one panel, 2 x 8 lanes; AVX-512: two panels, 2 x 16 lanes, or one
+ * vector for a last panel on its own).
  *
  * Every output is a chain of FMAs over each block of KC depths in order, the blocks' sums added
  * in order (two levels: the rounding error grows with KC + k / KC terms, not k), then the bias: a
@@ -27,18 +28,19 @@
 #include "lanes_f32.h"
 
 #define PANEL 16      /* columns per panel */
-#define KC 256        /* depth per block: a column group's block (16 or 32 KiB) stays in L1 */
+#define KC 256        /* depth per block: a column group's block (16 or 32 KiB) stays in cache */
 #define ROWS 6        /* rows per register block: 12 accumulators, two weight vectors, one broadcast */
 #define K_CHUNK 16    /* depths between two rounds of prefetching */
 
 #if AV_W > 1
-#define GROUP_PANELS (2 * AV_W / PANEL)  /* panels per column group */
+#define GROUP_PANELS (2 * AV_W / PANEL)  /* panels per column group (AVX-512: the last may have one) */
 
 /* The next block of the weight that the calling thread multiplies: its lines are fetched by the
  * row blocks of the current one, each taking an equal share. */
 typedef struct {
-    const float* panel[2];  /* the block's start in each panel of its group */
+    const float* panel[2];  /* the block's start in each panel of its group (panels of them) */
     int64_t lines;          /* lines per panel (one per depth) */
+    int64_t panels;         /* 0 when nothing follows */
 } NextBlock;
 
 /* always inlined: a function that only prefetches has no effect GCC can see, so a call to it is
@@ -46,22 +48,22 @@ typedef struct {
 static inline __attribute__((always_inline)) void fetch_lines(const NextBlock* next, int64_t from, int64_t to)
 {
     for (int64_t l = from; l < to; ++l) {
-        const int64_t j = l >= next->lines;  /* GROUP_PANELS <= 2 */
+        const int64_t j = l >= next->lines;  /* at most two panels */
         _mm_prefetch((const char*)(next->panel[j] + (l - j * next->lines) * PANEL), _MM_HINT_T0);
     }
 }
 
-/* c[r][0..2 AV_W) (rows ldc apart) = (first ? 0 : c) + (sum over d < kc of a[r][d] * b at depth d),
- * for r < rows, plus the bias on the last block; meanwhile fetches lines [fetch_from, fetch_to)
- * of `next`. `rows` is a constant in each caller (row_block_n), so the loops unroll and the
- * accumulators stay in registers. */
+/* c[r][0..vecs AV_W) (rows ldc apart) = (first ? 0 : c) + (sum over d < kc of a[r][d] * b at depth
+ * d), for r < rows, plus the bias on the last block; meanwhile fetches lines [fetch_from,
+ * fetch_to) of `next`. `rows` and `vecs` (1 or 2 weight vectors per depth) are constants in each
+ * caller (row_block_n), so the loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void row_block(
-    const int rows, const float* a, int64_t lda, const float* b, int64_t b_vec_stride, int64_t kc,
+    const int rows, const int vecs, const float* a, int64_t lda, const float* b, int64_t b_vec_stride, int64_t kc,
     float* c, int64_t ldc, int first, const float* bias, const NextBlock* next, int64_t fetch_from, int64_t fetch_to)
 {
     av acc[ROWS][2];
     for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < 2; ++v)
+        for (int v = 0; v < vecs; ++v)
             acc[r][v] = av_set1(0.0f);
     /* lines per chunk, rounded up: the share is fetched within the pass (one division per pass:
      * a division per chunk cost as much as the chunk's products) */
@@ -73,65 +75,86 @@ static inline __attribute__((always_inline)) void row_block(
         fetch_lines(next, fetch_at, fetch_end);
         fetch_at = fetch_end;
         for (int64_t d = d0; d < d1; ++d) {
-            const av b0 = av_load(b + d * PANEL), b1 = av_load(b + d * PANEL + b_vec_stride);
+            const av b0 = av_load(b + d * PANEL);
+            const av b1 = vecs == 2 ? av_load(b + d * PANEL + b_vec_stride) : b0;
             for (int r = 0; r < rows; ++r) {
                 const av x = av_set1(a[r * lda + d]);
                 acc[r][0] = av_fma(x, b0, acc[r][0]);
-                acc[r][1] = av_fma(x, b1, acc[r][1]);
+                if (vecs == 2) acc[r][1] = av_fma(x, b1, acc[r][1]);
             }
         }
     }
     for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < 2; ++v) {
+        for (int v = 0; v < vecs; ++v) {
             av out = first ? acc[r][v] : av_add(av_load(c + r * ldc + v * AV_W), acc[r][v]);
             if (bias) out = av_add(out, av_load(bias + v * AV_W));
             av_store(c + r * ldc + v * AV_W, out);
         }
 }
 
-static void row_block_n(int rows, const float* a, int64_t lda, const float* b, int64_t b_vec_stride, int64_t kc,
-                        float* c, int64_t ldc, int first, const float* bias, const NextBlock* next,
+static void row_block_n(int rows, int vecs, const float* a, int64_t lda, const float* b, int64_t b_vec_stride,
+                        int64_t kc, float* c, int64_t ldc, int first, const float* bias, const NextBlock* next,
                         int64_t fetch_from, int64_t fetch_to)
 {
-    switch (rows) {  /* one unrolled copy per row count */
-#define ROW_CASE(R) case R: row_block(R, a, lda, b, b_vec_stride, kc, c, ldc, first, bias, next, fetch_from, fetch_to); break;
-        ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4) ROW_CASE(5) ROW_CASE(6)
-#undef ROW_CASE
+    /* one unrolled copy per row count and vector count */
+#define ROW_CASE(R, V) case R: row_block(R, V, a, lda, b, b_vec_stride, kc, c, ldc, first, bias, next, fetch_from, fetch_to); break;
+    if (vecs == 2) {
+        switch (rows) { ROW_CASE(1, 2) ROW_CASE(2, 2) ROW_CASE(3, 2) ROW_CASE(4, 2) ROW_CASE(5, 2) ROW_CASE(6, 2) }
+    } else {
+        switch (rows) { ROW_CASE(1, 1) ROW_CASE(2, 1) ROW_CASE(3, 1) ROW_CASE(4, 1) ROW_CASE(5, 1) ROW_CASE(6, 1) }
     }
+#undef ROW_CASE
+}
+
+/* The panels of group g (GROUP_PANELS, fewer for the last group when they do not divide evenly). */
+static inline int64_t group_panels(int64_t g, int64_t panels)
+{
+    const int64_t left = panels - g * GROUP_PANELS;
+    return left < GROUP_PANELS ? left : GROUP_PANELS;
 }
 #endif
 
 /* out[m, n] (row stride n) = x[m, k] (rows ldx apart) times the panel copy w of an [n, k] weight,
  * transposed, plus bias[n] (or NULL). Returns 0, or -1 where this build has no vector kernel or
- * n is not a whole number of column groups (16 columns, 32 with AVX-512): the caller runs
- * F.linear then. */
+ * n is not a whole number of panels: the caller runs F.linear then. */
 int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
                const float* bias, float* out)
 {
 #if AV_W > 1
-    const int64_t group_cols = PANEL * GROUP_PANELS;
-    if (m <= 0 || k <= 0 || n <= 0 || n % group_cols) return -1;
-    const int64_t groups = n / group_cols;
+    if (m <= 0 || k <= 0 || n <= 0 || n % PANEL) return -1;
+    const int64_t panels = n / PANEL;
+    const int64_t groups = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     /* vector 1 of a group at one depth: the next 8 lanes of the panel (AVX2), or the next panel */
     const int64_t b_vec_stride = GROUP_PANELS == 2 ? k * PANEL : AV_W;
     const int64_t row_blocks = (m + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const float* group = w + g * GROUP_PANELS * k * PANEL;
+        const int64_t own_panels = group_panels(g, panels);
+        const int vecs = (int)(own_panels * PANEL / AV_W);
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
             NextBlock next;  /* this group's next block, else the next group's first (the same thread's, mostly) */
-            const float* next_start = k0 + kc < k ? group + (k0 + kc) * PANEL : group + GROUP_PANELS * k * PANEL;
-            next.lines = k0 + kc < k ? (k - k0 - kc < KC ? k - k0 - kc : KC) : (k < KC ? k : KC);
-            next.panel[0] = next_start;
-            next.panel[1] = next_start + k * PANEL;
-            if (g + 1 == groups && k0 + kc >= k) next.lines = 0;  /* nothing follows the last block */
-            const int64_t total_lines = next.lines * GROUP_PANELS;
+            if (k0 + kc < k) {
+                next.panel[0] = group + (k0 + kc) * PANEL;
+                next.panels = own_panels;
+                next.lines = k - k0 - kc < KC ? k - k0 - kc : KC;
+            } else if (g + 1 < groups) {
+                next.panel[0] = group + GROUP_PANELS * k * PANEL;
+                next.panels = group_panels(g + 1, panels);
+                next.lines = k < KC ? k : KC;
+            } else {  /* nothing follows the last block */
+                next.panel[0] = group;
+                next.panels = next.lines = 0;
+            }
+            next.panel[1] = next.panels == 2 ? next.panel[0] + k * PANEL : next.panel[0];
+            const int64_t total_lines = next.lines * next.panels;
             for (int64_t rb = 0; rb < row_blocks; ++rb) {
                 const int64_t r0 = rb * ROWS;
                 const int rows = (int)(m - r0 < ROWS ? m - r0 : ROWS);
-                row_block_n(rows, x + r0 * ldx + k0, ldx, group + k0 * PANEL, b_vec_stride, kc,
-                            out + r0 * n + g * group_cols, n, k0 == 0, k0 + kc >= k && bias ? bias + g * group_cols : NULL,
+                const int64_t col = g * GROUP_PANELS * PANEL;
+                row_block_n(rows, vecs, x + r0 * ldx + k0, ldx, group + k0 * PANEL, b_vec_stride, kc,
+                            out + r0 * n + col, n, k0 == 0, k0 + kc >= k && bias ? bias + col : NULL,
                             &next, total_lines * rb / row_blocks, total_lines * (rb + 1) / row_blocks);
             }
         }
