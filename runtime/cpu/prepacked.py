@@ -15,7 +15,10 @@ once, after the weights are loaded, saves that work:
   Its fp32 sums run in the same tile instruction over the same blocks, so results match
   oneDNN's to the last bit or differ by one bf16 rounding where the two sum in another order.
   It needs the copy in oneDNN's ``AB16b32a2b`` layout, which ``pack_weight`` checks against the
-  weight's bytes when it packs (oneDNN picks the layout by shape, dtype and CPU).
+  weight's bytes when it packs (oneDNN picks the layout by shape, dtype and CPU). On a CPU with
+  AVX512-BF16 but no AMX oneDNN packs ``[out / 64][in / 2][64][2]`` instead, and such a call goes
+  to ``dp_linear_bf16`` (``csrc/dp_linear.c``, the same design on the CPU's bf16 dot products):
+  oneDNN's own call left the dot-product units partly idle while the weight streamed in.
 - fp32: the copy is laid out in column panels (``[out / 16][in][16]``, ``panel_copy``) for
   ``linear_f32`` (``csrc/linear_f32.c``), which a decode batch's rows take
   (``fp32_panel_rows``): at those sizes the libraries' kernels stalled on fetching the weight
@@ -64,11 +67,14 @@ PANEL = 16  # columns per panel of the fp32 copy (csrc/linear_f32.c: PANEL)
 AMX_LINEAR_MAX_ROWS = 64  # csrc/amx_linear.c: AMX_LINEAR_MAX_ROWS
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
 TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0
+DP_ADDRESS = "dp_address"  # attribute of a bf16 packed copy: its address if dp_linear reads it, else 0
+DP_COLUMNS = 64  # csrc/dp_linear.c: DP_COLS, columns per block of the layout it reads
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
 kernel_library.declare("amx_linear_silu_mul_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr], ctypes.c_int)
 kernel_library.declare("linear_f32", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], ctypes.c_int)
+kernel_library.declare("dp_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
 
 
 def prepack_available() -> bool:
@@ -100,6 +106,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torc
         return None
     if weight.dtype == torch.bfloat16:
         setattr(packed, TILE_ADDRESS, _tile_address(weight, packed))
+        setattr(packed, DP_ADDRESS, _dp_address(weight, packed) if not getattr(packed, TILE_ADDRESS) else 0)
     return packed
 
 
@@ -137,6 +144,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
             return out if out is not None else F.linear(x, weight, bias)
         if x.dtype == torch.bfloat16:
             out = amx_linear(x, packed, bias, weight.shape[0])
+            if out is None:
+                out = dp_linear(x, packed, bias, weight.shape[0])
             if out is not None:
                 return out
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -159,6 +168,28 @@ def _tile_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
     raw = torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
     blocks = weight.detach().view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2)
     return address if torch.equal(raw.view(-1, in_features // 32, 16, 32, 2), blocks.permute(0, 2, 3, 1, 4)) else 0
+
+
+def _dp_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
+    """The address of ``packed`` when it holds bf16 ``weight`` as ``[out / 64][in / 2][64][2]``
+    (oneDNN's packing for its AVX512-BF16 kernel), the layout ``dp_linear_bf16`` reads; else 0."""
+    try:
+        if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != weight.numel() * 2:
+            return 0
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (AttributeError, RuntimeError):
+        return 0
+    raw = torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
+    return address if dp_layout_of(weight, raw) else 0
+
+
+def dp_layout_of(weight: torch.Tensor, raw: torch.Tensor) -> bool:
+    """Whether the int16 buffer ``raw`` holds bf16 ``[out, in]`` ``weight`` as ``dp_linear_bf16`` reads it."""
+    out_features, in_features = weight.shape
+    if out_features % DP_COLUMNS or in_features % 2 or raw.numel() != weight.numel():
+        return False
+    pairs = weight.detach().view(torch.int16).view(out_features // DP_COLUMNS, DP_COLUMNS, in_features // 2, 2)
+    return torch.equal(raw.view(out_features // DP_COLUMNS, in_features // 2, DP_COLUMNS, 2), pairs.transpose(1, 2))
 
 
 def tile_layout(packed: torch.Tensor | None) -> bool:
@@ -197,6 +228,8 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | N
     where it runs (the bf16-rounded sums, widened), saving the bf16 result's copy."""
     if packed is not None and takes_packed(x, weight):
         out = amx_linear(x, packed, None, weight.shape[0], float_out=True)
+        if out is None:
+            out = dp_linear(x, packed, None, weight.shape[0], float_out=True)
         if out is not None:
             return out
     return linear(x, weight, None, packed).float()
@@ -234,6 +267,31 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32 if float_out else torch.bfloat16)
     rc = lib.amx_linear_bf16(x2.data_ptr(), x2.shape[0], x2.stride(0), address, out_features, x2.shape[1],
                              bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
+    return out.view(*x.shape[:-1], out_features) if rc == 0 else None
+
+
+def dp_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+              float_out: bool = False) -> torch.Tensor | None:
+    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``dp_linear_bf16``, or None
+    where it does not apply (not that layout, more than ``AMX_LINEAR_MAX_ROWS`` rows, no
+    AVX512-BF16 build). ``float_out`` as for ``amx_linear``."""
+    address = getattr(packed, DP_ADDRESS, 0)
+    if not address or x.dtype != torch.bfloat16:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()
+                             or bias.numel() != out_features):
+        return None
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    lib = kernel_library.load()
+    if lib is None or not 0 < rows <= AMX_LINEAR_MAX_ROWS:
+        return None
+    x2 = x.reshape(rows, in_features)
+    if x2.stride(1) != 1:
+        return None
+    out = torch.empty(rows, out_features, dtype=torch.float32 if float_out else torch.bfloat16)
+    rc = lib.dp_linear_bf16(x2.data_ptr(), rows, x2.stride(0), address, out_features, in_features,
+                            bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
