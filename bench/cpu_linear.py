@@ -13,6 +13,9 @@ slows them alike):
   half precision;
 - ``amx``: ``prepacked.amx_linear`` (``csrc/amx_linear.c``) on that same oneDNN-packed copy,
   what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run on a CPU with AMX;
+- ``dp``: ``prepacked.dp_linear`` (``csrc/dp_linear.c``) on the oneDNN-packed copy where oneDNN
+  packed it for AVX512-BF16 without AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` on an AMX host),
+  what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run there;
 - ``panel``: ``prepacked.panel_linear`` (``csrc/linear_f32.c``) on the weight's panel copy, what
   fp32 calls of ``fp32_panel_rows`` rows run (timed at every M, inside the band or not);
 - ``mkl``: ``torch.ops.mkl._mkl_linear`` on an MKL-packed weight (``cblas_sgemm_pack``,
@@ -67,7 +70,7 @@ DECODE_MAX_M = 64  # the LM head runs at most this many rows per step (sampled r
 ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
                     "TINYSERVE_CPU_ISA": "avx2"}}
 SAMPLE_SECONDS = 0.02
-VARIANTS = ("plain", "onednn", "amx", "panel", "mkl")
+VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,13 +108,15 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         variants["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (RuntimeError, AttributeError):
         variants["onednn"] = None  # no oneDNN, or it has no kernel for this dtype on this CPU
-    variants["amx"] = None
+    variants["amx"] = variants["dp"] = None
     if variants["onednn"] is not None and weight.dtype == torch.bfloat16:
-        from runtime.cpu.prepacked import amx_linear
+        from runtime.cpu.prepacked import amx_linear, dp_linear, pack_weight
 
         n_out, n_in = weight.shape
-        if amx_linear(weight.new_zeros(m, n_in), packed, None, n_out) is not None:  # applies here
-            variants["amx"] = lambda x: amx_linear(x, packed, None, n_out)
+        tagged = pack_weight(weight, batch_hint)  # the same copy, with the layout checks the runtime makes
+        for name, kernel in (("amx", amx_linear), ("dp", dp_linear)):
+            if tagged is not None and kernel(weight.new_zeros(m, n_in), tagged, None, n_out) is not None:  # applies
+                variants[name] = lambda x, kernel=kernel: kernel(x, tagged, None, n_out)
     variants["panel"] = None
     if weight.dtype == torch.float32:
         from runtime.cpu.prepacked import pack_weight, panel_linear
