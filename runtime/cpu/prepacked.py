@@ -90,8 +90,9 @@ def prepack_available() -> bool:
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor | None:
     """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made: fp32 as
-    ``panel_copy``, half precision by oneDNN. A bf16 copy in the layout ``amx_linear_bf16`` reads
-    carries its address (``TILE_ADDRESS``)."""
+    ``panel_copy``, half precision by oneDNN. A bf16 copy carries its address as ``TILE_ADDRESS``
+    when it is in the layout ``amx_linear_bf16`` reads, as ``DP_ADDRESS`` when in the one
+    ``dp_linear_bf16`` reads (0 otherwise)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.dtype == torch.float32:
