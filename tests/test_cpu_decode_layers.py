@@ -19,12 +19,22 @@ import torch
 from checkpoints import CHECKPOINT_NAMES, random_prompt
 from harness import Harness
 from runtime.cpu import decode_layers, kernel_library
+from runtime.cpu.prepacked import pack_weight, tile_layout
 from runtime.forward_batch import ForwardMode
 from runtime.model_runner import ModelRunner
 
-needs_amx = pytest.mark.skipif(  # (TINYSERVE_CPU_ISA may select a build without them on such a CPU)
-    not kernel_library.amx_available() or kernel_library.level() != "avx512bf16",
-    reason="needs a CPU with AMX tiles (amx_tile, amx_bf16) and the kernels' avx512bf16 build: the call's linears run on them",
+def _amx_linears() -> bool:
+    """AMX tiles, the kernels' avx512bf16 build (TINYSERVE_CPU_ISA may select another on such a CPU)
+    and oneDNN packing bf16 weights for AMX (ONEDNN_MAX_CPU_ISA may keep it off)."""
+    if not kernel_library.amx_available() or kernel_library.level() != "avx512bf16":
+        return False
+    distinct = (torch.arange(64 * 64) % 251).view(64, 64).to(torch.bfloat16)  # (a constant weight fits any layout)
+    return tile_layout(pack_weight(distinct))
+
+
+needs_amx = pytest.mark.skipif(
+    not _amx_linears(),
+    reason="needs a CPU with AMX tiles (amx_tile, amx_bf16) for oneDNN's and our kernels: the call's linears run on them",
 )
 
 

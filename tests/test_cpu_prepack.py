@@ -23,9 +23,11 @@ from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import amx_available
 from runtime.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
+    DP_ADDRESS,
     FP32_PANEL_MAX_ROWS,
     amx_linear,
     amx_linear_silu_mul,
+    dp_linear,
     float_linear,
     fp32_panel_rows,
     linear,
@@ -228,7 +230,8 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
     """Up to AMX_LINEAR_MAX_ROWS bf16 rows: csrc/amx_linear.c on the oneDNN-packed copy, within one
     bf16 rounding of the fp32 product and of oneDNN's own result, for row counts around the
     kernel's 16- and 32-row blocks, strided rows and a 3-d input; beyond the band, without AMX or
-    on a build without it, oneDNN's call itself."""
+    on a build without it, the AVX512-BF16 kernel where oneDNN packed for it
+    (tests/test_cpu_dp_linear.py), else oneDNN's call itself."""
     if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
         pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
     gen = torch.Generator().manual_seed(out_features + in_features)
@@ -236,14 +239,16 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     packed = pack_weight(weight)
     assert packed is not None
-    if amx_available():
-        assert tile_layout(packed)  # oneDNN packs for its AMX kernel there
+    if "avx512bf16" in kernel_library.host_levels() and out_features % 64 == 0:
+        assert tile_layout(packed) or getattr(packed, DP_ADDRESS)  # oneDNN packed for AMX or AVX512-BF16: ours read both
+    amx = amx and tile_layout(packed)  # (with oneDNN kept off AMX, as on a CPU without it, it packs the other)
     wide = torch.randn(AMX_LINEAR_MAX_ROWS + 1, in_features + 64, generator=gen).bfloat16()
     for rows in (1, 15, 16, 17, 32, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = wide[:rows, 32 : 32 + in_features]  # rows in_features + 64 apart
         onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         got = amx_linear(x, packed, bias, out_features)
-        assert torch.equal(linear(x, weight, bias, packed), onednn if got is None else got)
+        dp = dp_linear(x, packed, bias, out_features)
+        assert torch.equal(linear(x, weight, bias, packed), got if got is not None else onednn if dp is None else dp)
         if bias is None:  # the LM head's call: those values widened to fp32 (by the kernel, where it runs)
             assert torch.equal(float_linear(x, weight, packed), linear(x, weight, None, packed).float())
         if not amx or rows > AMX_LINEAR_MAX_ROWS:
@@ -290,6 +295,7 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     inter, hidden = 96, 256
     weight = (torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5 * 4).bfloat16()
     packed = pack_weight(weight)
+    amx = amx and tile_layout(packed)  # oneDNN kept off AMX (as on a CPU without it) packs another layout
     ops = CpuOps()
     for rows in (1, 15, 16, 17, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, hidden, generator=gen).bfloat16()
