@@ -153,20 +153,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
+def _packed_bytes(weight: torch.Tensor, packed: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """``(address, int16 view of its bytes)`` of oneDNN's copy ``packed`` of bf16 ``weight`` when it
+    holds as many bytes as the weight (no padding), else None. (torch.ops.mkldnn.data_ptr /
+    _nbytes: what inductor's CPU codegen reads packed weights with.)"""
+    try:
+        if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != weight.numel() * 2:
+            return None
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (AttributeError, RuntimeError):
+        return None
+    return address, torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
+
+
 def _tile_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
     """The address of ``packed`` when it holds bf16 ``weight`` as oneDNN's ``AB16b32a2b``
     (``[out / 32][in / 32][16][32][2]``, nothing else in the buffer), the layout ``amx_linear_bf16``
     reads; else 0. oneDNN picks the layout by shape, dtype and CPU: the bytes are compared."""
     out_features, in_features = weight.shape
-    if out_features % 32 or in_features % 32:
+    found = _packed_bytes(weight, packed) if out_features % 32 == 0 and in_features % 32 == 0 else None
+    if found is None:
         return 0
-    try:  # (torch.ops.mkldnn.data_ptr / _nbytes: what inductor's CPU codegen reads packed weights with)
-        if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != weight.numel() * 2:
-            return 0
-        address = int(torch.ops.mkldnn.data_ptr(packed))
-    except (AttributeError, RuntimeError):
-        return 0
-    raw = torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
+    address, raw = found
     blocks = weight.detach().view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2)
     return address if torch.equal(raw.view(-1, in_features // 32, 16, 32, 2), blocks.permute(0, 2, 3, 1, 4)) else 0
 
@@ -174,14 +182,8 @@ def _tile_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
 def _dp_address(weight: torch.Tensor, packed: torch.Tensor) -> int:
     """The address of ``packed`` when it holds bf16 ``weight`` as ``[out / 64][in / 2][64][2]``
     (oneDNN's packing for its AVX512-BF16 kernel), the layout ``dp_linear_bf16`` reads; else 0."""
-    try:
-        if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != weight.numel() * 2:
-            return 0
-        address = int(torch.ops.mkldnn.data_ptr(packed))
-    except (AttributeError, RuntimeError):
-        return 0
-    raw = torch.frombuffer((ctypes.c_int16 * weight.numel()).from_address(address), dtype=torch.int16)
-    return address if dp_layout_of(weight, raw) else 0
+    found = _packed_bytes(weight, packed)
+    return found[0] if found is not None and dp_layout_of(weight, found[1]) else 0
 
 
 def dp_layout_of(weight: torch.Tensor, raw: torch.Tensor) -> bool:
