@@ -143,12 +143,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         if x.dtype == torch.float32:
             out = panel_linear(x, packed, bias, weight.shape[0])
             return out if out is not None else F.linear(x, weight, bias)
-        if x.dtype == torch.bfloat16:
-            out = amx_linear(x, packed, bias, weight.shape[0])
-            if out is None:
-                out = dp_linear(x, packed, bias, weight.shape[0])
-            if out is not None:
-                return out
+        out = _bf16_kernel_linear(x, packed, bias, weight.shape[0]) if x.dtype == torch.bfloat16 else None
+        if out is not None:
+            return out
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -227,22 +224,21 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """``linear(x, weight, None, packed).float()``: the AMX kernel writes those fp32 values itself
-    where it runs (the bf16-rounded sums, widened), saving the bf16 result's copy."""
-    if packed is not None and takes_packed(x, weight):
-        out = amx_linear(x, packed, None, weight.shape[0], float_out=True)
-        if out is None:
-            out = dp_linear(x, packed, None, weight.shape[0], float_out=True)
+    """``linear(x, weight, None, packed).float()``: the bf16 kernels write those fp32 values
+    themselves where they run (the bf16-rounded sums, widened), saving the bf16 result's copy."""
+    if packed is not None and takes_packed(x, weight) and x.dtype == torch.bfloat16:
+        out = _bf16_kernel_linear(x, packed, None, weight.shape[0], float_out=True)
         if out is not None:
             return out
     return linear(x, weight, None, packed).float()
 
 
-def _amx_operand(x: torch.Tensor, packed: torch.Tensor | None) -> tuple[Any, torch.Tensor, int] | None:
-    """``(library, x as [rows, in] with unit column stride, packed copy's address)`` when the AMX
-    kernels take bf16 ``x`` against ``packed`` (at most ``AMX_LINEAR_MAX_ROWS`` rows, AMX built,
-    the tile layout), else None."""
-    address = getattr(packed, TILE_ADDRESS, 0)
+def _kernel_operand(x: torch.Tensor, packed: torch.Tensor | None, tag: str) -> tuple[Any, torch.Tensor, int] | None:
+    """``(library, x as [rows, in] with unit column stride, packed copy's address)`` when a bf16
+    kernel takes bf16 ``x`` against ``packed``: at most ``AMX_LINEAR_MAX_ROWS`` rows, the library
+    built, and ``packed`` in the kernel's layout (its address under ``tag``: ``TILE_ADDRESS`` for
+    the AMX kernels, ``DP_ADDRESS`` for the AVX512-BF16 one); else None."""
+    address = getattr(packed, tag, 0)
     if not address or x.dtype != torch.bfloat16:
         return None
     in_features = x.shape[-1]
@@ -256,46 +252,42 @@ def _amx_operand(x: torch.Tensor, packed: torch.Tensor | None) -> tuple[Any, tor
     return (lib, x2, address) if x2.stride(1) == 1 else None
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False) -> torch.Tensor | None:
-    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
-    where it does not apply (see ``_amx_operand``).
-    ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1 or bias.numel() != out_features):
+def _packed_kernel_linear(kernel: str, tag: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                          out_features: int, float_out: bool) -> torch.Tensor | None:
+    """bf16 ``x`` times ``packed`` (plus ``bias``) through the C ``kernel`` (``amx_linear_bf16`` or
+    ``dp_linear_bf16``: one signature), or None where it does not apply (``_kernel_operand``)."""
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()
+                             or bias.numel() != out_features):
         return None
-    operand = _amx_operand(x, packed)
+    operand = _kernel_operand(x, packed, tag)
     if operand is None:
         return None
     lib, x2, address = operand
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32 if float_out else torch.bfloat16)
-    rc = lib.amx_linear_bf16(x2.data_ptr(), x2.shape[0], x2.stride(0), address, out_features, x2.shape[1],
-                             bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
+    rc = getattr(lib, kernel)(x2.data_ptr(), x2.shape[0], x2.stride(0), address, out_features, x2.shape[1],
+                              bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               float_out: bool = False) -> torch.Tensor | None:
+    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
+    where it does not apply (AMX off, or see ``_kernel_operand``).
+    ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
+    return _packed_kernel_linear("amx_linear_bf16", TILE_ADDRESS, x, packed, bias, out_features, float_out)
 
 
 def dp_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               float_out: bool = False) -> torch.Tensor | None:
-    """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``dp_linear_bf16``, or None
-    where it does not apply (not that layout, more than ``AMX_LINEAR_MAX_ROWS`` rows, no
-    AVX512-BF16 build). ``float_out`` as for ``amx_linear``."""
-    address = getattr(packed, DP_ADDRESS, 0)
-    if not address or x.dtype != torch.bfloat16:
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()
-                             or bias.numel() != out_features):
-        return None
-    in_features = x.shape[-1]
-    rows = x.numel() // max(in_features, 1)
-    lib = kernel_library.load()
-    if lib is None or not 0 < rows <= AMX_LINEAR_MAX_ROWS:
-        return None
-    x2 = x.reshape(rows, in_features)
-    if x2.stride(1) != 1:
-        return None
-    out = torch.empty(rows, out_features, dtype=torch.float32 if float_out else torch.bfloat16)
-    rc = lib.dp_linear_bf16(x2.data_ptr(), rows, x2.stride(0), address, out_features, in_features,
-                            bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
-    return out.view(*x.shape[:-1], out_features) if rc == 0 else None
+    """The same through ``dp_linear_bf16`` where oneDNN packed for AVX512-BF16 without AMX."""
+    return _packed_kernel_linear("dp_linear_bf16", DP_ADDRESS, x, packed, bias, out_features, float_out)
+
+
+def _bf16_kernel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                        float_out: bool = False) -> torch.Tensor | None:
+    """The AMX kernel, else the AVX512-BF16 one (a copy is in at most one of their layouts), else None."""
+    out = amx_linear(x, packed, bias, out_features, float_out)
+    return out if out is not None else dp_linear(x, packed, bias, out_features, float_out)
 
 
 def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -303,8 +295,8 @@ def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
     rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
     followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
-    where it does not apply (a bias, or see ``_amx_operand``; then run the two)."""
-    operand = _amx_operand(x, packed) if bias is None and weight.shape[0] % 64 == 0 else None
+    where it does not apply (a bias, or see ``_kernel_operand``; then run the two)."""
+    operand = _kernel_operand(x, packed, TILE_ADDRESS) if bias is None and weight.shape[0] % 64 == 0 else None
     if operand is None:
         return None
     lib, x2, address = operand

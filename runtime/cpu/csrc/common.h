@@ -50,6 +50,22 @@ static inline float fast_exp(float x) {
     return x < EXP_ZERO_BELOW ? 0.0f : p * scale;
 }
 
+/* A row pass's share [from, to) of the next weight block's lines (linear_f32.c, dp_linear.c),
+ * fetched a few per chunk of the pass: lines per chunk rounded up, so the share is fetched within
+ * the pass (one division per pass: a division per chunk cost as much as the chunk's products).
+ * fetch_share_next moves `at` to the end of the lines due by the next chunk and returns where they
+ * start. */
+typedef struct { int64_t at, to, per_chunk; } FetchShare;
+static inline FetchShare fetch_share(int64_t from, int64_t to, int64_t chunk, int64_t depth) {
+    FetchShare share = {from, to, ((to - from) * chunk + depth - 1) / depth};
+    return share;
+}
+static inline int64_t fetch_share_next(FetchShare* share) {
+    const int64_t start = share->at;
+    share->at = start + share->per_chunk < share->to ? start + share->per_chunk : share->to;
+    return start;
+}
+
 /* max of x[0..n) (-inf for n == 0). */
 static inline float row_max(const float* x, int64_t n) {
     float mx = -INFINITY;

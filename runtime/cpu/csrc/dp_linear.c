@@ -40,13 +40,11 @@ static inline __attribute__((always_inline)) void dp_row_block(
     __m512 acc[ROWS][4];
     for (int r = 0; r < rows; ++r)
         for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-    const int64_t per_chunk = ((fetch_to - fetch_from) * K_CHUNK + kp - 1) / kp;
-    int64_t fetch_at = fetch_from;
+    FetchShare share = fetch_share(fetch_from, fetch_to, K_CHUNK, kp);
     for (int64_t p0 = 0; p0 < kp; p0 += K_CHUNK) {
         const int64_t p1 = p0 + K_CHUNK < kp ? p0 + K_CHUNK : kp;
-        const int64_t fetch_end = fetch_at + per_chunk < fetch_to ? fetch_at + per_chunk : fetch_to;
-        dp_fetch(next, fetch_at, fetch_end);
-        fetch_at = fetch_end;
+        const int64_t fetch_start = fetch_share_next(&share);
+        dp_fetch(next, fetch_start, share.at);
         for (int64_t p = p0; p < p1; ++p) {
             const uint16_t* wp = b + p * DP_COLS * 2;
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);

@@ -65,15 +65,11 @@ static inline __attribute__((always_inline)) void row_block(
     for (int r = 0; r < rows; ++r)
         for (int v = 0; v < vecs; ++v)
             acc[r][v] = av_set1(0.0f);
-    /* lines per chunk, rounded up: the share is fetched within the pass (one division per pass:
-     * a division per chunk cost as much as the chunk's products) */
-    const int64_t per_chunk = ((fetch_to - fetch_from) * K_CHUNK + kc - 1) / kc;
-    int64_t fetch_at = fetch_from;
+    FetchShare share = fetch_share(fetch_from, fetch_to, K_CHUNK, kc);
     for (int64_t d0 = 0; d0 < kc; d0 += K_CHUNK) {
         const int64_t d1 = d0 + K_CHUNK < kc ? d0 + K_CHUNK : kc;
-        const int64_t fetch_end = fetch_at + per_chunk < fetch_to ? fetch_at + per_chunk : fetch_to;
-        fetch_lines(next, fetch_at, fetch_end);
-        fetch_at = fetch_end;
+        const int64_t fetch_start = fetch_share_next(&share);
+        fetch_lines(next, fetch_start, share.at);
         for (int64_t d = d0; d < d1; ++d) {
             const av b0 = av_load(b + d * PANEL);
             const av b1 = vecs == 2 ? av_load(b + d * PANEL + b_vec_stride) : b0;
