@@ -1,11 +1,13 @@
-"""The bf16 decode step's decoder layers in one C call (runtime/cpu/decode_layers.py,
+"""A decode step's decoder layers in one C call (runtime/cpu/decode_layers.py,
 csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
 bit, step after step (the decode-key mirror appended by either path, alternating), on every
-architecture the call takes, with and without a shared prefix; and the cases it must leave to
-the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off) run there untouched.
+architecture the call takes, with and without a shared prefix, in bf16 and in fp32; and the cases
+it must leave to the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off in
+bf16, a row count the fp32 panel kernel does not take) run there untouched.
 
-The one-call path needs AMX tiles (its linears are the AMX kernel's): without them only the
-refusal is tested. The last test runs the real processes in bf16.
+bf16 needs AMX tiles (its linears are the AMX kernel's): without them only the refusal is tested.
+fp32 needs a vector build of the kernels (AVX2 or AVX-512: the panel kernel and the fp32
+attention kernels). The last tests run the real processes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import Iterator
 import pytest
 import torch
 
-from checkpoints import CHECKPOINT_NAMES, random_prompt
+from checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
 from harness import Harness
-from runtime.cpu import decode_layers, kernel_library
-from runtime.cpu.prepacked import pack_weight, tile_layout
+from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library
+from runtime.cpu.prepacked import fp32_panel_rows, pack_weight, tile_layout
 from runtime.forward_batch import ForwardMode
 from runtime.model_runner import ModelRunner
 
@@ -38,6 +40,14 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+needs_fp32_kernels = pytest.mark.skipif(
+    not (fp32_panel_rows() and attention_kernels_f32.applies()),
+    reason="needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it (TINYSERVE_CPU_ISA may "
+           "select plain C): the fp32 call's linears and attention are its kernels",
+)
+DTYPES = [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_fp32_kernels)]
+
+
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
@@ -53,8 +63,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     yield seen
 
 
-def _bf16_runner(path: Path) -> ModelRunner:
-    return ModelRunner(path, device="cpu", dtype="bfloat16", max_total_tokens=8192, load_progress=False)
+def _runner(path: Path, dtype: str = "bfloat16") -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype=dtype, max_total_tokens=8192, load_progress=False)
 
 
 def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5) -> list[torch.Tensor]:
@@ -80,10 +90,10 @@ def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 
     return logits
 
 
-@needs_amx
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", CHECKPOINT_NAMES)
-def test_one_call_equals_the_layers_bit_for_bit(name: str, tiny_checkpoints, calls: list[bool]) -> None:
-    runner = _bf16_runner(tiny_checkpoints.path(name))
+def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _runner(tiny_checkpoints.path(name), dtype)
     steps = 6
     layered = _decode_logits(runner, [False] * steps)
     calls.clear()
@@ -95,13 +105,14 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, tiny_checkpoints, cal
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
 
 
-@needs_amx
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared_prefix", [0, 40])
-def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int, tiny_checkpoints,
+def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int, dtype: str, tiny_checkpoints,
                                                               calls: list[bool]) -> None:
-    """head_dim 64: the shared prefix goes through the pair-packed prefix kernel inside the call.
-    Steps alternate between the two paths, each appending to the mirror the other one reads."""
-    runner = _bf16_runner(tiny_checkpoints.path("llama_hd64"))
+    """head_dim 64: the shared prefix goes through the packed prefix kernel inside the call (bf16:
+    the pair-packed one). Steps alternate between the two paths, each appending to the mirror the
+    other one reads."""
+    runner = _runner(tiny_checkpoints.path("llama_hd64"), dtype)
     layered = _decode_logits(runner, [False] * 7, shared_prefix)
     calls.clear()
     mixed = _decode_logits(runner, [True, True, False, True, False, False, True], shared_prefix)
@@ -113,11 +124,12 @@ def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int,
         assert torch.equal(a, b), f"decode step {step} differs"
 
 
-@needs_amx
-def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(tiny_checkpoints, calls: list[bool]) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(dtype: str, tiny_checkpoints,
+                                                                       calls: list[bool]) -> None:
     """A weight reload drops a layer's packed copy (its address is stale) and packs again after:
     meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
-    runner = _bf16_runner(tiny_checkpoints.path("llama"))
+    runner = _runner(tiny_checkpoints.path("llama"), dtype)
     reference = _decode_logits(runner, [False] * 3)
     runner.model.model.layers[0].self_attn.qkv_proj.packed_weight = None  # as its weight_loader does
     calls.clear()
@@ -130,15 +142,45 @@ def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(tiny_check
     assert all(torch.equal(a, b) for a, b in zip(reference, repacked))
 
 
+@needs_fp32_kernels
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
+    """The oracle itself: a batch decoded through the fp32 call gives transformers' greedy tokens."""
+    path = tiny_checkpoints.path(name)
+    runner = _runner(path, "float32")
+    prompts = [random_prompt(4 + 7 * i, runner.vocab_size, seed=700 + i) for i in range(6)]
+    steps = 12
+    h = Harness(runner)
+    reqs = h.generate(prompts, steps)
+    h.reset()
+    assert calls.count(True) == steps - 2, calls  # every decode step but the mirror's first (a rebuild)
+    reference = load_hf_model(path)
+    for prompt, req in zip(prompts, reqs):
+        assert req.output_ids == hf_greedy(reference, prompt, steps)[0], f"prompt of length {len(prompt)}"
+
+
+@needs_fp32_kernels
+def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(tiny_checkpoints, calls: list[bool]) -> None:
+    """Fewer rows than the panel kernel takes: the stack's linears are F.linear's, so the call
+    (whose linears are the panel kernel's) must decline, and the two modes give the same bits."""
+    runner = _runner(tiny_checkpoints.path("llama"), "float32")
+    requests = min(fp32_panel_rows()) - 1
+    layered = _decode_logits(runner, [False] * 3, requests=requests)
+    calls.clear()
+    asked = _decode_logits(runner, [True] * 3, requests=requests)
+    assert len(calls) >= 3 and not any(calls), calls  # (the prefills, then three decode steps, all declined)
+    assert all(torch.equal(a, b) for a, b in zip(layered, asked))
+
+
 @pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
 def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
-    runner = _bf16_runner(tiny_checkpoints.path(name))
+    runner = _runner(tiny_checkpoints.path(name))
     logits = _decode_logits(runner, [True] * 3)
     assert not any(calls) and all(torch.isfinite(x).all() for x in logits)
 
 
 def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[bool]) -> None:
-    runner = _bf16_runner(tiny_checkpoints.path("llama"))
+    runner = _runner(tiny_checkpoints.path("llama"))
     with kernel_library.use_amx(False):
         without_amx = _decode_logits(runner, [True] * 3)
     assert not any(calls)
@@ -158,7 +200,7 @@ def test_a_bf16_server_decodes_through_the_one_call_path_as_the_layers_do(tiny_c
     from server_fixtures import CLIENT_TIMEOUT_S, base_args
 
     path = tiny_checkpoints.path("llama")
-    runner = _bf16_runner(path)
+    runner = _runner(path)
     prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=500 + i) for i in range(3)]
     steps = 10
     expected = []

@@ -1,18 +1,21 @@
-"""A bf16 decode step's decoder layers in one C call (``csrc/decode_layers.c``).
+"""A decode step's decoder layers in one C call (``csrc/decode_layers.c``).
 
-Once its linears run on AMX tiles, what a decode step spends between kernels weighs: each
+Once its linears run on fast kernels, what a decode step spends between kernels weighs: each
 layer's ten kernel calls go through their Python wrappers (shape checks, ``torch.empty``,
 views, ctypes argument conversion) and the attention backend's per-layer plan, while the other
 OpenMP threads wait for the next parallel region (docs/benchmarks.md has the figures).
-``decode_layers_bf16`` calls the same kernels in the same order for every layer from C: the
-results are the layer stack's bit for bit, the interpreter work per step is one call.
+``decode_layers_bf16`` / ``decode_layers_f32`` call the same kernels in the same order for every
+layer from C: the results are the layer stack's bit for bit, the interpreter work per step is
+one call.
 
 It takes the steady state of serving, a decode step that appends to the attention backend's
 decode-key mirror (``runtime.cpu.decode_mirror``), of Llama-family layers that the kernels run
-whole: bf16, at most ``AMX_LINEAR_MAX_ROWS`` requests, every linear packed in the layout the
-AMX kernel reads, no tensor parallelism, no per-head q/k norm, no windowed layers. Anything
-else (``run`` returns None) goes through the layers one by one. ``TINYSERVE_CPU_DECODE_LAYERS=0``
-(or ``use_decode_layers(False)``) turns it off.
+whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and linears the
+kernels take for this many rows: bf16 with every weight packed in the layout the AMX kernel
+reads and at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32 (what AVX2 hosts serve) with every
+weight's panel copy and a row count in ``fp32_panel_rows()``, where the layer stack's linears
+run ``linear_f32`` too. Anything else (``run`` returns None) goes through the layers one by one.
+``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
 the backend's ``forward`` would) and the residual stream (the embeddings' buffer, as the layer
@@ -33,9 +36,10 @@ import torch
 from torch import nn
 
 from runtime.cpu import attention_kernels as attn_kernels
+from runtime.cpu import attention_kernels_f32 as attn_f32
 from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, TILE_ADDRESS
+from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, PANEL, TILE_ADDRESS, fp32_panel_rows
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -47,7 +51,7 @@ class _Step(ctypes.Structure):
                                           "cap", "width", "prefix_len", "prefix_pad", "pool_slots")] + [
         ("eps", _f32), ("scale", _f32)] + [(name, _ptr) for name in (
             "residual", "hidden_out", "cos", "sin", "out_loc", "append_pos", "mask", "normed", "qkv", "attn", "o",
-            "mid", "prefix_out", "prefix_lse")]
+            "mid", "gate_up", "prefix_out", "prefix_lse")]
 
 
 class _Layer(ctypes.Structure):
@@ -57,7 +61,9 @@ class _Layer(ctypes.Structure):
                                           "k_pool", "v_pool", "k_t", "v", "prefix_k", "prefix_v")]
 
 
-declare("decode_layers_bf16", [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
+_ENTRY_POINTS = {torch.bfloat16: "decode_layers_bf16", torch.float32: "decode_layers_f32"}
+for _name in _ENTRY_POINTS.values():
+    declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
 
 _STAGES = ("", "qkv linear", "KV pool write", "prefix attention", "decode attention", "o linear", "gate/up + silu",
            "down linear")
@@ -85,9 +91,10 @@ def use_decode_layers(on: bool) -> Iterator[None]:
 
 @dataclass
 class _Stack:
-    """The per-model part of the call: the shapes and every layer's weight addresses (the packed
-    copies and the modules whose ``packed_weight`` they are, to notice a reload)."""
+    """The per-model part of the call: the element type, the shapes and every layer's weight
+    addresses (the packed copies and the modules whose ``packed_weight`` they are, to notice a reload)."""
 
+    dtype: torch.dtype
     hidden: int
     q_heads: int
     kv_heads: int
@@ -105,11 +112,19 @@ class _Stack:
 _stacks: "weakref.WeakKeyDictionary[nn.Module, _Stack | None]" = weakref.WeakKeyDictionary()
 
 
-def _packed_address(linear: nn.Module) -> int:
-    """The address of the layer's packed weight as the AMX kernel reads it, else 0."""
-    if getattr(linear, "tp_size", 1) != 1 or linear.weight.dtype != torch.bfloat16:
+def _packed_address(linear: nn.Module, dtype: torch.dtype) -> int:
+    """The address of the layer's packed weight as the step's linear kernel reads it (bf16: the AMX
+    tile layout; fp32: the panel copy), else 0."""
+    weight, packed = linear.weight, getattr(linear, "packed_weight", None)
+    if getattr(linear, "tp_size", 1) != 1 or weight.dtype != dtype or packed is None:
         return 0
-    return int(getattr(getattr(linear, "packed_weight", None), TILE_ADDRESS, 0))
+    if dtype == torch.bfloat16:
+        return int(getattr(packed, TILE_ADDRESS, 0))
+    out_features, in_features = weight.shape
+    if (packed.dtype != torch.float32 or out_features % PANEL or not packed.is_contiguous()
+            or packed.shape != (out_features // PANEL, in_features, PANEL)):
+        return 0
+    return packed.data_ptr()
 
 
 def _describe(layers: nn.ModuleList) -> _Stack | None:
@@ -120,10 +135,13 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
         q_heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         hidden, inter = first.input_layernorm.weight.shape[0], mlp0.down_proj.weight.shape[1]
         eps, scale = first.input_layernorm.eps, attn0.spec.scaling
+        dtype = first.input_layernorm.weight.dtype
+        if dtype not in _ENTRY_POINTS:
+            return None
         group = q_heads // kv_heads
         if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
             return None
-        if group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
+        if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
             return None
         array = (_Layer * len(layers))()
         packed: list[tuple[nn.Module, torch.Tensor]] = []
@@ -134,19 +152,19 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
             if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (q_heads, kv_heads, head_dim):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(norm.eps != eps or norm.weight.shape != (hidden,) or norm.weight.dtype != torch.bfloat16
+            if any(norm.eps != eps or norm.weight.shape != (hidden,) or norm.weight.dtype != dtype
                    or not norm.weight.is_contiguous() for norm in norms):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
                 (hidden, inter)
-            addresses = [_packed_address(linear) for linear in linears]
+            addresses = [_packed_address(linear, dtype) for linear in linears]
             if not all(addresses) or any(tuple(lin.weight.shape) != shape for lin, shape in zip(linears, shapes)):
                 return None
-            if inter % 32 or any(lin.bias is not None for lin in linears[1:]):
-                return None
+            if (dtype == torch.bfloat16 and inter % 32) or any(lin.bias is not None for lin in linears[1:]):
+                return None  # (the AMX gate/up kernel's column blocks)
             bias = attn.qkv_proj.bias
-            if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
                 return None
             entry.input_norm, entry.post_norm = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
             entry.qkv, entry.o, entry.gate_up, entry.down = addresses
@@ -154,7 +172,7 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
             packed.extend((linear, linear.packed_weight) for linear in linears)
     except AttributeError:  # not a Llama-family layer stack
         return None
-    return _Stack(hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
+    return _Stack(dtype, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
 
 
 def forget(model: nn.Module) -> None:
@@ -172,36 +190,50 @@ def _stack(layers: nn.ModuleList) -> _Stack | None:
     return stack
 
 
+def _rows_taken(dtype: torch.dtype, n: int) -> bool:
+    """Whether the step's linear kernel runs a batch of ``n`` rows (as the layer stack's would)."""
+    if dtype == torch.bfloat16:
+        return 0 < n <= AMX_LINEAR_MAX_ROWS
+    return dtype == torch.float32 and n in fp32_panel_rows()
+
+
 def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
         batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
     ``hidden [n, H]`` (which become the residual stream, as in the layer stack), with the rotary
     ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
     (nothing is touched then: run the layers)."""
-    n = hidden.shape[0]
-    if not enabled() or hidden.dtype != torch.bfloat16 or not 0 < n <= AMX_LINEAR_MAX_ROWS:
+    n, dtype = hidden.shape[0], hidden.dtype
+    if not enabled() or not _rows_taken(dtype, n):
         return None
     claim = getattr(backend, "claim_decode_step", None)
     lib = kernel_library.load()
-    if claim is None or lib is None or lib.tinyserve_amx(-1) != 1 or not batch.forward_mode.is_decode():
+    if claim is None or lib is None or not batch.forward_mode.is_decode():
         return None
+    if lib.tinyserve_amx(-1) != 1 if dtype == torch.bfloat16 else not attn_f32.applies():
+        return None  # (bf16: the AMX linears; fp32: the vector attention kernels the stack would run)
     stack = _stack(layers)
-    if stack is None or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
+    if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
         return None
     half = rotary_dim // 2
     if rotary_dim % 2 or rotary_dim > stack.head_dim or any(
-            t.dtype != torch.bfloat16 or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin)):
+            t.dtype != dtype or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin)):
         return None
     loc = batch.out_cache_loc
     pool = batch.token_to_kv_pool
     if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
         return None
-    if getattr(pool, "dtype", None) != torch.bfloat16 or len(getattr(pool, "k_buffer", ())) != len(layers):
+    if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != len(layers):
         return None
     mirror = claim(batch, len(layers))  # from here on the step is committed to this call
     if mirror is None:
         return None
     return _call(lib, stack, mirror, hidden, cos, sin, rotary_dim, loc, pool)
+
+
+def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
+    """The packed prefix's key count with its zero padding (its K's key blocks times their width)."""
+    return prefix.k.shape[1] * (attn_kernels.PREFIX_KEY_BLOCK if dtype == torch.bfloat16 else attn_f32.KEY_PACK)
 
 
 def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -211,17 +243,19 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
     plan = mirror.plan
     cap = mirror.k[0].shape[-1]
     # (every layer's copies are made alike in one rebuild: the first layer's stand for all)
-    assert mirror.k[0].shape == (n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == torch.bfloat16
+    assert mirror.k[0].shape == (n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == stack.dtype
     assert mirror.v[0].shape == (n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
-    bf16 = dict(dtype=torch.bfloat16)
-    scratch = {"normed": torch.empty(n, h, **bf16), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **bf16),
-               "attn": torch.empty(n, q_cols, **bf16), "o": torch.empty(n, h, **bf16),
-               "mid": torch.empty(n, stack.inter, **bf16), "hidden_out": torch.empty(n, h, **bf16)}
+    like = dict(dtype=stack.dtype)
+    scratch = {"normed": torch.empty(n, h, **like), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **like),
+               "attn": torch.empty(n, q_cols, **like), "o": torch.empty(n, h, **like),
+               "mid": torch.empty(n, stack.inter, **like), "hidden_out": torch.empty(n, h, **like)}
+    if stack.dtype == torch.float32:  # the gate/up linear's output, before silu*mul (bf16 fuses them)
+        scratch["gate_up"] = torch.empty(n, 2 * stack.inter, **like)
     prefix_len = prefix_pad = 0
     if mirror.prefix is not None:
         prefix_len = mirror.prefix[0].length
-        prefix_pad = mirror.prefix[0].k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK
+        prefix_pad = _padded_keys(mirror.prefix[0], stack.dtype)
         scratch["prefix_out"] = torch.empty(n, q_cols, dtype=torch.float32)
         scratch["prefix_lse"] = torch.empty(n, stack.q_heads, dtype=torch.float32)
     layers = stack.layers
@@ -231,7 +265,7 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
         entry.k_t, entry.v = mirror.k[i].data_ptr(), mirror.v[i].data_ptr()
         if mirror.prefix is not None:
             packed = mirror.prefix[i]
-            if packed.length != prefix_len or packed.k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK != prefix_pad:
+            if packed.length != prefix_len or _padded_keys(packed, stack.dtype) != prefix_pad:
                 raise ValueError("the decode mirror's packed prefixes differ between layers")
             entry.prefix_k, entry.prefix_v = packed.k.data_ptr(), packed.v.data_ptr()
     step = _Step(n=n, hidden=h, q_heads=stack.q_heads, kv_heads=stack.kv_heads, head_dim=stack.head_dim,
@@ -240,7 +274,7 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
                  residual=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out_loc=loc.data_ptr(),
                  append_pos=plan.append_pos.data_ptr(), mask=plan.mask.data_ptr(),
                  **{name: t.data_ptr() for name, t in scratch.items()})
-    rc = lib.decode_layers_bf16(ctypes.byref(step), layers, len(layers))
+    rc = getattr(lib, _ENTRY_POINTS[stack.dtype])(ctypes.byref(step), layers, len(layers))
     if rc != 0:
         raise ValueError(f"decode layer {-rc // 16}: the {_STAGES[-rc % 16]} kernel refused its operands "
                          "(a KV slot outside the pool, or a mirror position past its capacity)")

@@ -5,6 +5,7 @@
  * fp32, gets the fused paths too. Scores, softmax and accumulation are fp32 throughout. Called through
  * runtime/cpu/attention_kernels_f32.py, which documents the layouts and why each path exists. */
 #include "lanes_f32.h"
+#include "entry_points.h"
 
 /* Query rows per register tile (each row holds AV_TILE vectors of accumulators): as many as the
  * vector registers allow with the operand loads (32 zmm, 16 ymm). */

@@ -1,84 +1,189 @@
-/* A bf16 decode step's decoder layers in one call: for each layer, the same kernels in the same
- * order as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv
- * linear, rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with
- * the mirror append, the o linear, RMSNorm, the fused gate/up + silu*mul, the down linear), so the
- * results are bit for bit those of that stack; what goes is the interpreter and dispatch work
- * between the kernels, during which the other OpenMP threads wait.
+/* A decode step's decoder layers in one call: for each layer, the same kernels in the same order
+ * as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv linear,
+ * rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
+ * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear), so the results are
+ * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
+ * kernels, during which the other OpenMP threads wait.
+ *
+ * Two element types, one order of calls: bf16 (linears on AMX tiles, gate/up fused with silu*mul)
+ * and fp32 (linears on the panel kernel, linear_f32; gate/up then silu*mul, as the stack runs
+ * them). Each is a table of the kernels it calls (Kernels), the layer loop is written once.
  *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
- * (AMX on and the tile layout of every weight, rows <= 64, head shapes), so a failure here means a
- * broken precondition: the return value says which layer and stage. */
+ * (bf16: AMX on and the tile layout of every weight, rows <= 64; fp32: panel copies and a row
+ * count the panel kernel takes; head shapes), so a failure here means a broken precondition: the
+ * return value says which layer and stage. */
 #include <stdint.h>
 #include "entry_points.h"
 
-/* What every layer shares (one decode batch of n requests). Scratch buffers are the caller's,
- * contiguous, and reused by every layer. */
+/* What every layer shares (one decode batch of n requests). Activations are in the step's element
+ * type (bf16 or fp32); scratch buffers are the caller's, contiguous, and reused by every layer. */
 typedef struct {
     int64_t n, hidden, q_heads, kv_heads, head_dim, inter, rot_dim;
     int64_t cap, width;            /* the decode mirror: keys per request row, keys read */
     int64_t prefix_len, prefix_pad; /* the packed shared prefix (0, 0: none) */
     int64_t pool_slots;            /* KV pool rows (store_kv_rows' bound) */
     float eps, scale;
-    uint16_t* residual;            /* [n, hidden]: the embeddings in, the residual stream out */
-    uint16_t* hidden_out;          /* [n, hidden]: the last layer's MLP output */
-    const uint16_t* cos;           /* [n, rot_dim / 2] */
-    const uint16_t* sin;
+    void* residual;                /* [n, hidden]: the embeddings in, the residual stream out */
+    void* hidden_out;              /* [n, hidden]: the last layer's MLP output */
+    const void* cos;               /* [n, rot_dim / 2] */
+    const void* sin;
     const int64_t* out_loc;        /* [n]: each new token's KV pool slot */
     const int64_t* append_pos;     /* [n]: its key index in the mirror's row */
     const float* mask;             /* [n, cap] key bias */
-    uint16_t* normed;              /* [n, hidden] */
-    uint16_t* qkv;                 /* [n, (q_heads + 2 kv_heads) head_dim] */
-    uint16_t* attn;                /* [n, q_heads head_dim] */
-    uint16_t* o;                   /* [n, hidden] */
-    uint16_t* mid;                 /* [n, inter] */
+    void* normed;                  /* [n, hidden] */
+    void* qkv;                     /* [n, (q_heads + 2 kv_heads) head_dim] */
+    void* attn;                    /* [n, q_heads head_dim] */
+    void* o;                       /* [n, hidden] */
+    void* mid;                     /* [n, inter] */
+    void* gate_up;                 /* [n, 2 inter] (fp32: the gate/up linear's output; bf16: unused) */
     float* prefix_out;             /* [n, q_heads head_dim] fp32 (prefix_len > 0) */
     float* prefix_lse;             /* [n, q_heads] fp32 */
 } DecodeStep;
 
-/* One layer's weights (packed addresses for the linears) and KV buffers. */
+/* One layer's weights (the addresses the linear kernels read) and KV buffers. */
 typedef struct {
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    const void *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
     char *k_pool, *v_pool;         /* [pool_slots, kv_heads, head_dim] */
-    uint16_t *k_t, *v;             /* the mirror: [n, kv_heads, head_dim, cap], [n, kv_heads, cap, head_dim] */
-    const uint16_t *prefix_k, *prefix_v;
+    void *k_t, *v;                 /* the mirror: [n, kv_heads, head_dim, cap], [n, kv_heads, cap, head_dim] */
+    const void *prefix_k, *prefix_v;
 } DecodeLayer;
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN };
 
+/* The kernels of one element type, each in the layer loop's terms. */
+typedef struct {
+    int64_t elem;  /* bytes per activation */
+    void (*rmsnorm)(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out);
+    int (*linear)(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                  void* out);
+    void (*rotary)(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                   const void* cos, const void* sin);
+    int (*prefix)(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p, int64_t p_pad,
+                  int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, float* out, float* lse);
+    int (*decode)(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
+                  void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
+                  int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
+                  const float* init_o, const float* init_lse);
+    /* mid [m, inter] = silu(gate) * up of x times the gate/up weight ([2 inter, k], gate first) */
+    int (*gate_up_silu)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid);
+} Kernels;
+
+static void rmsnorm_b(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
+{
+    rmsnorm_bf16(x, residual, w, rows, hidden, eps, out);
+}
+static int linear_b(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                    void* out)
+{
+    return amx_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
+}
+static void rotary_b(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                     const void* cos, const void* sin)
+{
+    rotary_bf16(x, rows, row_stride, heads, d, rot_dim, cos, sin);
+}
+static int prefix_b(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p, int64_t p_pad,
+                    int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, float* out, float* lse)
+{
+    return prefix_attention_bf16(q, q_stride, kp, vp, p, p_pad, n, hkv, group, d, scale, out, lse);
+}
+static int decode_b(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
+                    void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
+                    int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
+                    const float* init_o, const float* init_lse)
+{
+    return decode_attention_bf16(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
+                                 k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
+}
+static int gate_up_silu_b(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid)
+{
+    (void)gate_up;  /* one pass: the AMX kernel applies silu*mul to its tiles */
+    return amx_linear_silu_mul_bf16(x, m, k, w, inter, k, mid);
+}
+
+static void rmsnorm_f(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
+{
+    rmsnorm_f32(x, residual, w, rows, hidden, eps, out);
+}
+static int linear_f(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                    void* out)
+{
+    return linear_f32(x, m, ldx, w, n, k, bias, out);
+}
+static void rotary_f(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                     const void* cos, const void* sin)
+{
+    rotary_f32(x, rows, row_stride, heads, d, rot_dim, cos, sin);
+}
+static int prefix_f(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p, int64_t p_pad,
+                    int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, float* out, float* lse)
+{
+    return prefix_attention_f32(q, q_stride, kp, vp, p, p_pad, n, hkv, group, d, scale, out, lse);
+}
+static int decode_f(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
+                    void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
+                    int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
+                    const float* init_o, const float* init_lse)
+{
+    return decode_attention_f32(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
+                                k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
+}
+static int gate_up_silu_f(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid)
+{
+    /* as the stack: the gate/up linear's output, then silu*mul over it */
+    if (linear_f32(x, m, k, w, 2 * inter, k, 0, gate_up)) return -1;
+    silu_mul_f32(gate_up, m, inter, mid);
+    return 0;
+}
+
+static const Kernels BF16 = {2, rmsnorm_b, linear_b, rotary_b, prefix_b, decode_b, gate_up_silu_b};
+static const Kernels F32 = {4, rmsnorm_f, linear_f, rotary_f, prefix_f, decode_f, gate_up_silu_f};
+
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
-int decode_layers_bf16(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
 {
     const int64_t n = s->n, hd = s->head_dim, group = s->q_heads / s->kv_heads;
     const int64_t q_cols = s->q_heads * hd, kv_cols = s->kv_heads * hd, qkv_cols = q_cols + 2 * kv_cols;
-    const uint16_t* k_new = s->qkv + q_cols;
-    const uint16_t* v_new = s->qkv + q_cols + kv_cols;
+    const char* k_new = (const char*)s->qkv + q_cols * kn->elem;
+    const char* v_new = (const char*)s->qkv + (q_cols + kv_cols) * kn->elem;
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecodeLayer* l = layers + i;
         const int fail = -(int)(i * 16);
         /* the first layer's residual is its input; later ones add the previous MLP output first */
-        rmsnorm_bf16(i == 0 ? s->residual : s->hidden_out, i == 0 ? 0 : s->residual, l->input_norm, n, s->hidden,
-                     s->eps, s->normed);
-        if (amx_linear_bf16(s->normed, n, s->hidden, l->qkv, qkv_cols, s->hidden, l->qkv_bias, 0, s->qkv))
+        kn->rmsnorm(i == 0 ? s->residual : s->hidden_out, i == 0 ? 0 : s->residual, l->input_norm, n, s->hidden,
+                    s->eps, s->normed);
+        if (kn->linear(s->normed, n, s->hidden, l->qkv, qkv_cols, s->hidden, l->qkv_bias, s->qkv))
             return fail - STAGE_QKV;
-        rotary_bf16(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
-        if (store_kv_rows((const char*)k_new, qkv_cols * 2, (const char*)v_new, qkv_cols * 2, s->out_loc, n,
-                          kv_cols * 2, l->k_pool, l->v_pool, s->pool_slots))
+        kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
+        if (store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
+                          kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots))
             return fail - STAGE_KV_STORE;
         if (s->prefix_len > 0 &&
-            prefix_attention_bf16(s->qkv, qkv_cols, l->prefix_k, l->prefix_v, s->prefix_len, s->prefix_pad, n,
-                                  s->kv_heads, group, hd, s->scale, s->prefix_out, s->prefix_lse))
+            kn->prefix(s->qkv, qkv_cols, l->prefix_k, l->prefix_v, s->prefix_len, s->prefix_pad, n, s->kv_heads,
+                       group, hd, s->scale, s->prefix_out, s->prefix_lse))
             return fail - STAGE_PREFIX;
-        if (decode_attention_bf16(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, 0, n,
-                                  s->kv_heads, group, hd, s->scale, k_new, qkv_cols, v_new, qkv_cols, s->append_pos,
-                                  s->prefix_len > 0 ? s->prefix_out : 0, s->prefix_len > 0 ? s->prefix_lse : 0))
+        if (kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n, s->kv_heads, group, hd,
+                       s->scale, k_new, qkv_cols, v_new, qkv_cols, s->append_pos,
+                       s->prefix_len > 0 ? s->prefix_out : 0, s->prefix_len > 0 ? s->prefix_lse : 0))
             return fail - STAGE_ATTENTION;
-        if (amx_linear_bf16(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, 0, s->o))
+        if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;
-        rmsnorm_bf16(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
-        if (amx_linear_silu_mul_bf16(s->normed, n, s->hidden, l->gate_up, s->inter, s->hidden, s->mid))
+        kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
+        if (kn->gate_up_silu(s->normed, n, l->gate_up, s->inter, s->hidden, s->gate_up, s->mid))
             return fail - STAGE_MLP;
-        if (amx_linear_bf16(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, 0, s->hidden_out))
+        if (kn->linear(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, s->hidden_out))
             return fail - STAGE_DOWN;
     }
     return 0;
+}
+
+int decode_layers_bf16(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    return run_layers(&BF16, s, layers, num_layers);
+}
+
+int decode_layers_f32(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    return run_layers(&F32, s, layers, num_layers);
 }

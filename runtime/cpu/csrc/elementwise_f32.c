@@ -15,6 +15,7 @@
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
 #endif
 #include "lanes_f32.h"
+#include "entry_points.h"
 
 /* Below this many elements a call runs on the calling thread: forking the OpenMP team costs
  * more than the work (a one-request decode step's norm is one row of ~1-4 K floats). */

@@ -25,4 +25,21 @@ int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w
 int amx_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t inter,
                              int64_t k, uint16_t* out);
 
+void rmsnorm_f32(const float* x, float* residual, const float* w, int64_t rows, int64_t hidden, float eps,
+                 float* out);
+void rotary_f32(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
+                const float* cos, const float* sin);
+void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);
+int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
+               const float* bias, float* out);
+int decode_attention_f32(
+    const float* q, int64_t q_stride,
+    float* kt, float* v, const float* bias, int64_t cap, int64_t width,
+    float* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+    const float* k_new, int64_t k_new_stride, const float* v_new, int64_t v_new_stride, const int64_t* pos,
+    const float* init_o, const float* init_lse);
+int prefix_attention_f32(const float* q, int64_t q_stride, const float* kp, const float* v, int64_t p,
+                         int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+                         float* out, float* lse);
+
 #endif

@@ -26,6 +26,7 @@
 #pragma GCC optimize("no-associative-math")
 #endif
 #include "lanes_f32.h"
+#include "entry_points.h"
 
 #define PANEL 16      /* columns per panel */
 #define KC 256        /* depth per block: a column group's block (16 or 32 KiB) stays in cache */
