@@ -16,6 +16,7 @@ from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
 from runtime.attention.torch_native import TorchNativeMetadata
 from runtime.cpu import attention as torch_native
+from runtime.cpu import decode_layers
 from runtime.cpu.attention import TorchNativeAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner import ModelRunner
@@ -166,7 +167,8 @@ def test_64_concurrent_decodes_match_one_at_a_time(tiny_llama_path: Path, monkey
         return real_attention(*args, **kwargs)
 
     monkeypatch.setattr(torch_native, "_few_query_attention", counting_attention)
-    harness.decode(reqs, steps - 1)
+    with decode_layers.use_decode_layers(False):  # the backend's own calls (the one-call path runs them in C)
+        harness.decode(reqs, steps - 1)
     monkeypatch.undo()
     # One batched attention call per layer per decode step, each covering all 64 requests.
     assert calls == [64] * (runner.model_config.num_hidden_layers * (steps - 1))
