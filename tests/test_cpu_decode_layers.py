@@ -5,13 +5,18 @@ architecture the call takes, with and without a shared prefix, in bf16 and in fp
 it must leave to the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off in
 bf16, a row count the fp32 panel kernel does not take) run there untouched.
 
-bf16 needs AMX tiles (its linears are the AMX kernel's): without them only the refusal is tested.
-fp32 needs a vector build of the kernels (AVX2 or AVX-512: the panel kernel and the fp32
-attention kernels). The last tests run the real processes.
+bf16 runs its linears on AMX tiles, or, on a CPU with AVX512-BF16 and no AMX, on the dot-product
+kernel (oneDNN packs for it there): the bf16 tests run with whichever this process has, and once
+more in a process whose oneDNN is capped as on such a CPU (the dot-product set). fp32 needs a
+vector build of the kernels (AVX2 or AVX-512: the panel kernel and the fp32 attention kernels).
+The last tests run the real processes.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -21,22 +26,37 @@ import torch
 from checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
 from harness import Harness
 from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library
-from runtime.cpu.prepacked import fp32_panel_rows, pack_weight, tile_layout
+from runtime.cpu.prepacked import DP_ADDRESS, fp32_panel_rows, pack_weight, tile_layout
 from runtime.forward_batch import ForwardMode
 from runtime.model_runner import ModelRunner
 
-def _amx_linears() -> bool:
-    """AMX tiles, the kernels' avx512bf16 build (TINYSERVE_CPU_ISA may select another on such a CPU)
-    and oneDNN packing bf16 weights for AMX (ONEDNN_MAX_CPU_ISA may keep it off)."""
-    if not kernel_library.amx_available() or kernel_library.level() != "avx512bf16":
-        return False
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bf16_kernels() -> str | None:
+    """The set of kernels a bf16 call runs here: "amx" (AMX tiles, and oneDNN packing for them:
+    ONEDNN_MAX_CPU_ISA may keep it off), "dp" (oneDNN's AVX512-BF16 packing, as on a CPU without
+    AMX), or None; both need the kernels' avx512bf16 build (TINYSERVE_CPU_ISA may select another)."""
+    if kernel_library.level() != "avx512bf16":
+        return None
     distinct = (torch.arange(64 * 64) % 251).view(64, 64).to(torch.bfloat16)  # (a constant weight fits any layout)
-    return tile_layout(pack_weight(distinct))
+    packed = pack_weight(distinct)
+    if kernel_library.amx_available() and tile_layout(packed):
+        return "amx"
+    return "dp" if getattr(packed, DP_ADDRESS, 0) else None
 
 
+BF16_KERNELS = _bf16_kernels()
 needs_amx = pytest.mark.skipif(
-    not _amx_linears(),
+    BF16_KERNELS != "amx",
     reason="needs a CPU with AMX tiles (amx_tile, amx_bf16) for oneDNN's and our kernels: the call's linears run on them",
+)
+needs_bf16_kernels = pytest.mark.skipif(
+    BF16_KERNELS is None,
+    reason="needs a CPU with AVX512-BF16 (avx512_bf16; AMX where it has them): the bf16 call's linears run on them",
+)
+needs_avx512_bf16 = pytest.mark.skipif(
+    "avx512bf16" not in kernel_library.host_levels(), reason="needs a CPU with AVX512-BF16 (avx512_bf16)"
 )
 
 
@@ -45,7 +65,13 @@ needs_fp32_kernels = pytest.mark.skipif(
     reason="needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it (TINYSERVE_CPU_ISA may "
            "select plain C): the fp32 call's linears and attention are its kernels",
 )
-DTYPES = [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_fp32_kernels)]
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernels), pytest.param("float32", marks=needs_fp32_kernels)]
+
+
+def _kernels_taken(runner: ModelRunner) -> str:
+    stack = decode_layers._stacks.get(runner.model.model.layers)
+    assert stack is not None, "the one-call path never described this model"
+    return stack.kernels
 
 
 @pytest.fixture
@@ -98,9 +124,13 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_chec
     layered = _decode_logits(runner, [False] * steps)
     calls.clear()
     one_call = _decode_logits(runner, [True] * steps)
-    taken = name != "qwen3"  # per-head q/k RMSNorm: the layers' own path
+    # per-head q/k RMSNorm (qwen3) is the layers' own path; the dot-product kernel reads weights in
+    # 64-column blocks, which mistral's qkv (96 columns) is not: oneDNN's call runs it there
+    taken = name != "qwen3" and not (dtype == "bfloat16" and BF16_KERNELS == "dp" and name == "mistral")
     # the first decode step builds the mirror (the layers' path), the rest append to it
     assert calls == [False] * 2 + [False] + [taken] * (steps - 1), calls
+    if taken:
+        assert _kernels_taken(runner) == (BF16_KERNELS if dtype == "bfloat16" else "f32")
     for step, (a, b) in enumerate(zip(layered, one_call)):
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
 
@@ -142,6 +172,20 @@ def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(dtype: str
     assert all(torch.equal(a, b) for a, b in zip(reference, repacked))
 
 
+@needs_avx512_bf16
+def test_bf16_without_amx_takes_the_dot_product_kernels(tiny_checkpoints) -> None:
+    """This file's bf16 tests once more in a process whose oneDNN may use AVX512-BF16 but not AMX
+    (ONEDNN_MAX_CPU_ISA is read when oneDNN starts): it packs the layout of a CPU without AMX, and
+    the call runs ``dp_linear_bf16`` and silu*mul where the AMX set has its fused gate/up."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "TINYSERVE_CPU_AMX": "0",
+           "TINYSERVE_CPU_ISA": "avx512bf16"}  # (whatever build this run selected: the kernels are in that one)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bfloat16",
+                           str(Path(__file__).relative_to(ROOT))], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "skipped" not in summary and "passed" in summary, done.stdout[-3000:]
+
+
 @needs_fp32_kernels
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
@@ -180,10 +224,13 @@ def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls
 
 
 def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[bool]) -> None:
+    """Copies in the AMX layout with AMX off: the stack's linears are oneDNN's, so the call must
+    decline (copies in the dot-product layout, a CPU without AMX, never needed AMX)."""
     runner = _runner(tiny_checkpoints.path("llama"))
     with kernel_library.use_amx(False):
         without_amx = _decode_logits(runner, [True] * 3)
-    assert not any(calls)
+    assert calls == [False] * 3 + [BF16_KERNELS == "dp"] * 2, calls  # two prefills, the rebuild, two appends
+    calls.clear()
     turned_off = _decode_logits(runner, [False] * 3)
     assert not any(calls)
     with kernel_library.use_amx(False):  # the same path both times: the same bits

@@ -4,17 +4,17 @@ Once its linears run on fast kernels, what a decode step spends between kernels 
 layer's ten kernel calls go through their Python wrappers (shape checks, ``torch.empty``,
 views, ctypes argument conversion) and the attention backend's per-layer plan, while the other
 OpenMP threads wait for the next parallel region (docs/benchmarks.md has the figures).
-``decode_layers_bf16`` / ``decode_layers_f32`` call the same kernels in the same order for every
+``decode_layers_amx`` / ``_dp`` / ``_f32`` call the same kernels in the same order for every
 layer from C: the results are the layer stack's bit for bit, the interpreter work per step is
 one call.
 
 It takes the steady state of serving, a decode step that appends to the attention backend's
 decode-key mirror (``runtime.cpu.decode_mirror``), of Llama-family layers that the kernels run
-whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and linears the
-kernels take for this many rows: bf16 with every weight packed in the layout the AMX kernel
-reads and at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32 (what AVX2 hosts serve) with every
-weight's panel copy and a row count in ``fp32_panel_rows()``, where the layer stack's linears
-run ``linear_f32`` too. Anything else (``run`` returns None) goes through the layers one by one.
+whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and linears that the
+layer stack too would run on one of our kernels for this many rows: bf16 with every weight in
+the layout the AMX kernel reads (AMX on) or in oneDNN's AVX512-BF16 layout that
+``dp_linear_bf16`` reads (CPUs without AMX), at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32
+(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``. Anything else (``run`` returns None) goes through the layers one by one.
 ``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
@@ -39,7 +39,7 @@ from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32 as attn_f32
 from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, PANEL, TILE_ADDRESS, fp32_panel_rows
+from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_ADDRESS, PANEL, TILE_ADDRESS, fp32_panel_rows
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -61,7 +61,10 @@ class _Layer(ctypes.Structure):
                                           "k_pool", "v_pool", "k_t", "v", "prefix_k", "prefix_v")]
 
 
-_ENTRY_POINTS = {torch.bfloat16: "decode_layers_bf16", torch.float32: "decode_layers_f32"}
+# The sets of kernels a call can run (csrc/decode_layers.c), by the dtype they take, in the order
+# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel.
+_KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32",)}
+_ENTRY_POINTS = {"amx": "decode_layers_amx", "dp": "decode_layers_dp", "f32": "decode_layers_f32"}
 for _name in _ENTRY_POINTS.values():
     declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
 
@@ -91,9 +94,11 @@ def use_decode_layers(on: bool) -> Iterator[None]:
 
 @dataclass
 class _Stack:
-    """The per-model part of the call: the element type, the shapes and every layer's weight
-    addresses (the packed copies and the modules whose ``packed_weight`` they are, to notice a reload)."""
+    """The per-model part of the call: the set of kernels and its dtype, the shapes and every
+    layer's weight addresses (the packed copies and the modules whose ``packed_weight`` they are,
+    to notice a reload)."""
 
+    kernels: str  # a key of _ENTRY_POINTS
     dtype: torch.dtype
     hidden: int
     q_heads: int
@@ -112,19 +117,28 @@ class _Stack:
 _stacks: "weakref.WeakKeyDictionary[nn.Module, _Stack | None]" = weakref.WeakKeyDictionary()
 
 
-def _packed_address(linear: nn.Module, dtype: torch.dtype) -> int:
-    """The address of the layer's packed weight as the step's linear kernel reads it (bf16: the AMX
-    tile layout; fp32: the panel copy), else 0."""
+def _packed_address(linear: nn.Module, kernels: str, dtype: torch.dtype) -> int:
+    """The address of the layer's packed weight as the linear kernel of ``kernels`` reads it (the
+    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy), else 0."""
     weight, packed = linear.weight, getattr(linear, "packed_weight", None)
     if getattr(linear, "tp_size", 1) != 1 or weight.dtype != dtype or packed is None:
         return 0
-    if dtype == torch.bfloat16:
-        return int(getattr(packed, TILE_ADDRESS, 0))
+    if kernels != "f32":
+        return int(getattr(packed, TILE_ADDRESS if kernels == "amx" else DP_ADDRESS, 0))
     out_features, in_features = weight.shape
     if (packed.dtype != torch.float32 or out_features % PANEL or not packed.is_contiguous()
             or packed.shape != (out_features // PANEL, in_features, PANEL)):
         return 0
     return packed.data_ptr()
+
+
+def _kernel_set(layer: nn.Module, dtype: torch.dtype) -> str | None:
+    """The set of kernels whose linear reads the layer's packed qkv weight (a bf16 copy is in at
+    most one of the two layouts), else None; ``_describe`` checks every other linear against it."""
+    for kernels in _KERNEL_SETS.get(dtype, ()):
+        if _packed_address(layer.self_attn.qkv_proj, kernels, dtype):
+            return kernels
+    return None
 
 
 def _describe(layers: nn.ModuleList) -> _Stack | None:
@@ -136,7 +150,8 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
         hidden, inter = first.input_layernorm.weight.shape[0], mlp0.down_proj.weight.shape[1]
         eps, scale = first.input_layernorm.eps, attn0.spec.scaling
         dtype = first.input_layernorm.weight.dtype
-        if dtype not in _ENTRY_POINTS:
+        kernels = _kernel_set(first, dtype)
+        if kernels is None:
             return None
         group = q_heads // kv_heads
         if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
@@ -158,11 +173,11 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
                 (hidden, inter)
-            addresses = [_packed_address(linear, dtype) for linear in linears]
+            addresses = [_packed_address(linear, kernels, dtype) for linear in linears]
             if not all(addresses) or any(tuple(lin.weight.shape) != shape for lin, shape in zip(linears, shapes)):
                 return None
-            if (dtype == torch.bfloat16 and inter % 32) or any(lin.bias is not None for lin in linears[1:]):
-                return None  # (the AMX gate/up kernel's column blocks)
+            if (kernels == "amx" and inter % 32) or any(lin.bias is not None for lin in linears[1:]):
+                return None  # (the fused AMX gate/up kernel's column blocks)
             bias = attn.qkv_proj.bias
             if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
                 return None
@@ -172,7 +187,7 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
             packed.extend((linear, linear.packed_weight) for linear in linears)
     except AttributeError:  # not a Llama-family layer stack
         return None
-    return _Stack(dtype, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
+    return _Stack(kernels, dtype, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
 
 
 def forget(model: nn.Module) -> None:
@@ -197,6 +212,16 @@ def _rows_taken(dtype: torch.dtype, n: int) -> bool:
     return dtype == torch.float32 and n in fp32_panel_rows()
 
 
+def _kernels_run(kernels: str, lib: Any) -> bool:
+    """Whether the set's kernels run in this process as the layer stack would reach them (else the
+    stack's linears or attention take another path: the call must not run)."""
+    if kernels == "amx":
+        return lib.tinyserve_amx(-1) == 1
+    if kernels == "dp":
+        return kernel_library.level() == "avx512bf16"  # (dp_linear_bf16 declines in other builds)
+    return attn_f32.applies()
+
+
 def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
         batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
@@ -210,10 +235,10 @@ def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     lib = kernel_library.load()
     if claim is None or lib is None or not batch.forward_mode.is_decode():
         return None
-    if lib.tinyserve_amx(-1) != 1 if dtype == torch.bfloat16 else not attn_f32.applies():
-        return None  # (bf16: the AMX linears; fp32: the vector attention kernels the stack would run)
     stack = _stack(layers)
     if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
+        return None
+    if not _kernels_run(stack.kernels, lib):
         return None
     half = rotary_dim // 2
     if rotary_dim % 2 or rotary_dim > stack.head_dim or any(
@@ -250,7 +275,7 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
     scratch = {"normed": torch.empty(n, h, **like), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **like),
                "attn": torch.empty(n, q_cols, **like), "o": torch.empty(n, h, **like),
                "mid": torch.empty(n, stack.inter, **like), "hidden_out": torch.empty(n, h, **like)}
-    if stack.dtype == torch.float32:  # the gate/up linear's output, before silu*mul (bf16 fuses them)
+    if stack.kernels != "amx":  # the gate/up linear's output, before silu*mul (the AMX kernel fuses them)
         scratch["gate_up"] = torch.empty(n, 2 * stack.inter, **like)
     prefix_len = prefix_pad = 0
     if mirror.prefix is not None:
@@ -274,7 +299,7 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
                  residual=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out_loc=loc.data_ptr(),
                  append_pos=plan.append_pos.data_ptr(), mask=plan.mask.data_ptr(),
                  **{name: t.data_ptr() for name, t in scratch.items()})
-    rc = getattr(lib, _ENTRY_POINTS[stack.dtype])(ctypes.byref(step), layers, len(layers))
+    rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))
     if rc != 0:
         raise ValueError(f"decode layer {-rc // 16}: the {_STAGES[-rc % 16]} kernel refused its operands "
                          "(a KV slot outside the pool, or a mirror position past its capacity)")

@@ -5,14 +5,16 @@
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
- * Two element types, one order of calls: bf16 (linears on AMX tiles, gate/up fused with silu*mul)
- * and fp32 (linears on the panel kernel, linear_f32; gate/up then silu*mul, as the stack runs
- * them). Each is a table of the kernels it calls (Kernels), the layer loop is written once.
+ * Three sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
+ * silu*mul), bf16 with them on AVX512-BF16 dot products (dp_linear_bf16, for CPUs without AMX;
+ * gate/up then silu*mul, as the stack runs them there), and fp32 with them on the panel kernel
+ * (linear_f32; gate/up then silu*mul). Each is a table of the kernels it calls (Kernels), the
+ * layer loop is written once.
  *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
- * (bf16: AMX on and the tile layout of every weight, rows <= 64; fp32: panel copies and a row
- * count the panel kernel takes; head shapes), so a failure here means a broken precondition: the
- * return value says which layer and stage. */
+ * (AMX: on, and the tile layout of every weight; dp: oneDNN's AVX512-BF16 layout and this build;
+ * both at most 64 rows; fp32: panel copies and a row count the panel kernel takes; head shapes),
+ * so a failure here means a broken precondition: the return value says which layer and stage. */
 #include <stdint.h>
 #include "entry_points.h"
 
@@ -36,7 +38,7 @@ typedef struct {
     void* attn;                    /* [n, q_heads head_dim] */
     void* o;                       /* [n, hidden] */
     void* mid;                     /* [n, inter] */
-    void* gate_up;                 /* [n, 2 inter] (fp32: the gate/up linear's output; bf16: unused) */
+    void* gate_up;                 /* [n, 2 inter]: the gate/up linear's output (unused on AMX, which fuses it) */
     float* prefix_out;             /* [n, q_heads head_dim] fp32 (prefix_len > 0) */
     float* prefix_lse;             /* [n, q_heads] fp32 */
 } DecodeStep;
@@ -51,7 +53,7 @@ typedef struct {
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN };
 
-/* The kernels of one element type, each in the layer loop's terms. */
+/* One set of kernels, each in the layer loop's terms. */
 typedef struct {
     int64_t elem;  /* bytes per activation */
     void (*rmsnorm)(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out);
@@ -65,16 +67,18 @@ typedef struct {
                   void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
                   int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
                   const float* init_o, const float* init_lse);
-    /* mid [m, inter] = silu(gate) * up of x times the gate/up weight ([2 inter, k], gate first) */
-    int (*gate_up_silu)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid);
+    void (*silu_mul)(const void* gate_up, int64_t rows, int64_t inter, void* out);
+    /* NULL, or both in one pass: mid [m, inter] = silu(gate) * up of x times the gate/up weight
+     * ([2 inter, k], gate rows first) */
+    int (*fused_gate_up)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid);
 } Kernels;
 
 static void rmsnorm_b(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
 {
     rmsnorm_bf16(x, residual, w, rows, hidden, eps, out);
 }
-static int linear_b(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
-                    void* out)
+static int linear_amx(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                      void* out)
 {
     return amx_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
 }
@@ -96,10 +100,19 @@ static int decode_b(const void* q, int64_t q_stride, void* kt, void* v, const fl
     return decode_attention_bf16(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
                                  k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
 }
-static int gate_up_silu_b(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid)
+static int fused_gate_up_amx(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid)
 {
-    (void)gate_up;  /* one pass: the AMX kernel applies silu*mul to its tiles */
     return amx_linear_silu_mul_bf16(x, m, k, w, inter, k, mid);
+}
+static void silu_mul_b(const void* gate_up, int64_t rows, int64_t inter, void* out)
+{
+    silu_mul_bf16(gate_up, rows, inter, out);
+}
+
+static int linear_dp(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                     void* out)
+{
+    return dp_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
 }
 
 static void rmsnorm_f(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
@@ -129,16 +142,15 @@ static int decode_f(const void* q, int64_t q_stride, void* kt, void* v, const fl
     return decode_attention_f32(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
                                 k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
 }
-static int gate_up_silu_f(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* gate_up, void* mid)
+static void silu_mul_f(const void* gate_up, int64_t rows, int64_t inter, void* out)
 {
-    /* as the stack: the gate/up linear's output, then silu*mul over it */
-    if (linear_f32(x, m, k, w, 2 * inter, k, 0, gate_up)) return -1;
-    silu_mul_f32(gate_up, m, inter, mid);
-    return 0;
+    silu_mul_f32(gate_up, rows, inter, out);
 }
 
-static const Kernels BF16 = {2, rmsnorm_b, linear_b, rotary_b, prefix_b, decode_b, gate_up_silu_b};
-static const Kernels F32 = {4, rmsnorm_f, linear_f, rotary_f, prefix_f, decode_f, gate_up_silu_f};
+/* (without a fused gate/up, the two calls the layer stack makes: the linear, then silu*mul) */
+static const Kernels AMX = {2, rmsnorm_b, linear_amx, rotary_b, prefix_b, decode_b, silu_mul_b, fused_gate_up_amx};
+static const Kernels DP = {2, rmsnorm_b, linear_dp, rotary_b, prefix_b, decode_b, silu_mul_b, 0};
+static const Kernels F32 = {4, rmsnorm_f, linear_f, rotary_f, prefix_f, decode_f, silu_mul_f, 0};
 
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
 static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
@@ -170,17 +182,27 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
         if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;
         kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
-        if (kn->gate_up_silu(s->normed, n, l->gate_up, s->inter, s->hidden, s->gate_up, s->mid))
-            return fail - STAGE_MLP;
+        if (kn->fused_gate_up) {
+            if (kn->fused_gate_up(s->normed, n, l->gate_up, s->inter, s->hidden, s->mid)) return fail - STAGE_MLP;
+        } else {
+            if (kn->linear(s->normed, n, s->hidden, l->gate_up, 2 * s->inter, s->hidden, 0, s->gate_up))
+                return fail - STAGE_MLP;
+            kn->silu_mul(s->gate_up, n, s->inter, s->mid);
+        }
         if (kn->linear(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, s->hidden_out))
             return fail - STAGE_DOWN;
     }
     return 0;
 }
 
-int decode_layers_bf16(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+int decode_layers_amx(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
 {
-    return run_layers(&BF16, s, layers, num_layers);
+    return run_layers(&AMX, s, layers, num_layers);
+}
+
+int decode_layers_dp(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    return run_layers(&DP, s, layers, num_layers);
 }
 
 int decode_layers_f32(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)

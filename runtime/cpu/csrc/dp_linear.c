@@ -15,6 +15,7 @@
  * products to its accumulator lane), adds the blocks' sums in order, then the bias, and rounds
  * once to bf16: a row's result does not depend on the other rows. */
 #include "common.h"
+#include "entry_points.h"
 
 #define DP_COLS 64     /* columns per block of the layout */
 #define KP 128         /* depth pairs per block: a column block's 32 KiB stays in cache */

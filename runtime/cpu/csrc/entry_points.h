@@ -24,6 +24,9 @@ int amx_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w
                     const uint16_t* bias, int float_out, void* out);
 int amx_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t inter,
                              int64_t k, uint16_t* out);
+int dp_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
+                   const uint16_t* bias, int float_out, void* out);
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out);
 
 void rmsnorm_f32(const float* x, float* residual, const float* w, int64_t rows, int64_t hidden, float eps,
                  float* out);
