@@ -14,7 +14,8 @@ whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and line
 layer stack too would run on one of our kernels for this many rows: bf16 with every weight in
 the layout the AMX kernel reads (AMX on) or in oneDNN's AVX512-BF16 layout that
 ``dp_linear_bf16`` reads (CPUs without AMX), at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32
-(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``. Anything else (``run`` returns None) goes through the layers one by one.
+(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``.
+Anything else (``run`` returns None) goes through the layers one by one.
 ``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
