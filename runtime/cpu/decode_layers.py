@@ -40,7 +40,7 @@ from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32 as attn_f32
 from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_ADDRESS, PANEL, TILE_ADDRESS, fp32_panel_rows
+from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_ADDRESS, TILE_ADDRESS, fp32_panel_rows, panel_address
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -65,6 +65,7 @@ class _Layer(ctypes.Structure):
 # The sets of kernels a call can run (csrc/decode_layers.c), by the dtype they take, in the order
 # tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel.
 _KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32",)}
+_SET_DTYPES = {kernels: dtype for dtype, sets in _KERNEL_SETS.items() for kernels in sets}
 _ENTRY_POINTS = {"amx": "decode_layers_amx", "dp": "decode_layers_dp", "f32": "decode_layers_f32"}
 for _name in _ENTRY_POINTS.values():
     declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
@@ -95,12 +96,11 @@ def use_decode_layers(on: bool) -> Iterator[None]:
 
 @dataclass
 class _Stack:
-    """The per-model part of the call: the set of kernels and its dtype, the shapes and every
+    """The per-model part of the call: the set of kernels (and so its dtype), the shapes and every
     layer's weight addresses (the packed copies and the modules whose ``packed_weight`` they are,
     to notice a reload)."""
 
     kernels: str  # a key of _ENTRY_POINTS
-    dtype: torch.dtype
     hidden: int
     q_heads: int
     kv_heads: int
@@ -110,6 +110,10 @@ class _Stack:
     scale: float
     layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
     packed: list[tuple[nn.Module, torch.Tensor]] = field(repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _SET_DTYPES[self.kernels]
 
     def current(self) -> bool:
         return all(module.packed_weight is packed for module, packed in self.packed)
@@ -126,11 +130,7 @@ def _packed_address(linear: nn.Module, kernels: str, dtype: torch.dtype) -> int:
         return 0
     if kernels != "f32":
         return int(getattr(packed, TILE_ADDRESS if kernels == "amx" else DP_ADDRESS, 0))
-    out_features, in_features = weight.shape
-    if (packed.dtype != torch.float32 or out_features % PANEL or not packed.is_contiguous()
-            or packed.shape != (out_features // PANEL, in_features, PANEL)):
-        return 0
-    return packed.data_ptr()
+    return panel_address(packed, *weight.shape)
 
 
 def _kernel_set(layer: nn.Module, dtype: torch.dtype) -> str | None:
@@ -188,7 +188,7 @@ def _describe(layers: nn.ModuleList) -> _Stack | None:
             packed.extend((linear, linear.packed_weight) for linear in linears)
     except AttributeError:  # not a Llama-family layer stack
         return None
-    return _Stack(kernels, dtype, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
+    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
 
 
 def forget(model: nn.Module) -> None:

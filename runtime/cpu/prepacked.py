@@ -197,22 +197,29 @@ def tile_layout(packed: torch.Tensor | None) -> bool:
     return bool(getattr(packed, TILE_ADDRESS, 0))
 
 
+def panel_address(panels: torch.Tensor, out_features: int, in_features: int) -> int:
+    """The address ``linear_f32`` reads when ``panels`` is a usable ``panel_copy`` of an
+    ``[out_features, in_features]`` weight (fp32, contiguous, on the CPU), else 0."""
+    if (panels.dtype != torch.float32 or panels.device.type != "cpu" or not panels.is_contiguous()
+            or out_features % PANEL or panels.shape != (out_features // PANEL, in_features, PANEL)):
+        return 0
+    return panels.data_ptr()
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor | None:
     """fp32 ``x [..., in]`` times the weight whose ``panel_copy`` is ``panels``, plus ``bias``,
     through ``linear_f32``; None where the kernel does not apply (no vector build, operands it
     cannot read)."""
     lib = kernel_library.load()
-    if lib is None or x.dtype != torch.float32 or panels.dtype != torch.float32 or not panels.is_contiguous():
-        return None
-    if x.device.type != "cpu" or panels.device.type != "cpu":
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
                              or not bias.is_contiguous() or bias.numel() != out_features):
         return None
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
-    if rows == 0 or panels.shape != (out_features // PANEL, in_features, PANEL):
+    if rows == 0 or not panel_address(panels, out_features, in_features):
         return None
     x2 = x.reshape(rows, in_features)
     if x2.stride(1) != 1:

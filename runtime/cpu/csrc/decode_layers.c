@@ -73,84 +73,68 @@ typedef struct {
     int (*fused_gate_up)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid);
 } Kernels;
 
-static void rmsnorm_b(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
-{
-    rmsnorm_bf16(x, residual, w, rows, hidden, eps, out);
-}
+/* The element-wise and attention kernels of one element type, in the loop's terms: each kernel is
+ * named by its type's suffix (bf16, f32), and C converts the void pointers to its own types. */
+#define ELEMENT_KERNELS(T)                                                                                   \
+    static void rmsnorm_##T##_v(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden,  \
+                                float eps, void* out)                                                          \
+    {                                                                                                          \
+        rmsnorm_##T(x, residual, w, rows, hidden, eps, out);                                                   \
+    }                                                                                                          \
+    static void rotary_##T##_v(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d,          \
+                               int64_t rot_dim, const void* cos, const void* sin)                              \
+    {                                                                                                          \
+        rotary_##T(x, rows, row_stride, heads, d, rot_dim, cos, sin);                                          \
+    }                                                                                                          \
+    static int prefix_##T##_v(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p,     \
+                              int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,   \
+                              float* out, float* lse)                                                          \
+    {                                                                                                          \
+        return prefix_attention_##T(q, q_stride, kp, vp, p, p_pad, n, hkv, group, d, scale, out, lse);         \
+    }                                                                                                          \
+    static int decode_##T##_v(const void* q, int64_t q_stride, void* kt, void* v, const float* bias,          \
+                              int64_t cap, int64_t width, void* out, int64_t n, int64_t hkv, int64_t group,    \
+                              int64_t d, float scale, const void* k_new, int64_t k_new_stride,                 \
+                              const void* v_new, int64_t v_new_stride, const int64_t* pos,                     \
+                              const float* init_o, const float* init_lse)                                      \
+    {                                                                                                          \
+        return decode_attention_##T(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale,    \
+                                    k_new, k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);          \
+    }                                                                                                          \
+    static void silu_mul_##T##_v(const void* gate_up, int64_t rows, int64_t inter, void* out)                 \
+    {                                                                                                          \
+        silu_mul_##T(gate_up, rows, inter, out);                                                               \
+    }
+
+ELEMENT_KERNELS(bf16)
+ELEMENT_KERNELS(f32)
+
+/* The linears of each set (bf16 kernels also take a bias and an fp32-output flag). */
 static int linear_amx(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                       void* out)
 {
     return amx_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
 }
-static void rotary_b(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
-                     const void* cos, const void* sin)
-{
-    rotary_bf16(x, rows, row_stride, heads, d, rot_dim, cos, sin);
-}
-static int prefix_b(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p, int64_t p_pad,
-                    int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, float* out, float* lse)
-{
-    return prefix_attention_bf16(q, q_stride, kp, vp, p, p_pad, n, hkv, group, d, scale, out, lse);
-}
-static int decode_b(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
-                    void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
-                    int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
-                    const float* init_o, const float* init_lse)
-{
-    return decode_attention_bf16(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
-                                 k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
-}
 static int fused_gate_up_amx(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid)
 {
     return amx_linear_silu_mul_bf16(x, m, k, w, inter, k, mid);
 }
-static void silu_mul_b(const void* gate_up, int64_t rows, int64_t inter, void* out)
-{
-    silu_mul_bf16(gate_up, rows, inter, out);
-}
-
 static int linear_dp(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                      void* out)
 {
     return dp_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
-}
-
-static void rmsnorm_f(const void* x, void* residual, const void* w, int64_t rows, int64_t hidden, float eps, void* out)
-{
-    rmsnorm_f32(x, residual, w, rows, hidden, eps, out);
 }
 static int linear_f(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                     void* out)
 {
     return linear_f32(x, m, ldx, w, n, k, bias, out);
 }
-static void rotary_f(void* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
-                     const void* cos, const void* sin)
-{
-    rotary_f32(x, rows, row_stride, heads, d, rot_dim, cos, sin);
-}
-static int prefix_f(const void* q, int64_t q_stride, const void* kp, const void* vp, int64_t p, int64_t p_pad,
-                    int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, float* out, float* lse)
-{
-    return prefix_attention_f32(q, q_stride, kp, vp, p, p_pad, n, hkv, group, d, scale, out, lse);
-}
-static int decode_f(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
-                    void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
-                    int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
-                    const float* init_o, const float* init_lse)
-{
-    return decode_attention_f32(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale, k_new,
-                                k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);
-}
-static void silu_mul_f(const void* gate_up, int64_t rows, int64_t inter, void* out)
-{
-    silu_mul_f32(gate_up, rows, inter, out);
-}
 
 /* (without a fused gate/up, the two calls the layer stack makes: the linear, then silu*mul) */
-static const Kernels AMX = {2, rmsnorm_b, linear_amx, rotary_b, prefix_b, decode_b, silu_mul_b, fused_gate_up_amx};
-static const Kernels DP = {2, rmsnorm_b, linear_dp, rotary_b, prefix_b, decode_b, silu_mul_b, 0};
-static const Kernels F32 = {4, rmsnorm_f, linear_f, rotary_f, prefix_f, decode_f, silu_mul_f, 0};
+static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
+                            fused_gate_up_amx};
+static const Kernels DP = {2, rmsnorm_bf16_v, linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v, 0};
+static const Kernels F32 = {4, rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
 
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
 static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
