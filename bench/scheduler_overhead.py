@@ -67,7 +67,7 @@ def build_scheduler(num_requests: int, prompt_len: int, max_new_tokens: int, pag
                     radix: bool = True, vocab_size: int = 32000) -> tuple[Any, TimedRunner]:
     """A scheduler sized so all ``num_requests`` run at once without retraction."""
     from runtime.args import ServerArgs
-    from runtime.stub_runner import StubModelRunner
+    from tests.support.stub_runner import StubModelRunner
     from scheduler_proc.scheduler import Scheduler
 
     context = prompt_len + max_new_tokens + 8

@@ -140,7 +140,7 @@ def server_for(address: str | None, model_path: str | None, server_flags: Sequen
             info = c.server_info()
         yield _handle(address, api_key, info, started_here=False, http_address=http_address)
         return
-    from launch import launch_server
+    from tests.support.server_process import launch_server
 
     argv = list(server_flags)
     if model_path is not None:

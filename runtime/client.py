@@ -264,7 +264,6 @@ class Client:
         import uvloop
 
         self.address = address
-        self.server: Any = None  # set by launch.launch_server to the ServerProcess
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tinyserve-client", daemon=True)
         self._thread.start()

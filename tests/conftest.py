@@ -1,23 +1,30 @@
-"""Session-wide fixtures: tiny checkpoints are built once per test session, on first use."""
+"""Session-wide fixtures and the suite's kinds.
+
+Tiny checkpoints are built once per test session, on first use. Tests are sorted by kind into
+folders (``unit/<package>/``, ``e2e/``, ``gpu/``); each test gets the marker of its folder
+(``e2e``, ``gpu``), so ``pytest -m "not e2e"`` runs the fast part. ``requires_cuda`` (every test
+under ``gpu/`` has it) is the one place that skips a test on a machine without a CUDA GPU.
+"""
 
 from __future__ import annotations
 
 import sys
+from functools import cache
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-# Make the repository root and tests/ importable however pytest was started.
+# Make the repository root importable however pytest was started: the product packages and
+# ``tests.support`` (the helpers every kind of test shares) are imported from there.
 _TESTS = Path(__file__).resolve().parent
-for _p in (str(_TESTS.parent), str(_TESTS)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(_TESTS.parent) not in sys.path:
+    sys.path.insert(0, str(_TESTS.parent))
 
-# Test modules import helpers from server_fixtures before pytest loads it as their plugin.
-pytest.register_assert_rewrite("server_fixtures")
+# Test modules import helpers from tests.support before pytest would rewrite their asserts.
+pytest.register_assert_rewrite("tests.support")
 
-from checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
+from tests.support.checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +70,29 @@ def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
     with kernel_library.use_amx(request.param) as used:
         assert used == (request.param and kernel_library.amx_available() and kernel_library.level() == "avx512bf16")
         yield used
+
+
+_FOLDER_MARKERS = {"e2e": "e2e", "gpu": "gpu"}
+
+
+@cache
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its folder's kind; a GPU test also requires CUDA."""
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(_TESTS).parts
+        marker = _FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
+        if marker is not None:
+            item.add_marker(marker)
+        if marker == "gpu":
+            item.add_marker("requires_cuda")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("requires_cuda") is not None and not cuda_available():
+        pytest.skip("needs a CUDA GPU")

@@ -1,0 +1,96 @@
+"""Session-wide servers for the end-to-end tests (a pytest plugin).
+
+Test modules load it with ``pytest_plugins = ["tests.support.server_fixtures"]`` so that every module
+shares the same running servers: each start costs seconds (three processes importing
+torch/transformers), so the whole e2e suite starts as few as possible:
+
+* ``llama_server``: tiny Llama, radix cache on, ``--api-key``: equality, streaming,
+  prefix cache, bad input, disconnects.
+* ``qwen3_server``: tiny Qwen3, ``--disable-radix-cache``, ``--stream-interval 3``.
+
+Each fixture yields a connected ``Client`` (``client.server`` is the ``ServerProcess``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from tests.support.server_process import launch_server
+from runtime.client import Client
+from runtime.utils import pid_alive
+
+API_KEY = "test-key"
+MAX_TOTAL_TOKENS = 6144
+CLIENT_TIMEOUT_S = 120.0
+
+
+def base_args(model: Path, *extra: str, max_total_tokens: int = MAX_TOTAL_TOKENS) -> list[str]:
+    return ["--model-path", str(model), "--dtype", "float32", "--device", "cpu",
+            "--max-total-tokens", str(max_total_tokens), "--random-seed", "0", *extra]
+
+
+@pytest.fixture(scope="session")
+def llama_server(tiny_checkpoints: Any) -> Iterator[Client]:
+    with launch_server(base_args(tiny_checkpoints.path("llama"), "--api-key", API_KEY),
+                       client_timeout=CLIENT_TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(tiny_checkpoints: Any) -> Iterator[Client]:
+    with launch_server(base_args(tiny_checkpoints.path("qwen3"), "--disable-radix-cache", "--stream-interval", "3"),
+                       client_timeout=CLIENT_TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_checkpoints: Any) -> Callable[[str], tuple[Any, Any]]:
+    """``name -> (transformers model, tokenizer)``, each loaded once."""
+    from transformers import AutoTokenizer
+
+    from tests.support.checkpoints import load_hf_model
+
+    cache: dict[str, tuple[Any, Any]] = {}
+
+    def get(name: str) -> tuple[Any, Any]:
+        if name not in cache:
+            path = tiny_checkpoints.path(name)
+            cache[name] = (load_hf_model(path), AutoTokenizer.from_pretrained(path))
+        return cache[name]
+
+    return get
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Re-check a server-side condition until it holds (the server offers no push
+    notification for "idle", so this polls a cheap server_info round trip)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive after ``timeout`` (they were already reaped or reparented)."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def is_idle(client: Client) -> dict[str, Any] | None:
+    """server_info when the server holds no request anywhere, else None."""
+    info = client.server_info()
+    busy = info["num_running"] or info["num_queued"] or info.get("num_chunked") \
+        or info["tokenizer"]["active_requests"]
+    return None if busy else info

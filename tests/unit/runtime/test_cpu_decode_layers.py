@@ -1,0 +1,262 @@
+"""A decode step's decoder layers in one C call (runtime/cpu/decode_layers.py,
+csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
+bit, step after step (the decode-key mirror appended by either path, alternating), on every
+architecture the call takes, with and without a shared prefix, in bf16 and in fp32; and the cases
+it must leave to the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off in
+bf16, a row count the fp32 panel kernel does not take) run there untouched.
+
+bf16 runs its linears on AMX tiles, or, on a CPU with AVX512-BF16 and no AMX, on the dot-product
+kernel (oneDNN packs for it there): the bf16 tests run with whichever this process has, and once
+more in a process whose oneDNN is capped as on such a CPU (the dot-product set). fp32 needs a
+vector build of the kernels (AVX2 or AVX-512: the panel kernel and the fp32 attention kernels).
+The last tests run the real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
+from tests.support.harness import Harness
+from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library
+from runtime.cpu.prepacked import DP_ADDRESS, fp32_panel_rows, pack_weight, tile_layout
+from runtime.forward_batch import ForwardMode
+from runtime.model_runner import ModelRunner
+
+from tests.support import REPO_ROOT as ROOT
+
+
+def _bf16_kernels() -> str | None:
+    """The set of kernels a bf16 call runs here: "amx" (AMX tiles, and oneDNN packing for them:
+    ONEDNN_MAX_CPU_ISA may keep it off), "dp" (oneDNN's AVX512-BF16 packing, as on a CPU without
+    AMX), or None; both need the kernels' avx512bf16 build (TINYSERVE_CPU_ISA may select another)."""
+    if kernel_library.level() != "avx512bf16":
+        return None
+    distinct = (torch.arange(64 * 64) % 251).view(64, 64).to(torch.bfloat16)  # (a constant weight fits any layout)
+    packed = pack_weight(distinct)
+    if kernel_library.amx_available() and tile_layout(packed):
+        return "amx"
+    return "dp" if getattr(packed, DP_ADDRESS, 0) else None
+
+
+BF16_KERNELS = _bf16_kernels()
+needs_amx = pytest.mark.skipif(
+    BF16_KERNELS != "amx",
+    reason="needs a CPU with AMX tiles (amx_tile, amx_bf16) for oneDNN's and our kernels: the call's linears run on them",
+)
+needs_bf16_kernels = pytest.mark.skipif(
+    BF16_KERNELS is None,
+    reason="needs a CPU with AVX512-BF16 (avx512_bf16; AMX where it has them): the bf16 call's linears run on them",
+)
+needs_avx512_bf16 = pytest.mark.skipif(
+    "avx512bf16" not in kernel_library.host_levels(), reason="needs a CPU with AVX512-BF16 (avx512_bf16)"
+)
+
+
+needs_fp32_kernels = pytest.mark.skipif(
+    not (fp32_panel_rows() and attention_kernels_f32.applies()),
+    reason="needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it (TINYSERVE_CPU_ISA may "
+           "select plain C): the fp32 call's linears and attention are its kernels",
+)
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernels), pytest.param("float32", marks=needs_fp32_kernels)]
+
+
+def _kernels_taken(runner: ModelRunner) -> str:
+    stack = decode_layers._stacks.get(runner.model.model.layers)
+    assert stack is not None, "the one-call path never described this model"
+    return stack.kernels
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
+    seen: list[bool] = []
+    real = decode_layers.run
+
+    def run(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layers, "run", run)
+    yield seen
+
+
+def _runner(path: Path, dtype: str = "bfloat16") -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype=dtype, max_total_tokens=8192, load_progress=False)
+
+
+def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5) -> list[torch.Tensor]:
+    """Prefill ``requests`` prompts (the first ``shared_prefix`` tokens common, cached once), then
+    one decode step per entry of ``modes`` (True: the one-call path allowed); each step's logits."""
+    h = Harness(runner)
+    vocab = runner.vocab_size
+    prefix = random_prompt(shared_prefix, vocab, seed=3) if shared_prefix else []
+    prompts = [prefix + random_prompt(2 + 3 * i, vocab, seed=30 + i) for i in range(requests)]
+    first = h.add_request(prompts[0])
+    h.prefill([first])
+    others = [h.add_request(p) for p in prompts[1:]]
+    for other in others:
+        if shared_prefix:
+            h.share_prefix(first, other, shared_prefix)
+    h.prefill(others)
+    reqs = [first] + others
+    logits = []
+    for on in modes:
+        with decode_layers.use_decode_layers(on):
+            logits.append(h.step(reqs, ForwardMode.DECODE).logits.clone())
+    h.reset()
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CHECKPOINT_NAMES)
+def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _runner(tiny_checkpoints.path(name), dtype)
+    steps = 6
+    layered = _decode_logits(runner, [False] * steps)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * steps)
+    # per-head q/k RMSNorm (qwen3) is the layers' own path; the dot-product kernel reads weights in
+    # 64-column blocks, which mistral's qkv (96 columns) is not: oneDNN's call runs it there
+    taken = name != "qwen3" and not (dtype == "bfloat16" and BF16_KERNELS == "dp" and name == "mistral")
+    # the first decode step builds the mirror (the layers' path), the rest append to it
+    assert calls == [False] * 2 + [False] + [taken] * (steps - 1), calls
+    if taken:
+        assert _kernels_taken(runner) == (BF16_KERNELS if dtype == "bfloat16" else "f32")
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"{name}: decode step {step} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared_prefix", [0, 40])
+def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int, dtype: str, tiny_checkpoints,
+                                                              calls: list[bool]) -> None:
+    """head_dim 64: the shared prefix goes through the packed prefix kernel inside the call (bf16:
+    the pair-packed one). Steps alternate between the two paths, each appending to the mirror the
+    other one reads."""
+    runner = _runner(tiny_checkpoints.path("llama_hd64"), dtype)
+    layered = _decode_logits(runner, [False] * 7, shared_prefix)
+    calls.clear()
+    mixed = _decode_logits(runner, [True, True, False, True, False, False, True], shared_prefix)
+    assert calls[-7:] == [False, True, False, True, False, False, True], calls
+    backend = runner.attn_backend
+    if shared_prefix:
+        assert backend.mirror.prefix_slots is not None and backend.mirror.prefix_slots.numel() == shared_prefix
+    for step, (a, b) in enumerate(zip(layered, mixed)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(dtype: str, tiny_checkpoints,
+                                                                       calls: list[bool]) -> None:
+    """A weight reload drops a layer's packed copy (its address is stale) and packs again after:
+    meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
+    runner = _runner(tiny_checkpoints.path("llama"), dtype)
+    reference = _decode_logits(runner, [False] * 3)
+    runner.model.model.layers[0].self_attn.qkv_proj.packed_weight = None  # as its weight_loader does
+    calls.clear()
+    _decode_logits(runner, [True] * 3)
+    assert not any(calls), calls
+    runner.ops.prepare_model(runner.model)
+    calls.clear()
+    repacked = _decode_logits(runner, [True] * 3)
+    assert calls == [False, False, False, True, True], calls  # two prefills, the rebuild, two appends
+    assert all(torch.equal(a, b) for a, b in zip(reference, repacked))
+
+
+@needs_avx512_bf16
+def test_bf16_without_amx_takes_the_dot_product_kernels(tiny_checkpoints) -> None:
+    """This file's bf16 tests once more in a process whose oneDNN may use AVX512-BF16 but not AMX
+    (ONEDNN_MAX_CPU_ISA is read when oneDNN starts): it packs the layout of a CPU without AMX, and
+    the call runs ``dp_linear_bf16`` and silu*mul where the AMX set has its fused gate/up."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "TINYSERVE_CPU_AMX": "0",
+           "TINYSERVE_CPU_ISA": "avx512bf16"}  # (whatever build this run selected: the kernels are in that one)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bfloat16",
+                           str(Path(__file__).relative_to(ROOT))], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "skipped" not in summary and "passed" in summary, done.stdout[-3000:]
+
+
+@needs_fp32_kernels
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
+    """The oracle itself: a batch decoded through the fp32 call gives transformers' greedy tokens."""
+    path = tiny_checkpoints.path(name)
+    runner = _runner(path, "float32")
+    prompts = [random_prompt(4 + 7 * i, runner.vocab_size, seed=700 + i) for i in range(6)]
+    steps = 12
+    h = Harness(runner)
+    reqs = h.generate(prompts, steps)
+    h.reset()
+    assert calls.count(True) == steps - 2, calls  # every decode step but the mirror's first (a rebuild)
+    reference = load_hf_model(path)
+    for prompt, req in zip(prompts, reqs):
+        assert req.output_ids == hf_greedy(reference, prompt, steps)[0], f"prompt of length {len(prompt)}"
+
+
+@needs_fp32_kernels
+def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(tiny_checkpoints, calls: list[bool]) -> None:
+    """Fewer rows than the panel kernel takes: the stack's linears are F.linear's, so the call
+    (whose linears are the panel kernel's) must decline, and the two modes give the same bits."""
+    runner = _runner(tiny_checkpoints.path("llama"), "float32")
+    requests = min(fp32_panel_rows()) - 1
+    layered = _decode_logits(runner, [False] * 3, requests=requests)
+    calls.clear()
+    asked = _decode_logits(runner, [True] * 3, requests=requests)
+    assert len(calls) >= 3 and not any(calls), calls  # (the prefills, then three decode steps, all declined)
+    assert all(torch.equal(a, b) for a, b in zip(layered, asked))
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
+def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
+    runner = _runner(tiny_checkpoints.path(name))
+    logits = _decode_logits(runner, [True] * 3)
+    assert not any(calls) and all(torch.isfinite(x).all() for x in logits)
+
+
+def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[bool]) -> None:
+    """Copies in the AMX layout with AMX off: the stack's linears are oneDNN's, so the call must
+    decline (copies in the dot-product layout, a CPU without AMX, never needed AMX)."""
+    runner = _runner(tiny_checkpoints.path("llama"))
+    with kernel_library.use_amx(False):
+        without_amx = _decode_logits(runner, [True] * 3)
+    assert calls == [False] * 3 + [BF16_KERNELS == "dp"] * 2, calls  # two prefills, the rebuild, two appends
+    calls.clear()
+    turned_off = _decode_logits(runner, [False] * 3)
+    assert not any(calls)
+    with kernel_library.use_amx(False):  # the same path both times: the same bits
+        assert all(torch.equal(a, b) for a, b in zip(without_amx, _decode_logits(runner, [False] * 3)))
+    assert all(torch.isfinite(x).all() for x in turned_off)
+
+
+@needs_amx
+def test_a_bf16_server_decodes_through_the_one_call_path_as_the_layers_do(tiny_checkpoints) -> None:
+    """The real processes (launch.py, bf16, the path on by default) against this process's model
+    running its layers: one request at a time (the same batch shapes on both sides), the same
+    greedy tokens."""
+    from tests.support.server_process import launch_server
+    from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args
+
+    path = tiny_checkpoints.path("llama")
+    runner = _runner(path)
+    prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=500 + i) for i in range(3)]
+    steps = 10
+    expected = []
+    with decode_layers.use_decode_layers(False):
+        for prompt in prompts:
+            h = Harness(runner)
+            (req,) = h.generate([prompt], steps)
+            expected.append(req.output_ids)
+    with launch_server(base_args(path, "--dtype", "bfloat16"), client_timeout=CLIENT_TIMEOUT_S) as client:
+        got = [client.generate(input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True,
+                                                             "max_new_tokens": steps})["output_ids"] for p in prompts]
+    assert got == expected

@@ -1,0 +1,257 @@
+"""Checkpoint loading: sharded == single file, clear errors, config parsing, TP shards."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
+from tests.support.harness import Harness
+from runtime.device import resolve_device, resolve_dtype
+from runtime.layers import linear
+from runtime.model_config import ModelConfig, UnsupportedModelError
+from runtime.cpu.host_memory import cpu_mem_available_bytes
+from runtime.model_runner import ModelRunner
+from runtime.weight_loader import MissingWeightError, checkpoint_files
+
+
+def _runner(path: Path, **kwargs) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=2048, load_progress=False, **kwargs)
+
+
+def _state(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in runner.model.state_dict().items()}
+
+
+# ---- sharded vs single -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama_tied_llama3", "qwen3"])
+def test_sharded_checkpoint_loads_like_single_file(tiny_checkpoints: TinyCheckpoints, name: str) -> None:
+    single = tiny_checkpoints.path(name)
+    sharded = tiny_checkpoints.sharded(name)
+    assert len(checkpoint_files(sharded)) > 1
+    a, b = _runner(single), _runner(sharded)
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    prompt = random_prompt(11, a.vocab_size, seed=9)
+    out_a = Harness(a).generate([prompt], 8)[0].output_ids
+    out_b = Harness(b).generate([prompt], 8)[0].output_ids
+    assert out_a == out_b
+
+
+# ---- errors that name what is wrong ----------------------------------------------------
+
+
+def test_missing_shard_file_is_named(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    broken = copy_checkpoint(tiny_checkpoints.sharded("llama_tied_llama3"), tmp_path / "ckpt")
+    victim = sorted(broken.glob("*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        _runner(broken)
+
+
+def test_folder_without_weights(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    broken = copy_checkpoint(tiny_checkpoints.path("llama"), tmp_path / "ckpt")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        _runner(broken)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        _runner(tmp_path)
+
+
+def test_unsupported_architecture_is_named(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    broken = copy_checkpoint(tiny_checkpoints.path("llama"), tmp_path / "ckpt")
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        _runner(broken)
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_shape_mismatch_names_the_tensor(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    broken = copy_checkpoint(tiny_checkpoints.path("qwen2"), tmp_path / "ckpt")
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name][:-1].contiguous()
+
+    _rewrite_weights(broken, edit)
+    with pytest.raises(ValueError, match=f"{name} has shape \\(31, 64\\), expected \\(32, 64\\)"):
+        _runner(broken)
+
+
+def test_missing_tensor_is_named(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    broken = copy_checkpoint(tiny_checkpoints.path("qwen3"), tmp_path / "ckpt")
+    name = "model.layers.0.self_attn.k_norm.weight"
+    _rewrite_weights(broken, lambda t: t.pop(name))
+    with pytest.raises(MissingWeightError, match=name):
+        _runner(broken)
+
+
+# ---- config parsing --------------------------------------------------------------------
+
+_BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "max_position_embeddings": 4096,
+}
+
+
+def test_old_style_rope_scaling_equals_rope_parameters(tmp_path: Path) -> None:
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    old = ModelConfig.from_dict({**_BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, tmp_path)
+    new = ModelConfig.from_dict(
+        {**_BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}, tmp_path
+    )
+    assert old.rope == new.rope and old.rope.theta == 500000.0 and old.rope.rope_type == "llama3"
+    linear_cfg = ModelConfig.from_dict({**_BASE, "rope_scaling": {"type": "linear", "factor": 2.0}}, tmp_path)
+    assert (linear_cfg.rope.rope_type, linear_cfg.rope.factor, linear_cfg.rope.theta) == ("linear", 2.0, 10000.0)
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_dict({**_BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, tmp_path)
+
+
+def test_config_switches(tmp_path: Path) -> None:
+    qwen2 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32}, tmp_path)
+    assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.context_len == 4096  # window off without use_sliding_window
+    assert qwen2.sliding_window is None and not qwen2.is_hybrid_swa
+    hybrid = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
+                                    "use_sliding_window": True, "max_window_layers": 1}, tmp_path)
+    assert hybrid.layer_windows == (None, 32) and hybrid.sliding_window == 32 and hybrid.is_hybrid_swa
+    qwen3 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}, tmp_path)
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
+    mistral = ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path)
+    assert mistral.context_len == 4096  # not capped at the window: windowed layers attend to their last 1024
+    assert mistral.layer_windows == (1024,) * _BASE["num_hidden_layers"]
+    assert ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path,
+                                 context_length=1024).layer_windows == (None,) * _BASE["num_hidden_layers"]
+    assert ModelConfig.from_dict(_BASE, tmp_path, context_length=100).context_len == 100
+    with pytest.raises(ValueError, match="exceeds"):
+        ModelConfig.from_dict(_BASE, tmp_path, context_length=5000)
+
+
+def test_eos_ids_from_config_and_generation_config(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    cfg = ModelConfig.from_dict({**_BASE, "eos_token_id": 9}, tmp_path)
+    assert cfg.eos_token_ids == [9, 7]
+
+
+def test_device_and_dtype_resolution() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("float32", "cpu") is torch.float32
+    assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert resolve_dtype("auto", "cpu") in (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int8", "cpu")
+
+
+def test_runner_attributes(tiny_llama_path: Path) -> None:
+    runner = _runner(tiny_llama_path, max_running_requests=7)
+    assert runner.max_total_tokens == 2048 and runner.max_running_requests == 7
+    assert runner.context_len == runner.model_config.max_position_embeddings == 512
+    assert runner.eos_token_ids == [2] and runner.vocab_size == runner.model_config.vocab_size
+    assert runner.req_to_token_pool.req_to_token.shape[1] >= runner.context_len
+    assert runner.token_to_kv_pool.k_buffer[0].shape == (2048 + 1, 2, 16)
+    sized = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", mem_fraction_static=0.0005, load_progress=False)
+    budget = cpu_mem_available_bytes() * 0.0005 / sized.kv_bytes_per_token()
+    assert 0.5 * budget < sized.max_total_tokens < 2 * budget  # sized from MemAvailable
+
+
+# ---- tensor parallel shards (communication faked with threads) -----------------------
+
+
+class ThreadTPGroup:
+    """all_reduce / all_gather between threads, one thread per rank (test stand-in for NCCL/gloo)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.local = threading.local()
+        self.barrier = threading.Barrier(size)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.local.rank] = tensor
+        self.barrier.wait()
+        everyone = [t for t in self.slots if t is not None]
+        self.barrier.wait()
+        return everyone
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange(tensor)).sum(0)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat(self._exchange(tensor), dim=dim)
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        source = self._exchange(tensor)[src].clone()
+        self.barrier.wait()  # every rank has read rank src's values before anyone overwrites its own
+        return tensor.copy_(source)
+
+
+@pytest.fixture
+def thread_tp_group() -> Iterator[ThreadTPGroup]:
+    group = ThreadTPGroup(2)
+    linear.set_tp_group(group)
+    yield group
+    linear.set_tp_group(None)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])  # mistral: 1 KV head, replicated on both ranks
+def test_tp2_shards_reproduce_tp1(tiny_checkpoints: TinyCheckpoints, thread_tp_group: ThreadTPGroup, name: str) -> None:
+    path = tiny_checkpoints.path(name)
+    reference = _runner(path)
+    prompts = [random_prompt(n, reference.vocab_size, seed=40 + n) for n in (5, 17)]
+    expected = [r.output_ids for r in Harness(reference).generate(prompts, 6)]
+
+    ranks = [_runner(path, tp_rank=r, tp_size=2) for r in range(2)]
+    assert ranks[0].num_kv_heads == 1 and ranks[0].num_heads == 2
+    assert ranks[0].model.lm_head.weight.shape[0] == -(-reference.vocab_size // 2)
+    results: list[list[list[int]] | BaseException] = [[], []]
+
+    def work(rank: int) -> None:
+        thread_tp_group.local.rank = rank
+        try:
+            results[rank] = [r.output_ids for r in Harness(ranks[rank]).generate(prompts, 6)]
+        except BaseException as exc:  # surfaced below; a dead rank would hang the other at the barrier
+            thread_tp_group.barrier.abort()
+            results[rank] = exc
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    assert results[0] == results[1] == expected
+
+
+def test_tp_layer_without_group_refuses_to_run(tiny_llama_path: Path) -> None:
+    runner = _runner(tiny_llama_path, tp_rank=0, tp_size=2)
+    with pytest.raises(RuntimeError, match="set_tp_group"):
+        Harness(runner).generate([[5, 6, 7]], 1)
