@@ -27,6 +27,7 @@ from runtime.messages import (
     StrOutput,
     TokenizerInput,
 )
+from runtime.tokenizer import load_tokenizer
 from runtime.utils import send_status
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,6 @@ class DetokenizerManager:
             finish_reason=out.finish_reason,
             meta=meta,
         )
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:

@@ -26,6 +26,7 @@ import zmq.asyncio
 from runtime.args import PortArgs, ServerArgs, endpoint
 from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
+from runtime.tokenizer import load_tokenizer
 from runtime.utils import exit_now, recv_status, send_status
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
@@ -36,17 +37,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0  # for HTTP responses to finish (they were all answered already)
 SHUTDOWN_LINGER_MS = 500  # for the ZMQ replies to leave
 ROUTER_RCVHWM = 1000  # requests read ahead per client: a flood waits in its sender's queue
-
-
-def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
-    """The HF tokenizer; ``chat_template`` (a Jinja file) replaces its own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if chat_template is not None:
-        with open(chat_template, encoding="utf-8") as f:
-            tokenizer.chat_template = f.read()
-    return tokenizer
 
 
 async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
