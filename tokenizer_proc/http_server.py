@@ -420,7 +420,6 @@ class OpenAIReply:
     """Builds the completion or chat completion reply (one body, or the SSE stream)."""
 
     def __init__(self, kind: oai.Kind, body: Any, n: int, model: str, logprobs: oai.LogprobFormatter) -> None:
-        self.kind = kind
         self.chat = kind == "chat"
         self.req = body
         self.n = n
