@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
-from detokenizer_proc.incremental import DecodeState
+from detokenizer_proc.incremental import DecodeState, Decoder
 from runtime.args import PortArgs, ServerArgs
 from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import (
@@ -33,14 +33,10 @@ from runtime.utils import send_status
 logger = logging.getLogger(__name__)
 
 
-class _Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
 class DetokenizerManager:
     """Turns ``BatchTokenIDOut`` into ``BatchStrOut``; pure logic, no sockets (testable)."""
 
-    def __init__(self, tokenizer: _Tokenizer) -> None:
+    def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}  # rid -> state, owned here until finish
 

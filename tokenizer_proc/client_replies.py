@@ -3,7 +3,7 @@ clients into their asyncio queues.
 
 HTTP requests take the ZMQ path: each HTTP request is a *local client*, an identity whose
 replies go to a queue that the HTTP server reads instead of the socket. ``ClientReplies``
-owns those queues, from ``open_local`` to ``close_local``; the ROUTER socket is the
+owns those queues, from ``open_local_queue`` to ``close_local_queue``; the ROUTER socket is the
 process's (tokenizer_proc/process.py binds and closes it).
 """
 
@@ -35,15 +35,16 @@ class ClientReplies:
         self._on_client_gone = on_client_gone
         self._local: dict[bytes, asyncio.Queue[Any]] = {}  # open local clients' reply queues
 
-    def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
+    def open_local_queue(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies go to."""
         identity = LOCAL_PREFIX + uuid.uuid4().bytes
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._local[identity] = queue
         return identity, queue
 
-    def close_local(self, identity: bytes) -> None:
-        """The local client's queue takes no more replies (idempotent)."""
+    def close_local_queue(self, identity: bytes) -> None:
+        """The local client's queue takes no more replies (idempotent; aborting what the client
+        has in flight is the TokenizerManager's ``close_local``)."""
         self._local.pop(identity, None)
 
     def is_open_local(self, identity: bytes) -> bool:

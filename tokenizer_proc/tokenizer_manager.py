@@ -96,7 +96,7 @@ class TokenizerManager:
         self.replies = ClientReplies(router, self.stats, self.client_gone)
         # Control round trips waiting, per client (issue 17's fairness), are ControlCalls'.
         self.control = ControlCalls(to_scheduler, self.replies.send, server_args.max_controls_per_client,
-                                    self.server_info)
+                                    self.compose_server_info)
         self.outputs = OutputRouter(self.table, self.replies, to_scheduler, self.control, self.stats, metrics,
                                     server_args.log_requests)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
@@ -265,11 +265,11 @@ class TokenizerManager:
 
     def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies go to."""
-        return self.replies.open_local()
+        return self.replies.open_local_queue()
 
     def close_local(self, identity: bytes) -> None:
         """The local client is done or went away: abort whatever it still has in flight."""
-        self.replies.close_local(identity)
+        self.replies.close_local_queue(identity)
         self.client_gone(identity)
 
     async def submit_local(self, identity: bytes, req: GenerateReq) -> int:
@@ -298,7 +298,9 @@ class TokenizerManager:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         self.control.start(identity, req)
 
-    def server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
+    def compose_server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
+        """The whole server info: the scheduler's figures, and the front door's, the model's,
+        the flags and the processes."""
         info = dict(scheduler_payload)
         info["tokenizer"] = {
             "active_requests": self.table.num_groups,
