@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
-from detokenizer_proc.incremental import DecodeState
+from detokenizer_proc.incremental import DecodeState, Decoder
 from runtime.args import PortArgs, ServerArgs
 from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import (
@@ -27,19 +27,16 @@ from runtime.messages import (
     StrOutput,
     TokenizerInput,
 )
+from runtime.tokenizer import load_tokenizer
 from runtime.utils import send_status
 
 logger = logging.getLogger(__name__)
 
 
-class _Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
 class DetokenizerManager:
     """Turns ``BatchTokenIDOut`` into ``BatchStrOut``; pure logic, no sockets (testable)."""
 
-    def __init__(self, tokenizer: _Tokenizer) -> None:
+    def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}  # rid -> state, owned here until finish
 
@@ -94,12 +91,6 @@ class DetokenizerManager:
             finish_reason=out.finish_reason,
             meta=meta,
         )
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:

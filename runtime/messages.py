@@ -107,7 +107,6 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    arrival_time: float = 0.0
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
@@ -135,7 +134,6 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     output_logprobs: list[float] | None = None  # one per new output id, when asked
     output_top_logprobs: list[list[list[float]]] | None = None  # per new id: [[logprob, token_id], ...]
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
     # any text that may be the start of one, and cuts the final text at the first match. Read
     # from a request's first ReqOutput only (the detokenizer keeps them in its state until the

@@ -84,7 +84,6 @@ class OutputProcessor:
             output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
             output_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
             skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
             stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
         )

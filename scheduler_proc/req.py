@@ -118,10 +118,9 @@ class StopChecker:
     def load_tokenizer(self, server_args: ServerArgs) -> None:
         """Stop strings need text: load the server's tokenizer the first time one is asked for."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from runtime.tokenizer import load_tokenizer
 
-            path = server_args.tokenizer_path or server_args.resolved_model_path()
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self._tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
 
     def check(self, req: Req) -> None:
         if req.finish_reason is not None:

@@ -33,7 +33,7 @@ HEALTH_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 120.0
 _KIND = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}
 
-Reply = Callable[[bytes, Any], Awaitable[bool]]
+SendReply = Callable[[bytes, Any], Awaitable[bool]]  # ClientReplies.send: False when not delivered
 
 
 @dataclass
@@ -48,12 +48,12 @@ class PendingControl:
 class ControlCalls:
     """The control calls waiting for the scheduler, by internal rid, and per client."""
 
-    def __init__(self, to_scheduler: PushSocket[Any], reply: Reply, max_per_client: int,
-                 server_info: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def __init__(self, to_scheduler: PushSocket[Any], reply: SendReply, max_per_client: int,
+                 compose_server_info: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         self.to_scheduler = to_scheduler
         self.reply = reply
         self.max_per_client = max_per_client
-        self.server_info = server_info  # the scheduler's payload -> the whole server info
+        self.compose_server_info = compose_server_info  # the scheduler's payload -> the whole server info
         self.pending: dict[str, PendingControl] = {}
         self.per_client: dict[bytes, int] = {}
 
@@ -107,7 +107,7 @@ class ControlCalls:
         if pending.kind == "health":
             payload: dict[str, Any] = {"ok": True, "scheduler_round_trip_s": time.monotonic() - pending.sent_at}
         elif pending.kind == "server_info":
-            payload = self.server_info(out.payload)
+            payload = self.compose_server_info(out.payload)
         else:
             payload = dict(out.payload)
         await self.reply(pending.identity, ControlReply(rid=pending.client_rid, kind=pending.kind, payload=payload))

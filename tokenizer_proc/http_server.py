@@ -4,7 +4,8 @@ HTTP and ZMQ clients share one request path: an HTTP request becomes the same
 ``GenerateReq`` a ZMQ client sends, submitted as a *local client* of the
 TokenizerManager (``open_local``), so validation, tokenization, the rid space, reply
 routing, metrics and aborts are the ZMQ path's own. A client that disconnects closes
-its local client, which aborts what it still has in flight (its KV is freed).
+its local client, which aborts what it still has in flight (its KV is freed). This
+module reaches the manager only through ``FrontDoor`` (tokenizer_proc/front_door.py).
 
 The server listens from the start of the process, before the tokenizer and the
 scheduler are ready: until then every endpoint answers 503 (``/health`` included), so
@@ -35,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.args import ServerArgs, endpoint
 from runtime.messages import ErrorReply, FlushCacheReq, GenerateChunk, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc import openai_protocol as oai
+from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.request_builder import Rejected, check_api_key
-from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -74,28 +75,23 @@ def sse(obj: Any) -> bytes:
 
 
 class LocalRun:
-    """The requests of one HTTP request, as one local client of the TokenizerManager."""
+    """The requests of one HTTP request, as one local client of the front door."""
 
-    def __init__(self, manager: TokenizerManager, reqs: list[GenerateReq]) -> None:
-        self.manager = manager
+    def __init__(self, door: FrontDoor, reqs: list[GenerateReq]) -> None:
+        self.door = door
         self.reqs = reqs
-        self.identity, self.queue = manager.open_local()
+        self.identity, self.queue = door.open_local()
         self.prompt_index = {r.rid: i for i, r in enumerate(reqs)}
-        self.n = 1
+        self.n = 1  # samples per prompt (the requests share their sampling params)
 
     async def submit(self) -> None:
         """Validate and send every request; Rejected (and nothing left running) when one fails."""
         try:
-            for req in self.reqs:
-                await self.manager.handle_generate(self.identity, req)
-        except Rejected as exc:
-            self.manager.note_rejected(exc)
-            self.close()
-            raise
+            samples = [await self.door.submit_local(self.identity, req) for req in self.reqs]
         except BaseException:
             self.close()
             raise
-        self.n = self.manager.groups[(self.identity, self.reqs[0].rid)].n
+        self.n = samples[0]
 
     async def events(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(prompt index, chunk) until every sample has finished; RequestFailed on an error
@@ -120,7 +116,7 @@ class LocalRun:
 
     def close(self) -> None:
         """Idempotent: aborts whatever has not finished."""
-        self.manager.close_local(self.identity)
+        self.door.close_local(self.identity)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -142,13 +138,13 @@ async def abort_on_disconnect(request: Request, run: LocalRun) -> AsyncIterator[
 
 class HttpServer:
     """Binds at construction (a port conflict is reported at once); ``serve`` runs it;
-    ``attach`` makes it answer once the tokenizer manager exists."""
+    ``attach`` makes it answer once the tokenizer manager (its ``FrontDoor``) exists."""
 
     def __init__(self, server_args: ServerArgs, max_request_bytes: int) -> None:
         self.server_args = server_args
         self.max_request_bytes = max_request_bytes  # a larger body is refused (413) before it is read
         self.model_name = server_args.served_model_name or server_args.resolved_model_path()
-        self.manager: TokenizerManager | None = None
+        self.door: FrontDoor | None = None
         self.logprobs: oai.LogprobFormatter | None = None
         self.created = oai.now()
         host, port = server_args.host, server_args.resolved_http_port()
@@ -167,19 +163,19 @@ class HttpServer:
                                 log_level=server_args.log_level, timeout_keep_alive=30)
         self.server = _Server(config)
 
-    def attach(self, manager: TokenizerManager) -> None:
-        self.manager = manager
-        self.logprobs = oai.LogprobFormatter(manager.builder.tokenizer)
+    def attach(self, door: FrontDoor) -> None:
+        self.door = door
+        self.logprobs = oai.LogprobFormatter(door.tokenizer)
 
     async def serve(self) -> None:
         await self.server.serve(sockets=[self.sock])
 
     # ------------------------------------------------------------------ helpers for the routes
 
-    def ready_manager(self) -> TokenizerManager:
-        if self.manager is None:
+    def ready_door(self) -> FrontDoor:
+        if self.door is None:
             raise oai.BadRequest("the server is starting", status=503, code="starting")
-        return self.manager
+        return self.door
 
     def authorize(self, request: Request) -> None:
         header = request.headers.get("authorization")
@@ -192,7 +188,7 @@ class HttpServer:
                                  "model", status=404, code="model_not_found")
 
     async def start(self, reqs: list[GenerateReq]) -> LocalRun:
-        run = LocalRun(self.ready_manager(), reqs)
+        run = LocalRun(self.ready_door(), reqs)
         await run.submit()
         return run
 
@@ -282,8 +278,7 @@ def build_app(http: HttpServer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        manager = http.ready_manager()
-        reply = await manager.local_control(HealthReq(rid="health"))
+        reply = await http.ready_door().local_control(HealthReq(rid="health"))
         if isinstance(reply, ErrorReply):
             return error_response(503, reply.message, reply.code)
         return Response(status_code=200)
@@ -306,14 +301,14 @@ def build_app(http: HttpServer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         http.authorize(request)
-        manager = http.ready_manager()
+        door = http.ready_door()
         return JSONResponse({"object": "list", "data": [{
             "id": http.model_name, "object": "model", "created": http.created, "owned_by": "tinyserve",
-            "root": http.server_args.model_path, "max_model_len": manager.limits.context_len}]})
+            "root": http.server_args.model_path, "max_model_len": door.context_len}]})
 
     async def control(request: Request, req: Any) -> dict[str, Any]:
         http.authorize(request)
-        reply = await http.ready_manager().local_control(req)
+        reply = await http.ready_door().local_control(req)
         if isinstance(reply, ErrorReply):
             raise RequestFailed(reply.code, reply.message)
         return reply.payload
@@ -329,14 +324,14 @@ def build_app(http: HttpServer) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        manager = http.ready_manager()
-        if manager.metrics is None:
+        door_metrics = http.ready_door().metrics
+        if door_metrics is None:
             raise oai.BadRequest("metrics are off; start the server with --enable-metrics", status=404,
                                  code="not_found")
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        manager.metrics.set_scheduler_gauges(await control(request, ServerInfoReq(rid="metrics")))
-        return Response(manager.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        door_metrics.set_scheduler_gauges(await control(request, ServerInfoReq(rid="metrics")))
+        return Response(door_metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ generation
 
@@ -420,7 +415,6 @@ class OpenAIReply:
     """Builds the completion or chat completion reply (one body, or the SSE stream)."""
 
     def __init__(self, kind: oai.Kind, body: Any, n: int, model: str, logprobs: oai.LogprobFormatter) -> None:
-        self.kind = kind
         self.chat = kind == "chat"
         self.req = body
         self.n = n

@@ -12,7 +12,7 @@ queue or on the tokenizer's memory is bounded here before any work is done for i
 * stop strings: a bounded count and length (the scheduler checks each of them after
   every token);
 * per client: requests in flight and control round trips waiting for the scheduler
-  (counted by the TokenizerManager and ControlCalls), and the replies queued for it (the ROUTER's send high-water mark:
+  (counted by the RequestTable and ControlCalls), and the replies queued for it (the ROUTER's send high-water mark:
   a client that stops reading loses its own replies, nobody else's service).
 """
 

@@ -1,12 +1,13 @@
-"""Reply routing of the TokenizerManager: scheduler outputs back to the client that asked.
+"""Reply routing of the front door: detokenizer outputs back to the client that asked.
 
 Every streamed token passes through ``handle_output``: the detokenizer's text delta is found
-by its internal rid (``by_internal``), timed for the metrics, and becomes a chunk to the
+by its internal rid in the ``RequestTable``, timed for the metrics, and becomes a chunk to the
 client's ZMQ identity (stream; a step's chunks for one client go in one frame), or is gathered
 into the one reply of a non-stream request.
 A reply that cannot be delivered (the client is gone or not reading) aborts the rest of its
-request. ``OutputRouting`` is a part of ``TokenizerManager`` (tokenizer_manager.py), which
-owns the state named below and the intake of requests.
+request. Ending a request (``drop_group``: its last output, an error or an abort) is here too,
+so that the table entry, the scheduler abort and the finish metrics go together; the table's
+entries are removed only through the table's methods.
 """
 
 from __future__ import annotations
@@ -15,40 +16,38 @@ import logging
 import time
 from typing import Any
 
-from runtime.ipc import AsyncPullSocket
+from runtime.ipc import AsyncPullSocket, PushSocket
 from runtime.messages import (
     BatchStrOut,
     ErrorReply,
     GenerateChunk,
     GenerateChunks,
+    SchedAbortReq,
     SchedControlOut,
     SchedErrorOut,
     StrOutput,
 )
+from tokenizer_proc.client_replies import ClientReplies
 from tokenizer_proc.control import ControlCalls
 from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.req_state import ReqGroup, SampleState
+from tokenizer_proc.request_table import RequestTable
+from tokenizer_proc.routing_state import ReqGroup, SampleState
 
 logger = logging.getLogger(__name__)
 
 
-class OutputRouting:
-    """The outputs side of ``TokenizerManager``; the state and the two methods it needs
-    (``reply``, ``drop_group``) are the manager's."""
+class OutputRouter:
+    """Turns the detokenizer's messages into client replies, through the request table."""
 
-    groups: dict[tuple[bytes, str], ReqGroup]
-    by_internal: dict[str, tuple[ReqGroup, SampleState]]
-    local: dict[bytes, Any]  # the HTTP server's reply queues
-    stats: dict[str, int]
-    metrics: Metrics | None
-    log_requests: bool
-    control: ControlCalls
-
-    async def reply(self, identity: bytes, msg: Any) -> bool:
-        raise NotImplementedError  # TokenizerManager.reply
-
-    def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
-        raise NotImplementedError  # TokenizerManager.drop_group
+    def __init__(self, table: RequestTable, replies: ClientReplies, to_scheduler: PushSocket[Any],
+                 control: ControlCalls, stats: dict[str, int], metrics: Metrics | None, log_requests: bool) -> None:
+        self.table = table
+        self.replies = replies
+        self.to_scheduler = to_scheduler
+        self.control = control
+        self._stats = stats  # the TokenizerManager's counters: this bumps "requests_aborted"
+        self.metrics = metrics
+        self.log_requests = log_requests
 
     async def output_loop(self, from_detokenizer: AsyncPullSocket[Any]) -> None:
         while True:
@@ -71,20 +70,20 @@ class OutputRouting:
             routed = await self.handle_output(out)
             if routed is not None:
                 by_client.setdefault(routed[0].identity, []).append(routed)
-        for identity, replies in by_client.items():
-            if identity in self.local or len(replies) == 1:  # (the HTTP server's queues take chunks)
-                lost = [group for group, chunk in replies if not await self.reply(identity, chunk)]
-            elif await self.reply(identity, GenerateChunks([chunk for _, chunk in replies])):
+        for identity, chunks in by_client.items():
+            if self.replies.is_open_local(identity) or len(chunks) == 1:  # (the HTTP server's queues take chunks)
+                lost = [group for group, chunk in chunks if not await self.replies.send(identity, chunk)]
+            elif await self.replies.send(identity, GenerateChunks([chunk for _, chunk in chunks])):
                 lost = []
             else:
-                lost = [group for group, _ in replies]
+                lost = [group for group, _ in chunks]
             for group in lost:
                 self.reply_lost(group)
 
     async def handle_output(self, out: StrOutput) -> tuple[ReqGroup, GenerateChunk] | None:
         """Notes ``out``; a stream's chunk is returned for the caller to send (with the step's
         other chunks for the same client), a whole non-stream reply is sent here."""
-        entry = self.by_internal.get(out.rid)
+        entry = self.table.sample(out.rid)
         if entry is None:
             return None  # aborted or its client is gone: nobody to send to
         group, sample = entry
@@ -110,11 +109,11 @@ class OutputRouting:
                     meta["output_top_logprobs"] = sample.top_logprobs
                 chunk = GenerateChunk(rid=group.client_rid, text="".join(sample.text), output_ids=sample.output_ids,
                                       finished=True, finish_reason=out.finish_reason, meta=meta)
-                if not await self.reply(group.identity, chunk):
+                if not await self.replies.send(group.identity, chunk):
                     self.reply_lost(group)
                     return None
         if out.finished:
-            self.by_internal.pop(out.rid, None)
+            self.table.sample_finished(out.rid)
             if not group.unfinished():
                 self.drop_group(group, abort_in_scheduler=False)
         return routed
@@ -122,9 +121,28 @@ class OutputRouting:
     def reply_lost(self, group: ReqGroup) -> None:
         """A reply of ``group`` was dropped (its client is gone or not reading): the rest is
         moot, so abort what is still running (a no-op when client_gone dropped it already)."""
-        if (group.identity, group.client_rid) in self.groups:
-            self.stats["requests_aborted"] += 1
+        if self.table.contains(group.identity, group.client_rid):
+            self._stats["requests_aborted"] += 1
             self.drop_group(group, abort_in_scheduler=True)
+
+    async def abort_groups(self, groups: list[ReqGroup]) -> None:
+        """Abort each group; its client gets each unfinished sample's last chunk (reason abort)."""
+        for group in groups:
+            self._stats["requests_aborted"] += 1
+            for sample in self.drop_group(group, abort_in_scheduler=True):
+                await self.replies.send(group.identity, self.final_chunk(
+                    group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
+
+    def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
+        """Remove a group from the table; abort its unfinished samples in the scheduler (their
+        KV is freed). Returns those samples."""
+        unfinished = group.unfinished()
+        if abort_in_scheduler:
+            for sample in unfinished:
+                self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
+                self.note_finished(group, sample, "abort", {})
+        self.table.remove(group)
+        return unfinished
 
     def note_output(self, group: ReqGroup, sample: SampleState, out: StrOutput) -> None:
         """Timing, metrics and the --log-requests line, as the outputs arrive."""
@@ -180,12 +198,12 @@ class OutputRouting:
     async def handle_sched_error(self, err: SchedErrorOut) -> None:
         if await self.control.handle_error(err):
             return
-        entry = self.by_internal.get(err.rid)
+        entry = self.table.sample(err.rid)
         if entry is None:
             return
         group, sample = entry
         sample.finished = True  # the scheduler has already dropped it
         self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
-        await self.reply(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
+        await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
 

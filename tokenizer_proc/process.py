@@ -26,6 +26,7 @@ import zmq.asyncio
 from runtime.args import PortArgs, ServerArgs, endpoint
 from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
+from runtime.tokenizer import load_tokenizer
 from runtime.utils import exit_now, recv_status, send_status
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
@@ -36,17 +37,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0  # for HTTP responses to finish (they were all answered already)
 SHUTDOWN_LINGER_MS = 500  # for the ZMQ replies to leave
 ROUTER_RCVHWM = 1000  # requests read ahead per client: a flood waits in its sender's queue
-
-
-def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
-    """The HF tokenizer; ``chat_template`` (a Jinja file) replaces its own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if chat_template is not None:
-        with open(chat_template, encoding="utf-8") as f:
-            tokenizer.chat_template = f.read()
-    return tokenizer
 
 
 async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
@@ -80,15 +70,14 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     limits = ModelLimits(vocab_size=int(info["vocab_size"]), context_len=int(info["context_len"]),
                          max_req_input_len=int(info["max_req_input_len"]),
                          max_total_tokens=int(info["max_total_tokens"]))
-    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler)
+    metrics = Metrics(http.model_name) if server_args.enable_metrics else None
+    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler, metrics)
     manager.processes = dict(info.get("processes") or {})
-    if server_args.enable_metrics:
-        manager.metrics = Metrics(http.model_name)
     http.attach(manager)
     address = endpoint("tcp", server_args.host, router.port)
     send_status(ready_conn, {"status": "ready", "address": address, "http_address": http.address})
     logger.info("tokenizer ready on %s and %s", address, http.address)
-    await asyncio.gather(manager.client_loop(), manager.output_loop(from_detokenizer), manager.probe_loop(),
+    await asyncio.gather(manager.client_loop(), manager.outputs.output_loop(from_detokenizer), manager.probe_loop(),
                          http_task)
 
 
@@ -96,7 +85,7 @@ async def _stop(manager: TokenizerManager, http: Any, http_task: "asyncio.Future
                 router: AsyncRouter, from_detokenizer: AsyncPullSocket[Any]) -> None:
     """Answer everything in flight with server_shutdown, let the answers leave, exit 0."""
     try:
-        logger.info("shutting down: %d request(s) in flight get server_shutdown", len(manager.groups))
+        logger.info("shutting down: %d request(s) in flight get server_shutdown", manager.table.num_groups)
         await manager.shutdown()
         http.server.should_exit = True  # uvicorn closes idle connections and finishes the answered ones
         try:

@@ -8,7 +8,6 @@ scheduler: the scheduler trusts what it receives.
 from __future__ import annotations
 
 import hmac
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -66,7 +65,6 @@ class RequestBuilder:
         params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
         top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
         return_logprob = req.return_logprob or top_logprobs_num > 0
-        now = time.time()
         out = []
         for i in range(params.n):
             sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
@@ -78,7 +76,6 @@ class RequestBuilder:
                 stream=req.stream,
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
-                arrival_time=now,
             ))
         return out
 

@@ -6,7 +6,7 @@ One asyncio loop (uvloop) runs three tasks, and the HTTP server (tokenizer_proc/
     the scheduler.
   * outputs: text deltas from the detokenizer, routed back to the client that asked,
     by its ZMQ identity (a chunk per stream step, one reply for a non-stream request;
-    tokenizer_proc/output_routing.py).
+    tokenizer_proc/output_routing.py, replies sent by tokenizer_proc/client_replies.py).
   * probe: every PROBE_INTERVAL_S an empty frame to each client with requests in
     flight; the ROUTER is ``ROUTER_MANDATORY``, so a client that has gone away makes
     the send fail, and its requests are aborted in the scheduler (their KV is freed).
@@ -26,25 +26,28 @@ so does anything that arrives afterwards, before the process exits
 
 HTTP requests take the same path as ZMQ ones: each HTTP request is a *local client*
 (``open_local``), an identity whose replies go to an asyncio queue instead of the
-socket; it is validated by the same RequestBuilder, its rids live in the same maps,
-and closing it (the HTTP client went away) aborts what it still has in flight.
+socket; it is validated by the same RequestBuilder, its rids live in the same table,
+and closing it (the HTTP client went away) aborts what it still has in flight. The HTTP
+server sees the manager only through ``FrontDoor`` (tokenizer_proc/front_door.py).
 
-This process owns the per-request routing state (``ReqGroup``); an entry lives
-from the accepted request until its last output, an error, or an abort.
+Who owns what: the per-request routing state (``ReqGroup``, tokenizer_proc/routing_state.py)
+is the ``RequestTable``'s (tokenizer_proc/request_table.py), from the accepted request (or
+the start of its tokenizing) until its last output, an error or an abort; this intake adds
+entries, ``OutputRouter`` ends them, both through the table's methods. ``ClientReplies``
+owns the local clients' reply queues, ``ControlCalls`` the control round trips waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
 from runtime.args import ServerArgs
-from runtime.ipc import AsyncRouter, ClientBusy, ClientGone, PushSocket
+from runtime.ipc import AsyncRouter, PushSocket
 from runtime.messages import (
     AbortReq,
     ClientRequest,
@@ -53,55 +56,52 @@ from runtime.messages import (
     FlushCacheReq,
     GenerateReq,
     HealthReq,
-    SchedAbortReq,
     ServerInfoReq,
+    TokenizedGenerateReq,
 )
+from tokenizer_proc.client_replies import ClientReplies, is_local
 from tokenizer_proc.control import ControlCalls
 from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
 from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.output_routing import OutputRouting
-from tokenizer_proc.req_state import ReqGroup, SampleState
+from tokenizer_proc.output_routing import OutputRouter
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
+from tokenizer_proc.request_table import RequestTable
+from tokenizer_proc.routing_state import ReqGroup, SampleState
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.1
-# Identities of local (HTTP) clients. ZMQ identities never start with a zero byte except the
-# 5-byte ones libzmq makes up for peers without one, so these longer ones cannot collide.
-LOCAL_PREFIX = b"\x00local-"
 SHUTDOWN_MESSAGE = "the server is shutting down"
 YIELD_EVERY = 16  # client messages handled between turns of the other tasks
 
 
-class TokenizerManager(OutputRouting):
-    """The front door: request intake here, reply routing in ``OutputRouting``."""
+class TokenizerManager:
+    """The front door: request intake, aborts, control calls and shutdown here; reply routing
+    in ``OutputRouter``; the requests in flight in ``RequestTable``."""
 
     def __init__(self, server_args: ServerArgs, tokenizer: Any, limits: ModelLimits,
-                 router: AsyncRouter, to_scheduler: PushSocket[Any]) -> None:
+                 router: AsyncRouter, to_scheduler: PushSocket[Any], metrics: Metrics | None = None) -> None:
         self.server_args = server_args
         self.limits = limits
         self.builder = RequestBuilder(tokenizer, limits)
-        self.router = router
+        self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
         self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
-        self.groups: dict[tuple[bytes, str], ReqGroup] = {}
-        self.by_internal: dict[str, tuple[ReqGroup, SampleState]] = {}
-        self.by_identity: dict[bytes, set[str]] = {}
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
-        self.control = ControlCalls(to_scheduler, self.reply, server_args.max_controls_per_client, self.server_info)
-        self.stats = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
-                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0}
-        # Per client: scheduler requests of its groups in flight, control round trips
-        # waiting, and rids being tokenized on the worker thread (issue 17's fairness).
-        self.client_samples: dict[bytes, int] = {}
-        self.building: dict[bytes, set[str]] = {}
-        self.abandoned: set[tuple[bytes, str]] = set()  # aborted while being tokenized
+        # Counters for server info, owned here; the replies and the routing bump theirs.
+        self.stats: dict[str, int] = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
+                                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0}
+        self.metrics = metrics  # None unless --enable-metrics
+        self.table = RequestTable()
+        self.replies = ClientReplies(router, self.stats, self.client_gone)
+        # Control round trips waiting, per client (issue 17's fairness), are ControlCalls'.
+        self.control = ControlCalls(to_scheduler, self.replies.send, server_args.max_controls_per_client,
+                                    self.compose_server_info)
+        self.outputs = OutputRouter(self.table, self.replies, to_scheduler, self.control, self.stats, metrics,
+                                    server_args.log_requests)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
         self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
         self.stopping = False
-        self.local: dict[bytes, asyncio.Queue[Any]] = {}  # local (HTTP) clients' reply queues
-        self.metrics: Metrics | None = None  # set when --enable-metrics
-        self.log_requests = server_args.log_requests
 
     # ================================================================== client side
 
@@ -124,8 +124,8 @@ class TokenizerManager(OutputRouting):
             return  # an empty frame is a keepalive; nothing to answer
         if len(frames) != 1:
             self.stats["malformed_frames"] += 1
-            await self.reply(identity, ErrorReply(rid="", code="invalid_request",
-                                                  message=f"expected one frame per message, got {len(frames)}"))
+            await self.replies.send(identity, ErrorReply(rid="", code="invalid_request",
+                                                         message=f"expected one frame per message, got {len(frames)}"))
             return
         try:
             req = self.client_decoder.decode(frames[0])
@@ -133,8 +133,8 @@ class TokenizerManager(OutputRouting):
             self.stats["malformed_frames"] += 1
             rid = _loose_rid(frames[0])
             logger.warning("rejecting a malformed request from %s: %s", identity.hex(), exc)
-            await self.reply(identity, ErrorReply(rid=rid, code="invalid_request",
-                                                  message=f"malformed request: {exc}"))
+            await self.replies.send(identity, ErrorReply(rid=rid, code="invalid_request",
+                                                         message=f"malformed request: {exc}"))
             return
         if isinstance(req, GenerateReq) and prompt_chars(req) >= OFFLOAD_BYTES:
             # Tokenized on the worker thread: this loop goes on reading the other clients.
@@ -156,26 +156,27 @@ class TokenizerManager(OutputRouting):
                 self.start_control(identity, req)
         except Rejected as exc:
             self.note_rejected(exc)
-            await self.reply(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
+            await self.replies.send(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
         except Exception as exc:  # a bug here must not leave the client waiting forever
             logger.exception("failed to handle request %s", req.rid)
-            await self.reply(identity, ErrorReply(rid=req.rid, code="internal",
-                                                  message=f"{type(exc).__name__}: {exc}"))
+            await self.replies.send(identity, ErrorReply(rid=req.rid, code="internal",
+                                                         message=f"{type(exc).__name__}: {exc}"))
 
     def note_rejected(self, exc: Rejected) -> None:
         self.stats["requests_rejected"] += 1
         if self.metrics is not None:
             self.metrics.rejected_request(exc.code)
 
-    async def handle_generate(self, identity: bytes, req: GenerateReq) -> None:
+    async def handle_generate(self, identity: bytes, req: GenerateReq) -> int:
+        """Validate, tokenize and send one generate request to the scheduler; the number of
+        samples accepted (``n``). Rejected when it is refused."""
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
-        key = (identity, req.rid)
-        building = self.building.get(identity, set())
-        if key in self.groups or req.rid in building:
+        table = self.table
+        if table.contains(identity, req.rid) or table.is_building(identity, req.rid):
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
         limit = self.server_args.max_requests_per_client
-        if self.client_samples.get(identity, 0) + len(building) >= limit:
+        if table.samples_in_flight(identity) + table.num_building(identity) >= limit:
             raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
                                                 f"--max-requests-per-client allows; wait for some to finish")
         abandoned = False  # aborted while it was tokenized: accepted, then aborted at once
@@ -183,34 +184,30 @@ class TokenizerManager(OutputRouting):
             subs, abandoned = await self._build_off_loop(identity, req)
         else:
             subs = self.builder.build(req)
-        held = self.client_samples.get(identity, 0)
+        held = table.samples_in_flight(identity)
         if held + len(subs) > limit:
             raise Rejected("too_many_requests", f"{len(subs)} more requests would put this client past "
                                                 f"--max-requests-per-client ({limit}; {held} in flight)")
         group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream,
                          samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)])
-        self.groups[key] = group
-        self.client_samples[identity] = held + group.n
-        self.by_identity.setdefault(identity, set()).add(req.rid)
-        for sample in group.samples:
-            self.by_internal[sample.internal_rid] = (group, sample)
+        table.add(group)
         for sub in subs:
             self.to_scheduler.send(sub)
         self.stats["requests_accepted"] += 1
         logger.debug("accepted %s from %s as %s", req.rid, identity.hex(), [s.rid for s in subs])
-        if self.log_requests:
+        if self.server_args.log_requests:
             sp = subs[0].sampling_params
             logger.info("request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, "
                         "from %s", req.rid, len(subs[0].input_ids), len(subs), sp.max_new_tokens, sp.temperature,
-                        req.stream, "http" if identity.startswith(LOCAL_PREFIX) else "zmq")
+                        req.stream, "http" if is_local(identity) else "zmq")
         if abandoned:
-            await self.abort_groups([group])
+            await self.outputs.abort_groups([group])
+        return group.n
 
-    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> tuple[list[Any], bool]:
+    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> tuple[list[TokenizedGenerateReq], bool]:
         """``builder.build`` on the worker thread, and whether the client aborted the request
         meanwhile (the rid counts as in flight while it is tokenized)."""
-        building = self.building.setdefault(identity, set())
-        building.add(req.rid)
+        self.table.begin_build(identity, req.rid)
         try:
             subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req)
         except asyncio.CancelledError:
@@ -218,119 +215,71 @@ class TokenizerManager(OutputRouting):
                 raise
             subs = []  # shutdown cancelled the queued work: answered below
         finally:
-            building.discard(req.rid)
-            if not building:
-                self.building.pop(identity, None)
-            abandoned = (identity, req.rid) in self.abandoned
-            self.abandoned.discard((identity, req.rid))
+            abandoned = self.table.end_build(identity, req.rid)
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
-        if identity.startswith(LOCAL_PREFIX) and identity not in self.local:
+        if is_local(identity) and not self.replies.is_open_local(identity):
             raise Rejected("aborted", "the client went away while its prompt was tokenized")
         return subs, abandoned
 
     async def handle_abort(self, identity: bytes, req: AbortReq) -> None:
         if req.all and self.server_args.api_key is not None:
-            groups = list(self.groups.values())  # the key holder may stop everyone's requests
+            groups = self.table.all_groups()  # the key holder may stop everyone's requests
         elif req.all:  # without --api-key nobody proves to be the operator: only the caller's own
-            groups = [self.groups[(identity, rid)] for rid in self.by_identity.get(identity, ())]
+            groups = self.table.groups_of(identity)
         else:
-            group = self.groups.get((identity, req.rid))
+            group = self.table.group(identity, req.rid)
             groups = [group] if group is not None else []
-            if req.rid in self.building.get(identity, ()):  # still being tokenized: aborted once accepted
-                self.abandoned.add((identity, req.rid))
-                await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload={"aborted": True}))
+            if self.table.abandon(identity, req.rid):  # still being tokenized: aborted once accepted
+                await self.replies.send(identity, ControlReply(rid=req.rid, kind="abort", payload={"aborted": True}))
                 return
-        await self.abort_groups(groups)
+        await self.outputs.abort_groups(groups)
         payload: dict[str, Any] = {"aborted": len(groups) if req.all else bool(groups)}
-        await self.reply(identity, ControlReply(rid=req.rid, kind="abort", payload=payload))
-
-    async def abort_groups(self, groups: list[ReqGroup]) -> None:
-        """Abort each group; its client gets each unfinished sample's last chunk (reason abort)."""
-        for group in groups:
-            self.stats["requests_aborted"] += 1
-            for sample in self.drop_group(group, abort_in_scheduler=True):
-                await self.reply(group.identity, self.final_chunk(
-                    group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
-
-    def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
-        """Forget a group; abort its unfinished samples in the scheduler. Returns those samples."""
-        unfinished = group.unfinished()
-        for sample in group.samples:
-            self.by_internal.pop(sample.internal_rid, None)
-            if abort_in_scheduler and not sample.finished:
-                self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
-                self.note_finished(group, sample, "abort", {})
-        if self.groups.pop((group.identity, group.client_rid), None) is not None:
-            left = self.client_samples.get(group.identity, 0) - group.n
-            if left > 0:
-                self.client_samples[group.identity] = left
-            else:
-                self.client_samples.pop(group.identity, None)
-        rids = self.by_identity.get(group.identity)
-        if rids is not None:
-            rids.discard(group.client_rid)
-            if not rids:
-                del self.by_identity[group.identity]
-        return unfinished
+        await self.replies.send(identity, ControlReply(rid=req.rid, kind="abort", payload=payload))
 
     def client_gone(self, identity: bytes) -> None:
         """The client disconnected: abort everything it had in flight (frees its KV)."""
-        rids = list(self.by_identity.get(identity, ()))
-        if rids:
+        groups = self.table.groups_of(identity)
+        if groups:
             self.stats["clients_gone"] += 1
-            logger.info("client %s went away; aborting %d request(s)", identity.hex(), len(rids))
-        for rid in rids:
-            group = self.groups.get((identity, rid))
-            if group is not None:
-                self.drop_group(group, abort_in_scheduler=True)
+            logger.info("client %s went away; aborting %d request(s)", identity.hex(), len(groups))
+        for group in groups:
+            self.outputs.drop_group(group, abort_in_scheduler=True)
         self.control.client_gone(identity)
-
-    async def reply(self, identity: bytes, msg: Any) -> bool:
-        """Send to one client; False when it has gone away (its requests are aborted) or
-        its send queue is full (the reply is dropped: it is not reading)."""
-        queue = self.local.get(identity)
-        if queue is not None:
-            queue.put_nowait(msg)
-            return True
-        if identity.startswith(LOCAL_PREFIX):
-            return False  # a local client that has closed: its requests were aborted then
-        try:
-            await self.router.send(identity, msg)
-            return True
-        except ClientGone:
-            self.client_gone(identity)
-            return False
-        except ClientBusy:
-            self.stats["replies_dropped"] += 1
-            return False
 
     async def probe_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            for identity in list(self.by_identity):
-                if identity.startswith(LOCAL_PREFIX):
-                    continue  # the HTTP server notices its own disconnects
-                try:
-                    await self.router.send_raw(identity, b"")
-                except ClientGone:
-                    self.client_gone(identity)
-                except ClientBusy:
-                    pass  # connected, just not reading
+            await self.replies.probe(self.table.clients())
 
-    # ================================================================== local (HTTP) clients
+    # ================================================================== local (HTTP) clients: http_server.FrontDoor
+
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer (the HTTP server turns logprob token ids into text with it)."""
+        return self.builder.tokenizer
+
+    @property
+    def context_len(self) -> int:
+        return self.limits.context_len
 
     def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies go to."""
-        identity = LOCAL_PREFIX + uuid.uuid4().bytes
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.local[identity] = queue
-        return identity, queue
+        return self.replies.open_local_queue()
 
     def close_local(self, identity: bytes) -> None:
         """The local client is done or went away: abort whatever it still has in flight."""
-        self.local.pop(identity, None)
+        self.replies.close_local_queue(identity)
         self.client_gone(identity)
+
+    async def submit_local(self, identity: bytes, req: GenerateReq) -> int:
+        """``handle_generate`` for a local client: the number of samples; a refusal is counted
+        (as the ZMQ path's ``handle_request`` does) and raised as Rejected."""
+        try:
+            return await self.handle_generate(identity, req)
+        except Rejected as exc:
+            self.note_rejected(exc)
+            raise
 
     async def local_control(self, req: FlushCacheReq | ServerInfoReq | HealthReq) -> ControlReply | ErrorReply:
         """A control round trip for the HTTP server (server info, flush, health)."""
@@ -342,17 +291,21 @@ class TokenizerManager(OutputRouting):
         finally:
             self.close_local(identity)
 
+    # ================================================================== control, server info, shutdown
+
     def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         self.control.start(identity, req)
 
-    def server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
+    def compose_server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
+        """The whole server info: the scheduler's figures, and the front door's, the model's,
+        the flags and the processes."""
         info = dict(scheduler_payload)
         info["tokenizer"] = {
-            "active_requests": len(self.groups),
-            "active_samples": len(self.by_internal),
-            "active_clients": len(self.by_identity),
+            "active_requests": self.table.num_groups,
+            "active_samples": self.table.num_unfinished_samples,
+            "active_clients": self.table.num_clients,
             "pending_controls": len(self.control.pending),
             "max_requests_per_client": self.server_args.max_requests_per_client,
             "max_controls_per_client": self.server_args.max_controls_per_client,
@@ -374,10 +327,10 @@ class TokenizerManager(OutputRouting):
         """Tell every request in flight, and every control call waiting, that the server is
         going away; refuse whatever arrives afterwards (``stopping``)."""
         self.stopping = True
-        for group in list(self.groups.values()):
-            self.drop_group(group, abort_in_scheduler=True)
-            await self.reply(group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown",
-                                                        message=SHUTDOWN_MESSAGE))
+        for group in self.table.all_groups():
+            self.outputs.drop_group(group, abort_in_scheduler=True)
+            await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown",
+                                                               message=SHUTDOWN_MESSAGE))
         await self.control.fail_all("server_shutdown", SHUTDOWN_MESSAGE)
         self.executor.shutdown(wait=False, cancel_futures=True)
 

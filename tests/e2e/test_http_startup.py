@@ -89,7 +89,7 @@ def test_launch_reports_an_uncached_hub_id(tmp_path: Path) -> None:
 
 
 def test_chat_template_file_replaces_the_tokenizers(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from tokenizer_proc.process import load_tokenizer
+    from runtime.tokenizer import load_tokenizer
 
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

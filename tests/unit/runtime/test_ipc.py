@@ -40,7 +40,7 @@ def test_round_trip_of_every_scheduler_input(endpoint: str) -> None:
     push: PushSocket[object] = PushSocket(endpoint, SchedulerInput, bind=False)
     msgs = [
         TokenizedGenerateReq(rid="a", input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0.0, stop=["x"]),
-                             stream=True, return_logprob=True, top_logprobs_num=2, arrival_time=1.5),
+                             stream=True, return_logprob=True, top_logprobs_num=2),
         SchedAbortReq(rid="a"),
         SchedControlReq(rid="c", kind="server_info"),
     ]

@@ -95,7 +95,7 @@ def test_an_abort_while_tokenizing_aborts_the_request_once_accepted() -> None:
         assert len(tokenized) == 1 and sched.sent[-1] == SchedAbortReq(rid=tokenized[0].rid)
         last = router.sent[-1][1]
         assert isinstance(last, GenerateChunk) and last.finished and last.finish_reason["type"] == "abort"
-        assert not m.groups and not m.building and not m.abandoned and not m.client_samples
+        assert m.table.is_empty()
 
     asyncio.run(main())
 
@@ -122,7 +122,7 @@ def test_requests_per_client_are_limited_counting_samples() -> None:
         await m.handle_client_frames(b"d", frame(GenerateReq(rid="b", input_ids=[1], sampling_params={"n": 2})))
         errors = [(who, msg.rid, msg.code) for who, msg in router.sent if isinstance(msg, ErrorReply)]
         assert errors == [(b"c", "b", "too_many_requests")]
-        assert m.client_samples == {b"c": 2, b"d": 2}
+        assert (m.table.samples_in_flight(b"c"), m.table.samples_in_flight(b"d")) == (2, 2)
 
     asyncio.run(main())
 
@@ -133,9 +133,9 @@ def test_a_client_that_does_not_read_loses_its_stream() -> None:
         await m.handle_client_frames(b"c", frame(GenerateReq(rid="s", input_ids=[1], stream=True)))
         internal = sched.sent[-1].rid
         router.busy.add(b"c")
-        await m.handle_outputs([StrOutput(rid=internal, text_delta="x", new_output_ids=[1])])
+        await m.outputs.handle_outputs([StrOutput(rid=internal, text_delta="x", new_output_ids=[1])])
         assert sched.sent[-1] == SchedAbortReq(rid=internal)
-        assert m.stats["replies_dropped"] == 1 and not m.groups and not m.client_samples
+        assert m.stats["replies_dropped"] == 1 and m.table.is_empty()
 
     asyncio.run(main())
 
@@ -153,19 +153,19 @@ def test_a_steps_stream_chunks_reach_each_client_in_one_frame() -> None:
         outs = [StrOutput(rid=r, text_delta=f"<{i}>", new_output_ids=[i]) for i, r in enumerate(internal)]
         outs[1] = StrOutput(rid=internal[1], text_delta="<1>", new_output_ids=[1], finished=True,
                             finish_reason={"type": "length"})
-        await m.handle_outputs(outs)
+        await m.outputs.handle_outputs(outs)
         assert [who for who, _ in router.sent] == [b"c", b"d"]
         (_, batch), (_, single) = router.sent
         assert isinstance(batch, GenerateChunks) and isinstance(single, GenerateChunk)
         assert [(c.rid, c.text, c.finished) for c in batch.chunks] == [("s1", "<0>", False), ("s2", "<1>", True),
                                                                       ("s3", "<3>", False)]
         assert (single.rid, single.text) == ("t", "<2>")
-        assert (b"c", "s2") not in m.groups and (b"c", "whole") in m.groups  # s2 finished; the rest run on
+        assert not m.table.contains(b"c", "s2") and m.table.contains(b"c", "whole")  # s2 finished; the rest run on
         router.busy.add(b"c")  # a client that stops reading loses every stream of the frame
-        await m.handle_outputs([StrOutput(rid=internal[0], text_delta="x", new_output_ids=[5]),
+        await m.outputs.handle_outputs([StrOutput(rid=internal[0], text_delta="x", new_output_ids=[5]),
                                 StrOutput(rid=internal[3], text_delta="y", new_output_ids=[6])])
         assert SchedAbortReq(rid=internal[0]) in sched.sent and SchedAbortReq(rid=internal[3]) in sched.sent
-        assert (b"c", "s1") not in m.groups and (b"c", "s3") not in m.groups and (b"d", "t") in m.groups
+        assert not m.table.contains(b"c", "s1") and not m.table.contains(b"c", "s3") and m.table.contains(b"d", "t")
 
     asyncio.run(main())
 
@@ -182,7 +182,7 @@ def test_shutdown_answers_everything_in_flight_and_refuses_the_rest() -> None:
         replies = {(who, msg.rid): msg.code for who, msg in router.sent if isinstance(msg, ErrorReply)}
         assert replies == {(b"c", "g"): "server_shutdown", (b"d", "i"): "server_shutdown",
                            (b"e", "late"): "server_shutdown"}
-        assert not m.groups and not m.control.pending
+        assert m.table.num_groups == 0 and not m.control.pending
 
     asyncio.run(main())
 

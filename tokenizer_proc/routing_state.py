@@ -1,8 +1,13 @@
-"""The tokenizer's routing state of a client request, from acceptance to its last output.
+"""The front door's routing state of one client request, from acceptance to its last output.
 
 A ``ReqGroup`` is one client request (its client identity and rid); each of its ``n``
-samples is one scheduler request (``SampleState``, by internal rid). The TokenizerManager
-owns them; a group is dropped when its last sample finishes, errors or is aborted.
+samples is one scheduler request (``SampleState``, by internal rid). Only the
+``RequestTable`` (tokenizer_proc/request_table.py) adds and removes them; the output
+routing fills in a sample's outputs and timings as they arrive. A group leaves the table
+when its last sample finishes, errors or is aborted.
+
+(Not to be confused with ``memory/req_state.py``, the prefix caches' view of a scheduler
+request.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""``FrontDoor``: all that the HTTP server may ask of the tokenizer manager.
+
+The HTTP server (tokenizer_proc/http_server.py) submits its requests as *local clients*
+of the TokenizerManager, so that they share the ZMQ path's validation, rid space, reply
+routing, limits, metrics and aborts. This Protocol is the whole of that contact: the
+request table, the request builder and the sockets stay the manager's own. The manager
+(tokenizer_proc/tokenizer_manager.py) implements it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from runtime.messages import ControlReply, ErrorReply, FlushCacheReq, GenerateReq, HealthReq, ServerInfoReq
+from tokenizer_proc.metrics import Metrics
+
+
+class FrontDoor(Protocol):
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer (token ids of logprobs -> text)."""
+
+    @property
+    def context_len(self) -> int:
+        """The model's context length (``max_model_len`` of /v1/models)."""
+
+    @property
+    def metrics(self) -> Metrics | None:
+        """The Prometheus metrics; None without --enable-metrics."""
+
+    def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
+        """A new local client: its identity, and the queue its replies (chunks, errors) go to."""
+
+    async def submit_local(self, identity: bytes, req: GenerateReq) -> int:
+        """Validate, tokenize and send ``req`` for the local client; the number of samples
+        (``n``). Raises ``request_builder.Rejected`` when it is refused."""
+
+    def close_local(self, identity: bytes) -> None:
+        """The local client is done or went away: abort whatever it still has in flight."""
+
+    async def local_control(self, req: FlushCacheReq | ServerInfoReq | HealthReq) -> ControlReply | ErrorReply:
+        """One control round trip through the scheduler (server info, flush, health)."""
