@@ -101,7 +101,8 @@ class AsyncClient(ClientConnection):
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
         n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-        return GenerateCall(self, reqs, batch=batch, stream=stream, n=n)
+        return GenerateCall(reqs, run=lambda: self._run(reqs, batch, n),
+                            stream=(lambda: self._stream(reqs[0], n)) if stream else None)
 
     async def abort(self, rid: str) -> bool:
         """Abort a request of this client; True if it was still in flight."""

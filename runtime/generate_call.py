@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator
+from typing import Any, AsyncIterator, Awaitable, Callable, Generator
 
 from runtime.messages import GenerateChunk, GenerateReq
-
-if TYPE_CHECKING:
-    from runtime.client import AsyncClient
 
 
 def chunk_dict(chunk: GenerateChunk) -> dict[str, Any]:
@@ -38,28 +35,30 @@ def is_batch(prompt: Any, input_ids: Any, messages: Any) -> bool:
 
 class GenerateCall:
     """What ``AsyncClient.generate`` returns: awaitable (the result) and, when
-    streaming, async-iterable (the chunks). Nothing is sent until it is used."""
+    streaming, async-iterable (the chunks). Nothing is sent until it is used.
 
-    def __init__(self, client: AsyncClient, reqs: list[GenerateReq], *, batch: bool, stream: bool, n: int) -> None:
-        self._client = client
+    The client hands over how to run the requests (``run``: the whole result) and, for a
+    stream, how to stream them (``stream``: the chunks); this module knows no client."""
+
+    def __init__(self, reqs: list[GenerateReq], *, run: Callable[[], Awaitable[Any]],
+                 stream: Callable[[], AsyncIterator[dict[str, Any]]] | None) -> None:
         self._reqs = reqs
-        self._batch = batch
+        self._run = run
         self._stream = stream
-        self._n = n
 
     @property
     def rids(self) -> list[str]:
         return [r.rid for r in self._reqs]
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if self._stream:
+        if self._stream is not None:
             return self._as_iterator().__await__()
-        return self._client._run(self._reqs, self._batch, self._n).__await__()
+        return self._run().__await__()
 
     async def _as_iterator(self) -> AsyncIterator[dict[str, Any]]:
         return self.__aiter__()
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        if not self._stream:
+        if self._stream is None:
             raise TypeError("iterate only a stream=True call; await the others")
-        return self._client._stream(self._reqs[0], self._n)
+        return self._stream()
