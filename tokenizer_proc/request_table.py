@@ -37,20 +37,23 @@ class RequestTable:
             self._samples[sample.internal_rid] = (group, sample)
 
     def remove(self, group: ReqGroup) -> None:
-        """Forget ``group`` and all its samples (idempotent: a group removed already is a no-op)."""
-        for sample in group.samples:
+        """Forget ``group`` and all its samples. Idempotent: a group removed already is a no-op,
+        also once its client has reused the rid for a newer group (which stays)."""
+        for sample in group.samples:  # internal rids are unique to their group
             self._samples.pop(sample.internal_rid, None)
-        if self._groups.pop((group.identity, group.client_rid), None) is not None:
-            left = self._samples_by_client.get(group.identity, 0) - group.n
-            if left > 0:
-                self._samples_by_client[group.identity] = left
-            else:
-                self._samples_by_client.pop(group.identity, None)
-        rids = self._rids_by_client.get(group.identity)
-        if rids is not None:
-            rids.discard(group.client_rid)
-            if not rids:
-                del self._rids_by_client[group.identity]
+        key = (group.identity, group.client_rid)
+        if self._groups.get(key) is not group:
+            return
+        del self._groups[key]
+        left = self._samples_by_client.get(group.identity, 0) - group.n
+        if left > 0:
+            self._samples_by_client[group.identity] = left
+        else:
+            self._samples_by_client.pop(group.identity, None)
+        rids = self._rids_by_client[group.identity]
+        rids.discard(group.client_rid)
+        if not rids:
+            del self._rids_by_client[group.identity]
 
     def sample(self, internal_rid: str) -> tuple[ReqGroup, SampleState] | None:
         """The group and sample an output of the scheduler belongs to; None once the sample has

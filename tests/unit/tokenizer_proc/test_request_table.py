@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -204,13 +203,8 @@ def test_a_client_rid_can_be_reused_once_its_group_is_removed() -> None:
     assert_consistent(table, [new])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RequestTable.remove finds the entry by (identity, client rid), not by the group object: "
-    "removing a stale group whose client rid was reused by a newer group drops the newer one "
-    "from the by-client indexes (contains/group/groups_of/clients) and subtracts the stale "
-    "group's n from the count, while the newer group's samples stay routed; remove is then "
-    "not the documented no-op for a group removed already"))
 def test_removing_a_stale_group_again_leaves_its_successor_with_the_same_rid() -> None:
+    """remove is a no-op for a group removed already, even once its rid names a newer group."""
     table = RequestTable()
     old = make_group(b"c", "r", n=2)
     table.add(old)
@@ -343,8 +337,6 @@ class RequestTableMachine(RuleBasedStateMachine):
     @rule(pick=PICK)
     def remove_again(self, pick: int) -> None:
         g = self.removed[pick % len(self.removed)]
-        # A rid reused since is the xfail test's case: here only the documented no-op.
-        assume((g.identity, g.client_rid) not in self.live)
         self.table.remove(g)
 
     @rule(client=CLIENTS, rid=RIDS)
