@@ -11,7 +11,6 @@ The tree cache reads ``origin_input_ids``, ``output_ids``, ``fill_ids``,
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,6 @@ class Req:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     extra_key: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
