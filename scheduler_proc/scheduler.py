@@ -36,7 +36,7 @@ from scheduler_proc import reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
-from scheduler_proc.hicache import create_tree_cache
+from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
@@ -58,15 +58,13 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.context_len: int = model_runner.context_len
         self.max_running_requests: int = model_runner.max_running_requests
-        self.allocator = swa_memory.create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
+        self.allocator = create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
         self.req_to_token_pool = model_runner.req_to_token_pool
         # The allocator rounds the pool down to whole pages: that is the real capacity.
         self.max_total_tokens: int = self.allocator.size
         self.tree_cache: BasePrefixCache
         # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
-        caches = (swa_memory.create_tree_cache(server_args, model_runner, self.allocator, kv_events)
-                  or create_tree_cache(server_args, model_runner, self.allocator, kv_events))
-        self.tree_cache, self.host_tier = caches
+        self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
         self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
                                    self.max_running_requests, self.host_tier)
         self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
