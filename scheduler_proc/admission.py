@@ -10,7 +10,7 @@ every planned request's prefix is locked by the adder, and a deferred chunk keep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
@@ -51,7 +51,7 @@ class Admission:
         """The running requests made progress: prefills may take the next turns again."""
         self.consecutive_prefills = 0
 
-    def plan(self, waiting: list[Req], running: list[Req], chunked_req: Req | None,
+    def plan(self, waiting: Sequence[Req], running: Sequence[Req], chunked_req: Req | None,
              new_token_ratio: float) -> PrefillPlan:
         """The next prefill (empty when decode should run, or nothing fits)."""
         if not waiting and chunked_req is None:

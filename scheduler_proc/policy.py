@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
@@ -34,7 +34,7 @@ class SchedulePolicy:
             return "fcfs"
         return self.policy
 
-    def order(self, waiting: list[Req]) -> list[Req]:
+    def order(self, waiting: Sequence[Req]) -> list[Req]:
         """Return the waiting queue in the order to try admitting (a new list)."""
         policy = self.effective_policy(len(waiting))
         if policy == "fcfs":
@@ -62,7 +62,7 @@ class SchedulePolicy:
         req.last_node = result.last_node
         req.host_hit_len, req.last_host_node = result.host_hit_len, result.last_host_node
 
-    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+    def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
         """Visit the tree depth first, heaviest subtree (most waiting requests) first.
 
         Requests that share a prefix run back to back, so the shared part is
