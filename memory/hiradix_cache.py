@@ -39,6 +39,7 @@ from memory.host_pool import HostKVPool
 from memory.kv_transfer import KVTransfer, TransferOp
 from memory.prefix_cache import KVCacheEvent, MatchResult
 from memory.radix_cache import RadixCache, TreeNode
+from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,23 @@ class HiRadixCache(RadixCache):
         self._pending_loads.append((node, slots, host))  # type: ignore[arg-type]
         self.tier_stats.loaded_tokens += num
         return slots
+
+    def load_host_prefix(self, req: CacheRequest, room: int) -> int:
+        """Bring ``req``'s host part (from its last ``match_request``) to the device when ``room``
+        device tokens allow; its prefix then ends at the loaded node. Returns the tokens loaded.
+
+        The match's host part is consumed either way (a later match records a fresh one)."""
+        handle = req.cache_handle
+        n, node = handle.host_hit_len, handle.last_host_node
+        handle.host_hit_len, handle.last_host_node = 0, None
+        if n <= 0 or node is None or n > room:
+            return 0
+        slots = self.load_back(node)
+        if slots is None:
+            return 0
+        handle.prefix_indices = torch.cat((handle.prefix_indices, slots))
+        handle.last_node = node
+        return int(slots.numel())
 
     def issue_transfers(self, complete: bool = True) -> None:
         """Issue the queued copies (one batch per direction); first complete the ones issued

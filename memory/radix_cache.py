@@ -363,13 +363,9 @@ class RadixCache(BasePrefixCache):
         self._evictable_size -= len(leaf.key)
 
     # ------------------------------------------------------ request lifecycle
-    def _row(self, req: CacheRequest, length: int) -> torch.Tensor:
-        assert req.req_pool_idx is not None, "request holds no ReqToTokenPool row"
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)
-
     def _held_len(self, req: CacheRequest) -> int:
         # The tree-owned (locked) part of prefix_indices; an unaligned tail is the request's own.
-        return req.prefix_indices.numel() // self.page_size * self.page_size
+        return req.cache_handle.prefix_indices.numel() // self.page_size * self.page_size
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:
         """After a prefill chunk: share the prefilled tokens through the tree and lock them for the request.
@@ -377,10 +373,11 @@ class RadixCache(BasePrefixCache):
         Slots the request allocated for tokens that another request cached first are
         freed, and the request's row is pointed at the tree's slots instead.
         """
+        handle = req.cache_handle
         kv_len = len(req.fill_ids)
         kv_indices = self._row(req, kv_len)
         if self.disable:
-            req.prefix_indices = kv_indices
+            handle.prefix_indices = kv_indices
             return
         aligned = kv_len // self.page_size * self.page_size
         key = list(req.fill_ids[:aligned])
@@ -391,20 +388,21 @@ class RadixCache(BasePrefixCache):
         assert tree_indices.numel() == aligned, f"re-match found {tree_indices.numel()} of {aligned} inserted tokens"
         # Remap first, then free the duplicates (their KV equals the tree's copy).
         if aligned > held:
-            self.req_to_token_pool.write(req.req_pool_idx, held, tree_indices[held:])
+            assert handle.req_pool_idx is not None
+            self.req_to_token_pool.write(handle.req_pool_idx, held, tree_indices[held:])
         if present > held:
             self.allocator.free(kv_indices[held:present])
         self.inc_lock_ref(new_last)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = new_last
-        req.prefix_indices = tree_indices if aligned == kv_len else torch.cat((tree_indices, kv_indices[aligned:]))
+        self.dec_lock_ref(handle.last_node)
+        handle.last_node = new_last
+        handle.prefix_indices = tree_indices if aligned == kv_len else torch.cat((tree_indices, kv_indices[aligned:]))
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """Cache prompt + generated tokens that have KV, free the rest, unlock, and free the request's row.
 
         ``kv_len`` defaults to :func:`memory.prefix_cache.request_kv_len`.
         """
-        if req.req_pool_idx is None:
+        if req.cache_handle.req_pool_idx is None:
             self._unlock(req)
             return
         kv_len = request_kv_len(req) if kv_len is None else kv_len
@@ -421,21 +419,20 @@ class RadixCache(BasePrefixCache):
             self.allocator.free(kv_indices[held:present])  # duplicates of tree slots
         self.allocator.free(kv_indices[aligned:])  # unaligned tail (page_size > 1)
         self.allocator.free_group_end()
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        self._free_row(req)
         self._unlock(req)
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """Drop a request without caching anything (retract, error): free its own slots, unlock, free its row."""
-        if req.req_pool_idx is not None:
+        if req.cache_handle.req_pool_idx is not None:
             kv_len = request_kv_len(req) if kv_len is None else kv_len
             held = 0 if self.disable else self._held_len(req)
             self.allocator.free(self._row(req, kv_len)[held:])
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
+            self._free_row(req)
         self._unlock(req)
 
     def _unlock(self, req: CacheRequest) -> None:
-        self.dec_lock_ref(req.last_node)
-        req.last_node = None
-        req.prefix_indices = self._empty
+        handle = req.cache_handle
+        self.dec_lock_ref(handle.last_node)
+        handle.last_node = None
+        handle.prefix_indices = self._empty

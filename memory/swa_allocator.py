@@ -16,11 +16,10 @@ Token-granular only (page_size 1).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from memory.allocator import AllocatorState, BaseTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from memory.req_state import CacheHandle
 
 
 class SWATokenToKVPoolAllocator:
@@ -132,20 +131,21 @@ class SWATokenToKVPoolAllocator:
     free_group_end = BaseTokenToKVPoolAllocator.free_group_end
 
 
-def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, req: Any, kv_len: int,
-                       window: int, own_start: int) -> int:
-    """Give back the SWA slots of ``req``'s tokens that no later query of it can see.
+def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,
+                       kv_len: int, window: int, own_start: int) -> int:
+    """Give back the SWA slots of a request's tokens that no later query of it can see.
 
     The request's next query sits at position ``kv_len`` or later and sees keys from
     ``kv_len - window + 1`` on, so every position before that is done with in the windowed
     layers. Only the request's own tokens (from ``own_start``: a prefix cache's shared part
-    is freed by the cache, not by one of its readers) are touched; ``req.swa_evicted_len``
-    records how far this went. Returns the number of SWA slots freed.
+    is freed by the cache, not by one of its readers) are touched; ``handle.swa_evicted_len``
+    records how far this went. The SWA caches' ``free_out_of_window`` is the only caller (the
+    handle is theirs to write). Returns the number of SWA slots freed.
     """
-    start = max(getattr(req, "swa_evicted_len", 0), own_start)
+    start = max(handle.swa_evicted_len, own_start)
     end = kv_len - window + 1
-    if req.req_pool_idx is None or end <= start:
+    if handle.req_pool_idx is None or end <= start:
         return 0
-    freed = allocator.free_swa(req_to_token[req.req_pool_idx, start:end])
-    req.swa_evicted_len = end
+    freed = allocator.free_swa(req_to_token[handle.req_pool_idx, start:end])
+    handle.swa_evicted_len = end
     return freed

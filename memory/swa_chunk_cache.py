@@ -22,11 +22,12 @@ class SWAChunkCache(ChunkCache):
 
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots of ``req``'s tokens before ``kv_len - W + 1`` (see ``swa_allocator``)."""
-        return free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len, self.window, 0)
+        return free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req.cache_handle, kv_len,
+                                  self.window, 0)
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]  # a later row starts with every SWA slot
+        req.cache_handle.swa_evicted_len = 0  # a later row starts with every SWA slot
 
     def swa_evictable_size(self) -> int:
         return 0

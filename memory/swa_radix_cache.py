@@ -164,12 +164,13 @@ class SWARadixCache(RadixCache):
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its
         path that no guard covers (those nodes become tombstones). Returns SWA slots freed."""
-        freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len,
+        handle = req.cache_handle
+        freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
                                    self.window, self._held_len(req))
-        node = req.last_node
-        if node is None or node is self.root or self.disable or getattr(req, "swa_tree_epoch", -1) == self._epoch:
+        node = handle.last_node
+        if node is None or node is self.root or self.disable or handle.swa_tree_epoch == self._epoch:
             return freed  # nothing on its path can have lost its guards since the last walk
-        req.swa_tree_epoch = self._epoch  # type: ignore[attr-defined]
+        handle.swa_tree_epoch = self._epoch
         path = self._path(node)
         limits = self._guarded_from(path)
         pos = 0
@@ -218,15 +219,16 @@ class SWARadixCache(RadixCache):
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """As ``RadixCache``'s, with the request's own tokens that lost their SWA slots inserted as a tombstone."""
-        if req.req_pool_idx is None or self.disable:
+        handle = req.cache_handle
+        if handle.req_pool_idx is None or self.disable:
             super().cache_finished_req(req, kv_len)
-            req.swa_evicted_len = 0  # type: ignore[attr-defined]
+            handle.swa_evicted_len = 0
             return
         kv_len = request_kv_len(req) if kv_len is None else kv_len
         kv_indices = self._row(req, kv_len)
         tokens = (list(req.origin_input_ids) + list(req.output_ids))[:kv_len]
         held = self._held_len(req)
-        evicted = min(getattr(req, "swa_evicted_len", 0), kv_len)
+        evicted = min(handle.swa_evicted_len, kv_len)
         self._revive(tokens, kv_indices, max(held, evicted), req.extra_key)
         present = self.insert(tokens, kv_indices, req.extra_key)
         if evicted > present:  # the new leaf's first evicted - present tokens have no SWA half
@@ -234,14 +236,13 @@ class SWARadixCache(RadixCache):
             self._tombstone(node)
         if present > held:
             self.allocator.free(kv_indices[held:present])  # duplicates of tree slots
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        self._free_row(req)
         self._unlock(req)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]
+        handle.swa_evicted_len = 0
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]
+        req.cache_handle.swa_evicted_len = 0
 
     # ------------------------------------------------------------- accounting
     def _live_sizes(self) -> tuple[int, int]:

@@ -101,7 +101,7 @@ class Admission:
         prompt shorter than the threshold only clashes with an identical prompt: the
         samples of a parallel-sampling (n > 1) request share their prompt this way.
         """
-        if not self.radix_enabled or len(req.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
+        if not self.radix_enabled or len(req.cache_handle.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
             return False
         key = tuple(req.known_ids()[:IN_BATCH_PREFIX_TOKENS])
         if key in seen:

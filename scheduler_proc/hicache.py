@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from memory.hiradix_cache import HiRadixCache
 from memory.invariant import InvariantReport, check_host_invariant
 from scheduler_proc.req import Req
@@ -47,17 +45,8 @@ class HostTier:
 
     def load_prefix(self, req: Req, room: int) -> int:
         """Bring ``req``'s host part (from its last match) to the device when ``room`` device tokens
-        allow; its prefix then ends at the loaded node. Returns the tokens loaded."""
-        n, node = req.host_hit_len, req.last_host_node
-        req.host_hit_len, req.last_host_node = 0, None
-        if n <= 0 or node is None or n > room:
-            return 0
-        slots = self.cache.load_back(node)
-        if slots is None:
-            return 0
-        req.prefix_indices = torch.cat((req.prefix_indices, slots))
-        req.last_node = node
-        return int(slots.numel())
+        allow (the cache updates the request's handle). Returns the tokens loaded."""
+        return self.cache.load_host_prefix(req, room)
 
     def check(self, device: InvariantReport) -> InvariantReport:
         """The device report with the host tier's problems (if any) added."""

@@ -49,18 +49,15 @@ class SchedulePolicy:
             self.match(req)
         if policy == "lpm":
             # Stable sort: ties keep arrival order. A host-tier hit counts: it is loaded, not computed.
-            return sorted(waiting, key=lambda r: -len(r.prefix_indices) - r.host_hit_len)
+            return sorted(waiting, key=lambda r: -len(r.cache_handle.prefix_indices) - r.cache_handle.host_hit_len)
         return self._dfs_weight(waiting)
 
     def match(self, req: Req) -> None:
-        """Match ``req``'s known tokens against the tree; at least one token is left to compute."""
+        """Match ``req``'s known tokens against the tree (the cache records the match in the request's
+        handle); at least one token is left to compute."""
         known = req.known_ids()
-        key = known[: len(known) - 1]
         # Hit statistics are counted once per request by the scheduler, not per lookup here.
-        result = self.tree_cache.match_prefix(key, extra_key=req.extra_key, count_hit=False)
-        req.prefix_indices = result.device_indices
-        req.last_node = result.last_node
-        req.host_hit_len, req.last_host_node = result.host_hit_len, result.last_host_node
+        self.tree_cache.match_request(req, known[: len(known) - 1])
 
     def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
         """Visit the tree depth first, heaviest subtree (most waiting requests) first.
@@ -70,7 +67,7 @@ class SchedulePolicy:
         """
         by_node: dict[Any, list[Req]] = defaultdict(list)
         for req in waiting:
-            by_node[req.last_node].append(req)
+            by_node[req.cache_handle.last_node].append(req)
         weight: dict[Any, int] = defaultdict(int)
         children: dict[Any, list[Any]] = defaultdict(list)
         root = self.tree_cache.root

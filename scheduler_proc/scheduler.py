@@ -349,8 +349,7 @@ class Scheduler:
 
     def _release_unscheduled(self, req: Req) -> None:
         """A waiting request holds nothing: no lock, no row (retracted ones released theirs)."""
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.last_node = None
+        self.tree_cache.drop_match(req)
 
     # ------------------------------------------------------------------ state
 
@@ -371,7 +370,8 @@ class Scheduler:
         if self.host_tier:
             self.host_tier.drain()
         holders = self.queues.holders()
-        active_rows = {r.req_pool_idx: r.kv_committed_len for r in holders if r.req_pool_idx is not None}
+        active_rows = {r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders
+                       if r.cache_handle.req_pool_idx is not None}
         report = check_memory_invariant(
             self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens,
             idle=not holders, active_rows=active_rows,

@@ -27,7 +27,7 @@ def after_step(tree_cache: BasePrefixCache, reqs: Sequence[Any]) -> None:
     if free is None:
         return
     for req in reqs:
-        if req.req_pool_idx is not None:
+        if req.cache_handle.req_pool_idx is not None:
             free(req, req.kv_committed_len)
 
 
