@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 
 
 class ChunkCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator, page_size: int = 1) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SlotAllocator, page_size: int = 1) -> None:
         if page_size != allocator.page_size:
             raise ValueError(f"ChunkCache page_size {page_size} != allocator page_size {allocator.page_size}")
         self.req_to_token_pool = req_to_token_pool

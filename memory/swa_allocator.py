@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from memory.allocator import AllocatorState, BaseTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from memory.allocator import AllocatorState, FreeGroup, TokenToKVPoolAllocator
 from memory.req_state import CacheHandle
 
 
-class SWATokenToKVPoolAllocator:
-    """Same interface as ``BaseTokenToKVPoolAllocator`` (page_size 1), plus the SWA half's own calls."""
+class SWATokenToKVPoolAllocator(FreeGroup):
+    """Same interface as ``BaseTokenToKVPoolAllocator`` (page_size 1), plus the SWA half's own calls.
+    (Not a subclass of it: none of its page bookkeeping applies; the free groups are shared.)"""
 
     def __init__(self, full_size: int, swa_size: int, full_to_swa: torch.Tensor, device: str | torch.device,
                  debug: bool = False) -> None:
@@ -124,11 +125,6 @@ class SWATokenToKVPoolAllocator:
             self.swa.free(swa)
             self.full_to_swa[full[held]] = 0
         return int(swa.numel())
-
-    # Collect frees until free_group_end, then one call (the same bookkeeping as the base allocator's).
-    _defer_free = BaseTokenToKVPoolAllocator._defer_free
-    free_group_begin = BaseTokenToKVPoolAllocator.free_group_begin
-    free_group_end = BaseTokenToKVPoolAllocator.free_group_end
 
 
 def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,

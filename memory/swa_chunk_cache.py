@@ -16,7 +16,7 @@ from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
 
 class SWAChunkCache(ChunkCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SWATokenToKVPoolAllocator, window: int) -> None:
-        super().__init__(req_to_token_pool, allocator, page_size=1)  # type: ignore[arg-type]
+        super().__init__(req_to_token_pool, allocator, page_size=1)
         self.swa_allocator = allocator
         self.window = window
 

@@ -33,17 +33,6 @@ from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
 
 
-class SWATreeNode(TreeNode):
-    """A tree node that may have given its SWA half back (``swa_tombstone``)."""
-
-    __slots__ = ("swa_tombstone",)
-
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                 extra_key: str | None) -> None:
-        super().__init__(node_id, key, value, parent, extra_key)
-        self.swa_tombstone = False
-
-
 class SWARadixCache(RadixCache):
     def __init__(
         self,
@@ -59,7 +48,7 @@ class SWARadixCache(RadixCache):
         # Bumped whenever a node may have become free of guards (a lock dropped, a prefix inserted):
         # a request's path is walked again only after that (``free_out_of_window``).
         self._epoch = 0
-        super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,  # type: ignore[arg-type]
+        super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,
                          enable_kv_events=enable_kv_events)
 
     # ------------------------------------------------------------ tree shape
@@ -67,15 +56,9 @@ class SWARadixCache(RadixCache):
         self._guards = {}
         super().reset()
 
-    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                  extra_key: str | None) -> TreeNode:
-        node = SWATreeNode(self._next_id, key, value, parent, extra_key)
-        self._next_id += 1
-        return node
-
     def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
         super()._split_values(child, upper, split_len)
-        upper.swa_tombstone = child.swa_tombstone  # type: ignore[attr-defined]
+        upper.swa_tombstone = child.swa_tombstone
         # (guards are keyed by end node: the child keeps its end, the upper part is new)
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
@@ -118,7 +101,8 @@ class SWARadixCache(RadixCache):
             ends.append(pos)
         own: list[int | None] = [None] * len(path)  # guards whose deepest path ancestor is path[i]
         for guard in self._guards:
-            below, cur = 0, guard  # tokens between the path node reached and the guard's end
+            below = 0  # tokens between the path node reached and the guard's end
+            cur: TreeNode | None = guard
             while cur is not None and cur is not self.root and cur not in index:
                 below += len(cur.key)
                 cur = cur.parent
@@ -126,12 +110,14 @@ class SWARadixCache(RadixCache):
                 continue
             i = index[cur]
             start = max(0, ends[i] + below - self.window + 1)
-            own[i] = start if own[i] is None else min(own[i], start)  # type: ignore[type-var]
+            held = own[i]
+            own[i] = start if held is None else min(held, start)
         first: list[int | None] = [None] * len(path)
         running: int | None = None
         for i in range(len(path) - 1, -1, -1):
-            if own[i] is not None:
-                running = own[i] if running is None else min(running, own[i])  # type: ignore[type-var]
+            mine = own[i]
+            if mine is not None:
+                running = mine if running is None else min(running, mine)
             first[i] = running
         return first
 
@@ -153,8 +139,8 @@ class SWARadixCache(RadixCache):
         """The last end of a node on the path whose preceding W - 1 tokens are all live (0 if none)."""
         best, run_start, pos = 0, 0, 0
         for cur in self._path(node):
-            start, pos = pos, pos + len(cur.key)
-            if cur.swa_tombstone:  # type: ignore[attr-defined]
+            pos += len(cur.key)
+            if cur.swa_tombstone:
                 run_start = pos
             elif run_start == 0 or pos - (self.window - 1) >= run_start:
                 best = pos
@@ -176,7 +162,7 @@ class SWARadixCache(RadixCache):
         pos = 0
         for cur, limit in zip(path, limits):  # (a split below only adds a node above cur's lower part)
             start, pos = pos, pos + len(cur.key)
-            if not cur.swa_tombstone:  # type: ignore[attr-defined]
+            if not cur.swa_tombstone:
                 if limit is None or limit >= pos:
                     freed += self._tombstone(cur)
                 elif limit > start:
@@ -202,20 +188,20 @@ class SWARadixCache(RadixCache):
         for cur in self._path(node):
             a, b = pos, pos + len(cur.key)
             pos = b
-            if b <= start or not cur.swa_tombstone:  # type: ignore[attr-defined]
+            if b <= start or not cur.swa_tombstone:
                 continue
             if a < start:  # keep the part before start as it is
                 self._split(cur, start - a)
                 a = start
-            tree, mine = cur.value, own[a:b]
+            tree, mine = cur.device_value(), own[a:b]
             moved = tree != mine
             mapping[tree[moved]] = mapping[mine[moved]]
             mapping[mine[moved]] = 0
-            cur.swa_tombstone = False  # type: ignore[attr-defined]
+            cur.swa_tombstone = False
 
     def _tombstone(self, node: TreeNode) -> int:
-        node.swa_tombstone = True  # type: ignore[attr-defined]
-        return self.swa_allocator.free_swa(node.value)
+        node.swa_tombstone = True
+        return self.swa_allocator.free_swa(node.device_value())
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """As ``RadixCache``'s, with the request's own tokens that lost their SWA slots inserted as a tombstone."""
@@ -251,7 +237,7 @@ class SWARadixCache(RadixCache):
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if not node.swa_tombstone:  # type: ignore[attr-defined]
+            if not node.swa_tombstone:
                 if node.lock_ref > 0:
                     protected += len(node.key)
                 else:
