@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
 from scheduler_proc.policy import SchedulePolicy
@@ -31,7 +31,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 class Admission:
     """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
 
-    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: BaseTokenToKVPoolAllocator,
+    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: SlotAllocator,
                  max_total_tokens: int, max_running_requests: int, host_tier: HostTier | None = None) -> None:
         self.tree_cache = tree_cache
         # A host tier's loads evict while planning: every request is matched right before it is added.

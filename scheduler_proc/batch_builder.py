@@ -19,8 +19,8 @@ import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.sampler import SamplingBatchInfo
-from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
+from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
 from scheduler_proc.req import Req
@@ -31,7 +31,7 @@ class OutOfMemory(RuntimeError):
 
 
 class BatchBuilder:
-    def __init__(self, model_runner: ForwardRunner, allocator: BaseTokenToKVPoolAllocator,
+    def __init__(self, model_runner: ForwardRunner, allocator: Allocator,
                  tree_cache: BasePrefixCache, page_size: int) -> None:
         self.runner = model_runner
         self.allocator = allocator
@@ -174,7 +174,8 @@ class BatchBuilder:
         reqs = [r for p in parts for r in p.reqs]
         seq_lens, prefix_lens, extend_lens = cat("seq_lens"), cat("prefix_lens"), cat("extend_lens")
         out_cache_loc = torch.cat([p.out_cache_loc.to(torch.int64) for p in parts])
-        future, offset = [], 0
+        future: list[tuple[int, int]] = []
+        offset = 0
         for p in parts:
             future.extend((offset + i, src) for i, src in p.future)
             offset += len(p.input_ids)

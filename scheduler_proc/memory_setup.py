@@ -16,7 +16,7 @@ its cached prefixes); the model runner keeps owning the pools themselves.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal, cast
 
 from memory.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from memory.chunk_cache import ChunkCache
@@ -51,18 +51,20 @@ def create_tree_cache(args: ServerArgs, runner: Any, allocator: Allocator,
                       kv_events: bool) -> tuple[BasePrefixCache, HostTier | None]:
     """The prefix cache the flags and the allocator ask for, and its host tier (hierarchical cache only)."""
     pool, page = runner.req_to_token_pool, args.page_size
+    # (ServerArgs restricts the flag to these choices; the caches check it again)
+    eviction = cast(Literal["lru", "lfu"], args.radix_eviction_policy)
     if isinstance(allocator, SWATokenToKVPoolAllocator):
         window = runner.model_config.sliding_window
         if args.disable_radix_cache:
             return SWAChunkCache(pool, allocator, window), None
         if args.enable_hierarchical_cache:
             logger.warning("the hierarchical cache does not cover sliding-window pools: serving without the host tier")
-        return SWARadixCache(pool, allocator, window, eviction_policy=args.radix_eviction_policy,
+        return SWARadixCache(pool, allocator, window, eviction_policy=eviction,
                              enable_kv_events=kv_events), None
     if args.disable_radix_cache:
         return ChunkCache(pool, allocator, page), None
     if not args.enable_hierarchical_cache:
-        return RadixCache(pool, allocator, page, eviction_policy=args.radix_eviction_policy,
+        return RadixCache(pool, allocator, page, eviction_policy=eviction,
                           enable_kv_events=kv_events), None
     device_pool = runner.token_to_kv_pool
     tokens = host_pool_tokens(allocator.size, device_pool.bytes_per_token(), page, args.hicache_ratio,
@@ -72,6 +74,6 @@ def create_tree_cache(args: ServerArgs, runner: Any, allocator: Allocator,
                        "of what the pool holds may not fit", tokens, allocator.size)
     host_pool = HostKVPool(device_pool, tokens)
     cache = HiRadixCache(pool, allocator, host_pool, make_kv_transfer(device_pool, host_pool), page,
-                         eviction_policy=args.radix_eviction_policy, write_policy=args.hicache_write_policy,
+                         eviction_policy=eviction, write_policy=args.hicache_write_policy,
                          enable_kv_events=kv_events)
     return cache, HostTier(cache)

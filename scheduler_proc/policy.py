@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from memory.prefix_cache import BasePrefixCache
+from memory.radix_cache import RadixCache
 from scheduler_proc.req import Req
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -70,6 +71,8 @@ class SchedulePolicy:
             by_node[req.cache_handle.last_node].append(req)
         weight: dict[Any, int] = defaultdict(int)
         children: dict[Any, list[Any]] = defaultdict(list)
+        # (cache-aware policies run only over a radix tree: effective_policy falls back to fcfs otherwise)
+        assert isinstance(self.tree_cache, RadixCache), "dfs-weight needs a radix tree"
         root = self.tree_cache.root
         for node, reqs in by_node.items():
             # Walk up to the root, adding this node's requests to every ancestor.

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
 
@@ -87,7 +87,7 @@ class PrefillAdder:
     def __init__(
         self,
         tree_cache: BasePrefixCache,
-        allocator: BaseTokenToKVPoolAllocator,
+        allocator: SlotAllocator,
         running_reqs: Sequence[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,

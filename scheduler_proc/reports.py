@@ -8,17 +8,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
 from runtime.messages import KVEvent, LoadReport
 from scheduler_proc import swa_memory
 from scheduler_proc.hicache import HostTier
+from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
 
 
 def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache,
-                allocator: BaseTokenToKVPoolAllocator, stats: dict[str, int]) -> LoadReport:
+                allocator: Allocator, stats: dict[str, int]) -> LoadReport:
     """Load and prefix-cache changes for the DP controller's routing (takes the cache's pending events)."""
     events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in tree_cache.take_events()]
     return LoadReport(dp_rank, len(queues.running), len(queues.waiting), allocator.available_size(),
@@ -26,7 +26,7 @@ def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache
 
 
 def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
-                allocator: BaseTokenToKVPoolAllocator, host_tier: HostTier | None, stats: dict[str, int],
+                allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
                 max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
                 new_token_ratio: float, overlap_schedule: bool) -> dict[str, Any]:
     """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight)."""

@@ -161,10 +161,10 @@ class Scheduler:
         for req in [r for r in self.queues.running if r.to_abort]:
             self.queues.remove_running(req)
             self.finish(req, {"type": "abort", "message": req.to_abort})
-        req = self.queues.chunked
-        if req is not None and req.to_abort:
+        chunked = self.queues.chunked
+        if chunked is not None and chunked.to_abort:
             self.queues.set_chunked(None)
-            self.finish(req, {"type": "abort", "message": req.to_abort})
+            self.finish(chunked, {"type": "abort", "message": chunked.to_abort})
 
     def _launch_next(self) -> LaunchedStep | None:
         if self.host_tier:  # copies queued since the last step go out; loads go out before the launch
