@@ -1,7 +1,8 @@
 """Turn scheduled requests into a ForwardBatch: take request rows and KV slots, fill req_to_token.
 
-Memory taken here is owned by the requests from then on: a request's row and
-every KV slot past its cached prefix are released by the tree cache's
+Memory taken here is owned by the requests from then on: a request's row (handed out
+through the tree cache's ``attach_rows``, which records it in the request's cache handle)
+and every KV slot past its cached prefix are released by the tree cache's
 ``cache_finished_req`` (or kept for reuse by ``cache_unfinished_req``).
 
 A prefill carries out admission's ``PrefillPlan``: this is the one place a request's
