@@ -127,9 +127,9 @@ class SWATokenToKVPoolAllocator(FreeGroup):
         return int(swa.numel())
 
 
-def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,
-                       kv_len: int, window: int, own_start: int) -> int:
-    """Give back the SWA slots of a request's tokens that no later query of it can see.
+def free_own_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,
+                           kv_len: int, window: int, own_start: int) -> int:
+    """Give back the SWA slots of a request's own tokens that no later query of it can see.
 
     The request's next query sits at position ``kv_len`` or later and sees keys from
     ``kv_len - window + 1`` on, so every position before that is done with in the windowed

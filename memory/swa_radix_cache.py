@@ -30,7 +30,7 @@ from memory.prefix_cache import MatchResult, request_kv_len
 from memory.radix_cache import RadixCache, TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
-from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
+from memory.swa_allocator import SWATokenToKVPoolAllocator, free_own_out_of_window
 
 
 class SWARadixCache(RadixCache):
@@ -151,8 +151,8 @@ class SWARadixCache(RadixCache):
         """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its
         path that no guard covers (those nodes become tombstones). Returns SWA slots freed."""
         handle = req.cache_handle
-        freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
-                                   self.window, self._held_len(req))
+        freed = free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
+                                       self.window, self._held_len(req))
         node = handle.last_node
         if node is None or node is self.root or self.disable or handle.swa_tree_epoch == self._epoch:
             return freed  # nothing on its path can have lost its guards since the last walk

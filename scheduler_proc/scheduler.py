@@ -263,9 +263,9 @@ class Scheduler:
             self._requeue(queues.chunked)
             if builder.ensure_available(builder.decode_tokens_needed(queues.running)):
                 return list(queues.running)
-        return list(queues.running) if self._retract() else []
+        return list(queues.running) if self._retract_until_decode_fits() else []
 
-    def _retract(self) -> bool:
+    def _retract_until_decode_fits(self) -> bool:
         """Retract requests in ``DecodeMemory.retraction_order`` until one decode step fits;
         False if none can run (the last one left, alone too big, finishes with an error)."""
         builder, queues = self.builder, self.queues
