@@ -97,6 +97,7 @@ class BasePrefixCache(abc.ABC):
         handle = req.cache_handle
         handle.prefix_indices = torch.empty(0, dtype=torch.int64)
         handle.last_node = None
+        handle.host_hit_len, handle.last_host_node = 0, None
 
     def attach_rows(self, reqs: Sequence[CacheRequest]) -> bool:
         """Give each of ``reqs`` (which hold none) a ReqToTokenPool row that starts with its prefix.

@@ -5,8 +5,8 @@ tier's continuation, the SWA bookkeeping) lives in a :class:`CacheHandle` on the
 The prefix caches own it: only their methods (``match_request``, ``attach_rows`` /
 ``detach_rows``, ``cache_unfinished_req``, ``cache_finished_req``, ``release_req``,
 ``drop_match``, the hierarchical cache's ``load_host_prefix`` and the SWA caches'
-``free_out_of_window``) write its fields. Everyone else (the scheduler's policy, adder,
-batch builder...) reads it.
+``free_out_of_window``, through their shared ``swa_allocator.free_own_out_of_window``) write
+its fields. Everyone else (the scheduler's policy, adder, batch builder...) reads it.
 """
 
 from __future__ import annotations
