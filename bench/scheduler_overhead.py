@@ -102,12 +102,12 @@ def measure_overhead(num_requests: int = 256, prompt_len: int = 128, steps: int 
     sched, runner = build_scheduler(num_requests, prompt_len, max_new, page_size, radix)
     submit_requests(sched, num_requests, prompt_len, max_new, stream)
     for _ in range(100 * num_requests):  # admit everyone (prefill batches)
-        if len(sched.running) == num_requests and not sched.waiting:
+        if len(sched.queues.running) == num_requests and not sched.queues.waiting:
             break
         sched.step()
         sched.take_outbox()
     else:
-        raise RuntimeError(f"only {len(sched.running)} of {num_requests} requests started")
+        raise RuntimeError(f"only {len(sched.queues.running)} of {num_requests} requests started")
     for _ in range(warmup_steps):
         sched.step()
         sched.take_outbox()
@@ -138,9 +138,9 @@ def measure_overhead(num_requests: int = 256, prompt_len: int = 128, steps: int 
         wall_ms.append((w1 - w0 - (runner.wall_s - m_wall)) * 1e3)
         model_ms.append((runner.cpu_s - m_cpu) * 1e3)
     decode_steps = sched.stats["num_decode_batches"] - decodes_before
-    if decode_steps != steps or len(sched.running) != num_requests:
+    if decode_steps != steps or len(sched.queues.running) != num_requests:
         raise RuntimeError(f"expected {steps} decode steps of {num_requests} requests, got {decode_steps} "
-                           f"steps and {len(sched.running)} running")
+                           f"steps and {len(sched.queues.running)} running")
     cpu, wall, model, enc = summarize(cpu_ms), summarize(wall_ms), summarize(model_ms), summarize(encode_ms)
     return {
         "num_requests": num_requests, "prompt_len": prompt_len, "steps": steps, "page_size": page_size,

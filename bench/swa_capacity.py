@@ -50,15 +50,16 @@ def fits(num_requests: int, full_size: int, swa_size: int, args: argparse.Namesp
     for r in range(num_requests):
         prompt = [r * args.context + i for i in range(prompt_len)]  # unique: no prefix sharing
         req = SimpleCacheRequest(prompt)
-        req.req_pool_idx = pool.alloc(1)[0]  # type: ignore[index]
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]
+        if not cache.attach_rows([req]):
+            return False
+        row = req.cache_handle.req_pool_idx
         done = 0
         while done < prompt_len:  # chunked prefill, one request at a time
             n = min(args.chunk, prompt_len - done)
             slots = alloc.alloc(n)
             if slots is None:
                 return False
-            pool.write(req.req_pool_idx, done, slots.to(torch.int32))
+            pool.write(row, done, slots.to(torch.int32))
             done += n
             req.fill_ids = prompt[:done]
             cache.cache_unfinished_req(req)
@@ -70,7 +71,7 @@ def fits(num_requests: int, full_size: int, swa_size: int, args: argparse.Namesp
             return False
         for req, slot in zip(reqs, slots.tolist()):
             pos = prompt_len + step
-            pool.req_to_token[req.req_pool_idx, pos] = slot
+            pool.req_to_token[req.cache_handle.req_pool_idx, pos] = slot
             cache.free_out_of_window(req, pos + 1)
     return True
 

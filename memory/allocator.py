@@ -15,6 +15,7 @@ allocation cheap and keeps handed-out slots roughly contiguous.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,59 @@ logger = logging.getLogger(__name__)
 AllocatorState = tuple[torch.Tensor, torch.Tensor]
 
 
-class BaseTokenToKVPoolAllocator:
+class SlotAllocator(Protocol):
+    """What the prefix caches use of a KV-slot allocator: ``BaseTokenToKVPoolAllocator``'s
+    subclasses and the hybrid ``memory.swa_allocator.SWATokenToKVPoolAllocator`` both have it."""
+
+    page_size: int
+    device: torch.device
+
+    def available_size(self) -> int: ...
+
+    def alloc(self, need_size: int) -> torch.Tensor | None: ...
+
+    def free(self, free_index: torch.Tensor) -> None: ...
+
+    def free_group_begin(self) -> None: ...
+
+    def free_group_end(self) -> None: ...
+
+
+class FreeGroup:
+    """Batched frees, shared by every allocator: between ``free_group_begin`` and
+    ``free_group_end`` the slots passed to ``free`` are collected (``_defer_free``) and given
+    back with one call at the end. The allocator that inherits it owns the collected slots
+    until then, and sets ``device``, ``_in_free_group`` and ``_free_group`` up."""
+
+    device: torch.device
+    _in_free_group: bool
+    _free_group: list[torch.Tensor]
+
+    def free(self, free_index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _defer_free(self, free_index: torch.Tensor) -> bool:
+        """True when ``free`` has nothing to do now: no slots, or a free group collects them."""
+        if free_index.numel() == 0:
+            return True
+        if self._in_free_group:
+            self._free_group.append(free_index)
+            return True
+        return False
+
+    def free_group_begin(self) -> None:
+        """Collect frees until ``free_group_end`` and return them with one concatenation."""
+        self._in_free_group = True
+        self._free_group = []
+
+    def free_group_end(self) -> None:
+        self._in_free_group = False
+        group, self._free_group = self._free_group, []
+        if group:
+            self.free(torch.cat([g.to(device=self.device, dtype=torch.int64) for g in group]))
+
+
+class BaseTokenToKVPoolAllocator(FreeGroup):
     """Page-granular allocator; ``page_size == 1`` is the token-granular special case.
 
     Slots are ``page * page_size + offset`` for pages ``1 .. size // page_size``.
@@ -189,26 +242,6 @@ class BaseTokenToKVPoolAllocator:
         if self.debug:
             self._check_free(pages)
         self.release_pages = torch.cat((self.release_pages, pages))
-
-    def _defer_free(self, free_index: torch.Tensor) -> bool:
-        """True when ``free`` has nothing to do now: no slots, or a free group collects them."""
-        if free_index.numel() == 0:
-            return True
-        if self._in_free_group:
-            self._free_group.append(free_index)
-            return True
-        return False
-
-    def free_group_begin(self) -> None:
-        """Collect frees until ``free_group_end`` and return them with one concatenation."""
-        self._in_free_group = True
-        self._free_group = []
-
-    def free_group_end(self) -> None:
-        self._in_free_group = False
-        group, self._free_group = self._free_group, []
-        if group:
-            self.free(torch.cat([g.to(device=self.device, dtype=torch.int64) for g in group]))
 
     def _check_free(self, pages: torch.Tensor) -> None:
         if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) > self.num_pages):

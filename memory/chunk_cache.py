@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 
 
 class ChunkCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator, page_size: int = 1) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SlotAllocator, page_size: int = 1) -> None:
         if page_size != allocator.page_size:
             raise ValueError(f"ChunkCache page_size {page_size} != allocator page_size {allocator.page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -39,25 +39,21 @@ class ChunkCache(BasePrefixCache):
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         return 0
 
-    def _row(self, req: CacheRequest, length: int) -> torch.Tensor:
-        assert req.req_pool_idx is not None, "request holds no ReqToTokenPool row"
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)
-
     def cache_unfinished_req(self, req: CacheRequest) -> None:
         # The request keeps its own slots; they are its prefix for the next chunk.
-        req.prefix_indices = self._row(req, len(req.fill_ids))
+        req.cache_handle.prefix_indices = self._row(req, len(req.fill_ids))
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         self.release_req(req, kv_len)
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
-        if req.req_pool_idx is not None:
+        handle = req.cache_handle
+        if handle.req_pool_idx is not None:
             kv_len = request_kv_len(req) if kv_len is None else kv_len
             self.allocator.free(self._row(req, kv_len))
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.last_node = None
-        req.prefix_indices = self._empty
+            self._free_row(req)
+        handle.last_node = None
+        handle.prefix_indices = self._empty
 
     def inc_lock_ref(self, node: Any) -> int:
         return 0

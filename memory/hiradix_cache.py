@@ -34,30 +34,17 @@ from typing import Iterator, Literal
 
 import torch
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.host_pool import HostKVPool
 from memory.kv_transfer import KVTransfer, TransferOp
 from memory.prefix_cache import KVCacheEvent, MatchResult
 from memory.radix_cache import RadixCache, TreeNode
+from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back")
-
-
-class HiTreeNode(TreeNode):
-    """A radix-tree node whose KV may be on the device (``value``), the host (``host_value``) or both.
-
-    ``value`` is None while the node is host-only.
-    """
-
-    __slots__ = ("host_value",)
-
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
-                 extra_key: str | None) -> None:
-        super().__init__(node_id, key, value, parent, extra_key)  # type: ignore[arg-type]
-        self.host_value: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,7 +67,7 @@ class HiRadixCache(RadixCache):
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
-        allocator: BaseTokenToKVPoolAllocator,
+        allocator: SlotAllocator,
         host_pool: HostKVPool,
         transfer: KVTransfer,
         page_size: int = 1,
@@ -97,9 +84,9 @@ class HiRadixCache(RadixCache):
         self.transfer = transfer
         self.write_policy = write_policy
         self.tier_stats = TierStats()
-        self._pending_backups: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
-        self._pending_loads: list[tuple[HiTreeNode, torch.Tensor, torch.Tensor]] = []
-        self._inflight: list[tuple[TransferOp, list[HiTreeNode]]] = []
+        self._pending_backups: list[tuple[TreeNode, torch.Tensor, torch.Tensor]] = []
+        self._pending_loads: list[tuple[TreeNode, torch.Tensor, torch.Tensor]] = []
+        self._inflight: list[tuple[TransferOp, list[TreeNode]]] = []
         self._first_adopted = -1  # insert's offset of the first host-only node it put back on the device
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy, False, enable_kv_events)
 
@@ -112,18 +99,12 @@ class HiRadixCache(RadixCache):
         self._pending_backups, self._pending_loads = [], []
         self.host_allocator.clear()
 
-    def _new_node(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
-                  extra_key: str | None) -> HiTreeNode:
-        node = HiTreeNode(self._next_id, key, value, parent, extra_key)
-        self._next_id += 1
-        return node
-
-    def _nodes(self) -> Iterator[HiTreeNode]:
-        stack: list[HiTreeNode] = list(self.root.children.values())  # type: ignore[arg-type]
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             yield node
-            stack.extend(node.children.values())  # type: ignore[arg-type]
+            stack.extend(node.children.values())
 
     def total_size(self) -> int:
         """Device tokens in the tree, counted by walking it (checks the two device counters)."""
@@ -158,7 +139,7 @@ class HiRadixCache(RadixCache):
             tokens, start = self._path_tokens(node)
             self._events.append(KVCacheEvent(kind, tokens, start, node.extra_key, tier))
 
-    def _on_device(self, node: HiTreeNode, value: torch.Tensor) -> None:
+    def _on_device(self, node: TreeNode, value: torch.Tensor) -> None:
         """``node`` (host-only) gets device slots ``value``: count them in the device sizes."""
         node.value = value
         if node.lock_ref > 0:
@@ -186,24 +167,24 @@ class HiRadixCache(RadixCache):
         return dev, dev_node
 
     def _walk(self, key: list[int], extra_key: str | None
-              ) -> tuple[list[torch.Tensor], HiTreeNode, list[torch.Tensor], HiTreeNode]:
+              ) -> tuple[list[torch.Tensor], TreeNode, list[torch.Tensor], TreeNode]:
         """The match's device values and last device node, then its host-only values and last node."""
-        nodes: list[HiTreeNode] = self._match_nodes(key, extra_key)  # type: ignore[assignment]
-        on_device = [n for n in nodes if n.value is not None]  # a prefix of ``nodes`` (module docstring)
-        host_only = nodes[len(on_device):]
-        assert all(n.host_value is not None for n in host_only), "a node with no KV in either tier"
-        dev_node = on_device[-1] if on_device else self.root
+        nodes = self._match_nodes(key, extra_key)
+        device = [n.value for n in nodes if n.value is not None]  # a prefix of ``nodes`` (module docstring)
+        host_only = nodes[len(device):]
+        host = [n.host_value for n in host_only if n.host_value is not None]
+        assert len(host) == len(host_only), "a node with no KV in either tier"
+        dev_node = nodes[len(device) - 1] if device else self.root
         last = nodes[-1] if nodes else self.root
-        return ([n.value for n in on_device], dev_node,  # type: ignore[return-value,misc]
-                [n.host_value for n in host_only], last)  # type: ignore[misc]
+        return device, dev_node, host, last
 
     def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
         """Both tiers' slots split where the key does (either may be None: not in that tier)."""
-        value, host = child.value, child.host_value  # type: ignore[attr-defined]
-        upper.value = None if value is None else value[:split_len]  # type: ignore[assignment]
-        child.value = None if value is None else value[split_len:]  # type: ignore[assignment]
-        upper.host_value = None if host is None else host[:split_len]  # type: ignore[attr-defined]
-        child.host_value = None if host is None else host[split_len:]  # type: ignore[attr-defined]
+        value, host = child.value, child.host_value
+        upper.value = None if value is None else value[:split_len]
+        child.value = None if value is None else value[split_len:]
+        upper.host_value = None if host is None else host[:split_len]
+        child.host_value = None if host is None else host[split_len:]
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache ``key -> value``; return how many leading tokens were already on the device.
@@ -220,11 +201,11 @@ class HiRadixCache(RadixCache):
             if self._first_adopted < 0:
                 self._first_adopted = off
             slots = value[off : off + len(node.key)].to(device=self.device, dtype=torch.int64).clone()
-            self._on_device(node, slots)  # type: ignore[arg-type]
+            self._on_device(node, slots)
 
     def _on_insert_leaf(self, leaf: TreeNode) -> None:
         if self.write_policy == "write_through":
-            self._queue_backup(leaf)  # type: ignore[arg-type]
+            self._queue_backup(leaf)
 
     # ---------------------------------------------------------------- locking
     def _sized_len(self, node: TreeNode) -> int:
@@ -239,12 +220,12 @@ class HiRadixCache(RadixCache):
             slots = self.host_allocator.alloc(num_tokens)
         return slots
 
-    def _queue_backup(self, node: HiTreeNode) -> bool:
+    def _queue_backup(self, node: TreeNode) -> bool:
         """Give ``node`` host slots and queue its device -> host copy (locked until it completed)."""
         if not self._alloc_host_for(node):
             return False
         self.inc_lock_ref(node)
-        self._pending_backups.append((node, node.value, node.host_value))  # type: ignore[arg-type]
+        self._pending_backups.append((node, node.device_value(), node.host_slots()))
         return True
 
     def load_back(self, node: TreeNode) -> torch.Tensor | None:
@@ -254,11 +235,11 @@ class HiRadixCache(RadixCache):
         when the device has no room even after eviction. The copy is queued; the nodes stay
         locked until it completed, and ``issue_transfers`` must run before a forward reads them.
         """
-        path: list[HiTreeNode] = []
-        cur = node
-        while cur is not self.root and cur.value is None:
-            path.append(cur)  # type: ignore[arg-type]
-            cur = cur.parent  # type: ignore[assignment]
+        path: list[TreeNode] = []
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root and cur.value is None:
+            path.append(cur)
+            cur = cur.parent
         if not path:
             return self._empty
         path.reverse()
@@ -275,10 +256,27 @@ class HiRadixCache(RadixCache):
         for p in path:
             self._on_device(p, slots[off : off + len(p.key)])
             off += len(p.key)
-        host = torch.cat([p.host_value for p in path])  # type: ignore[misc]
-        self._pending_loads.append((node, slots, host))  # type: ignore[arg-type]
+        host = torch.cat([p.host_slots() for p in path])
+        self._pending_loads.append((node, slots, host))
         self.tier_stats.loaded_tokens += num
         return slots
+
+    def load_host_prefix(self, req: CacheRequest, room: int) -> int:
+        """Bring ``req``'s host part (from its last ``match_request``) to the device when ``room``
+        device tokens allow; its prefix then ends at the loaded node. Returns the tokens loaded.
+
+        The match's host part is consumed either way (a later match records a fresh one)."""
+        handle = req.cache_handle
+        n, node = handle.host_hit_len, handle.last_host_node
+        handle.host_hit_len, handle.last_host_node = 0, None
+        if n <= 0 or node is None or n > room:
+            return 0
+        slots = self.load_back(node)
+        if slots is None:
+            return 0
+        handle.prefix_indices = torch.cat((handle.prefix_indices, slots))
+        handle.last_node = node
+        return int(slots.numel())
 
     def issue_transfers(self, complete: bool = True) -> None:
         """Issue the queued copies (one batch per direction); first complete the ones issued
@@ -326,7 +324,7 @@ class HiRadixCache(RadixCache):
             stats.backup_bytes += op.nbytes
 
     # --------------------------------------------------------------- eviction
-    def _is_device_leaf(self, node: HiTreeNode, leaving: set[HiTreeNode]) -> bool:
+    def _is_device_leaf(self, node: TreeNode, leaving: set[TreeNode]) -> bool:
         return (node is not self.root and node.value is not None and node.lock_ref == 0
                 and all(c.value is None or c in leaving for c in node.children.values()))
 
@@ -343,7 +341,7 @@ class HiRadixCache(RadixCache):
             # Nodes being copied are locked: when they are needed (a decode step short of room,
             # a retraction), finish their copies now rather than retract or refuse.
             self.wait_transfers()
-        leaving: set[HiTreeNode] = set()  # being copied to the host, leaving the device after
+        leaving: set[TreeNode] = set()  # being copied to the host, leaving the device after
         heap = [(self._priority(n), n) for n in self._nodes() if self._is_device_leaf(n, leaving)]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
@@ -353,7 +351,7 @@ class HiRadixCache(RadixCache):
             if not self._is_device_leaf(node, leaving) or node in leaving:
                 continue  # already taken (pushed twice)
             evicted += len(node.key)
-            freed.append(node.value)
+            freed.append(node.device_value())
             if node.host_value is not None:
                 self._leave_device(node)
             elif self._alloc_host_for(node):
@@ -364,28 +362,29 @@ class HiRadixCache(RadixCache):
                 self.tier_stats.device_dropped_tokens += len(node.key)
                 self._drop(node)
             parent = node.parent
-            if self._is_device_leaf(parent, leaving):  # type: ignore[arg-type]
-                heapq.heappush(heap, (self._priority(parent), parent))  # type: ignore[arg-type]
+            assert parent is not None
+            if self._is_device_leaf(parent, leaving):
+                heapq.heappush(heap, (self._priority(parent), parent))
         self._copy_out(leaving)
         if freed:
             self.allocator.free(torch.cat(freed))
         self.tier_stats.device_evicted_tokens += evicted
         return evicted
 
-    def _copy_out(self, leaving: set[HiTreeNode]) -> None:
+    def _copy_out(self, leaving: set[TreeNode]) -> None:
         """Copy the ``leaving`` nodes to their host slots now; they become host-only."""
         if not leaving:
             return
         nodes = list(leaving)
-        op = self.transfer.to_host(torch.cat([n.value for n in nodes]),  # type: ignore[misc]
-                                   torch.cat([n.host_value for n in nodes]))  # type: ignore[misc]
+        op = self.transfer.to_host(torch.cat([n.device_value() for n in nodes]),
+                                   torch.cat([n.host_slots() for n in nodes]))
         op.wait()  # the device slots are reused as soon as they are free
         self._count(op)
         for node in nodes:
             self._leave_device(node)
         leaving.clear()
 
-    def _alloc_host_for(self, node: HiTreeNode) -> bool:
+    def _alloc_host_for(self, node: TreeNode) -> bool:
         host = self._alloc_host(len(node.key))
         if host is None:
             return False
@@ -393,12 +392,12 @@ class HiRadixCache(RadixCache):
         self._emit_tier("stored", node, "host")
         return True
 
-    def _leave_device(self, node: HiTreeNode) -> None:
+    def _leave_device(self, node: TreeNode) -> None:
         self._evictable_size -= len(node.key)
         self._emit_tier("removed", node, "device")
         node.value = None
 
-    def _drop(self, node: HiTreeNode) -> None:
+    def _drop(self, node: TreeNode) -> None:
         """Remove an unlocked device leaf without a host copy, and its host-only subtree, from the tree."""
         parent = node.parent
         assert parent is not None and node.lock_ref == 0
@@ -409,10 +408,10 @@ class HiRadixCache(RadixCache):
         stack = list(node.children.values())
         while stack:
             sub = stack.pop()
-            assert sub.value is None and sub.host_value is not None and sub.lock_ref == 0  # type: ignore[attr-defined]
+            assert sub.value is None and sub.host_value is not None and sub.lock_ref == 0
             self._emit_tier("removed", sub, "host")
             self._leaves.discard(sub)
-            host.append(sub.host_value)  # type: ignore[attr-defined]
+            host.append(sub.host_slots())
             stack.extend(sub.children.values())
         del parent.children[self._child_key(node.key, 0, node.extra_key)]
         self._leaves.discard(node)  # RadixCache's leaf set (unused here) must not keep it alive
@@ -446,7 +445,7 @@ class HiRadixCache(RadixCache):
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             self._leaves.discard(node)
             if evictable(parent):
-                heapq.heappush(heap, (lru(parent), parent))  # type: ignore[arg-type]
+                heapq.heappush(heap, (lru(parent), parent))
         if freed:
             self.host_allocator.free(torch.cat(freed))
         self.tier_stats.host_evicted_tokens += evicted

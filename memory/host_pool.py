@@ -16,7 +16,7 @@ import logging
 import torch
 
 from memory.allocator import BaseTokenToKVPoolAllocator
-from memory.kv_pool import MHATokenToKVPool
+from memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -56,4 +56,5 @@ class HostKVPool:
     def _buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.pinned)
 
-    bytes_per_token = MHATokenToKVPool.bytes_per_token  # the same layout, so the same count
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype)  # the device layout

@@ -22,6 +22,8 @@ import torch
 from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.swa_allocator import SWATokenToKVPoolAllocator
+from memory.swa_invariant import check_swa_memory
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class InvariantReport:
 
 
 def check_memory_invariant(
-    allocator: BaseTokenToKVPoolAllocator,
+    allocator: BaseTokenToKVPoolAllocator | SWATokenToKVPoolAllocator,
     tree_cache: BasePrefixCache,
     req_to_token_pool: ReqToTokenPool,
     max_total_tokens: int,
@@ -51,8 +53,9 @@ def check_memory_invariant(
 ) -> InvariantReport:
     """Check the accounting and ownership of every KV slot; log and return what is wrong."""
     p = allocator.page_size
+    hybrid = allocator if isinstance(allocator, SWATokenToKVPoolAllocator) else None
     # (the full pool's own count: a hybrid SWA allocator's available_size is the smaller of its two pools)
-    available = getattr(allocator, "full_available_size", allocator.available_size)()
+    available = hybrid.full_available_size() if hybrid is not None else allocator.available_size()
     evictable = tree_cache.evictable_size()
     protected = tree_cache.protected_size()
     problems: list[str] = []
@@ -114,11 +117,8 @@ def check_memory_invariant(
     if double_owned:
         problems.append(f"{len(double_owned)} slots owned twice: {double_owned[:_MAX_LISTED]}")
     swa = None
-    if hasattr(allocator, "swa"):  # the SWA pool too (memory.swa_invariant)
-        from memory.swa_invariant import check_swa_memory
-
-        swa_report = check_swa_memory(allocator, tree_cache, req_to_token_pool, idle,  # type: ignore[arg-type]
-                                      active_rows)
+    if hybrid is not None:  # the SWA pool too (memory.swa_invariant)
+        swa_report = check_swa_memory(hybrid, tree_cache, req_to_token_pool, idle, active_rows)
         problems.extend(swa_report.problems)
         swa = dataclasses.asdict(swa_report)
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V over every layer (the device pool's and the host tier's layout)."""
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class MHATokenToKVPool:
     def __init__(
         self,
@@ -50,4 +55,4 @@ class MHATokenToKVPool:
             v[dst_loc] = v[src_loc]
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype)

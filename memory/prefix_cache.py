@@ -2,8 +2,10 @@
 
 Who frees what (the contract of both caches):
 
-- ``match_prefix`` hands out tree slots; the caller must ``inc_lock_ref(last_node)``
+- ``match_prefix`` hands out tree slots; ``match_request`` records them in a request's
+  ``CacheHandle`` (:mod:`memory.req_state`). The caller must ``inc_lock_ref(last_node)``
   before allocating anything (allocation may evict unlocked nodes).
+- ``attach_rows`` gives requests their ReqToTokenPool rows, starting with their prefix.
 - ``cache_unfinished_req`` keeps the request alive: its row then points at canonical
   tree slots; duplicate slots it had allocated are freed here.
 - ``cache_finished_req`` ends the request's claim on memory: it inserts what can be
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import torch
 
 from memory.req_state import CacheRequest
+from memory.req_to_token_pool import ReqToTokenPool
 
 
 @dataclass
@@ -71,9 +74,65 @@ class HitStats:
 
 
 class BasePrefixCache(abc.ABC):
-    """Common interface; see the module docstring for who frees what."""
+    """Common interface; see the module docstring for who frees what.
+
+    The cache is the only writer of its requests' ``CacheHandle``: the concrete methods
+    below and the implementations' lifecycle methods.
+    """
 
     page_size: int
+    req_to_token_pool: ReqToTokenPool
+
+    def match_request(self, req: CacheRequest, key: list[int], count_hit: bool = False) -> None:
+        """Record ``key``'s longest cached prefix in ``req``'s handle, unlocked: its device slots and
+        end node, and its continuation in a host tier. For a waiting request, which holds no lock.
+        Hit statistics are not counted by default (the scheduler counts a request once, not per lookup)."""
+        result = self.match_prefix(key, extra_key=req.extra_key, count_hit=count_hit)
+        handle = req.cache_handle
+        handle.prefix_indices, handle.last_node = result.device_indices, result.last_node
+        handle.host_hit_len, handle.last_host_node = result.host_hit_len, result.last_host_node
+
+    def drop_match(self, req: CacheRequest) -> None:
+        """A waiting request leaves without running: forget its match (it holds no lock and no row)."""
+        handle = req.cache_handle
+        handle.prefix_indices = torch.empty(0, dtype=torch.int64)
+        handle.last_node = None
+        handle.host_hit_len, handle.last_host_node = 0, None
+
+    def attach_rows(self, reqs: Sequence[CacheRequest]) -> bool:
+        """Give each of ``reqs`` (which hold none) a ReqToTokenPool row that starts with its prefix.
+
+        The rows are the requests' until ``cache_finished_req`` / ``release_req`` give them back.
+        Returns False, taking none, when the pool has too few free rows."""
+        rows = self.req_to_token_pool.alloc(len(reqs))
+        if rows is None:
+            return False
+        for req, row in zip(reqs, rows):
+            handle = req.cache_handle
+            handle.req_pool_idx = row
+            if len(handle.prefix_indices):
+                self.req_to_token_pool.write(row, 0, handle.prefix_indices)
+        return True
+
+    def detach_rows(self, reqs: Sequence[CacheRequest]) -> None:
+        """Undo ``attach_rows(reqs)`` (the prefill they were for could not get its KV slots)."""
+        rows = [req.cache_handle.req_pool_idx for req in reqs]
+        self.req_to_token_pool.free([row for row in rows if row is not None])
+        for req in reqs:
+            req.cache_handle.req_pool_idx = None
+
+    def _row(self, req: CacheRequest, length: int) -> torch.Tensor:
+        """The KV slots of ``req``'s first ``length`` tokens, from its row (int64)."""
+        row = req.cache_handle.req_pool_idx
+        assert row is not None, "request holds no ReqToTokenPool row"
+        return self.req_to_token_pool.req_to_token[row, :length].to(torch.int64)
+
+    def _free_row(self, req: CacheRequest) -> None:
+        """Give ``req``'s row back to the pool (the end of its claim: finish, release)."""
+        handle = req.cache_handle
+        assert handle.req_pool_idx is not None, "request holds no ReqToTokenPool row"
+        self.req_to_token_pool.free(handle.req_pool_idx)
+        handle.req_pool_idx = None
 
     @abc.abstractmethod
     def match_prefix(self, key: list[int], extra_key: str | None = None, count_hit: bool = True) -> MatchResult: ...

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
@@ -33,11 +33,21 @@ ChildKey = int | tuple
 
 
 class TreeNode:
-    """One edge of the radix tree: a run of tokens (``key``) and their KV slots (``value``)."""
+    """One edge of the radix tree: a run of tokens (``key``) and their KV slots (``value``).
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "hit_count", "extra_key")
+    Every variant of the tree uses this one node class (the tree owns all of its fields):
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, extra_key: str | None) -> None:
+    - ``value``: the tokens' device KV slots. None only in a ``HiRadixCache`` node whose KV
+      is in the host tier alone; every other tree's nodes always have them.
+    - ``host_value``: the tokens' host KV slots (``HiRadixCache`` only; None: no host copy).
+    - ``swa_tombstone``: the tokens gave their SWA slots back (``SWARadixCache`` only).
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "hit_count", "extra_key",
+                 "host_value", "swa_tombstone")
+
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
+                 extra_key: str | None) -> None:
         self.id = node_id
         self.key = key
         self.value = value
@@ -47,6 +57,18 @@ class TreeNode:
         self.last_access_time = 0
         self.hit_count = 0
         self.extra_key = extra_key
+        self.host_value: torch.Tensor | None = None
+        self.swa_tombstone = False
+
+    def device_value(self) -> torch.Tensor:
+        """``value`` where the tree guarantees device slots (every tree but a host-only HiRadixCache node)."""
+        assert self.value is not None, f"{self!r} has no device slots"
+        return self.value
+
+    def host_slots(self) -> torch.Tensor:
+        """``host_value`` where the tree guarantees a host copy (a HiRadixCache node being copied, or host-only)."""
+        assert self.host_value is not None, f"{self!r} has no host slots"
+        return self.host_value
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
@@ -72,7 +94,7 @@ class RadixCache(BasePrefixCache):
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
-        allocator: BaseTokenToKVPoolAllocator,
+        allocator: SlotAllocator,
         page_size: int = 1,
         eviction_policy: Literal["lru", "lfu"] = "lru",
         disable: bool = False,
@@ -146,7 +168,7 @@ class RadixCache(BasePrefixCache):
         values, stack = [], [self.root]
         while stack:
             node = stack.pop()
-            values.append(node.value)
+            values.append(node.device_value())
             stack.extend(node.children.values())
         return torch.cat(values) if values else self._empty
 
@@ -192,7 +214,8 @@ class RadixCache(BasePrefixCache):
 
     def _match(self, key: list[int], extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
         nodes = self._match_nodes(key, extra_key)
-        return [n.value for n in nodes], (nodes[-1] if nodes else self.root)
+        # (every node of this tree has device slots: no per-node check on this path)
+        return cast(list[torch.Tensor], [n.value for n in nodes]), (nodes[-1] if nodes else self.root)
 
     def _match_nodes(self, key: list[int], extra_key: str | None) -> list[TreeNode]:
         """The nodes of ``key``'s longest cached prefix, root side first (the last one split where
@@ -233,7 +256,8 @@ class RadixCache(BasePrefixCache):
     def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
         """Give ``upper`` the first ``split_len`` tokens' slots of ``child`` (a subclass whose nodes
         keep more per token, or no device slots, splits that here too)."""
-        upper.value, child.value = child.value[:split_len], child.value[split_len:]
+        value = child.device_value()
+        upper.value, child.value = value[:split_len], value[split_len:]
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache ``key -> value`` (page-aligned part); return how many leading tokens were already cached.
@@ -340,7 +364,7 @@ class RadixCache(BasePrefixCache):
         evicted = 0
         while evicted < num_tokens and heap:
             _, leaf = heapq.heappop(heap)
-            freed.append(leaf.value)
+            freed.append(leaf.device_value())
             evicted += len(leaf.key)
             self._delete_leaf(leaf)
             parent = leaf.parent
@@ -363,13 +387,9 @@ class RadixCache(BasePrefixCache):
         self._evictable_size -= len(leaf.key)
 
     # ------------------------------------------------------ request lifecycle
-    def _row(self, req: CacheRequest, length: int) -> torch.Tensor:
-        assert req.req_pool_idx is not None, "request holds no ReqToTokenPool row"
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)
-
     def _held_len(self, req: CacheRequest) -> int:
         # The tree-owned (locked) part of prefix_indices; an unaligned tail is the request's own.
-        return req.prefix_indices.numel() // self.page_size * self.page_size
+        return req.cache_handle.prefix_indices.numel() // self.page_size * self.page_size
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:
         """After a prefill chunk: share the prefilled tokens through the tree and lock them for the request.
@@ -377,10 +397,11 @@ class RadixCache(BasePrefixCache):
         Slots the request allocated for tokens that another request cached first are
         freed, and the request's row is pointed at the tree's slots instead.
         """
+        handle = req.cache_handle
         kv_len = len(req.fill_ids)
         kv_indices = self._row(req, kv_len)
         if self.disable:
-            req.prefix_indices = kv_indices
+            handle.prefix_indices = kv_indices
             return
         aligned = kv_len // self.page_size * self.page_size
         key = list(req.fill_ids[:aligned])
@@ -391,20 +412,21 @@ class RadixCache(BasePrefixCache):
         assert tree_indices.numel() == aligned, f"re-match found {tree_indices.numel()} of {aligned} inserted tokens"
         # Remap first, then free the duplicates (their KV equals the tree's copy).
         if aligned > held:
-            self.req_to_token_pool.write(req.req_pool_idx, held, tree_indices[held:])
+            assert handle.req_pool_idx is not None
+            self.req_to_token_pool.write(handle.req_pool_idx, held, tree_indices[held:])
         if present > held:
             self.allocator.free(kv_indices[held:present])
         self.inc_lock_ref(new_last)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = new_last
-        req.prefix_indices = tree_indices if aligned == kv_len else torch.cat((tree_indices, kv_indices[aligned:]))
+        self.dec_lock_ref(handle.last_node)
+        handle.last_node = new_last
+        handle.prefix_indices = tree_indices if aligned == kv_len else torch.cat((tree_indices, kv_indices[aligned:]))
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """Cache prompt + generated tokens that have KV, free the rest, unlock, and free the request's row.
 
         ``kv_len`` defaults to :func:`memory.prefix_cache.request_kv_len`.
         """
-        if req.req_pool_idx is None:
+        if req.cache_handle.req_pool_idx is None:
             self._unlock(req)
             return
         kv_len = request_kv_len(req) if kv_len is None else kv_len
@@ -421,21 +443,20 @@ class RadixCache(BasePrefixCache):
             self.allocator.free(kv_indices[held:present])  # duplicates of tree slots
         self.allocator.free(kv_indices[aligned:])  # unaligned tail (page_size > 1)
         self.allocator.free_group_end()
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        self._free_row(req)
         self._unlock(req)
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """Drop a request without caching anything (retract, error): free its own slots, unlock, free its row."""
-        if req.req_pool_idx is not None:
+        if req.cache_handle.req_pool_idx is not None:
             kv_len = request_kv_len(req) if kv_len is None else kv_len
             held = 0 if self.disable else self._held_len(req)
             self.allocator.free(self._row(req, kv_len)[held:])
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
+            self._free_row(req)
         self._unlock(req)
 
     def _unlock(self, req: CacheRequest) -> None:
-        self.dec_lock_ref(req.last_node)
-        req.last_node = None
-        req.prefix_indices = self._empty
+        handle = req.cache_handle
+        self.dec_lock_ref(handle.last_node)
+        handle.last_node = None
+        handle.prefix_indices = self._empty

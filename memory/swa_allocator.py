@@ -16,15 +16,15 @@ Token-granular only (page_size 1).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from memory.allocator import AllocatorState, BaseTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from memory.allocator import AllocatorState, FreeGroup, TokenToKVPoolAllocator
+from memory.req_state import CacheHandle
 
 
-class SWATokenToKVPoolAllocator:
-    """Same interface as ``BaseTokenToKVPoolAllocator`` (page_size 1), plus the SWA half's own calls."""
+class SWATokenToKVPoolAllocator(FreeGroup):
+    """Same interface as ``BaseTokenToKVPoolAllocator`` (page_size 1), plus the SWA half's own calls.
+    (Not a subclass of it: none of its page bookkeeping applies; the free groups are shared.)"""
 
     def __init__(self, full_size: int, swa_size: int, full_to_swa: torch.Tensor, device: str | torch.device,
                  debug: bool = False) -> None:
@@ -126,26 +126,22 @@ class SWATokenToKVPoolAllocator:
             self.full_to_swa[full[held]] = 0
         return int(swa.numel())
 
-    # Collect frees until free_group_end, then one call (the same bookkeeping as the base allocator's).
-    _defer_free = BaseTokenToKVPoolAllocator._defer_free
-    free_group_begin = BaseTokenToKVPoolAllocator.free_group_begin
-    free_group_end = BaseTokenToKVPoolAllocator.free_group_end
 
-
-def free_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, req: Any, kv_len: int,
-                       window: int, own_start: int) -> int:
-    """Give back the SWA slots of ``req``'s tokens that no later query of it can see.
+def free_own_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,
+                           kv_len: int, window: int, own_start: int) -> int:
+    """Give back the SWA slots of a request's own tokens that no later query of it can see.
 
     The request's next query sits at position ``kv_len`` or later and sees keys from
     ``kv_len - window + 1`` on, so every position before that is done with in the windowed
     layers. Only the request's own tokens (from ``own_start``: a prefix cache's shared part
-    is freed by the cache, not by one of its readers) are touched; ``req.swa_evicted_len``
-    records how far this went. Returns the number of SWA slots freed.
+    is freed by the cache, not by one of its readers) are touched; ``handle.swa_evicted_len``
+    records how far this went. The SWA caches' ``free_out_of_window`` is the only caller (the
+    handle is theirs to write). Returns the number of SWA slots freed.
     """
-    start = max(getattr(req, "swa_evicted_len", 0), own_start)
+    start = max(handle.swa_evicted_len, own_start)
     end = kv_len - window + 1
-    if req.req_pool_idx is None or end <= start:
+    if handle.req_pool_idx is None or end <= start:
         return 0
-    freed = allocator.free_swa(req_to_token[req.req_pool_idx, start:end])
-    req.swa_evicted_len = end
+    freed = allocator.free_swa(req_to_token[handle.req_pool_idx, start:end])
+    handle.swa_evicted_len = end
     return freed

@@ -11,22 +11,23 @@ from __future__ import annotations
 from memory.chunk_cache import ChunkCache
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
-from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
+from memory.swa_allocator import SWATokenToKVPoolAllocator, free_own_out_of_window
 
 
 class SWAChunkCache(ChunkCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SWATokenToKVPoolAllocator, window: int) -> None:
-        super().__init__(req_to_token_pool, allocator, page_size=1)  # type: ignore[arg-type]
+        super().__init__(req_to_token_pool, allocator, page_size=1)
         self.swa_allocator = allocator
         self.window = window
 
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots of ``req``'s tokens before ``kv_len - W + 1`` (see ``swa_allocator``)."""
-        return free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len, self.window, 0)
+        return free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req.cache_handle,
+                                      kv_len, self.window, 0)
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]  # a later row starts with every SWA slot
+        req.cache_handle.swa_evicted_len = 0  # a later row starts with every SWA slot
 
     def swa_evictable_size(self) -> int:
         return 0

@@ -81,8 +81,8 @@ def check_swa_memory(
         if available + evictable + protected + owned != allocator.swa_size:
             problems.append(f"swa available {available} + evictable {evictable} + protected {protected} + "
                             f"request-owned {owned} != swa size {allocator.swa_size}")
-        leaked = (~swa_free & (count == 0)).nonzero().flatten()
-        leaked = leaked[leaked > 0].tolist()  # slot 0 is padding
+        unheld = (~swa_free & (count == 0)).nonzero().flatten()
+        leaked = unheld[unheld > 0].tolist()  # slot 0 is padding
         if leaked:
             problems.append(f"{len(leaked)} leaked SWA slots: {leaked[:_MAX_LISTED]}")
         if used != tree_swa + owned:

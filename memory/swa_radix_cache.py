@@ -30,18 +30,7 @@ from memory.prefix_cache import MatchResult, request_kv_len
 from memory.radix_cache import RadixCache, TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
-from memory.swa_allocator import SWATokenToKVPoolAllocator, free_out_of_window
-
-
-class SWATreeNode(TreeNode):
-    """A tree node that may have given its SWA half back (``swa_tombstone``)."""
-
-    __slots__ = ("swa_tombstone",)
-
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                 extra_key: str | None) -> None:
-        super().__init__(node_id, key, value, parent, extra_key)
-        self.swa_tombstone = False
+from memory.swa_allocator import SWATokenToKVPoolAllocator, free_own_out_of_window
 
 
 class SWARadixCache(RadixCache):
@@ -59,7 +48,7 @@ class SWARadixCache(RadixCache):
         # Bumped whenever a node may have become free of guards (a lock dropped, a prefix inserted):
         # a request's path is walked again only after that (``free_out_of_window``).
         self._epoch = 0
-        super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,  # type: ignore[arg-type]
+        super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,
                          enable_kv_events=enable_kv_events)
 
     # ------------------------------------------------------------ tree shape
@@ -67,15 +56,9 @@ class SWARadixCache(RadixCache):
         self._guards = {}
         super().reset()
 
-    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                  extra_key: str | None) -> TreeNode:
-        node = SWATreeNode(self._next_id, key, value, parent, extra_key)
-        self._next_id += 1
-        return node
-
     def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
         super()._split_values(child, upper, split_len)
-        upper.swa_tombstone = child.swa_tombstone  # type: ignore[attr-defined]
+        upper.swa_tombstone = child.swa_tombstone
         # (guards are keyed by end node: the child keeps its end, the upper part is new)
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
@@ -118,7 +101,8 @@ class SWARadixCache(RadixCache):
             ends.append(pos)
         own: list[int | None] = [None] * len(path)  # guards whose deepest path ancestor is path[i]
         for guard in self._guards:
-            below, cur = 0, guard  # tokens between the path node reached and the guard's end
+            below = 0  # tokens between the path node reached and the guard's end
+            cur: TreeNode | None = guard
             while cur is not None and cur is not self.root and cur not in index:
                 below += len(cur.key)
                 cur = cur.parent
@@ -126,12 +110,14 @@ class SWARadixCache(RadixCache):
                 continue
             i = index[cur]
             start = max(0, ends[i] + below - self.window + 1)
-            own[i] = start if own[i] is None else min(own[i], start)  # type: ignore[type-var]
+            held = own[i]
+            own[i] = start if held is None else min(held, start)
         first: list[int | None] = [None] * len(path)
         running: int | None = None
         for i in range(len(path) - 1, -1, -1):
-            if own[i] is not None:
-                running = own[i] if running is None else min(running, own[i])  # type: ignore[type-var]
+            mine = own[i]
+            if mine is not None:
+                running = mine if running is None else min(running, mine)
             first[i] = running
         return first
 
@@ -153,8 +139,8 @@ class SWARadixCache(RadixCache):
         """The last end of a node on the path whose preceding W - 1 tokens are all live (0 if none)."""
         best, run_start, pos = 0, 0, 0
         for cur in self._path(node):
-            start, pos = pos, pos + len(cur.key)
-            if cur.swa_tombstone:  # type: ignore[attr-defined]
+            pos += len(cur.key)
+            if cur.swa_tombstone:
                 run_start = pos
             elif run_start == 0 or pos - (self.window - 1) >= run_start:
                 best = pos
@@ -164,18 +150,19 @@ class SWARadixCache(RadixCache):
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its
         path that no guard covers (those nodes become tombstones). Returns SWA slots freed."""
-        freed = free_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req, kv_len,
-                                   self.window, self._held_len(req))
-        node = req.last_node
-        if node is None or node is self.root or self.disable or getattr(req, "swa_tree_epoch", -1) == self._epoch:
+        handle = req.cache_handle
+        freed = free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
+                                       self.window, self._held_len(req))
+        node = handle.last_node
+        if node is None or node is self.root or self.disable or handle.swa_tree_epoch == self._epoch:
             return freed  # nothing on its path can have lost its guards since the last walk
-        req.swa_tree_epoch = self._epoch  # type: ignore[attr-defined]
+        handle.swa_tree_epoch = self._epoch
         path = self._path(node)
         limits = self._guarded_from(path)
         pos = 0
         for cur, limit in zip(path, limits):  # (a split below only adds a node above cur's lower part)
             start, pos = pos, pos + len(cur.key)
-            if not cur.swa_tombstone:  # type: ignore[attr-defined]
+            if not cur.swa_tombstone:
                 if limit is None or limit >= pos:
                     freed += self._tombstone(cur)
                 elif limit > start:
@@ -201,32 +188,33 @@ class SWARadixCache(RadixCache):
         for cur in self._path(node):
             a, b = pos, pos + len(cur.key)
             pos = b
-            if b <= start or not cur.swa_tombstone:  # type: ignore[attr-defined]
+            if b <= start or not cur.swa_tombstone:
                 continue
             if a < start:  # keep the part before start as it is
                 self._split(cur, start - a)
                 a = start
-            tree, mine = cur.value, own[a:b]
+            tree, mine = cur.device_value(), own[a:b]
             moved = tree != mine
             mapping[tree[moved]] = mapping[mine[moved]]
             mapping[mine[moved]] = 0
-            cur.swa_tombstone = False  # type: ignore[attr-defined]
+            cur.swa_tombstone = False
 
     def _tombstone(self, node: TreeNode) -> int:
-        node.swa_tombstone = True  # type: ignore[attr-defined]
-        return self.swa_allocator.free_swa(node.value)
+        node.swa_tombstone = True
+        return self.swa_allocator.free_swa(node.device_value())
 
     def cache_finished_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         """As ``RadixCache``'s, with the request's own tokens that lost their SWA slots inserted as a tombstone."""
-        if req.req_pool_idx is None or self.disable:
+        handle = req.cache_handle
+        if handle.req_pool_idx is None or self.disable:
             super().cache_finished_req(req, kv_len)
-            req.swa_evicted_len = 0  # type: ignore[attr-defined]
+            handle.swa_evicted_len = 0
             return
         kv_len = request_kv_len(req) if kv_len is None else kv_len
         kv_indices = self._row(req, kv_len)
         tokens = (list(req.origin_input_ids) + list(req.output_ids))[:kv_len]
         held = self._held_len(req)
-        evicted = min(getattr(req, "swa_evicted_len", 0), kv_len)
+        evicted = min(handle.swa_evicted_len, kv_len)
         self._revive(tokens, kv_indices, max(held, evicted), req.extra_key)
         present = self.insert(tokens, kv_indices, req.extra_key)
         if evicted > present:  # the new leaf's first evicted - present tokens have no SWA half
@@ -234,14 +222,13 @@ class SWARadixCache(RadixCache):
             self._tombstone(node)
         if present > held:
             self.allocator.free(kv_indices[held:present])  # duplicates of tree slots
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        self._free_row(req)
         self._unlock(req)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]
+        handle.swa_evicted_len = 0
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)
-        req.swa_evicted_len = 0  # type: ignore[attr-defined]
+        req.cache_handle.swa_evicted_len = 0
 
     # ------------------------------------------------------------- accounting
     def _live_sizes(self) -> tuple[int, int]:
@@ -250,7 +237,7 @@ class SWARadixCache(RadixCache):
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if not node.swa_tombstone:  # type: ignore[attr-defined]
+            if not node.swa_tombstone:
                 if node.lock_ref > 0:
                     protected += len(node.key)
                 else:

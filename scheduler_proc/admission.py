@@ -10,9 +10,9 @@ every planned request's prefix is locked by the adder, and a deferred chunk keep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
 from scheduler_proc.policy import SchedulePolicy
@@ -31,7 +31,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 class Admission:
     """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
 
-    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: BaseTokenToKVPoolAllocator,
+    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: SlotAllocator,
                  max_total_tokens: int, max_running_requests: int, host_tier: HostTier | None = None) -> None:
         self.tree_cache = tree_cache
         # A host tier's loads evict while planning: every request is matched right before it is added.
@@ -51,7 +51,7 @@ class Admission:
         """The running requests made progress: prefills may take the next turns again."""
         self.consecutive_prefills = 0
 
-    def plan(self, waiting: list[Req], running: list[Req], chunked_req: Req | None,
+    def plan(self, waiting: Sequence[Req], running: Sequence[Req], chunked_req: Req | None,
              new_token_ratio: float) -> PrefillPlan:
         """The next prefill (empty when decode should run, or nothing fits)."""
         if not waiting and chunked_req is None:
@@ -101,7 +101,7 @@ class Admission:
         prompt shorter than the threshold only clashes with an identical prompt: the
         samples of a parallel-sampling (n > 1) request share their prompt this way.
         """
-        if not self.radix_enabled or len(req.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
+        if not self.radix_enabled or len(req.cache_handle.prefix_indices) >= IN_BATCH_PREFIX_TOKENS:
             return False
         key = tuple(req.known_ids()[:IN_BATCH_PREFIX_TOKENS])
         if key in seen:

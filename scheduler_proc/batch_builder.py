@@ -1,7 +1,8 @@
 """Turn scheduled requests into a ForwardBatch: take request rows and KV slots, fill req_to_token.
 
-Memory taken here is owned by the requests from then on: a request's row and
-every KV slot past its cached prefix are released by the tree cache's
+Memory taken here is owned by the requests from then on: a request's row (handed out
+through the tree cache's ``attach_rows``, which records it in the request's cache handle)
+and every KV slot past its cached prefix are released by the tree cache's
 ``cache_finished_req`` (or kept for reuse by ``cache_unfinished_req``).
 
 A prefill carries out admission's ``PrefillPlan``: this is the one place a request's
@@ -13,14 +14,14 @@ tokens from the step in flight (``FutureInputs``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.sampler import SamplingBatchInfo
-from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.prefix_cache import BasePrefixCache
+from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
 from scheduler_proc.req import Req
@@ -31,7 +32,7 @@ class OutOfMemory(RuntimeError):
 
 
 class BatchBuilder:
-    def __init__(self, model_runner: ForwardRunner, allocator: BaseTokenToKVPoolAllocator,
+    def __init__(self, model_runner: ForwardRunner, allocator: Allocator,
                  tree_cache: BasePrefixCache, page_size: int) -> None:
         self.runner = model_runner
         self.allocator = allocator
@@ -104,7 +105,7 @@ class BatchBuilder:
         pool = self.req_to_token_pool
         reqs = [item.req for item in items]
         for item in items:
-            assert item.prefix_len == len(item.req.prefix_indices), "the plan's prefix is the locked one"
+            assert item.prefix_len == len(item.req.cache_handle.prefix_indices), "the plan's prefix is the locked one"
             assert item.req.num_inflight == 0, "a request prefills only with all its tokens on the host"
             item.req.begin_extend(item.prefix_len, item.extend_len)
         prefix_lens = [item.prefix_len for item in items]
@@ -114,16 +115,12 @@ class BatchBuilder:
         slots = sum(kv_slots_for_extend(p, s, self.page_size) for p, s in zip(prefix_lens, seq_lens))
         if not self.ensure_available(slots):
             raise OutOfMemory(f"need {slots} KV slots, {self.allocator.available_size()} free after eviction")
-        new_rows = [r for r in reqs if r.req_pool_idx is None]
-        taken = pool.alloc(len(new_rows))
-        if taken is None:
+        new_rows = [r for r in reqs if r.cache_handle.req_pool_idx is None]
+        if not self.tree_cache.attach_rows(new_rows):  # (each row starts with its request's prefix)
             raise OutOfMemory("no free request slot")
-        for req, row in zip(new_rows, taken):
-            req.req_pool_idx = row
-            req.kv_committed_len = len(req.prefix_indices)
-            if len(req.prefix_indices):
-                pool.write(row, 0, req.prefix_indices)
-        rows = [r.req_pool_idx for r in reqs]
+        for req in new_rows:
+            req.kv_committed_len = len(req.cache_handle.prefix_indices)
+        rows = _rows(reqs)
         if self.page_size == 1:
             out_cache_loc = self.allocator.alloc(total)
         else:
@@ -134,20 +131,18 @@ class BatchBuilder:
                 total,
             )
         if out_cache_loc is None:
-            pool.free(taken)
-            for req in new_rows:
-                req.req_pool_idx = None
+            self.tree_cache.detach_rows(new_rows)
             raise OutOfMemory(f"allocator refused {total} KV slots")
         offset = 0
-        for req, p, n in zip(reqs, prefix_lens, extend_lens):
-            pool.write(req.req_pool_idx, p, out_cache_loc[offset : offset + n])
+        for row, p, n in zip(rows, prefix_lens, extend_lens):
+            pool.write(row, p, out_cache_loc[offset : offset + n])
             offset += n
         input_ids = [t for r, p in zip(reqs, prefix_lens) for t in r.fill_ids[p:]]
         positions = [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)]
         return _Parts(list(reqs), input_ids, positions, rows, seq_lens, prefix_lens, extend_lens, out_cache_loc)
 
     def _decode_parts(self, reqs: Sequence[Req], inflight_rows: Mapping[Req, int]) -> "_Parts":
-        rows = [r.req_pool_idx for r in reqs]
+        rows = _rows(reqs)
         seq_lens = [r.scheduled_len for r in reqs]
         prefix_lens = [s - 1 for s in seq_lens]
         if not self.ensure_available(self.decode_tokens_needed(reqs)):
@@ -180,7 +175,8 @@ class BatchBuilder:
         reqs = [r for p in parts for r in p.reqs]
         seq_lens, prefix_lens, extend_lens = cat("seq_lens"), cat("prefix_lens"), cat("extend_lens")
         out_cache_loc = torch.cat([p.out_cache_loc.to(torch.int64) for p in parts])
-        future, offset = [], 0
+        future: list[tuple[int, int]] = []
+        offset = 0
         for p in parts:
             future.extend((offset + i, src) for i, src in p.future)
             offset += len(p.input_ids)
@@ -207,6 +203,12 @@ class BatchBuilder:
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
         )
         return batch, future_inputs
+
+
+def _rows(reqs: Sequence[Req]) -> list[int]:
+    """The ReqToTokenPool rows of requests that all hold one (being prefilled or decoded; not
+    checked here, per decode step: a request without a row makes the index tensor fail)."""
+    return cast(list[int], [r.cache_handle.req_pool_idx for r in reqs])
 
 
 def _outputs_for_sampling(req: Req) -> list[int]:

@@ -13,28 +13,17 @@ decides, per scheduler step:
   and launched: on cpu they are done at once; on cuda the scheduler's stream waits on the
   copy's event, so the forward (launched after, overlap or not) reads the loaded KV.
 
-Which cache a scheduler gets is decided here too (``create_tree_cache``).
+Which cache a scheduler gets is decided in :mod:`scheduler_proc.memory_setup`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
-import torch
-
-from memory import ChunkCache, RadixCache
-from memory.allocator import BaseTokenToKVPoolAllocator
 from memory.hiradix_cache import HiRadixCache
-from memory.host_pool import HostKVPool, host_pool_tokens
 from memory.invariant import InvariantReport, check_host_invariant
-from memory.kv_transfer import make_kv_transfer
-from memory.prefix_cache import BasePrefixCache
-from runtime.args import ServerArgs
 from scheduler_proc.req import Req
-
-logger = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -56,17 +45,8 @@ class HostTier:
 
     def load_prefix(self, req: Req, room: int) -> int:
         """Bring ``req``'s host part (from its last match) to the device when ``room`` device tokens
-        allow; its prefix then ends at the loaded node. Returns the tokens loaded."""
-        n, node = req.host_hit_len, req.last_host_node
-        req.host_hit_len, req.last_host_node = 0, None
-        if n <= 0 or node is None or n > room:
-            return 0
-        slots = self.cache.load_back(node)
-        if slots is None:
-            return 0
-        req.prefix_indices = torch.cat((req.prefix_indices, slots))
-        req.last_node = node
-        return int(slots.numel())
+        allow (the cache updates the request's handle). Returns the tokens loaded."""
+        return self.cache.load_host_prefix(req, room)
 
     def check(self, device: InvariantReport) -> InvariantReport:
         """The device report with the host tier's problems (if any) added."""
@@ -96,25 +76,3 @@ class HostTier:
             "host_evicted_tokens": stats.host_evicted_tokens,
             "host_load_gb_per_s": bandwidth,
         }
-
-
-def create_tree_cache(args: ServerArgs, runner: Any, allocator: BaseTokenToKVPoolAllocator,
-                      kv_events: bool) -> tuple[BasePrefixCache, HostTier | None]:
-    """The prefix cache the flags ask for, and its host tier when ``--enable-hierarchical-cache``."""
-    pool, page = runner.req_to_token_pool, args.page_size
-    if args.disable_radix_cache:
-        return ChunkCache(pool, allocator, page), None
-    if not args.enable_hierarchical_cache:
-        return RadixCache(pool, allocator, page, eviction_policy=args.radix_eviction_policy,
-                          enable_kv_events=kv_events), None
-    device_pool = runner.token_to_kv_pool
-    tokens = host_pool_tokens(allocator.size, device_pool.bytes_per_token(), page, args.hicache_ratio,
-                              args.hicache_size)
-    if tokens < allocator.size:
-        logger.warning("the host tier (%d tokens) is smaller than the KV pool (%d): write-through copies "
-                       "of what the pool holds may not fit", tokens, allocator.size)
-    host_pool = HostKVPool(device_pool, tokens)
-    cache = HiRadixCache(pool, allocator, host_pool, make_kv_transfer(device_pool, host_pool), page,
-                         eviction_policy=args.radix_eviction_policy, write_policy=args.hicache_write_policy,
-                         enable_kv_events=kv_events)
-    return cache, HostTier(cache)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 from memory.prefix_cache import BasePrefixCache
+from memory.radix_cache import RadixCache
 from scheduler_proc.req import Req
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -34,7 +35,7 @@ class SchedulePolicy:
             return "fcfs"
         return self.policy
 
-    def order(self, waiting: list[Req]) -> list[Req]:
+    def order(self, waiting: Sequence[Req]) -> list[Req]:
         """Return the waiting queue in the order to try admitting (a new list)."""
         policy = self.effective_policy(len(waiting))
         if policy == "fcfs":
@@ -49,20 +50,17 @@ class SchedulePolicy:
             self.match(req)
         if policy == "lpm":
             # Stable sort: ties keep arrival order. A host-tier hit counts: it is loaded, not computed.
-            return sorted(waiting, key=lambda r: -len(r.prefix_indices) - r.host_hit_len)
+            return sorted(waiting, key=lambda r: -len(r.cache_handle.prefix_indices) - r.cache_handle.host_hit_len)
         return self._dfs_weight(waiting)
 
     def match(self, req: Req) -> None:
-        """Match ``req``'s known tokens against the tree; at least one token is left to compute."""
+        """Match ``req``'s known tokens against the tree (the cache records the match in the request's
+        handle); at least one token is left to compute."""
         known = req.known_ids()
-        key = known[: len(known) - 1]
         # Hit statistics are counted once per request by the scheduler, not per lookup here.
-        result = self.tree_cache.match_prefix(key, extra_key=req.extra_key, count_hit=False)
-        req.prefix_indices = result.device_indices
-        req.last_node = result.last_node
-        req.host_hit_len, req.last_host_node = result.host_hit_len, result.last_host_node
+        self.tree_cache.match_request(req, known[: len(known) - 1])
 
-    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+    def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
         """Visit the tree depth first, heaviest subtree (most waiting requests) first.
 
         Requests that share a prefix run back to back, so the shared part is
@@ -70,9 +68,11 @@ class SchedulePolicy:
         """
         by_node: dict[Any, list[Req]] = defaultdict(list)
         for req in waiting:
-            by_node[req.last_node].append(req)
+            by_node[req.cache_handle.last_node].append(req)
         weight: dict[Any, int] = defaultdict(int)
         children: dict[Any, list[Any]] = defaultdict(list)
+        # (cache-aware policies run only over a radix tree: effective_policy falls back to fcfs otherwise)
+        assert isinstance(self.tree_cache, RadixCache), "dfs-weight needs a radix tree"
         root = self.tree_cache.root
         for node, reqs in by_node.items():
             # Walk up to the root, adding this node's requests to every ancestor.

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from memory.allocator import BaseTokenToKVPoolAllocator
+from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc.req import Req
 
@@ -87,7 +87,7 @@ class PrefillAdder:
     def __init__(
         self,
         tree_cache: BasePrefixCache,
-        allocator: BaseTokenToKVPoolAllocator,
+        allocator: SlotAllocator,
         running_reqs: Sequence[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,
@@ -126,14 +126,14 @@ class PrefillAdder:
         slots: those are charged too, and count as cached tokens, not as prefill work."""
         before = self.allocator.available_size() + self.tree_cache.evictable_size()
         if self.host_tier is not None:
-            self.host_tier.load_prefix(req, self.rem_total_tokens - len(req.prefix_indices))
-        self.tree_cache.inc_lock_ref(req.last_node)
+            self.host_tier.load_prefix(req, self.rem_total_tokens - len(req.cache_handle.prefix_indices))
+        self.tree_cache.inc_lock_ref(req.cache_handle.last_node)
         charged = before - self.allocator.available_size() - self.tree_cache.evictable_size()
         self.rem_total_tokens -= charged
         return charged
 
     def _unlock(self, req: Req, charged: int) -> None:
-        self.tree_cache.dec_lock_ref(req.last_node)
+        self.tree_cache.dec_lock_ref(req.cache_handle.last_node)
         self.rem_total_tokens += charged
 
     def add_chunked_req(self, req: Req) -> None:
@@ -150,7 +150,7 @@ class PrefillAdder:
             return AddResult.OTHER
         # Lock first: the request's own prefix stops being evictable room (SGLang does the same).
         charged = 0 if locked else self._lock(req)
-        prefix_len = len(req.prefix_indices)
+        prefix_len = len(req.cache_handle.prefix_indices)
         extend_len = req.seqlen - prefix_len
         need = kv_slots_for_extend(prefix_len, prefix_len + extend_len, self.page_size)
         reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)

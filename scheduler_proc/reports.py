@@ -1,45 +1,53 @@
-"""What a scheduler tells the outside about itself: server info and DP load reports."""
+"""What a scheduler tells the outside about itself: server info and DP load reports.
+
+Pure read-outs: the scheduler passes in its parts (it owns all of them) and gets a message back.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from memory.invariant import InvariantReport
+from memory.prefix_cache import BasePrefixCache
 from runtime.messages import KVEvent, LoadReport
 from scheduler_proc import swa_memory
-
-if TYPE_CHECKING:
-    from scheduler_proc.scheduler import Scheduler
-
-
-def load_report(sched: "Scheduler", dp_rank: int) -> LoadReport:
-    """Load and prefix-cache changes for the DP controller's routing."""
-    events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in sched.tree_cache.take_events()]
-    return LoadReport(dp_rank, len(sched.running), len(sched.waiting), sched.allocator.available_size(),
-                      num_received=sched.stats["num_received"], events=events)
+from scheduler_proc.hicache import HostTier
+from scheduler_proc.memory_setup import Allocator
+from scheduler_proc.queues import RequestQueues
 
 
-def server_info(sched: "Scheduler") -> dict[str, Any]:
-    """Memory, queues, counters and the memory invariant (checked now, with nothing in flight)."""
-    report = sched.check_memory()
-    looked_up = sched.stats["prompt_tokens"]
+def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache,
+                allocator: Allocator, stats: dict[str, int]) -> LoadReport:
+    """Load and prefix-cache changes for the DP controller's routing (takes the cache's pending events)."""
+    events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in tree_cache.take_events()]
+    return LoadReport(dp_rank, len(queues.running), len(queues.waiting), allocator.available_size(),
+                      num_received=stats["num_received"], events=events)
+
+
+def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
+                allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
+                max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
+                new_token_ratio: float, overlap_schedule: bool) -> dict[str, Any]:
+    """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight)."""
+    looked_up = stats["prompt_tokens"]
     return {
-        "max_total_tokens": sched.max_total_tokens,
-        "context_len": sched.context_len,
-        "page_size": sched.page_size,
-        "available_tokens": sched.allocator.available_size(),
-        "evictable_tokens": sched.tree_cache.evictable_size(),
-        "protected_tokens": sched.tree_cache.protected_size(),
-        "kv_usage": sched.kv_usage(),
-        "num_running": len(sched.running),
-        "num_queued": len(sched.waiting),
-        "num_chunked": int(sched.chunked_req is not None),
-        "new_token_ratio": sched.memory.new_token_ratio,
-        "overlap_schedule": sched.worker.overlap,
-        "cache_hit_rate": sched.stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
-        "memory_invariant": dataclasses.asdict(report),
-        "hierarchical_cache": sched.host_tier is not None,
-        **swa_memory.swa_info(sched.allocator, sched.tree_cache),
-        **(sched.host_tier.info() if sched.host_tier else {}),
-        **sched.stats,
+        "max_total_tokens": max_total_tokens,
+        "context_len": context_len,
+        "page_size": page_size,
+        "available_tokens": allocator.available_size(),
+        "evictable_tokens": tree_cache.evictable_size(),
+        "protected_tokens": tree_cache.protected_size(),
+        "kv_usage": kv_usage,
+        "num_running": len(queues.running),
+        "num_queued": len(queues.waiting),
+        "num_chunked": int(queues.chunked is not None),
+        "new_token_ratio": new_token_ratio,
+        "overlap_schedule": overlap_schedule,
+        "cache_hit_rate": stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
+        "memory_invariant": dataclasses.asdict(invariant),
+        "hierarchical_cache": host_tier is not None,
+        **swa_memory.swa_info(allocator, tree_cache),
+        **(host_tier.info() if host_tier else {}),
+        **stats,
     }

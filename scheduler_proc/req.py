@@ -1,22 +1,21 @@
 """Req: one request's state inside the scheduler, from arrival to finish.
 
-Memory ownership while a request is alive:
-- ``req_pool_idx``: its row in ReqToTokenPool (taken at its first prefill, freed by
-  the tree cache's ``cache_finished_req``).
+Memory ownership while a request is alive lives in ``cache_handle``
+(:class:`memory.req_state.CacheHandle`), which only the tree cache writes:
+- ``req_pool_idx``: its row in ReqToTokenPool (taken by the tree cache's ``attach_rows``
+  at its first prefill, freed by ``cache_finished_req`` / ``release_req``).
 - ``prefix_indices``: KV slots it shares with the prefix cache, protected by the
   lock on ``last_node``; every slot in its row past the prefix is its own.
-The tree cache reads ``origin_input_ids``, ``output_ids``, ``fill_ids``,
-``prefix_indices``, ``last_node``, ``req_pool_idx`` and ``extra_key``.
+The tree cache reads ``origin_input_ids``, ``output_ids``, ``fill_ids`` and ``extra_key``;
+the scheduler's modules read the handle.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from memory.req_state import CacheHandle
 from runtime.args import ServerArgs
 from runtime.sampling_params import SamplingParams
 
@@ -29,7 +28,6 @@ class Req:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     extra_key: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
@@ -39,12 +37,8 @@ class Req:
     # Tokens whose KV this request's row holds or will hold after the current prefill.
     # Written only by ``begin_extend`` (the batch builder carrying out a prefill plan).
     fill_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    # The last match's continuation in the host tier (hierarchical cache): tokens and end node.
-    host_hit_len: int = 0
-    last_host_node: Any = None
+    # Row, matched/held prefix, lock node, host-tier and SWA bookkeeping: the tree cache's to write.
+    cache_handle: CacheHandle = field(default_factory=CacheHandle)
     # Tokens of fill_ids computed in the current prefill (after the prefix).
     extend_input_len: int = 0
     # True while a chunked prefill has more chunks to run.
@@ -52,10 +46,6 @@ class Req:
     cached_tokens: int = 0
     # Tokens whose KV is in the request's row now; what cache_finished_req may cache.
     kv_committed_len: int = 0
-    # Leading positions of the row whose SWA slots were given back (sliding-window models).
-    swa_evicted_len: int = 0
-    # The SWA radix cache's epoch at its last walk of this request's path (memory.swa_radix_cache).
-    swa_tree_epoch: int = -1
     # Prefix length found in the cache when the request was first admitted (before chunking).
     first_prefix_len: int = 0
     admitted: bool = False

@@ -16,7 +16,9 @@ its memory is released once, when its last step in flight completes.
 
 Memory owners: the scheduler's ``allocator`` hands out KV slots, the model runner owns
 the pools, ``tree_cache`` owns cached prefixes, and each running request owns its row
-plus the slots past its locked prefix.
+plus the slots past its locked prefix. The scheduler owns its ``queues``: only its own
+methods move a request between them; admission and ``DecodeMemory`` decide, this class
+carries the decisions out (and releases memory through ``tree_cache``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from scheduler_proc import reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
-from scheduler_proc.hicache import create_tree_cache
+from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.prefill_adder import PlannedExtend
+from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
 
 logger = logging.getLogger(__name__)
@@ -58,28 +61,24 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.context_len: int = model_runner.context_len
         self.max_running_requests: int = model_runner.max_running_requests
-        self.allocator = swa_memory.create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
+        self.allocator = create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
         self.req_to_token_pool = model_runner.req_to_token_pool
         # The allocator rounds the pool down to whole pages: that is the real capacity.
         self.max_total_tokens: int = self.allocator.size
         self.tree_cache: BasePrefixCache
         # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
-        caches = (swa_memory.create_tree_cache(server_args, model_runner, self.allocator, kv_events)
-                  or create_tree_cache(server_args, model_runner, self.allocator, kv_events))
-        self.tree_cache, self.host_tier = caches
+        self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
         self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
                                    self.max_running_requests, self.host_tier)
         self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
         self.output = OutputProcessor(StopChecker(set(model_runner.eos_token_ids), self.context_len),
                                       server_args.stream_interval, server_args.decode_log_interval)
         self.stats = self.output.stats
-        self.memory = DecodeMemory(self)
+        self.memory = DecodeMemory(self.context_len)
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
         self.worker = create_model_worker(model_runner, overlap)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
+        self.queues = RequestQueues()
         self.inflight: LaunchedStep | None = None
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
@@ -106,16 +105,16 @@ class Scheduler:
             # Nothing to generate: answer at once, no memory touched.
             self.output.finish(req, {"type": "length", "length": 0})
             return
-        self.waiting.append(req)
+        self.queues.add(req)
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all when rid is ''): queued ones at once, others at the next step."""
-        for req in [r for r in self.waiting if rid in ("", r.rid)]:
-            self.waiting.remove(req)
+        for req in [r for r in self.queues.waiting if rid in ("", r.rid)]:
+            self.queues.remove_waiting(req)
             self.stats["num_aborted"] += 1
             self._release_unscheduled(req)
             self.output.finish(req, {"type": "abort", "message": "aborted by the client"})
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for req in self.queues.holders():
             if rid in ("", req.rid):
                 req.to_abort = "aborted by the client"
 
@@ -153,35 +152,35 @@ class Scheduler:
             # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
             # slots: no later step may be in flight then. The next prefill may also hit them.
             return False
-        if self.args.enable_mixed_chunk and (self.waiting or self.chunked_req is not None):
+        if self.args.enable_mixed_chunk and (self.queues.waiting or self.queues.chunked is not None):
             return False  # a mixed batch's decode part takes host inputs
-        return not any(r.to_abort is not None or r.sampling_params.has_penalties for r in self.running)
+        return not any(r.to_abort is not None or r.sampling_params.has_penalties for r in self.queues.running)
 
     def _apply_aborts(self) -> None:
         """Finish requests marked for abort through the normal release path."""
-        for req in [r for r in self.running if r.to_abort]:
-            self.running.remove(req)
+        for req in [r for r in self.queues.running if r.to_abort]:
+            self.queues.remove_running(req)
             self.finish(req, {"type": "abort", "message": req.to_abort})
-        req = self.chunked_req
-        if req is not None and req.to_abort:
-            self.chunked_req = None
-            self.finish(req, {"type": "abort", "message": req.to_abort})
+        chunked = self.queues.chunked
+        if chunked is not None and chunked.to_abort:
+            self.queues.set_chunked(None)
+            self.finish(chunked, {"type": "abort", "message": chunked.to_abort})
 
     def _launch_next(self) -> LaunchedStep | None:
         if self.host_tier:  # copies queued since the last step go out; loads go out before the launch
             self.host_tier.begin_step()
-        plan = self.admission.plan(self.waiting, self.running, self.chunked_req, self.memory.new_token_ratio)
+        queues = self.queues
+        plan = self.admission.plan(queues.waiting, queues.running, queues.chunked, self.memory.new_token_ratio)
         if self.host_tier:
             self.host_tier.issue_loads()
         for req in plan.rejected:
-            self.waiting.remove(req)
+            queues.remove_waiting(req)
             self._release_unscheduled(req)
             self.output.finish(req, {"type": "abort", "message": "out of memory"}, error_code="out_of_memory")
-        self.chunked_req = plan.chunked_req or plan.deferred_chunk
+        queues.set_chunked(plan.chunked_req or plan.deferred_chunk)
         for item in plan.items:
             req = item.req
-            if req in self.waiting:
-                self.waiting.remove(req)
+            queues.take(req)
             if not req.admitted:
                 req.admitted = True
                 req.first_prefix_len = item.prefix_len
@@ -189,27 +188,28 @@ class Scheduler:
                 self.stats["cached_prompt_tokens"] += req.first_prefix_len
         if plan.items:
             return self._launch_extend(plan.items)
-        if self.running:
+        if queues.running:
             return self._launch_decode()
         return None
 
     def _launch_extend(self, items: list[PlannedExtend]) -> LaunchedStep | None:
         """Prefill ``items``; with --enable-mixed-chunk the running requests decode in the same forward."""
-        mix = self.args.enable_mixed_chunk and bool(self.running)
+        running = self.queues.running
+        mix = self.args.enable_mixed_chunk and bool(running)
         try:
-            batch = self.builder.build_mixed(items, self.running) if mix else self.builder.build_extend(items)
+            batch = self.builder.build_mixed(items, running) if mix else self.builder.build_extend(items)
         except OutOfMemory as exc:
             # The adder budgets KV, so this is a budgeting slip: never retry the same batch
             # forever. Put back all but the first request and try it alone.
             logger.warning("prefill of %d requests could not allocate (%s)", len(items), exc)
             for item in reversed(items[1:]):
-                self.memory.requeue(item.req)
+                self._requeue(item.req)
             if len(items) > 1:
                 return self._launch_extend(items[:1])
-            self.memory.requeue(items[0].req)
+            self._requeue(items[0].req)
             return None
         self.stats["num_prefill_batches"] += 1
-        decoding = list(self.running) if batch.forward_mode == ForwardMode.MIXED else []
+        decoding = list(running) if batch.forward_mode == ForwardMode.MIXED else []
         if decoding:  # the running requests make progress too
             self.stats["num_mixed_batches"] += 1
             self.admission.decoded()
@@ -220,14 +220,14 @@ class Scheduler:
         for item in items:
             if not item.chunked:  # it decodes from the next step on, its first token in flight
                 item.req.num_inflight += 1
-                self.running.append(item.req)
+                self.queues.start_running(item.req)
         self.output.log_prefill(len(items), sum(i.extend_len for i in items), sum(i.prefix_len for i in items),
-                                self.kv_usage(), len(self.running), len(self.waiting))
+                                self.kv_usage(), len(self.queues.running), len(self.queues.waiting))
         return LaunchedStep(pending, batch.forward_mode, list(items), decoding)
 
     def _launch_decode(self) -> LaunchedStep | None:
         self.admission.decoded()
-        reqs = self.memory.reserve_decode()
+        reqs = self._reserve_decode()
         if not reqs:
             return None
         batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
@@ -236,8 +236,64 @@ class Scheduler:
         for req in reqs:
             req.num_inflight += 1
         self.memory.decoded()
-        self.output.log_decode(len(reqs), sum(batch.seq_lens_cpu), self.kv_usage(), len(self.waiting))
+        self.output.log_decode(len(reqs), sum(batch.seq_lens_cpu), self.kv_usage(), len(self.queues.waiting))
         return LaunchedStep(pending, ForwardMode.DECODE, [], reqs)
+
+    # ------------------------------------------------------------------ decode room
+
+    def _reserve_decode(self) -> list[Req]:
+        """The requests of the next decode step, with KV room for each; [] when none can run.
+
+        ``DecodeMemory`` decides who decodes and who gives way; this carries it out. Only the
+        host state without a step in flight can be retracted from: when eviction is not enough,
+        the step in flight is completed first (it may finish requests).
+        """
+        memory, builder, queues = self.memory, self.builder, self.queues
+        reqs = memory.decode_candidates(queues.running)
+        if builder.ensure_available(builder.decode_tokens_needed(reqs)):
+            return reqs
+        if self.inflight is not None:
+            self.drain()
+            reqs = memory.decode_candidates(queues.running)
+            if builder.ensure_available(builder.decode_tokens_needed(reqs)):
+                return reqs
+        if queues.chunked is not None:
+            # A half-prefilled prompt gives way first: its chunks become evictable cache,
+            # and it resumes from whatever of them is still cached.
+            self._requeue(queues.chunked)
+            if builder.ensure_available(builder.decode_tokens_needed(queues.running)):
+                return list(queues.running)
+        return list(queues.running) if self._retract_until_decode_fits() else []
+
+    def _retract_until_decode_fits(self) -> bool:
+        """Retract requests in ``DecodeMemory.retraction_order`` until one decode step fits;
+        False if none can run (the last one left, alone too big, finishes with an error)."""
+        builder, queues = self.builder, self.queues
+        order = self.memory.retraction_order(queues.running)
+        retracted: list[Req] = []
+        while order and not builder.ensure_available(builder.decode_tokens_needed(queues.running)):
+            if len(queues.running) == 1:
+                req = queues.running[0]
+                queues.remove_running(req)
+                self.finish(req, {"type": "abort", "message": "out of memory"}, error_code="out_of_memory")
+                return False
+            req = order.pop(0)
+            queues.retract(req)
+            self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+            req.is_retracted = True
+            retracted.append(req)
+        if retracted:
+            self.stats["num_retractions"] += 1
+            self.stats["num_retracted_reqs"] += len(retracted)
+            self.memory.retracted(len(retracted))
+        return bool(queues.running)
+
+    def _requeue(self, req: Req) -> None:
+        """Undo a scheduling decision that could not be carried out: ``req`` waits at the front again."""
+        # The failed extend allocated nothing: its row (if any) holds what it held before.
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+        req.is_chunked = False
+        self.queues.requeue(req)
 
     def _complete_inflight(self) -> None:
         """Wait for the step in flight and process its tokens."""
@@ -259,7 +315,7 @@ class Scheduler:
         self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
         swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
-            self.running = [r for r in self.running if r not in finished]
+            self.queues.drop_finished(finished)
 
     def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],
                      prefilled: bool) -> None:
@@ -293,8 +349,7 @@ class Scheduler:
 
     def _release_unscheduled(self, req: Req) -> None:
         """A waiting request holds nothing: no lock, no row (retracted ones released theirs)."""
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.last_node = None
+        self.tree_cache.drop_match(req)
 
     # ------------------------------------------------------------------ state
 
@@ -302,7 +357,7 @@ class Scheduler:
         return self.output.take_outbox()
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting and self.chunked_req is None and self.inflight is None
+        return self.queues.is_empty() and self.inflight is None
 
     def on_idle(self) -> InvariantReport:
         report = self.check_memory()
@@ -314,8 +369,9 @@ class Scheduler:
         self.drain()
         if self.host_tier:
             self.host_tier.drain()
-        holders = self.running + ([self.chunked_req] if self.chunked_req else [])
-        active_rows = {r.req_pool_idx: r.kv_committed_len for r in holders if r.req_pool_idx is not None}
+        holders = self.queues.holders()
+        active_rows = {r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders
+                       if r.cache_handle.req_pool_idx is not None}
         report = check_memory_invariant(
             self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens,
             idle=not holders, active_rows=active_rows,
@@ -342,7 +398,14 @@ class Scheduler:
         return {"success": False, "message": f"unknown control request {kind!r}"}
 
     def load_report(self, dp_rank: int) -> LoadReport:
-        return reports.load_report(self, dp_rank)
+        return reports.load_report(dp_rank, self.queues, self.tree_cache, self.allocator, self.stats)
 
     def server_info(self) -> dict[str, Any]:
-        return reports.server_info(self)
+        """Memory, queues, counters and the memory invariant (checked now, with nothing in flight)."""
+        invariant = self.check_memory()
+        return reports.server_info(
+            invariant=invariant, queues=self.queues, tree_cache=self.tree_cache, allocator=self.allocator,
+            host_tier=self.host_tier, stats=self.stats, max_total_tokens=self.max_total_tokens,
+            context_len=self.context_len, page_size=self.page_size, kv_usage=self.kv_usage(),
+            new_token_ratio=self.memory.new_token_ratio, overlap_schedule=self.worker.overlap,
+        )

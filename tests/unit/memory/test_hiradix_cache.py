@@ -17,11 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memory.allocator import BaseTokenToKVPoolAllocator
-from memory.hiradix_cache import HiRadixCache, HiTreeNode
+from memory.hiradix_cache import HiRadixCache
 from memory.host_pool import HostKVPool, host_pool_tokens
 from memory.invariant import check_host_invariant, check_memory_invariant
 from memory.kv_pool import MHATokenToKVPool
 from memory.kv_transfer import KVTransfer, TransferOp, make_kv_transfer
+from memory.radix_cache import TreeNode
 from memory.req_to_token_pool import ReqToTokenPool
 
 LAYERS, HEADS, DIM = 2, 2, 3
@@ -117,7 +118,7 @@ class Tiers:
         host = check_host_invariant(self.host.allocator, cache.cached_host_slots(), ev, prot)
         assert host.ok, host.message
         settled = cache.pending_transfers() == 0  # a queued or running copy's slots hold nothing yet
-        stack: list[tuple[HiTreeNode, tuple[int, ...]]] = [(c, ()) for c in cache.root.children.values()]  # type: ignore[misc]
+        stack: list[tuple[TreeNode, tuple[int, ...]]] = [(c, ()) for c in cache.root.children.values()]
         while stack:
             node, path = stack.pop()
             full = path + tuple(node.key)
@@ -288,7 +289,7 @@ def _key(rng: random.Random) -> list[int]:
 
 
 def _run(t: Tiers, ops: list[tuple[int, int]]) -> None:
-    locked: list[HiTreeNode] = []
+    locked: list[TreeNode] = []
     for op, arg in ops:
         rng = random.Random(arg)
         if op == 0:

@@ -52,8 +52,8 @@ class Sim:
 
     # ---------------------------------------------------------------- helpers
     def row(self, req: CacheRequest, n: int) -> list[int]:
-        assert req.req_pool_idx is not None
-        return self.pool.req_to_token[req.req_pool_idx, :n].tolist()
+        assert req.cache_handle.req_pool_idx is not None
+        return self.pool.req_to_token[req.cache_handle.req_pool_idx, :n].tolist()
 
     def _alloc(self, need: int, fn):  # type: ignore[no-untyped-def]
         if self.alloc.available_size() < need:
@@ -61,8 +61,8 @@ class Sim:
         return fn()
 
     def _store(self, req: SimpleCacheRequest, start: int, slots: torch.Tensor) -> None:
-        assert req.req_pool_idx is not None
-        self.pool.write(req.req_pool_idx, start, slots)
+        assert req.cache_handle.req_pool_idx is not None
+        self.pool.write(req.cache_handle.req_pool_idx, start, slots)
         tokens = req.origin_input_ids + req.output_ids
         for i, s in enumerate(slots.tolist()):
             self.kv[s] = (req.extra_key, tuple(tokens[: start + i + 1]))
@@ -77,15 +77,13 @@ class Sim:
         for prompt in prompts:
             req = SimpleCacheRequest(origin_input_ids=list(prompt), extra_key=extra_key)
             # Leave at least one prompt token to compute, as a scheduler must (it needs its logits).
-            m = self.cache.match_prefix(prompt[:-1], extra_key=extra_key)
-            rows = self.pool.alloc(1)
-            if rows is None:
+            self.cache.match_request(req, prompt[:-1], count_hit=True)
+            if not self.cache.attach_rows([req]):  # (a row starting with the matched prefix)
                 batch.append(None)
                 continue
-            self.cache.inc_lock_ref(m.last_node)  # lock before allocating: allocation may evict
-            req.req_pool_idx, req.last_node, req.prefix_indices = rows[0], m.last_node, m.device_indices
-            req.fill_ids = list(prompt[: m.device_indices.numel()])
-            self.pool.write(rows[0], 0, m.device_indices)
+            handle = req.cache_handle
+            self.cache.inc_lock_ref(handle.last_node)  # lock before allocating: allocation may evict
+            req.fill_ids = list(prompt[: handle.prefix_indices.numel()])
             if not self._extend(req):
                 self.cache.release_req(req)
                 batch.append(None)
@@ -132,7 +130,7 @@ class Sim:
     def finish(self, req: SimpleCacheRequest) -> None:
         self.cache.cache_finished_req(req)
         self.running.remove(req)
-        assert req.req_pool_idx is None and req.last_node is None
+        assert req.cache_handle.req_pool_idx is None and req.cache_handle.last_node is None
 
     def retract(self, req: SimpleCacheRequest) -> None:
         self.cache.release_req(req)
@@ -143,7 +141,7 @@ class Sim:
         return request_kv_len(req)
 
     def check(self) -> None:
-        active = {r.req_pool_idx: self.kv_len(r) for r in self.running}
+        active = {r.cache_handle.req_pool_idx: self.kv_len(r) for r in self.running}
         report = check_memory_invariant(
             self.alloc, self.cache, self.pool, self.alloc.size, idle=not self.running, active_rows=active  # type: ignore[arg-type]
         )
@@ -152,8 +150,8 @@ class Sim:
             tokens = r.origin_input_ids + r.output_ids
             for i, s in enumerate(self.row(r, self.kv_len(r))):
                 assert self.kv[s] == (r.extra_key, tuple(tokens[: i + 1])), f"row of {r.origin_input_ids} position {i}"
-            held = r.prefix_indices.numel()
-            assert self.row(r, held) == r.prefix_indices.tolist()
+            held = r.cache_handle.prefix_indices.numel()
+            assert self.row(r, held) == r.cache_handle.prefix_indices.tolist()
         if isinstance(self.cache, RadixCache):
             self._check_tree(self.cache.root, ())
 
@@ -184,8 +182,8 @@ def test_duplicate_prefix_race_page1() -> None:
     # a's cache_unfinished_req ran first and inserted its slots 1..8; b then found them cached.
     assert sim.row(a, 8) == list(range(1, 9))
     assert sim.row(b, 8) == list(range(1, 9))
-    assert b.prefix_indices.tolist() == list(range(1, 9))
-    assert a.last_node is b.last_node and a.last_node.lock_ref == 2
+    assert b.cache_handle.prefix_indices.tolist() == list(range(1, 9))
+    assert a.cache_handle.last_node is b.cache_handle.last_node and a.cache_handle.last_node.lock_ref == 2
     assert sim.alloc.free_slot_mask()[9:17].all()  # b's own slots 9..16 are free again
     assert (sim.alloc.available_size(), sim.cache.protected_size(), sim.cache.evictable_size()) == (24, 8, 0)
     sim.check()
@@ -208,7 +206,7 @@ def test_duplicate_prefix_race_paged() -> None:
     assert a is not None and b is not None
     assert sim.row(a, 10) == list(range(4, 14))  # pages 1..3
     assert sim.row(b, 10) == list(range(4, 12)) + [24, 25]  # canonical pages 1, 2 + its own tail page 6
-    assert b.prefix_indices.tolist() == list(range(4, 12)) + [24, 25]
+    assert b.cache_handle.prefix_indices.tolist() == list(range(4, 12)) + [24, 25]
     assert sorted(sim.alloc.release_pages.tolist()) == [4, 5]
     assert (sim.cache.total_size(), sim.cache.protected_size()) == (8, 8)
     sim.check()
@@ -225,7 +223,7 @@ def test_chunked_prefill_reuses_own_partial_page() -> None:
     req = sim.admit(prompt)
     assert req is not None
     assert sim.row(req, 6) == [4, 5, 6, 7, 8, 9]
-    assert req.prefix_indices.tolist() == [4, 5, 6, 7, 8, 9]  # 4 cached (locked) + own tail of 2
+    assert req.cache_handle.prefix_indices.tolist() == [4, 5, 6, 7, 8, 9]  # 4 cached (locked) + own tail of 2
     assert sim.cache.protected_size() == 4
     assert sim.prefill_chunk(req)
     assert sim.row(req, 12) == list(range(4, 16))  # the second chunk filled page 2 first
@@ -264,7 +262,7 @@ def test_chunk_cache_keeps_own_slots_and_frees_all() -> None:
     sim = Sim(page_size=1, kv_size=32, radix=False, chunk=4)
     req = sim.admit([1, 2, 3, 4, 5, 6])
     assert req is not None
-    assert req.prefix_indices.tolist() == [1, 2, 3, 4]
+    assert req.cache_handle.prefix_indices.tolist() == [1, 2, 3, 4]
     assert sim.cache.match_prefix([1, 2, 3]).device_indices.numel() == 0
     assert sim.prefill_chunk(req) and sim.decode(req) and sim.decode(req)
     assert sim.alloc.available_size() == 32 - 8

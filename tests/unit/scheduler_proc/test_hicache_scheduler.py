@@ -147,5 +147,6 @@ def test_lpm_counts_host_hits_as_matched() -> None:
     fresh = Req(rid="fresh", origin_input_ids=other[:20] + [1, 2], sampling_params=params)
     again = Req(rid="again", origin_input_ids=first + [3], sampling_params=params)
     ordered = sched.admission.policy.order([fresh, again])
-    assert again.host_hit_len == 150 and len(again.prefix_indices) == 0 and len(fresh.prefix_indices) == 20
+    assert again.cache_handle.host_hit_len == 150 and len(again.cache_handle.prefix_indices) == 0
+    assert len(fresh.cache_handle.prefix_indices) == 20
     assert ordered == [again, fresh]

@@ -56,7 +56,7 @@ def test_lpm_orders_by_longest_cached_prefix() -> None:
     policy = SchedulePolicy("lpm", tree, radix_enabled=True)
     ordered = policy.order(waiting)
     assert rids(ordered) == ["six", "three", "two", "none"]
-    assert [len(r.prefix_indices) for r in ordered] == [6, 3, 2, 0]
+    assert [len(r.cache_handle.prefix_indices) for r in ordered] == [6, 3, 2, 0]
 
 
 def test_lpm_falls_back_to_fcfs_without_radix_or_on_long_queue() -> None:
@@ -166,7 +166,7 @@ def test_adder_charges_whole_pages() -> None:
     assert a.add_one_req(req("r1", [1, 2], max_new_tokens=0)) == AddResult.CONTINUE
     assert a.add_one_req(req("r2", [1, 2], max_new_tokens=0)) == AddResult.NO_TOKEN
     continued = req("c", list(range(1, 11)), max_new_tokens=0)
-    continued.prefix_indices = torch.arange(6)  # 6 tokens held: 2 of its second page are free
+    continued.cache_handle.prefix_indices = torch.arange(6)  # 6 tokens held: 2 of its second page are free
     fresh = PrefillAdder(FakeTree(), FakeAllocator(4), running, 1.0, 10_000, None, 64, page_size=4)
     assert fresh.add_one_req(continued) == AddResult.CONTINUE  # 10 - 6 = 4 tokens need one new page
 
@@ -178,7 +178,7 @@ def test_adder_locks_the_prefix_before_checking_and_unlocks_on_reject() -> None:
     small = PrefillAdder(tree, FakeAllocator(30), running, 1.0, 10_000, None, 64)
     r = req("r", list(range(1, 51)) + list(range(200, 240)), max_new_tokens=10)
     SchedulePolicy("fcfs", tree, radix_enabled=True).match(r)
-    assert len(r.prefix_indices) == 50
+    assert len(r.cache_handle.prefix_indices) == 50
     # Room before locking: 30 free + 50 evictable = 80 >= 40 + 10; after: 30 < 50.
     assert small.add_one_req(r) == AddResult.NO_TOKEN
     assert tree.protected_size() == 0 and tree.evictable_size() == 50  # lock released

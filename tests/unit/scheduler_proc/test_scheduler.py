@@ -104,7 +104,7 @@ def test_abort_in_queue_mid_prefill_and_mid_decode() -> None:
     submit(sched, "decoding", [5, 6, 7], 1000)
     submit(sched, "chunked", long_prompt, 10)
     sched.step()  # prefill "decoding" and the first chunk of "chunked"
-    assert sched.chunked_req is not None and sched.chunked_req.rid == "chunked"
+    assert sched.queues.chunked is not None and sched.queues.chunked.rid == "chunked"
     submit(sched, "queued", [9, 9, 9], 10)
     sched.abort("queued")
     sched.abort("chunked")
@@ -168,7 +168,7 @@ def test_decode_progresses_under_a_stream_of_long_prompts(mixed: bool) -> None:
         submit(sched, f"long{step}", [rng.randrange(1, VOCAB) for _ in range(100)], 2)
         sched.step()
         sched.take_outbox()
-        runner = next((r for r in sched.running if r.rid == "runner"), None)
+        runner = next((r for r in sched.queues.running if r.rid == "runner"), None)
         progress.append(len(runner.output_ids) if runner else 40)
     # Without mixing, at most MAX_CONSECUTIVE_PREFILLS prefills run between two decodes;
     # with mixing, every prefill step also decodes the running request.

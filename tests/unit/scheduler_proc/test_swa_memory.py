@@ -67,10 +67,10 @@ def _chunk_cache_with_request(window: int, length: int) -> tuple[SWAChunkCache, 
     pool = ReqToTokenPool(4, 128, "cpu")
     cache = SWAChunkCache(pool, alloc, window)
     req = SimpleCacheRequest(list(range(length)), fill_ids=list(range(length)))
-    req.req_pool_idx = pool.alloc(1)[0]
+    assert cache.attach_rows([req])
     slots = alloc.alloc(length)
-    assert slots is not None
-    pool.write(req.req_pool_idx, 0, slots.to(torch.int32))
+    assert slots is not None and req.cache_handle.req_pool_idx is not None
+    pool.write(req.cache_handle.req_pool_idx, 0, slots.to(torch.int32))
     return cache, req, slots
 
 
@@ -78,16 +78,16 @@ def test_chunk_cache_frees_what_left_the_window_and_the_rest_at_release() -> Non
     cache, req, slots = _chunk_cache_with_request(window=8, length=20)
     alloc = cache.swa_allocator
     assert cache.free_out_of_window(req, 20) == 13  # positions 0..12: the next query (20) sees 13..19
-    assert req.swa_evicted_len == 13 and alloc.swa_available_size() == 64 - 7
+    assert req.cache_handle.swa_evicted_len == 13 and alloc.swa_available_size() == 64 - 7
     assert bool((alloc.full_to_swa[slots[:13]] == 0).all()) and bool((alloc.full_to_swa[slots[13:]] > 0).all())
     assert cache.free_out_of_window(req, 20) == 0 and cache.free_out_of_window(req, 21) == 1
     report = check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=False,  # type: ignore[arg-type]
-                                    active_rows={req.req_pool_idx: 20})
+                                    active_rows={req.cache_handle.req_pool_idx: 20})
     assert report.ok, report.message
     assert report.swa == {"available": 58, "evictable": 0, "protected": 0, "request_owned": 6, "size": 64,
                           "problems": []}
     cache.release_req(req, 20)
-    assert alloc.full_available_size() == alloc.swa_available_size() == 64 and req.swa_evicted_len == 0
+    assert alloc.full_available_size() == alloc.swa_available_size() == 64 and req.cache_handle.swa_evicted_len == 0
     assert check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=True).ok  # type: ignore[arg-type]
 
 
@@ -98,7 +98,7 @@ def test_invariant_names_leaked_and_dangling_swa_slots() -> None:
     assert stray is not None
     alloc.full.free(slots[:1])  # a full slot freed behind the pair's back: its SWA slot dangles
     report = check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=False,  # type: ignore[arg-type]
-                                    active_rows={req.req_pool_idx: 10})
+                                    active_rows={req.cache_handle.req_pool_idx: 10})
     assert not report.ok
     assert "2 leaked SWA slots" in report.message and "free full slots keep an SWA slot" in report.message
 
