@@ -38,7 +38,8 @@ from memory.allocator import SlotAllocator
 from memory.host_pool import HostKVPool
 from memory.kv_transfer import KVTransfer, TransferOp
 from memory.prefix_cache import KVCacheEvent, MatchResult
-from memory.radix_cache import RadixCache, TreeNode
+from memory.radix_cache import RadixCache
+from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 

@@ -26,53 +26,9 @@ from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.tree_node import ChildKey, TreeNode
 
 logger = logging.getLogger(__name__)
-
-ChildKey = int | tuple
-
-
-class TreeNode:
-    """One edge of the radix tree: a run of tokens (``key``) and their KV slots (``value``).
-
-    Every variant of the tree uses this one node class (the tree owns all of its fields):
-
-    - ``value``: the tokens' device KV slots. None only in a ``HiRadixCache`` node whose KV
-      is in the host tier alone; every other tree's nodes always have them.
-    - ``host_value``: the tokens' host KV slots (``HiRadixCache`` only; None: no host copy).
-    - ``swa_tombstone``: the tokens gave their SWA slots back (``SWARadixCache`` only).
-    """
-
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "hit_count", "extra_key",
-                 "host_value", "swa_tombstone")
-
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
-                 extra_key: str | None) -> None:
-        self.id = node_id
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict[ChildKey, TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access_time = 0
-        self.hit_count = 0
-        self.extra_key = extra_key
-        self.host_value: torch.Tensor | None = None
-        self.swa_tombstone = False
-
-    def device_value(self) -> torch.Tensor:
-        """``value`` where the tree guarantees device slots (every tree but a host-only HiRadixCache node)."""
-        assert self.value is not None, f"{self!r} has no device slots"
-        return self.value
-
-    def host_slots(self) -> torch.Tensor:
-        """``host_value`` where the tree guarantees a host copy (a HiRadixCache node being copied, or host-only)."""
-        assert self.host_value is not None, f"{self!r} has no host slots"
-        return self.host_value
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
-
 
 def _common_prefix_len(node_key: list[int], key: list[int], off: int) -> int:
     """Length of the common prefix of ``node_key`` and ``key[off:]`` (fast path: one C-level compare)."""

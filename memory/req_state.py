@@ -12,12 +12,11 @@ its fields. Everyone else (the scheduler's policy, adder, batch builder...) read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from memory.radix_cache import TreeNode
+from memory.tree_node import TreeNode
 
 
 def _no_slots() -> torch.Tensor:

@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 
 from memory.prefix_cache import MatchResult, request_kv_len
-from memory.radix_cache import RadixCache, TreeNode
+from memory.radix_cache import RadixCache
+from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_allocator import SWATokenToKVPoolAllocator, free_own_out_of_window

@@ -22,7 +22,7 @@ from memory.host_pool import HostKVPool, host_pool_tokens
 from memory.invariant import check_host_invariant, check_memory_invariant
 from memory.kv_pool import MHATokenToKVPool
 from memory.kv_transfer import KVTransfer, TransferOp, make_kv_transfer
-from memory.radix_cache import TreeNode
+from memory.tree_node import TreeNode
 from memory.req_to_token_pool import ReqToTokenPool
 
 LAYERS, HEADS, DIM = 2, 2, 3

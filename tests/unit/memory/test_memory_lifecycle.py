@@ -19,7 +19,8 @@ from memory.allocator import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAlloc
 from memory.chunk_cache import ChunkCache
 from memory.invariant import check_memory_invariant
 from memory.prefix_cache import BasePrefixCache, request_kv_len
-from memory.radix_cache import RadixCache, TreeNode
+from memory.radix_cache import RadixCache
+from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest, SimpleCacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 
