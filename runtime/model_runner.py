@@ -24,7 +24,7 @@ from runtime.attention.registry import (
     resolve_attention_backend_name,
 )
 from runtime.cpu.host_memory import cpu_mem_available_bytes
-from runtime.cuda_graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
+from runtime.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.linear import get_tp_group

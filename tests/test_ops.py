@@ -20,7 +20,7 @@ from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_config import RopeConfig
 from runtime.model_runner import ModelRunner
 from runtime.ops import OPS_ENV, TorchOps, get_ops
-from runtime.ops.triton_ops import TritonOps
+from runtime.cuda.ops import TritonOps
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
