@@ -27,7 +27,7 @@ from runtime.cpu.host_memory import cpu_mem_available_bytes
 from runtime.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.device import resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
-from runtime.layers.linear import get_tp_group
+from runtime.distributed import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class

@@ -1,4 +1,4 @@
-"""Fast paths of TorchNativeAttnBackend (views, causal, cascade over a shared prefix, the
+"""Fast paths of CpuAttnBackend (views, causal, cascade over a shared prefix, the
 decode-key mirror) and prepacked bf16 linears, against per-request references.
 
 The code under test: runtime/attention/torch_native.py (planning), runtime/cpu/attention.py and
@@ -23,7 +23,7 @@ from runtime.cpu import attention as torch_native
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention import TorchNativeAttnBackend
+from runtime.cpu.attention import CpuAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.cpu.prepacked import prepack_available, prepack_model
 from runtime.model_runner import ModelRunner
@@ -280,7 +280,7 @@ def _decode_steps(
         vs.append(torch.cat([v_sh, v_i]))
         tables.append(shared_slots + mine)
         rtt.write(rows[i], 0, torch.tensor(tables[i]))
-    backend = TorchNativeAttnBackend()
+    backend = CpuAttnBackend()
     metas = []
     for _ in range(steps):
         new = slots[:bs]

@@ -206,7 +206,7 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
         runner = ModelRunner(
             tiny_llama_path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512, load_progress=False
         )
-        assert type(runner.attn_backend).__name__ == ("TritonAttnBackend" if backend == "triton" else "TorchNativeAttnBackend")
+        assert type(runner.attn_backend).__name__ == ("TritonAttnBackend" if backend == "triton" else "CpuAttnBackend")
         harness = Harness(runner)
         whole = harness.generate(prompts, max_new_tokens=8)
         harness.reset()

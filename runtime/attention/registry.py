@@ -22,7 +22,7 @@ ATTENTION_BACKENDS: dict[str, str] = {
 }
 # (name, device type) -> the class that replaces the default one on that device.
 DEVICE_BACKENDS: dict[tuple[str, str], str] = {
-    ("torch_native", "cpu"): "runtime.cpu.attention:TorchNativeAttnBackend",
+    ("torch_native", "cpu"): "runtime.cpu.attention:CpuAttnBackend",
 }
 
 

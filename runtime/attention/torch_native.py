@@ -28,7 +28,7 @@ What the plan itself saves on every device:
   prefix, its keys are the new tokens themselves (no pool gather) and the mask is
   ``is_causal``.
 
-The CPU backend (``runtime.cpu.attention.TorchNativeAttnBackend``, what the registry gives
+The CPU backend (``runtime.cpu.attention.CpuAttnBackend``, what the registry gives
 for ``torch_native`` on CPU) extends this plan with a shared prompt prefix attended once
 per group (``plan_cascade``: ``SharedPrefix`` and ``AttnGroup.shared_loc``) and a dense
 copy of the decode batch's keys, and runs each group through the C kernels and GEMM

@@ -46,8 +46,9 @@ from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, 
 from runtime.forward_batch import ForwardBatch
 
 
-class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
-    """The registry's ``torch_native`` on CPU (the same name: the same backend, with the CPU's paths).
+class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
+    """The registry's ``torch_native`` on CPU: the same plan as ``TorchNativeAttnBackend``, run
+    through the CPU's paths.
 
     The only state kept between forwards is the decode-key mirror, which every forward
     re-validates against ``req_to_token`` before it is trusted.

@@ -331,7 +331,7 @@ def _agreed_on_every_rank(model_runner: Any, ok: bool) -> bool:
     """Under TP every rank must take the same path: graphs only if every rank's check passed."""
     if getattr(model_runner, "tp_size", 1) == 1:
         return ok
-    from runtime.layers.linear import get_tp_group
+    from runtime.distributed import get_tp_group
 
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=model_runner.device)
     return int(get_tp_group().all_reduce(flag).item()) == 0

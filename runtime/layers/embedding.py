@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.linear import (
-    LazyWeight,
-    check_shape,
-    copy_into,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from runtime.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from runtime.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.ops import DeviceOps, default_ops
 
 

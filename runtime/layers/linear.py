@@ -9,9 +9,9 @@ to know about TP. Conventions (torch ``F.linear``: weight is ``[out, in]``):
 - row-parallel: each rank owns a slice of the input features (columns of the weight);
   partial outputs are summed with ``all_reduce`` over the TP group.
 
-Communication goes through a process-wide ``TPGroup`` registered with
-``set_tp_group``; None (the default) means a single rank, where a layer built with
-``tp_size > 1`` refuses to run rather than silently returning a partial sum.
+Communication goes through the process-wide TP group of ``runtime.distributed``
+(``set_tp_group``); none registered (the default) means a single rank, where a layer built
+with ``tp_size > 1`` refuses to run rather than silently returning a partial sum.
 """
 
 from __future__ import annotations
@@ -21,49 +21,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from runtime.distributed import tensor_model_parallel_all_reduce
 from runtime.ops import DeviceOps, default_ops
-
-
-class TPGroup(Protocol):
-    """What TP layers need from a communication group (torch.distributed, threads, ...)."""
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks; may work in place, returns the result."""
-        ...
-
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's ``tensor`` along ``dim`` in rank order."""
-        ...
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite ``tensor`` in place with rank ``src``'s values (the sampled ids)."""
-        ...
-
-
-_TP_GROUP: TPGroup | None = None
-
-
-def set_tp_group(group: TPGroup | None) -> None:
-    """Register the TP communication group for this process (None: single rank)."""
-    global _TP_GROUP
-    _TP_GROUP = group
-
-
-def get_tp_group() -> TPGroup:
-    if _TP_GROUP is None:
-        raise RuntimeError(
-            "a layer was built with tp_size > 1 but no TP group is registered; "
-            "call runtime.layers.linear.set_tp_group(...) before running the model"
-        )
-    return _TP_GROUP
-
-
-def tensor_model_parallel_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    return x if tp_size == 1 else get_tp_group().all_reduce(x)
-
-
-def tensor_model_parallel_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
-    return x if tp_size == 1 else get_tp_group().all_gather(x, dim)
 
 
 class LazyWeight(Protocol):
