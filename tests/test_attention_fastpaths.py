@@ -18,7 +18,7 @@ from harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeMetadata
+from runtime.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
 from runtime.cpu import attention as torch_native
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32

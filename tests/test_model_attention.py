@@ -14,7 +14,7 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
-from runtime.attention.torch_native import TorchNativeMetadata
+from runtime.attention.plan import TorchNativeMetadata
 from runtime.cpu import attention as torch_native
 from runtime.cpu import decode_layers
 from runtime.cpu.attention import CpuAttnBackend

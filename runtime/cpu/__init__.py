@@ -7,8 +7,9 @@
 - ``prepacked``: oneDNN-prepacked weights for linears;
 - ``ops``: ``CpuOps``, the device-ops seam's CPU implementation (the layers' C kernels
   and prepacked linears behind ``runtime.ops``);
-- ``attention`` and ``decode_mirror``: the torch-native attention backend's CPU fast paths
-  (cascade over shared prefixes, the C decode/prefill kernels, the dense decode-key mirror);
+- ``attention``, ``attention_plan`` and ``decode_mirror``: the torch-native attention backend's
+  CPU fast paths (``CpuAttnBackend``: cascade over shared prefixes, the C decode/prefill kernels,
+  the dense decode-key mirror) and the plan fields they add (``CpuAttnGroup``);
 - ``host_memory``: MemAvailable and glibc's allocator settings for a CPU serving process.
 
 Nothing outside this package tests for the CPU: ``runtime.ops.get_ops`` and the attention
