@@ -115,10 +115,10 @@ def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatc
     # every decode-sized call on it, real rows of eager and of the padded replay can be compared
     # bit for bit (where the kernel runs: a vector build, widths it takes).
     monkeypatch.setattr(prepacked, "FP32_PANEL_MIN_ROWS", dict.fromkeys(prepacked.FP32_PANEL_MIN_ROWS, 1))
-    panel_layers = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    panel_weights = [w for w in prepacked.linear_weights(runner.model) if prepacked.packed_copy(w) is not None]
     if prepacked.panel_linear(torch.zeros(1, 32), prepacked.pack_weight(torch.zeros(32, 32)), None, 32) is None:
-        for module in panel_layers:  # no panel kernel here: F.linear everywhere, still one GEMM kind per call
-            monkeypatch.setattr(module, "packed_weight", None)
+        for weight in panel_weights:  # no panel kernel here: F.linear everywhere, still one GEMM kind per call
+            monkeypatch.setattr(weight, prepacked.PACKED_ATTR, None)
     graphs = cgr.CudaGraphRunner(runner, SIZES, replay="eager")
     graphs.capture()
     harness = Harness(runner)

@@ -314,9 +314,10 @@ def self_check(model_runner: Any, graph_runner: CudaGraphRunner) -> SelfCheckRes
 
 
 def eager_forward(model_runner: Any, batch: ForwardBatch) -> torch.Tensor:
-    """The model's fp32 logits through the ordinary (ungraphed) path."""
+    """The model's fp32 logits through the ordinary (ungraphed) path, with the runner's layer
+    stack (``ModelRunner.layer_stack``: the device's own way of running the layers, if any)."""
     model_runner.attn_backend.init_forward_metadata(batch)
-    return model_runner.model(batch, model_runner.attn_backend)
+    return model_runner.model(batch, model_runner.attn_backend, model_runner.layer_stack)
 
 
 def _check_batch_size(sizes: Sequence[int]) -> int:

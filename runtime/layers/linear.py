@@ -85,14 +85,13 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -132,7 +131,6 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
@@ -140,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         return self.local_offsets[shard_id], self.tp_rank * size, size
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
@@ -149,7 +147,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -158,7 +156,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """The gated activation ``silu(gate) * up`` of this layer's output ``[..., 2 * I]`` (gate
         first) as ``[..., I]``, in one pass with the projection where the device ops fuse them."""
-        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -247,13 +245,12 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         check_shape(name, weight.shape, (self.out_features, self.in_features))
         copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None, self.packed_weight), self.tp_size)
+        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None), self.tp_size)
         return out if self.bias is None else out + self.bias

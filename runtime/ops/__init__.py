@@ -20,10 +20,19 @@ import os
 
 import torch
 
-from runtime.ops.base import DeviceOps, RopeCache, RopeInputs
+from runtime.ops.base import (
+    DecoderLayerWeights,
+    DecoderStackModel,
+    DeviceOps,
+    LayerStack,
+    RopeCache,
+    RopeInputs,
+    ServingPlatform,
+)
 from runtime.ops.torch_ops import TorchOps
 
-__all__ = ["DeviceOps", "RopeCache", "RopeInputs", "TorchOps", "default_ops", "get_ops"]
+__all__ = ["DecoderLayerWeights", "DecoderStackModel", "DeviceOps", "LayerStack", "RopeCache", "RopeInputs",
+           "ServingPlatform", "TorchOps", "default_ops", "get_ops"]
 
 OPS_ENV = "TINYSERVE_OPS"
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,6 +52,10 @@ def default_ops(dtype: torch.dtype | None = None) -> DeviceOps:
 @functools.lru_cache(maxsize=None)
 def _ops_for(device_type: str, dtype: torch.dtype, choice: str) -> DeviceOps:
     if choice == "torch":
+        if device_type == "cpu":
+            from runtime.cpu.host_memory import CPU_PLATFORM
+
+            return TorchOps(CPU_PLATFORM)  # plain kernels, the CPU's memory defaults
         return TorchOps()
     if device_type == "cpu":
         from runtime.cpu.ops import CpuOps
