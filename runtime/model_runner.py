@@ -161,7 +161,7 @@ class ModelRunner:
         # (the CPU's one-call decode stack), captured graphs for decode batches (cuda).
         self.layer_stack: LayerStack | None = self.ops.layer_stack(self.model)
         self.graph_runner: CudaGraphRunner | None = None
-        if not disable_cuda_graph and self.ops.platform.cuda_graphs:
+        if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs:
             self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
         logger.info(
             "model ready in %.1fs (attention backend %s, %s)",
@@ -184,7 +184,7 @@ class ModelRunner:
     def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> int:
         """Tokens the KV pool holds: ``max_total_tokens`` if given (capped by memory), else the budget."""
         per_token = self.kv_bytes_per_token()
-        platform = self.ops.platform  # the device's memory defaults
+        platform = self.ops.platform(self.device)  # the device's memory defaults
         frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
         budget = platform.budget_bytes(self.device, frac)
         if not 0.0 < frac <= 1.0:

@@ -23,7 +23,7 @@ from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.decode_layers import CpuLayerStack
 from runtime.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
-from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs
+from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs, ServingPlatform
 from runtime.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 
 logger = logging.getLogger(__name__)
@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 class CpuOps(TorchOps):
     name = "cpu"
 
-    def __init__(self) -> None:
-        super().__init__(CPU_PLATFORM)
-
     def prepare_process(self) -> None:
         if not keep_freed_memory_in_process():
             logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
+
+    def platform(self, device: torch.device) -> ServingPlatform:
+        return CPU_PLATFORM
 
     def prepare_model(self, model: nn.Module) -> None:
         # every packable linear (the copies hang off the weights, see prepacked); fp32 takes the

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from runtime.cuda.memory import CUDA_PLATFORM
 from runtime.cuda.triton_common import prepare_triton_for_device
 from runtime.ops.base import RopeCache, RopeInputs
 from runtime.ops.torch_ops import TorchOps
@@ -23,7 +22,6 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self) -> None:
-        super().__init__(CUDA_PLATFORM)
         self._module: ModuleType | None = None
 
     def _kernels(self, device: torch.device) -> ModuleType:

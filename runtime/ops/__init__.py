@@ -52,10 +52,6 @@ def default_ops(dtype: torch.dtype | None = None) -> DeviceOps:
 @functools.lru_cache(maxsize=None)
 def _ops_for(device_type: str, dtype: torch.dtype, choice: str) -> DeviceOps:
     if choice == "torch":
-        if device_type == "cpu":
-            from runtime.cpu.host_memory import CPU_PLATFORM
-
-            return TorchOps(CPU_PLATFORM)  # plain kernels, the CPU's memory defaults
         return TorchOps()
     if device_type == "cpu":
         from runtime.cpu.ops import CpuOps

@@ -3,7 +3,7 @@
 Layers hold the ops object they were built with and call it for every piece of work that
 has a device-specific fast version (a fused kernel, a prepacked weight); they never look
 at which device or dtype they run on. The model runner asks the same object what serving on
-the device assumes (``ServingPlatform``: memory defaults, CUDA graphs) and for the device's
+the device assumes (``platform``: memory defaults, CUDA graphs) and for the device's
 own way of running a model's decoder layers (``layer_stack``), never the device type.
 ``runtime.ops.get_ops`` picks the implementation once per (device, dtype).
 """
@@ -45,8 +45,8 @@ class RopeInputs:
 @dataclass(frozen=True)
 class ServingPlatform:
     """What serving on a device assumes where the user does not say, and what it offers the
-    model runner besides kernels (one constant per device: ``runtime.cuda.memory.CUDA_PLATFORM``,
-    ``runtime.cpu.host_memory.CPU_PLATFORM``)."""
+    model runner besides kernels (one constant per device, ``DeviceOps.platform``:
+    ``runtime.cuda.memory.CUDA_PLATFORM``, ``runtime.cpu.host_memory.CPU_PLATFORM``)."""
 
     mem_fraction: float  # --mem-fraction-static's default
     max_total_tokens: int | None  # cap on a KV pool sized from memory at the default fraction (None: none)
@@ -109,7 +109,11 @@ class DeviceOps(Protocol):
     ``runtime.ops.torch_ops.TorchOps``; implementations differ in speed and rounding only."""
 
     name: str
-    platform: ServingPlatform
+
+    def platform(self, device: torch.device) -> ServingPlatform:
+        """What serving on ``device`` assumes (memory defaults, CUDA graphs), asked by the model
+        runner instead of testing the device type."""
+        ...
 
     def prepare_process(self) -> None:
         """Process-wide settings for serving on this device (once, before the model is built)."""

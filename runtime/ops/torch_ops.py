@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.cpu.host_memory import CPU_PLATFORM
 from runtime.cuda.memory import CUDA_PLATFORM
 from runtime.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs, ServingPlatform
 
@@ -25,13 +26,12 @@ class TorchOps:
 
     name = "torch"
 
-    def __init__(self, platform: ServingPlatform = CUDA_PLATFORM) -> None:
-        """``platform``: what serving on the device assumes (``get_ops`` passes the CPU's where the
-        plain ops are forced there; the default is a GPU's, where they run otherwise)."""
-        self.platform = platform
-
     def prepare_process(self) -> None:
         return None
+
+    def platform(self, device: torch.device) -> ServingPlatform:
+        # the plain ops (and the Triton ones, interpreted in tests) run on either device
+        return CPU_PLATFORM if device.type == "cpu" else CUDA_PLATFORM
 
     def prepare_model(self, model: nn.Module) -> None:
         return None
