@@ -247,8 +247,13 @@ class LlamaForCausalLM(nn.Module):
     # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------
 
     def decode_weights(self) -> list[DecoderLayerWeights]:
-        """Every decoder layer's ``decode_weights``, in order."""
-        return [layer.decode_weights() for layer in self.model.layers]
+        """Every decoder layer's ``decode_weights``, in order (asked once per description of the
+        stack, not per step)."""
+        weights: list[DecoderLayerWeights] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # (a ModuleList yields plain Modules to the type checker)
+            weights.append(layer.decode_weights())
+        return weights
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
