@@ -1,4 +1,4 @@
-"""What a layer may ask of the device: the ``DeviceOps`` protocol.
+"""What a layer (and the model runner) may ask of the device: the ``DeviceOps`` protocol.
 
 Layers hold the ops object they were built with and call it for every piece of work that
 has a device-specific fast version (a fused kernel, a prepacked weight); they never look
@@ -51,15 +51,15 @@ class ServingPlatform:
     mem_fraction: float  # --mem-fraction-static's default
     max_total_tokens: int | None  # cap on a KV pool sized from memory at the default fraction (None: none)
     warn_over_budget: bool  # log when --max-total-tokens exceeds the memory budget
-    budget_bytes: Callable[[Any, float], float]  # (torch.device, fraction) -> bytes the KV pools may take
+    budget_bytes: Callable[[torch.device, float], float]  # (device, fraction) -> bytes the KV pools may take
     cuda_graphs: bool  # decode may run in captured CUDA graphs
 
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One pre-norm decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a device's
-    whole-layer kernels read it: the layer's own tensors (views of its parameters, owned by the
-    layer) and shapes, made by the model (``LlamaDecoderLayer.decode_weights``) so that a device
+    whole-layer kernels read it: the layer's own parameters (owned, and loaded, by the layer; the
+    record only names them) and shapes, made by the model (``LlamaDecoderLayer.decode_weights``) so that a device
     never reads a model's attribute names."""
 
     input_norm: torch.Tensor  # [hidden]
