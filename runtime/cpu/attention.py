@@ -89,7 +89,8 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         """The plain one-token group plus its cascade plan (a prefix every member shares)."""
         group = super()._decode_group(batch, members, seq_lens, in_order, starts)
         assert isinstance(group, CpuAttnGroup)
-        group.shared = plan_shared_prefix(group.kv_loc, [seq_lens[i] for i in members])
+        if self.plan_cascade:
+            group.shared = plan_shared_prefix(group.kv_loc, [seq_lens[i] for i in members])
         return group
 
     def claim_decode_step(self, batch: ForwardBatch, num_layers: int) -> MirrorStep | None:
