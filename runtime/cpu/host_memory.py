@@ -9,7 +9,7 @@ import ctypes.util
 
 import torch
 
-from runtime.ops.base import ServingPlatform
+from runtime.platform import ServingPlatform
 
 # On CPU the KV pool comes out of the same RAM as everything else on the machine, so the
 # default budget is a small fraction of MemAvailable rather than the GPU's 0.8.

@@ -23,8 +23,9 @@ from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.decode_layers import CpuLayerStack
 from runtime.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
-from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs, ServingPlatform
+from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs
 from runtime.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
+from runtime.platform import ServingPlatform
 
 logger = logging.getLogger(__name__)
 

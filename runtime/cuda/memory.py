@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.base import ServingPlatform
+from runtime.platform import ServingPlatform
 
 GPU_DEFAULT_MEM_FRACTION = 0.8
 

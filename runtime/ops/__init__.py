@@ -27,8 +27,8 @@ from runtime.ops.base import (
     LayerStack,
     RopeCache,
     RopeInputs,
-    ServingPlatform,
 )
+from runtime.platform import ServingPlatform
 from runtime.ops.torch_ops import TorchOps
 
 __all__ = ["DecoderLayerWeights", "DecoderStackModel", "DeviceOps", "LayerStack", "RopeCache", "RopeInputs",

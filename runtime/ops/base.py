@@ -11,10 +11,12 @@ own way of running a model's decoder layers (``layer_stack``), never the device 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from runtime.platform import ServingPlatform
 
 
 class RopeCache(Protocol):
@@ -40,19 +42,6 @@ class RopeInputs:
     cache: RopeCache
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class ServingPlatform:
-    """What serving on a device assumes where the user does not say, and what it offers the
-    model runner besides kernels (one constant per device, ``DeviceOps.platform``:
-    ``runtime.cuda.memory.CUDA_PLATFORM``, ``runtime.cpu.host_memory.CPU_PLATFORM``)."""
-
-    mem_fraction: float  # --mem-fraction-static's default
-    max_total_tokens: int | None  # cap on a KV pool sized from memory at the default fraction (None: none)
-    warn_over_budget: bool  # log when --max-total-tokens exceeds the memory budget
-    budget_bytes: Callable[[torch.device, float], float]  # (device, fraction) -> bytes the KV pools may take
-    cuda_graphs: bool  # decode may run in captured CUDA graphs
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from torch import nn
 
 from runtime.cpu.host_memory import CPU_PLATFORM
 from runtime.cuda.memory import CUDA_PLATFORM
-from runtime.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs, ServingPlatform
+from runtime.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs
+from runtime.platform import ServingPlatform
 
 
 class TorchOps:
