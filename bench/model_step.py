@@ -191,6 +191,15 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
         def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
             return F.linear(x, weight, bias)
 
+    def packed_of(layer: Any) -> Any:
+        """The layer's packed weight: hung off the weight (``prepacked.packed_copy``), or, in a
+        checkout from before that, the layer's own ``packed_weight`` slot."""
+        try:
+            from runtime.cpu.prepacked import packed_copy
+        except ImportError:
+            return getattr(layer, "packed_weight", None)
+        return packed_copy(layer.weight)
+
     model = runner.model
     hidden = model.config.hidden_size
     on = dict(dtype=runner.dtype, device=runner.device)
@@ -206,11 +215,11 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
 
     def run() -> None:
         for qkv, o, gu, down in layers:  # through the same (possibly prepacked) weights as the model
-            linear(x, qkv.weight, None, getattr(qkv, "packed_weight", None))
-            linear(o_in, o.weight, None, getattr(o, "packed_weight", None))
-            linear(x, gu.weight, None, getattr(gu, "packed_weight", None))
-            linear(d_in, down.weight, None, getattr(down, "packed_weight", None))
-        linear(xs, head.weight, None, getattr(head, "packed_weight", None))
+            linear(x, qkv.weight, None, packed_of(qkv))
+            linear(o_in, o.weight, None, packed_of(o))
+            linear(x, gu.weight, None, packed_of(gu))
+            linear(d_in, down.weight, None, packed_of(down))
+        linear(xs, head.weight, None, packed_of(head))
     return run
 
 

@@ -39,6 +39,14 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     return device
 
 
+def concrete_device(device: torch.device) -> torch.device:
+    """``device`` with the index it stands for: a bare ``cuda`` is the current cuda device (what
+    pools, graphs and memory queries of one runner must agree on); others as they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def cpu_supports_bf16() -> bool:
     """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX) through oneDNN.
 

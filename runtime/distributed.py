@@ -1,9 +1,15 @@
-"""Tensor-parallel process groups over torch.distributed.
+"""Tensor parallelism's communication: what layers need of a TP group, the process-wide
+registry of it, and the torch.distributed group that serving uses.
 
-Each scheduler rank joins one group for tensor traffic (NCCL on cuda, gloo on
-CPU) and one gloo group on the CPU for control traffic: rank 0 owns the sockets
-and broadcasts what it received as msgspec bytes, so every rank forms the same
-batch. No pickle: only raw bytes and tensors cross these groups.
+- ``TPCommunicator``: the collectives TP layers and the model runner call (torch.distributed
+  here; tests plug in a thread-based one);
+- ``set_tp_group`` / ``get_tp_group``: this process's group, registered once by the scheduler
+  process (None: a single rank, where a layer built with ``tp_size > 1`` refuses to run rather
+  than silently return a partial sum);
+- ``TPGroup`` / ``init_tp_group``: each scheduler rank joins one group for tensor traffic
+  (NCCL on cuda, gloo on CPU) and one gloo group on the CPU for control traffic: rank 0 owns
+  the sockets and broadcasts what it received as msgspec bytes, so every rank forms the same
+  batch. No pickle: only raw bytes and tensors cross these groups.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,13 +28,56 @@ logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
+class TPCommunicator(Protocol):
+    """What TP layers need from a communication group (torch.distributed, threads, ...)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks; may work in place, returns the result."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` in rank order."""
+        ...
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` in place with rank ``src``'s values (the sampled ids)."""
+        ...
+
+
+# This process's TP group: written once by the scheduler process (or a test), read by every layer.
+_TP_GROUP: TPCommunicator | None = None
+
+
+def set_tp_group(group: TPCommunicator | None) -> None:
+    """Register the TP communication group for this process (None: single rank)."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def get_tp_group() -> TPCommunicator:
+    if _TP_GROUP is None:
+        raise RuntimeError(
+            "a layer was built with tp_size > 1 but no TP group is registered; "
+            "call runtime.distributed.set_tp_group(...) before running the model"
+        )
+    return _TP_GROUP
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    return x if tp_size == 1 else get_tp_group().all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
+    return x if tp_size == 1 else get_tp_group().all_gather(x, dim)
+
+
 class TPPeerLost(RuntimeError):
     """A control broadcast failed because another rank of the TP group is gone."""
 
 
 @dataclass
 class TPGroup:
-    """This rank's view of its tensor-parallel group (satisfies runtime.layers.linear.TPGroup)."""
+    """This rank's view of its tensor-parallel group over torch.distributed (a ``TPCommunicator``)."""
 
     rank: int
     world_size: int

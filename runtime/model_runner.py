@@ -3,6 +3,11 @@
 The scheduler hands it a ForwardBatch (packed tokens, KV slots already allocated) and
 gets back the next token of each request. Memory sizing happens once at start-up:
 the KV pool takes what is left of the memory budget after the weights.
+
+Everything that differs by device comes from the device ops (``runtime.ops``), asked once:
+the memory defaults and whether decode may run in CUDA graphs (``DeviceOps.platform``), and
+the device's own way of running the decoder layers (``DeviceOps.layer_stack``: the CPU's
+one-call decode stack), which every eager forward hands to the model.
 """
 
 from __future__ import annotations
@@ -23,25 +28,19 @@ from runtime.attention.registry import (
     get_attention_backend_class,
     resolve_attention_backend_name,
 )
-from runtime.cpu.host_memory import cpu_mem_available_bytes
-from runtime.cuda_graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
-from runtime.device import resolve_device, resolve_dtype
+from runtime.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
+from runtime.cuda.triton_common import interpreted_dtype
+from runtime.device import concrete_device, resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch
-from runtime.layers.linear import get_tp_group
+from runtime.distributed import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
 from runtime.models.registry import get_model_class
-from runtime.ops import DeviceOps, get_ops
+from runtime.ops import DeviceOps, LayerStack, get_ops
 from runtime.weight_loader import load_model_weights
 
 logger = logging.getLogger(__name__)
 
-# On CPU the KV pool comes out of the same RAM as everything else on the machine, so the
-# default budget is a small fraction of MemAvailable rather than the GPU's 0.8.
-CPU_DEFAULT_MEM_FRACTION = 0.05
-# ...and, by default, no more tokens than a CPU can usefully serve (64 requests x 2048).
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 131072
-GPU_DEFAULT_MEM_FRACTION = 0.8
 DEFAULT_MAX_RUNNING_REQUESTS = 512
 
 
@@ -78,13 +77,10 @@ class ModelRunner:
     ) -> None:
         start = time.perf_counter()
         self.model_path = Path(model_path)
-        self.device = resolve_device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = concrete_device(resolve_device(device))
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
-        if dtype == "auto" and self.device.type == "cpu" and self.attention_backend_name == "triton":
-            # The Triton interpreter gets bf16 math wrong: run interpreted kernels in fp32.
-            dtype = "float32"
+        if dtype == "auto" and self.attention_backend_name == "triton":
+            dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
         self.dtype = resolve_dtype(dtype, self.device)
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
@@ -161,8 +157,11 @@ class ModelRunner:
         )
         self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler(ops=self.ops)
-        self.graph_runner: CudaGraphRunner | None = None  # decode through captured graphs (cuda only)
-        if not disable_cuda_graph and self.device.type == "cuda":
+        # The decode path, as the device ops say: a device's own layer stack for every eager forward
+        # (the CPU's one-call decode stack), captured graphs for decode batches (cuda).
+        self.layer_stack: LayerStack | None = self.ops.layer_stack(self.model)
+        self.graph_runner: CudaGraphRunner | None = None
+        if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs:
             self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
         logger.info(
             "model ready in %.1fs (attention backend %s, %s)",
@@ -185,21 +184,16 @@ class ModelRunner:
     def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> int:
         """Tokens the KV pool holds: ``max_total_tokens`` if given (capped by memory), else the budget."""
         per_token = self.kv_bytes_per_token()
-        if self.device.type == "cuda":
-            frac = GPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Everything this process holds after the pools may use at most frac * total.
-            budget = free - total * (1.0 - frac)
-        else:
-            frac = CPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
-            budget = cpu_mem_available_bytes() * frac
+        platform = self.ops.platform(self.device)  # the device's memory defaults
+        frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
+        budget = platform.budget_bytes(self.device, frac)
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {frac}")
         budget_tokens = int(budget // per_token)
         if max_total_tokens is not None:
             if max_total_tokens <= 0:
                 raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
-            if self.device.type == "cuda" and max_total_tokens > budget_tokens:
+            if platform.warn_over_budget and max_total_tokens > budget_tokens:
                 logger.warning("max_total_tokens %d exceeds the memory budget (%d tokens)", max_total_tokens, budget_tokens)
             tokens = max_total_tokens
         else:
@@ -209,8 +203,8 @@ class ModelRunner:
                     f"({per_token} bytes per token); raise mem_fraction_static or set max_total_tokens"
                 )
             tokens = budget_tokens
-            if self.device.type == "cpu" and mem_fraction_static is None:
-                tokens = min(tokens, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+            if platform.max_total_tokens is not None and mem_fraction_static is None:
+                tokens = min(tokens, platform.max_total_tokens)
         return max(self.page_size, tokens // self.page_size * self.page_size)
 
     # ---- forward --------------------------------------------------------------------

@@ -18,9 +18,8 @@ import torch
 
 from runtime.args import PortArgs, ServerArgs
 from runtime.device import resolve_device
-from runtime.distributed import TPGroup, init_tp_group
+from runtime.distributed import TPGroup, init_tp_group, set_tp_group
 from runtime.ipc import PullSocket, PushSocket
-from runtime.layers.linear import set_tp_group
 from runtime.messages import ControllerInput, DetokenizerInput, SchedControlOut, SchedulerInput
 from runtime.utils import send_status
 from scheduler_proc.scheduler import Scheduler

@@ -67,7 +67,7 @@ class AttentionBackend(ABC):
         request's prefix and to the new tokens up to itself.
         """
 
-    # ---- decode under CUDA graphs (runtime/cuda_graph_runner.py) ----------------------
+    # ---- decode under CUDA graphs (runtime/cuda/graph_runner.py) ----------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_kv_tokens: int) -> None:
         """Allocate the fixed plan buffers: up to ``max_bs`` requests, ``max_kv_tokens`` KV slots in total."""

@@ -18,11 +18,11 @@ from runtime.attention.base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch_native": "runtime.attention.torch_native:TorchNativeAttnBackend",
-    "triton": "runtime.attention.triton_backend:TritonAttnBackend",
+    "triton": "runtime.cuda.attention:TritonAttnBackend",
 }
 # (name, device type) -> the class that replaces the default one on that device.
 DEVICE_BACKENDS: dict[tuple[str, str], str] = {
-    ("torch_native", "cpu"): "runtime.cpu.attention:TorchNativeAttnBackend",
+    ("torch_native", "cpu"): "runtime.cpu.attention:CpuAttnBackend",
 }
 
 

@@ -8,8 +8,9 @@ decode step gathers at most W keys per request however long the sequence is, and
 tokens that slid out of every window are never read (their SWA slots may be gone).
 
 Every group is masked explicitly (no ``keys_are_new``/``is_causal`` shortcut, no shared
-prefix, no decode mirror): the CPU backend's fast paths that assume full causal attention
-see ``shared``/``mirror``/``shared_loc`` unset and take their generic masked path.
+prefix, no decode mirror): the groups are of the planning backend's ``group_type``, and the
+CPU backend's fast paths that assume full causal attention see their fields
+(``shared``/``mirror``/``shared_loc``) unset and take their generic masked path.
 
 Slots: ``req_to_token`` holds full-pool slots. When the KV pool keeps windowed layers in a
 pool of their own (``memory.swa_kv_pool.SWAKVPool``), the plan's slots are translated
@@ -20,32 +21,29 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention.torch_native import (
-    AttnGroup,
-    _pack_groups,
-    extend_outputs,
-    one_token_group,
-    packed_starts,
-)
+from runtime.attention.plan import G, extend_outputs, one_token_group, pack_groups, packed_starts
 from runtime.forward_batch import ForwardBatch
 
 
 def plan_window_groups(
-    batch: ForwardBatch, window: int, seq_lens: list[int], ext_lens: list[int], prefix_lens: list[int]
-) -> list[AttnGroup]:
-    """The groups of one forward for layers of window ``window`` (see the module docstring)."""
+    batch: ForwardBatch, window: int, seq_lens: list[int], ext_lens: list[int], prefix_lens: list[int],
+    group_type: type[G],
+) -> list[G]:
+    """The groups (of ``group_type``) of one forward for layers of window ``window`` (see the module
+    docstring)."""
     bs = len(seq_lens)
     starts = packed_starts(ext_lens)
     # Key range of each request: from the first key its first new token can see, to its end.
     key_start = [max(0, prefix_lens[i] - window + 1) for i in range(bs)]
     ones = [i for i in range(bs) if ext_lens[i] == 1]
     multi = [i for i in range(bs) if ext_lens[i] != 1]
-    groups: list[AttnGroup] = []
+    groups: list[G] = []
     if ones:
-        groups.append(_one_token_group(batch, ones, starts, seq_lens, key_start, in_order=len(ones) == bs))
+        groups.append(_one_token_group(batch, ones, starts, seq_lens, key_start, len(ones) == bs, group_type))
     key_lens = [seq_lens[i] - key_start[i] for i in range(bs)]
-    for members in _pack_groups(multi, ext_lens, key_lens):
-        groups.append(_extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, key_start, window))
+    for members in pack_groups(multi, ext_lens, key_lens):
+        groups.append(_extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, key_start, window,
+                                    group_type))
     return groups
 
 
@@ -71,12 +69,12 @@ def _window_slots(
 
 def _one_token_group(
     batch: ForwardBatch, members: list[int], starts: list[int], seq_lens: list[int], key_start: list[int],
-    in_order: bool,
-) -> AttnGroup:
+    in_order: bool, group_type: type[G],
+) -> G:
     # A one-token query sits at position seq_len - 1: it sees exactly the keys from key_start on.
     kv_loc, valid = _window_slots(batch, members, key_start, seq_lens)
     uniform = len({seq_lens[i] - key_start[i] for i in members}) == 1  # on the host: no device sync
-    return one_token_group(kv_loc, valid, uniform, members, starts, in_order)
+    return one_token_group(kv_loc, valid, uniform, members, starts, in_order, group_type)
 
 
 def _extend_group(
@@ -88,7 +86,8 @@ def _extend_group(
     seq_lens: list[int],
     key_start: list[int],
     window: int,
-) -> AttnGroup:
+    group_type: type[G],
+) -> G:
     device = batch.req_pool_indices.device
     kv_loc, valid = _window_slots(batch, members, key_start, seq_lens)
     n, q_len = len(members), max(ext_lens[i] for i in members)
@@ -108,5 +107,5 @@ def _extend_group(
     q_start = starts[members[0]] if contiguous else None
     covers_all = contiguous and q_start == 0 and n * q_len == sum(ext_lens)
     out_tokens, out_rows = extend_outputs(q_index, q_valid, covers_all)
-    return AttnGroup(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
-                     kv_flat=kv_loc.reshape(-1))
+    return group_type(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
+                      kv_flat=kv_loc.reshape(-1))

@@ -39,21 +39,24 @@ import torch
 
 from runtime.attention import torch_native
 from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.torch_native import AttnGroup, TorchNativeMetadata, host_list
+from runtime.attention.plan import AttnGroup, TorchNativeMetadata, host_list
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
+from runtime.cpu.attention_plan import CpuAttnGroup, plan_shared_prefix
 from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
 from runtime.forward_batch import ForwardBatch
 
 
-class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
-    """The registry's ``torch_native`` on CPU (the same name: the same backend, with the CPU's paths).
+class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
+    """The registry's ``torch_native`` on CPU: the same plan as ``TorchNativeAttnBackend``, run
+    through the CPU's paths.
 
     The only state kept between forwards is the decode-key mirror, which every forward
     re-validates against ``req_to_token`` before it is trusted.
     """
 
     plan_cascade = True
+    group_type = CpuAttnGroup
     kv_copy_fraction = MIRROR_MAX_POOL_FRACTION
 
     def __init__(self, model_runner: Any = None) -> None:
@@ -70,9 +73,25 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         super().init_forward_metadata(batch)
         if batch.forward_mode.is_decode():
             (group,) = batch.attn_metadata.groups
+            assert isinstance(group, CpuAttnGroup)
             if self.mirrored_layers != 0:
                 group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens),
                                                 self.mirrored_layers)
+
+    def _decode_group(
+        self,
+        batch: ForwardBatch,
+        members: list[int],
+        seq_lens: list[int],
+        in_order: bool,
+        starts: list[int] | None = None,
+    ) -> AttnGroup:
+        """The plain one-token group plus its cascade plan (a prefix every member shares)."""
+        group = super()._decode_group(batch, members, seq_lens, in_order, starts)
+        assert isinstance(group, CpuAttnGroup)
+        if self.plan_cascade:
+            group.shared = plan_shared_prefix(group.kv_loc, [seq_lens[i] for i in members])
+        return group
 
     def claim_decode_step(self, batch: ForwardBatch, num_layers: int) -> MirrorStep | None:
         """This decode forward's mirror, for a caller that runs all ``num_layers`` layers' KV writes
@@ -85,6 +104,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         if len(meta.groups) != 1:
             return None
         (g,) = meta.groups
+        assert isinstance(g, CpuAttnGroup)
         if g.mirror is None or g.out_tokens is not None or g.q_start != 0:
             return None
         return self.mirror.claim_append_step(g.mirror, num_layers)
@@ -100,6 +120,7 @@ class TorchNativeAttnBackend(torch_native.TorchNativeAttnBackend):
         g: AttnGroup,
     ) -> torch.Tensor:
         """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
+        assert isinstance(g, CpuAttnGroup)  # (group_type: every group this backend plans)
         qg = self._folded_queries(q, layer, g)
         n = qg.shape[0]
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None

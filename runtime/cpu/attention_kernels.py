@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cpu import attention_kernels_f32 as attn_f32
+from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.kernels import _library, available
+from runtime.cpu.kernels import available
 
 MAX_GROUP = 16  # the kernels' bounds (csrc: MAX_G, MAX_D; bf16 also group * D <= 2048)
 MAX_HEAD_DIM = 256
@@ -115,7 +116,7 @@ def decode_attention(
     the softmax continues from it, so the result covers those keys too.
     Call only when ``supports(...)`` is True.
     """
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     cap = k_t.shape[-1]
@@ -159,7 +160,7 @@ def prefix_supported(dtype: torch.dtype, device: torch.device, head_dim: int) ->
         return attn_f32.applies()
     if dtype != torch.bfloat16 or head_dim % 64:
         return False
-    lib = _library()
+    lib = kernel_library.load()
     return lib is not None and bool(lib.prefix_attention_available())
 
 
@@ -196,7 +197,7 @@ def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tup
     when ``prefix_supported`` holds for ``q``."""
     if q.dtype == torch.float32:
         return attn_f32.prefix(q, prefix.k, prefix.v, prefix.length, scale)
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     assert q.stride()[1:] == (group * d, d, 1) and prefix.k.shape[0] == hkv and prefix.k.shape[2] == d // 2
@@ -235,7 +236,7 @@ def causal_attention(
         return attn_f32.causal(q, k, v, token_strides, scale, with_lse)
     out = torch.empty(n * length, h, d, dtype=q.dtype)
     lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     rc = lib.causal_attention_bf16(q.data_ptr(), token_strides[0], k.data_ptr(), token_strides[1], v.data_ptr(),
                                    token_strides[2], n, length, hkv, h // hkv, d, float(scale), out.data_ptr(),

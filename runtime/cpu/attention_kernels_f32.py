@@ -25,8 +25,8 @@ import ctypes
 
 import torch
 
+from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.kernels import _library
 
 KEY_PACK = 16  # csrc: F32_PACK, keys per block of a packed K
 
@@ -41,7 +41,7 @@ declare("causal_attention_f32", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 
 def applies() -> bool:
     """Whether the fp32 kernels take fp32 attention at the current build level: vector builds
     (AVX2, AVX-512) only; in plain C torch's kernels are faster."""
-    lib = _library()
+    lib = kernel_library.load()
     return lib is not None and bool(lib.attention_f32_vectorised())
 
 
@@ -53,7 +53,7 @@ def decode(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tens
            out: torch.Tensor, lse: torch.Tensor | None, new_k: int | None, stride_k: int, new_v: int | None,
            stride_v: int, pos: int | None, init: tuple[torch.Tensor, torch.Tensor] | None) -> int:
     """``decode_attention_f32`` on checked operands (``attention_kernels.decode_attention``); its return code."""
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     return lib.decode_attention_f32(
@@ -76,7 +76,7 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[n, Hkv, group, D]`` (request rows may be strided) against a prefix packed by ``pack``:
     ``(out [n, Hkv, group, D], lse [n, Hkv, group])`` fp32."""
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     assert q.dtype == torch.float32 and q.stride()[1:] == (group * d, d, 1)
@@ -93,7 +93,7 @@ def prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_strides: list[int], scale: float,
            with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``causal_attention_f32`` on checked operands (``attention_kernels.causal_attention``), or None if it refuses."""
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     n, length, h, d = q.shape
     hkv = k.shape[2]

@@ -18,6 +18,12 @@ the layout the AMX kernel reads (AMX on) or in oneDNN's AVX512-BF16 layout that
 Anything else (``run`` returns None) goes through the layers one by one.
 ``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
+Who picks it: the model runner asks its device ops for a layer stack once (``CpuOps.layer_stack``
+gives a ``CpuLayerStack`` of the model) and hands it to every forward it runs eagerly; the
+stack asks ``run`` on every forward and falls back to the model's own ``run_layers``. What the
+C call needs of each layer comes from the model (``decode_weights``: ``DecoderLayerWeights``),
+never from its attribute names; the packed copies of the weights come from ``prepacked``.
+
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
 the backend's ``forward`` would) and the residual stream (the embeddings' buffer, as the layer
 stack does); its scratch buffers are allocated here per call.
@@ -29,18 +35,26 @@ import contextlib
 import ctypes
 import functools
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32 as attn_f32
 from runtime.cpu import kernel_library
 from runtime.cpu.kernel_library import declare
-from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_ADDRESS, TILE_ADDRESS, fp32_panel_rows, panel_address
+from runtime.cpu.prepacked import (
+    AMX_LINEAR_MAX_ROWS,
+    DP_ADDRESS,
+    TILE_ADDRESS,
+    fp32_panel_rows,
+    packed_copy,
+    packed_generation,
+    panel_address,
+)
+from runtime.ops.base import DecoderLayerWeights, DecoderStackModel, RopeInputs
+from runtime.ops.torch_ops import rope_cos_sin
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -72,7 +86,7 @@ for _name in _ENTRY_POINTS.values():
 
 _STAGES = ("", "qkv linear", "KV pool write", "prefix attention", "decode attention", "o linear", "gate/up + silu",
            "down linear")
-_enabled: list[bool] = []  # use_decode_layers' stack
+_enabled: list[bool] = []  # use_decode_layers' stack of settings
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +111,7 @@ def use_decode_layers(on: bool) -> Iterator[None]:
 @dataclass
 class _Stack:
     """The per-model part of the call: the set of kernels (and so its dtype), the shapes and every
-    layer's weight addresses (the packed copies and the modules whose ``packed_weight`` they are,
-    to notice a reload)."""
+    layer's weight addresses (of the packed copies as of ``packed_generation`` ``generation``)."""
 
     kernels: str  # a key of _ENTRY_POINTS
     hidden: int
@@ -109,101 +122,101 @@ class _Stack:
     eps: float
     scale: float
     layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
-    packed: list[tuple[nn.Module, torch.Tensor]] = field(repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
         return _SET_DTYPES[self.kernels]
 
-    def current(self) -> bool:
-        return all(module.packed_weight is packed for module, packed in self.packed)
+
+class CpuLayerStack:
+    """A model's decoder layers on CPU (``CpuOps.layer_stack``): a decode step the C call runs whole
+    goes through it, every other forward through the model's layers one by one.
+
+    Owns the description of the model's layers for the call (re-made when a packed copy it read was
+    made or dropped since; a model the call declined stays declined until then).
+    """
+
+    def __init__(self, model: DecoderStackModel) -> None:
+        self.model = model
+        self.described: _Stack | None = None
+        self._generation = -1  # the packed_generation() self.described was made at (-1: never)
+
+    def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(rope, hidden.dtype)
+        whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
+        return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
+
+    def description(self) -> _Stack | None:
+        """The cached ``_describe`` of the model's layers (one integer compare while current)."""
+        generation = packed_generation()
+        if generation != self._generation:
+            weights = self.model.decode_weights()
+            self.described = _describe(weights) if weights else None
+            self._generation = generation
+        return self.described
 
 
-_stacks: "weakref.WeakKeyDictionary[nn.Module, _Stack | None]" = weakref.WeakKeyDictionary()
-
-
-def _packed_address(linear: nn.Module, kernels: str, dtype: torch.dtype) -> int:
-    """The address of the layer's packed weight as the linear kernel of ``kernels`` reads it (the
+def _packed_address(weight: torch.Tensor, tp_size: int, kernels: str, dtype: torch.dtype) -> int:
+    """The address of ``weight``'s packed copy as the linear kernel of ``kernels`` reads it (the
     AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy), else 0."""
-    weight, packed = linear.weight, getattr(linear, "packed_weight", None)
-    if getattr(linear, "tp_size", 1) != 1 or weight.dtype != dtype or packed is None:
+    packed = packed_copy(weight)
+    if tp_size != 1 or weight.dtype != dtype or packed is None:
         return 0
     if kernels != "f32":
         return int(getattr(packed, TILE_ADDRESS if kernels == "amx" else DP_ADDRESS, 0))
     return panel_address(packed, *weight.shape)
 
 
-def _kernel_set(layer: nn.Module, dtype: torch.dtype) -> str | None:
+def _kernel_set(layer: DecoderLayerWeights, dtype: torch.dtype) -> str | None:
     """The set of kernels whose linear reads the layer's packed qkv weight (a bf16 copy is in at
     most one of the two layouts), else None; ``_describe`` checks every other linear against it."""
     for kernels in _KERNEL_SETS.get(dtype, ()):
-        if _packed_address(layer.self_attn.qkv_proj, kernels, dtype):
+        if _packed_address(layer.qkv, layer.tp_size, kernels, dtype):
             return kernels
     return None
 
 
-def _describe(layers: nn.ModuleList) -> _Stack | None:
+def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
     """The stack's ``_Stack`` when the C call runs every layer exactly as its forward would, else None."""
     first = layers[0]
-    try:
-        attn0, mlp0 = first.self_attn, first.mlp
-        q_heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        hidden, inter = first.input_layernorm.weight.shape[0], mlp0.down_proj.weight.shape[1]
-        eps, scale = first.input_layernorm.eps, attn0.spec.scaling
-        dtype = first.input_layernorm.weight.dtype
-        kernels = _kernel_set(first, dtype)
-        if kernels is None:
-            return None
-        group = q_heads // kv_heads
-        if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
-            return None
-        if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
-            return None
-        array = (_Layer * len(layers))()
-        packed: list[tuple[nn.Module, torch.Tensor]] = []
-        for layer, entry in zip(layers, array):
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or attn.spec.sliding_window is not None or attn.spec.scaling != scale:
-                return None
-            if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (q_heads, kv_heads, head_dim):
-                return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(norm.eps != eps or norm.weight.shape != (hidden,) or norm.weight.dtype != dtype
-                   or not norm.weight.is_contiguous() for norm in norms):
-                return None
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
-                (hidden, inter)
-            addresses = [_packed_address(linear, kernels, dtype) for linear in linears]
-            if not all(addresses) or any(tuple(lin.weight.shape) != shape for lin, shape in zip(linears, shapes)):
-                return None
-            if (kernels == "amx" and inter % 32) or any(lin.bias is not None for lin in linears[1:]):
-                return None  # (the fused AMX gate/up kernel's column blocks)
-            bias = attn.qkv_proj.bias
-            if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
-                return None
-            entry.input_norm, entry.post_norm = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
-            entry.qkv, entry.o, entry.gate_up, entry.down = addresses
-            entry.qkv_bias = bias.data_ptr() if bias is not None else None
-            packed.extend((linear, linear.packed_weight) for linear in linears)
-    except AttributeError:  # not a Llama-family layer stack
+    q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+    hidden, inter = first.input_norm.shape[0], first.down.shape[1]
+    eps, scale = first.input_norm_eps, first.scaling
+    dtype = first.input_norm.dtype
+    kernels = _kernel_set(first, dtype)
+    if kernels is None:
         return None
-    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, packed)
-
-
-def forget(model: nn.Module) -> None:
-    """Drop what was described of ``model``'s layer stacks (its weights were just packed again)."""
-    for module in model.modules():
-        _stacks.pop(module, None)
-
-
-def _stack(layers: nn.ModuleList) -> _Stack | None:
-    """The cached description (re-made when a packed copy it read was replaced; a stack that was
-    declined stays declined until ``forget``)."""
-    stack = _stacks.get(layers, False)
-    if stack is False or (stack is not None and not stack.current()):
-        stack = _stacks[layers] = _describe(layers) if len(layers) else None
-    return stack
+    group = q_heads // kv_heads
+    if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
+        return None
+    if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
+        return None
+    array = (_Layer * len(layers))()
+    for layer, entry in zip(layers, array):
+        if layer.qk_norm or layer.sliding_window is not None or layer.scaling != scale:
+            return None
+        if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (q_heads, kv_heads, head_dim):
+            return None
+        norms = ((layer.input_norm, layer.input_norm_eps), (layer.post_norm, layer.post_norm_eps))
+        if any(norm_eps != eps or norm.shape != (hidden,) or norm.dtype != dtype or not norm.is_contiguous()
+               for norm, norm_eps in norms):
+            return None
+        weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
+            (hidden, inter)
+        addresses = [_packed_address(weight, layer.tp_size, kernels, dtype) for weight in weights]
+        if not all(addresses) or any(tuple(weight.shape) != shape for weight, shape in zip(weights, shapes)):
+            return None
+        if (kernels == "amx" and inter % 32) or any(b is not None for b in (layer.o_bias, layer.gate_up_bias,
+                                                                              layer.down_bias)):
+            return None  # (the fused AMX gate/up kernel's column blocks)
+        bias = layer.qkv_bias
+        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+            return None
+        entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+        entry.qkv, entry.o, entry.gate_up, entry.down = addresses
+        entry.qkv_bias = bias.data_ptr() if bias is not None else None
+    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array)
 
 
 def _rows_taken(dtype: torch.dtype, n: int) -> bool:
@@ -223,7 +236,7 @@ def _kernels_run(kernels: str, lib: Any) -> bool:
     return attn_f32.applies()
 
 
-def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
         batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
     ``hidden [n, H]`` (which become the residual stream, as in the layer stack), with the rotary
@@ -236,7 +249,7 @@ def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     lib = kernel_library.load()
     if claim is None or lib is None or not batch.forward_mode.is_decode():
         return None
-    stack = _stack(layers)
+    stack = layers.description()
     if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
         return None
     if not _kernels_run(stack.kernels, lib):
@@ -249,9 +262,10 @@ def run(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     pool = batch.token_to_kv_pool
     if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
         return None
-    if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != len(layers):
+    num_layers = len(stack.layers)
+    if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != num_layers:
         return None
-    mirror = claim(batch, len(layers))  # from here on the step is committed to this call
+    mirror = claim(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
     return _call(lib, stack, mirror, hidden, cos, sin, rotary_dim, loc, pool)

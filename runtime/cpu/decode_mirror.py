@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.attention.torch_native import AttnGroup, length_mask
+from runtime.attention.plan import length_mask
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
+from runtime.cpu.attention_plan import CpuAttnGroup
 from runtime.forward_batch import ForwardBatch
 
 # Dense decode-key copies are kept only while all layers' K and V take at most this
@@ -94,7 +95,7 @@ class DecodeKVMirror:
         self.layers_done = 0
 
     def plan(
-        self, batch: ForwardBatch, group: AttnGroup, seq_lens: list[int], mirrored_layers: int | None = None
+        self, batch: ForwardBatch, group: CpuAttnGroup, seq_lens: list[int], mirrored_layers: int | None = None
     ) -> MirrorPlan | None:
         """This decode forward's plan (records the state it leaves behind), or None when over budget.
 

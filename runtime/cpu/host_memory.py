@@ -1,10 +1,21 @@
 """Host-memory settings of a CPU serving process: how much RAM there is to size the KV pool
-from, and keeping freed activation blocks inside the process."""
+from (``CPU_PLATFORM``, what the model runner assumes on CPU), and keeping freed activation
+blocks inside the process."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+
+import torch
+
+from runtime.platform import ServingPlatform
+
+# On CPU the KV pool comes out of the same RAM as everything else on the machine, so the
+# default budget is a small fraction of MemAvailable rather than the GPU's 0.8.
+CPU_DEFAULT_MEM_FRACTION = 0.05
+# ...and, by default, no more tokens than a CPU can usefully serve (64 requests x 2048).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 131072
 
 
 def cpu_mem_available_bytes() -> int:
@@ -40,3 +51,17 @@ def keep_freed_memory_in_process() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h parameter numbers
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def cpu_budget_bytes(device: torch.device, fraction: float) -> float:
+    """Bytes the KV pools may take: ``fraction`` of MemAvailable."""
+    return cpu_mem_available_bytes() * fraction
+
+
+CPU_PLATFORM = ServingPlatform(
+    mem_fraction=CPU_DEFAULT_MEM_FRACTION,
+    max_total_tokens=CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    warn_over_budget=False,
+    budget_bytes=cpu_budget_bytes,
+    cuda_graphs=False,
+)

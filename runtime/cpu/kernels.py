@@ -73,13 +73,9 @@ declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 _ELEMENTWISE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def _library() -> ctypes.CDLL | None:
-    return kernel_library.load()
-
-
 def available() -> bool:
     """True when the kernel is built (or builds now) and loads."""
-    return _library() is not None
+    return kernel_library.load() is not None
 
 
 def _bf16_cpu(*tensors: torch.Tensor) -> bool:
@@ -116,7 +112,7 @@ def softmax_rows(scores: torch.Tensor, scale: float, causal_period: int = 0, row
     and the rest of its row becomes 0. Returns the rows' fp32 log-sum-exp (shape
     ``scores.shape[:-1]``) when ``with_lse``. Call only when ``softmax_supported(scores)``.
     """
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     cols = scores.shape[-1]
     rows = scores.numel() // cols
@@ -144,7 +140,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         if t.dtype != k_buf.dtype or t.device.type != "cpu" or tuple(t.shape) != (n, *row) or t.stride()[1:] != inner:
             return False
     row_bytes = k_buf[0].numel() * k_buf.element_size()
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     return lib.store_kv_rows(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(), v.stride(0) * v.element_size(),
                              loc.data_ptr(), n, row_bytes, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0]) == 0
@@ -166,7 +162,7 @@ def mirror_gather(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, w
         return False
     if k_buf.shape != v_buf.shape or tuple(k_buf.shape[1:]) != (hkv, d) or tuple(dense_v.shape) != (n, hkv, cap, d):
         return False
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     return lib.mirror_gather(k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], loc.data_ptr(), n, width, hkv, d,
                              cap, k_buf.element_size(), dense_k.data_ptr(), dense_v.data_ptr()) == 0
@@ -182,7 +178,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     if out.numel() == 0:
         return out
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     getattr(lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
     return out
@@ -200,7 +196,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if (residual is not None and residual.shape != x.shape) or (suffix == "bf16" and hidden > MAX_NORM_HIDDEN):
         return None
     out = torch.empty_like(x)
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     getattr(lib, f"rmsnorm_{suffix}")(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                                       weight.data_ptr(), x.numel() // hidden, hidden, float(eps), out.data_ptr())
@@ -220,7 +216,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     if lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32:
         return None
     out = torch.empty(o_a.shape, dtype=o_a.dtype)
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     lib.merge_attn_bf16(*o_a.shape, o_a.data_ptr(), *o_a.stride()[:3], lse_a.data_ptr(), *lse_a.stride(),
                         o_b.data_ptr(), *o_b.stride()[:3], lse_b.data_ptr(), *lse_b.stride(), out.data_ptr())
@@ -239,7 +235,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
         return False
     if cos.shape != (x.shape[0], 1, rotary_dim // 2) or sin.shape != cos.shape or not available():
         return False
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     getattr(lib, f"rotary_{suffix}")(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim,
                                      cos.data_ptr(), sin.data_ptr())
@@ -255,7 +251,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if not available():
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib = _library()
+    lib = kernel_library.load()
     assert lib is not None
     lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.cpu import decode_layers
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.host_memory import keep_freed_memory_in_process
-from runtime.cpu.prepacked import amx_linear_silu_mul, float_linear, linear, prepack_model
-from runtime.ops.base import RopeInputs
-from runtime.ops.torch_ops import TorchOps, rotate_half_
+from runtime.cpu.decode_layers import CpuLayerStack
+from runtime.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
+from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs
+from runtime.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
+from runtime.platform import ServingPlatform
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +37,25 @@ class CpuOps(TorchOps):
         if not keep_freed_memory_in_process():
             logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
 
+    def platform(self, device: torch.device) -> ServingPlatform:
+        return CPU_PLATFORM
+
     def prepare_model(self, model: nn.Module) -> None:
-        prepack_model(model)  # every packable linear; fp32 takes the packed copy for a decode batch's rows only
-        decode_layers.forget(model)  # its one-call description read the copies replaced just now
+        # every packable linear (the copies hang off the weights, see prepacked); fp32 takes the
+        # packed copy for a decode batch's rows only
+        prepack_model(model)
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
-        return linear(x, weight, bias, packed)
+    def weight_loaded(self, weight: torch.Tensor) -> None:
+        drop_packed_copy(weight)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-        return float_linear(x, weight, packed)
+    def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
+        return CpuLayerStack(model)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, weight, bias, packed_copy(weight))
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return float_linear(x, weight, packed_copy(weight))
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -55,7 +64,7 @@ class CpuOps(TorchOps):
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
-        cos, sin = self._cos_sin(rope, q.dtype)
+        cos, sin = rope_cos_sin(rope, q.dtype)
         rotary_dim = rope.cache.rotary_dim
         joint = _adjacent_heads(q, k)  # q and k as one run of a fused qkv output: one call for both
         for x in (q, k) if joint is None else (joint,):
@@ -66,17 +75,9 @@ class CpuOps(TorchOps):
         fused = cpu_kernels.silu_and_mul(x)
         return fused if fused is not None else super().silu_and_mul(x)
 
-    def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
-        fused = amx_linear_silu_mul(x, weight, bias, packed)  # a decode batch on AMX: one pass
-        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias, packed)
-
-    def decoder_layers(
-        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        cos, sin = self._cos_sin(rope, hidden.dtype)
-        return decode_layers.run(layers, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass
+        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)

@@ -33,11 +33,15 @@ once, after the weights are loaded, saves that work:
   depend on the other rows of the batch. The fp32 greedy tokens still equal transformers'
   (tests/test_model_equivalence.py).
 
-The packed copy is owned by its layer (``packed_weight``) and lives next to the plain
-weight, which stays the source of truth: a layer's weight loader drops the packed copy,
-so a reload can never leave a stale one in use. A weight oneDNN refuses (bf16 on an
-AVX2-only CPU), or an fp32 weight whose rows are not a multiple of 16, leaves the slot empty
-and the layer on F.linear.
+The packed copy is kept here, not by the layer: it hangs off the plain weight parameter it
+was made from (``packed_copy``; attribute ``PACKED_ATTR``), so it lives exactly as long as
+that weight, and a tied LM head shares the embedding's one copy. The plain weight stays the
+source of truth: a layer's weight loader tells its device ops that the weight changed
+(``DeviceOps.weight_loaded``, which drops the copy here), so a reload can never leave a
+stale one in use; every copy made or dropped bumps ``packed_generation`` (what a cached
+description of the copies, ``runtime.cpu.decode_layers``, checks once per step). A weight
+oneDNN refuses (bf16 on an AVX2-only CPU), or an fp32 weight whose rows are not a multiple
+of 16, gets no copy and its layer stays on F.linear.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu import kernel_library
+from runtime.layers.embedding import ParallelLMHead
+from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,11 @@ PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
 TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0
 DP_ADDRESS = "dp_address"  # attribute of a bf16 packed copy: its address if dp_linear reads it, else 0
 DP_COLUMNS = 64  # csrc/dp_linear.c: DP_COLS, columns per block of the layout it reads
+PACKED_ATTR = "cpu_packed"  # attribute of a weight parameter: its packed copy (see packed_copy)
+# The layers whose weight multiplies activations through DeviceOps.linear / float_linear.
+LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+# Bumped whenever a packed copy is made or dropped (what a cached description of them checks).
+_generation = [0]
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
@@ -314,24 +325,58 @@ def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out.view(*x.shape[:-1], inter) if rc == 0 else None
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy made of ``weight`` by ``prepack_model``, else None (one attribute read)."""
+    return getattr(weight, PACKED_ATTR, None)
+
+
+def set_packed_copy(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
+    """Hang ``packed`` (None: no copy) off ``weight``; owned by the weight from here on."""
+    setattr(weight, PACKED_ATTR, packed)
+    _generation[0] += 1
+
+
+def drop_packed_copy(weight: torch.Tensor) -> None:
+    """Forget ``weight``'s packed copy (its values were just rewritten), if it has one."""
+    if packed_copy(weight) is not None:
+        set_packed_copy(weight, None)
+
+
+def packed_generation() -> int:
+    """A number that changes whenever any packed copy is made or dropped."""
+    return _generation[0]
+
+
 def prepack_model(model: nn.Module) -> int:
-    """Pack every layer with a ``packed_weight`` slot whose weight is packable; returns how many.
-    fp32 weights only where ``linear_f32`` can run (else their copy would never be read).
+    """Pack the weight of every linear layer of ``model`` (see ``linear_weights``) that is packable;
+    returns how many. fp32 weights only where ``linear_f32`` can run (else their copy would never
+    be read).
 
     Call after the weights are loaded.
     """
     count = 0
     fp32_kernel = len(fp32_panel_rows()) > 0
-    for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
-        weight: Any = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or (weight.dtype == torch.float32 and not fp32_kernel):
+    for weight in linear_weights(model):
+        if weight.dtype == torch.float32 and not fp32_kernel:
             continue
         packed = pack_weight(weight)
         if packed is not None:
-            module.packed_weight = packed
+            set_packed_copy(weight, packed)
             count += 1
     if count:
         logger.info("prepacked %d linear weights", count)
     return count
+
+
+def linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s ``LINEAR_LAYERS`` (the linear layers and the LM head; each tensor
+    once, a tied head's being the embedding's), in module order."""
+    seen: set[int] = set()
+    weights: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, LINEAR_LAYERS):
+            weight = module.weight
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                weights.append(weight)
+    return weights

@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.linear import (
-    LazyWeight,
-    check_shape,
-    copy_into,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from runtime.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from runtime.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.ops import DeviceOps, default_ops
 
 
@@ -47,10 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        for head in getattr(self, "tied_heads", ()):
-            head.packed_weight = None  # a head sharing this weight must not keep a stale packed copy
-        if isinstance(self, ParallelLMHead):
-            self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values (a tied head's too)
         check_shape(name, weight.shape, (self.vocab_size, self.hidden_size))
         n = max(self.vocab_end - self.vocab_start, 0)
         with torch.no_grad():
@@ -70,19 +62,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; shares the embedding's weight when tied."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
-
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (its loader fills it; any device copy of it is one for both)."""
         self.weight = embedding.weight
-        heads: list[ParallelLMHead] = embedding.__dict__.setdefault("tied_heads", [])
-        heads.append(self)  # plain attribute, not a submodule: the embedding's loader clears our copy
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
         if self.tp_size == 1:  # (one rank: no padding rows, nothing to gather)
-            return self.ops.float_linear(hidden, self.weight, self.packed_weight)
-        logits = self.ops.linear(hidden, self.weight, None, self.packed_weight)
+            return self.ops.float_linear(hidden, self.weight)
+        logits = self.ops.linear(hidden, self.weight, None)
         logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -9,9 +9,9 @@ to know about TP. Conventions (torch ``F.linear``: weight is ``[out, in]``):
 - row-parallel: each rank owns a slice of the input features (columns of the weight);
   partial outputs are summed with ``all_reduce`` over the TP group.
 
-Communication goes through a process-wide ``TPGroup`` registered with
-``set_tp_group``; None (the default) means a single rank, where a layer built with
-``tp_size > 1`` refuses to run rather than silently returning a partial sum.
+Communication goes through the process-wide TP group of ``runtime.distributed``
+(``set_tp_group``); none registered (the default) means a single rank, where a layer built
+with ``tp_size > 1`` refuses to run rather than silently returning a partial sum.
 """
 
 from __future__ import annotations
@@ -21,49 +21,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from runtime.distributed import tensor_model_parallel_all_reduce
 from runtime.ops import DeviceOps, default_ops
-
-
-class TPGroup(Protocol):
-    """What TP layers need from a communication group (torch.distributed, threads, ...)."""
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks; may work in place, returns the result."""
-        ...
-
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's ``tensor`` along ``dim`` in rank order."""
-        ...
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite ``tensor`` in place with rank ``src``'s values (the sampled ids)."""
-        ...
-
-
-_TP_GROUP: TPGroup | None = None
-
-
-def set_tp_group(group: TPGroup | None) -> None:
-    """Register the TP communication group for this process (None: single rank)."""
-    global _TP_GROUP
-    _TP_GROUP = group
-
-
-def get_tp_group() -> TPGroup:
-    if _TP_GROUP is None:
-        raise RuntimeError(
-            "a layer was built with tp_size > 1 but no TP group is registered; "
-            "call runtime.layers.linear.set_tp_group(...) before running the model"
-        )
-    return _TP_GROUP
-
-
-def tensor_model_parallel_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    return x if tp_size == 1 else get_tp_group().all_reduce(x)
-
-
-def tensor_model_parallel_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
-    return x if tp_size == 1 else get_tp_group().all_gather(x, dim)
 
 
 class LazyWeight(Protocol):
@@ -126,14 +85,13 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -173,7 +131,6 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
@@ -181,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         return self.local_offsets[shard_id], self.tp_rank * size, size
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
@@ -190,7 +147,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -199,7 +156,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """The gated activation ``silu(gate) * up`` of this layer's output ``[..., 2 * I]`` (gate
         first) as ``[..., I]``, in one pass with the projection where the device ops fuse them."""
-        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.packed_weight)
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -288,13 +245,12 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # see runtime.cpu.prepacked; dropped on reload
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.packed_weight = None
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         check_shape(name, weight.shape, (self.out_features, self.in_features))
         copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None, self.packed_weight), self.tp_size)
+        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None), self.tp_size)
         return out if self.bias is None else out + self.bias

@@ -32,7 +32,7 @@ from runtime.layers.linear import (
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_config import ModelConfig
-from runtime.ops import DeviceOps, RopeInputs, default_ops
+from runtime.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs, default_ops
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def decode_weights(self) -> DecoderLayerWeights:
+        """This layer's tensors and shapes for a device's whole-layer kernels (the CPU's one-call
+        decode stack, ``runtime.cpu.decode_layers``): what ``forward`` computes with, named."""
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderLayerWeights(
+            input_norm=self.input_layernorm.weight, input_norm_eps=self.input_layernorm.eps,
+            post_norm=self.post_attention_layernorm.weight, post_norm_eps=self.post_attention_layernorm.eps,
+            qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_proj.weight, gate_up_bias=mlp.gate_up_proj.bias,
+            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scaling=attn.spec.scaling, sliding_window=attn.spec.sliding_window, qk_norm=attn.q_norm is not None,
+            tp_size=attn.qkv_proj.tp_size,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
@@ -167,20 +182,30 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
     def forward(
-        self, batch: ForwardBatch, backend: AttentionBackend, sample_rows: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        sample_rows: torch.Tensor,
+        layer_stack: LayerStack | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens."""
+        """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens.
+
+        ``layer_stack``: the device's way of running the decoder layers, chosen by the model
+        runner (``DeviceOps.layer_stack``); None: ``run_layers``, one by one."""
         hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
         rope = self.ops.rope(self.rotary_emb, batch.positions, hidden.dtype)  # once, not per layer
-        whole = self.ops.decoder_layers(self.layers, rope, hidden, batch, backend)  # a device's one-call stack
-        residual: torch.Tensor | None = None
-        if whole is not None:
-            hidden, residual = whole
-        else:
-            for layer in self.layers:
-                hidden, residual = layer(rope, hidden, residual, batch, backend)
-        assert residual is not None, "model has no layers"
+        hidden, residual = (layer_stack or self.run_layers)(rope, hidden, batch, backend)
         return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
+
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, batch, backend)
+        assert residual is not None, "model has no layers"
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,10 +236,30 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """fp32 logits ``[bs, vocab_size]`` at each request's last new token."""
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, layer_stack: LayerStack | None = None
+    ) -> torch.Tensor:
+        """fp32 logits ``[bs, vocab_size]`` at each request's last new token (``layer_stack``: see
+        ``LlamaModel.forward``)."""
         rows = batch.last_token_indices()
-        return self.lm_head(self.model(batch, backend, rows))
+        return self.lm_head(self.model(batch, backend, rows, layer_stack))
+
+    # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------
+
+    def decode_weights(self) -> list[DecoderLayerWeights]:
+        """Every decoder layer's ``decode_weights``, in order (asked once per description of the
+        stack, not per step)."""
+        weights: list[DecoderLayerWeights] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # (a ModuleList yields plain Modules to the type checker)
+            weights.append(layer.decode_weights())
+        return weights
+
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers one by one (``LlamaModel.run_layers``): what a layer stack falls back to."""
+        return self.model.run_layers(rope, hidden, batch, backend)
 
     # ---- weights --------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ device-specific work (``DeviceOps``), picked once by ``get_ops``.
 
 - cpu: ``runtime.cpu.ops.CpuOps`` (the C kernels and prepacked oneDNN linears where they
   apply, else plain torch);
-- cuda, in bf16 / fp16 / fp32 with Triton installed: ``runtime.ops.triton_ops.TritonOps``
+- cuda, in bf16 / fp16 / fp32 with Triton installed: ``runtime.cuda.ops.TritonOps``
   (fused residual-add + RMSNorm, in-place rotary, silu*mul and the KV store as Triton
   kernels);
 - anything else: ``runtime.ops.torch_ops.TorchOps`` (plain torch).
@@ -20,10 +20,19 @@ import os
 
 import torch
 
-from runtime.ops.base import DeviceOps, RopeCache, RopeInputs
+from runtime.ops.base import (
+    DecoderLayerWeights,
+    DecoderStackModel,
+    DeviceOps,
+    LayerStack,
+    RopeCache,
+    RopeInputs,
+)
+from runtime.platform import ServingPlatform
 from runtime.ops.torch_ops import TorchOps
 
-__all__ = ["DeviceOps", "RopeCache", "RopeInputs", "TorchOps", "default_ops", "get_ops"]
+__all__ = ["DecoderLayerWeights", "DecoderStackModel", "DeviceOps", "LayerStack", "RopeCache", "RopeInputs",
+           "ServingPlatform", "TorchOps", "default_ops", "get_ops"]
 
 OPS_ENV = "TINYSERVE_OPS"
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,7 +58,7 @@ def _ops_for(device_type: str, dtype: torch.dtype, choice: str) -> DeviceOps:
 
         return CpuOps()
     if device_type == "cuda" and dtype in TRITON_DTYPES and importlib.util.find_spec("triton") is not None:
-        from runtime.ops.triton_ops import TritonOps
+        from runtime.cuda.ops import TritonOps
 
         return TritonOps()
     return TorchOps()

@@ -1,9 +1,11 @@
-"""What a layer may ask of the device: the ``DeviceOps`` protocol.
+"""What a layer (and the model runner) may ask of the device: the ``DeviceOps`` protocol.
 
 Layers hold the ops object they were built with and call it for every piece of work that
 has a device-specific fast version (a fused kernel, a prepacked weight); they never look
-at which device or dtype they run on. ``runtime.ops.get_ops`` picks the implementation
-once per (device, dtype).
+at which device or dtype they run on. The model runner asks the same object what serving on
+the device assumes (``platform``: memory defaults, CUDA graphs) and for the device's
+own way of running a model's decoder layers (``layer_stack``), never the device type.
+``runtime.ops.get_ops`` picks the implementation once per (device, dtype).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from runtime.platform import ServingPlatform
 
 
 class RopeCache(Protocol):
@@ -40,29 +44,92 @@ class RopeInputs:
     sin: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One pre-norm decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a device's
+    whole-layer kernels read it: the layer's own parameters (owned, and loaded, by the layer; the
+    record only names them) and shapes, made by the model (``LlamaDecoderLayer.decode_weights``) so that a device
+    never reads a model's attribute names."""
+
+    input_norm: torch.Tensor  # [hidden]
+    input_norm_eps: float
+    post_norm: torch.Tensor  # [hidden]
+    post_norm_eps: float
+    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, q_heads * head_dim]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 * inter, hidden]: gate rows first
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, inter]
+    down_bias: torch.Tensor | None
+    num_heads: int  # query heads (on this rank)
+    num_kv_heads: int
+    head_dim: int
+    scaling: float  # attention's softmax scale
+    sliding_window: int | None  # None: full attention
+    qk_norm: bool  # per-head RMSNorm of q and k before rotary
+    tp_size: int  # ranks the layer's linears are split over
+
+
+class DecoderStackModel(Protocol):
+    """What a device's layer stack needs of a model: its layers' weights, and running the layers
+    one by one (for the forwards the stack does not take)."""
+
+    def decode_weights(self) -> list[DecoderLayerWeights]:
+        ...
+
+    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+class LayerStack(Protocol):
+    """A device's way of running all of a model's decoder layers for one forward, handed to the
+    model's forward by the model runner (``DeviceOps.layer_stack``): ``(hidden, residual)`` after
+    every layer for the embeddings ``hidden`` (which become the residual stream), exactly as the
+    layers one by one would give them."""
+
+    def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
 class DeviceOps(Protocol):
     """The device-specific work of a forward. Every method has the plain torch meaning of
     ``runtime.ops.torch_ops.TorchOps``; implementations differ in speed and rounding only."""
 
     name: str
 
+    def platform(self, device: torch.device) -> ServingPlatform:
+        """What serving on ``device`` assumes (memory defaults, CUDA graphs), asked by the model
+        runner instead of testing the device type."""
+        ...
+
     def prepare_process(self) -> None:
         """Process-wide settings for serving on this device (once, before the model is built)."""
         ...
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Device-specific copies of the loaded weights (call after every full load)."""
+        """Device-specific copies of the loaded weights (call after every full load). The ops own
+        those copies; a layer never sees them."""
         ...
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``; ``packed`` is the layer's ``packed_weight`` slot."""
+    def weight_loaded(self, weight: torch.Tensor) -> None:
+        """``weight``'s values were just (re)written by its layer's loader: drop any device copy of
+        it (``prepare_model`` makes them again)."""
         ...
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-        """``linear(x, weight, None, packed).float()`` (the LM head's fp32 logits), where a device
-        can write the fp32 result directly."""
+    def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
+        """The device's own way of running ``model``'s decoder layers for every forward the model
+        runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one)."""
+        ...
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``linear(x, weight, None).float()`` (the LM head's fp32 logits), where a device can write
+        the fp32 result directly."""
         ...
 
     def rms_norm(
@@ -87,19 +154,9 @@ class DeviceOps(Protocol):
         """``silu(gate) * up`` of ``x [..., 2 * I]`` (gate first) as a new ``[..., I]`` tensor."""
         ...
 
-    def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``silu_and_mul(linear(x, weight, bias, packed))`` (a gated MLP's merged gate/up
-        projection), in one pass where a device can fuse the two."""
-        ...
-
-    def decoder_layers(
-        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(hidden, residual)`` after all of a model's decoder ``layers`` for the embeddings
-        ``hidden`` (which become the residual stream), where the device runs the whole stack of
-        this batch in one call with the layers' own results; None: run the layers one by one."""
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(linear(x, weight, bias))`` (a gated MLP's merged gate/up projection), in
+        one pass where a device can fuse the two."""
         ...
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

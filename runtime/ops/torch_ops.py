@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.ops.base import RopeCache, RopeInputs
+from runtime.cpu.host_memory import CPU_PLATFORM
+from runtime.cuda.memory import CUDA_PLATFORM
+from runtime.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs
+from runtime.platform import ServingPlatform
 
 
 class TorchOps:
@@ -27,21 +30,27 @@ class TorchOps:
     def prepare_process(self) -> None:
         return None
 
+    def platform(self, device: torch.device) -> ServingPlatform:
+        # the plain ops (and the Triton ones, interpreted in tests) run on either device
+        return CPU_PLATFORM if device.type == "cpu" else CUDA_PLATFORM
+
     def prepare_model(self, model: nn.Module) -> None:
         return None
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
+    def weight_loaded(self, weight: torch.Tensor) -> None:
+        return None  # no device copies
+
+    def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
+        return None  # the model runs its layers one by one
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-        return self.linear(x, weight, None, packed).float()
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight, None).float()
 
-    def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self.silu_and_mul(self.linear(x, weight, bias, packed))
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x, weight, bias))
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -61,30 +70,27 @@ class TorchOps:
         return RopeInputs(positions, cache, cos, sin)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
-        cos, sin = self._cos_sin(rope, q.dtype)
+        cos, sin = rope_cos_sin(rope, q.dtype)
         for x in (q, k):
             rotate_half_(x, cos, sin, rope.cache.rotary_dim)
-
-    @staticmethod
-    def _cos_sin(rope: RopeInputs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if rope.cos is not None and rope.sin is not None:
-            return rope.cos, rope.sin
-        return rope.cache.cos_sin(rope.positions, dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu's fresh output takes the product: one temporary
-
-    def decoder_layers(
-        self, layers: nn.ModuleList, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # no whole-stack call: the model runs its layers
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool.set_kv_buffer(layer_id, loc, k, v)
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1).to(torch.int64)
+
+
+def rope_cos_sin(rope: RopeInputs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's ``cos``/``sin`` rows ``[T, 1, rotary_dim // 2]`` in ``dtype``: those ``rope``
+    carries where its ops gathered them up front, else gathered now."""
+    if rope.cos is not None and rope.sin is not None:
+        return rope.cos, rope.sin
+    return rope.cache.cos_sin(rope.positions, dtype)
 
 
 def rotate_half_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:

@@ -19,7 +19,7 @@ DTYPES = [(torch.float32, 1e-4), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)]
 
 def _ops():
     from runtime.ops import get_ops
-    from runtime.ops.triton_ops import TritonOps
+    from runtime.cuda.ops import TritonOps
 
     ops = get_ops("cuda", torch.bfloat16)
     assert isinstance(ops, TritonOps)

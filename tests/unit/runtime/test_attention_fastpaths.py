@@ -1,4 +1,4 @@
-"""Fast paths of TorchNativeAttnBackend (views, causal, cascade over a shared prefix, the
+"""Fast paths of CpuAttnBackend (views, causal, cascade over a shared prefix, the
 decode-key mirror) and prepacked bf16 linears, against per-request references.
 
 The code under test: runtime/attention/torch_native.py (planning), runtime/cpu/attention.py and
@@ -18,14 +18,14 @@ from tests.support.harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.torch_native import CASCADE_MIN_PREFIX, TorchNativeMetadata
+from runtime.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
 from runtime.cpu import attention as torch_native
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import attention_kernels_f32
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention import TorchNativeAttnBackend
+from runtime.cpu.attention import CpuAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.cpu.prepacked import prepack_available, prepack_model
+from runtime.cpu.prepacked import LINEAR_LAYERS, drop_packed_copy, packed_copy, prepack_available, prepack_model
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
 from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
@@ -206,9 +206,9 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     Both paths are checked here by capping oneDNN: ONEDNN_MAX_CPU_ISA=AVX2."""
     refusal = _onednn_packing_refusal(torch.bfloat16)
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="bfloat16", max_total_tokens=4096, load_progress=False)
-    slots = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
-    packed = [m for m in slots if m.packed_weight is not None]
-    assert slots, "the model has no layer with a packed_weight slot"
+    slots = [m for m in runner.model.modules() if isinstance(m, LINEAR_LAYERS)]
+    packed = [m for m in slots if packed_copy(m.weight) is not None]
+    assert slots, "the model has no linear layer"
     if refusal is None:
         assert len(packed) == len(slots), "oneDNN packs bf16 weights on this CPU, yet some linears were left unpacked"
     else:
@@ -218,7 +218,7 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     for m in slots:  # each layer's linear is F.linear's bits, packed or not
         x = torch.randn(7, m.weight.shape[1], generator=gen).to(torch.bfloat16)
         bias = getattr(m, "bias", None)
-        got = runner.ops.linear(x, m.weight, bias, m.packed_weight)
+        got = runner.ops.linear(x, m.weight, bias)
         assert torch.equal(got, torch.nn.functional.linear(x, m.weight, bias)), (type(m).__name__, refusal)
     prompts = [random_prompt(n, runner.vocab_size, seed=n) for n in (3, 17, 30)]
 
@@ -235,11 +235,11 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     if refusal is not None:
         return  # nothing was packed: the model above ran on F.linear alone
     for m in packed:
-        m.packed_weight = None
+        drop_packed_copy(m.weight)
     assert torch.equal(as_loaded, logits())
     assert prepack_model(runner.model) == len(slots)
     load_model_weights(runner.model, tiny_llama_path, progress=False)  # a reload drops every packed copy
-    assert all(m.packed_weight is None for m in slots)
+    assert all(packed_copy(m.weight) is None for m in slots)
 
 
 @pytest.mark.parametrize("own,ext", [([0, 0, 0], [5, 5, 5]), ([0, 2, 0, 7], [3, 6, 1, 4]), ([4, 4], [9, 9]),
@@ -280,7 +280,7 @@ def _decode_steps(
         vs.append(torch.cat([v_sh, v_i]))
         tables.append(shared_slots + mine)
         rtt.write(rows[i], 0, torch.tensor(tables[i]))
-    backend = TorchNativeAttnBackend()
+    backend = CpuAttnBackend()
     metas = []
     for _ in range(steps):
         new = slots[:bs]

@@ -69,7 +69,8 @@ DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernels), pytest.param("floa
 
 
 def _kernels_taken(runner: ModelRunner) -> str:
-    stack = decode_layers._stacks.get(runner.model.model.layers)
+    assert isinstance(runner.layer_stack, decode_layers.CpuLayerStack)
+    stack = runner.layer_stack.described
     assert stack is not None, "the one-call path never described this model"
     return stack.kernels
 
@@ -161,7 +162,7 @@ def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(dtype: str
     meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
     runner = _runner(tiny_checkpoints.path("llama"), dtype)
     reference = _decode_logits(runner, [False] * 3)
-    runner.model.model.layers[0].self_attn.qkv_proj.packed_weight = None  # as its weight_loader does
+    runner.ops.weight_loaded(runner.model.model.layers[0].self_attn.qkv_proj.weight)  # as its weight_loader does
     calls.clear()
     _decode_logits(runner, [True] * 3)
     assert not any(calls), calls

@@ -31,10 +31,13 @@ from runtime.cpu.prepacked import (
     float_linear,
     fp32_panel_rows,
     linear,
+    linear_weights,
     pack_weight,
+    packed_copy,
     panel_linear,
     prepack_available,
     prepack_model,
+    set_packed_copy,
     takes_packed,
     tile_layout,
 )
@@ -144,11 +147,11 @@ def test_fp32_model_packs_every_linear_and_a_reload_drops_them(tiny_llama_path: 
     if not _kernel_runs():
         pytest.skip("needs a CPU with AVX2 or AVX-512: fp32 copies are made only for the panel kernel")
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=1024, load_progress=False)
-    slots = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
-    assert slots and all(m.packed_weight is not None for m in slots)
+    weights = linear_weights(runner.model)
+    assert weights and all(packed_copy(w) is not None for w in weights)
     load_model_weights(runner.model, tiny_llama_path, progress=False)  # the loader drops every packed copy
-    assert all(m.packed_weight is None for m in slots)
-    assert prepack_model(runner.model) == len(slots)
+    assert all(packed_copy(w) is None for w in weights)
+    assert prepack_model(runner.model) == len(weights)
 
 
 @pytest.fixture(scope="module")
@@ -182,14 +185,14 @@ def _greedy_equals_transformers(path: Path, model: Any) -> ModelRunner:
 
 def test_packed_fp32_greedy_equals_transformers(wide_checkpoint: Path, wide_reference: Any) -> None:
     runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
-    packed = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    packed = [w for w in linear_weights(runner.model) if packed_copy(w) is not None]
     if not _kernel_runs():  # no copy that nothing would read
         assert not packed
         return
     assert packed, "fp32 linears were not packed"
-    x = torch.randn(8, packed[-1].weight.shape[1], generator=torch.Generator().manual_seed(0))
-    assert not torch.equal(linear(x, packed[-1].weight, None, packed[-1].packed_weight),
-                           F.linear(x, packed[-1].weight)), "the packed path gave F.linear's bits: nothing was tested"
+    x = torch.randn(8, packed[-1].shape[1], generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(linear(x, packed[-1], None, packed_copy(packed[-1])),
+                           F.linear(x, packed[-1])), "the packed path gave F.linear's bits: nothing was tested"
 
 
 def test_kernels_off_serve_unpacked(wide_checkpoint: Path, wide_reference: Any,
@@ -201,7 +204,7 @@ def test_kernels_off_serve_unpacked(wide_checkpoint: Path, wide_reference: Any,
     try:
         assert len(fp32_panel_rows()) == 0
         runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
-        assert all(getattr(m, "packed_weight", None) is None for m in runner.model.modules())
+        assert all(packed_copy(w) is None for w in linear_weights(runner.model))
     finally:
         monkeypatch.delenv("TINYSERVE_CPU_KERNELS")
         kernel_library.reset()
@@ -297,6 +300,7 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     packed = pack_weight(weight)
     amx = amx and tile_layout(packed)  # oneDNN kept off AMX (as on a CPU without it) packs another layout
     ops = CpuOps()
+    set_packed_copy(weight, packed)  # what CpuOps reads for this weight (prepack_model does it for a model)
     for rows in (1, 15, 16, 17, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, hidden, generator=gen).bfloat16()
         two = ops.silu_and_mul(linear(x, weight, None, packed))
@@ -305,11 +309,11 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
         if fused is not None:
             assert torch.equal(fused, two), f"rows={rows}"
             assert cpu_kernels.silu_and_mul(linear(x, weight, None, packed)) is not None  # the kernel ran in `two`
-        assert torch.equal(ops.linear_silu_and_mul(x, weight, None, packed), two)
+        assert torch.equal(ops.linear_silu_and_mul(x, weight, None), two)
     x = torch.randn(4, hidden, generator=gen).bfloat16()
     bias = torch.randn(2 * inter, generator=gen).bfloat16()
     assert amx_linear_silu_mul(x, weight, bias, packed) is None  # a bias: the two calls
-    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias, packed),
+    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias),
                        ops.silu_and_mul(linear(x, weight, bias, packed)))
     assert amx_linear_silu_mul(x.float(), weight.float(), None, pack_weight(weight.float())) is None
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.support.server_process import server_argv
 from runtime.args import ServerArgs
-from runtime.cuda_graph_runner import capture_batch_sizes
+from runtime.cuda.graph_runner import capture_batch_sizes
 
 
 def test_flags_parse_with_sglang_names_and_round_trip() -> None:

@@ -1,4 +1,4 @@
-"""TorchNativeAttnBackend over the paged pool, against a per-request reference softmax."""
+"""CpuAttnBackend (the torch_native plan on CPU) over the paged pool, against a per-request reference softmax."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
-from runtime.attention.torch_native import TorchNativeMetadata
+from runtime.attention.plan import TorchNativeMetadata
 from runtime.cpu import attention as torch_native
 from runtime.cpu import decode_layers
-from runtime.cpu.attention import TorchNativeAttnBackend
+from runtime.cpu.attention import CpuAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner import ModelRunner
 
@@ -99,7 +99,7 @@ def _forward_and_check(
         prefix_lens_cpu=list(prefix_lens),
         extend_lens_cpu=list(extend_lens),
     )
-    backend = TorchNativeAttnBackend()
+    backend = CpuAttnBackend()
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, d, d**-0.5), batch)
     assert out.dtype == dtype
@@ -146,7 +146,7 @@ def test_long_prompt_is_not_padded_against_many_short_ones() -> None:
 def test_registry_names() -> None:
     assert resolve_attention_backend_name("auto", torch.device("cpu")) == "torch_native"
     assert resolve_attention_backend_name("auto", torch.device("cuda")) == "triton"
-    assert get_attention_backend_class("torch_native", torch.device("cpu")) is TorchNativeAttnBackend
+    assert get_attention_backend_class("torch_native", torch.device("cpu")) is CpuAttnBackend
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         resolve_attention_backend_name("flash", torch.device("cpu"))
 

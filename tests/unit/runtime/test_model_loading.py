@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
 from tests.support.harness import Harness
 from runtime.device import resolve_device, resolve_dtype
-from runtime.layers import linear
+from runtime import distributed
 from runtime.model_config import ModelConfig, UnsupportedModelError
 from runtime.cpu.host_memory import cpu_mem_available_bytes
 from runtime.model_runner import ModelRunner
@@ -215,9 +215,9 @@ class ThreadTPGroup:
 @pytest.fixture
 def thread_tp_group() -> Iterator[ThreadTPGroup]:
     group = ThreadTPGroup(2)
-    linear.set_tp_group(group)
+    distributed.set_tp_group(group)
     yield group
-    linear.set_tp_group(None)
+    distributed.set_tp_group(None)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])  # mistral: 1 KV head, replicated on both ranks

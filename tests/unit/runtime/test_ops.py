@@ -11,6 +11,7 @@ import test_model_attention
 import torch
 
 from runtime.attention import torch_native
+from runtime.attention.plan import CASCADE_MIN_PREFIX, AttnGroup
 from runtime.attention.registry import get_attention_backend_class
 from runtime.cpu import attention as cpu_attention
 from runtime.cpu import kernels as cpu_kernels
@@ -20,7 +21,7 @@ from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_config import RopeConfig
 from runtime.model_runner import ModelRunner
 from runtime.ops import OPS_ENV, TorchOps, get_ops
-from runtime.ops.triton_ops import TritonOps
+from runtime.cuda.ops import TritonOps
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -38,7 +39,7 @@ def test_the_seam_picks_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_torch_native_is_the_cpu_wing_only_on_cpu() -> None:
-    assert get_attention_backend_class("torch_native", torch.device("cpu")) is cpu_attention.TorchNativeAttnBackend
+    assert get_attention_backend_class("torch_native", torch.device("cpu")) is cpu_attention.CpuAttnBackend
     assert get_attention_backend_class("torch_native", torch.device("cuda")) is torch_native.TorchNativeAttnBackend
     assert not torch_native.TorchNativeAttnBackend.plan_cascade and torch_native.TorchNativeAttnBackend.kv_copy_fraction == 0
 
@@ -56,7 +57,7 @@ def test_pool_sized_from_memory_leaves_room_for_the_decode_mirror(tiny_llama_pat
     """The CPU backend's mirror may take kv_copy_fraction of the pool: budgeted inside the sizing."""
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=256, load_progress=False)
     raw = runner.token_to_kv_pool.bytes_per_token()
-    assert runner.kv_bytes_per_token() == int(raw * (1 + cpu_attention.TorchNativeAttnBackend.kv_copy_fraction)) > raw
+    assert runner.kv_bytes_per_token() == int(raw * (1 + cpu_attention.CpuAttnBackend.kv_copy_fraction)) > raw
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
@@ -137,12 +138,12 @@ def test_torch_rotary_in_place_is_bit_identical_to_transformers() -> None:
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_plain_torch_backend_matches_the_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch_native off the CPU: no cascade, no mirror, SDPA per group (here run on CPU tensors)."""
-    monkeypatch.setattr(test_model_attention, "TorchNativeAttnBackend", torch_native.TorchNativeAttnBackend)
+    monkeypatch.setattr(test_model_attention, "CpuAttnBackend", torch_native.TorchNativeAttnBackend)
     run = test_model_attention._run
-    shared = torch_native.CASCADE_MIN_PREFIX + 4
+    shared = CASCADE_MIN_PREFIX + 4
     for mode, prefix, ext in ((ForwardMode.EXTEND, [0, 5, 0], [9, 3, 1]), (ForwardMode.EXTEND, [0, 0], [6, 6]),
                               (ForwardMode.DECODE, [12, 3, 7, 12], [1, 1, 1, 1]),
                               (ForwardMode.DECODE, [shared] * 3, [1, 1, 1]),
                               (ForwardMode.MIXED, [4, 0, 11], [4, 1, 2])):
         meta = run(mode, prefix, ext, dtype=dtype)
-        assert all(g.shared is None and g.shared_loc is None and g.mirror is None for g in meta.groups)
+        assert all(type(g) is AttnGroup and g.shared_loc is None for g in meta.groups)  # no CPU plan fields

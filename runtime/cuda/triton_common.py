@@ -82,6 +82,12 @@ def prepare_triton_for_device(device: torch.device | str) -> None:
         )
 
 
+def interpreted_dtype(device: torch.device | str) -> str | None:
+    """The dtype ``auto`` means for Triton kernels on ``device``: fp32 where they run interpreted
+    (on cpu: the interpreter's numpy backend gets bf16 math wrong), else None (the device's own)."""
+    return "float32" if torch.device(device).type == "cpu" else None
+
+
 def check_launch(kernel: Any, *tensors: torch.Tensor) -> None:
     """Refuse to launch a kernel whose mode does not match where its tensors live."""
     on_cpu = any(t.device.type == "cpu" for t in tensors)

@@ -2,7 +2,7 @@
 
 The kernel modules are imported lazily (on first attribute access) on purpose: Triton
 decides between compiled and interpreter mode when ``triton`` and each kernel are first
-imported, so ``common.prepare_triton_for_device`` must be able to run before that.
+imported, so ``runtime.cuda.triton_common.prepare_triton_for_device`` must be able to run before that.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "decode_attention_fwd": "runtime.attention.triton_ops.decode_attention",
-    "get_num_kv_splits": "runtime.attention.triton_ops.decode_attention",
-    "extend_attention_fwd": "runtime.attention.triton_ops.extend_attention",
-    "create_kv_indices": "runtime.attention.triton_ops.kv_indices",
+    "decode_attention_fwd": "runtime.cuda.attention_kernels.decode_attention",
+    "get_num_kv_splits": "runtime.cuda.attention_kernels.decode_attention",
+    "extend_attention_fwd": "runtime.cuda.attention_kernels.extend_attention",
+    "create_kv_indices": "runtime.cuda.attention_kernels.kv_indices",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.attention.triton_ops.common import (
+from runtime.cuda.triton_common import (
     check_launch,
     dot_precision,
     interpreter_requested,

@@ -314,9 +314,10 @@ def self_check(model_runner: Any, graph_runner: CudaGraphRunner) -> SelfCheckRes
 
 
 def eager_forward(model_runner: Any, batch: ForwardBatch) -> torch.Tensor:
-    """The model's fp32 logits through the ordinary (ungraphed) path."""
+    """The model's fp32 logits through the ordinary (ungraphed) path, with the runner's layer
+    stack (``ModelRunner.layer_stack``: the device's own way of running the layers, if any)."""
     model_runner.attn_backend.init_forward_metadata(batch)
-    return model_runner.model(batch, model_runner.attn_backend)
+    return model_runner.model(batch, model_runner.attn_backend, model_runner.layer_stack)
 
 
 def _check_batch_size(sizes: Sequence[int]) -> int:
@@ -331,7 +332,7 @@ def _agreed_on_every_rank(model_runner: Any, ok: bool) -> bool:
     """Under TP every rank must take the same path: graphs only if every rank's check passed."""
     if getattr(model_runner, "tp_size", 1) == 1:
         return ok
-    from runtime.layers.linear import get_tp_group
+    from runtime.distributed import get_tp_group
 
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=model_runner.device)
     return int(get_tp_group().all_reduce(flag).item()) == 0

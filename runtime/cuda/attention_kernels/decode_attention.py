@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.attention.triton_ops.common import (
+from runtime.cuda.triton_common import (
     cdiv,
     check_launch,
     device_core_count,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.attention.triton_ops.common import check_launch, interpreter_requested
+from runtime.cuda.triton_common import check_launch, interpreter_requested
 
 
 @triton.jit

@@ -12,7 +12,7 @@ device tensors only (no host sync), and allocates at most its output: the kernel
 inside a captured CUDA graph.
 
 Under Triton's interpreter (CPU tests, ``TRITON_INTERPRET=1``) they are checked in fp32:
-the interpreter's numpy backend has no bf16 (see ``runtime.attention.triton_ops.common``).
+the interpreter's numpy backend has no bf16 (see ``runtime.cuda.triton_common``).
 The wrappers return None / False where a layout is outside what a kernel takes, and the
 caller (``TritonOps``) then runs the torch op.
 """
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.attention.triton_ops.common import cdiv, check_launch, next_power_of_2
+from runtime.cuda.triton_common import cdiv, check_launch, next_power_of_2
 
 _SILU_BLOCK = 1024  # columns of silu*mul per program
 

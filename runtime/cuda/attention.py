@@ -23,7 +23,7 @@ are ordinary requests of length 1 to these kernels.
 
 On cpu the kernels run under Triton's interpreter: constructing the backend switches it
 on when ``triton`` has not been imported yet, else it must already be on (see
-``triton_ops.common``). The kernel modules are imported here, after that check.
+``runtime.cuda.triton_common``). The kernel modules are imported here, after that check.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from runtime.attention.base import AttentionBackend, AttentionLayerSpec
-from runtime.attention.triton_ops.common import prepare_triton_for_device
+from runtime.cuda.triton_common import prepare_triton_for_device
 from runtime.forward_batch import ForwardBatch
 
 DEFAULT_MAX_KV_SPLITS = 8
@@ -106,9 +106,9 @@ class TritonAttnBackend(AttentionBackend):
     def _load_kernels(self, device: torch.device) -> Any:
         if self._kernels is None:
             prepare_triton_for_device(device)
-            from runtime.attention import triton_ops
+            from runtime.cuda import attention_kernels
 
-            self._kernels = triton_ops
+            self._kernels = attention_kernels
         return self._kernels
 
     # ---- planning (once per forward) -------------------------------------------------

@@ -1,5 +1,5 @@
 """``TritonOps``: the device-ops seam on cuda, through the Triton kernels of
-``runtime.ops.triton_kernels`` (falling back to the torch op where a kernel does not take a
+``runtime.cuda.kernels`` (falling back to the torch op where a kernel does not take a
 layout). Linears stay cuBLAS (``F.linear``) and greedy argmax stays torch's.
 
 The kernel module is imported on first use, after ``prepare_triton_for_device``: on a CPU
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.triton_ops.common import prepare_triton_for_device
+from runtime.cuda.triton_common import prepare_triton_for_device
 from runtime.ops.base import RopeCache, RopeInputs
 from runtime.ops.torch_ops import TorchOps
 
@@ -27,9 +27,9 @@ class TritonOps(TorchOps):
     def _kernels(self, device: torch.device) -> ModuleType:
         if self._module is None:
             prepare_triton_for_device(device)
-            from runtime.ops import triton_kernels
+            from runtime.cuda import kernels
 
-            self._module = triton_kernels
+            self._module = kernels
         return self._module
 
     def rms_norm(
