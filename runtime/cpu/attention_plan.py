@@ -7,7 +7,7 @@ group of its plans, windowed ones too, so its layers read these fields without a
   prompt prefix from the radix cache) attends to that prefix once for the whole group
   (``SharedPrefix``, planned by ``plan_shared_prefix``);
 - ``mirror``: a pure decode batch's plan of the dense decode-key copies
-  (``runtime.cpu.decode_mirror.MirrorPlan``).
+  (``MirrorPlan``, carried out by ``runtime.cpu.decode_mirror``).
 
 The generic plan (``runtime.attention.plan``) knows nothing of either; both are None where
 a fast path does not apply (extend groups, windowed layers), and the layers then take the
@@ -17,14 +17,10 @@ plain plan's path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.attention.plan import CASCADE_MIN_PREFIX, AttnGroup, length_mask, shared_prefix_length
-
-if TYPE_CHECKING:
-    from runtime.cpu.decode_mirror import MirrorPlan
 
 
 @dataclass
@@ -35,6 +31,19 @@ class SharedPrefix:
     suffix_loc: torch.Tensor  # int64 [n * Ls]: each member's remaining slots, padded with slot 0
     suffix_len: int  # Ls
     suffix_mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, Ls] (key_bias; None: no padding)
+
+
+@dataclass
+class MirrorPlan:
+    """How one decode forward's keys reach the mirror's dense copies."""
+
+    rebuild: bool  # True: gather every key from the pool; False: append the new token only
+    width: int  # W: own keys per request this step (the dense part's used width)
+    prefix_len: int  # P: keys shared by every request ahead of the dense part (cascade); 0 if none
+    own_flat: torch.Tensor | None  # rebuild: int64 [n * W] pool slots of each request's own keys (0-padded)
+    prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
+    append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
+    mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (key_bias): 0 for each request's real keys
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from runtime.attention.plan import length_mask
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention_plan import CpuAttnGroup
+from runtime.cpu.attention_plan import CpuAttnGroup, MirrorPlan
 from runtime.forward_batch import ForwardBatch
 
 # Dense decode-key copies are kept only while all layers' K and V take at most this
@@ -30,19 +30,6 @@ MIRROR_MIN_BUDGET_BYTES = 64 << 20
 # Their capacity (keys per request) grows in steps of this many tokens: attention reads all
 # ``cap`` columns (masked), so a larger step wastes work, a smaller one rebuilds more often.
 MIRROR_CAP_STEP = 32
-
-
-@dataclass
-class MirrorPlan:
-    """How one decode forward's keys reach the mirror's dense copies."""
-
-    rebuild: bool  # True: gather every key from the pool; False: append the new token only
-    width: int  # W: own keys per request this step (the dense part's used width)
-    prefix_len: int  # P: keys shared by every request ahead of the dense part (cascade); 0 if none
-    own_flat: torch.Tensor | None  # rebuild: int64 [n * W] pool slots of each request's own keys (0-padded)
-    prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
-    append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
-    mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (key_bias): 0 for each request's real keys
 
 
 @dataclass

@@ -28,10 +28,10 @@ once, after the weights are loaded, saves that work:
   copy is made only where the kernel can run (a vector build of the kernels). The kernel sums
   each output in its own order (blocks of 256 products in sequence, then the blocks), so its
   result is not F.linear's bits: each output is within a few fp32 epsilons of
-  ``sum_k |x_k * w_k|`` of F.linear's (``tests/test_cpu_prepack.py`` holds the bound), the size
+  ``sum_k |x_k * w_k|`` of F.linear's (``tests/unit/runtime/test_cpu_prepack.py`` holds the bound), the size
   of the difference between two valid fp32 sums; inside the band a row's result does not
   depend on the other rows of the batch. The fp32 greedy tokens still equal transformers'
-  (tests/test_model_equivalence.py).
+  (tests/unit/runtime/test_model_equivalence.py).
 
 The packed copy is kept here, not by the layer: it hangs off the plain weight parameter it
 was made from (``packed_copy``; attribute ``PACKED_ATTR``), so it lives exactly as long as
@@ -55,8 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu import kernel_library
-from runtime.layers.embedding import ParallelLMHead
-from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from runtime.ops.base import LinearWeightLayer
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +75,6 @@ TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if
 DP_ADDRESS = "dp_address"  # attribute of a bf16 packed copy: its address if dp_linear reads it, else 0
 DP_COLUMNS = 64  # csrc/dp_linear.c: DP_COLS, columns per block of the layout it reads
 PACKED_ATTR = "cpu_packed"  # attribute of a weight parameter: its packed copy (see packed_copy)
-# The layers whose weight multiplies activations through DeviceOps.linear / float_linear.
-LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 # Bumped whenever a packed copy is made or dropped (what a cached description of them checks).
 _generation = [0]
 
@@ -369,12 +366,12 @@ def prepack_model(model: nn.Module) -> int:
 
 
 def linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights of ``model``'s ``LINEAR_LAYERS`` (the linear layers and the LM head; each tensor
+    """The weights of ``model``'s ``LinearWeightLayer``s (the linear layers and the LM head; each tensor
     once, a tied head's being the embedding's), in module order."""
     seen: set[int] = set()
     weights: list[torch.Tensor] = []
     for module in model.modules():
-        if isinstance(module, LINEAR_LAYERS):
+        if isinstance(module, LinearWeightLayer):
             weight = module.weight
             if id(weight) not in seen:
                 seen.add(id(weight))

@@ -17,6 +17,7 @@ from torch import nn
 from runtime.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from runtime.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.ops import DeviceOps, default_ops
+from runtime.ops.base import LinearWeightLayer
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out, self.tp_size)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, LinearWeightLayer):
     """Output projection to the vocabulary; shares the embedding's weight when tied."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

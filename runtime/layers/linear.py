@@ -23,6 +23,7 @@ from torch import nn
 
 from runtime.distributed import tensor_model_parallel_all_reduce
 from runtime.ops import DeviceOps, default_ops
+from runtime.ops.base import LinearWeightLayer
 
 
 class LazyWeight(Protocol):
@@ -66,7 +67,7 @@ def replicated_weight_loader(param: nn.Parameter, weight: LazyWeight, name: str,
     copy_into(param, weight.load(), name)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(LinearWeightLayer):
     """A full (unsharded) linear; used where every rank needs the whole result."""
 
     def __init__(
@@ -94,7 +95,7 @@ class ReplicatedLinear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearWeightLayer):
     """``y = x W^T + b`` with W's output rows split over ranks; the output stays sharded.
 
     ``output_sizes`` lists the logical sub-matrices stacked along the output dim (e.g.
@@ -215,7 +216,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.local_sizes[1]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearWeightLayer):
     """``y = x W^T + b`` with W's input columns split over ranks; partial sums are all-reduced.
 
     The input must already be sharded along its last dim (it comes from a column-parallel

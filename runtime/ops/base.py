@@ -93,6 +93,15 @@ class LayerStack(Protocol):
         ...
 
 
+class LinearWeightLayer(nn.Module):
+    """A layer whose ``weight`` multiplies activations through ``DeviceOps.linear`` /
+    ``float_linear`` (the linear layers and the LM head): the weights a device may keep its own
+    copy of (``prepare_model``). A marker base, so that a device finds them without importing
+    the layers (which import the device ops)."""
+
+    weight: nn.Parameter
+
+
 class DeviceOps(Protocol):
     """The device-specific work of a forward. Every method has the plain torch meaning of
     ``runtime.ops.torch_ops.TorchOps``; implementations differ in speed and rounding only."""

@@ -25,7 +25,8 @@ from runtime.cpu import attention_kernels_f32
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.attention import CpuAttnBackend
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.cpu.prepacked import LINEAR_LAYERS, drop_packed_copy, packed_copy, prepack_available, prepack_model
+from runtime.ops.base import LinearWeightLayer
+from runtime.cpu.prepacked import drop_packed_copy, packed_copy, prepack_available, prepack_model
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import load_model_weights
 from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
@@ -206,7 +207,7 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     Both paths are checked here by capping oneDNN: ONEDNN_MAX_CPU_ISA=AVX2."""
     refusal = _onednn_packing_refusal(torch.bfloat16)
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="bfloat16", max_total_tokens=4096, load_progress=False)
-    slots = [m for m in runner.model.modules() if isinstance(m, LINEAR_LAYERS)]
+    slots = [m for m in runner.model.modules() if isinstance(m, LinearWeightLayer)]
     packed = [m for m in slots if packed_copy(m.weight) is not None]
     assert slots, "the model has no linear layer"
     if refusal is None:

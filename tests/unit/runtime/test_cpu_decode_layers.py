@@ -9,7 +9,7 @@ bf16 runs its linears on AMX tiles, or, on a CPU with AVX512-BF16 and no AMX, on
 kernel (oneDNN packs for it there): the bf16 tests run with whichever this process has, and once
 more in a process whose oneDNN is capped as on such a CPU (the dot-product set). fp32 needs a
 vector build of the kernels (AVX2 or AVX-512: the panel kernel and the fp32 attention kernels).
-The last tests run the real processes.
+tests/e2e/test_cpu_one_call_e2e.py runs the real processes.
 """
 
 from __future__ import annotations
@@ -24,33 +24,17 @@ import pytest
 import torch
 
 from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
+from tests.support.cpu_features import bf16_kernels
 from tests.support.harness import Harness
 from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library
-from runtime.cpu.prepacked import DP_ADDRESS, fp32_panel_rows, pack_weight, tile_layout
+from runtime.cpu.prepacked import fp32_panel_rows
 from runtime.forward_batch import ForwardMode
 from runtime.model_runner import ModelRunner
 
 from tests.support import REPO_ROOT as ROOT
 
 
-def _bf16_kernels() -> str | None:
-    """The set of kernels a bf16 call runs here: "amx" (AMX tiles, and oneDNN packing for them:
-    ONEDNN_MAX_CPU_ISA may keep it off), "dp" (oneDNN's AVX512-BF16 packing, as on a CPU without
-    AMX), or None; both need the kernels' avx512bf16 build (TINYSERVE_CPU_ISA may select another)."""
-    if kernel_library.level() != "avx512bf16":
-        return None
-    distinct = (torch.arange(64 * 64) % 251).view(64, 64).to(torch.bfloat16)  # (a constant weight fits any layout)
-    packed = pack_weight(distinct)
-    if kernel_library.amx_available() and tile_layout(packed):
-        return "amx"
-    return "dp" if getattr(packed, DP_ADDRESS, 0) else None
-
-
-BF16_KERNELS = _bf16_kernels()
-needs_amx = pytest.mark.skipif(
-    BF16_KERNELS != "amx",
-    reason="needs a CPU with AMX tiles (amx_tile, amx_bf16) for oneDNN's and our kernels: the call's linears run on them",
-)
+BF16_KERNELS = bf16_kernels()
 needs_bf16_kernels = pytest.mark.skipif(
     BF16_KERNELS is None,
     reason="needs a CPU with AVX512-BF16 (avx512_bf16; AMX where it has them): the bf16 call's linears run on them",
@@ -237,27 +221,3 @@ def test_declines_without_amx_or_when_turned_off(tiny_checkpoints, calls: list[b
     with kernel_library.use_amx(False):  # the same path both times: the same bits
         assert all(torch.equal(a, b) for a, b in zip(without_amx, _decode_logits(runner, [False] * 3)))
     assert all(torch.isfinite(x).all() for x in turned_off)
-
-
-@needs_amx
-def test_a_bf16_server_decodes_through_the_one_call_path_as_the_layers_do(tiny_checkpoints) -> None:
-    """The real processes (launch.py, bf16, the path on by default) against this process's model
-    running its layers: one request at a time (the same batch shapes on both sides), the same
-    greedy tokens."""
-    from tests.support.server_process import launch_server
-    from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args
-
-    path = tiny_checkpoints.path("llama")
-    runner = _runner(path)
-    prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=500 + i) for i in range(3)]
-    steps = 10
-    expected = []
-    with decode_layers.use_decode_layers(False):
-        for prompt in prompts:
-            h = Harness(runner)
-            (req,) = h.generate([prompt], steps)
-            expected.append(req.output_ids)
-    with launch_server(base_args(path, "--dtype", "bfloat16"), client_timeout=CLIENT_TIMEOUT_S) as client:
-        got = [client.generate(input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True,
-                                                             "max_new_tokens": steps})["output_ids"] for p in prompts]
-    assert got == expected

@@ -7,7 +7,6 @@ packing such a CPU gets), ``prepacked.linear`` finds that layout in oneDNN's cop
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys

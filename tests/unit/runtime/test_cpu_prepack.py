@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.harness import Harness
 from runtime.cpu import kernel_library
-from runtime.cpu.kernel_library import amx_available
 from runtime.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
     DP_ADDRESS,
@@ -234,7 +233,7 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
     bf16 rounding of the fp32 product and of oneDNN's own result, for row counts around the
     kernel's 16- and 32-row blocks, strided rows and a 3-d input; beyond the band, without AMX or
     on a build without it, the AVX512-BF16 kernel where oneDNN packed for it
-    (tests/test_cpu_dp_linear.py), else oneDNN's call itself."""
+    (tests/unit/runtime/test_cpu_dp_linear.py), else oneDNN's call itself."""
     if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
         pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
     gen = torch.Generator().manual_seed(out_features + in_features)

@@ -221,7 +221,7 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
 def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name: str) -> None:
     """Windowed layers through the Triton plans (decode: the last W keys; extend: the last W - 1
     cached keys and the kernel's window mask), whole and chunked (37 > W), equal torch_native's
-    tokens (which tests/test_sliding_window.py checks against transformers)."""
+    tokens (which tests/unit/scheduler_proc/test_sliding_window.py checks against transformers)."""
     path = tiny_checkpoints.path(name)
     prompts = [random_prompt(70, 384, seed=1), random_prompt(23, 384, seed=2)]
     outputs = {}

@@ -119,7 +119,7 @@ def test_abort_in_queue_mid_prefill_and_mid_decode() -> None:
 
 
 def test_request_that_can_never_fit_gets_an_error() -> None:
-    # Prompts longer than the pool are the tokenizer's to refuse (tests/test_server_errors.py);
+    # Prompts longer than the pool are the tokenizer's to refuse (tests/e2e/test_server_errors.py);
     # a request that outgrows the pool while decoding alone finishes with an error, not a hang.
     sched = make_scheduler(max_total_tokens=64)
     submit(sched, "ok", [1, 2, 3], 4)

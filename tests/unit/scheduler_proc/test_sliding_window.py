@@ -30,7 +30,7 @@ PROMPT_LENS = (5, 23, 40, 70)
 def swa_model(request: pytest.FixtureRequest, tiny_checkpoints: Any) -> Iterator[tuple[str, ModelRunner, Any]]:
     name = request.param
     path: Path = tiny_checkpoints.path(name)
-    # One pool (the test harness hands out slots itself; the SWA pool is tests/test_swa_memory.py's).
+    # One pool (the test harness hands out slots itself; the SWA pool is tests/unit/scheduler_proc/test_swa_memory.py's).
     runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
                          max_total_tokens=8192, load_progress=False, disable_hybrid_swa_memory=True)
     hf = load_hf_model(path)
