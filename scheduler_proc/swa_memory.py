@@ -19,16 +19,18 @@ from typing import Any, Sequence
 
 from memory.prefix_cache import BasePrefixCache
 from memory.swa_allocator import SWATokenToKVPoolAllocator
+from memory.swa_chunk_cache import SWAChunkCache
+from memory.swa_radix_cache import SWARadixCache
+from scheduler_proc.req import Req
 
 
-def after_step(tree_cache: BasePrefixCache, reqs: Sequence[Any]) -> None:
+def after_step(tree_cache: BasePrefixCache, reqs: Sequence[Req]) -> None:
     """Free the SWA slots of the step's requests' tokens that left their window (hybrid caches only)."""
-    free = getattr(tree_cache, "free_out_of_window", None)
-    if free is None:
+    if not isinstance(tree_cache, (SWAChunkCache, SWARadixCache)):
         return
     for req in reqs:
         if req.cache_handle.req_pool_idx is not None:
-            free(req, req.kv_committed_len)
+            tree_cache.free_out_of_window(req, req.kv_committed_len)
 
 
 def swa_info(allocator: Any, tree_cache: Any) -> dict[str, Any]:
