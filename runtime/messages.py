@@ -197,7 +197,6 @@ class LoadReport(msgspec.Struct, tag="load"):
     dp_rank: int
     num_running: int
     num_queued: int
-    available_tokens: int
     num_received: int = 0  # generate requests received since start (in-flight accounting)
     events: list[KVEvent] = []
 

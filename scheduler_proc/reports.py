@@ -17,11 +17,10 @@ from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
 
 
-def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache,
-                allocator: Allocator, stats: dict[str, int]) -> LoadReport:
+def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache, stats: dict[str, int]) -> LoadReport:
     """Load and prefix-cache changes for the DP controller's routing (takes the cache's pending events)."""
     events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in tree_cache.take_events()]
-    return LoadReport(dp_rank, len(queues.running), len(queues.waiting), allocator.available_size(),
+    return LoadReport(dp_rank, len(queues.running), len(queues.waiting),
                       num_received=stats["num_received"], events=events)
 
 

@@ -398,7 +398,7 @@ class Scheduler:
         return {"success": False, "message": f"unknown control request {kind!r}"}
 
     def load_report(self, dp_rank: int) -> LoadReport:
-        return reports.load_report(dp_rank, self.queues, self.tree_cache, self.allocator, self.stats)
+        return reports.load_report(dp_rank, self.queues, self.tree_cache, self.stats)
 
     def server_info(self) -> dict[str, Any]:
         """Memory, queues, counters and the memory invariant (checked now, with nothing in flight)."""

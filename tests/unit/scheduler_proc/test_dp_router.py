@@ -27,7 +27,7 @@ PREFIX = list(range(100, 100 + 3 * BLOCK))  # three whole blocks
 
 def report(dp_rank: int, running: int = 0, queued: int = 0, events: list[KVEvent] | None = None,
            received: int = 0) -> LoadReport:
-    return LoadReport(dp_rank, running, queued, available_tokens=1000, num_received=received, events=events or [])
+    return LoadReport(dp_rank, running, queued, num_received=received, events=events or [])
 
 
 def stored(tokens: list[int], start: int = 0, extra_key: str | None = None) -> KVEvent:
@@ -229,7 +229,7 @@ def test_shortest_queue_counts_requests_in_flight_past_a_stale_report() -> None:
     router = Router(2, "shortest_queue")
     assert router.choose([1]) == 0 and router.choose([2]) == 1 and router.choose([3]) == 0
     # Replica 0 reports having received only its first request, replica 1 its one.
-    router.on_report(LoadReport(dp_rank=0, num_running=1, num_queued=0, available_tokens=100, num_received=1))
-    router.on_report(LoadReport(dp_rank=1, num_running=1, num_queued=0, available_tokens=100, num_received=1))
+    router.on_report(LoadReport(dp_rank=0, num_running=1, num_queued=0, num_received=1))
+    router.on_report(LoadReport(dp_rank=1, num_running=1, num_queued=0, num_received=1))
     assert router.replicas[0].load == 2 and router.replicas[1].load == 1
     assert router.choose([4]) == 1
