@@ -16,6 +16,7 @@
 - ``host_memory``: MemAvailable and glibc's allocator settings for a CPU serving process, and
   ``CPU_PLATFORM``, the KV memory defaults the model runner gets from ``CpuOps.platform``.
 
-Nothing outside this package tests for the CPU: ``runtime.ops.get_ops`` and the attention
-registry pick these implementations once, by device.
+Layers and the model runner never test for the CPU: ``runtime.ops.get_ops`` and the attention
+registry pick these implementations once, by device (and the device-neutral ops, which run on
+either device, answer ``platform`` by it).
 """

@@ -328,7 +328,7 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def set_packed_copy(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
-    """Hang ``packed`` (None: no copy) off ``weight``; owned by the weight from here on."""
+    """Hang ``packed`` (None: no copy) off ``weight``, where the CPU ops keep it (they make and drop it)."""
     setattr(weight, PACKED_ATTR, packed)
     _generation[0] += 1
 

@@ -118,8 +118,8 @@ class DeviceOps(Protocol):
         ...
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Device-specific copies of the loaded weights (call after every full load). The ops own
-        those copies; a layer never sees them."""
+        """Device-specific copies of the loaded weights (call after every full load). The device ops own
+        those copies (the CPU's hang off the weight tensors they copy); a layer never sees them."""
         ...
 
     def weight_loaded(self, weight: torch.Tensor) -> None:

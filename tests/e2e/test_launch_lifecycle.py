@@ -45,7 +45,7 @@ def short_tmpdir() -> Iterator[Path]:
 
 def server_env(tmp_path: Path, tmpdir: Path) -> dict[str, str]:
     """A private TMPDIR and model cache, and no TRITON_INTERPRET (which the Triton test
-    modules set for the whole session: see tests/triton_interp.py)."""
+    modules set for the whole session: see tests/support/triton_interp.py)."""
     return compiled_triton_env(TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(tmp_path / "cache"))
 
 

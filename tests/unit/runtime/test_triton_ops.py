@@ -3,7 +3,7 @@ the plain torch ops, on CPU under Triton's interpreter in fp32, plus a whole tin
 through them. The same cases run compiled in bf16/fp16/fp32 in test_triton_ops_gpu.py.
 
 Triton picks interpreter or compiled mode when ``triton`` is first imported, so this module
-sets ``TRITON_INTERPRET=1`` before anything imports it (see tests/triton_interp.py).
+sets ``TRITON_INTERPRET=1`` before anything imports it (see tests/support/triton_interp.py).
 """
 
 from __future__ import annotations

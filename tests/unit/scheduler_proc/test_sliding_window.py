@@ -1,6 +1,6 @@
 """Sliding-window models through ModelRunner (CPU torch-native backend, fp32) against transformers.
 
-Two checkpoints (tests/checkpoints.py): ``mistral_swa`` (every layer windowed, W = 16) and
+Two checkpoints (tests/support/checkpoints.py): ``mistral_swa`` (every layer windowed, W = 16) and
 ``qwen2_swa`` (4 layers, the first two full attention, the last two windowed, W = 24). The
 reference is transformers' sdpa attention, whose sliding-window causal mask
 (``create_sliding_window_causal_mask``) hides keys W or more positions behind each query; a
