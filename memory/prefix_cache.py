@@ -82,6 +82,7 @@ class BasePrefixCache(abc.ABC):
 
     page_size: int
     req_to_token_pool: ReqToTokenPool
+    _empty: torch.Tensor  # int64 [0] on the cache's device: the slots of no prefix
 
     def match_request(self, req: CacheRequest, key: list[int], count_hit: bool = False) -> None:
         """Record ``key``'s longest cached prefix in ``req``'s handle, unlocked: its device slots and
@@ -95,7 +96,7 @@ class BasePrefixCache(abc.ABC):
     def drop_match(self, req: CacheRequest) -> None:
         """A waiting request leaves without running: forget its match (it holds no lock and no row)."""
         handle = req.cache_handle
-        handle.prefix_indices = torch.empty(0, dtype=torch.int64)
+        handle.prefix_indices = self._empty
         handle.last_node = None
         handle.host_hit_len, handle.last_host_node = 0, None
 
