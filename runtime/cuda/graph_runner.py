@@ -121,6 +121,7 @@ class CudaGraphRunner:
             raise ValueError("CUDA graph replay needs a cuda device; use replay='eager' elsewhere")
         self.model_runner = model_runner
         self.model = model_runner.model
+        self.layer_stack = model_runner.layer_stack  # the device's own layer stack (None on cuda)
         self.backend = model_runner.attn_backend
         self.replay_mode: ReplayMode = replay
         self.batch_sizes = sorted(batch_sizes)
@@ -148,11 +149,11 @@ class CudaGraphRunner:
             self.batches[bs] = batch
             if self.replay_mode == "cuda":
                 for _ in range(2):  # outside the graph: autotuning, lazy allocations, library handles
-                    self.model(batch, self.backend)
+                    self.model(batch, self.backend, self.layer_stack)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self.model(batch, self.backend)
+                    self.outputs[bs] = self.model(batch, self.backend, self.layer_stack)
                 self.graphs[bs] = graph
         if self.replay_mode == "cuda":
             torch.cuda.synchronize()
@@ -192,7 +193,7 @@ class CudaGraphRunner:
             self.graphs[bs].replay()
             logits = self.outputs[bs]
         else:
-            logits = self.model(static, self.backend)
+            logits = self.model(static, self.backend, self.layer_stack)
         return logits[:raw]
 
     def summary(self) -> str:
