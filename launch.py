@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from runtime.args import PortArgs, ServerArgs, is_hub_id
-from runtime.hub import HubError, resolve_hub_path
+from runtime.args import PortArgs, ServerArgs
+from runtime.gguf.reader import GGUFError
+from runtime.hub import HubError
+from runtime.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder
 from runtime.utils import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
@@ -219,21 +221,18 @@ class Supervisor:
 
 
 def resolve_paths(server_args: ServerArgs) -> ServerArgs:
-    """Local folders for --model-path and --tokenizer-path, made once here before any child
-    looks for them: the embedded default model is built, hub ids are fetched (HubError when
-    that fails). The served model name defaults to --model-path as given (for the embedded
-    model, its folder's name: tiny-llama-v1)."""
+    """Local checkpoint folders for --model-path and --tokenizer-path, made once here before
+    any child looks for them (runtime.model_source: the default model, named models, GGUF
+    files, hub ids). The served model name defaults to --model-path as given, or the default
+    model's name."""
     sa = server_args
-    served = sa.served_model_name
-    model_path = sa.resolved_model_path()  # builds the embedded default model when unset
-    if is_hub_id(model_path):
-        model_path = resolve_hub_path(model_path, sa.revision)
+    model_path = str(checkpoint_folder(sa.model_path, sa.revision))
     tokenizer_path = sa.tokenizer_path
-    if tokenizer_path is not None and is_hub_id(tokenizer_path):
-        tokenizer_path = resolve_hub_path(tokenizer_path, sa.revision, need_weights=False)
+    if tokenizer_path is not None:
+        tokenizer_path = str(checkpoint_folder(tokenizer_path, sa.revision, need_weights=False))
+    served = sa.served_model_name
     return dataclasses.replace(sa, model_path=model_path, tokenizer_path=tokenizer_path,
-                               served_model_name=served if served is not None
-                               else sa.model_path or os.path.basename(model_path))
+                               served_model_name=served if served is not None else sa.model_path or DEFAULT_MODEL)
 
 
 def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
@@ -246,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(server_args.log_level, "launch")
     try:
         server_args = resolve_paths(server_args)
-    except HubError as exc:
+    except (HubError, GGUFError, ModelSourceError) as exc:
         logger.error("%s", exc)
         return 1
     port_args = PortArgs.create(server_args)

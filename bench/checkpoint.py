@@ -39,7 +39,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from runtime.tiny_model import SPECIAL_TOKENS, build_checkpoint, build_once, cache_root, train_bpe_tokenizer
+from runtime.model_cache import build_once, cache_root
+from runtime.tiny_model import SPECIAL_TOKENS, build_checkpoint, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 

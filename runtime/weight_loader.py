@@ -1,4 +1,4 @@
-"""Reading HF safetensors checkpoints into a model, one tensor at a time.
+"""Reading checkpoints into a model, one tensor at a time: HF safetensors, or GGUF.
 
 Tensors are opened lazily (``safe_open`` slices), so a TP rank reads from disk only the
 rows/columns of its shard; the layers' ``weight_loader`` decides which part that is.
@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from runtime.gguf.prepare import is_gguf_folder
+from runtime.gguf.tensors import iterate_gguf_weights
 from runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -85,9 +87,14 @@ def iterate_weights(folder: str | Path, progress: bool = True) -> Iterator[tuple
 
 
 def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bool = True) -> None:
-    """Fill every parameter of ``model`` from the checkpoint; errors name the tensor at fault."""
+    """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
+    folder runtime.gguf.prepare made); errors name the tensor at fault."""
     targets = model.checkpoint_targets()
-    loaded = model.load_weights(iterate_weights(folder, progress=progress))
+    if is_gguf_folder(Path(folder)):
+        weights = iterate_gguf_weights(Path(folder), targets, model.config.num_hidden_layers, progress=progress)
+    else:
+        weights = iterate_weights(folder, progress=progress)
+    loaded = model.load_weights(weights)
     missing = sorted(set(targets) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

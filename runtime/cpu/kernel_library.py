@@ -165,7 +165,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: the CPU kernels' work runs as torch ops")
         return None
-    from runtime.tiny_model import cache_root
+    from runtime.model_cache import cache_root
 
     srcs = sources()
     headers = sorted(CSRC.glob("*.h"))

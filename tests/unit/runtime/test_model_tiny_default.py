@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import Harness
-from runtime import tiny_model
+from runtime import model_cache, tiny_model
 from runtime.model_runner import ModelRunner
 
 
@@ -70,6 +70,6 @@ def test_default_model_path_builds_once_into_cache_and_runs(
 def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TINYSERVE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tiny_model.cache_root() == tmp_path / "tinyserve"
+    assert model_cache.cache_root() == tmp_path / "tinyserve"
     monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path / "x"))
-    assert tiny_model.cache_root() == tmp_path / "x"
+    assert model_cache.cache_root() == tmp_path / "x"
