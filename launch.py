@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from runtime.args import PortArgs, ServerArgs
 from runtime.gguf.reader import GGUFError
 from runtime.hub import HubError
-from runtime.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder
+from runtime.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
 from runtime.utils import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
@@ -230,6 +230,8 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     tokenizer_path = sa.tokenizer_path
     if tokenizer_path is not None:
         tokenizer_path = str(checkpoint_folder(tokenizer_path, sa.revision, need_weights=False))
+    elif not has_tokenizer(model_path):
+        raise ModelSourceError(f"{sa.model_path or model_path} has no tokenizer; give --tokenizer-path one")
     served = sa.served_model_name
     return dataclasses.replace(sa, model_path=model_path, tokenizer_path=tokenizer_path,
                                served_model_name=served if served is not None else sa.model_path or DEFAULT_MODEL)

@@ -61,6 +61,12 @@ def smollm2_gguf_file() -> Path:
     return Path(found[0])
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether an HF tokenizer can be loaded from ``folder`` (a GGUF file may carry none)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((Path(folder) / name).is_file() for name in names)
+
+
 def checkpoint_folder(model_path: str | None, revision: str | None = None, need_weights: bool = True) -> Path:
     """The local checkpoint folder for ``model_path`` (see the module docstring); builds,
     prepares or downloads on first use. ModelSourceError, GGUFError or HubError say why not."""

@@ -99,10 +99,11 @@ def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
 
 
 def _write_tokenizer(contents: GGUFContents, out: Path) -> None:
-    """The tokenizer (and chat template) transformers converts from the file's metadata."""
+    """The tokenizer (and chat template) transformers converts from the file's metadata. A file
+    without one (weights only) gets none: the server then needs --tokenizer-path."""
     if "tokenizer.ggml.model" not in contents.metadata:
-        raise GGUFError(f"{contents.path} has no tokenizer (tokenizer.ggml.* metadata); "
-                        f"give --tokenizer-path a tokenizer folder")
+        logger.warning("%s has no tokenizer (no tokenizer.ggml.* metadata)", contents.path)
+        return
     from transformers import AutoTokenizer  # lazy: a slow import
 
     try:
