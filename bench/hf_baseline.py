@@ -71,7 +71,14 @@ class HFRunner:
         self.torch = torch
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        from runtime.gguf.prepare import GGUFIndex, is_gguf_folder
+
+        if is_gguf_folder(Path(model_path)):  # transformers' own GGUF loading, from the same file
+            gguf_file = GGUFIndex.read(Path(model_path)).file
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=self.dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         eos = cfg.eos_token_id

