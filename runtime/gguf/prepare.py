@@ -59,7 +59,10 @@ def is_gguf_folder(folder: Path) -> bool:
 
 def find_gguf_file(path: Path) -> Path | None:
     """``path`` itself when it is a ``.gguf`` file, the one ``.gguf`` file of a folder without
-    a config.json, else None; GGUFError for a folder holding several."""
+    a config.json, else None; GGUFError for a folder holding several, or a ``.gguf`` path
+    that does not exist (otherwise taken for a checkpoint folder, and reported as one)."""
+    if path.suffix == ".gguf" and not path.exists():
+        raise GGUFError(f"GGUF file {path} does not exist")
     if path.is_file():
         return path if path.suffix == ".gguf" else None
     if not path.is_dir() or (path / "config.json").is_file():
