@@ -124,14 +124,16 @@ def _finish(writer: Any) -> None:
 
 def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", types: Mapping[str, str] | None = None,
                           architecture: str | None = None, model_name: str | None = None, tokenizer: bool = True,
-                          tie: bool = False, tensor_hook: TensorHook | None = None, seed: int = 0) -> Path:
+                          tie: bool = False, rope_scaling: bool = True, tensor_hook: TensorHook | None = None,
+                          seed: int = 0) -> Path:
     """The HF checkpoint folder ``src`` as the GGUF file ``out``, as llama.cpp's converter writes it.
 
     Every 2-D weight is stored as ``weight_type`` (``types`` overrides per GGUF tensor name);
     1-D tensors (norms, biases) stay F32 as llama.cpp keeps them. ``architecture`` overrides
     general.architecture (and the key prefix), ``model_name`` general.name (default: the HF
     model_type, so a Mistral checkpoint is named "mistral"). ``tie`` drops ``output.weight``
-    (a tied checkpoint). ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's
+    (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys (transformers'
+    GGUF loader ignores them, so a file compared with it must not need them). ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's
     values before it is permuted and encoded, or drop it by returning None.
     """
     import gguf
@@ -157,7 +159,7 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
-    if rope.get("rope_type") == "linear":
+    if rope_scaling and rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     if arch == "qwen3":
