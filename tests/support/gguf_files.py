@@ -125,7 +125,7 @@ def _finish(writer: Any) -> None:
 def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", types: Mapping[str, str] | None = None,
                           architecture: str | None = None, model_name: str | None = None, tokenizer: bool = True,
                           tie: bool = False, rope_scaling: bool = True, tensor_hook: TensorHook | None = None,
-                          seed: int = 0) -> Path:
+                          extra: Callable[[Any], None] | None = None, seed: int = 0) -> Path:
     """The HF checkpoint folder ``src`` as the GGUF file ``out``, as llama.cpp's converter writes it.
 
     Every 2-D weight is stored as ``weight_type`` (``types`` overrides per GGUF tensor name);
@@ -134,7 +134,8 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     model_type, so a Mistral checkpoint is named "mistral"). ``tie`` drops ``output.weight``
     (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys (transformers'
     GGUF loader ignores them, so a file compared with it must not need them). ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's
-    values before it is permuted and encoded, or drop it by returning None.
+    values before it is permuted and encoded, or drop it by returning None. ``extra(writer)``
+    may add metadata keys or tensors of its own (the GGUFWriter, before any tensor is written).
     """
     import gguf
     import torch
@@ -169,6 +170,8 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_tokenizer(writer, src, config)
+    if extra is not None:
+        extra(writer)
 
     rng = np.random.default_rng(seed)
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),

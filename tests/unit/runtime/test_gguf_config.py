@@ -14,7 +14,7 @@ import pytest
 
 from runtime.gguf.config import hf_config
 from runtime.gguf.prepare import prepare_gguf
-from runtime.gguf.reader import read_gguf
+from runtime.gguf.reader import GGUFError, read_gguf
 from runtime.model_config import ModelConfig
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
@@ -91,3 +91,43 @@ def test_token_ids_come_from_the_tokenizer_metadata(tiny_checkpoints: TinyCheckp
     assert (with_tok["bos_token_id"], with_tok["eos_token_id"], with_tok["pad_token_id"]) == (
         expected.bos_token_id, expected.eos_token_ids[0], expected.pad_token_id)
     assert not {"bos_token_id", "eos_token_id", "pad_token_id"} & set(without)
+
+
+def test_end_of_turn_token_also_ends_generation(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """llama.cpp stops on eos and on a chat model's end-of-turn token: both become eos ids."""
+    src = tiny_checkpoints.path("llama")
+    path = write_checkpoint_gguf(src, tmp_path / "eot.gguf", extra=lambda w: w.add_eot_token_id(5))
+    assert hf_config(read_gguf(path))["eos_token_id"] == [2, 5]
+    assert ModelConfig.from_pretrained(prepare_gguf(path)).eos_token_ids == [2, 5]
+    same = write_checkpoint_gguf(src, tmp_path / "eot-eos.gguf", extra=lambda w: w.add_eot_token_id(2))
+    assert hf_config(read_gguf(same))["eos_token_id"] == 2
+
+
+def test_sliding_window_metadata(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """attention.sliding_window windows every layer (Qwen2 needs use_sliding_window for it)."""
+    for name in ("mistral", "qwen2"):
+        path = write_checkpoint_gguf(tiny_checkpoints.path(name), tmp_path / f"{name}-swa.gguf", tokenizer=False,
+                                     extra=lambda w: w.add_sliding_window(16))
+        config = ModelConfig.from_pretrained(prepare_gguf(path))
+        assert config.layer_windows == (16, 16), name
+
+
+def test_rope_scaling_we_cannot_apply_is_refused(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """Serving a model with the wrong RoPE would generate garbage quietly: refuse instead."""
+    import gguf
+    import numpy as np
+
+    src = tiny_checkpoints.path("llama")
+
+    def yarn(writer: object) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)  # type: ignore[attr-defined]
+        writer.add_rope_scaling_factor(4.0)  # type: ignore[attr-defined]
+
+    path = write_checkpoint_gguf(src, tmp_path / "yarn.gguf", tokenizer=False, extra=yarn)
+    with pytest.raises(GGUFError, match="unsupported RoPE scaling 'yarn'"):
+        hf_config(read_gguf(path))
+    # Llama 3.1-style scaling: llama.cpp writes the per-frequency factors as a tensor
+    freqs = write_checkpoint_gguf(src, tmp_path / "freqs.gguf", tokenizer=False,
+                                  extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    with pytest.raises(GGUFError, match="rope_freqs.weight"):
+        hf_config(read_gguf(freqs))

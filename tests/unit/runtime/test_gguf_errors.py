@@ -142,3 +142,13 @@ def test_missing_gguf_file(tmp_path: Path, cache: Path) -> None:
         checkpoint_folder(str(missing))
     assert str(missing) in str(info.value) and "does not exist" in str(info.value)
     assert not cache.exists() or not any(cache.rglob("*"))
+
+
+def test_tokenizer_that_cannot_be_converted(tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache: Path) -> None:
+    """A failure late in the build (after the config checks passed) leaves no folder either."""
+    ok = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "ok.gguf")
+    path = tmp_path / "bert-tok.gguf"
+    # tokenizer.ggml.model "gpt2" -> "bert" (same length): a tokenizer transformers has no GGUF builder for
+    path.write_bytes(ok.read_bytes().replace(b"\x04\x00\x00\x00\x00\x00\x00\x00gpt2", b"\x04\x00\x00\x00\x00\x00\x00\x00bert"))
+    assert path.read_bytes() != ok.read_bytes()
+    _assert_refused(path, cache, "its tokenizer cannot be converted", "'bert'")
