@@ -11,8 +11,8 @@ narrow for). The ``break_*`` helpers damage a written file the ways a download o
 converter can.
 
 Types gguf-py can quantize are quantized from the values; for the K-quants (which gguf-py
-only dequantizes) valid random blocks are written instead, so the reference for every
-type is ``gguf.dequantize`` of the stored bytes (``reference_tensor``).
+only dequantizes) valid random blocks of the values' spread are written instead, so the
+reference for every type is ``gguf.dequantize`` of the stored bytes (``reference_tensor``).
 """
 
 from __future__ import annotations
@@ -47,18 +47,26 @@ def llama_unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """``rows`` rows of random but valid ``type_name`` blocks: random quants and sub-scales,
-    small finite fp16 super-block scales (so no value is inf or NaN)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator,
+                         target_std: float = 1.0) -> np.ndarray:
+    """``rows`` rows of random but valid ``type_name`` blocks: random quants and sub-scales, and
+    finite fp16 super-block scales chosen so the values' standard deviation is about
+    ``target_std`` (a weight of sane size: a tiny model fed huge weights only saturates)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    qtype = GGMLQuantizationType[type_name]
+    block, type_size = GGML_QUANT_SIZES[qtype]
     if cols % block:
         raise ValueError(f"{type_name} needs a multiple of {block} columns, not {cols}")
     raw = rng.integers(0, 256, size=(rows * (cols // block), type_size), dtype=np.uint8)
-    for offset in KQUANT_SCALE_OFFSETS[type_name]:
-        scales = rng.uniform(0.002, 0.02, size=raw.shape[0]).astype(np.float16)
-        raw[:, offset: offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    offsets = KQUANT_SCALE_OFFSETS[type_name]
+    scales = rng.uniform(0.5, 1.0, size=(raw.shape[0], len(offsets)))
+    for i, offset in enumerate(offsets):
+        raw[:, offset: offset + 2] = scales[:, i].astype(np.float16).view(np.uint8).reshape(-1, 2)
+    # every value is linear in the block's fp16 scales: rescale them all by one factor
+    factor = target_std / float(dequantize(raw, qtype).std())
+    for i, offset in enumerate(offsets):
+        raw[:, offset: offset + 2] = (scales[:, i] * factor).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, cols // block * type_size)
 
 
@@ -75,7 +83,8 @@ def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> tupl
     if type_name == "F16":
         return values.astype(np.float16), None
     if type_name in KQUANT_SCALE_OFFSETS:
-        return random_kquant_blocks(type_name, values.shape[0], values.shape[-1], rng), qtype
+        std = float(values.std()) or 1.0
+        return random_kquant_blocks(type_name, values.shape[0], values.shape[-1], rng, target_std=std), qtype
     try:
         return quantize(values, qtype), qtype
     except NotImplementedError:  # e.g. IQ2_XXS: only its bytes matter (a type tinyserve must refuse)

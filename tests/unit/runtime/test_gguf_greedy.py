@@ -5,7 +5,8 @@ of the very file we serve, so both sides see the same dequantized weights: greed
 be equal and per-token log-probabilities close (the tiny random models often repeat one
 token, where equal tokens alone would prove little). Covered: llama with its Q/K rows
 interleaved by the converter, Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 32) and a
-Mistral (a llama-architecture file told apart by general.name), in Q8_0 and F16. What
+Mistral (a llama-architecture file told apart by general.name), in Q8_0 and F16, a tied
+Qwen2, and a llama.cpp Q4_K_M-like mix of K-quants. What
 transformers' GGUF loader ignores (linear RoPE scaling, Qwen3's explicit head_dim) is checked
 against the source checkpoint instead, and TP=2 shards of a quantized file against TP=1.
 """
@@ -64,17 +65,27 @@ def _assert_same_generation(runner: ModelRunner, reference: Any) -> None:
         assert req.logprobs == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt of length {len(prompt)}"
 
 
-@pytest.mark.parametrize(("name", "weight_type", "architecture"), [
-    ("llama", "Q8_0", "LlamaForCausalLM"),
-    ("llama", "F16", "LlamaForCausalLM"),
-    ("qwen2", "Q8_0", "Qwen2ForCausalLM"),
+# A llama.cpp "Q4_K_M"-like mixture on the checkpoint whose every row is 256 wide (one K-quant
+# super-block): most weights Q4_K, some Q6_K / Q5_K, and the 2-3 bit types too.
+KQUANT_MIX = {"output.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q5_K",
+              "blk.1.ffn_up.weight": "Q3_K", "blk.0.attn_output.weight": "Q2_K"}
+
+
+@pytest.mark.parametrize(("name", "weight_type", "tie", "architecture"), [
+    ("llama", "Q8_0", False, "LlamaForCausalLM"),
+    ("llama", "F16", False, "LlamaForCausalLM"),
+    ("qwen2", "Q8_0", False, "Qwen2ForCausalLM"),
+    ("qwen2", "Q8_0", True, "Qwen2ForCausalLM"),  # tied, as Qwen2.5-0.5B is
+    ("llama_hd64", "Q4_K", False, "LlamaForCausalLM"),  # with KQUANT_MIX
 ])
 def test_greedy_equals_transformers_gguf_loading(tiny_checkpoints: TinyCheckpoints, files: Path, name: str,
-                                                 weight_type: str, architecture: str) -> None:
-    path = write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-{weight_type}.gguf",
-                                 weight_type=weight_type, rope_scaling=False, tokenizer=False)
+                                                 weight_type: str, tie: bool, architecture: str) -> None:
+    path = write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-{weight_type}-{tie}.gguf",
+                                 weight_type=weight_type, types=KQUANT_MIX if weight_type == "Q4_K" else None,
+                                 tie=tie, rope_scaling=False, tokenizer=False)
     runner = _runner(path)
     assert runner.model_config.architecture == architecture
+    assert runner.model_config.tie_word_embeddings is tie
     _assert_same_generation(runner, _transformers_gguf(path))
 
 
@@ -113,17 +124,21 @@ def thread_tp_group() -> Iterator[ThreadTPGroup]:
     distributed.set_tp_group(None)
 
 
+@pytest.mark.parametrize(("name", "weight_type"), [("llama", "Q8_0"), ("llama_hd64", "Q4_K")])
 def test_tp2_shards_of_a_quantized_llama_file_reproduce_tp1(tiny_checkpoints: TinyCheckpoints, files: Path,
-                                                             thread_tp_group: ThreadTPGroup) -> None:
-    """Each rank reads its head-aligned Q/K rows (un-interleaved per head) and its block-aligned
-    columns of the row-parallel weights straight from the Q8_0 file."""
-    path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), files / "llama-tp-Q8_0.gguf", weight_type="Q8_0",
+                                                             thread_tp_group: ThreadTPGroup, name: str,
+                                                             weight_type: str) -> None:
+    """Each rank reads its head-aligned Q/K rows (un-interleaved per head) and its columns of the
+    row-parallel weights straight from the quantized file (whole Q8_0 blocks; the 128-column
+    halves of 256-wide K-quant rows take the dequantize-all path)."""
+    path = write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-tp-{weight_type}.gguf",
+                                 weight_type=weight_type, types=KQUANT_MIX if weight_type == "Q4_K" else None,
                                  tokenizer=False)
     reference = _runner(path)
     prompts = _prompts(reference.vocab_size)
     expected = [r.output_ids for r in Harness(reference).generate(prompts, NEW_TOKENS)]
     ranks = [_runner(path, tp_rank=r, tp_size=2) for r in range(2)]
-    assert ranks[0].num_heads == 2 and ranks[0].num_kv_heads == 1
+    assert ranks[0].num_heads == reference.num_heads // 2
 
     results = run_on_ranks(thread_tp_group, lambda rank: [
         r.output_ids for r in Harness(ranks[rank]).generate(prompts, NEW_TOKENS)])
