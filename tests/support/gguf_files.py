@@ -142,9 +142,10 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     general.architecture (and the key prefix), ``model_name`` general.name (default: the HF
     model_type, so a Mistral checkpoint is named "mistral"). ``tie`` drops ``output.weight``
     (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys (transformers'
-    GGUF loader ignores them, so a file compared with it must not need them). ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's
-    values before it is permuted and encoded, or drop it by returning None. ``extra(writer)``
-    may add metadata keys or tensors of its own (the GGUFWriter, before any tensor is written).
+    GGUF loader ignores them, so a file compared with it must not need them).
+    ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's values before it is
+    permuted and encoded, or drop it by returning None. ``extra(writer)`` may add metadata
+    keys or tensors of its own (the GGUFWriter, before any tensor is written).
     """
     import gguf
     import torch

@@ -60,7 +60,8 @@ def test_distinguishing_fields_are_not_defaults(tiny_checkpoints: TinyCheckpoint
     assert configs["qwen2"]["attention_bias"] and not configs["llama"]["attention_bias"]
     assert configs["qwen2"]["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
     assert configs["qwen2"]["rope_theta"] == 1000000.0 and configs["llama"]["rope_theta"] == 10000.0
-    assert configs["qwen3"]["head_dim"] == 32 != configs["qwen3"]["hidden_size"] // configs["qwen3"]["num_attention_heads"]
+    qwen3 = configs["qwen3"]
+    assert qwen3["head_dim"] == 32 != qwen3["hidden_size"] // qwen3["num_attention_heads"]
 
 
 def test_llama_named_otherwise_stays_llama(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:

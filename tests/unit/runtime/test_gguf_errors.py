@@ -149,6 +149,7 @@ def test_tokenizer_that_cannot_be_converted(tiny_checkpoints: TinyCheckpoints, t
     ok = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "ok.gguf")
     path = tmp_path / "bert-tok.gguf"
     # tokenizer.ggml.model "gpt2" -> "bert" (same length): a tokenizer transformers has no GGUF builder for
-    path.write_bytes(ok.read_bytes().replace(b"\x04\x00\x00\x00\x00\x00\x00\x00gpt2", b"\x04\x00\x00\x00\x00\x00\x00\x00bert"))
+    length = (4).to_bytes(8, "little")  # a GGUF string: u64 length, then the bytes
+    path.write_bytes(ok.read_bytes().replace(length + b"gpt2", length + b"bert"))
     assert path.read_bytes() != ok.read_bytes()
     _assert_refused(path, cache, "its tokenizer cannot be converted", "'bert'")
