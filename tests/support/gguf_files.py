@@ -176,7 +176,8 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     if arch == "qwen3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_vocab_size(config.vocab_size)
+    if arch == "llama":  # llama.cpp's llama converter writes it; for Qwen the token count says it
+        writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_tokenizer(writer, src, config)

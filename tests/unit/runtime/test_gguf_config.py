@@ -132,3 +132,14 @@ def test_rope_scaling_we_cannot_apply_is_refused(tiny_checkpoints: TinyCheckpoin
                                   extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
     with pytest.raises(GGUFError, match="rope_freqs.weight"):
         hf_config(read_gguf(freqs))
+
+
+def test_vocab_size_without_the_key(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """llama.cpp writes {arch}.vocab_size for llama only: a Qwen file's vocabulary is its token
+    count, or the embedding's rows when it carries no tokenizer."""
+    src = tiny_checkpoints.path("qwen2")
+    for tokenizer in (True, False):
+        contents = read_gguf(write_checkpoint_gguf(src, tmp_path / f"v{tokenizer}.gguf", tokenizer=tokenizer))
+        assert contents.arch_value("vocab_size") is None
+        assert ("tokenizer.ggml.tokens#count" in contents.metadata) is tokenizer
+        assert hf_config(contents)["vocab_size"] == ModelConfig.from_pretrained(src).vocab_size
