@@ -140,3 +140,23 @@ def test_prepared_weights_are_the_files_tensors(tiny_checkpoints: TinyCheckpoint
     assert sorted(got) == sorted(source)
     for name, weight in got.items():
         assert np.array_equal(weight.load().numpy(), source[name]), name
+
+
+def test_launch_resolves_a_gguf_model_path(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """launch.py prepares the file once, before any child starts; children get the folder, the
+    API keeps the name the user gave; a weights-only file needs --tokenizer-path."""
+    from launch import resolve_paths
+    from runtime.args import ServerArgs
+    from runtime.model_source import ModelSourceError
+
+    path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "llama.gguf")
+    resolved = resolve_paths(ServerArgs(model_path=str(path)))
+    assert resolved.model_path == str(prepare_gguf(path))
+    assert resolved.tokenizer_path is None and resolved.served_model_name == str(path)
+
+    (tmp_path / "bare").mkdir()
+    bare = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "bare" / "w.gguf", tokenizer=False)
+    with pytest.raises(ModelSourceError, match="has no tokenizer; give --tokenizer-path"):
+        resolve_paths(ServerArgs(model_path=str(bare)))
+    paired = resolve_paths(ServerArgs(model_path=str(bare), tokenizer_path=str(path)))
+    assert paired.tokenizer_path == str(prepare_gguf(path)) and paired.model_path == str(prepare_gguf(bare))
