@@ -124,7 +124,8 @@ def thread_tp_group() -> Iterator[ThreadTPGroup]:
     distributed.set_tp_group(None)
 
 
-@pytest.mark.parametrize(("name", "weight_type"), [("llama", "Q8_0"), ("llama_hd64", "Q4_K")])
+# mistral: its one KV head is replicated, so each rank un-interleaves the whole K
+@pytest.mark.parametrize(("name", "weight_type"), [("llama", "Q8_0"), ("mistral", "Q8_0"), ("llama_hd64", "Q4_K")])
 def test_tp2_shards_of_a_quantized_llama_file_reproduce_tp1(tiny_checkpoints: TinyCheckpoints, files: Path,
                                                              thread_tp_group: ThreadTPGroup, name: str,
                                                              weight_type: str) -> None:
