@@ -7,8 +7,9 @@ architecture (llama.cpp's RoPE rotates adjacent pairs), no ``output.weight`` whe
 embeddings are tied, and the byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata that
 transformers can convert back. ``write_tensors_gguf`` writes bare tensors of any supported
 GGML type (for the dequantization tests, whose K-quant shapes the tiny models are too
-narrow for). The ``break_*`` helpers damage a written file the ways a download or a
-converter can.
+narrow for). Broken files: ``write_checkpoint_gguf``'s options give an unsupported
+architecture, a tensor of the wrong shape or a missing one; ``truncate`` and
+``set_tensor_type_number`` damage a written file the ways a download or a newer converter can.
 
 Types gguf-py can quantize are quantized from the values; for the K-quants (which gguf-py
 only dequantizes) valid random blocks of the values' spread are written instead, so the
@@ -125,6 +126,7 @@ def write_tensors_gguf(out: Path, tensors: Mapping[str, tuple[np.ndarray, str]],
 
 
 def _finish(writer: Any) -> None:
+    """Header, metadata, tensor table and data, in the order GGUFWriter requires."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -237,11 +239,15 @@ def _add_tokenizer(writer: Any, src: Path, config: Any) -> None:
 # ---- broken files ----------------------------------------------------------------------
 
 
-def truncate(path: Path, drop_bytes: int) -> Path:
-    """Cut the last ``drop_bytes`` bytes off ``path`` (a download that stopped early)."""
+def truncate(path: Path, *, drop: int | None = None, keep: int | None = None) -> Path:
+    """Cut ``path`` short, as a download that stopped early does: the last ``drop`` bytes go,
+    or all but the first ``keep``."""
     size = path.stat().st_size
+    new_size = keep if keep is not None else size - (drop or 0)
+    if not 0 <= new_size < size:
+        raise ValueError(f"cannot cut {path} ({size} bytes) to {new_size} bytes")
     with open(path, "r+b") as f:
-        f.truncate(size - drop_bytes)
+        f.truncate(new_size)
     return path
 
 

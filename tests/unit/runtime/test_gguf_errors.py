@@ -54,13 +54,12 @@ def test_valid_file_prepares(llama_file: Path, cache: Path) -> None:
 
 
 def test_truncated_tensor_data(llama_file: Path, cache: Path) -> None:
-    truncate(llama_file, 1000)
+    truncate(llama_file, drop=1000)
     _assert_refused(llama_file, cache, "probably truncated", f"it has {llama_file.stat().st_size} bytes")
 
 
 def test_truncated_header(llama_file: Path, cache: Path) -> None:
-    with open(llama_file, "r+b") as f:
-        f.truncate(200)
+    truncate(llama_file, keep=200)
     _assert_refused(llama_file, cache, "probably truncated", "it has 200 bytes")
 
 
