@@ -63,9 +63,10 @@ def test_truncated_header(llama_file: Path, cache: Path) -> None:
     _assert_refused(llama_file, cache, "probably truncated", "it has 200 bytes")
 
 
-def test_not_a_gguf_file(tmp_path: Path, cache: Path) -> None:
+@pytest.mark.parametrize("data", [b"PK\x03\x04" + bytes(400), b""], ids=["zip", "empty"])
+def test_not_a_gguf_file(tmp_path: Path, cache: Path, data: bytes) -> None:
     path = tmp_path / "model.gguf"
-    path.write_bytes(b"PK\x03\x04" + bytes(400))  # a zip, say
+    path.write_bytes(data)
     _assert_refused(path, cache, "is not a GGUF file", "magic number")
 
 
