@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 GGUF_INDEX = "gguf.json"
 # Bump when what prepare writes changes: the folder name includes it.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -114,4 +114,23 @@ def _write_tokenizer(contents: GGUFContents, out: Path) -> None:
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
     tokenizer.save_pretrained(str(out))
+    _drop_tokens_beyond_the_file(out, int(contents.metadata["tokenizer.ggml.tokens#count"]))
     os.chmod(out, 0o755)
+
+
+def _drop_tokens_beyond_the_file(out: Path, count: int) -> None:
+    """transformers converts a byte-level ("gpt2") vocabulary through GPT2Tokenizer, whose default
+    special token ``<|endoftext|>`` it adds after the file's tokens when the file has none (Llama 3
+    files, for one): an id the model has no embedding row for, so a prompt with that text in it
+    would be refused as out of the vocabulary. Only the file's own tokens are kept."""
+    path = out / "tokenizer.json"
+    if not path.is_file():
+        return
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    added = spec.get("added_tokens") or []
+    kept = [token for token in added if int(token["id"]) < count]
+    if len(kept) != len(added):
+        logger.info("dropping tokens the GGUF file does not have: %s",
+                    ", ".join(t["content"] for t in added if int(t["id"]) >= count))
+        spec["added_tokens"] = kept
+        path.write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
