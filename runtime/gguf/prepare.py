@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 GGUF_INDEX = "gguf.json"
 # Bump when what prepare writes changes: the folder name includes it.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,10 @@ def is_gguf_folder(folder: Path) -> bool:
 
 def find_gguf_file(path: Path) -> Path | None:
     """``path`` itself when it is a ``.gguf`` file, the one ``.gguf`` file of a folder without
-    a config.json, else None; GGUFError for a folder holding several."""
+    a config.json, else None; GGUFError for a folder holding several, or a ``.gguf`` path
+    that does not exist (otherwise taken for a checkpoint folder, and reported as one)."""
+    if path.suffix == ".gguf" and not path.exists():
+        raise GGUFError(f"GGUF file {path} does not exist")
     if path.is_file():
         return path if path.suffix == ".gguf" else None
     if not path.is_dir() or (path / "config.json").is_file():
@@ -111,4 +114,23 @@ def _write_tokenizer(contents: GGUFContents, out: Path) -> None:
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
     tokenizer.save_pretrained(str(out))
+    _drop_tokens_beyond_the_file(out, int(contents.metadata["tokenizer.ggml.tokens#count"]))
     os.chmod(out, 0o755)
+
+
+def _drop_tokens_beyond_the_file(out: Path, count: int) -> None:
+    """transformers converts a byte-level ("gpt2") vocabulary through GPT2Tokenizer, whose default
+    special token ``<|endoftext|>`` it adds after the file's tokens when the file has none (Llama 3
+    files, for one): an id the model has no embedding row for, so a prompt with that text in it
+    would be refused as out of the vocabulary. Only the file's own tokens are kept."""
+    path = out / "tokenizer.json"
+    if not path.is_file():
+        return
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    added = spec.get("added_tokens") or []
+    kept = [token for token in added if int(token["id"]) < count]
+    if len(kept) != len(added):
+        logger.info("dropping tokens the GGUF file does not have: %s",
+                    ", ".join(t["content"] for t in added if int(t["id"]) >= count))
+        spec["added_tokens"] = kept
+        path.write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")

@@ -69,6 +69,21 @@ _TABLE_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.
                "tokenizer.ggml.merges")
 
 
+def _unreadable(path: Path, size: int, exc: Exception) -> str:
+    """What is wrong with a file GGUFReader could not parse. gguf-py reports a file cut short
+    (the usual fault: an interrupted download) only as a numpy error about the memory-mapped
+    bytes, wherever the cut falls (header, tensor table or tensor data), so it is named here."""
+    detail = f"{type(exc).__name__}: {exc}"
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        return f"{path} is not a GGUF file (it does not start with the GGUF magic number)"
+    if "is not a valid" in str(exc):  # an enum value this gguf package does not know
+        return f"{path} is not a readable GGUF file: {detail} (written by a newer llama.cpp, or corrupt)"
+    return (f"{path} is not a readable GGUF file, probably truncated (an incomplete download?): "
+            f"it has {size} bytes and reading it failed with {detail}")
+
+
 def read_gguf(path: str | Path) -> GGUFContents:
     """Parse and check ``path``; GGUFError when it is not a loadable GGUF file."""
     path = Path(path)
@@ -82,8 +97,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, IndexError, OverflowError, TypeError, KeyError) as exc:
-        # a bad magic number, a header cut short, an unknown value or tensor type number
-        raise GGUFError(f"{path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
+        raise GGUFError(_unreadable(path, size, exc)) from None
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
 from tests.support.harness import Harness
+from tests.support.tp_threads import ThreadTPGroup
 from runtime.device import resolve_device, resolve_dtype
 from runtime import distributed
 from runtime.model_config import ModelConfig, UnsupportedModelError
@@ -182,34 +183,6 @@ def test_runner_attributes(tiny_llama_path: Path) -> None:
 
 
 # ---- tensor parallel shards (communication faked with threads) -----------------------
-
-
-class ThreadTPGroup:
-    """all_reduce / all_gather between threads, one thread per rank (test stand-in for NCCL/gloo)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.local = threading.local()
-        self.barrier = threading.Barrier(size)
-        self.slots: list[torch.Tensor | None] = [None] * size
-
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[self.local.rank] = tensor
-        self.barrier.wait()
-        everyone = [t for t in self.slots if t is not None]
-        self.barrier.wait()
-        return everyone
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self._exchange(tensor)).sum(0)
-
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.cat(self._exchange(tensor), dim=dim)
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        source = self._exchange(tensor)[src].clone()
-        self.barrier.wait()  # every rank has read rank src's values before anyone overwrites its own
-        return tensor.copy_(source)
 
 
 @pytest.fixture

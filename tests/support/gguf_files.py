@@ -1,0 +1,269 @@
+"""The one place that writes small GGUF files for tests, with the maintained ``gguf`` package.
+
+``write_checkpoint_gguf`` turns a tiny HF test checkpoint (``tests.support.checkpoints``) into
+a GGUF file the way llama.cpp's converter lays one out: per-architecture metadata keys,
+tensor names from gguf's ``TensorNameMap``, Q/K rows interleaved for the ``llama``
+architecture (llama.cpp's RoPE rotates adjacent pairs), no ``output.weight`` when the
+embeddings are tied, and the byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata that
+transformers can convert back. ``write_tensors_gguf`` writes bare tensors of any supported
+GGML type (for the dequantization tests, whose K-quant shapes the tiny models are too
+narrow for). Broken files: ``write_checkpoint_gguf``'s options give an unsupported
+architecture, a tensor of the wrong shape or a missing one; ``truncate`` and
+``set_tensor_type_number`` damage a written file the ways a download or a newer converter can.
+
+Types gguf-py can quantize are quantized from the values; for the K-quants (which gguf-py
+only dequantizes) valid random blocks of the values' spread are written instead, so the
+reference for every type is ``gguf.dequantize`` of the stored bytes (``reference_tensor``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+# HF model_type -> the general.architecture llama.cpp writes (Mistral is converted as llama).
+GGUF_ARCH: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Byte offsets of the fp16 scale fields inside one block of each K-quant type (gguf-py's layouts).
+KQUANT_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+TensorHook = Callable[[str, np.ndarray], "np.ndarray | None"]
+
+
+def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """HF Q/K rows -> llama.cpp's order: within each head, the two rotary halves are interleaved
+    (HF row ``a * half + j`` becomes row ``2j + a``)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def llama_unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of ``llama_permute`` (what transformers' ``_reverse_permute_weights`` does)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator,
+                         target_std: float = 1.0) -> np.ndarray:
+    """``rows`` rows of random but valid ``type_name`` blocks: random quants and sub-scales, and
+    finite fp16 super-block scales chosen so the values' standard deviation is about
+    ``target_std`` (a weight of sane size: a tiny model fed huge weights only saturates)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{type_name} needs a multiple of {block} columns, not {cols}")
+    raw = rng.integers(0, 256, size=(rows * (cols // block), type_size), dtype=np.uint8)
+    offsets = KQUANT_SCALE_OFFSETS[type_name]
+    scales = rng.uniform(0.5, 1.0, size=(raw.shape[0], len(offsets)))
+    for i, offset in enumerate(offsets):
+        raw[:, offset: offset + 2] = scales[:, i].astype(np.float16).view(np.uint8).reshape(-1, 2)
+    # every value is linear in the block's fp16 scales: rescale them all by one factor
+    factor = target_std / float(dequantize(raw, qtype).std())
+    for i, offset in enumerate(offsets):
+        raw[:, offset: offset + 2] = (scales[:, i] * factor).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, cols // block * type_size)
+
+
+def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, Any]:
+    """``(array, raw_dtype)`` for ``GGUFWriter.add_tensor``: ``values`` stored as ``type_name``
+    (quantized by gguf-py, or random blocks of that shape for a K-quant)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if type_name == "F32":
+        return values, None
+    if type_name == "F16":
+        return values.astype(np.float16), None
+    if type_name in KQUANT_SCALE_OFFSETS:
+        std = float(values.std()) or 1.0
+        return random_kquant_blocks(type_name, values.shape[0], values.shape[-1], rng, target_std=std), qtype
+    try:
+        return quantize(values, qtype), qtype
+    except NotImplementedError:  # e.g. IQ2_XXS: only its bytes matter (a type tinyserve must refuse)
+        return random_blocks(type_name, values.shape[0], values.shape[-1], rng), qtype
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """``rows`` rows of random bytes sized as ``type_name`` blocks (no meaningful values)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    return rng.integers(0, 256, size=(rows, cols // block * type_size), dtype=np.uint8)
+
+
+def reference_tensor(path: Path, name: str) -> np.ndarray:
+    """Tensor ``name`` of a GGUF file dequantized by gguf-py, numpy order (rows first), in the
+    file's own row order: the reference every GGUFWeight read is compared with."""
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(path, "r")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.asarray(dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def write_tensors_gguf(out: Path, tensors: Mapping[str, tuple[np.ndarray, str]], seed: int = 0,
+                       architecture: str = "llama") -> Path:
+    """A GGUF file holding only ``tensors`` (name -> (fp32 values, GGML type name)), no model metadata."""
+    from gguf import GGUFWriter
+
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(out, architecture)
+    for name, (values, type_name) in tensors.items():
+        array, raw_dtype = encode(values, type_name, rng)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    _finish(writer)
+    return out
+
+
+def _finish(writer: Any) -> None:
+    """Header, metadata, tensor table and data, in the order GGUFWriter requires."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", types: Mapping[str, str] | None = None,
+                          architecture: str | None = None, model_name: str | None = None, tokenizer: bool = True,
+                          tie: bool = False, rope_scaling: bool = True, tensor_hook: TensorHook | None = None,
+                          extra: Callable[[Any], None] | None = None, seed: int = 0) -> Path:
+    """The HF checkpoint folder ``src`` as the GGUF file ``out``, as llama.cpp's converter writes it.
+
+    Every 2-D weight is stored as ``weight_type`` (``types`` overrides per GGUF tensor name);
+    1-D tensors (norms, biases) stay F32 as llama.cpp keeps them. ``architecture`` overrides
+    general.architecture (and the key prefix), ``model_name`` general.name (default: the HF
+    model_type, so a Mistral checkpoint is named "mistral"). ``tie`` drops ``output.weight``
+    (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys (transformers'
+    GGUF loader ignores them, so a file compared with it must not need them).
+    ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's values before it is
+    permuted and encoded, or drop it by returning None. ``extra(writer)`` may add metadata
+    keys or tensors of its own (the GGUFWriter, before any tensor is written).
+    """
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src)
+    arch = GGUF_ARCH[config.model_type]
+    written_arch = architecture or arch
+    tied = tie or bool(config.tie_word_embeddings)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+
+    writer = gguf.GGUFWriter(out, written_arch)
+    writer.add_name(model_name if model_name is not None else config.model_type)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    if rope_scaling and rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":  # llama.cpp's llama converter writes it; for Qwen the token count says it
+        writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if tokenizer:
+        _add_tokenizer(writer, src, config)
+    if extra is not None:
+        extra(writer)
+
+    rng = np.random.default_rng(seed)
+    table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    state = load_file(str(src / "model.safetensors"))
+    for hf_name in sorted(state):
+        if tied and hf_name == "lm_head.weight":
+            continue
+        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        values: np.ndarray | None = state[hf_name].to(torch.float32).numpy()
+        if tensor_hook is not None:
+            values = tensor_hook(name, values)
+            if values is None:
+                continue
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            values = llama_permute(values, heads if ".attn_q." in name else kv_heads)
+        type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
+        array, raw_dtype = encode(values, type_name, rng)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    _finish(writer)
+    return out
+
+
+def _add_tokenizer(writer: Any, src: Path, config: Any) -> None:
+    """The checkpoint's byte-level BPE tokenizer as llama.cpp's ``gpt2`` tokenizer metadata."""
+    from gguf import TokenType
+
+    spec = json.loads((src / "tokenizer.json").read_text())
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec["added_tokens"] if t.get("special")}
+    vocab.update({t["content"]: t["id"] for t in spec["added_tokens"]})
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    qwen_split = spec.get("pre_tokenizer", {}).get("type") == "Sequence"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if qwen_split else "gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    writer.add_chat_template(tok_config["chat_template"])
+
+
+# ---- broken files ----------------------------------------------------------------------
+
+
+def truncate(path: Path, *, drop: int | None = None, keep: int | None = None) -> Path:
+    """Cut ``path`` short, as a download that stopped early does: the last ``drop`` bytes go,
+    or all but the first ``keep``."""
+    size = path.stat().st_size
+    new_size = keep if keep is not None else size - (drop or 0)
+    if not 0 <= new_size < size:
+        raise ValueError(f"cannot cut {path} ({size} bytes) to {new_size} bytes")
+    with open(path, "r+b") as f:
+        f.truncate(new_size)
+    return path
+
+
+def set_tensor_type_number(path: Path, name: str, number: int) -> Path:
+    """Overwrite the GGML type number recorded for tensor ``name`` in the tensor table (e.g.
+    with one outside the enum, as a newer llama.cpp could write)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    # a tensor-info field's parts: name length, name, n_dims, dims, type, offset
+    type_part = tensor.field.parts[4]
+    offset = int(tensor.field.offset) + sum(int(p.nbytes) for p in tensor.field.parts[:4])
+    assert type_part.dtype == np.uint32 and int(type_part[0]) == int(tensor.tensor_type)
+    del reader
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.array([number], dtype="<u4").tobytes())
+    return path
