@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(server_args.log_level, "launch")
     try:
         server_args = resolve_paths(server_args)
-    except (HubError, GGUFError, ModelSourceError) as exc:
+    except (HubError, GGUFError, ModelSourceError, OSError) as exc:  # OSError: a file it cannot read or write
         logger.error("%s", exc)
         return 1
     port_args = PortArgs.create(server_args)

@@ -111,3 +111,20 @@ def test_missing_wheel_stops_launch_before_any_child(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(launch, "Supervisor", None)  # starting children would fail loudly
     assert launch.main(["--device", "cpu"]) == 1
     assert "is not installed" in capfd.readouterr().err
+
+
+def test_unreadable_gguf_file_stops_launch_with_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    """An OSError while preparing (a file without read permission, a full cache disk) is one
+    line naming the file, not a traceback, and no child starts."""
+    gguf_file = tmp_path / "locked.gguf"
+    gguf_file.write_bytes(b"GGUF")
+
+    def unreadable(path: Path) -> Path:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", unreadable)
+    monkeypatch.setattr(launch, "Supervisor", None)
+    assert launch.main(["--device", "cpu", "--model-path", str(gguf_file)]) == 1
+    err = capfd.readouterr().err
+    assert "Permission denied" in err and str(gguf_file) in err and "Traceback" not in err
