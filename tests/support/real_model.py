@@ -5,9 +5,9 @@ model is what shows that the numbers come out right, not only the same as some r
 its answers can be checked against the world (the capital of Japan is Tokyo). It costs more
 than a tiny checkpoint, so a session pays each part once:
 
-* ``real_model_cache``: the ``$TINYSERVE_CACHE`` of every real-model server of the session. The
-  first server prepares the GGUF file into it (about 13 s) and compiles the CPU kernels; every
-  later one, ``launch.py`` with no ``--model-path`` included, finds both ready.
+* ``real_model_cache``: the ``$TINYSERVE_CACHE`` of every real-model server of the session
+  (``launch.py`` with no ``--model-path``). The first prepares the GGUF file into it (about
+  13 s); every later one finds it ready.
 * ``smollm2_server``: the one fp32 server (``--device cpu``, ``--chunked-prefill-size 32``, radix
   cache and HTTP on). ``smollm2_server_process`` starts it without waiting, so that a test that
   also wants ``smollm2_hf`` loads transformers' reference while the server's processes start.
@@ -21,12 +21,14 @@ setup, not a reason to skip.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import pytest
 import torch
 
+from runtime.model_cache import cache_root
 from runtime.model_source import DEFAULT_MODEL, ModelSourceError, smollm2_gguf_file
 from tests.support.server_process import ServedClient, ServerProcess
 from tests.support.triton_interp import compiled_triton_env
@@ -72,8 +74,14 @@ def connect(server: ServerProcess) -> ServedClient:
 
 @pytest.fixture(scope="session")
 def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's $TINYSERVE_CACHE for real-model servers: the GGUF is prepared once."""
-    return tmp_path_factory.mktemp("real-model-cache")
+    """The session's $TINYSERVE_CACHE for real-model servers: the GGUF is prepared once. Its
+    ``kernels`` folder is the usual cache's, where every other server of the suite finds the
+    CPU kernels already built: a second build would cost ~10 s of compiler time per session."""
+    cache = tmp_path_factory.mktemp("real-model-cache")
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -97,15 +105,30 @@ def smollm2_server(smollm2_server_process: ServerProcess) -> Iterator[ServedClie
         client.close()
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread within the block. For the reference computed while the server starts
+    or serves: on two cores, two threads whose OpenMP workers spin-wait for each other while the
+    server's processes hold the cores made 16 prompts x 24 tokens take 15 to 70 s instead of 7."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_server_process: ServerProcess) -> tuple[Any, Any]:
     """``(model, tokenizer)`` loaded by transformers from the GGUF file, fp32, eval mode. It asks
-    for the server process only so that the server starts while this loads (~28 s)."""
+    for the server process only so that the server starts while this loads (~28 s); a model
+    run while the server is up is best run within ``one_torch_thread``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_file()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with one_torch_thread():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tokenizer
 
 
@@ -126,7 +149,7 @@ def hf_greedy_until_eos(model: Any, prompts: list[list[int]], max_new_tokens: in
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], dtype=torch.int64)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.int64)
-    with torch.no_grad():
+    with torch.no_grad(), one_torch_thread():
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     result = []
