@@ -9,7 +9,7 @@ cannot show that the result means anything. A trained model can:
    at a time and 16 at once, prefilled in 32-token chunks, and again from the prefix cache.
 
 The questions were chosen by probing the model: each answer is right in both dtypes, and at
-every step up to the answer word the chosen token leads the runner-up by at least 0.24 nats
+every step up to the answer word the chosen token leads the runner-up by at least 0.25 nats
 in both (so neither dtype is right by luck). Rejected: the capital of Italy (fp32 answers
 "Il Coriobella", bf16 "Rome"), 7 + 6 (bf16 says 12), "Translate 'thank you' into Spanish"
 (never "gracias"), "Translate 'hello' into Spanish" ("Hola", but by 0.02 nats in fp32, 0 in bf16).
@@ -17,7 +17,6 @@ in both (so neither dtype is right by luck). Rejected: the capital of Italy (fp3
 
 from __future__ import annotations
 
-import asyncio
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

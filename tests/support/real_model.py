@@ -48,7 +48,8 @@ def smollm2_file() -> Path:
     try:
         return smollm2_gguf_file()
     except ModelSourceError as exc:
-        pytest.fail(f"the real-model tests need the default model: {exc}", pytrace=False)
+        missing = str(exc)
+    pytest.fail(f"the real-model tests need the default model: {missing}", pytrace=False)  # outside except: one message
 
 
 def real_model_args(dtype: str, *extra: str, max_total_tokens: int = 8192) -> list[str]:
