@@ -137,11 +137,11 @@ class Expected(NamedTuple):
         return self._replace(output=self.output[:n], finish={"type": "length", "length": n})
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(smollm2_hf: tuple[Any, Any]) -> list[Expected]:
-    """transformers' answer to each chat, computed once. Session-scoped so that pytest sets it
-    up before ``smollm2_server`` (which waits for the server): the reference then loads while
-    the server starts."""
+    """transformers' answer to each chat, computed once. Listed before ``smollm2_server`` (which
+    waits for the server) in the tests that use both, so pytest sets it up first (same scope,
+    argument order): the reference then loads while the server starts."""
     model, tokenizer = smollm2_hf
     prompts = [chat_ids(tokenizer, messages) for messages in CHATS]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -85,9 +85,10 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
-    """The session's fp32 server, started but not waited for (``smollm2_server`` waits)."""
+    """The module's fp32 server, started but not waited for (``smollm2_server`` waits); stopped
+    with the module, so the rest of the session does not share the cores and memory with it."""
     server = start_real_model_server(
         real_model_cache, real_model_args("float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE)), wait=False)
     try:
@@ -96,9 +97,9 @@ def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_server(smollm2_server_process: ServerProcess) -> Iterator[ServedClient]:
-    """A client of the session's fp32 server, once it is ready."""
+    """A client of the module's fp32 server, once it is ready."""
     client = connect(smollm2_server_process)
     try:
         yield client
@@ -119,7 +120,7 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_hf(smollm2_server_process: ServerProcess) -> tuple[Any, Any]:
     """``(model, tokenizer)`` loaded by transformers from the GGUF file, fp32, eval mode. It asks
     for the server process only so that the server starts while this loads (~28 s); a model
