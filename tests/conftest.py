@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
@@ -25,6 +25,9 @@ if str(_TESTS.parent) not in sys.path:
 pytest.register_assert_rewrite("tests.support")
 
 from tests.support.checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.support.tp_threads import ThreadTPGroup
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +46,19 @@ def tiny_llama_path(tiny_checkpoints: TinyCheckpoints) -> Path:
 def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Iterator[tuple[str, Path]]:
     """``(name, folder)`` for each tiny architecture: llama, mistral, qwen2, qwen3, llama_tied_llama3."""
     yield request.param, tiny_checkpoints.path(request.param)
+
+
+@pytest.fixture
+def thread_tp_group() -> Iterator["ThreadTPGroup"]:
+    """A TP group of two threads (tests/support/tp_threads.py), registered as the process's TP
+    group for the test: TP=2 shards checked against TP=1 without spawning processes."""
+    from runtime import distributed
+    from tests.support.tp_threads import ThreadTPGroup
+
+    group = ThreadTPGroup(2)
+    distributed.set_tp_group(group)
+    yield group
+    distributed.set_tp_group(None)
 
 
 def _kernel_levels() -> tuple[str, ...]:

@@ -19,7 +19,6 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from runtime import distributed
 from runtime.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import write_checkpoint_gguf
@@ -114,14 +113,6 @@ def test_metadata_transformers_ignores_matches_the_source_checkpoint(tiny_checkp
     source_config = _runner(src).model_config
     assert (runner.model_config.rope, runner.model_config.head_dim) == (source_config.rope, source_config.head_dim)
     _assert_same_generation(runner, load_hf_model(src))
-
-
-@pytest.fixture
-def thread_tp_group() -> Iterator[ThreadTPGroup]:
-    group = ThreadTPGroup(2)
-    distributed.set_tp_group(group)
-    yield group
-    distributed.set_tp_group(None)
 
 
 # mistral: its one KV head is replicated, so each rank un-interleaves the whole K

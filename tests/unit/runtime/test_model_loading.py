@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_p
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup
 from runtime.device import resolve_device, resolve_dtype
-from runtime import distributed
 from runtime.model_config import ModelConfig, UnsupportedModelError
 from runtime.cpu.host_memory import cpu_mem_available_bytes
 from runtime.model_runner import ModelRunner
@@ -183,14 +181,6 @@ def test_runner_attributes(tiny_llama_path: Path) -> None:
 
 
 # ---- tensor parallel shards (communication faked with threads) -----------------------
-
-
-@pytest.fixture
-def thread_tp_group() -> Iterator[ThreadTPGroup]:
-    group = ThreadTPGroup(2)
-    distributed.set_tp_group(group)
-    yield group
-    distributed.set_tp_group(None)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])  # mistral: 1 KV head, replicated on both ranks
