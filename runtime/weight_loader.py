@@ -91,7 +91,7 @@ def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bo
     folder runtime.gguf.prepare made); errors name the tensor at fault."""
     targets = model.checkpoint_targets()
     if is_gguf_folder(Path(folder)):
-        weights = iterate_gguf_weights(Path(folder), targets, model.config.num_hidden_layers, progress=progress)
+        weights = iterate_gguf_weights(Path(folder), targets, model.config, progress=progress)
     else:
         weights = iterate_weights(folder, progress=progress)
     loaded = model.load_weights(weights)

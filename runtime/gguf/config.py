@@ -23,9 +23,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
-def needs_qk_unpermute(contents: GGUFContents) -> bool:
+def needs_qk_unpermute(architecture: str) -> bool:
     """llama.cpp permutes Q/K rows only for the ``llama`` architecture (Mistral included)."""
-    return contents.architecture == "llama"
+    return architecture == "llama"
 
 
 def hf_config(contents: GGUFContents) -> dict[str, Any]:

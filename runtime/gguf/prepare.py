@@ -27,28 +27,28 @@ logger = logging.getLogger(__name__)
 
 GGUF_INDEX = "gguf.json"
 # Bump when what prepare writes changes: the folder name includes it.
-PREPARE_VERSION = 2
+PREPARE_VERSION = 3
 
 
 @dataclass(frozen=True)
 class GGUFIndex:
-    """What ``gguf.json`` records: the file, how to tell it changed, and its tensors."""
+    """What ``gguf.json`` records: the file, how to tell it changed, and its tensors (the
+    hyper-parameters are in ``config.json``)."""
 
     file: Path
     size: int
     mtime_ns: int
-    architecture: str  # general.architecture: picks gguf's tensor name table
-    unpermute_qk: bool
-    num_attention_heads: int
-    num_key_value_heads: int
+    architecture: str  # general.architecture: gguf's tensor name table, the Q/K interleave
     tensors: tuple[TensorEntry, ...]
+
+    @property
+    def unpermute_qk(self) -> bool:
+        return needs_qk_unpermute(self.architecture)
 
     @classmethod
     def read(cls, folder: Path) -> "GGUFIndex":
         raw = json.loads((folder / GGUF_INDEX).read_text())
         return cls(Path(raw["file"]), int(raw["size"]), int(raw["mtime_ns"]), str(raw["architecture"]),
-                   bool(raw["unpermute_qk"]),
-                   int(raw["num_attention_heads"]), int(raw["num_key_value_heads"]),
                    tuple(TensorEntry.from_json(t) for t in raw["tensors"]))
 
 
@@ -91,9 +91,6 @@ def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
     _write_tokenizer(contents, out)
     index: dict[str, Any] = {
         "file": str(path), "size": size, "mtime_ns": mtime_ns, "architecture": contents.architecture,
-        "unpermute_qk": needs_qk_unpermute(contents),
-        "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": config["num_key_value_heads"],
         "tensors": [t.to_json() for t in contents.tensors.values()],
     }
     (out / GGUF_INDEX).write_text(json.dumps(index) + "\n")

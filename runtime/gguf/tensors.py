@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from runtime.gguf.reader import GGUFError, TensorEntry
+from runtime.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,16 @@ def hf_tensor_names(architecture: str, num_layers: int, hf_names: Iterable[str])
     return mapping
 
 
-def iterate_gguf_weights(folder: Path, hf_names: Iterable[str], num_layers: int,
+def iterate_gguf_weights(folder: Path, hf_names: Iterable[str], config: ModelConfig,
                          progress: bool = True) -> Iterator[tuple[str, GGUFWeight]]:
-    """``(HF name, lazy weight)`` for every tensor of a prepared GGUF checkpoint the model reads."""
+    """``(HF name, lazy weight)`` for every tensor of a prepared GGUF checkpoint the model reads
+    (``config``: the folder's, for the layer count and the heads to un-interleave)."""
     from runtime.gguf.prepare import GGUFIndex
 
     index = GGUFIndex.read(folder)
     data = open_mapped(index.file, index.size, index.mtime_ns)
-    names = hf_tensor_names(index.architecture, num_layers, hf_names)
-    heads = {"attn_q": index.num_attention_heads, "attn_k": index.num_key_value_heads}
+    names = hf_tensor_names(index.architecture, config.num_hidden_layers, hf_names)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for entry in tqdm(index.tensors, desc=f"Loading {index.file.name}", unit="tensor", disable=not progress):
         name = names.get(entry.name)
         if name is None:

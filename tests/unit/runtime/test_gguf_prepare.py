@@ -85,11 +85,12 @@ def test_weights_refuse_a_file_changed_after_prepare(tiny_checkpoints: TinyCheck
     folder = prepare_gguf(path)
     with open(path, "ab") as f:
         f.write(b"\0" * 64)
+    config = ModelConfig.from_pretrained(folder)
     with pytest.raises(GGUFError, match="changed after it was prepared"):
-        next(iterate_gguf_weights(folder, ["model.embed_tokens.weight"], num_layers=2, progress=False))
+        next(iterate_gguf_weights(folder, ["model.embed_tokens.weight"], config, progress=False))
     path.unlink()
     with pytest.raises(GGUFError, match="no longer exists"):
-        next(iterate_gguf_weights(folder, ["model.embed_tokens.weight"], num_layers=2, progress=False))
+        next(iterate_gguf_weights(folder, ["model.embed_tokens.weight"], config, progress=False))
 
 
 def test_index_records_the_unpermute_rule(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
@@ -139,7 +140,7 @@ def test_prepared_weights_are_the_files_tensors(tiny_checkpoints: TinyCheckpoint
     src = tiny_checkpoints.path("qwen2")
     folder = prepare_gguf(write_checkpoint_gguf(src, tmp_path / "q.gguf", tokenizer=False))
     source = load_file(str(src / "model.safetensors"))
-    got = dict(iterate_gguf_weights(folder, list(source), num_layers=2, progress=False))
+    got = dict(iterate_gguf_weights(folder, list(source), ModelConfig.from_pretrained(folder), progress=False))
     assert sorted(got) == sorted(source)
     for name, weight in got.items():
         assert np.array_equal(weight.load().numpy(), source[name]), name
