@@ -79,6 +79,9 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     enable_mixed_chunk: bool = False
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 60.0
+    disable_jump_forward: bool = False
     # None: overlap where it pays (see scheduler_proc.model_worker.overlap_default); True/False: forced.
     disable_overlap_schedule: bool | None = None
     base_gpu_id: int = 0
@@ -225,6 +228,15 @@ class ServerArgs:
                             "(default: overlap on cuda, off on cpu)")
         g.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
                        const=False, help="plan step N+1 while step N runs, also on cpu")
+        g = parser.add_argument_group("structured outputs")
+        g.add_argument("--grammar-backend", type=str, default=d.grammar_backend, choices=("xgrammar", "none"),
+                       help="engine of json_schema / regex / ebnf constraints and response_format; none "
+                            f"refuses constrained requests (default {d.grammar_backend})")
+        g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                       help="seconds a request may wait for its grammar to compile before it fails "
+                            f"(default {d.grammar_compile_timeout:g})")
+        g.add_argument("--disable-jump-forward", action="store_true", default=d.disable_jump_forward,
+                       help="decode text a grammar forces token by token instead of appending it at once")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", type=int, default=d.tp_size,
                        help=f"tensor-parallel ranks (default {d.tp_size})")
@@ -315,6 +327,8 @@ class ServerArgs:
         ):
             if opt is not None:
                 _positive(flag, opt)
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
                 raise ValueError(f"--cuda-graph-bs needs batch sizes >= 1, got {self.cuda_graph_bs}")

@@ -8,6 +8,7 @@ trust the values. The names follow SGLang's so that SGLang users need no transla
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -17,6 +18,9 @@ import msgspec
 # Temperatures below this are treated as greedy: dividing logits by a denormal-sized
 # temperature overflows fp32, and the resulting distribution is one-hot anyway.
 GREEDY_TEMPERATURE_EPS = 1e-6
+
+# The sampling parameters that constrain the output to a grammar, in SGLang's names.
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
 
 _PATH_FIELD = re.compile(r"\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
@@ -55,6 +59,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     seed: int | None = None
     n: int = 1
     top_logprobs_num: int = 0
+    # Constrained decoding (at most one): the output must match a JSON schema (text), a regex
+    # or an EBNF grammar (xgrammar's dialect of GBNF). Checked by ``runtime.grammar``.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # ---- construction -------------------------------------------------------------
 
@@ -75,6 +84,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             for key in d:
                 if not isinstance(key, str) or key not in cls.__struct_fields__:
                     raise SamplingParamsError(str(key), "unknown sampling parameter")
+            if isinstance(d.get("json_schema"), dict):  # a schema given as an object, not as its text
+                d = {**d, "json_schema": json.dumps(d["json_schema"])}
             try:
                 params = msgspec.convert(d, cls, strict=True)
             except msgspec.ValidationError as exc:
@@ -124,6 +135,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             _check("stop_token_ids", tid >= 0, tid, "token ids must be >= 0")
             if vocab_size is not None:
                 _check("stop_token_ids", tid < vocab_size, tid, f"must be < vocab size {vocab_size}")
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(given[1], f"at most one of {', '.join(CONSTRAINT_KINDS)} may be given, "
+                                                f"got {' and '.join(given)}")
+        for name in given:
+            _check(name, bool(getattr(self, name).strip()), getattr(self, name), "must not be empty")
 
     # ---- derived views ------------------------------------------------------------
 
@@ -140,6 +157,15 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if isinstance(self.stop, str):
             return [self.stop]
         return list(self.stop)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's output constraint (kind: one of ``CONSTRAINT_KINDS``)."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def has_penalties(self) -> bool:

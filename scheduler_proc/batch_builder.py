@@ -14,7 +14,7 @@ tokens from the step in flight (``FutureInputs``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 import torch
 
@@ -25,6 +25,9 @@ from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
 from scheduler_proc.req import Req
+
+if TYPE_CHECKING:
+    from runtime.grammar import RequestGrammar
 
 
 class OutOfMemory(RuntimeError):
@@ -68,6 +71,14 @@ class BatchBuilder:
     # ------------------------------------------------------------------ batches
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingBatchInfo:
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        mask = None
+        if constrained:  # their matchers have taken every token so far: no step is in flight
+            from runtime.grammar import allocate_bitmask
+
+            mask = allocate_bitmask(len(reqs), self.runner.vocab_size)
+            for i in constrained:
+                cast("RequestGrammar", reqs[i].grammar).fill(mask, i)
         return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.origin_input_ids for r in reqs],
@@ -75,6 +86,8 @@ class BatchBuilder:
             self.runner.vocab_size,
             self.runner.eos_token_ids,
             self.device,
+            vocab_mask=mask,
+            vocab_mask_rows=constrained or None,
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def new_stats() -> dict[str, int]:
     return {"num_retractions": 0, "num_retracted_reqs": 0, "num_prefill_batches": 0,
             "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0, "num_aborted": 0,
-            "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0}
+            "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0, "jump_forward_tokens": 0}
 
 
 class OutputProcessor:
@@ -40,7 +40,11 @@ class OutputProcessor:
         """Give ``req`` the token of batch row ``row`` (and its logprobs), then check for a stop."""
         if not req.output_ids and not req.is_retracted:
             req.cached_tokens = req.first_prefix_len
-        req.output_ids.append(result.token_ids[row])
+        token = result.token_ids[row]
+        req.output_ids.append(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Cannot happen with the step's mask applied; a request must never go on unconstrained.
+            req.finish_reason = {"type": "abort", "message": f"token {token} does not match the request's grammar"}
         if req.return_logprob and result.logprobs is not None:
             req.output_logprobs.append(result.logprobs[row])
             if req.top_logprobs_num and result.top_logprobs is not None:
@@ -50,6 +54,15 @@ class OutputProcessor:
         self.stop_checker.check(req)
         if req.finish_reason is None and req.stream:
             self.maybe_stream(req)
+
+    def append_forced(self, req: Req, tokens: list[int]) -> None:
+        """Give ``req`` tokens its grammar forces (jump-forward, no logprobs), checking for a stop after each."""
+        for token in tokens:
+            req.output_ids.append(token)
+            self.stop_checker.check(req)
+            if req.finish_reason is not None:
+                return
+        self.maybe_stream(req)
 
     def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
         """Mark ``req`` finished and tell the client (its last chunk, or the error)."""

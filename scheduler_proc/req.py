@@ -13,11 +13,14 @@ the scheduler's modules read the handle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memory.req_state import CacheHandle
 from runtime.args import ServerArgs
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.grammar import RequestGrammar
 
 
 @dataclass(eq=False)  # a request is itself: identity equality and hashing
@@ -31,6 +34,9 @@ class Req:
     extra_key: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
+    # The matcher of a constrained request (json_schema / regex / ebnf), set when its grammar
+    # is compiled (scheduler_proc.grammar_queue); it has accepted every token of output_ids.
+    grammar: "RequestGrammar | None" = None
     # Tokens a launched forward has sampled for this request that have not reached the host
     # yet (overlap scheduling: at most one). They count towards its length, not output_ids.
     num_inflight: int = 0
@@ -120,6 +126,9 @@ class StopChecker:
             req.finish_reason = {"type": "abort", "message": req.to_abort}
             return
         if not req.output_ids:
+            return
+        if req.grammar is not None and req.grammar.terminated:  # complete, and a stop token taken
+            req.finish_reason = {"type": "stop", "matched": req.output_ids[-1]}
             return
         if len(req.output_ids) < params.min_new_tokens:
             return  # nothing but an abort ends a request before min_new_tokens

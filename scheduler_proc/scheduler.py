@@ -38,6 +38,7 @@ from scheduler_proc import reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
+from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
@@ -79,6 +80,11 @@ class Scheduler:
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
         self.worker = create_model_worker(model_runner, overlap)
         self.queues = RequestQueues()
+        # Constrained requests wait here until their grammar is compiled (off this thread).
+        self.grammars = GrammarQueue(self._load_tokenizer, model_runner.vocab_size, model_runner.eos_token_ids,
+                                     server_args.grammar_compile_timeout, tp_rank, server_args.tp_size)
+        # Jump-forward re-prefills through the prefix cache: without one it would recompute everything.
+        self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.inflight: LaunchedStep | None = None
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
@@ -105,10 +111,29 @@ class Scheduler:
             # Nothing to generate: answer at once, no memory touched.
             self.output.finish(req, {"type": "length", "length": 0})
             return
+        if req.sampling_params.constraint is not None:
+            self.grammars.add(req)
+            return
         self.queues.add(req)
+
+    def _load_tokenizer(self) -> Any:
+        from runtime.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.args.resolved_tokenizer_path())
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar is ready join the queue; failed ones end with the reason."""
+        ready, failed = self.grammars.poll()
+        for req in ready:
+            self.queues.add(req)
+        for req, reason in failed:
+            self.output.finish(req, {"type": "abort", "message": reason}, error_code="invalid_request")
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all when rid is ''): queued ones at once, others at the next step."""
+        for req in self.grammars.remove(rid):
+            self.stats["num_aborted"] += 1
+            self.output.finish(req, {"type": "abort", "message": "aborted by the client"})
         for req in [r for r in self.queues.waiting if rid in ("", r.rid)]:
             self.queues.remove_waiting(req)
             self.stats["num_aborted"] += 1
@@ -124,6 +149,8 @@ class Scheduler:
         """Launch the next batch if there is work, and process the previous one. True if one launched."""
         if self.inflight is not None and not self._can_plan_ahead():
             self._complete_inflight()
+        if len(self.grammars):
+            self._admit_compiled()
         self._apply_aborts()
         launched = self._launch_next()
         if self.inflight is not None:
@@ -154,7 +181,9 @@ class Scheduler:
             return False
         if self.args.enable_mixed_chunk and (self.queues.waiting or self.queues.chunked is not None):
             return False  # a mixed batch's decode part takes host inputs
-        return not any(r.to_abort is not None or r.sampling_params.has_penalties for r in self.queues.running)
+        # Penalties read the output history, a grammar's mask the state after the last token.
+        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
+                       for r in self.queues.running)
 
     def _apply_aborts(self) -> None:
         """Finish requests marked for abort through the normal release path."""
@@ -316,6 +345,8 @@ class Scheduler:
         swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
             self.queues.drop_finished(finished)
+        if self.jump_forward:
+            self._jump_forward([r for r in self.queues.running if r.grammar is not None])
 
     def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],
                      prefilled: bool) -> None:
@@ -334,6 +365,28 @@ class Scheduler:
                 self.finish(req, req.finish_reason)
             elif prefilled:
                 self.tree_cache.cache_unfinished_req(req)
+
+    def _jump_forward(self, reqs: list[Req]) -> None:
+        """Append the text each constrained request's grammar forces (a JSON key, ``": "``, closing
+        brackets) without decoding it token by token: the request gives its row back as a retraction
+        does, keeping its KV in the prefix cache, and its next prefill computes the forced tokens and
+        samples the token after them. Not for requests that return logprobs (forced tokens have none)."""
+        tokenizer = self.grammars.tokenizer
+        for req in reqs:
+            if req.return_logprob or req.num_inflight or req.finish_reason is not None:
+                continue
+            room = min(req.remaining_new_tokens(), self.context_len - 1 - req.seqlen)
+            forced = req.grammar.forced_tokens(tokenizer, room) if room > 0 else []  # type: ignore[union-attr]
+            if not forced:
+                continue
+            self.stats["jump_forward_tokens"] += len(forced)
+            self.output.append_forced(req, forced)
+            if req.finish_reason is not None:
+                self.queues.remove_running(req)
+                self.finish(req, req.finish_reason)
+            else:
+                self.queues.retract(req)
+                self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
 
     def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
         """Tell the client, then release the request's memory unless a step still uses it."""
@@ -357,7 +410,14 @@ class Scheduler:
         return self.output.take_outbox()
 
     def is_idle(self) -> bool:
-        return self.queues.is_empty() and self.inflight is None
+        return self.queues.is_empty() and self.inflight is None and not len(self.grammars)
+
+    def receive_timeout_ms(self) -> int:
+        """How long the loop may block for new messages before the next step: not at all while
+        requests run, briefly while only grammars compile (their readiness is polled), else 1 s."""
+        if not self.queues.is_empty() or self.inflight is not None:
+            return 0
+        return 1 if len(self.grammars) else 1000
 
     def on_idle(self) -> InvariantReport:
         report = self.check_memory()

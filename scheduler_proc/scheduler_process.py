@@ -117,7 +117,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
                 "on" if scheduler.worker.overlap else "off")
     while True:
         # Block only when there is nothing to run, so the model step is never delayed.
-        for msg in io.receive(0 if not scheduler.is_idle() else 1000):
+        for msg in io.receive(scheduler.receive_timeout_ms()):
             scheduler.handle_message(msg)
         scheduler.step()
         io.publish(scheduler)

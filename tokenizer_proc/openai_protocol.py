@@ -11,23 +11,28 @@ Replies are plain dicts (encoded with msgspec by the HTTP server): a stream send
 token, and building pydantic objects for each would cost more than the encoding.
 SGLang/vLLM extensions accepted in the body (the openai SDK's ``extra_body``): ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``no_stop_trim``.
+``skip_special_tokens``, ``no_stop_trim``, and SGLang's constraints ``regex`` and ``ebnf``
+(``response_format`` carries a JSON schema).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.messages import GenerateChunk, GenerateReq
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # What the server's names are called in the OpenAI schema (for error messages).
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
+                 "json_schema": "response_format"}
+# ``response_format: {"type": "json_object"}``: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class BadRequest(Exception):
@@ -48,6 +53,31 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the output
+    always follows the schema)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        """The sampling parameter this format asks for ({} for plain text)."""
+        if self.type == "text":
+            return {}
+        if self.type == "json_object":
+            return {"json_schema": JSON_OBJECT_SCHEMA}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise BadRequest("response_format: type json_schema needs json_schema.schema", "response_format")
+        return {"json_schema": json.dumps(self.json_schema.schema_)}
 
 
 class _SamplingFields(_Strict):
@@ -75,6 +105,9 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         if self.logit_bias:
@@ -86,8 +119,10 @@ class _SamplingFields(_Strict):
             params["max_new_tokens"] = max_tokens
         if self.min_tokens is not None:
             params["min_new_tokens"] = self.min_tokens
+        if self.response_format is not None:
+            params.update(self.response_format.constraint())
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                     "min_p", "repetition_penalty", "stop_token_ids"):
+                     "min_p", "repetition_penalty", "stop_token_ids", "regex", "ebnf"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value

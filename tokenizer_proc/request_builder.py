@@ -52,9 +52,10 @@ def check_api_key(expected: str | None, given: str | None) -> None:
 class RequestBuilder:
     """Validates and tokenizes generate requests (owns no state besides the tokenizer)."""
 
-    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+    def __init__(self, tokenizer: Any, limits: ModelLimits, grammar_backend: str = "xgrammar") -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_backend = grammar_backend  # "none": constrained requests are refused
         self.max_prompt_bytes = max_prompt_bytes(limits.max_req_input_len)
 
     def build(self, req: GenerateReq) -> list[TokenizedGenerateReq]:
@@ -88,6 +89,7 @@ class RequestBuilder:
             params.validate(self.limits.vocab_size)
         except SamplingParamsError as exc:
             raise Rejected("invalid_request", str(exc), exc.field) from None
+        self._check_constraint(params)
         if params.n > MAX_N:
             raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}", "n")
         if req.top_logprobs_num < 0:
@@ -97,6 +99,23 @@ class RequestBuilder:
             raise Rejected("invalid_request",
                            f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}", "top_logprobs_num")
         return params
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """A grammar that does not parse is refused here, before the request is queued (the
+        scheduler compiles it against the vocabulary later, off its loop)."""
+        constraint = params.constraint
+        if constraint is None:
+            return
+        kind, text = constraint
+        if self.grammar_backend == "none":
+            raise Rejected("invalid_request", f"sampling_params.{kind}: constrained decoding is off on this "
+                                              "server (--grammar-backend none)", kind)
+        from runtime.grammar import GrammarError, check_constraint  # xgrammar: only for constrained requests
+
+        try:
+            check_constraint(kind, text)
+        except GrammarError as exc:
+            raise Rejected("invalid_request", f"sampling_params.{exc}", kind) from None
 
     def _input_ids(self, req: GenerateReq) -> list[int]:
         given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]

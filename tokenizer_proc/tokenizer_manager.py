@@ -83,7 +83,7 @@ class TokenizerManager:
                  router: AsyncRouter, to_scheduler: PushSocket[Any], metrics: Metrics | None = None) -> None:
         self.server_args = server_args
         self.limits = limits
-        self.builder = RequestBuilder(tokenizer, limits)
+        self.builder = RequestBuilder(tokenizer, limits, grammar_backend=server_args.grammar_backend)
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
         self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)

@@ -88,6 +88,11 @@ class CpuOps(TorchOps):
         ids = cpu_kernels.argmax_rows(logits)
         return ids if ids is not None else super().argmax_rows(logits)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        import xgrammar  # the grammar engine's own CPU kernel (constrained requests only)
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
+
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """``q`` and ``k`` as one ``[T, Hq + Hkv, D]`` view when k's heads directly follow q's in

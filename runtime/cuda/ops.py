@@ -54,3 +54,8 @@ class TritonOps(TorchOps):
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         if not self._kernels(k.device).store_kv(k_buf, v_buf, loc, k, v):
             super().store_kv(pool, layer_id, loc, k, v)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        import xgrammar  # the grammar engine's own Triton kernel (constrained requests only)
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="triton")

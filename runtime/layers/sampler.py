@@ -6,7 +6,8 @@ Two pieces:
   nobody in the batch needs (all greedy -> one argmax; no penalties -> no history
   tensors; top_k -> one ``topk`` of the batch's largest k; only rows with top_p < 1 pay
   for a vocabulary sort).
-- ``Sampler`` applies, in order: penalties, min_new_tokens suppression of EOS and stop
+- ``Sampler`` applies, in order: the grammar bitmask of constrained rows (tokens their
+  grammar does not allow next get -inf), penalties, min_new_tokens suppression of EOS and stop
   token ids, then argmax for greedy rows and, for the others, temperature, softmax,
   top_k, top_p, min_p and an exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
   which draws from ``probs`` (unnormalised is fine) without a cumsum/search pass.
@@ -94,6 +95,10 @@ class SamplingBatchInfo:
     presence_penalties: torch.Tensor | None = None  # [n_fp, 1] float32
     # True where a token must not be sampled yet (EOS / stop ids before min_new_tokens).
     min_tokens_mask: torch.Tensor | None = None  # [bs, vocab] bool
+    # Constrained decoding: int32 [bs, ceil(vocab / 32)] token bitmask (bit set = allowed), read
+    # on ``vocab_mask_rows`` only (None: every row); None when no row of the batch is constrained.
+    vocab_mask: torch.Tensor | None = None
+    vocab_mask_rows: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +117,8 @@ class SamplingBatchInfo:
         vocab_size: int,
         eos_token_ids: Iterable[int] | None,
         device: torch.device | str,
+        vocab_mask: torch.Tensor | None = None,
+        vocab_mask_rows: list[int] | None = None,
     ) -> "SamplingBatchInfo":
         """Build the batch's tensors; vectorised, so cheap for hundreds of requests.
 
@@ -119,6 +126,7 @@ class SamplingBatchInfo:
         count). ``eos_token_ids`` are the model's EOS ids; they are suppressed (with the
         request's ``stop_token_ids``) while ``len(output_ids[i]) < min_new_tokens``, except
         that EOS is left alone for ``ignore_eos`` requests, which EOS cannot stop anyway.
+        ``vocab_mask`` is the host bitmask of the constrained rows ``vocab_mask_rows``.
         """
         bs = len(params)
         if len(prompt_ids) != bs or len(output_ids) != bs:
@@ -163,6 +171,8 @@ class SamplingBatchInfo:
             need_min_p=any(params[i].min_p > 0.0 for i in sampled),
             seeded_rows=seeded_rows,
             top_logprobs_num=max((p.top_logprobs_num for p in params), default=0),
+            vocab_mask=None if vocab_mask is None else vocab_mask.to(device, non_blocking=True),
+            vocab_mask_rows=None if vocab_mask_rows is not None and len(vocab_mask_rows) == bs else vocab_mask_rows,
         )
         if top_p_rows:
             info.top_p_rows = info._rows_tensor(top_p_rows, bs)
@@ -282,7 +292,7 @@ class Sampler:
             )
         # Columns past vocab_size are LM-head padding (vocab-parallel): never sampled.
         if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
-                and not return_logprob and top_logprobs_num <= 0):
+                and info.vocab_mask is None and not return_logprob and top_logprobs_num <= 0):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
             return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
@@ -318,7 +328,11 @@ class Sampler:
     # ---- stages -------------------------------------------------------------------
 
     def _adjust_logits(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """Penalties, then min_new_tokens suppression; ``x`` is the sampler's private copy."""
+        """Grammar bitmask, penalties, then min_new_tokens suppression; ``x`` is the sampler's
+        private copy."""
+        if info.vocab_mask is not None:
+            ops = self._ops or get_ops(x.device, x.dtype)
+            ops.apply_token_bitmask(x, info.vocab_mask, info.vocab_mask_rows)
         x = self._apply_penalties(x, info)
         if info.min_tokens_mask is not None:
             x.masked_fill_(info.min_tokens_mask, float("-inf"))

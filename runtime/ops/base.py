@@ -176,3 +176,9 @@ class DeviceOps(Protocol):
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 ``argmax(dim=-1)`` of ``[rows, cols]`` logits (greedy sampling)."""
         ...
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        """Constrained decoding: in place, ``logits[r, t] = -inf`` for every token ``t`` whose bit is
+        clear in ``bitmask[r]`` (int32 ``[rows, ceil(cols / 32)]``, bit ``t % 32`` of word ``t // 32``),
+        for the rows ``rows`` (None: all). ``logits`` is fp32 ``[rows, cols]``, on the bitmask's device."""
+        ...

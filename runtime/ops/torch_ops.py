@@ -84,6 +84,15 @@ class TorchOps:
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1).to(torch.int64)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        index = torch.arange(logits.shape[0], device=logits.device) if rows is None else torch.tensor(
+            rows, dtype=torch.int64, device=logits.device)
+        cols = logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        words = bitmask.index_select(0, index)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :cols].bool()
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
 
 def rope_cos_sin(rope: RopeInputs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's ``cos``/``sin`` rows ``[T, 1, rotary_dim // 2]`` in ``dtype``: those ``rope``

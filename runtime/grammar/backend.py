@@ -1,0 +1,124 @@
+"""Parsing and compiling constraints with xgrammar, and the compiled-grammar cache.
+
+A JSON schema is compiled without free whitespace (xgrammar's ``any_whitespace=False``:
+``", "`` and ``": "`` separators): a small model given free whitespace can spend its whole
+budget on newlines, and fixed separators are text the grammar forces, which jump-forward
+then appends without a decode step.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import xgrammar as xgr
+
+# Compiled grammars kept per scheduler process; the least recently used one goes first.
+GRAMMAR_CACHE_ENTRIES = 256
+
+_CXX_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarError(ValueError):
+    """A constraint that does not parse or compile; ``kind`` is the sampling parameter
+    (``json_schema``, ``regex``, ``ebnf``) and the message says what is wrong with it."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+def _reason(exc: BaseException) -> str:
+    """xgrammar's message without the C++ source location it starts with."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _CXX_PREFIX.sub("", text)
+
+
+def _grammar(kind: str, text: str) -> xgr.Grammar:
+    if kind == "json_schema":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(text)
+    raise GrammarError(kind, "unknown constraint kind")
+
+
+def check_constraint(kind: str, text: str) -> None:
+    """Raise GrammarError unless ``text`` parses as a constraint of ``kind``."""
+    try:
+        _grammar(kind, text)
+    except GrammarError:
+        raise
+    except Exception as exc:  # xgrammar reports every parse error as a RuntimeError
+        raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from None
+
+
+_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled grammar, ready for matchers, and how it was had."""
+
+    grammar: xgr.CompiledGrammar
+    seconds: float  # compile time (0 on a cache hit)
+    cache_hit: bool
+
+
+class GrammarBackend:
+    """The served vocabulary as xgrammar sees it, and compiled grammars by (kind, text).
+
+    Thread-safe: compiles run on the scheduler's grammar thread(s); the cache is shared.
+    ``vocab_size`` is the logits' width (the model's vocabulary, which may be larger than
+    the tokenizer's: tokens without text are never allowed). ``stop_token_ids`` are the
+    tokens that end a complete output (the model's EOS ids).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_entries: int = GRAMMAR_CACHE_ENTRIES) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        # xgrammar's own cache is off: ours is bounded by entries and counts its hits.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._cache_entries = cache_entries
+        self._lock = threading.Lock()
+
+    def compile(self, kind: str, text: str) -> Compiled:
+        key = (kind, text)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return Compiled(hit, 0.0, True)
+        start = time.perf_counter()
+        try:
+            grammar = self._compile(kind, text)
+        except Exception as exc:
+            raise GrammarError(kind, f"invalid {_NAMES.get(kind, kind)}: {_reason(exc)}") from None
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self._cache_entries:
+                self._cache.popitem(last=False)
+        return Compiled(grammar, seconds, False)
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        if kind == "json_schema":
+            return self._compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        if kind == "ebnf":
+            return self._compiler.compile_grammar(text)
+        raise GrammarError(kind, "unknown constraint kind")
+
+    def cached(self) -> int:
+        with self._lock:
+            return len(self._cache)

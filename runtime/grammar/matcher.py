@@ -1,0 +1,62 @@
+"""One request's grammar state: the token bitmask of its next step, and the tokens it took.
+
+xgrammar's matcher is a pushdown automaton over the vocabulary; a bitmask row holds one
+bit per token (``int32`` words, bit set = allowed). The scheduler fills the rows of the
+constrained requests of a step on the host; the sampler applies them to the logits before
+anything else (``DeviceOps.apply_token_bitmask``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host ``int32 [rows, ceil(vocab / 32)]`` bitmask with every token allowed."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+class RequestGrammar:
+    """The matcher of one request (one sample: each of ``n`` samples has its own).
+
+    Owned by the request, used only by its scheduler's thread. ``terminated`` turns true
+    once the grammar is complete and a stop token was accepted; a token the grammar does
+    not allow is refused (``accept`` returns False) and leaves the state as it was.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]``."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def forced_tokens(self, tokenizer: Any, limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar forces next, accepted already (jump-forward).
+
+        The forced text is tokenized on its own and its last token is left to the model:
+        the text that follows may merge with it into a longer token, which the model,
+        not this split, should choose. Tokens the matcher refuses end the jump there.
+        """
+        if self._matcher.is_terminated():
+            return []
+        text = self._matcher.find_jump_forward_string()
+        if not text:
+            return []
+        ids = list(tokenizer.encode(text, add_special_tokens=False))[:-1][:limit]
+        taken: list[int] = []
+        for token in ids:
+            if not self._matcher.accept_token(token):
+                break
+            taken.append(token)
+        return taken

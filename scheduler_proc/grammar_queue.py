@@ -1,0 +1,168 @@
+"""Requests waiting for their grammar: compiled off the scheduler's loop, joined when ready.
+
+A constrained request (``json_schema``, ``regex``, ``ebnf``) does not enter the waiting
+queue until its grammar is compiled against the served vocabulary: the compile runs on a
+worker thread (xgrammar releases the GIL while compiling), so a schema that takes seconds
+delays only its own request while the loop keeps stepping the others. Requests that share
+a constraint share one compile; compiled grammars are cached (``GrammarBackend``).
+
+Under tensor parallelism every rank compiles for itself, and rank 0 decides when a request
+is ready (or has failed, or timed out); the others follow its decision, waiting for their
+own compile if they must, so every rank's queues hold the same requests at every step.
+
+Owner: the scheduler. A request here holds no memory; ``poll`` hands ready requests back
+with their ``grammar`` set, and failed ones with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from scheduler_proc.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiting:
+    req: Req
+    compiled: Future[Any]  # runtime.grammar.backend.Compiled
+    deadline: float  # time.monotonic() past which the request fails
+
+
+@dataclass
+class GrammarStats:
+    """Counters the scheduler reports (server_info / metrics)."""
+
+    constrained_requests: int = 0
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_seconds: list[float] | None = None  # compile times not yet reported (drained by reports)
+
+    def take_compile_seconds(self) -> list[float]:
+        taken, self.compile_seconds = self.compile_seconds or [], []
+        return taken
+
+
+class GrammarQueue:
+    """The requests whose grammar is compiling; see the module docstring."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
+                 timeout_s: float, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._timeout_s = timeout_s
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._executor: ThreadPoolExecutor | None = None
+        self._backend: Any = None  # runtime.grammar.GrammarBackend, made on the compile thread
+        self._waiting: list[_Waiting] = []
+        self.stats = GrammarStats(compile_seconds=[])
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer the grammars were compiled for (set once the first compile started)."""
+        return None if self._backend is None else self._backend.tokenizer
+
+    def add(self, req: Req) -> None:
+        constraint = req.sampling_params.constraint
+        assert constraint is not None, f"{req.rid} has no grammar to wait for"
+        if self._executor is None:
+            # One thread: compiles of different grammars queue behind each other, never behind a step.
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        future = self._executor.submit(self._compile, *constraint)
+        self._waiting.append(_Waiting(req, future, time.monotonic() + self._timeout_s))
+        self.stats.constrained_requests += 1
+
+    def remove(self, rid: str) -> list[Req]:
+        """Take out the requests with ``rid`` ('' = all): aborted before their grammar was ready."""
+        gone = [w.req for w in self._waiting if rid in ("", w.req.rid)]
+        self._waiting = [w for w in self._waiting if w.req not in gone]
+        return gone
+
+    def poll(self) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """(requests now ready, with their matcher; requests that failed, with the reason)."""
+        if not self._waiting:
+            return [], []
+        decisions = self._decide() if self._tp_rank == 0 else {}
+        if self._tp_size > 1:
+            decisions = self._agree(decisions)
+        ready: list[Req] = []
+        failed: list[tuple[Req, str]] = []
+        keep: list[_Waiting] = []
+        for waiting in self._waiting:
+            if waiting.req.rid not in decisions:
+                keep.append(waiting)
+                continue
+            error = decisions[waiting.req.rid]
+            if error is None:
+                error = self._attach(waiting)
+            if error is None:
+                ready.append(waiting.req)
+            else:
+                failed.append((waiting.req, error))
+        self._waiting = keep
+        return ready, failed
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _compile(self, kind: str, text: str) -> Any:
+        """On the compile thread: the vocabulary (first time only), then the grammar."""
+        from runtime.grammar import GrammarBackend
+
+        if self._backend is None:
+            self._backend = GrammarBackend(self._load_tokenizer(), self._vocab_size, self._stop_token_ids)
+        return self._backend.compile(kind, text)
+
+    def _decide(self) -> dict[str, str | None]:
+        """rid -> None (ready) or the error, for each request whose fate is known now."""
+        now = time.monotonic()
+        decisions: dict[str, str | None] = {}
+        for waiting in self._waiting:
+            future = waiting.compiled
+            if future.done():
+                error = future.exception()
+                decisions[waiting.req.rid] = None if error is None else str(error)
+            elif now >= waiting.deadline:
+                kind = waiting.req.sampling_params.constraint[0]  # type: ignore[index]
+                decisions[waiting.req.rid] = (f"{kind}: the grammar did not compile within "
+                                              f"{self._timeout_s:g} s (--grammar-compile-timeout)")
+        return decisions
+
+    def _agree(self, decisions: dict[str, str | None]) -> dict[str, str | None]:
+        """Rank 0's decisions, on every rank."""
+        from runtime.distributed import get_tp_group
+
+        payload = msgspec.msgpack.encode(decisions) if self._tp_rank == 0 else None
+        agreed = get_tp_group().broadcast_bytes(payload)  # type: ignore[attr-defined]
+        return msgspec.msgpack.decode(agreed, type=dict[str, str | None]) if self._tp_rank else decisions
+
+    def _attach(self, waiting: _Waiting) -> str | None:
+        """Give the request its matcher (waiting for this rank's compile if rank 0 was quicker)."""
+        from runtime.grammar import RequestGrammar
+
+        try:
+            compiled = waiting.compiled.result()
+        except Exception as exc:  # only a rank other than 0 can get here with a failed compile
+            return str(exc)
+        if compiled.cache_hit:
+            self.stats.cache_hits += 1
+        else:
+            self.stats.compiles += 1
+            assert self.stats.compile_seconds is not None
+            self.stats.compile_seconds.append(compiled.seconds)
+        waiting.req.grammar = RequestGrammar(compiled.grammar)
+        return None
