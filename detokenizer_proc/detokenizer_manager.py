@@ -77,6 +77,9 @@ class DetokenizerManager:
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
         }
+        if out.grammar_compile_seconds is not None:
+            meta["grammar_compile_seconds"] = out.grammar_compile_seconds
+            meta["grammar_cache_hit"] = out.grammar_cache_hit
         if out.output_logprobs is not None:
             meta["output_token_logprobs"] = [
                 [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)

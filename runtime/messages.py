@@ -139,6 +139,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # from a request's first ReqOutput only (the detokenizer keeps them in its state until the
     # request ends), so the scheduler need send them once, not with every chunk
     no_stop_trim: bool = False  # keep the matched stop string in the text
+    # A constrained request's first ReqOutput: its grammar's compile time (0 when cached).
+    grammar_compile_seconds: float | None = None
+    grammar_cache_hit: bool = False
 
 
 class BatchTokenIDOut(msgspec.Struct, tag="token_ids"):

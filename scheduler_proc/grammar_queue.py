@@ -38,16 +38,11 @@ class _Waiting:
 
 @dataclass
 class GrammarStats:
-    """Counters the scheduler reports (server_info / metrics)."""
+    """Counters for server_info (each request's own compile time goes out with its first output)."""
 
     constrained_requests: int = 0
-    compiles: int = 0
-    cache_hits: int = 0
-    compile_seconds: list[float] | None = None  # compile times not yet reported (drained by reports)
-
-    def take_compile_seconds(self) -> list[float]:
-        taken, self.compile_seconds = self.compile_seconds or [], []
-        return taken
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
 
 class GrammarQueue:
@@ -63,7 +58,7 @@ class GrammarQueue:
         self._executor: ThreadPoolExecutor | None = None
         self._backend: Any = None  # runtime.grammar.GrammarBackend, made on the compile thread
         self._waiting: list[_Waiting] = []
-        self.stats = GrammarStats(compile_seconds=[])
+        self.stats = GrammarStats()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -159,10 +154,8 @@ class GrammarQueue:
         except Exception as exc:  # only a rank other than 0 can get here with a failed compile
             return str(exc)
         if compiled.cache_hit:
-            self.stats.cache_hits += 1
+            self.stats.grammar_cache_hits += 1
         else:
-            self.stats.compiles += 1
-            assert self.stats.compile_seconds is not None
-            self.stats.compile_seconds.append(compiled.seconds)
-        waiting.req.grammar = RequestGrammar(compiled.grammar)
+            self.stats.grammar_compiles += 1
+        waiting.req.grammar = RequestGrammar(compiled)
         return None

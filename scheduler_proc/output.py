@@ -100,6 +100,9 @@ class OutputProcessor:
             stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
         )
+        if start == 0 and req.grammar is not None:
+            out.grammar_compile_seconds = req.grammar.compile_seconds
+            out.grammar_cache_hit = req.grammar.cache_hit
         req.sent_offset = len(req.output_ids)
         if self.outbox and isinstance(self.outbox[-1], BatchTokenIDOut):
             self.outbox[-1].outputs.append(out)

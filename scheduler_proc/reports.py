@@ -12,6 +12,7 @@ from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
 from runtime.messages import KVEvent, LoadReport
 from scheduler_proc import swa_memory
+from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
@@ -27,7 +28,7 @@ def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache
 def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
                 allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
                 max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
-                new_token_ratio: float, overlap_schedule: bool) -> dict[str, Any]:
+                new_token_ratio: float, overlap_schedule: bool, grammar: GrammarQueue) -> dict[str, Any]:
     """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight)."""
     looked_up = stats["prompt_tokens"]
     return {
@@ -41,6 +42,7 @@ def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache
         "num_running": len(queues.running),
         "num_queued": len(queues.waiting),
         "num_chunked": int(queues.chunked is not None),
+        "num_grammar_queued": len(grammar),
         "new_token_ratio": new_token_ratio,
         "overlap_schedule": overlap_schedule,
         "cache_hit_rate": stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
@@ -48,5 +50,6 @@ def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache
         "hierarchical_cache": host_tier is not None,
         **swa_memory.swa_info(allocator, tree_cache),
         **(host_tier.info() if host_tier else {}),
+        **dataclasses.asdict(grammar.stats),
         **stats,
     }

@@ -468,4 +468,5 @@ class Scheduler:
             host_tier=self.host_tier, stats=self.stats, max_total_tokens=self.max_total_tokens,
             context_len=self.context_len, page_size=self.page_size, kv_usage=self.kv_usage(),
             new_token_ratio=self.memory.new_token_ratio, overlap_schedule=self.worker.overlap,
+            grammar=self.grammars,
         )

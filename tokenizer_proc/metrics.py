@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 PREFIX = "tinyserve:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5)
 
@@ -55,6 +56,12 @@ class Metrics:
                              ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token, per sequence",
                              ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.constrained_requests = counter(
+            "constrained_requests", "Sequences with a json_schema / regex / ebnf constraint, by where their "
+            "compiled grammar came from (compiled, cache)", ("grammar_source",))
+        self.grammar_compile = Histogram(PREFIX + "grammar_compile_seconds",
+                                         "Compile time of a constrained sequence's grammar (cache misses)",
+                                         ["model_name"], buckets=GRAMMAR_COMPILE_BUCKETS, registry=r).labels(**labels)
         self.running = Gauge(PREFIX + "num_running_reqs", "Requests decoding in the schedulers",
                              ["model_name"], registry=r).labels(**labels)
         self.queued = Gauge(PREFIX + "num_queue_reqs", "Requests waiting in the schedulers",
@@ -75,6 +82,13 @@ class Metrics:
         """A sequence's first output: its prompt has been prefilled."""
         self._prompt.inc(prompt_tokens)
         self._cached.inc(cached_tokens)
+
+    def constrained(self, compile_seconds: float, cache_hit: bool) -> None:
+        """A constrained sequence's first output: how its grammar was had."""
+        self.constrained_requests.labels(model_name=self._model,
+                                         grammar_source="cache" if cache_hit else "compiled").inc()
+        if not cache_hit:
+            self.grammar_compile.observe(compile_seconds)
 
     def generated(self, num_tokens: int) -> None:
         if num_tokens:

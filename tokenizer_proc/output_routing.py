@@ -153,6 +153,8 @@ class OutputRouter:
             sample.first_output_at = now
             if m is not None:
                 m.started(int(out.meta.get("prompt_tokens", 0)), int(out.meta.get("cached_tokens", 0)))
+                if "grammar_compile_seconds" in out.meta:
+                    m.constrained(float(out.meta["grammar_compile_seconds"]), bool(out.meta["grammar_cache_hit"]))
                 if group.stream:
                     m.first_token(now - group.started)
         elif m is not None and group.stream:

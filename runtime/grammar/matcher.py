@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from runtime.grammar.backend import Compiled
+
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A host ``int32 [rows, ceil(vocab / 32)]`` bitmask with every token allowed."""
@@ -27,8 +29,10 @@ class RequestGrammar:
     not allow is refused (``accept`` returns False) and leaves the state as it was.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: Compiled) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.compile_seconds = compiled.seconds  # how the grammar was had, for the request's metrics
+        self.cache_hit = compiled.cache_hit
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]``."""
