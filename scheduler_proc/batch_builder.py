@@ -72,13 +72,15 @@ class BatchBuilder:
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingBatchInfo:
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        mask = None
-        if constrained:  # their matchers have taken every token so far: no step is in flight
-            from runtime.grammar import allocate_bitmask
+        mask = deferred = None
+        if constrained:
+            from runtime.grammar import DeferredBitmask, fill_bitmask
 
-            mask = allocate_bitmask(len(reqs), self.runner.vocab_size)
-            for i in constrained:
-                cast("RequestGrammar", reqs[i].grammar).fill(mask, i)
+            grammars = [cast("RequestGrammar", reqs[i].grammar) for i in constrained]
+            if any(reqs[i].num_inflight for i in constrained):  # overlap: last tokens not on the host yet
+                deferred = DeferredBitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
+            else:  # their matchers have taken every token so far
+                mask = fill_bitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
         return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.origin_input_ids for r in reqs],
@@ -88,6 +90,7 @@ class BatchBuilder:
             self.device,
             vocab_mask=mask,
             vocab_mask_rows=constrained or None,
+            deferred_vocab_mask=deferred,
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:

@@ -37,6 +37,8 @@ class Req:
     # The matcher of a constrained request (json_schema / regex / ebnf), set when its grammar
     # is compiled (scheduler_proc.grammar_queue); it has accepted every token of output_ids.
     grammar: "RequestGrammar | None" = None
+    # Its grammar forces text, but a token was in flight (overlap): jump once it has landed.
+    jump_pending: bool = False
     # Tokens a launched forward has sampled for this request that have not reached the host
     # yet (overlap scheduling: at most one). They count towards its length, not output_ids.
     num_inflight: int = 0

@@ -155,6 +155,8 @@ class Scheduler:
         launched = self._launch_next()
         if self.inflight is not None:
             self._complete_inflight()  # while ``launched`` runs
+        if launched is not None:
+            launched.host_state_ready()  # a grammar mask the launch left for later may be filled now
         self.inflight = launched
         if launched is not None and not self.worker.overlap:
             self._complete_inflight()
@@ -181,8 +183,9 @@ class Scheduler:
             return False
         if self.args.enable_mixed_chunk and (self.queues.waiting or self.queues.chunked is not None):
             return False  # a mixed batch's decode part takes host inputs
-        # Penalties read the output history, a grammar's mask the state after the last token.
-        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
+        # Penalties read the output history (a grammar's mask is filled later: DeferredBitmask); a
+        # jump-forward needs the request's last token on the host.
+        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.jump_pending
                        for r in self.queues.running)
 
     def _apply_aborts(self) -> None:
@@ -370,11 +373,17 @@ class Scheduler:
         """Append the text each constrained request's grammar forces (a JSON key, ``": "``, closing
         brackets) without decoding it token by token: the request gives its row back as a retraction
         does, keeping its KV in the prefix cache, and its next prefill computes the forced tokens and
-        samples the token after them. Not for requests that return logprobs (forced tokens have none)."""
+        samples the token after them. Not for requests that return logprobs (forced tokens have none).
+        Under overlap a request with a token in flight is marked ``jump_pending`` instead, and the
+        next step is planned only once that token has landed."""
         tokenizer = self.grammars.tokenizer
         for req in reqs:
-            if req.return_logprob or req.num_inflight or req.finish_reason is not None:
+            if req.return_logprob or req.finish_reason is not None:
                 continue
+            if req.num_inflight:  # overlap: the next step completes first (see _can_plan_ahead)
+                req.jump_pending = req.grammar.forces_text()  # type: ignore[union-attr]
+                continue
+            req.jump_pending = False
             room = min(req.remaining_new_tokens(), self.context_len - 1 - req.seqlen)
             forced = req.grammar.forced_tokens(tokenizer, room) if room > 0 else []  # type: ignore[union-attr]
             if not forced:

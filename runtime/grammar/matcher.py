@@ -8,7 +8,8 @@ anything else (``DeviceOps.apply_token_bitmask``).
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 import torch
 import xgrammar as xgr
@@ -19,6 +20,39 @@ from runtime.grammar.backend import Compiled
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A host ``int32 [rows, ceil(vocab / 32)]`` bitmask with every token allowed."""
     return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def fill_bitmask(grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int,
+                 vocab_size: int) -> torch.Tensor:
+    """The host bitmask of a step: row ``rows[i]`` from ``grammars[i]``, every other row all-allowed."""
+    mask = allocate_bitmask(batch_size, vocab_size)
+    for grammar, row in zip(grammars, rows):
+        grammar.fill(mask, row)
+    return mask
+
+
+class DeferredBitmask:
+    """Overlap scheduling: the bitmask of step N+1, launched before step N's tokens reached the
+    host. The model worker computes N+1's logits, then ``resolve`` waits until the scheduler has
+    given every matcher its step-N token (``release``) and fills the rows: the fill overlaps
+    the forward instead of the forward waiting for the fill.
+
+    Between ``release`` and the step's result the matchers are the worker's: the scheduler
+    touches a matcher again only once this step's token has reached the host.
+    """
+
+    def __init__(self, grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int,
+                 vocab_size: int) -> None:
+        self._grammars, self._rows = list(grammars), list(rows)
+        self._batch_size, self._vocab_size = batch_size, vocab_size
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def resolve(self) -> torch.Tensor:
+        self._released.wait()
+        return fill_bitmask(self._grammars, self._rows, self._batch_size, self._vocab_size)
 
 
 class RequestGrammar:
@@ -35,8 +69,10 @@ class RequestGrammar:
         self.cache_hit = compiled.cache_hit
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]``."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the allowed next tokens into ``bitmask[row]``. A terminated grammar has none: its
+        row is left as it is (overlap: the request finished at the step before, its token is dropped)."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
@@ -44,6 +80,11 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    def forces_text(self) -> bool:
+        """Whether the grammar forces what comes next (more than one character: a single one
+        leaves no token to jump over). Read-only."""
+        return not self._matcher.is_terminated() and len(self._matcher.find_jump_forward_string()) > 1
 
     def forced_tokens(self, tokenizer: Any, limit: int) -> list[int]:
         """At most ``limit`` tokens the grammar forces next, accepted already (jump-forward).
