@@ -35,6 +35,7 @@ EXPECTED_DEFAULTS = {
     "hicache_write_policy": "write_through",
     "swa_full_tokens_ratio": 0.8,
     "disable_hybrid_swa_memory": False,
+    "grammar_backend": "xgrammar", "grammar_compile_timeout": 60.0, "disable_jump_forward": False,
 }
 
 
