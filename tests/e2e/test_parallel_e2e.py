@@ -7,6 +7,7 @@
   server info), outputs equal DP 1.
 * DP 2 cache_aware: repeats of a prefix go to the replica that cached it, unrelated
   prompts spread over both.
+* TP 2 constrained decoding (regex, JSON schema; greedy and seeded) equals TP 1 and matches.
 * Killing one TP rank stops the whole server with a non-zero exit and no orphans.
 
 The TP 2 + DP 2 layout (with shortest_queue) and the two-node layout are in
@@ -115,6 +116,28 @@ def test_tp2_seeded_sampling_equals_tp1(tp2_llama: Client, llama_server: Client)
         assert tp2 == ids(tp2_llama.generate(PROMPTS, params))  # reproducible
     # Not greedy in disguise: sampling picked other tokens somewhere.
     assert tp2 != ids(tp2_llama.generate(PROMPTS, GREEDY))
+
+
+def test_tp2_constrained_decoding_equals_tp1(tp2_llama: Client, llama_server: Client) -> None:
+    """Every rank compiles and masks for itself and follows rank 0's readiness: the random tiny
+    model's constrained outputs (greedy and seeded) match their grammar and equal TP 1's."""
+    import json
+    import re
+
+    regex = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"type": "string", "enum": ["x", "yy"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    for params in ({"max_new_tokens": 40, "temperature": 0}, {"max_new_tokens": 40, "temperature": 0.8, "seed": 3}):
+        for constraint in ({"regex": regex}, {"json_schema": schema}):
+            tp2 = tp2_llama.generate(PROMPTS, {**params, **constraint})
+            assert ids(tp2) == ids(llama_server.generate(PROMPTS, {**params, **constraint}))
+            for r in tp2:
+                assert r["meta"]["finish_reason"]["type"] == "stop", r
+                if "regex" in constraint:
+                    assert re.fullmatch(regex, r["text"]), r["text"]
+                else:
+                    assert set(json.loads(r["text"])) == {"a", "b"}, r["text"]
 
 
 def test_tp2_replicated_kv_head_and_killed_rank_stops_the_server(
