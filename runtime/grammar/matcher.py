@@ -22,12 +22,23 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
+_batch_fillers = threading.local()
+
+
 def fill_bitmask(grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int,
                  vocab_size: int) -> torch.Tensor:
-    """The host bitmask of a step: row ``rows[i]`` from ``grammars[i]``, every other row all-allowed."""
+    """The host bitmask of a step: row ``rows[i]`` from ``grammars[i]``, every other row all-allowed.
+
+    One call fills every row on xgrammar's own threads (a row inside a JSON string scans much
+    of the vocabulary); a terminated grammar's row is left all-allowed (see ``RequestGrammar.fill``).
+    """
     mask = allocate_bitmask(batch_size, vocab_size)
-    for grammar, row in zip(grammars, rows):
-        grammar.fill(mask, row)
+    live = [(g, row) for g, row in zip(grammars, rows) if not g.terminated]
+    if live:
+        filler = getattr(_batch_fillers, "matcher", None)
+        if filler is None:  # one per thread: the scheduler's and the model worker's may fill at once
+            filler = _batch_fillers.matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+        filler.batch_fill_next_token_bitmask([g._matcher for g, _ in live], mask, [row for _, row in live])
     return mask
 
 
