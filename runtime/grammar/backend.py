@@ -38,24 +38,24 @@ def _reason(exc: BaseException) -> str:
     return _CXX_PREFIX.sub("", text)
 
 
-def _grammar(kind: str, text: str) -> xgr.Grammar:
-    if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    if kind == "ebnf":
+def parse_constraint(kind: str, text: str) -> xgr.Grammar:
+    """``text`` as a grammar of ``kind`` (``json_schema``, ``regex``, ``ebnf``); GrammarError
+    naming what is wrong when it does not parse."""
+    if kind not in _NAMES:
+        raise GrammarError(kind, "unknown constraint kind")
+    try:
+        if kind == "json_schema":
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
-    raise GrammarError(kind, "unknown constraint kind")
+    except Exception as exc:  # xgrammar reports every parse error as a RuntimeError
+        raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from None
 
 
 def check_constraint(kind: str, text: str) -> None:
     """Raise GrammarError unless ``text`` parses as a constraint of ``kind``."""
-    try:
-        _grammar(kind, text)
-    except GrammarError:
-        raise
-    except Exception as exc:  # xgrammar reports every parse error as a RuntimeError
-        raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from None
+    parse_constraint(kind, text)
 
 
 _NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
@@ -99,25 +99,17 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 return Compiled(hit, 0.0, True)
         start = time.perf_counter()
+        grammar = parse_constraint(kind, text)
         try:
-            grammar = self._compile(kind, text)
+            compiled = self._compiler.compile_grammar(grammar)
         except Exception as exc:
-            raise GrammarError(kind, f"invalid {_NAMES.get(kind, kind)}: {_reason(exc)}") from None
+            raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from None
         seconds = time.perf_counter() - start
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[key] = compiled
             while len(self._cache) > self._cache_entries:
                 self._cache.popitem(last=False)
-        return Compiled(grammar, seconds, False)
-
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        if kind == "json_schema":
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return self._compiler.compile_regex(text)
-        if kind == "ebnf":
-            return self._compiler.compile_grammar(text)
-        raise GrammarError(kind, "unknown constraint kind")
+        return Compiled(compiled, seconds, False)
 
     def cached(self) -> int:
         with self._lock:
