@@ -57,7 +57,7 @@ from bench.load_runner import (  # noqa: F401
     run_workload_async,
     sampling_params,
 )
-from bench.workloads import ALL_WORKLOADS, WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, \
+from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, \
     token_range_for
 
 ENGINE = "tinyserve"

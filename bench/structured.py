@@ -45,9 +45,10 @@ from bench.serving import (
 from bench.workloads import JSON_SCHEMAS, Workload
 
 JF_FLAG = "--disable-jump-forward"
-# server_info counters read before and after a run -> the metric their difference is stored as.
+# server_info counters read before and after a run -> the metric their difference is stored as
+# (retractions only in the JSON: a pool too small for the load would show there).
 COUNTERS = {"num_decode_batches": "decode_steps", "num_prefill_batches": "prefill_batches",
-            "jump_forward_tokens": "jump_forward_tokens"}
+            "jump_forward_tokens": "jump_forward_tokens", "num_retracted_reqs": "retracted_reqs"}
 
 TABLE_COLUMNS = [
     ("run", "run"), ("completed", "done"), ("output_tokens", "out tokens"), ("duration_s", "time s"),
