@@ -2,8 +2,9 @@
 summarises the records and is the command line).
 
 Each request goes as ``input_ids`` with greedy sampling and ``ignore_eos`` (the same work
-for every engine), through the Python client (``backend="zmq"``) or the HTTP front door
-(``backend="http"``, bench/http_backend.py). Chains (multi-turn sessions) start at their
+for every engine; a json-schema chat request goes as ``messages`` with its ``json_schema``
+instead, and ends where its grammar does), through the Python client (``backend="zmq"``)
+or the HTTP front door (``backend="http"``, bench/http_backend.py). Chains (multi-turn sessions) start at their
 arrival times, all at once or as a Poisson process; within a chain each request waits for
 the previous one.
 """
@@ -35,6 +36,7 @@ class RequestRecord:
     latency: float | None = None
     itl: list[float] = field(default_factory=list)  # gap before each stream chunk after the first
     error: str | None = None
+    text: str | None = None  # the output, kept for constrained requests only (to validate it)
 
 
 
@@ -51,7 +53,10 @@ def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float
 
 
 def sampling_params(req: BenchRequest) -> dict[str, Any]:
-    """Greedy, exactly max_new_tokens tokens: the same work for every engine."""
+    """Greedy, exactly max_new_tokens tokens: the same work for every engine. A constrained
+    request instead stops where its schema's JSON is complete (max_new_tokens is its cap)."""
+    if req.json_schema is not None:
+        return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "json_schema": req.json_schema}
     return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -60,15 +65,19 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
     from runtime.client import RequestError
 
     rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
+    prompt: dict[str, Any] = {"messages": req.messages} if req.messages is not None else {"input_ids": req.input_ids}
+    if req.json_schema is not None:
+        rec.text = ""
     start = time.perf_counter()
     rec.sent_at = start - t0
     try:
         if isinstance(client, CompletionsClient):
+            if req.messages is not None:
+                raise ValueError("the http backend sends token-id prompts only")
             await send(client, req.input_ids, req.max_new_tokens, stream, rec, start)
         elif stream:
             last = start
-            async for chunk in client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req),
-                                               stream=True):
+            async for chunk in client.generate(**prompt, sampling_params=sampling_params(req), stream=True):
                 now = time.perf_counter()
                 n = len(chunk["output_ids"])
                 if n:
@@ -78,12 +87,16 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
                         rec.itl.append(now - last)
                     last = now
                     rec.output_len += n
+                if rec.text is not None:
+                    rec.text += chunk["text"]
                 if chunk["finished"]:
-                    rec.cached_tokens = int(chunk["meta"].get("cached_tokens", 0))
+                    _take_meta(rec, chunk["meta"])
         else:
-            result = await client.generate(input_ids=req.input_ids, sampling_params=sampling_params(req))
+            result = await client.generate(**prompt, sampling_params=sampling_params(req))
             rec.output_len = len(result["output_ids"])
-            rec.cached_tokens = int(result["meta"].get("cached_tokens", 0))
+            if rec.text is not None:
+                rec.text = result["text"]
+            _take_meta(rec, result["meta"])
         rec.latency = time.perf_counter() - start
     except (RequestError, HttpError) as exc:
         rec.error = exc.code
@@ -91,6 +104,11 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
         rec.error = type(exc).__name__
     bar.update(1)
     return rec
+
+
+def _take_meta(rec: RequestRecord, meta: dict[str, Any]) -> None:
+    rec.cached_tokens = int(meta.get("cached_tokens", 0))
+    rec.prompt_len = int(meta.get("prompt_tokens", rec.prompt_len))  # a chat prompt's length is the server's
 
 
 async def run_workload_async(address: str, workload: Workload, *, api_key: str | None = None,

@@ -8,6 +8,8 @@ passed to ``launch.py``). Each workload (see bench/workloads.py) is sent as
 ``input_ids`` with greedy sampling and ``ignore_eos``, so each request produces
 exactly ``max_new_tokens`` tokens; all at once by default, or as a Poisson process
 (``--request-rate``) and/or under a concurrency cap (``--max-concurrency``).
+``--workload json-schema`` is a comparison of its own: constrained chat requests with and
+without jump-forward next to unconstrained decoding of the same lengths (bench/structured.py).
 
     python -m bench.serving --model bench --workload uniform shared-prefix --device cpu
     python -m bench.serving --address tcp://127.0.0.1:30000 --workload all --request-rate 8
@@ -30,7 +32,7 @@ import inspect
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -55,7 +57,7 @@ from bench.load_runner import (  # noqa: F401
     run_workload_async,
     sampling_params,
 )
-from bench.workloads import ALL_WORKLOADS, WORKLOADS, BenchRequest, Workload, make_workload, parse_workload_args, \
+from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, \
     token_range_for
 
 ENGINE = "tinyserve"
@@ -87,7 +89,7 @@ def summarize_run(records: Sequence[RequestRecord], duration: float) -> dict[str
         "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"], "ttft_mean_ms": ttft["mean"],
         "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"], "itl_mean_ms": itl["mean"],
         "tpot_p50_ms": tpot["p50"],
-        "latency_p50_s": lat["p50"], "latency_p99_s": lat["p99"],
+        "latency_p50_s": lat["p50"], "latency_p90_s": lat["p90"], "latency_p99_s": lat["p99"],
         "cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
         "errors": sorted({r.error for r in records if r.error is not None}),
     }
@@ -181,7 +183,9 @@ def warm_up(address: str, api_key: str | None, workload: Workload, num: int, **v
     if num == 0 or not workload.requests:
         return
     picked = workload.requests if num < 0 else workload.requests[:num]
-    reqs = [BenchRequest(i, r.input_ids, min(r.max_new_tokens, 2), session=i) for i, r in enumerate(picked)]
+    # replace(): a chat request keeps its messages and schema (its grammar is compiled here, too).
+    reqs = [replace(r, index=i, max_new_tokens=min(r.max_new_tokens, 2), after=None, session=i)
+            for i, r in enumerate(picked)]
     run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False, **via)
 
 
@@ -304,8 +308,14 @@ def resolve_model_path(args: argparse.Namespace) -> str:
     return str(build_bench_checkpoint())
 
 
-def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None) -> list[Workload]:
+def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None,
+                    chat_ok: bool = False) -> list[Workload]:
+    """The workloads the flags ask for; chat ones (json-schema) only where ``chat_ok``: they are
+    text the server tokenizes, so only a served run (bench/structured.py) can send them."""
     names = list(ALL_WORKLOADS) if args.workload == ["all"] else args.workload
+    chat = [n for n in names if n == "json-schema"]
+    if chat and not chat_ok:
+        raise SystemExit(f"{chat[0]} is a serving-only workload: bench.serving --workload {chat[0]}")
     low, high = token_range_for(model_path, vocab_size)
     params = parse_workload_args(args.workload_arg)
     if args.num_requests is not None:
@@ -355,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, server_flags = parse_args(argv)
     pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
     model_path = None if args.address else resolve_model_path(args)
+    if "json-schema" in args.workload:
+        from bench.structured import main_json_schema  # its own comparison: three runs, two servers
+
+        return main_json_schema(args, server_flags, pinning, model_path)
     with server_for(args.address, model_path, server_flags, args.api_key, pinning,
                     http_address=args.http_address) as handle:
         workloads = build_workloads(args, handle.model_path, handle.vocab_size)

@@ -20,6 +20,11 @@ the work it contained.
   ``--max-total-tokens``.
 - ``tree``: prompts that form a prefix tree (shared instructions, then shared
   few-shot examples / agent context per branch, then a unique question), shuffled.
+- ``json-schema``: the exception to token-id prompts: chat messages asking to extract a
+  record from a short generated text as JSON, each with its JSON schema (``json_schema``
+  sampling parameter, greedy, ends with stop). Text, because a constraint is only
+  realistic on a real model reading real words; served only (bench/structured.py runs it
+  constrained, with and without jump-forward, and unconstrained at the same lengths).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class BenchRequest:
     max_new_tokens: int
     after: int | None = None  # index of the request that must finish before this one is sent
     session: int = 0  # requests of one session form a chain through ``after``
+    # A chat request (sent as ``messages``, ``input_ids`` empty) and its output's JSON schema (text).
+    messages: list[dict[str, str]] | None = None
+    json_schema: str | None = None
 
 
 @dataclass
@@ -51,6 +59,11 @@ class Workload:
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, **self.params}
+
+    @property
+    def chat(self) -> bool:
+        """Sent as chat messages (text the server tokenizes), not token ids: served only."""
+        return any(r.messages is not None for r in self.requests)
 
     @property
     def num_requests(self) -> int:
@@ -205,17 +218,98 @@ def tree(num_requests: int = 64, branching: int = 4, segment_lens: tuple[int, ..
                                  vocab_high=vocab_high), reqs)
 
 
+# ---------------------------------------------------------------------- json-schema
+
+
+def _obj(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _str(max_len: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": max_len}
+
+
+# Extraction-style schemas: every string, array and number is bounded, so a greedy output
+# always closes and ends with stop (a free string can run to max_new_tokens on a small model).
+JSON_SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": _obj(name=_str(40), age={"type": "integer", "minimum": 0, "maximum": 120}, city=_str(40),
+                   occupation=_str(40)),
+    "order": _obj(customer=_str(40), currency={"enum": ["USD", "EUR", "GBP"]},
+                  items={"type": "array", "maxItems": 4, "items": _obj(
+                      product=_str(30), quantity={"type": "integer", "minimum": 1, "maximum": 99})}),
+    "event": _obj(title=_str(60), date={"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+                  category={"enum": ["conference", "meetup", "workshop", "webinar"]},
+                  attendees={"type": "integer", "minimum": 0, "maximum": 10000}, online={"type": "boolean"}),
+    "review": _obj(product=_str(40), rating={"type": "integer", "minimum": 1, "maximum": 5},
+                   sentiment={"enum": ["positive", "neutral", "negative"]},
+                   pros={"type": "array", "maxItems": 3, "items": _str(30)}),
+    "ticket": _obj(customer=_str(40), subject=_str(60), priority={"enum": ["low", "medium", "high", "urgent"]},
+                   department={"enum": ["billing", "shipping", "technical", "account"]}),
+}
+
+_SYSTEM = "You are a data extraction assistant. Reply with one JSON object and nothing else."
+_FIRST = ["Maria", "James", "Aiko", "Omar", "Elena", "Lucas", "Priya", "Jonas", "Fatima", "Chen"]
+_LAST = ["Lopez", "Smith", "Tanaka", "Haddad", "Rossi", "Martin", "Patel", "Berg", "Diallo", "Wang"]
+_CITY = ["Valencia", "Chicago", "Osaka", "Beirut", "Turin", "Lyon", "Pune", "Oslo", "Dakar", "Chengdu"]
+_JOB = ["nurse", "teacher", "software engineer", "chef", "architect", "pilot", "accountant", "farmer"]
+_PRODUCT = ["coffee grinder", "desk lamp", "running shoes", "phone case", "backpack", "kettle", "monitor"]
+
+
+def _document(kind: str, rng: random.Random) -> str:
+    """A short text that holds one record of ``kind`` (names, numbers and places drawn from ``rng``)."""
+    name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    city, product = rng.choice(_CITY), rng.choice(_PRODUCT)
+    if kind == "person":
+        return f"{name}, {rng.randint(19, 80)}, lives in {city} and works as a {rng.choice(_JOB)}."
+    if kind == "order":
+        lines = ", ".join(f"{rng.randint(1, 5)} x {p}" for p in rng.sample(_PRODUCT, rng.randint(1, 3)))
+        return f"Order from {name}: {lines}. Total charged in {rng.choice(['dollars', 'euros', 'pounds'])}."
+    if kind == "event":
+        return (f"The {city} {rng.choice(['Python', 'Data', 'Design', 'Cloud'])} "
+                f"{rng.choice(['meetup', 'conference', 'workshop'])} takes place on 2025-{rng.randint(1, 12):02d}-"
+                f"{rng.randint(1, 28):02d}; about {rng.randint(20, 900)} people are expected to attend in person.")
+    if kind == "review":
+        return (f"Review by {name}: I bought the {product} last month. {rng.choice(['Solid', 'Cheap', 'Great'])} "
+                f"build and {rng.choice(['easy to use', 'quiet', 'light'])}, but the "
+                f"{rng.choice(['cable', 'lid', 'strap'])} feels flimsy. Rating: {rng.randint(1, 5)}/5.")
+    return (f"Hello, this is {name}. My {product} arrived {rng.choice(['broken', 'late', 'without a charger'])} "
+            f"and I was charged twice. Please help {rng.choice(['soon', 'today', 'when you can'])}.")
+
+
+def json_schema(num_requests: int = 64, max_new_tokens: int = 256, seed: int = 0,
+                vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    """Chat extraction requests cycling through ``JSON_SCHEMAS``, each on its own generated text.
+
+    ``max_new_tokens`` is a cap the bounded schemas stay well under (outputs end with stop).
+    The token range is taken (every workload takes it) but unused: the prompts are text.
+    """
+    _check_range(vocab_low, vocab_high)
+    rng = random.Random(f"json-schema-{seed}")
+    kinds = list(JSON_SCHEMAS)
+    reqs = []
+    for i in range(num_requests):
+        kind = kinds[i % len(kinds)]
+        schema = JSON_SCHEMAS[kind]
+        ask = (f"Extract the {kind} from the text below as JSON with the fields "
+               f"{', '.join(schema['properties'])}.\n\nText: {_document(kind, rng)}")
+        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, json_schema=json.dumps(schema),
+                                 messages=[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": ask}]))
+    return Workload("json-schema", dict(num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed,
+                                        vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "uniform": uniform,
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "multi-turn-overflow": multi_turn_overflow,
     "tree": tree,
+    "json-schema": json_schema,
 }
 
 
-# What ``--workload all`` runs: multi-turn-overflow is sized against a server's pool, so it is
-# asked for by name.
+# What ``--workload all`` runs: multi-turn-overflow is sized against a server's pool, and
+# json-schema is a comparison of its own (bench/structured.py), so they are asked for by name.
 ALL_WORKLOADS = ("uniform", "shared-prefix", "multi-turn", "tree")
 
 

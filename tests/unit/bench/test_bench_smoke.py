@@ -18,12 +18,14 @@ from typing import Any, Iterator
 
 import pytest
 
-from bench import chart, compare, hf_baseline, roofline, scheduler_overhead, serving
+from bench import chart, compare, hf_baseline, roofline, scheduler_overhead, serving, structured
 from bench.checkpoint import BENCH_SPEC, BenchModelSpec, build_bench_checkpoint, synthetic_corpus
 from bench.common import format_table, median_of_runs, parse_cpu_list, percentile, read_json, write_json
 from bench.workloads import (
+    JSON_SCHEMAS,
     WORKLOADS,
     from_spec,
+    json_schema,
     make_workload,
     multi_turn,
     parse_workload_args,
@@ -109,6 +111,54 @@ def test_workloads_are_deterministic_in_range_and_rebuildable() -> None:
     assert uniform(seed=1).requests != uniform(seed=2).requests
     with pytest.raises(ValueError):
         make_workload("nope")
+
+
+def _bounded(schema: dict[str, Any]) -> bool:
+    """Every string and array in ``schema`` has a length cap (so greedy outputs always close)."""
+    kind = schema.get("type")
+    if kind == "string" and "maxLength" not in schema and "pattern" not in schema:
+        return False
+    if kind == "array" and ("maxItems" not in schema or not _bounded(schema["items"])):
+        return False
+    return all(_bounded(p) for p in schema.get("properties", {}).values())
+
+
+def test_json_schema_workload_is_chat_with_bounded_valid_schemas() -> None:
+    import jsonschema
+
+    for schema in JSON_SCHEMAS.values():
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        assert _bounded(schema) and schema["additionalProperties"] is False
+    w = json_schema(num_requests=6, max_new_tokens=32)
+    assert w.chat and not uniform(num_requests=1).chat
+    assert {r.json_schema for r in w.requests} == {json.dumps(s) for s in JSON_SCHEMAS.values()}
+    assert all(r.input_ids == [] and [m["role"] for m in r.messages or []] == ["system", "user"] for r in w.requests)
+    assert len({r.messages[1]["content"] for r in w.requests if r.messages}) == 6  # a text of its own each
+    assert serving.sampling_params(w.requests[0]) == {"max_new_tokens": 32, "temperature": 0.0,
+                                                      "json_schema": w.requests[0].json_schema}
+    wanted = argparse.Namespace(workload=["json-schema"], workload_arg=[], num_requests=2, max_new_tokens=None, seed=0)
+    with pytest.raises(SystemExit, match="serving-only"):
+        serving.build_workloads(wanted, None)  # hf / vllm / traces send token ids: not this one
+    assert serving.build_workloads(wanted, None, chat_ok=True)[0].num_requests == 2
+
+
+def test_json_schema_twin_validity_and_ratios() -> None:
+    w = json_schema(num_requests=4)
+    person = {"name": "Ann", "age": 30, "city": "Oslo", "occupation": "chef"}
+    recs = [serving.RequestRecord(0, 50, output_len=20, text=json.dumps(person)),
+            serving.RequestRecord(1, 50, output_len=9, text='{"customer": "Bo"'),  # cut short: does not parse
+            serving.RequestRecord(2, 50, output_len=7, text=json.dumps(person)),  # parses, wrong schema
+            serving.RequestRecord(3, 50, error="server_shutdown")]
+    assert structured.valid_fraction(w, recs) == 0.25
+    twin = structured.unconstrained_twin(w, recs)
+    assert [(r.index, r.max_new_tokens, r.json_schema) for r in twin.requests] == [(0, 20, None), (1, 9, None),
+                                                                                 (2, 7, None)]
+    assert twin.requests[0].messages == w.requests[0].messages
+    assert serving.sampling_params(twin.requests[0])["ignore_eos"] is True
+    row = structured.ratio_row("a / b", {"output_tok_s": 6.0, "decode_steps": 10}, {"output_tok_s": 3.0,
+                                                                                   "decode_steps": 0})
+    assert row["output_tok_s"] == 2.0 and math.isnan(row["decode_steps"])
+    assert structured.same_outputs_pct(recs[:2], [recs[0], serving.RequestRecord(1, 50, text="{}")]) == 50.0
 
 
 def test_prefix_tree_stats_counts_shared_prefixes_once() -> None:
