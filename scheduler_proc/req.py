@@ -39,6 +39,8 @@ class Req:
     grammar: "RequestGrammar | None" = None
     # Its grammar forces text, but a token was in flight (overlap): jump once it has landed.
     jump_pending: bool = False
+    # Its output has tokens a jump-forward appended (its re-prefills join the decode batch).
+    jumped: bool = False
     # Tokens a launched forward has sampled for this request that have not reached the host
     # yet (overlap scheduling: at most one). They count towards its length, not output_ids.
     num_inflight: int = 0

@@ -181,7 +181,8 @@ class Scheduler:
             # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
             # slots: no later step may be in flight then. The next prefill may also hit them.
             return False
-        if self.args.enable_mixed_chunk and (self.queues.waiting or self.queues.chunked is not None):
+        queued = [*self.queues.waiting, *([self.queues.chunked] if self.queues.chunked is not None else [])]
+        if queued and (self.args.enable_mixed_chunk or any(r.jumped for r in queued)):
             return False  # a mixed batch's decode part takes host inputs
         # Penalties read the output history (a grammar's mask is filled later: DeferredBitmask); a
         # jump-forward needs the request's last token on the host.
@@ -227,7 +228,8 @@ class Scheduler:
     def _launch_extend(self, items: list[PlannedExtend]) -> LaunchedStep | None:
         """Prefill ``items``; with --enable-mixed-chunk the running requests decode in the same forward."""
         running = self.queues.running
-        mix = self.args.enable_mixed_chunk and bool(running)
+        # A jump-forward's re-prefill rides with the running requests' decode: one forward, not two.
+        mix = bool(running) and (self.args.enable_mixed_chunk or any(item.req.jumped for item in items))
         try:
             batch = self.builder.build_mixed(items, running) if mix else self.builder.build_extend(items)
         except OutOfMemory as exc:
@@ -390,6 +392,7 @@ class Scheduler:
                 continue
             self.stats["jump_forward_tokens"] += len(forced)
             self.output.append_forced(req, forced)
+            req.jumped = True
             if req.finish_reason is not None:
                 self.queues.remove_running(req)
                 self.finish(req, req.finish_reason)
