@@ -319,6 +319,29 @@ def test_min_new_tokens_mask_stacks_with_grammar_mask() -> None:
     assert Sampler()(logits, info).next_token_ids.tolist() == [5]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_that_allows_only_stop_overrides_min_new_tokens(temperature: float) -> None:
+    """A complete grammar that allows nothing but the stop token, before min_new_tokens: the
+    min_new_tokens suppression would leave no token at all (every logit -inf, argmax picks token
+    0, which the grammar refuses). The grammar wins: the stop token is sampled. Rows where the
+    grammar leaves another token keep the suppression, and free rows are untouched."""
+    vocab, eos = 12, 11
+    logits = torch.zeros(3, vocab)
+    logits[:, 6] = 4.0
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[0, eos] = True  # complete: only the stop token
+    allowed[1, [5, eos]] = True  # may stop or go on
+    params = [SamplingParams(temperature=temperature, min_new_tokens=4, seed=1)] * 3
+    info = SamplingBatchInfo.from_requests(params, [[1]] * 3, [[]] * 3, vocab, [eos], "cpu",
+                                           vocab_mask=pack_bitmask(allowed), vocab_mask_rows=[0, 1])
+    sampler = Sampler(generator=torch.Generator().manual_seed(0))
+    for _ in range(20 if temperature else 1):
+        assert sampler(logits, info).next_token_ids.tolist() == [eos, 5, 6]
+    adjusted = sampler.penalized_logits(logits, info)
+    assert adjusted[0, eos] == 0.0 and torch.isneginf(adjusted[0, :eos]).all()
+    assert torch.isneginf(adjusted[1, eos]) and torch.isneginf(adjusted[2, eos])  # min_new_tokens holds
+
+
 # ---- GrammarBackend / RequestGrammar on a real tokenizer ----------------------------------
 
 

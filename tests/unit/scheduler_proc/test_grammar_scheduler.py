@@ -219,6 +219,25 @@ def test_length_limit_before_the_grammar_completes(h: Harness) -> None:
     assert_clean(sched)
 
 
+def test_min_new_tokens_beyond_a_complete_grammar(h: Harness) -> None:
+    """min_new_tokens longer than anything the grammar allows: the request ends with stop when its
+    grammar is complete (not with an abort on a token the grammar refuses); min_new_tokens still
+    holds while the grammar allows going on."""
+    sched = h.scheduler()
+    h.submit(sched, "short", PROMPTS[0], max_new_tokens=16, min_new_tokens=8, regex="yes|no")
+    h.submit(sched, "sampled", PROMPTS[1], max_new_tokens=16, min_new_tokens=8, regex="yes|no",
+             temperature=1.0, seed=3)
+    h.submit(sched, "open", PROMPTS[2], max_new_tokens=12, min_new_tokens=10, regex=r"[a-z]+")
+    results = h.run(sched)
+    eos = h.tokenizer.eos_token_id
+    for rid in ("short", "sampled"):
+        assert results[rid]["reason"] == {"type": "stop", "matched": eos}, results[rid]
+        assert h.text(results[rid]["ids"]) in ("yes", "no") and results[rid]["ids"][-1] == eos
+    assert len(results["open"]["ids"]) >= 10 and eos not in results["open"]["ids"][:10]
+    assert re.fullmatch(r"[a-z]+", h.text(results["open"]["ids"]))
+    assert_clean(sched)
+
+
 # ---- free requests do not notice constrained ones -------------------------------------------
 
 
