@@ -238,6 +238,18 @@ def test_min_new_tokens_beyond_a_complete_grammar(h: Harness) -> None:
     assert_clean(sched)
 
 
+def test_complete_grammar_ends_an_ignore_eos_request(h: Harness) -> None:
+    """ignore_eos does not let a request go on past the end of its grammar: the stop token the
+    grammar took ends it with stop."""
+    sched = h.scheduler()
+    h.submit(sched, "email", PROMPTS[0], max_new_tokens=64, ignore_eos=True, regex=EMAIL)
+    h.submit(sched, "person", PROMPTS[1], max_new_tokens=96, ignore_eos=True, json_schema=PERSON)
+    results = h.run(sched)
+    assert_email(h, results["email"])
+    assert_schema(h, results["person"], PERSON)
+    assert_clean(sched)
+
+
 # ---- free requests do not notice constrained ones -------------------------------------------
 
 
