@@ -307,6 +307,35 @@ def test_slow_compile_delays_only_its_request(h: Harness, gate: tuple[set[str], 
     assert_clean(sched)
 
 
+def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(
+        h: Harness, gate: tuple[set[str], threading.Event, threading.Event]) -> None:
+    """With --enable-mixed-chunk, a step may be planned ahead only while nothing waits (a mixed
+    batch's decode part takes host inputs). A grammar that becomes ready while a decode step is in
+    flight puts its request in the waiting queue: the scheduler must see it before deciding to plan
+    ahead, not build a mixed batch over a request whose token is still in flight."""
+    if not h.overlap:
+        pytest.skip("only the overlap worker keeps a step in flight between steps")
+    blocked, started, release = gate
+    blocked.add(EMAIL)
+    sched = h.scheduler(enable_mixed_chunk=True)
+    h.submit(sched, "email", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    h.submit(sched, "free", PROMPTS[1], max_new_tokens=24)
+    assert started.wait(30)
+    results: dict[str, dict[str, Any]] = {}
+    for _ in range(4):  # the free request prefills, then decodes with a step in flight after each step
+        sched.step()
+        h.collect(sched, results)
+    assert sched.inflight is not None and [r.rid for r in sched.queues.running] == ["free"]
+    release.set()
+    for waiting in sched.grammars._waiting:  # the compile is done: the next poll finds it ready
+        waiting.compiled.result(timeout=30)
+    h.run(sched, results)
+    assert_email(h, results["email"])
+    assert results["free"]["reason"] == {"type": "length", "length": 24}
+    assert sched.stats["num_mixed_batches"] > 0
+    assert_clean(sched)
+
+
 # ---- compile timeout ----------------------------------------------------------------------------
 
 
