@@ -612,3 +612,39 @@ def test_same_schema_different_seeds(h: Harness) -> None:
     h.submit(again, "s1", PROMPTS[0], max_new_tokens=128, temperature=1.0, seed=1, json_schema=schema)
     assert h.run(again)["s1"]["ids"] == results["s1"]["ids"]
     assert_clean(again)
+
+
+# ---- other batch shapes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [{"page_size": 4}, {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
+                                   {"page_size": 4, "chunked_prefill_size": 8, "enable_mixed_chunk": True}],
+                         ids=["page4", "chunked-mixed", "page4-chunked-mixed"])
+def test_outputs_same_across_batch_shapes(h: Harness, flags: dict[str, Any]) -> None:
+    """Pages, chunked prompts and mixed prefill+decode batches put constrained rows elsewhere in
+    the batch (and jump-forward re-prefills through page-aligned prefixes): the greedy outputs are
+    those of the plain configuration, every mask row on its own request."""
+    long_prompt = " ".join(PROMPTS)
+
+    def submit_all(sched: Scheduler) -> dict[str, dict[str, Any]]:
+        for i in range(4):
+            h.submit(sched, f"j{i}", long_prompt if i % 2 else PROMPTS[i], max_new_tokens=128,
+                     json_schema=FIXED_KEYS if i < 2 else TAGS)
+        h.submit(sched, "email", long_prompt, max_new_tokens=64, regex=EMAIL)
+        h.submit(sched, "free", long_prompt, max_new_tokens=20)
+        return h.run(sched)
+
+    plain = h.scheduler()
+    want = submit_all(plain)
+    shaped = h.scheduler(**flags)
+    got = submit_all(shaped)
+    for rid in want:
+        assert got[rid]["ids"] == want[rid]["ids"], rid
+    for i in range(4):
+        assert_schema(h, got[f"j{i}"], FIXED_KEYS if i < 2 else TAGS)
+    assert_email(h, got["email"])
+    if flags.get("enable_mixed_chunk"):
+        assert shaped.stats["num_mixed_batches"] > 0
+    assert shaped.stats["jump_forward_tokens"] > 0
+    assert_clean(plain)
+    assert_clean(shaped)
