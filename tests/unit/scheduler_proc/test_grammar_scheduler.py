@@ -92,11 +92,12 @@ class Harness:
         self.made.append(sched)
         return sched
 
-    def submit(self, sched: Scheduler, rid: str, prompt: str, return_logprob: bool = False, **params: Any) -> None:
+    def submit(self, sched: Scheduler, rid: str, prompt: str, return_logprob: bool = False, stream: bool = False,
+               **params: Any) -> None:
         params.setdefault("temperature", 0.0)
         sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=self.tokenizer.encode(prompt),
                                                   sampling_params=SamplingParams.from_dict(params),
-                                                  return_logprob=return_logprob))
+                                                  return_logprob=return_logprob, stream=stream))
 
     @staticmethod
     def collect(sched: Scheduler, results: dict[str, dict[str, Any]]) -> None:
@@ -110,6 +111,7 @@ class Harness:
                 entry = results.setdefault(out.rid, {"ids": [], "finished": False, "logprobs": []})
                 assert not entry["finished"], f"{out.rid}: output after its last chunk"
                 entry["ids"].extend(out.new_output_ids)
+                entry["chunks"] = entry.get("chunks", 0) + 1
                 entry["logprobs"].extend(out.output_logprobs or [])
                 entry["finished"] = out.finished
                 entry["reason"] = out.finish_reason
@@ -552,6 +554,20 @@ def test_jump_forward(h: Harness, jump_forward: bool) -> None:
 
 def tokens_of(h: Harness, text: str) -> list[int]:
     return h.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_jump_forward_streams_forced_tokens(h: Harness) -> None:
+    """A streamed request gets its forced tokens in its chunks: the chunks add up to the output a
+    non-streamed twin gets."""
+    sched = h.scheduler(stream_interval=1)
+    h.submit(sched, "streamed", PROMPTS[0], stream=True, max_new_tokens=128, json_schema=FIXED_KEYS)
+    h.submit(sched, "whole", PROMPTS[0], max_new_tokens=128, json_schema=FIXED_KEYS)
+    results = h.run(sched)
+    assert sched.stats["jump_forward_tokens"] > 0
+    assert results["streamed"]["ids"] == results["whole"]["ids"]
+    assert_schema(h, results["streamed"], FIXED_KEYS)
+    assert results["whole"]["chunks"] == 1 and results["streamed"]["chunks"] > 5
+    assert_clean(sched)
 
 
 def test_jump_forward_off_without_radix_cache(h: Harness) -> None:
