@@ -275,7 +275,8 @@ def test_fast_path_unchanged_without_mask() -> None:
 
 def test_penalties_do_not_resurrect_masked_tokens() -> None:
     """Penalties that would lift a masked token to the top leave it at -inf, and the allowed
-    tokens get exactly their penalised values (mask, then penalties)."""
+    tokens get exactly their penalised values. (With a -inf mask and elementwise penalties the
+    order of the two cannot show in the result: this pins the outcome, not the order.)"""
     vocab = 10
     logits = torch.tensor([[1.0, 2.0, -3.0, 0.5, 4.0, -1.0, 0.0, 1.5, -0.5, 0.2]] * 3)
     allowed = torch.ones(3, vocab, dtype=torch.bool)
