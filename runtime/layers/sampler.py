@@ -8,9 +8,10 @@ Two pieces:
   for a vocabulary sort).
 - ``Sampler`` applies, in order: the grammar bitmask of constrained rows (tokens their
   grammar does not allow next get -inf), penalties, min_new_tokens suppression of EOS and stop
-  token ids (not on a row whose grammar allows nothing else), then argmax for greedy rows and, for the others, temperature, softmax,
-  top_k, top_p, min_p and an exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
-  which draws from ``probs`` (unnormalised is fine) without a cumsum/search pass.
+  token ids (not on a row whose grammar allows nothing else), then argmax for greedy rows
+  and, for the others, temperature, softmax, top_k, top_p, min_p and an exponential race
+  ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from ``probs`` (unnormalised is fine)
+  without a cumsum/search pass.
 
 Reproducibility: a seeded request's noise comes from a generator seeded with
 ``mix(seed, step)`` where ``step = len(output_ids)``, and it is drawn over the vocabulary

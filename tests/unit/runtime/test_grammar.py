@@ -268,7 +268,8 @@ def test_fast_path_unchanged_without_mask() -> None:
     assert spy.bitmask_calls == []
     assert torch.equal(logits, before)
     # With a mask the caller's buffer is not written either (the mask goes on a private copy).
-    masked_info = info_for([SamplingParams(temperature=0.0)] * 4, 50, pack_bitmask(torch.rand(4, 50, generator=gen) < .5))
+    some_allowed = pack_bitmask(torch.rand(4, 50, generator=gen) < 0.5)
+    masked_info = info_for([SamplingParams(temperature=0.0)] * 4, 50, some_allowed)
     Sampler(ops=spy)(logits, masked_info)
     assert torch.equal(logits, before) and spy.bitmask_calls == [None]
 

@@ -43,7 +43,8 @@ TAGS = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "pattern": "^[^0-9]{1,10}$"},
-        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,6}$"}, "minItems": 2, "maxItems": 4},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+                 "minItems": 2, "maxItems": 4},
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
     },
     "required": ["name", "tags", "age"],
@@ -143,8 +144,11 @@ def h(tiny_llama_path: Path, tokenizer: Any, overlap: bool) -> Iterator[Harness]
     harness.close()
 
 
+Gate = tuple[set[str], threading.Event, threading.Event]
+
+
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[set[str], threading.Event, threading.Event]]:
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     """``(blocked_texts, started, release)``: a compile of a constraint whose text is in
     ``blocked_texts`` sets ``started`` and then blocks on the grammar thread until ``release``."""
     blocked: set[str] = set()
@@ -280,7 +284,7 @@ def test_free_requests_unchanged_by_constrained_neighbours(h: Harness) -> None:
 # ---- a slow compile delays only its own request -----------------------------------------------
 
 
-def test_slow_compile_delays_only_its_request(h: Harness, gate: tuple[set[str], threading.Event, threading.Event]) -> None:
+def test_slow_compile_delays_only_its_request(h: Harness, gate: Gate) -> None:
     blocked, started, release = gate
     blocked.add(EMAIL)
     sched = h.scheduler()
@@ -309,8 +313,7 @@ def test_slow_compile_delays_only_its_request(h: Harness, gate: tuple[set[str], 
     assert_clean(sched)
 
 
-def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(
-        h: Harness, gate: tuple[set[str], threading.Event, threading.Event]) -> None:
+def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(h: Harness, gate: Gate) -> None:
     """With --enable-mixed-chunk, a step may be planned ahead only while nothing waits (a mixed
     batch's decode part takes host inputs). A grammar that becomes ready while a decode step is in
     flight puts its request in the waiting queue: the scheduler must see it before deciding to plan
@@ -349,8 +352,7 @@ class FakeClock:
         return self.now
 
 
-def test_compile_timeout_fails_only_that_request(h: Harness, gate: tuple[set[str], threading.Event, threading.Event],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_timeout_fails_only_that_request(h: Harness, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
     blocked, started, release = gate
     blocked.add(EMAIL)
     clock = FakeClock()
@@ -405,7 +407,7 @@ def test_invalid_grammar_at_compile_fails_with_reason(h: Harness) -> None:
 # ---- aborts ---------------------------------------------------------------------------------------
 
 
-def test_abort_while_waiting_for_grammar(h: Harness, gate: tuple[set[str], threading.Event, threading.Event]) -> None:
+def test_abort_while_waiting_for_grammar(h: Harness, gate: Gate) -> None:
     blocked, started, release = gate
     blocked.add(EMAIL)
     sched = h.scheduler()
