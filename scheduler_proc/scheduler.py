@@ -147,10 +147,10 @@ class Scheduler:
 
     def step(self) -> bool:
         """Launch the next batch if there is work, and process the previous one. True if one launched."""
+        if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
+            self._admit_compiled()
         if self.inflight is not None and not self._can_plan_ahead():
             self._complete_inflight()
-        if len(self.grammars):
-            self._admit_compiled()
         self._apply_aborts()
         launched = self._launch_next()
         if self.inflight is not None:
