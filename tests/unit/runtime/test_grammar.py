@@ -406,7 +406,7 @@ def test_compile_error_names_kind_and_is_not_cached(backend: GrammarBackend) -> 
 
 def test_matcher_accepts_valid_tokens_and_terminates_on_stop(backend: GrammarBackend, tokenizer: Any,
                                                              vocab_size: int) -> None:
-    grammar = RequestGrammar(backend.compile("regex", EMAIL).grammar)
+    grammar = RequestGrammar(backend.compile("regex", EMAIL))
     eos = tokenizer.eos_token_id
     assert eos not in allowed_ids(grammar, vocab_size)
     tokens = tokenizer.encode("abc@xy.com", add_special_tokens=False)
@@ -423,7 +423,7 @@ def test_matcher_accepts_valid_tokens_and_terminates_on_stop(backend: GrammarBac
 
 def test_matcher_refuses_invalid_token_state_unchanged(backend: GrammarBackend, tokenizer: Any,
                                                        vocab_size: int) -> None:
-    grammar = RequestGrammar(backend.compile("regex", EMAIL).grammar)
+    grammar = RequestGrammar(backend.compile("regex", EMAIL))
     (at,) = tokenizer.encode("@", add_special_tokens=False)
     eos = tokenizer.eos_token_id
     for token in tokenizer.encode("ab", add_special_tokens=False):
@@ -441,8 +441,8 @@ def test_matcher_refuses_invalid_token_state_unchanged(backend: GrammarBackend, 
 
 
 def test_forced_tokens(backend: GrammarBackend, tokenizer: Any) -> None:
-    compiled = backend.compile("json_schema", json.dumps(PERSON)).grammar
-    forced_text = xgr.GrammarMatcher(compiled).find_jump_forward_string()
+    compiled = backend.compile("json_schema", json.dumps(PERSON))
+    forced_text = xgr.GrammarMatcher(compiled.grammar).find_jump_forward_string()
     assert forced_text == '{"name": "'  # fixed separators: no free whitespace
     grammar = RequestGrammar(compiled)
     forced = grammar.forced_tokens(tokenizer, 100)
@@ -450,7 +450,7 @@ def test_forced_tokens(backend: GrammarBackend, tokenizer: Any) -> None:
     text = tokenizer.decode(forced)
     assert forced_text.startswith(text) and len(text) < len(forced_text)  # the last token is left to the model
     # The matcher took them: what is still forced is the rest of the text.
-    probe = xgr.GrammarMatcher(compiled)
+    probe = xgr.GrammarMatcher(compiled.grammar)
     for token in forced:
         assert probe.accept_token(token)
     assert text + probe.find_jump_forward_string() == forced_text
@@ -459,7 +459,7 @@ def test_forced_tokens(backend: GrammarBackend, tokenizer: Any) -> None:
         limited = RequestGrammar(compiled).forced_tokens(tokenizer, limit)
         assert limited == forced[:limit]
     # Nothing forced where the model must choose (inside the string), nor after termination.
-    regex = RequestGrammar(backend.compile("regex", EMAIL).grammar)
+    regex = RequestGrammar(backend.compile("regex", EMAIL))
     assert regex.forced_tokens(tokenizer, 10) == []
     for token in tokenizer.encode("abc@xy.com", add_special_tokens=False):
         assert regex.accept(token)
@@ -471,7 +471,7 @@ def test_forced_tokens_of_fixed_structure(backend: GrammarBackend, tokenizer: An
     """A grammar that is all fixed text: every token but the last is forced, and taking the
     rest by hand completes it."""
     text = '{"kind": "fixed", "n": 1}'
-    grammar = RequestGrammar(backend.compile("ebnf", f"root ::= {json.dumps(text)}").grammar)
+    grammar = RequestGrammar(backend.compile("ebnf", f"root ::= {json.dumps(text)}"))
     forced = grammar.forced_tokens(tokenizer, 1000)
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert forced == ids[:-1]
@@ -482,7 +482,7 @@ def test_bitmask_rows_are_independent(backend: GrammarBackend, tokenizer: Any, v
     """Filling row i touches only row i (the batch builder fills the constrained rows of one mask)."""
     mask = allocate_bitmask(3, vocab_size)
     full = mask.clone()
-    RequestGrammar(backend.compile("regex", EMAIL).grammar).fill(mask, 1)
+    RequestGrammar(backend.compile("regex", EMAIL)).fill(mask, 1)
     assert torch.equal(mask[0], full[0]) and torch.equal(mask[2], full[2])
     assert not torch.equal(mask[1], full[1])
     allowed = reference_apply(torch.zeros(3, vocab_size), mask, [1])[1]
@@ -493,7 +493,7 @@ def test_bitmask_rows_are_independent(backend: GrammarBackend, tokenizer: Any, v
 
 def test_random_valid_walk_terminates(backend: GrammarBackend, tokenizer: Any, vocab_size: int) -> None:
     """Tokens drawn at random among the allowed ones always make a string the regex matches."""
-    compiled = backend.compile("regex", EMAIL).grammar
+    compiled = backend.compile("regex", EMAIL)
     rng = random.Random(3)
     eos = tokenizer.eos_token_id
     for _ in range(5):
@@ -508,7 +508,7 @@ def test_random_valid_walk_terminates(backend: GrammarBackend, tokenizer: Any, v
 
 
 def _accepts_after_prefix(backend: GrammarBackend, tokenizer: Any, schema: dict[str, Any], token: int) -> bool:
-    grammar = RequestGrammar(backend.compile("json_schema", json.dumps(schema)).grammar)
+    grammar = RequestGrammar(backend.compile("json_schema", json.dumps(schema)))
     for t in tokenizer.encode('{"name": "a', add_special_tokens=False):
         assert grammar.accept(t)
     return grammar.accept(token)
