@@ -313,13 +313,13 @@ def test_slow_compile_delays_only_its_request(h: Harness, gate: Gate) -> None:
     assert_clean(sched)
 
 
+@pytest.mark.parametrize("overlap", [True], ids=["overlap"])  # only overlap keeps a step in flight between steps
 def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(h: Harness, gate: Gate) -> None:
     """With --enable-mixed-chunk, a step may be planned ahead only while nothing waits (a mixed
     batch's decode part takes host inputs). A grammar that becomes ready while a decode step is in
     flight puts its request in the waiting queue: the scheduler must see it before deciding to plan
     ahead, not build a mixed batch over a request whose token is still in flight."""
-    if not h.overlap:
-        pytest.skip("only the overlap worker keeps a step in flight between steps")
+    assert h.overlap
     blocked, started, release = gate
     blocked.add(EMAIL)
     sched = h.scheduler(enable_mixed_chunk=True)
