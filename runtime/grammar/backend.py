@@ -8,6 +8,7 @@ then appends without a decode step.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -38,6 +39,43 @@ def _reason(exc: BaseException) -> str:
     return _CXX_PREFIX.sub("", text)
 
 
+# What a length-bounded JSON string may hold: any character but '"', '\\' and the control
+# characters JSON forbids raw (xgrammar 0.2.8 lets the latter through; see bounded_strings).
+_BOUNDED_STRING_CHAR = r'[^"\\\x00-\x1f]'
+# Values that are data, not subschemas: never rewritten.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose value maps names (a property called "enum" included) to subschemas.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def bounded_strings(schema: Any) -> Any:
+    """``schema`` with every ``minLength``/``maxLength`` string (no pattern or format of its own)
+    given the equivalent ``pattern`` over characters JSON allows raw.
+
+    xgrammar 0.2.8 compiles a length-bounded string to ``[^"\\\r\n]{m,n}``, which admits raw
+    control characters, so a model could write JSON no parser accepts (mlc-ai/xgrammar#800).
+    Such strings cannot hold escapes there either, so the pattern only removes the invalid ones.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rewrite_member(key, value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format"} & out.keys():
+        low, high = int(out.get("minLength", 0)), out.get("maxLength")
+        out["pattern"] = f"^{_BOUNDED_STRING_CHAR}{{{low},{'' if high is None else int(high)}}}$"
+    return out
+
+
+def _rewrite_member(key: str, value: Any) -> Any:
+    if key in _DATA_KEYWORDS:
+        return value
+    if key in _NAMED_SCHEMAS and isinstance(value, dict):  # its keys are names, its values schemas
+        return {name: bounded_strings(sub) for name, sub in value.items()}
+    return bounded_strings(value)
+
+
 def parse_constraint(kind: str, text: str) -> xgr.Grammar:
     """``text`` as a grammar of ``kind`` (``json_schema``, ``regex``, ``ebnf``); GrammarError
     naming what is wrong when it does not parse."""
@@ -45,10 +83,16 @@ def parse_constraint(kind: str, text: str) -> xgr.Grammar:
         raise GrammarError(kind, "unknown constraint kind")
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            try:
+                schema = json.loads(text)
+            except ValueError as exc:
+                raise GrammarError(kind, f"invalid JSON schema: not JSON: {exc}") from None
+            return xgr.Grammar.from_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
+    except GrammarError:
+        raise
     except Exception as exc:  # xgrammar reports every parse error as a RuntimeError
         raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from None
 

@@ -46,7 +46,7 @@ def test_check_constraint_accepts_valid(kind: str, text: str) -> None:
 
 @pytest.mark.parametrize("kind,text,name,detail", [
     ("json_schema", '{"type": "objectx"}', "JSON schema", "objectx"),
-    ("json_schema", "{not json", "JSON schema", "parse JSON"),
+    ("json_schema", "{not json", "JSON schema", "not JSON"),
     ("regex", "[a-z", "regular expression", "Unclosed '['"),
     ("regex", "(ab", "regular expression", "parenthesis"),
     ("ebnf", "root ::= undefined_rule", "EBNF grammar", "undefined_rule"),
@@ -530,12 +530,31 @@ def test_json_string_refuses_control_characters(backend: GrammarBackend, tokeniz
     assert _accepts_after_prefix(backend, tokenizer, schema, letter)
 
 
-@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8 compiles minLength/maxLength strings to [^\"\\\\\\r\\n]{m,n}, "
-                                       "which admits raw control characters (mlc-ai/xgrammar#800): the output is "
-                                       "not valid JSON. Remove this mark when the pinned xgrammar fixes it.")
 @pytest.mark.parametrize("char", CONTROL_CHARS, ids=repr)
 def test_length_bounded_json_string_refuses_control_characters(backend: GrammarBackend, tokenizer: Any,
                                                                char: str) -> None:
+    """xgrammar 0.2.8 alone compiles a minLength/maxLength string to [^"\\\r\n]{m,n}, which admits raw
+    control characters (mlc-ai/xgrammar#800); ``bounded_strings`` gives such strings a pattern
+    over the characters JSON allows raw."""
     (token,) = tokenizer.encode(char, add_special_tokens=False)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
     assert not _accepts_after_prefix(backend, tokenizer, schema, token)
+
+
+def test_bounded_strings_rewrites_only_length_bounded_string_schemas() -> None:
+    """Subschemas anywhere (a property called "default" included) get the pattern; data keywords,
+    strings with a pattern or format of their own, and unbounded strings keep theirs."""
+    from runtime.grammar.backend import bounded_strings
+
+    schema = {"type": "object", "properties": {
+        "default": {"type": "string", "maxLength": 5},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}},
+        "code": {"type": "string", "maxLength": 4, "pattern": "^[A-Z]+$"},
+        "free": {"type": "string"}},
+        "default": {"type": "string", "maxLength": 1}}
+    out = bounded_strings(schema)
+    assert out["properties"]["default"]["pattern"].endswith("{0,5}$")
+    assert out["properties"]["tags"]["items"]["pattern"].endswith("{1,3}$")
+    assert out["properties"]["code"]["pattern"] == "^[A-Z]+$"
+    assert "pattern" not in out["properties"]["free"] and out["default"] == schema["default"]
+    assert schema["properties"]["default"] == {"type": "string", "maxLength": 5}  # the input is not modified
