@@ -8,9 +8,10 @@ Two pieces:
   for a vocabulary sort).
 - ``Sampler`` applies, in order: the grammar bitmask of constrained rows (tokens their
   grammar does not allow next get -inf), penalties, min_new_tokens suppression of EOS and stop
-  token ids, then argmax for greedy rows and, for the others, temperature, softmax,
-  top_k, top_p, min_p and an exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
-  which draws from ``probs`` (unnormalised is fine) without a cumsum/search pass.
+  token ids (not where a grammar allows nothing else), then argmax for greedy rows and, for
+  the others, temperature, softmax, top_k, top_p, min_p and an exponential race
+  ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from ``probs`` (unnormalised is fine)
+  without a cumsum/search pass.
 
 Reproducibility: a seeded request's noise comes from a generator seeded with
 ``mix(seed, step)`` where ``step = len(output_ids)``, and it is drawn over the vocabulary
@@ -335,7 +336,13 @@ class Sampler:
             ops.apply_token_bitmask(x, info.vocab_mask, info.vocab_mask_rows)
         x = self._apply_penalties(x, info)
         if info.min_tokens_mask is not None:
-            x.masked_fill_(info.min_tokens_mask, float("-inf"))
+            suppress = info.min_tokens_mask
+            if info.vocab_mask is not None:
+                # A grammar that allows nothing but stop tokens has a complete output: min_new_tokens
+                # cannot hold it open (the row would be left with no token at all, and sample one
+                # outside the grammar). Suppress stop tokens only where another token remains.
+                suppress = suppress & (torch.isfinite(x) & ~suppress).any(dim=1, keepdim=True)
+            x.masked_fill_(suppress, float("-inf"))
         return x
 
     @staticmethod
