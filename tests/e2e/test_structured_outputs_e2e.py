@@ -652,11 +652,11 @@ def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_se
     fresh = _object({"word": _string(150 + uuid.uuid4().int % 50), "list": {  # ~1 s to compile
         "type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 120, "maxItems": 120}})
     rid = uuid.uuid4().hex
-    active = smollm2_server.server_info()["tokenizer"]["active_requests"]
+    wait_until(lambda: is_idle(smollm2_server), 60, "the aborts above to land")  # then only this one is active
     with ThreadPoolExecutor(1) as pool:
         result = pool.submit(smollm2_server.generate, messages=[{"role": "user", "content": prompt}], rid=rid,
                              sampling_params={"json_schema": fresh, "max_new_tokens": LONG_TOKENS})
-        wait_until(lambda: smollm2_server.server_info()["tokenizer"]["active_requests"] > active, 60,
+        wait_until(lambda: smollm2_server.server_info()["tokenizer"]["active_requests"] == 1, 60,
                    "the tokenizer to hold the request")
         assert smollm2_server.abort(rid) is True
         assert result.result()["meta"]["finish_reason"]["type"] == "abort"
