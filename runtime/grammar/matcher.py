@@ -50,7 +50,13 @@ class RequestGrammar:
         """
         if self._matcher.is_terminated():
             return []
-        text = self._matcher.find_jump_forward_string()
+        try:
+            text = self._matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # The output so far ends inside a multi-byte character (a token holds part of its
+            # bytes): the forced bytes are no UTF-8 string. Nothing is jumped; the model decodes
+            # the rest of the character under the mask, and later steps jump again.
+            return []
         if not text:
             return []
         ids = list(tokenizer.encode(text, add_special_tokens=False))[:-1][:limit]

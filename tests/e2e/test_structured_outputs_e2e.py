@@ -726,3 +726,27 @@ def test_free_requests_beside_constrained_ones_decode_as_alone(smollm2_server: S
         assert b["output_ids"] == a["output_ids"], (a["text"], b["text"])
         assert h == a["text"], (a["text"], h)
     assert_idle_and_nothing_leaked(smollm2_server)
+
+
+# ---------------------------------------------------------------------- text forced from mid-character
+# Last in the module: before the fix below, this request stopped the server.
+
+
+def test_forced_text_that_starts_mid_character_is_decoded_not_jumped(smollm2_server: ServedClient,
+                                                                     oai: openai.OpenAI) -> None:
+    """The model's vocabulary has no token for a whole 🙂 (F0 9F 99 82): its first token is the
+    partial 'F0 9F', and the text the grammar then forces starts with the byte 0x99, which is no
+    UTF-8 string. xgrammar's find_jump_forward_string raised UnicodeDecodeError there, in the
+    scheduler's loop, and the server shut down. Such a step now jumps nothing: the remaining
+    bytes are decoded under the mask, and the output is the regex's."""
+    pattern = "🙂🙃|(é|🙂){1,3} ok"
+    prompt = "Reply with two emoji."
+    with ThreadPoolExecutor(3) as pool:
+        results = [pool.submit(zmq, smollm2_server, prompt, {"regex": "🙂🙃", "max_new_tokens": 16, "temperature": 0}),
+                   pool.submit(chat, oai, prompt, max_tokens=24, stream=True, extra_body={"regex": pattern}),
+                   pool.submit(chat, oai, prompt, max_tokens=24, seed=2, extra_body={"regex": pattern}, **SAMPLED)]
+        samples = [s for future in results for s in future.result()]
+    assert samples[0].text == "🙂🙃" and samples[0].finish == "stop", samples[0]
+    for sample in samples[1:]:
+        assert sample.finish == "stop" and re.fullmatch(pattern, sample.text), sample
+    assert_idle_and_nothing_leaked(smollm2_server)
