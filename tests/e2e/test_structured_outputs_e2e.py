@@ -22,7 +22,9 @@ constraints that do not parse and two constraints at once are refused
 serving; constrained requests aborted mid-stream (HTTP disconnect, a ZMQ stream left early,
 ``abort(rid)``, one aborted while its grammar may still compile) leave the KV pool whole; and
 unconstrained greedy requests decoded in the same batches as constrained ones give the tokens
-they give alone (the grammar mask touches only its own rows).
+they give alone (the grammar mask touches only its own rows); and last, a grammar whose forced
+text starts inside a multi-byte character (emoji the vocabulary splits) neither stops the
+server nor breaks the output.
 """
 
 from __future__ import annotations
