@@ -95,7 +95,17 @@ class RequestGrammar:
     def forces_text(self) -> bool:
         """Whether the grammar forces what comes next (more than one character: a single one
         leaves no token to jump over). Read-only."""
-        return not self._matcher.is_terminated() and len(self._matcher.find_jump_forward_string()) > 1
+        return not self._matcher.is_terminated() and len(self._forced_text()) > 1
+
+    def _forced_text(self) -> str:
+        """The text the grammar allows next and nothing else ('' when none)."""
+        try:
+            return self._matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # The output so far ends inside a multi-byte character (a token holds part of its
+            # bytes): the forced bytes are no UTF-8 string. Nothing is jumped; the model decodes
+            # the rest of the character under the mask, and later steps jump again.
+            return ""
 
     def forced_tokens(self, tokenizer: Any, limit: int) -> list[int]:
         """At most ``limit`` tokens the grammar forces next, accepted already (jump-forward).
@@ -106,7 +116,7 @@ class RequestGrammar:
         """
         if self._matcher.is_terminated():
             return []
-        text = self._matcher.find_jump_forward_string()
+        text = self._forced_text()
         if not text:
             return []
         ids = list(tokenizer.encode(text, add_special_tokens=False))[:-1][:limit]

@@ -8,8 +8,8 @@ Two pieces:
   for a vocabulary sort).
 - ``Sampler`` applies, in order: the grammar bitmask of constrained rows (tokens their
   grammar does not allow next get -inf), penalties, min_new_tokens suppression of EOS and stop
-  token ids (not on a row whose grammar allows nothing else), then argmax for greedy rows
-  and, for the others, temperature, softmax, top_k, top_p, min_p and an exponential race
+  token ids (not where a grammar allows nothing else), then argmax for greedy rows and, for
+  the others, temperature, softmax, top_k, top_p, min_p and an exponential race
   ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from ``probs`` (unnormalised is fine)
   without a cumsum/search pass.
 
@@ -349,14 +349,13 @@ class Sampler:
             ops.apply_token_bitmask(x, info.vocab_mask, info.vocab_mask_rows)
         x = self._apply_penalties(x, info)
         if info.min_tokens_mask is not None:
-            if info.vocab_mask is None:
-                x.masked_fill_(info.min_tokens_mask, float("-inf"))
-            else:
-                # A complete grammar that allows nothing but a stop token wins over min_new_tokens:
-                # suppressing it would leave the row no token at all (StopChecker then finishes it).
-                suppressed = x.masked_fill(info.min_tokens_mask, float("-inf"))
-                empty = torch.isneginf(suppressed).all(dim=-1, keepdim=True)
-                x = torch.where(empty, x, suppressed)
+            suppress = info.min_tokens_mask
+            if info.vocab_mask is not None:
+                # A grammar that allows nothing but stop tokens has a complete output: min_new_tokens
+                # cannot hold it open (the row would be left with no token at all, and sample one
+                # outside the grammar). Suppress stop tokens only where another token remains.
+                suppress = suppress & (torch.isfinite(x) & ~suppress).any(dim=1, keepdim=True)
+            x.masked_fill_(suppress, float("-inf"))
         return x
 
     @staticmethod

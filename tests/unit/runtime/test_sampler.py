@@ -397,6 +397,24 @@ def test_min_new_tokens_holds_for_sampled_rows() -> None:
     assert (samples == 0).any() and (samples == 1).any()
 
 
+def test_min_new_tokens_gives_way_to_a_complete_grammar() -> None:
+    """A constrained row whose grammar allows only EOS samples EOS before min_new_tokens (its
+    output is complete); one whose grammar allows more still has EOS suppressed, and so does
+    an unconstrained row."""
+    vocab, eos = 6, 2  # not 0: the argmax of a row of -inf is token 0
+    logits = torch.tensor([[9.0, 8.0, 7.0, 1.0, 0.0, 0.0]]).expand(3, -1).contiguous()
+    params = [SamplingParams(temperature=0.0, min_new_tokens=3)] * 2 + [SamplingParams(min_new_tokens=3)]
+    bitmask = torch.tensor([[1 << eos], [(1 << eos) | (1 << 3)], [0]], dtype=torch.int32)
+    for rows in ([0, 1], None):  # a batch with an unconstrained row, and one of constrained rows only
+        n = 3 if rows else 2
+        info = SamplingBatchInfo.from_requests(params[:n], [[]] * n, [[4]] * n, vocab, [eos], "cpu",
+                                               vocab_mask=bitmask[:n], vocab_mask_rows=rows)
+        got = seeded_sampler()(logits[:n], info).next_token_ids.tolist()
+        assert got[:2] == [eos, 3]
+        if rows:
+            assert got[2] != eos
+
+
 # ---- logprobs ---------------------------------------------------------------------------
 
 
