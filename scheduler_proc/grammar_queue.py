@@ -3,8 +3,9 @@
 A constrained request (``json_schema``, ``regex``, ``ebnf``) does not enter the waiting
 queue until its grammar is compiled against the served vocabulary: the compile runs on a
 worker thread (xgrammar releases the GIL while compiling), so a schema that takes seconds
-delays only its own request while the loop keeps stepping the others. Requests that share
-a constraint share one compile; compiled grammars are cached (``GrammarBackend``).
+delays only its own request while the loop keeps stepping the others (and, with a few compile
+threads, the other constrained requests too). Requests that arrive while their constraint is
+compiling share that compile; compiled grammars are cached (``GrammarBackend``).
 
 Under tensor parallelism every rank compiles for itself, and rank 0 decides when a request
 is ready (or has failed, or timed out); the others follow its decision, waiting for their
@@ -16,7 +17,9 @@ with their ``grammar`` set, and failed ones with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,12 +31,15 @@ from scheduler_proc.req import Req
 
 logger = logging.getLogger(__name__)
 
+COMPILE_THREADS = 4
+
 
 @dataclass
 class _Waiting:
     req: Req
     compiled: Future[Any]  # runtime.grammar.backend.Compiled
     deadline: float  # time.monotonic() past which the request fails
+    shared: bool = False  # another request started the compile: for this one it is a cache hit
 
 
 @dataclass
@@ -56,8 +62,10 @@ class GrammarQueue:
         self._timeout_s = timeout_s
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._executor: ThreadPoolExecutor | None = None
-        self._backend: Any = None  # runtime.grammar.GrammarBackend, made on the compile thread
+        self._backend: Any = None  # runtime.grammar.GrammarBackend, made on a compile thread
+        self._backend_lock = threading.Lock()
         self._waiting: list[_Waiting] = []
+        self._compiling: dict[tuple[str, str], Future[Any]] = {}  # the latest compile of each constraint
         self.stats = GrammarStats()
 
     def __len__(self) -> int:
@@ -72,10 +80,14 @@ class GrammarQueue:
         constraint = req.sampling_params.constraint
         assert constraint is not None, f"{req.rid} has no grammar to wait for"
         if self._executor is None:
-            # One thread: compiles of different grammars queue behind each other, never behind a step.
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        future = self._executor.submit(self._compile, *constraint)
-        self._waiting.append(_Waiting(req, future, time.monotonic() + self._timeout_s))
+            # A few threads: a grammar that takes seconds to compile holds up only its own requests.
+            self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
+        future = self._compiling.get(constraint)
+        shared = future is not None and not future.done()  # the same grammar is compiling: wait for it
+        if not shared:
+            future = self._compiling[constraint] = self._executor.submit(self._compile, *constraint)
+        assert future is not None
+        self._waiting.append(_Waiting(req, future, time.monotonic() + self._timeout_s, shared))
         self.stats.constrained_requests += 1
 
     def remove(self, rid: str) -> list[Req]:
@@ -106,6 +118,7 @@ class GrammarQueue:
             else:
                 failed.append((waiting.req, error))
         self._waiting = keep
+        self._compiling = {key: f for key, f in self._compiling.items() if not f.done()}
         return ready, failed
 
     def close(self) -> None:
@@ -118,8 +131,9 @@ class GrammarQueue:
         """On the compile thread: the vocabulary (first time only), then the grammar."""
         from runtime.grammar import GrammarBackend
 
-        if self._backend is None:
-            self._backend = GrammarBackend(self._load_tokenizer(), self._vocab_size, self._stop_token_ids)
+        with self._backend_lock:  # the first compiles wait for the one vocabulary
+            if self._backend is None:
+                self._backend = GrammarBackend(self._load_tokenizer(), self._vocab_size, self._stop_token_ids)
         return self._backend.compile(kind, text)
 
     def _decide(self) -> dict[str, str | None]:
@@ -153,6 +167,8 @@ class GrammarQueue:
             compiled = waiting.compiled.result()
         except Exception as exc:  # only a rank other than 0 can get here with a failed compile
             return str(exc)
+        if waiting.shared:
+            compiled = dataclasses.replace(compiled, seconds=0.0, cache_hit=True)
         if compiled.cache_hit:
             self.stats.grammar_cache_hits += 1
         else:

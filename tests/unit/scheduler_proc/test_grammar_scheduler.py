@@ -313,6 +313,33 @@ def test_slow_compile_delays_only_its_request(h: Harness, gate: Gate) -> None:
     assert_clean(sched)
 
 
+def test_slow_compile_does_not_delay_other_constrained_requests(h: Harness, gate: Gate) -> None:
+    """Compiles run on several threads: another grammar compiles and its request finishes while
+    the slow one is still compiling; a request for the slow grammar itself shares its compile."""
+    blocked, started, release = gate
+    blocked.add(EMAIL)
+    sched = h.scheduler()
+    h.submit(sched, "slow", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    assert started.wait(30), "the compile never started"
+    h.submit(sched, "slow-twin", PROMPTS[1], max_new_tokens=64, regex=EMAIL)
+    h.submit(sched, "person", PROMPTS[2], max_new_tokens=96, json_schema=PERSON)
+    results: dict[str, dict[str, Any]] = {}
+    steps = 0
+    while not results.get("person", {}).get("finished"):
+        sched.step()
+        h.collect(sched, results)
+        steps += 1
+        assert steps < 100000
+    assert_schema(h, results["person"], PERSON)
+    assert "slow" not in results and "slow-twin" not in results and len(sched.grammars) == 2
+    release.set()
+    h.run(sched, results)
+    assert_email(h, results["slow"]) and assert_email(h, results["slow-twin"])
+    stats = sched.grammars.stats
+    assert stats.grammar_compiles == 2 and stats.grammar_cache_hits == 1  # the twin shared the slow compile
+    assert_clean(sched)
+
+
 @pytest.mark.parametrize("overlap", [True], ids=["overlap"])  # only overlap keeps a step in flight between steps
 def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(h: Harness, gate: Gate) -> None:
     """With --enable-mixed-chunk, a step may be planned ahead only while nothing waits (a mixed
