@@ -5,7 +5,8 @@ server on a tiny Llama (CPU, fp32), one server for the whole module.
   prompts; n=2, logprobs, stop, usage (cached tokens included);
 * a bad request per field answers 400 naming the field; a wrong or missing key 401; an
   unknown model 404; an over-long prompt 400;
-* /metrics, parsed with prometheus_client's parser, moves by exactly what was sent;
+* /metrics, parsed with prometheus_client's parser, moves by exactly what was sent (constrained
+  requests and grammar compiles included);
 * HTTP clients that disconnect mid-request are aborted and their KV freed;
 * SGLang's /generate body and reply; bench.serving --backend http drives it.
 """
@@ -13,7 +14,9 @@ server on a tiny Llama (CPU, fp32), one server for the whole module.
 from __future__ import annotations
 
 import json
+import re
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
@@ -280,6 +283,30 @@ def test_metrics_move_by_exactly_the_requests_sent(server: Client, oai: openai.O
     assert after[("tinyserve:num_running_reqs", ())] == 0 and after[("tinyserve:num_queue_reqs", ())] == 0
     assert after[("tinyserve:cache_hit_rate", ())] == pytest.approx(info["cache_hit_rate"])
     assert 0 <= after[("tinyserve:token_usage", ())] <= 1
+
+
+def test_metrics_count_constrained_requests_and_their_compiles(server: Client, oai: openai.OpenAI) -> None:
+    """n=2 samples of one new regex: one compile (its time observed), one sample sharing it."""
+    wait_until(lambda: is_idle(server), 30, "an idle server")
+    before, info_before = scrape(server), server.server_info()
+    regex = f"(yes|no|maybe){{1,3}} {time.monotonic_ns()}"  # never compiled before on this server
+    reply = oai.completions.create(model=MODEL, prompt="Answer:", n=2, max_tokens=48, temperature=0,
+                                   extra_body={"regex": regex})
+    assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in reply.choices), reply
+    after, info_after = scrape(server), server.server_info()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("tinyserve:constrained_requests_total", grammar_source="compiled") == 1
+    assert delta("tinyserve:constrained_requests_total", grammar_source="cache") == 1
+    assert delta("tinyserve:grammar_compile_seconds_count") == 1
+    assert delta("tinyserve:grammar_compile_seconds_sum") > 0
+    assert info_after["grammar_compiles"] - info_before["grammar_compiles"] == 1
+    assert info_after["grammar_cache_hits"] - info_before["grammar_cache_hits"] == 1
+    assert info_after["constrained_requests"] - info_before["constrained_requests"] == 2
+    assert info_after["num_grammar_queued"] == 0
 
 
 # ---------------------------------------------------------------------- disconnects
