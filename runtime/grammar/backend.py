@@ -63,7 +63,7 @@ def bounded_strings(schema: Any) -> Any:
     out = {key: _rewrite_member(key, value) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not {"pattern", "format"} & out.keys():
-        low, high = int(out.get("minLength", 0)), out.get("maxLength")
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)  # the pattern says them
         out["pattern"] = f"^{_BOUNDED_STRING_CHAR}{{{low},{'' if high is None else int(high)}}}$"
     return out
 
