@@ -1,17 +1,16 @@
-"""Constrained decoding under overlap scheduling: which way to get step N+1's grammar mask.
+"""Constrained decoding under overlap scheduling, next to the serial loop.
 
 With overlap, step N+1 is launched before step N's tokens reach the host, but a constrained
-row's bitmask depends on the state after step N's token. Two ways, both run here in one
-process on the same requests (the ``json-schema`` workload's, greedy, jump-forward off so the
-mask is all that differs):
+row's bitmask depends on the state after step N's token. The scheduler therefore completes the
+step in flight before planning the next one while a constrained request runs (``wait``, as for
+penalties). The other way, ``deferred``: launch N+1 at once and let the model worker fill the
+mask after computing N+1's logits, once the scheduler has processed step N. It was built and
+measured with this script (commit b96125e, the variant "overlap, deferred mask"; figures in
+docs/benchmarks.md), lost on the CPU, and was removed.
 
-* ``wait``: as penalties do, complete step N before launching N+1 (no overlap while a
-  constrained request runs), and fill the mask at build time;
-* ``deferred`` (what the scheduler does): launch N+1 at once; the model worker computes its
-  logits, then waits for the scheduler to have processed step N and fills the mask there.
-
-``serial`` (overlap off) is the baseline. The real ``Scheduler`` runs in this process on the
-model's checkpoint; time is wall time from submission until every request finished.
+Both variants here run the ``json-schema`` workload's requests (greedy, jump-forward off so
+the mask handling is all that differs) on the real ``Scheduler`` in this process; time is
+wall time from submission until every request finished.
 
     python -m bench.grammar_overlap --model smollm2 --num-requests 64
 """
@@ -22,31 +21,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_output_path, machine_info, pin_threads, print_table, write_json
-
-
-@contextlib.contextmanager
-def mask_waits() -> Iterator[None]:
-    """The ``wait`` variant: never plan ahead while a constrained request runs (so no token is in
-    flight when a batch is built, and its mask is filled at once)."""
-    from scheduler_proc.scheduler import Scheduler
-
-    can_plan = Scheduler._can_plan_ahead
-
-    def no_plan_with_grammar(self: Scheduler) -> bool:
-        return can_plan(self) and not any(r.grammar is not None for r in self.queues.running)
-
-    Scheduler._can_plan_ahead = no_plan_with_grammar  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Scheduler._can_plan_ahead = can_plan  # type: ignore[method-assign]
 
 
 def run_variant(model_path: str, prompts: list[list[int]], schemas: list[str], overlap: bool,
@@ -106,13 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [list(tokenizer.encode(tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
                                      add_special_tokens=False)) for r in workload.requests]
     schemas = [str(r.json_schema) for r in workload.requests]
-    variants: list[tuple[str, bool, Callable[[], Any]]] = [
-        ("serial", False, contextlib.nullcontext), ("overlap, mask waits", True, mask_waits),
-        ("overlap, deferred mask", True, contextlib.nullcontext)]
     rows = []
-    for name, overlap, context in variants:
-        with context():
-            rows.append({"variant": name, **run_variant(model_path, prompts, schemas, overlap, args.max_new_tokens)})
+    for name, overlap in (("serial", False), ("overlap, mask waits", True)):
+        rows.append({"variant": name, **run_variant(model_path, prompts, schemas, overlap, args.max_new_tokens)})
         print(f"{name}: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr)
     for row in rows:
         row["vs_serial"] = row["tok_s"] / rows[0]["tok_s"]

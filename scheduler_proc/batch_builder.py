@@ -72,15 +72,13 @@ class BatchBuilder:
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingBatchInfo:
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        mask = deferred = None
-        if constrained:
-            from runtime.grammar import DeferredBitmask, fill_bitmask
+        mask = None
+        if constrained:  # their matchers have taken every token so far: no step is in flight for them
+            from runtime.grammar import fill_bitmask
 
+            assert not any(reqs[i].num_inflight for i in constrained), "a grammar's mask needs its last token"
             grammars = [cast("RequestGrammar", reqs[i].grammar) for i in constrained]
-            if any(reqs[i].num_inflight for i in constrained):  # overlap: last tokens not on the host yet
-                deferred = DeferredBitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
-            else:  # their matchers have taken every token so far
-                mask = fill_bitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
+            mask = fill_bitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
         return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.origin_input_ids for r in reqs],
@@ -90,7 +88,6 @@ class BatchBuilder:
             self.device,
             vocab_mask=mask,
             vocab_mask_rows=constrained or None,
-            deferred_vocab_mask=deferred,
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:

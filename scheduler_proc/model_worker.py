@@ -135,15 +135,6 @@ class LaunchedStep:
     extend: list[PlannedExtend]
     decode: list[Req]
 
-    def host_state_ready(self) -> None:
-        """The scheduler has processed every step before this one: a grammar bitmask this step
-        deferred (``DeferredBitmask``) can be filled from the matchers now."""
-        batch = self.pending.batch
-        info = None if batch is None else batch.sampling_info
-        deferred = None if info is None else info.deferred_vocab_mask
-        if deferred is not None:
-            deferred.release()
-
     def decode_rows(self) -> dict[Req, int]:
         """Batch row of each decoding request (the next step is planned ahead of decode steps only)."""
         return {req: i for i, req in enumerate(self.decode, start=len(self.extend))}

@@ -37,8 +37,6 @@ class Req:
     # The matcher of a constrained request (json_schema / regex / ebnf), set when its grammar
     # is compiled (scheduler_proc.grammar_queue); it has accepted every token of output_ids.
     grammar: "RequestGrammar | None" = None
-    # Its grammar forces text, but a token was in flight (overlap): jump once it has landed.
-    jump_pending: bool = False
     # Its output has tokens a jump-forward appended (its re-prefills join the decode batch).
     jumped: bool = False
     # Tokens a launched forward has sampled for this request that have not reached the host

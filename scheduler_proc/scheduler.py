@@ -155,8 +155,6 @@ class Scheduler:
         launched = self._launch_next()
         if self.inflight is not None:
             self._complete_inflight()  # while ``launched`` runs
-        if launched is not None:
-            launched.host_state_ready()  # a grammar mask the launch left for later may be filled now
         self.inflight = launched
         if launched is not None and not self.worker.overlap:
             self._complete_inflight()
@@ -184,9 +182,9 @@ class Scheduler:
         queued = [*self.queues.waiting, *([self.queues.chunked] if self.queues.chunked is not None else [])]
         if queued and (self.args.enable_mixed_chunk or any(r.jumped for r in queued)):
             return False  # a mixed batch's decode part takes host inputs
-        # Penalties read the output history (a grammar's mask is filled later: DeferredBitmask); a
-        # jump-forward needs the request's last token on the host.
-        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.jump_pending
+        # Penalties read the output history, a grammar's mask (and jump-forward) the state after the
+        # last token (bench/grammar_overlap.py measured this against filling masks later).
+        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
                        for r in self.queues.running)
 
     def _apply_aborts(self) -> None:
@@ -375,17 +373,11 @@ class Scheduler:
         """Append the text each constrained request's grammar forces (a JSON key, ``": "``, closing
         brackets) without decoding it token by token: the request gives its row back as a retraction
         does, keeping its KV in the prefix cache, and its next prefill computes the forced tokens and
-        samples the token after them. Not for requests that return logprobs (forced tokens have none).
-        Under overlap a request with a token in flight is marked ``jump_pending`` instead, and the
-        next step is planned only once that token has landed."""
+        samples the token after them. Not for requests that return logprobs (forced tokens have none)."""
         tokenizer = self.grammars.tokenizer
         for req in reqs:
-            if req.return_logprob or req.finish_reason is not None:
+            if req.return_logprob or req.finish_reason is not None or req.num_inflight:
                 continue
-            if req.num_inflight:  # overlap: the next step completes first (see _can_plan_ahead)
-                req.jump_pending = req.grammar.forces_text()  # type: ignore[union-attr]
-                continue
-            req.jump_pending = False
             room = min(req.remaining_new_tokens(), self.context_len - 1 - req.seqlen)
             forced = req.grammar.forced_tokens(tokenizer, room) if room > 0 else []  # type: ignore[union-attr]
             if not forced:

@@ -11,7 +11,7 @@
 """
 
 from runtime.grammar.backend import GrammarBackend, GrammarError, check_constraint
-from runtime.grammar.matcher import DeferredBitmask, RequestGrammar, allocate_bitmask, fill_bitmask
+from runtime.grammar.matcher import RequestGrammar, allocate_bitmask, fill_bitmask
 
-__all__ = ["DeferredBitmask", "GrammarBackend", "GrammarError", "RequestGrammar", "allocate_bitmask",
-           "check_constraint", "fill_bitmask"]
+__all__ = ["GrammarBackend", "GrammarError", "RequestGrammar", "allocate_bitmask", "check_constraint",
+           "fill_bitmask"]

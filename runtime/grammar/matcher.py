@@ -29,41 +29,17 @@ def fill_bitmask(grammars: Sequence["RequestGrammar"], rows: Sequence[int], batc
                  vocab_size: int) -> torch.Tensor:
     """The host bitmask of a step: row ``rows[i]`` from ``grammars[i]``, every other row all-allowed.
 
-    One call fills every row on xgrammar's own threads (a row inside a JSON string scans much
+    One call fills every row on xgrammar's own threads (a row inside some JSON states scans much
     of the vocabulary); a terminated grammar's row is left all-allowed (see ``RequestGrammar.fill``).
     """
     mask = allocate_bitmask(batch_size, vocab_size)
     live = [(g, row) for g, row in zip(grammars, rows) if not g.terminated]
     if live:
         filler = getattr(_batch_fillers, "matcher", None)
-        if filler is None:  # one per thread: the scheduler's and the model worker's may fill at once
+        if filler is None:
             filler = _batch_fillers.matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         filler.batch_fill_next_token_bitmask([g._matcher for g, _ in live], mask, [row for _, row in live])
     return mask
-
-
-class DeferredBitmask:
-    """Overlap scheduling: the bitmask of step N+1, launched before step N's tokens reached the
-    host. The model worker computes N+1's logits, then ``resolve`` waits until the scheduler has
-    given every matcher its step-N token (``release``) and fills the rows: the fill overlaps
-    the forward instead of the forward waiting for the fill.
-
-    Between ``release`` and the step's result the matchers are the worker's: the scheduler
-    touches a matcher again only once this step's token has reached the host.
-    """
-
-    def __init__(self, grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int,
-                 vocab_size: int) -> None:
-        self._grammars, self._rows = list(grammars), list(rows)
-        self._batch_size, self._vocab_size = batch_size, vocab_size
-        self._released = threading.Event()
-
-    def release(self) -> None:
-        self._released.set()
-
-    def resolve(self) -> torch.Tensor:
-        self._released.wait()
-        return fill_bitmask(self._grammars, self._rows, self._batch_size, self._vocab_size)
 
 
 class RequestGrammar:
@@ -80,8 +56,8 @@ class RequestGrammar:
         self.cache_hit = compiled.cache_hit
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]``. A terminated grammar has none: its
-        row is left as it is (overlap: the request finished at the step before, its token is dropped)."""
+        """Write the allowed next tokens into ``bitmask[row]`` (a terminated grammar has none: its
+        row is left as it is)."""
         if not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -91,11 +67,6 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
-
-    def forces_text(self) -> bool:
-        """Whether the grammar forces what comes next (more than one character: a single one
-        leaves no token to jump over). Read-only."""
-        return not self._matcher.is_terminated() and len(self._forced_text()) > 1
 
     def _forced_text(self) -> str:
         """The text the grammar allows next and nothing else ('' when none)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -100,17 +100,10 @@ class SamplingBatchInfo:
     # on ``vocab_mask_rows`` only (None: every row); None when no row of the batch is constrained.
     vocab_mask: torch.Tensor | None = None
     vocab_mask_rows: list[int] | None = None
-    # Overlap scheduling: the host bitmask is filled later (``runtime.grammar.DeferredBitmask``,
-    # resolved by the sampler, on the model worker's thread).
-    deferred_vocab_mask: Any = None
 
     @property
     def batch_size(self) -> int:
         return int(self.top_ps.shape[0])
-
-    @property
-    def has_vocab_mask(self) -> bool:
-        return self.vocab_mask is not None or self.deferred_vocab_mask is not None
 
     @property
     def need_penalties(self) -> bool:
@@ -127,7 +120,6 @@ class SamplingBatchInfo:
         device: torch.device | str,
         vocab_mask: torch.Tensor | None = None,
         vocab_mask_rows: list[int] | None = None,
-        deferred_vocab_mask: Any = None,
     ) -> "SamplingBatchInfo":
         """Build the batch's tensors; vectorised, so cheap for hundreds of requests.
 
@@ -135,8 +127,7 @@ class SamplingBatchInfo:
         count). ``eos_token_ids`` are the model's EOS ids; they are suppressed (with the
         request's ``stop_token_ids``) while ``len(output_ids[i]) < min_new_tokens``, except
         that EOS is left alone for ``ignore_eos`` requests, which EOS cannot stop anyway.
-        ``vocab_mask`` is the host bitmask of the constrained rows ``vocab_mask_rows``, or
-        ``deferred_vocab_mask`` will give it.
+        ``vocab_mask`` is the host bitmask of the constrained rows ``vocab_mask_rows``.
         """
         bs = len(params)
         if len(prompt_ids) != bs or len(output_ids) != bs:
@@ -183,7 +174,6 @@ class SamplingBatchInfo:
             top_logprobs_num=max((p.top_logprobs_num for p in params), default=0),
             vocab_mask=None if vocab_mask is None else vocab_mask.to(device, non_blocking=True),
             vocab_mask_rows=None if vocab_mask_rows is not None and len(vocab_mask_rows) == bs else vocab_mask_rows,
-            deferred_vocab_mask=deferred_vocab_mask,
         )
         if top_p_rows:
             info.top_p_rows = info._rows_tensor(top_p_rows, bs)
@@ -303,7 +293,7 @@ class Sampler:
             )
         # Columns past vocab_size are LM-head padding (vocab-parallel): never sampled.
         if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
-                and not info.has_vocab_mask and not return_logprob and top_logprobs_num <= 0):
+                and info.vocab_mask is None and not return_logprob and top_logprobs_num <= 0):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
             return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
@@ -341,9 +331,6 @@ class Sampler:
     def _adjust_logits(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Grammar bitmask, penalties, then min_new_tokens suppression; ``x`` is the sampler's
         private copy."""
-        if info.deferred_vocab_mask is not None:
-            info.vocab_mask = info.deferred_vocab_mask.resolve().to(x.device, non_blocking=True)
-            info.deferred_vocab_mask = None
         if info.vocab_mask is not None:
             ops = self._ops or get_ops(x.device, x.dtype)
             ops.apply_token_bitmask(x, info.vocab_mask, info.vocab_mask_rows)
