@@ -156,7 +156,7 @@ Gate = tuple[set[str], threading.Event, threading.Event]
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     """``(blocked_texts, started, release)``: a compile of a constraint whose text is in
-    ``blocked_texts`` sets ``started`` and then blocks on the grammar thread until ``release``."""
+    ``blocked_texts`` sets ``started`` and then blocks its compile thread until ``release``."""
     blocked: set[str] = set()
     started, release = threading.Event(), threading.Event()
     compile_ = GrammarBackend.compile
@@ -169,7 +169,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 
     monkeypatch.setattr(GrammarBackend, "compile", compile)
     yield blocked, started, release
-    release.set()  # never leave the grammar thread blocked
+    release.set()  # never leave a compile thread blocked
 
 
 def assert_email(h: Harness, result: dict[str, Any]) -> str:
@@ -408,7 +408,7 @@ def test_compile_timeout_fails_only_that_request(h: Harness, gate: Gate, monkeyp
     assert "--grammar-compile-timeout" in message
     assert len(sched.grammars) == 0 and sched.is_idle()
     assert_idle_invariant(sched)
-    # The scheduler goes on serving: a free request at once, a constrained one once the thread is free.
+    # The scheduler goes on serving, free and constrained requests (the timed-out compile still runs).
     h.submit(sched, "next", PROMPTS[1], max_new_tokens=8)
     h.run(sched, results)
     assert results["next"]["reason"] == {"type": "length", "length": 8}
@@ -443,7 +443,7 @@ def test_abort_while_waiting_for_grammar(h: Harness, gate: Gate) -> None:
     blocked.add(EMAIL)
     sched = h.scheduler()
     h.submit(sched, "waiting", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
-    h.submit(sched, "also", PROMPTS[1], max_new_tokens=64, regex=EMAIL)  # queued behind it on the thread
+    h.submit(sched, "also", PROMPTS[1], max_new_tokens=64, regex=EMAIL)  # shares its compile
     h.submit(sched, "free", PROMPTS[2], max_new_tokens=6)
     assert started.wait(30)
     sched.step()
@@ -460,7 +460,7 @@ def test_abort_while_waiting_for_grammar(h: Harness, gate: Gate) -> None:
     assert results["free"]["reason"]["type"] == "abort"
     assert sched.stats["num_aborted"] == 3
     release.set()
-    # The compiles finish on the thread with nobody waiting for them; nothing changes.
+    # The compiles finish on their threads with nobody waiting for them; nothing changes.
     h.submit(sched, "later", PROMPTS[3], max_new_tokens=64, regex=EMAIL)
     h.run(sched, results)
     assert_email(h, results["later"])

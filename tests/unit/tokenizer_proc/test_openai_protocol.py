@@ -75,3 +75,26 @@ def test_kv_usage_gauge_from_a_dp_controllers_sums() -> None:
     assert 'tinyserve:token_usage{model_name="m"} 0.25' in text
     assert 'tinyserve:num_running_reqs{model_name="m"} 3.0' in text
     assert "_created" not in text
+
+
+def test_constraints_are_checked_before_queueing_and_refused_without_a_grammar_backend() -> None:
+    """The tokenizer's RequestBuilder: a constraint that parses goes through, one that does not is
+    refused naming its kind, and ``--grammar-backend none`` refuses every constrained request."""
+    import pytest
+
+    from runtime.messages import GenerateReq
+    from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder
+
+    limits = ModelLimits(vocab_size=100, context_len=1000, max_req_input_len=500, max_total_tokens=1000)
+    builder = RequestBuilder(tokenizer=None, limits=limits)
+    ok = GenerateReq(rid="a", input_ids=[1, 2], sampling_params={"regex": "[ab]+", "n": 2})
+    built = builder.build(ok)
+    assert [r.sampling_params.regex for r in built] == ["[ab]+", "[ab]+"]
+    with pytest.raises(Rejected) as bad:
+        builder.build(GenerateReq(rid="b", input_ids=[1], sampling_params={"ebnf": "root ::= foo"}))
+    assert bad.value.param == "ebnf" and "Rule \"foo\" is not defined" in bad.value.message
+    off = RequestBuilder(tokenizer=None, limits=limits, grammar_backend="none")
+    with pytest.raises(Rejected) as refused:
+        off.build(ok)
+    assert refused.value.param == "regex" and "--grammar-backend none" in refused.value.message
+    assert off.build(GenerateReq(rid="c", input_ids=[1]))  # unconstrained requests are served
