@@ -1,11 +1,11 @@
 """Requests waiting for their grammar: compiled off the scheduler's loop, joined when ready.
 
 A constrained request (``json_schema``, ``regex``, ``ebnf``) does not enter the waiting
-queue until its grammar is compiled against the served vocabulary: the compile runs on a
-worker thread (xgrammar releases the GIL while compiling), so a schema that takes seconds
-delays only its own request while the loop keeps stepping the others (and, with a few compile
-threads, the other constrained requests too). Requests that arrive while their constraint is
-compiling share that compile; compiled grammars are cached (``GrammarBackend``).
+queue until its grammar is compiled against the served vocabulary: compiles run on a few
+threads of their own (xgrammar releases the GIL while compiling), so a schema that takes
+seconds delays only its own requests while the loop keeps stepping the others, constrained
+ones included. Requests that arrive while their constraint is compiling share that compile;
+compiled grammars are cached (``GrammarBackend``).
 
 Under tensor parallelism every rank compiles for itself, and rank 0 decides when a request
 is ready (or has failed, or timed out); the others follow its decision, waiting for their
