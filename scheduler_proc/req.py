@@ -113,12 +113,14 @@ class StopChecker:
         self.context_len = context_len
         self._tokenizer = tokenizer
 
-    def load_tokenizer(self, server_args: ServerArgs) -> None:
-        """Stop strings need text: load the server's tokenizer the first time one is asked for."""
+    def load_tokenizer(self, server_args: ServerArgs) -> Any:
+        """Stop strings (and grammars) need text: the server's tokenizer, loaded the first time one
+        is asked for."""
         if self._tokenizer is None:
             from runtime.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
+        return self._tokenizer
 
     def check(self, req: Req) -> None:
         if req.finish_reason is not None:

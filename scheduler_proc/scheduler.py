@@ -81,7 +81,8 @@ class Scheduler:
         self.worker = create_model_worker(model_runner, overlap)
         self.queues = RequestQueues()
         # Constrained requests wait here until their grammar is compiled (off this thread).
-        self.grammars = GrammarQueue(self._load_tokenizer, model_runner.vocab_size, model_runner.eos_token_ids,
+        self.grammars = GrammarQueue(lambda: self.output.stop_checker.load_tokenizer(server_args),
+                                     model_runner.vocab_size, model_runner.eos_token_ids,
                                      server_args.grammar_compile_timeout, tp_rank, server_args.tp_size)
         # Jump-forward re-prefills through the prefix cache: without one it would recompute everything.
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
@@ -115,11 +116,6 @@ class Scheduler:
             self.grammars.add(req)
             return
         self.queues.add(req)
-
-    def _load_tokenizer(self) -> Any:
-        from runtime.tokenizer import load_tokenizer
-
-        return load_tokenizer(self.args.resolved_tokenizer_path())
 
     def _admit_compiled(self) -> None:
         """Constrained requests whose grammar is ready join the queue; failed ones end with the reason."""
@@ -348,7 +344,7 @@ class Scheduler:
         swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
             self.queues.drop_finished(finished)
-        if self.jump_forward:
+        if self.jump_forward and self.grammars.stats.constrained_requests:  # (no scan until one arrives)
             self._jump_forward([r for r in self.queues.running if r.grammar is not None])
 
     def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],

@@ -22,6 +22,7 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
+# One xgrammar batch matcher per thread that fills masks (each scheduler fills from its own thread).
 _batch_fillers = threading.local()
 
 

@@ -172,6 +172,16 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     release.set()  # never leave a compile thread blocked
 
 
+def start_blocked_email(h: Harness, gate: Gate, rid: str, **overrides: Any) -> Scheduler:
+    """A scheduler (``overrides``: its flags) whose first request, ``rid`` (PROMPTS[0], regex EMAIL),
+    waits for its compile until the gate's ``release``."""
+    blocked, _, _ = gate
+    blocked.add(EMAIL)
+    sched = h.scheduler(**overrides)
+    h.submit(sched, rid, PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    return sched
+
+
 def assert_email(h: Harness, result: dict[str, Any]) -> str:
     text = h.text(result["ids"])
     assert result["finished"] and result["reason"]["type"] == "stop", result
@@ -291,10 +301,8 @@ def test_free_requests_unchanged_by_constrained_neighbours(h: Harness) -> None:
 
 
 def test_slow_compile_delays_only_its_request(h: Harness, gate: Gate) -> None:
-    blocked, started, release = gate
-    blocked.add(EMAIL)
-    sched = h.scheduler()
-    h.submit(sched, "slow", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    _, started, release = gate
+    sched = start_blocked_email(h, gate, "slow")
     for i in range(3):
         h.submit(sched, f"free{i}", PROMPTS[4 + i], max_new_tokens=12)
     assert started.wait(30), "the compile never started"
@@ -321,10 +329,8 @@ def test_slow_compile_delays_only_its_request(h: Harness, gate: Gate) -> None:
 def test_slow_compile_does_not_delay_other_constrained_requests(h: Harness, gate: Gate) -> None:
     """Compiles run on several threads: another grammar compiles and its request finishes while
     the slow one is still compiling; a request for the slow grammar itself shares its compile."""
-    blocked, started, release = gate
-    blocked.add(EMAIL)
-    sched = h.scheduler()
-    h.submit(sched, "slow", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    _, started, release = gate
+    sched = start_blocked_email(h, gate, "slow")
     assert started.wait(30), "the compile never started"
     h.submit(sched, "slow-twin", PROMPTS[1], max_new_tokens=64, regex=EMAIL)
     h.submit(sched, "person", PROMPTS[2], max_new_tokens=96, json_schema=PERSON)
@@ -351,10 +357,8 @@ def test_grammar_ready_while_a_step_is_in_flight_mixed_chunk(h: Harness, gate: G
     flight puts its request in the waiting queue: the scheduler must see it before deciding to plan
     ahead, not build a mixed batch over a request whose token is still in flight."""
     assert h.overlap
-    blocked, started, release = gate
-    blocked.add(EMAIL)
-    sched = h.scheduler(enable_mixed_chunk=True)
-    h.submit(sched, "email", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    _, started, release = gate
+    sched = start_blocked_email(h, gate, "email", enable_mixed_chunk=True)
     h.submit(sched, "free", PROMPTS[1], max_new_tokens=24)
     assert started.wait(30)
     results: dict[str, dict[str, Any]] = {}
@@ -439,10 +443,8 @@ def test_invalid_grammar_at_compile_fails_with_reason(h: Harness) -> None:
 
 
 def test_abort_while_waiting_for_grammar(h: Harness, gate: Gate) -> None:
-    blocked, started, release = gate
-    blocked.add(EMAIL)
-    sched = h.scheduler()
-    h.submit(sched, "waiting", PROMPTS[0], max_new_tokens=64, regex=EMAIL)
+    _, started, release = gate
+    sched = start_blocked_email(h, gate, "waiting")
     h.submit(sched, "also", PROMPTS[1], max_new_tokens=64, regex=EMAIL)  # shares its compile
     h.submit(sched, "free", PROMPTS[2], max_new_tokens=6)
     assert started.wait(30)
