@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
+from runtime.port_args import PortArgs
 from runtime.gguf.reader import GGUFError
 from runtime.hub import HubError
 from runtime.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer

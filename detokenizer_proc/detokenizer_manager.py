@@ -15,7 +15,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from detokenizer_proc.incremental import DecodeState, Decoder
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
+from runtime.port_args import PortArgs
 from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import (
     BatchStrOut,

@@ -22,7 +22,8 @@ from typing import Any
 
 import zmq
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
+from runtime.port_args import PortArgs
 from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import (
     ControllerInput,

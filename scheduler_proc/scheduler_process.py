@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 import torch
 
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
+from runtime.port_args import PortArgs
 from runtime.device import resolve_device
 from runtime.distributed import TPGroup, init_tp_group, set_tp_group
 from runtime.ipc import PullSocket, PushSocket

@@ -23,7 +23,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from runtime.args import PortArgs, ServerArgs, endpoint
+from runtime.args import ServerArgs, endpoint
+from runtime.port_args import PortArgs
 from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
 from runtime.tokenizer import load_tokenizer

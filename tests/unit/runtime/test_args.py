@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.server_process import server_argv
-from runtime.args import PortArgs, ServerArgs
+from runtime.args import ServerArgs
+from runtime.port_args import PortArgs
 from runtime.version import VERSION, package_version
 
 from tests.support import REPO_ROOT as REPO
