@@ -74,6 +74,8 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 60.0
     disable_jump_forward: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # None: overlap where it pays (see scheduler_proc.model_worker.overlap_default); True/False: forced.
     disable_overlap_schedule: bool | None = None
     base_gpu_id: int = 0
@@ -229,6 +231,15 @@ class ServerArgs:
                             f"(default {d.grammar_compile_timeout:g})")
         g.add_argument("--disable-jump-forward", action="store_true", default=d.disable_jump_forward,
                        help="decode text a grammar forces token by token instead of appending it at once")
+        g = parser.add_argument_group("OpenAI chat output")
+        tool_parsers, reasoning_parsers = _parser_names()
+        g.add_argument("--tool-call-parser", type=str, default=d.tool_call_parser, choices=tool_parsers,
+                       help="the model's tool-call format: with tools and tool_choice auto, calls in the "
+                            "output become message.tool_calls (default: none; tool_choice required or a "
+                            "named function works without it)")
+        g.add_argument("--reasoning-parser", type=str, default=d.reasoning_parser, choices=reasoning_parsers,
+                       help="the model's thinking markers: the thinking text goes to "
+                            "message.reasoning_content (default: none, it stays in content)")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", type=int, default=d.tp_size,
                        help=f"tensor-parallel ranks (default {d.tp_size})")
@@ -287,6 +298,11 @@ class ServerArgs:
             if path is not None and not is_model_reference(path):
                 raise ValueError(f"{flag} {path!r} is neither a directory, a .gguf file, a model name "
                                  f"({', '.join(NAMED_MODELS)}) nor a hub id ORG/NAME")
+        tool_parsers, reasoning_parsers = _parser_names()
+        if self.tool_call_parser is not None:
+            _choice("--tool-call-parser", self.tool_call_parser, tool_parsers)
+        if self.reasoning_parser is not None:
+            _choice("--reasoning-parser", self.reasoning_parser, reasoning_parsers)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if not self.host:
@@ -402,6 +418,14 @@ class ServerArgs:
 def endpoint(scheme: str, host: str, port: int) -> str:
     """``scheme://host:port``, an IPv6 host in brackets (the ZMQ and HTTP addresses printed)."""
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _parser_names() -> tuple[list[str], list[str]]:
+    """The tool-call and reasoning parsers' names (their registries are the tokenizer process's:
+    imported here only for the flags' choices; the parsers need nothing but the stdlib)."""
+    from tokenizer_proc.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    return sorted(TOOL_CALL_PARSERS), sorted(REASONING_PARSERS)
 
 
 def _choice(flag: str, value: str, choices: Sequence[str]) -> None:

@@ -32,6 +32,8 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the tokenizer's template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions, for the template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra template variables (enable_thinking)
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     return_logprob: bool = False

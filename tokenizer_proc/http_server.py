@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.args import ServerArgs, endpoint
 from runtime.messages import ErrorReply, FlushCacheReq, GenerateChunk, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc import openai_protocol as oai
+from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.request_builder import Rejected, check_api_key
 
@@ -145,8 +146,8 @@ class HttpServer:
         self.max_request_bytes = max_request_bytes  # a larger body is refused (413) before it is read
         self.model_name = server_args.served_model_name or server_args.resolved_model_path()
         self.door: FrontDoor | None = None
-        self.logprobs: oai.LogprobFormatter | None = None
-        self.created = oai.now()
+        self.logprobs: reply_fmt.LogprobFormatter | None = None
+        self.created = reply_fmt.now()
         host, port = server_args.host, server_args.resolved_http_port()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -165,7 +166,7 @@ class HttpServer:
 
     def attach(self, door: FrontDoor) -> None:
         self.door = door
-        self.logprobs = oai.LogprobFormatter(door.tokenizer)
+        self.logprobs = reply_fmt.LogprobFormatter(door.tokenizer)
 
     async def serve(self) -> None:
         await self.server.serve(sockets=[self.sock])
@@ -186,6 +187,22 @@ class HttpServer:
         if model not in (self.model_name, self.server_args.model_path):
             raise oai.BadRequest(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                  "model", status=404, code="model_not_found")
+
+    def output_parsing(self, body: oai.ChatCompletionRequest) -> reply_fmt.OutputParsing:
+        """How a chat request's output is read: its tools against --tool-call-parser, its reasoning
+        split by --reasoning-parser unless it asked to keep it inline (separate_reasoning false)."""
+        args = self.server_args
+        tools = body.tool_plan(args.tool_call_parser)
+        return reply_fmt.OutputParsing(tools, args.tool_call_parser,
+                                       args.reasoning_parser if body.separate_reasoning else None,
+                                       body.enable_thinking, constrained=bool(tools.constraint) or body.constrained)
+
+    def prompt_texts(self, body: oai.CompletionRequest) -> list[str]:
+        """Each prompt as text (``echo``): token-id prompts decoded."""
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+            not isinstance(body.prompt[0], int) else [body.prompt]
+        door = self.ready_door()
+        return [p if isinstance(p, str) else str(door.tokenizer.decode(p)) for p in prompts]
 
     async def start(self, reqs: list[GenerateReq]) -> LocalRun:
         run = LocalRun(self.ready_door(), reqs)
@@ -363,15 +380,21 @@ def build_app(http: HttpServer) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await openai_generate(request, oai.ChatCompletionRequest, "chat")
 
-    async def openai_generate(request: Request, schema: type[BaseModel], kind: oai.Kind) -> Response:
+    async def openai_generate(request: Request, schema: type[BaseModel], kind: reply_fmt.Kind) -> Response:
         http.authorize(request)
         body: Any = await _body(request, schema, http.max_request_bytes)
         http.check_model(body.model)
-        run = await http.start(body.generate_reqs())
         assert http.logprobs is not None
-        reply = OpenAIReply(kind, body, run.n, http.model_name, http.logprobs)
+        if kind == "chat":
+            parsing = http.output_parsing(body)
+            run = await http.start(body.generate_reqs(parsing.tools))
+            reply = reply_fmt.OpenAIReply(kind, body, run.n, http.model_name, http.logprobs, parsing=parsing)
+        else:
+            run = await http.start(body.generate_reqs())
+            reply = reply_fmt.OpenAIReply(kind, body, run.n, http.model_name, http.logprobs,
+                                          prompts=http.prompt_texts(body) if body.echo else None)
         if body.stream:
-            return StreamingResponse(reply.stream(run), media_type="text/event-stream",
+            return StreamingResponse(_openai_stream(reply, run), media_type="text/event-stream",
                                      background=BackgroundTask(run.close))
         try:
             async with abort_on_disconnect(request, run):
@@ -411,72 +434,20 @@ async def _native_stream(run: LocalRun) -> AsyncIterator[bytes]:
     yield SSE_DONE
 
 
-class OpenAIReply:
-    """Builds the completion or chat completion reply (one body, or the SSE stream)."""
-
-    def __init__(self, kind: oai.Kind, body: Any, n: int, model: str, logprobs: oai.LogprobFormatter) -> None:
-        self.chat = kind == "chat"
-        self.req = body
-        self.n = n
-        self.model = model
-        self.fmt = logprobs
-        self.want_logprobs = bool(body.logprobs) if self.chat else body.logprobs is not None
-        self.id = oai.response_id(kind)
-        self.created = oai.now()
-        self.usage = oai.Usage()
-        self.choices: dict[int, dict[str, Any]] = {}
-
-    def add(self, prompt_index: int, chunk: GenerateChunk) -> None:
-        self.usage.add(prompt_index, chunk)
-        if not chunk.finished:
-            return
-        index = prompt_index * self.n + chunk.meta.get("index", 0)
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": chunk.text}
-            choice["logprobs"] = self.fmt.chat(chunk.meta) if self.want_logprobs else None
-        else:
-            choice["text"] = chunk.text
-            choice["logprobs"] = self.fmt.completion(chunk.meta, 0) if self.want_logprobs else None
-        choice["finish_reason"] = oai.finish_reason(chunk)
-        self.choices[index] = choice
-
-    def body(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model,
-                "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage.as_dict()}
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
-
-    async def stream(self, run: LocalRun) -> AsyncIterator[bytes]:
-        offsets: dict[int, int] = {}  # completions' logprobs.text_offset: the text so far per choice
-        try:
-            async for prompt_index, chunk in run.events():
-                self.usage.add(prompt_index, chunk)
-                index = prompt_index * self.n + chunk.meta.get("index", 0)
-                choice: dict[str, Any] = {"index": index}
-                if self.chat:
-                    delta: dict[str, Any] = {"content": chunk.text}
-                    if index not in offsets:
-                        delta["role"] = "assistant"
-                        offsets[index] = 0
-                    choice["delta"] = delta
-                    choice["logprobs"] = self.fmt.chat(chunk.meta) if self.want_logprobs else None
-                else:
-                    at = offsets.get(index, 0)
-                    choice["text"] = chunk.text
-                    choice["logprobs"] = self.fmt.completion(chunk.meta, at) if self.want_logprobs else None
-                    offsets[index] = at + len(chunk.text)
-                choice["finish_reason"] = oai.finish_reason(chunk)
-                yield sse(self._chunk([choice]))
-            if self.req.include_usage:
-                yield sse({**self._chunk([]), "usage": self.usage.as_dict()})
-        except RequestFailed as exc:
-            yield sse({"error": {"message": exc.message, "type": _ERROR_TYPE.get(STATUS_OF_CODE.get(exc.code, 500),
-                                                                                  "server_error"),
-                                 "param": None, "code": exc.code}})
-        finally:
-            run.close()
-        yield SSE_DONE
+async def _openai_stream(reply: reply_fmt.OpenAIReply, run: LocalRun) -> AsyncIterator[bytes]:
+    offsets: dict[int, int] = {}  # per choice: the text sent so far (completions' logprobs.text_offset)
+    try:
+        async for prompt_index, chunk in run.events():
+            event = reply.event(prompt_index, chunk, offsets)
+            if event is not None:
+                yield sse(event)
+        last = reply.usage_event()
+        if last is not None:
+            yield sse(last)
+    except RequestFailed as exc:
+        yield sse({"error": {"message": exc.message, "type": _ERROR_TYPE.get(STATUS_OF_CODE.get(exc.code, 500),
+                                                                              "server_error"),
+                             "param": None, "code": exc.code}})
+    finally:
+        run.close()
+    yield SSE_DONE

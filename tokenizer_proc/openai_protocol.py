@@ -1,30 +1,35 @@
-"""OpenAI's completions and chat completions schemas: pydantic request models, their
-translation into the server's own ``GenerateReq``, and the reply bodies.
+"""OpenAI's completions and chat completions requests: pydantic models and their translation
+into the server's own ``GenerateReq`` (the replies are tokenizer_proc/openai_reply.py).
 
-The requests are validated strictly (a string is never a number, a field the schema
-does not have is an error naming it) so that a client's mistake is answered with a 400
-that names the field, as OpenAI's own API does. Value ranges are not repeated here:
+Types are validated strictly (a string is never a number) so that a client's mistake is
+answered with a 400 that names the field, as OpenAI's own API does. Fields, though, are
+lenient where OpenAI's clients need it: an unknown field is ignored with one warning log
+line per field name (as SGLang and vLLM do: SDKs and agent frameworks add new fields
+faster than servers learn them), while a known field the server cannot honour is a 400
+naming it and why (``UNSUPPORTED``). Value ranges are not repeated here:
 ``SamplingParams.validate`` owns them, and ``openai_param`` maps the name it reports
 (``max_new_tokens``) back to the one the client sent (``max_tokens``).
 
-Replies are plain dicts (encoded with msgspec by the HTTP server): a stream sends one per
-token, and building pydantic objects for each would cost more than the encoding.
 SGLang/vLLM extensions accepted in the body (the openai SDK's ``extra_body``): ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``no_stop_trim``, and SGLang's constraints ``regex`` and ``ebnf``
-(``response_format`` carries a JSON schema).
+``skip_special_tokens``, ``no_stop_trim``, SGLang's constraints ``regex`` and ``ebnf``
+(``response_format`` carries a JSON schema), and on chat ``chat_template_kwargs`` and
+``separate_reasoning``.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runtime.messages import GenerateChunk, GenerateReq
+from runtime.messages import GenerateReq
+from tokenizer_proc.openai_tools import Tool, ToolChoice, ToolError, ToolPlan, message_for_template, plan_tools
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -33,6 +38,17 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                  "json_schema": "response_format"}
 # ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Known OpenAI fields this server cannot honour: a 400 naming the field says why (a silent
+# ignore would hand the client something other than what it asked for).
+UNSUPPORTED: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "the deprecated functions field is not supported; send tools",
+    "function_call": "the deprecated function_call field is not supported; send tool_choice",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+_warned_fields: set[str] = set()
 
 
 class BadRequest(Exception):
@@ -47,15 +63,39 @@ class BadRequest(Exception):
         self.code = code
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Fields(BaseModel):
+    """Strict types; unknown fields ignored with one warning per name; ``UNSUPPORTED`` ones refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED.items():
+                if data.get(name) not in (None, "", [], {}) and name not in cls.model_fields:
+                    raise BadRequest(f"{name}: {why}", name)
+            if data.get("modalities") not in (None, ["text"]):
+                raise BadRequest("modalities: only text output is supported", "modalities")
+        return data
+
+    @model_validator(mode="after")
+    def _ignore_unknown(self) -> "_Fields":
+        for name in self.model_extra or {}:
+            key = f"{type(self).__name__}.{name}"
+            if key not in _warned_fields:
+                _warned_fields.add(key)
+                logger.warning("ignoring the request field %r that %s does not know (logged once)", name,
+                               type(self).__name__)
+        return self
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Fields):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(_Fields):
     """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the output
     always follows the schema)."""
 
@@ -65,7 +105,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Fields):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -80,7 +120,7 @@ class ResponseFormat(_Strict):
         return {"json_schema": json.dumps(self.json_schema.schema_)}
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Fields):
     """The fields both endpoints share."""
 
     model: str
@@ -94,8 +134,12 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as OpenAI's clients send it
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored, as OpenAI's clients send them
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # SGLang / vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -110,8 +154,6 @@ class _SamplingFields(_Strict):
     ebnf: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
         params: dict[str, Any] = {"n": self.n}
@@ -122,7 +164,7 @@ class _SamplingFields(_Strict):
         if self.response_format is not None:
             params.update(self.response_format.constraint())
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                     "min_p", "repetition_penalty", "stop_token_ids", "regex", "ebnf"):
+                     "min_p", "repetition_penalty", "stop_token_ids", "regex", "ebnf", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -134,23 +176,29 @@ class _SamplingFields(_Strict):
         return params
 
     @property
+    def constrained(self) -> bool:
+        """Whether decoding follows a grammar the client gave (response_format, regex, ebnf)."""
+        text = self.response_format is None or self.response_format.type == "text"
+        return not text or self.regex is not None or self.ebnf is not None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     def generate_reqs(self) -> list[GenerateReq]:
-        """One GenerateReq per prompt (a list of prompts is a batch)."""
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
-        if self.suffix:
-            raise BadRequest("suffix is not supported", "suffix")
+        """One GenerateReq per prompt (a list of prompts is a batch). ``echo`` with ``logprobs``
+        asks for the prompt's own token logprobs too (lm-evaluation-harness's loglikelihood)."""
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest("best_of must equal n (best-of ranking is not supported)", "best_of")
         params = self.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens)
@@ -162,19 +210,21 @@ class CompletionRequest(_SamplingFields):
             prompts = list(self.prompt)
         if not prompts:
             raise BadRequest("prompt: empty list", "prompt")
+        prompt_logprobs = self.echo and self.logprobs is not None
         return [GenerateReq(rid=uuid.uuid4().hex, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs is not None, top_logprobs_num=top,
+                            logprob_start_len=0 if prompt_logprobs else -1,
                             **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                 for p in prompts]
 
 
-class ContentPart(_Strict):
+class ContentPart(_Fields):
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    # Messages may carry fields of their own (name, tool_call_id, ...): the chat template decides.
+    # Messages may carry fields of their own (name, tool_call_id, tool_calls, ...): the chat template decides.
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
@@ -186,7 +236,7 @@ class ChatMessage(BaseModel):
                 raise BadRequest(f"messages[{index}].content: only text parts are supported",
                                  f"messages[{index}].content")
             content = "".join(p.text or "" for p in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        return message_for_template({**(self.model_extra or {}), "role": self.role, "content": content or ""})
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -194,18 +244,49 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, thinking goes to reasoning_content
 
-    def generate_reqs(self) -> list[GenerateReq]:
+    def tool_plan(self, parser: str | None) -> ToolPlan:
+        try:
+            return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        except ToolError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+
+    @property
+    def enable_thinking(self) -> bool:
+        """What the template was told (Qwen3's ``enable_thinking``, on unless turned off)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+    def generate_reqs(self, tools: ToolPlan | None = None) -> list[GenerateReq]:
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
+        tools = tools if tools is not None else self.tool_plan(None)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = self.sampling_params(max_tokens)
+        if tools.constraint:
+            given = [k for k in ("json_schema", "regex", "ebnf") if k in params]
+            if given:
+                raise BadRequest(f"tool_choice {self.tool_choice_name} constrains the output; it cannot be "
+                                 f"combined with {openai_param(given[0], True)}", "tool_choice")
+            params.update(tools.constraint)
+        if tools.keep_special_tokens:
+            params["skip_special_tokens"] = False
         messages = [m.as_dict(i) for i, m in enumerate(self.messages)]
         return [GenerateReq(rid=uuid.uuid4().hex, messages=messages, sampling_params=params, stream=self.stream,
-                            return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0)]
+                            return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
+                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs)]
+
+    @property
+    def tool_choice_name(self) -> str:
+        choice = self.tool_choice
+        return repr(choice) if isinstance(choice, str) or choice is None else f"function {choice.function.name!r}"
 
 
-class NativeGenerateReq(_Strict):
+class NativeGenerateReq(_Fields):
     """SGLang's /generate body (the fields this server has)."""
 
     text: str | list[str] | None = None
@@ -254,85 +335,3 @@ def openai_param(field: str | None, chat: bool) -> str | None:
     if field == "max_new_tokens" and chat:
         return "max_completion_tokens"
     return _OPENAI_NAMES.get(field, field)
-
-
-# ---------------------------------------------------------------------- replies
-
-
-def finish_reason(chunk: GenerateChunk) -> str | None:
-    """OpenAI's finish_reason: stop (EOS, a stop string or token), length, or abort."""
-    if not chunk.finished:
-        return None
-    return str((chunk.finish_reason or {}).get("type", "stop"))
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-class Usage:
-    """Token counts of one HTTP request: the prompt once per prompt (not per sample, as
-    OpenAI counts it), the completions of every choice."""
-
-    def __init__(self) -> None:
-        self.prompt: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt, cached) tokens
-        self.completion = 0
-
-    def add(self, prompt_index: int, chunk: GenerateChunk) -> None:
-        if chunk.finished:
-            meta = chunk.meta
-            self.completion += int(meta.get("completion_tokens", 0))
-            if meta.get("index", 0) == 0 or prompt_index not in self.prompt:
-                self.prompt[prompt_index] = (int(meta.get("prompt_tokens", 0)), int(meta.get("cached_tokens", 0)))
-
-    def as_dict(self) -> dict[str, Any]:
-        return usage(sum(p for p, _ in self.prompt.values()), self.completion,
-                     sum(c for _, c in self.prompt.values()))
-
-
-class LogprobFormatter:
-    """Token logprobs in OpenAI's two layouts (tokens as text, through the tokenizer)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def token(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([int(token_id)]))
-
-    def completion(self, meta: dict[str, Any], text_offset: int) -> dict[str, Any]:
-        pairs = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs")
-        tokens = [self.token(t) for _, t in pairs]
-        offsets, at = [], text_offset
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
-        out: dict[str, Any] = {"tokens": tokens, "token_logprobs": [float(lp) for lp, _ in pairs],
-                               "text_offset": offsets, "top_logprobs": None}
-        if tops is not None:
-            out["top_logprobs"] = [{self.token(t): float(lp) for lp, t in top} for top in tops]
-        return out
-
-    def chat(self, meta: dict[str, Any]) -> dict[str, Any]:
-        pairs = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
-        content = []
-        for (lp, tid), top in zip(pairs, tops):
-            tok = self.token(tid)
-            content.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (t := self.token(i)), "logprob": float(v),
-                                              "bytes": list(t.encode())} for v, i in top]})
-        return {"content": content}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-Kind = Literal["completion", "chat"]
-
-
-def response_id(kind: Kind) -> str:
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex

@@ -18,6 +18,11 @@ from runtime.messages import GenerateReq, TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
 
+# apply_chat_template arguments a client's chat_template_kwargs may not override: they decide
+# what the call returns or which messages and tools it renders, which the server owns.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "documents", "tokenize", "return_dict",
+                                      "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                                      "chat_template", "padding", "truncation", "max_length"})
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 
 
@@ -134,17 +139,23 @@ class RequestBuilder:
         assert req.messages is not None
         if not req.messages:
             raise Rejected("invalid_request", "empty prompt: messages is []")
-        return self._render_chat(req.messages)
+        return self._render_chat(req.messages, req.tools, req.chat_template_kwargs)
 
-    def _render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any] | None) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise Rejected("invalid_request", "messages: the model's tokenizer has no chat template")
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str) or "content" not in m:
                 raise Rejected("invalid_request", f"messages[{i}]: needs a string 'role' and a 'content'")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} cannot be set "
+                                              "this way", "chat_template_kwargs")
+        kwargs.setdefault("add_generation_prompt", True)
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # template errors are the client's message structure
             raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
         self._check_text_size(text)

@@ -6,7 +6,9 @@ torch/transformers), so the whole e2e suite starts as few as possible:
 
 * ``llama_server``: tiny Llama, radix cache on, ``--api-key``: equality, streaming,
   prefix cache, bad input, disconnects.
-* ``qwen3_server``: tiny Qwen3, ``--disable-radix-cache``, ``--stream-interval 3``.
+* ``qwen3_server``: tiny Qwen3, ``--disable-radix-cache``, ``--stream-interval 3``; the OpenAI chat
+  surface of a Qwen3 server: a Qwen3-style template with tools and thinking (``QWEN3_TEMPLATE``),
+  ``--tool-call-parser hermes``, ``--reasoning-parser qwen3``.
 
 Each fixture yields a connected ``Client`` (``client.server`` is the ``ServerProcess``).
 """
@@ -25,6 +27,7 @@ from runtime.utils import pid_alive
 
 API_KEY = "test-key"
 MAX_TOTAL_TOKENS = 6144
+QWEN3_TEMPLATE = Path(__file__).parent / "chat_templates" / "qwen3_tools.jinja"
 CLIENT_TIMEOUT_S = 120.0
 
 
@@ -42,7 +45,9 @@ def llama_server(tiny_checkpoints: Any) -> Iterator[Client]:
 
 @pytest.fixture(scope="session")
 def qwen3_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    with launch_server(base_args(tiny_checkpoints.path("qwen3"), "--disable-radix-cache", "--stream-interval", "3"),
+    with launch_server(base_args(tiny_checkpoints.path("qwen3"), "--disable-radix-cache", "--stream-interval", "3",
+                                 "--chat-template", str(QWEN3_TEMPLATE), "--tool-call-parser", "hermes",
+                                 "--reasoning-parser", "qwen3"),
                        client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
 

@@ -1,5 +1,6 @@
 """The OpenAI request models and their translation into GenerateReq (no server): batches
-of prompts, field names in errors, what is refused, and the metric gauges' arithmetic."""
+of prompts, field names in errors, what is refused and what is ignored, tools and what they ask
+of decoding, and the metric gauges' arithmetic."""
 
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ def test_prompts_become_one_request_each_with_the_sampling_params() -> None:
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "functions": [{"name": "f"}]}, "functions"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"),
 ])
@@ -98,3 +98,99 @@ def test_constraints_are_checked_before_queueing_and_refused_without_a_grammar_b
         off.build(ok)
     assert refused.value.param == "regex" and "--grammar-backend none" in refused.value.message
     assert off.build(GenerateReq(rid="c", input_ids=[1]))  # unconstrained requests are served
+
+
+def chat_request(**body: Any) -> oai.ChatCompletionRequest:
+    return oai.ChatCompletionRequest.model_validate_json(json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}))
+
+
+def test_unknown_fields_are_ignored_with_one_warning_per_name(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger=oai.__name__):
+        for _ in range(3):
+            req = chat_request(brand_new_field=1, another_one={"x": 2}, user="u", metadata={"a": "b"}, store=True,
+                               stream_options=None)
+            assert req.generate_reqs()[0].sampling_params == {"n": 1}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and any("'brand_new_field'" in w for w in warned)
+    assert not any("'user'" in w or "'metadata'" in w for w in warned)  # known, accepted and ignored
+    with pytest.raises(oai.BadRequest) as exc:
+        chat_request(audio={"voice": "x"})
+    assert exc.value.param == "audio"
+    with pytest.raises(ValidationError):  # types stay strict
+        chat_request(max_tokens="3")
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs() -> None:
+    [with_logprobs] = completion(prompt="a", echo=True, logprobs=2, max_tokens=0).generate_reqs()
+    assert with_logprobs.logprob_start_len == 0 and with_logprobs.return_logprob
+    assert with_logprobs.sampling_params["max_new_tokens"] == 0
+    assert completion(prompt="a", echo=True).generate_reqs()[0].logprob_start_len == -1
+    assert completion(prompt="a", logprobs=2).generate_reqs()[0].logprob_start_len == -1
+
+
+def test_logit_bias_and_stream_options_pass_through() -> None:
+    req = chat_request(logit_bias={"5": -100.0}, stream=True,
+                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert req.generate_reqs()[0].sampling_params == {"n": 1, "logit_bias": {"5": -100.0}}
+    assert req.include_usage and req.continuous_usage
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}  # no parameters: any object
+
+
+def test_tool_choice_decides_the_constraint_and_how_calls_are_read() -> None:
+    from tokenizer_proc.openai_tools import constrained_calls
+
+    auto = chat_request(tools=[WEATHER]).tool_plan("hermes")
+    assert auto.mode == "parse" and auto.constraint == {} and auto.names == ("weather",)
+    [req] = chat_request(tools=[WEATHER], chat_template_kwargs={"enable_thinking": False}).generate_reqs(auto)
+    assert req.tools == [WEATHER] and req.chat_template_kwargs == {"enable_thinking": False}
+    assert chat_request(tools=[WEATHER]).tool_plan(None).mode == "none"  # no parser: the text as it is
+    assert chat_request(tools=[WEATHER], tool_choice="none").tool_plan("hermes").mode == "none"
+    assert chat_request(tools=[WEATHER]).tool_plan("mistral").keep_special_tokens  # [TOOL_CALLS] is special
+
+    required = chat_request(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    plan = required.tool_plan(None)
+    schema = json.loads(plan.constraint["json_schema"])
+    assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "weather"}, {"const": "clock"}]
+    assert required.generate_reqs(plan)[0].sampling_params["json_schema"] == plan.constraint["json_schema"]
+    calls = constrained_calls(plan, '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+                                    '{"name": "clock", "arguments": {}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls or []] == [("weather", {"city": "Oslo"}),
+                                                                         ("clock", {})]
+    assert constrained_calls(plan, '[{"name": "weather", "argu') is None  # cut by max_tokens
+
+    named = chat_request(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "weather"}})
+    plan = named.tool_plan(None)
+    assert plan.mode == "named" and json.loads(plan.constraint["json_schema"]) == WEATHER["function"]["parameters"]
+    [call] = constrained_calls(plan, '{"city": "Lima"}') or []
+    assert (call.name, json.loads(call.arguments)) == ("weather", {"city": "Lima"})
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),  # auto asked for, no parser
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_inconsistent_tools_are_refused_by_name(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(oai.BadRequest) as exc:
+        req = chat_request(**body)
+        req.generate_reqs(req.tool_plan(None))
+    assert exc.value.param == param
+
+
+def test_assistant_tool_calls_reach_the_template_with_object_arguments() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}
+    req = oai.ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    messages = req.generate_reqs()[0].messages or []
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
