@@ -8,6 +8,7 @@ trust the values. The names follow SGLang's so that SGLang users need no transla
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -21,6 +22,13 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 
 # The sampling parameters that constrain the output to a grammar, in SGLang's names.
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
+
+# logit_bias (OpenAI's): each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], and a request may bias at
+# most MAX_LOGIT_BIAS_ENTRIES tokens, which bounds what the sampler adds per request per step.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# A logit_bias key: a decimal token id in ASCII (``int`` alone would also take " 7", "1_0" or Arabic digits).
+_DECIMAL_ID = re.compile(r"-?[0-9]+")
 
 _PATH_FIELD = re.compile(r"\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
@@ -38,8 +46,12 @@ class SamplingParamsError(ValueError):
         self.field = field
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Sampling parameters of one request (SGLang names and defaults)."""
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, dict=True):
+    """Sampling parameters of one request (SGLang names and defaults).
+
+    ``dict=True`` gives instances a ``__dict__`` so that ``functools.cached_property`` can keep
+    derived values (``logit_bias_entries``) with the request; it is never encoded.
+    """
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -64,6 +76,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # OpenAI's logit_bias: {"<token id>": bias}, added to the logits of those tokens before
+    # sampling (and before greedy's argmax). Keys are decimal strings, as in OpenAI's JSON.
+    logit_bias: dict[str, float] | None = None
 
     # ---- construction -------------------------------------------------------------
 
@@ -141,6 +156,22 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                                                 f"got {' and '.join(given)}")
         for name in given:
             _check(name, bool(getattr(self, name).strip()), getattr(self, name), "must not be empty")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        """Bounded size, token ids in the vocabulary, finite biases in [-100, 100] (OpenAI's range)."""
+        bias = self.logit_bias or {}
+        _check("logit_bias", len(bias) <= MAX_LOGIT_BIAS_ENTRIES, len(bias),
+               f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased (entries)")
+        ids, values = self.logit_bias_entries  # refuses a key that is no decimal id, or a repeated id
+        for tid, value in zip(ids, values):
+            _check("logit_bias", tid >= 0, tid, "token ids must be >= 0")
+            if vocab_size is not None:
+                _check("logit_bias", tid < vocab_size, tid, f"token ids must be < vocab size {vocab_size}")
+            _finite("logit_bias", value)
+            _check("logit_bias", -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT, value,
+                   f"biases must be in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
 
     # ---- derived views ------------------------------------------------------------
 
@@ -167,6 +198,16 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 return kind, text
         return None
 
+    @functools.cached_property
+    def logit_bias_entries(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """``logit_bias`` as (token ids, biases), both empty when unset.
+
+        Cached on the request's params so the sampler, which builds a batch's bias every step,
+        never re-parses the string keys (each process parses once: the cache is not encoded).
+        ``logit_bias`` must not be changed after the first read.
+        """
+        return _parse_logit_bias(self.logit_bias)
+
     @property
     def has_penalties(self) -> bool:
         return (
@@ -180,6 +221,22 @@ def _field_of(exc: msgspec.ValidationError) -> str:
     text = str(exc)
     m = _PATH_FIELD.search(text) or _UNKNOWN_FIELD.search(text)
     return m.group(1) if m else "<root>"
+
+
+def _parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Token ids of ``bias``'s keys, with their biases; SamplingParamsError("logit_bias") for a key that
+    is not a decimal integer or names an id twice ("7" and "07"), whose biases would silently add up."""
+    if not bias:
+        return (), ()
+    ids: list[int] = []
+    seen: set[int] = set()
+    for key in bias:
+        _check("logit_bias", _DECIMAL_ID.fullmatch(key) is not None, key, "keys must be decimal token ids")
+        tid = int(key)
+        _check("logit_bias", tid not in seen, key, f"token id {tid} is biased twice")
+        seen.add(tid)
+        ids.append(tid)
+    return tuple(ids), tuple(float(v) for v in bias.values())
 
 
 def _finite(name: str, value: float) -> None:

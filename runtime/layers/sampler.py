@@ -7,7 +7,8 @@ Two pieces:
   tensors; top_k -> one ``topk`` of the batch's largest k; only rows with top_p < 1 pay
   for a vocabulary sort).
 - ``Sampler`` applies, in order: the grammar bitmask of constrained rows (tokens their
-  grammar does not allow next get -inf), penalties, min_new_tokens suppression of EOS and stop
+  grammar does not allow next get -inf), the requests' ``logit_bias`` (``runtime.layers.logit_bias``:
+  after the mask, so a banned token stays banned), penalties, min_new_tokens suppression of EOS and stop
   token ids (not where a grammar allows nothing else), then argmax for greedy rows and, for
   the others, temperature, softmax, top_k, top_p, min_p and an exponential race
   ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from ``probs`` (unnormalised is fine)
@@ -33,6 +34,7 @@ from typing import Iterable, Sequence
 import torch
 
 from runtime.layers import penalties as pen
+from runtime.layers.logit_bias import LogitBias
 from runtime.ops import DeviceOps, get_ops
 from runtime.sampling_params import SamplingParams
 
@@ -100,6 +102,8 @@ class SamplingBatchInfo:
     # on ``vocab_mask_rows`` only (None: every row); None when no row of the batch is constrained.
     vocab_mask: torch.Tensor | None = None
     vocab_mask_rows: list[int] | None = None
+    # Sparse (row, token, bias) entries of the rows with a logit_bias; None when no row has one.
+    logit_bias: LogitBias | None = None
 
     @property
     def batch_size(self) -> int:
@@ -179,6 +183,7 @@ class SamplingBatchInfo:
             info.top_p_rows = info._rows_tensor(top_p_rows, bs)
         info._build_penalties(params, prompt_ids, output_ids)
         info._build_min_tokens_mask(params, output_ids, eos_token_ids)
+        info.logit_bias = LogitBias.build(params, vocab_size, device)
         return info
 
     # ---- builders -----------------------------------------------------------------
@@ -251,8 +256,8 @@ class SamplingBatchInfo:
 class SamplerOutput:
     """What the sampler returns for one step.
 
-    ``logprobs`` and ``top_logprobs`` are ``log_softmax`` of the ORIGINAL logits (before
-    penalties, min_new_tokens masking and temperature), which is what transformers'
+    ``logprobs`` and ``top_logprobs`` are ``log_softmax`` of the ORIGINAL logits (before the
+    grammar mask, logit bias, penalties, min_new_tokens masking and temperature), which is what transformers'
     ``log_softmax(model(...).logits)`` gives and what SGLang reports by default.
     """
 
@@ -293,7 +298,8 @@ class Sampler:
             )
         # Columns past vocab_size are LM-head padding (vocab-parallel): never sampled.
         if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
-                and info.vocab_mask is None and not return_logprob and top_logprobs_num <= 0):
+                and info.vocab_mask is None and info.logit_bias is None
+                and not return_logprob and top_logprobs_num <= 0):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
             return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
@@ -322,18 +328,24 @@ class Sampler:
         return out
 
     def penalized_logits(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """fp32 [bs, vocab]: the logits greedy rows take the argmax of (penalties and
-        min_new_tokens masking applied, no temperature). For tests and debugging."""
+        """fp32 [bs, vocab]: the logits greedy rows take the argmax of (grammar mask, logit bias,
+        penalties and min_new_tokens masking applied, no temperature). For tests and debugging."""
         return self._adjust_logits(logits[:, : info.vocab_size].to(torch.float32, copy=True), info)
 
     # ---- stages -------------------------------------------------------------------
 
     def _adjust_logits(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """Grammar bitmask, penalties, then min_new_tokens suppression; ``x`` is the sampler's
-        private copy."""
+        """Grammar bitmask, logit bias, penalties, then min_new_tokens suppression; ``x`` is the
+        sampler's private copy.
+
+        The bias comes after the mask (-inf + 100 is still -inf: a bias cannot reopen a token the
+        grammar forbids) and before penalties, so a penalty acts on the biased logit.
+        """
         if info.vocab_mask is not None:
             ops = self._ops or get_ops(x.device, x.dtype)
             ops.apply_token_bitmask(x, info.vocab_mask, info.vocab_mask_rows)
+        if info.logit_bias is not None:
+            info.logit_bias.apply_(x)
         x = self._apply_penalties(x, info)
         if info.min_tokens_mask is not None:
             suppress = info.min_tokens_mask

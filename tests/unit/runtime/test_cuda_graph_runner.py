@@ -32,6 +32,7 @@ from runtime.cuda.attention import TritonAttnBackend  # noqa: E402
 from runtime.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
 from runtime.forward_batch import ForwardMode  # noqa: E402
 from runtime.model_runner import ModelRunner  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 
 SIZES = [1, 2, 4, 8]
 
@@ -82,6 +83,28 @@ def test_eager_replay_greedy_equals_plain_eager(runner: ModelRunner) -> None:
         assert spy.calls == [(bs, graphs.padded_size(bs))] * 3, "every decode step must go through the runner"
     runner.graph_runner = None
     harness.reset()
+
+
+def test_replayed_decode_still_applies_a_logit_bias(runner: ModelRunner) -> None:
+    """A replay computes logits only: a biased request's decode steps still reach the sampler, and the
+    unbiased request beside it writes what it writes without graphs."""
+    harness = Harness(runner)
+    runner.graph_runner = None
+    plain = harness.generate(_prompts(2)[1:], max_new_tokens=4)[0].output_ids
+    harness.reset()
+    forced = next(t for t in range(3, runner.vocab_size) if t not in plain)
+    graphs = cgr.setup_cuda_graphs(runner, batch_sizes=[1, 2], replay="eager")
+    assert graphs is not None
+    spy = ReplaySpy(graphs)
+    runner.graph_runner = graphs
+    try:
+        params = [SamplingParams(temperature=0.0, logit_bias={str(forced): 100.0}), SamplingParams(temperature=0.0)]
+        got = [r.output_ids for r in harness.generate(_prompts(2), max_new_tokens=4, sampling_params=params)]
+    finally:
+        runner.graph_runner = None
+        harness.reset()
+    assert spy.calls == [(2, 2)] * 3, "every decode step must go through the runner"
+    assert got == [[forced] * 4, plain]
 
 
 def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: Any) -> None:

@@ -415,6 +415,113 @@ def test_min_new_tokens_gives_way_to_a_complete_grammar() -> None:
             assert got[2] != eos
 
 
+# ---- logit_bias ---------------------------------------------------------------------------
+
+
+def biased(token: int, value: float, **kw: object) -> SamplingParams:
+    return SamplingParams(logit_bias={str(token): value}, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plus_100_bias_wins_greedy_and_sampling(device: str) -> None:
+    torch.manual_seed(11)
+    vocab, n = 50, 400
+    row = torch.randn(vocab) * 2
+    target = int(row.argmin())  # the least likely token of the row
+    logits = row.expand(n, -1).contiguous().to(device)
+    greedy = Sampler()(logits[:1], make_info([biased(target, 100, temperature=0.0)], vocab, device=device))
+    assert greedy.next_token_ids.tolist() == [target]
+    # Sampled rows at temperature 1: unseeded ones (one shared draw) and one seed per row.
+    params = [biased(target, 100, temperature=1.0, seed=None if i % 2 else i) for i in range(n)]
+    for seed in range(3):
+        out = seeded_sampler(seed)(logits, make_info(params, vocab, device=device))
+        assert (out.next_token_ids == target).all()
+    # Without the bias the same rows rarely pick it: the test can fail.
+    plain = seeded_sampler(0)(logits, make_info([SamplingParams(temperature=1.0)] * n, vocab, device=device))
+    assert (plain.next_token_ids != target).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_minus_100_on_the_argmax_gives_the_second_best(device: str) -> None:
+    torch.manual_seed(12)
+    vocab = 64
+    logits = (torch.randn(5, vocab) * 3).to(device)
+    top2 = logits.topk(2, dim=-1).indices.tolist()
+    params = [biased(best, -100, temperature=0.0) for best, _ in top2]
+    out = Sampler()(logits, make_info(params, vocab, device=device))
+    assert out.next_token_ids.tolist() == [second for _, second in top2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbiased_rows_are_exactly_as_without_bias(device: str) -> None:
+    """A biased row changes nothing for the others: their adjusted logits are bit-equal, and so
+    are their tokens (greedy, seeded, and unseeded ones drawing from the same shared noise)."""
+    torch.manual_seed(13)
+    vocab = 80
+    logits = torch.randn(4, vocab, device=device)
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5), SamplingParams(top_k=9)]
+    target = int(logits[0].argmin())
+    with_bias = make_info([biased(target, 100, temperature=1.0), *others], vocab, device=device)
+    without = make_info([SamplingParams(temperature=1.0), *others], vocab, device=device)
+    sampler = Sampler()
+    assert torch.equal(sampler.penalized_logits(logits, with_bias)[1:], sampler.penalized_logits(logits, without)[1:])
+    for seed in range(5):
+        a = seeded_sampler(seed)(logits, with_bias).next_token_ids.tolist()
+        b = seeded_sampler(seed)(logits, without).next_token_ids.tolist()
+        assert a[0] == target and a[1:] == b[1:]
+    # Rows without a bias build no bias tensors: an unbiased batch pays nothing.
+    assert without.logit_bias is None and with_bias.logit_bias is not None
+    assert with_bias.logit_bias.rows.tolist() == [0] and with_bias.logit_bias.token_ids.tolist() == [target]
+
+
+def test_bias_cannot_reopen_a_token_the_grammar_bans() -> None:
+    vocab = 20
+    logits = torch.zeros(300, vocab)
+    allowed = [3, 7, 11]
+    bitmask = torch.tensor([[sum(1 << t for t in allowed)]], dtype=torch.int32).expand(300, -1).contiguous()
+    banned = 5
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(logit_bias={str(banned): 100.0, "7": 3.0}, temperature=temperature)] * 300
+        info = SamplingBatchInfo.from_requests(params, [[]] * 300, [[]] * 300, vocab, [], "cpu", vocab_mask=bitmask)
+        ids = seeded_sampler()(logits, info).next_token_ids
+        assert set(ids.tolist()) <= set(allowed)
+        if temperature == 0.0:  # the bias still ranks the allowed tokens
+            assert set(ids.tolist()) == {7}
+
+
+def test_bias_comes_before_penalties_and_min_new_tokens() -> None:
+    vocab, eos = 10, 2
+    logits = torch.zeros(2, vocab)
+    logits[:, 3] = 1.0
+    # Repetition penalty 2 on a seen token: (1 + 3) / 2 = 2 (bias first), not 1 / 2 + 3 = 3.5.
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={"3": 3.0}),
+              SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias={str(eos): 100.0})]
+    info = make_info(params, vocab, prompts=[[3], [1]], outputs=[[], []], eos=[eos])
+    adjusted = Sampler().penalized_logits(logits, info)
+    assert adjusted[0, 3].item() == pytest.approx(2.0)
+    # +100 on EOS cannot end a request before min_new_tokens.
+    assert adjusted[1, eos].item() == float("-inf")
+    assert Sampler()(logits, info).next_token_ids.tolist() == [3, 3]
+
+
+def test_bias_keeps_logprobs_raw_and_drops_ids_past_the_vocab() -> None:
+    torch.manual_seed(14)
+    vocab = 30
+    logits = torch.randn(2, vocab + 2)  # two columns of LM-head padding
+    logits[:, vocab:] = 50.0
+    target = int(logits[0, :vocab].argmin())
+    # Unvalidated params may name an id past the vocabulary: it is dropped, never indexed.
+    params = [SamplingParams(temperature=0.0, logit_bias={str(target): 100.0, str(vocab + 1): 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={str(vocab): 100.0})]
+    info = make_info(params, vocab)
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_num=2)
+    raw = torch.log_softmax(logits[:, :vocab], dim=-1)
+    assert out.next_token_ids.tolist() == [target, int(raw[1].argmax())]
+    assert out.logprobs is not None and out.top_logprobs is not None
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.next_token_ids[:, None]).squeeze(1))
+    torch.testing.assert_close(out.top_logprobs[0], raw.topk(2, dim=-1).values)
+
+
 # ---- logprobs ---------------------------------------------------------------------------
 
 

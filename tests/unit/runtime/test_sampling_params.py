@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
 
 
 def test_defaults_from_none_and_empty_dict() -> None:
@@ -183,3 +183,55 @@ def test_msgpack_round_trip(d: dict[str, Any]) -> None:
 def test_defaults_are_omitted_on_the_wire() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams())) == {}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams(top_k=5))) == {"top_k": 5}
+
+
+# ---- logit_bias -----------------------------------------------------------------------
+
+
+def test_logit_bias_parsed_once_into_ids_and_values() -> None:
+    p = SamplingParams.from_dict({"logit_bias": {"5": 100, "17": -2.5}})
+    p.validate(vocab_size=18)
+    assert p.logit_bias_entries == ((5, 17), (100.0, -2.5))
+    assert p.logit_bias_entries is p.logit_bias_entries  # cached: the sampler never re-parses
+    assert SamplingParams().logit_bias_entries == ((), ())
+    # The cache stays on this side of the wire; the decoded copy parses for itself.
+    raw = msgspec.msgpack.encode(p)
+    assert msgspec.msgpack.decode(raw) == {"logit_bias": {"5": 100.0, "17": -2.5}}
+    back = msgspec.msgpack.Decoder(SamplingParams).decode(raw)
+    assert back == p and back.logit_bias_entries == ((5, 17), (100.0, -2.5))
+
+
+@pytest.mark.parametrize(
+    "bias,shown",
+    [
+        ({"x": 1.0}, "'x'"),  # not a decimal token id
+        ({" 5": 1.0}, "' 5'"),
+        ({"1_0": 1.0}, "'1_0'"),
+        ({"5.0": 1.0}, "'5.0'"),
+        ({"-1": 1.0}, "-1"),  # an id below 0
+        ({"5": 100.5}, "100.5"),  # a bias out of [-100, 100]
+        ({"5": -101}, "-101"),
+        ({"5": float("nan")}, "nan"),
+        ({"5": float("inf")}, "inf"),
+        ({"5": 1.0, "05": 2.0}, "'05'"),  # the same id twice
+        ({str(i): 1.0 for i in range(1025)}, "1025"),  # more than MAX_LOGIT_BIAS_ENTRIES
+        ({"5": "1"}, "str"),  # wrong types
+        ({"5": True}, "bool"),
+        (["5"], "array"),
+    ],
+)
+def test_logit_bias_errors_name_the_field(bias: Any, shown: str) -> None:
+    with pytest.raises(SamplingParamsError) as ei:
+        SamplingParams.from_dict({"logit_bias": bias})
+    assert ei.value.field == "logit_bias"
+    assert "logit_bias" in str(ei.value) and shown in str(ei.value)
+
+
+def test_logit_bias_ids_bounded_by_vocab_size() -> None:
+    p = SamplingParams.from_dict({"logit_bias": {"0": -100, "99": 100}})
+    p.validate(vocab_size=100)
+    with pytest.raises(SamplingParamsError) as ei:
+        p.validate(vocab_size=99)
+    assert ei.value.field == "logit_bias" and "99" in str(ei.value)
+    assert MAX_LOGIT_BIAS_ENTRIES == 1024
+    SamplingParams.from_dict({"logit_bias": {str(i): 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES)}})
