@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Collection, Final
 
-from tokenizer_proc.parsers._text import held_back_len, json_value_end, skip_ws
+from tokenizer_proc.parsers._text import JsonEndFinder, held_back_len, skip_ws
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class ToolCallParser(ABC):
         # until a non-space shows the run is real content, or a call shows it is not.
         self._held_ws = ""
         self._run_has_text = False
+        self._json_end = JsonEndFinder()  # for the formats: where a JSON value in ``_buf`` ends
 
     # -- public API ------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class ToolCallParser(ABC):
             if consumed <= 0:
                 raise AssertionError(f"{type(self).__name__}._step consumed nothing")
             self._buf = self._buf[consumed:]
+            self._json_end.reset()
             if step_text:
                 self._add_content(step_text, out)
             if step_calls:
@@ -237,7 +239,7 @@ class HermesToolCallParser(ToolCallParser):
             return _MALFORMED if at_end else None
         if buf[pos] != "{":
             return _MALFORMED
-        end = json_value_end(buf, pos)
+        end = self._json_end.find(buf, pos)
         if end is None:
             return _MALFORMED if at_end else None
         after = skip_ws(buf, end)
@@ -301,7 +303,7 @@ class Llama3ToolCallParser(ToolCallParser):
                 return calls if calls else _MALFORMED
             if buf[pos] != "{":
                 return _MALFORMED
-            end = json_value_end(buf, pos)
+            end = self._json_end.find(buf, pos)
             if end is None:
                 return _MALFORMED if at_end else None
             call = self._make_call(_load_json(buf[pos:end]))
@@ -347,7 +349,7 @@ class MistralToolCallParser(ToolCallParser):
         if pos == len(buf):
             return _MALFORMED if at_end else None
         if buf[pos] in "[{":
-            end = json_value_end(buf, pos)
+            end = self._json_end.find(buf, pos)
             if end is None:
                 return _MALFORMED if at_end else None
             value = _load_json(buf[pos:end])
@@ -367,7 +369,7 @@ class MistralToolCallParser(ToolCallParser):
             return _MALFORMED if at_end else None
         if buf[pos] != "{":
             return _MALFORMED
-        end = json_value_end(buf, pos)
+        end = self._json_end.find(buf, pos)
         if end is None:
             return _MALFORMED if at_end else None
         call = self._make_call({"name": match.group(), "arguments": _load_json(buf[pos:end])})

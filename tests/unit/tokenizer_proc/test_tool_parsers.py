@@ -11,6 +11,7 @@ every offset into two pieces, and one character at a time.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -64,6 +65,9 @@ CASES: list[tuple[str, str, str, list[ToolCall]]] = [
      "", [SEARCH_TAG]),
     ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "a \\"quoted\\" } brace"}}</tool_call>',
      "", [ToolCall("search", '{"q": "a \\"quoted\\" } brace"}')]),
+    # a string ending in an escaped backslash: its closing quote is not escaped
+    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "C:\\\\", "r": "}"}}</tool_call>',
+     "", [ToolCall("search", '{"q": "C:\\\\", "r": "}"}')]),
     # missing "arguments" means no arguments
     ("hermes", '<tool_call>{"name": "noop"}</tool_call>', "", [NOOP]),
     # unterminated at EOS: the JSON alone decides
@@ -253,3 +257,17 @@ def test_parse_does_not_disturb_a_stream() -> None:
     assert parser.parse(HERMES_CALL_PARIS) == ("", [W_PARIS])
     assert parser.feed("_call>") == ("", [])
     assert parser.finish() == ("<tool_call>", [])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_long_call_streams_in_linear_time(fmt: str) -> None:
+    """A 40 KB call fed two characters at a time: rescanning it per fragment would take seconds."""
+    args = {"code": 'print({"a": "}"})\n' * 2000}
+    text = {
+        "hermes": "<tool_call>" + json.dumps({"name": "search", "arguments": args}) + "</tool_call>",
+        "llama3": json.dumps({"name": "search", "parameters": args}),
+        "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "search", "arguments": args}]),
+    }[fmt]
+    started = time.perf_counter()
+    assert stream(fmt, [text[i:i + 2] for i in range(0, len(text), 2)]) == ("", [call("search", args)])
+    assert time.perf_counter() - started < 2.0
