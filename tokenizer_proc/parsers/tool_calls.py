@@ -161,6 +161,7 @@ class ToolCallParser(ABC):
     # -- bookkeeping -----------------------------------------------------------------
 
     def _advance(self, text: str, at_end: bool) -> tuple[str, list[ToolCall]]:
+        """Append ``text`` and run the format's steps until it waits: (content, calls) decided."""
         self._buf += text
         out: list[str] = []
         calls: list[ToolCall] = []
@@ -189,6 +190,7 @@ class ToolCallParser(ABC):
         return "".join(out), calls
 
     def _add_content(self, text: str, out: list[str]) -> None:
+        """Send ``text`` as content, holding a run's whitespace-only start (a call may follow)."""
         if self._run_has_text:
             out.append(text)
             return
@@ -199,6 +201,7 @@ class ToolCallParser(ABC):
             self._run_has_text = True
 
     def _deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
+        """OpenAI's stream shape: per call, a delta naming it, then one with all its arguments."""
         deltas: list[ToolCallDelta] = []
         first = self._calls_sent - len(calls)
         for i, call in enumerate(calls):
