@@ -257,3 +257,26 @@ def test_prompt_logprobs_with_pages_of_four(path: Path, hf) -> None:
         assert_close(result, reference(hf, prompt, start))
         assert result["cached"] <= start - 1
     assert result["cached"] == 4  # the cached prefix before position 5, in whole pages
+
+
+def test_prompt_logprobs_under_tensor_parallelism(path: Path, hf, thread_tp_group) -> None:
+    """TP=2 (a thread per rank): the vocab-sharded logits are all-gathered, so every rank's
+    scheduler computes the same prompt logprobs, equal to transformers'."""
+    from tests.support.tp_threads import run_on_ranks
+
+    runners = [ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
+                           max_total_tokens=512, load_progress=False, max_running_requests=4, tp_rank=r, tp_size=2)
+               for r in range(2)]
+    assert runners[0].model.lm_head.weight.shape[0] < runners[0].vocab_size  # each rank has half the vocab
+    prompt = random_prompt(19, runners[0].vocab_size, seed=53)
+
+    def work(rank: int) -> dict[str, Any]:
+        sched = Scheduler(ServerArgs(max_total_tokens=512, disable_overlap_schedule=True, chunked_prefill_size=8,
+                                     tp_size=2), tp_rank=rank, model_runner=runners[rank])
+        submit(sched, "r", prompt, max_new_tokens=2, start=0)
+        return run(sched)["r"]
+
+    results = run_on_ranks(thread_tp_group, work)
+    for result in results:
+        assert_close(result, reference(hf, prompt, 0))
+        assert result["ids"] == hf_greedy(hf, prompt, 2)[0]
