@@ -66,7 +66,9 @@ class RequestBuilder:
         params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
         top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
         return_logprob = req.return_logprob or top_logprobs_num > 0
-        logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids)) if return_logprob else -1
+        # Checked even when unused; without return_logprob the scheduler is not asked for them.
+        logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids))
+        logprob_start_len = logprob_start_len if return_logprob else -1
         out = []
         for i in range(params.n):
             sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),

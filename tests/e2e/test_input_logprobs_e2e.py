@@ -84,9 +84,10 @@ def test_max_new_tokens_zero_scores_the_prompt(llama_server: Client, hf_referenc
     assert info["memory_invariant"]["ok"]
 
 
-@pytest.mark.parametrize("start", [-2, 5])
-def test_a_logprob_start_outside_the_prompt_is_refused(llama_server: Client, start: int) -> None:
+@pytest.mark.parametrize("start,return_logprob", [(-2, True), (5, True), (7, False)])
+def test_a_logprob_start_outside_the_prompt_is_refused(llama_server: Client, start: int,
+                                                      return_logprob: bool) -> None:
     with pytest.raises(RequestError) as err:
         llama_server.generate(input_ids=[5, 6, 7, 8, 9], sampling_params={"max_new_tokens": 1},
-                              return_logprob=True, logprob_start_len=start)
+                              return_logprob=return_logprob, logprob_start_len=start)
     assert err.value.code == "invalid_request" and "logprob_start_len" in err.value.message
