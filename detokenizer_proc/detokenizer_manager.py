@@ -87,6 +87,10 @@ class DetokenizerManager:
             ]
         if out.output_top_logprobs is not None:
             meta["output_top_logprobs"] = out.output_top_logprobs
+        if out.input_token_logprobs is not None:  # (a request's first output only)
+            meta["input_token_logprobs"] = out.input_token_logprobs
+        if out.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = out.input_top_logprobs
         return StrOutput(
             rid=out.rid,
             text_delta=delta,

@@ -32,6 +32,24 @@ class ForwardMode(enum.IntEnum):
 
 
 @dataclass
+class InputLogprobRows:
+    """Prompt logprobs a batch computes (SGLang's input logprobs), laid out by the scheduler's
+    batch builder; absent (None) from every batch where no request asks for them, which then
+    computes logits at each request's last new token only.
+
+    The model computes logits at ``logit_rows`` of the packed token axis (per request: a run of
+    positions ending at its last new token). Row ``sample_rows[i]`` of those logits is where
+    request i samples; rows ``prompt_rows`` give the logprob of ``target_ids`` (the prompt token
+    after each such position). The tensors are the batch's, on its device.
+    """
+
+    logit_rows: torch.Tensor  # int64 [R]: packed token indices whose logits are computed
+    sample_rows: torch.Tensor  # int64 [bs]: row of the computed logits each request samples from
+    prompt_rows: torch.Tensor  # int64 [m]: rows of the computed logits that give prompt logprobs
+    target_ids: torch.Tensor  # int64 [m]: the prompt token each of those rows predicts
+
+
+@dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
     input_ids: torch.Tensor  # int64 [num_tokens]
@@ -51,6 +69,7 @@ class ForwardBatch:
     sampling_info: Any = None  # runtime.layers.sampler.SamplingBatchInfo
     return_logprob: bool = False
     top_logprobs_num: int = 0  # max over the batch; 0 = none
+    input_logprobs: InputLogprobRows | None = None  # prompt logprobs: extend batches that ask only
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 
@@ -70,3 +89,10 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Index in the packed token axis of each request's last new token (where it samples)."""
         return torch.cumsum(self.extend_lens, 0) - 1
+
+    def logit_rows(self) -> torch.Tensor:
+        """Index in the packed token axis of every row whose logits the model computes: the last
+        new token of each request, plus the prompt positions of ``input_logprobs`` if any."""
+        if self.input_logprobs is None:
+            return self.last_token_indices()
+        return self.input_logprobs.logit_rows

@@ -38,6 +38,9 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs from this prompt position on (-1: none; SGLang's convention): with
+    # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
+    logprob_start_len: int = -1
     api_key: str | None = None
 
 
@@ -109,6 +112,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none (checked by the tokenizer)
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
@@ -135,6 +139,11 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     cached_tokens: int = 0
     output_logprobs: list[float] | None = None  # one per new output id, when asked
     output_top_logprobs: list[list[list[float]]] | None = None  # per new id: [[logprob, token_id], ...]
+    # Prompt logprobs (in a request's first ReqOutput only): [logprob or None, token_id] per prompt
+    # token from logprob_start_len on (None for token 0), and, with top_logprobs_num, per such token
+    # None (token 0) or its k best [[logprob, token_id], ...] at the position before it.
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[float]] | None] | None = None
     skip_special_tokens: bool = True
     stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
     # any text that may be the start of one, and cuts the final text at the first match. Read

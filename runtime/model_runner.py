@@ -31,7 +31,7 @@ from runtime.attention.registry import (
 from runtime.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.cuda.triton_common import interpreted_dtype
 from runtime.device import concrete_device, resolve_device, resolve_dtype
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.distributed import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
@@ -51,6 +51,10 @@ class ModelOutput:
     logprobs: torch.Tensor | None = None  # float32 [bs]: log_softmax of the raw logits at the chosen token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [bs, k], ids [bs, k])
     logits: torch.Tensor | None = None  # float32 [bs, vocab]: raw logits (for tests / debugging)
+    # Prompt logprobs, when the batch asks (``ForwardBatch.input_logprobs``): float32 [m], one per
+    # prompt row, and with top_logprobs_num the k best of each row (values [m, k], ids [m, k]).
+    input_token_logprobs: torch.Tensor | None = None
+    input_top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -212,7 +216,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model; fp32 logits ``[bs, vocab]`` at each request's last new token."""
+        """Run the model; fp32 logits at ``batch.logit_rows()`` (``[bs, vocab]``, each request's last
+        new token, unless the batch asks for prompt logprobs)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return eager_forward(self, batch)
@@ -224,9 +229,21 @@ class ModelRunner:
         ``top_logprobs_num`` (default: ``batch.top_logprobs_num``, the largest any request
         in the batch asked for) asks for the k best logprobs of every request.
         """
-        logits = self.compute_logits(batch)
-        info = batch.sampling_info
         k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
+        logits = self.compute_logits(batch)
+        prompt = None
+        if batch.input_logprobs is not None:
+            # Before sampling, which may scale its rows in place; the sampled rows are a copy.
+            prompt = prompt_logprobs(logits, batch.input_logprobs, k)
+            logits = logits.index_select(0, batch.input_logprobs.sample_rows)
+        out = self._sample(batch, logits, k)
+        if prompt is not None:
+            out.input_token_logprobs, out.input_top_logprobs = prompt
+        return out
+
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, k: int) -> ModelOutput:
+        """The next token of each request from its row of ``logits`` (and its output logprobs)."""
+        info = batch.sampling_info
         if info is None:
             next_ids = self.ops.argmax_rows(logits)
             out = ModelOutput(next_token_ids=next_ids, logits=logits)
@@ -263,3 +280,30 @@ class ModelRunner:
             group.broadcast_tensor(out.top_logprobs[0], src=0)
             group.broadcast_tensor(out.top_logprobs[1], src=0)
         return out
+
+
+# Prompt rows log-softmaxed at a time: bounds the fp32 [rows, vocab] copies of a long prompt.
+PROMPT_LOGPROB_ROWS = 1024
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: InputLogprobRows, k: int,
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each prompt row's logprob of its target token, and with ``k`` its k best: log_softmax of
+    the raw fp32 logits, as the output logprobs are (the logits are the same on every TP rank,
+    so every rank gets the same values without a broadcast)."""
+    chosen: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    for start in range(0, int(rows.prompt_rows.shape[0]), PROMPT_LOGPROB_ROWS):
+        part = rows.prompt_rows[start : start + PROMPT_LOGPROB_ROWS]
+        logprobs = torch.log_softmax(logits.index_select(0, part).float(), dim=-1)
+        targets = rows.target_ids[start : start + PROMPT_LOGPROB_ROWS]
+        chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
+        if k > 0:
+            top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    if not chosen:  # (no prompt rows: the builder leaves such batches without input_logprobs)
+        empty = logits.new_empty((0,))
+        return empty, None
+    return torch.cat(chosen), ((torch.cat(values), torch.cat(ids)) if k > 0 else None)

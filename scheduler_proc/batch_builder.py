@@ -21,6 +21,7 @@ import torch
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.sampler import SamplingBatchInfo
 from memory.prefix_cache import BasePrefixCache
+from scheduler_proc import input_logprobs
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
@@ -214,6 +215,9 @@ class BatchBuilder:
             sampling_info=self._sampling(reqs),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+            # Logits at more than the last position only for prefills that ask for prompt logprobs.
+            input_logprobs=None if mode == ForwardMode.DECODE else input_logprobs.plan_batch(
+                reqs, prefix_lens, extend_lens, self.device),
         )
         return batch, future_inputs
 

@@ -69,6 +69,9 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
+    # Prompt logprobs of the batch's prompt rows, in batch order (``ForwardBatch.input_logprobs``).
+    input_logprobs: list[float] | None = None
+    input_top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
 
 
 class PendingStep:
@@ -110,20 +113,32 @@ def _host_copy(output: Any) -> Any:
         return t.to("cpu", non_blocking=True)
 
     top = output.top_logprobs
-    return type(output)(
+    copy = type(output)(
         next_token_ids=host(output.next_token_ids),
         logprobs=None if output.logprobs is None else host(output.logprobs),
         top_logprobs=None if top is None else (host(top[0]), host(top[1])),
     )
+    prompt = getattr(output, "input_token_logprobs", None)  # (a stub runner's output has none)
+    if prompt is not None:
+        copy.input_token_logprobs = host(prompt)
+        prompt_top = output.input_top_logprobs
+        copy.input_top_logprobs = None if prompt_top is None else (host(prompt_top[0]), host(prompt_top[1]))
+    return copy
 
 
 def _to_result(output: Any) -> StepResult:
     top = output.top_logprobs
-    return StepResult(
+    result = StepResult(
         token_ids=output.next_token_ids.tolist(),
         logprobs=None if output.logprobs is None else output.logprobs.tolist(),
         top_logprobs=None if top is None else (top[0].tolist(), top[1].tolist()),
     )
+    prompt = getattr(output, "input_token_logprobs", None)  # (a stub runner's output has none)
+    if prompt is not None:
+        result.input_logprobs = prompt.tolist()
+        prompt_top = output.input_top_logprobs
+        result.input_top_logprobs = None if prompt_top is None else (prompt_top[0].tolist(), prompt_top[1].tolist())
+    return result
 
 
 @dataclass

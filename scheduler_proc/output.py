@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from runtime.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
+from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
 
@@ -40,6 +41,10 @@ class OutputProcessor:
         """Give ``req`` the token of batch row ``row`` (and its logprobs), then check for a stop."""
         if not req.output_ids and not req.is_retracted:
             req.cached_tokens = req.first_prefix_len
+        if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            # max_new_tokens 0: the prefill ran (for its prompt logprobs); its sample is dropped.
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            return
         token = result.token_ids[row]
         req.output_ids.append(token)
         if req.grammar is not None and not req.grammar.accept(token):
@@ -100,6 +105,10 @@ class OutputProcessor:
             stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
         )
+        if not req.input_logprobs_sent and input_logprobs.wants(req):  # the first output carries them
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs if req.top_logprobs_num else None
+            req.input_logprobs_sent = True
         if start == 0 and req.grammar is not None:
             out.grammar_compile_seconds = req.grammar.compile_seconds
             out.grammar_cache_hit = req.grammar.cache_hit

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from memory.prefix_cache import BasePrefixCache
 from memory.radix_cache import RadixCache
+from scheduler_proc import input_logprobs
 from scheduler_proc.req import Req
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -55,10 +56,15 @@ class SchedulePolicy:
 
     def match(self, req: Req) -> None:
         """Match ``req``'s known tokens against the tree (the cache records the match in the request's
-        handle); at least one token is left to compute."""
+        handle); at least one token is left to compute, and every prompt position whose logits its
+        prompt logprobs still need."""
         known = req.known_ids()
+        end = len(known) - 1
+        limit = input_logprobs.match_limit(req)  # prompt logprobs need the logits from there on
+        if limit is not None:
+            end = min(end, limit)
         # Hit statistics are counted once per request by the scheduler, not per lookup here.
-        self.tree_cache.match_request(req, known[: len(known) - 1])
+        self.tree_cache.match_request(req, known[:end])
 
     def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
         """Visit the tree depth first, heaviest subtree (most waiting requests) first.

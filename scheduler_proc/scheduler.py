@@ -34,7 +34,7 @@ from runtime.args import ServerArgs
 from runtime.forward_batch import ForwardMode
 from runtime.messages import LoadReport, SchedAbortReq, SchedControlOut, SchedControlReq, SchedulerInput, \
     TokenizedGenerateReq
-from scheduler_proc import reports, swa_memory
+from scheduler_proc import input_logprobs, reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.decode_memory import DecodeMemory
@@ -104,14 +104,12 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Queue a request the tokenizer validated (prompt length, vocabulary, parameters)."""
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                  stream=msg.stream, return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
+                  stream=msg.stream, return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                  logprob_start_len=msg.logprob_start_len)
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
         if req.sampling_params.stop_strs:
             self.output.stop_checker.load_tokenizer(self.args)
-        if req.sampling_params.max_new_tokens == 0:
-            # Nothing to generate: answer at once, no memory touched.
-            self.output.finish(req, {"type": "length", "length": 0})
-            return
+        input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)
         if req.sampling_params.constraint is not None:
             self.grammars.add(req)
             return
@@ -328,6 +326,7 @@ class Scheduler:
         step, self.inflight = self.inflight, None
         assert step is not None
         result = step.pending.wait()
+        input_logprobs.take([item.req for item in step.extend], result)  # before any first output goes out
         finished: set[Req] = set()
         sampled: list[tuple[int, Req]] = []
         for row, item in enumerate(step.extend):

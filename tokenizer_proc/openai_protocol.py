@@ -295,6 +295,7 @@ class NativeGenerateReq(_Fields):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on (with return_logprob); -1: none
     rid: str | list[str] | None = None
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
@@ -323,6 +324,7 @@ class NativeGenerateReq(_Fields):
             raise BadRequest("rid: the rids of a batch must differ", "rid")
         return [GenerateReq(rid=r, sampling_params=self.sampling_params, stream=self.stream,
                             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
+                            logprob_start_len=self.logprob_start_len,
                             **{field: item}) for r, item in zip(rids, items)], batch
 
 

@@ -35,6 +35,9 @@ from tokenizer_proc.routing_state import ReqGroup, SampleState
 
 logger = logging.getLogger(__name__)
 
+# Meta keys of the prompt logprobs: sent once per request (its first output), kept for the last reply.
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs")
+
 
 class OutputRouter:
     """Turns the detokenizer's messages into client replies, through the request table."""
@@ -101,8 +104,10 @@ class OutputRouter:
             sample.output_ids.extend(out.new_output_ids)
             sample.token_logprobs.extend(out.meta.get("output_token_logprobs", ()))
             sample.top_logprobs.extend(out.meta.get("output_top_logprobs", ()))
+            sample.input_logprobs.update({key: out.meta[key] for key in INPUT_LOGPROB_KEYS if key in out.meta})
             if out.finished:
                 meta = self.meta(group, sample, out.meta, out.finish_reason)
+                meta.update(sample.input_logprobs)
                 if sample.token_logprobs or "output_token_logprobs" in out.meta:
                     meta["output_token_logprobs"] = sample.token_logprobs
                 if sample.top_logprobs or "output_top_logprobs" in out.meta:

@@ -71,6 +71,9 @@ class RequestBuilder:
         params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
         top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
         return_logprob = req.return_logprob or top_logprobs_num > 0
+        # Checked even when unused; without return_logprob the scheduler is not asked for them.
+        logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids))
+        logprob_start_len = logprob_start_len if return_logprob else -1
         out = []
         for i in range(params.n):
             sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
@@ -82,6 +85,7 @@ class RequestBuilder:
                 stream=req.stream,
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
             ))
         return out
 
@@ -182,6 +186,15 @@ class RequestBuilder:
         if bad is not None:
             raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})",
                            "input_ids")
+
+    @staticmethod
+    def _logprob_start_len(start: int, prompt_len: int) -> int:
+        """Prompt logprobs start at a prompt position (-1: none): one past the prompt would be none too,
+        which the client did not mean."""
+        if not -1 <= start < prompt_len:
+            raise Rejected("invalid_request", f"logprob_start_len: must be -1 (none) or a prompt position in "
+                                              f"[0, {prompt_len}), got {start}", "logprob_start_len")
+        return start
 
     def _fit_context(self, n: int, params: SamplingParams, explicit: bool) -> SamplingParams:
         """Prompt + output must fit the context: an explicit max_new_tokens that does not

@@ -170,8 +170,10 @@ class CudaGraphRunner:
     # ---- replay -------------------------------------------------------------------------
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Decode batches of at most the largest size whose sequences fit the plan's buffers."""
-        if not batch.forward_mode.is_decode() or not 0 < batch.batch_size <= self.max_bs or not self.batches:
+        """Decode batches of at most the largest size whose sequences fit the plan's buffers (a
+        graph computes one logit row per request: never a batch asking for prompt logprobs)."""
+        if (not batch.forward_mode.is_decode() or batch.input_logprobs is not None
+                or not 0 < batch.batch_size <= self.max_bs or not self.batches):
             return False
         lens = batch.seq_lens_cpu if len(batch.seq_lens_cpu) == batch.batch_size else None
         return lens is not None and sum(lens) + self.max_bs * PAD_SEQ_LEN <= self.max_kv_tokens

@@ -239,9 +239,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend, layer_stack: LayerStack | None = None
     ) -> torch.Tensor:
-        """fp32 logits ``[bs, vocab_size]`` at each request's last new token (``layer_stack``: see
-        ``LlamaModel.forward``)."""
-        rows = batch.last_token_indices()
+        """fp32 logits at ``batch.logit_rows()``: ``[bs, vocab_size]``, each request's last new token,
+        unless the batch asks for prompt logprobs (``layer_stack``: see ``LlamaModel.forward``)."""
+        rows = batch.logit_rows()
         return self.lm_head(self.model(batch, backend, rows, layer_stack))
 
     # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------

@@ -244,6 +244,26 @@ def test_native_generate_body_and_reply(server: Client) -> None:
     assert status == 400 and json.loads(body)["error"]["param"] == "bogus"
 
 
+def test_native_generate_scores_a_prompt_with_max_new_tokens_zero(server: Client) -> None:
+    """lm-eval's loglikelihood call: return_logprob, logprob_start_len and max_new_tokens 0 score the
+    prompt without generating; the reply's meta_info has what the ZMQ client gets."""
+    ids = [17, 42, 99, 5, 230, 61, 8, 150, 77, 12]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 4, "top_logprobs_num": 2}
+    status, raw = http(server, "POST", "/generate", body)
+    assert status == 200, raw
+    r = json.loads(raw)
+    assert r["output_ids"] == [] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    zmq = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                          top_logprobs_num=2, logprob_start_len=4)
+    got = r["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in got] == ids[4:] and all(lp < 0 for lp, _ in got)
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in zmq["meta"]["input_token_logprobs"]], abs=1e-5)
+    assert [len(row) for row in r["meta_info"]["input_top_logprobs"]] == [2] * 6
+    status, raw = http(server, "POST", "/generate", {**body, "logprob_start_len": 10})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "logprob_start_len"
+
+
 # ---------------------------------------------------------------------- metrics
 
 

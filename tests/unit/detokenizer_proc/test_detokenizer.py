@@ -147,6 +147,21 @@ def test_meta_and_logprobs_are_passed_on(tokenizer: Any) -> None:
     assert o.meta["prompt_tokens"] == 9 and o.meta["completion_tokens"] == 2 and o.meta["cached_tokens"] == 4
     assert o.meta["output_token_logprobs"] == [[-0.1, 70], [-0.2, 71]]
     assert o.meta["output_top_logprobs"] == [[[-0.1, 70.0]], [[-0.2, 71.0]]]
+    assert "input_token_logprobs" not in o.meta and "input_top_logprobs" not in o.meta
+
+
+def test_prompt_logprobs_survive_the_message_round_trip(tokenizer: Any) -> None:
+    """A request's first output carries its prompt logprobs (None for token 0) through msgpack."""
+    import msgspec
+
+    sent = BatchTokenIDOut(outputs=[ReqOutput(
+        rid="r", new_output_ids=[], finished=True, finish_reason={"type": "length", "length": 0},
+        input_token_logprobs=[[None, 5], [-1.5, 6]], input_top_logprobs=[None, [[-0.5, 9.0], [-1.5, 6.0]]])])
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
+    o = DetokenizerManager(tokenizer).handle(received).outputs[0]
+    assert o.meta["input_token_logprobs"] == [[None, 5], [-1.5, 6]]
+    assert o.meta["input_top_logprobs"] == [None, [[-0.5, 9.0], [-1.5, 6.0]]]
+    assert o.new_output_ids == [] and o.text_delta == ""
 
 
 def test_errors_free_state_and_control_passes_through(tokenizer: Any) -> None:
