@@ -289,3 +289,15 @@ def test_real_model_tool_round_trip(smollm2_server: ServedClient) -> None:
     final = client.chat.completions.create(model=SERVED_NAME, messages=history, tools=weather_only,
                                            tool_choice="none", max_tokens=24, temperature=0)
     assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+
+
+def test_the_zmq_client_hands_tools_and_template_kwargs_to_the_template(qwen3_server: Client) -> None:
+    def prompt_tokens(**kwargs: Any) -> int:
+        r = qwen3_server.generate(messages=ASK, sampling_params={"max_new_tokens": 1}, **kwargs)
+        return int(r["meta"]["prompt_tokens"])
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=TOOLS) > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    with pytest.raises(ValueError, match="with messages"):
+        qwen3_server.generate("text", tools=TOOLS)
