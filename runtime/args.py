@@ -421,9 +421,8 @@ def endpoint(scheme: str, host: str, port: int) -> str:
 
 
 def _parser_names() -> tuple[list[str], list[str]]:
-    """The tool-call and reasoning parsers' names (their registries are the tokenizer process's:
-    imported here only for the flags' choices; the parsers need nothing but the stdlib)."""
-    from tokenizer_proc.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+    """The tool-call and reasoning parsers' names, from their registries (runtime/parsers)."""
+    from runtime.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
     return sorted(TOOL_CALL_PARSERS), sorted(REASONING_PARSERS)
 

@@ -286,8 +286,11 @@ class ChatCompletionRequest(_SamplingFields):
         return repr(choice) if isinstance(choice, str) or choice is None else f"function {choice.function.name!r}"
 
 
-class NativeGenerateReq(_Fields):
-    """SGLang's /generate body (the fields this server has)."""
+class NativeGenerateReq(BaseModel):
+    """SGLang's /generate body (the fields this server has). Strict, unlike the OpenAI bodies: its
+    clients are this server's own, and a misspelt field is better refused than ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None

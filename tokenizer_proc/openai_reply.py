@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from runtime.messages import GenerateChunk
 from tokenizer_proc.openai_tools import ToolPlan, call_id, constrained_calls
-from tokenizer_proc.parsers import (ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser, make_reasoning_parser,
+from runtime.parsers import (ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser, make_reasoning_parser,
                                     make_tool_call_parser)
 
 Kind = Literal["completion", "chat"]

@@ -5,13 +5,13 @@ tested on canned model outputs alone. Each parser gives the same answer for a wh
 (``parse``) and for the same output streamed in any fragments (``feed`` then ``finish``).
 """
 
-from tokenizer_proc.parsers.reasoning import (
+from runtime.parsers.reasoning import (
     REASONING_PARSERS,
     NoReasoningParser,
     ReasoningParser,
     make_reasoning_parser,
 )
-from tokenizer_proc.parsers.tool_calls import (
+from runtime.parsers.tool_calls import (
     TOOL_CALL_PARSERS,
     HermesToolCallParser,
     Llama3ToolCallParser,

@@ -26,9 +26,9 @@ import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Collection, Final
+from typing import Callable, ClassVar, Collection, Final
 
-from tokenizer_proc.parsers._text import JsonEndFinder, held_back_len, skip_ws
+from runtime.parsers._text import JsonEndFinder, held_back_len, skip_ws
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,23 @@ def _content_step(buf: str, marker: str, at_end: bool) -> _Step | None:
     if i == 0:
         return None
     return i, buf[:i], []
+
+
+def _marked_step(buf: str, marker: str, at_end: bool,
+                 read: Callable[[str, bool], tuple[int, list[ToolCall]] | _Malformed | None]) -> _Step | None:
+    """A format whose calls follow a marker: content up to the marker, then the calls ``read``
+    finds at the head of ``buf``. When they are malformed only the marker becomes content; the
+    rest follows as ordinary content, so the text ends up verbatim."""
+    if not buf.startswith(marker):
+        return _content_step(buf, marker, at_end)
+    found = read(buf, at_end)
+    if found is None:
+        return None
+    if isinstance(found, _Malformed):
+        logger.debug("malformed %s call kept as content", marker)
+        return len(marker), marker, []
+    consumed, calls = found
+    return consumed, "", calls
 
 
 class ToolCallParser(ABC):
@@ -222,20 +239,9 @@ class HermesToolCallParser(ToolCallParser):
     CLOSE: ClassVar[str] = "</tool_call>"
 
     def _step(self, buf: str, at_end: bool) -> _Step | None:
-        if not buf.startswith(self.OPEN):
-            return _content_step(buf, self.OPEN, at_end)
-        block = self._block(buf, at_end)
-        if block is None:
-            return None
-        if isinstance(block, _Malformed):
-            # Only the tag becomes content; the rest of the block follows as ordinary content,
-            # so the whole block ends up verbatim.
-            logger.debug("hermes: malformed <tool_call> block kept as content")
-            return len(self.OPEN), self.OPEN, []
-        consumed, call = block
-        return consumed, "", [call]
+        return _marked_step(buf, self.OPEN, at_end, self._block)
 
-    def _block(self, buf: str, at_end: bool) -> tuple[int, ToolCall] | _Malformed | None:
+    def _block(self, buf: str, at_end: bool) -> tuple[int, list[ToolCall]] | _Malformed | None:
         """The block at the head of ``buf`` (which starts with ``OPEN``)."""
         pos = skip_ws(buf, len(self.OPEN))
         if pos == len(buf):
@@ -258,7 +264,7 @@ class HermesToolCallParser(ToolCallParser):
         call = self._make_call(_load_json(buf[pos:end]))
         if call is None:
             return _MALFORMED
-        return consumed, call
+        return consumed, [call]
 
 
 class Llama3ToolCallParser(ToolCallParser):
@@ -335,16 +341,7 @@ class MistralToolCallParser(ToolCallParser):
     _NAME: ClassVar[re.Pattern[str]] = re.compile(r"[A-Za-z0-9_.\-]+")
 
     def _step(self, buf: str, at_end: bool) -> _Step | None:
-        if not buf.startswith(self.MARKER):
-            return _content_step(buf, self.MARKER, at_end)
-        found = self._calls(buf, at_end)
-        if found is None:
-            return None
-        if isinstance(found, _Malformed):
-            logger.debug("mistral: malformed [TOOL_CALLS] kept as content")
-            return len(self.MARKER), self.MARKER, []
-        consumed, calls = found
-        return consumed, "", calls
+        return _marked_step(buf, self.MARKER, at_end, self._calls)
 
     def _calls(self, buf: str, at_end: bool) -> tuple[int, list[ToolCall]] | _Malformed | None:
         """The calls after the marker at the head of ``buf``."""

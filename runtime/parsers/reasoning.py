@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Callable
 
-from tokenizer_proc.parsers._text import held_back_len
+from runtime.parsers._text import held_back_len
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tokenizer_proc.parsers import (
+from runtime.parsers import (
     TOOL_CALL_PARSERS,
     HermesToolCallParser,
     Llama3ToolCallParser,

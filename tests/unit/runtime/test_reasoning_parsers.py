@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenizer_proc.parsers import (
+from runtime.parsers import (
     REASONING_PARSERS,
     NoReasoningParser,
     ReasoningParser,
