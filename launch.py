@@ -15,7 +15,11 @@ Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
 figures (vocab size, context length) once the lead scheduler (dp 0, tp 0) is ready.
 
 Supervision: if any child dies or reports an error, every child is stopped and this
-process exits 1 with that child's error. SIGINT/SIGTERM stop every child and exit 0.
+process exits 1 with that child's error. SIGINT stops every child and exits 0. SIGTERM
+on a serving server starts a graceful drain (--graceful-shutdown-timeout; the tokenizer's,
+tokenizer_proc/drain.py, started with SIGUSR1): the tokenizer reports {"status":
+"drained"} when nothing is left in flight, and every child is stopped, exit 0; a second
+SIGTERM, SIGINT, or the timeout (plus a margin) stops at once.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
 
@@ -47,6 +51,7 @@ from runtime.utils import configure_logging, recv_status, run_child, send_status
 logger = logging.getLogger("launch")
 
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping children
+DRAIN_MARGIN_S = 5.0  # past --graceful-shutdown-timeout, for the tokenizer to abort the rest and report
 READY_PREFIX = "ready: "
 HTTP_PREFIX = "http: "  # printed just before the ready line
 
@@ -58,6 +63,7 @@ class Child:
     conn: Connection  # the parent's end of the status pipe
     ready: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # its ready status
+    drained: bool = False  # it reported a finished graceful drain: its exit is the stop, not a failure
 
 
 class ChildFailed(Exception):
@@ -79,14 +85,23 @@ class Supervisor:
         os.set_blocking(self._wake_w, False)
         self._wake_open = True  # the signal handler writes to the pipe only while open
         self.stop_requested = False
+        self.drain_deadline: float | None = None  # monotonic; set while a SIGTERM drain runs
 
     # ------------------------------------------------------------------ signals
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: Any) -> None:
-            if not self.stop_requested:
-                logger.info("received %s; shutting down", signal.Signals(signum).name)
-            self.stop_requested = True
+            if signum == signal.SIGTERM and self.drain_deadline is None and self._can_drain():
+                # The first SIGTERM of a serving node 0: a graceful drain in the tokenizer
+                # (tokenizer_proc/drain.py), which reports "drained" when it is done.
+                logger.info("received SIGTERM; draining for up to %.0f s (again to stop at once)",
+                            self.server_args.graceful_shutdown_timeout)
+                self.drain_deadline = time.monotonic() + self.server_args.graceful_shutdown_timeout + DRAIN_MARGIN_S
+                os.kill(self.child("tokenizer").process.pid, signal.SIGUSR1)
+            else:
+                if not self.stop_requested:
+                    logger.info("received %s; shutting down", signal.Signals(signum).name)
+                self.stop_requested = True
             if self._wake_open:
                 try:
                     os.write(self._wake_w, b"x")
@@ -95,6 +110,12 @@ class Supervisor:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+
+    def _can_drain(self) -> bool:
+        """A drain needs a graceful-shutdown timeout and a serving tokenizer (node 0, every child
+        ready); before that, or on the other nodes, SIGTERM stops at once."""
+        return (self.server_args.graceful_shutdown_timeout > 0 and self.server_args.node_rank == 0
+                and bool(self.children) and all(c.ready for c in self.children))
 
     # ------------------------------------------------------------------ spawn
 
@@ -146,12 +167,14 @@ class Supervisor:
             if child.conn in ready:
                 self._on_status(child)
         for child in self.children:
-            if child.process.sentinel in ready:
+            if child.process.sentinel in ready and not child.drained:
                 child.process.join(0.1)
                 raise ChildFailed(child.name, f"exited with code {child.process.exitcode}"
                                   f"{' before becoming ready' if not child.ready else ''}")
 
     def _on_status(self, child: Child) -> None:
+        if child.drained:
+            return  # it is exiting after its drain: its pipe closes next
         try:
             status = recv_status(child.conn)
         except (EOFError, OSError):
@@ -160,6 +183,11 @@ class Supervisor:
                               f"{' before becoming ready' if not child.ready else ''}") from None
         if status.get("status") == "error":
             raise ChildFailed(child.name, str(status.get("error")))
+        if status.get("status") == "drained":  # a graceful drain (SIGTERM or POST /drain) is done
+            logger.info("%s drained; stopping the server", child.name)
+            child.drained = True
+            self.stop_requested = True
+            return
         if status.get("status") != "ready" or child.ready:
             logger.warning("ignoring an unexpected status from %s: %s", child.name, status)
             return
@@ -195,9 +223,16 @@ class Supervisor:
         return str(address) if address else None
 
     def supervise(self) -> None:
-        """Return on a stop signal; raise ChildFailed when a child fails."""
+        """Return on a stop signal or a finished drain; raise ChildFailed when a child fails."""
         while not self.stop_requested:
-            self.wait_event()
+            if self.drain_deadline is None:
+                self.wait_event()
+                continue
+            left = self.drain_deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("the drain did not finish in time; stopping at once")
+                return
+            self.wait_event(left)
 
     # ------------------------------------------------------------------ stop
 

@@ -90,6 +90,7 @@ class ServerArgs:
     max_requests_per_client: int = 4096
     max_controls_per_client: int = 16
     max_request_bytes: int | None = None
+    graceful_shutdown_timeout: float = 30.0
 
     # ------------------------------------------------------------------ CLI
 
@@ -151,6 +152,11 @@ class ServerArgs:
                        help="largest request frame (ZMQ_MAXMSGSIZE; a larger frame closes that client's "
                             "connection) and HTTP body (413) in bytes (default: room for the longest prompt "
                             "the model admits, 32 bytes per token of context + 1 MiB)")
+        g.add_argument("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+                       help="on SIGTERM (or POST /drain), refuse new requests and let those in flight finish "
+                            "for up to this many seconds, then abort the rest and exit 0; a second SIGTERM "
+                            "or SIGINT stops at once; 0 stops at once, answering every request in flight "
+                            f"with server_shutdown (default {d.graceful_shutdown_timeout:g})")
         g.add_argument("--stream-interval", type=int, default=d.stream_interval,
                        help=f"send a stream chunk every N generated tokens (default {d.stream_interval})")
         g = parser.add_argument_group("execution")
@@ -335,6 +341,8 @@ class ServerArgs:
         ):
             if opt is not None:
                 _positive(flag, opt)
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.cuda_graph_bs is not None:

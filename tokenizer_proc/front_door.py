@@ -29,6 +29,13 @@ class FrontDoor(Protocol):
     def metrics(self) -> Metrics | None:
         """The Prometheus metrics; None without --enable-metrics."""
 
+    @property
+    def draining(self) -> bool:
+        """The graceful drain has started: new requests and health checks are refused."""
+
+    def start_drain(self, why: str) -> bool:
+        """Start the graceful drain (``POST /drain``); False when it had started already."""
+
     def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies (chunks, errors) go to."""
 

@@ -13,7 +13,7 @@ a load balancer can poll it. Errors use OpenAI's JSON (``{"error": {"message", "
 "param", "code"}}``); the status comes from the same error codes the ZMQ client sees.
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /generate (SGLang's native
-body), /flush_cache; GET /v1/models, /health, /health_generate, /get_server_info,
+body), /flush_cache, /drain; GET /v1/models, /health, /health_generate, /get_server_info,
 /metrics (with --enable-metrics).
 """
 
@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 # The ZMQ error codes as HTTP statuses (an unknown code is a 500).
 STATUS_OF_CODE = {"invalid_request": 400, "too_long": 400, "unauthorized": 401, "model_not_found": 404,
                   "too_many_requests": 429, "out_of_memory": 503, "unhealthy": 503, "starting": 503,
-                  "server_shutdown": 503, "aborted": 499, "internal": 500}
+                  "server_shutdown": 503, "draining": 503, "aborted": 499, "internal": 500}
+# Refusals a client should retry elsewhere or later: their 503 says after how many seconds.
+RETRY_AFTER_S = {"draining": 1}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -68,7 +70,8 @@ class ClientWentAway(Exception):
 def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
                       "code": code}}
-    return JSONResponse(body, status_code=status)
+    retry = RETRY_AFTER_S.get(code)
+    return JSONResponse(body, status_code=status, headers=None if retry is None else {"Retry-After": str(retry)})
 
 
 def sse(obj: Any) -> bytes:
@@ -295,7 +298,10 @@ def build_app(http: HttpServer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        reply = await http.ready_door().local_control(HealthReq(rid="health"))
+        door = http.ready_door()
+        if door.draining:
+            return error_response(503, "the server is draining", "draining")
+        reply = await door.local_control(HealthReq(rid="health"))
         if isinstance(reply, ErrorReply):
             return error_response(503, reply.message, reply.code)
         return Response(status_code=200)
@@ -338,6 +344,15 @@ def build_app(http: HttpServer) -> FastAPI:
     async def flush_cache(request: Request) -> JSONResponse:
         payload = await control(request, FlushCacheReq(rid="flush_cache"))
         return JSONResponse(payload, status_code=200 if payload.get("success") else 400)
+
+    @app.post("/drain")
+    async def drain(request: Request) -> JSONResponse:
+        """Start the graceful drain (as the launcher's SIGTERM does): new requests are refused,
+        those in flight finish (up to --graceful-shutdown-timeout), then the server exits 0."""
+        http.authorize(request)
+        started = http.ready_door().start_drain("POST /drain")
+        return JSONResponse({"draining": True, "started_now": started,
+                             "graceful_shutdown_timeout": http.server_args.graceful_shutdown_timeout})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -130,13 +130,13 @@ class OutputRouter:
             self._stats["requests_aborted"] += 1
             self.drop_group(group, abort_in_scheduler=True)
 
-    async def abort_groups(self, groups: list[ReqGroup]) -> None:
+    async def abort_groups(self, groups: list[ReqGroup], why: str = "aborted by the client") -> None:
         """Abort each group; its client gets each unfinished sample's last chunk (reason abort)."""
         for group in groups:
             self._stats["requests_aborted"] += 1
             for sample in self.drop_group(group, abort_in_scheduler=True):
                 await self.replies.send(group.identity, self.final_chunk(
-                    group, sample, finish_reason={"type": "abort", "message": "aborted by the client"}))
+                    group, sample, finish_reason={"type": "abort", "message": why}))
 
     def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
         """Remove a group from the table; abort its unfinished samples in the scheduler (their

@@ -9,7 +9,8 @@ processes.
 SIGTERM (from the launcher: a stop, or another process died) is handled on the loop: once
 serving, every request in flight gets a ``server_shutdown`` error, the HTTP server lets
 its responses finish, and the ZMQ replies are given up to SHUTDOWN_LINGER_MS to leave,
-before the process exits.
+before the process exits. SIGUSR1 (the launcher's first SIGTERM) starts a graceful drain
+instead (tokenizer_proc/drain.py), which ends in the same stop once nothing is in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.messages import SchedulerInput, TokenizerInput
 from runtime.tokenizer import load_tokenizer
 from runtime.utils import exit_now, recv_status, send_status
+from tokenizer_proc.drain import Drain
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -55,6 +57,8 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
             stopping.append(asyncio.ensure_future(_stop(manager, http, http_task, ctx, router, from_detokenizer)))
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    # SIGUSR1: the launcher's first SIGTERM asks for a graceful drain (tokenizer_proc/drain.py).
+    loop.add_signal_handler(signal.SIGUSR1, lambda: manager is not None and manager.start_drain("SIGTERM"))
     ctx = zmq.asyncio.Context()
     max_request_bytes = server_args.max_request_bytes or default_max_request_bytes(
         server_args.resolved_model_path(), server_args.context_length)
@@ -74,6 +78,12 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     metrics = Metrics(http.model_name) if server_args.enable_metrics else None
     manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler, metrics)
     manager.processes = dict(info.get("processes") or {})
+
+    async def drained() -> None:
+        send_status(ready_conn, {"status": "drained"})  # the launcher stops the others and exits 0
+        on_sigterm()
+
+    manager.drain = Drain(manager, server_args.graceful_shutdown_timeout, drained)
     http.attach(manager)
     address = endpoint("tcp", server_args.host, router.port)
     send_status(ready_conn, {"status": "ready", "address": address, "http_address": http.address})

@@ -11,6 +11,8 @@ what an entry's removal means (abort in the scheduler, a last reply) is its call
 
 from __future__ import annotations
 
+from typing import Callable
+
 from tokenizer_proc.routing_state import ReqGroup, SampleState
 
 
@@ -25,6 +27,8 @@ class RequestTable:
         self._samples_by_client: dict[bytes, int] = {}  # client identity -> samples of its groups
         self._building: dict[bytes, set[str]] = {}  # client identity -> rids being tokenized
         self._abandoned: set[tuple[bytes, str]] = set()  # aborted while being tokenized
+        # Told whenever a group leaves the table (a drain waits for it to empty).
+        self.on_remove: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ accepted requests
 
@@ -54,6 +58,8 @@ class RequestTable:
         rids.discard(group.client_rid)
         if not rids:
             del self._rids_by_client[group.identity]
+        if self.on_remove is not None:
+            self.on_remove()
 
     def sample(self, internal_rid: str) -> tuple[ReqGroup, SampleState] | None:
         """The group and sample an output of the scheduler belongs to; None once the sample has

@@ -61,6 +61,7 @@ from runtime.messages import (
 )
 from tokenizer_proc.client_replies import ClientReplies, is_local
 from tokenizer_proc.control import ControlCalls
+from tokenizer_proc.drain import DRAINING_MESSAGE, Drain
 from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.output_routing import OutputRouter
@@ -102,6 +103,8 @@ class TokenizerManager:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
         self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
         self.stopping = False
+        self.draining = False  # set by the drain (tokenizer_proc/drain.py): new requests are refused
+        self.drain: Drain | None = None  # the process gives it one (SIGTERM / POST /drain start it)
 
     # ================================================================== client side
 
@@ -172,6 +175,8 @@ class TokenizerManager:
         samples accepted (``n``). Rejected when it is refused."""
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
+        if self.draining:
+            raise Rejected("draining", DRAINING_MESSAGE)
         table = self.table
         if table.contains(identity, req.rid) or table.is_building(identity, req.rid):
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
@@ -296,7 +301,16 @@ class TokenizerManager:
     def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
+        if self.draining and isinstance(req, HealthReq):  # a load balancer stops sending here
+            raise Rejected("draining", DRAINING_MESSAGE)
         self.control.start(identity, req)
+
+    def start_drain(self, why: str) -> bool:
+        """Start the graceful drain; False when it had started already (or cannot: stopping)."""
+        if self.drain is None or self.drain.started or self.stopping:
+            return False
+        self.drain.start(why)
+        return True
 
     def compose_server_info(self, scheduler_payload: dict[str, Any]) -> dict[str, Any]:
         """The whole server info: the scheduler's figures, and the front door's, the model's,
@@ -309,6 +323,7 @@ class TokenizerManager:
             "pending_controls": len(self.control.pending),
             "max_requests_per_client": self.server_args.max_requests_per_client,
             "max_controls_per_client": self.server_args.max_controls_per_client,
+            "draining": self.draining,
             **self.stats,
         }
         info["model"] = {

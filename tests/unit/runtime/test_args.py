@@ -37,7 +37,7 @@ EXPECTED_DEFAULTS = {
     "swa_full_tokens_ratio": 0.8,
     "disable_hybrid_swa_memory": False,
     "grammar_backend": "xgrammar", "grammar_compile_timeout": 60.0, "disable_jump_forward": False,
-    "tool_call_parser": None, "reasoning_parser": None,
+    "tool_call_parser": None, "reasoning_parser": None, "graceful_shutdown_timeout": 30.0,
 }
 
 
