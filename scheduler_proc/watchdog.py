@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 STEP_DELAY_ENV = "TINYSERVE_TEST_STEP_DELAY_S"
 WATCHDOG_EXIT_CODE = 3  # distinct from 1 (an exception) so the launcher's "exited with code 3" says which
 MAX_POLL_S = 1.0
+FINALIZERS_S = 1.0
 
 
 class StepWatchdog:
@@ -48,7 +50,7 @@ class StepWatchdog:
     """
 
     def __init__(self, timeout_s: float, *, name: str = "scheduler", poll_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, exit_fn: Callable[[int], Any] = os._exit,
+                 clock: Callable[[], float] = time.monotonic, exit_fn: Callable[[int], Any] | None = None,
                  stream: TextIO | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"watchdog timeout must be > 0, got {timeout_s}")
@@ -57,7 +59,7 @@ class StepWatchdog:
         # Checking four times per timeout bounds the overrun to a quarter of it (at most 1 s).
         self.poll_s = poll_s if poll_s is not None else min(timeout_s / 4, MAX_POLL_S)
         self._clock = clock
-        self._exit = exit_fn
+        self._exit = exit_fn if exit_fn is not None else exit_process
         self._stream = stream
         # Written only by the scheduler thread: the running step's start (None between steps)
         # and how many steps completed. Plain attributes: a read of one is atomic under the GIL.
@@ -113,7 +115,8 @@ class StepWatchdog:
         """Log, dump every thread's stack, exit non-zero (returns only with an injected ``exit_fn``)."""
         self.tripped = True
         logger.error("watchdog: a %s step has run %.1f s, longer than --watchdog-timeout %g s "
-                     "(after %d completed steps); dumping every thread's stack and exiting with code %d",
+                     "(%d loop iterations completed before it); dumping every thread's stack and exiting "
+                     "with code %d",
                      self.name, elapsed, self.timeout_s, self.steps_done, WATCHDOG_EXIT_CODE)
         stream = self._stream if self._stream is not None else sys.stderr
         try:
@@ -124,6 +127,18 @@ class StepWatchdog:
         except Exception:  # a stream without a file descriptor: the error line above still went out
             logger.exception("watchdog: could not dump the threads' stacks")
         self._exit(WATCHDOG_EXIT_CODE)
+
+
+def exit_process(code: int) -> None:
+    """``os._exit(code)`` after multiprocessing's finalizers (as ``runtime.utils.exit_now``: they
+    unlink named semaphores that would otherwise be reported as leaked), given at most
+    ``FINALIZERS_S`` on a thread of their own: one could wait on a lock the stuck step holds."""
+    finalizers = threading.Thread(target=multiprocessing.util._run_finalizers,  # type: ignore[attr-defined]
+                                  name="watchdog-finalizers", daemon=True)
+    finalizers.start()
+    finalizers.join(FINALIZERS_S)
+    _flush_logs()
+    os._exit(code)
 
 
 def _flush_logs() -> None:
