@@ -15,7 +15,8 @@ Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
 figures (vocab size, context length) once the lead scheduler (dp 0, tp 0) is ready.
 
 Supervision: if any child dies or reports an error, every child is stopped and this
-process exits 1 with that child's error. SIGINT/SIGTERM stop every child and exit 0.
+process exits 1 with that child's error (a scheduler whose step outran --watchdog-timeout
+exits 3: scheduler_proc/watchdog.py), so a supervisor above it can restart the server. SIGINT/SIGTERM stop every child and exit 0.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
 
