@@ -15,11 +15,13 @@ Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
 figures (vocab size, context length) once the lead scheduler (dp 0, tp 0) is ready.
 
 Supervision: if any child dies or reports an error, every child is stopped and this
-process exits 1 with that child's error. SIGINT stops every child and exits 0. SIGTERM
-on a serving server starts a graceful drain (--graceful-shutdown-timeout; the tokenizer's,
-tokenizer_proc/drain.py, started with SIGUSR1): the tokenizer reports {"status":
-"drained"} when nothing is left in flight, and every child is stopped, exit 0; a second
-SIGTERM, SIGINT, or the timeout (plus a margin) stops at once.
+process exits 1 with that child's error (a scheduler whose step outran --watchdog-timeout
+exits 3: scheduler_proc/watchdog.py), so a supervisor above it can restart the server.
+SIGINT stops every child and exits 0. SIGTERM on a serving server starts a graceful
+drain (--graceful-shutdown-timeout; the tokenizer's, tokenizer_proc/drain.py, started with
+SIGUSR1): the tokenizer reports {"status": "drained"} when nothing is left in flight, and
+every child is stopped, exit 0; a second SIGTERM, SIGINT, or the timeout (plus a margin)
+stops at once.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
 

@@ -87,6 +87,8 @@ class ServerArgs:
     enable_metrics: bool = False
     log_requests: bool = False
     decode_log_interval: int = 40
+    # Seconds one scheduler step may run before its process dumps its stacks and exits (scheduler_proc.watchdog).
+    watchdog_timeout: float = 300.0
     max_requests_per_client: int = 4096
     max_controls_per_client: int = 16
     max_request_bytes: int | None = None
@@ -138,6 +140,11 @@ class ServerArgs:
         g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
                        help=f"log the scheduler's decode figures every N decode steps "
                             f"(default {d.decode_log_interval})")
+        g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                       help="seconds one scheduler step may run; a longer one logs the stack of every thread "
+                            "of that scheduler process, which then exits non-zero, so the server stops "
+                            "(clients get server_shutdown) and exits 1 for a supervisor to restart it "
+                            f"(default {d.watchdog_timeout:g})")
         g.add_argument("--log-level", type=str.lower, default=d.log_level, choices=LOG_LEVEL_CHOICES,
                        help=f"logging level of every process (default {d.log_level})")
         g.add_argument("--max-requests-per-client", type=int, default=d.max_requests_per_client,
@@ -345,6 +352,8 @@ class ServerArgs:
             raise ValueError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
+        if not self.watchdog_timeout > 0:  # (also rejects NaN)
+            raise ValueError(f"--watchdog-timeout must be > 0 (seconds), got {self.watchdog_timeout}")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
                 raise ValueError(f"--cuda-graph-bs needs batch sizes >= 1, got {self.cuda_graph_bs}")

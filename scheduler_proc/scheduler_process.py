@@ -24,6 +24,7 @@ from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import ControllerInput, DetokenizerInput, SchedControlOut, SchedulerInput
 from runtime.utils import send_status
 from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.watchdog import install_test_step_delay, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,14 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     })
     logger.info("scheduler ready: %d KV tokens, overlap schedule %s", scheduler.max_total_tokens,
                 "on" if scheduler.worker.overlap else "off")
+    install_test_step_delay(scheduler.runner)  # (tests only; after start-up, so only served steps sleep)
+    watchdog = start_watchdog(server_args.watchdog_timeout, f"scheduler dp{dp_rank} tp{tp_rank}")
     while True:
         # Block only when there is nothing to run, so the model step is never delayed.
-        for msg in io.receive(scheduler.receive_timeout_ms()):
+        msgs = io.receive(scheduler.receive_timeout_ms())
+        watchdog.begin_step()  # the wait above is idle time; from here on the loop must not stall
+        for msg in msgs:
             scheduler.handle_message(msg)
         scheduler.step()
         io.publish(scheduler)
+        watchdog.end_step()

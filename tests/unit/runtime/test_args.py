@@ -30,7 +30,7 @@ EXPECTED_DEFAULTS = {
     "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False,
     "disable_overlap_schedule": None, "base_gpu_id": 0,
     "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
-    "enable_metrics": False, "log_requests": False, "decode_log_interval": 40,
+    "enable_metrics": False, "log_requests": False, "decode_log_interval": 40, "watchdog_timeout": 300.0,
     "max_requests_per_client": 4096, "max_controls_per_client": 16, "max_request_bytes": None,
     "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
@@ -98,7 +98,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-mixed-chunk",
         "--base-gpu-id", "2", "--gpu-id-step", "2", "--revision", "v1", "--http-port", "8080",
         "--served-model-name", "m", "--chat-template", str(template), "--enable-metrics", "--log-requests",
-        "--decode-log-interval", "5",
+        "--decode-log-interval", "5", "--watchdog-timeout", "2.5",
     ]
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
@@ -113,6 +113,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.base_gpu_id, a.gpu_id_step) == (2, 2)
     assert (a.revision, a.http_port, a.served_model_name, a.chat_template) == ("v1", 8080, "m", str(template))
     assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
+    assert a.watchdog_timeout == 2.5
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
     assert ServerArgs.from_cli(server_argv(a)) == a
 
@@ -170,6 +171,8 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
         ({"swa_full_tokens_ratio": 0.0}, "--swa-full-tokens-ratio"),
         ({"swa_full_tokens_ratio": 1.5}, "--swa-full-tokens-ratio"),
+        ({"watchdog_timeout": 0.0}, "--watchdog-timeout"),
+        ({"watchdog_timeout": float("nan")}, "--watchdog-timeout"),
     ],
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
