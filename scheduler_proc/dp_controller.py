@@ -149,7 +149,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
     for key in ("num_running", "num_queued", "max_total_tokens", "available_tokens", "evictable_tokens",
                 "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens",
-                "host_hit_tokens"):
+                "host_hit_tokens", "num_refused_overloaded", "num_timed_out"):
         if all(key in p for p in payloads):
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):
