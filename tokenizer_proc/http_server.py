@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 # The ZMQ error codes as HTTP statuses (an unknown code is a 500).
 STATUS_OF_CODE = {"invalid_request": 400, "too_long": 400, "unauthorized": 401, "model_not_found": 404,
                   "too_many_requests": 429, "out_of_memory": 503, "unhealthy": 503, "starting": 503,
-                  "server_shutdown": 503, "aborted": 499, "internal": 500}
+                  "server_shutdown": 503, "overloaded": 503, "aborted": 499, "internal": 500}
+# Seconds an overloaded refusal (--max-queued-requests) asks the client to wait (Retry-After).
+RETRY_AFTER_S = {"overloaded": 1}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -68,7 +70,8 @@ class ClientWentAway(Exception):
 def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
                       "code": code}}
-    return JSONResponse(body, status_code=status)
+    retry = RETRY_AFTER_S.get(code)
+    return JSONResponse(body, status_code=status, headers=None if retry is None else {"Retry-After": str(retry)})
 
 
 def sse(obj: Any) -> bytes:
