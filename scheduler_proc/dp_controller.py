@@ -10,6 +10,11 @@ Routing methods:
 
 Control requests (flush_cache, server_info) go to every replica; their replies
 come back here and leave as one merged reply, so the tokenizer sees one server.
+
+``--max-queued-requests`` is enforced by each replica on its own queue, not here: a request
+routed to a full replica is refused by it (``overloaded``) even if another has room, because
+the replica's count is exact and the load reports are a step old. The server as a whole
+holds at most N x dp-size waiting requests (scheduler_proc/queue_bound.py).
 """
 
 from __future__ import annotations
