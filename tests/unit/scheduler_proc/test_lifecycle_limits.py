@@ -5,6 +5,8 @@ Deadlines run on a fake clock (``Deadlines(clock=...)``), so "at the deadline" i
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from runtime.messages import SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
@@ -29,7 +31,8 @@ def overlap(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 
-def make(overlap: bool, clock: FakeClock | None = None, max_running_requests: int = 256, **overrides) -> Scheduler:
+def make(overlap: bool, clock: FakeClock | None = None, max_running_requests: int = 256,
+         **overrides: Any) -> Scheduler:
     """The stub scheduler; the running limit is the model runner's (as the real one derives it)."""
     args = ServerArgs(max_total_tokens=8192, disable_overlap_schedule=not overlap, **overrides)
     runner = StubModelRunner(max_total_tokens=8192, vocab_size=VOCAB, eos_token_ids=(EOS,),
@@ -219,3 +222,27 @@ def test_deadlines_pop_in_order_and_compact() -> None:
     assert d.expired(now=70.0) == [reqs[60], reqs[61], reqs[63], *reqs[64:71]]
     assert d.next_deadline() == 71.0
     assert d.expired() == []  # the clock says 0.0
+
+
+def test_under_tp_rank_zero_sends_its_expiries_with_the_inputs() -> None:
+    """scheduler_process: rank 0's expired deadlines join the broadcast inputs as timeout aborts
+    (the scheduler itself expires them only when it is a lone rank)."""
+    from scheduler_proc.scheduler_process import SchedulerIO
+
+    clock = FakeClock()
+    sched = make(False, clock, tp_size=2)
+    submit(sched, "t", PROMPT, 8, deadline=clock.now + 1)
+    io = object.__new__(SchedulerIO)  # no sockets, no TP group: just the merge of inputs
+    io.recv, io.tp_group, io.tp_rank = None, None, 0
+    assert io.receive(0, sched) == []
+    sched.step()
+    clock.now += 1
+    sched.step()  # tp_size 2: the scheduler leaves expiry to rank 0's loop
+    assert sched.stats["num_timed_out"] == 0
+    msgs = io.receive(0, sched)
+    assert msgs == [SchedAbortReq("t", "timeout")]
+    for msg in msgs:
+        sched.handle_message(msg)
+    results = run_until_idle(sched)
+    assert results["t"]["reason"] == {"type": "abort", "message": "timeout"}
+    assert_idle_invariant(sched)
