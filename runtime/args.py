@@ -93,6 +93,9 @@ class ServerArgs:
     max_controls_per_client: int = 16
     max_request_bytes: int | None = None
     graceful_shutdown_timeout: float = 30.0
+    # Production lifecycle (scheduler_proc/queue_bound.py, scheduler_proc/deadlines.py): None = unbounded / none.
+    max_queued_requests: int | None = None
+    request_timeout: float | None = None
 
     # ------------------------------------------------------------------ CLI
 
@@ -166,6 +169,10 @@ class ServerArgs:
                             f"with server_shutdown (default {d.graceful_shutdown_timeout:g})")
         g.add_argument("--stream-interval", type=int, default=d.stream_interval,
                        help=f"send a stream chunk every N generated tokens (default {d.stream_interval})")
+        g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                       help="seconds from arrival after which a generate request still waiting or running is "
+                            "aborted (finish reason abort, message 'timeout'), unless the request gives its "
+                            "own deadline_s (default: none)")
         g = parser.add_argument_group("execution")
         g.add_argument("--device", type=str, default=d.device, choices=DEVICE_CHOICES,
                        help="auto picks cuda when available, else cpu (default auto)")
@@ -219,6 +226,10 @@ class ServerArgs:
         g = parser.add_argument_group("scheduling")
         g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                        help="maximum requests decoding at once (default: derived from memory)")
+        g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                       help="most requests that may wait in each scheduler's queue (grammar queue included; "
+                            "each of n samples counts); one more is refused at once with overloaded (HTTP 503 "
+                            "with Retry-After). With --dp-size, per replica (default: unbounded)")
         g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                        help=f"token budget of one prefill batch (default {d.max_prefill_tokens})")
         g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
@@ -345,11 +356,14 @@ class ServerArgs:
             ("--context-length", self.context_length),
             ("--cuda-graph-max-bs", self.cuda_graph_max_bs),
             ("--max-request-bytes", self.max_request_bytes),
+            ("--max-queued-requests", self.max_queued_requests),
         ):
             if opt is not None:
                 _positive(flag, opt)
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise ValueError(f"--request-timeout must be a number of seconds > 0, got {self.request_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
         if not self.watchdog_timeout > 0:  # (also rejects NaN)

@@ -42,6 +42,10 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
     logprob_start_len: int = -1
     api_key: str | None = None
+    # Server-side deadline in seconds from arrival at the front door (None: --request-timeout, if
+    # any): still waiting or running then, the request is aborted (finish_reason abort, "timeout").
+    # Not the client's own ``timeout``, which only stops waiting for the reply.
+    deadline_s: float | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
@@ -113,10 +117,16 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none (checked by the tokenizer)
+    # Absolute time.monotonic() (CLOCK_MONOTONIC: system-wide, and every scheduler that receives
+    # requests runs on the tokenizer's node) past which the scheduler aborts it; None: no deadline.
+    deadline: float | None = None
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
     rid: str  # "" aborts every request (abort_all)
+    # The finish message; "" is a client's abort. Under TP, rank 0's deadline expiries travel as
+    # SchedAbortReq(rid, "timeout") with the inputs, so every rank aborts at the same step.
+    reason: str = ""
 
 
 class SchedControlReq(msgspec.Struct, tag="sched_control"):

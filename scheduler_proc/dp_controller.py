@@ -10,6 +10,11 @@ Routing methods:
 
 Control requests (flush_cache, server_info) go to every replica; their replies
 come back here and leave as one merged reply, so the tokenizer sees one server.
+
+``--max-queued-requests`` is enforced by each replica on its own queue, not here: a request
+routed to a full replica is refused by it (``overloaded``) even if another has room, because
+the replica's count is exact and the load reports are a step old. The server as a whole
+holds at most N x dp-size waiting requests (scheduler_proc/queue_bound.py).
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
     for key in ("num_running", "num_queued", "max_total_tokens", "available_tokens", "evictable_tokens",
                 "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens",
-                "host_hit_tokens"):
+                "host_hit_tokens", "num_refused_overloaded", "num_timed_out"):
         if all(key in p for p in payloads):
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):

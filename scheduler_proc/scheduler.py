@@ -37,6 +37,7 @@ from runtime.messages import LoadReport, SchedAbortReq, SchedControlOut, SchedCo
 from scheduler_proc import input_logprobs, reports, swa_memory
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
+from scheduler_proc.deadlines import TIMEOUT_MESSAGE, Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
@@ -44,10 +45,13 @@ from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult,
     create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.prefill_adder import PlannedExtend
+from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
 
 logger = logging.getLogger(__name__)
+
+CLIENT_ABORT = "aborted by the client"
 
 
 class Scheduler:
@@ -56,6 +60,7 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, tp_rank: int = 0, model_runner: ForwardRunner | None = None,
                  kv_events: bool = False) -> None:
         self.args = server_args
+        self.tp_rank = tp_rank
         if model_runner is None:
             model_runner = create_model_runner(server_args, tp_rank)
         self.runner = model_runner
@@ -86,6 +91,10 @@ class Scheduler:
                                      server_args.grammar_compile_timeout, tp_rank, server_args.tp_size)
         # Jump-forward re-prefills through the prefix cache: without one it would recompute everything.
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
+        # --max-queued-requests (scheduler_proc/queue_bound.py) and request deadlines
+        # (scheduler_proc/deadlines.py: rank 0 decides; under TP its expiries reach the others as aborts).
+        self.queue_bound = QueueBound(server_args.max_queued_requests)
+        self.deadlines = Deadlines()
         self.inflight: LaunchedStep | None = None
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
@@ -97,12 +106,18 @@ class Scheduler:
             self.stats["num_received"] += 1
             self.add_request(msg)
         elif isinstance(msg, SchedAbortReq):
-            self.abort(msg.rid)
+            self.abort(msg.rid, msg.reason or CLIENT_ABORT)
         elif isinstance(msg, SchedControlReq):
             self.output.outbox.append(SchedControlOut(msg.rid, msg.kind, self.control(msg.kind)))
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
-        """Queue a request the tokenizer validated (prompt length, vocabulary, parameters)."""
+        """Queue a request the tokenizer validated (prompt length, vocabulary, parameters), unless
+        the queue is full (--max-queued-requests): then it is refused at once with ``overloaded``."""
+        refusal = self.queue_bound.admit(len(self.queues.waiting) + len(self.grammars))
+        if refusal is not None:
+            self.stats["num_refused_overloaded"] += 1
+            self.output.error(msg.rid, OVERLOADED, refusal)
+            return
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   stream=msg.stream, return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len)
@@ -110,6 +125,8 @@ class Scheduler:
         if req.sampling_params.stop_strs:
             self.output.stop_checker.load_tokenizer(self.args)
         input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)
+        if msg.deadline is not None and self.tp_rank == 0:
+            self.deadlines.add(req, msg.deadline)
         if req.sampling_params.constraint is not None:
             self.grammars.add(req)
             return
@@ -123,24 +140,38 @@ class Scheduler:
         for req, reason in failed:
             self.output.finish(req, {"type": "abort", "message": reason}, error_code="invalid_request")
 
-    def abort(self, rid: str) -> None:
-        """Abort one request (or all when rid is ''): queued ones at once, others at the next step."""
+    def abort(self, rid: str, message: str = CLIENT_ABORT) -> None:
+        """Abort one request (or all when rid is ''): queued ones at once, others at the next step.
+        ``message`` is the finish reason's (``timeout`` for an expired deadline)."""
+        hit = 0
         for req in self.grammars.remove(rid):
+            hit += 1
             self.stats["num_aborted"] += 1
-            self.output.finish(req, {"type": "abort", "message": "aborted by the client"})
+            self.output.finish(req, {"type": "abort", "message": message})
         for req in [r for r in self.queues.waiting if rid in ("", r.rid)]:
+            hit += 1
             self.queues.remove_waiting(req)
             self.stats["num_aborted"] += 1
             self._release_unscheduled(req)
-            self.output.finish(req, {"type": "abort", "message": "aborted by the client"})
+            self.output.finish(req, {"type": "abort", "message": message})
         for req in self.queues.holders():
-            if rid in ("", req.rid):
-                req.to_abort = "aborted by the client"
+            if rid in ("", req.rid) and req.to_abort is None:
+                hit += 1
+                req.to_abort = message
+        if message == TIMEOUT_MESSAGE:
+            self.stats["num_timed_out"] += hit
+
+    def expired_rids(self) -> list[str]:
+        """The live requests whose deadline has passed (rank 0 decides; scheduler_proc.deadlines)."""
+        return [req.rid for req in self.deadlines.expired()]
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> bool:
         """Launch the next batch if there is work, and process the previous one. True if one launched."""
+        if len(self.deadlines) and self.args.tp_size == 1:  # (under TP: scheduler_process, as messages)
+            for rid in self.expired_rids():
+                self.abort(rid, TIMEOUT_MESSAGE)
         if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
             self._admit_compiled()
         if self.inflight is not None and not self._can_plan_ahead():

@@ -21,8 +21,9 @@ from runtime.port_args import PortArgs
 from runtime.device import resolve_device
 from runtime.distributed import TPGroup, init_tp_group, set_tp_group
 from runtime.ipc import PullSocket, PushSocket
-from runtime.messages import ControllerInput, DetokenizerInput, SchedControlOut, SchedulerInput
+from runtime.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
 from runtime.utils import send_status
+from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.watchdog import install_test_step_delay, start_watchdog
 
@@ -69,11 +70,15 @@ class SchedulerIO:
             if self.dp:
                 self.controller = PushSocket(port_args.dp_controller_ipc, ControllerInput, bind=False)
 
-    def receive(self, block_ms: int) -> list[Any]:
+    def receive(self, block_ms: int, scheduler: Scheduler | None = None) -> list[Any]:
         msgs: list[Any] = []
         if self.recv is not None and self.recv.poll(block_ms):
             while (msg := self.recv.recv_nowait()) is not None:
                 msgs.append(msg)
+        if scheduler is not None and self.tp_rank == 0 and len(scheduler.deadlines):
+            # Under TP rank 0 alone reads the clock: its expiries go to every rank as aborts, so
+            # all abort at the same step (a lone rank does this itself in Scheduler.step).
+            msgs.extend(SchedAbortReq(rid, TIMEOUT_MESSAGE) for rid in scheduler.expired_rids())
         if self.tp_group is None:
             return msgs
         payload = self.tp_group.broadcast_bytes(self._encoder.encode(msgs) if self.tp_rank == 0 else None)
@@ -121,7 +126,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     watchdog = start_watchdog(server_args.watchdog_timeout, f"scheduler dp{dp_rank} tp{tp_rank}")
     while True:
         # Block only when there is nothing to run, so the model step is never delayed.
-        msgs = io.receive(scheduler.receive_timeout_ms())
+        msgs = io.receive(scheduler.receive_timeout_ms(), scheduler if server_args.tp_size > 1 else None)
         watchdog.begin_step()  # the wait above is idle time; from here on the loop must not stall
         for msg in msgs:
             scheduler.handle_message(msg)

@@ -45,9 +45,9 @@ logger = logging.getLogger(__name__)
 # The ZMQ error codes as HTTP statuses (an unknown code is a 500).
 STATUS_OF_CODE = {"invalid_request": 400, "too_long": 400, "unauthorized": 401, "model_not_found": 404,
                   "too_many_requests": 429, "out_of_memory": 503, "unhealthy": 503, "starting": 503,
-                  "server_shutdown": 503, "draining": 503, "aborted": 499, "internal": 500}
+                  "server_shutdown": 503, "draining": 503, "overloaded": 503, "aborted": 499, "internal": 500}
 # Refusals a client should retry elsewhere or later: their 503 says after how many seconds.
-RETRY_AFTER_S = {"draining": 1}
+RETRY_AFTER_S = {"draining": 1, "overloaded": 1}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 SSE_DONE = b"data: [DONE]\n\n"

@@ -46,6 +46,8 @@ class Metrics:
                                 ("finish_reason",))
         self.rejected = counter("rejected_requests", "Requests refused before they reached the scheduler",
                                 ("code",))
+        self.refused = counter("requests_refused", "Requests a scheduler refused on arrival, by reason "
+                               "(overloaded: --max-queued-requests); once per request", ("reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the sequences that started")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
@@ -111,6 +113,9 @@ class Metrics:
 
     def rejected_request(self, code: str) -> None:
         self.rejected.labels(model_name=self._model, code=code).inc()
+
+    def refused_request(self, reason: str) -> None:
+        self.refused.labels(model_name=self._model, reason=reason).inc()
 
     def set_scheduler_gauges(self, info: dict[str, Any]) -> None:
         """From a ``server_info`` answer (one scheduler, or the DP controller's sums)."""

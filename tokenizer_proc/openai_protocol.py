@@ -14,7 +14,9 @@ SGLang/vLLM extensions accepted in the body (the openai SDK's ``extra_body``): `
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim``, SGLang's constraints ``regex`` and ``ebnf``
 (``response_format`` carries a JSON schema), and on chat ``chat_template_kwargs`` and
-``separate_reasoning``.
+``separate_reasoning``. The server-side deadline is ``timeout`` (seconds; the SDK's own
+``timeout=`` argument is client-side, so send it as ``extra_body={"timeout": ...}``) or its
+unambiguous name ``deadline_s``, which wins when both are given.
 """
 
 from __future__ import annotations
@@ -152,6 +154,13 @@ class _SamplingFields(_Fields):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Server-side deadline in seconds from arrival (GenerateReq.deadline_s): aborted when it passes.
+    timeout: float | None = None
+    deadline_s: float | None = None
+
+    @property
+    def server_deadline_s(self) -> float | None:
+        return self.deadline_s if self.deadline_s is not None else self.timeout
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
@@ -213,7 +222,7 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.echo and self.logprobs is not None
         return [GenerateReq(rid=uuid.uuid4().hex, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs is not None, top_logprobs_num=top,
-                            logprob_start_len=0 if prompt_logprobs else -1,
+                            logprob_start_len=0 if prompt_logprobs else -1, deadline_s=self.server_deadline_s,
                             **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                 for p in prompts]
 
@@ -278,7 +287,8 @@ class ChatCompletionRequest(_SamplingFields):
         messages = [m.as_dict(i) for i, m in enumerate(self.messages)]
         return [GenerateReq(rid=uuid.uuid4().hex, messages=messages, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
-                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs)]
+                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs,
+                            deadline_s=self.server_deadline_s)]
 
     @property
     def tool_choice_name(self) -> str:
@@ -300,6 +310,7 @@ class NativeGenerateReq(BaseModel):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on (with return_logprob); -1: none
     rid: str | list[str] | None = None
+    deadline_s: float | None = None  # server-side deadline, seconds from arrival (GenerateReq.deadline_s)
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
         """The requests, and whether the body was a batch (the reply is then a list)."""
@@ -327,7 +338,7 @@ class NativeGenerateReq(BaseModel):
             raise BadRequest("rid: the rids of a batch must differ", "rid")
         return [GenerateReq(rid=r, sampling_params=self.sampling_params, stream=self.stream,
                             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-                            logprob_start_len=self.logprob_start_len,
+                            logprob_start_len=self.logprob_start_len, deadline_s=self.deadline_s,
                             **{field: item}) for r, item in zip(rids, items)], batch
 
 

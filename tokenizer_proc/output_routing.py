@@ -48,7 +48,7 @@ class OutputRouter:
         self.replies = replies
         self.to_scheduler = to_scheduler
         self.control = control
-        self._stats = stats  # the TokenizerManager's counters: this bumps "requests_aborted"
+        self._stats = stats  # the TokenizerManager's counters: this bumps "requests_aborted" and "requests_refused_*"
         self.metrics = metrics
         self.log_requests = log_requests
 
@@ -210,6 +210,10 @@ class OutputRouter:
             return
         group, sample = entry
         sample.finished = True  # the scheduler has already dropped it
+        if err.code == "overloaded":  # --max-queued-requests: once per request (its group ends here)
+            self._stats["requests_refused_overloaded"] += 1
+            if self.metrics is not None:
+                self.metrics.refused_request("overloaded")
         self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))

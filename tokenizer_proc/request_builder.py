@@ -8,6 +8,8 @@ scheduler: the scheduler trusts what it receives.
 from __future__ import annotations
 
 import hmac
+import math
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -57,14 +59,18 @@ def check_api_key(expected: str | None, given: str | None) -> None:
 class RequestBuilder:
     """Validates and tokenizes generate requests (owns no state besides the tokenizer)."""
 
-    def __init__(self, tokenizer: Any, limits: ModelLimits, grammar_backend: str = "xgrammar") -> None:
+    def __init__(self, tokenizer: Any, limits: ModelLimits, grammar_backend: str = "xgrammar",
+                 request_timeout: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammar_backend = grammar_backend  # "none": constrained requests are refused
+        self.request_timeout = request_timeout  # --request-timeout: the deadline of requests without deadline_s
         self.max_prompt_bytes = max_prompt_bytes(limits.max_req_input_len)
 
-    def build(self, req: GenerateReq) -> list[TokenizedGenerateReq]:
-        """One scheduler request per sample (``n`` of them, with fresh internal rids)."""
+    def build(self, req: GenerateReq, arrived: float | None = None) -> list[TokenizedGenerateReq]:
+        """One scheduler request per sample (``n`` of them, with fresh internal rids). ``arrived``
+        (``time.monotonic()`` when the request reached the front door; default now) starts its deadline."""
+        deadline = self._deadline(req, time.monotonic() if arrived is None else arrived)
         params = self._sampling_params(req)
         input_ids = self._input_ids(req)
         self._check_ids(input_ids)
@@ -86,8 +92,19 @@ class RequestBuilder:
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
+                deadline=deadline,
             ))
         return out
+
+    def _deadline(self, req: GenerateReq, arrived: float) -> float | None:
+        """The absolute deadline (time.monotonic()) the scheduler enforces: ``deadline_s`` after
+        arrival, else ``--request-timeout``, else none."""
+        seconds = req.deadline_s
+        if seconds is not None and (isinstance(seconds, bool) or not 0 < seconds < math.inf):
+            raise Rejected("invalid_request", f"deadline_s must be a number of seconds > 0, got {seconds!r}",
+                           "deadline_s")
+        seconds = seconds if seconds is not None else self.request_timeout
+        return None if seconds is None else arrived + seconds
 
     # ------------------------------------------------------------------ pieces
 

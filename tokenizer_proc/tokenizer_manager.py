@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,14 +85,16 @@ class TokenizerManager:
                  router: AsyncRouter, to_scheduler: PushSocket[Any], metrics: Metrics | None = None) -> None:
         self.server_args = server_args
         self.limits = limits
-        self.builder = RequestBuilder(tokenizer, limits, grammar_backend=server_args.grammar_backend)
+        self.builder = RequestBuilder(tokenizer, limits, grammar_backend=server_args.grammar_backend,
+                                      request_timeout=server_args.request_timeout)
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
         self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
         # Counters for server info, owned here; the replies and the routing bump theirs.
         self.stats: dict[str, int] = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
-                                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0}
+                                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0,
+                                      "requests_refused_overloaded": 0}
         self.metrics = metrics  # None unless --enable-metrics
         self.table = RequestTable()
         self.replies = ClientReplies(router, self.stats, self.client_gone)
@@ -177,6 +180,7 @@ class TokenizerManager:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         if self.draining:
             raise Rejected("draining", DRAINING_MESSAGE)
+        arrived = time.monotonic()  # a deadline counts from here (tokenizing included)
         table = self.table
         if table.contains(identity, req.rid) or table.is_building(identity, req.rid):
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
@@ -186,9 +190,9 @@ class TokenizerManager:
                                                 f"--max-requests-per-client allows; wait for some to finish")
         abandoned = False  # aborted while it was tokenized: accepted, then aborted at once
         if prompt_chars(req) >= OFFLOAD_BYTES:
-            subs, abandoned = await self._build_off_loop(identity, req)
+            subs, abandoned = await self._build_off_loop(identity, req, arrived)
         else:
-            subs = self.builder.build(req)
+            subs = self.builder.build(req, arrived)
         held = table.samples_in_flight(identity)
         if held + len(subs) > limit:
             raise Rejected("too_many_requests", f"{len(subs)} more requests would put this client past "
@@ -209,12 +213,13 @@ class TokenizerManager:
             await self.outputs.abort_groups([group])
         return group.n
 
-    async def _build_off_loop(self, identity: bytes, req: GenerateReq) -> tuple[list[TokenizedGenerateReq], bool]:
+    async def _build_off_loop(self, identity: bytes, req: GenerateReq,
+                              arrived: float) -> tuple[list[TokenizedGenerateReq], bool]:
         """``builder.build`` on the worker thread, and whether the client aborted the request
         meanwhile (the rid counts as in flight while it is tokenized)."""
         self.table.begin_build(identity, req.rid)
         try:
-            subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req)
+            subs = await asyncio.get_running_loop().run_in_executor(self.executor, self.builder.build, req, arrived)
         except asyncio.CancelledError:
             if not self.stopping:
                 raise

@@ -38,6 +38,7 @@ EXPECTED_DEFAULTS = {
     "disable_hybrid_swa_memory": False,
     "grammar_backend": "xgrammar", "grammar_compile_timeout": 60.0, "disable_jump_forward": False,
     "tool_call_parser": None, "reasoning_parser": None, "graceful_shutdown_timeout": 30.0,
+    "max_queued_requests": None, "request_timeout": None,
 }
 
 
@@ -137,6 +138,9 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"dp_size": -2}, "--dp-size"),
         ({"max_total_tokens": 0}, "--max-total-tokens"),
         ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"max_queued_requests": 0}, "--max-queued-requests"),
+        ({"request_timeout": 0.0}, "--request-timeout"),
+        ({"request_timeout": float("nan")}, "--request-timeout"),
         ({"max_prefill_tokens": 0}, "--max-prefill-tokens"),
         ({"chunked_prefill_size": -5}, "--chunked-prefill-size"),
         ({"context_length": 0}, "--context-length"),

@@ -697,3 +697,27 @@ def test_outputs_same_across_batch_shapes(h: Harness, flags: dict[str, Any]) -> 
     assert shaped.stats["jump_forward_tokens"] > 0
     assert_clean(plain)
     assert_clean(shaped)
+
+
+def test_grammar_queue_counts_against_the_queue_bound_and_deadlines_reach_it(h: Harness, gate: Gate) -> None:
+    """--max-queued-requests counts requests waiting for their grammar; a deadline aborts one there."""
+    _, started, release = gate
+    sched = start_blocked_email(h, gate, "waiting", max_queued_requests=3)
+    params = SamplingParams.from_dict({"max_new_tokens": 64, "temperature": 0.0, "regex": EMAIL})
+    sched.handle_message(TokenizedGenerateReq(rid="late", input_ids=h.tokenizer.encode(PROMPTS[1]),
+                                              sampling_params=params, deadline=time.monotonic() - 1.0))
+    h.submit(sched, "free", PROMPTS[2], max_new_tokens=6)  # 2 in the grammar queue + 1 waiting: the bound
+    h.submit(sched, "over", PROMPTS[3], max_new_tokens=6)
+    results: dict[str, dict[str, Any]] = {}
+    h.collect(sched, results)
+    assert results["over"]["error"] == "overloaded" and len(results) == 1
+    assert started.wait(30)
+    sched.step()  # the deadline passed: out of the grammar queue at once
+    h.collect(sched, results)
+    assert results["late"]["reason"] == {"type": "abort", "message": "timeout"} and results["late"]["ids"] == []
+    release.set()
+    h.run(sched, results)
+    assert_email(h, results["waiting"])
+    assert results["free"]["reason"]["type"] == "length"
+    assert sched.stats["num_timed_out"] == 1 and sched.stats["num_refused_overloaded"] == 1
+    assert_clean(sched)

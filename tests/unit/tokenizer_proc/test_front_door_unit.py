@@ -199,3 +199,43 @@ def test_abort_all_without_api_key_is_the_callers_own_with_it_everyones() -> Non
             assert router.sent[-1][1].payload == {"aborted": len(expected)}
 
     asyncio.run(main())
+
+
+def test_deadline_is_absolute_monotonic_from_arrival_and_checked() -> None:
+    import time
+
+    async def main() -> None:
+        m, router, sched, _ = manager(request_timeout=5.0)
+        before = time.monotonic()
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="default", input_ids=[1])))
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="own", input_ids=[1], deadline_s=0.5)))
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="bad", input_ids=[1], deadline_s=0.0)))
+        after = time.monotonic()
+        default, own = [x for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
+        assert before + 5.0 <= default.deadline <= after + 5.0  # --request-timeout
+        assert before + 0.5 <= own.deadline <= after + 0.5  # the request's own wins
+        errors = [msg for _, msg in router.sent if isinstance(msg, ErrorReply)]
+        assert [(e.rid, e.code) for e in errors] == [("bad", "invalid_request")] and "deadline_s" in errors[0].message
+        m2, _, sched2, _ = manager()
+        await m2.handle_client_frames(b"c", frame(GenerateReq(rid="none", input_ids=[1])))
+        assert sched2.sent[0].deadline is None  # no flag, no field: no deadline
+
+    asyncio.run(main())
+
+
+def test_an_overloaded_sample_fails_its_request_once() -> None:
+    from runtime.messages import SchedErrorOut
+
+    async def main() -> None:
+        m, router, sched, _ = manager()
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="a", input_ids=[1], sampling_params={"n": 2})))
+        first, second = [x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
+        await m.outputs.handle_sched_error(SchedErrorOut(second, "overloaded", "the server is overloaded"))
+        await m.outputs.handle_sched_error(SchedErrorOut(first, "overloaded", "the server is overloaded"))
+        errors = [msg for _, msg in router.sent if isinstance(msg, ErrorReply)]
+        assert [(e.rid, e.code) for e in errors] == [("a", "overloaded")]
+        assert SchedAbortReq(rid=first) in sched.sent  # the other sample is moot
+        assert m.stats["requests_refused_overloaded"] == 1
+        assert m.table.is_empty()
+
+    asyncio.run(main())

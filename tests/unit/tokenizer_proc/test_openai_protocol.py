@@ -194,3 +194,29 @@ def test_assistant_tool_calls_reach_the_template_with_object_arguments() -> None
     messages = req.generate_reqs()[0].messages or []
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
     assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
+
+
+def test_server_deadline_fields() -> None:
+    assert completion(prompt="a").generate_reqs()[0].deadline_s is None
+    assert completion(prompt="a", timeout=2).generate_reqs()[0].deadline_s == 2.0
+    assert completion(prompt="a", timeout=2, deadline_s=0.5).generate_reqs()[0].deadline_s == 0.5
+    chat = oai.ChatCompletionRequest.model_validate({"model": "m", "timeout": 1.5,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.generate_reqs()[0].deadline_s == 1.5
+    native = oai.NativeGenerateReq.model_validate_json('{"text": "a", "deadline_s": 3}')
+    assert native.generate_reqs()[0][0].deadline_s == 3.0
+
+
+def test_overloaded_is_503_with_retry_after() -> None:
+    from tokenizer_proc.http_server import STATUS_OF_CODE, error_response
+
+    response = error_response(STATUS_OF_CODE["overloaded"], "full", "overloaded")
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"]["code"] == "overloaded"
+    assert "retry-after" not in error_response(503, "x", "out_of_memory").headers
+
+
+def test_refusals_are_counted_by_reason() -> None:
+    m = Metrics("m")
+    m.refused_request("overloaded")
+    assert 'tinyserve:requests_refused_total{model_name="m",reason="overloaded"} 1.0' in m.render().decode()
