@@ -172,6 +172,23 @@ class SWARadixCache(RadixCache):
                 best = pos
         return best
 
+    # --------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> int:
+        """As ``RadixCache``'s, but until both pools gained ``num_tokens`` slots (or nothing is left to
+        evict): a token stores only with both halves, and an evicted tombstone, or the tokens above a
+        leaf's last window, give back only their full half, so ``num_tokens`` tokens may free fewer
+        SWA slots (the tree's live SWA sits in the windows before protected ends)."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        target = self.allocator.available_size() + num_tokens
+        evicted = 0
+        while (short := target - self.allocator.available_size()) > 0:
+            step = super().evict(short)
+            if step == 0:
+                break
+            evicted += step
+        return evicted
+
     # ------------------------------------------------------ request lifecycle
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its

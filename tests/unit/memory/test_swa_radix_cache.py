@@ -26,7 +26,7 @@ def _cache() -> SWARadixCache:
 
 
 def _check(cache: SWARadixCache, active: dict[int, int] | None = None) -> None:
-    report = check_memory_invariant(cache.swa_allocator, cache, cache.req_to_token_pool, SIZE,
+    report = check_memory_invariant(cache.swa_allocator, cache, cache.req_to_token_pool, cache.swa_allocator.size,
                                     idle=active is None, active_rows=active)
     assert report.ok, report.message
 
@@ -96,3 +96,17 @@ def test_a_branch_off_a_cached_sequence_keeps_its_end_window(chunk: int | None) 
     _serve(cache, history, [500, 501, 502, 503], chunk)  # cached: history + 3 outputs with KV
     _serve(cache, history[:40] + list(range(900, 920)), [600, 601], chunk)
     assert _serve(cache, history + [500, 501, 502, 700], [800], chunk) == 45
+
+
+def test_evict_makes_room_in_both_pools() -> None:
+    """Cached sequences keep only their last window's SWA half: evicting n tokens from the oldest
+    one frees n full slots but fewer SWA ones, so eviction goes on until both pools gained n."""
+    alloc = SWATokenToKVPoolAllocator(256, 64, torch.zeros(257, dtype=torch.int64), "cpu", debug=True)
+    cache = SWARadixCache(ReqToTokenPool(4, 512, "cpu"), alloc, WINDOW)
+    _serve(cache, list(range(1, 41)), [500, 501], chunk=8)
+    _serve(cache, list(range(101, 141)), [600, 601], chunk=8)
+    before = alloc.available_size()
+    assert before == alloc.swa_available_size() < alloc.full_available_size()  # the SWA pool is the short one
+    cache.evict(20)
+    assert alloc.available_size() >= before + 20
+    _check(cache)
