@@ -27,7 +27,7 @@ Matching: a prefix is usable only up to a point whose last ``W - 1`` tokens are 
 (or that starts at token 0 with every token live): ``match_prefix`` backs off to the last
 such point. A finished request whose oldest own tokens lost their SWA half is inserted
 with that part as a tombstone. Eviction frees both halves of a node (a tombstone only has
-the full one). SGLang's SWARadixCache works the same way in spirit; this is written for
+the full one), and goes on until both pools gained what was asked. SGLang's SWARadixCache works the same way in spirit; this is written for
 this tree's lock and split rules.
 """
 
