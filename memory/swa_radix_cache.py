@@ -5,18 +5,29 @@ layers' K/V) is only needed while some window can still see the token, so a node
 tokens no window needs gives its SWA half back and stays in the tree as a *tombstone*: the
 full-attention layers can still use it as a prefix, the windowed layers never look at it.
 
-Which windows need a node: every lock (``inc_lock_ref(node)``, taken by a request that
-matched or cached a prefix ending at ``node``) guards the last ``W - 1`` tokens before the
-node's end, the keys the request's next token sees there. A running request's own tokens
-past that are its own (freed by ``free_out_of_window`` as they leave its window). When a
-request moves on (``free_out_of_window``), the nodes on its path that no guard covers become
-tombstones (a node that a guard covers in part is split at the guard's start first).
+Which windows need a node: a *protected end* keeps the last ``W - 1`` tokens before it live,
+the keys a next token there sees. The protected ends are
+
+- every lock (``inc_lock_ref(node)``, taken by a request that matched or cached a prefix
+  ending at ``node``): a running request's next tokens;
+- every *anchor*, the end of a prefix a lookup reused (``match_prefix``): the next request
+  with that prefix matches it only while its last window is live;
+- every leaf: the end of a cached sequence (a finished conversation's next turn).
+
+Anchors and leaves are the tree's: only eviction removes them (and the SWA half with the
+node). A running request's own tokens past its locked prefix are its own (freed by
+``free_out_of_window`` as they leave its window). When a request moves on
+(``free_out_of_window``), the nodes on its path that no protected end covers become
+tombstones (a node covered in part is split at the covered part's start first): the chunks
+it cached itself as it went, and the tree's tokens no window of any kind needs. Its own
+match point is an anchor, so reusing a prefix never takes that prefix's window away from
+the requests that come next.
 
 Matching: a prefix is usable only up to a point whose last ``W - 1`` tokens are all live
 (or that starts at token 0 with every token live): ``match_prefix`` backs off to the last
 such point. A finished request whose oldest own tokens lost their SWA half is inserted
 with that part as a tombstone. Eviction frees both halves of a node (a tombstone only has
-the full one). SGLang's SWARadixCache works the same way in spirit; this is written for
+the full one), and goes on until both pools gained what was asked. SGLang's SWARadixCache works the same way in spirit; this is written for
 this tree's lock and split rules.
 """
 
@@ -46,6 +57,7 @@ class SWARadixCache(RadixCache):
         self.window = window
         self.swa_allocator = allocator
         self._guards: dict[TreeNode, int] = {}  # lock end node -> locks held on it
+        self._anchors: set[TreeNode] = set()  # ends of prefixes requests reused (kept live until evicted)
         # Bumped whenever a node may have become free of guards (a lock dropped, a prefix inserted):
         # a request's path is walked again only after that (``free_out_of_window``).
         self._epoch = 0
@@ -55,12 +67,18 @@ class SWARadixCache(RadixCache):
     # ------------------------------------------------------------ tree shape
     def reset(self) -> None:
         self._guards = {}
+        self._anchors = set()
         super().reset()
 
     def _split_values(self, child: TreeNode, upper: TreeNode, split_len: int) -> None:
         super()._split_values(child, upper, split_len)
         upper.swa_tombstone = child.swa_tombstone
-        # (guards are keyed by end node: the child keeps its end, the upper part is new)
+        # (guards and anchors are keyed by end node: the child keeps its end, the upper part is new)
+
+    def _delete_leaf(self, leaf: TreeNode) -> None:
+        super()._delete_leaf(leaf)
+        self._anchors.discard(leaf)
+        self._epoch += 1  # an end that kept its window live is gone: walks may free more
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """Root's children down to ``node``, in order."""
@@ -91,28 +109,34 @@ class SWARadixCache(RadixCache):
                 self._guards.pop(node, None)
         return super().dec_lock_ref(node)
 
+    def _protects(self, node: TreeNode) -> bool:
+        """Whether ``node``'s end keeps the W - 1 tokens before it live: a lock ends there (a running
+        request's next tokens see them), a request reused the prefix ending there (an anchor: the
+        tree's, for the next request with that prefix), or it is a leaf (a cached sequence's end)."""
+        return node in self._guards or node in self._anchors or not node.children
+
     def _guarded_from(self, path: list[TreeNode]) -> list[int | None]:
-        """For each node of ``path`` (root side first), the first position a guard at or below it keeps
-        live, or None. One climb per guard to the path (not one per guard and path node)."""
-        index = {node: i for i, node in enumerate(path)}
-        ends: list[int] = []
-        pos = 0
-        for node in path:
-            pos += len(node.key)
-            ends.append(pos)
-        own: list[int | None] = [None] * len(path)  # guards whose deepest path ancestor is path[i]
-        for guard in self._guards:
-            below = 0  # tokens between the path node reached and the guard's end
-            cur: TreeNode | None = guard
-            while cur is not None and cur is not self.root and cur not in index:
-                below += len(cur.key)
-                cur = cur.parent
-            if cur is None or cur is self.root:
-                continue
-            i = index[cur]
-            start = max(0, ends[i] + below - self.window + 1)
-            held = own[i]
-            own[i] = start if held is None else min(held, start)
+        """For each node of ``path`` (root side first), the first position a protected end (see
+        ``_protects``) at or below it keeps live, or None. Off the path only the nodes ending fewer than
+        W - 1 tokens below a path node's end are looked at: a deeper end's window starts below it."""
+        reach = self.window - 1
+        own: list[int | None] = [None] * len(path)  # the smallest start kept by path[i] or its off-path branches
+        end = 0
+        for i, node in enumerate(path):
+            end += len(node.key)
+            starts = [max(0, end - reach)] if self._protects(node) else []
+            after = path[i + 1] if i + 1 < len(path) else None
+            stack = [(child, len(child.key)) for child in node.children.values() if child is not after]
+            while stack:
+                child, depth = stack.pop()
+                if depth >= reach:
+                    continue
+                if self._protects(child):
+                    starts.append(end + depth - reach)  # (its descendants' windows start later)
+                    continue
+                stack.extend((grand, depth + len(grand.key)) for grand in child.children.values())
+            if starts:
+                own[i] = min(starts)
         first: list[int | None] = [None] * len(path)
         running: int | None = None
         for i in range(len(path) - 1, -1, -1):
@@ -128,13 +152,14 @@ class SWARadixCache(RadixCache):
         result = super().match_prefix(key, extra_key, count_hit)
         end = int(result.device_indices.numel())
         usable = self._usable_end(result.last_node) if end else 0
-        if usable == end:
-            return result
-        if count_hit:
-            self._matched_tokens -= end - usable
-        values, node = self._match(key[:usable], extra_key)
-        indices = torch.cat(values) if values else self._empty
-        return MatchResult(indices, node)
+        if usable != end:
+            if count_hit:
+                self._matched_tokens -= end - usable
+            values, node = self._match(key[:usable], extra_key)
+            result = MatchResult(torch.cat(values) if values else self._empty, node)
+        if usable:  # a reused prefix: its last window stays the tree's (no request's walk frees it)
+            self._anchors.add(result.last_node)
+        return result
 
     def _usable_end(self, node: TreeNode) -> int:
         """The last end of a node on the path whose preceding W - 1 tokens are all live (0 if none)."""
@@ -147,10 +172,28 @@ class SWARadixCache(RadixCache):
                 best = pos
         return best
 
+    # --------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> int:
+        """As ``RadixCache``'s, but until both pools gained ``num_tokens`` slots (or nothing is left to
+        evict): a token stores only with both halves, and an evicted tombstone, or the tokens above a
+        leaf's last window, give back only their full half, so ``num_tokens`` tokens may free fewer
+        SWA slots (the tree's live SWA sits in the windows before protected ends)."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        target = self.allocator.available_size() + num_tokens
+        evicted = 0
+        while (short := target - self.allocator.available_size()) > 0:
+            step = super().evict(short)
+            if step == 0:
+                break
+            evicted += step
+        return evicted
+
     # ------------------------------------------------------ request lifecycle
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots ``req``'s next tokens will not see: its own, and the tree's on its
-        path that no guard covers (those nodes become tombstones). Returns SWA slots freed."""
+        path that no protected end covers (those nodes become tombstones; the last window of the
+        prefix it reused is an anchor's, never freed here). Returns SWA slots freed."""
         handle = req.cache_handle
         freed = free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
                                        self.window, self._held_len(req))

@@ -3,7 +3,8 @@
 One server (the tiny hybrid Qwen2: two full-attention layers, two windowed with W = 24) with
 chunked prefill shorter than the window and a small SWA pool; its greedy tokens equal
 transformers' for prompts and generations several windows long, its context length is the
-model's (not the window), and server_info reports both pools clean when idle.
+model's (not the window), a cached prefix stays matchable however many requests reuse it,
+and server_info reports both pools clean when idle.
 """
 
 from __future__ import annotations
@@ -53,3 +54,24 @@ def test_greedy_equals_transformers_and_both_pools_come_back(swa_server: Client,
     assert invariant["ok"], invariant["message"]
     assert invariant["swa"]["available"] + invariant["swa"]["evictable"] == invariant["swa"]["size"] == 512
     assert idle["swa_available_tokens"] + idle["swa_evictable_tokens"] == 512
+
+
+def test_a_cached_prefix_stays_matchable_after_requests_reuse_it(swa_server: Client, tiny_checkpoints: Any) -> None:
+    """Request A caches a prompt P longer than two windows; B = P + one suffix and then C = P +
+    another both reuse all of P (before the fix B's reuse gave P's last window back and C matched
+    nothing), and both equal transformers; both pools come back clean."""
+    vocab = int(swa_server.server_info()["model"]["vocab_size"])
+    window = SWA_WINDOWS[NAME]
+    prefix = random_prompt(2 * window + 12, vocab, seed=61)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8}
+    hf = load_hf_model(tiny_checkpoints.path(NAME))
+    (first,) = swa_server.generate(input_ids=[prefix], sampling_params=params)
+    assert first["output_ids"] == hf_greedy(hf, prefix, 8)[0]
+    for seed in (62, 63):
+        prompt = prefix + random_prompt(window + 4, vocab, seed=seed)
+        (out,) = swa_server.generate(input_ids=[prompt], sampling_params=params)
+        assert out["meta"]["cached_tokens"] == len(prefix), seed
+        assert out["output_ids"] == hf_greedy(hf, prompt, 8)[0], seed
+    idle = wait_until(lambda: is_idle(swa_server), 30, "the server to go idle")
+    assert idle["memory_invariant"]["ok"], idle["memory_invariant"]["message"]
+    assert idle["swa_available_tokens"] + idle["swa_evictable_tokens"] == idle["swa_max_total_tokens"]
