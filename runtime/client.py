@@ -75,7 +75,7 @@ class AsyncClient(ClientConnection):
                  stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
                  rid: str | list[str] | None = None, logprob_start_len: int = -1,
                  tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> "GenerateCall":
+                 chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0) -> "GenerateCall":
         """``await`` it for the result (a list for a batch or for n > 1); with
         ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
 
@@ -83,7 +83,8 @@ class AsyncClient(ClientConnection):
         that position on, in ``meta["input_token_logprobs"]`` (and ``input_top_logprobs``).
         ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` go to the chat
         template with ``messages``; the reply is the model's text (the OpenAI endpoint reads
-        tool calls out of it)."""
+        tool calls out of it). ``priority``: larger is scheduled first on a server with
+        ``--enable-priority-scheduling`` (ignored elsewhere)."""
         if (tools is not None or chat_template_kwargs is not None) and messages is None:
             raise ValueError("tools and chat_template_kwargs go with messages")
         given = [x for x in (prompt, input_ids, messages) if x is not None]
@@ -107,8 +108,8 @@ class AsyncClient(ClientConnection):
         reqs = [
             GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                        tools=tools, chat_template_kwargs=chat_template_kwargs, api_key=self.api_key,
-                        **{field: item})
+                        tools=tools, chat_template_kwargs=chat_template_kwargs, priority=priority,
+                        api_key=self.api_key, **{field: item})
             for r, item in zip(rids, items)
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
@@ -311,7 +312,7 @@ class Client:
                  stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
                  rid: str | list[str] | None = None, logprob_start_len: int = -1,
                  tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> Any:
+                 chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0) -> Any:
         """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
         a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
         ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
@@ -319,7 +320,7 @@ class Client:
                                     stream=stream, return_logprob=return_logprob,
                                     top_logprobs_num=top_logprobs_num, rid=rid,
                                     logprob_start_len=logprob_start_len, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, priority=priority)
         if stream:
             return self._iterate(call)
 

@@ -41,6 +41,8 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # Prompt logprobs from this prompt position on (-1: none; SGLang's convention): with
     # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
     logprob_start_len: int = -1
+    # Larger runs first (SGLang's convention) with --enable-priority-scheduling; ignored without it.
+    priority: int = 0
     api_key: str | None = None
 
 
@@ -113,6 +115,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none (checked by the tokenizer)
+    priority: int = 0  # larger first, with --enable-priority-scheduling (the scheduler ignores it otherwise)
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):

@@ -152,6 +152,7 @@ class _SamplingFields(_Fields):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    priority: int = 0  # SGLang's extra field: larger first, with --enable-priority-scheduling
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
@@ -213,7 +214,7 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.echo and self.logprobs is not None
         return [GenerateReq(rid=uuid.uuid4().hex, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs is not None, top_logprobs_num=top,
-                            logprob_start_len=0 if prompt_logprobs else -1,
+                            logprob_start_len=0 if prompt_logprobs else -1, priority=self.priority,
                             **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                 for p in prompts]
 
@@ -278,7 +279,8 @@ class ChatCompletionRequest(_SamplingFields):
         messages = [m.as_dict(i) for i, m in enumerate(self.messages)]
         return [GenerateReq(rid=uuid.uuid4().hex, messages=messages, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
-                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs)]
+                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs,
+                            priority=self.priority)]
 
     @property
     def tool_choice_name(self) -> str:
@@ -300,6 +302,7 @@ class NativeGenerateReq(BaseModel):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on (with return_logprob); -1: none
     rid: str | list[str] | None = None
+    priority: int = 0  # larger first, with --enable-priority-scheduling (ignored without it)
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
         """The requests, and whether the body was a batch (the reply is then a list)."""
@@ -327,7 +330,7 @@ class NativeGenerateReq(BaseModel):
             raise BadRequest("rid: the rids of a batch must differ", "rid")
         return [GenerateReq(rid=r, sampling_params=self.sampling_params, stream=self.stream,
                             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-                            logprob_start_len=self.logprob_start_len,
+                            logprob_start_len=self.logprob_start_len, priority=self.priority,
                             **{field: item}) for r, item in zip(rids, items)], batch
 
 

@@ -26,6 +26,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "documents", "tok
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 
 
+# A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
+PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _check_priority(priority: int) -> None:
+    """Refuse a priority the scheduler's frame cannot carry (an HTTP body may hold any integer)."""
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise Rejected("invalid_request", f"priority: must be a 64-bit signed integer, got {priority}", "priority")
+
+
 class Rejected(Exception):
     """A request the server refuses; ``code`` goes to the client in an ErrorReply, and
     ``param`` names the offending field where there is one (HTTP reports it)."""
@@ -74,6 +85,7 @@ class RequestBuilder:
         # Checked even when unused; without return_logprob the scheduler is not asked for them.
         logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids))
         logprob_start_len = logprob_start_len if return_logprob else -1
+        _check_priority(req.priority)
         out = []
         for i in range(params.n):
             sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
@@ -86,6 +98,7 @@ class RequestBuilder:
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
+                priority=req.priority,
             ))
         return out
 
