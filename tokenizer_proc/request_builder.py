@@ -26,17 +26,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "documents", "tok
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 
 
-# A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
-PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
-
-
-def _check_priority(priority: int) -> None:
-    """Refuse a priority the scheduler's frame cannot carry (an HTTP body may hold any integer)."""
-    low, high = PRIORITY_RANGE
-    if not low <= priority <= high:
-        raise Rejected("invalid_request", f"priority: must be a 64-bit signed integer, got {priority}", "priority")
-
-
 class Rejected(Exception):
     """A request the server refuses; ``code`` goes to the client in an ErrorReply, and
     ``param`` names the offending field where there is one (HTTP reports it)."""
@@ -46,6 +35,17 @@ class Rejected(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+
+# A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
+PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _check_priority(priority: int) -> None:
+    """Refuse a priority the scheduler's frame cannot carry (an HTTP body may hold any integer)."""
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise Rejected("invalid_request", f"priority: must be a 64-bit signed integer, got {priority}", "priority")
 
 
 @dataclass(frozen=True)
