@@ -76,10 +76,12 @@ class Admission:
         )
         plan = PrefillPlan()
         if chunked_req is not None:
-            adder.add_chunked_req(chunked_req)
+            result = adder.add_chunked_req(chunked_req)
             if chunked_req not in adder.can_run:
                 # No room for its next chunk yet; decode makes progress meanwhile.
                 plan.deferred_chunk = chunked_req
+                if self.report_blocked:  # (or lower priorities give way to it)
+                    self._note_blocked(plan, chunked_req, result, adder)
                 return plan
         ordered = self.policy.order(waiting)
         matched = self.policy.effective_policy(len(waiting)) in ("lpm", "dfs-weight")

@@ -143,9 +143,9 @@ class PrefillAdder:
         self.tree_cache.dec_lock_ref(req.cache_handle.last_node)
         self.rem_total_tokens += charged
 
-    def add_chunked_req(self, req: Req) -> None:
+    def add_chunked_req(self, req: Req) -> AddResult:
         """Continue a chunked prefill (its prefix is already locked)."""
-        self._add(req, locked=True)
+        return self._add(req, locked=True)
 
     def add_one_req(self, req: Req) -> AddResult:
         if self.rem_running_slots <= 0:

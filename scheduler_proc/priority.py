@@ -4,8 +4,8 @@ With ``--enable-priority-scheduling`` the waiting queue is ordered by priority (
 ``scheduler_proc.policy``), and admission stops at the first request that does not fit, so a
 lower priority never overtakes a higher one in the queue. That alone leaves a high-priority
 arrival waiting behind running low-priority requests until they finish. With preemption,
-when admission admitted nothing because its first request lacked KV memory or a request slot
-(``PrefillPlan.blocked``), running requests of *strictly* lower priority are retracted through
+when admission admitted nothing because its first request (or the next chunk of a half-prefilled
+prompt) lacked KV memory or a request slot (``PrefillPlan.blocked``), running requests of *strictly* lower priority are retracted through
 the scheduler's normal retraction path: their KV becomes evictable cache and they wait at the
 front of their priority in the queue, to resume (from whatever of it is still cached) with
 exactly the output an unpressured run gives.

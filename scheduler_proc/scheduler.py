@@ -341,8 +341,8 @@ class Scheduler:
         for req in victims:
             self._retract(req)
         self.stats["num_priority_preemptions"] += len(victims)
-        logger.info("priority %d preempted %d running requests", plan.blocked.priority if plan.blocked else 0,
-                    len(victims))
+        assert plan.blocked is not None
+        logger.info("priority %d preempted %d running requests", plan.blocked.priority, len(victims))
 
     def _requeue(self, req: Req) -> None:
         """Undo a scheduling decision that could not be carried out: ``req`` waits at the front again."""

@@ -175,3 +175,24 @@ def test_victims_lowest_first_then_latest_started_strictly_lower_only() -> None:
     too_much = PrefillPlan(blocked=arrival, blocked_shortfall=31)  # "same" is not lower: nobody
     assert preemption.victims(too_much, running, 0.0) == []
     assert preemption.victims(PrefillPlan(blocked=req("y", 0)), running, 0.0) == []
+
+
+def test_a_chunked_high_priority_prompt_preempts_for_its_next_chunk(overlap: bool) -> None:
+    """A long high-priority prompt is prefilled in chunks next to a decoding low one; when a later
+    chunk finds no room, the low one gives way instead of the prompt waiting for it to finish."""
+    args = ServerArgs(max_total_tokens=128, chunked_prefill_size=16, disable_overlap_schedule=not overlap,
+                      enable_priority_scheduling=True, priority_preemption=True)
+    sched = Scheduler(args, model_runner=StubModelRunner(max_total_tokens=128, vocab_size=VOCAB, eos_token_ids=(EOS,)))
+    low, high = prompts(2, seed=11)
+    high = (high * 2)[:60]
+    submit(sched, "low", low, LOW)
+    sched.step()
+    sched.step()
+    submit(sched, "high", high, HIGH)
+    order: list[str] = []
+    outputs: dict[str, list[int]] = {}
+    run(sched, order, outputs)
+    assert order == ["high", "low"]
+    assert sched.stats["num_priority_preemptions"] == 1
+    assert outputs["low"] == expected_output(low, MAX_NEW) and outputs["high"] == expected_output(high, MAX_NEW)
+    assert_idle_invariant(sched)
