@@ -99,7 +99,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-mixed-chunk",
         "--base-gpu-id", "2", "--gpu-id-step", "2", "--revision", "v1", "--http-port", "8080",
         "--served-model-name", "m", "--chat-template", str(template), "--enable-metrics", "--log-requests",
-        "--decode-log-interval", "5",
+        "--decode-log-interval", "5", "--enable-priority-scheduling", "--priority-preemption",
     ]
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
@@ -114,6 +114,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.base_gpu_id, a.gpu_id_step) == (2, 2)
     assert (a.revision, a.http_port, a.served_model_name, a.chat_template) == ("v1", 8080, "m", str(template))
     assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
+    assert (a.enable_priority_scheduling, a.priority_preemption) == (True, True)
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
     assert ServerArgs.from_cli(server_argv(a)) == a
 
