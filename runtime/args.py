@@ -51,6 +51,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = 8192
     page_size: int = 1
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    priority_preemption: bool = False
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
     enable_hierarchical_cache: bool = False
@@ -238,6 +240,12 @@ class ServerArgs:
         g.add_argument("--schedule-policy", type=str, default=d.schedule_policy,
                        choices=SCHEDULE_POLICY_CHOICES,
                        help=f"order of waiting requests (default {d.schedule_policy})")
+        g.add_argument("--enable-priority-scheduling", action="store_true", default=d.enable_priority_scheduling,
+                       help="order waiting requests by their priority (larger first), then by "
+                            "--schedule-policy; without it a request's priority is ignored")
+        g.add_argument("--priority-preemption", action="store_true", default=d.priority_preemption,
+                       help="a waiting request that finds no KV memory or request slot retracts running "
+                            "requests of strictly lower priority (needs --enable-priority-scheduling)")
         g.add_argument("--enable-mixed-chunk", action="store_true", default=d.enable_mixed_chunk,
                        help="run decode requests inside prefill batches")
         g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
@@ -315,6 +323,8 @@ class ServerArgs:
         _choice("--load-balance-method", self.load_balance_method, LOAD_BALANCE_CHOICES)
         _choice("--attention-backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICY_CHOICES)
+        if self.priority_preemption and not self.enable_priority_scheduling:
+            raise ValueError("--priority-preemption needs --enable-priority-scheduling")
         _choice("--radix-eviction-policy", self.radix_eviction_policy, EVICTION_POLICY_CHOICES)
         _choice("--hicache-write-policy", self.hicache_write_policy, HICACHE_WRITE_POLICY_CHOICES)
         _choice("--log-level", self.log_level.lower(), LOG_LEVEL_CHOICES)

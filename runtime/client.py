@@ -76,7 +76,7 @@ class AsyncClient(ClientConnection):
                  rid: str | list[str] | None = None, logprob_start_len: int = -1,
                  tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
-                 deadline_s: float | None = None) -> "GenerateCall":
+                 deadline_s: float | None = None, priority: int = 0) -> "GenerateCall":
         """``await`` it for the result (a list for a batch or for n > 1); with
         ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
 
@@ -87,7 +87,9 @@ class AsyncClient(ClientConnection):
         tool calls out of it). ``deadline_s``: the server aborts the request that many seconds
         after it arrived if it has not finished (finish_reason ``{"type": "abort", "message":
         "timeout"}``, with what it generated so far); unlike the client's ``timeout``, which only
-        stops waiting, it is enforced by the server, also while the request waits in its queue."""
+        stops waiting, it is enforced by the server, also while the request waits in its queue.
+        ``priority``: larger is scheduled first on a server with ``--enable-priority-scheduling``
+        (ignored elsewhere)."""
         if (tools is not None or chat_template_kwargs is not None) and messages is None:
             raise ValueError("tools and chat_template_kwargs go with messages")
         given = [x for x in (prompt, input_ids, messages) if x is not None]
@@ -112,7 +114,7 @@ class AsyncClient(ClientConnection):
             GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                         tools=tools, chat_template_kwargs=chat_template_kwargs, api_key=self.api_key,
-                        deadline_s=deadline_s, **{field: item})
+                        deadline_s=deadline_s, priority=priority, **{field: item})
             for r, item in zip(rids, items)
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
@@ -316,7 +318,7 @@ class Client:
                  rid: str | list[str] | None = None, logprob_start_len: int = -1,
                  tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
-                 deadline_s: float | None = None) -> Any:
+                 deadline_s: float | None = None, priority: int = 0) -> Any:
         """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
         a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
         ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
@@ -324,7 +326,8 @@ class Client:
                                     stream=stream, return_logprob=return_logprob,
                                     top_logprobs_num=top_logprobs_num, rid=rid,
                                     logprob_start_len=logprob_start_len, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs, deadline_s=deadline_s)
+                                    chat_template_kwargs=chat_template_kwargs, deadline_s=deadline_s,
+                                    priority=priority)
         if stream:
             return self._iterate(call)
 

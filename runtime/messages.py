@@ -41,6 +41,8 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # Prompt logprobs from this prompt position on (-1: none; SGLang's convention): with
     # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
     logprob_start_len: int = -1
+    # Larger runs first (SGLang's convention) with --enable-priority-scheduling; ignored without it.
+    priority: int = 0
     api_key: str | None = None
     # Server-side deadline in seconds from arrival at the front door (None: --request-timeout, if
     # any): still waiting or running then, the request is aborted (finish_reason abort, "timeout").
@@ -120,6 +122,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     # Absolute time.monotonic() (CLOCK_MONOTONIC: system-wide, and every scheduler that receives
     # requests runs on the tokenizer's node) past which the scheduler aborts it; None: no deadline.
     deadline: float | None = None
+    priority: int = 0  # larger first, with --enable-priority-scheduling (the scheduler ignores it otherwise)
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):

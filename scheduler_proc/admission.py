@@ -28,6 +28,10 @@ MAX_CONSECUTIVE_PREFILLS = 2
 IN_BATCH_PREFIX_TOKENS = 32
 
 
+def _priority(req: Req) -> int:
+    return req.priority
+
+
 class Admission:
     """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
 
@@ -38,7 +42,10 @@ class Admission:
         self.host_tier = host_tier
         self.allocator = allocator
         self.radix_enabled = not args.disable_radix_cache
-        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, self.radix_enabled, seed=args.random_seed or 0)
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, self.radix_enabled, seed=args.random_seed or 0,
+                                     priority=args.enable_priority_scheduling)
+        # Report the request a plan stopped at, for priority preemption (scheduler_proc.priority).
+        self.report_blocked = args.priority_preemption
         self.page_size = args.page_size
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
@@ -61,17 +68,20 @@ class Admission:
             self.consecutive_prefills = 0
             return PrefillPlan(deferred_chunk=chunked_req)
         if len(running) >= self.max_running_requests and chunked_req is None:
-            return PrefillPlan()
+            # No request slot: the first in priority order (the first of the largest) waits for one.
+            return PrefillPlan(blocked=max(waiting, key=_priority) if self.report_blocked else None)
         adder = PrefillAdder(
             self.tree_cache, self.allocator, running, new_token_ratio, self.max_prefill_tokens,
             self.chunked_prefill_size, self.max_running_requests, self.page_size, self.host_tier,
         )
         plan = PrefillPlan()
         if chunked_req is not None:
-            adder.add_chunked_req(chunked_req)
+            result = adder.add_chunked_req(chunked_req)
             if chunked_req not in adder.can_run:
                 # No room for its next chunk yet; decode makes progress meanwhile.
                 plan.deferred_chunk = chunked_req
+                if self.report_blocked:  # (or lower priorities give way to it)
+                    self._note_blocked(plan, chunked_req, result, adder)
                 return plan
         ordered = self.policy.order(waiting)
         matched = self.policy.effective_policy(len(waiting)) in ("lpm", "dfs-weight")
@@ -86,12 +96,24 @@ class Admission:
                 continue
             if self._defer_for_in_batch_prefix(req, in_batch_prefixes):
                 continue
-            if adder.add_one_req(req) != AddResult.CONTINUE:
+            result = adder.add_one_req(req)
+            if result != AddResult.CONTINUE:
+                if self.report_blocked and not adder.planned and adder.new_chunked_req is None:
+                    self._note_blocked(plan, req, result, adder)
                 break
         plan.items = list(adder.planned)
         if plan.items:
             self.consecutive_prefills += 1
         return plan
+
+    @staticmethod
+    def _note_blocked(plan: PrefillPlan, req: Req, result: AddResult, adder: PrefillAdder) -> None:
+        """Record that nothing was admitted because ``req`` lacked KV memory (or a request slot):
+        the one case where preempting lower priorities helps (a full prefill budget, say, does not)."""
+        if result == AddResult.NO_TOKEN:
+            plan.blocked, plan.blocked_shortfall = req, max(adder.shortfall, 1)
+        elif adder.rem_running_slots <= 0:
+            plan.blocked = req
 
     def _defer_for_in_batch_prefix(self, req: Req, seen: set[tuple[int, ...]]) -> bool:
         """Hold back a request that shares its start with one already in this prefill batch.

@@ -44,9 +44,10 @@ class DecodeMemory:
 
     @staticmethod
     def retraction_order(running: Sequence[Req]) -> list[Req]:
-        """Who gives way first when a decode step does not fit: the least progressed requests
-        (fewest generated tokens; the longest prompt first among equals, ties in running order)."""
-        return sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        """Who gives way first when a decode step does not fit: the lowest priority (all 0 without
+        --enable-priority-scheduling), then the least progressed requests (fewest generated tokens;
+        the longest prompt first among equals, ties in running order)."""
+        return sorted(running, key=lambda r: (r.priority, len(r.output_ids), -len(r.origin_input_ids)))
 
     def retracted(self, count: int) -> None:
         """``count`` requests were retracted in one round: expect more of the remaining budgets."""

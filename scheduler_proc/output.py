@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 
 
 def new_stats() -> dict[str, int]:
-    return {"num_retractions": 0, "num_retracted_reqs": 0, "num_prefill_batches": 0,
-            "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0, "num_aborted": 0,
-            "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0, "jump_forward_tokens": 0,
-            "num_refused_overloaded": 0, "num_timed_out": 0}
+    return {"num_retractions": 0, "num_retracted_reqs": 0, "num_priority_preemptions": 0,
+            "num_prefill_batches": 0, "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0,
+            "num_aborted": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0,
+            "jump_forward_tokens": 0, "num_refused_overloaded": 0, "num_timed_out": 0}
 
 
 class OutputProcessor:

@@ -3,6 +3,11 @@
 Cache-aware policies (lpm, dfs-weight) match every waiting request against the
 radix tree first; on a long queue that costs more than it saves, so they fall
 back to fcfs (as SGLang does), and with the radix cache disabled they are fcfs.
+
+With ``--enable-priority-scheduling`` the policy's order is then sorted by priority,
+larger first; the sort is stable, so requests of equal priority keep the policy's order
+(fcfs: arrival, with retracted requests first). Without it nothing is sorted: the
+no-priority path costs what it did.
 """
 
 from __future__ import annotations
@@ -22,22 +27,35 @@ CACHE_AWARE = ("lpm", "dfs-weight")
 CACHE_AWARE_QUEUE_LIMIT = 128
 
 
+def _negated_priority(req: Req) -> int:
+    return -req.priority
+
+
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0,
+                 priority: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.policy = policy
         self.tree_cache = tree_cache
         self.radix_enabled = radix_enabled
         self._rng = random.Random(seed)
+        self.priority = priority  # sort by Req.priority (larger first) after the policy
+
+    def order(self, waiting: Sequence[Req]) -> list[Req]:
+        """Return the waiting queue in the order to try admitting (a new list)."""
+        ordered = self._policy_order(waiting)
+        if self.priority:
+            ordered.sort(key=_negated_priority)  # stable: equal priorities keep the policy's order
+        return ordered
 
     def effective_policy(self, queue_len: int) -> str:
         if self.policy in CACHE_AWARE and (not self.radix_enabled or queue_len > CACHE_AWARE_QUEUE_LIMIT):
             return "fcfs"
         return self.policy
 
-    def order(self, waiting: Sequence[Req]) -> list[Req]:
-        """Return the waiting queue in the order to try admitting (a new list)."""
+    def _policy_order(self, waiting: Sequence[Req]) -> list[Req]:
+        """The waiting queue in the schedule policy's order (a new list)."""
         policy = self.effective_policy(len(waiting))
         if policy == "fcfs":
             return list(waiting)

@@ -51,11 +51,16 @@ class PrefillPlan:
 
     ``rejected`` requests can never run (bigger than the whole pool); ``deferred_chunk`` is a
     chunked request whose next chunk found no room this round (it keeps its locked prefix).
+    ``blocked`` (only with --priority-preemption): the request admission stopped at for want of
+    KV memory (``blocked_shortfall`` tokens short) or of a request slot (shortfall 0); running
+    requests of lower priority may give way to it (``scheduler_proc.priority``).
     """
 
     items: list[PlannedExtend] = field(default_factory=list)
     rejected: list[Req] = field(default_factory=list)
     deferred_chunk: Req | None = None
+    blocked: Req | None = None
+    blocked_shortfall: int = 0
 
     @property
     def reqs(self) -> list[Req]:
@@ -114,6 +119,8 @@ class PrefillAdder:
         # early; if it outgrows the pool, decode finishes it with an error).
         self.server_idle = not running_reqs
         self.new_chunked_req: Req | None = None
+        # KV tokens the last request refused with NO_TOKEN lacked (its prefix lock charged).
+        self.shortfall = 0
 
     @property
     def can_run(self) -> list[Req]:
@@ -136,9 +143,9 @@ class PrefillAdder:
         self.tree_cache.dec_lock_ref(req.cache_handle.last_node)
         self.rem_total_tokens += charged
 
-    def add_chunked_req(self, req: Req) -> None:
+    def add_chunked_req(self, req: Req) -> AddResult:
         """Continue a chunked prefill (its prefix is already locked)."""
-        self._add(req, locked=True)
+        return self._add(req, locked=True)
 
     def add_one_req(self, req: Req) -> AddResult:
         if self.rem_running_slots <= 0:
@@ -161,6 +168,7 @@ class PrefillAdder:
         )
         if fits_whole:
             if need + reserve > self.rem_total_tokens:
+                self.shortfall = need + reserve - self.rem_total_tokens
                 if not locked:
                     self._unlock(req, charged)
                 return AddResult.NO_TOKEN
@@ -171,6 +179,9 @@ class PrefillAdder:
         limit = min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens, kv_room)
         trunc = round_down(limit, self.page_size)
         if trunc <= 0:
+            # A first chunk as large as the other limits allow would need this much more.
+            self.shortfall = min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens) \
+                + self.page_size - self.rem_total_tokens
             if not locked:
                 self._unlock(req, charged)
             return AddResult.NO_TOKEN if kv_room <= limit else AddResult.OTHER

@@ -34,6 +34,9 @@ class Req:
     # Prompt logprobs from this prompt position on; -1: none (scheduler_proc.input_logprobs).
     logprob_start_len: int = -1
     extra_key: str | None = None
+    # Larger is admitted first and may preempt smaller ones (scheduler_proc.priority); always 0
+    # without --enable-priority-scheduling.
+    priority: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     # The matcher of a constrained request (json_schema / regex / ebnf), set when its grammar

@@ -44,7 +44,8 @@ from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
-from scheduler_proc.prefill_adder import PlannedExtend
+from scheduler_proc.prefill_adder import PlannedExtend, PrefillPlan
+from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
@@ -81,6 +82,7 @@ class Scheduler:
                                       server_args.stream_interval, server_args.decode_log_interval)
         self.stats = self.output.stats
         self.memory = DecodeMemory(self.context_len)
+        self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
         self.worker = create_model_worker(model_runner, overlap)
@@ -120,7 +122,8 @@ class Scheduler:
             return
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   stream=msg.stream, return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                  logprob_start_len=msg.logprob_start_len)
+                  logprob_start_len=msg.logprob_start_len,
+                  priority=msg.priority if self.args.enable_priority_scheduling else 0)
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
         if req.sampling_params.stop_strs:
             self.output.stop_checker.load_tokenizer(self.args)
@@ -204,6 +207,8 @@ class Scheduler:
             # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
             # slots: no later step may be in flight then. The next prefill may also hit them.
             return False
+        if self.preemption is not None and self.preemption.pending:
+            return False  # a priority preemption retracts: the host state must be exact
         queued = [*self.queues.waiting, *([self.queues.chunked] if self.queues.chunked is not None else [])]
         if queued and (self.args.enable_mixed_chunk or any(r.jumped for r in queued)):
             return False  # a mixed batch's decode part takes host inputs
@@ -234,6 +239,8 @@ class Scheduler:
             self._release_unscheduled(req)
             self.output.finish(req, {"type": "abort", "message": "out of memory"}, error_code="out_of_memory")
         queues.set_chunked(plan.chunked_req or plan.deferred_chunk)
+        if self.preemption is not None:
+            self._preempt_for_priority(plan)
         for item in plan.items:
             req = item.req
             queues.take(req)
@@ -335,15 +342,38 @@ class Scheduler:
                 self.finish(req, {"type": "abort", "message": "out of memory"}, error_code="out_of_memory")
                 return False
             req = order.pop(0)
-            queues.retract(req)
-            self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
-            req.is_retracted = True
+            self._retract(req)
             retracted.append(req)
         if retracted:
             self.stats["num_retractions"] += 1
             self.stats["num_retracted_reqs"] += len(retracted)
             self.memory.retracted(len(retracted))
         return bool(queues.running)
+
+    def _retract(self, req: Req) -> None:
+        """A running request (nothing of it in flight) gives its memory back and waits at the front:
+        its KV becomes cache, and it resumes from whatever of it is still cached."""
+        self.queues.retract(req)
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+        req.is_retracted = True
+
+    def _preempt_for_priority(self, plan: PrefillPlan) -> None:
+        """Retract the running requests ``PriorityPreemption`` picks for the request the plan was
+        blocked at; with a step in flight, only mark it pending (the next step completes that step
+        first and decides again). Not a sign of optimistic reservations: ``new_token_ratio`` stays."""
+        assert self.preemption is not None
+        self.preemption.pending = False
+        victims = self.preemption.victims(plan, self.queues.running, self.memory.new_token_ratio)
+        if not victims:
+            return
+        if self.inflight is not None:
+            self.preemption.pending = True
+            return
+        for req in victims:
+            self._retract(req)
+        self.stats["num_priority_preemptions"] += len(victims)
+        assert plan.blocked is not None
+        logger.info("priority %d preempted %d running requests", plan.blocked.priority, len(victims))
 
     def _requeue(self, req: Req) -> None:
         """Undo a scheduling decision that could not be carried out: ``req`` waits at the front again."""

@@ -154,6 +154,7 @@ class _SamplingFields(_Fields):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    priority: int = 0  # SGLang's extra field: larger first, with --enable-priority-scheduling
     # Server-side deadline in seconds from arrival (GenerateReq.deadline_s): aborted when it passes.
     timeout: float | None = None
     deadline_s: float | None = None
@@ -223,6 +224,7 @@ class CompletionRequest(_SamplingFields):
         return [GenerateReq(rid=uuid.uuid4().hex, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs is not None, top_logprobs_num=top,
                             logprob_start_len=0 if prompt_logprobs else -1, deadline_s=self.server_deadline_s,
+                            priority=self.priority,
                             **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                 for p in prompts]
 
@@ -288,7 +290,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [GenerateReq(rid=uuid.uuid4().hex, messages=messages, sampling_params=params, stream=self.stream,
                             return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
                             tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs,
-                            deadline_s=self.server_deadline_s)]
+                            deadline_s=self.server_deadline_s, priority=self.priority)]
 
     @property
     def tool_choice_name(self) -> str:
@@ -311,6 +313,7 @@ class NativeGenerateReq(BaseModel):
     logprob_start_len: int = -1  # prompt logprobs from this position on (with return_logprob); -1: none
     rid: str | list[str] | None = None
     deadline_s: float | None = None  # server-side deadline, seconds from arrival (GenerateReq.deadline_s)
+    priority: int = 0  # larger first, with --enable-priority-scheduling (ignored without it)
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
         """The requests, and whether the body was a batch (the reply is then a list)."""
@@ -339,6 +342,7 @@ class NativeGenerateReq(BaseModel):
         return [GenerateReq(rid=r, sampling_params=self.sampling_params, stream=self.stream,
                             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
                             logprob_start_len=self.logprob_start_len, deadline_s=self.deadline_s,
+                            priority=self.priority,
                             **{field: item}) for r, item in zip(rids, items)], batch
 
 

@@ -39,6 +39,17 @@ class Rejected(Exception):
         self.param = param
 
 
+# A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
+PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _check_priority(priority: int) -> None:
+    """Refuse a priority the scheduler's frame cannot carry (an HTTP body may hold any integer)."""
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise Rejected("invalid_request", f"priority: must be a 64-bit signed integer, got {priority}", "priority")
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What the scheduler reported when it became ready."""
@@ -80,6 +91,7 @@ class RequestBuilder:
         # Checked even when unused; without return_logprob the scheduler is not asked for them.
         logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids))
         logprob_start_len = logprob_start_len if return_logprob else -1
+        _check_priority(req.priority)
         out = []
         for i in range(params.n):
             sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
@@ -93,6 +105,7 @@ class RequestBuilder:
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
                 deadline=deadline,
+                priority=req.priority,
             ))
         return out
 

@@ -24,7 +24,8 @@ EXPECTED_DEFAULTS = {
     "dtype": "auto", "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
     "attention_backend": "auto", "mem_fraction_static": None, "max_total_tokens": None,
     "max_running_requests": None, "max_prefill_tokens": 16384, "chunked_prefill_size": 8192, "page_size": 1,
-    "schedule_policy": "fcfs", "disable_radix_cache": False, "radix_eviction_policy": "lru",
+    "schedule_policy": "fcfs", "enable_priority_scheduling": False, "priority_preemption": False,
+    "disable_radix_cache": False, "radix_eviction_policy": "lru",
     "context_length": None, "stream_interval": 1, "random_seed": None, "api_key": None, "log_level": "info",
     "disable_cuda_graph": False, "cuda_graph_max_bs": None, "cuda_graph_bs": None,
     "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False,
@@ -99,7 +100,8 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-mixed-chunk",
         "--base-gpu-id", "2", "--gpu-id-step", "2", "--revision", "v1", "--http-port", "8080",
         "--served-model-name", "m", "--chat-template", str(template), "--enable-metrics", "--log-requests",
-        "--decode-log-interval", "5", "--watchdog-timeout", "2.5",
+        "--decode-log-interval", "5", "--watchdog-timeout", "2.5", "--enable-priority-scheduling",
+        "--priority-preemption",
     ]
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
@@ -115,6 +117,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.revision, a.http_port, a.served_model_name, a.chat_template) == ("v1", 8080, "m", str(template))
     assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
     assert a.watchdog_timeout == 2.5
+    assert (a.enable_priority_scheduling, a.priority_preemption) == (True, True)
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
     assert ServerArgs.from_cli(server_argv(a)) == a
 
@@ -148,6 +151,7 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
         ({"mem_fraction_static": 0.0}, "--mem-fraction-static"),
         ({"schedule_policy": "sjf"}, "--schedule-policy"),
+        ({"priority_preemption": True}, "--priority-preemption"),
         ({"device": "tpu"}, "--device"),
         ({"dtype": "int8"}, "--dtype"),
         ({"attention_backend": "flash"}, "--attention-backend"),

@@ -220,3 +220,28 @@ def test_refusals_are_counted_by_reason() -> None:
     m = Metrics("m")
     m.refused_request("overloaded")
     assert 'tinyserve:requests_refused_total{model_name="m",reason="overloaded"} 1.0' in m.render().decode()
+
+
+def test_priority_travels_from_every_body_to_each_scheduler_request() -> None:
+    """``priority`` (SGLang's extra field) reaches the GenerateReq from both OpenAI bodies and
+    /generate, and every sample's TokenizedGenerateReq; a bool is not an int, and a value past 64
+    bits (which the scheduler's frame could not carry) is refused naming the field."""
+    from runtime.messages import GenerateReq
+    from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder
+
+    assert [r.priority for r in completion(prompt=["a", "b"], priority=3).generate_reqs()] == [3, 3]
+    assert completion(prompt="a").generate_reqs()[0].priority == 0
+    assert chat_request(priority=-2).generate_reqs()[0].priority == -2
+    native, _ = oai.NativeGenerateReq.model_validate({"text": ["a", "b"], "priority": 7}).generate_reqs()
+    assert [r.priority for r in native] == [7, 7]
+    with pytest.raises(ValidationError):
+        completion(prompt="a", priority=True)
+    with pytest.raises(ValidationError):
+        oai.NativeGenerateReq.model_validate({"text": "a", "priority": "1"})
+    limits = ModelLimits(vocab_size=100, context_len=1000, max_req_input_len=500, max_total_tokens=1000)
+    builder = RequestBuilder(tokenizer=None, limits=limits)
+    built = builder.build(GenerateReq(rid="a", input_ids=[1, 2], sampling_params={"n": 2}, priority=5))
+    assert [r.priority for r in built] == [5, 5]
+    with pytest.raises(Rejected) as bad:
+        builder.build(GenerateReq(rid="b", input_ids=[1], priority=2 ** 63))
+    assert bad.value.param == "priority"
