@@ -1,4 +1,5 @@
-"""What a scheduler tells the outside about itself: server info and DP load reports.
+"""What a scheduler tells the outside about itself: server info, DP load reports and the
+memory invariant.
 
 Pure read-outs: the scheduler passes in its parts (it owns all of them) and gets a message back.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memory.invariant import InvariantReport
+from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
 from runtime.messages import KVEvent, LoadReport
 from scheduler_proc import swa_memory
@@ -16,6 +17,20 @@ from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
+
+
+def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,
+                     req_to_token_pool: Any, max_total_tokens: int, host_tier: HostTier | None) -> InvariantReport:
+    """The memory invariant now (the scheduler has completed its step in flight): every KV slot and
+    row is free, cached, or held by a running request (and the host tier's, with one)."""
+    if host_tier:
+        host_tier.drain()
+    holders = queues.holders()
+    active_rows = {r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders
+                   if r.cache_handle.req_pool_idx is not None}
+    report = check_memory_invariant(allocator, tree_cache, req_to_token_pool, max_total_tokens,
+                                    idle=not holders, active_rows=active_rows)
+    return host_tier.check(report) if host_tier else report
 
 
 def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache, stats: dict[str, int]) -> LoadReport:

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from memory.invariant import InvariantReport, check_memory_invariant
+from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
 from runtime.args import ServerArgs
 from runtime.forward_batch import ForwardMode
@@ -40,6 +40,7 @@ from scheduler_proc.batch_builder import BatchBuilder, OutOfMemory
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE, Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
+from scheduler_proc.jump_forward import jump_forward
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
     create_model_worker, overlap_default
@@ -405,7 +406,14 @@ class Scheduler:
         if finished:
             self.queues.drop_finished(finished)
         if self.jump_forward and self.grammars.stats.constrained_requests:  # (no scan until one arrives)
-            self._jump_forward([r for r in self.queues.running if r.grammar is not None])
+            for req in jump_forward([r for r in self.queues.running if r.grammar is not None],
+                                    self.grammars.tokenizer, self.context_len, self.output):
+                if req.finish_reason is not None:
+                    self.queues.remove_running(req)
+                    self.finish(req, req.finish_reason)
+                else:  # its row goes back as a retraction's does; the next prefill computes the forced text
+                    self.queues.retract(req)
+                    self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
 
     def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],
                      prefilled: bool) -> None:
@@ -424,29 +432,6 @@ class Scheduler:
                 self.finish(req, req.finish_reason)
             elif prefilled:
                 self.tree_cache.cache_unfinished_req(req)
-
-    def _jump_forward(self, reqs: list[Req]) -> None:
-        """Append the text each constrained request's grammar forces (a JSON key, ``": "``, closing
-        brackets) without decoding it token by token: the request gives its row back as a retraction
-        does, keeping its KV in the prefix cache, and its next prefill computes the forced tokens and
-        samples the token after them. Not for requests that return logprobs (forced tokens have none)."""
-        tokenizer = self.grammars.tokenizer
-        for req in reqs:
-            if req.return_logprob or req.finish_reason is not None or req.num_inflight:
-                continue
-            room = min(req.remaining_new_tokens(), self.context_len - 1 - req.seqlen)
-            forced = req.grammar.forced_tokens(tokenizer, room) if room > 0 else []  # type: ignore[union-attr]
-            if not forced:
-                continue
-            self.stats["jump_forward_tokens"] += len(forced)
-            self.output.append_forced(req, forced)
-            req.jumped = True
-            if req.finish_reason is not None:
-                self.queues.remove_running(req)
-                self.finish(req, req.finish_reason)
-            else:
-                self.queues.retract(req)
-                self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
 
     def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
         """Tell the client, then release the request's memory unless a step still uses it."""
@@ -487,16 +472,8 @@ class Scheduler:
 
     def check_memory(self) -> InvariantReport:
         self.drain()
-        if self.host_tier:
-            self.host_tier.drain()
-        holders = self.queues.holders()
-        active_rows = {r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders
-                       if r.cache_handle.req_pool_idx is not None}
-        report = check_memory_invariant(
-            self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens,
-            idle=not holders, active_rows=active_rows,
-        )
-        self.last_invariant = self.host_tier.check(report) if self.host_tier else report
+        self.last_invariant = reports.memory_invariant(self.queues, self.allocator, self.tree_cache,
+                                                       self.req_to_token_pool, self.max_total_tokens, self.host_tier)
         return self.last_invariant
 
     def kv_usage(self) -> float:
