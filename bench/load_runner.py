@@ -100,6 +100,7 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
         rec.latency = time.perf_counter() - start
     except (RequestError, HttpError) as exc:
         rec.error = exc.code
+        rec.latency = time.perf_counter() - start  # how long a refusal took (summaries count successes only)
     except Exception as exc:  # a benchmark reports a failure; it does not stop
         rec.error = type(exc).__name__
     bar.update(1)

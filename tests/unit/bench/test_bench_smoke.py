@@ -558,3 +558,18 @@ def test_compare_with_vllm_runs_its_offline_engine_in_the_given_python(
     assert data["settings"]["baseline"] == "vllm"
     rows = [r for r in data["summary"] if r["engine"] == "vllm"]
     assert len(rows) == 1 and rows[0]["repeats"] == 2 and rows[0]["output_tok_s"] > 0
+
+
+def test_overload_rows_split_admitted_refused_and_other_errors() -> None:
+    from bench import overload
+    from bench.load_runner import RequestRecord
+
+    records = [RequestRecord(0, 8, output_len=4, ttft=0.1, latency=0.5),
+               RequestRecord(1, 8, output_len=4, ttft=0.3, latency=0.7),
+               RequestRecord(2, 8, error="overloaded", latency=0.002),
+               RequestRecord(3, 8, error="overloaded", latency=0.004),
+               RequestRecord(4, 8, error="internal", latency=0.1)]
+    row = overload.load_row("2x", 10.0, records, 2.0)
+    assert (row["sent"], row["admitted"], row["refused"], row["other_errors"]) == (5, 2, 2, "internal")
+    assert row["ttft_p50_ms"] == pytest.approx(200.0) and row["refusal_p50_ms"] == pytest.approx(3.0)
+    assert row["out_tok_s"] == pytest.approx(4.0)
