@@ -119,8 +119,8 @@ class StepWatchdog:
                      "with code %d",
                      self.name, elapsed, self.timeout_s, self.steps_done, WATCHDOG_EXIT_CODE)
         stream = self._stream if self._stream is not None else sys.stderr
+        _flush_logs()
         try:
-            _flush_logs()
             stream.flush()
             faulthandler.dump_traceback(file=stream, all_threads=True)
             stream.flush()
@@ -142,8 +142,13 @@ def exit_process(code: int) -> None:
 
 
 def _flush_logs() -> None:
+    """Flush the root logger's handlers so the error line precedes the stacks; a handler whose
+    stream is gone (closed) must not stop the dump."""
     for handler in logging.getLogger().handlers:
-        handler.flush()
+        try:
+            handler.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def start_watchdog(timeout_s: float, name: str) -> StepWatchdog:

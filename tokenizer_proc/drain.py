@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
-if TYPE_CHECKING:
-    from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.output_routing import OutputRouter
+from tokenizer_proc.request_table import RequestTable
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,18 @@ DRAINING_MESSAGE = "the server is draining (shutting down): send the request to 
 TIMED_OUT_MESSAGE = "the server stopped: its graceful-shutdown timeout passed before this request finished"
 
 
+class Drained(Protocol):
+    """What a drain needs of the front door (the TokenizerManager is one)."""
+
+    table: RequestTable
+    outputs: OutputRouter
+    draining: bool
+
+
 class Drain:
     """One drain of the front door; ``start`` is idempotent (SIGTERM and /drain may both come)."""
 
-    def __init__(self, manager: "TokenizerManager", timeout_s: float,
+    def __init__(self, manager: Drained, timeout_s: float,
                  on_drained: Callable[[], Awaitable[None]]) -> None:
         self.manager = manager
         self.timeout_s = timeout_s
