@@ -16,8 +16,12 @@ replica is full.
 
 Requests already inside are never refused later: retraction may push the queue past N.
 
-Owner: the ``Scheduler`` asks ``admit`` before queueing; this module reads the lengths and
-keeps the refusal count.
+In a served scheduler, rank 0's receiving thread (``scheduler_proc/admission_gate.py``) applies
+the bound as requests arrive, while a step runs too, so a refusal never waits for a step; the
+``Scheduler`` applies it again on receipt (which is all an in-process scheduler has).
+
+Owner: the gate and the ``Scheduler`` ask ``admit`` before queueing (each its own instance);
+this module reads the lengths and keeps the refusal count.
 """
 
 from __future__ import annotations

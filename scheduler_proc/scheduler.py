@@ -116,7 +116,7 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Queue a request the tokenizer validated (prompt length, vocabulary, parameters), unless
         the queue is full (--max-queued-requests): then it is refused at once with ``overloaded``."""
-        refusal = self.queue_bound.admit(len(self.queues.waiting) + len(self.grammars))
+        refusal = self.queue_bound.admit(self.num_waiting())
         if refusal is not None:
             self.stats["num_refused_overloaded"] += 1
             self.output.error(msg.rid, OVERLOADED, refusal)
@@ -164,6 +164,10 @@ class Scheduler:
                 req.to_abort = message
         if message == TIMEOUT_MESSAGE:
             self.stats["num_timed_out"] += hit
+
+    def num_waiting(self) -> int:
+        """Requests received and not running: what --max-queued-requests bounds."""
+        return len(self.queues.waiting) + len(self.grammars)
 
     def expired_rids(self) -> list[str]:
         """The live requests whose deadline has passed (rank 0 decides; scheduler_proc.deadlines)."""

@@ -23,6 +23,7 @@ from runtime.distributed import TPGroup, init_tp_group, set_tp_group
 from runtime.ipc import PullSocket, PushSocket
 from runtime.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
 from runtime.utils import send_status
+from scheduler_proc.admission_gate import AdmissionGate
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.watchdog import install_test_step_delay, start_watchdog
@@ -63,16 +64,22 @@ class SchedulerIO:
         self.recv: PullSocket | None = None
         self.send: PushSocket | None = None
         self.controller: PushSocket | None = None
+        self.gate: AdmissionGate | None = None  # --max-queued-requests: refusals off the loop
         if tp_rank == 0:
             endpoint = port_args.dp_scheduler_input_ipcs[dp_rank] if self.dp else port_args.scheduler_input_ipc
             self.recv = PullSocket(endpoint, SchedulerInput, bind=True)
             self.send = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
             if self.dp:
                 self.controller = PushSocket(port_args.dp_controller_ipc, ControllerInput, bind=False)
+            if server_args.max_queued_requests is not None:
+                self.gate = AdmissionGate(self.recv, port_args.detokenizer_ipc, server_args.max_queued_requests)
+                self.recv = None  # the gate's thread owns it now
 
     def receive(self, block_ms: int, scheduler: Scheduler | None = None) -> list[Any]:
         msgs: list[Any] = []
-        if self.recv is not None and self.recv.poll(block_ms):
+        if self.gate is not None:
+            msgs = self.gate.take(block_ms)
+        elif self.recv is not None and self.recv.poll(block_ms):
             while (msg := self.recv.recv_nowait()) is not None:
                 msgs.append(msg)
         if scheduler is not None and self.tp_rank == 0 and len(scheduler.deadlines):
@@ -83,6 +90,11 @@ class SchedulerIO:
             return msgs
         payload = self.tp_group.broadcast_bytes(self._encoder.encode(msgs) if self.tp_rank == 0 else None)
         return msgs if self.tp_rank == 0 else self._decoder.decode(payload)
+
+    def report_queue(self, scheduler: Scheduler) -> None:
+        """Tell the admission gate (if any) how many requests wait now."""
+        if self.gate is not None:
+            scheduler.stats["num_refused_overloaded"] += self.gate.report(scheduler.num_waiting())
 
     def publish(self, scheduler: Scheduler) -> None:
         outputs = scheduler.take_outbox()
@@ -130,6 +142,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         watchdog.begin_step()  # the wait above is idle time; from here on the loop must not stall
         for msg in msgs:
             scheduler.handle_message(msg)
+        io.report_queue(scheduler)
         scheduler.step()
+        io.report_queue(scheduler)
         io.publish(scheduler)
         watchdog.end_step()

@@ -233,7 +233,7 @@ def test_under_tp_rank_zero_sends_its_expiries_with_the_inputs() -> None:
     sched = make(False, clock, tp_size=2)
     submit(sched, "t", PROMPT, 8, deadline=clock.now + 1)
     io = object.__new__(SchedulerIO)  # no sockets, no TP group: just the merge of inputs
-    io.recv, io.tp_group, io.tp_rank = None, None, 0
+    io.recv, io.gate, io.tp_group, io.tp_rank = None, None, None, 0
     assert io.receive(0, sched) == []
     sched.step()
     clock.now += 1
