@@ -3,12 +3,13 @@
 Without ``--max-queued-requests`` every request is queued, and while arrivals outpace the
 server its queue, and every newcomer's time to first token, grow without bound. With it the
 server refuses what it cannot queue (``overloaded``, HTTP 503 + Retry-After) at once, and the
-requests it admits keep a bounded TTFT. One server, three runs:
+requests it admits keep a bounded TTFT. Three runs:
 
-1. capacity: ``--capacity-requests`` requests, ``--capacity-concurrency`` at a time (closed
-   loop): completed requests/s;
-2. Poisson arrivals at ``--low`` x capacity (0.8) for ``--duration`` seconds;
-3. Poisson arrivals at ``--high`` x capacity (2.0) for ``--duration`` seconds.
+1. capacity, on a server with the same flags but no queue bound (a closed loop's burst would
+   otherwise be refused faster than it is served): ``--capacity-requests`` requests,
+   ``--capacity-concurrency`` at a time: completed requests/s;
+2. on the bounded server, Poisson arrivals at ``--low`` x capacity (0.8) for ``--duration`` s;
+3. the same at ``--high`` x capacity (2.0).
 
 The table has, per load: requests sent, admitted (completed), refused (``overloaded``), TTFT
 p50/p99 of the admitted, and how long a refusal took (p50/p99); below it, the ratio of p99
@@ -76,22 +77,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
     model_path = resolve_model_path(args)
     flags = [*server_flags, "--max-queued-requests", str(args.max_queued_requests)]
-    with server_for(None, model_path, flags, None, pinning) as handle:
+
+    def workload(n: int, seed: int, handle: Any) -> Any:
         low, high = token_range_for(handle.model_path, handle.vocab_size)
+        return make_workload("uniform", num_requests=n, prompt_len=args.prompt_len,
+                             max_new_tokens=args.max_new_tokens, seed=seed, vocab_low=low, vocab_high=high)
 
-        def workload(n: int, seed: int) -> Any:
-            return make_workload("uniform", num_requests=n, prompt_len=args.prompt_len,
-                                 max_new_tokens=args.max_new_tokens, seed=seed, vocab_low=low, vocab_high=high)
-
-        records, duration = run_workload(handle.address, workload(args.capacity_requests, args.seed),
+    with server_for(None, model_path, server_flags, None, pinning) as handle:
+        records, duration = run_workload(handle.address, workload(args.capacity_requests, args.seed, handle),
                                          max_concurrency=args.capacity_concurrency)
-        capacity = summarize_run(records, duration)["request_throughput"]
-        rows = [load_row("capacity", float("inf"), records, duration)]
+    capacity = summarize_run(records, duration)["request_throughput"]
+    rows = [load_row("capacity", float("inf"), records, duration)]
+    with server_for(None, model_path, flags, None, pinning) as handle:
         for i, factor in enumerate((args.low, args.high)):
             flush_cache(handle.address, None)
             rate = factor * capacity
             records, duration = run_workload(handle.address, workload(max(1, round(rate * args.duration)),
-                                                                      args.seed + 1 + i), request_rate=rate)
+                                                                      args.seed + 1 + i, handle), request_rate=rate)
             rows.append(load_row(f"{factor:g}x", rate, records, duration))
     print_table(rows, COLUMNS, title=f"overload (--max-queued-requests {args.max_queued_requests}, "
                                      f"capacity {capacity:.2f} req/s)")
