@@ -286,7 +286,7 @@ class OpenAIReply:
 
     def event(self, prompt_index: int, chunk: GenerateChunk, offsets: dict[int, int]) -> dict[str, Any] | None:
         """The stream event of one chunk (None when it has nothing to show yet: a parser holds
-        its text back). ``offsets``: per choice, the text sent so far (None = not started)."""
+        its text back). ``offsets``: per choice, the text sent so far (absent: not started yet)."""
         self.usage.add(prompt_index, chunk)
         index = prompt_index * self.n + chunk.meta.get("index", 0)
         first = index not in offsets
