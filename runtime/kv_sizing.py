@@ -8,7 +8,7 @@ hands it to the scheduler, whose ``server_info`` reports it as ``kv_pool``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ MIN_POOL_PAGES = 16
 
 def kv_pool_tokens(*, per_token: int, budget_bytes: float, page_size: int, max_total_tokens: int | None = None,
                    demand_tokens: int | None = None, warn_over_budget: bool = False,
-                   warn: Any = None) -> int:
+                   warn: Callable[..., Any] | None = None) -> int:
     """Tokens the KV pool holds, in whole pages.
 
     ``max_total_tokens`` (the flag) wins as it is (a warning where the device says so and it is
