@@ -14,13 +14,14 @@ from runtime.platform import ServingPlatform
 
 # On CPU the weights and the KV pool (with the CPU backend's decode mirror, which may take as
 # much again: ``kv_bytes_per_token``) come out of the machine's RAM. By default together they
-# may take 60% of MemTotal: the other 40% is for the OS and page cache, the tokenizer and
-# detokenizer processes, and a chunked prefill's activations (an 8192-token chunk of a 1B
-# model's MLP is a few hundred MiB). 60% is what lets a 24 GiB machine hold SmolLM2-135M's
-# 64 x 2048 tokens with their mirror (11.25 GiB + 0.5 GiB of weights is 50% of 23.5 GiB)
-# with room to spare. MemTotal, not MemAvailable: the same machine and flags always give the
-# same pool, whatever other processes hold at start.
-CPU_DEFAULT_MEM_FRACTION = 0.6
+# may take 25% of MemTotal: the rest is for the OS and page cache, the tokenizer and
+# detokenizer processes, a chunked prefill's activations, and an optional host tier of the
+# hierarchical cache (--hicache-ratio 2 by default, outside this share). On a 24 GiB machine
+# that gives SmolLM2-135M in fp32 ~63k tokens (64 requests of ~980 tokens, five times the old
+# default); the pool is zeroed at start, so a larger default would also cost start-up time.
+# MemTotal, not MemAvailable: the same machine and flags always give the same pool, whatever
+# other processes hold at start. --mem-fraction-static or --max-total-tokens ask for more.
+CPU_DEFAULT_MEM_FRACTION = 0.25
 # ...and, by default, no more than the expected work needs: --max-running-requests (else
 # CPU_PLANNED_RUNNING_REQUESTS) requests of a typical context each. A CPU decodes tens of
 # requests per step usefully, not hundreds (the old fixed cap was 64 x 2048 tokens); 4096
