@@ -32,6 +32,7 @@ from runtime.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda
 from runtime.cuda.triton_common import interpreted_dtype
 from runtime.device import concrete_device, resolve_device, resolve_dtype
 from runtime.forward_batch import ForwardBatch, InputLogprobRows
+from runtime.kv_sizing import KVPoolSize, kv_pool_tokens
 from runtime.distributed import get_tp_group
 from runtime.layers.sampler import Sampler
 from runtime.model_config import ModelConfig
@@ -72,6 +73,7 @@ class ModelRunner:
         context_length: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        dp_size: int = 1,
         random_seed: int = 0,
         load_progress: bool = True,
         disable_cuda_graph: bool = False,
@@ -92,6 +94,7 @@ class ModelRunner:
         self.ops.prepare_process()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.dp_size = dp_size  # (CPU: the host's schedulers, tp_size x dp_size, share its RAM budget)
         self.page_size = page_size
         self.random_seed = random_seed
         torch.manual_seed(random_seed)
@@ -123,7 +126,7 @@ class ModelRunner:
         self.num_kv_heads = attn0.num_kv_heads  # KV heads on this rank
         self.head_dim = cfg.head_dim
 
-        self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static)
+        self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static, max_running_requests)
         self.max_running_requests = max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens)
         # Pools: owned here, written by the scheduler (req_to_token) and the attention backend (KV).
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
@@ -152,14 +155,17 @@ class ModelRunner:
                 cfg.head_dim,
                 self.device,
             )
-        kv_gib = self.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / (1 << 30)
-        logger.info(
-            "KV pool: %d tokens (%.3f GiB), %d request slots x context %d",
-            self.max_total_tokens,
-            kv_gib,
-            self.max_running_requests,
-            self.context_len,
+        # Budgeted bytes per token: the pool's own plus its share of the backend's extra KV copy.
+        backend = get_attention_backend_class(self.attention_backend_name, self.device)
+        copy = 1.0 + getattr(backend, "kv_copy_fraction", 0.0)
+        ram = self.ops.platform(self.device).ram_bytes
+        self.kv_pool = KVPoolSize(
+            tokens=self.max_total_tokens, context_len=self.context_len,
+            max_running_requests=self.max_running_requests,
+            bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * copy),
+            ram_bytes=ram() if ram is not None else None,
         )
+        logger.info("%s", self.kv_pool.log_line())
         self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler(ops=self.ops)
         # The decode path, as the device ops say: a device's own layer stack for every eager forward
@@ -186,31 +192,34 @@ class ModelRunner:
         backend = get_attention_backend_class(self.attention_backend_name, self.device)
         return int(pool * (1.0 + getattr(backend, "kv_copy_fraction", 0.0)))
 
-    def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> int:
-        """Tokens the KV pool holds: ``max_total_tokens`` if given (capped by memory), else the budget."""
-        per_token = self.kv_bytes_per_token()
+    def weight_bytes(self) -> int:
+        """Memory this rank's weights take (parameters and buffers, each storage once): on CPU
+        they come out of the same share of RAM as the KV pool."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None,
+                     max_running_requests: int | None) -> int:
+        """Tokens the KV pool holds: ``max_total_tokens`` if given, else the memory budget at the
+        device's share (``runtime.kv_sizing.kv_pool_tokens``); at the default share, no more
+        than the device says the expected work needs (CPU: ``host_memory.cpu_demand_tokens``)."""
         platform = self.ops.platform(self.device)  # the device's memory defaults
         frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
-        budget = platform.budget_bytes(self.device, frac)
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {frac}")
-        budget_tokens = int(budget // per_token)
-        if max_total_tokens is not None:
-            if max_total_tokens <= 0:
-                raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
-            if platform.warn_over_budget and max_total_tokens > budget_tokens:
-                logger.warning("max_total_tokens %d exceeds the memory budget (%d tokens)", max_total_tokens, budget_tokens)
-            tokens = max_total_tokens
-        else:
-            if budget_tokens < self.page_size * 16:
-                raise RuntimeError(
-                    f"not enough memory for the KV cache: budget {budget / (1 << 20):.1f} MiB "
-                    f"({per_token} bytes per token); raise mem_fraction_static or set max_total_tokens"
-                )
-            tokens = budget_tokens
-            if platform.max_total_tokens is not None and mem_fraction_static is None:
-                tokens = min(tokens, platform.max_total_tokens)
-        return max(self.page_size, tokens // self.page_size * self.page_size)
+        budget = platform.budget_bytes(self.device, frac, self.weight_bytes(), self.tp_size * self.dp_size)
+        demand = None
+        if platform.demand_tokens is not None and mem_fraction_static is None:
+            demand = platform.demand_tokens(max_running_requests, self.context_len)
+        return kv_pool_tokens(per_token=self.kv_bytes_per_token(), budget_bytes=budget, page_size=self.page_size,
+                              max_total_tokens=max_total_tokens, demand_tokens=demand,
+                              warn_over_budget=platform.warn_over_budget, warn=logger.warning)
 
     # ---- forward --------------------------------------------------------------------
 

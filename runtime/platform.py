@@ -20,7 +20,11 @@ class ServingPlatform:
     ``runtime.cuda.memory.CUDA_PLATFORM``, ``runtime.cpu.host_memory.CPU_PLATFORM``)."""
 
     mem_fraction: float  # --mem-fraction-static's default
-    max_total_tokens: int | None  # cap on a KV pool sized from memory at the default fraction (None: none)
     warn_over_budget: bool  # log when --max-total-tokens exceeds the memory budget
-    budget_bytes: Callable[[torch.device, float], float]  # (device, fraction) -> bytes the KV pools may take
+    # (device, fraction, this rank's weight bytes, schedulers on the host) -> bytes the KV pools may take
+    budget_bytes: Callable[[torch.device, float, int, int], float]
+    # (--max-running-requests or None, context_len) -> tokens a pool sized at the default fraction
+    # need not exceed (None: no such cap, the pool takes the whole budget)
+    demand_tokens: Callable[[int | None, int], int] | None
+    ram_bytes: Callable[[], int] | None  # the host RAM the pool comes out of (None: device memory)
     cuda_graphs: bool  # decode may run in captured CUDA graphs

@@ -30,6 +30,7 @@ import zmq
 from runtime.args import ServerArgs
 from runtime.port_args import PortArgs
 from runtime.ipc import PullSocket, PushSocket
+from runtime.kv_sizing import merge_kv_pools
 from runtime.messages import (
     ControllerInput,
     DetokenizerInput,
@@ -159,6 +160,8 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):
         merged["context_len"] = payloads[0]["context_len"]
+    if payloads and all("kv_pool" in p for p in payloads):
+        merged["kv_pool"] = merge_kv_pools([p["kv_pool"] for p in payloads])
     invariants = [p.get("memory_invariant", {}) for p in payloads]
     merged["memory_invariant"] = {"ok": all(inv.get("ok", False) for inv in invariants), "replicas": invariants}
     looked_up = merged.get("prompt_tokens", 0)

@@ -11,6 +11,7 @@ from typing import Any
 
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
+from runtime.kv_sizing import KVPoolSize
 from runtime.messages import KVEvent, LoadReport
 from scheduler_proc import swa_memory
 from scheduler_proc.grammar_queue import GrammarQueue
@@ -40,16 +41,27 @@ def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache
                       num_received=stats["num_received"], events=events)
 
 
+def kv_pool_info(runner: Any, max_total_tokens: int, context_len: int, max_running_requests: int) -> dict[str, Any]:
+    """``server_info``'s ``kv_pool``: the pool as the runner sized it (``ModelRunner.kv_pool``), with
+    the allocator's capacity as its tokens; a runner that does not say (the stub) gives no bytes."""
+    sized = getattr(runner, "kv_pool", None)
+    return KVPoolSize(max_total_tokens, context_len, max_running_requests,
+                      getattr(sized, "bytes_per_token", None), getattr(sized, "ram_bytes", None)).info()
+
+
 def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
                 allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
                 max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
-                new_token_ratio: float, overlap_schedule: bool, grammar: GrammarQueue) -> dict[str, Any]:
-    """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight)."""
+                new_token_ratio: float, overlap_schedule: bool, grammar: GrammarQueue,
+                kv_pool: dict[str, Any]) -> dict[str, Any]:
+    """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight);
+    ``kv_pool``: the pool's size in the figures of the start-up log line (``KVPoolSize.info``)."""
     looked_up = stats["prompt_tokens"]
     return {
         "max_total_tokens": max_total_tokens,
         "context_len": context_len,
         "page_size": page_size,
+        "kv_pool": kv_pool,
         "available_tokens": allocator.available_size(),
         "evictable_tokens": tree_cache.evictable_size(),
         "protected_tokens": tree_cache.protected_size(),

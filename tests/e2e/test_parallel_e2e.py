@@ -179,6 +179,11 @@ def test_dp2_round_robin_uses_both_replicas_and_equals_dp1(dp2_round_robin: Clie
     assert info["num_finished"] == sum(r["num_finished"] for r in info["replicas"])
     assert {"scheduler-dp0-tp0", "scheduler-dp1-tp0", "dp-controller"} <= set(info["processes"])
     assert info["memory_invariant"]["ok"]
+    # Each replica reports its own pool; the top level adds them up (two pools in one host's RAM).
+    pools = [r["kv_pool"] for r in info["replicas"]]
+    assert info["kv_pool"]["tokens"] == sum(p["tokens"] for p in pools) == info["max_total_tokens"]
+    assert info["kv_pool"]["share_of_ram"] == pytest.approx(sum(p["share_of_ram"] for p in pools))
+    assert all(p["full_length_requests"] == p["tokens"] // p["context_len"] for p in pools)
 
 
 def _served_by(client: Client, input_ids: list[int]) -> tuple[int, dict[str, Any]]:

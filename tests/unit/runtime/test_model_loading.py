@@ -15,7 +15,7 @@ from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup
 from runtime.device import resolve_device, resolve_dtype
 from runtime.model_config import ModelConfig, UnsupportedModelError
-from runtime.cpu.host_memory import cpu_mem_available_bytes
+from runtime.cpu.host_memory import cpu_mem_total_bytes
 from runtime.model_runner import ModelRunner
 from runtime.weight_loader import MissingWeightError, checkpoint_files
 
@@ -176,8 +176,8 @@ def test_runner_attributes(tiny_llama_path: Path) -> None:
     assert runner.req_to_token_pool.req_to_token.shape[1] >= runner.context_len
     assert runner.token_to_kv_pool.k_buffer[0].shape == (2048 + 1, 2, 16)
     sized = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", mem_fraction_static=0.0005, load_progress=False)
-    budget = cpu_mem_available_bytes() * 0.0005 / sized.kv_bytes_per_token()
-    assert 0.5 * budget < sized.max_total_tokens < 2 * budget  # sized from MemAvailable
+    budget = (cpu_mem_total_bytes() * 0.0005 - sized.weight_bytes()) // sized.kv_bytes_per_token()
+    assert sized.max_total_tokens == budget  # a share of MemTotal less the weights, to the token
 
 
 # ---- tensor parallel shards (communication faked with threads) -----------------------

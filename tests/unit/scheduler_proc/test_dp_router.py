@@ -191,6 +191,8 @@ def replica_info(**overrides: Any) -> dict[str, Any]:
         "evictable_tokens": 30, "protected_tokens": 10, "num_retractions": 0, "num_finished": 4,
         "prompt_tokens": 40, "cached_prompt_tokens": 10, "context_len": 512,
         "memory_invariant": {"ok": True},
+        "kv_pool": {"tokens": 100, "bytes": 1000, "share_of_ram": 0.25, "full_length_requests": 2,
+                    "context_len": 50, "max_running_requests": 8},
     }
     info.update(overrides)
     return info
@@ -204,6 +206,9 @@ def test_server_info_replies_are_summed_and_kept_per_replica() -> None:
     assert merged["num_running"] == 1 and merged["num_queued"] == 4
     assert merged["max_total_tokens"] == 200 and merged["num_finished"] == 10
     assert merged["context_len"] == 512
+    # Each replica has its own pool in the same host RAM: the pools add up, shares of RAM too.
+    assert merged["kv_pool"] == {"tokens": 200, "bytes": 2000, "share_of_ram": 0.5, "full_length_requests": 4,
+                                 "context_len": 50, "max_running_requests": 16}
     assert merged["cache_hit_rate"] == pytest.approx(40 / 80)
     assert merged["memory_invariant"]["ok"] is True
     broken = merge_control_replies("server_info", [a, replica_info(memory_invariant={"ok": False})])
@@ -213,7 +218,7 @@ def test_server_info_replies_are_summed_and_kept_per_replica() -> None:
 
 def test_a_sum_is_left_out_when_a_replica_lacks_the_field() -> None:
     merged = merge_control_replies("server_info", [replica_info(), {"memory_invariant": {"ok": True}}])
-    assert "num_running" not in merged and "context_len" not in merged
+    assert "num_running" not in merged and "context_len" not in merged and "kv_pool" not in merged
     assert merged["cache_hit_rate"] == 0.0
 
 

@@ -1,0 +1,103 @@
+"""How big the KV pool is, in the figures a user plans with: tokens, bytes, share of RAM, and
+how many requests of the full context length it holds.
+
+A leaf module (no torch): the model runner fills one ``KVPoolSize`` at start, logs its line and
+hands it to the scheduler, whose ``server_info`` reports it as ``kv_pool``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class KVPoolSize:
+    """The KV pool of one scheduler (one TP rank of one DP replica), as sized at start."""
+
+    tokens: int  # the pool's capacity in tokens (--max-total-tokens, or from memory)
+    context_len: int  # a request's longest context
+    max_running_requests: int  # request slots (requests decoding at once)
+    bytes_per_token: int | None = None  # budgeted memory per token (the pool plus its decode mirror's room)
+    ram_bytes: int | None = None  # MemTotal on CPU; None where the pool is not in host RAM (cuda)
+
+    @property
+    def bytes(self) -> int | None:
+        """Memory the pool is budgeted (None where the runner did not say)."""
+        return None if self.bytes_per_token is None else self.tokens * self.bytes_per_token
+
+    @property
+    def share_of_ram(self) -> float | None:
+        """The pool's bytes over MemTotal (CPU only): what a user compares with the machine."""
+        if self.ram_bytes is None or self.bytes is None or self.ram_bytes <= 0:
+            return None
+        return self.bytes / self.ram_bytes
+
+    @property
+    def full_length_requests(self) -> int:
+        """Requests of ``context_len`` tokens the pool holds at once (the worst case of admission)."""
+        return self.tokens // max(1, self.context_len)
+
+    def info(self) -> dict[str, Any]:
+        """``server_info``'s ``kv_pool``."""
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "share_of_ram": self.share_of_ram,
+            "full_length_requests": self.full_length_requests,
+            "context_len": self.context_len,
+            "max_running_requests": self.max_running_requests,
+        }
+
+    def log_line(self) -> str:
+        """``KV pool: N tokens (X GiB, Y% of RAM): F full-length requests of C tokens, S request slots``."""
+        memory = []
+        if self.bytes is not None:
+            memory.append(f"{self.bytes / (1 << 30):.3f} GiB")
+        if self.share_of_ram is not None:
+            memory.append(f"{100 * self.share_of_ram:.1f}% of RAM")
+        sized = f" ({', '.join(memory)})" if memory else ""
+        return (f"KV pool: {self.tokens} tokens{sized}: {self.full_length_requests} full-length requests of "
+                f"{self.context_len} tokens, {self.max_running_requests} request slots")
+
+
+def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
+    """DP replicas' ``kv_pool`` as one: tokens, bytes, full-length requests and slots add up (each
+    replica has its own pool and slots); shares of RAM add up too (the replicas share the host's
+    RAM); the context length is every replica's."""
+    merged: dict[str, Any] = {"context_len": pools[0]["context_len"] if pools else 0}
+    for key in ("tokens", "bytes", "share_of_ram", "full_length_requests", "max_running_requests"):
+        values = [p.get(key) for p in pools]
+        merged[key] = None if any(v is None for v in values) else sum(values)
+    return merged
+
+
+# A pool sized from memory must hold at least this many pages (else start-up fails with a hint).
+MIN_POOL_PAGES = 16
+
+
+def kv_pool_tokens(*, per_token: int, budget_bytes: float, page_size: int, max_total_tokens: int | None = None,
+                   demand_tokens: int | None = None, warn_over_budget: bool = False,
+                   warn: Callable[..., Any] | None = None) -> int:
+    """Tokens the KV pool holds, in whole pages.
+
+    ``max_total_tokens`` (the flag) wins as it is (a warning where the device says so and it is
+    over the budget). Otherwise the pool takes the memory budget, at most ``demand_tokens`` (what
+    the expected work needs: there is no use holding memory for more), and fails where the budget
+    holds fewer than ``MIN_POOL_PAGES`` pages.
+    """
+    budget_tokens = int(budget_bytes // per_token)
+    if max_total_tokens is not None:
+        if max_total_tokens <= 0:
+            raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
+        if warn_over_budget and max_total_tokens > budget_tokens and warn is not None:
+            warn("max_total_tokens %d exceeds the memory budget (%d tokens)", max_total_tokens, budget_tokens)
+        tokens = max_total_tokens
+    else:
+        if budget_tokens < page_size * MIN_POOL_PAGES:
+            raise RuntimeError(
+                f"not enough memory for the KV cache: budget {budget_bytes / (1 << 20):.1f} MiB "
+                f"({per_token} bytes per token); raise mem_fraction_static or set max_total_tokens"
+            )
+        tokens = budget_tokens if demand_tokens is None else min(budget_tokens, demand_tokens)
+    return max(page_size, tokens // page_size * page_size)

@@ -1,0 +1,153 @@
+"""The KV pool's default size on CPU (``runtime.cpu.host_memory``) and its figures
+(``runtime.kv_sizing``): from MemTotal and the model, never from what is free at start."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from runtime.cpu import host_memory
+from runtime.cpu.host_memory import (
+    CPU_DEFAULT_MEM_FRACTION,
+    CPU_PLANNED_RUNNING_REQUESTS,
+    CPU_TYPICAL_CONTEXT,
+    cpu_kv_pool_tokens,
+)
+from runtime.kv_sizing import KVPoolSize, kv_pool_tokens, merge_kv_pools
+from runtime.model_runner import ModelRunner
+
+GIB = 1 << 30
+# SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 dims x K and V x 4 bytes, doubled by the CPU
+# backend's decode mirror (kv_copy_fraction 1.0); 540 MB of weights; an 8192-token context.
+SMOLLM2_PER_TOKEN = 2 * 30 * 3 * 64 * 4 * 2
+SMOLLM2_WEIGHTS = 540_157_184
+SMOLLM2_CONTEXT = 8192
+
+
+def smollm2(mem_total: int, **flags: int | float | None) -> int:
+    return cpu_kv_pool_tokens(mem_total=mem_total, weight_bytes=SMOLLM2_WEIGHTS, per_token=SMOLLM2_PER_TOKEN,
+                              context_len=SMOLLM2_CONTEXT, **flags)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mem_total", [24 * GIB, 24_683_656 * 1024])  # nominal 24 GiB, and a real one's MemTotal
+def test_a_24_gib_machine_holds_64_requests_of_900_tokens(mem_total: int) -> None:
+    tokens = smollm2(mem_total)
+    assert tokens >= 64 * 900  # five times the old MemAvailable-based default (~12k tokens)
+    # The RAM share is the limit here: weights + pool take the default share of MemTotal.
+    assert tokens == int((mem_total * CPU_DEFAULT_MEM_FRACTION - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN)
+
+
+def test_a_big_machine_stops_at_what_the_work_needs() -> None:
+    planned = CPU_PLANNED_RUNNING_REQUESTS * min(SMOLLM2_CONTEXT, CPU_TYPICAL_CONTEXT)
+    assert smollm2(512 * GIB) == planned == 64 * 4096
+    assert smollm2(512 * GIB, max_running_requests=8) == 8 * 4096  # the slots asked for
+    short = cpu_kv_pool_tokens(mem_total=512 * GIB, weight_bytes=0, per_token=100, context_len=512)
+    assert short == CPU_PLANNED_RUNNING_REQUESTS * 512  # the model's context, where shorter than typical
+
+
+def test_a_small_machine_hits_the_share_of_ram() -> None:
+    mem_total = 8 * GIB
+    tokens = smollm2(mem_total)
+    assert tokens == int((mem_total * CPU_DEFAULT_MEM_FRACTION - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN)
+    assert tokens < 64 * 2048
+    # Schedulers on one host (TP ranks x DP replicas) split the share.
+    assert smollm2(mem_total, ranks=2) == int((mem_total * CPU_DEFAULT_MEM_FRACTION / 2 - SMOLLM2_WEIGHTS)
+                                              // SMOLLM2_PER_TOKEN)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        smollm2(GIB // 2)  # the weights alone take more than the share
+
+
+def test_flags_override() -> None:
+    assert smollm2(24 * GIB, max_total_tokens=1000) == 1000
+    assert smollm2(GIB // 2, max_total_tokens=1000) == 1000  # as given, whatever the memory
+    assert smollm2(24 * GIB, max_total_tokens=1001, page_size=16) == 992  # whole pages
+    # An explicit share of MemTotal takes all of it (no cap by the work).
+    assert smollm2(512 * GIB, mem_fraction_static=0.1) == int((512 * GIB * 0.1 - SMOLLM2_WEIGHTS)
+                                                               // SMOLLM2_PER_TOKEN) > 64 * 4096
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        smollm2(24 * GIB, max_total_tokens=0)
+
+
+def test_kv_pool_tokens_warns_only_where_asked() -> None:
+    warnings: list[tuple] = []
+    kv_pool_tokens(per_token=10, budget_bytes=1000, page_size=1, max_total_tokens=500, warn_over_budget=True,
+                   warn=lambda *a: warnings.append(a))
+    kv_pool_tokens(per_token=10, budget_bytes=1000, page_size=1, max_total_tokens=500, warn=warnings.append)
+    assert len(warnings) == 1
+
+
+def _meminfo(tmp_path: Path, total_kb: int, available_kb: int) -> Path:
+    path = tmp_path / f"meminfo-{available_kb}"
+    path.write_text(f"MemTotal:       {total_kb} kB\nMemFree:         1000 kB\nMemAvailable:   {available_kb} kB\n")
+    return path
+
+
+def test_the_runner_pool_does_not_change_with_mem_available(tmp_path: Path, tiny_llama_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    import builtins
+
+    real_open = builtins.open
+    sizes = []
+    for available_kb in (20_000_000, 1_000_000):  # 19 GiB free, then 1 GiB: the same machine
+        fake = _meminfo(tmp_path, 24 * (1 << 20), available_kb)
+
+        def fake_open(file, *args, _fake=fake, **kwargs):  # type: ignore[no-untyped-def]
+            return real_open(_fake if file == "/proc/meminfo" else file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert host_memory.cpu_mem_total_bytes() == 24 * GIB
+        with caplog.at_level(logging.INFO, logger="runtime.model_runner"):
+            runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", load_progress=False)
+        monkeypatch.setattr(builtins, "open", real_open)
+        sizes.append(runner.kv_pool)
+    assert sizes[0] == sizes[1]
+    pool = sizes[0]
+    # The tiny model's 512-token context: the work (64 x 512) is the limit, not 24 GiB.
+    assert pool.tokens == runner.max_total_tokens == CPU_PLANNED_RUNNING_REQUESTS * 512
+    assert pool.full_length_requests == 64 and pool.context_len == 512
+    assert pool.ram_bytes == 24 * GIB and pool.bytes == pool.tokens * runner.kv_bytes_per_token()
+    assert f"KV pool: {pool.tokens} tokens (" in caplog.text and "% of RAM): 64 full-length requests of 512 tokens" \
+        in caplog.text
+
+
+def test_kv_pool_figures_and_log_line() -> None:
+    pool = KVPoolSize(tokens=158696, context_len=8192, max_running_requests=512, bytes_per_token=92160,
+                      ram_bytes=24 * GIB)
+    assert pool.full_length_requests == 19 and pool.bytes == 158696 * 92160
+    assert pool.share_of_ram == pytest.approx(158696 * 92160 / (24 * GIB))
+    assert pool.log_line() == ("KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM): 19 full-length requests "
+                               "of 8192 tokens, 512 request slots")
+    gpu = KVPoolSize(tokens=1000, context_len=100, max_running_requests=4, bytes_per_token=10)
+    assert gpu.share_of_ram is None and "% of RAM" not in gpu.log_line()
+    assert gpu.info() == {"tokens": 1000, "bytes": 10000, "share_of_ram": None, "full_length_requests": 10,
+                          "context_len": 100, "max_running_requests": 4}
+
+
+def test_dp_replicas_pools_add_up() -> None:
+    a = KVPoolSize(1000, 100, 4, 10, 100_000).info()
+    merged = merge_kv_pools([a, a])
+    assert merged == {"tokens": 2000, "bytes": 20000, "share_of_ram": pytest.approx(0.2),
+                      "full_length_requests": 20, "context_len": 100, "max_running_requests": 8}
+    stub = KVPoolSize(1000, 100, 4).info()
+    assert merge_kv_pools([a, stub])["bytes"] is None
+
+
+def test_server_info_reports_the_pool(tiny_llama_path: Path) -> None:
+    from runtime.args import ServerArgs
+    from scheduler_proc.scheduler import Scheduler
+    from tests.support.stub_scheduler import stub_scheduler
+
+    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=2048,
+                         max_running_requests=8, load_progress=False)
+    sched = Scheduler(ServerArgs(max_total_tokens=2048, disable_overlap_schedule=True), model_runner=runner)
+    info = sched.server_info()["kv_pool"]
+    assert info == runner.kv_pool.info()
+    assert info["tokens"] == 2048 and info["full_length_requests"] == 2048 // 512 and info["context_len"] == 512
+    assert info["max_running_requests"] == 8 and info["bytes"] == 2048 * runner.kv_bytes_per_token()
+    assert info["share_of_ram"] == pytest.approx(info["bytes"] / host_memory.cpu_mem_total_bytes())
+    # A runner that does not say its bytes (the stub) still reports tokens and slots.
+    stub = stub_scheduler(overlap=False, max_total_tokens=4096).server_info()["kv_pool"]
+    assert stub["tokens"] == 4096 and stub["bytes"] is None and stub["share_of_ram"] is None
