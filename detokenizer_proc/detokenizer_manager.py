@@ -101,6 +101,9 @@ class DetokenizerManager:
         )
 
 
+SIGNAL_CHECK_MS = 200  # the longest the loop blocks without letting a signal handler run
+
+
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
     """Child-process main: load the tokenizer, bind, report ready, loop until killed."""
     manager = DetokenizerManager(load_tokenizer(server_args.resolved_tokenizer_path()))
@@ -109,7 +112,10 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, ready_
     send_status(ready_conn, {"status": "ready"})
     logger.info("detokenizer ready")
     while True:
-        recv.poll(None)
+        # A bounded wait: SIGTERM may be delivered to one of zmq's own threads, and Python runs its
+        # handler only when this thread returns from the poll (an endless poll ignored SIGTERM).
+        if not recv.poll(SIGNAL_CHECK_MS):
+            continue
         # Merge the text of every waiting batch into one message; pass-through messages
         # keep their place in the order.
         merged: list[StrOutput] = []
