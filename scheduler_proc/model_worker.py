@@ -30,6 +30,7 @@ from memory.req_to_token_pool import ReqToTokenPool
 from runtime.args import ServerArgs
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from scheduler_proc.prefill_adder import PlannedExtend
+from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,26 @@ class LaunchedStep:
     def decode_rows(self) -> dict[Req, int]:
         """Batch row of each decoding request (the next step is planned ahead of decode steps only)."""
         return {req: i for i, req in enumerate(self.decode, start=len(self.extend))}
+
+
+def can_plan_ahead(step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bool,
+                   preemption_pending: bool) -> bool:
+    """Whether the next step may be planned while ``step`` (in flight) runs (overlap scheduling), or
+    the host state must be exact first."""
+    if step.extend:
+        # Its processing inserts the prompts into the prefix cache, which remaps their rows,
+        # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
+        # slots: no later step may be in flight then. The next prefill may also hit them.
+        return False
+    if preemption_pending:
+        return False  # a priority preemption retracts: the host state must be exact
+    queued = [*queues.waiting, *([queues.chunked] if queues.chunked is not None else [])]
+    if queued and (mixed_chunk or any(r.jumped for r in queued)):
+        return False  # a mixed batch's decode part takes host inputs
+    # Penalties read the output history, a grammar's mask (and jump-forward) the state after the
+    # last token (bench/grammar_overlap.py measured this against filling masks later).
+    return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
+                   for r in queues.running)
 
 
 class ModelWorker:

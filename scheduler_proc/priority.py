@@ -20,7 +20,7 @@ neither preempt that one back nor be admitted before it (admission stops at the 
 
 This module only decides. The scheduler retracts on the exact host state: when a step is in
 flight (overlap) it marks the decision ``pending``, completes that step before the next plan
-(``Scheduler._can_plan_ahead``) and decides again then.
+(``model_worker.can_plan_ahead``) and decides again then.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.jump_forward import jump_forward
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
-from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, create_model_runner, \
-    create_model_worker, overlap_default
+from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, StepResult, can_plan_ahead, \
+    create_model_runner, create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.prefill_adder import PlannedExtend, PrefillPlan
 from scheduler_proc.priority import PriorityPreemption
@@ -182,7 +182,9 @@ class Scheduler:
                 self.abort(rid, TIMEOUT_MESSAGE)
         if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
             self._admit_compiled()
-        if self.inflight is not None and not self._can_plan_ahead():
+        if self.inflight is not None and not can_plan_ahead(
+                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk,
+                preemption_pending=self.preemption is not None and self.preemption.pending):
             self._complete_inflight()
         self._apply_aborts()
         launched = self._launch_next()
@@ -203,24 +205,6 @@ class Scheduler:
         """Process the step in flight, if any: afterwards the host state is exact."""
         if self.inflight is not None:
             self._complete_inflight()
-
-    def _can_plan_ahead(self) -> bool:
-        step = self.inflight
-        assert step is not None
-        if step.extend:
-            # Its processing inserts the prompts into the prefix cache, which remaps their rows,
-            # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA
-            # slots: no later step may be in flight then. The next prefill may also hit them.
-            return False
-        if self.preemption is not None and self.preemption.pending:
-            return False  # a priority preemption retracts: the host state must be exact
-        queued = [*self.queues.waiting, *([self.queues.chunked] if self.queues.chunked is not None else [])]
-        if queued and (self.args.enable_mixed_chunk or any(r.jumped for r in queued)):
-            return False  # a mixed batch's decode part takes host inputs
-        # Penalties read the output history, a grammar's mask (and jump-forward) the state after the
-        # last token (bench/grammar_overlap.py measured this against filling masks later).
-        return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
-                       for r in self.queues.running)
 
     def _apply_aborts(self) -> None:
         """Finish requests marked for abort through the normal release path."""
