@@ -155,14 +155,13 @@ class ModelRunner:
                 cfg.head_dim,
                 self.device,
             )
-        # Budgeted bytes per token: the pool's own plus its share of the backend's extra KV copy.
-        backend = get_attention_backend_class(self.attention_backend_name, self.device)
-        copy = 1.0 + getattr(backend, "kv_copy_fraction", 0.0)
+        # Budgeted bytes per token: the pool's own (a hybrid SWA pool's is smaller than the formula's)
+        # plus its share of the backend's extra KV copy.
         ram = self.ops.platform(self.device).ram_bytes
         self.kv_pool = KVPoolSize(
             tokens=self.max_total_tokens, context_len=self.context_len,
             max_running_requests=self.max_running_requests,
-            bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * copy),
+            bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * self._kv_copy_factor()),
             ram_bytes=ram() if ram is not None else None,
         )
         logger.info("%s", self.kv_pool.log_line())
@@ -189,8 +188,12 @@ class ModelRunner:
         mirror), so that a pool sized from a memory budget leaves room for that copy inside it."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         pool = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+        return int(pool * self._kv_copy_factor())
+
+    def _kv_copy_factor(self) -> float:
+        """1 + the share of an extra KV copy the attention backend keeps (the CPU decode mirror)."""
         backend = get_attention_backend_class(self.attention_backend_name, self.device)
-        return int(pool * (1.0 + getattr(backend, "kv_copy_fraction", 0.0)))
+        return 1.0 + getattr(backend, "kv_copy_fraction", 0.0)
 
     def weight_bytes(self) -> int:
         """Memory this rank's weights take (parameters and buffers, each storage once): on CPU

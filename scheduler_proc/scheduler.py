@@ -399,9 +399,8 @@ class Scheduler:
                 if req.finish_reason is not None:
                     self.queues.remove_running(req)
                     self.finish(req, req.finish_reason)
-                else:  # its row goes back as a retraction's does; the next prefill computes the forced text
-                    self.queues.retract(req)
-                    self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
+                else:  # its row goes back as in a retraction; the next prefill computes the forced text
+                    self._retract(req)
 
     def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],
                      prefilled: bool) -> None:
