@@ -115,7 +115,7 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
     from tests.support.stub_scheduler import generate_greedy
 
     path = tiny_checkpoints.path("qwen2_swa")
-    prompts = [random_prompt(n, 384, seed=n) for n in (30, 50, 41)]
+    prompts = [random_prompt(n, 384, seed=n) for n in (30, 41, 27)]
     outputs = {}
     for backend in ("torch_native", "triton"):
         runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512,
@@ -125,9 +125,9 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
             runner.graph_runner = cgr.setup_cuda_graphs(runner, batch_sizes=[4], replay="eager")
             assert runner.graph_runner is not None
             spy = ReplaySpy(runner.graph_runner)
-        outputs[backend] = generate_greedy(runner, prompts, 12, chunked_prefill_size=16)
+        outputs[backend] = generate_greedy(runner, prompts, 8, chunked_prefill_size=16)
         if spy is not None:
-            assert len(spy.calls) >= 8, "the decode steps go through the graph runner"
+            assert len(spy.calls) >= 6, "the decode steps go through the graph runner"
     assert outputs["triton"] == outputs["torch_native"]
 
 

@@ -396,5 +396,5 @@ class RequestTableMachine(RuleBasedStateMachine):
             assert self.table.groups_of(client) == [] and self.table.num_building(client) == 0
 
 
-RequestTableMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+RequestTableMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestRequestTableMachine = RequestTableMachine.TestCase
