@@ -81,6 +81,7 @@ class ModelRunner:
         cuda_graph_bs: list[int] | None = None,
         swa_full_tokens_ratio: float = 0.8,
         disable_hybrid_swa_memory: bool = False,
+        quantization: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
@@ -118,7 +119,9 @@ class ModelRunner:
 
         with torch.device(self.device):
             self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
-        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0)
+        self.quantization = quantization  # --quantization: which weights stay quantized (runtime.quant.loading)
+        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0,
+                           quantization=quantization)
         self.model.eval()
         self.ops.prepare_model(self.model)
         attn0 = self.model.model.layers[0].self_attn

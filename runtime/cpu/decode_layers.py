@@ -159,6 +159,8 @@ class CpuLayerStack:
 def _packed_address(weight: torch.Tensor, tp_size: int, kernels: str, dtype: torch.dtype) -> int:
     """The address of ``weight``'s packed copy as the linear kernel of ``kernels`` reads it (the
     AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy), else 0."""
+    if not isinstance(weight, torch.Tensor):
+        return 0  # kept quantized (runtime.quant): the call does not run such linears
     packed = packed_copy(weight)
     if tp_size != 1 or weight.dtype != dtype or packed is None:
         return 0
