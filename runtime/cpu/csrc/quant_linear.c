@@ -19,6 +19,7 @@
  * with AVX2, plain C elsewhere; the only rounding that differs between builds is the order of the
  * fp32 sums of the blocks. Threads split the output rows (OpenMP). */
 #include "common.h"
+#include "entry_points.h"
 
 #define QBLOCK 32
 #define QROWS 4      /* activation rows per pass over a weight row (the row stays in L1) */

@@ -1,15 +1,8 @@
 """The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
 at every build level this CPU runs, on odd shapes: 1..130 activation rows (the kernel's row groups
 of 4 and their remainders), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
-kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package.
-
-The error bound is derived, not tuned. The kernel replaces each activation block b (32 values) by
-``d_b * round(x / d_b)`` with ``d_b = max |x_b| / 127``, so each value moves by at most ``d_b / 2``;
-its products with the weight's integer part ``s * q`` (the min of a q4 block multiplies the exact
-sum of x) are then exact in int32, so the result differs from the reference by at most
-``sum_b d_b / 2 * sum_(i in b) |s_b q_i|``, plus fp32 rounding of the scales and of the sums over
-blocks: at most ``(blocks + 16) * eps * sum |x_i| (|w_i| + |min_b|)`` (a few roundings per term,
-one per term added). The reference itself is computed in float64.
+kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
+error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ from runtime.cpu import kernel_library
 from runtime.cpu.quant_kernels import quant_linear
 from runtime.quant.gguf_blocks import from_gguf
 from runtime.quant.weight import QuantizedWeight, quantize_int8, reference_linear
-
-EPS32 = float(torch.finfo(torch.float32).eps)
+from tests.support.quant_bounds import EPS32, quantized_linear_bound
 
 
 def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.Generator) -> QuantizedWeight:
@@ -37,20 +29,6 @@ def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.
     qs = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int32).to(torch.int8)
     scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01
     return QuantizedWeight("q8", "test", (out_features, in_features), qs, scales, group=group)
-
-
-def _error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``[rows, out]``: the bound of the module doc."""
-    xd = x.double()
-    blocks = xd.reshape(x.shape[0], -1, 32)
-    half_step = blocks.abs().amax(-1) / 127 / 2  # [rows, blocks]
-    scales = weight.scales.double()
-    scaled = weight.values().double().reshape(scales.shape[0], scales.shape[1], -1) * scales.unsqueeze(-1)
-    scaled = scaled.reshape(weight.shape[0], -1, 32).abs().sum(-1)  # [out, blocks]: sum |s q| per block
-    quantization = half_step @ scaled.T
-    mins = weight.mins.double().abs() if weight.mins is not None else torch.zeros_like(scaled)
-    magnitude = blocks.abs().sum(-1) @ mins.T + xd.abs() @ weight.dequantize().double().abs().T
-    return quantization + (x.shape[1] // 32 + 16) * EPS32 * magnitude
 
 
 @pytest.mark.usefixtures("kernel_level")
@@ -68,7 +46,7 @@ def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int,
     assert got is not None and got.shape == (rows, out_features) and got.dtype == torch.float32
     want = reference_linear(x.double(), _double(weight), bias.double())
     err = (got.double() - want).abs()
-    bound = _error_bound(x, weight) + EPS32 * bias.double().abs()
+    bound = quantized_linear_bound(x, weight) + EPS32 * bias.double().abs()
     assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3f}"
     # the bound is not vacuous: a fifth of the outputs' scale at most (a lost block, or a scale of the wrong
     # block, moves an output by about sqrt(1 / blocks) of its scale: a quarter at 17 blocks)
