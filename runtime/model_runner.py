@@ -39,6 +39,7 @@ from runtime.model_config import ModelConfig
 from runtime.model_source import checkpoint_folder
 from runtime.models.registry import get_model_class
 from runtime.ops import DeviceOps, LayerStack, get_ops
+from runtime.quant.loading import quantized_bytes
 from runtime.weight_loader import load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,13 @@ class ModelRunner:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         return total
+
+    def weight_info(self) -> dict[str, object]:
+        """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, and the
+        bytes of the weights kept quantized by source format (``runtime.quant``: what the format
+        says, e.g. 0.75 bytes a value for Q4_1 as repacked)."""
+        return {"bytes": self.weight_bytes(), "quantization": self.quantization,
+                "quantized_bytes": quantized_bytes(self.model)}
 
     def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None,
                      max_running_requests: int | None) -> int:

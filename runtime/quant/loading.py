@@ -120,3 +120,15 @@ def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:
         ops.weight_loaded(module.weight)  # drop any device copy of the dense values
     del module.weight
     module.weight = quantized
+
+
+def quantized_bytes(model: nn.Module) -> dict[str, int]:
+    """Resident bytes of ``model``'s weights kept quantized, by source format (each weight once: a
+    tied LM head's is the embedding's)."""
+    seen: set[int] = set()
+    by_format: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight) and id(module) not in seen:
+            seen.add(id(module))
+            by_format[module.source] = by_format.get(module.source, 0) + module.nbytes()
+    return by_format
