@@ -88,20 +88,20 @@ static inline __attribute__((always_inline)) void row_dots(
     int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out)
 {
 #if defined(__AVX2__)
-    __m256 acc[QROWS];
-    float msum[QROWS];
-    for (int r = 0; r < rows; ++r) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.0f; }
+    /* two accumulators a row (even and odd blocks): the FMA chains overlap */
+    __m256 acc[QROWS][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
+        const int odd = (int)(b & 1);
         if (q4) {
             const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
             const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            const float s = ws[b], mn = wm[b];
+            const __m256 s = _mm256_set1_ps(ws[b]);
             for (int r = 0; r < rows; ++r) {
                 const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + r * k + b * QBLOCK));
                 const __m256 p = _mm256_cvtepi32_ps(dot_u8i8(w, a));
-                acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(s * xd[r * nb + b]), acc[r]);
-                msum[r] += mn * xs[r * nb + b];
+                acc[r][odd] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(xd[r * nb + b])), acc[r][odd]);
             }
         } else {
             const __m256i w = _mm256_loadu_si256((const __m256i*)(wq + b * QBLOCK));
@@ -111,11 +111,16 @@ static inline __attribute__((always_inline)) void row_dots(
             for (int r = 0; r < rows; ++r) {
                 const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + r * k + b * QBLOCK));
                 const __m256 p = _mm256_cvtepi32_ps(dot_u8i8(aw, _mm256_sign_epi8(a, w)));
-                acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+                acc[r][odd] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * nb + b])), acc[r][odd]);
             }
         }
     }
-    for (int r = 0; r < rows; ++r) out[r] = hsum8(acc[r]) + msum[r];
+    for (int r = 0; r < rows; ++r) {
+        float msum = 0.0f;  /* q4: the blocks' mins times the activation blocks' sums */
+        if (q4)
+            for (int64_t b = 0; b < nb; ++b) msum += wm[b] * xs[r * nb + b];
+        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + msum;
+    }
 #else
     for (int r = 0; r < rows; ++r) {
         float acc = 0.0f;
