@@ -53,7 +53,8 @@ class CpuOps(TorchOps):
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
             return out if out is not None else super().linear(x, weight, bias)

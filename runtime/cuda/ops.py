@@ -34,7 +34,8 @@ class TritonOps(TorchOps):
             self._module = kernels
         return self._module
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
             from runtime.cuda.quant_matmul import quant_matmul

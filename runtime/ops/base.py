@@ -133,7 +133,8 @@ class DeviceOps(Protocol):
         runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one);
         a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
         the kernel's quantization of ``x``."""

@@ -44,7 +44,8 @@ class TorchOps:
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return reference_linear(x, weight, bias)
         return F.linear(x, weight, bias)

@@ -25,10 +25,10 @@ from runtime.model_source import checkpoint_folder
 from runtime.models.registry import get_model_class
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import load_tokenizer
-from tests.e2e.test_real_model_e2e import (ANSWER_TOKENS, BF16_QUESTIONS, QUESTIONS, ask_both_clients, assert_idle_and_nothing_leaked,
-                                           assert_right)
+from tests.e2e.test_real_model_e2e import (ANSWER_TOKENS, BF16_QUESTIONS, QUESTIONS, ask_both_clients,
+                                           assert_idle_and_nothing_leaked, assert_right)
 from tests.support.harness import Harness
-from tests.support.real_model import chat_ids, connect, real_model_args, smollm2_file, start_real_model_server
+from tests.support.real_model import chat_ids, real_model_args, serve_real_model, smollm2_file
 from tests.support.server_process import ServedClient
 
 pytest_plugins = ["tests.support.real_model"]
@@ -38,19 +38,10 @@ LINEAR_VALUES = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 2 * 1536 * 576 + 576 *
 EMBEDDING_VALUES = 49152 * 576
 
 
-def _serve(cache: Path, *extra: str) -> Iterator[ServedClient]:
-    server = start_real_model_server(cache, real_model_args("float32", *extra, max_total_tokens=2048))
-    client = connect(server)
-    try:
-        yield client
-    finally:
-        client.close()
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def gguf_server(real_model_cache: Path) -> Iterator[ServedClient]:
-    yield from _serve(real_model_cache, "--quantization", "gguf")
+    yield from serve_real_model(real_model_cache, real_model_args("float32", "--quantization", "gguf",
+                                                                  max_total_tokens=2048))
 
 
 def test_gguf_blocks_answer_right_and_take_the_formats_bytes(gguf_server: ServedClient) -> None:

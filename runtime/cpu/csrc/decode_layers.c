@@ -8,8 +8,8 @@
  * Four sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
  * silu*mul), bf16 with them on AVX512-BF16 dot products (dp_linear_bf16, for CPUs without AMX;
  * gate/up then silu*mul, as the stack runs them there), fp32 with them on the panel kernel
- * (linear_f32; gate/up then silu*mul), and fp32 with weights kept quantized (quant_linear_f32). Each is a table of the kernels it calls (Kernels), the
- * layer loop is written once.
+ * (linear_f32; gate/up then silu*mul), and fp32 with weights kept quantized (quant_linear_f32).
+ * Each is a table of the kernels it calls (Kernels), the layer loop is written once.
  *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
  * (AMX: on, and the tile layout of every weight; dp: oneDNN's AVX512-BF16 layout and this build;

@@ -21,18 +21,17 @@ from runtime.model_runner import ModelRunner
 from runtime.ops.base import LinearWeightLayer
 from runtime.quant.weight import QuantizedWeight, reference_linear
 from tests.support.checkpoints import TinyCheckpoints
-from tests.support.gguf_files import write_checkpoint_gguf
+from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound
-from tests.unit.runtime.test_cpu_decode_layers import _decode_logits, calls  # noqa: F401 (a fixture)
+from tests.unit.runtime import test_cpu_decode_layers
+from tests.unit.runtime.test_cpu_decode_layers import _decode_logits
 
-LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
 
 
 @pytest.fixture(scope="module")
 def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    folder = tmp_path_factory.mktemp("quant-model")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE", str(folder / "cache"))
+    with gguf_test_folder(tmp_path_factory, "quant-model") as folder:
         yield folder
 
 
