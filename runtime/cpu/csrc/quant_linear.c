@@ -78,6 +78,25 @@ static inline float hsum8(__m256 v)
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* Block b's 32 products of the weight row and an activation row (xq: the row), as 8 fp32 partial
+ * sums times the weight's scales (lanes 0-3: the block's first 16 values, 4-7: the last 16); the
+ * caller multiplies in the activation block's scale (the unpacked weight serves every row). */
+static inline __attribute__((always_inline)) __m256 block_dot(int q4, const uint8_t* wq, const float* ws,
+                                                              int64_t scale_step, int half, int64_t b,
+                                                              const int8_t* xq)
+{
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + b * QBLOCK));
+    if (q4) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8i8(w, a)), _mm256_set1_ps(ws[b]));
+    }
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(wq + b * QBLOCK));
+    const float* sp = ws + b * scale_step;
+    const __m256 sv = half ? _mm256_set_m128(_mm_set1_ps(sp[1]), _mm_set1_ps(sp[0])) : _mm256_set1_ps(sp[0]);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))), sv);
+}
 #endif
 
 /* out[r] = weight row . activation row r, for r < rows (<= QROWS; a constant in each caller).
@@ -88,38 +107,28 @@ static inline __attribute__((always_inline)) void row_dots(
     int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out)
 {
 #if defined(__AVX2__)
-    /* two accumulators a row (even and odd blocks): the FMA chains overlap */
-    __m256 acc[QROWS][2];
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; ++b) {
-        const int odd = (int)(b & 1);
-        if (q4) {
-            const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
-            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            const __m256 s = _mm256_set1_ps(ws[b]);
-            for (int r = 0; r < rows; ++r) {
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + r * k + b * QBLOCK));
-                const __m256 p = _mm256_cvtepi32_ps(dot_u8i8(w, a));
-                acc[r][odd] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(xd[r * nb + b])), acc[r][odd]);
-            }
-        } else {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(wq + b * QBLOCK));
-            const __m256i aw = _mm256_sign_epi8(w, w);
-            const float* sp = ws + b * scale_step;
-            const __m256 sv = _mm256_set_m128(_mm_set1_ps(sp[half]), _mm_set1_ps(sp[0]));
-            for (int r = 0; r < rows; ++r) {
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + r * k + b * QBLOCK));
-                const __m256 p = _mm256_cvtepi32_ps(dot_u8i8(aw, _mm256_sign_epi8(a, w)));
-                acc[r][odd] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * nb + b])), acc[r][odd]);
-            }
+    /* two accumulators a row, for even and odd blocks (the loop is unrolled by two, so that they
+     * stay in registers): the FMA chains overlap */
+    __m256 acc0[QROWS], acc1[QROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        for (int r = 0; r < rows; ++r) {
+            acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
+                                      _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b + 1, xq + r * k),
+                                      _mm256_set1_ps(xd[r * nb + b + 1]), acc1[r]);
         }
     }
+    if (b < nb)
+        for (int r = 0; r < rows; ++r)
+            acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
+                                      _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
     for (int r = 0; r < rows; ++r) {
         float msum = 0.0f;  /* q4: the blocks' mins times the activation blocks' sums */
         if (q4)
-            for (int64_t b = 0; b < nb; ++b) msum += wm[b] * xs[r * nb + b];
-        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + msum;
+            for (int64_t j = 0; j < nb; ++j) msum += wm[j] * xs[r * nb + j];
+        out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + msum;
     }
 #else
     for (int r = 0; r < rows; ++r) {
