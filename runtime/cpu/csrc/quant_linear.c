@@ -22,7 +22,7 @@
 #include "entry_points.h"
 
 #define QBLOCK 32
-#define QROWS 4      /* activation rows per pass over a weight row (the row stays in L1) */
+#define QROWS 8      /* activation rows per pass over a weight row (its unpacked blocks serve them all) */
 #define OUT_CHUNK 8  /* weight rows per chunk: every activation row group passes over them */
 
 /* x [m, k] (rows ldx apart) -> xq int8 [m, k], xd [m, k / 32] (each block's scale), xs [m, k / 32]
@@ -107,20 +107,19 @@ static inline __attribute__((always_inline)) void row_dots(
     int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out)
 {
 #if defined(__AVX2__)
-    /* two accumulators a row, for even and odd blocks (the loop is unrolled by two, so that they
-     * stay in registers): the FMA chains overlap */
+    /* one row: two accumulators, for even and odd blocks (the loop unrolled by two so that they stay
+     * in registers), so that two FMA chains overlap; more rows: one each, the rows' chains overlap */
     __m256 acc0[QROWS], acc1[QROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        for (int r = 0; r < rows; ++r) {
-            acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
-                                      _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b + 1, xq + r * k),
-                                      _mm256_set1_ps(xd[r * nb + b + 1]), acc1[r]);
+    if (rows == 1)
+        for (; b + 1 < nb; b += 2) {
+            acc0[0] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq),
+                                      _mm256_set1_ps(xd[b]), acc0[0]);
+            acc1[0] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b + 1, xq),
+                                      _mm256_set1_ps(xd[b + 1]), acc1[0]);
         }
-    }
-    if (b < nb)
+    for (; b < nb; ++b)
         for (int r = 0; r < rows; ++r)
             acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
                                       _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
@@ -164,7 +163,7 @@ static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, con
 {
     switch (rows) {  /* one unrolled copy per row count */
 #define ROW_CASE(R) case R: row_dots(R, q4, wq, ws, wm, scale_step, half, nb, xq, xd, xs, k, out); break;
-        ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4)
+        ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4) ROW_CASE(5) ROW_CASE(6) ROW_CASE(7) ROW_CASE(8)
 #undef ROW_CASE
     }
 }

@@ -1,6 +1,6 @@
 """The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
 at every build level this CPU runs, on odd shapes: 1..130 activation rows (the kernel's row groups
-of 4 and their remainders), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
+of 8 and their remainders), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
 kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
 error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
 """
