@@ -56,13 +56,14 @@ class DecoderLayerWeights:
     input_norm_eps: float
     post_norm: torch.Tensor  # [hidden]
     post_norm_eps: float
-    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
+    # the linears' weights: dense, or kept quantized (runtime.quant)
+    qkv: torch.Tensor | QuantizedWeight  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, q_heads * head_dim]
+    o: torch.Tensor | QuantizedWeight  # [hidden, q_heads * head_dim]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * inter, hidden]: gate rows first
+    gate_up: torch.Tensor | QuantizedWeight  # [2 * inter, hidden]: gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, inter]
+    down: torch.Tensor | QuantizedWeight  # [hidden, inter]
     down_bias: torch.Tensor | None
     num_heads: int  # query heads (on this rank)
     num_kv_heads: int
