@@ -91,13 +91,13 @@ def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints
             assert torch.equal(weight.dequantize(), dense[name]), name
 
 
-@pytest.mark.parametrize("source", ["gguf", "int8"])
+@pytest.mark.parametrize("source", ["gguf", "int8", "int8-of-gguf"])
 def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpoints: TinyCheckpoints,
                                                                     files: Path, source: str) -> None:
-    if source == "gguf":
-        runner = _runner(_gguf(tiny_checkpoints, files, "qwen2", "Q4_1"), quantization="gguf")
-    else:
+    if source == "int8":
         runner = _runner(tiny_checkpoints.path("qwen2"), quantization="int8")  # safetensors
+    else:  # a GGUF file's blocks kept, or its dequantized values made int8
+        runner = _runner(_gguf(tiny_checkpoints, files, "qwen2", "Q4_1"), quantization="gguf" if source == "gguf" else "int8")
     gen = torch.Generator().manual_seed(11)
     checked = 0
     for name, module in runner.model.named_modules():
@@ -111,7 +111,7 @@ def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpo
         checked += 1
     expected = 4 * runner.model_config.num_hidden_layers + (1 if source == "gguf" else 0)  # + the LM head
     assert checked == expected
-    if source == "int8":  # SGLang's w8a8_int8: the embedding and LM head stay dense
+    if source != "gguf":  # SGLang's w8a8_int8: the embedding and LM head stay dense
         assert isinstance(runner.model.lm_head.weight, torch.Tensor)
         assert all(w.source == "int8" and w.group == w.shape[1] for w in _weights(runner).values()
                    if isinstance(w, QuantizedWeight))
