@@ -97,7 +97,8 @@ def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpo
     if source == "int8":
         runner = _runner(tiny_checkpoints.path("qwen2"), quantization="int8")  # safetensors
     else:  # a GGUF file's blocks kept, or its dequantized values made int8
-        runner = _runner(_gguf(tiny_checkpoints, files, "qwen2", "Q4_1"), quantization="gguf" if source == "gguf" else "int8")
+        method = "gguf" if source == "gguf" else "int8"
+        runner = _runner(_gguf(tiny_checkpoints, files, "qwen2", "Q4_1"), quantization=method)
     gen = torch.Generator().manual_seed(11)
     checked = 0
     for name, module in runner.model.named_modules():
