@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runtime.cpu import kernel_library
+from runtime.cpu.ops import CpuOps
 from runtime.cpu.quant_kernels import quant_linear
 from runtime.quant.gguf_blocks import from_gguf
 from runtime.quant.weight import QuantizedWeight, quantize_int8, reference_linear
@@ -73,11 +74,14 @@ def test_bf16_activations_and_fp32_logits() -> None:
     assert torch.equal(as_bf16, logits.bfloat16())
 
 
-def test_kernels_off_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_off_fall_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TINYSERVE_CPU_KERNELS=0: the CPU ops multiply by the dequantized weight (the torch reference)."""
     monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
     kernel_library.reset()
     try:
-        assert quant_linear(torch.randn(1, 32), _random_weight("q8", 4, 32, torch.Generator()), None) is None
+        weight, x = _random_weight("q4", 4, 64, torch.Generator()), torch.randn(3, 64)
+        assert quant_linear(x, weight, None) is None
+        assert torch.equal(CpuOps().linear(x, weight, None), reference_linear(x, weight, None))
     finally:
         monkeypatch.undo()
         kernel_library.reset()
