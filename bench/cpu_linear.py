@@ -21,6 +21,10 @@ slows them alike):
 - ``mkl``: ``torch.ops.mkl._mkl_linear`` on an MKL-packed weight (``cblas_sgemm_pack``,
   fp32 only). torch packs it for one M and falls back to plain ``F.linear`` for any other,
   so it is timed packed for exactly the M of the row: its best case.
+- ``q8_0`` / ``q4_1``: ``quant_kernels.quant_linear`` (``csrc/quant_linear.c``) on the weight
+  quantized to GGUF Q8_0 / Q4_1 by the ``gguf`` package and kept so (``--quantization gguf``;
+  activations quantized per block of 32 on the fly), fp32 only; their ``diff`` is the
+  quantization's error (the weight's and the activations'), not rounding.
 
 A variant this CPU or dtype refuses prints ``-``. ``diff`` is the largest ``|variant - plain|``
 over the output and ``rel`` that over ``max |plain|``; 0 means bit-identical.
@@ -70,7 +74,7 @@ DECODE_MAX_M = 64  # the LM head runs at most this many rows per step (sampled r
 ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
                     "TINYSERVE_CPU_ISA": "avx2"}}
 SAMPLE_SECONDS = 0.02
-VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl")
+VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl", "q8_0", "q4_1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +136,17 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
             variants["mkl"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, None, m)
         except (RuntimeError, AttributeError):
             pass
+    for name, type_name in (("q8_0", "Q8_0"), ("q4_1", "Q4_1")):
+        variants[name] = None
+        if weight.dtype == torch.float32:
+            from gguf import GGMLQuantizationType, quantize
+
+            from runtime.cpu.quant_kernels import quant_linear
+            from runtime.quant.gguf_blocks import from_gguf
+
+            blocks = from_gguf(quantize(weight.numpy(), GGMLQuantizationType[type_name]), type_name, weight.shape[1])
+            if quant_linear(weight.new_zeros(m, weight.shape[1]), blocks, None) is not None:
+                variants[name] = lambda x, blocks=blocks: quant_linear(x, blocks, None)
     return variants
 
 

@@ -213,13 +213,19 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     head = model.lm_head
     xs = x[:sampled]
 
+    def mm(inp: Any, layer: Any) -> None:
+        if isinstance(layer.weight, torch.Tensor):
+            linear(inp, layer.weight, None, packed_of(layer))
+        else:  # kept quantized (--quantization): the device's quantized kernel
+            runner.ops.linear(inp, layer.weight, None)
+
     def run() -> None:
         for qkv, o, gu, down in layers:  # through the same (possibly prepacked) weights as the model
-            linear(x, qkv.weight, None, packed_of(qkv))
-            linear(o_in, o.weight, None, packed_of(o))
-            linear(x, gu.weight, None, packed_of(gu))
-            linear(d_in, down.weight, None, packed_of(down))
-        linear(xs, head.weight, None, packed_of(head))
+            mm(x, qkv)
+            mm(o_in, o)
+            mm(x, gu)
+            mm(d_in, down)
+        mm(xs, head)
     return run
 
 
@@ -292,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, choices=("gguf", "int8", "w8a8_int8"),
+                        help="keep weights quantized (the server's --quantization)")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="cuda: decode eagerly")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="cuda: largest captured decode batch")
     parser.add_argument("--attention-backend", default="auto")
@@ -322,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_total_tokens=args.batch * (args.shared_context + args.context + 2 * args.decode_steps)
                          + 1024,
                          max_running_requests=2 * args.batch + 2, load_progress=False,
-                         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs)
+                         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                         **({"quantization": args.quantization} if args.quantization else {}))
     graphs = getattr(runner, "graph_runner", None)
     print(f"ModelRunner ready in {time.perf_counter() - t0:.2f}s ({runner.device}, {runner.attention_backend_name}, "
           f"{runner.dtype}, {graphs.summary() if graphs is not None else 'no cuda graphs'})")

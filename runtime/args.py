@@ -18,6 +18,7 @@ from runtime.version import package_version
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_CHOICES = ("gguf", "int8", "w8a8_int8")  # runtime.quant.loading.QUANTIZATION_METHODS
 LOAD_BALANCE_CHOICES = ("round_robin", "shortest_queue", "cache_aware")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -40,6 +41,7 @@ class ServerArgs:
     port: int = 30000
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None  # None: weights dense in --dtype (a GGUF file's dequantized)
     tp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
@@ -180,6 +182,11 @@ class ServerArgs:
                        help="auto picks cuda when available, else cpu (default auto)")
         g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
                        help="weight and activation dtype; auto is bfloat16 where supported (default auto)")
+        g.add_argument("--quantization", type=str, default=d.quantization, choices=QUANTIZATION_CHOICES,
+                       help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
+                            "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
+                            "activations are quantized to int8 per block on the fly (default: none, weights "
+                            "dense in --dtype, a GGUF file's dequantized at load)")
         g.add_argument("--attention-backend", type=str, default=d.attention_backend,
                        choices=ATTENTION_BACKEND_CHOICES,
                        help="auto is triton on cuda and torch_native on cpu (default auto)")
@@ -320,6 +327,8 @@ class ServerArgs:
         """Raise ValueError naming the flag when a value is out of range or inconsistent."""
         _choice("--device", self.device, DEVICE_CHOICES)
         _choice("--dtype", self.dtype, DTYPE_CHOICES)
+        if self.quantization is not None:
+            _choice("--quantization", self.quantization, QUANTIZATION_CHOICES)
         _choice("--load-balance-method", self.load_balance_method, LOAD_BALANCE_CHOICES)
         _choice("--attention-backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICY_CHOICES)

@@ -39,6 +39,7 @@ from runtime.model_config import ModelConfig
 from runtime.model_source import checkpoint_folder
 from runtime.models.registry import get_model_class
 from runtime.ops import DeviceOps, LayerStack, get_ops
+from runtime.quant.loading import quantized_bytes
 from runtime.weight_loader import load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class ModelRunner:
         cuda_graph_bs: list[int] | None = None,
         swa_full_tokens_ratio: float = 0.8,
         disable_hybrid_swa_memory: bool = False,
+        quantization: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
@@ -118,7 +120,9 @@ class ModelRunner:
 
         with torch.device(self.device):
             self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
-        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0)
+        self.quantization = quantization  # --quantization: which weights stay quantized (runtime.quant.loading)
+        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0,
+                           quantization=quantization)
         self.model.eval()
         self.ops.prepare_model(self.model)
         attn0 = self.model.model.layers[0].self_attn
@@ -206,6 +210,13 @@ class ModelRunner:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         return total
+
+    def weight_info(self) -> dict[str, object]:
+        """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, and the
+        bytes of the weights kept quantized by source format (``runtime.quant``: what the format
+        says, e.g. 0.75 bytes a value for Q4_1 as repacked)."""
+        return {"bytes": self.weight_bytes(), "quantization": self.quantization,
+                "quantized_bytes": quantized_bytes(self.model)}
 
     def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None,
                      max_running_requests: int | None) -> int:

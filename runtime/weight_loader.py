@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from runtime.gguf.prepare import is_gguf_folder
 from runtime.gguf.tensors import iterate_gguf_weights
 from runtime.models.llama import LlamaForCausalLM
+from runtime.quant.loading import check_quantization, finish_loading
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,17 @@ def iterate_weights(folder: str | Path, progress: bool = True) -> Iterator[tuple
             bar.update(1)
 
 
-def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bool = True) -> None:
+def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bool = True,
+                       quantization: str | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
-    folder runtime.gguf.prepare made); errors name the tensor at fault."""
+    folder runtime.gguf.prepare made); errors name the tensor at fault. ``quantization`` (the
+    ``--quantization`` method, ``runtime.quant.loading``): which weights stay quantized."""
     targets = model.checkpoint_targets()
-    if is_gguf_folder(Path(folder)):
-        weights = iterate_gguf_weights(Path(folder), targets, model.config, progress=progress)
+    is_gguf = is_gguf_folder(Path(folder))
+    check_quantization(quantization, is_gguf)
+    if is_gguf:
+        weights = iterate_gguf_weights(Path(folder), targets, model.config, progress=progress,
+                                       keep_quantized=quantization == "gguf")
     else:
         weights = iterate_weights(folder, progress=progress)
     loaded = model.load_weights(weights)
@@ -99,4 +105,5 @@ def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bo
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MissingWeightError(f"checkpoint {folder} has no tensor {missing[0]}{more}")
+    finish_loading(model, quantization)
     logger.info("loaded %d tensors from %s", len(loaded), folder)

@@ -277,6 +277,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         cuda_graph_bs=server_args.cuda_graph_bs,
         swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
         disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
+        quantization=server_args.quantization,
     )
 
 

@@ -49,19 +49,28 @@ def kv_pool_info(runner: Any, max_total_tokens: int, context_len: int, max_runni
                       getattr(sized, "bytes_per_token", None), getattr(sized, "ram_bytes", None)).info()
 
 
+def weight_info(runner: Any) -> dict[str, Any] | None:
+    """``server_info``'s ``weights``: the runner's resident weight bytes, by format
+    (``ModelRunner.weight_info``); None from a runner that does not say (the stub)."""
+    info = getattr(runner, "weight_info", None)
+    return info() if info is not None else None
+
+
 def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
                 allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
                 max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
                 new_token_ratio: float, overlap_schedule: bool, grammar: GrammarQueue,
-                kv_pool: dict[str, Any]) -> dict[str, Any]:
+                kv_pool: dict[str, Any], weights: dict[str, Any] | None = None) -> dict[str, Any]:
     """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight);
-    ``kv_pool``: the pool's size in the figures of the start-up log line (``KVPoolSize.info``)."""
+    ``kv_pool``: the pool's size in the figures of the start-up log line (``KVPoolSize.info``);
+    ``weights``: ``weight_info``."""
     looked_up = stats["prompt_tokens"]
     return {
         "max_total_tokens": max_total_tokens,
         "context_len": context_len,
         "page_size": page_size,
         "kv_pool": kv_pool,
+        "weights": weights,
         "available_tokens": allocator.available_size(),
         "evictable_tokens": tree_cache.evictable_size(),
         "protected_tokens": tree_cache.protected_size(),

@@ -492,7 +492,7 @@ class Scheduler:
             host_tier=self.host_tier, stats=self.stats, max_total_tokens=self.max_total_tokens,
             context_len=self.context_len, page_size=self.page_size, kv_usage=self.kv_usage(),
             new_token_ratio=self.memory.new_token_ratio, overlap_schedule=self.worker.overlap,
-            grammar=self.grammars,
+            grammar=self.grammars, weights=reports.weight_info(self.runner),
             kv_pool=reports.kv_pool_info(self.runner, self.max_total_tokens, self.context_len,
                                          self.max_running_requests),
         )

@@ -14,7 +14,8 @@ whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and line
 layer stack too would run on one of our kernels for this many rows: bf16 with every weight in
 the layout the AMX kernel reads (AMX on) or in oneDNN's AVX512-BF16 layout that
 ``dp_linear_bf16`` reads (CPUs without AMX), at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32
-(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``.
+(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``, or
+fp32 with every linear kept quantized (``--quantization``: ``quant_linear_f32``, any row count).
 Anything else (``run`` returns None) goes through the layers one by one.
 ``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
@@ -55,6 +56,7 @@ from runtime.cpu.prepacked import (
 )
 from runtime.ops.base import DecoderLayerWeights, DecoderStackModel, RopeInputs
 from runtime.ops.torch_ops import rope_cos_sin
+from runtime.quant.weight import QuantizedWeight
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -76,11 +78,20 @@ class _Layer(ctypes.Structure):
                                           "k_pool", "v_pool", "k_t", "v", "prefix_k", "prefix_v")]
 
 
+class _QuantWeight(ctypes.Structure):
+    """csrc/decode_layers.c: QuantWeight (a ``QuantizedWeight``'s tensors, as ``quant_linear_f32`` reads them)."""
+
+    _fields_ = [("kind", _i64), ("group", _i64), ("qs", _ptr), ("scales", _ptr), ("mins", _ptr)]
+
+
 # The sets of kernels a call can run (csrc/decode_layers.c), by the dtype they take, in the order
-# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel.
-_KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32",)}
+# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel or
+# on weights kept quantized (runtime.quant: the qf32 set).
+_KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32", "qf32")}
 _SET_DTYPES = {kernels: dtype for dtype, sets in _KERNEL_SETS.items() for kernels in sets}
-_ENTRY_POINTS = {"amx": "decode_layers_amx", "dp": "decode_layers_dp", "f32": "decode_layers_f32"}
+_ENTRY_POINTS = {"amx": "decode_layers_amx", "dp": "decode_layers_dp", "f32": "decode_layers_f32",
+                 "qf32": "decode_layers_qf32"}
+_QUANT_KINDS = {"q8": 0, "q4": 1}  # csrc/quant_linear.c: kind
 for _name in _ENTRY_POINTS.values():
     declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
 
@@ -122,6 +133,8 @@ class _Stack:
     eps: float
     scale: float
     layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
+    # the qf32 set: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
+    quant: list[_QuantWeight] = field(default_factory=list, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,9 +169,20 @@ class CpuLayerStack:
         return self.described
 
 
-def _packed_address(weight: torch.Tensor, tp_size: int, kernels: str, dtype: torch.dtype) -> int:
+def _packed_address(weight: torch.Tensor | QuantizedWeight, tp_size: int, kernels: str, dtype: torch.dtype,
+                    quant: list[_QuantWeight] | None = None) -> int:
     """The address of ``weight``'s packed copy as the linear kernel of ``kernels`` reads it (the
-    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy), else 0."""
+    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy; for the qf32 set a weight
+    kept quantized, described in a ``_QuantWeight`` appended to ``quant``), else 0."""
+    if isinstance(weight, QuantizedWeight) or kernels == "qf32":
+        if kernels != "qf32" or not isinstance(weight, QuantizedWeight) or tp_size != 1 or weight.device.type != "cpu":
+            return 0
+        mins = weight.mins
+        desc = _QuantWeight(_QUANT_KINDS[weight.kind], weight.group, weight.qs.data_ptr(), weight.scales.data_ptr(),
+                            mins.data_ptr() if mins is not None else None)
+        if quant is not None:
+            quant.append(desc)
+        return ctypes.addressof(desc)
     packed = packed_copy(weight)
     if tp_size != 1 or weight.dtype != dtype or packed is None:
         return 0
@@ -192,6 +216,7 @@ def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
     if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
         return None
     array = (_Layer * len(layers))()
+    quant: list[_QuantWeight] = []
     for layer, entry in zip(layers, array):
         if layer.qk_norm or layer.sliding_window is not None or layer.scaling != scale:
             return None
@@ -204,7 +229,7 @@ def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
         weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
         shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
             (hidden, inter)
-        addresses = [_packed_address(weight, layer.tp_size, kernels, dtype) for weight in weights]
+        addresses = [_packed_address(weight, layer.tp_size, kernels, dtype, quant) for weight in weights]
         if not all(addresses) or any(tuple(weight.shape) != shape for weight, shape in zip(weights, shapes)):
             return None
         if (kernels == "amx" and inter % 32) or any(b is not None for b in (layer.o_bias, layer.gate_up_bias,
@@ -216,11 +241,14 @@ def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.qkv, entry.o, entry.gate_up, entry.down = addresses
         entry.qkv_bias = bias.data_ptr() if bias is not None else None
-    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array)
+    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
 
 
-def _rows_taken(dtype: torch.dtype, n: int) -> bool:
-    """Whether the step's linear kernel runs a batch of ``n`` rows (as the layer stack's would)."""
+def _rows_taken(dtype: torch.dtype, n: int, kernels: str | None = None) -> bool:
+    """Whether the step's linear kernel runs a batch of ``n`` rows (as the layer stack's would;
+    ``kernels``: the set, once known)."""
+    if kernels == "qf32":
+        return n > 0  # (the quantized kernel takes any rows)
     if dtype == torch.bfloat16:
         return 0 < n <= AMX_LINEAR_MAX_ROWS
     return dtype == torch.float32 and n in fp32_panel_rows()
@@ -233,7 +261,7 @@ def _kernels_run(kernels: str, lib: Any) -> bool:
         return lib.tinyserve_amx(-1) == 1
     if kernels == "dp":
         return kernel_library.level() == "avx512bf16"  # (dp_linear_bf16 declines in other builds)
-    return attn_f32.applies()
+    return attn_f32.applies()  # (f32, qf32)
 
 
 def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
@@ -243,7 +271,7 @@ def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
     (nothing is touched then: run the layers)."""
     n, dtype = hidden.shape[0], hidden.dtype
-    if not enabled() or not _rows_taken(dtype, n):
+    if not enabled() or not (_rows_taken(dtype, n) or (dtype == torch.float32 and n > 0)):
         return None
     claim = getattr(backend, "claim_decode_step", None)
     lib = kernel_library.load()
@@ -251,6 +279,8 @@ def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
         return None
     stack = layers.description()
     if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
+        return None
+    if not _rows_taken(dtype, n, stack.kernels):
         return None
     if not _kernels_run(stack.kernels, lib):
         return None

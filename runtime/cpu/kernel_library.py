@@ -5,7 +5,8 @@ product, many only AVX2 and FMA. The kernels are written once, with AVX-512 path
 ``#ifdef __AVX512F__`` (``__AVX512BF16__``, ...), AVX2 paths behind ``__AVX2__``/``__FMA__``
 and plain C everywhere else, and compiled once per level:
 
-- ``avx512bf16``: ``-march=x86-64-v4 -mavx512bf16`` (AVX-512 F/BW/CD/DQ/VL plus the bf16 dot product);
+- ``avx512bf16``: ``-march=x86-64-v4 -mavx512bf16 -mavx512vnni`` (AVX-512 F/BW/CD/DQ/VL plus the bf16
+  and int8 dot products; every CPU with the first has the second);
 - ``avx512``: ``-march=x86-64-v4``;
 - ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C, BMI);
 - ``baseline``: the compiler's default target (plain C that the compiler may vectorise with SSE2).
@@ -53,7 +54,8 @@ _X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # level -> (CPU flags it needs, compiler flags), best first
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (_X86_V4 + ("avx512_bf16",), ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+    "avx512bf16": (_X86_V4 + ("avx512_bf16", "avx512_vnni"),
+                   ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
     "avx512": (_X86_V4, ("-march=x86-64-v4",)),
     "avx2": (_X86_V3, ("-march=x86-64-v3",)),
     "baseline": ((), ()),

@@ -22,10 +22,12 @@ from torch import nn
 from runtime.cpu import kernels as cpu_kernels
 from runtime.cpu.decode_layers import CpuLayerStack
 from runtime.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.cpu.quant_kernels import quant_linear
 from runtime.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
 from runtime.ops.base import DecoderStackModel, LayerStack, RopeInputs
 from runtime.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.platform import ServingPlatform
+from runtime.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,17 @@ class CpuOps(TorchOps):
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
+            return out if out is not None else super().linear(x, weight, bias)
         return linear(x, weight, bias, packed_copy(weight))
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            out = quant_linear(x, weight, None, float_out=True)
+            return out if out is not None else super().float_linear(x, weight)
         return float_linear(x, weight, packed_copy(weight))
 
     def rms_norm(
@@ -75,7 +84,10 @@ class CpuOps(TorchOps):
         fused = cpu_kernels.silu_and_mul(x)
         return fused if fused is not None else super().silu_and_mul(x)
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return super().linear_silu_and_mul(x, weight, bias)
         fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass
         return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias)
 

@@ -373,7 +373,7 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
     for module in model.modules():
         if isinstance(module, LinearWeightLayer):
             weight = module.weight
-            if id(weight) not in seen:
+            if isinstance(weight, torch.Tensor) and id(weight) not in seen:  # (a quantized one has its own kernels)
                 seen.add(id(weight))
                 weights.append(weight)
     return weights

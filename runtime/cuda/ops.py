@@ -1,6 +1,7 @@
 """``TritonOps``: the device-ops seam on cuda, through the Triton kernels of
 ``runtime.cuda.kernels`` (falling back to the torch op where a kernel does not take a
-layout). Linears stay cuBLAS (``F.linear``) and greedy argmax stays torch's.
+layout). Linears stay cuBLAS (``F.linear``), except weights kept quantized (``--quantization``:
+the dequantizing matmul of ``runtime.cuda.quant_matmul``), and greedy argmax stays torch's.
 
 The kernel module is imported on first use, after ``prepare_triton_for_device``: on a CPU
 (tests, under Triton's interpreter) that is what switches the interpreter on.
@@ -16,6 +17,7 @@ import torch
 from runtime.cuda.triton_common import prepare_triton_for_device
 from runtime.ops.base import RopeCache, RopeInputs
 from runtime.ops.torch_ops import TorchOps
+from runtime.quant.weight import QuantizedWeight
 
 
 class TritonOps(TorchOps):
@@ -31,6 +33,23 @@ class TritonOps(TorchOps):
 
             self._module = kernels
         return self._module
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
+            from runtime.cuda.quant_matmul import quant_matmul
+
+            return quant_matmul(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            self._kernels(x.device)
+            from runtime.cuda.quant_matmul import quant_matmul
+
+            return quant_matmul(x, weight, None, out_dtype=torch.float32)
+        return super().float_linear(x, weight)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

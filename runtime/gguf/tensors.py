@@ -1,4 +1,5 @@
-"""A GGUF file's tensors as lazy checkpoint weights, dequantized only where read.
+"""A GGUF file's tensors as lazy checkpoint weights, dequantized only where read (or, under
+``--quantization gguf``, handed to the layers in their blocks: ``GGUFWeight.quantized``).
 
 The file is memory-mapped, so nothing is read until a layer's weight loader asks; a TP
 rank that narrows a weight to its rows (column-parallel) dequantizes only those rows, and
@@ -24,6 +25,8 @@ from tqdm.auto import tqdm
 
 from runtime.gguf.reader import GGUFError, TensorEntry
 from runtime.model_config import ModelConfig
+from runtime.quant.gguf_blocks import KEPT_TYPES, from_gguf
+from runtime.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +49,12 @@ def _dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
 class GGUFWeight:
     """One GGUF tensor behind the ``LazyWeight`` protocol (see runtime.layers.linear)."""
 
-    def __init__(self, data: np.ndarray, entry: TensorEntry, name: str, qk_heads: int | None = None) -> None:
+    def __init__(self, data: np.ndarray, entry: TensorEntry, name: str, qk_heads: int | None = None,
+                 keep_quantized: bool = False) -> None:
         self.name = name  # the HF name the model loads it as
         self.entry = entry
+        # --quantization gguf: a weight of a type the kernels read is handed over in its blocks
+        self.keeps_blocks = keep_quantized and entry.type_name in KEPT_TYPES and len(entry.shape) == 2
         self._qk_heads = qk_heads  # heads to un-interleave (a llama Q/K weight or bias), else None
         rows = entry.shape[0] if len(entry.shape) > 1 else 1
         self._cols = entry.shape[-1]
@@ -76,6 +82,33 @@ class GGUFWeight:
             first, count = start // self._block * self._type_size, length // self._block * self._type_size
             return self._to_torch(_dequantize(self._raw[:, first: first + count], self.entry.type_name))
         return self.load()[:, start: start + length]
+
+    def quantized(self, dim: int, start: int, length: int) -> QuantizedWeight | None:
+        """``narrow(dim, start, length)`` kept in its blocks (repacked, ``runtime.quant.gguf_blocks``):
+        rows, or whole blocks of columns; None where this weight is not kept quantized (a layer's
+        loader then reads it dense)."""
+        if not self.keeps_blocks:
+            return None
+        if dim == 0:
+            raw, cols = self._raw_rows(start, length), self._cols
+        elif dim == 1 and start % self._block == 0 and length % self._block == 0:
+            first = start // self._block * self._type_size
+            raw = self._raw_rows(0, self.shape[0])[:, first: first + length // self._block * self._type_size]
+            cols = length
+        else:
+            return None
+        return from_gguf(np.ascontiguousarray(raw), self.entry.type_name, cols)  # (a copy: never a view of the file)
+
+    def _raw_rows(self, start: int, length: int) -> np.ndarray:
+        """Rows [start, start + length) of a 2-D tensor's blocks in the HF row order (see ``_rows``)."""
+        heads, total = self._qk_heads, self.shape[0]
+        if not heads:
+            return self._raw[start: start + length]
+        head_rows = total // heads
+        if start % head_rows or length % head_rows:
+            return self._raw_rows(0, total)[start: start + length]
+        raw = self._raw[start: start + length]
+        return raw.reshape(-1, head_rows // 2, 2, raw.shape[1]).swapaxes(1, 2).reshape(length, raw.shape[1])
 
     def _rows(self, start: int, length: int) -> np.ndarray:
         """Dequantized rows [start, start + length) in the HF row order, shaped like the tensor."""
@@ -128,9 +161,10 @@ def hf_tensor_names(architecture: str, num_layers: int, hf_names: Iterable[str])
 
 
 def iterate_gguf_weights(folder: Path, hf_names: Iterable[str], config: ModelConfig,
-                         progress: bool = True) -> Iterator[tuple[str, GGUFWeight]]:
+                         progress: bool = True, keep_quantized: bool = False) -> Iterator[tuple[str, GGUFWeight]]:
     """``(HF name, lazy weight)`` for every tensor of a prepared GGUF checkpoint the model reads
-    (``config``: the folder's, for the layer count and the heads to un-interleave)."""
+    (``config``: the folder's, for the layer count and the heads to un-interleave); with
+    ``keep_quantized`` (``--quantization gguf``) the weights of the kept types offer their blocks."""
     from runtime.gguf.prepare import GGUFIndex
 
     index = GGUFIndex.read(folder)
@@ -144,4 +178,4 @@ def iterate_gguf_weights(folder: Path, hf_names: Iterable[str], config: ModelCon
             continue
         kind = entry.name.split(".")[2] if entry.name.startswith("blk.") else ""
         qk_heads = heads.get(kind) if index.unpermute_qk else None
-        yield name, GGUFWeight(data, entry, name, qk_heads)
+        yield name, GGUFWeight(data, entry, name, qk_heads, keep_quantized)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from runtime.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.ops import DeviceOps, default_ops
 from runtime.ops.base import LinearWeightLayer
+from runtime.quant.loading import PendingShards
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,8 +39,13 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # blocks kept quantized (runtime.quant.loading); the last rank's padding rows become zero blocks
+        self.quant_shards = PendingShards()
+        self.pads_rows = True
+        self.tied_to: VocabParallelEmbedding | None = None  # (a tied LM head: the embedding whose weight it is)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values (a tied head's too)
@@ -48,15 +53,15 @@ class VocabParallelEmbedding(nn.Module):
         n = max(self.vocab_end - self.vocab_start, 0)
         with torch.no_grad():
             param.data[n:].zero_()  # padding rows of the last block: never looked up, zero logits
-        if n:
+        if n and not self.quant_shards.take(weight, 0, self.vocab_start, n, 0):
             copy_into(param.data[:n], weight.narrow(0, self.vocab_start, n), name)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.ops.embedding(input_ids, self.weight, self.dtype)
         in_block = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_block, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight) * in_block.unsqueeze(-1).to(self.weight.dtype)
+        out = self.ops.embedding(local_ids, self.weight, self.dtype) * in_block.unsqueeze(-1).to(self.dtype)
         return tensor_model_parallel_all_reduce(out, self.tp_size)
 
 
@@ -64,8 +69,10 @@ class ParallelLMHead(VocabParallelEmbedding, LinearWeightLayer):
     """Output projection to the vocabulary; shares the embedding's weight when tied."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        """Share the embedding's weight (its loader fills it; any device copy of it is one for both)."""
+        """Share the embedding's weight (its loader fills it; any device copy of it is one for both,
+        and so is its quantized form, ``runtime.quant.loading``)."""
         self.weight = embedding.weight
+        object.__setattr__(self, "tied_to", embedding)  # a reference, not a sub-module (no second set of names)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""

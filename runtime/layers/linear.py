@@ -24,6 +24,7 @@ from torch import nn
 from runtime.distributed import tensor_model_parallel_all_reduce
 from runtime.ops import DeviceOps, default_ops
 from runtime.ops.base import LinearWeightLayer
+from runtime.quant.loading import PendingShards
 
 
 class LazyWeight(Protocol):
@@ -82,6 +83,8 @@ class ReplicatedLinear(LinearWeightLayer):
         self.ops = ops or default_ops(params_dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.quant.loading)
+        self.int8_quantizable = True
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
@@ -89,7 +92,9 @@ class ReplicatedLinear(LinearWeightLayer):
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
-        replicated_weight_loader(param, weight, name, shard_id)
+        check_shape(name, weight.shape, param.shape)
+        if not self.quant_shards.take(weight, 0, 0, param.shape[0], 0):
+            replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
@@ -128,6 +133,8 @@ class ColumnParallelLinear(LinearWeightLayer):
         out_local = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.quant.loading)
+        self.int8_quantizable = True
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
@@ -145,6 +152,8 @@ class ColumnParallelLinear(LinearWeightLayer):
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
         check_shape(name, weight.shape, expected)
         offset, start, size = self._shard_range(shard)
+        if param is self.weight and self.quant_shards.take(weight, 0, start, size, offset):
+            return
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,6 +251,8 @@ class RowParallelLinear(LinearWeightLayer):
         self.in_local = divide(in_features, tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.quant.loading)
+        self.int8_quantizable = True
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
@@ -250,7 +261,8 @@ class RowParallelLinear(LinearWeightLayer):
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
         check_shape(name, weight.shape, (self.out_features, self.in_features))
-        copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
+        if not self.quant_shards.take(weight, 1, self.tp_rank * self.in_local, self.in_local, 0):
+            copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None), self.tp_size)

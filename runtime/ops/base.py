@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from runtime.platform import ServingPlatform
+from runtime.quant.weight import QuantizedWeight
 
 
 class RopeCache(Protocol):
@@ -55,13 +56,14 @@ class DecoderLayerWeights:
     input_norm_eps: float
     post_norm: torch.Tensor  # [hidden]
     post_norm_eps: float
-    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
+    # the linears' weights: dense, or kept quantized (runtime.quant)
+    qkv: torch.Tensor | QuantizedWeight  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, q_heads * head_dim]
+    o: torch.Tensor | QuantizedWeight  # [hidden, q_heads * head_dim]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * inter, hidden]: gate rows first
+    gate_up: torch.Tensor | QuantizedWeight  # [2 * inter, hidden]: gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, inter]
+    down: torch.Tensor | QuantizedWeight  # [hidden, inter]
     down_bias: torch.Tensor | None
     num_heads: int  # query heads (on this rank)
     num_kv_heads: int
@@ -99,7 +101,7 @@ class LinearWeightLayer(nn.Module):
     copy of (``prepare_model``). A marker base, so that a device finds them without importing
     the layers (which import the device ops)."""
 
-    weight: nn.Parameter
+    weight: nn.Parameter | QuantizedWeight  # (kept quantized: see runtime.quant.loading)
 
 
 class DeviceOps(Protocol):
@@ -132,11 +134,19 @@ class DeviceOps(Protocol):
         runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one);
+        a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
+        the kernel's quantization of ``x``."""
         ...
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """``F.embedding(ids, weight)`` in ``dtype``; of a quantized weight only the looked-up rows are
+        dequantized."""
+        ...
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         """``linear(x, weight, None).float()`` (the LM head's fp32 logits), where a device can write
         the fp32 result directly."""
         ...
@@ -163,7 +173,8 @@ class DeviceOps(Protocol):
         """``silu(gate) * up`` of ``x [..., 2 * I]`` (gate first) as a new ``[..., I]`` tensor."""
         ...
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
         """``silu_and_mul(linear(x, weight, bias))`` (a gated MLP's merged gate/up projection), in
         one pass where a device can fuse the two."""
         ...

@@ -19,6 +19,7 @@ from runtime.cpu.host_memory import CPU_PLATFORM
 from runtime.cuda.memory import CUDA_PLATFORM
 from runtime.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs
 from runtime.platform import ServingPlatform
+from runtime.quant.weight import QuantizedWeight, embedding_rows, reference_linear
 
 
 class TorchOps:
@@ -43,13 +44,22 @@ class TorchOps:
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return reference_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return embedding_rows(ids, weight, dtype)
+        return F.embedding(ids, weight)
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         return self.linear(x, weight, None).float()
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
         return self.silu_and_mul(self.linear(x, weight, bias))
 
     def rms_norm(

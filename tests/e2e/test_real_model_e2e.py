@@ -26,8 +26,8 @@ import openai
 import pytest
 
 from runtime.client import Client
-from tests.support.real_model import (API_KEY, CHUNKED_PREFILL_SIZE, CLIENT_TIMEOUT_S, SERVED_NAME, chat_ids, connect,
-                                      hf_greedy_until_eos, real_model_args, start_real_model_server)
+from tests.support.real_model import (API_KEY, CHUNKED_PREFILL_SIZE, CLIENT_TIMEOUT_S, SERVED_NAME, chat_ids,
+                                      hf_greedy_until_eos, real_model_args, serve_real_model)
 from tests.support.server_fixtures import is_idle, wait_until
 from tests.support.server_process import ServedClient
 
@@ -204,13 +204,7 @@ def test_fp32_answers_are_right_through_both_clients(smollm2_server: ServedClien
 @pytest.fixture(scope="module")
 def smollm2_bf16_server(real_model_cache: Path) -> Iterator[ServedClient]:
     """A short-lived bf16 server (same session cache: the GGUF is already prepared)."""
-    server = start_real_model_server(real_model_cache, real_model_args("bfloat16", max_total_tokens=2048))
-    client = connect(server)
-    try:
-        yield client
-    finally:
-        client.close()
-        server.stop()
+    yield from serve_real_model(real_model_cache, real_model_args("bfloat16", max_total_tokens=2048))
 
 
 def test_bf16_answers_are_right_through_both_clients(smollm2_bf16_server: ServedClient) -> None:

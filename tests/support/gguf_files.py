@@ -18,9 +18,10 @@ reference for every type is ``gguf.dequantize`` of the stored bytes (``reference
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -33,6 +34,18 @@ KQUANT_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
 }
 
 TensorHook = Callable[[str, np.ndarray], "np.ndarray | None"]
+
+
+@contextlib.contextmanager
+def gguf_test_folder(tmp_path_factory: Any, name: str) -> Iterator[Path]:
+    """A fresh folder for a test module's GGUF files, with ``$TINYSERVE_CACHE`` pointing into it
+    while the block runs (the folders prepared from those files stay private to the module)."""
+    import pytest
+
+    folder = tmp_path_factory.mktemp(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINYSERVE_CACHE", str(folder / "cache"))
+        yield folder
 
 
 def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -66,6 +66,18 @@ def start_real_model_server(cache: Path, args: Sequence[str], *, wait: bool = Tr
                          ready_timeout=600)
 
 
+def serve_real_model(cache: Path, args: Sequence[str]) -> Iterator[ServedClient]:
+    """A module fixture's body: a real-model server with ``args``, a client of it while the module
+    runs, both closed after."""
+    server = start_real_model_server(cache, args)
+    client = connect(server)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
 def connect(server: ServerProcess) -> ServedClient:
     """A ZMQ client of ``server`` carrying the real-model servers' api key."""
     server.wait_ready(600)

@@ -5,11 +5,11 @@
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
- * Three sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
+ * Four sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
  * silu*mul), bf16 with them on AVX512-BF16 dot products (dp_linear_bf16, for CPUs without AMX;
- * gate/up then silu*mul, as the stack runs them there), and fp32 with them on the panel kernel
- * (linear_f32; gate/up then silu*mul). Each is a table of the kernels it calls (Kernels), the
- * layer loop is written once.
+ * gate/up then silu*mul, as the stack runs them there), fp32 with them on the panel kernel
+ * (linear_f32; gate/up then silu*mul), and fp32 with weights kept quantized (quant_linear_f32).
+ * Each is a table of the kernels it calls (Kernels), the layer loop is written once.
  *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
  * (AMX: on, and the tile layout of every weight; dp: oneDNN's AVX512-BF16 layout and this build;
@@ -124,6 +124,20 @@ static int linear_dp(const void* x, int64_t m, int64_t ldx, const void* w, int64
 {
     return dp_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
 }
+/* A weight kept quantized (runtime/quant/weight.py), as quant_linear_f32 reads it: the "address" a
+ * layer of the qf32 set gives for each linear. */
+typedef struct {
+    int64_t kind, group;
+    const void* qs;
+    const float* scales;
+    const float* mins;
+} QuantWeight;
+static int linear_q(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                    void* out)
+{
+    const QuantWeight* q = (const QuantWeight*)w;
+    return quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, n, k, bias, out, n);
+}
 static int linear_f(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                     void* out)
 {
@@ -135,6 +149,7 @@ static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix
                             fused_gate_up_amx};
 static const Kernels DP = {2, rmsnorm_bf16_v, linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v, 0};
 static const Kernels F32 = {4, rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
+static const Kernels QF32 = {4, rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
 
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
 static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
@@ -192,4 +207,9 @@ int decode_layers_dp(const DecodeStep* s, const DecodeLayer* layers, int64_t num
 int decode_layers_f32(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
 {
     return run_layers(&F32, s, layers, num_layers);
+}
+
+int decode_layers_qf32(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    return run_layers(&QF32, s, layers, num_layers);
 }

@@ -21,7 +21,7 @@ from tests.support import REPO_ROOT as REPO
 
 EXPECTED_DEFAULTS = {
     "model_path": None, "tokenizer_path": None, "host": "127.0.0.1", "port": 30000, "device": "auto",
-    "dtype": "auto", "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
+    "dtype": "auto", "quantization": None, "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
     "attention_backend": "auto", "mem_fraction_static": None, "max_total_tokens": None,
     "max_running_requests": None, "max_prefill_tokens": 16384, "chunked_prefill_size": 8192, "page_size": 1,
     "schedule_policy": "fcfs", "enable_priority_scheduling": False, "priority_preemption": False,
@@ -154,6 +154,7 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"priority_preemption": True}, "--priority-preemption"),
         ({"device": "tpu"}, "--device"),
         ({"dtype": "int8"}, "--dtype"),
+        ({"quantization": "awq"}, "--quantization"),
         ({"attention_backend": "flash"}, "--attention-backend"),
         ({"load_balance_method": "magic"}, "--load-balance-method"),
         ({"radix_eviction_policy": "fifo"}, "--radix-eviction-policy"),

@@ -21,7 +21,7 @@ import torch
 
 from runtime.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
-from tests.support.gguf_files import write_checkpoint_gguf
+from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 
@@ -33,9 +33,7 @@ LOGPROB_ATOL = 2e-3
 @pytest.fixture(scope="module")
 def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A folder for this module's GGUF files, and a private cache for the folders prepared from them."""
-    folder = tmp_path_factory.mktemp("gguf-greedy")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE", str(folder / "cache"))
+    with gguf_test_folder(tmp_path_factory, "gguf-greedy") as folder:
         yield folder
 
 

@@ -1,0 +1,214 @@
+/* Linear layers on weights kept quantized (runtime/quant/weight.py: the q8 and q4 layouts), for any
+ * number of rows, with the activations quantized to int8 on the fly as llama.cpp's CPU backend does.
+ *
+ * Why: a decode step of a few requests streams every weight once; a 4-bit weight is an eighth of
+ * the fp32 bytes. Dequantizing to fp32 first would make the step compute-bound on conversions, so
+ * the products stay integer: each block of 32 activations of a row gets one fp32 scale
+ * (max |x| / 127) and int8 values, a block's 32 products are summed exactly in int32, and the
+ * block's scales (the weight's and the activation's) are applied to that sum in fp32.
+ *
+ * - q8 (int8 weights, a scale per 16 or 32 values, or per row): vpmaddubsw takes an unsigned and a
+ *   signed operand, so the weight's sign moves onto the activation (|w| times x * sign(w)) and the
+ *   pair sums fit in int16 (2 * 128 * 127). The int32 lanes 0-3 of a block hold its first 16
+ *   values' sums and lanes 4-7 the last 16's, so a per-16 scale (Q6_K) costs nothing more.
+ * - q4 (values 0..15 two a byte, a scale and a min per 32): w = s * q + m, so
+ *   x . w = s * (x . q) + m * sum(x); q is unsigned already, and sum(x) is the exact fp32 sum of
+ *   the activation block (computed once with its quantization).
+ *
+ * The integer sums use vpdpbusd where the build has AVX512-VNNI (with VL) or AVX-VNNI, vpmaddubsw
+ * with AVX2, plain C elsewhere; the only rounding that differs between builds is the order of the
+ * fp32 sums of the blocks. Threads split the output rows (OpenMP). */
+#include "common.h"
+#include "entry_points.h"
+
+#define QBLOCK 32
+#define QROWS 8      /* activation rows per pass over a weight row (its unpacked blocks serve them all) */
+#define OUT_CHUNK 8  /* weight rows per chunk: every activation row group passes over them */
+
+/* x [m, k] (rows ldx apart) -> xq int8 [m, k], xd [m, k / 32] (each block's scale), xs [m, k / 32]
+ * (each block's exact sum). Rounds to nearest even (cvtps / nearbyintf under the default mode). */
+static void quantize_activations(const float* x, int64_t m, int64_t ldx, int64_t k, int8_t* xq, float* xd,
+                                 float* xs)
+{
+    const int64_t nb = k / QBLOCK;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t i = 0; i < m * nb; ++i) {
+        const int64_t r = i / nb, b = i % nb;
+        const float* v = x + r * ldx + b * QBLOCK;
+        int8_t* q = xq + r * k + b * QBLOCK;
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < QBLOCK; ++j) {
+            const float a = fabsf(v[j]);
+            amax = a > amax ? a : amax;
+            sum += v[j];
+        }
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xd[i] = d;
+        xs[i] = sum;
+#if defined(__AVX2__)
+        const __m256 s = _mm256_set1_ps(inv);
+        for (int j = 0; j < QBLOCK; j += 8) {
+            const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), s));
+            const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+            const __m128i n8 = _mm_packs_epi16(n16, n16);
+            memcpy(q + j, &n8, 8);
+        }
+#else
+        for (int j = 0; j < QBLOCK; ++j) q[j] = (int8_t)nearbyintf(v[j] * inv);
+#endif
+    }
+}
+
+#if defined(__AVX2__)
+static inline __m256i dot_u8i8(__m256i u, __m256i s)  /* 8 int32 sums of 4 products of u (unsigned) and s */
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Block b's 32 products of the weight row and an activation row (xq: the row), as 8 fp32 partial
+ * sums times the weight's scales (lanes 0-3: the block's first 16 values, 4-7: the last 16); the
+ * caller multiplies in the activation block's scale (the unpacked weight serves every row). */
+static inline __attribute__((always_inline)) __m256 block_dot(int q4, const uint8_t* wq, const float* ws,
+                                                              int64_t scale_step, int half, int64_t b,
+                                                              const int8_t* xq)
+{
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(xq + b * QBLOCK));
+    if (q4) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8i8(w, a)), _mm256_set1_ps(ws[b]));
+    }
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(wq + b * QBLOCK));
+    const float* sp = ws + b * scale_step;
+    const __m256 sv = half ? _mm256_set_m128(_mm_set1_ps(sp[1]), _mm_set1_ps(sp[0])) : _mm256_set1_ps(sp[0]);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))), sv);
+}
+#endif
+
+/* out[r] = weight row . activation row r, for r < rows (<= QROWS; a constant in each caller).
+ * q8: wq int8 [k], ws its scales (scale_step per block, `half`: a second scale for the block's last
+ * 16 values at ws[1]). q4: wq packed [k / 2], ws and wm a scale and a min per block. */
+static inline __attribute__((always_inline)) void row_dots(
+    const int rows, int q4, const uint8_t* wq, const float* ws, const float* wm, int64_t scale_step, int half,
+    int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out)
+{
+#if defined(__AVX2__)
+    /* one row: two accumulators, for even and odd blocks (the loop unrolled by two so that they stay
+     * in registers), so that two FMA chains overlap; more rows: one each, the rows' chains overlap */
+    __m256 acc0[QROWS], acc1[QROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    if (rows == 1)
+        for (; b + 1 < nb; b += 2) {
+            acc0[0] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq),
+                                      _mm256_set1_ps(xd[b]), acc0[0]);
+            acc1[0] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b + 1, xq),
+                                      _mm256_set1_ps(xd[b + 1]), acc1[0]);
+        }
+    for (; b < nb; ++b)
+        for (int r = 0; r < rows; ++r)
+            acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
+                                      _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
+    for (int r = 0; r < rows; ++r) {
+        float msum = 0.0f;  /* q4: the blocks' mins times the activation blocks' sums */
+        if (q4)
+            for (int64_t j = 0; j < nb; ++j) msum += wm[j] * xs[r * nb + j];
+        out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + msum;
+    }
+#else
+    for (int r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const int8_t* a = xq + r * k + b * QBLOCK;
+            int32_t s0 = 0, s1 = 0;
+            if (q4) {
+                const uint8_t* w = wq + b * (QBLOCK / 2);
+                for (int j = 0; j < QBLOCK / 2; ++j) {
+                    s0 += (int32_t)(w[j] & 0x0F) * a[j];
+                    s1 += (int32_t)(w[j] >> 4) * a[j + QBLOCK / 2];
+                }
+                acc += (float)(s0 + s1) * (ws[b] * xd[r * nb + b]) + wm[b] * xs[r * nb + b];
+            } else {
+                const int8_t* w = (const int8_t*)wq + b * QBLOCK;
+                for (int j = 0; j < QBLOCK / 2; ++j) {
+                    s0 += (int32_t)w[j] * a[j];
+                    s1 += (int32_t)w[j + QBLOCK / 2] * a[j + QBLOCK / 2];
+                }
+                const float* sp = ws + b * scale_step;
+                acc += ((float)s0 * sp[0] + (float)s1 * sp[half]) * xd[r * nb + b];
+            }
+        }
+        out[r] = acc;
+    }
+#endif
+}
+
+static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, const float* wm, int64_t scale_step,
+                       int half, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t k,
+                       float* out)
+{
+    switch (rows) {  /* one unrolled copy per row count */
+#define ROW_CASE(R) case R: row_dots(R, q4, wq, ws, wm, scale_step, half, nb, xq, xd, xs, k, out); break;
+        ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4) ROW_CASE(5) ROW_CASE(6) ROW_CASE(7) ROW_CASE(8)
+#undef ROW_CASE
+    }
+}
+
+/* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
+ * [n, k] (+ bias [n] when not NULL).
+ * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL.
+ * kind 1 (q4): qs uint8 [n, k / 2]; scales and mins [n, k / 32]; group 32.
+ * Returns 0, or -1 (nothing written) for operands it does not take: k not a multiple of 32,
+ * another group, m < 1. */
+int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
+                     const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
+                     int64_t ldo)
+{
+    if (m < 1 || n < 1 || k < QBLOCK || k % QBLOCK || ldx < k || ldo < n) return -1;
+    if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
+    const int64_t nb = k / QBLOCK;
+    const int q4 = kind == 1;
+    /* scales per weight row, and per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
+    const int64_t scales_per_row = k / group;
+    const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
+    const int half = group == 16;
+    const int64_t row_bytes = q4 ? k / 2 : k;
+    int8_t* xq = (int8_t*)malloc((size_t)(m * k));
+    float* xd = (float*)malloc(sizeof(float) * (size_t)(m * nb * 2));
+    if (xq == NULL || xd == NULL) { free(xq); free(xd); return -1; }
+    float* xs = xd + m * nb;
+    quantize_activations(x, m, ldx, k, xq, xd, xs);
+    const int64_t chunks = (n + OUT_CHUNK - 1) / OUT_CHUNK;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
+        for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
+            const int rows = (int)(m - r0 < QROWS ? m - r0 : QROWS);
+            for (int64_t o = o0; o < o1; ++o) {
+                float dots[QROWS] = {0};
+                row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, scales + o * scales_per_row,
+                           q4 ? mins + o * scales_per_row : NULL, scale_step, half, nb, xq + r0 * k,
+                           xd + r0 * nb, xs + r0 * nb, k, dots);
+                const float add = bias ? bias[o] : 0.0f;
+                for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[r] + add;
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}

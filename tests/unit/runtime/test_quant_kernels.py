@@ -1,0 +1,124 @@
+"""The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
+at every build level this CPU runs, on odd shapes: 1..130 activation rows (the kernel's row groups
+of 8 and their remainders), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
+kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
+error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.cpu import kernel_library
+from runtime.cpu.ops import CpuOps
+from runtime.cpu.quant_kernels import quant_linear
+from runtime.quant.gguf_blocks import from_gguf
+from runtime.quant.weight import QuantizedWeight, quantize_int8, reference_linear
+from tests.support.quant_bounds import EPS32, quantized_linear_bound
+
+
+def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.Generator) -> QuantizedWeight:
+    """A random weight of ``layout``: q8 per 32 / per 16 / per row, or q4 (scale and min per 32)."""
+    if layout == "q4":
+        qs = torch.randint(0, 256, (out_features, in_features // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.02
+        mins = (torch.rand(out_features, in_features // 32, generator=gen) - 0.5) * 0.2
+        return QuantizedWeight("q4", "test", (out_features, in_features), qs, scales, mins)
+    group = {"q8": 32, "q8_16": 16, "q8_row": in_features}[layout]
+    qs = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int32).to(torch.int8)
+    scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01
+    return QuantizedWeight("q8", "test", (out_features, in_features), qs, scales, group=group)
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 32), (3, 9, 96), (5, 61, 544),
+                                                                  (130, 19, 96)])
+def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int, out_features: int,
+                                                         in_features: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = _random_weight(layout, out_features, in_features, gen)
+    x = torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    bias = torch.randn(out_features, generator=gen)
+    got = quant_linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, out_features) and got.dtype == torch.float32
+    want = reference_linear(x.double(), _double(weight), bias.double())
+    err = (got.double() - want).abs()
+    bound = quantized_linear_bound(x, weight) + EPS32 * bias.double().abs()
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3f}"
+    # the bound is not vacuous: a fifth of the outputs' scale at most (a lost block, or a scale of the wrong
+    # block, moves an output by about sqrt(1 / blocks) of its scale: a quarter at 17 blocks)
+    assert float(bound.max()) < 0.2 * float(want.abs().max())
+
+
+def _double(weight: QuantizedWeight) -> QuantizedWeight:
+    """A stand-in whose ``dequantize`` is in float64 (for the float64 reference)."""
+    class Double(QuantizedWeight):
+        def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return super().dequantize(rows, torch.float64)
+    return Double(weight.kind, weight.source, weight.shape, weight.qs, weight.scales, weight.mins, weight.group)
+
+
+@pytest.mark.usefixtures("kernel_level")
+def test_bf16_activations_and_fp32_logits() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = _random_weight("q4", 40, 64, gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    as_bf16 = quant_linear(x.bfloat16(), weight, None)
+    logits = quant_linear(x.bfloat16(), weight, None, float_out=True)
+    assert as_bf16 is not None and as_bf16.dtype == torch.bfloat16 and as_bf16.shape == (2, 3, 40)
+    assert logits is not None and logits.dtype == torch.float32
+    assert torch.equal(as_bf16, logits.bfloat16())
+
+
+def test_kernels_off_fall_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TINYSERVE_CPU_KERNELS=0: the CPU ops multiply by the dequantized weight (the torch reference)."""
+    monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
+    kernel_library.reset()
+    try:
+        weight, x = _random_weight("q4", 4, 64, torch.Generator()), torch.randn(3, 64)
+        assert quant_linear(x, weight, None) is None
+        assert torch.equal(CpuOps().linear(x, weight, None), reference_linear(x, weight, None))
+    finally:
+        monkeypatch.undo()
+        kernel_library.reset()
+
+
+def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid GGUF blocks: random bytes, with every fp16 scale field a finite value."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
+    for at in fields:
+        raw[..., at: at + 2] = (rng.random(raw.shape[:2]) * 0.05 + 1e-3).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
+    from gguf import GGMLQuantizationType, dequantize
+
+    rng = np.random.default_rng(7)
+    raw = _random_blocks(type_name, 5, 512, rng)
+    ours = from_gguf(raw, type_name, 512)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+    assert torch.equal(ours.dequantize(), want)
+    assert torch.equal(ours.dequantize(torch.tensor([3, 1])), want[[3, 1]])  # the rows an embedding looks up
+    per_value = {"Q8_0": 1 + 4 / 32, "Q4_0": 0.5 + 8 / 32, "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32,
+                 "Q6_K": 1 + 4 / 16}[type_name]
+    assert ours.nbytes() == int(5 * 512 * per_value)
+
+
+def test_int8_per_channel_rounds_each_value_to_its_step() -> None:
+    weight = torch.randn(6, 64) * torch.arange(1, 7).unsqueeze(1)
+    weight[2] = 0.0
+    quantized = quantize_int8(weight)
+    assert quantized is not None and quantized.kind == "q8" and quantized.group == 64
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert bool(((quantized.dequantize() - weight).abs() <= step / 2 * (1 + 1e-5)).all())
+    assert quantize_int8(torch.randn(4, 40)) is None  # rows not whole blocks of 32: stays dense

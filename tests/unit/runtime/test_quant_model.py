@@ -1,0 +1,155 @@
+"""Models loaded with ``--quantization`` (runtime/quant): which weights stay quantized, that their
+values are the file's (the dense load's, bit for bit), each linear within the kernels' derived
+error bound of its dequantized fp32 reference, the resident bytes the formats say, and the one-call
+decode path (csrc/decode_layers.c, its qf32 set) equal to the layers run one by one.
+
+The real model's answers with quantized weights are checked end to end in
+tests/e2e/test_quantized_e2e.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from runtime.cpu import attention_kernels_f32, decode_layers
+from runtime.layers.embedding import VocabParallelEmbedding
+from runtime.model_runner import ModelRunner
+from runtime.ops.base import LinearWeightLayer
+from runtime.quant.weight import QuantizedWeight, reference_linear
+from tests.support.checkpoints import TinyCheckpoints
+from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
+from tests.support.quant_bounds import quantized_linear_bound
+from tests.unit.runtime import test_cpu_decode_layers
+from tests.unit.runtime.test_cpu_decode_layers import _decode_logits
+
+calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with gguf_test_folder(tmp_path_factory, "quant-model") as folder:
+        yield folder
+
+
+def _runner(path: Path, **kwargs: Any) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=2048, load_progress=False, **kwargs)
+
+
+def _weights(runner: ModelRunner) -> dict[str, Any]:
+    """Every linear's and the embedding's weight, by module name."""
+    return {name: module.weight for name, module in runner.model.named_modules()
+            if isinstance(module, (LinearWeightLayer, VocabParallelEmbedding))}
+
+
+def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type: str, **kwargs: Any) -> Path:
+    return write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-{weight_type}.gguf",
+                                 weight_type=weight_type, tokenizer=False, **kwargs)
+
+
+@pytest.mark.parametrize(("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False)])
+def test_gguf_weights_stay_in_their_blocks_with_the_files_values(tiny_checkpoints: TinyCheckpoints, files: Path,
+                                                                weight_type: str, tie: bool) -> None:
+    """The real model's mix: Q4_1 linears and a Q8_0 token embedding, tied to the LM head."""
+    types = {"token_embd.weight": "Q8_0"} if tie else None
+    path = _gguf(tiny_checkpoints, files, "llama", weight_type, tie=tie, types=types)
+    dense, quantized = _runner(path), _runner(path, quantization="gguf")
+    dense_weights, kept = _weights(dense), _weights(quantized)
+    for name, weight in kept.items():
+        assert isinstance(weight, QuantizedWeight), name
+        want = "Q8_0" if tie and name in ("model.embed_tokens", "lm_head") else weight_type
+        assert weight.source == want, name
+        assert torch.equal(weight.dequantize(), dense_weights[name]), name  # Q/K rows un-interleaved alike
+    if tie:
+        assert kept["lm_head"] is kept["model.embed_tokens"]
+    # resident bytes: the formats' (q8: 1 + 4/32 bytes a value, q4: 0.5 + 8/32), the rest dense fp32
+    values = {name: w.shape[0] * w.shape[1] for name, w in kept.items() if not (tie and name == "lm_head")}
+    per_value = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75}
+    expected = sum(int(n * per_value[kept[name].source]) for name, n in values.items())
+    rest = dense.weight_bytes() - sum(n * 4 for n in values.values())  # norms, rotary tables: dense in both
+    assert quantized.weight_bytes() == expected + rest
+    assert quantized.weight_bytes() < dense.weight_bytes() / 3
+
+
+def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
+    """A Q4_K_M-like file: a qkv of Q4_K q/k and a Q5_K v cannot be one quantized weight (no kernel
+    reads Q5_K): it loads dense; the Q4_K and Q6_K ones stay in their (repacked) blocks."""
+    mix = {"blk.1.attn_v.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K"}
+    path = _gguf(tiny_checkpoints, files, "llama_hd64", "Q4_K", types=mix)
+    dense, quantized = _weights(_runner(path)), _weights(_runner(path, quantization="gguf"))
+    assert isinstance(quantized["model.layers.1.self_attn.qkv_proj"], torch.Tensor)
+    assert torch.equal(quantized["model.layers.1.self_attn.qkv_proj"], dense["model.layers.1.self_attn.qkv_proj"])
+    down = quantized["model.layers.0.mlp.down_proj"]
+    assert isinstance(down, QuantizedWeight) and (down.source, down.kind, down.group) == ("Q6_K", "q8", 16)
+    q4k = quantized["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(q4k, QuantizedWeight) and q4k.source == "Q4_K"
+    for name, weight in quantized.items():
+        if isinstance(weight, QuantizedWeight):
+            assert torch.equal(weight.dequantize(), dense[name]), name
+
+
+@pytest.mark.parametrize("source", ["gguf", "int8", "int8-of-gguf"])
+def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpoints: TinyCheckpoints,
+                                                                    files: Path, source: str) -> None:
+    if source == "int8":
+        runner = _runner(tiny_checkpoints.path("qwen2"), quantization="int8")  # safetensors
+    else:  # a GGUF file's blocks kept, or its dequantized values made int8
+        method = "gguf" if source == "gguf" else "int8"
+        runner = _runner(_gguf(tiny_checkpoints, files, "qwen2", "Q4_1"), quantization=method)
+    gen = torch.Generator().manual_seed(11)
+    checked = 0
+    for name, module in runner.model.named_modules():
+        if not isinstance(module, LinearWeightLayer) or not isinstance(module.weight, QuantizedWeight):
+            continue
+        weight = module.weight
+        x = torch.randn(3, weight.shape[1], generator=gen)
+        got = runner.ops.linear(x, weight, None)
+        err = (got.double() - reference_linear(x.double(), weight, None).double()).abs()
+        assert bool((err <= quantized_linear_bound(x, weight)).all()), name
+        checked += 1
+    expected = 4 * runner.model_config.num_hidden_layers + (1 if source == "gguf" else 0)  # + the LM head
+    assert checked == expected
+    if source != "gguf":  # SGLang's w8a8_int8: the embedding and LM head stay dense
+        assert isinstance(runner.model.lm_head.weight, torch.Tensor)
+        assert all(w.source == "int8" and w.group == w.shape[1] for w in _weights(runner).values()
+                   if isinstance(w, QuantizedWeight))
+
+
+@pytest.mark.skipif(not attention_kernels_f32.applies(), reason="needs a CPU with AVX2 and FMA (or AVX-512) "
+                    "and the kernels' vector build: the fp32 call's attention is its kernels")
+@pytest.mark.parametrize("source", ["gguf", "int8"])
+def test_one_call_decode_equals_the_layers_bit_for_bit(tiny_checkpoints: TinyCheckpoints, files: Path,
+                                                       source: str, calls: list[bool]) -> None:
+    if source == "gguf":
+        runner = _runner(_gguf(tiny_checkpoints, files, "llama", "Q4_1"), quantization="gguf")
+    else:
+        runner = _runner(tiny_checkpoints.path("qwen2"), quantization="int8")
+    layered = _decode_logits(runner, [False] * 4, requests=3)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * 4, requests=3)
+    assert calls == [False] * 3 + [True] * 3, calls  # two prefills, the mirror's rebuild, then the call
+    stack = runner.layer_stack
+    assert isinstance(stack, decode_layers.CpuLayerStack) and stack.described is not None
+    assert stack.described.kernels == "qf32"
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+def test_gguf_needs_a_gguf_file(tiny_checkpoints: TinyCheckpoints) -> None:
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        _runner(tiny_checkpoints.path("llama"), quantization="gguf")
+
+
+def test_tp2_ranks_keep_their_shards_quantized(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
+    """Column-parallel ranks keep their rows (Q/K un-interleaved per head), row-parallel ranks their
+    whole blocks of columns: each rank's values are its dense shard's."""
+    path = _gguf(tiny_checkpoints, files, "llama", "Q8_0")
+    for rank in range(2):
+        dense = _weights(_runner(path, tp_rank=rank, tp_size=2))
+        kept = _weights(_runner(path, tp_rank=rank, tp_size=2, quantization="gguf"))
+        for name, weight in kept.items():
+            assert isinstance(weight, QuantizedWeight), name
+            assert torch.equal(weight.dequantize(), dense[name]), name
