@@ -42,11 +42,15 @@ def test_sigterm_drains_what_fits_and_aborts_the_rest(tiny_llama_path: Path) -> 
     server = ServerProcess([*base_args(tiny_llama_path), "--max-running-requests", "1", "--port", "0",
                             "--graceful-shutdown-timeout", "3"])
     results: dict[int, Any] = {}
+    streamed: dict[int, list[int]] = {i: [] for i in range(REQUESTS)}
 
     def run(i: int) -> None:
         try:
             with Client(server.address or "", timeout=60) as c:
-                results[i] = c.generate(input_ids=[5, 6, 7 + i], sampling_params=LONG)
+                chunk: dict[str, Any] = {}
+                for chunk in c.generate(input_ids=[5, 6, 7 + i], sampling_params=LONG, stream=True):
+                    streamed[i].extend(chunk["output_ids"])
+                results[i] = {"output_ids": streamed[i], "meta": chunk["meta"]}
         except RequestError as exc:
             results[i] = exc.code
 
@@ -58,6 +62,9 @@ def test_sigterm_drains_what_fits_and_aborts_the_rest(tiny_llama_path: Path) -> 
             wait_until(lambda: probe.server_info()["tokenizer"]["active_requests"] == REQUESTS, 60,
                        "every request in flight")
             children = [pid for name, pid in probe.server_info()["processes"].items() if name != "launch"]
+            # The stop comes when the running request is near its end, so that one fits in the grace
+            # period however slow this machine is (a loaded 2-core box made 150 tokens take > 3 s).
+            wait_until(lambda: max(len(ids) for ids in streamed.values()) >= TOKENS - 10, 60, "one request near its end")
             t0 = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             http_address = server.http_address or ""
