@@ -15,6 +15,7 @@ from runtime.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
 from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
+from scheduler_proc.spec.stats import spec_summary
 
 logger = logging.getLogger(__name__)
 
@@ -138,5 +139,8 @@ class OutputProcessor:
         now = time.monotonic()
         throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
         self._decode_tokens_since_log, self._last_decode_log = 0, now
+        spec = spec_summary(self.stats)
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
-                    "%.2f, #queue-req: %d", batch_size, tokens, usage, throughput, queued)
+                    "%.2f, #queue-req: %d%s", batch_size, tokens, usage, throughput, queued,
+                    f", accept len: {spec['spec_accept_length']:.2f}, accept rate: {spec['spec_accept_rate']:.2f}"
+                    if spec else "")

@@ -18,6 +18,7 @@ from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
+from scheduler_proc.spec.stats import spec_summary
 
 
 def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,
@@ -79,4 +80,5 @@ def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache
         **(host_tier.info() if host_tier else {}),
         **dataclasses.asdict(grammar.stats),
         **stats,
+        **spec_summary(stats),  # (speculative decoding only)
     }

@@ -50,6 +50,7 @@ from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
+from scheduler_proc.spec.verify import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Scheduler:
                                       server_args.stream_interval, server_args.decode_log_interval)
         self.stats = self.output.stats
         self.memory = DecodeMemory(self.context_len)
+        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats)  # None: no speculation
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
@@ -183,7 +185,7 @@ class Scheduler:
         if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
             self._admit_compiled()
         if self.inflight is not None and not can_plan_ahead(
-                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk,
+                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk, speculative=self.spec is not None,
                 preemption_pending=self.preemption is not None and self.preemption.pending):
             self._complete_inflight()
         self._apply_aborts()
@@ -283,14 +285,18 @@ class Scheduler:
         reqs = self._reserve_decode()
         if not reqs:
             return None
-        batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
+        drafts = None if self.spec is None else self.spec.propose(reqs, self.allocator.available_size())
+        if drafts is not None:  # (a verify step: every request's last token plus its drafts, if any)
+            batch, future = self.builder.build_verify(reqs, drafts), None
+        else:
+            batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
         self.stats["num_decode_batches"] += 1
         pending = self.worker.launch(batch, future)
         for req in reqs:
             req.num_inflight += 1
         self.memory.decoded()
         self.output.log_decode(len(reqs), sum(batch.seq_lens_cpu), self.kv_usage(), len(self.queues.waiting))
-        return LaunchedStep(pending, ForwardMode.DECODE, [], reqs)
+        return LaunchedStep(pending, batch.forward_mode, [], reqs, drafts)
 
     # ------------------------------------------------------------------ decode room
 
@@ -387,9 +393,18 @@ class Scheduler:
             else:
                 sampled.append((row, item.req))
         self._take_tokens(sampled, result, finished, prefilled=True)
-        for req in step.decode:
-            req.kv_committed_len += 1
-        self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
+        if step.drafts is not None:
+            assert self.spec is not None
+            for req in self.spec.take(step.decode, step.drafts, result, len(step.extend), self.output,
+                                      self.req_to_token_pool.req_to_token, self.allocator.free):
+                finished.add(req)
+                self.finish(req, req.finish_reason)
+        else:
+            if self.spec is not None and step.decode:
+                self.spec.count_plain_decode(len(step.decode))
+            for req in step.decode:
+                req.kv_committed_len += 1
+            self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
         swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
             self.queues.drop_finished(finished)
