@@ -15,7 +15,7 @@ from runtime.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
 from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
-from scheduler_proc.spec.stats import spec_summary
+from runtime.spec_stats import spec_summary
 
 logger = logging.getLogger(__name__)
 

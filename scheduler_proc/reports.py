@@ -18,7 +18,7 @@ from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.queues import RequestQueues
-from scheduler_proc.spec.stats import spec_summary
+from runtime.spec_stats import spec_summary
 
 
 def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,

@@ -40,7 +40,7 @@ from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
 from scheduler_proc.spec.ngram import NgramProposer
-from scheduler_proc.spec.stats import SPEC_STATS
+from runtime.spec_stats import SPEC_STATS
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,7 @@ class SpecDecoder:
         for req, draft in zip(reqs, drafts):
             req.num_inflight -= 1
             samples = result.token_ids[row : row + 1 + len(draft)]
-            accepted = 0
-            while accepted < len(draft) and samples[accepted] == draft[accepted]:
-                accepted += 1
+            accepted = accepted_drafts(samples, draft)
             # (A step is planned only once the previous one was processed: none ran past a finish.)
             assert req.finish_reason is None, "speculative steps never overlap"
             before = len(req.output_ids)
@@ -124,3 +122,11 @@ class SpecDecoder:
         self.stats["spec_decode_req_steps"] += num_reqs
         self.stats["spec_decode_tokens"] += num_reqs
 
+
+def accepted_drafts(samples: Sequence[int], draft: Sequence[int]) -> int:
+    """How many drafts a request accepts: the samples that equal the draft each follows, up to the
+    first that does not (``samples[j]`` was drawn after ``draft[:j]``; it emits one more sample)."""
+    accepted = 0
+    while accepted < len(draft) and samples[accepted] == draft[accepted]:
+        accepted += 1
+    return accepted

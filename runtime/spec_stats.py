@@ -1,4 +1,6 @@
-"""Speculative decoding's counters (in the scheduler's stats) and the figures derived from them."""
+"""Speculative decoding's counters (in the scheduler's stats, summed over DP replicas) and the
+figures derived from them: shared by the scheduler (log, server_info), the DP controller (its
+merged server_info) and the tokenizer's /metrics."""
 
 from __future__ import annotations
 
