@@ -286,10 +286,8 @@ class Scheduler:
         if not reqs:
             return None
         drafts = None if self.spec is None else self.spec.propose(reqs, self.allocator.available_size())
-        if drafts is not None:  # (a verify step: every request's last token plus its drafts, if any)
-            batch, future = self.builder.build_verify(reqs, drafts), None
-        else:
-            batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
+        batch, future = (self.builder.build_verify(reqs, drafts), None) if drafts is not None else \
+            self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
         self.stats["num_decode_batches"] += 1
         pending = self.worker.launch(batch, future)
         for req in reqs:
@@ -393,15 +391,10 @@ class Scheduler:
             else:
                 sampled.append((row, item.req))
         self._take_tokens(sampled, result, finished, prefilled=True)
-        if step.drafts is not None:
-            assert self.spec is not None
-            for req in self.spec.take(step.decode, step.drafts, result, len(step.extend), self.output,
-                                      self.req_to_token_pool.req_to_token, self.allocator.free):
-                finished.add(req)
-                self.finish(req, req.finish_reason)
+        if step.drafts is not None and self.spec is not None:  # verify: accepted tokens; rejected slots freed
+            finished.update(self.spec.take(step.decode, step.drafts, result, len(step.extend), self.output,
+                                           self.req_to_token_pool.req_to_token, self.allocator.free, self.finish))
         else:
-            if self.spec is not None and step.decode:
-                self.spec.count_plain_decode(len(step.decode))
             for req in step.decode:
                 req.kv_committed_len += 1
             self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
@@ -501,13 +494,4 @@ class Scheduler:
 
     def server_info(self) -> dict[str, Any]:
         """Memory, queues, counters and the memory invariant (checked now, with nothing in flight)."""
-        invariant = self.check_memory()
-        return reports.server_info(
-            invariant=invariant, queues=self.queues, tree_cache=self.tree_cache, allocator=self.allocator,
-            host_tier=self.host_tier, stats=self.stats, max_total_tokens=self.max_total_tokens,
-            context_len=self.context_len, page_size=self.page_size, kv_usage=self.kv_usage(),
-            new_token_ratio=self.memory.new_token_ratio, overlap_schedule=self.worker.overlap,
-            grammar=self.grammars,
-            kv_pool=reports.kv_pool_info(self.runner, self.max_total_tokens, self.context_len,
-                                         self.max_running_requests),
-        )
+        return reports.server_info(self, self.check_memory())

@@ -31,7 +31,7 @@ is on); speculation's steps always take the non-overlapped path.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -78,12 +78,17 @@ class SpecDecoder:
                 draft, req.spec_index = self.proposer.propose(req.known_ids(), req.spec_index, limit)
             budget -= len(draft)
             drafts.append(draft)
-        return drafts if any(drafts) else None
+        if not any(drafts):
+            self.count_plain_decode(len(reqs))
+            return None
+        return drafts
 
     def take(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]], result: StepResult, first_row: int,
-             output: OutputProcessor, req_to_token: torch.Tensor, free_slots: Callable[[torch.Tensor], None]) -> list[Req]:
+             output: OutputProcessor, req_to_token: torch.Tensor, free_slots: Callable[[torch.Tensor], None],
+             finish: Callable[[Req, dict[str, Any] | None], None]) -> list[Req]:
         """Give each request the tokens it accepted (stop rules apply per token), keep the KV of
-        what it emitted, free its rejected drafts' slots; returns the requests that finished now."""
+        what it emitted, free its rejected drafts' slots, then ``finish`` (the scheduler's: tell the
+        client, release the memory) the requests that finished now; returns them."""
         finished: list[Req] = []
         row = first_row
         stats = self.stats
@@ -114,6 +119,7 @@ class SpecDecoder:
             stats["spec_accepted_drafts"] += accepted
             if req.finish_reason is not None:
                 finished.append(req)
+                finish(req, req.finish_reason)
             row += 1 + len(draft)
         return finished
 
