@@ -228,3 +228,41 @@ def _processed_probs(logits: torch.Tensor, sp: SamplingParams, vocab: int) -> to
         mass = probs[order].cumsum(0) - probs[order]
         probs[order[mass >= sp.top_p * probs.sum()]] = 0
     return probs / probs.sum()
+
+
+# ---------------------------------------------------------------- the host tier, DP
+
+
+def test_host_tier_loads_back_under_speculation() -> None:
+    """Histories pushed out of a small pool come back from the host tier and are decoded on with
+    drafts; the tokens are those of plain decoding, both tiers' invariant holds."""
+    rng = random.Random(8)
+    firsts = [[rng.randrange(1, SMALL_VOCAB) for _ in range(120)] for _ in range(3)]
+    waves = [[(p, 24) for p in firsts], [(p + [3, 4], 24) for p in firsts]]
+    outputs = []
+    for spec in (False, True):
+        sched = spec_scheduler(spec, max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8.0)
+        results: dict[str, dict] = {}
+        for w, wave in enumerate(waves):
+            for i, (prompt, n) in enumerate(wave):  # one at a time: each pushes the last one out
+                submit(sched, f"{w}-{i}", prompt, max_new_tokens=n)
+                while not sched.is_idle():
+                    sched.step()
+                    collect(sched, results)
+        assert_idle_invariant(sched)
+        outputs.append({k: v["ids"] for k, v in results.items()})
+    assert outputs[0] == outputs[1]
+    info = sched.server_info()
+    assert info["host_hit_tokens"] > 0 and info["spec_accepted_drafts"] > 0
+
+
+def test_dp_controller_merges_the_counters() -> None:
+    from scheduler_proc.dp_controller import merge_control_replies
+
+    replica = {"spec_decode_req_steps": 10, "spec_decode_tokens": 25, "spec_draft_tokens": 30,
+               "spec_accepted_drafts": 15, "spec_verify_batches": 4}
+    other = {**replica, "spec_decode_req_steps": 30, "spec_decode_tokens": 35}
+    merged = merge_control_replies("server_info", [replica, other])
+    assert merged["spec_accept_length"] == pytest.approx(60 / 40)
+    assert merged["spec_accept_rate"] == pytest.approx(30 / 60)
+    assert "spec_accept_length" not in merge_control_replies("server_info", [{"num_running": 0}])
