@@ -55,11 +55,11 @@ def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float
 
 def sampling_params(req: BenchRequest) -> dict[str, Any]:
     """Greedy, exactly max_new_tokens tokens: the same work for every engine. A constrained
-    request instead stops where its schema's JSON is complete, and a chat answer (the repeat
+    request instead stops where its schema's JSON is complete, and an ``until_eos`` one (the repeat
     workload) where the model ends it (max_new_tokens is their cap)."""
     if req.json_schema is not None:
         return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "json_schema": req.json_schema}
-    if req.messages is not None:  # a chat answer (the repeat workload) ends where the model ends it
+    if req.until_eos:  # (the repeat workload: an answer ends where the model ends it)
         return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0}
     return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 

@@ -53,6 +53,7 @@ class BenchRequest:
     # A chat request (sent as ``messages``, ``input_ids`` empty) and its output's JSON schema (text).
     messages: list[dict[str, str]] | None = None
     json_schema: str | None = None
+    until_eos: bool = False  # greedy up to EOS (max_new_tokens a cap), not exactly max_new_tokens
 
 
 @dataclass
@@ -344,7 +345,8 @@ def repeat(num_requests: int = 16, max_new_tokens: int = 160, sentences: int = 4
             code, var = _function(rng)
             ask = (f"Rename the variable `{var}` to `acc` in this Python function. Reply with the whole "
                    f"function only.\n\n```python\n{code}```")
-        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, messages=[{"role": "user", "content": ask}]))
+        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, messages=[{"role": "user", "content": ask}],
+                                 until_eos=True))
     return Workload("repeat", dict(num_requests=num_requests, max_new_tokens=max_new_tokens, sentences=sentences,
                                    seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
 

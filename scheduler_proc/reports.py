@@ -8,7 +8,7 @@ message back.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
@@ -16,12 +16,32 @@ from runtime.kv_sizing import KVPoolSize
 from runtime.messages import KVEvent, LoadReport
 from runtime.spec_stats import spec_summary
 from scheduler_proc import swa_memory
+from scheduler_proc.decode_memory import DecodeMemory
+from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
+from scheduler_proc.model_worker import ForwardRunner, ModelWorker
 from scheduler_proc.queues import RequestQueues
 
-if TYPE_CHECKING:
-    from scheduler_proc.scheduler import Scheduler
+
+class SchedulerParts(Protocol):
+    """What ``server_info`` reads of a scheduler (``Scheduler`` fits; this module cannot import it)."""
+
+    queues: RequestQueues
+    tree_cache: BasePrefixCache
+    allocator: Allocator
+    host_tier: HostTier | None
+    stats: dict[str, int]
+    max_total_tokens: int
+    context_len: int
+    max_running_requests: int
+    page_size: int
+    grammars: GrammarQueue
+    memory: DecodeMemory
+    worker: ModelWorker
+    runner: ForwardRunner
+
+    def kv_usage(self) -> float: ...
 
 
 def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,
@@ -53,7 +73,7 @@ def kv_pool_info(runner: Any, max_total_tokens: int, context_len: int, max_runni
                       getattr(sized, "bytes_per_token", None), getattr(sized, "ram_bytes", None)).info()
 
 
-def server_info(sched: "Scheduler", invariant: InvariantReport) -> dict[str, Any]:
+def server_info(sched: SchedulerParts, invariant: InvariantReport) -> dict[str, Any]:
     """Memory, queues, counters and the memory invariant of ``sched`` (``invariant``: checked by the
     caller, with nothing in flight); ``kv_pool``: the pool's size in the figures of the start-up log
     line (``KVPoolSize.info``)."""
