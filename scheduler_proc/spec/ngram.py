@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 # Earlier occurrences of the latest token examined per draft, most recent first: bounds a step's
 # work on long, repetitive sequences (a token seen thousands of times).
 MAX_CANDIDATES = 64
+# After a draft of which nothing was accepted, a request skips drafting for 2**misses steps (misses:
+# such drafts in a row), at most this many: text that does not repeat itself stops paying for
+# verification (each verify step costs more than a decode step), text that does resumes soon.
+MAX_BACKOFF_STEPS = 8
 
 
 @dataclass
@@ -27,6 +31,16 @@ class NgramIndex:
     positions: dict[int, list[int]] = field(default_factory=dict)
     length: int = 0  # tokens indexed
     fingerprint: tuple[int, ...] = ()  # the first tokens indexed: a different sequence rebuilds
+    misses: int = 0  # drafts in a row of which nothing was accepted
+    skip: int = 0  # steps left without drafting
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify step's outcome for this request: back off after a draft that missed entirely."""
+        if drafted and not accepted:
+            self.misses += 1
+            self.skip = min(2 ** self.misses, MAX_BACKOFF_STEPS)
+        elif accepted:
+            self.misses = 0
 
     def extend(self, tokens: list[int]) -> None:
         """Index ``tokens[self.length:]`` (the tokens appended since the last call)."""
@@ -50,6 +64,9 @@ class NgramProposer:
         if index is None or index.length > len(tokens) or tuple(tokens[: len(index.fingerprint)]) != index.fingerprint:
             index = NgramIndex(fingerprint=tuple(tokens[:4]))
         index.extend(tokens)
+        if index.skip > 0:
+            index.skip -= 1
+            return [], index
         limit = min(limit, self.num_draft_tokens)
         n = len(tokens)
         if limit <= 0 or n < 2:

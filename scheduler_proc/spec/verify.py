@@ -97,6 +97,8 @@ class SpecDecoder:
             req.num_inflight -= 1
             samples = result.token_ids[row : row + 1 + len(draft)]
             accepted = accepted_drafts(samples, draft)
+            if req.spec_index is not None:
+                req.spec_index.record(len(draft), accepted)
             # (A step is planned only once the previous one was processed: none ran past a finish.)
             assert req.finish_reason is None, "speculative steps never overlap"
             before = len(req.output_ids)

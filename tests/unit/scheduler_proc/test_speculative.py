@@ -84,6 +84,14 @@ def test_proposer_continues_the_longest_most_recent_match() -> None:
     assert proposer.propose([1, 2, 3], None, 4)[0] == []
     assert NgramProposer(4, 3, 8).propose([7, 1, 2, 9, 1, 2], None, 4)[0] == []
     assert proposer.propose(tokens, None, 0)[0] == []
+    # A draft that missed entirely: the request skips drafting for 2, then 4 steps; a hit resets that.
+    index.record(drafted=3, accepted=0)
+    assert [proposer.propose(more, index, 3)[0] for _ in range(3)] == [[], [], [8, 9, 5]]
+    index.record(drafted=3, accepted=1)
+    assert index.misses == 0
+    index.record(drafted=3, accepted=0)
+    index.record(drafted=3, accepted=0)
+    assert index.skip == 4
 
 
 def test_acceptance_rule() -> None:
@@ -100,8 +108,8 @@ def test_repeating_output_accepts_drafts_and_equals_plain_decoding() -> None:
     off, on, sched = run_both(calls)
     assert {k: v["ids"] for k, v in on.items()} == {k: v["ids"] for k, v in off.items()}
     info = sched.server_info()
-    assert info["spec_accept_length"] > 1.8 and info["spec_accept_rate"] > 0.3, info
-    assert sched.stats["num_decode_batches"] < 25  # 39 decode steps without speculation
+    assert info["spec_accept_length"] > 1.6 and info["spec_accept_rate"] > 0.3, info
+    assert sched.stats["num_decode_batches"] < 30  # 39 decode steps without speculation
 
 
 def test_random_output_accepts_almost_nothing_and_equals_plain_decoding() -> None:
