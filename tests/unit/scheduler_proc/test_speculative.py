@@ -274,3 +274,14 @@ def test_dp_controller_merges_the_counters() -> None:
     assert merged["spec_accept_length"] == pytest.approx(60 / 40)
     assert merged["spec_accept_rate"] == pytest.approx(30 / 60)
     assert "spec_accept_length" not in merge_control_replies("server_info", [{"num_running": 0}])
+
+
+def test_decode_log_line_reports_acceptance(caplog: pytest.LogCaptureFixture) -> None:
+    sched = spec_scheduler(True, decode_log_interval=5)
+    submit(sched, "r", [3, 4, 5, 6], max_new_tokens=40)
+    with caplog.at_level("INFO", logger="scheduler_proc.output"):
+        run_until_idle(sched)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch")]
+    assert lines and all("accept len: " in line and "accept rate: " in line for line in lines)
+    # The throughput counts every emitted token: more than one per step here.
+    assert sched.stats["spec_decode_tokens"] > sched.stats["num_decode_batches"]
