@@ -30,19 +30,17 @@ is on); speculation's steps always take the non-overlapped path.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
 
 from runtime.args import ServerArgs
+from runtime.spec_stats import SPEC_STATS
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
 from scheduler_proc.spec.ngram import NgramProposer
-from runtime.spec_stats import SPEC_STATS
 
-logger = logging.getLogger(__name__)
 
 class SpecDecoder:
     """Proposes drafts for a decode step's requests and takes the verify step's tokens."""
