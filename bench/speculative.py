@@ -31,11 +31,11 @@ from bench.workloads import make_workload, token_range_for
 
 # (label, workload name, its parameters, concurrency, the figure compared)
 SCENARIOS: list[tuple[str, str, dict[str, Any], int, str]] = [
-    ("repeat, 1 at a time", "repeat", {"num_requests": 4, "max_new_tokens": 128}, 1, "itl_p50_ms"),
-    ("repeat, 16 concurrent", "repeat", {"num_requests": 16, "max_new_tokens": 128}, 16, "output_tok_s"),
-    ("uniform, 1 at a time", "uniform", {"num_requests": 3, "prompt_len": 128, "max_new_tokens": 48}, 1,
+    ("repeat, 1 at a time", "repeat", {"num_requests": 4, "max_new_tokens": 112}, 1, "itl_p50_ms"),
+    ("repeat, 16 concurrent", "repeat", {"num_requests": 16, "max_new_tokens": 112}, 16, "output_tok_s"),
+    ("uniform, 1 at a time", "uniform", {"num_requests": 2, "prompt_len": 128, "max_new_tokens": 40}, 1,
      "itl_p50_ms"),
-    ("uniform, 16 concurrent", "uniform", {"num_requests": 16, "prompt_len": 128, "max_new_tokens": 48}, 16,
+    ("uniform, 16 concurrent", "uniform", {"num_requests": 16, "prompt_len": 128, "max_new_tokens": 40}, 16,
      "output_tok_s"),
 ]
 
