@@ -34,7 +34,8 @@ class RequestRecord:
     cached_tokens: int = 0
     ttft: float | None = None
     latency: float | None = None
-    itl: list[float] = field(default_factory=list)  # gap before each stream chunk after the first
+    # Per token after the first chunk: the gap before its chunk divided by the chunk's tokens.
+    itl: list[float] = field(default_factory=list)
     error: str | None = None
     text: str | None = None  # the output, kept for constrained requests only (to validate it)
 
@@ -54,9 +55,12 @@ def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float
 
 def sampling_params(req: BenchRequest) -> dict[str, Any]:
     """Greedy, exactly max_new_tokens tokens: the same work for every engine. A constrained
-    request instead stops where its schema's JSON is complete (max_new_tokens is its cap)."""
+    request instead stops where its schema's JSON is complete, and an ``until_eos`` one (the repeat
+    workload) where the model ends it (max_new_tokens is their cap)."""
     if req.json_schema is not None:
         return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "json_schema": req.json_schema}
+    if req.until_eos:  # (the repeat workload: an answer ends where the model ends it)
+        return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0}
     return {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -83,8 +87,8 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
                 if n:
                     if rec.ttft is None:
                         rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
+                    else:  # each token of a chunk (several: speculative decoding) its share of the gap
+                        rec.itl.extend([(now - last) / n] * n)
                     last = now
                     rec.output_len += n
                 if rec.text is not None:

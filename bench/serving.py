@@ -18,8 +18,9 @@ without jump-forward next to unconstrained decoding of the same lengths (bench/s
 With ``--backend http`` and ``--address``, also give ``--http-address http://HOST:PORT``
 (control requests, flushing the cache and server info, still use the ZMQ address).
 
-Reports output and total tokens/s, TTFT and inter-token latency (p50, p99), request
-latency and the prefix-cache hit rate; prints a table, writes JSON (``--output``) and
+Reports output and total tokens/s, TTFT and inter-token latency (p50, p99; each token of a
+stream chunk gets its share of the gap before it), request latency, the prefix-cache hit rate
+and, with speculative decoding, the mean accepted length and acceptance rate over the run; prints a table, writes JSON (``--output``) and
 can draw a PNG chart (``--plot``, needs matplotlib). Sending the requests and recording
 what each saw is bench/load_runner.py; this module summarises the records and is the CLI.
 """
@@ -59,8 +60,10 @@ from bench.load_runner import (  # noqa: F401
 )
 from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, \
     token_range_for
+from runtime.spec_stats import SPEC_STATS, spec_summary
 
 ENGINE = "tinyserve"
+CHAT_WORKLOADS = ("json-schema", "repeat")  # text prompts: a served run only
 
 
 # ---------------------------------------------------------------------- metrics
@@ -101,6 +104,7 @@ TABLE_COLUMNS = [
     ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
     ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
     ("latency_p50_s", "lat p50 s"), ("cache_hit_rate", "cache hit"),
+    ("spec_accept_length", "accept len"), ("spec_accept_rate", "accept rate"),
 ]
 
 
@@ -189,6 +193,16 @@ def warm_up(address: str, api_key: str | None, workload: Workload, num: int, **v
     run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False, **via)
 
 
+def spec_counters(address: str, api_key: str | None) -> dict[str, int]:
+    """The server's speculative-decoding counters now (empty without speculation): a run's accept
+    length and rate come from their difference over the run."""
+    from runtime.client import Client
+
+    with Client(address, api_key=api_key, timeout=60) as c:
+        info = c.server_info()
+    return {k: info[k] for k in SPEC_STATS if k in info}
+
+
 def model_dims_dict(model_path: str | None) -> dict[str, int] | None:
     from bench.roofline import ModelDims
 
@@ -212,9 +226,13 @@ def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, requ
         warm_up(target, handle.api_key, wl, warmup, **via)
         if flush and not flush_cache(handle.address, handle.api_key):
             print("warning: could not flush the prefix cache; the hit rate includes earlier runs", file=sys.stderr)
+        before = spec_counters(handle.address, handle.api_key)
         records, duration = run_workload(target, wl, api_key=handle.api_key, request_rate=request_rate,
                                          max_concurrency=max_concurrency, stream=stream, seed=seed,
                                          timeout=timeout, **via)
+        metrics = summarize_run(records, duration)
+        after = spec_counters(handle.address, handle.api_key)
+        metrics.update(spec_summary({k: after[k] - before.get(k, 0) for k in after}))
         runs.append({
             "kind": "serving",
             "engine": ENGINE if backend == "zmq" else f"{ENGINE}-{backend}",
@@ -224,7 +242,7 @@ def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, requ
             "server_args": handle.server_args,
             "settings": {"request_rate": request_rate, "max_concurrency": max_concurrency, "stream": stream,
                          "seed": seed, "warmup": warmup, "backend": backend},
-            "metrics": summarize_run(records, duration),
+            "metrics": metrics,
             "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in records],
         })
     return runs
@@ -310,10 +328,11 @@ def resolve_model_path(args: argparse.Namespace) -> str:
 
 def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None,
                     chat_ok: bool = False) -> list[Workload]:
-    """The workloads the flags ask for; chat ones (json-schema) only where ``chat_ok``: they are
-    text the server tokenizes, so only a served run (bench/structured.py) can send them."""
+    """The workloads the flags ask for; chat ones (json-schema, repeat) only where ``chat_ok``: they
+    are text the server tokenizes, so only a served run (bench.serving, bench/structured.py) can send
+    them."""
     names = list(ALL_WORKLOADS) if args.workload == ["all"] else args.workload
-    chat = [n for n in names if n == "json-schema"]
+    chat = [n for n in names if n in CHAT_WORKLOADS]
     if chat and not chat_ok:
         raise SystemExit(f"{chat[0]} is a serving-only workload: bench.serving --workload {chat[0]}")
     low, high = token_range_for(model_path, vocab_size)
@@ -371,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return main_json_schema(args, server_flags, pinning, model_path)
     with server_for(args.address, model_path, server_flags, args.api_key, pinning,
                     http_address=args.http_address) as handle:
-        workloads = build_workloads(args, handle.model_path, handle.vocab_size)
+        workloads = build_workloads(args, handle.model_path, handle.vocab_size, chat_ok=True)
         runs = [run for backend in args.backend
                 for run in benchmark_workloads(handle, workloads, request_rate=args.request_rate,
                                                max_concurrency=args.max_concurrency, stream=not args.no_stream,

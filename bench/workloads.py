@@ -25,6 +25,10 @@ the work it contained.
   sampling parameter, greedy, ends with stop). Text, because a constraint is only
   realistic on a real model reading real words; served only (bench/structured.py runs it
   constrained, with and without jump-forward, and unconstrained at the same lengths).
+- ``repeat``: text too, for speculative decoding: chat requests whose answer quotes the prompt
+  ("rewrite this text with one word changed", "this function with one name changed"), greedy,
+  ending at EOS (or ``max_new_tokens``). Served only (bench/speculative.py compares it, and
+  ``uniform``, with speculation on and off).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class BenchRequest:
     # A chat request (sent as ``messages``, ``input_ids`` empty) and its output's JSON schema (text).
     messages: list[dict[str, str]] | None = None
     json_schema: str | None = None
+    until_eos: bool = False  # greedy up to EOS (max_new_tokens a cap), not exactly max_new_tokens
 
 
 @dataclass
@@ -298,6 +303,54 @@ def json_schema(num_requests: int = 64, max_new_tokens: int = 256, seed: int = 0
                                         vocab_low=vocab_low, vocab_high=vocab_high), reqs)
 
 
+_WORDS = ("river", "garden", "market", "engine", "winter", "letter", "window", "forest", "silver", "harbor",
+          "teacher", "bridge", "candle", "mountain", "station", "village", "island", "museum", "orchard", "tower")
+_VERBS = ("opened", "carried", "painted", "found", "watched", "followed", "repaired", "described", "visited")
+
+
+def _passage(rng: random.Random, sentences: int) -> str:
+    """A few plain sentences built from ``rng`` (every run of a seed gets the same text)."""
+    out = []
+    for _ in range(sentences):
+        a, b, c = rng.sample(_WORDS, 3)
+        out.append(f"The {a} near the {b} was {rng.choice(_VERBS)} by a {c} every {rng.choice(['morning', 'evening'])}.")
+    return " ".join(out)
+
+
+def _function(rng: random.Random) -> tuple[str, str]:
+    """A short Python function, and one of its variable names."""
+    name, var, other = rng.sample(["total", "count", "value", "items", "result", "offset", "limit", "scale"], 3)
+    factor = rng.randint(2, 9)
+    code = (f"def compute_{name}(data, {other}):\n    {var} = 0\n    for x in data:\n        if x > {other}:\n"
+            f"            {var} += x * {factor}\n        else:\n            {var} -= x\n    return {var}\n")
+    return code, var
+
+
+def repeat(num_requests: int = 16, max_new_tokens: int = 160, sentences: int = 4, seed: int = 0,
+           vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    """Chat requests whose answers quote their prompt, alternately a text rewrite with one word
+    changed and a function with one variable renamed (speculative decoding's copy-heavy case).
+    The token range is taken (every workload takes it) but unused: the prompts are text."""
+    _check_range(vocab_low, vocab_high)
+    rng = random.Random(f"repeat-{seed}")
+    reqs = []
+    for i in range(num_requests):
+        if i % 2 == 0:
+            text = _passage(rng, sentences)
+            old = rng.choice([w for w in _WORDS if w in text])
+            new = rng.choice([w for w in _WORDS if w not in text])
+            ask = (f"Rewrite the text below exactly as it is, but with the word \"{old}\" replaced by "
+                   f"\"{new}\". Reply with the rewritten text only.\n\n{text}")
+        else:
+            code, var = _function(rng)
+            ask = (f"Rename the variable `{var}` to `acc` in this Python function. Reply with the whole "
+                   f"function only.\n\n```python\n{code}```")
+        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, messages=[{"role": "user", "content": ask}],
+                                 until_eos=True))
+    return Workload("repeat", dict(num_requests=num_requests, max_new_tokens=max_new_tokens, sentences=sentences,
+                                   seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "uniform": uniform,
     "shared-prefix": shared_prefix,
@@ -305,6 +358,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "multi-turn-overflow": multi_turn_overflow,
     "tree": tree,
     "json-schema": json_schema,
+    "repeat": repeat,
 }
 
 

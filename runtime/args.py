@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from runtime.model_source import DEFAULT_MODEL, NAMED_MODELS, TINY_MODEL, is_model_reference
+from runtime.spec_args import add_spec_cli_args, validate_spec
 from runtime.version import package_version
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
@@ -100,6 +101,11 @@ class ServerArgs:
     # Production lifecycle (scheduler_proc/queue_bound.py, scheduler_proc/deadlines.py): None = unbounded / none.
     max_queued_requests: int | None = None
     request_timeout: float | None = None
+    # Speculative decoding (runtime/spec_args.py: the flags; scheduler_proc/spec: the work). None = off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     # ------------------------------------------------------------------ CLI
 
@@ -297,6 +303,7 @@ class ServerArgs:
                        help=f"rank of this node, in [0, nnodes) (default {d.node_rank})")
         g.add_argument("--dist-init-addr", type=str, default=d.dist_init_addr,
                        help="HOST:PORT of the torch.distributed rendezvous (required when --nnodes > 1)")
+        add_spec_cli_args(parser, d)
 
     @classmethod
     def make_parser(cls) -> argparse.ArgumentParser:
@@ -427,6 +434,7 @@ class ServerArgs:
             raise ValueError(f"--hicache-size must be >= 0 (GB), got {self.hicache_size}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        validate_spec(self)
 
     # ------------------------------------------------------------------ derived
 

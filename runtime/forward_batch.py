@@ -22,13 +22,18 @@ class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill of new tokens, possibly after a cached prefix
     DECODE = 2  # exactly one new token per request
     MIXED = 3  # extend requests and decode requests (extend_len 1) in one batch
+    # Speculative verification: each request's last token plus its drafts (extend_len 1 + drafts,
+    # causal after its KV); logits at, and a sample from, every token (scheduler_proc/spec).
+    VERIFY = 4
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
     def is_extend(self) -> bool:
-        """MIXED runs through the extend path: a decode request is an extend of length 1."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        """MIXED and VERIFY run through the extend path: a decode request is an extend of length 1.
+        (So the one-call CPU decode stack, the decode mirror and CUDA graphs, which take decode
+        batches only, step aside for a verify batch.)"""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.VERIFY)
 
 
 @dataclass
@@ -92,7 +97,10 @@ class ForwardBatch:
 
     def logit_rows(self) -> torch.Tensor:
         """Index in the packed token axis of every row whose logits the model computes: the last
-        new token of each request, plus the prompt positions of ``input_logprobs`` if any."""
+        new token of each request, plus the prompt positions of ``input_logprobs`` if any; every
+        token of a verify batch (each is sampled)."""
+        if self.forward_mode == ForwardMode.VERIFY:
+            return torch.arange(self.num_tokens, device=self.input_ids.device)
         if self.input_logprobs is None:
             return self.last_token_indices()
         return self.input_logprobs.logit_rows

@@ -71,24 +71,34 @@ class BatchBuilder:
 
     # ------------------------------------------------------------------ batches
 
-    def _sampling(self, reqs: Sequence[Req]) -> SamplingBatchInfo:
+    def _sampling(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]] | None = None) -> SamplingBatchInfo:
+        """The batch's sampling state, one row per request; with ``drafts`` (a verify batch) one row
+        per token of each request: row j of a request samples as its next step would after drafts
+        ``[:j]`` were taken (their history for penalties, min_new_tokens and the seeded step)."""
+        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(reqs)
+        starts = [sum(counts[:i]) for i in range(len(reqs))]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         mask = None
         if constrained:  # their matchers have taken every token so far: no step is in flight for them
             from runtime.grammar import fill_bitmask
 
             assert not any(reqs[i].num_inflight for i in constrained), "a grammar's mask needs its last token"
+            assert all(counts[i] == 1 for i in constrained), "constrained requests are never speculated"
             grammars = [cast("RequestGrammar", reqs[i].grammar) for i in constrained]
-            mask = fill_bitmask(grammars, constrained, len(reqs), self.runner.vocab_size)
+            mask = fill_bitmask(grammars, [starts[i] for i in constrained], sum(counts), self.runner.vocab_size)
+        outputs = [_outputs_for_sampling(r) for r in reqs]
+        expand = range(len(reqs)) if drafts is None else [i for i, c in enumerate(counts) for _ in range(c)]
+        histories = outputs if drafts is None else [
+            outputs[i] + list(drafts[i][:j]) for i, c in enumerate(counts) for j in range(c)]
         return SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            [_outputs_for_sampling(r) for r in reqs],
+            [reqs[i].sampling_params for i in expand],
+            [reqs[i].origin_input_ids for i in expand],
+            histories,
             self.runner.vocab_size,
             self.runner.eos_token_ids,
             self.device,
             vocab_mask=mask,
-            vocab_mask_rows=constrained or None,
+            vocab_mask_rows=[starts[i] for i in constrained] or None,
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:
@@ -100,6 +110,29 @@ class BatchBuilder:
         """One new token per request at position scheduled_len - 1: its last sampled token,
         or, for a request in ``inflight_rows``, that row of the step in flight's tokens."""
         return self._to_batch(ForwardMode.DECODE, [self._decode_parts(reqs, inflight_rows or {})])
+
+    def build_verify(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> ForwardBatch:
+        """Speculative verification (``ForwardMode.VERIFY``, page size 1, no step in flight): each
+        request's last token and its ``drafts`` (maybe none) at positions ``scheduled_len - 1`` on,
+        each with a KV slot of its own, causal after the request's KV; every token is sampled.
+        The slots of drafts the step rejects are the caller's to free (``spec.verify``)."""
+        assert self.page_size == 1 and not any(r.num_inflight for r in reqs)
+        counts = [1 + len(d) for d in drafts]
+        if not self.ensure_available(sum(counts)):
+            raise OutOfMemory("verify needs more KV slots than are free")
+        out_cache_loc = self.allocator.alloc(sum(counts))
+        if out_cache_loc is None:
+            raise OutOfMemory("allocator refused verify slots")
+        rows = _rows(reqs)
+        prefix_lens = [r.scheduled_len - 1 for r in reqs]
+        offset = 0
+        for row, p, n in zip(rows, prefix_lens, counts):
+            self.req_to_token_pool.write(row, p, out_cache_loc[offset : offset + n])
+            offset += n
+        parts = _Parts(list(reqs), [t for r, d in zip(reqs, drafts) for t in [r.output_ids[-1], *d]],
+                       [p + j for p, n in zip(prefix_lens, counts) for j in range(n)], rows,
+                       [p + n for p, n in zip(prefix_lens, counts)], prefix_lens, counts, out_cache_loc)
+        return self._to_batch(ForwardMode.VERIFY, [parts], drafts)[0]
 
     def build_mixed(self, items: Sequence[PlannedExtend], decode_reqs: Sequence[Req]) -> ForwardBatch:
         """Prefill ``extend_reqs`` and decode ``decode_reqs`` in one forward (MIXED).
@@ -179,7 +212,8 @@ class BatchBuilder:
         return _Parts(list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs),
                       out_cache_loc, future)
 
-    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"]) -> tuple[ForwardBatch, FutureInputs | None]:
+    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"], drafts: Sequence[Sequence[int]] | None = None,
+                  ) -> tuple[ForwardBatch, FutureInputs | None]:
         def cat(name: str) -> list[int]:
             return [x for p in parts for x in getattr(p, name)]
 
@@ -212,11 +246,11 @@ class BatchBuilder:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
-            sampling_info=self._sampling(reqs),
+            sampling_info=self._sampling(reqs, drafts),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
             # Logits at more than the last position only for prefills that ask for prompt logprobs.
-            input_logprobs=None if mode == ForwardMode.DECODE else input_logprobs.plan_batch(
+            input_logprobs=None if mode in (ForwardMode.DECODE, ForwardMode.VERIFY) else input_logprobs.plan_batch(
                 reqs, prefix_lens, extend_lens, self.device),
         )
         return batch, future_inputs

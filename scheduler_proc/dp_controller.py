@@ -42,6 +42,7 @@ from runtime.messages import (
     SchedulerInput,
     TokenizedGenerateReq,
 )
+from runtime.spec_stats import SPEC_STATS, spec_summary
 from runtime.utils import send_status
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
     for key in ("num_running", "num_queued", "max_total_tokens", "available_tokens", "evictable_tokens",
                 "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens",
-                "host_hit_tokens", "num_refused_overloaded", "num_timed_out"):
+                "host_hit_tokens", "num_refused_overloaded", "num_timed_out", *SPEC_STATS):
         if all(key in p for p in payloads):
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):
@@ -166,6 +167,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     merged["memory_invariant"] = {"ok": all(inv.get("ok", False) for inv in invariants), "replicas": invariants}
     looked_up = merged.get("prompt_tokens", 0)
     merged["cache_hit_rate"] = merged.get("cached_prompt_tokens", 0) / looked_up if looked_up else 0.0
+    merged.update(spec_summary(merged))  # (speculative decoding only: from the summed counters)
     return merged
 
 

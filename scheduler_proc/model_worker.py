@@ -150,16 +150,20 @@ class LaunchedStep:
     mode: ForwardMode
     extend: list[PlannedExtend]
     decode: list[Req]
+    # Each decode request's drafts in a verify step (scheduler_proc.spec); None: one token each.
+    drafts: list[list[int]] | None = None
 
     def decode_rows(self) -> dict[Req, int]:
         """Batch row of each decoding request (the next step is planned ahead of decode steps only)."""
         return {req: i for i, req in enumerate(self.decode, start=len(self.extend))}
 
 
-def can_plan_ahead(step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bool,
+def can_plan_ahead(step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bool, speculative: bool,
                    preemption_pending: bool) -> bool:
     """Whether the next step may be planned while ``step`` (in flight) runs (overlap scheduling), or
     the host state must be exact first."""
+    if speculative:
+        return False  # drafts continue every token of a request (scheduler_proc.spec.verify)
     if step.extend:
         # Its processing inserts the prompts into the prefix cache, which remaps their rows,
         # frees duplicate slots (a host-tier load may reuse them at once) and moves SWA

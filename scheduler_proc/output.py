@@ -15,6 +15,7 @@ from runtime.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
 from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
+from runtime.spec_stats import spec_summary
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class OutputProcessor:
         self.stats = new_stats()
         self._decode_tokens_since_log = 0
         self._last_decode_log = time.monotonic()
+        self._spec_tokens_at_log = 0  # speculative decoding's emitted-token counter at the last log line
 
     # ------------------------------------------------------------------ tokens
 
@@ -132,11 +134,17 @@ class OutputProcessor:
 
     def log_decode(self, batch_size: int, tokens: int, usage: float, queued: int) -> None:
         """One line every ``decode_log_interval`` decode steps, with the throughput since the last."""
-        self._decode_tokens_since_log += batch_size
+        # (With speculation a request may emit several tokens a step: count what the steps emitted.)
+        self._decode_tokens_since_log += batch_size if "spec_decode_tokens" not in self.stats else 0
         if self.decode_log_interval <= 0 or self.stats["num_decode_batches"] % self.decode_log_interval:
             return
         now = time.monotonic()
-        throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
-        self._decode_tokens_since_log, self._last_decode_log = 0, now
+        emitted = self.stats.get("spec_decode_tokens", 0)
+        tokens_since = self._decode_tokens_since_log + emitted - self._spec_tokens_at_log
+        throughput = tokens_since / max(now - self._last_decode_log, 1e-9)
+        self._decode_tokens_since_log, self._last_decode_log, self._spec_tokens_at_log = 0, now, emitted
+        spec = spec_summary(self.stats)
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
-                    "%.2f, #queue-req: %d", batch_size, tokens, usage, throughput, queued)
+                    "%.2f, #queue-req: %d%s", batch_size, tokens, usage, throughput, queued,
+                    f", accept len: {spec['spec_accept_length']:.2f}, accept rate: {spec['spec_accept_rate']:.2f}"
+                    if spec else "")

@@ -1,23 +1,47 @@
 """What a scheduler tells the outside about itself: server info, DP load reports and the
 memory invariant.
 
-Pure read-outs: the scheduler passes in its parts (it owns all of them) and gets a message back.
+Pure read-outs: the scheduler passes in its parts, or itself (it owns all of them), and gets a
+message back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
 from runtime.kv_sizing import KVPoolSize
 from runtime.messages import KVEvent, LoadReport
+from runtime.spec_stats import spec_summary
 from scheduler_proc import swa_memory
+from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.hicache import HostTier
 from scheduler_proc.memory_setup import Allocator
+from scheduler_proc.model_worker import ForwardRunner, ModelWorker
 from scheduler_proc.queues import RequestQueues
+
+
+class SchedulerParts(Protocol):
+    """What ``server_info`` reads of a scheduler (``Scheduler`` fits; this module cannot import it)."""
+
+    queues: RequestQueues
+    tree_cache: BasePrefixCache
+    allocator: Allocator
+    host_tier: HostTier | None
+    stats: dict[str, int]
+    max_total_tokens: int
+    context_len: int
+    max_running_requests: int
+    page_size: int
+    grammars: GrammarQueue
+    memory: DecodeMemory
+    worker: ModelWorker
+    runner: ForwardRunner
+
+    def kv_usage(self) -> float: ...
 
 
 def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,
@@ -56,31 +80,32 @@ def weight_info(runner: Any) -> dict[str, Any] | None:
     return info() if info is not None else None
 
 
-def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache: BasePrefixCache,
-                allocator: Allocator, host_tier: HostTier | None, stats: dict[str, int],
-                max_total_tokens: int, context_len: int, page_size: int, kv_usage: float,
-                new_token_ratio: float, overlap_schedule: bool, grammar: GrammarQueue,
-                kv_pool: dict[str, Any], weights: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Memory, queues, counters and the memory invariant (checked by the caller, with nothing in flight);
-    ``kv_pool``: the pool's size in the figures of the start-up log line (``KVPoolSize.info``);
-    ``weights``: ``weight_info``."""
+def server_info(sched: SchedulerParts, invariant: InvariantReport) -> dict[str, Any]:
+    """Memory, queues, counters and the memory invariant of ``sched`` (``invariant``: checked by the
+    caller, with nothing in flight); ``kv_pool``: the pool's size in the figures of the start-up log
+    line (``KVPoolSize.info``); ``weights``: ``weight_info``."""
+    queues, tree_cache, allocator, host_tier, stats = (sched.queues, sched.tree_cache, sched.allocator,
+                                                       sched.host_tier, sched.stats)
+    max_total_tokens, context_len, grammar = sched.max_total_tokens, sched.context_len, sched.grammars
+    kv_pool = kv_pool_info(sched.runner, max_total_tokens, context_len, sched.max_running_requests)
+    weights = weight_info(sched.runner)
     looked_up = stats["prompt_tokens"]
     return {
         "max_total_tokens": max_total_tokens,
         "context_len": context_len,
-        "page_size": page_size,
+        "page_size": sched.page_size,
         "kv_pool": kv_pool,
         "weights": weights,
         "available_tokens": allocator.available_size(),
         "evictable_tokens": tree_cache.evictable_size(),
         "protected_tokens": tree_cache.protected_size(),
-        "kv_usage": kv_usage,
+        "kv_usage": sched.kv_usage(),
         "num_running": len(queues.running),
         "num_queued": len(queues.waiting),
         "num_chunked": int(queues.chunked is not None),
         "num_grammar_queued": len(grammar),
-        "new_token_ratio": new_token_ratio,
-        "overlap_schedule": overlap_schedule,
+        "new_token_ratio": sched.memory.new_token_ratio,
+        "overlap_schedule": sched.worker.overlap,
         "cache_hit_rate": stats["cached_prompt_tokens"] / looked_up if looked_up else 0.0,
         "memory_invariant": dataclasses.asdict(invariant),
         "hierarchical_cache": host_tier is not None,
@@ -88,4 +113,5 @@ def server_info(*, invariant: InvariantReport, queues: RequestQueues, tree_cache
         **(host_tier.info() if host_tier else {}),
         **dataclasses.asdict(grammar.stats),
         **stats,
+        **spec_summary(stats),  # (speculative decoding only)
     }

@@ -63,6 +63,8 @@ class Req:
     first_prefix_len: int = 0
     admitted: bool = False
     is_retracted: bool = False
+    # Speculative decoding's n-gram index of this request's tokens (scheduler_proc.spec.ngram writes it).
+    spec_index: Any = None
 
     finish_reason: dict[str, Any] | None = None
     to_abort: str | None = None  # abort message, applied at the next safe point

@@ -50,6 +50,7 @@ from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
+from scheduler_proc.spec.verify import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Scheduler:
                                       server_args.stream_interval, server_args.decode_log_interval)
         self.stats = self.output.stats
         self.memory = DecodeMemory(self.context_len)
+        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats)  # None: no speculation
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
@@ -183,7 +185,7 @@ class Scheduler:
         if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
             self._admit_compiled()
         if self.inflight is not None and not can_plan_ahead(
-                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk,
+                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk, speculative=self.spec is not None,
                 preemption_pending=self.preemption is not None and self.preemption.pending):
             self._complete_inflight()
         self._apply_aborts()
@@ -283,14 +285,16 @@ class Scheduler:
         reqs = self._reserve_decode()
         if not reqs:
             return None
-        batch, future = self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
+        drafts = None if self.spec is None else self.spec.propose(reqs, self.allocator.available_size())
+        batch, future = (self.builder.build_verify(reqs, drafts), None) if drafts is not None else \
+            self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
         self.stats["num_decode_batches"] += 1
         pending = self.worker.launch(batch, future)
         for req in reqs:
             req.num_inflight += 1
         self.memory.decoded()
         self.output.log_decode(len(reqs), sum(batch.seq_lens_cpu), self.kv_usage(), len(self.queues.waiting))
-        return LaunchedStep(pending, ForwardMode.DECODE, [], reqs)
+        return LaunchedStep(pending, batch.forward_mode, [], reqs, drafts)
 
     # ------------------------------------------------------------------ decode room
 
@@ -387,9 +391,13 @@ class Scheduler:
             else:
                 sampled.append((row, item.req))
         self._take_tokens(sampled, result, finished, prefilled=True)
-        for req in step.decode:
-            req.kv_committed_len += 1
-        self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
+        if step.drafts is not None and self.spec is not None:  # verify: accepted tokens; rejected slots freed
+            finished.update(self.spec.take(step.decode, step.drafts, result, len(step.extend), self.output,
+                                           self.req_to_token_pool.req_to_token, self.allocator.free, self.finish))
+        else:
+            for req in step.decode:
+                req.kv_committed_len += 1
+            self._take_tokens(enumerate(step.decode, start=len(step.extend)), result, finished, prefilled=False)
         swa_memory.after_step(self.tree_cache, [item.req for item in step.extend] + step.decode)  # left windows
         if finished:
             self.queues.drop_finished(finished)
@@ -486,13 +494,4 @@ class Scheduler:
 
     def server_info(self) -> dict[str, Any]:
         """Memory, queues, counters and the memory invariant (checked now, with nothing in flight)."""
-        invariant = self.check_memory()
-        return reports.server_info(
-            invariant=invariant, queues=self.queues, tree_cache=self.tree_cache, allocator=self.allocator,
-            host_tier=self.host_tier, stats=self.stats, max_total_tokens=self.max_total_tokens,
-            context_len=self.context_len, page_size=self.page_size, kv_usage=self.kv_usage(),
-            new_token_ratio=self.memory.new_token_ratio, overlap_schedule=self.worker.overlap,
-            grammar=self.grammars, weights=reports.weight_info(self.runner),
-            kv_pool=reports.kv_pool_info(self.runner, self.max_total_tokens, self.context_len,
-                                         self.max_running_requests),
-        )
+        return reports.server_info(self, self.check_memory())

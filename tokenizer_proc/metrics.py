@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from runtime.spec_stats import spec_summary
+
 PREFIX = "tinyserve:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -72,6 +74,11 @@ class Metrics:
                               ["model_name"], registry=r).labels(**labels)
         self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Prompt tokens found in the prefix cache / looked up",
                                     ["model_name"], registry=r).labels(**labels)
+        self.spec_accept_length = Gauge(PREFIX + "spec_accept_length", "Speculative decoding: mean tokens a "
+                                        "request emits per decode step (1 without accepted drafts)",
+                                        ["model_name"], registry=r).labels(**labels)
+        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative decoding: drafted tokens "
+                                      "accepted / drafted", ["model_name"], registry=r).labels(**labels)
         self._model = model_name
         self._prompt = self.prompt_tokens.labels(**labels)
         self._generated = self.generation_tokens.labels(**labels)
@@ -127,6 +134,10 @@ class Metrics:
             free = info.get("available_tokens", 0) + info.get("evictable_tokens", 0)
             self.kv_usage.set(1.0 - free / info["max_total_tokens"])
         self.cache_hit_rate.set(info.get("cache_hit_rate", 0.0))
+        spec = spec_summary(info)  # (empty without speculation: the gauges stay 0)
+        if spec:
+            self.spec_accept_length.set(spec["spec_accept_length"])
+            self.spec_accept_rate.set(spec["spec_accept_rate"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

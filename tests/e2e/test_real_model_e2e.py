@@ -6,7 +6,8 @@ cannot show that the result means anything. A trained model can:
 1. questions with one right answer (a capital, arithmetic, a translation, an author) are
    answered right, greedy, in fp32 and in bf16, through the ZMQ client and the openai SDK;
 2. greedy output equals transformers' own GGUF loading token for token on chat prompts, one
-   at a time and 16 at once, prefilled in 32-token chunks, and again from the prefix cache.
+   at a time and 16 at once, prefilled in 32-token chunks, and again from the prefix cache,
+   with n-gram speculative decoding on (the fp32 server's flags: tests/support/real_model.py).
 
 The questions were chosen by probing the model: each answer is right in both dtypes, and at
 every step up to the answer word the chosen token leads the runner-up by at least 0.25 nats
@@ -173,6 +174,7 @@ def test_one_at_a_time_equals_transformers(reference: list[Expected], smollm2_se
     results = [smollm2_server.generate(messages=m, sampling_params=greedy) for m in CHATS]
     check_against_reference(results, [e.first(SEQUENTIAL_TOKENS) for e in reference])
     assert_idle_and_nothing_leaked(smollm2_server)
+    assert smollm2_server.server_info()["spec_draft_tokens"] > 0  # (the server speculates: real_model.py)
 
 
 def test_sixteen_at_once_equal_transformers_then_hit_the_prefix_cache(

@@ -9,7 +9,8 @@ than a tiny checkpoint, so a session pays each part once:
   (``launch.py`` with no ``--model-path``). The first prepares the GGUF file into it (about
   13 s); every later one finds it ready.
 * ``smollm2_server``: the one fp32 server (``--device cpu``, ``--chunked-prefill-size 32``, radix
-  cache and HTTP on). ``smollm2_server_process`` starts it without waiting, so that a test that
+  cache and HTTP on, ``--speculative-algorithm ngram``: every greedy comparison with transformers
+  on the real model then also proves that speculation changes no token). ``smollm2_server_process`` starts it without waiting, so that a test that
   also wants ``smollm2_hf`` loads transformers' reference while the server's processes start.
 * ``smollm2_hf``: transformers' own GGUF loading of the same file (fp32), and its tokenizer:
   the reference that shares no code with ``runtime.gguf``.
@@ -102,7 +103,8 @@ def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
     """The module's fp32 server, started but not waited for (``smollm2_server`` waits); stopped
     with the module, so the rest of the session does not share the cores and memory with it."""
     server = start_real_model_server(
-        real_model_cache, real_model_args("float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE)), wait=False)
+        real_model_cache, real_model_args("float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
+                                          "--speculative-algorithm", "ngram"), wait=False)
     try:
         yield server
     finally:

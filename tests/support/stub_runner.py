@@ -15,7 +15,7 @@ import torch
 
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, ForwardMode
 
 _HASH_MUL = 1_000_003
 
@@ -48,6 +48,7 @@ class StubModelRunner:
         page_size: int = 1,
         eos_token_ids: tuple[int, ...] = (0,),
         verify_kv: bool = True,
+        history: int | None = None,
     ) -> None:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -57,6 +58,9 @@ class StubModelRunner:
         self.max_running_requests = max_running_requests
         self.eos_token_ids = list(eos_token_ids)
         self.verify_kv = verify_kv
+        # The next token hashes only the last ``history`` tokens (None: all): a small history makes
+        # outputs that repeat, which n-gram drafts predict (speculative decoding's tests).
+        self.history = history
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, self.device)
         # One layer, one head, head_dim 1: the "KV" of a token is its id (exact in float64).
         self.token_to_kv_pool = MHATokenToKVPool(max_total_tokens, page_size, torch.float64, 1, 1, 1, self.device)
@@ -73,8 +77,11 @@ class StubModelRunner:
             return StubOutput(torch.tensor(ids, dtype=torch.int64))
         table = self.req_to_token_pool.req_to_token
         ids = []
-        for row, seq_len in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu):
-            slots = table[row, :seq_len].to(torch.int64)
-            tokens = k[slots, 0, 0].to(torch.int64).tolist()
-            ids.append(reference_next_token(tokens, self.vocab_size, avoid))
+        verify = batch.forward_mode == ForwardMode.VERIFY  # (a sample after every token)
+        for row, seq_len, new in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu):
+            for end in range(seq_len - new + 1 if verify else seq_len, seq_len + 1):
+                slots = table[row, :end].to(torch.int64)
+                tokens = k[slots, 0, 0].to(torch.int64).tolist()
+                ids.append(reference_next_token(tokens[-self.history:] if self.history else tokens,
+                                                self.vocab_size, avoid))
         return StubOutput(torch.tensor(ids, dtype=torch.int64))

@@ -252,6 +252,19 @@ def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints) -> Non
     assert outputs["triton"] == outputs["torch_native"] and all(len(ids) == 12 for ids in outputs["triton"])
 
 
+def test_speculative_verify_batches_match_plain_decoding(tiny_llama_path) -> None:
+    """Speculative decoding's verify batches (each request's last token plus its drafts, a causal
+    extend after its KV) through the Triton extend kernels: the tokens of plain decoding."""
+    from tests.support.stub_scheduler import generate_greedy
+
+    base = random_prompt(6, 384, seed=7)
+    prompts = [base * 3, random_prompt(8, 384, seed=8)]
+    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", attention_backend="triton",
+                         max_total_tokens=512, load_progress=False)
+    spec = generate_greedy(runner, prompts, 8, speculative_algorithm="ngram")
+    assert spec == generate_greedy(runner, prompts, 8) and all(len(ids) == 8 for ids in spec)
+
+
 # ---- fallback when triton was imported in compiled mode first ----------------------------
 
 if not IN_PROCESS:

@@ -1,0 +1,48 @@
+"""The speculative-decoding flags (SGLang's names), kept beside ``runtime.args`` so that file
+stays one idea: their help text and their checks. ``ServerArgs`` holds the values."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+SPECULATIVE_ALGORITHM_CHOICES = ("ngram",)
+
+
+def add_spec_cli_args(parser: argparse.ArgumentParser, defaults: Any) -> None:
+    """The "speculative decoding" group; ``defaults`` is a default ``ServerArgs``."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-algorithm", type=str.lower, default=defaults.speculative_algorithm,
+                   choices=SPECULATIVE_ALGORITHM_CHOICES,
+                   help="draft tokens for each decoding request and verify them in one forward (ngram: "
+                        "match the request's latest tokens against its own prompt and output); the output "
+                        "is exactly the model's (default: off)")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=defaults.speculative_num_draft_tokens,
+                   help="most tokens drafted per request and step "
+                        f"(default {defaults.speculative_num_draft_tokens})")
+    g.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                   default=defaults.speculative_ngram_min_match_window_size,
+                   help="fewest latest tokens a match must cover before its continuation is drafted "
+                        f"(default {defaults.speculative_ngram_min_match_window_size})")
+    g.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                   default=defaults.speculative_ngram_max_match_window_size,
+                   help="most latest tokens compared when choosing among matches "
+                        f"(default {defaults.speculative_ngram_max_match_window_size})")
+
+
+def validate_spec(args: Any) -> None:
+    """ValueError naming the flag when a speculative flag is out of range or inconsistent."""
+    if args.speculative_algorithm is not None and args.speculative_algorithm not in SPECULATIVE_ALGORITHM_CHOICES:
+        raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHM_CHOICES)}; "
+                         f"got {args.speculative_algorithm!r}")
+    for flag, value in (("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+                        ("--speculative-ngram-min-match-window-size", args.speculative_ngram_min_match_window_size),
+                        ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:
+        raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
+                         "--speculative-ngram-max-match-window-size")
+    if args.speculative_algorithm is not None and args.page_size != 1:
+        # Rejected drafts are freed slot by slot: a page would be left partly owned.
+        raise ValueError("--speculative-algorithm needs --page-size 1")

@@ -1,0 +1,149 @@
+"""Speculative decoding over the real model code (tiny checkpoints, CPU fp32, in-process schedulers).
+
+Verification runs each request's last token and drafts as a short causal extend (the extend
+attention path, the one-call CPU decode stack and the decode mirror stepping aside), so the
+greedy tokens must be those of plain decoding, which the rest of the suite checks against
+transformers; a seeded sampled request draws position j with the seed of step ``len(output)+j``,
+so it too must emit what it emits without drafts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.args import ServerArgs
+from runtime.messages import TokenizedGenerateReq
+from runtime.model_runner import ModelRunner
+from runtime.sampling_params import SamplingParams
+from scheduler_proc.scheduler import Scheduler
+from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
+
+
+def runner_for(path: Path, **kw: Any) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 2048),
+                       load_progress=False, **kw)
+
+
+def calls_for(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a passage (drafts find matches) and random ones, alternately."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(3, vocab) for _ in range(6 + i % 5)]
+        out.append(base * 3 if i % 2 == 0 else [rng.randrange(3, vocab) for _ in range(10 + i % 7)])
+    return out
+
+
+def generate(runner: Any, prompts: list[list[int]], params: list[dict[str, Any]], spec: bool,
+             tp_rank: int = 0, **args: Any) -> dict[str, dict]:
+    args.setdefault("disable_overlap_schedule", True)
+    sched = Scheduler(ServerArgs(max_total_tokens=runner.max_total_tokens,
+                                 speculative_algorithm="ngram" if spec else None, **args),
+                      tp_rank=tp_rank, model_runner=runner)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        p = dict(p)
+        logprobs = p.pop("return_logprob", False)
+        sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt, return_logprob=logprobs,
+                                                  sampling_params=SamplingParams(**p)))
+    results = run_until_idle(sched)
+    assert_idle_invariant(sched)
+    results["stats"] = dict(sched.stats)
+    return results
+
+
+def ids(results: dict[str, dict]) -> dict[str, list[int]]:
+    return {k: v["ids"] for k, v in results.items() if k != "stats"}
+
+
+def test_greedy_equal_on_every_architecture_at_batch_1_and_32(tiny_checkpoint: tuple[str, Path]) -> None:
+    _, path = tiny_checkpoint
+    runner = runner_for(path)
+    prompts = calls_for(runner.vocab_size, 32, seed=1)
+    params = [{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}] * 32
+    on = generate(runner, prompts, params, spec=True)
+    assert ids(on) == ids(generate(runner, prompts, params, spec=False))
+    assert on["stats"]["spec_draft_tokens"] > 0
+    one = generate(runner, prompts[:1], params[:1], spec=True)
+    assert ids(one)["0"] == ids(on)["0"]
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
+def test_sliding_window_models(tiny_checkpoints: Any, name: str) -> None:
+    """Drafts sit inside the window rules: a verify extend masks each position's own window, and the
+    slots that left it are given back after the step as after a decode."""
+    # (A runner per scheduler: the SWA slot map lives in the runner's pool, and a second scheduler's
+    # allocator would start with the first one's cached slots still mapped.)
+    def run(spec: bool) -> dict[str, list[int]]:
+        runner = runner_for(tiny_checkpoints.path(name), max_total_tokens=1024)
+        prompts = calls_for(runner.vocab_size, 3, seed=2)
+        prompts[0] = prompts[0] * 2  # past both windows (16, 24)
+        params = [{"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}] * 3
+        return ids(generate(runner, prompts, params, spec=spec))
+
+    assert run(True) == run(False)
+
+
+def test_sampling_penalties_logprobs_chunks_and_prefix_hits(tiny_llama_path: Path) -> None:
+    """Seeds, penalties, min_new_tokens, stop tokens and logprobs per accepted token, with 8-token
+    chunks and a shared prefix, give what plain decoding gives."""
+    runner = runner_for(tiny_llama_path)
+    base = calls_for(runner.vocab_size, 2, seed=3)[0]
+    prompts = [base + [5 + i] for i in range(6)]
+    params = [{"max_new_tokens": 12, "temperature": 0.9, "seed": 11, "ignore_eos": True},
+              {"max_new_tokens": 12, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5, "ignore_eos": True},
+              {"max_new_tokens": 12, "temperature": 0.0, "repetition_penalty": 1.2, "frequency_penalty": 0.5},
+              {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 8, "return_logprob": True},
+              {"max_new_tokens": 12, "temperature": 0.0, "return_logprob": True, "ignore_eos": True},
+              {"max_new_tokens": 12, "temperature": 0.0, "stop_token_ids": [7, 9, 11, 13]}]
+    on = generate(runner, prompts, params, spec=True, chunked_prefill_size=8)
+    off = generate(runner, prompts, params, spec=False, chunked_prefill_size=8)
+    assert ids(on) == ids(off)
+    assert on["stats"]["cached_prompt_tokens"] > 0 and on["stats"]["spec_draft_tokens"] > 0
+
+
+def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
+    """The logprob of each accepted token is that of its own verify position."""
+    from runtime.messages import BatchTokenIDOut
+
+    runner = runner_for(tiny_llama_path)
+    prompt = calls_for(runner.vocab_size, 1, seed=4)[0]
+    got = {}
+    for spec in (False, True):
+        sched = Scheduler(ServerArgs(max_total_tokens=2048, disable_overlap_schedule=True,
+                                     speculative_algorithm="ngram" if spec else None), model_runner=runner)
+        sched.handle_message(TokenizedGenerateReq(rid="r", input_ids=prompt, return_logprob=True, top_logprobs_num=2,
+                                                  sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                                                 ignore_eos=True)))
+        outs = []
+        while True:
+            sched.step()
+            outs += [o for m in sched.take_outbox() if isinstance(m, BatchTokenIDOut) for o in m.outputs]
+            if sched.is_idle():
+                break
+        got[spec] = ([t for o in outs for t in o.new_output_ids], [lp for o in outs for lp in o.output_logprobs],
+                     [[t for _, t in top] for o in outs for top in o.output_top_logprobs])
+        if spec:
+            assert sched.stats["spec_accepted_drafts"] > 0
+    assert got[True][0] == got[False][0] and got[True][2] == got[False][2]
+    assert got[True][1] == pytest.approx(got[False][1], abs=1e-4)
+
+
+def test_tensor_parallel_2(tiny_llama_path: Path, thread_tp_group: Any) -> None:
+    """TP=2 (a thread per rank): every rank proposes the same drafts and takes rank 0's samples."""
+    from tests.support.tp_threads import run_on_ranks
+
+    runners = [runner_for(tiny_llama_path, max_total_tokens=512, max_running_requests=8, tp_rank=r, tp_size=2,
+                          attention_backend="torch_native") for r in range(2)]
+    prompts = calls_for(runners[0].vocab_size, 4, seed=5)
+    params = [{"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}] * 4
+
+    def work(rank: int) -> dict[str, list[int]]:
+        return ids(generate(runners[rank], prompts, params, spec=True, tp_rank=rank, tp_size=2))
+
+    results = run_on_ranks(thread_tp_group, work)
+    assert results[0] == results[1]
+    assert results[0] == ids(generate(runner_for(tiny_llama_path, max_total_tokens=512), prompts, params, spec=False))
