@@ -169,7 +169,7 @@ def served(model_path: str, flags: Sequence[str], prompt: list[int], new_tokens:
         procs = server_processes(c.server.pid)
         run_workload(c.server.http_address, workload, stream=False, show_progress=False, **via)  # warm-up
         for stream in (False, True):
-            per_token, cpu = [], {name: [] for name in procs}
+            per_token, decode, cpu = [], [], {name: [] for name in procs}
             for _ in range(repeat):
                 before = {name: process_cpu_seconds(pid) for name, pid in procs.items()}
                 records, duration = run_workload(c.server.http_address, workload, stream=stream,
@@ -178,22 +178,29 @@ def served(model_path: str, flags: Sequence[str], prompt: list[int], new_tokens:
                 if rec.error is not None or rec.output_len != new_tokens:
                     raise RuntimeError(f"the request failed: {rec.error}, {rec.output_len} tokens")
                 per_token.append(duration * 1e3 / new_tokens)
+                if rec.ttft is not None and rec.latency is not None:  # streamed: the decode steps alone
+                    decode.append((rec.latency - rec.ttft) * 1e3 / (new_tokens - 1))
                 for name, pid in procs.items():
                     cpu[name].append((process_cpu_seconds(pid) - before[name]) * 1e3 / new_tokens)
             out["stream" if stream else "whole"] = {
                 "ms_per_token": statistics.median(per_token),
+                "decode_ms_per_token": statistics.median(decode) if decode else None,
                 "cpu_ms_per_token": {name: statistics.median(v) for name, v in cpu.items()}}
     return out
 
 
 def profile_rows(parts: dict[str, float], layers_path: str, server: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The table: component, ms a token, share of the served ms a token (or of the step) (pure)."""
-    total = server["whole"]["ms_per_token"] if server else parts["step"]
+    """The table (pure): component, ms a token, share of the total: the served decode step (the
+    streamed request's time after its first token, per token) or, without a server, the
+    in-process step. What the server adds is the served step less the in-process one (0 when
+    the difference is within the noise and negative)."""
+    total = server["stream"]["decode_ms_per_token"] if server else parts["step"]
     rows = [{"component": label.format(layers_path=layers_path), "ms": parts[key]} for key, label in COMPONENTS]
     if server:
         rows.append({"component": "processes, ZMQ, detokenizer, HTTP (served less in process)",
                      "ms": max(total - parts["step"], 0.0)})
-    rows.append({"component": "total (served, unstreamed)" if server else "total (in process)", "ms": total})
+    rows.append({"component": "total (served decode step, streamed)" if server else "total (in process)",
+                 "ms": total})
     for row in rows:
         row["share"] = f"{100 * row['ms'] / total:.1f}%" if total else "-"
     return rows
@@ -235,11 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{args.dtype})")
     if server:
         cpu_rows = [{"mode": mode, "ms_per_token": server[mode]["ms_per_token"],
+                     "decode_ms": server[mode]["decode_ms_per_token"],
                      **{f"cpu_{k}": v for k, v in server[mode]["cpu_ms_per_token"].items()}}
                     for mode in ("whole", "stream")]
         names = list(server["whole"]["cpu_ms_per_token"])
-        print_table(cpu_rows, [("mode", "served"), ("ms_per_token", "ms a token"),
-                               *[(f"cpu_{n}", f"{n} CPU ms") for n in names]],
+        print_table(cpu_rows, [("mode", "served"), ("ms_per_token", "ms a token (with prefill)"),
+                               ("decode_ms", "decode ms a token"), *[(f"cpu_{n}", f"{n} CPU ms") for n in names]],
                     title="served: wall and each process's CPU time, per token")
     out = write_json(args.output or default_output_path("decode_profile", args.dtype), {
         "kind": "decode_profile", "model_path": model_path, "dtype": args.dtype, "server_flags": flags,
