@@ -22,6 +22,9 @@ drain (--graceful-shutdown-timeout; the tokenizer's, tokenizer_proc/drain.py, st
 SIGUSR1): the tokenizer reports {"status": "drained"} when nothing is left in flight, and
 every child is stopped, exit 0; a second SIGTERM, SIGINT, or the timeout (plus a margin)
 stops at once.
+Before any child starts, the serving device's environment defaults (``ServingPlatform.process_env``;
+on CPU the OpenMP wait policy, runtime/cpu/host_memory.py) are set here for the children to
+inherit, unless the environment already sets them.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
 
@@ -275,6 +278,24 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
                                served_model_name=served if served is not None else sa.model_path or DEFAULT_MODEL)
 
 
+def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
+    """Put the serving device's environment defaults (``ServingPlatform.process_env``: the CPU's
+    OpenMP wait policy) into this process's environment, which every child inherits; the
+    libraries read them as they load, so this runs before any child starts. A variable already
+    set keeps its value. Returns what was set."""
+    import torch
+
+    from runtime.device import resolve_device
+    from runtime.ops import get_ops
+
+    device = resolve_device(server_args.device)
+    applied = {}
+    for key, value in get_ops(device, torch.float32).platform(device).process_env:
+        if key not in os.environ:
+            os.environ[key] = applied[key] = value
+    return applied
+
+
 def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
     return f"scheduler-{tp_rank}" if server_args.dp_size == 1 else f"scheduler-dp{dp_rank}-tp{tp_rank}"
 
@@ -288,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HubError, GGUFError, ModelSourceError, OSError) as exc:  # OSError: a file it cannot read or write
         logger.error("%s", exc)
         return 1
+    applied = apply_platform_env(server_args)
+    if applied:
+        logger.info("environment for the serving processes: %s", " ".join(f"{k}={v}" for k, v in applied.items()))
     port_args = PortArgs.create(server_args)
     supervisor = Supervisor(server_args, port_args)
     supervisor.install_signal_handlers()

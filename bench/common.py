@@ -87,6 +87,33 @@ def pin_threads(num_threads: int | None = None, cpus: Sequence[int] | None = Non
     return Pinning(cpus=allowed, num_threads=threads)
 
 
+def cpu_description(cpuinfo: str | None = None) -> str | None:
+    """The CPU as a figure must name it: model, cores and its widest vector ISA, e.g.
+    ``"AMD EPYC, 2 cores, AVX2-only"`` (None off Linux). ``cpuinfo``: /proc/cpuinfo's text."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    cores = 0
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+            cores += key.strip() == "processor"
+    flags = set(fields.get("flags", "").split())
+    if "amx_tile" in flags:
+        isa = "AVX-512 + AMX"
+    elif "avx512f" in flags:
+        isa = "AVX-512" + (" + BF16" if "avx512_bf16" in flags else "")
+    elif "avx2" in flags:
+        isa = "AVX2-only"
+    else:
+        isa = "no AVX2"
+    return f"{fields.get('model name', 'unknown CPU')}, {cores} cores, {isa}"
+
+
 def machine_info(pinning: Pinning | None = None) -> dict[str, Any]:
     """What a result was measured on, stored next to every result."""
     import torch
@@ -97,6 +124,7 @@ def machine_info(pinning: Pinning | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_description(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -6,7 +6,10 @@ benchmark shares the CPU with the server, so the client should cost as little as
 ZMQ one does (the openai SDK builds a pydantic object per stream event).
 
 A stream asks for ``stream_options.include_usage`` so that the token count comes from
-the server, whatever ``--stream-interval`` groups into one event.
+the server, whatever ``--stream-interval`` groups into one event. Other OpenAI-compatible
+servers (llama.cpp's ``llama-server``, bench/llamacpp_baseline.py) take the same requests;
+``extra_body`` adds the fields only they read, and a usage without ``prompt_tokens_details``
+counts no cached tokens.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ class HttpError(Exception):
 class CompletionsClient:
     """POST /v1/completions for bench requests (greedy, exactly ``max_new_tokens`` tokens)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None,
+                 extra_body: dict[str, Any] | None = None) -> None:
         parts = urlsplit(base_url)
+        self.extra_body = dict(extra_body or {})
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.model = model
@@ -54,7 +59,7 @@ class CompletionsClient:
 
     def body(self, input_ids: list[int], max_new_tokens: int, stream: bool) -> bytes:
         body: dict[str, Any] = {"model": self.model, "prompt": input_ids, "max_tokens": max_new_tokens,
-                                "temperature": 0.0, "ignore_eos": True, "stream": stream}
+                                "temperature": 0.0, "ignore_eos": True, "stream": stream, **self.extra_body}
         if stream:
             body["stream_options"] = {"include_usage": True}
         return json.dumps(body).encode()
@@ -105,13 +110,17 @@ class CompletionsClient:
                 if data.get("usage"):
                     usage = data["usage"]
                     yield Event(choice=False, completion_tokens=usage["completion_tokens"],
-                                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+                                cached_tokens=_cached_tokens(usage))
 
     async def complete(self, input_ids: list[int], max_new_tokens: int) -> Event:
         raw = b"".join([piece async for piece in self._post(self.body(input_ids, max_new_tokens, stream=False))])
         usage = json.loads(raw)["usage"]
-        return Event(choice=False, completion_tokens=usage["completion_tokens"],
-                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+        return Event(choice=False, completion_tokens=usage["completion_tokens"], cached_tokens=_cached_tokens(usage))
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """The usage's cached prompt tokens (0 where the server does not report them)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
 async def send(client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool,

@@ -120,11 +120,13 @@ async def run_workload_async(address: str, workload: Workload, *, api_key: str |
                              request_rate: float = math.inf, max_concurrency: int | None = None,
                              stream: bool = True, seed: int = 0, timeout: float | None = None,
                              show_progress: bool = True, backend: str = "zmq",
-                             model: str | None = None) -> tuple[list[RequestRecord], float]:
+                             model: str | None = None,
+                             extra_body: dict[str, Any] | None = None) -> tuple[list[RequestRecord], float]:
     """Send ``workload`` to the server; the request records and the wall time of the whole run.
 
     ``address`` is the ZMQ address, or with ``backend="http"`` the HTTP one
-    (``http://HOST:PORT``; ``model`` is then the served model name). Chains (multi-turn
+    (``http://HOST:PORT``; ``model`` is then the served model name, and ``extra_body`` adds
+    fields to every request's body: bench/http_backend.py). Chains (multi-turn
     sessions) start at their arrival time; within a chain each request is sent when the
     previous one finished.
     """
@@ -140,7 +142,7 @@ async def run_workload_async(address: str, workload: Workload, *, api_key: str |
     if backend == "http":
         if model is None:
             raise ValueError("backend 'http' needs the served model name")
-        opened: Any = contextlib.nullcontext(CompletionsClient(address, model, api_key))
+        opened: Any = contextlib.nullcontext(CompletionsClient(address, model, api_key, extra_body))
     else:
         opened = AsyncClient(address, api_key=api_key, timeout=timeout)
     async with opened as client:

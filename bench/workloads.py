@@ -7,6 +7,9 @@ stored in each result file; the roofline script rebuilds it from there to count
 the work it contained.
 
 - ``uniform``: independent prompts of one length (no prefix sharing).
+- ``single``: one person chatting with the server: requests of 128 prompt tokens -> 128 new
+  (by default one), each sent when the one before it finished, so every decode step is a
+  batch of one.
 - ``shared-prefix``: one long prefix (a system prompt) plus a short unique suffix each.
 - ``multi-turn``: chat sessions; turn t's prompt is turn t-1's prompt plus a fixed
   stand-in for the assistant's answer plus a new user message, and turn t is sent
@@ -125,6 +128,16 @@ def uniform(num_requests: int = 64, prompt_len: int = 128, max_new_tokens: int =
             for i in range(num_requests)]
     return Workload("uniform", dict(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                                     seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+
+
+def single(num_requests: int = 1, prompt_len: int = 128, max_new_tokens: int = 128, seed: int = 0,
+           vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+    _check_range(vocab_low, vocab_high)
+    rng = random.Random(f"single-{seed}")
+    reqs = [BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens,
+                         after=i - 1 if i else None) for i in range(num_requests)]  # one session: one at a time
+    return Workload("single", dict(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                   seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
 
 
 def shared_prefix(num_requests: int = 64, prefix_len: int = 512, suffix_len: int = 32, max_new_tokens: int = 64,
@@ -353,6 +366,7 @@ def repeat(num_requests: int = 16, max_new_tokens: int = 160, sentences: int = 4
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "uniform": uniform,
+    "single": single,
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "multi-turn-overflow": multi_turn_overflow,

@@ -28,3 +28,6 @@ class ServingPlatform:
     demand_tokens: Callable[[int | None, int], int] | None
     ram_bytes: Callable[[], int] | None  # the host RAM the pool comes out of (None: device memory)
     cuda_graphs: bool  # decode may run in captured CUDA graphs
+    # Environment defaults the serving processes must start with (read by libraries as they load,
+    # so set by launch.py before it spawns them; a value already in the environment wins).
+    process_env: tuple[tuple[str, str], ...] = ()

@@ -27,7 +27,9 @@ never from its attribute names; the packed copies of the weights come from ``pre
 
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
 the backend's ``forward`` would) and the residual stream (the embeddings' buffer, as the layer
-stack does); its scratch buffers are allocated here per call.
+stack does). Its scratch buffers between kernels belong to the ``CpuLayerStack`` and are reused
+by every step (``StepScratch``: grown to the largest batch seen, never shrunk); the last layer's
+output, which the caller keeps, is a fresh tensor each step.
 """
 
 from __future__ import annotations
@@ -141,6 +143,23 @@ class _Stack:
         return _SET_DTYPES[self.kernels]
 
 
+class StepScratch:
+    """The one-call path's buffers between kernels (``_call``), kept from step to step: a step's
+    rows are the first ``n`` rows of each, so a buffer is re-made only when a batch outgrows it.
+    Owned by one ``CpuLayerStack``; only the step running reads or writes them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def rows(self, name: str, n: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``[n, cols]`` view of the buffer ``name`` (its contents are stale)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < n or buf.shape[1] != cols or buf.dtype != dtype:
+            rows = max(n, buf.shape[0] if buf is not None and buf.shape[1] == cols and buf.dtype == dtype else 0)
+            buf = self._buffers[name] = torch.empty(rows, cols, dtype=dtype)
+        return buf[:n]
+
+
 class CpuLayerStack:
     """A model's decoder layers on CPU (``CpuOps.layer_stack``): a decode step the C call runs whole
     goes through it, every other forward through the model's layers one by one.
@@ -153,6 +172,7 @@ class CpuLayerStack:
         self.model = model
         self.described: _Stack | None = None
         self._generation = -1  # the packed_generation() self.described was made at (-1: never)
+        self.scratch = StepScratch()
 
     def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_cos_sin(rope, hidden.dtype)
@@ -298,7 +318,7 @@ def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     mirror = claim(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
-    return _call(lib, stack, mirror, hidden, cos, sin, rotary_dim, loc, pool)
+    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool)
 
 
 def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
@@ -306,8 +326,8 @@ def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
     return prefix.k.shape[1] * (attn_kernels.PREFIX_KEY_BLOCK if dtype == torch.bfloat16 else attn_f32.KEY_PACK)
 
 
-def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          rotary_dim: int, loc: torch.Tensor, pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(lib: Any, stack: _Stack, buffers: StepScratch, mirror: Any, hidden: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor, rotary_dim: int, loc: torch.Tensor, pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = hidden.shape
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
     plan = mirror.plan
@@ -316,18 +336,17 @@ def _call(lib: Any, stack: _Stack, mirror: Any, hidden: torch.Tensor, cos: torch
     assert mirror.k[0].shape == (n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == stack.dtype
     assert mirror.v[0].shape == (n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
-    like = dict(dtype=stack.dtype)
-    scratch = {"normed": torch.empty(n, h, **like), "qkv": torch.empty(n, q_cols + 2 * kv_cols, **like),
-               "attn": torch.empty(n, q_cols, **like), "o": torch.empty(n, h, **like),
-               "mid": torch.empty(n, stack.inter, **like), "hidden_out": torch.empty(n, h, **like)}
+    widths = {"normed": h, "qkv": q_cols + 2 * kv_cols, "attn": q_cols, "o": h, "mid": stack.inter}
     if stack.kernels != "amx":  # the gate/up linear's output, before silu*mul (the AMX kernel fuses them)
-        scratch["gate_up"] = torch.empty(n, 2 * stack.inter, **like)
+        widths["gate_up"] = 2 * stack.inter
+    scratch = {name: buffers.rows(name, n, cols, stack.dtype) for name, cols in widths.items()}
+    scratch["hidden_out"] = torch.empty(n, h, dtype=stack.dtype)  # returned: the caller's, not reused
     prefix_len = prefix_pad = 0
     if mirror.prefix is not None:
         prefix_len = mirror.prefix[0].length
         prefix_pad = _padded_keys(mirror.prefix[0], stack.dtype)
-        scratch["prefix_out"] = torch.empty(n, q_cols, dtype=torch.float32)
-        scratch["prefix_lse"] = torch.empty(n, stack.q_heads, dtype=torch.float32)
+        scratch["prefix_out"] = buffers.rows("prefix_out", n, q_cols, torch.float32)
+        scratch["prefix_lse"] = buffers.rows("prefix_lse", n, stack.q_heads, torch.float32)
     layers = stack.layers
     for i, entry in enumerate(layers):
         k_pool, v_pool = pool.get_kv_buffer(i)

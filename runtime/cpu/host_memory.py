@@ -100,6 +100,15 @@ def cpu_budget_bytes(device: torch.device, fraction: float, weight_bytes: int, r
     return cpu_kv_budget_bytes(cpu_mem_total_bytes(), fraction, weight_bytes, ranks)
 
 
+# OpenMP threads that sleep when they have no work instead of spinning for it. libgomp's
+# default lets each thread spin for a while after every parallel region, waiting for the next;
+# a decode step opens over a hundred regions, and between them the scheduler's Python, the
+# tokenizer, detokenizer and HTTP processes, and any other program need those same cores: on a
+# small CPU a spinning thread takes the core from whoever should run, and a thread of the next
+# region waits for its time slice (docs/benchmarks.md: one request's decode step). Sleeping
+# costs a wake-up per region, which on such a machine is far the smaller cost.
+CPU_OPENMP_ENV = (("OMP_WAIT_POLICY", "PASSIVE"),)
+
 CPU_PLATFORM = ServingPlatform(
     mem_fraction=CPU_DEFAULT_MEM_FRACTION,
     warn_over_budget=False,
@@ -107,4 +116,5 @@ CPU_PLATFORM = ServingPlatform(
     demand_tokens=cpu_demand_tokens,
     ram_bytes=cpu_mem_total_bytes,
     cuda_graphs=False,
+    process_env=CPU_OPENMP_ENV,
 )

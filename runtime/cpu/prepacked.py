@@ -23,8 +23,11 @@ once, after the weights are loaded, saves that work:
   ``linear_f32`` (``csrc/linear_f32.c``), which a decode batch's rows take
   (``fp32_panel_rows``): at those sizes the libraries' kernels stalled on fetching the weight
   from memory, this one spreads the fetch over its work (``bench/cpu_linear.py``, with
-  AVX-512 and capped at AVX2). The fewest rows (a matrix-vector product: up to three with
-  AVX-512, one with AVX2) and prefill sizes, where MKL's blocking wins, stay on F.linear. The
+  AVX-512 and capped at AVX2). A single row (a decode step of one request) takes the kernel's
+  matrix-vector path, which multiplies several panels at once so that the FMA chains overlap
+  (with AVX2 it streams the weight faster than MKL's sgemv; with AVX-512 it is unmeasured, and
+  one to three rows stay on F.linear there, as measured before it existed). Prefill sizes, where
+  MKL's blocking wins, stay on F.linear. The
   copy is made only where the kernel can run (a vector build of the kernels). The kernel sums
   each output in its own order (blocks of 256 products in sequence, then the blocks), so its
   result is not F.linear's bits: each output is within a few fp32 epsilons of
@@ -63,9 +66,10 @@ ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
 # Rows (tokens) of an fp32 call that take linear_f32 on the panel copy, by the kernels' build
 # level (bench/cpu_linear.py: against MKL's sgemm and oneDNN's packed kernel at the bench model's
 # shapes). From FP32_PANEL_MAX_ROWS + 1 rows on, MKL's blocking for large products wins; below
-# the level's minimum, the libraries' matrix-vector kernels do (two rows already gain with AVX2).
+# the level's minimum, the libraries' kernels do (AVX2: every row count from one, the kernel's
+# matrix-vector path included; AVX-512: from four, measured before that path existed).
 FP32_PANEL_MAX_ROWS = 128
-FP32_PANEL_MIN_ROWS = {"avx2": 2, "avx512": 4, "avx512bf16": 4}  # no entry: the kernel declines
+FP32_PANEL_MIN_ROWS = {"avx2": 1, "avx512": 4, "avx512bf16": 4}  # no entry: the kernel declines
 PANEL = 16  # columns per panel of the fp32 copy (csrc/linear_f32.c: PANEL)
 # bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
 # cache blocking wins: bench/cpu_linear.py --dtype bfloat16 --m 64 128 256).

@@ -109,6 +109,72 @@ static inline int64_t group_panels(int64_t g, int64_t panels)
     const int64_t left = panels - g * GROUP_PANELS;
     return left < GROUP_PANELS ? left : GROUP_PANELS;
 }
+
+/* One row (a matrix-vector product): the row blocks above keep two accumulators per row, so with
+ * a single row each FMA waits for the one before it in its chain and the FMA units idle; here
+ * GEMV_PANELS panels are multiplied at once (eight accumulators, eight independent chains), their
+ * lines streamed side by side. Each output's chain is the same as in row_block (the depths of a
+ * KC block in order from zero, the blocks added in order, then the bias), so a row's result is the
+ * same bits as in a batch of any size. The hardware prefetcher follows the GEMV_PANELS streams (a
+ * software prefetch a few lines ahead of each measured no faster). */
+#define GEMV_ACC 8                                  /* accumulators: enough chains to cover the FMA latency */
+#define GEMV_PANELS (GEMV_ACC * AV_W / PANEL)       /* AVX2: 4 panels of 2 vectors; AVX-512: 8 of 1 */
+
+/* out[0..16 np) = x[0..k) times panels [0, np) of the copy starting at w (k lines each), plus
+ * bias; np is a constant in each caller (gemv_panels_n), so the loops unroll. */
+static inline __attribute__((always_inline)) void gemv_panels(const int np, const float* x, const float* w,
+                                                               int64_t k, const float* bias, float* out)
+{
+    enum { VECS = PANEL / AV_W };
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t kc = k - k0 < KC ? k - k0 : KC;
+        av acc[GEMV_PANELS][VECS];
+        for (int p = 0; p < np; ++p)
+            for (int v = 0; v < VECS; ++v)
+                acc[p][v] = av_set1(0.0f);
+        for (int64_t d = k0; d < k0 + kc; ++d) {
+            const av xd = av_set1(x[d]);
+            for (int p = 0; p < np; ++p) {
+                const float* line = w + (p * k + d) * PANEL;
+                for (int v = 0; v < VECS; ++v)
+                    acc[p][v] = av_fma(xd, av_load(line + v * AV_W), acc[p][v]);
+            }
+        }
+        for (int p = 0; p < np; ++p)
+            for (int v = 0; v < VECS; ++v) {
+                float* o = out + p * PANEL + v * AV_W;
+                av sum = k0 == 0 ? acc[p][v] : av_add(av_load(o), acc[p][v]);
+                if (bias && k0 + kc >= k) sum = av_add(sum, av_load(bias + p * PANEL + v * AV_W));
+                av_store(o, sum);
+            }
+    }
+}
+
+static void gemv_panels_n(int np, const float* x, const float* w, int64_t k, const float* bias, float* out)
+{
+    switch (np) {  /* one unrolled copy per panel count */
+#define GEMV_CASE(P) case P: gemv_panels(P, x, w, k, bias, out); break;
+    GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
+#if GEMV_PANELS > 4
+    GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
+#endif
+#undef GEMV_CASE
+    }
+}
+
+/* out[0, n) = x[0, k) times the panel copy w of an [n, k] weight, plus bias: blocks of GEMV_PANELS
+ * panels shared among the threads. */
+static void gemv_f32(const float* x, const float* w, int64_t n, int64_t k, const float* bias, float* out)
+{
+    const int64_t panels = n / PANEL;
+    const int64_t blocks = (panels + GEMV_PANELS - 1) / GEMV_PANELS;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t p0 = b * GEMV_PANELS;
+        const int np = (int)(panels - p0 < GEMV_PANELS ? panels - p0 : GEMV_PANELS);
+        gemv_panels_n(np, x, w + p0 * k * PANEL, k, bias ? bias + p0 * PANEL : NULL, out + p0 * PANEL);
+    }
+}
 #endif
 
 /* out[m, n] (row stride n) = x[m, k] (rows ldx apart) times the panel copy w of an [n, k] weight,
@@ -119,6 +185,10 @@ int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n
 {
 #if AV_W > 1
     if (m <= 0 || k <= 0 || n <= 0 || n % PANEL) return -1;
+    if (m == 1) {
+        gemv_f32(x, w, n, k, bias, out);
+        return 0;
+    }
     const int64_t panels = n / PANEL;
     const int64_t groups = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     /* vector 1 of a group at one depth: the next 8 lanes of the panel (AVX2), or the next panel */

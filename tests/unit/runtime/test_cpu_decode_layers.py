@@ -26,7 +26,7 @@ import torch
 from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
 from tests.support.cpu_features import bf16_kernels
 from tests.support.harness import Harness
-from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library
+from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
 from runtime.cpu.prepacked import fp32_panel_rows
 from runtime.forward_batch import ForwardMode
 from runtime.model_runner import ModelRunner
@@ -189,9 +189,29 @@ def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, c
 
 
 @needs_fp32_kernels
-def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(tiny_checkpoints, calls: list[bool]) -> None:
-    """Fewer rows than the panel kernel takes: the stack's linears are F.linear's, so the call
-    (whose linears are the panel kernel's) must decline, and the two modes give the same bits."""
+@pytest.mark.skipif(1 not in fp32_panel_rows(), reason="the panel kernel's build here (AVX-512) leaves one row to "
+                                                        "F.linear; with AVX2 it takes it")
+def test_fp32_one_request_takes_the_call_and_equals_transformers(tiny_checkpoints, calls: list[bool]) -> None:
+    """One request alone (the kernel's matrix-vector path for every linear): its decode steps run
+    through the call and give transformers' greedy tokens."""
+    path = tiny_checkpoints.path("llama")
+    runner = _runner(path, "float32")
+    prompt = random_prompt(9, runner.vocab_size, seed=710)
+    steps = 8
+    h = Harness(runner)
+    (req,) = h.generate([prompt], steps)
+    h.reset()
+    assert calls.count(True) == steps - 2, calls  # every decode step but the mirror's first (a rebuild)
+    assert req.output_ids == hf_greedy(load_hf_model(path), prompt, steps)[0]
+
+
+@needs_fp32_kernels
+def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(tiny_checkpoints, calls: list[bool],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer rows than the panel kernel takes (its band made to start at two rows, wherever it
+    starts on this host): the stack's linears are F.linear's, so the call (whose linears are the
+    panel kernel's) must decline, and the two modes give the same bits."""
+    monkeypatch.setattr(prepacked, "FP32_PANEL_MIN_ROWS", dict.fromkeys(prepacked.FP32_PANEL_MIN_ROWS, 2))
     runner = _runner(tiny_checkpoints.path("llama"), "float32")
     requests = min(fp32_panel_rows()) - 1
     layered = _decode_logits(runner, [False] * 3, requests=requests)
