@@ -42,9 +42,9 @@ from runtime.attention.base import AttentionLayerSpec
 from runtime.attention.plan import AttnGroup, TorchNativeMetadata, host_list
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention_plan import CpuAttnGroup, plan_shared_prefix
+from runtime.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
@@ -62,13 +62,19 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
     def __init__(self, model_runner: Any = None) -> None:
         super().__init__(model_runner)
         self.mirror = DecodeKVMirror()
+        self.verify_plan: MirrorPlan | None = None  # this forward's, when it is a verify the copies take
         # Windowed layers (their own plan, window_plan) never read the mirror, the cascade or the
         # unmasked prefill paths: only the full-attention layers count as the mirror's readers.
         windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
         self.mirrored_layers: int | None = sum(w is None for w in windows) if windows else None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if not batch.forward_mode.is_decode():
+        self.verify_plan = None
+        if batch.forward_mode == ForwardMode.VERIFY and self.mirrored_layers in (None, len(batch.token_to_kv_pool.k_buffer)):
+            # the copies take the step's tokens as appends (a step the one-call path then declines runs
+            # as the extend planned below, and the next forward finds them stale and rebuilds)
+            self.verify_plan = self.mirror.plan_verify(batch)
+        elif not batch.forward_mode.is_decode():
             self.mirror.reset()  # an extend may reuse freed slots: trust nothing mirrored before it
         super().init_forward_metadata(batch)
         if batch.forward_mode.is_decode():
@@ -94,11 +100,14 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         return group
 
     def claim_decode_step(self, batch: ForwardBatch, num_layers: int) -> MirrorStep | None:
-        """This decode forward's mirror, for a caller that runs all ``num_layers`` layers' KV writes
-        and attention through the kernels itself (``runtime.cpu.decode_layers``: the same kernels
-        ``forward`` would call), marked as updated; None where ``forward`` must run per layer (a
-        rebuild, windowed layers, a batch that is not one in-order decode group)."""
+        """This decode (or verify) forward's mirror, for a caller that runs all ``num_layers`` layers'
+        KV writes and attention through the kernels itself (``runtime.cpu.decode_layers``: the same
+        kernels ``forward`` would call), marked as updated; None where ``forward`` must run per layer
+        (a rebuild, windowed layers, a batch that is not one in-order decode group, a verify the
+        copies could not take)."""
         meta: TorchNativeMetadata | None = batch.attn_metadata
+        if batch.forward_mode == ForwardMode.VERIFY:
+            return None if self.verify_plan is None else self.mirror.claim_append_step(self.verify_plan, num_layers)
         if meta is None or not batch.forward_mode.is_decode() or self.mirrored_layers not in (None, num_layers):
             return None  # (windowed layers read their own plan)
         if len(meta.groups) != 1:

@@ -56,7 +56,7 @@ MAX_GROUP_X_DIM = 2048
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 declare("decode_attention_bf16", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
-                                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr], _int)
+                                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _int)
 declare("prefix_attention_available", [], _int)
 declare("prefix_attention_bf16", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
 declare("causal_attention_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
@@ -89,9 +89,11 @@ class KeyAppend:
     pos: torch.Tensor
 
 
-def append_supported(append: KeyAppend, k_t: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` can store ``append`` into ``k_t`` (and its V) itself."""
-    n, hkv, d, _ = k_t.shape
+def append_supported(append: KeyAppend, k_t: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether ``decode_attention`` can store ``append`` into ``k_t`` (and its V) itself (``rows``:
+    the query rows, when a ``kv_row`` map gives several of them one mirror row)."""
+    _, hkv, d, _ = k_t.shape
+    n = k_t.shape[0] if rows is None else rows
     return all(
         t.dtype == k_t.dtype and t.device.type == "cpu" and t.shape == (n, hkv, d) and t.stride()[1:] == (d, 1)
         for t in (append.k, append.v)
@@ -108,20 +110,26 @@ def decode_attention(
     with_lse: bool,
     append: KeyAppend | None = None,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [n, Hkv, group, D] in q's dtype, lse [n, Hkv, group] fp32 or None)``; see the module doc.
 
     ``append`` (checked with ``append_supported``): store these keys and values first.
     ``init``: ``(out, lse)`` of the same queries over earlier keys (``prefix_attention``):
     the softmax continues from it, so the result covers those keys too.
-    Call only when ``supports(...)`` is True.
+    ``kv_row`` (int64 ``[n]``): query row b reads row ``kv_row[b]`` of ``k_t``/``v`` (a verify
+    step's tokens share their request's row, each with its own bias row and append position);
+    None: row b. Call only when ``supports(...)`` is True.
     """
     lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     cap = k_t.shape[-1]
-    assert k_t.shape == (n, hkv, d, cap) and v.shape == (n, hkv, cap, d) and 0 <= width <= cap
-    assert append is None or append_supported(append, k_t)
+    kv_n = k_t.shape[0]
+    assert kv_row is None or (kv_row.dtype == torch.int64 and kv_row.shape == (n,) and kv_row.is_contiguous())
+    assert kv_row is not None or kv_n == n
+    assert k_t.shape == (kv_n, hkv, d, cap) and v.shape == (kv_n, hkv, cap, d) and 0 <= width <= cap
+    assert append is None or append_supported(append, k_t, n)
     if init is not None:
         assert init[0].shape == (n, hkv, group, d) and init[1].shape == (n, hkv, group)
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in init)
@@ -133,16 +141,19 @@ def decode_attention(
         new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
         stride_k, stride_v = append.k.stride(0), append.v.stride(0)
     if q.dtype == torch.float32:
-        rc = attn_f32.decode(q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init)
+        rc = attn_f32.decode(q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init,
+                             kv_row)
     else:
         rc = lib.decode_attention_bf16(
             q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap,
             width, out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
             new_k, stride_k, new_v, stride_v, pos,
             init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
+            kv_row.data_ptr() if kv_row is not None else None, kv_n,
         )
     if rc != 0:
-        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position)")
+        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position "
+                         "or mirror row)")
     return out, lse
 
 

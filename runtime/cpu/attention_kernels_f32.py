@@ -33,7 +33,7 @@ KEY_PACK = 16  # csrc: F32_PACK, keys per block of a packed K
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 declare("attention_f32_vectorised", [], _int)
 declare("decode_attention_f32", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
-                                 _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr], _int)
+                                 _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _int)
 declare("prefix_attention_f32", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
 declare("causal_attention_f32", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
 
@@ -51,7 +51,8 @@ def _ptr_or_none(t: torch.Tensor | None) -> int | None:
 
 def decode(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, width: int,
            out: torch.Tensor, lse: torch.Tensor | None, new_k: int | None, stride_k: int, new_v: int | None,
-           stride_v: int, pos: int | None, init: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+           stride_v: int, pos: int | None, init: tuple[torch.Tensor, torch.Tensor] | None,
+           kv_row: torch.Tensor | None = None) -> int:
     """``decode_attention_f32`` on checked operands (``attention_kernels.decode_attention``); its return code."""
     lib = kernel_library.load()
     assert lib is not None
@@ -60,6 +61,7 @@ def decode(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tens
         q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), _ptr_or_none(bias), k_t.shape[-1], width,
         out.data_ptr(), _ptr_or_none(lse), n, hkv, group, d, float(scale), new_k, stride_k, new_v, stride_v, pos,
         _ptr_or_none(init[0] if init is not None else None), _ptr_or_none(init[1] if init is not None else None),
+        _ptr_or_none(kv_row), k_t.shape[0],
     )
 
 

@@ -44,6 +44,10 @@ class MirrorPlan:
     prefix_loc: torch.Tensor | None  # rebuild: int64 [P] pool slots of the shared prefix
     append_pos: torch.Tensor | None  # append: int64 [n]: the new key's index in each request's row
     mask: torch.Tensor | None  # fp32 key bias [n, 1, 1, cap] (key_bias): 0 for each request's real keys
+    # A verify step (speculative decoding): its n rows are every request's input token and drafts,
+    # row i reading request kv_row[i]'s copies (int64 [n]); append_pos and mask are per row, each
+    # token seeing its request's keys up to itself. None: row i is request i.
+    kv_row: torch.Tensor | None = None
 
 
 @dataclass

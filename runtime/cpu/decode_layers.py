@@ -56,6 +56,7 @@ from runtime.cpu.prepacked import (
     packed_generation,
     panel_address,
 )
+from runtime.forward_batch import ForwardMode
 from runtime.ops.base import DecoderLayerWeights, DecoderStackModel, RopeInputs
 from runtime.ops.torch_ops import rope_cos_sin
 from runtime.quant.weight import QuantizedWeight
@@ -70,7 +71,7 @@ class _Step(ctypes.Structure):
                                           "cap", "width", "prefix_len", "prefix_pad", "pool_slots")] + [
         ("eps", _f32), ("scale", _f32)] + [(name, _ptr) for name in (
             "residual", "hidden_out", "cos", "sin", "out_loc", "append_pos", "mask", "normed", "qkv", "attn", "o",
-            "mid", "gate_up", "prefix_out", "prefix_lse")]
+            "mid", "gate_up", "prefix_out", "prefix_lse", "kv_row")] + [("kv_rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -295,7 +296,7 @@ def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
         return None
     claim = getattr(backend, "claim_decode_step", None)
     lib = kernel_library.load()
-    if claim is None or lib is None or not batch.forward_mode.is_decode():
+    if claim is None or lib is None or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
         return None
     stack = layers.description()
     if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
@@ -331,11 +332,13 @@ def _call(lib: Any, stack: _Stack, buffers: StepScratch, mirror: Any, hidden: to
     n, h = hidden.shape
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
     plan = mirror.plan
-    cap = mirror.k[0].shape[-1]
+    kv_n, cap = mirror.k[0].shape[0], mirror.k[0].shape[-1]  # (a verify step's rows share their request's)
     # (every layer's copies are made alike in one rebuild: the first layer's stand for all)
-    assert mirror.k[0].shape == (n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == stack.dtype
-    assert mirror.v[0].shape == (n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
+    assert mirror.k[0].shape == (kv_n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == stack.dtype
+    assert mirror.v[0].shape == (kv_n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
+    kv_row = plan.kv_row
+    assert (kv_row is None and kv_n == n) or (kv_row is not None and kv_row.shape == (n,) and kv_row.is_contiguous())
     widths = {"normed": h, "qkv": q_cols + 2 * kv_cols, "attn": q_cols, "o": h, "mid": stack.inter}
     if stack.kernels != "amx":  # the gate/up linear's output, before silu*mul (the AMX kernel fuses them)
         widths["gate_up"] = 2 * stack.inter
@@ -362,6 +365,7 @@ def _call(lib: Any, stack: _Stack, buffers: StepScratch, mirror: Any, hidden: to
                  prefix_pad=prefix_pad, pool_slots=k_pool.shape[0], eps=stack.eps, scale=stack.scale,
                  residual=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out_loc=loc.data_ptr(),
                  append_pos=plan.append_pos.data_ptr(), mask=plan.mask.data_ptr(),
+                 kv_row=kv_row.data_ptr() if kv_row is not None else None, kv_rows=kv_n,
                  **{name: t.data_ptr() for name, t in scratch.items()})
     rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))
     if rc != 0:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.attention.plan import length_mask
+from runtime.attention.plan import host_list, key_bias, length_mask
 from runtime.cpu import attention_kernels as attn_kernels
 from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention_plan import CpuAttnGroup, MirrorPlan
+from runtime.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.forward_batch import ForwardBatch
 
 # Dense decode-key copies are kept only while all layers' K and V take at most this
@@ -100,27 +100,46 @@ class DecodeKVMirror:
         num_layers = len(pool.k_buffer)  # copies are indexed by layer id
         mirrored = num_layers if mirrored_layers is None else mirrored_layers
         _, hkv, d = pool.k_buffer[0].shape
-        append = self._can_append(batch, own, own_lens, p, prefix_slots, num_layers, width, mirrored)
+        starts = [length - 1 for length in own_lens]  # the new key's index in each row
+        append = self._can_append(batch, own, starts, p, prefix_slots, num_layers, width, mirrored)
         if append:
             mask = length_mask(own_lens, self.cap, device)
-            pos = torch.tensor(self.own_lens, dtype=torch.int64, device=device)  # the new key's index
-            result = MirrorPlan(False, width, p, None, None, pos, mask)
+            pos = torch.tensor(starts, dtype=torch.int64, device=device)
+            result: MirrorPlan | None = MirrorPlan(False, width, p, None, None, pos, mask)
         else:
-            cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
-            mask = length_mask(own_lens, cap, device)
-            buf = pool.k_buffer[0]
-            # (the prefix counted twice: a packed copy is kept for attn_kernels.prefix_attention)
-            nbytes = 2 * mirrored * (n * cap + 2 * p) * hkv * d * buf.element_size()
-            pool_bytes = 2 * sum(b.numel() for b in pool.k_buffer) * buf.element_size()
-            if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
-                self.reset()
+            result = self._rebuild_plan(batch, own, p, prefix_slots, own_lens, num_layers, mirrored)
+            if result is None:
                 return None
-            if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
-                self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
-            self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
-            self.prefix_packed = [None] * num_layers
-            self.cap = cap
-            result = MirrorPlan(True, width, p, own.contiguous().reshape(-1), prefix_slots.contiguous(), None, mask)
+        self._record(batch, own, own_lens, prefix_slots, num_layers, mirrored)
+        return result
+
+    def _rebuild_plan(self, batch: ForwardBatch, own: torch.Tensor, p: int, prefix_slots: torch.Tensor,
+                      own_lens: list[int], num_layers: int, mirrored: int) -> MirrorPlan | None:
+        """A plan that gathers every key from the pool (the copies re-made at a capacity for
+        ``own_lens``); None (and the copies dropped) when they would exceed their memory budget."""
+        pool = batch.token_to_kv_pool
+        n, width = own.shape[0], max(own_lens)
+        _, hkv, d = pool.k_buffer[0].shape
+        cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
+        mask = length_mask(own_lens, cap, own.device)
+        buf = pool.k_buffer[0]
+        # (the prefix counted twice: a packed copy is kept for attn_kernels.prefix_attention)
+        nbytes = 2 * mirrored * (n * cap + 2 * p) * hkv * d * buf.element_size()
+        pool_bytes = 2 * sum(b.numel() for b in pool.k_buffer) * buf.element_size()
+        if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
+            self.reset()
+            return None
+        if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
+            self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
+        self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
+        self.prefix_packed = [None] * num_layers
+        self.cap = cap
+        return MirrorPlan(True, width, p, own[:, :width].contiguous().reshape(-1), prefix_slots.contiguous(), None,
+                          mask)
+
+    def _record(self, batch: ForwardBatch, own: torch.Tensor, own_lens: list[int], prefix_slots: torch.Tensor,
+                num_layers: int, mirrored: int) -> None:
+        """What a planned forward leaves in the copies (trusted once it updated every layer)."""
         self.rows = batch.req_pool_indices.clone()
         self.own_lens = own_lens
         self.own_slots = own.clone()
@@ -128,33 +147,85 @@ class DecodeKVMirror:
         self.num_layers = num_layers
         self.mirrored_layers = mirrored
         self.layers_done = 0
-        return result
+
+    def plan_verify(self, batch: ForwardBatch, mirrored_layers: int | None = None) -> MirrorPlan | None:
+        """A verify forward's append plan (speculative decoding: each request's input token and
+        drafts as rows that share its copies), recording the state it leaves; None (and the copies
+        dropped) where they cannot take it (over budget, windowed layers).
+
+        Where the copies hold every key before each request's new tokens (the previous forward was
+        a decode or verify of the same requests that updated every layer) the step only appends:
+        the keys of drafts the last step rejected lie past each request's length and are
+        overwritten. Otherwise the copies are first gathered again from the pool, every layer now
+        (a decode step does that inside its forward). Every new token's key is stored, so the next
+        step finds the accepted ones in place."""
+        pool = batch.token_to_kv_pool
+        num_layers = len(pool.k_buffer)
+        mirrored = num_layers if mirrored_layers is None else mirrored_layers
+        if mirrored != num_layers:
+            self.reset()
+            return None
+        prefix_lens = host_list(batch.prefix_lens_cpu, batch.prefix_lens)
+        seq_lens = host_list(batch.seq_lens_cpu, batch.seq_lens)
+        device = batch.req_pool_indices.device
+        kv_loc = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(seq_lens)].to(torch.int64)
+        real = torch.arange(kv_loc.shape[1], device=device)[None, :] < torch.tensor(seq_lens, device=device)[:, None]
+        kv_loc.masked_fill_(~real, 0)  # (stale entries past a request's length are not slots to gather)
+        p = self.prefix_slots.numel() if self.prefix_slots is not None else 0
+        starts = [length - p for length in prefix_lens]  # each request's first new key in its row
+        own_lens = [length - p for length in seq_lens]
+        own, prefix_slots = kv_loc[:, p : p + max(own_lens)], kv_loc[0, :p]
+        if min(starts) < 0 or not torch.equal(kv_loc[:, :p], prefix_slots.expand(len(starts), p)) or \
+                not self._can_append(batch, own, starts, p, prefix_slots, num_layers, max(own_lens), mirrored):
+            shared = plan_shared_prefix(kv_loc, [length + 1 for length in prefix_lens])  # (keeps every new token own)
+            p = int(shared.loc.numel()) if shared is not None else 0
+            starts = [length - p for length in prefix_lens]
+            own_lens = [length - p for length in seq_lens]
+            own, prefix_slots = kv_loc[:, p : p + max(own_lens)], kv_loc[0, :p]
+            rebuild = self._rebuild_plan(batch, own, p, prefix_slots, own_lens, num_layers, mirrored)
+            if rebuild is None:
+                return None
+            self.layers_done = 0
+            for layer in range(num_layers):  # (the new tokens' columns gather stale keys: the step overwrites them)
+                k_buf, v_buf = pool.get_kv_buffer(layer)
+                self.keys(layer, rebuild, k_buf[:0], v_buf[:0], k_buf, v_buf)
+        ext_lens = host_list(batch.extend_lens_cpu, batch.extend_lens)
+        kv_row = torch.repeat_interleave(torch.arange(len(starts), device=device), torch.tensor(ext_lens, device=device))
+        pos = torch.tensor([start + j for start, e in zip(starts, ext_lens) for j in range(e)], dtype=torch.int64,
+                           device=device)
+        mask = key_bias((torch.arange(self.cap, device=device)[None, :] <= pos[:, None])[:, None, None, :])
+        self._record(batch, own, own_lens, prefix_slots, num_layers, mirrored)
+        return MirrorPlan(False, max(own_lens), p, None, None, pos, mask, kv_row)
 
     def _can_append(
         self,
         batch: ForwardBatch,
         own: torch.Tensor,
-        own_lens: list[int],
+        starts: list[int],
         p: int,
         prefix_slots: torch.Tensor,
         num_layers: int,
         width: int,
         mirrored: int,
     ) -> bool:
+        """Whether the copies hold every key before each request's first new key (own index
+        ``starts[b]``) for the same requests and slots, so that the forward only appends. Keys at
+        or past a start (a verify step's rejected drafts, whose slots were freed) are overwritten."""
         if self.rows is None or self.own_slots is None or self.prefix_slots is None:
             return False
         if self.layers_done != self.mirrored_layers or mirrored != self.mirrored_layers:
             return False  # the last forward did not update every mirrored layer
-        if num_layers != self.num_layers or width > self.cap:
+        if num_layers != self.num_layers or width > self.cap or len(self.k) != num_layers:
             return False  # the last forward did not finish, or the copies are too small
-        if own_lens != [length + 1 for length in self.own_lens] or p != self.prefix_slots.numel():
+        if p != self.prefix_slots.numel() or len(starts) != len(self.own_lens):
+            return False
+        if any(start < 0 or start > length for start, length in zip(starts, self.own_lens)):
             return False
         if not torch.equal(batch.req_pool_indices, self.rows) or not torch.equal(prefix_slots, self.prefix_slots):
             return False
-        prev_w = self.own_slots.shape[1]
-        lens = torch.tensor(self.own_lens, dtype=torch.int64, device=own.device)
-        mirrored = torch.arange(prev_w, device=own.device)[None, :] < lens[:, None]
-        return bool(((own[:, :prev_w] == self.own_slots) | ~mirrored).all())
+        cols = min(self.own_slots.shape[1], own.shape[1])
+        kept = torch.arange(cols, device=own.device)[None, :] < torch.tensor(starts, device=own.device)[:, None]
+        return bool(((own[:, :cols] == self.own_slots[:, :cols]) | ~kept).all())
 
     def claim_append_step(self, plan: MirrorPlan, num_layers: int) -> MirrorStep | None:
         """This append step's copies of all ``num_layers`` layers (every one mirrored, none run yet,

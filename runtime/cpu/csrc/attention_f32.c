@@ -224,19 +224,42 @@ static inline int64_t chunk_rows(int64_t rows) {
  * rows q_stride apart), kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] or NULL, keys
  * [0, width); k_new / v_new [n, hkv, d] (rows *_stride apart) stored first at key pos[b]; init_o
  * [n, hkv, group, d] and init_lse [n, hkv, group] continue an earlier softmax. Writes out
- * [n, hkv, group, d] and, when lse != NULL, lse [n, hkv, group]. Returns 0, or -1 (nothing
- * written) when group or d exceed the bounds or an append position is outside [0, cap). */
+ * [n, hkv, group, d] and, when lse != NULL, lse [n, hkv, group]. kv_row (NULL: row b reads
+ * mirror row b) maps query row b to its mirror row in [0, kv_rows): several query rows of one
+ * request (a verify step's input token and drafts) then share it, each with its own bias row and
+ * append position; every append is stored before any row attends. Returns 0, or -1 (nothing
+ * written) when group or d exceed the bounds or an append position or mirror row is outside its range.
+ *
+ * With a bias, keys are read in whole vectors (width rounded up, within cap; the bias masks the
+ * extra ones): a row's scores then never take the scalar tail, whose rounding differs, so a row
+ * gives the same bits whatever the batch's longest request (the width) is. */
 int decode_attention_f32(
     const float* q, int64_t q_stride,
     float* kt, float* v, const float* bias, int64_t cap, int64_t width,
     float* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
     const float* k_new, int64_t k_new_stride, const float* v_new, int64_t v_new_stride, const int64_t* pos,
-    const float* init_o, const float* init_lse)
+    const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows)
 {
     if (group < 1 || group > MAX_G || d < 1 || d > MAX_D) return -1;
     if (k_new)
         for (int64_t b = 0; b < n; ++b)
             if (pos[b] < 0 || pos[b] >= cap) return -1;
+    if (kv_row)
+        for (int64_t b = 0; b < n; ++b)
+            if (kv_row[b] < 0 || kv_row[b] >= kv_rows) return -1;
+    if (bias && width % AV_W) {
+        const int64_t whole = (width + AV_W - 1) / AV_W * AV_W;
+        width = whole < cap ? whole : cap;
+    }
+    if (k_new && kv_row) {  /* rows share mirror rows: every new key lands before any row reads them */
+#pragma omp parallel for schedule(static)
+        for (int64_t bh = 0; bh < n * hkv; ++bh) {
+            const int64_t b = bh / hkv, mh = kv_row[b] * hkv + bh % hkv;
+            const float* kn = k_new + b * k_new_stride + (bh % hkv) * d;
+            for (int64_t i = 0; i < d; ++i) kt[mh * d * cap + i * cap + pos[b]] = kn[i];
+            memcpy(v + (mh * cap + pos[b]) * d, v_new + b * v_new_stride + (bh % hkv) * d, (size_t)d * sizeof(float));
+        }
+    }
     const int64_t per = chunk_rows(group);
     const int64_t chunks = (group + per - 1) / per;
     /* steps of the tile loops per item, to spread the next item's lines over them */
@@ -246,9 +269,10 @@ int decode_attention_f32(
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < n * hkv; ++bh) {
         const int64_t b = bh / hkv, h = bh % hkv;
-        float* ktp = kt + bh * d * cap;
-        float* vp = v + bh * cap * d;
-        if (k_new) {
+        const int64_t mh = (kv_row ? kv_row[b] : b) * hkv + h;  /* the mirror's (row, head) */
+        float* ktp = kt + mh * d * cap;
+        float* vp = v + mh * cap * d;
+        if (k_new && !kv_row) {
             const float* kn = k_new + b * k_new_stride + h * d;
             for (int64_t i = 0; i < d; ++i) ktp[i * cap + pos[b]] = kn[i];
             memcpy(vp + pos[b] * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(float));
@@ -267,9 +291,10 @@ int decode_attention_f32(
         }
         Ahead pf = {0, 0, 0, 0, cap * 4, width * 4, 0, steps > 0 ? (lines + steps - 1) / steps : 1};
         if (bh + 1 < n * hkv) {
-            pf.k = pf.k_row = (const char*)(ktp + d * cap);
+            const int64_t next = (kv_row ? kv_row[(bh + 1) / hkv] : (bh + 1) / hkv) * hkv + (bh + 1) % hkv;
+            pf.k = pf.k_row = (const char*)(kt + next * d * cap);
             pf.k_rows_left = d;
-            pf.v = (const char*)(vp + cap * d);
+            pf.v = (const char*)(v + next * cap * d);
             pf.v_end = pf.v + width * d * 4;
         }
         const float* bp = bias ? bias + b * cap : 0;

@@ -173,28 +173,44 @@ static void attend_segment(const float* qf, const uint16_t* ktp, const uint16_t*
  * done here while the lines are brought in anyway. With init_o != NULL the softmax continues from
  * an attention over earlier keys (fp32 output init_o [n, hkv, group, d] and log-sum-exp init_lse
  * [n, hkv, group], from prefix_attention_bf16), so the result covers both. Writes out [n, hkv, group, d] bf16 and, when
- * lse is not NULL, lse [n, hkv, group] fp32. Returns 0, or -1 when group or d exceed the kernel's
- * bounds (nothing written). */
+ * lse is not NULL, lse [n, hkv, group] fp32. kv_row (NULL: query row b reads mirror row b) maps
+ * query rows to mirror rows in [0, kv_rows), as decode_attention_f32's does (a verify step's
+ * tokens share their request's row; appends are all stored first). Returns 0, or -1 when group or
+ * d exceed the kernel's bounds or a position or row is out of range (nothing written). */
 int decode_attention_bf16(
     const uint16_t* q, int64_t q_stride,
     uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
     uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
     const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos,
-    const float* init_o, const float* init_lse)
+    const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows)
 {
     if (group > MAX_G || d > MAX_D || group * d > MAX_G * 128) return -1;
     if (k_new) {
         for (int64_t b = 0; b < n; ++b)
             if (pos[b] < 0 || pos[b] >= cap) return -1;
     }
+    if (kv_row)
+        for (int64_t b = 0; b < n; ++b)
+            if (kv_row[b] < 0 || kv_row[b] >= kv_rows) return -1;
+    if (k_new && kv_row) {  /* rows share mirror rows: every new key lands before any row reads them */
+#pragma omp parallel for schedule(static)
+        for (int64_t bh = 0; bh < n * hkv; ++bh) {
+            const int64_t b = bh / hkv, h = bh % hkv, mh = kv_row[b] * hkv + h;
+            const uint16_t* kn = k_new + b * k_new_stride + h * d;
+            uint16_t* kcol = kt + mh * d * cap + pos[b];
+            for (int64_t i = 0; i < d; ++i) kcol[i * cap] = kn[i];
+            memcpy(v + (mh * cap + pos[b]) * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(uint16_t));
+        }
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < n * hkv; ++bh) {
         const int64_t b = bh / hkv, h = bh % hkv;
-        if (k_new) {
+        const int64_t mh = (kv_row ? kv_row[b] : b) * hkv + h;  /* the mirror's (row, head) */
+        if (k_new && !kv_row) {
             const uint16_t* kn = k_new + b * k_new_stride + h * d;
-            uint16_t* kcol = kt + bh * d * cap + pos[b];
+            uint16_t* kcol = kt + mh * d * cap + pos[b];
             for (int64_t i = 0; i < d; ++i) kcol[i * cap] = kn[i];
-            memcpy(v + (bh * cap + pos[b]) * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(uint16_t));
+            memcpy(v + (mh * cap + pos[b]) * d, v_new + b * v_new_stride + h * d, (size_t)d * sizeof(uint16_t));
         }
         const uint16_t* qp = q + b * q_stride + h * group * d;
         float qf[MAX_G * 128], acc[MAX_G * 128], s[MAX_G * BLOCK];
@@ -210,11 +226,12 @@ int decode_attention_bf16(
         }
         Prefetch pf = {0, 0, cap * 2, (width * 2 + 63) / 64, d, (width * d * 2 + 63) / 64, 0, 0, 0};
         if (bh + 1 < n * hkv) {
-            pf.k = (const char*)(kt + (bh + 1) * d * cap);
-            pf.v = (const char*)(v + (bh + 1) * cap * d);
+            const int64_t next = (kv_row ? kv_row[(bh + 1) / hkv] : (bh + 1) / hkv) * hkv + (bh + 1) % hkv;
+            pf.k = (const char*)(kt + next * d * cap);
+            pf.v = (const char*)(v + next * cap * d);
         }
         if (width > 0)
-            attend_segment(qf, kt + bh * d * cap, v + bh * cap * d, bias ? bias + b * cap : 0, cap, width,
+            attend_segment(qf, kt + mh * d * cap, v + mh * cap * d, bias ? bias + b * cap : 0, cap, width,
                            group, d, s, m, l, acc, &pf);
         uint16_t* op = out + bh * group * d;
         for (int64_t g = 0; g < group; ++g) {

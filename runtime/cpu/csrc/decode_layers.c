@@ -18,7 +18,9 @@
 #include <stdint.h>
 #include "entry_points.h"
 
-/* What every layer shares (one decode batch of n requests). Activations are in the step's element
+/* What every layer shares (one decode batch of n rows: one per request, or, in a speculative verify
+ * step, each request's input token and drafts, which share its mirror row through kv_row and
+ * attend causally among themselves through their mask rows). Activations are in the step's element
  * type (bf16 or fp32); scratch buffers are the caller's, contiguous, and reused by every layer. */
 typedef struct {
     int64_t n, hidden, q_heads, kv_heads, head_dim, inter, rot_dim;
@@ -41,6 +43,8 @@ typedef struct {
     void* gate_up;                 /* [n, 2 inter]: the gate/up linear's output (unused on AMX, which fuses it) */
     float* prefix_out;             /* [n, q_heads head_dim] fp32 (prefix_len > 0) */
     float* prefix_lse;             /* [n, q_heads] fp32 */
+    const int64_t* kv_row;         /* [n]: each row's mirror row (NULL: row i is request i) */
+    int64_t kv_rows;               /* the mirror's rows (kv_row's bound) */
 } DecodeStep;
 
 /* One layer's weights (the addresses the linear kernels read) and KV buffers. */
@@ -66,7 +70,7 @@ typedef struct {
     int (*decode)(const void* q, int64_t q_stride, void* kt, void* v, const float* bias, int64_t cap, int64_t width,
                   void* out, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale, const void* k_new,
                   int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
-                  const float* init_o, const float* init_lse);
+                  const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows);
     void (*silu_mul)(const void* gate_up, int64_t rows, int64_t inter, void* out);
     /* NULL, or both in one pass: mid [m, inter] = silu(gate) * up of x times the gate/up weight
      * ([2 inter, k], gate rows first) */
@@ -96,10 +100,12 @@ typedef struct {
                               int64_t cap, int64_t width, void* out, int64_t n, int64_t hkv, int64_t group,    \
                               int64_t d, float scale, const void* k_new, int64_t k_new_stride,                 \
                               const void* v_new, int64_t v_new_stride, const int64_t* pos,                     \
-                              const float* init_o, const float* init_lse)                                      \
+                              const float* init_o, const float* init_lse, const int64_t* kv_row,               \
+                              int64_t kv_rows)                                                                 \
     {                                                                                                          \
         return decode_attention_##T(q, q_stride, kt, v, bias, cap, width, out, 0, n, hkv, group, d, scale,    \
-                                    k_new, k_new_stride, v_new, v_new_stride, pos, init_o, init_lse);          \
+                                    k_new, k_new_stride, v_new, v_new_stride, pos, init_o, init_lse, kv_row,   \
+                                    kv_rows);                                                                  \
     }                                                                                                          \
     static void silu_mul_##T##_v(const void* gate_up, int64_t rows, int64_t inter, void* out)                 \
     {                                                                                                          \
@@ -176,7 +182,8 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             return fail - STAGE_PREFIX;
         if (kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n, s->kv_heads, group, hd,
                        s->scale, k_new, qkv_cols, v_new, qkv_cols, s->append_pos,
-                       s->prefix_len > 0 ? s->prefix_out : 0, s->prefix_len > 0 ? s->prefix_lse : 0))
+                       s->prefix_len > 0 ? s->prefix_out : 0, s->prefix_len > 0 ? s->prefix_lse : 0, s->kv_row,
+                       s->kv_rows))
             return fail - STAGE_ATTENTION;
         if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;

@@ -16,7 +16,7 @@ int decode_attention_bf16(
     uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
     uint16_t* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
     const uint16_t* k_new, int64_t k_new_stride, const uint16_t* v_new, int64_t v_new_stride, const int64_t* pos,
-    const float* init_o, const float* init_lse);
+    const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows);
 int prefix_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp,
                           int64_t p, int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
                           float* out, float* lse);
@@ -43,7 +43,7 @@ int decode_attention_f32(
     float* kt, float* v, const float* bias, int64_t cap, int64_t width,
     float* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
     const float* k_new, int64_t k_new_stride, const float* v_new, int64_t v_new_stride, const int64_t* pos,
-    const float* init_o, const float* init_lse);
+    const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows);
 int prefix_attention_f32(const float* q, int64_t q_stride, const float* kp, const float* v, int64_t p,
                          int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
                          float* out, float* lse);
