@@ -17,8 +17,15 @@
  *
  * The integer sums use vpdpbusd where the build has AVX512-VNNI (with VL) or AVX-VNNI, vpmaddubsw
  * with AVX2, plain C elsewhere; the only rounding that differs between builds is the order of the
- * fp32 sums of the blocks. Threads split the output rows (OpenMP). */
-#include "common.h"
+ * fp32 sums of the blocks. Threads split the output rows (OpenMP).
+ *
+ * Many rows (QGEMM_MIN_ROWS and more: a prefill, a loaded server's decode batch) take another path:
+ * the integer products cost a conversion and a scale per block and activation row (vpmaddubsw,
+ * vpmaddwd, a conversion, an FMA per 32 values), which is more than an fp32 FMA per value once the
+ * weight is no longer what bounds the step. There each tile of weight rows is dequantized once to
+ * fp32 (into the thread's cache) and every activation row passes over it as plain fp32 dot
+ * products: the activations are not rounded at all, and the dequantization is shared by all rows. */
+#include "lanes_f32.h"
 #include "entry_points.h"
 
 #define QBLOCK 32
@@ -168,6 +175,108 @@ static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, con
     }
 }
 
+/* ---- many rows: dequantize a tile of weight rows once, fp32 dot products for every row ---- */
+#define QGEMM_MIN_ROWS 8   /* from this many activation rows on (docs/benchmarks.md, "Quantized weights") */
+#define DQ_W 8             /* weight rows dequantized per tile */
+#define DQ_K 512           /* depths per tile: DQ_W x DQ_K fp32 = 16 KiB, in L1 while every row passes */
+#define DOT_W 4            /* weight rows per register tile */
+#define DOT_X 3            /* activation rows per register tile (DOT_W x DOT_X accumulators) */
+
+/* Weight row o's values [k0, k0 + kc) as fp32 into dst (kc a multiple of 32). */
+static void dequantize_row(int q4, const uint8_t* qs, const float* scales, const float* mins, int64_t group,
+                           int64_t k, int64_t o, int64_t k0, int64_t kc, float* dst)
+{
+    const int64_t per_row = k / group;
+    for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; ++b, dst += QBLOCK) {
+        if (q4) {
+            const uint8_t* w = qs + o * (k / 2) + b * (QBLOCK / 2);
+            const float sc = scales[o * per_row + b], mn = mins[o * per_row + b];
+#if defined(__AVX2__)
+            const __m128i raw = _mm_loadu_si128((const __m128i*)w);
+            const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+            const __m256 vs = _mm256_set1_ps(sc), vm = _mm256_set1_ps(mn);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int j = 0; j < 4; ++j)
+                _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vs, vm));
+#else
+            for (int j = 0; j < QBLOCK / 2; ++j) {
+                dst[j] = sc * (float)(w[j] & 0x0F) + mn;
+                dst[j + QBLOCK / 2] = sc * (float)(w[j] >> 4) + mn;
+            }
+#endif
+        } else {
+            const int8_t* w = (const int8_t*)qs + o * k + b * QBLOCK;
+            for (int half = 0; half < 2; ++half) {
+                const float sc = scales[o * per_row + (b * QBLOCK + half * 16) / group];
+#if defined(__AVX2__)
+                const __m256 vs = _mm256_set1_ps(sc);
+                for (int j = 0; j < 16; j += 8) {
+                    const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + half * 16 + j));
+                    _mm256_storeu_ps(dst + half * 16 + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vs));
+                }
+#else
+                for (int j = 0; j < 16; ++j) dst[half * 16 + j] = sc * (float)w[half * 16 + j];
+#endif
+            }
+        }
+    }
+}
+
+/* acc[r][o] += x row r . w row o over kc depths (kc a multiple of AV_W), for XR x WR rows (constants at
+ * each call: the accumulators stay in registers); results added into out (rows ldo apart). */
+static inline __attribute__((always_inline)) void dot_tile(const int XR, const int WR, const float* x, int64_t ldx,
+                                                          const float* w, int64_t kc, float* out, int64_t ldo)
+{
+    av acc[DOT_X][DOT_W];
+    for (int r = 0; r < XR; ++r)
+        for (int o = 0; o < WR; ++o) acc[r][o] = av_set1(0.0f);
+    for (int64_t d = 0; d < kc; d += AV_W) {
+        av xv[DOT_X];
+        for (int r = 0; r < XR; ++r) xv[r] = av_load(x + r * ldx + d);
+        for (int o = 0; o < WR; ++o) {
+            const av wv = av_load(w + o * DQ_K + d);
+            for (int r = 0; r < XR; ++r) acc[r][o] = av_fma(xv[r], wv, acc[r][o]);
+        }
+    }
+    for (int r = 0; r < XR; ++r)
+        for (int o = 0; o < WR; ++o) out[r * ldo + o] += av_hsum(acc[r][o]);
+}
+
+static void dot_tile_n(int xr, int wr, const float* x, int64_t ldx, const float* w, int64_t kc, float* out,
+                       int64_t ldo)
+{
+#define DOT_CASE(X, W) if (xr == X && wr == W) { dot_tile(X, W, x, ldx, w, kc, out, ldo); return; }
+    DOT_CASE(3, 4) DOT_CASE(2, 4) DOT_CASE(1, 4) DOT_CASE(3, 3) DOT_CASE(2, 3) DOT_CASE(1, 3)
+    DOT_CASE(3, 2) DOT_CASE(2, 2) DOT_CASE(1, 2) DOT_CASE(3, 1) DOT_CASE(2, 1) DOT_CASE(1, 1)
+#undef DOT_CASE
+}
+
+/* quant_linear_f32 for m >= QGEMM_MIN_ROWS (same operands): out starts at the bias (or 0), each
+ * tile of DQ_W weight rows by DQ_K depths is dequantized and every row's dot products added. */
+static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const float* scales,
+                             const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
+                             int64_t ldo)
+{
+    const int64_t tiles = (n + DQ_W - 1) / DQ_W;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        float w[DQ_W * DQ_K] __attribute__((aligned(64)));
+        const int64_t o0 = t * DQ_W, wn = n - o0 < DQ_W ? n - o0 : DQ_W;
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t o = 0; o < wn; ++o) out[r * ldo + o0 + o] = bias ? bias[o0 + o] : 0.0f;
+        for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
+            const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
+            for (int64_t o = 0; o < wn; ++o)
+                dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o0 + o, k0, kc, w + o * DQ_K);
+            for (int64_t r = 0; r < m; r += DOT_X)  /* (an activation tile stays in L1 across the weight tiles) */
+                for (int64_t o = 0; o < wn; o += DOT_W)
+                    dot_tile_n((int)(m - r < DOT_X ? m - r : DOT_X), (int)(wn - o < DOT_W ? wn - o : DOT_W),
+                               x + r * ldx + k0, ldx, w + o * DQ_K, kc, out + r * ldo + o0 + o, ldo);
+        }
+    }
+}
+
 /* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
  * [n, k] (+ bias [n] when not NULL).
  * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL.
@@ -182,6 +291,12 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
     if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
     const int64_t nb = k / QBLOCK;
     const int q4 = kind == 1;
+#if AV_W > 1
+    if (m >= QGEMM_MIN_ROWS) {
+        dequantized_gemm(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
+        return 0;
+    }
+#endif
     /* scales per weight row, and per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
     const int64_t scales_per_row = k / group;
     const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
