@@ -280,20 +280,20 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
 
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
     """Put the serving device's environment defaults (``ServingPlatform.process_env``: the CPU's
-    OpenMP wait policy) into this process's environment, which every child inherits; the
-    libraries read them as they load, so this runs before any child starts. A variable already
-    set keeps its value. Returns what was set."""
+    OpenMP wait) into this process's environment, which every child inherits; the libraries read
+    them as they load, so this runs before any child starts. They are one setting: where the user
+    set any of the variables, none is applied. Returns what was set."""
     import torch
 
     from runtime.device import resolve_device
     from runtime.ops import get_ops
 
     device = resolve_device(server_args.device)
-    applied = {}
-    for key, value in get_ops(device, torch.float32).platform(device).process_env:
-        if key not in os.environ:
-            os.environ[key] = applied[key] = value
-    return applied
+    defaults = dict(get_ops(device, torch.float32).platform(device).process_env)
+    if any(key in os.environ for key in defaults):
+        return {}
+    os.environ.update(defaults)
+    return defaults
 
 
 def scheduler_name(server_args: ServerArgs, dp_rank: int, tp_rank: int) -> str:

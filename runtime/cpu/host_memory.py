@@ -100,14 +100,17 @@ def cpu_budget_bytes(device: torch.device, fraction: float, weight_bytes: int, r
     return cpu_kv_budget_bytes(cpu_mem_total_bytes(), fraction, weight_bytes, ranks)
 
 
-# OpenMP threads that sleep when they have no work instead of spinning for it. libgomp's
-# default lets each thread spin for a while after every parallel region, waiting for the next;
-# a decode step opens over a hundred regions, and between them the scheduler's Python, the
-# tokenizer, detokenizer and HTTP processes, and any other program need those same cores: on a
-# small CPU a spinning thread takes the core from whoever should run, and a thread of the next
-# region waits for its time slice (docs/benchmarks.md: one request's decode step). Sleeping
-# costs a wake-up per region, which on such a machine is far the smaller cost.
-CPU_OPENMP_ENV = (("OMP_WAIT_POLICY", "PASSIVE"),)
+# OpenMP threads that spin only briefly after a parallel region, then sleep. A decode step opens
+# a few hundred regions microseconds apart: a thread that sleeps at once (OMP_WAIT_POLICY=PASSIVE
+# alone) pays a wake-up for each, which on an idle 2-core host made a one-request decode step
+# take 35 ms served against 20 ms in process; a short spin (GOMP_SPINCOUNT, libgomp's count of
+# polls before it sleeps) bridges those gaps and gave 22-23 ms. libgomp's default spin (300,000
+# polls) and spinning without end are the other extreme: between steps the spinning threads hold
+# the cores that the scheduler's Python, the tokenizer, the detokenizer and any other program
+# need, and on a host shared with other work a step then took 110-190 ms against 35-49 ms with no
+# spin (docs/benchmarks.md, "The OpenMP wait"). One setting: a user's own value of either
+# variable keeps both of ours out (launch.apply_platform_env).
+CPU_OPENMP_ENV = (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "5000"))
 
 CPU_PLATFORM = ServingPlatform(
     mem_fraction=CPU_DEFAULT_MEM_FRACTION,
