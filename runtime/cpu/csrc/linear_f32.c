@@ -177,6 +177,72 @@ static void gemv_f32(const float* x, const float* w, int64_t n, int64_t k, const
 }
 #endif
 
+#if AV_W == 8
+/* Two or three rows (AVX2): as in the one-row path, STREAM_PANELS panels are read side by side (the
+ * memory system keeps a stream per panel in flight; row_block's one panel at a time streamed at
+ * ~2/3 of the rate), half a line (8 columns) of each per pass so that R rows x STREAM_PANELS
+ * accumulators fit the 16 registers; the other half comes from cache in a second pass. Each
+ * output's chain is row_block's (a KC block's depths in order from zero, added to the previous
+ * blocks' sum, then the bias), so a row has the same bits here as alone or in any batch. */
+#define STREAM_PANELS 4
+#define STREAM_ROWS 3
+
+static inline __attribute__((always_inline)) void stream_rows(const int R, const int np, const float* x, int64_t ldx,
+                                                               const float* w, int64_t k, int64_t k0, int64_t kc,
+                                                               const float* bias, float* out, int64_t ldo)
+{
+    for (int half = 0; half < 2; ++half) {
+        av acc[STREAM_ROWS][STREAM_PANELS];
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < np; ++p) acc[r][p] = av_set1(0.0f);
+        for (int64_t d = k0; d < k0 + kc; ++d) {
+            av xv[STREAM_ROWS];
+            for (int r = 0; r < R; ++r) xv[r] = av_set1(x[r * ldx + d]);
+            for (int p = 0; p < np; ++p) {
+                const av wv = av_load(w + (p * k + d) * PANEL + half * AV_W);
+                for (int r = 0; r < R; ++r) acc[r][p] = av_fma(xv[r], wv, acc[r][p]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < np; ++p) {
+                float* o = out + r * ldo + p * PANEL + half * AV_W;
+                av sum = k0 == 0 ? acc[r][p] : av_add(av_load(o), acc[r][p]);
+                if (bias && k0 + kc >= k) sum = av_add(sum, av_load(bias + p * PANEL + half * AV_W));
+                av_store(o, sum);
+            }
+    }
+}
+
+static void stream_rows_n(int R, int np, const float* x, int64_t ldx, const float* w, int64_t k, int64_t k0,
+                          int64_t kc, const float* bias, float* out, int64_t ldo)
+{
+#define STREAM_CASE(RR, P) \
+    if (R == RR && np == P) { stream_rows(RR, P, x, ldx, w, k, k0, kc, bias, out, ldo); return; }
+    STREAM_CASE(2, 4) STREAM_CASE(3, 4) STREAM_CASE(2, 3) STREAM_CASE(3, 3) STREAM_CASE(2, 2) STREAM_CASE(3, 2)
+    STREAM_CASE(2, 1) STREAM_CASE(3, 1)
+#undef STREAM_CASE
+}
+
+/* 2 or 3 rows: blocks of STREAM_PANELS panels shared among the threads, each a KC block at a time.
+ * (From 4 rows on row_block keeps up: its single stream measured no slower than two passes.) */
+static void stream_linear(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
+                          const float* bias, float* out)
+{
+    const int64_t panels = n / PANEL;
+    const int64_t blocks = (panels + STREAM_PANELS - 1) / STREAM_PANELS;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t p0 = b * STREAM_PANELS;
+        const int np = (int)(panels - p0 < STREAM_PANELS ? panels - p0 : STREAM_PANELS);
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            stream_rows_n((int)m, np, x, ldx, w + p0 * k * PANEL, k, k0, kc, bias ? bias + p0 * PANEL : NULL,
+                          out + p0 * PANEL, n);
+        }
+    }
+}
+#endif
+
 /* out[m, n] (row stride n) = x[m, k] (rows ldx apart) times the panel copy w of an [n, k] weight,
  * transposed, plus bias[n] (or NULL). Returns 0, or -1 where this build has no vector kernel or
  * n is not a whole number of panels: the caller runs F.linear then. */
@@ -189,6 +255,12 @@ int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n
         gemv_f32(x, w, n, k, bias, out);
         return 0;
     }
+#if AV_W == 8
+    if (m <= STREAM_ROWS) {
+        stream_linear(x, m, ldx, w, n, k, bias, out);
+        return 0;
+    }
+#endif
     const int64_t panels = n / PANEL;
     const int64_t groups = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     /* vector 1 of a group at one depth: the next 8 lanes of the panel (AVX2), or the next panel */
