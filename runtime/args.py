@@ -103,9 +103,12 @@ class ServerArgs:
     request_timeout: float | None = None
     # Speculative decoding (runtime/spec_args.py: the flags; scheduler_proc/spec: the work). None = off.
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
+    speculative_num_draft_tokens: int = 8
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # Most tokens one verify step feeds the model (its requests' last tokens plus drafts); None: the
+    # device's default (ServingPlatform.spec_step_tokens).
+    speculative_max_step_tokens: int | None = None
 
     # ------------------------------------------------------------------ CLI
 

@@ -31,3 +31,7 @@ class ServingPlatform:
     # Environment defaults the serving processes must start with (read by libraries as they load,
     # so set by launch.py before it spawns them; a value already in the environment wins).
     process_env: tuple[tuple[str, str], ...] = ()
+    # The most tokens a speculative verify step feeds the model by default (--speculative-max-step-tokens;
+    # None: no limit): as long as a step's extra rows cost little next to streaming the weights, drafts
+    # pay; past that each draft row costs more than the tokens it is likely to save.
+    spec_step_tokens: int | None = None

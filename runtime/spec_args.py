@@ -20,6 +20,11 @@ def add_spec_cli_args(parser: argparse.ArgumentParser, defaults: Any) -> None:
     g.add_argument("--speculative-num-draft-tokens", type=int, default=defaults.speculative_num_draft_tokens,
                    help="most tokens drafted per request and step "
                         f"(default {defaults.speculative_num_draft_tokens})")
+    g.add_argument("--speculative-max-step-tokens", type=int, default=defaults.speculative_max_step_tokens,
+                   help="most tokens a verify step feeds the model: its requests' last tokens plus their drafts, "
+                        "which are cut to fit (under load a step of many requests has little room left: "
+                        "speculation steps aside where extra rows stop being nearly free); default: the "
+                        "device's (16 on CPU, no limit on GPU)")
     g.add_argument("--speculative-ngram-min-match-window-size", type=int,
                    default=defaults.speculative_ngram_min_match_window_size,
                    help="fewest latest tokens a match must cover before its continuation is drafted "
@@ -40,6 +45,8 @@ def validate_spec(args: Any) -> None:
                         ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.speculative_max_step_tokens is not None and args.speculative_max_step_tokens < 1:
+        raise ValueError(f"--speculative-max-step-tokens must be >= 1, got {args.speculative_max_step_tokens}")
     if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:
         raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
                          "--speculative-ngram-max-match-window-size")

@@ -84,7 +84,8 @@ class Scheduler:
                                       server_args.stream_interval, server_args.decode_log_interval)
         self.stats = self.output.stats
         self.memory = DecodeMemory(self.context_len)
-        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats)  # None: no speculation
+        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats,  # None: no speculation
+                                       torch.device(model_runner.device))
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap

@@ -112,6 +112,12 @@ def cpu_budget_bytes(device: torch.device, fraction: float, weight_bytes: int, r
 # variable keeps both of ours out (launch.apply_platform_env).
 CPU_OPENMP_ENV = (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "5000"))
 
+# A CPU decode step of SmolLM2 (fp32, 2 cores, AVX2) took 1.04x / 1.09x / 1.33x / 1.54x / 1.81x / 2.1x
+# the time of one row at 2 / 3 / 4 / 5 / 8 / 12 rows, 2.8x at 16 and then ~0.1x more per row (compute
+# bound): a draft row accepted about half of the time pays below 16 rows, not above
+# (docs/benchmarks.md, "Speculative decoding").
+CPU_SPEC_STEP_TOKENS = 16
+
 CPU_PLATFORM = ServingPlatform(
     mem_fraction=CPU_DEFAULT_MEM_FRACTION,
     warn_over_budget=False,
@@ -120,4 +126,5 @@ CPU_PLATFORM = ServingPlatform(
     ram_bytes=cpu_mem_total_bytes,
     cuda_graphs=False,
     process_env=CPU_OPENMP_ENV,
+    spec_step_tokens=CPU_SPEC_STEP_TOKENS,
 )

@@ -45,17 +45,27 @@ from scheduler_proc.spec.ngram import NgramProposer
 class SpecDecoder:
     """Proposes drafts for a decode step's requests and takes the verify step's tokens."""
 
-    def __init__(self, args: ServerArgs, context_len: int, stats: dict[str, int]) -> None:
+    def __init__(self, args: ServerArgs, context_len: int, stats: dict[str, int],
+                 step_tokens: int | None = None) -> None:
         self.proposer = NgramProposer(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
         self.context_len = context_len
+        # the most tokens a verify step feeds the model (None: no limit beyond the free KV slots)
+        self.step_tokens = args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None \
+            else step_tokens
         self.stats = stats
         for key in SPEC_STATS:
             stats.setdefault(key, 0)
 
     @staticmethod
-    def create(args: ServerArgs, context_len: int, stats: dict[str, int]) -> "SpecDecoder | None":
-        return SpecDecoder(args, context_len, stats) if args.speculative_algorithm is not None else None
+    def create(args: ServerArgs, context_len: int, stats: dict[str, int],
+               device: torch.device) -> "SpecDecoder | None":
+        """None without speculation; ``device``'s platform gives --speculative-max-step-tokens' default."""
+        if args.speculative_algorithm is None:
+            return None
+        from runtime.ops import get_ops
+
+        return SpecDecoder(args, context_len, stats, get_ops(device, torch.float32).platform(device).spec_step_tokens)
 
     def draft_limit(self, req: Req) -> int:
         """Most drafts ``req`` may take this step: one fewer than the tokens it may still emit."""
@@ -65,12 +75,14 @@ class SpecDecoder:
         return min(req.remaining_new_tokens(), self.context_len - req.scheduled_len) - 1
 
     def propose(self, reqs: Sequence[Req], free_slots: int) -> list[list[int]] | None:
-        """Each request's drafts, within ``free_slots`` beyond the step's one slot per request; None
-        when no request has any (the step is then a plain decode)."""
-        budget = free_slots - len(reqs)
+        """Each request's drafts, within ``free_slots`` and the step's token budget beyond its one
+        token per request, shared evenly (a request that drafts less leaves the rest to those after
+        it); None when no request has any (the step is then a plain decode)."""
+        room = free_slots if self.step_tokens is None else min(free_slots, self.step_tokens)
+        budget = room - len(reqs)
         drafts: list[list[int]] = []
-        for req in reqs:
-            limit = min(self.draft_limit(req), budget)
+        for i, req in enumerate(reqs):
+            limit = min(self.draft_limit(req), budget // (len(reqs) - i)) if budget > 0 else 0
             draft: list[int] = []
             if limit > 0:
                 draft, req.spec_index = self.proposer.propose(req.known_ids(), req.spec_index, limit)

@@ -29,7 +29,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def spec_server(tiny_checkpoints: Any) -> Iterator[Client]:
     args = base_args(tiny_checkpoints.path("llama"), "--speculative-algorithm", "ngram",
-                     "--speculative-num-draft-tokens", "5", "--enable-overlap-schedule", "--chunked-prefill-size", "16",
+                     "--speculative-num-draft-tokens", "5", "--speculative-max-step-tokens", "256",
+                     "--enable-overlap-schedule", "--chunked-prefill-size", "16",
                      "--enable-metrics", max_total_tokens=512)
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client

@@ -40,8 +40,9 @@ EXPECTED_DEFAULTS = {
     "grammar_backend": "xgrammar", "grammar_compile_timeout": 60.0, "disable_jump_forward": False,
     "tool_call_parser": None, "reasoning_parser": None, "graceful_shutdown_timeout": 30.0,
     "max_queued_requests": None, "request_timeout": None,
-    "speculative_algorithm": None, "speculative_num_draft_tokens": 4,
+    "speculative_algorithm": None, "speculative_num_draft_tokens": 8,
     "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 12,
+    "speculative_max_step_tokens": None,
 }
 
 

@@ -32,6 +32,7 @@ SMALL_VOCAB = 16  # (the stub's cycle with history 1: every token seen once more
 def spec_scheduler(spec: bool, history: int | None = 1, vocab: int = SMALL_VOCAB, max_total_tokens: int = 4096,
                    **overrides: Any) -> Scheduler:
     overrides.setdefault("disable_overlap_schedule", True)
+    overrides.setdefault("speculative_max_step_tokens", 1 << 20)  # (every request drafts, however many run)
     args = ServerArgs(max_total_tokens=max_total_tokens, speculative_algorithm="ngram" if spec else None, **overrides)
     runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=vocab, history=history)
     return Scheduler(args, model_runner=runner)
@@ -118,6 +119,50 @@ def test_random_output_accepts_almost_nothing_and_equals_plain_decoding() -> Non
     assert {k: v["ids"] for k, v in on.items()} == {k: v["ids"] for k, v in off.items()}
     info = sched.server_info()
     assert info["spec_accept_rate"] < 0.1 and info["spec_accept_length"] < 1.1, info
+
+
+@pytest.mark.parametrize(("requests", "budget"), [(3, 12), (16, 16), (20, 16)])
+def test_the_step_budget_shares_drafts_and_steps_aside_under_load(requests: int, budget: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--speculative-max-step-tokens: a verify step never feeds more tokens than the budget; the
+    drafts are shared evenly, and with as many requests as the budget none is drafted (plain decode)."""
+    from scheduler_proc.spec.verify import SpecDecoder
+
+    sizes: list[list[int]] = []
+    real = SpecDecoder.propose
+
+    def propose(self: SpecDecoder, reqs: Any, free_slots: int) -> Any:
+        drafts = real(self, reqs, free_slots)
+        sizes.append([len(d) for d in drafts] if drafts is not None else [0] * len(reqs))
+        return drafts
+
+    monkeypatch.setattr(SpecDecoder, "propose", propose)
+    calls = [(p, {"max_new_tokens": 30, "ignore_eos": True}) for p in prompts(requests, 12, SMALL_VOCAB, seed=4)]
+    off, on, sched = run_both(calls, speculative_max_step_tokens=budget)
+    assert {k: v["ids"] for k, v in on.items()} == {k: v["ids"] for k, v in off.items()}
+    assert sizes and all(len(step) + sum(step) <= budget for step in sizes if any(step)), sizes
+    full = [step for step in sizes if len(step) == requests]  # the steps every request decoded in
+    assert full
+    if requests >= budget:  # no room beyond one token a request: plain decoding
+        assert not any(any(step) for step in sizes if len(step) >= budget), sizes
+    else:
+        assert any(max(step) == (budget - requests) // requests for step in full), sizes  # an even share each
+        assert sched.stats["spec_accepted_drafts"] > 0
+
+
+def test_the_device_gives_the_budgets_default() -> None:
+    from runtime.cpu.host_memory import CPU_PLATFORM
+    from runtime.cuda.memory import CUDA_PLATFORM
+    from scheduler_proc.spec.verify import SpecDecoder
+
+    args = ServerArgs(speculative_algorithm="ngram")
+    cpu = SpecDecoder.create(args, 2048, {}, torch.device("cpu"))
+    assert cpu is not None and cpu.step_tokens == CPU_PLATFORM.spec_step_tokens == 16
+    assert CUDA_PLATFORM.spec_step_tokens is None  # (a GPU step has room for many rows: no limit)
+    mine = SpecDecoder.create(ServerArgs(speculative_algorithm="ngram", speculative_max_step_tokens=40), 2048, {},
+                              torch.device("cpu"))
+    assert mine is not None and mine.step_tokens == 40
+    assert SpecDecoder.create(ServerArgs(), 2048, {}, torch.device("cpu")) is None
 
 
 def test_batch_of_one() -> None:

@@ -41,6 +41,7 @@ def calls_for(vocab: int, n: int, seed: int) -> list[list[int]]:
 def generate(runner: Any, prompts: list[list[int]], params: list[dict[str, Any]], spec: bool,
              tp_rank: int = 0, **args: Any) -> dict[str, dict]:
     args.setdefault("disable_overlap_schedule", True)
+    args.setdefault("speculative_max_step_tokens", 1 << 20)  # (every request drafts, however many run)
     sched = Scheduler(ServerArgs(max_total_tokens=runner.max_total_tokens,
                                  speculative_algorithm="ngram" if spec else None, **args),
                       tp_rank=tp_rank, model_runner=runner)
