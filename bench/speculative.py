@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      epilog="Any other flag is passed to launch.py, for both servers.")
     add_model_args(parser)
     add_pinning_args(parser)
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens (default 4)")
+    parser.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens (default 8, the server's)")
     parser.add_argument("--scenario", type=int, nargs="*", default=None,
                         help=f"indices of the scenarios to run (default all: {len(SCENARIOS)})")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/speculative_<time>.json)")

@@ -74,7 +74,8 @@ class BatchBuilder:
     def _sampling(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]] | None = None) -> SamplingBatchInfo:
         """The batch's sampling state, one row per request; with ``drafts`` (a verify batch) one row
         per token of each request: row j of a request samples as its next step would after drafts
-        ``[:j]`` were taken (their history for penalties, min_new_tokens and the seeded step)."""
+        ``[:j]`` were taken (their history for penalties, min_new_tokens and the seeded step, and a
+        constrained request's grammar mask after them)."""
         counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(reqs)
         starts = [sum(counts[:i]) for i in range(len(reqs))]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
@@ -83,9 +84,11 @@ class BatchBuilder:
             from runtime.grammar import fill_bitmask
 
             assert not any(reqs[i].num_inflight for i in constrained), "a grammar's mask needs its last token"
-            assert all(counts[i] == 1 for i in constrained), "constrained requests are never speculated"
             grammars = [cast("RequestGrammar", reqs[i].grammar) for i in constrained]
             mask = fill_bitmask(grammars, [starts[i] for i in constrained], sum(counts), self.runner.vocab_size)
+            for i, grammar in zip(constrained, grammars):
+                if drafts is not None and drafts[i]:  # the rows after each draft token (spec.verify cut them valid)
+                    grammar.fill_after(drafts[i], mask, starts[i])
         outputs = [_outputs_for_sampling(r) for r in reqs]
         expand = range(len(reqs)) if drafts is None else [i for i, c in enumerate(counts) for _ in range(c)]
         histories = outputs if drafts is None else [
@@ -98,7 +101,7 @@ class BatchBuilder:
             self.runner.eos_token_ids,
             self.device,
             vocab_mask=mask,
-            vocab_mask_rows=[starts[i] for i in constrained] or None,
+            vocab_mask_rows=[starts[i] + j for i in constrained for j in range(counts[i])] or None,
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:

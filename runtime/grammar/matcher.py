@@ -65,6 +65,30 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (a speculative draft) the grammar takes in a row from its state,
+        up to and including one that completes it; the state is left as it was (rolled back)."""
+        taken = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            taken += 1
+        if taken:
+            self._matcher.rollback(taken)
+        return taken
+
+    def fill_after(self, tokens: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """Rows ``first_row + 1 + j`` of ``bitmask``: the allowed next tokens after ``tokens[: j + 1]``
+        (a draft ``valid_prefix`` took whole; row ``first_row``, before it, is ``fill``'s); the
+        state is left as it was."""
+        for j, token in enumerate(tokens):
+            if not self._matcher.accept_token(token):
+                self._matcher.rollback(j)
+                raise ValueError("a draft token the grammar refuses (drafts are cut to valid_prefix)")
+            self.fill(bitmask, first_row + 1 + j)
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

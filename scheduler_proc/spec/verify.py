@@ -18,10 +18,12 @@ anything can cache the request's row. ``kv_committed_len`` then counts exactly t
 so the prefix cache only ever sees accepted tokens.
 
 Which requests draft: those that would still emit more than one token (``max_new_tokens``,
-the context), past ``min_new_tokens``' suppression and with no grammar (a constrained request's
-next mask needs its matcher to have taken the previous token: it decodes normally). Drafts never
-cause a retraction or an eviction beyond what the decode step itself needs: with too few free
-slots they are cut.
+the context) and are past ``min_new_tokens``' suppression. A constrained request's draft is cut to
+what its grammar takes (``RequestGrammar.valid_prefix``), and each of its verify rows is masked by
+the grammar's state after the drafts before it (``BatchBuilder._sampling``), so every sample obeys
+the grammar as a decoded one does. Drafts never cause a retraction or an eviction beyond what the
+decode step itself needs: with too few free slots, or past the step's token budget
+(``--speculative-max-step-tokens``), they are cut.
 
 Overlap scheduling: the proposer reads every token of a request, so a step is planned only
 after the previous one was processed (``model_worker.can_plan_ahead`` says no while speculation
@@ -70,7 +72,7 @@ class SpecDecoder:
     def draft_limit(self, req: Req) -> int:
         """Most drafts ``req`` may take this step: one fewer than the tokens it may still emit."""
         params = req.sampling_params
-        if req.grammar is not None or req.num_inflight or len(req.output_ids) < params.min_new_tokens:
+        if req.num_inflight or len(req.output_ids) < params.min_new_tokens:
             return 0
         return min(req.remaining_new_tokens(), self.context_len - req.scheduled_len) - 1
 
@@ -86,6 +88,8 @@ class SpecDecoder:
             draft: list[int] = []
             if limit > 0:
                 draft, req.spec_index = self.proposer.propose(req.known_ids(), req.spec_index, limit)
+                if draft and req.grammar is not None:  # a constrained request drafts what its grammar takes
+                    draft = draft[: req.grammar.valid_prefix(draft)]
             budget -= len(draft)
             drafts.append(draft)
         if not any(drafts):

@@ -148,3 +148,50 @@ def test_tensor_parallel_2(tiny_llama_path: Path, thread_tp_group: Any) -> None:
     results = run_on_ranks(thread_tp_group, work)
     assert results[0] == results[1]
     assert results[0] == ids(generate(runner_for(tiny_llama_path, max_total_tokens=512), prompts, params, spec=False))
+
+
+def test_constrained_requests_draft_what_their_grammar_takes(tiny_llama_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts of a constrained request are cut to what its grammar accepts, and each verify row is
+    masked by the grammar's state after the drafts before it: the output is plain decoding's and
+    matches its grammar."""
+    import re
+
+    from runtime.grammar.matcher import RequestGrammar
+    from runtime.tokenizer import load_tokenizer
+
+    drafted: list[int] = []
+    real_fill = RequestGrammar.fill_after
+
+    def fill_after(self: RequestGrammar, tokens: Any, bitmask: Any, first_row: int) -> None:
+        drafted.append(len(tokens))
+        real_fill(self, tokens, bitmask, first_row)
+
+    monkeypatch.setattr(RequestGrammar, "fill_after", fill_after)
+    tokenizer = load_tokenizer(str(tiny_llama_path))
+    pattern = r"(ab|cd)( (ab|cd)){4,9}\."
+    prompts = ["ab cd ab cd ab", "Hello world", "cd cd cd"]
+
+    def run(spec: bool) -> dict[str, list[int]]:
+        args = ServerArgs(model_path=str(tiny_llama_path), device="cpu", dtype="float32", max_total_tokens=2048,
+                          disable_overlap_schedule=True, speculative_algorithm="ngram" if spec else None,
+                          speculative_max_step_tokens=1 << 20)
+        sched = Scheduler(args)
+        for i, prompt in enumerate(prompts):
+            sched.handle_message(TokenizedGenerateReq(
+                rid=str(i), input_ids=tokenizer.encode(prompt),
+                sampling_params=SamplingParams(max_new_tokens=64, temperature=0.0, regex=pattern)))
+        sched.handle_message(TokenizedGenerateReq(rid="free", input_ids=tokenizer.encode(prompts[0] * 3),
+                                                  sampling_params=SamplingParams(max_new_tokens=24, temperature=0.0)))
+        out = ids(run_until_idle(sched))
+        assert_idle_invariant(sched)
+        return out
+
+    off = run(False)
+    drafted.clear()
+    on = run(True)
+    assert on == off
+    assert any(drafted), "no constrained request drafted"
+    for i in range(len(prompts)):
+        text = tokenizer.decode(on[str(i)], skip_special_tokens=True)
+        assert re.fullmatch(pattern, text), text
