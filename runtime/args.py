@@ -109,6 +109,7 @@ class ServerArgs:
     # Most tokens one verify step feeds the model (its requests' last tokens plus drafts); None: the
     # device's default (ServingPlatform.spec_step_tokens).
     speculative_max_step_tokens: int | None = None
+    speculative_ngram_capacity: int = 0  # runs kept across requests (scheduler_proc/spec/ngram_table.py); 0: off
 
     # ------------------------------------------------------------------ CLI
 

@@ -25,6 +25,10 @@ def add_spec_cli_args(parser: argparse.ArgumentParser, defaults: Any) -> None:
                         "which are cut to fit (under load a step of many requests has little room left: "
                         "speculation steps aside where extra rows stop being nearly free); default: the "
                         "device's (16 on CPU, no limit on GPU)")
+    g.add_argument("--speculative-ngram-capacity", type=int, default=defaults.speculative_ngram_capacity,
+                   help="also draft from n-grams seen in earlier requests: a table of at most this many runs of "
+                        "tokens (SGLang's flag; its trie is always on) with what followed them, used when a "
+                        "request's own text has no match (default 0: off)")
     g.add_argument("--speculative-ngram-min-match-window-size", type=int,
                    default=defaults.speculative_ngram_min_match_window_size,
                    help="fewest latest tokens a match must cover before its continuation is drafted "
@@ -45,6 +49,8 @@ def validate_spec(args: Any) -> None:
                         ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.speculative_ngram_capacity < 0:
+        raise ValueError(f"--speculative-ngram-capacity must be >= 0, got {args.speculative_ngram_capacity}")
     if args.speculative_max_step_tokens is not None and args.speculative_max_step_tokens < 1:
         raise ValueError(f"--speculative-max-step-tokens must be >= 1, got {args.speculative_max_step_tokens}")
     if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:

@@ -434,6 +434,8 @@ class Scheduler:
         if req.to_abort is not None:  # here, or when its step in flight completed (overlap)
             self.stats["num_aborted"] += 1
         self.output.finish(req, reason, error_code)
+        if self.spec is not None:
+            self.spec.finished(req)
         if req.num_inflight == 0:
             self._release(req)
 

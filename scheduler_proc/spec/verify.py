@@ -42,6 +42,7 @@ from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
 from scheduler_proc.spec.ngram import NgramProposer
+from scheduler_proc.spec.ngram_table import NgramTable
 
 
 class SpecDecoder:
@@ -51,6 +52,11 @@ class SpecDecoder:
                  step_tokens: int | None = None) -> None:
         self.proposer = NgramProposer(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
+        # n-grams of finished requests, for a request whose own text has no match (None: off)
+        self.table = NgramTable(args.speculative_ngram_capacity, args.speculative_num_draft_tokens,
+                                args.speculative_ngram_min_match_window_size,
+                                args.speculative_ngram_max_match_window_size) \
+            if args.speculative_ngram_capacity > 0 else None
         self.context_len = context_len
         # the most tokens a verify step feeds the model (None: no limit beyond the free KV slots)
         self.step_tokens = args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None \
@@ -87,7 +93,11 @@ class SpecDecoder:
             limit = min(self.draft_limit(req), budget // (len(reqs) - i)) if budget > 0 else 0
             draft: list[int] = []
             if limit > 0:
-                draft, req.spec_index = self.proposer.propose(req.known_ids(), req.spec_index, limit)
+                tokens = req.known_ids()
+                backing_off = req.spec_index is not None and req.spec_index.skip > 0
+                draft, req.spec_index = self.proposer.propose(tokens, req.spec_index, limit)
+                if not draft and self.table is not None and not backing_off:
+                    draft = self.table.lookup(tokens, limit)
                 if draft and req.grammar is not None:  # a constrained request drafts what its grammar takes
                     draft = draft[: req.grammar.valid_prefix(draft)]
             budget -= len(draft)
@@ -138,6 +148,11 @@ class SpecDecoder:
                 finish(req, req.finish_reason)
             row += 1 + len(draft)
         return finished
+
+    def finished(self, req: Req) -> None:
+        """A request ended: its text joins the table of n-grams seen across requests (if kept)."""
+        if self.table is not None and req.output_ids:
+            self.table.add(req.known_ids())
 
     def count_plain_decode(self, num_reqs: int) -> None:
         """A decode step without drafts still counts toward the mean accepted length (1 token each)."""

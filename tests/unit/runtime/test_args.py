@@ -42,7 +42,7 @@ EXPECTED_DEFAULTS = {
     "max_queued_requests": None, "request_timeout": None,
     "speculative_algorithm": None, "speculative_num_draft_tokens": 8,
     "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 12,
-    "speculative_max_step_tokens": None,
+    "speculative_max_step_tokens": None, "speculative_ngram_capacity": 0,
 }
 
 

@@ -330,3 +330,44 @@ def test_decode_log_line_reports_acceptance(caplog: pytest.LogCaptureFixture) ->
     assert lines and all("accept len: " in line and "accept rate: " in line for line in lines)
     # The throughput counts every emitted token: more than one per step here.
     assert sched.stats["spec_decode_tokens"] > sched.stats["num_decode_batches"]
+
+
+# ---------------------------------------------------------------- n-grams across requests
+
+
+def test_ngram_table_keeps_the_latest_continuation_of_the_longest_run_within_its_capacity() -> None:
+    from scheduler_proc.spec.ngram_table import NgramTable
+
+    table = NgramTable(capacity=100, continuation=3)
+    table.add([1, 2, 3, 4, 5, 6, 7])
+    assert table.lookup([9, 2, 3, 4], 3) == [5, 6, 7]  # the 3-run (2, 3, 4) continues with 5 6 7
+    assert table.lookup([9, 9, 3, 4], 2) == [5, 6]  # a 2-run, cut to the limit
+    assert table.lookup([9, 9, 9, 8], 3) == []
+    table.add([7, 3, 4, 1, 1])
+    assert table.lookup([0, 3, 4], 3) == [1, 1]  # the newer continuation of (3, 4)
+    assert table.lookup([2, 3, 4], 3) == [5, 6, 7]  # the longer run wins
+    small = NgramTable(capacity=5, continuation=2)
+    small.add(list(range(20)))
+    assert len(small) == 5 and small.lookup([16, 17], 2) == [18, 19] and small.lookup([1, 2], 2) == []
+
+
+def test_a_later_request_drafts_from_an_earlier_ones_text() -> None:
+    """The stub with history 1 continues a token the same way every time: a new request whose own
+    text has not repeated yet finds the continuation in the table of finished requests."""
+    first, second = [3, 4, 5], [9, 10, 5]  # (both end in 5: the second continues as the first did)
+
+    def second_request_drafts(capacity: int) -> tuple[list[int], int]:
+        sched = spec_scheduler(True, speculative_ngram_capacity=capacity)
+        submit(sched, "a", first, max_new_tokens=12)
+        run_until_idle(sched)
+        drafts_before = sched.stats["spec_draft_tokens"]
+        submit(sched, "b", second, max_new_tokens=12)
+        out = run_until_idle(sched)
+        assert_idle_invariant(sched)
+        return out["b"]["ids"], sched.stats["spec_draft_tokens"] - drafts_before
+
+    plain = run_both([(first, {"max_new_tokens": 12}), (second, {"max_new_tokens": 12})])[0]
+    with_table, drafted_with = second_request_drafts(4096)
+    without, drafted_without = second_request_drafts(0)
+    assert with_table == without == plain["1"]["ids"]
+    assert drafted_with > drafted_without
