@@ -1,5 +1,7 @@
 """ctypes wrapper of ``csrc/quant_linear.c``: linear layers on weights kept quantized
-(``runtime.quant.weight.QuantizedWeight``), activations quantized per block of 32 on the fly.
+(``runtime.quant.weight.QuantizedWeight``): a few rows with activations quantized per block of 32 on
+the fly, more rows on tiles of the weight dequantized in cache, a long prefill's on the whole weight
+dequantized for the BLAS (``DENSE_MIN_ROWS``).
 
 ``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
 the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
@@ -19,6 +21,12 @@ from runtime.quant.weight import QuantizedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
+
+# From this many rows on (a long prefill) the weight is dequantized whole and the product is the
+# BLAS's: its blocking for large products beats the kernel's tiles (docs/benchmarks.md, "Quantized
+# weights"), and one pass over the weight is small next to rows x its size of products.
+DENSE_MIN_ROWS = 256
 
 _KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind
 
@@ -41,6 +49,13 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if rows.shape[0] == 0:
         return out.reshape(*x.shape[:-1], out_features).to(torch.float32 if float_out else x.dtype)
     mins = weight.mins
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        dense = torch.empty(out_features, in_features, dtype=torch.float32)
+        if lib.quant_dequantize_f32(_KIND_CODES[weight.kind], weight.qs.data_ptr(), weight.scales.data_ptr(),
+                                    mins.data_ptr() if mins is not None else None, weight.group, out_features,
+                                    in_features, dense.data_ptr()) == 0:
+            out = torch.nn.functional.linear(rows, dense, bias).reshape(*x.shape[:-1], out_features)
+            return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
     rc = lib.quant_linear_f32(rows.data_ptr(), rows.shape[0], rows.stride(0), _KIND_CODES[weight.kind],
                               weight.qs.data_ptr(), weight.scales.data_ptr(),
                               mins.data_ptr() if mins is not None else None, weight.group, out_features,

@@ -35,6 +35,8 @@ void rotary_f32(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t 
 void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);
 int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
                const float* bias, float* out);
+int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
+                         int64_t n, int64_t k, float* out);
 int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
                      int64_t ldo);

@@ -277,6 +277,21 @@ static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, con
     }
 }
 
+/* The whole weight dequantized: out [n, k] fp32 (kind, layouts and groups as quant_linear_f32's).
+ * For a product of many rows (a long prefill) the caller hands the dense weight to the BLAS, whose
+ * blocking for large products beats these kernels; the conversion is one pass over the weight.
+ * Returns 0, or -1 (nothing written) for operands quant_linear_f32 would not take. */
+int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
+                         int64_t n, int64_t k, float* out)
+{
+    if (n < 1 || k < QBLOCK || k % QBLOCK) return -1;
+    if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n; ++o)
+        dequantize_row(kind == 1, (const uint8_t*)qs, scales, mins, group, k, o, 0, k, out + o * k);
+    return 0;
+}
+
 /* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
  * [n, k] (+ bias [n] when not NULL).
  * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL.
@@ -291,12 +306,10 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
     if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
     const int64_t nb = k / QBLOCK;
     const int q4 = kind == 1;
-#if AV_W > 1
     if (m >= QGEMM_MIN_ROWS) {
         dequantized_gemm(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
         return 0;
     }
-#endif
     /* scales per weight row, and per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
     const int64_t scales_per_row = k / group;
     const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);

@@ -1,6 +1,7 @@
 """The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
-at every build level this CPU runs, on odd shapes: 1..130 activation rows (the kernel's row groups
-of 8 and their remainders), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
+at every build level this CPU runs, on odd shapes: 1..300 activation rows (the integer products' row
+groups of 8 and their remainders below 8 rows, the dequantized tiles from 8, the whole weight
+dequantized for the BLAS from 256), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
 kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
 error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
 """
@@ -35,7 +36,7 @@ def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 32), (3, 9, 96), (5, 61, 544),
-                                                                  (130, 19, 96)])
+                                                                  (8, 13, 544), (130, 19, 96), (300, 11, 64)])
 def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int, out_features: int,
                                                          in_features: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -122,3 +123,18 @@ def test_int8_per_channel_rounds_each_value_to_its_step() -> None:
     step = weight.abs().amax(1, keepdim=True) / 127
     assert bool(((quantized.dequantize() - weight).abs() <= step / 2 * (1 + 1e-5)).all())
     assert quantize_int8(torch.randn(4, 40)) is None  # rows not whole blocks of 32: stays dense
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+def test_many_rows_take_the_dequantized_weight_unrounded(layout: str) -> None:
+    """From 8 rows on the activations are not quantized: the result is the dequantized weight's
+    product to fp32 rounding (far inside the activation-quantization bound)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = _random_weight(layout, 40, 544, gen)
+    for rows in (8, 64, 256):
+        x = torch.randn(rows, 544, generator=gen)
+        got = quant_linear(x, weight, None)
+        want = reference_linear(x.double(), _double(weight), None)
+        assert got is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
