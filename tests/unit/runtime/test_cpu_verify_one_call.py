@@ -2,9 +2,11 @@
 decode-key mirror's ``plan_verify``): each request's input token and drafts are rows of the call that
 share the request's mirror row (``kv_row``), each attending to its keys up to itself.
 
-The oracle is the same tokens fed one decode step at a time through the model's layers: a verify
-row's logits must equal that decode step's bit for bit (the fp32 and bf16 linears give a row the same
-bits in any batch, and the attention kernel reads the same keys in the same order). After the step,
+The oracle is the same tokens fed one decode step at a time through the model's layers: in fp32 a
+verify row's logits must equal that decode step's bit for bit (the fp32 linears give a row the same
+bits in any batch, and the attention kernel reads the same keys in the same order, in whole vectors);
+in bf16 (AMX or AVX512-BF16 linears, whose row invariance is not a contract) they must agree to
+bf16's rounding. After the step,
 the drafts a request rejected are cut (their keys lie past its length in the copies), and the next
 decode step must append to the copies, not rebuild them, and still equal the oracle.
 """
@@ -34,6 +36,13 @@ DTYPES = [
                                                              "kernels' vector build of it for the fp32 call")),
 ]
 PRE_STEPS = 2  # decode steps before the verify: the mirror's rebuild, then an append
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, dtype: str) -> bool:
+    """Bit for bit in fp32; to bf16's rounding in bf16."""
+    if dtype == "float32":
+        return torch.equal(got, want)
+    return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 @pytest.fixture
@@ -118,7 +127,7 @@ def test_verify_rows_equal_decode_steps_and_the_next_step_appends(name: str, sha
     row = 0
     for i, draft in enumerate(drafts):
         for j in range(len(draft) + 1):
-            assert torch.equal(logits[row], oracle[i][j]), f"request {i}, verify row {j} differs"
+            assert _same(logits[row], oracle[i][j], dtype), f"request {i}, verify row {j} differs"
             row += 1
 
     # Each request keeps its input token and ``accepted`` drafts, then emits the token its row sampled.
@@ -135,7 +144,7 @@ def test_verify_rows_equal_decode_steps_and_the_next_step_appends(name: str, sha
     h.reset()
     expected = _fed_logits(runner, shared_prefix, [d[:a] + [t] for d, a, t in zip(drafts, accepted, emitted)])
     for i, a in enumerate(accepted):
-        assert torch.equal(after[i], expected[i][a + 1]), f"request {i}: the decode step after the verify differs"
+        assert _same(after[i], expected[i][a + 1], dtype), f"request {i}: the decode step after the verify differs"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,26 +167,27 @@ def test_verify_of_other_requests_gathers_the_copies_again(dtype: str, shared_pr
         assert runner.attn_backend.mirror.prefix_slots.numel() == shared_prefix
     rows = [oracle[0][0], oracle[0][1], oracle[0][2], oracle[0][3], oracle[1][0], oracle[1][1], oracle[1][2]]
     for i, (got, want) in enumerate(zip(logits, rows)):
-        assert torch.equal(got, want), f"verify row {i} differs"
+        assert _same(got, want, dtype), f"verify row {i} differs"
     h.reset()
 
 
-def test_kernel_rows_share_mirror_rows(tiny_checkpoints) -> None:
-    """The attention kernel alone: query rows mapped onto shared mirror rows equal each row run
-    against its own copy of that row (fp32, plain data)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_share_mirror_rows(dtype: torch.dtype) -> None:
+    """The attention kernel alone (each dtype's): query rows mapped onto shared mirror rows equal
+    each row run against its own copy of that row."""
     from runtime.cpu import attention_kernels as attn_kernels
 
     torch.manual_seed(0)
     kv_n, hkv, group, d, cap = 3, 2, 2, 16, 32
-    q = torch.randn(7, hkv, group, d)
-    k_t, v = torch.randn(kv_n, hkv, d, cap), torch.randn(kv_n, hkv, cap, d)
+    q = torch.randn(7, hkv, group, d).to(dtype)
+    k_t, v = torch.randn(kv_n, hkv, d, cap).to(dtype), torch.randn(kv_n, hkv, cap, d).to(dtype)
     kv_row = torch.tensor([0, 0, 0, 1, 2, 2, 2], dtype=torch.int64)
     pos = torch.tensor([10, 11, 12, 5, 20, 21, 22], dtype=torch.int64)
-    new_k, new_v = torch.randn(7, hkv, d), torch.randn(7, hkv, d)
+    new_k, new_v = torch.randn(7, hkv, d).to(dtype), torch.randn(7, hkv, d).to(dtype)
     bias = torch.zeros(7, 1, 1, cap).masked_fill_(torch.arange(cap)[None, None, None, :] > pos[:, None, None, None],
                                                    float("-inf"))
     if not attn_kernels.supports(q, k_t, v, bias):
-        pytest.skip("needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it")
+        pytest.skip("needs the CPU kernels (fp32: a vector build, AVX2 and FMA or AVX-512)")
     # the reference: each query row against its own copy of its mirror row with every new key of that row stored
     ref_k, ref_v = k_t.clone(), v.clone()
     for b in range(7):
