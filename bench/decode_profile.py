@@ -17,15 +17,16 @@ weigh most. Two measurements, one after the other:
    tokenizer's and detokenizer's work takes cores from the model's threads.
 
 The in-process part runs under this process's OpenMP settings, read when torch loads:
-launch.py starts the server's processes with ``OMP_WAIT_POLICY=PASSIVE`` on CPU (unless the
-environment sets it; runtime/cpu/host_memory.py says why), so run this with the same variable
-set for in-process figures that match the server's.
+launch.py starts the server's processes with ``OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=5000`` on CPU
+(unless the environment sets either; runtime/cpu/host_memory.py says why), so run this with the
+same variables set for in-process figures that match the server's.
 
 Per-token rows are medians over the decode steps (in process) and over ``--repeat`` runs
 (server). The server's ms a token less the in-process step is what the processes, IPC and
 HTTP add on the critical path.
 
-    OMP_WAIT_POLICY=PASSIVE python -m bench.decode_profile --model smollm2 --dtype float32 --threads 2
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=5000 python -m bench.decode_profile --model smollm2 --dtype float32 \
+        --threads 2
 """
 
 from __future__ import annotations

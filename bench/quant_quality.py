@@ -2,7 +2,9 @@
 agreement, for the dense weights and each ``--quantization`` method, on one model.
 
 Each configuration loads a ``ModelRunner`` (fp32 activations, the CPU) and runs the whole text as
-one prefill, asking for every prompt position's logprob (SGLang's input logprobs); perplexity is
+one prefill, then again as extends of ``--chunk`` tokens (4: the few-row kernels of a decode step,
+whose quantized linears round the activations to int8), asking for every position's logprob
+(SGLang's input logprobs); perplexity is
 ``exp(-mean logprob)`` over the text's tokens after the first. ``top1`` is the share of positions
 whose most likely next token equals the dense model's (how often greedy decoding would agree,
 token for token, given the same context). The text is a few paragraphs of plain expository English
@@ -46,8 +48,10 @@ TEXT = (
 METHODS = ("none", "gguf", "int8")
 
 
-def text_logprobs(runner: Any, ids: list[int]) -> tuple[Any, Any]:
-    """``(logprob of each token after the first, argmax next token at each position)`` of one prefill."""
+def text_logprobs(runner: Any, ids: list[int], chunk: int | None = None) -> tuple[Any, Any]:
+    """``(logprob of each token after the first, argmax next token at each position)`` of the text
+    run as one prefill, or as extends of ``chunk`` tokens after the cached rest (a forward of a few
+    rows takes the kernels a decode step of a few requests takes)."""
     import torch
 
     from runtime.forward_batch import ForwardMode, InputLogprobRows
@@ -55,15 +59,23 @@ def text_logprobs(runner: Any, ids: list[int]) -> tuple[Any, Any]:
 
     harness = Harness(runner)
     req = harness.add_request(ids)
-    batch, _ = harness.build_batch([req], ForwardMode.EXTEND)
     n = len(ids)
-    rows = torch.arange(n, dtype=torch.int64)
-    batch.input_logprobs = InputLogprobRows(logit_rows=rows, sample_rows=rows[-1:], prompt_rows=rows[:-1],
-                                            target_ids=torch.tensor(ids[1:], dtype=torch.int64))
-    out = runner.forward(batch, top_logprobs_num=1)
+    logprobs, top1 = [], []
+    start = 0
+    while start < n:
+        batch, (count,) = harness.build_batch([req], ForwardMode.EXTEND, max_new=chunk)
+        rows = torch.arange(count, dtype=torch.int64)
+        targets = ids[start + 1 : start + count + 1]
+        batch.input_logprobs = InputLogprobRows(logit_rows=rows, sample_rows=rows[-1:],
+                                                prompt_rows=rows[: len(targets)],
+                                                target_ids=torch.tensor(targets, dtype=torch.int64))
+        out = runner.forward(batch, top_logprobs_num=1)
+        assert out.input_token_logprobs is not None and out.input_top_logprobs is not None
+        logprobs.append(out.input_token_logprobs)
+        top1.append(out.input_top_logprobs[1][:, 0])
+        start += count
     harness.reset()
-    assert out.input_token_logprobs is not None and out.input_top_logprobs is not None
-    return out.input_token_logprobs, out.input_top_logprobs[1][:, 0]
+    return torch.cat(logprobs), torch.cat(top1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default="smollm2-135m-instruct", help="checkpoint, GGUF file or model name")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--chunk", type=int, default=4,
+                   help="also run the text in extends of this many tokens: the few-row kernels of a decode step "
+                        "(the CPU's quantized linears round activations below 8 rows, not from 8)")
     args = p.parse_args(argv)
     pin_threads(args.threads)
     from runtime.model_runner import ModelRunner
@@ -84,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
                              load_progress=False, quantization=None if method == "none" else method)
         ids = list(load_tokenizer(str(runner.model_path)).encode(TEXT))
         logprobs, top1 = text_logprobs(runner, ids)
+        few_logprobs, few_top1 = text_logprobs(runner, ids, args.chunk)
         if reference is None:
             reference = top1
         rows.append({"method": method, "tokens": len(ids), "weights_mib": runner.weight_bytes() / 2**20,
                      "ppl": math.exp(-float(logprobs.mean())), "top1": float((top1 == reference).float().mean()),
+                     "ppl_few": math.exp(-float(few_logprobs.mean())),
+                     "top1_few": float((few_top1 == reference).float().mean()),
                      "seconds": time.perf_counter() - t0})
     print_table(rows, [("method", "--quantization"), ("tokens", "tokens"), ("weights_mib", "weights MiB"),
-                       ("ppl", "perplexity"), ("top1", "top-1 = first row's"), ("seconds", "load+run s")],
+                       ("ppl", "perplexity (one prefill)"), ("top1", "top-1 = first row's"),
+                       ("ppl_few", f"perplexity ({args.chunk}-token extends)"), ("top1_few", "top-1 = first row's"),
+                       ("seconds", "load+run s")],
                 title=f"{args.model_path}: perplexity of bench.quant_quality.TEXT, fp32 activations")
     return 0
 

@@ -118,12 +118,40 @@ AV_INLINE void values_tile(const int R, const int NV, const float* p, int64_t ps
         for (int u = 0; u < NV; ++u) av_store(o + r * os + i0 + u * AV_W, acc[r][u]);
 }
 
+#if AV_W > 1
+/* Scores of R rows for the `rem` (< AV_W) keys at k (K^T rows ks apart): scores_tile's chain for one
+ * vector of keys, lane for lane, on a masked load (the lanes past rem read nothing and are not stored). */
+AV_INLINE void scores_tail(const int R, const float* q, int64_t d, const float* k, int64_t ks, int64_t rem,
+                           const float* bias, float* s, int64_t ss) {
+    av acc[AV_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = av_set1(0.0f);
+    for (int64_t i = 0; i < d; ++i) {
+        const av kv = av_load_n(k + i * ks, rem);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r] = av_fma(av_set1(q[r * d + i]), kv, acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        av x = acc[r];
+        if (bias) x = av_add(x, av_load_n(bias, rem));
+        av_store_n(s + r * ss, x, rem);
+    }
+}
+#endif
+
 /* Scores of R rows for keys [0, jn), then the products with values [0, jn) into o. */
 AV_INLINE void scores_rows(const int R, const float* q, int64_t d, const float* k, int64_t ks, int64_t kblk,
                            int64_t jn, const float* bias, float* s, int64_t ss, Ahead* pf) {
     int64_t j = 0;
     for (; j + AV_TILE * AV_W <= jn; j += AV_TILE * AV_W) scores_tile(R, AV_TILE, q, d, k, ks, kblk, j, bias, s, ss, pf);
     for (; j + AV_W <= jn; j += AV_W) scores_tile(R, 1, q, d, k, ks, kblk, j, bias, s, ss, pf);
+#if AV_W > 1
+    if (j < jn && kblk == F32_PACK) {  /* the mirror's K^T rows: the last keys as one masked vector */
+        scores_tail(R, q, d, k + j, ks, jn - j, bias ? bias + j : 0, s + j, ss);
+        j = jn;
+    }
+#endif
     for (; j < jn; ++j) {
         const float* kj = k + (j / F32_PACK) * kblk + j % F32_PACK;
         for (int r = 0; r < R; ++r) {
@@ -194,6 +222,14 @@ static inline void softmax_update(float* s, int64_t jn, int64_t seen, float* m, 
         vs = av_add(vs, e);
         av_store(s + j, e);
     }
+#if AV_W > 1
+    if (j < seen) {  /* the last keys as one masked vector: the same lane sums as inside a wider block */
+        const int64_t rem = seen - j;
+        av_store_n(s + j, av_exp_neg(av_sub(av_load_n(s + j, rem), vmn)), rem);
+        vs = av_add(vs, av_load_n(s + j, rem));
+        j = seen;
+    }
+#endif
     float sum = av_hsum(vs);
     for (; j < seen; ++j) { s[j] = fast_exp(s[j] - m_new); sum += s[j]; }
     for (; j < jn; ++j) s[j] = 0.0f;
@@ -230,9 +266,10 @@ static inline int64_t chunk_rows(int64_t rows) {
  * append position; every append is stored before any row attends. Returns 0, or -1 (nothing
  * written) when group or d exceed the bounds or an append position or mirror row is outside its range.
  *
- * With a bias, keys are read in whole vectors (width rounded up, within cap; the bias masks the
- * extra ones): a row's scores then never take the scalar tail, whose rounding differs, so a row
- * gives the same bits whatever the batch's longest request (the width) is. */
+ * A row gives the same bits whatever the batch's longest request (the width) is: a last partial
+ * vector of keys is computed as a masked vector (never reading past width), lane for lane as a
+ * whole one, and its softmax sum adds zeros in the masked lanes, so keys past a row's own length
+ * (bias -inf) change nothing in its result however many there are. */
 int decode_attention_f32(
     const float* q, int64_t q_stride,
     float* kt, float* v, const float* bias, int64_t cap, int64_t width,
@@ -247,10 +284,6 @@ int decode_attention_f32(
     if (kv_row)
         for (int64_t b = 0; b < n; ++b)
             if (kv_row[b] < 0 || kv_row[b] >= kv_rows) return -1;
-    if (bias && width % AV_W) {
-        const int64_t whole = (width + AV_W - 1) / AV_W * AV_W;
-        width = whole < cap ? whole : cap;
-    }
     if (k_new && kv_row) {  /* rows share mirror rows: every new key lands before any row reads them */
 #pragma omp parallel for schedule(static)
         for (int64_t bh = 0; bh < n * hkv; ++bh) {
