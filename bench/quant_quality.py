@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--chunk", type=int, default=4,
                    help="also run the text in extends of this many tokens: the few-row kernels of a decode step "
-                        "(the CPU's quantized linears round activations below 8 rows, not from 8)")
+                        "(the CPU's quantized linears round activations below 24 rows, not from 24)")
     args = p.parse_args(argv)
     pin_threads(args.threads)
     from runtime.model_runner import ModelRunner

@@ -20,6 +20,7 @@
  * fp32 sums of the blocks. Threads split the output rows (OpenMP).
  *
  * Many rows (QGEMM_MIN_ROWS and more: a prefill, a loaded server's decode batch) take another path:
+ * (below it the dequantization, shared by too few rows, cost more than the integer products saved)
  * the integer products cost a conversion and a scale per block and activation row (vpmaddubsw,
  * vpmaddwd, a conversion, an FMA per 32 values), which is more than an fp32 FMA per value once the
  * weight is no longer what bounds the step. There each tile of weight rows is dequantized once to
@@ -176,7 +177,7 @@ static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, con
 }
 
 /* ---- many rows: dequantize a tile of weight rows once, fp32 dot products for every row ---- */
-#define QGEMM_MIN_ROWS 8   /* from this many activation rows on (docs/benchmarks.md, "Quantized weights") */
+#define QGEMM_MIN_ROWS 24  /* from this many activation rows on (docs/benchmarks.md, "Quantized weights") */
 #define DQ_W 8             /* weight rows dequantized per tile */
 #define DQ_K 512           /* depths per tile: DQ_W x DQ_K fp32 = 16 KiB, in L1 while every row passes */
 #define DOT_W 4            /* weight rows per register tile */

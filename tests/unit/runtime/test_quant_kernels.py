@@ -1,6 +1,6 @@
 """The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
 at every build level this CPU runs, on odd shapes: 1..300 activation rows (the integer products' row
-groups of 8 and their remainders below 8 rows, the dequantized tiles from 8, the whole weight
+groups of 8 and their remainders below 24 rows, the dequantized tiles from 24, the whole weight
 dequantized for the BLAS from 256), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
 kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
 error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
@@ -36,7 +36,7 @@ def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 32), (3, 9, 96), (5, 61, 544),
-                                                                  (8, 13, 544), (130, 19, 96), (300, 11, 64)])
+                                                                  (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)])
 def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int, out_features: int,
                                                          in_features: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -128,11 +128,11 @@ def test_int8_per_channel_rounds_each_value_to_its_step() -> None:
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
 def test_many_rows_take_the_dequantized_weight_unrounded(layout: str) -> None:
-    """From 8 rows on the activations are not quantized: the result is the dequantized weight's
+    """From 24 rows on the activations are not quantized: the result is the dequantized weight's
     product to fp32 rounding (far inside the activation-quantization bound)."""
     gen = torch.Generator().manual_seed(11)
     weight = _random_weight(layout, 40, 544, gen)
-    for rows in (8, 64, 256):
+    for rows in (24, 64, 256):
         x = torch.randn(rows, 544, generator=gen)
         got = quant_linear(x, weight, None)
         want = reference_linear(x.double(), _double(weight), None)
