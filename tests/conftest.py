@@ -88,6 +88,24 @@ def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
         yield used
 
 
+@pytest.fixture
+def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Per forward that asked the CPU's one-call decode stack (``runtime.cpu.decode_layers.run``):
+    whether it ran the layers (True) or declined."""
+    from runtime.cpu import decode_layers
+
+    seen: list[bool] = []
+    real = decode_layers.run
+
+    def run(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layers, "run", run)
+    yield seen
+
+
 _FOLDER_MARKERS = {"e2e": "e2e", "gpu": "gpu"}
 
 

@@ -81,6 +81,18 @@ class Harness:
         self.requests.append(req)
         return req
 
+    def prefill_sharing(self, prompts: Sequence[Sequence[int]], shared_prefix: int = 0) -> list[HarnessRequest]:
+        """Add and prefill ``prompts`` whose first ``shared_prefix`` tokens are the same: the first
+        prompt alone, then the others reusing its cached slots for those tokens (a radix hit)."""
+        first = self.add_request(prompts[0])
+        self.prefill([first])
+        others = [self.add_request(p) for p in prompts[1:]]
+        for other in others:
+            if shared_prefix:
+                self.share_prefix(first, other, shared_prefix)
+        self.prefill(others)
+        return [first] + others
+
     def share_prefix(self, src: HarnessRequest, dst: HarnessRequest, n: int) -> None:
         """Let ``dst`` reuse ``src``'s first ``n`` KV slots (their tokens must be equal)."""
         if dst.kv_len != 0 or n > src.kv_len or src.all_ids[:n] != dst.all_ids[:n]:

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -60,18 +59,9 @@ def _kernels_taken(runner: ModelRunner) -> str:
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+def calls(one_call_runs: list[bool]) -> list[bool]:
     """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
-    seen: list[bool] = []
-    real = decode_layers.run
-
-    def run(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode_layers, "run", run)
-    yield seen
+    return one_call_runs
 
 
 def _runner(path: Path, dtype: str = "bfloat16") -> ModelRunner:
@@ -85,14 +75,7 @@ def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 
     vocab = runner.vocab_size
     prefix = random_prompt(shared_prefix, vocab, seed=3) if shared_prefix else []
     prompts = [prefix + random_prompt(2 + 3 * i, vocab, seed=30 + i) for i in range(requests)]
-    first = h.add_request(prompts[0])
-    h.prefill([first])
-    others = [h.add_request(p) for p in prompts[1:]]
-    for other in others:
-        if shared_prefix:
-            h.share_prefix(first, other, shared_prefix)
-    h.prefill(others)
-    reqs = [first] + others
+    reqs = h.prefill_sharing(prompts, shared_prefix)
     logits = []
     for on in modes:
         with decode_layers.use_decode_layers(on):

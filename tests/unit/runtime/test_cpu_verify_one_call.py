@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -46,18 +45,9 @@ def _same(got: torch.Tensor, want: torch.Tensor, dtype: str) -> bool:
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+def calls(one_call_runs: list[bool]) -> list[bool]:
     """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
-    seen: list[bool] = []
-    real = decode_layers.run
-
-    def run(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode_layers, "run", run)
-    yield seen
+    return one_call_runs
 
 
 def _start(runner: ModelRunner, shared_prefix: int, requests: int) -> tuple[Harness, list[HarnessRequest]]:
@@ -67,14 +57,7 @@ def _start(runner: ModelRunner, shared_prefix: int, requests: int) -> tuple[Harn
     vocab = runner.vocab_size
     prefix = random_prompt(shared_prefix, vocab, seed=3) if shared_prefix else []
     prompts = [prefix + random_prompt(3 + 4 * i, vocab, seed=40 + i) for i in range(requests)]
-    first = h.add_request(prompts[0])
-    h.prefill([first])
-    others = [h.add_request(p) for p in prompts[1:]]
-    for other in others:
-        if shared_prefix:
-            h.share_prefix(first, other, shared_prefix)
-    h.prefill(others)
-    reqs = [first] + others
+    reqs = h.prefill_sharing(prompts, shared_prefix)
     with decode_layers.use_decode_layers(True):
         h.decode(reqs, PRE_STEPS)
     return h, reqs
