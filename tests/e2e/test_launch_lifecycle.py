@@ -25,7 +25,7 @@ from runtime.args import ServerArgs
 from runtime.client import Client
 from runtime.utils import child_pids
 from runtime.version import package_version
-from tests.support.real_model import SERVED_NAME, smollm2_file
+from tests.support.real_model import SERVED_NAME, private_model_cache, smollm2_file
 from tests.support.server_fixtures import wait_gone
 from tests.support.triton_interp import compiled_triton_env
 
@@ -46,8 +46,9 @@ def short_tmpdir() -> Iterator[Path]:
 
 def server_env(tmp_path: Path, tmpdir: Path) -> dict[str, str]:
     """A private TMPDIR and model cache, and no TRITON_INTERPRET (which the Triton test
-    modules set for the whole session: see tests/support/triton_interp.py)."""
-    return compiled_triton_env(TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(tmp_path / "cache"))
+    modules set for the whole session: see tests/support/triton_interp.py), the CPU kernels
+    shared with the rest of the suite (``private_model_cache``)."""
+    return compiled_triton_env(TMPDIR=str(tmpdir), TINYSERVE_CACHE=str(private_model_cache(tmp_path / "cache")))
 
 
 def ipc_dirs(tmpdir: Path) -> list[Path]:

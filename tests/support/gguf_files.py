@@ -39,12 +39,15 @@ TensorHook = Callable[[str, np.ndarray], "np.ndarray | None"]
 @contextlib.contextmanager
 def gguf_test_folder(tmp_path_factory: Any, name: str) -> Iterator[Path]:
     """A fresh folder for a test module's GGUF files, with ``$TINYSERVE_CACHE`` pointing into it
-    while the block runs (the folders prepared from those files stay private to the module)."""
+    while the block runs (the folders prepared from those files stay private to the module; the
+    CPU kernels are the suite's, ``private_model_cache``)."""
     import pytest
+
+    from tests.support.real_model import private_model_cache
 
     folder = tmp_path_factory.mktemp(name)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE", str(folder / "cache"))
+        mp.setenv("TINYSERVE_CACHE", str(private_model_cache(folder / "cache")))
         yield folder
 
 

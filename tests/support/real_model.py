@@ -88,14 +88,19 @@ def connect(server: ServerProcess) -> ServedClient:
 
 @pytest.fixture(scope="session")
 def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's $TINYSERVE_CACHE for real-model servers: the GGUF is prepared once. Its
-    ``kernels`` folder is the usual cache's, where every other server of the suite finds the
-    CPU kernels already built: a second build would cost ~10 s of compiler time per session."""
-    cache = tmp_path_factory.mktemp("real-model-cache")
+    """The session's $TINYSERVE_CACHE for real-model servers: the GGUF is prepared once."""
+    return private_model_cache(tmp_path_factory.mktemp("real-model-cache"))
+
+
+def private_model_cache(folder: Path) -> Path:
+    """``folder`` made a $TINYSERVE_CACHE of its own for models, whose ``kernels`` folder is the usual
+    cache's, where every other server of the suite finds the CPU kernels already built: a build per
+    private cache would cost ~10-15 s of compiler time each."""
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
-    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
-    return cache
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels").symlink_to(kernels, target_is_directory=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
