@@ -8,10 +8,13 @@ than a tiny checkpoint, so a session pays each part once:
 * ``real_model_cache``: the ``$TINYSERVE_CACHE`` of every real-model server of the session
   (``launch.py`` with no ``--model-path``). The first prepares the GGUF file into it (about
   13 s); every later one finds it ready.
-* ``smollm2_server``: the one fp32 server (``--device cpu``, ``--chunked-prefill-size 32``, radix
-  cache and HTTP on, ``--speculative-algorithm ngram``: every greedy comparison with transformers
-  on the real model then also proves that speculation changes no token). ``smollm2_server_process`` starts it without waiting, so that a test that
-  also wants ``smollm2_hf`` loads transformers' reference while the server's processes start.
+* ``smollm2_server``: the session's one fp32 server (``--device cpu``, ``--chunked-prefill-size
+  32``, radix cache and HTTP on, ``--speculative-algorithm ngram``: every greedy comparison with
+  transformers on the real model then also proves that speculation changes no token), shared by
+  the modules that ask for it (a start costs ~10 s; idle between them, it waits on its sockets).
+  Each test that depends on the server's state (an empty prefix cache, an idle pool) waits for it
+  or makes it. ``smollm2_server_process`` starts it without waiting, so that a test that also
+  wants ``smollm2_hf`` loads transformers' reference while the server's processes start.
 * ``smollm2_hf``: transformers' own GGUF loading of the same file (fp32), and its tokenizer:
   the reference that shares no code with ``runtime.gguf``.
 
@@ -103,10 +106,9 @@ def private_model_cache(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
-    """The module's fp32 server, started but not waited for (``smollm2_server`` waits); stopped
-    with the module, so the rest of the session does not share the cores and memory with it."""
+    """The session's fp32 server, started but not waited for (``smollm2_server`` waits)."""
     server = start_real_model_server(
         real_model_cache, real_model_args("float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
                                           "--speculative-algorithm", "ngram"), wait=False)
@@ -116,9 +118,9 @@ def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_server(smollm2_server_process: ServerProcess) -> Iterator[ServedClient]:
-    """A client of the module's fp32 server, once it is ready."""
+    """A client of the session's fp32 server, once it is ready."""
     client = connect(smollm2_server_process)
     try:
         yield client

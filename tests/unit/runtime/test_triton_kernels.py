@@ -144,8 +144,9 @@ def test_create_kv_indices_concatenates_req_to_token_rows(with_start: bool) -> N
 # ---- decode ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
-@pytest.mark.parametrize("group", [1, 2, 4])
+# Each group size and each head size (80: a padded block of dimensions), not every pair: under the
+# interpreter a case costs 3-4 s of the suite, and the two choices meet in different places.
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 80), (4, 80)])
 def test_decode_matches_reference_fp32(group: int, head_dim: int) -> None:
     case, ref = _decode_case(group, head_dim, torch.float32, seed=10 * group + head_dim)
     variants = {
