@@ -23,7 +23,7 @@ SIGUSR1): the tokenizer reports {"status": "drained"} when nothing is left in fl
 every child is stopped, exit 0; a second SIGTERM, SIGINT, or the timeout (plus a margin)
 stops at once.
 Before any child starts, the serving device's environment defaults (``ServingPlatform.process_env``;
-on CPU the OpenMP wait policy, runtime/cpu/host_memory.py) are set here for the children to
+on CPU the OpenMP wait policy, runtime/cpu/process_env.py) are set here for the children to
 inherit, unless the environment already sets them.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
@@ -282,14 +282,23 @@ def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
     """Put the serving device's environment defaults (``ServingPlatform.process_env``: the CPU's
     OpenMP wait) into this process's environment, which every child inherits; the libraries read
     them as they load, so this runs before any child starts. They are one setting: where the user
-    set any of the variables, none is applied. Returns what was set."""
-    import torch
+    set any of the variables, none is applied. Returns what was set.
 
-    from runtime.device import resolve_device
-    from runtime.ops import get_ops
+    ``--device cpu`` reads the CPU's defaults from a module without torch (the same tuple as
+    ``CPU_PLATFORM.process_env``), so that this process does not spend seconds of a core importing
+    torch before the children can start; other devices are resolved through the ops seam."""
+    if server_args.device == "cpu":
+        from runtime.cpu.process_env import CPU_OPENMP_ENV
 
-    device = resolve_device(server_args.device)
-    defaults = dict(get_ops(device, torch.float32).platform(device).process_env)
+        defaults = dict(CPU_OPENMP_ENV)
+    else:
+        import torch
+
+        from runtime.device import resolve_device
+        from runtime.ops import get_ops
+
+        device = resolve_device(server_args.device)
+        defaults = dict(get_ops(device, torch.float32).platform(device).process_env)
     if any(key in os.environ for key in defaults):
         return {}
     os.environ.update(defaults)

@@ -15,6 +15,8 @@
   the dense decode-key mirror) and the plan fields they add (``CpuAttnGroup``);
 - ``host_memory``: MemAvailable and glibc's allocator settings for a CPU serving process, and
   ``CPU_PLATFORM``, the KV memory defaults the model runner gets from ``CpuOps.platform``.
+- ``process_env``: the OpenMP environment the serving processes start with (imports nothing:
+  ``launch.py`` reads it before any child, without torch);
 
 Layers and the model runner never test for the CPU: ``runtime.ops.get_ops`` and the attention
 registry pick these implementations once, by device (and the device-neutral ops, which run on

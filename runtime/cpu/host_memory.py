@@ -9,6 +9,7 @@ import ctypes.util
 
 import torch
 
+from runtime.cpu.process_env import CPU_OPENMP_ENV
 from runtime.kv_sizing import kv_pool_tokens
 from runtime.platform import ServingPlatform
 
@@ -100,17 +101,6 @@ def cpu_budget_bytes(device: torch.device, fraction: float, weight_bytes: int, r
     return cpu_kv_budget_bytes(cpu_mem_total_bytes(), fraction, weight_bytes, ranks)
 
 
-# OpenMP threads that spin only briefly after a parallel region, then sleep. A decode step opens
-# a few hundred regions microseconds apart: a thread that sleeps at once (OMP_WAIT_POLICY=PASSIVE
-# alone) pays a wake-up for each, which on an idle 2-core host made a one-request decode step
-# take 35 ms served against 20 ms in process; a short spin (GOMP_SPINCOUNT, libgomp's count of
-# polls before it sleeps) bridges those gaps and gave 22-23 ms. libgomp's default spin (300,000
-# polls) and spinning without end are the other extreme: between steps the spinning threads hold
-# the cores that the scheduler's Python, the tokenizer, the detokenizer and any other program
-# need, and on a host shared with other work a step then took 110-190 ms against 35-49 ms with no
-# spin (docs/benchmarks.md, "The OpenMP wait"). One setting: a user's own value of either
-# variable keeps both of ours out (launch.apply_platform_env).
-CPU_OPENMP_ENV = (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "5000"))
 
 # A CPU decode step of SmolLM2 (fp32, 2 cores, AVX2) took 1.04x / 1.09x / 1.33x / 1.54x / 1.81x / 2.1x
 # the time of one row at 2 / 3 / 4 / 5 / 8 / 12 rows, 2.8x at 16 and then ~0.1x more per row (compute
