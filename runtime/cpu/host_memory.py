@@ -101,7 +101,6 @@ def cpu_budget_bytes(device: torch.device, fraction: float, weight_bytes: int, r
     return cpu_kv_budget_bytes(cpu_mem_total_bytes(), fraction, weight_bytes, ranks)
 
 
-
 # A CPU decode step of SmolLM2 (fp32, 2 cores, AVX2) took 1.04x / 1.09x / 1.33x / 1.54x / 1.81x / 2.1x
 # the time of one row at 2 / 3 / 4 / 5 / 8 / 12 rows, 2.8x at 16 and then ~0.1x more per row (compute
 # bound): a draft row accepted about half of the time pays below 16 rows, not above

@@ -103,11 +103,12 @@ static void row_block_n(int rows, int vecs, const float* a, int64_t lda, const f
 #undef ROW_CASE
 }
 
-/* The panels of group g (GROUP_PANELS, fewer for the last group when they do not divide evenly). */
-static inline int64_t group_panels(int64_t g, int64_t panels)
+/* The panels of block b when blocks of `per` panels split `panels` (fewer for the last block when
+ * they do not divide evenly): the column groups of row_block, the gemv and streaming blocks. */
+static inline int block_panels(int64_t b, int64_t per, int64_t panels)
 {
-    const int64_t left = panels - g * GROUP_PANELS;
-    return left < GROUP_PANELS ? left : GROUP_PANELS;
+    const int64_t left = panels - b * per;
+    return (int)(left < per ? left : per);
 }
 
 /* One row (a matrix-vector product): the row blocks above keep two accumulators per row, so with
@@ -171,8 +172,8 @@ static void gemv_f32(const float* x, const float* w, int64_t n, int64_t k, const
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t p0 = b * GEMV_PANELS;
-        const int np = (int)(panels - p0 < GEMV_PANELS ? panels - p0 : GEMV_PANELS);
-        gemv_panels_n(np, x, w + p0 * k * PANEL, k, bias ? bias + p0 * PANEL : NULL, out + p0 * PANEL);
+        gemv_panels_n(block_panels(b, GEMV_PANELS, panels), x, w + p0 * k * PANEL, k, bias ? bias + p0 * PANEL : NULL,
+                      out + p0 * PANEL);
     }
 }
 #endif
@@ -233,7 +234,7 @@ static void stream_linear(const float* x, int64_t m, int64_t ldx, const float* w
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t p0 = b * STREAM_PANELS;
-        const int np = (int)(panels - p0 < STREAM_PANELS ? panels - p0 : STREAM_PANELS);
+        const int np = block_panels(b, STREAM_PANELS, panels);
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
             stream_rows_n((int)m, np, x, ldx, w + p0 * k * PANEL, k, k0, kc, bias ? bias + p0 * PANEL : NULL,
@@ -269,7 +270,7 @@ int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const float* group = w + g * GROUP_PANELS * k * PANEL;
-        const int64_t own_panels = group_panels(g, panels);
+        const int64_t own_panels = block_panels(g, GROUP_PANELS, panels);
         const int vecs = (int)(own_panels * PANEL / AV_W);
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
@@ -280,7 +281,7 @@ int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n
                 next.lines = k - k0 - kc < KC ? k - k0 - kc : KC;
             } else if (g + 1 < groups) {
                 next.panel[0] = group + GROUP_PANELS * k * PANEL;
-                next.panels = group_panels(g + 1, panels);
+                next.panels = block_panels(g + 1, GROUP_PANELS, panels);
                 next.lines = k < KC ? k : KC;
             } else {  /* nothing follows the last block */
                 next.panel[0] = group;
