@@ -7,7 +7,7 @@ Processes (docs/architecture.md), all children of this one, started with "spawn"
   scheduler-0..tp-1    one per TP rank (only rank 0 owns sockets); with --dp-size N,
                        scheduler-dp{d}-tp{r} for each replica d, and a dp-controller;
   detokenizer, tokenizer (the ZMQ and HTTP front doors).
-Each child's process title (``ps``) is ``tinyserve::NAME`` (runtime.utils.process_title).
+Each child's process title (``ps``) is ``tinyserve::NAME`` (runtime.protocol.child_process.process_title).
 With --nnodes > 1, node k runs its share of the TP ranks; only node 0 runs the
 tokenizer, detokenizer and DP controller (and prints the client address).
 Each child reports on its pipe (msgspec-JSON bytes): {"status": "ready", ...} or
@@ -23,7 +23,7 @@ SIGUSR1): the tokenizer reports {"status": "drained"} when nothing is left in fl
 every child is stopped, exit 0; a second SIGTERM, SIGINT, or the timeout (plus a margin)
 stops at once.
 Before any child starts, the serving device's environment defaults (``ServingPlatform.process_env``;
-on CPU the OpenMP wait policy, runtime/cpu/process_env.py) are set here for the children to
+on CPU the OpenMP wait policy, runtime/engine/cpu/process_env.py) are set here for the children to
 inherit, unless the environment already sets them.
 The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from runtime.args import ServerArgs
-from runtime.port_args import PortArgs
-from runtime.gguf.reader import GGUFError
-from runtime.hub import HubError
-from runtime.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
-from runtime.utils import configure_logging, recv_status, run_child, send_status
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
+from runtime.checkpoints.gguf.reader import GGUFError
+from runtime.checkpoints.hub import HubError
+from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
+from runtime.protocol.child_process import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
 
@@ -263,7 +263,7 @@ class Supervisor:
 
 def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     """Local checkpoint folders for --model-path and --tokenizer-path, made once here before
-    any child looks for them (runtime.model_source: the default model, named models, GGUF
+    any child looks for them (runtime.checkpoints.model_source: the default model, named models, GGUF
     files, hub ids). The served model name defaults to --model-path as given, or the default
     model's name."""
     sa = server_args
@@ -288,14 +288,14 @@ def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
     ``CPU_PLATFORM.process_env``), so that this process does not spend seconds of a core importing
     torch before the children can start; other devices are resolved through the ops seam."""
     if server_args.device == "cpu":
-        from runtime.cpu.process_env import CPU_OPENMP_ENV
+        from runtime.engine.cpu.process_env import CPU_OPENMP_ENV
 
         defaults = dict(CPU_OPENMP_ENV)
     else:
         import torch
 
-        from runtime.device import resolve_device
-        from runtime.ops import get_ops
+        from runtime.engine.device import resolve_device
+        from runtime.engine.ops import get_ops
 
         device = resolve_device(server_args.device)
         defaults = dict(get_ops(device, torch.float32).platform(device).process_env)

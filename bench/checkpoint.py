@@ -2,7 +2,7 @@
 
 Benchmarks need a model big enough that the matmuls, not Python, dominate, and it
 must be buildable offline and identical on every machine so results are
-comparable. Weights are random under a fixed seed (``runtime.tiny_model``'s
+comparable. Weights are random under a fixed seed (``runtime.checkpoints.tiny_model``'s
 builders do the saving); the tokenizer is trained on a synthetic corpus of
 pseudo-words that is large and varied enough for 32000 BPE merges.
 
@@ -39,8 +39,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from runtime.model_cache import build_once, cache_root
-from runtime.tiny_model import SPECIAL_TOKENS, build_checkpoint, train_bpe_tokenizer
+from runtime.checkpoints.model_cache import build_once, cache_root
+from runtime.checkpoints.tiny_model import SPECIAL_TOKENS, build_checkpoint, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 

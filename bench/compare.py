@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, server_flags = parse_args(argv)
     llamacpp = args.baseline == "llamacpp"
     if llamacpp:
-        from runtime.model_source import checkpoint_folder, smollm2_gguf_file
+        from runtime.checkpoints.model_source import checkpoint_folder, smollm2_gguf_file
 
         args.gguf = str(Path(args.gguf or smollm2_gguf_file()).resolve())
         args.model_path = str(checkpoint_folder(args.gguf))  # the same weights, prepared for tinyserve

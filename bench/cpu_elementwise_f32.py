@@ -4,7 +4,7 @@ Ops and shapes are the bench model's (hidden 1024, gate_up 2 x 2816, 16 query + 
 64): RMSNorm with the residual add fused (``[rows, 1024]``), silu*mul (``[rows, 5632]`` in),
 rotary in place on the q and k heads of the fused qkv output (``[rows, 1536]``), at a decode
 step's rows (64) and a prefill's (8192). ``torch`` is ``TorchOps`` (what ``CpuOps`` ran for
-fp32 before), ``kernel`` is ``runtime.cpu.kernels``; both run on the same inputs in turn
+fp32 before), ``kernel`` is ``runtime.engine.cpu.kernels``; both run on the same inputs in turn
 inside every repeat, so a noisy neighbour slows them alike.
 
 Timing: one thread (torch's and the kernels' OpenMP), each call timed in this process's CPU
@@ -70,12 +70,12 @@ def main() -> None:
         os.environ.update(TINYSERVE_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2")
     import torch
 
-    from runtime.cpu import kernel_library
-    from runtime.cpu import kernels as cpu_kernels
-    from runtime.cpu.host_memory import keep_freed_memory_in_process
-    from runtime.layers.rotary import RotaryEmbedding
-    from runtime.model_config import RopeConfig
-    from runtime.ops.torch_ops import TorchOps, rotate_half_
+    from runtime.engine.cpu import kernel_library
+    from runtime.engine.cpu import kernels as cpu_kernels
+    from runtime.engine.cpu.host_memory import keep_freed_memory_in_process
+    from runtime.engine.layers.rotary import RotaryEmbedding
+    from runtime.engine.model_config import RopeConfig
+    from runtime.engine.ops.torch_ops import TorchOps, rotate_half_
 
     torch.set_num_threads(1)
     keep_freed_memory_in_process()  # as CpuOps.prepare_process: outputs reuse freed blocks, no page faults

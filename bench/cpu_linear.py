@@ -9,7 +9,7 @@ slows them alike):
 
 - ``plain``: ``F.linear(x, w)`` (fp32: MKL's sgemm; bf16/fp16: oneDNN, re-laid-out per call);
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by
-  ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/cpu/prepacked.py`` runs in
+  ``_reorder_linear_weight`` (``--batch-hint``), what ``runtime/engine/cpu/prepacked.py`` runs in
   half precision;
 - ``amx``: ``prepacked.amx_linear`` (``csrc/amx_linear.c``) on that same oneDNN-packed copy,
   what bf16 calls of up to ``AMX_LINEAR_MAX_ROWS`` rows run on a CPU with AMX;
@@ -114,7 +114,7 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         variants["onednn"] = None  # no oneDNN, or it has no kernel for this dtype on this CPU
     variants["amx"] = variants["dp"] = None
     if variants["onednn"] is not None and weight.dtype == torch.bfloat16:
-        from runtime.cpu.prepacked import amx_linear, dp_linear, pack_weight
+        from runtime.engine.cpu.prepacked import amx_linear, dp_linear, pack_weight
 
         n_out, n_in = weight.shape
         tagged = pack_weight(weight, batch_hint)  # the same copy, with the layout checks the runtime makes
@@ -123,7 +123,7 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
                 variants[name] = lambda x, kernel=kernel: kernel(x, tagged, None, n_out)
     variants["panel"] = None
     if weight.dtype == torch.float32:
-        from runtime.cpu.prepacked import pack_weight, panel_linear
+        from runtime.engine.cpu.prepacked import pack_weight, panel_linear
 
         n_out, n_in = weight.shape
         panels = pack_weight(weight)
@@ -141,8 +141,8 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         if weight.dtype == torch.float32:
             from gguf import GGMLQuantizationType, quantize
 
-            from runtime.cpu.quant_kernels import quant_linear
-            from runtime.quant.gguf_blocks import from_gguf
+            from runtime.engine.cpu.quant_kernels import quant_linear
+            from runtime.engine.quant.gguf_blocks import from_gguf
 
             blocks = from_gguf(quantize(weight.numpy(), GGMLQuantizationType[type_name]), type_name, weight.shape[1])
             if quant_linear(weight.new_zeros(m, weight.shape[1]), blocks, None) is not None:

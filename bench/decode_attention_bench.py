@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_attention_bench needs a CUDA GPU (none is visible here); nothing measured.")
         return 0
 
-    from runtime.cuda.attention_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits
+    from runtime.engine.cuda.attention_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = build_inputs(args, device)

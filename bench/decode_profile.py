@@ -7,7 +7,7 @@ weigh most. Two measurements, one after the other:
 
 1. In process: the real ``Scheduler`` drives the real ``ModelRunner`` (no sockets). Timers
    (``time.perf_counter``) wrap the decoder layers (the one-call C path,
-   ``runtime/cpu/decode_layers.py``, or the layers one by one where it declines), the LM head,
+   ``runtime/engine/cpu/decode_layers.py``, or the layers one by one where it declines), the LM head,
    the sampler, the whole forward and the whole scheduler step; what the forward spends outside
    the first three is Python and small ops (embedding, rotary tables, the final norm, batch
    glue), what the step spends outside the forward is the scheduler's bookkeeping.
@@ -18,7 +18,7 @@ weigh most. Two measurements, one after the other:
 
 The in-process part runs under this process's OpenMP settings, read when torch loads:
 launch.py starts the server's processes with ``OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=5000`` on CPU
-(unless the environment sets either; runtime/cpu/host_memory.py says why), so run this with the
+(unless the environment sets either; runtime/engine/cpu/host_memory.py says why), so run this with the
 same variables set for in-process figures that match the server's.
 
 Per-token rows are medians over the decode steps (in process) and over ``--repeat`` runs
@@ -96,13 +96,13 @@ def split_step(before: dict[str, float], after: dict[str, float], step_s: float)
 
 def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], str]:
     """Median ms per decode step of each component, and which path ran the layers."""
-    from runtime.args import ServerArgs
-    from runtime.cpu import decode_layers
-    from runtime.layers.embedding import ParallelLMHead
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.model_runner import ModelRunner
-    from runtime.models.llama import LlamaModel
-    from runtime.sampling_params import SamplingParams
+    from runtime.config.args import ServerArgs
+    from runtime.engine.cpu import decode_layers
+    from runtime.engine.layers.embedding import ParallelLMHead
+    from runtime.protocol.messages import TokenizedGenerateReq
+    from runtime.engine.model_runner import ModelRunner
+    from runtime.engine.models.llama import LlamaModel
+    from runtime.protocol.sampling_params import SamplingParams
     from scheduler_proc.model_worker import create_model_runner
     from scheduler_proc.scheduler import Scheduler
 

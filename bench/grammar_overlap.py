@@ -31,9 +31,9 @@ from bench.common import default_output_path, machine_info, pin_threads, print_t
 
 def run_variant(model_path: str, prompts: list[list[int]], schemas: list[str], overlap: bool,
                 max_new_tokens: int) -> dict[str, Any]:
-    from runtime.args import ServerArgs
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
+    from runtime.config.args import ServerArgs
+    from runtime.protocol.messages import TokenizedGenerateReq
+    from runtime.protocol.sampling_params import SamplingParams
     from scheduler_proc.scheduler import Scheduler
 
     args = ServerArgs(model_path=model_path, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     pinning = pin_threads(args.threads)
 
     from bench.workloads import json_schema
-    from runtime.model_source import DEFAULT_MODEL, checkpoint_folder
-    from runtime.tokenizer import load_tokenizer
+    from runtime.checkpoints.model_source import DEFAULT_MODEL, checkpoint_folder
+    from runtime.text.tokenizer import load_tokenizer
 
     model_path = str(checkpoint_folder(DEFAULT_MODEL if args.model == "smollm2" else args.model, None, True))
     tokenizer = load_tokenizer(model_path)

@@ -71,7 +71,7 @@ class HFRunner:
         self.torch = torch
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.dtype = getattr(torch, dtype)
-        from runtime.gguf.prepare import GGUFIndex, is_gguf_folder
+        from runtime.checkpoints.gguf.prepare import GGUFIndex, is_gguf_folder
 
         if is_gguf_folder(Path(model_path)):  # transformers' own GGUF loading, from the same file
             gguf_file = GGUFIndex.read(Path(model_path)).file

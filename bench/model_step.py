@@ -84,9 +84,9 @@ class StepDriver:
         """A batch running ``ext_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones."""
         import torch
 
-        from runtime.forward_batch import ForwardBatch, ForwardMode
-        from runtime.layers.sampler import SamplingBatchInfo
-        from runtime.sampling_params import SamplingParams
+        from runtime.engine.forward_batch import ForwardBatch, ForwardMode
+        from runtime.engine.sampling.sampler import SamplingBatchInfo
+        from runtime.protocol.sampling_params import SamplingParams
 
         pool = self.runner.req_to_token_pool
         locs: list[int] = []
@@ -186,7 +186,7 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     import torch.nn.functional as F
 
     try:
-        from runtime.cpu.prepacked import linear
+        from runtime.engine.cpu.prepacked import linear
     except ImportError:  # a checkout from before prepacked weights (for before/after runs)
         def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
             return F.linear(x, weight, bias)
@@ -195,7 +195,7 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
         """The layer's packed weight: hung off the weight (``prepacked.packed_copy``), or, in a
         checkout from before that, the layer's own ``packed_weight`` slot."""
         try:
-            from runtime.cpu.prepacked import packed_copy
+            from runtime.engine.cpu.prepacked import packed_copy
         except ImportError:
             return getattr(layer, "packed_weight", None)
         return packed_copy(layer.weight)
@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pin_threads(args.threads)
     from bench.checkpoint import build_bench_checkpoint
-    from runtime.model_runner import ModelRunner
+    from runtime.engine.model_runner import ModelRunner
 
     path = args.model_path or str(build_bench_checkpoint())
     t0 = time.perf_counter()

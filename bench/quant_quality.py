@@ -54,7 +54,7 @@ def text_logprobs(runner: Any, ids: list[int], chunk: int | None = None) -> tupl
     rows takes the kernels a decode step of a few requests takes)."""
     import torch
 
-    from runtime.forward_batch import ForwardMode, InputLogprobRows
+    from runtime.engine.forward_batch import ForwardMode, InputLogprobRows
     from tests.support.harness import Harness
 
     harness = Harness(runner)
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the CPU's quantized linears round activations below 24 rows, not from 24)")
     args = p.parse_args(argv)
     pin_threads(args.threads)
-    from runtime.model_runner import ModelRunner
-    from runtime.tokenizer import load_tokenizer
+    from runtime.engine.model_runner import ModelRunner
+    from runtime.text.tokenizer import load_tokenizer
 
     rows: list[dict[str, Any]] = []
     reference = None

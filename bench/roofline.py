@@ -67,7 +67,7 @@ class ModelDims:
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelDims":
-        from runtime.model_config import ModelConfig
+        from runtime.engine.model_config import ModelConfig
 
         c = ModelConfig.from_pretrained(path)
         return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
@@ -249,7 +249,7 @@ class MatmulMeter:
         rotate through enough weight copies to exceed any last-level cache.
 
         On CPU the runtime multiplies with prepacked weights where they are faster
-        (runtime/cpu/prepacked.py: half precision always, fp32 for a decode batch's rows); the rate
+        (runtime/engine/cpu/prepacked.py: half precision always, fp32 for a decode batch's rows); the rate
         is the faster of the two, so the roofline stays the best this machine can do.
         """
         key = ("linear", m, k, n)
@@ -269,7 +269,7 @@ class MatmulMeter:
 
     def _packed_linear_gflops(self, x: Any, ws: list[Any]) -> float | None:
         """The same product through prepacked weights; None where the runtime would not pack."""
-        from runtime.cpu.prepacked import linear, pack_weight
+        from runtime.engine.cpu.prepacked import linear, pack_weight
 
         if self.device.type != "cpu":
             return None

@@ -66,7 +66,7 @@ class TimedRunner:
 def build_scheduler(num_requests: int, prompt_len: int, max_new_tokens: int, page_size: int = 1,
                     radix: bool = True, vocab_size: int = 32000) -> tuple[Any, TimedRunner]:
     """A scheduler sized so all ``num_requests`` run at once without retraction."""
-    from runtime.args import ServerArgs
+    from runtime.config.args import ServerArgs
     from tests.support.stub_runner import StubModelRunner
     from scheduler_proc.scheduler import Scheduler
 
@@ -84,8 +84,8 @@ def build_scheduler(num_requests: int, prompt_len: int, max_new_tokens: int, pag
 
 def submit_requests(sched: Any, num_requests: int, prompt_len: int, max_new_tokens: int, stream: bool,
                     seed: int = 0, vocab_size: int = 32000) -> None:
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
+    from runtime.protocol.messages import TokenizedGenerateReq
+    from runtime.protocol.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)

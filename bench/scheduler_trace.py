@@ -90,8 +90,8 @@ def timed_waits() -> Iterator[list[float]]:
 
 def run_once(sched: Any, tracer: TracingRunner, workload: Any, max_new: int | None) -> tuple[float, list[dict[str, Any]]]:
     """Submit every request of ``workload`` (dependency chains are not supported) and run to completion."""
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
+    from runtime.protocol.messages import TokenizedGenerateReq
+    from runtime.protocol.sampling_params import SamplingParams
 
     for r in workload.requests:
         n = r.max_new_tokens if max_new is None else max_new
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pin_threads(args.threads)
     from bench.checkpoint import build_bench_checkpoint
-    from runtime.args import ServerArgs
+    from runtime.config.args import ServerArgs
     from scheduler_proc.model_worker import create_model_runner
     from scheduler_proc.scheduler import Scheduler
 

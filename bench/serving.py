@@ -60,7 +60,7 @@ from bench.load_runner import (  # noqa: F401
 )
 from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, \
     token_range_for
-from runtime.spec_stats import SPEC_STATS, spec_summary
+from runtime.protocol.spec_stats import SPEC_STATS, spec_summary
 
 ENGINE = "tinyserve"
 CHAT_WORKLOADS = ("json-schema", "repeat")  # text prompts: a served run only
@@ -314,10 +314,10 @@ def add_pinning_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_path(args: argparse.Namespace) -> str:
-    """The checkpoint folder to benchmark (a GGUF model's prepared folder: runtime.model_source)."""
+    """The checkpoint folder to benchmark (a GGUF model's prepared folder: runtime.checkpoints.model_source)."""
     if args.model_path is not None:
         return str(args.model_path)
-    from runtime.model_source import DEFAULT_MODEL, TINY_MODEL, checkpoint_folder
+    from runtime.checkpoints.model_source import DEFAULT_MODEL, TINY_MODEL, checkpoint_folder
 
     if args.model in ("smollm2", "tiny"):
         return str(checkpoint_folder(DEFAULT_MODEL if args.model == "smollm2" else TINY_MODEL))

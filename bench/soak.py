@@ -118,7 +118,7 @@ async def _abort(client: Any, plan: Plan) -> str:
 
 async def _disconnect(ctx: zmq.asyncio.Context, address: str, api_key: str | None, plan: Plan) -> str:
     """A client that vanishes: its own socket, closed without an abort."""
-    from runtime.messages import GenerateReq
+    from runtime.protocol.messages import GenerateReq
 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

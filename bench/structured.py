@@ -16,7 +16,7 @@ Per run: output tok/s, requests/s, latency p50/p90, the scheduler's counters ove
 jump-forward = decode steps saved) and the share of outputs that parse and validate against
 their schema (jsonschema). Ratio rows divide by the unconstrained run. The warm-up compiles
 every schema, so the timed runs exclude compiles; a second table times them in this process
-on the served tokenizer with ``runtime.grammar.GrammarBackend``, the scheduler's own
+on the served tokenizer with ``runtime.text.grammar.GrammarBackend``, the scheduler's own
 (the vocabulary's one-off TokenizerInfo, each schema's first compile, a cached one).
 """
 
@@ -131,9 +131,9 @@ def ratio_row(label: str, num: dict[str, Any], den: dict[str, Any]) -> dict[str,
 
 def compile_times(model_path: str) -> list[dict[str, Any]]:
     """Grammar compile times of JSON_SCHEMAS on the model's tokenizer, as the scheduler compiles them."""
-    from runtime.grammar import GrammarBackend
-    from runtime.model_config import ModelConfig
-    from runtime.tokenizer import load_tokenizer
+    from runtime.text.grammar import GrammarBackend
+    from runtime.engine.model_config import ModelConfig
+    from runtime.text.tokenizer import load_tokenizer
 
     cfg = ModelConfig.from_pretrained(model_path)
     tokenizer = load_tokenizer(model_path)

@@ -15,10 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from detokenizer_proc.incremental import DecodeState, Decoder
-from runtime.args import ServerArgs
-from runtime.port_args import PortArgs
-from runtime.ipc import PullSocket, PushSocket
-from runtime.messages import (
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
+from runtime.protocol.ipc import PullSocket, PushSocket
+from runtime.protocol.messages import (
     BatchStrOut,
     BatchTokenIDOut,
     DetokenizerInput,
@@ -28,8 +28,8 @@ from runtime.messages import (
     StrOutput,
     TokenizerInput,
 )
-from runtime.tokenizer import load_tokenizer
-from runtime.utils import send_status
+from runtime.text.tokenizer import load_tokenizer
+from runtime.protocol.child_process import send_status
 
 logger = logging.getLogger(__name__)
 

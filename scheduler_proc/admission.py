@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
-from runtime.args import ServerArgs
+from runtime.config.args import ServerArgs
 from scheduler_proc.policy import SchedulePolicy
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder, PrefillPlan
 from scheduler_proc.req import Req

@@ -22,8 +22,8 @@ import queue
 import threading
 from typing import Any
 
-from runtime.ipc import PullSocket, PushSocket
-from runtime.messages import DetokenizerInput, SchedErrorOut, TokenizedGenerateReq
+from runtime.protocol.ipc import PullSocket, PushSocket
+from runtime.protocol.messages import DetokenizerInput, SchedErrorOut, TokenizedGenerateReq
 from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.sampler import SamplingBatchInfo
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from runtime.engine.sampling.sampler import SamplingBatchInfo
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc import input_logprobs
 from scheduler_proc.memory_setup import Allocator
@@ -28,7 +28,7 @@ from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
 from scheduler_proc.req import Req
 
 if TYPE_CHECKING:
-    from runtime.grammar import RequestGrammar
+    from runtime.text.grammar import RequestGrammar
 
 
 class OutOfMemory(RuntimeError):
@@ -81,7 +81,7 @@ class BatchBuilder:
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         mask = None
         if constrained:  # their matchers have taken every token so far: no step is in flight for them
-            from runtime.grammar import fill_bitmask
+            from runtime.text.grammar import fill_bitmask
 
             assert not any(reqs[i].num_inflight for i in constrained), "a grammar's mask needs its last token"
             grammars = [cast("RequestGrammar", reqs[i].grammar) for i in constrained]

@@ -27,11 +27,11 @@ from typing import Any
 
 import zmq
 
-from runtime.args import ServerArgs
-from runtime.port_args import PortArgs
-from runtime.ipc import PullSocket, PushSocket
-from runtime.kv_sizing import merge_kv_pools
-from runtime.messages import (
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
+from runtime.protocol.ipc import PullSocket, PushSocket
+from runtime.engine.kv_sizing import merge_kv_pools
+from runtime.protocol.messages import (
     ControllerInput,
     DetokenizerInput,
     KVEvent,
@@ -42,8 +42,8 @@ from runtime.messages import (
     SchedulerInput,
     TokenizedGenerateReq,
 )
-from runtime.spec_stats import SPEC_STATS, spec_summary
-from runtime.utils import send_status
+from runtime.protocol.spec_stats import SPEC_STATS, spec_summary
+from runtime.protocol.child_process import send_status
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
 
 
 def run_dp_controller_process(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
-    """Child-process main (spawned through ``runtime.utils.run_child``, which reports errors):
+    """Child-process main (spawned through ``runtime.protocol.child_process.run_child``, which reports errors):
     PULL from the tokenizer, PUSH to each replica, merge control replies."""
     router = Router(server_args.dp_size, server_args.load_balance_method)
     from_tokenizer = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)

@@ -37,7 +37,7 @@ COMPILE_THREADS = 4
 @dataclass
 class _Waiting:
     req: Req
-    compiled: Future[Any]  # runtime.grammar.backend.Compiled
+    compiled: Future[Any]  # runtime.text.grammar.backend.Compiled
     deadline: float  # time.monotonic() past which the request fails
     shared: bool = False  # another request started the compile: for this one it is a cache hit
 
@@ -62,7 +62,7 @@ class GrammarQueue:
         self._timeout_s = timeout_s
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._executor: ThreadPoolExecutor | None = None
-        self._backend: Any = None  # runtime.grammar.GrammarBackend, made on a compile thread
+        self._backend: Any = None  # runtime.text.grammar.GrammarBackend, made on a compile thread
         self._backend_lock = threading.Lock()
         self._waiting: list[_Waiting] = []
         self._compiling: dict[tuple[str, str], Future[Any]] = {}  # the latest compile of each constraint
@@ -129,7 +129,7 @@ class GrammarQueue:
 
     def _compile(self, kind: str, text: str) -> Any:
         """On the compile thread: the vocabulary (first time only), then the grammar."""
-        from runtime.grammar import GrammarBackend
+        from runtime.text.grammar import GrammarBackend
 
         with self._backend_lock:  # the first compiles wait for the one vocabulary
             if self._backend is None:
@@ -153,7 +153,7 @@ class GrammarQueue:
 
     def _agree(self, decisions: dict[str, str | None]) -> dict[str, str | None]:
         """Rank 0's decisions, on every rank."""
-        from runtime.distributed import get_tp_group
+        from runtime.engine.distributed import get_tp_group
 
         payload = msgspec.msgpack.encode(decisions) if self._tp_rank == 0 else None
         agreed = get_tp_group().broadcast_bytes(payload)  # type: ignore[attr-defined]
@@ -161,7 +161,7 @@ class GrammarQueue:
 
     def _attach(self, waiting: _Waiting) -> str | None:
         """Give the request its matcher (waiting for this rank's compile if rank 0 was quicker)."""
-        from runtime.grammar import RequestGrammar
+        from runtime.text.grammar import RequestGrammar
 
         try:
             compiled = waiting.compiled.result()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from runtime.forward_batch import InputLogprobRows
+from runtime.engine.forward_batch import InputLogprobRows
 from scheduler_proc.req import Req
 
 if TYPE_CHECKING:

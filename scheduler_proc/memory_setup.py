@@ -29,7 +29,7 @@ from memory.swa_allocator import SWATokenToKVPoolAllocator
 from memory.swa_chunk_cache import SWAChunkCache
 from memory.swa_kv_pool import SWAKVPool
 from memory.swa_radix_cache import SWARadixCache
-from runtime.args import ServerArgs
+from runtime.config.args import ServerArgs
 from scheduler_proc.hicache import HostTier
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import torch
 
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.args import ServerArgs
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.config.args import ServerArgs
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from scheduler_proc.prefill_adder import PlannedExtend
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req
@@ -260,7 +260,7 @@ class OverlapModelWorker(ModelWorker):
 
 def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
     """The real model runner of one TP rank, configured by the server flags."""
-    from runtime.model_runner import ModelRunner  # the model code: imported only when serving
+    from runtime.engine.model_runner import ModelRunner  # the model code: imported only when serving
 
     return ModelRunner(
         server_args.resolved_model_path(),

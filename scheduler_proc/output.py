@@ -11,11 +11,11 @@ import logging
 import time
 from typing import Any
 
-from runtime.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
+from runtime.protocol.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
 from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
-from runtime.spec_stats import spec_summary
+from runtime.protocol.spec_stats import spec_summary
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
-from runtime.kv_sizing import KVPoolSize
-from runtime.messages import KVEvent, LoadReport
-from runtime.spec_stats import spec_summary
+from runtime.engine.kv_sizing import KVPoolSize
+from runtime.protocol.messages import KVEvent, LoadReport
+from runtime.protocol.spec_stats import spec_summary
 from scheduler_proc import swa_memory
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue

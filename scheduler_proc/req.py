@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memory.req_state import CacheHandle
-from runtime.args import ServerArgs
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.grammar import RequestGrammar
+    from runtime.text.grammar import RequestGrammar
 
 
 @dataclass(eq=False)  # a request is itself: identity equality and hashing
@@ -131,7 +131,7 @@ class StopChecker:
         """Stop strings (and grammars) need text: the server's tokenizer, loaded the first time one
         is asked for."""
         if self._tokenizer is None:
-            from runtime.tokenizer import load_tokenizer
+            from runtime.text.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
         return self._tokenizer

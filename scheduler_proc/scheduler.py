@@ -30,9 +30,9 @@ import torch
 
 from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
-from runtime.args import ServerArgs
-from runtime.forward_batch import ForwardMode
-from runtime.messages import LoadReport, SchedAbortReq, SchedControlOut, SchedControlReq, SchedulerInput, \
+from runtime.config.args import ServerArgs
+from runtime.engine.forward_batch import ForwardMode
+from runtime.protocol.messages import LoadReport, SchedAbortReq, SchedControlOut, SchedControlReq, SchedulerInput, \
     TokenizedGenerateReq
 from scheduler_proc import input_logprobs, reports, swa_memory
 from scheduler_proc.admission import Admission

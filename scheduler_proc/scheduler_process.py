@@ -1,6 +1,6 @@
 """The scheduler process: device placement, sockets, the TP broadcast of inputs, the loop.
 
-``run_scheduler_process`` is spawned through ``runtime.utils.run_child``, which owns the
+``run_scheduler_process`` is spawned through ``runtime.protocol.child_process.run_child``, which owns the
 logging set-up, the signals and the error half of the ready handshake; this module only
 reports ready with what the tokenizer needs to validate requests.
 """
@@ -16,13 +16,13 @@ from typing import Any
 import msgspec
 import torch
 
-from runtime.args import ServerArgs
-from runtime.port_args import PortArgs
-from runtime.device import resolve_device
-from runtime.distributed import TPGroup, init_tp_group, set_tp_group
-from runtime.ipc import PullSocket, PushSocket
-from runtime.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
-from runtime.utils import send_status
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
+from runtime.engine.device import resolve_device
+from runtime.engine.distributed import TPGroup, init_tp_group, set_tp_group
+from runtime.protocol.ipc import PullSocket, PushSocket
+from runtime.protocol.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
+from runtime.protocol.child_process import send_status
 from scheduler_proc.admission_gate import AdmissionGate
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.scheduler import Scheduler

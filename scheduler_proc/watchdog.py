@@ -130,7 +130,7 @@ class StepWatchdog:
 
 
 def exit_process(code: int) -> None:
-    """``os._exit(code)`` after multiprocessing's finalizers (as ``runtime.utils.exit_now``: they
+    """``os._exit(code)`` after multiprocessing's finalizers (as ``runtime.protocol.child_process.exit_now``: they
     unlink named semaphores that would otherwise be reported as leaked), given at most
     ``FINALIZERS_S`` on a thread of their own: one could wait on a lock the stuck step holds."""
     finalizers = threading.Thread(target=multiprocessing.util._run_finalizers,  # type: ignore[attr-defined]

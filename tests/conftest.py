@@ -52,7 +52,7 @@ def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckp
 def thread_tp_group() -> Iterator["ThreadTPGroup"]:
     """A TP group of two threads (tests/support/tp_threads.py), registered as the process's TP
     group for the test: TP=2 shards checked against TP=1 without spawning processes."""
-    from runtime import distributed
+    from runtime.engine import distributed
     from tests.support.tp_threads import ThreadTPGroup
 
     group = ThreadTPGroup(2)
@@ -62,7 +62,7 @@ def thread_tp_group() -> Iterator["ThreadTPGroup"]:
 
 
 def _kernel_levels() -> tuple[str, ...]:
-    from runtime.cpu import kernel_library
+    from runtime.engine.cpu import kernel_library
 
     return kernel_library.host_levels()
 
@@ -71,7 +71,7 @@ def _kernel_levels() -> tuple[str, ...]:
 def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
     """The CPU kernels' build of each instruction-set level this CPU runs (AVX-512 + BF16, AVX-512,
     AVX2, plain C): a test that uses it runs once per level (``pytest.mark.usefixtures``)."""
-    from runtime.cpu import kernel_library
+    from runtime.engine.cpu import kernel_library
 
     with kernel_library.use_level(request.param):
         yield request.param
@@ -81,7 +81,7 @@ def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
 def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
     """The kernels that have an AMX path on AMX tiles (where the CPU has them and the build is
     avx512bf16) and without them; yields whether AMX is in use."""
-    from runtime.cpu import kernel_library
+    from runtime.engine.cpu import kernel_library
 
     with kernel_library.use_amx(request.param) as used:
         assert used == (request.param and kernel_library.amx_available() and kernel_library.level() == "avx512bf16")
@@ -90,9 +90,9 @@ def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 @pytest.fixture
 def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
-    """Per forward that asked the CPU's one-call decode stack (``runtime.cpu.decode_layers.run``):
+    """Per forward that asked the CPU's one-call decode stack (``runtime.engine.cpu.decode_layers.run``):
     whether it ran the layers (True) or declined."""
-    from runtime.cpu import decode_layers
+    from runtime.engine.cpu import decode_layers
 
     seen: list[bool] = []
     real = decode_layers.run

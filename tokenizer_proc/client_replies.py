@@ -13,7 +13,7 @@ import asyncio
 import uuid
 from typing import Any, Callable
 
-from runtime.ipc import AsyncRouter, ClientBusy, ClientGone
+from runtime.protocol.ipc import AsyncRouter, ClientBusy, ClientGone
 
 # Identities of local (HTTP) clients. ZMQ identities never start with a zero byte except the
 # 5-byte ones libzmq makes up for peers without one, so these longer ones cannot collide.

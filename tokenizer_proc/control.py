@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from runtime.ipc import PushSocket
-from runtime.messages import (
+from runtime.protocol.ipc import PushSocket
+from runtime.protocol.messages import (
     ControlReply,
     ErrorReply,
     FlushCacheReq,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from runtime.messages import ControlReply, ErrorReply, FlushCacheReq, GenerateReq, HealthReq, ServerInfoReq
+from runtime.protocol.messages import ControlReply, ErrorReply, FlushCacheReq, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc.metrics import Metrics
 
 

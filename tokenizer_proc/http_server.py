@@ -33,8 +33,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.args import ServerArgs, endpoint
-from runtime.messages import ErrorReply, FlushCacheReq, GenerateChunk, GenerateReq, HealthReq, ServerInfoReq
+from runtime.config.args import ServerArgs, endpoint
+from runtime.protocol.messages import ErrorReply, FlushCacheReq, GenerateChunk, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.front_door import FrontDoor

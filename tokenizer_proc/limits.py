@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.messages import GenerateReq
+from runtime.protocol.messages import GenerateReq
 
 # A token of any tokenizer we serve spans far fewer bytes than this, so a text with more
 # bytes than PROMPT_BYTES_PER_TOKEN * (the longest prompt in tokens) cannot fit.
@@ -40,7 +40,7 @@ def default_max_request_bytes(model_path: str, context_length: int | None) -> in
 
     Read from config.json before the scheduler reports its figures (the socket is bound
     first, so that a port conflict is reported at once)."""
-    from runtime.model_config import ModelConfig
+    from runtime.engine.model_config import ModelConfig
 
     try:
         context_len = ModelConfig.from_pretrained(Path(model_path), context_length).context_len

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runtime.messages import GenerateReq
+from runtime.protocol.messages import GenerateReq
 from tokenizer_proc.openai_tools import Tool, ToolChoice, ToolError, ToolPlan, message_for_template, plan_tools
 
 logger = logging.getLogger(__name__)

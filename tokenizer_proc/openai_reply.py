@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from runtime.messages import GenerateChunk
+from runtime.protocol.messages import GenerateChunk
 from tokenizer_proc.openai_tools import ToolPlan, call_id, constrained_calls
-from runtime.parsers import (ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser, make_reasoning_parser,
+from runtime.text.parsers import (ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser, make_reasoning_parser,
                                     make_tool_call_parser)
 
 Kind = Literal["completion", "chat"]

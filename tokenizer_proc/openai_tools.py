@@ -4,7 +4,7 @@ what they ask of generation, and the calls read back from the output.
 ``tool_choice`` decides how calls are found:
 - ``none``: the tools reach the chat template (the model knows them) but the output is text.
 - ``auto`` (the default when tools are given): the model decides; ``--tool-call-parser``
-  reads its calls out of the text in the model's own format (runtime/parsers).
+  reads its calls out of the text in the model's own format (runtime/text/parsers).
 - ``required`` or a named function: decoding is constrained with the structured-output
   machinery, so even a small model that never saw the tool format emits a well-formed call.
   The constrained output *is* the call, so no parser and no template support are needed:
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.parsers import TOOL_CALL_PARSERS, ToolCall
+from runtime.text.parsers import TOOL_CALL_PARSERS, ToolCall
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import logging
 import time
 from typing import Any
 
-from runtime.ipc import AsyncPullSocket, PushSocket
-from runtime.messages import (
+from runtime.protocol.ipc import AsyncPullSocket, PushSocket
+from runtime.protocol.messages import (
     BatchStrOut,
     ErrorReply,
     GenerateChunk,

@@ -24,12 +24,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from runtime.args import ServerArgs, endpoint
-from runtime.port_args import PortArgs
-from runtime.ipc import AsyncPullSocket, AsyncRouter, PushSocket
-from runtime.messages import SchedulerInput, TokenizerInput
-from runtime.tokenizer import load_tokenizer
-from runtime.utils import exit_now, recv_status, send_status
+from runtime.config.args import ServerArgs, endpoint
+from runtime.config.port_args import PortArgs
+from runtime.protocol.ipc import AsyncPullSocket, AsyncRouter, PushSocket
+from runtime.protocol.messages import SchedulerInput, TokenizerInput
+from runtime.text.tokenizer import load_tokenizer
+from runtime.protocol.child_process import exit_now, recv_status, send_status
 from tokenizer_proc.drain import Drain
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits

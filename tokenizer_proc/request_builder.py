@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import msgspec
 
-from runtime.messages import GenerateReq, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.protocol.messages import GenerateReq, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
 
 # apply_chat_template arguments a client's chat_template_kwargs may not override: they decide
@@ -149,7 +149,7 @@ class RequestBuilder:
         if self.grammar_backend == "none":
             raise Rejected("invalid_request", f"sampling_params.{kind}: constrained decoding is off on this "
                                               "server (--grammar-backend none)", kind)
-        from runtime.grammar import GrammarError, check_constraint  # xgrammar: only for constrained requests
+        from runtime.text.grammar import GrammarError, check_constraint  # xgrammar: only for constrained requests
 
         try:
             check_constraint(kind, text)

@@ -47,9 +47,9 @@ from typing import Any
 
 import msgspec
 
-from runtime.args import ServerArgs
-from runtime.ipc import AsyncRouter, PushSocket
-from runtime.messages import (
+from runtime.config.args import ServerArgs
+from runtime.protocol.ipc import AsyncRouter, PushSocket
+from runtime.protocol.messages import (
     AbortReq,
     ClientRequest,
     ControlReply,

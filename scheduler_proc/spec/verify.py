@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from runtime.args import ServerArgs
-from runtime.spec_stats import SPEC_STATS
+from runtime.config.args import ServerArgs
+from runtime.protocol.spec_stats import SPEC_STATS
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
@@ -71,7 +71,7 @@ class SpecDecoder:
         """None without speculation; ``device``'s platform gives --speculative-max-step-tokens' default."""
         if args.speculative_algorithm is None:
             return None
-        from runtime.ops import get_ops
+        from runtime.engine.ops import get_ops
 
         return SpecDecoder(args, context_len, stats, get_ops(device, torch.float32).platform(device).spec_step_tokens)
 

@@ -21,7 +21,7 @@ from runtime.client import CONNECT_TIMEOUT_S, HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT
 # Answers a generate with one chunk and never finishes it; answers server_info.
 FAKE_SERVER = r"""
 import msgspec, sys, zmq
-from runtime.messages import ClientRequest, ControlReply, GenerateChunk, GenerateReq
+from runtime.protocol.messages import ClientRequest, ControlReply, GenerateChunk, GenerateReq
 ctx = zmq.Context()
 sock = ctx.socket(zmq.ROUTER)
 port = sock.bind_to_random_port("tcp://127.0.0.1")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.cpu import attention_kernels_f32, decode_layers
-from runtime.cpu.prepacked import fp32_panel_rows
-from runtime.model_runner import ModelRunner
+from runtime.engine.cpu import attention_kernels_f32, decode_layers
+from runtime.engine.cpu.prepacked import fp32_panel_rows
+from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import random_prompt
 from tests.support.cpu_features import needs_amx
 from tests.support.harness import Harness

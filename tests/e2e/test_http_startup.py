@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from tests.support.server_process import ServerProcess
-from runtime.hub import HubError, resolve_hub_path
-from runtime.utils import child_pids
+from runtime.checkpoints.hub import HubError, resolve_hub_path
+from runtime.protocol.child_process import child_pids
 from tests.support.server_fixtures import base_args, wait_gone, wait_until
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -88,7 +88,7 @@ def test_launch_reports_an_uncached_hub_id(tmp_path: Path) -> None:
 
 
 def test_chat_template_file_replaces_the_tokenizers(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from runtime.tokenizer import load_tokenizer
+    from runtime.text.tokenizer import load_tokenizer
 
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

@@ -21,10 +21,10 @@ import pytest
 
 from tests.support.checkpoints import hf_greedy
 from tests.support.server_process import ServerProcess, ServerStartError, launch_server
-from runtime.args import ServerArgs
+from runtime.config.args import ServerArgs
 from runtime.client import Client
-from runtime.utils import child_pids
-from runtime.version import package_version
+from runtime.protocol.child_process import child_pids
+from runtime.config.version import package_version
 from tests.support.real_model import SERVED_NAME, private_model_cache, smollm2_file
 from tests.support.server_fixtures import wait_gone
 from tests.support.triton_interp import compiled_triton_env

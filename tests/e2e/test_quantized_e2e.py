@@ -19,12 +19,12 @@ from typing import Iterator
 import pytest
 import torch
 
-from runtime.gguf.tensors import iterate_gguf_weights
-from runtime.model_config import ModelConfig
-from runtime.model_source import checkpoint_folder
-from runtime.models.registry import get_model_class
-from runtime.model_runner import ModelRunner
-from runtime.tokenizer import load_tokenizer
+from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
+from runtime.engine.model_config import ModelConfig
+from runtime.checkpoints.model_source import checkpoint_folder
+from runtime.engine.models.registry import get_model_class
+from runtime.engine.model_runner import ModelRunner
+from runtime.text.tokenizer import load_tokenizer
 from tests.e2e.test_real_model_e2e import (ANSWER_TOKENS, BF16_QUESTIONS, QUESTIONS, ask_both_clients,
                                            assert_idle_and_nothing_leaked, assert_right)
 from tests.support.harness import Harness

@@ -34,7 +34,7 @@ pytest.register_assert_rewrite("server_fixtures")
 
 from tests.support.server_process import ServerProcess, launch_server  # noqa: E402
 from runtime.client import Client, RequestError  # noqa: E402
-from runtime.messages import ServerInfoReq  # noqa: E402
+from runtime.protocol.messages import ServerInfoReq  # noqa: E402
 from tests.support.server_fixtures import base_args, wait_until  # noqa: E402
 
 pytest_plugins = ["tests.support.server_fixtures"]

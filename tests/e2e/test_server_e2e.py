@@ -29,7 +29,7 @@ pytest.register_assert_rewrite("server_fixtures")
 from tests.support.checkpoints import hf_greedy, random_prompt  # noqa: E402
 from runtime.client import AsyncClient, Client
 from tests.support import REPO_ROOT
-from runtime.messages import GenerateReq
+from runtime.protocol.messages import GenerateReq
 from tests.support.server_fixtures import API_KEY, is_idle, wait_until
 
 pytest_plugins = ["tests.support.server_fixtures"]

@@ -13,7 +13,7 @@ import zmq
 pytest.register_assert_rewrite("server_fixtures")
 
 from runtime.client import Client, RequestError  # noqa: E402
-from runtime.messages import GenerateReq  # noqa: E402
+from runtime.protocol.messages import GenerateReq  # noqa: E402
 from tests.support.server_fixtures import API_KEY  # noqa: E402
 
 pytest_plugins = ["tests.support.server_fixtures"]

@@ -15,7 +15,7 @@ from tests.support.triton_interp import run_compiled_when_interpreting
 
 
 def _runner(path: Path, **kwargs: Any) -> Any:
-    from runtime.model_runner import ModelRunner
+    from runtime.engine.model_runner import ModelRunner
 
     return ModelRunner(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=4096,
                        max_running_requests=16, load_progress=False, **kwargs)
@@ -50,7 +50,7 @@ def test_decode_step_syncs_only_to_read_its_tokens(tiny_llama_path: Path) -> Non
     """The forward queues work and returns; reading the sampled ids is the step's one sync."""
     from tests.support.harness import Harness
 
-    from runtime.forward_batch import ForwardMode
+    from runtime.engine.forward_batch import ForwardMode
 
     runner = _runner(tiny_llama_path)
     harness = Harness(runner)

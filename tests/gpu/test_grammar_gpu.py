@@ -16,9 +16,9 @@ from tests.support.triton_interp import run_compiled_when_interpreting
 @pytest.mark.parametrize("rows", [None, [0, 3, 5]])
 @pytest.mark.parametrize("vocab", [1000, 49152])
 def test_apply_token_bitmask_matches_torch(rows: list[int] | None, vocab: int) -> None:
-    from runtime.cuda.ops import TritonOps
-    from runtime.ops import get_ops
-    from runtime.ops.torch_ops import TorchOps
+    from runtime.engine.cuda.ops import TritonOps
+    from runtime.engine.ops import get_ops
+    from runtime.engine.ops.torch_ops import TorchOps
 
     ops = get_ops("cuda", torch.float32)
     assert isinstance(ops, TritonOps)

@@ -13,9 +13,9 @@ from tests.support.triton_interp import run_compiled_when_interpreting
 from memory.host_pool import HostKVPool
 from memory.kv_pool import MHATokenToKVPool
 from memory.kv_transfer import CudaKVTransfer, make_kv_transfer
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 
 

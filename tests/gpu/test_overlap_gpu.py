@@ -13,9 +13,9 @@ from pathlib import Path
 from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
 from tests.support.triton_interp import run_compiled_when_interpreting
 
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 
 

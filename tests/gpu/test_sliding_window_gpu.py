@@ -18,10 +18,10 @@ _GPU_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from tests.support.checkpoints import random_prompt
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.model_runner import ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import run_until_idle
 

@@ -18,8 +18,8 @@ DTYPES = [(torch.float32, 1e-4), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)]
 
 
 def _ops():
-    from runtime.ops import get_ops
-    from runtime.cuda.ops import TritonOps
+    from runtime.engine.ops import get_ops
+    from runtime.engine.cuda.ops import TritonOps
 
     ops = get_ops("cuda", torch.bfloat16)
     assert isinstance(ops, TritonOps)
@@ -63,8 +63,8 @@ def test_tiny_model_through_triton_ops_matches_torch_ops(tiny_checkpoints, monke
     """fp32 on the GPU: the same greedy tokens through TritonOps as through TorchOps."""
     from tests.support.harness import Harness
 
-    from runtime import model_runner
-    from runtime.ops import TorchOps
+    from runtime.engine import model_runner
+    from runtime.engine.ops import TorchOps
 
     path = tiny_checkpoints.path("qwen3")
     outputs = []

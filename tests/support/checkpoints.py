@@ -2,7 +2,7 @@
 and the sliding-window Mistral and hybrid Qwen2).
 
 Each is a genuine HF folder made with transformers' config classes and save_pretrained
-(through ``runtime.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
+(through ``runtime.checkpoints.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
 loads. Shapes are tiny (hidden 64, 2 layers) so a whole test session stays fast on CPU.
 All 1-D weights (norm scales, biases) are randomised after transformers' init, which
 leaves them at 1 / 0: otherwise a loader that dropped them would go unnoticed.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runtime.tiny_model import build_checkpoint, train_bpe_tokenizer
+from runtime.checkpoints.tiny_model import build_checkpoint, train_bpe_tokenizer
 
 CHECKPOINT_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "llama_tied_llama3")
 # Sliding-window checkpoints (sliding-window tests): window of their windowed layers.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cpu import kernel_library
-from runtime.cpu.prepacked import DP_ADDRESS, pack_weight, tile_layout
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.prepacked import DP_ADDRESS, pack_weight, tile_layout
 
 
 def bf16_kernels() -> str | None:

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.sampler import SamplingBatchInfo
-from runtime.model_runner import ModelOutput, ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from runtime.engine.sampling.sampler import SamplingBatchInfo
+from runtime.engine.model_runner import ModelOutput, ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 
 
 @dataclass

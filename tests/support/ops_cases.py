@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from memory.kv_pool import MHATokenToKVPool
-from runtime.layers.rotary import RotaryEmbedding
-from runtime.model_config import RopeConfig
-from runtime.ops import DeviceOps, TorchOps
+from runtime.engine.layers.rotary import RotaryEmbedding
+from runtime.engine.model_config import RopeConfig
+from runtime.engine.ops import DeviceOps, TorchOps
 
 REFERENCE = TorchOps()
 LLAMA3_ROPE = RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

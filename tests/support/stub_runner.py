@@ -15,7 +15,7 @@ import torch
 
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 
 _HASH_MUL = 1_000_003
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, SchedErrorOut
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import BatchTokenIDOut, SchedErrorOut
 from tests.support.stub_runner import StubModelRunner, reference_next_token
 from scheduler_proc.scheduler import Scheduler
 
@@ -70,8 +70,8 @@ def assert_idle_invariant(sched: Scheduler) -> None:
 def generate_greedy(runner: Any, prompts: list[list[int]], max_new_tokens: int, **args: Any) -> list[list[int]]:
     """Greedy outputs of ``prompts`` through a serial in-process Scheduler over ``runner``
     (a real ModelRunner too); the memory invariant must hold at the end."""
-    from runtime.messages import TokenizedGenerateReq
-    from runtime.sampling_params import SamplingParams
+    from runtime.protocol.messages import TokenizedGenerateReq
+    from runtime.protocol.sampling_params import SamplingParams
 
     server_args = ServerArgs(max_total_tokens=runner.max_total_tokens, disable_overlap_schedule=True, **args)
     sched = Scheduler(server_args, model_runner=runner)

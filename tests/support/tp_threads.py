@@ -1,6 +1,6 @@
 """Tensor parallelism inside one test process: one thread per rank, communication faked.
 
-``ThreadTPGroup`` stands in for the NCCL / gloo group (``runtime.distributed.set_tp_group``),
+``ThreadTPGroup`` stands in for the NCCL / gloo group (``runtime.engine.distributed.set_tp_group``),
 so TP=2 shards can be checked against TP=1 on CPU without spawning processes.
 """
 

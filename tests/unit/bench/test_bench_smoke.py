@@ -403,7 +403,7 @@ def test_shaped_checkpoint_is_drawn_on_the_device_and_serves(
 ) -> None:
     from bench import checkpoint
     from tests.support.harness import Harness
-    from runtime.model_runner import ModelRunner
+    from runtime.engine.model_runner import ModelRunner
 
     vocab = json.loads((tiny_llama_path / "config.json").read_text())["vocab_size"]
     spec = BenchModelSpec(name="t", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,

@@ -17,7 +17,7 @@ from bench import compare, serving
 from bench.common import cpu_description, read_json
 from bench.llamacpp_baseline import ENGINE, LlamaServerConfig
 from bench.workloads import single
-from runtime.model_source import checkpoint_folder
+from runtime.checkpoints.model_source import checkpoint_folder
 from tests.support.gguf_files import write_checkpoint_gguf
 
 FAKE_SERVER = '''#!{python}

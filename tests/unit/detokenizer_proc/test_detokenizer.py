@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from detokenizer_proc.detokenizer_manager import DetokenizerManager
-from runtime.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, SchedControlOut, SchedErrorOut
-from runtime.tokenizer import load_tokenizer
+from runtime.protocol.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, SchedControlOut, SchedErrorOut
+from runtime.text.tokenizer import load_tokenizer
 
 TEXT = "héllo wörld 世界 🙂 ok, ünïcödé everywhere: 日本語のテキスト and more 🚀🚀 done"
 

@@ -14,13 +14,27 @@ from pathlib import Path
 from tests.support import PRODUCT_PACKAGES, REPO_ROOT
 
 # What each package may not import: memory/ is below everything else; the processes do not
-# import each other (they talk through runtime/messages.py).
+# import each other (they talk through runtime/protocol/messages.py).
 FORBIDDEN = {
     "memory": ("scheduler_proc", "tokenizer_proc", "detokenizer_proc", "launch"),
     "runtime": ("scheduler_proc", "tokenizer_proc", "detokenizer_proc", "launch"),
     "tokenizer_proc": ("scheduler_proc", "detokenizer_proc", "launch"),
     "detokenizer_proc": ("scheduler_proc", "tokenizer_proc", "launch"),
     "scheduler_proc": ("tokenizer_proc", "detokenizer_proc", "launch"),
+}
+
+# Inside runtime/, each concern's folder and what it may not import: the protocol is the leaf
+# every process shares; checkpoints (what --model-path names) know nothing of model execution;
+# the engine runs the model and never reaches the client, the flags or the text side; the
+# client needs only the protocol (it never pulls torch).
+RUNTIME_CONCERNS = ("protocol", "checkpoints", "engine", "config", "text", "client")
+FORBIDDEN_IN_RUNTIME = {
+    "runtime.protocol": ("runtime.checkpoints", "runtime.engine", "runtime.config", "runtime.text", "runtime.client"),
+    "runtime.checkpoints": ("runtime.engine", "runtime.config", "runtime.text", "runtime.client"),
+    "runtime.engine": ("runtime.config", "runtime.text", "runtime.client"),
+    "runtime.text": ("runtime.engine", "runtime.config", "runtime.client"),
+    "runtime.config": ("runtime.engine", "runtime.client"),
+    "runtime.client": ("runtime.checkpoints", "runtime.engine", "runtime.config", "runtime.text"),
 }
 
 @functools.cache
@@ -121,6 +135,32 @@ def test_layers_import_only_downwards() -> None:
         banned = FORBIDDEN.get(module.split(".")[0], ())
         wrong += [f"{module} -> {t}" for t in sorted(targets) if t.split(".")[0] in banned]
     assert wrong == []
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_runtime_concerns_import_only_in_their_direction() -> None:
+    wrong = []
+    for module, targets in import_graph().items():
+        for owner, banned in FORBIDDEN_IN_RUNTIME.items():
+            if _within(module, owner):
+                wrong += [f"{module} -> {t}" for t in sorted(targets) if any(_within(t, b) for b in banned)]
+    assert wrong == []
+
+
+def test_the_checker_finds_a_wrong_direction_inside_runtime() -> None:
+    banned = FORBIDDEN_IN_RUNTIME["runtime.engine"]
+    assert any(_within("runtime.client.clients", b) for b in banned)
+    assert not any(_within("runtime.checkpoints.model_source", b) for b in banned)
+
+
+def test_runtime_root_holds_only_its_concern_folders() -> None:
+    root = REPO_ROOT / "runtime"
+    modules = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert modules == [] and folders == sorted(RUNTIME_CONCERNS)
+
 
 def test_the_product_imports_no_test_or_benchmark_code() -> None:
     wrong = [f"{module}: {name}" for module, path in product_modules().items()

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 _CHECK = """
 import json, sys
 import runtime
-from runtime.cpu import kernel_library
+from runtime.engine.cpu import kernel_library
 lib = kernel_library.load()
 print(json.dumps({"runtime": runtime.__file__, "level": kernel_library.level(), "loaded": lib is not None}))
 """
@@ -47,8 +47,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_ships_the_kernel_sources_and_headers(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    csrc = REPO_ROOT / "runtime" / "cpu" / "csrc"
-    expected = {f"runtime/cpu/csrc/{p.name}" for p in csrc.iterdir() if p.suffix in (".c", ".h")}
+    csrc = REPO_ROOT / "runtime" / "engine" / "cpu" / "csrc"
+    expected = {f"runtime/engine/cpu/csrc/{p.name}" for p in csrc.iterdir() if p.suffix in (".c", ".h")}
     assert any(n.endswith(".h") for n in expected) and expected <= names
     assert "launch.py" in names and not any(n.startswith(("tests/", "bench/")) for n in names)
 

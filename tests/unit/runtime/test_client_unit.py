@@ -18,7 +18,7 @@ import uvloop
 import zmq
 
 from runtime.client import AsyncClient, Client, RequestError, RequestTimeout
-from runtime.messages import (
+from runtime.protocol.messages import (
     AbortReq,
     ClientRequest,
     ControlReply,

@@ -1,4 +1,4 @@
-"""The fp32 attention kernels (csrc/attention_f32.c through runtime/cpu/attention_kernels.py) against
+"""The fp32 attention kernels (csrc/attention_f32.c through runtime/engine/cpu/attention_kernels.py) against
 float64 torch references, at every build level this CPU runs (16 lanes, 8 lanes, plain C).
 
 Covers the register tiles and their remainders: group sizes 1..12 (split into row chunks),
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cpu import attention_kernels as attn_kernels
-from runtime.cpu import attention_kernels_f32
-from runtime.cpu import kernel_library
+from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_f32
+from runtime.engine.cpu import kernel_library
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C call (runtime/cpu/decode_layers.py,
+"""A decode step's decoder layers in one C call (runtime/engine/cpu/decode_layers.py,
 csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
 bit, step after step (the decode-key mirror appended by either path, alternating), on every
 architecture the call takes, with and without a shared prefix, in bf16 and in fp32; and the cases
@@ -25,10 +25,10 @@ import torch
 from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
 from tests.support.cpu_features import bf16_kernels
 from tests.support.harness import Harness
-from runtime.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
-from runtime.cpu.prepacked import fp32_panel_rows
-from runtime.forward_batch import ForwardMode
-from runtime.model_runner import ModelRunner
+from runtime.engine.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
+from runtime.engine.cpu.prepacked import fp32_panel_rows
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.model_runner import ModelRunner
 
 from tests.support import REPO_ROOT as ROOT
 

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from runtime.cpu import kernel_library
-from runtime.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_COLUMNS, dp_layout_of
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_COLUMNS, dp_layout_of
 
 from tests.support import REPO_ROOT as ROOT
 
@@ -81,7 +81,7 @@ def test_dp_layout_is_told_apart_from_the_amx_layout() -> None:
 
 _CAPPED = textwrap.dedent("""
     import torch
-    from runtime.cpu.prepacked import DP_ADDRESS, TILE_ADDRESS, dp_linear, float_linear, linear, pack_weight
+    from runtime.engine.cpu.prepacked import DP_ADDRESS, TILE_ADDRESS, dp_linear, float_linear, linear, pack_weight
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 1024, generator=gen).bfloat16()
     bias = torch.randn(1536, generator=gen).bfloat16()

@@ -1,4 +1,4 @@
-"""The C kernels of runtime/cpu/kernels.py against fp32 / torch references.
+"""The C kernels of runtime/engine/cpu/kernels.py against fp32 / torch references.
 
 Covers the AVX-512 register-blocked paths (group <= 8, head dim a multiple of 64; group <= 4
 scores 32 keys per pass, then 16, then one at a time) and the
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cpu import kernel_library
-from runtime.cpu import attention_kernels as attn_kernels
-from runtime.cpu import kernels as cpu_kernels
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import kernels as cpu_kernels
 
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
@@ -218,8 +218,8 @@ def test_merge_attention_reads_strided_operands() -> None:
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rotary_in_place_is_bit_identical_to_torch(rotary_dim: int) -> None:
     """On the q and k heads of a fused qkv output (strided rows), including a partial rotary dim."""
-    from runtime.layers.rotary import RotaryEmbedding
-    from runtime.model_config import RopeConfig
+    from runtime.engine.layers.rotary import RotaryEmbedding
+    from runtime.engine.model_config import RopeConfig
 
     torch.manual_seed(4)
     t, heads, kv_heads, d = 9, 4, 2, 64

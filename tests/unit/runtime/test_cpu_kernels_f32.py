@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.cpu import kernels as cpu_kernels
-from runtime.layers.rotary import RotaryEmbedding
-from runtime.model_config import RopeConfig
+from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.layers.rotary import RotaryEmbedding
+from runtime.engine.model_config import RopeConfig
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 

@@ -1,4 +1,4 @@
-"""Prepacked linears on CPU (runtime/cpu/prepacked.py): fp32 batches inside
+"""Prepacked linears on CPU (runtime/engine/cpu/prepacked.py): fp32 batches inside
 ``fp32_panel_rows`` take ``linear_f32`` on the panel copy, within the bound of F.linear, each
 row independent of the batch and the same at every build level; outside the band and on a
 build without the kernel F.linear runs (and no fp32 copy is made without the kernel); a reload
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.harness import Harness
-from runtime.cpu import kernel_library
-from runtime.cpu.prepacked import (
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
     DP_ADDRESS,
     FP32_PANEL_MAX_ROWS,
@@ -40,8 +40,8 @@ from runtime.cpu.prepacked import (
     takes_packed,
     tile_layout,
 )
-from runtime.model_runner import ModelRunner
-from runtime.weight_loader import load_model_weights
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.loading.weight_loader import load_model_weights
 
 # |packed - F.linear| <= BOUND_EPS * eps * sum_k |x_k w_k| per output: the measured worst is
 # ~1.2 eps (these shapes and the bench model's, every build level); the bound leaves room for other CPUs.
@@ -288,8 +288,8 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     """The MLP's merged gate/up projection and silu*mul fused (csrc/amx_linear.c) give the bits of
     the linear followed by the silu*mul kernel, at row counts around the 16- and 32-row blocks;
     CpuOps.linear_silu_and_mul falls back to the two wherever the fused call does not apply."""
-    from runtime.cpu import kernels as cpu_kernels
-    from runtime.cpu.ops import CpuOps
+    from runtime.engine.cpu import kernels as cpu_kernels
+    from runtime.engine.cpu.ops import CpuOps
 
     if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
         pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")

@@ -1,4 +1,4 @@
-"""A speculative verify step through the one-call decode path (runtime/cpu/decode_layers.py with the
+"""A speculative verify step through the one-call decode path (runtime/engine/cpu/decode_layers.py with the
 decode-key mirror's ``plan_verify``): each request's input token and drafts are rows of the call that
 share the request's mirror row (``kv_row``), each attending to its keys up to itself.
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.cpu import attention_kernels_f32, decode_layers
-from runtime.cpu.prepacked import fp32_panel_rows
-from runtime.forward_batch import ForwardMode
-from runtime.model_runner import ModelRunner
+from runtime.engine.cpu import attention_kernels_f32, decode_layers
+from runtime.engine.cpu.prepacked import fp32_panel_rows
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import random_prompt
 from tests.support.cpu_features import bf16_kernels
 from tests.support.harness import Harness, HarnessRequest
@@ -158,7 +158,7 @@ def test_verify_of_other_requests_gathers_the_copies_again(dtype: str, shared_pr
 def test_kernel_rows_share_mirror_rows(dtype: torch.dtype) -> None:
     """The attention kernel alone (each dtype's): query rows mapped onto shared mirror rows equal
     each row run against its own copy of that row."""
-    from runtime.cpu import attention_kernels as attn_kernels
+    from runtime.engine.cpu import attention_kernels as attn_kernels
 
     torch.manual_seed(0)
     kv_n, hkv, group, d, cap = 3, 2, 2, 16, 32

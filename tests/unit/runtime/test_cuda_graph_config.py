@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.support.server_process import server_argv
-from runtime.args import ServerArgs
-from runtime.cuda.graph_runner import capture_batch_sizes
+from runtime.config.args import ServerArgs
+from runtime.engine.cuda.graph_runner import capture_batch_sizes
 
 
 def test_flags_parse_with_sglang_names_and_round_trip() -> None:

@@ -20,19 +20,19 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, see the modul
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
 from tests.support.harness import Harness  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
-from runtime.cuda import graph_runner as cgr  # noqa: E402
-from runtime.cpu import prepacked  # noqa: E402
-from runtime.cuda.attention import TritonAttnBackend  # noqa: E402
-from runtime.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
-from runtime.forward_batch import ForwardMode  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.engine.cuda import graph_runner as cgr  # noqa: E402
+from runtime.engine.cpu import prepacked  # noqa: E402
+from runtime.engine.cuda.attention import TritonAttnBackend  # noqa: E402
+from runtime.engine.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
+from runtime.engine.forward_batch import ForwardMode  # noqa: E402
+from runtime.engine.model_runner import ModelRunner  # noqa: E402
+from runtime.protocol.sampling_params import SamplingParams  # noqa: E402
 
 SIZES = [1, 2, 4, 8]
 
@@ -207,7 +207,7 @@ def test_self_check_mismatch_logs_and_serves_eager(
     monkeypatch.setattr(cgr.CudaGraphRunner, "replay", lambda self, batch: inner(self, batch) + 0.5)
     table = runner.req_to_token_pool.req_to_token
     table[:3] = 7  # the self-check borrows rows 0..2 (free at start-up) and must clear them again
-    with caplog.at_level(logging.INFO, logger="runtime.cuda.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="runtime.engine.cuda.graph_runner"):
         assert cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager") is None
     failed = [r for r in caplog.records if "self-check failed" in r.getMessage()]
     assert failed and failed[0].levelno == logging.WARNING
@@ -227,7 +227,7 @@ def test_capture_error_falls_back_to_eager(
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata_capture_cuda_graph", broken)
-    with caplog.at_level(logging.WARNING, logger="runtime.cuda.graph_runner"):
+    with caplog.at_level(logging.WARNING, logger="runtime.engine.cuda.graph_runner"):
         assert cgr.setup_cuda_graphs(runner, batch_sizes=SIZES, replay="eager") is None
     assert "capture failed: operation not permitted" in caplog.text
 
@@ -244,20 +244,20 @@ def test_out_of_memory_captures_what_fits(
         inner(self)
 
     monkeypatch.setattr(cgr.CudaGraphRunner, "capture", capture)
-    with caplog.at_level(logging.INFO, logger="runtime.cuda.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="runtime.engine.cuda.graph_runner"):
         graphs = cgr.setup_cuda_graphs(runner, replay="eager")  # default sizes up to max_running_requests 16
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4]
     assert "retrying up to 8" in caplog.text and "retrying up to 4" in caplog.text
     monkeypatch.setattr(cgr.CudaGraphRunner, "capture", lambda self: (_ for _ in ()).throw(
         torch.OutOfMemoryError("CUDA out of memory")))
-    with caplog.at_level(logging.WARNING, logger="runtime.cuda.graph_runner"):
+    with caplog.at_level(logging.WARNING, logger="runtime.engine.cuda.graph_runner"):
         assert cgr.setup_cuda_graphs(runner, replay="eager") is None
     assert "out of memory capturing batch size 1" in caplog.text and "serving eager" in caplog.text
 
 
 def test_unsupported_setups_say_why(tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     native = _runner(tiny_llama_path, backend="torch_native")
-    with caplog.at_level(logging.INFO, logger="runtime.cuda.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="runtime.engine.cuda.graph_runner"):
         assert cgr.setup_cuda_graphs(native, replay="eager") is None
         assert cgr.setup_cuda_graphs(native, replay="cuda") is None
     assert "torch_native attention backend cannot run in a graph" in caplog.text

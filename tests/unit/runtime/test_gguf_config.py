@@ -1,6 +1,6 @@
 """The config made from a GGUF file's metadata describes the same model as the source checkpoint.
 
-Each tiny HF checkpoint is converted the way llama.cpp does; what ``runtime.model_config``
+Each tiny HF checkpoint is converted the way llama.cpp does; what ``runtime.engine.model_config``
 reads from the prepared folder must equal what it reads from the source folder (dims, eps,
 RoPE, tie, bias, head_dim, special token ids, the served architecture), so a GGUF file is
 served as the model it was converted from.
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.gguf.config import hf_config
-from runtime.gguf.prepare import prepare_gguf
-from runtime.gguf.reader import GGUFError, read_gguf
-from runtime.model_config import ModelConfig
+from runtime.checkpoints.gguf.config import hf_config
+from runtime.checkpoints.gguf.prepare import prepare_gguf
+from runtime.checkpoints.gguf.reader import GGUFError, read_gguf
+from runtime.engine.model_config import ModelConfig
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from runtime.gguf import tensors as gguf_tensors
-from runtime.gguf.reader import SUPPORTED_TENSOR_TYPES, GGUFContents, read_gguf
-from runtime.gguf.tensors import GGUFWeight
+from runtime.engine.loading import gguf_tensors
+from runtime.checkpoints.gguf.reader import SUPPORTED_TENSOR_TYPES, GGUFContents, read_gguf
+from runtime.engine.loading.gguf_tensors import GGUFWeight
 from tests.support.gguf_files import llama_permute, llama_unpermute, reference_tensor, write_tensors_gguf
 
 HEADS, KV_HEADS, HEAD_DIM, COLS = 4, 2, 32, 512  # COLS: two K-quant super-blocks per row

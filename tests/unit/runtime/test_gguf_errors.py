@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.gguf.prepare import prepare_gguf
-from runtime.gguf.reader import GGUFError, read_gguf
-from runtime.model_source import ModelSourceError, checkpoint_folder
+from runtime.checkpoints.gguf.prepare import prepare_gguf
+from runtime.checkpoints.gguf.reader import GGUFError, read_gguf
+from runtime.checkpoints.model_source import ModelSourceError, checkpoint_folder
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import set_tensor_type_number, truncate, write_checkpoint_gguf, write_tensors_gguf
 

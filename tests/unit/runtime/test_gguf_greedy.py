@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from runtime.model_runner import ModelRunner
+from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.gguf import prepare as prepare_module
-from runtime.gguf.prepare import GGUFIndex, is_gguf_folder, prepare_gguf
-from runtime.gguf.reader import GGUFError
-from runtime.gguf.tensors import iterate_gguf_weights
-from runtime.model_config import ModelConfig
-from runtime.model_source import checkpoint_folder, has_tokenizer
+from runtime.checkpoints.gguf import prepare as prepare_module
+from runtime.checkpoints.gguf.prepare import GGUFIndex, is_gguf_folder, prepare_gguf
+from runtime.checkpoints.gguf.reader import GGUFError
+from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
+from runtime.engine.model_config import ModelConfig
+from runtime.checkpoints.model_source import checkpoint_folder, has_tokenizer
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
 
@@ -150,8 +150,8 @@ def test_launch_resolves_a_gguf_model_path(tiny_checkpoints: TinyCheckpoints, tm
     """launch.py prepares the file once, before any child starts; children get the folder, the
     API keeps the name the user gave; a weights-only file needs --tokenizer-path."""
     from launch import resolve_paths
-    from runtime.args import ServerArgs
-    from runtime.model_source import ModelSourceError
+    from runtime.config.args import ServerArgs
+    from runtime.checkpoints.model_source import ModelSourceError
 
     path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "llama.gguf")
     resolved = resolve_paths(ServerArgs(model_path=str(path)))

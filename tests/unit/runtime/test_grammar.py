@@ -14,12 +14,12 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from runtime.cpu.ops import CpuOps
-from runtime.grammar import GrammarBackend, GrammarError, RequestGrammar, allocate_bitmask, check_constraint
-from runtime.layers import penalties as pen
-from runtime.layers.sampler import Sampler, SamplingBatchInfo
-from runtime.ops.torch_ops import TorchOps
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.engine.cpu.ops import CpuOps
+from runtime.text.grammar import GrammarBackend, GrammarError, RequestGrammar, allocate_bitmask, check_constraint
+from runtime.engine.sampling import penalties as pen
+from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.engine.ops.torch_ops import TorchOps
+from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 # A C++ source location as xgrammar's messages start: "[11:28:42] /project/cpp/regex_converter.cc:83: ".
 CXX_LOCATION = re.compile(r"\[[0-9:]+\]|\.cc:\d+|/project/")
@@ -349,7 +349,7 @@ def test_grammar_that_allows_only_stop_overrides_min_new_tokens(temperature: flo
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_path: Path) -> Any:
-    from runtime.tokenizer import load_tokenizer
+    from runtime.text.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny_llama_path))
 
@@ -544,7 +544,7 @@ def test_length_bounded_json_string_refuses_control_characters(backend: GrammarB
 def test_bounded_strings_rewrites_only_length_bounded_string_schemas() -> None:
     """Subschemas anywhere (a property called "default" included) get the pattern; data keywords,
     strings with a pattern or format of their own, and unbounded strings keep theirs."""
-    from runtime.grammar.backend import bounded_strings
+    from runtime.text.grammar.backend import bounded_strings
 
     schema = {"type": "object", "properties": {
         "default": {"type": "string", "maxLength": 5},

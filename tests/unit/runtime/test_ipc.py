@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from runtime.ipc import AsyncPullSocket, AsyncRouter, ClientBusy, ClientGone, PullSocket, PushSocket
-from runtime.messages import (
+from runtime.protocol.ipc import AsyncPullSocket, AsyncRouter, ClientBusy, ClientGone, PullSocket, PushSocket
+from runtime.protocol.messages import (
     BatchStrOut,
     BatchTokenIDOut,
     DetokenizerInput,
@@ -27,7 +27,7 @@ from runtime.messages import (
     TokenizedGenerateReq,
     TokenizerInput,
 )
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture()
@@ -87,7 +87,7 @@ def test_malformed_frames_are_logged_and_skipped(endpoint: str, caplog: pytest.L
     raw.connect(endpoint)
     good = SchedAbortReq(rid="ok")
     try:
-        with caplog.at_level(logging.ERROR, logger="runtime.ipc"):
+        with caplog.at_level(logging.ERROR, logger="runtime.protocol.ipc"):
             raw.send(b"\xc1 not msgpack")  # 0xc1 is never valid msgpack
             raw.send(msgspec.msgpack.encode({"type": "no_such_tag", "rid": "x"}))  # valid msgpack, wrong schema
             raw.send(msgspec.msgpack.encode({"type": "sched_abort", "rid": 5}))  # wrong field type

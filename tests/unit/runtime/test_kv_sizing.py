@@ -1,5 +1,5 @@
-"""The KV pool's default size on CPU (``runtime.cpu.host_memory``) and its figures
-(``runtime.kv_sizing``): from MemTotal and the model, never from what is free at start."""
+"""The KV pool's default size on CPU (``runtime.engine.cpu.host_memory``) and its figures
+(``runtime.engine.kv_sizing``): from MemTotal and the model, never from what is free at start."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cpu import host_memory
-from runtime.cpu.host_memory import (
+from runtime.engine.cpu import host_memory
+from runtime.engine.cpu.host_memory import (
     CPU_DEFAULT_MEM_FRACTION,
     CPU_PLANNED_RUNNING_REQUESTS,
     CPU_TYPICAL_CONTEXT,
     cpu_kv_pool_tokens,
 )
-from runtime.kv_sizing import KVPoolSize, kv_pool_tokens, merge_kv_pools
-from runtime.model_runner import ModelRunner
+from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens, merge_kv_pools
+from runtime.engine.model_runner import ModelRunner
 
 GIB = 1 << 30
 # SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 dims x K and V x 4 bytes, doubled by the CPU
@@ -99,7 +99,7 @@ def test_the_runner_pool_does_not_change_with_mem_available(tmp_path: Path, tiny
 
         monkeypatch.setattr(builtins, "open", fake_open)
         assert host_memory.cpu_mem_total_bytes() == 24 * GIB
-        with caplog.at_level(logging.INFO, logger="runtime.model_runner"):
+        with caplog.at_level(logging.INFO, logger="runtime.engine.model_runner"):
             runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", load_progress=False)
         monkeypatch.setattr(builtins, "open", real_open)
         sizes.append(runner.kv_pool)
@@ -136,7 +136,7 @@ def test_dp_replicas_pools_add_up() -> None:
 
 
 def test_server_info_reports_the_pool(tiny_llama_path: Path) -> None:
-    from runtime.args import ServerArgs
+    from runtime.config.args import ServerArgs
     from scheduler_proc.scheduler import Scheduler
     from tests.support.stub_scheduler import stub_scheduler
 

@@ -12,14 +12,14 @@ from tests.support.checkpoints import random_prompt
 from tests.support.harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
-from runtime.attention.base import AttentionLayerSpec
-from runtime.attention.registry import get_attention_backend_class, resolve_attention_backend_name
-from runtime.attention.plan import TorchNativeMetadata
-from runtime.cpu import attention as torch_native
-from runtime.cpu import decode_layers
-from runtime.cpu.attention import CpuAttnBackend
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner import ModelRunner
+from runtime.engine.attention.base import AttentionLayerSpec
+from runtime.engine.attention.registry import get_attention_backend_class, resolve_attention_backend_name
+from runtime.engine.attention.plan import TorchNativeMetadata
+from runtime.engine.cpu import attention as torch_native
+from runtime.engine.cpu import decode_layers
+from runtime.engine.cpu.attention import CpuAttnBackend
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
+from runtime.engine.model_runner import ModelRunner
 
 H, HKV, D = 4, 2, 8
 

@@ -14,8 +14,8 @@ import torch
 
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.harness import Harness
-from runtime.forward_batch import ForwardMode
-from runtime.model_runner import ModelRunner
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.model_runner import ModelRunner
 
 NEW_TOKENS = 24
 BATCH_PROMPT_LENS = (1, 3, 7, 12, 20, 33, 47, 60)

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup
-from runtime.device import resolve_device, resolve_dtype
-from runtime.model_config import ModelConfig, UnsupportedModelError
-from runtime.cpu.host_memory import cpu_mem_total_bytes
-from runtime.model_runner import ModelRunner
-from runtime.weight_loader import MissingWeightError, checkpoint_files
+from runtime.engine.device import resolve_device, resolve_dtype
+from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
 
 
 def _runner(path: Path, **kwargs) -> ModelRunner:

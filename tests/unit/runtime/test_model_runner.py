@@ -9,9 +9,9 @@ import torch
 
 from tests.support.checkpoints import random_prompt
 from tests.support.harness import Harness
-from runtime.forward_batch import ForwardMode
-from runtime.model_runner import ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

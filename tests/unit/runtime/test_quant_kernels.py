@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.cpu import kernel_library
-from runtime.cpu.ops import CpuOps
-from runtime.cpu.quant_kernels import quant_linear
-from runtime.quant.gguf_blocks import from_gguf
-from runtime.quant.weight import QuantizedWeight, quantize_int8, reference_linear
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.ops import CpuOps
+from runtime.engine.cpu.quant_kernels import quant_linear
+from runtime.engine.quant.gguf_blocks import from_gguf
+from runtime.engine.quant.weight import QuantizedWeight, quantize_int8, reference_linear
 from tests.support.quant_bounds import EPS32, quantized_linear_bound
 
 

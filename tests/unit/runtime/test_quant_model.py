@@ -1,4 +1,4 @@
-"""Models loaded with ``--quantization`` (runtime/quant): which weights stay quantized, that their
+"""Models loaded with ``--quantization`` (runtime/engine/quant): which weights stay quantized, that their
 values are the file's (the dense load's, bit for bit), each linear within the kernels' derived
 error bound of its dequantized fp32 reference, the resident bytes the formats say, and the one-call
 decode path (csrc/decode_layers.c, its qf32 set) equal to the layers run one by one.
@@ -15,11 +15,11 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from runtime.cpu import attention_kernels_f32, decode_layers
-from runtime.layers.embedding import VocabParallelEmbedding
-from runtime.model_runner import ModelRunner
-from runtime.ops.base import LinearWeightLayer
-from runtime.quant.weight import QuantizedWeight, reference_linear
+from runtime.engine.cpu import attention_kernels_f32, decode_layers
+from runtime.engine.layers.embedding import VocabParallelEmbedding
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.quant.weight import QuantizedWeight, reference_linear
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.parsers import (
+from runtime.text.parsers import (
     REASONING_PARSERS,
     NoReasoningParser,
     ReasoningParser,

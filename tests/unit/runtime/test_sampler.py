@@ -10,9 +10,9 @@ from typing import Sequence
 import pytest
 import torch
 
-from runtime.layers import penalties as pen
-from runtime.layers.sampler import Sampler, SamplingBatchInfo
-from runtime.sampling_params import SamplingParams
+from runtime.engine.sampling import penalties as pen
+from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.protocol.sampling_params import SamplingParams
 
 CHI2_DF7_P001 = 24.322  # chi-square critical value, 7 degrees of freedom, p = 0.001
 CHI2_CRIT_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 7: CHI2_DF7_P001}

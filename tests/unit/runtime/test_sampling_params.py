@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
+from runtime.protocol.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
 
 
 def test_defaults_from_none_and_empty_dict() -> None:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from runtime.parsers import (
+from runtime.text.parsers import (
     TOOL_CALL_PARSERS,
     HermesToolCallParser,
     Llama3ToolCallParser,

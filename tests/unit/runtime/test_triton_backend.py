@@ -21,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, see the modul
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
@@ -30,13 +30,13 @@ from tests.support.harness import Harness  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from memory.kv_pool import MHATokenToKVPool  # noqa: E402
 from memory.req_to_token_pool import ReqToTokenPool  # noqa: E402
-from runtime.attention.base import AttentionLayerSpec  # noqa: E402
-from runtime.attention.registry import create_attention_backend  # noqa: E402
-from runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
-from runtime.cuda.attention import TritonAttnBackend, TritonAttnMetadata  # noqa: E402
-from runtime.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
-from runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
+from runtime.engine.attention.base import AttentionLayerSpec  # noqa: E402
+from runtime.engine.attention.registry import create_attention_backend  # noqa: E402
+from runtime.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
+from runtime.engine.cuda.attention import TritonAttnBackend, TritonAttnMetadata  # noqa: E402
+from runtime.engine.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from runtime.engine.model_runner import ModelRunner  # noqa: E402
 
 from tests.support import REPO_ROOT
 NUM_LAYERS = 2
@@ -167,7 +167,7 @@ _FRESH_PROCESS_SCRIPT = """
 import os, sys, torch
 if sys.argv[1] == "triton-first":
     import triton  # what transformers does: triton is now loaded in compiled mode
-from runtime.cuda.attention import TritonAttnBackend
+from runtime.engine.cuda.attention import TritonAttnBackend
 runner = type("RunnerView", (), {"device": torch.device("cpu"), "num_heads": 2, "num_kv_heads": 1})
 try:
     TritonAttnBackend(runner)
@@ -175,7 +175,7 @@ except RuntimeError as exc:
     print("refused:", exc)
     sys.exit(0)
 assert os.environ.get("TRITON_INTERPRET") == "1"
-from runtime.cuda.attention_kernels import create_kv_indices
+from runtime.engine.cuda.attention_kernels import create_kv_indices
 req_to_token = torch.arange(12, dtype=torch.int32).view(2, 6)
 out = torch.empty(5, dtype=torch.int32)
 create_kv_indices(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 2]), torch.tensor([0, 3, 5], dtype=torch.int32), None, out)

@@ -16,14 +16,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, see the modul
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
-from runtime.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
-from runtime.cuda.attention_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits  # noqa: E402
-from runtime.cuda.attention_kernels.extend_attention import extend_attention_fwd  # noqa: E402
-from runtime.cuda.attention_kernels.kv_indices import create_kv_indices  # noqa: E402
+from runtime.engine.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
+from runtime.engine.cuda.attention_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits  # noqa: E402
+from runtime.engine.cuda.attention_kernels.extend_attention import extend_attention_fwd  # noqa: E402
+from runtime.engine.cuda.attention_kernels.kv_indices import create_kv_indices  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
 MAX_SPLITS = 8

@@ -1,4 +1,4 @@
-"""The device ops' Triton kernels (``runtime.cuda.kernels`` through ``TritonOps``) against
+"""The device ops' Triton kernels (``runtime.engine.cuda.kernels`` through ``TritonOps``) against
 the plain torch ops, on CPU under Triton's interpreter in fp32, plus a whole tiny model run
 through them. The same cases run compiled in bf16/fp16/fp32 in test_triton_ops_gpu.py.
 
@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.support import ops_cases  # noqa: E402
-from runtime.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
-from runtime.cuda.ops import TritonOps  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.cuda.ops import TritonOps  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
@@ -57,9 +57,9 @@ def test_store_kv(head_dim: int) -> None:
 
 
 def test_layouts_a_kernel_does_not_take_fall_back_to_torch() -> None:
-    from runtime.layers.rotary import RotaryEmbedding
-    from runtime.model_config import RopeConfig
-    from runtime.cuda import kernels as triton_kernels
+    from runtime.engine.layers.rotary import RotaryEmbedding
+    from runtime.engine.model_config import RopeConfig
+    from runtime.engine.cuda import kernels as triton_kernels
 
     assert triton_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width
     cache = RotaryEmbedding(16, 32, RopeConfig(rope_type="default", theta=10000.0))
@@ -77,8 +77,8 @@ def test_whole_model_through_triton_ops_matches_torch_ops(tiny_checkpoints, monk
     """fp32 tiny Qwen3 (per-head q/k norm) and Llama 3 (llama3 rope, tied head): the same greedy
     tokens and logits through TritonOps as through TorchOps."""
     from tests.support.harness import Harness
-    from runtime import model_runner
-    from runtime.ops import TorchOps
+    from runtime.engine import model_runner
+    from runtime.engine.ops import TorchOps
 
     for name in ("qwen3", "llama_tied_llama3"):
         path: Path = tiny_checkpoints.path(name)

@@ -1,4 +1,4 @@
-"""The Triton dequantizing matmul (runtime/cuda/quant_matmul.py, through ``TritonOps.linear``)
+"""The Triton dequantizing matmul (runtime/engine/cuda/quant_matmul.py, through ``TritonOps.linear``)
 against the dequantize-then-matmul reference, on CPU under Triton's interpreter in fp32: every
 layout (q8 per 32 / per 16 / per row, q4), activation rows below, at and above the tile's 16,
 depths that are and are not whole tiles of 64, output rows not a multiple of the tile's 64.
@@ -20,9 +20,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime.cuda.ops import TritonOps  # noqa: E402
-from runtime.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
-from runtime.quant.weight import QuantizedWeight, reference_linear  # noqa: E402
+from runtime.engine.cuda.ops import TritonOps  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.quant.weight import QuantizedWeight, reference_linear  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from tests.unit.runtime.test_quant_kernels import _random_weight  # noqa: E402
 

@@ -11,9 +11,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from runtime.ipc import PullSocket, PushSocket
-from runtime.messages import DetokenizerInput, SchedAbortReq, SchedErrorOut, SchedulerInput, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.ipc import PullSocket, PushSocket
+from runtime.protocol.messages import DetokenizerInput, SchedAbortReq, SchedErrorOut, SchedulerInput, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.admission_gate import AdmissionGate
 
 

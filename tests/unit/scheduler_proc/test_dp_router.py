@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime.messages import KVEvent, LoadReport
+from runtime.protocol.messages import KVEvent, LoadReport
 from scheduler_proc.dp_controller import (
     BALANCE_ABS,
     BLOCK,

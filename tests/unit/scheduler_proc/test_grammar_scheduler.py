@@ -20,10 +20,10 @@ import jsonschema
 import pytest
 import torch
 
-from runtime.args import ServerArgs
-from runtime.grammar.backend import GrammarBackend
-from runtime.messages import BatchTokenIDOut, SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.text.grammar.backend import GrammarBackend
+from runtime.protocol.messages import BatchTokenIDOut, SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc import grammar_queue
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import assert_idle_invariant
@@ -77,7 +77,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_path: Path) -> Any:
-    from runtime.tokenizer import load_tokenizer
+    from runtime.text.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny_llama_path))
 

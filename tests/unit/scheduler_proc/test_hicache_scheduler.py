@@ -14,8 +14,8 @@ import random
 import pytest
 
 from memory.hiradix_cache import HiRadixCache
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import VOCAB, assert_idle_invariant, collect, expected_output, stub_scheduler
 

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
-from runtime.model_runner import ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
+from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.stub_scheduler import assert_idle_invariant

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from runtime.messages import SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.messages import SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.scheduler import Scheduler
-from runtime.args import ServerArgs
+from runtime.config.args import ServerArgs
 from tests.support.stub_runner import StubModelRunner
 from tests.support.stub_scheduler import EOS, VOCAB, assert_idle_invariant, collect, expected_output, run_until_idle
 

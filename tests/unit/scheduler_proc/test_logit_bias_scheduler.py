@@ -14,9 +14,9 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import BatchTokenIDOut, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.checkpoints import random_prompt
 from tests.support.stub_scheduler import assert_idle_invariant

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from tests.support.stub_runner import StubModelRunner
 from scheduler_proc.model_worker import ModelWorker, OverlapModelWorker
 from scheduler_proc.scheduler import Scheduler

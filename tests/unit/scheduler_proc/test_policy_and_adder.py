@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memory import RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder
 from scheduler_proc.req import Req

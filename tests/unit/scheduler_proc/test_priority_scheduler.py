@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from runtime.args import ServerArgs
-from runtime.messages import BatchTokenIDOut, TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import BatchTokenIDOut, TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.policy import SchedulePolicy
 from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.prefill_adder import PrefillPlan

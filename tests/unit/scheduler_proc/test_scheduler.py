@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import EOS, VOCAB, assert_idle_invariant, expected_output, run_until_idle, stub_scheduler
 

@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
 from tests.support.harness import Harness
-from runtime.forward_batch import ForwardMode
-from runtime.model_runner import ModelRunner
+from runtime.engine.forward_batch import ForwardMode
+from runtime.engine.model_runner import ModelRunner
 
 NEW_TOKENS = 40
 PROMPT_LENS = (5, 23, 40, 70)

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.args import ServerArgs
-from runtime.layers.sampler import Sampler, SamplingBatchInfo
-from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.spec.ngram import NgramProposer
 from scheduler_proc.spec.verify import accepted_drafts
@@ -151,8 +151,8 @@ def test_the_step_budget_shares_drafts_and_steps_aside_under_load(requests: int,
 
 
 def test_the_device_gives_the_budgets_default() -> None:
-    from runtime.cpu.host_memory import CPU_PLATFORM
-    from runtime.cuda.memory import CUDA_PLATFORM
+    from runtime.engine.cpu.host_memory import CPU_PLATFORM
+    from runtime.engine.cuda.memory import CUDA_PLATFORM
     from scheduler_proc.spec.verify import SpecDecoder
 
     args = ServerArgs(speculative_algorithm="ngram")

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.model_runner import ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
 
@@ -108,7 +108,7 @@ def test_sampling_penalties_logprobs_chunks_and_prefix_hits(tiny_llama_path: Pat
 
 def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
     """The logprob of each accepted token is that of its own verify position."""
-    from runtime.messages import BatchTokenIDOut
+    from runtime.protocol.messages import BatchTokenIDOut
 
     runner = runner_for(tiny_llama_path)
     prompt = calls_for(runner.vocab_size, 1, seed=4)[0]
@@ -157,8 +157,8 @@ def test_constrained_requests_draft_what_their_grammar_takes(tiny_llama_path: Pa
     matches its grammar."""
     import re
 
-    from runtime.grammar.matcher import RequestGrammar
-    from runtime.tokenizer import load_tokenizer
+    from runtime.text.grammar.matcher import RequestGrammar
+    from runtime.text.tokenizer import load_tokenizer
 
     drafted: list[int] = []
     real_fill = RequestGrammar.fill_after

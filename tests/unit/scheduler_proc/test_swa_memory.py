@@ -23,10 +23,10 @@ from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_allocator import SWATokenToKVPoolAllocator
 from memory.swa_chunk_cache import SWAChunkCache
 from memory.swa_kv_pool import swa_pool_sizes
-from runtime.args import ServerArgs
-from runtime.messages import TokenizedGenerateReq
-from runtime.model_runner import ModelRunner
-from runtime.sampling_params import SamplingParams
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
+from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import collect, run_until_idle
 

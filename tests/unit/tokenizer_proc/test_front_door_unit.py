@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from runtime.args import ServerArgs
-from runtime.ipc import ClientBusy
-from runtime.messages import (
+from runtime.config.args import ServerArgs
+from runtime.protocol.ipc import ClientBusy
+from runtime.protocol.messages import (
     AbortReq,
     ControlReply,
     ErrorReply,
@@ -224,7 +224,7 @@ def test_deadline_is_absolute_monotonic_from_arrival_and_checked() -> None:
 
 
 def test_an_overloaded_sample_fails_its_request_once() -> None:
-    from runtime.messages import SchedErrorOut
+    from runtime.protocol.messages import SchedErrorOut
 
     async def main() -> None:
         m, router, sched, _ = manager()

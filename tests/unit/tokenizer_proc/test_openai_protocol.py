@@ -82,7 +82,7 @@ def test_constraints_are_checked_before_queueing_and_refused_without_a_grammar_b
     refused naming its kind, and ``--grammar-backend none`` refuses every constrained request."""
     import pytest
 
-    from runtime.messages import GenerateReq
+    from runtime.protocol.messages import GenerateReq
     from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder
 
     limits = ModelLimits(vocab_size=100, context_len=1000, max_req_input_len=500, max_total_tokens=1000)
@@ -226,7 +226,7 @@ def test_priority_travels_from_every_body_to_each_scheduler_request() -> None:
     """``priority`` (SGLang's extra field) reaches the GenerateReq from both OpenAI bodies and
     /generate, and every sample's TokenizedGenerateReq; a bool is not an int, and a value past 64
     bits (which the scheduler's frame could not carry) is refused naming the field."""
-    from runtime.messages import GenerateReq
+    from runtime.protocol.messages import GenerateReq
     from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder
 
     assert [r.priority for r in completion(prompt=["a", "b"], priority=3).generate_reqs()] == [3, 3]

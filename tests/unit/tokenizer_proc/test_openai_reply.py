@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from runtime.messages import GenerateChunk
+from runtime.protocol.messages import GenerateChunk
 from tokenizer_proc.openai_reply import ChatChoice, LogprobFormatter, OutputParsing, Usage
 from tokenizer_proc.openai_tools import ToolPlan
 

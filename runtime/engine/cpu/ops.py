@@ -1,0 +1,118 @@
+"""``CpuOps``: the device-ops seam on CPU.
+
+Each op goes to its C kernel (``runtime.engine.cpu.kernels``) or prepacked weight
+(``runtime.engine.cpu.prepacked``) under exactly the conditions the kernel states (dtype, packed
+heads, sizes within its bounds, the library built), and to the plain torch op otherwise.
+bf16 takes each of them. fp32 (what an AVX2-only host serves in, and what the equivalence
+tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and rotary,
+which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
+the byte-exact KV row copy and the argmax; its linears take the fp32 panel kernel on the
+weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few
+fp32 epsilons of ``sum |x * w|`` of it, see ``prepacked``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.cpu.decode_layers import CpuLayerStack
+from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.engine.cpu.quant_kernels import quant_linear
+from runtime.engine.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
+from runtime.engine.ops.base import DecoderStackModel, LayerStack, RopeInputs
+from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
+from runtime.engine.platform import ServingPlatform
+from runtime.engine.quant.weight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def prepare_process(self) -> None:
+        if not keep_freed_memory_in_process():
+            logger.info("mallopt is unavailable: large CPU activations are allocated with mmap")
+
+    def platform(self, device: torch.device) -> ServingPlatform:
+        return CPU_PLATFORM
+
+    def prepare_model(self, model: nn.Module) -> None:
+        # every packable linear (the copies hang off the weights, see prepacked); fp32 takes the
+        # packed copy for a decode batch's rows only
+        prepack_model(model)
+
+    def weight_loaded(self, weight: torch.Tensor) -> None:
+        drop_packed_copy(weight)
+
+    def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
+        return CpuLayerStack(model)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
+            return out if out is not None else super().linear(x, weight, bias)
+        return linear(x, weight, bias, packed_copy(weight))
+
+    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            out = quant_linear(x, weight, None, float_out=True)
+            return out if out is not None else super().float_linear(x, weight)
+        return float_linear(x, weight, packed_copy(weight))
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # one pass, torch's roundings
+        return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
+        cos, sin = rope_cos_sin(rope, q.dtype)
+        rotary_dim = rope.cache.rotary_dim
+        joint = _adjacent_heads(q, k)  # q and k as one run of a fused qkv output: one call for both
+        for x in (q, k) if joint is None else (joint,):
+            if not cpu_kernels.rotary_(x, cos, sin, rotary_dim):
+                rotate_half_(x, cos, sin, rotary_dim)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernels.silu_and_mul(x)
+        return fused if fused is not None else super().silu_and_mul(x)
+
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return super().linear_silu_and_mul(x, weight, bias)
+        fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass
+        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias)
+
+    def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        if not cpu_kernels.store_kv(k_buf, v_buf, loc, k, v):
+            super().store_kv(pool, layer_id, loc, k, v)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = cpu_kernels.argmax_rows(logits)
+        return ids if ids is not None else super().argmax_rows(logits)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        import xgrammar  # the grammar engine's own CPU kernel (constrained requests only)
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``q`` and ``k`` as one ``[T, Hq + Hkv, D]`` view when k's heads directly follow q's in
+    every token row (the fused qkv output's layout), else None."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    if q.stride() != k.stride() or q.stride(1) != q.shape[2] or q.stride(2) != 1:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())

@@ -1,0 +1,67 @@
+"""ctypes wrapper of ``csrc/quant_linear.c``: linear layers on weights kept quantized
+(``runtime.engine.quant.weight.QuantizedWeight``): a few rows with activations quantized per block of 32 on
+the fly, more rows on tiles of the weight dequantized in cache, a long prefill's on the whole weight
+dequantized for the BLAS (``DENSE_MIN_ROWS``).
+
+``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
+the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
+the CPU, activations neither fp32 nor bf16. bf16 activations are widened to fp32 for the call and
+the result rounded back (the weight's bytes, not the activations', are what a step streams).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.kernel_library import declare
+from runtime.engine.quant.weight import QuantizedWeight
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
+
+# From this many rows on (a long prefill) the weight is dequantized whole and the product is the
+# BLAS's: its blocking for large products beats the kernel's tiles (docs/benchmarks.md, "Quantized
+# weights"), and one pass over the weight is small next to rows x its size of products.
+DENSE_MIN_ROWS = 256
+
+_KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                 float_out: bool = False) -> torch.Tensor | None:
+    """``x [..., in] @ weight.T (+ bias)`` in ``x``'s dtype (fp32 with ``float_out``), or None where
+    the kernel does not apply."""
+    lib = kernel_library.load()
+    if lib is None or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in (
+            torch.float32, torch.bfloat16):
+        return None
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out.reshape(*x.shape[:-1], out_features).to(torch.float32 if float_out else x.dtype)
+    mins = weight.mins
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        dense = torch.empty(out_features, in_features, dtype=torch.float32)
+        if lib.quant_dequantize_f32(_KIND_CODES[weight.kind], weight.qs.data_ptr(), weight.scales.data_ptr(),
+                                    mins.data_ptr() if mins is not None else None, weight.group, out_features,
+                                    in_features, dense.data_ptr()) == 0:
+            out = torch.nn.functional.linear(rows, dense, bias).reshape(*x.shape[:-1], out_features)
+            return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+    rc = lib.quant_linear_f32(rows.data_ptr(), rows.shape[0], rows.stride(0), _KIND_CODES[weight.kind],
+                              weight.qs.data_ptr(), weight.scales.data_ptr(),
+                              mins.data_ptr() if mins is not None else None, weight.group, out_features,
+                              in_features, bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                              out_features)
+    if rc != 0:
+        return None
+    out = out.reshape(*x.shape[:-1], out_features)
+    return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,269 @@
+"""Tensor-parallel linear layers and the hook that plugs TP communication in.
+
+Each layer holds only this rank's shard of its weight and knows how to cut that shard
+out of a full checkpoint tensor (``weight_loader``), so the weight loader never needs
+to know about TP. Conventions (torch ``F.linear``: weight is ``[out, in]``):
+
+- column-parallel: each rank owns a slice of the output features (rows of the weight);
+  no communication, the output stays sharded.
+- row-parallel: each rank owns a slice of the input features (columns of the weight);
+  partial outputs are summed with ``all_reduce`` over the TP group.
+
+Communication goes through the process-wide TP group of ``runtime.engine.distributed``
+(``set_tp_group``); none registered (the default) means a single rank, where a layer built
+with ``tp_size > 1`` refuses to run rather than silently returning a partial sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from runtime.engine.distributed import tensor_model_parallel_all_reduce
+from runtime.engine.ops import DeviceOps, default_ops
+from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.quant.loading import PendingShards
+
+
+class LazyWeight(Protocol):
+    """A checkpoint tensor that can be read in part (safetensors slice) or whole."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+    def load(self) -> torch.Tensor: ...
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor's shape does not match what the config implies."""
+
+
+WeightLoader = Callable[[nn.Parameter, LazyWeight, str, Any], None]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def check_shape(name: str, got: Sequence[int], expected: Sequence[int]) -> None:
+    if tuple(got) != tuple(expected):
+        raise WeightShapeError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {tuple(expected)}")
+
+
+def copy_into(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy (and convert dtype / move device) a loaded shard into ``param``."""
+    check_shape(name, value.shape, param.shape)
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def replicated_weight_loader(param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+    check_shape(name, weight.shape, param.shape)
+    copy_into(param, weight.load(), name)
+
+
+class ReplicatedLinear(LinearWeightLayer):
+    """A full (unsharded) linear; used where every rank needs the whole result."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops or default_ops(params_dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
+        self.int8_quantizable = True
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        check_shape(name, weight.shape, param.shape)
+        if not self.quant_shards.take(weight, 0, 0, param.shape[0], 0):
+            replicated_weight_loader(param, weight, name, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearWeightLayer):
+    """``y = x W^T + b`` with W's output rows split over ranks; the output stays sharded.
+
+    ``output_sizes`` lists the logical sub-matrices stacked along the output dim (e.g.
+    ``[intermediate, intermediate]`` for merged gate/up); each is split separately so a
+    rank holds ``[gate_shard; up_shard]`` and ``shard_id`` (the sub-matrix index) picks
+    where a checkpoint tensor goes.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+        local_sizes: Sequence[int] | None = None,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops or default_ops(params_dtype)
+        self.in_features = in_features
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.output_sizes = list(output_sizes)
+        if local_sizes is None:
+            local_sizes = [divide(s, tp_size, "output features") for s in self.output_sizes]
+        self.local_sizes = list(local_sizes)
+        self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        out_local = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
+        self.int8_quantizable = True
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
+        """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
+        size = self.local_sizes[shard_id]
+        return self.local_offsets[shard_id], self.tp_rank * size, size
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        shard = int(shard_id or 0)
+        full_rows = self.output_sizes[shard]
+        expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
+        check_shape(name, weight.shape, expected)
+        offset, start, size = self._shard_range(shard)
+        if param is self.weight and self.quant_shards.take(weight, 0, start, size, offset):
+            return
+        copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Gate and up projections stored as one matrix so the MLP does one matmul."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated activation ``silu(gate) * up`` of this layer's output ``[..., 2 * I]`` (gate
+        first) as ``[..., I]``, in one pass with the projection where the device ops fuse them."""
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul, split by heads over ranks.
+
+    When ``tp_size > num_kv_heads`` each rank keeps one KV head, replicated across the
+    ``tp_size // num_kv_heads`` ranks that share it (their query heads use that KV head).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        local_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if tp_size >= num_kv_heads:
+            divide(tp_size, num_kv_heads, "tp_size must be a multiple of num_key_value_heads when larger; tp_size")
+            local_kv_heads = 1
+            kv_head_start = tp_rank // (tp_size // num_kv_heads)
+        else:
+            local_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+            kv_head_start = tp_rank * local_kv_heads
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+            local_sizes=[local_heads * head_dim, local_kv_heads * head_dim, local_kv_heads * head_dim],
+            ops=ops,
+        )
+        self.head_dim = head_dim
+        self.num_heads = local_heads
+        self.num_kv_heads = local_kv_heads
+        self.kv_head_start = kv_head_start
+
+    def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
+        size = self.local_sizes[shard_id]
+        start = self.tp_rank * size if shard_id == 0 else self.kv_head_start * self.head_dim
+        return self.local_offsets[shard_id], start, size
+
+    @property
+    def q_size(self) -> int:
+        return self.local_sizes[0]
+
+    @property
+    def kv_size(self) -> int:
+        return self.local_sizes[1]
+
+
+class RowParallelLinear(LinearWeightLayer):
+    """``y = x W^T + b`` with W's input columns split over ranks; partial sums are all-reduced.
+
+    The input must already be sharded along its last dim (it comes from a column-parallel
+    layer). The bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops or default_ops(params_dtype)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.in_local = divide(in_features, tp_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
+        self.int8_quantizable = True
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        check_shape(name, weight.shape, (self.out_features, self.in_features))
+        if not self.quant_shards.take(weight, 1, self.tp_rank * self.in_local, self.in_local, 0):
+            copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None), self.tp_size)
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,238 @@
+"""ModelConfig: the facts about a checkpoint that model execution needs, read from config.json.
+
+One normalised view over the several spellings found in the wild: transformers 5.x
+writes RoPE settings as ``rope_parameters`` while older and most real checkpoints
+use ``rope_theta`` + ``rope_scaling``; Qwen2 always has a QKV bias while Llama says
+so with ``attention_bias``; Qwen3 has per-head q/k RMSNorm and an explicit head_dim.
+
+Sliding windows: Mistral's ``sliding_window`` makes every layer attend only to its last W
+tokens; Qwen2/Qwen3 with ``use_sliding_window`` window the layers from ``max_window_layers``
+on (an explicit ``layer_types`` list wins over both). ``layer_windows`` holds each layer's
+window (None: full attention); the context length is not capped by it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# architecture name -> model family handled by runtime.engine.models.llama
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture (or one of its features) is not implemented."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # "default" | "linear" | "llama3"
+    theta: float
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass
+class ModelConfig:
+    path: Path
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    context_len: int  # what the server admits: min(max_position_embeddings, --context-length)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    checkpoint_dtype: str | None = None  # torch_dtype / dtype as saved, informational
+    # Per layer: W when the layer attends to its last W tokens only (query included), else None.
+    layer_windows: tuple[int | None, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the windowed layers (one value per checkpoint), None when no layer has one."""
+        return next((w for w in self.layer_windows if w is not None), None)
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        """Some layers windowed: their KV can live in a pool that keeps only the last W tokens."""
+        return self.sliding_window is not None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, context_length: int | None = None) -> "ModelConfig":
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+        return cls.from_dict(raw, folder, context_length)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], folder: Path, context_length: int | None = None) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            named = ", ".join(archs) if archs else f"none (model_type={raw.get('model_type')!r})"
+            raise UnsupportedModelError(
+                f"unsupported architecture {named} in {folder / 'config.json'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads != 0:
+            raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        act = str(raw.get("hidden_act", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        rope = _parse_rope(raw, folder)
+
+        context_len = max_pos
+        layer_windows = _layer_windows(raw, family, int(raw["num_hidden_layers"]))
+        if context_length is not None:
+            if context_length <= 0:
+                raise ValueError(f"context_length must be > 0, got {context_length}")
+            if context_length > context_len:
+                raise ValueError(
+                    f"context_length {context_length} exceeds what the model supports ({context_len}, "
+                    f"from max_position_embeddings in config.json)"
+                )
+            context_len = context_length
+        if all(w is None or w >= context_len for w in layer_windows):
+            layer_windows = (None,) * len(layer_windows)  # no sequence outgrows the window: attention is full
+
+        # Qwen2 always has q/k/v biases (its config has no attention_bias key).
+        qkv_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
+        return cls(
+            path=folder,
+            architecture=arch,
+            model_type=str(raw.get("model_type", family)),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(raw["vocab_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_position_embeddings=max_pos,
+            context_len=context_len,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=family == "qwen3",
+            hidden_act=act,
+            eos_token_ids=_eos_ids(raw, folder),
+            bos_token_id=raw.get("bos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            layer_windows=layer_windows,
+            raw=raw,
+        )
+
+
+def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
+    """Accept both ``rope_parameters`` (transformers 5) and ``rope_theta`` + ``rope_scaling``."""
+    params: dict[str, Any] = {}
+    if isinstance(raw.get("rope_parameters"), dict):
+        params.update(raw["rope_parameters"])
+    if isinstance(raw.get("rope_scaling"), dict):
+        params.update(raw["rope_scaling"])
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope type {rope_type!r} in {folder / 'config.json'}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig("default", float(theta))
+    factor = float(params.get("factor", 1.0))
+    if rope_type == "linear":
+        return RopeConfig("linear", float(theta), factor=factor)
+    orig = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    return RopeConfig(
+        "llama3",
+        float(theta),
+        factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(orig) if orig is not None else None,
+    )
+
+
+def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window, read as transformers reads it (``layer_types`` first, then the family rule)."""
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window value that is off unless use_sliding_window
+    if window is None or family == "llama":
+        return (None,) * num_layers
+    window = int(window)
+    if window <= 0:
+        raise UnsupportedModelError(f"sliding_window must be > 0, got {window}")
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if family in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _eos_ids(raw: dict[str, Any], folder: Path) -> list[int]:
+    """EOS ids from config.json and generation_config.json (union, config order first)."""
+    ids = _as_id_list(raw.get("eos_token_id"))
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            gen = json.loads(gen_file.read_text())
+        except json.JSONDecodeError:
+            logger.warning("ignoring unreadable %s", gen_file)
+        else:
+            for tid in _as_id_list(gen.get("eos_token_id")):
+                if tid not in ids:
+                    ids.append(tid)
+    return ids

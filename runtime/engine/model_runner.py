@@ -1,0 +1,332 @@
+"""ModelRunner: owns the model, the KV memory and the attention backend of one TP rank.
+
+The scheduler hands it a ForwardBatch (packed tokens, KV slots already allocated) and
+gets back the next token of each request. Memory sizing happens once at start-up:
+the KV pool takes what is left of the memory budget after the weights.
+
+Everything that differs by device comes from the device ops (``runtime.engine.ops``), asked once:
+the memory defaults and whether decode may run in CUDA graphs (``DeviceOps.platform``), and
+the device's own way of running the decoder layers (``DeviceOps.layer_stack``: the CPU's
+one-call decode stack), which every eager forward hands to the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memory.kv_pool import MHATokenToKVPool
+from memory.req_to_token_pool import ReqToTokenPool
+from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
+from runtime.engine.attention.base import AttentionBackend
+from runtime.engine.attention.registry import (
+    create_attention_backend,
+    get_attention_backend_class,
+    resolve_attention_backend_name,
+)
+from runtime.engine.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
+from runtime.engine.cuda.triton_common import interpreted_dtype
+from runtime.engine.device import concrete_device, resolve_device, resolve_dtype
+from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
+from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
+from runtime.engine.distributed import get_tp_group
+from runtime.engine.sampling.sampler import Sampler
+from runtime.engine.model_config import ModelConfig
+from runtime.checkpoints.model_source import checkpoint_folder
+from runtime.engine.models.registry import get_model_class
+from runtime.engine.ops import DeviceOps, LayerStack, get_ops
+from runtime.engine.quant.loading import quantized_bytes
+from runtime.engine.loading.weight_loader import load_model_weights
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 512
+
+
+@dataclass
+class ModelOutput:
+    next_token_ids: torch.Tensor  # int64 [bs]
+    logprobs: torch.Tensor | None = None  # float32 [bs]: log_softmax of the raw logits at the chosen token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [bs, k], ids [bs, k])
+    logits: torch.Tensor | None = None  # float32 [bs, vocab]: raw logits (for tests / debugging)
+    # Prompt logprobs, when the batch asks (``ForwardBatch.input_logprobs``): float32 [m], one per
+    # prompt row, and with top_logprobs_num the k best of each row (values [m, k], ids [m, k]).
+    input_token_logprobs: torch.Tensor | None = None
+    input_top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        attention_backend: str = "auto",
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
+        page_size: int = 1,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        random_seed: int = 0,
+        load_progress: bool = True,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
+        cuda_graph_bs: list[int] | None = None,
+        swa_full_tokens_ratio: float = 0.8,
+        disable_hybrid_swa_memory: bool = False,
+        quantization: str | None = None,
+    ) -> None:
+        start = time.perf_counter()
+        self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
+        self.device = concrete_device(resolve_device(device))
+        self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
+        if dtype == "auto" and self.attention_backend_name == "triton":
+            dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
+        self.dtype = resolve_dtype(dtype, self.device)
+        # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
+        self.ops: DeviceOps = get_ops(self.device, self.dtype)
+        self.ops.prepare_process()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.dp_size = dp_size  # (CPU: the host's schedulers, tp_size x dp_size, share its RAM budget)
+        self.page_size = page_size
+        self.random_seed = random_seed
+        torch.manual_seed(random_seed)
+
+        self.model_config = ModelConfig.from_pretrained(self.model_path, context_length=context_length)
+        cfg = self.model_config
+        self.context_len = cfg.context_len
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        logger.info(
+            "loading %s (%s, %d layers, hidden %d) on %s as %s, tp %d/%d",
+            self.model_path,
+            cfg.architecture,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            self.device,
+            self.dtype,
+            tp_rank,
+            tp_size,
+        )
+
+        with torch.device(self.device):
+            self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
+        self.quantization = quantization  # --quantization: which weights stay quantized (runtime.engine.quant.loading)
+        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0,
+                           quantization=quantization)
+        self.model.eval()
+        self.ops.prepare_model(self.model)
+        attn0 = self.model.model.layers[0].self_attn
+        self.num_heads = attn0.num_heads  # query heads on this rank
+        self.num_kv_heads = attn0.num_kv_heads  # KV heads on this rank
+        self.head_dim = cfg.head_dim
+
+        self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static, max_running_requests)
+        self.max_running_requests = max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens)
+        # Pools: owned here, written by the scheduler (req_to_token) and the attention backend (KV).
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.token_to_kv_pool: MHATokenToKVPool | SWAKVPool
+        if cfg.is_hybrid_swa and page_size == 1 and not disable_hybrid_swa_memory:
+            # Windowed layers keep their last W tokens in a pool of their own (memory.swa_kv_pool);
+            # max_total_tokens counts the full pool's tokens. Sized from memory, the budget of a
+            # full-attention pool is shared out between the two by the ratio.
+            if max_total_tokens is None:
+                windowed = sum(w is not None for w in cfg.layer_windows)
+                self.max_total_tokens, _ = swa_pool_sizes(self.max_total_tokens, swa_full_tokens_ratio,
+                                                          cfg.num_hidden_layers - windowed, windowed)
+            self.token_to_kv_pool = SWAKVPool(
+                self.max_total_tokens, max(1, int(self.max_total_tokens * swa_full_tokens_ratio)), page_size,
+                self.dtype, cfg.layer_windows, self.num_kv_heads, cfg.head_dim, self.device,
+            )
+        else:
+            if cfg.is_hybrid_swa and not disable_hybrid_swa_memory:
+                logger.info("page size %d: the windowed layers keep KV for every token (one pool)", page_size)
+            self.token_to_kv_pool = MHATokenToKVPool(
+                self.max_total_tokens,
+                page_size,
+                self.dtype,
+                cfg.num_hidden_layers,
+                self.num_kv_heads,
+                cfg.head_dim,
+                self.device,
+            )
+        # Budgeted bytes per token: the pool's own (a hybrid SWA pool's is smaller than the formula's)
+        # plus its share of the backend's extra KV copy.
+        ram = self.ops.platform(self.device).ram_bytes
+        self.kv_pool = KVPoolSize(
+            tokens=self.max_total_tokens, context_len=self.context_len,
+            max_running_requests=self.max_running_requests,
+            bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * self._kv_copy_factor()),
+            ram_bytes=ram() if ram is not None else None,
+        )
+        logger.info("%s", self.kv_pool.log_line())
+        self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
+        self.sampler = Sampler(ops=self.ops)
+        # The decode path, as the device ops say: a device's own layer stack for every eager forward
+        # (the CPU's one-call decode stack), captured graphs for decode batches (cuda).
+        self.layer_stack: LayerStack | None = self.ops.layer_stack(self.model)
+        self.graph_runner: CudaGraphRunner | None = None
+        if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs:
+            self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
+        logger.info(
+            "model ready in %.1fs (attention backend %s, %s)",
+            time.perf_counter() - start,
+            self.attention_backend_name,
+            self.graph_runner.summary() if self.graph_runner is not None else "no cuda graphs",
+        )
+
+    # ---- memory sizing ---------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        """Memory one token of KV pool capacity costs: its K and V in every layer, plus the share
+        of any extra KV copy the attention backend keeps (``kv_copy_fraction``: the CPU decode
+        mirror), so that a pool sized from a memory budget leaves room for that copy inside it."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        pool = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+        return int(pool * self._kv_copy_factor())
+
+    def _kv_copy_factor(self) -> float:
+        """1 + the share of an extra KV copy the attention backend keeps (the CPU decode mirror)."""
+        backend = get_attention_backend_class(self.attention_backend_name, self.device)
+        return 1.0 + getattr(backend, "kv_copy_fraction", 0.0)
+
+    def weight_bytes(self) -> int:
+        """Memory this rank's weights take (parameters and buffers, each storage once): on CPU
+        they come out of the same share of RAM as the KV pool."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def weight_info(self) -> dict[str, object]:
+        """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, and the
+        bytes of the weights kept quantized by source format (``runtime.engine.quant``: what the format
+        says, e.g. 0.75 bytes a value for Q4_1 as repacked)."""
+        return {"bytes": self.weight_bytes(), "quantization": self.quantization,
+                "quantized_bytes": quantized_bytes(self.model)}
+
+    def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None,
+                     max_running_requests: int | None) -> int:
+        """Tokens the KV pool holds: ``max_total_tokens`` if given, else the memory budget at the
+        device's share (``runtime.engine.kv_sizing.kv_pool_tokens``); at the default share, no more
+        than the device says the expected work needs (CPU: ``host_memory.cpu_demand_tokens``)."""
+        platform = self.ops.platform(self.device)  # the device's memory defaults
+        frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {frac}")
+        budget = platform.budget_bytes(self.device, frac, self.weight_bytes(), self.tp_size * self.dp_size)
+        demand = None
+        if platform.demand_tokens is not None and mem_fraction_static is None:
+            demand = platform.demand_tokens(max_running_requests, self.context_len)
+        return kv_pool_tokens(per_token=self.kv_bytes_per_token(), budget_bytes=budget, page_size=self.page_size,
+                              max_total_tokens=max_total_tokens, demand_tokens=demand,
+                              warn_over_budget=platform.warn_over_budget, warn=logger.warning)
+
+    # ---- forward --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; fp32 logits at ``batch.logit_rows()`` (``[bs, vocab]``, each request's last
+        new token, unless the batch asks for prompt logprobs)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
+        return eager_forward(self, batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, top_logprobs_num: int | None = None) -> ModelOutput:
+        """One model step. Greedy argmax when ``batch.sampling_info`` is None, else the Sampler.
+
+        ``top_logprobs_num`` (default: ``batch.top_logprobs_num``, the largest any request
+        in the batch asked for) asks for the k best logprobs of every request.
+        """
+        k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
+        logits = self.compute_logits(batch)
+        prompt = None
+        if batch.input_logprobs is not None:
+            # Before sampling, which may scale its rows in place; the sampled rows are a copy.
+            prompt = prompt_logprobs(logits, batch.input_logprobs, k)
+            logits = logits.index_select(0, batch.input_logprobs.sample_rows)
+        out = self._sample(batch, logits, k)
+        if prompt is not None:
+            out.input_token_logprobs, out.input_top_logprobs = prompt
+        return out
+
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, k: int) -> ModelOutput:
+        """The next token of each request from its row of ``logits`` (and its output logprobs)."""
+        info = batch.sampling_info
+        if info is None:
+            next_ids = self.ops.argmax_rows(logits)
+            out = ModelOutput(next_token_ids=next_ids, logits=logits)
+            if batch.return_logprob or k > 0:
+                logprobs = torch.log_softmax(logits, dim=-1)
+                if batch.return_logprob:
+                    out.logprobs = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+                if k > 0:
+                    values, ids = logprobs.topk(min(k, logits.shape[1]), dim=-1)
+                    out.top_logprobs = (values, ids)
+            return self._same_on_every_rank(out)
+        sampled = self.sampler(logits, info, return_logprob=batch.return_logprob, top_logprobs_num=k)
+        return self._same_on_every_rank(ModelOutput(
+            next_token_ids=sampled.next_token_ids,
+            logprobs=sampled.logprobs,
+            top_logprobs=sampled.top_logprobs,
+            logits=logits,
+        ))
+
+    def _same_on_every_rank(self, out: "ModelOutput") -> "ModelOutput":
+        """Under TP every rank must append the same tokens: rank 0's samples win.
+
+        Logits are already identical after the vocab all-gather, so greedy rows
+        agree anyway; this makes random sampling agree without relying on every
+        rank's RNG staying in lockstep.
+        """
+        if self.tp_size == 1:
+            return out
+        group = get_tp_group()
+        group.broadcast_tensor(out.next_token_ids, src=0)
+        if out.logprobs is not None:
+            group.broadcast_tensor(out.logprobs, src=0)
+        if out.top_logprobs is not None:
+            group.broadcast_tensor(out.top_logprobs[0], src=0)
+            group.broadcast_tensor(out.top_logprobs[1], src=0)
+        return out
+
+
+# Prompt rows log-softmaxed at a time: bounds the fp32 [rows, vocab] copies of a long prompt.
+PROMPT_LOGPROB_ROWS = 1024
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: InputLogprobRows, k: int,
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each prompt row's logprob of its target token, and with ``k`` its k best: log_softmax of
+    the raw fp32 logits, as the output logprobs are (the logits are the same on every TP rank,
+    so every rank gets the same values without a broadcast)."""
+    chosen: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    for start in range(0, int(rows.prompt_rows.shape[0]), PROMPT_LOGPROB_ROWS):
+        part = rows.prompt_rows[start : start + PROMPT_LOGPROB_ROWS]
+        logprobs = torch.log_softmax(logits.index_select(0, part).float(), dim=-1)
+        targets = rows.target_ids[start : start + PROMPT_LOGPROB_ROWS]
+        chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
+        if k > 0:
+            top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    if not chosen:  # (no prompt rows: the builder leaves such batches without input_logprobs)
+        empty = logits.new_empty((0,))
+        return empty, None
+    return torch.cat(chosen), ((torch.cat(values), torch.cat(ids)) if k > 0 else None)

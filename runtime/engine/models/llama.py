@@ -1,0 +1,300 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed tokens.
+
+The four architectures differ only in switches read from ModelConfig: Qwen2 has q/k/v
+biases, Qwen3 normalises q and k per head before RoPE and may set head_dim explicitly,
+Llama 3 uses llama3 RoPE scaling, and any of them may tie the LM head to the embedding.
+
+Tokens of every request in the batch are packed back to back (``[T, hidden]``, no
+padding); attention goes through the backend, which owns all per-request structure.
+Logits are computed only at each request's last new token, in fp32. Every device-specific
+piece of work goes through the model's ``DeviceOps`` (``runtime.engine.ops``), handed to each
+layer at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
+from runtime.engine.forward_batch import ForwardBatch
+from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.engine.layers.linear import (
+    LazyWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    replicated_weight_loader,
+)
+from runtime.engine.layers.norm import RMSNorm
+from runtime.engine.layers.rotary import RotaryEmbedding
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs, default_ops
+
+logger = logging.getLogger(__name__)
+
+# checkpoint sub-module name -> (our merged module name, shard id)
+_STACKED: dict[str, tuple[str, object]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        ops: DeviceOps,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
+            ops=ops,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
+            ops=ops,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=config.head_dim,
+            scaling=config.head_dim**-0.5,
+            sliding_window=config.layer_windows[layer_id] if config.layer_windows else None,
+        )
+
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """``rope`` is the forward's rotary inputs from ``DeviceOps.rope`` (shared by all layers)."""
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # owned by this forward: q and k are rotated in place in it
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # new tensors
+        self.ops.rotary_(q, k, rope)
+        out = backend.forward(q, k, v, self.spec, batch)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, dtype, ops)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size, dtype, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+
+    def forward(
+        self,
+        rope: RopeInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual`` (None before the first layer) is owned by the layer stack and updated in place."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, batch, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def decode_weights(self) -> DecoderLayerWeights:
+        """This layer's tensors and shapes for a device's whole-layer kernels (the CPU's one-call
+        decode stack, ``runtime.engine.cpu.decode_layers``): what ``forward`` computes with, named."""
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderLayerWeights(
+            input_norm=self.input_layernorm.weight, input_norm_eps=self.input_layernorm.eps,
+            post_norm=self.post_attention_layernorm.weight, post_norm_eps=self.post_attention_layernorm.eps,
+            qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_proj.weight, gate_up_bias=mlp.gate_up_proj.bias,
+            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scaling=attn.spec.scaling, sliding_window=attn.spec.sliding_window, qk_norm=attn.q_norm is not None,
+            tp_size=attn.qkv_proj.tp_size,
+        )
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope)  # shared by every layer
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp_rank, tp_size, dtype, ops) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        sample_rows: torch.Tensor,
+        layer_stack: LayerStack | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, only at ``sample_rows`` of the packed tokens.
+
+        ``layer_stack``: the device's way of running the decoder layers, chosen by the model
+        runner (``DeviceOps.layer_stack``); None: ``run_layers``, one by one."""
+        hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
+        rope = self.ops.rope(self.rotary_emb, batch.positions, hidden.dtype)  # once, not per layer
+        hidden, residual = (layer_stack or self.run_layers)(rope, hidden, batch, backend)
+        return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
+
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, batch, backend)
+        assert residual is not None, "model has no layers"
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters are created uninitialised on the current default device; load_weights fills them.
+
+    ``ops``: the device ops every layer uses (default: ``runtime.engine.ops.default_ops`` for the
+    current default device and ``dtype``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        ops = ops or default_ops(dtype)
+        self.model = LlamaModel(config, tp_rank, tp_size, dtype, ops)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, layer_stack: LayerStack | None = None
+    ) -> torch.Tensor:
+        """fp32 logits at ``batch.logit_rows()``: ``[bs, vocab_size]``, each request's last new token,
+        unless the batch asks for prompt logprobs (``layer_stack``: see ``LlamaModel.forward``)."""
+        rows = batch.logit_rows()
+        return self.lm_head(self.model(batch, backend, rows, layer_stack))
+
+    # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------
+
+    def decode_weights(self) -> list[DecoderLayerWeights]:
+        """Every decoder layer's ``decode_weights``, in order (asked once per description of the
+        stack, not per step)."""
+        weights: list[DecoderLayerWeights] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # (a ModuleList yields plain Modules to the type checker)
+            weights.append(layer.decode_weights())
+        return weights
+
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers one by one (``LlamaModel.run_layers``): what a layer stack falls back to."""
+        return self.model.run_layers(rope, hidden, batch, backend)
+
+    # ---- weights --------------------------------------------------------------------
+
+    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, object]]:
+        """Every checkpoint tensor name this model needs -> (parameter, shard id)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        targets: dict[str, tuple[nn.Parameter, object]] = {}
+        for name, param in params.items():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # same tensor as model.embed_tokens.weight
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            expanded = [(ckpt, shard) for ckpt, (ours, shard) in _STACKED.items() if ours == module]
+            if expanded:
+                for ckpt, shard in expanded:
+                    targets[f"{parent}.{ckpt}.{leaf}"] = (param, shard)
+            else:
+                targets[name] = (param, None)
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load (name, tensor) pairs; returns the set of target names that were loaded.
+
+        Tensors the model has no use for (rotary inv_freq buffers, an lm_head of a tied
+        checkpoint) are skipped; the caller checks that every target was loaded.
+        """
+        targets = self.checkpoint_targets()
+        loaded: set[str] = set()
+        for name, weight in weights:
+            target = targets.get(name)
+            if target is None:
+                logger.debug("checkpoint tensor %s is not used by this model", name)
+                continue
+            param, shard = target
+            loader = getattr(param, "weight_loader", replicated_weight_loader)
+            loader(param, weight, name, shard)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,83 @@
+"""GGUF quantized blocks repacked into the kernels' two layouts (``runtime.engine.quant.weight``), losslessly.
+
+Q8_0, Q4_0 and Q4_1 keep their values as they are (only the fp16 scales become fp32, and Q4_0's
+implicit offset of 8 becomes an explicit min). The K-quants are repacked into an equivalent the
+kernels read with the same loop as the simple formats: Q4_K's 256-value super-block becomes eight
+q4 blocks of 32 with their own ``d * sc`` and ``-dmin * m`` (0.75 bytes a value, from 0.5625),
+Q6_K's becomes int8 values with one ``d * sc`` per 16 (1.25 bytes a value, from 0.82). The
+repacked weight's ``dequantize`` equals the ``gguf`` package's, value for value (fp32 products of
+the same factors), which the tests check on random blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.engine.quant.weight import BLOCK, QuantizedWeight
+
+# GGUF types kept quantized by --quantization gguf (the others are dequantized at load)
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """fp32 of little-endian fp16 bytes ``[..., 2]``."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def from_gguf(raw: np.ndarray, type_name: str, in_features: int, source: str | None = None) -> QuantizedWeight:
+    """The ``[rows, in_features]`` weight of GGUF rows ``raw`` (uint8 ``[rows, bytes a row]``, whole
+    blocks) of type ``type_name`` (one of ``KEPT_TYPES``), in our layout."""
+    rows = raw.shape[0]
+    shape = (rows, in_features)
+    name = source or type_name
+    if type_name == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        qs = blocks[..., 2:].reshape(rows, in_features).view(np.int8)
+        return QuantizedWeight("q8", name, shape, _tensor(qs), _tensor(_f16(blocks[..., :2])))
+    if type_name in ("Q4_0", "Q4_1"):
+        head = 2 if type_name == "Q4_0" else 4
+        blocks = raw.reshape(rows, -1, head + BLOCK // 2)
+        scales = _f16(blocks[..., :2])
+        mins = -8.0 * scales if type_name == "Q4_0" else _f16(blocks[..., 2:4])
+        qs = blocks[..., head:].reshape(rows, in_features // 2)
+        return QuantizedWeight("q4", name, shape, _tensor(qs), _tensor(scales), _tensor(mins))
+    if type_name == "Q4_K":
+        return _from_q4_k(raw, rows, in_features, name)
+    if type_name == "Q6_K":
+        return _from_q6_k(raw, rows, in_features, name)
+    raise ValueError(f"GGUF type {type_name} is not kept quantized (kept: {', '.join(KEPT_TYPES)})")
+
+
+def _from_q4_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
+    from gguf.quants import Q4_K
+
+    blocks = raw.reshape(-1, 144)  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of values
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scales = d[:, None] * sc.astype(np.float32)  # [super-blocks, 8]: the gguf package's products
+    mins = -(dmin[:, None] * m.astype(np.float32))
+    # 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles): unpack, then pack ours
+    packed = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    values = ((packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, BLOCK)
+    ours = values[:, : BLOCK // 2] | (values[:, BLOCK // 2:] << 4)
+    per_row = in_features // BLOCK
+    return QuantizedWeight("q4", name, (rows, in_features), _tensor(ours.reshape(rows, in_features // 2)),
+                           _tensor(scales.reshape(rows, per_row)), _tensor(mins.reshape(rows, per_row)))
+
+
+def _from_q6_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
+    from gguf.quants import Q6_K
+
+    blocks = raw.reshape(-1, 210)  # 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+    d = _f16(blocks[:, 208:210])
+    scales = d[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [super-blocks, 16]
+    dense = Q6_K.dequantize_blocks(blocks).reshape(-1, 16, 16)  # the package's d * sc * q (-32 <= q < 32)
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    values = np.where(scales[..., None] == 0, 0, np.rint(dense / safe)).astype(np.int8)
+    return QuantizedWeight("q8", name, (rows, in_features), _tensor(values.reshape(rows, in_features)),
+                           _tensor(scales.reshape(rows, in_features // 16)), group=16)

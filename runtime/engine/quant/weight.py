@@ -1,0 +1,129 @@
+"""A linear layer's weight kept quantized: ``QuantizedWeight`` and its plain-torch meaning.
+
+Why a weight stays quantized: a decode step of one request streams every weight once, so its
+time is the weights' bytes over the memory bandwidth; a GGUF file's Q4_1 weights are ~0.6 bytes
+a parameter where the dense fp32 copy is 4. The kernels (``runtime.engine.cpu.quant_kernels``,
+``runtime.engine.cuda.quant_matmul``) read two layouts, and every source format is repacked into one of
+them at load, losslessly (the dequantized values are the source's, bit for bit):
+
+- ``q8``: int8 values, one fp32 scale per ``group`` values of a row: ``w = scale * q``. GGUF Q8_0
+  (group 32), GGUF Q6_K (its 6-bit values widened to int8, one scale per 16: ``d * sub-scale``),
+  and the per-output-channel int8 of ``--quantization int8`` (group = the row).
+- ``q4``: 4-bit values packed two a byte, per block of 32 a scale and a min, both fp32:
+  ``w = scale * q + min``. GGUF Q4_0 (``min = -8 * d``), Q4_1 (``d``, ``m``) and Q4_K (each
+  32-value sub-block's ``d * sc`` and ``-dmin * m``). Within a block, byte ``j`` holds value ``j``
+  in its low nibble and value ``j + 16`` in its high nibble (GGUF Q4_0/Q4_1's order).
+
+The weight is an ``nn.Module`` holding its tensors as buffers, so ``model.buffers()`` counts its
+real resident bytes and ``.to()`` moves it. A layer hands it to ``DeviceOps.linear`` in place of
+a dense weight; ``TorchOps`` dequantizes and multiplies (the reference every kernel is tested
+against), the CPU and Triton ops run their kernels on the packed bytes. Owned by its layer (a
+tied LM head shares the embedding's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 32  # values per block of both layouts (a q8 group divides it or is a multiple of it)
+KINDS = ("q8", "q4")
+
+
+class QuantizedWeight(nn.Module):
+    """``[out, in]`` weight in layout ``kind`` (see the module doc); ``source`` names the format it
+    came from (a GGUF type name, or ``int8``) for logs and ``server_info``."""
+
+    def __init__(self, kind: str, source: str, shape: tuple[int, int], qs: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None = None, group: int = BLOCK) -> None:
+        super().__init__()
+        out_features, in_features = shape
+        if kind not in KINDS:
+            raise ValueError(f"unknown quantized layout {kind!r} (one of {KINDS})")
+        per_row = in_features // 2 if kind == "q4" else in_features
+        if in_features % BLOCK or qs.shape != (out_features, per_row):
+            raise ValueError(f"{source}: packed values of shape {tuple(qs.shape)} do not hold a {shape} weight")
+        if kind == "q4" and (group != BLOCK or mins is None or mins.shape != scales.shape):
+            raise ValueError(f"{source}: a q4 weight needs one scale and one min per block of {BLOCK}")
+        if in_features % group or scales.shape != (out_features, in_features // group):
+            raise ValueError(f"{source}: scales of shape {tuple(scales.shape)} for groups of {group} of {shape}")
+        self.kind, self.source, self.group = kind, source, group
+        self.shape = (out_features, in_features)
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The packed values' dtype (never a float: code asking for a dense weight's dtype sees it is not one)."""
+        return self.qs.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def nbytes(self) -> int:
+        """Resident bytes: packed values, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer values as int32 ``[rows, in]`` (all rows, or those indexed by ``rows``)."""
+        qs = self.qs if rows is None else self.qs.index_select(0, rows)
+        if self.kind == "q8":
+            return qs.to(torch.int32)
+        blocks = qs.reshape(qs.shape[0], -1, BLOCK // 2).to(torch.int32)
+        return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(qs.shape[0], -1)
+
+    def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight (or its rows ``rows``) in ``dtype``: fp32 products, as the kernels scale."""
+        scales = self.scales if rows is None else self.scales.index_select(0, rows)
+        values = self.values(rows).float().reshape(scales.shape[0], scales.shape[1], -1)
+        dense = values * scales.unsqueeze(-1)
+        if self.mins is not None:
+            dense += (self.mins if rows is None else self.mins.index_select(0, rows)).unsqueeze(-1)
+        return dense.reshape(scales.shape[0], -1).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.source} as {self.kind}, shape {self.shape}, {self.nbytes()} bytes"
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of ``x`` by the dequantized weight: what every quantized kernel approximates
+    (they quantize ``x`` too) and what runs where no kernel does."""
+    return F.linear(x, weight.dequantize(dtype=x.dtype), bias)
+
+
+def embedding_rows(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``F.embedding(ids, dequantized weight)``: only the looked-up rows are dequantized."""
+    flat = ids.reshape(-1)
+    return weight.dequantize(flat, dtype).reshape(*ids.shape, weight.shape[1])
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight of ``parts``' rows stacked (a merged qkv or gate/up projection); all alike in layout."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("cannot stack quantized weights of different layouts")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    source = "+".join(sorted({p.source for p in parts}))
+    return QuantizedWeight(first.kind, source, (sum(p.shape[0] for p in parts), first.shape[1]),
+                           torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins, first.group)
+
+
+def zero_rows(like: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """``rows`` rows of zeros in ``like``'s layout (an embedding's padding rows under TP)."""
+    mins = None if like.mins is None else like.mins.new_zeros(rows, like.mins.shape[1])
+    return QuantizedWeight(like.kind, like.source, (rows, like.shape[1]), like.qs.new_zeros(rows, like.qs.shape[1]),
+                           like.scales.new_zeros(rows, like.scales.shape[1]), mins, like.group)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight | None:
+    """Per-output-channel symmetric int8 (``--quantization int8``): ``scale = max |row| / 127``;
+    None when the rows are not whole blocks of 32 (the kernels' unit: the weight stays dense)."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    dense = weight.detach().float()
+    scales = dense.abs().amax(dim=1, keepdim=True) / 127.0
+    qs = torch.where(scales > 0, dense / torch.where(scales > 0, scales, 1.0), 0.0).round().clamp(-127, 127)
+    return QuantizedWeight("q8", "int8", tuple(dense.shape), qs.to(torch.int8), scales, group=dense.shape[1])

@@ -1,0 +1,231 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Each socket carries one tagged union, decoded with a typed
+``msgspec.msgpack.Decoder``; no pickle anywhere. A frame that does not decode
+is logged and dropped (or answered with an ErrorReply on the client socket).
+
+Flows (docs/architecture.md):
+  client --ClientRequest--> tokenizer --SchedulerInput--> scheduler(s)
+  scheduler --DetokenizerInput--> detokenizer --TokenizerInput--> tokenizer
+  tokenizer --ClientReply--> client
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from runtime.protocol.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------- client-facing
+
+
+class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
+    """One generate call. Exactly one of text, input_ids, messages is set.
+
+    ``sampling_params`` stays a plain dict here so the tokenizer can answer an
+    unknown or mistyped field with an error that names it.
+    """
+
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the tokenizer's template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions, for the template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra template variables (enable_thinking)
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Prompt logprobs from this prompt position on (-1: none; SGLang's convention): with
+    # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
+    logprob_start_len: int = -1
+    # Larger runs first (SGLang's convention) with --enable-priority-scheduling; ignored without it.
+    priority: int = 0
+    api_key: str | None = None
+    # Server-side deadline in seconds from arrival at the front door (None: --request-timeout, if
+    # any): still waiting or running then, the request is aborted (finish_reason abort, "timeout").
+    # Not the client's own ``timeout``, which only stops waiting for the reply.
+    deadline_s: float | None = None
+
+
+class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
+    """Abort one request of this client by its rid, or with ``all`` every request on the server."""
+
+    rid: str
+    api_key: str | None = None
+    all: bool = False
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+class ServerInfoReq(msgspec.Struct, tag="server_info", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+class HealthReq(msgspec.Struct, tag="health", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    api_key: str | None = None
+
+
+ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+
+
+class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
+    """A stream delta, or the whole result when not streaming (then ``finished`` is True)."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, latency, logprobs
+
+
+class GenerateChunks(msgspec.Struct, tag="chunks"):
+    """The chunks one scheduler step produced for several requests of one client, in one frame
+    (a 64-request stream would otherwise cost the client 64 frames and wake-ups per token)."""
+
+    chunks: list[GenerateChunk]
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    rid: str
+    code: str  # e.g. "invalid_request", "unauthorized", "too_long", "aborted", "internal"
+    message: str
+
+
+class ControlReply(msgspec.Struct, tag="control"):
+    rid: str
+    kind: str  # "flush_cache" | "server_info" | "health" | "abort"
+    payload: dict[str, Any]
+
+
+ClientReply = Union[GenerateChunk, GenerateChunks, ErrorReply, ControlReply]
+
+# --------------------------------------------------------------------------- internal
+
+
+class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none (checked by the tokenizer)
+    # Absolute time.monotonic() (CLOCK_MONOTONIC: system-wide, and every scheduler that receives
+    # requests runs on the tokenizer's node) past which the scheduler aborts it; None: no deadline.
+    deadline: float | None = None
+    priority: int = 0  # larger first, with --enable-priority-scheduling (the scheduler ignores it otherwise)
+
+
+class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
+    rid: str  # "" aborts every request (abort_all)
+    # The finish message; "" is a client's abort. Under TP, rank 0's deadline expiries travel as
+    # SchedAbortReq(rid, "timeout") with the inputs, so every rank aborts at the same step.
+    reason: str = ""
+
+
+class SchedControlReq(msgspec.Struct, tag="sched_control"):
+    rid: str
+    kind: str  # "flush_cache" | "server_info"
+
+
+SchedulerInput = Union[TokenizedGenerateReq, SchedAbortReq, SchedControlReq]
+
+
+class ReqOutput(msgspec.Struct, omit_defaults=True):
+    """What one request produced since the last BatchTokenIDOut that mentioned it."""
+
+    rid: str
+    new_output_ids: list[int]
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[float] | None = None  # one per new output id, when asked
+    output_top_logprobs: list[list[list[float]]] | None = None  # per new id: [[logprob, token_id], ...]
+    # Prompt logprobs (in a request's first ReqOutput only): [logprob or None, token_id] per prompt
+    # token from logprob_start_len on (None for token 0), and, with top_logprobs_num, per such token
+    # None (token 0) or its k best [[logprob, token_id], ...] at the position before it.
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[float]] | None] | None = None
+    skip_special_tokens: bool = True
+    stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
+    # any text that may be the start of one, and cuts the final text at the first match. Read
+    # from a request's first ReqOutput only (the detokenizer keeps them in its state until the
+    # request ends), so the scheduler need send them once, not with every chunk
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+    # A constrained request's first ReqOutput: its grammar's compile time (0 when cached).
+    grammar_compile_seconds: float | None = None
+    grammar_cache_hit: bool = False
+
+
+class BatchTokenIDOut(msgspec.Struct, tag="token_ids"):
+    outputs: list[ReqOutput]
+
+
+class SchedErrorOut(msgspec.Struct, tag="sched_error"):
+    """A request the scheduler rejected or finished with an error; forwarded as ErrorReply."""
+
+    rid: str
+    code: str
+    message: str
+
+
+class SchedControlOut(msgspec.Struct, tag="sched_control_out"):
+    rid: str
+    kind: str
+    payload: dict[str, Any]
+
+
+DetokenizerInput = Union[BatchTokenIDOut, SchedErrorOut, SchedControlOut]
+
+
+class StrOutput(msgspec.Struct, omit_defaults=True):
+    rid: str
+    text_delta: str
+    new_output_ids: list[int]
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    meta: dict[str, Any] = {}
+
+
+class BatchStrOut(msgspec.Struct, tag="str_out"):
+    outputs: list[StrOutput]
+
+
+TokenizerInput = Union[BatchStrOut, SchedErrorOut, SchedControlOut]
+
+
+# --------------------------------------------------------------------------- data parallelism
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """A prefix-cache change on one replica (see memory.prefix_cache.KVCacheEvent)."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    token_ids: list[int]
+    start: int
+    extra_key: str | None = None
+    tier: str = "device"  # "device" | "host" (the hierarchical cache's host tier)
+
+
+class LoadReport(msgspec.Struct, tag="load"):
+    """A replica's load and prefix-cache changes, sent to the DP controller after each step."""
+
+    dp_rank: int
+    num_running: int
+    num_queued: int
+    num_received: int = 0  # generate requests received since start (in-flight accounting)
+    events: list[KVEvent] = []
+
+
+ControllerInput = Union[LoadReport, SchedControlOut]
