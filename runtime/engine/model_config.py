@@ -2,13 +2,15 @@
 
 One normalised view over the several spellings found in the wild: transformers 5.x
 writes RoPE settings as ``rope_parameters`` while older and most real checkpoints
-use ``rope_theta`` + ``rope_scaling``; Qwen2 always has a QKV bias while Llama says
-so with ``attention_bias``; Qwen3 has per-head q/k RMSNorm and an explicit head_dim.
+use ``rope_theta`` + ``rope_scaling``. What a family's config means beyond the common keys
+(Qwen2's QKV bias that its config never states, Qwen3's per-head q/k RMSNorm, which layers
+a ``sliding_window`` windows, the layers' activation, norm form and rope style) is the family's
+entry in ``runtime.checkpoints.families``, read here and nowhere else by name.
 
-Sliding windows: Mistral's ``sliding_window`` makes every layer attend only to its last W
-tokens; Qwen2/Qwen3 with ``use_sliding_window`` window the layers from ``max_window_layers``
-on (an explicit ``layer_types`` list wins over both). ``layer_windows`` holds each layer's
-window (None: full attention); the context length is not capped by it.
+Sliding windows (``Family.window_rule``): Mistral's ``sliding_window`` makes every layer attend
+only to its last W tokens; Qwen2/Qwen3 with ``use_sliding_window`` window the layers from
+``max_window_layers`` on (an explicit ``layer_types`` list wins over both). ``layer_windows``
+holds each layer's window (None: full attention); the context length is not capped by it.
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.checkpoints.families import BY_ARCHITECTURE, SUPPORTED_ARCHITECTURES, Family, WindowRule
+from runtime.engine.layers.choices import GATED_ACTIVATIONS, NORM_FORMS, ROPE_STYLES
+
 logger = logging.getLogger(__name__)
 
-# architecture name -> model family handled by runtime.engine.models.llama
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeConfig", "UnsupportedModelError"]
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -49,6 +49,7 @@ class RopeConfig:
 class ModelConfig:
     path: Path
     architecture: str
+    family: str  # the family's name (runtime.checkpoints.families): which implementation serves it
     model_type: str
     hidden_size: int
     intermediate_size: int
@@ -64,7 +65,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    hidden_act: str
+    hidden_act: str  # the gated MLP's activation (a layer choice: runtime.engine.layers.choices)
+    norm: str = "rms"  # the norm form of every norm layer (a layer choice)
+    rope_style: str = "neox"  # how rotary pairs a head's dims (a layer choice)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -109,16 +112,18 @@ class ModelConfig:
                 f"unsupported architecture {named} in {folder / 'config.json'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        family = BY_ARCHITECTURE[arch]
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads != 0:
             raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        act = str(raw.get("hidden_act", "silu"))
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
+        act = str(raw.get("hidden_act") or family.activation)
+        for what, value, supported in (("hidden_act", act, GATED_ACTIVATIONS), ("norm form", family.norm, NORM_FORMS),
+                                       ("rope style", family.rope_style, ROPE_STYLES)):
+            if value not in supported:
+                raise UnsupportedModelError(f"unsupported {what} {value!r}; supported: {', '.join(supported)}")
         max_pos = int(raw.get("max_position_embeddings", 2048))
         rope = _parse_rope(raw, folder)
 
@@ -136,12 +141,12 @@ class ModelConfig:
         if all(w is None or w >= context_len for w in layer_windows):
             layer_windows = (None,) * len(layer_windows)  # no sequence outgrows the window: attention is full
 
-        # Qwen2 always has q/k/v biases (its config has no attention_bias key).
-        qkv_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
+        qkv_bias = family.always_qkv_bias or bool(raw.get("attention_bias", False))
         return cls(
             path=folder,
             architecture=arch,
-            model_type=str(raw.get("model_type", family)),
+            family=family.name,
+            model_type=str(raw.get("model_type", family.name)),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
@@ -155,8 +160,10 @@ class ModelConfig:
             context_len=context_len,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family.qk_norm,
             hidden_act=act,
+            norm=family.norm,
+            rope_style=family.rope_style,
             eos_token_ids=_eos_ids(raw, folder),
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
@@ -195,12 +202,13 @@ def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
     )
 
 
-def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+def _layer_windows(raw: dict[str, Any], family: Family, num_layers: int) -> tuple[int | None, ...]:
     """Each layer's window, read as transformers reads it (``layer_types`` first, then the family rule)."""
     window = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    rule = family.window_rule
+    if rule is WindowRule.FROM_MAX_WINDOW_LAYERS and not raw.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window value that is off unless use_sliding_window
-    if window is None or family == "llama":
+    if window is None or rule is WindowRule.NONE:
         return (None,) * num_layers
     window = int(window)
     if window <= 0:
@@ -208,7 +216,7 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[i
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == num_layers:
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if family in ("qwen2", "qwen3"):
+    if rule is WindowRule.FROM_MAX_WINDOW_LAYERS:
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers

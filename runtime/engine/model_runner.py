@@ -37,6 +37,7 @@ from runtime.engine.distributed import get_tp_group
 from runtime.engine.sampling.sampler import Sampler
 from runtime.engine.model_config import ModelConfig
 from runtime.checkpoints.model_source import checkpoint_folder
+from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
 from runtime.engine.quant.loading import quantized_bytes
@@ -119,15 +120,15 @@ class ModelRunner:
         )
 
         with torch.device(self.device):
-            self.model = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
+            self.model: CausalLM = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
         self.quantization = quantization  # --quantization: which weights stay quantized (runtime.engine.quant.loading)
         load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0,
                            quantization=quantization)
         self.model.eval()
         self.ops.prepare_model(self.model)
-        attn0 = self.model.model.layers[0].self_attn
-        self.num_heads = attn0.num_heads  # query heads on this rank
-        self.num_kv_heads = attn0.num_kv_heads  # KV heads on this rank
+        first_attention = self.model.attention_layers()[0]
+        self.num_heads = first_attention.num_heads  # query heads on this rank
+        self.num_kv_heads = first_attention.num_kv_heads  # KV heads on this rank
         self.head_dim = cfg.head_dim
 
         self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static, max_running_requests)

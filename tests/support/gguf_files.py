@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-# HF model_type -> the general.architecture llama.cpp writes (Mistral is converted as llama).
-GGUF_ARCH: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+from runtime.checkpoints.families import BY_NAME, gguf_architecture_of
+from runtime.checkpoints.gguf.config import needs_qk_unpermute
 
 # Byte offsets of the fp16 scale fields inside one block of each K-quant type (gguf-py's layouts).
 KQUANT_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
@@ -171,7 +171,7 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src)
-    arch = GGUF_ARCH[config.model_type]
+    arch = gguf_architecture_of(BY_NAME[config.model_type])  # the family table's (Mistral: llama)
     written_arch = architecture or arch
     tied = tie or bool(config.tie_word_embeddings)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -191,7 +191,7 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
     if rope_scaling and rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    if arch == "qwen3":
+    if BY_NAME[config.model_type].qk_norm:  # (the converter states Qwen3's explicit head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "llama":  # llama.cpp's llama converter writes it; for Qwen the token count says it
@@ -217,7 +217,7 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
             values = tensor_hook(name, values)
             if values is None:
                 continue
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if needs_qk_unpermute(arch) and (".attn_q." in name or ".attn_k." in name):
             values = llama_permute(values, heads if ".attn_q." in name else kv_heads)
         type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
         array, raw_dtype = encode(values, type_name, rng)

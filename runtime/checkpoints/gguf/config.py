@@ -2,42 +2,42 @@
 
 llama.cpp writes one key per hyper-parameter under the architecture's name
 (``llama.block_count``, ``qwen2.attention.head_count_kv``, ...); this maps them onto the
-config keys ``runtime.engine.model_config`` reads, for the families we serve. Mistral checkpoints
-are usually converted as ``llama`` (told apart by ``general.name``, as transformers does);
-llama.cpp's llama converter interleaves the rows of each Q and K head for its RoPE, which
-``tensors.py`` undoes (``needs_qk_unpermute``). Tied embeddings: no ``output.weight`` tensor.
+config keys ``runtime.engine.model_config`` reads, for the families we serve: which GGUF
+architecture is which family, and what each family's config and tensors hold, is the family
+table's (``runtime.checkpoints.families``). Mistral checkpoints are usually converted as
+``llama`` (told apart by ``general.name``, as transformers does); llama.cpp's llama converter
+interleaves the rows of each Q and K head for its RoPE, which the weight reader undoes
+(``needs_qk_unpermute``). Tied embeddings: no ``output.weight`` tensor.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from runtime.checkpoints.families import (
+    BY_GGUF_ARCHITECTURE,
+    BY_NAME,
+    GGUF_PERMUTED_QK_ARCHITECTURES,
+    WindowRule,
+    family_of_gguf,
+)
 from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError
-
-# general.architecture -> the HF architecture and model_type we serve it as
-GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 
 
 def needs_qk_unpermute(architecture: str) -> bool:
-    """llama.cpp permutes Q/K rows only for the ``llama`` architecture (Mistral included)."""
-    return architecture == "llama"
+    """Whether llama.cpp permuted the Q/K rows of files of this ``general.architecture``."""
+    return architecture in GGUF_PERMUTED_QK_ARCHITECTURES
 
 
 def hf_config(contents: GGUFContents) -> dict[str, Any]:
     """The ``config.json`` dict for ``contents``; GGUFError for an architecture we do not serve
     or metadata that is missing or inconsistent."""
     arch = contents.architecture
-    if arch not in GGUF_ARCHITECTURES:
+    family = family_of_gguf(arch, str(contents.metadata.get("general.name", "")))
+    if family is None:
         raise GGUFError(f"{contents.path}: unsupported architecture {arch or '(none)'!r} in general.architecture; "
-                        f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    architecture, model_type = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(contents.metadata.get("general.name", "")).lower():
-        architecture, model_type = GGUF_ARCHITECTURES["mistral"]
+                        f"supported: {', '.join(BY_GGUF_ARCHITECTURE)}")
+    architecture, model_type = family.architecture, family.name
 
     def need(key: str) -> Any:
         value = contents.arch_value(key)
@@ -66,7 +66,7 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
         "max_position_embeddings": int(contents.arch_value("context_length", 2048)),
         "rms_norm_eps": float(contents.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(contents.arch_value("rope.freq_base", 10000.0)),
-        "hidden_act": "silu",
+        "hidden_act": family.activation,
         "tie_word_embeddings": "output.weight" not in contents.tensors,
         "attention_bias": "blk.0.attn_q.bias" in contents.tensors,
         "torch_dtype": "float32",
@@ -77,7 +77,7 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     window = contents.arch_value("attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
-        if model_type in ("qwen2", "qwen3"):
+        if family.window_rule is WindowRule.FROM_MAX_WINDOW_LAYERS:
             config["use_sliding_window"] = True
             config["max_window_layers"] = 0
     for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")):
@@ -116,6 +116,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
     if not config["tie_word_embeddings"]:
         shapes["output.weight"] = (config["vocab_size"], hidden)
+    family = BY_NAME[config["model_type"]]
     for i in range(config["num_hidden_layers"]):
         block = {
             "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
@@ -123,9 +124,9 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             "attn_output.weight": (hidden, q_rows),
             "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
         }
-        if config["attention_bias"] or config["model_type"] == "qwen2":
+        if config["attention_bias"] or family.always_qkv_bias:
             block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
-        if config["model_type"] == "qwen3":
+        if family.qk_norm:
             block.update({"attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],)})
         shapes.update({f"blk.{i}.{name}": shape for name, shape in block.items()})
     return shapes

@@ -57,7 +57,8 @@ from runtime.engine.cpu.prepacked import (
     panel_address,
 )
 from runtime.engine.forward_batch import ForwardMode
-from runtime.engine.ops.base import DecoderLayerWeights, DecoderStackModel, RopeInputs
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel
+from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import rope_cos_sin
 from runtime.engine.quant.weight import QuantizedWeight
 
@@ -212,6 +213,11 @@ def _packed_address(weight: torch.Tensor | QuantizedWeight, tp_size: int, kernel
     return panel_address(packed, *weight.shape)
 
 
+# The layer choices (activation, norm form, rope style) the C layer implements: silu*mul, RMSNorm
+# with the weight as it is, neox rotary halves.
+C_LAYER_CHOICES = frozenset({("silu", "rms", "neox"), ("swish", "rms", "neox")})
+
+
 def _kernel_set(layer: DecoderLayerWeights, dtype: torch.dtype) -> str | None:
     """The set of kernels whose linear reads the layer's packed qkv weight (a bf16 copy is in at
     most one of the two layouts), else None; ``_describe`` checks every other linear against it."""
@@ -240,6 +246,8 @@ def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
     quant: list[_QuantWeight] = []
     for layer, entry in zip(layers, array):
         if layer.qk_norm or layer.sliding_window is not None or layer.scaling != scale:
+            return None
+        if (layer.activation, layer.norm, layer.rope_style) not in C_LAYER_CHOICES:
             return None
         if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (q_heads, kv_heads, head_dim):
             return None

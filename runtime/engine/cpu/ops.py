@@ -24,7 +24,8 @@ from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.quant_kernels import quant_linear
 from runtime.engine.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
-from runtime.engine.ops.base import DecoderStackModel, LayerStack, RopeInputs
+from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight

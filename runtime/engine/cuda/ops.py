@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from runtime.engine.cuda.triton_common import prepare_triton_for_device
-from runtime.engine.ops.base import RopeCache, RopeInputs
+from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
 from runtime.engine.quant.weight import QuantizedWeight
 

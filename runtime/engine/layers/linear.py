@@ -161,12 +161,8 @@ class ColumnParallelLinear(LinearWeightLayer):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Gate and up projections stored as one matrix so the MLP does one matmul."""
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated activation ``silu(gate) * up`` of this layer's output ``[..., 2 * I]`` (gate
-        first) as ``[..., I]``, in one pass with the projection where the device ops fuse them."""
-        return self.ops.linear_silu_and_mul(x, self.weight, self.bias)
+    """Gate and up projections stored as one matrix (gate rows first) so the MLP does one matmul;
+    the gated MLP applies its activation to the output (``runtime.engine.layers.choices``)."""
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from runtime.checkpoints.gguf.prepare import is_gguf_folder
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
-from runtime.engine.models.llama import LlamaForCausalLM
+from runtime.engine.models.base import CausalLM
 from runtime.engine.quant.loading import check_quantization, finish_loading
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def iterate_weights(folder: str | Path, progress: bool = True) -> Iterator[tuple
             bar.update(1)
 
 
-def load_model_weights(model: LlamaForCausalLM, folder: str | Path, progress: bool = True,
+def load_model_weights(model: CausalLM, folder: str | Path, progress: bool = True,
                        quantization: str | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
     folder runtime.checkpoints.gguf.prepare made); errors name the tensor at fault. ``quantization`` (the

@@ -1,8 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed tokens.
 
-The four architectures differ only in switches read from ModelConfig: Qwen2 has q/k/v
-biases, Qwen3 normalises q and k per head before RoPE and may set head_dim explicitly,
-Llama 3 uses llama3 RoPE scaling, and any of them may tie the LM head to the embedding.
+The four architectures differ only in switches read from ModelConfig (each family's entry in
+``runtime.checkpoints.families``): Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
+before RoPE and may set head_dim explicitly, Llama 3 uses llama3 RoPE scaling, and any of them
+may tie the LM head to the embedding. The MLP's activation and the norm form are the family's
+layer choices (``runtime.engine.layers.choices``). A family that differs only in such choices
+reuses these classes by subclassing, as SGLang does.
 
 Tokens of every request in the batch are packed back to back (``[T, hidden]``, no
 padding); attention goes through the backend, which owns all per-request structure.
@@ -13,28 +16,20 @@ layer at construction.
 
 from __future__ import annotations
 
-import logging
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.forward_batch import ForwardBatch
+from runtime.engine.layers.choices import NORM_FORMS
 from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from runtime.engine.layers.linear import (
-    LazyWeight,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    replicated_weight_loader,
-)
+from runtime.engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from runtime.engine.layers.mlp import GatedMLP
 from runtime.engine.layers.norm import RMSNorm
 from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import ModelConfig
+from runtime.engine.models.base import CausalLM, CheckpointTargets
 from runtime.engine.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs, default_ops
-
-logger = logging.getLogger(__name__)
 
 # checkpoint sub-module name -> (our merged module name, shard id)
 _STACKED: dict[str, tuple[str, object]] = {
@@ -46,19 +41,9 @@ _STACKED: dict[str, tuple[str, object]] = {
 }
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
-        )
-        self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+def _norm(config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps) -> RMSNorm:
+    """A norm layer of the family's form over ``size`` features."""
+    return NORM_FORMS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
 
 class LlamaAttention(nn.Module):
@@ -98,8 +83,8 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+            self.q_norm = _norm(config, config.head_dim, dtype, ops)
+            self.k_norm = _norm(config, config.head_dim, dtype, ops)
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
             num_heads=self.num_heads,
@@ -130,9 +115,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, dtype, ops)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size, dtype, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp_rank=tp_rank,
+                            tp_size=tp_size, dtype=dtype, ops=ops)
+        self.input_layernorm = _norm(config, config.hidden_size, dtype, ops)
+        self.post_attention_layernorm = _norm(config, config.hidden_size, dtype, ops)
+        self.norm_form, self.rope_style = config.norm, config.rope_style
 
     def forward(
         self,
@@ -164,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
             down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             scaling=attn.spec.scaling, sliding_window=attn.spec.sliding_window, qk_norm=attn.q_norm is not None,
-            tp_size=attn.qkv_proj.tp_size,
+            tp_size=attn.qkv_proj.tp_size, activation=mlp.activation, norm=self.norm_form, rope_style=self.rope_style,
         )
 
 
@@ -179,7 +166,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, tp_rank, tp_size, dtype, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+        self.norm = _norm(config, config.hidden_size, dtype, ops)
 
     def forward(
         self,
@@ -208,7 +195,7 @@ class LlamaModel(nn.Module):
         return hidden, residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Parameters are created uninitialised on the current default device; load_weights fills them.
 
     ``ops``: the device ops every layer uses (default: ``runtime.engine.ops.default_ops`` for the
@@ -244,16 +231,20 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logit_rows()
         return self.lm_head(self.model(batch, backend, rows, layer_stack))
 
+    def attention_layers(self) -> list[AttentionLayerSpec]:
+        return [self._layer(i).self_attn.spec for i in range(len(self.model.layers))]
+
+    def _layer(self, index: int) -> LlamaDecoderLayer:
+        layer = self.model.layers[index]
+        assert isinstance(layer, LlamaDecoderLayer)  # (a ModuleList yields plain Modules to the type checker)
+        return layer
+
     # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------
 
-    def decode_weights(self) -> list[DecoderLayerWeights]:
+    def decode_weights(self) -> list[DecoderLayerWeights] | None:
         """Every decoder layer's ``decode_weights``, in order (asked once per description of the
         stack, not per step)."""
-        weights: list[DecoderLayerWeights] = []
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)  # (a ModuleList yields plain Modules to the type checker)
-            weights.append(layer.decode_weights())
-        return weights
+        return [self._layer(i).decode_weights() for i in range(len(self.model.layers))]
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
@@ -263,10 +254,10 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights --------------------------------------------------------------------
 
-    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, object]]:
+    def checkpoint_targets(self) -> CheckpointTargets:
         """Every checkpoint tensor name this model needs -> (parameter, shard id)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        targets: dict[str, tuple[nn.Parameter, object]] = {}
+        targets: CheckpointTargets = {}
         for name, param in params.items():
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # same tensor as model.embed_tokens.weight
@@ -279,22 +270,3 @@ class LlamaForCausalLM(nn.Module):
             else:
                 targets[name] = (param, None)
         return targets
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
-        """Load (name, tensor) pairs; returns the set of target names that were loaded.
-
-        Tensors the model has no use for (rotary inv_freq buffers, an lm_head of a tied
-        checkpoint) are skipped; the caller checks that every target was loaded.
-        """
-        targets = self.checkpoint_targets()
-        loaded: set[str] = set()
-        for name, weight in weights:
-            target = targets.get(name)
-            if target is None:
-                logger.debug("checkpoint tensor %s is not used by this model", name)
-                continue
-            param, shard = target
-            loader = getattr(param, "weight_loader", replicated_weight_loader)
-            loader(param, weight, name, shard)
-            loaded.add(name)
-        return loaded

@@ -1,17 +1,33 @@
-"""Architecture name (config.json ``architectures``) -> model class."""
+"""Family name -> the model class that serves it, imported only when a model of that family is built.
+
+The architectures a checkpoint may name, and which family each belongs to, are the family table's
+(``runtime.checkpoints.families``); this registry owns which implementation serves each family.
+A test keeps the two in step: every family has an implementation here and nothing else does.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
 
-from runtime.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from runtime.engine.models.llama import LlamaForCausalLM
+from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.models.base import CausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+# family name -> "module:class" (lazy: building one family never imports another's module)
+MODEL_CLASSES: dict[str, str] = {
+    "llama": "runtime.engine.models.llama:LlamaForCausalLM",
+    "mistral": "runtime.engine.models.llama:LlamaForCausalLM",
+    "qwen2": "runtime.engine.models.llama:LlamaForCausalLM",
+    "qwen3": "runtime.engine.models.llama:LlamaForCausalLM",
+}
 
 
-def get_model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    cls = MODEL_CLASSES.get(config.architecture)
-    if cls is None:
-        raise UnsupportedModelError(f"no model implementation for architecture {config.architecture}")
-    return cls  # type: ignore[return-value]
+def get_model_class(config: ModelConfig) -> type[CausalLM]:
+    """The class that serves ``config``'s family."""
+    target = MODEL_CLASSES.get(config.family)
+    if target is None:
+        raise UnsupportedModelError(f"no model implementation for architecture {config.architecture} "
+                                    f"(family {config.family})")
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type) and issubclass(cls, CausalLM), f"{target} is not a CausalLM"
+    return cls

@@ -20,14 +20,9 @@ import os
 
 import torch
 
-from runtime.engine.ops.base import (
-    DecoderLayerWeights,
-    DecoderStackModel,
-    DeviceOps,
-    LayerStack,
-    RopeCache,
-    RopeInputs,
-)
+from runtime.engine.ops.base import DeviceOps
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel, LayerStack
+from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.ops.torch_ops import TorchOps
 

@@ -5,94 +5,22 @@ has a device-specific fast version (a fused kernel, a prepacked weight); they ne
 at which device or dtype they run on. The model runner asks the same object what serving on
 the device assumes (``platform``: memory defaults, CUDA graphs) and for the device's
 own way of running a model's decoder layers (``layer_stack``), never the device type.
-``runtime.engine.ops.get_ops`` picks the implementation once per (device, dtype).
+``runtime.engine.ops.get_ops`` picks the implementation once per (device, dtype). The records
+handed across the seam have modules of their own: ``rope.py`` (one forward's rotary inputs) and
+``layer_stack.py`` (what a device's whole-layer kernels read of a model).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight
-
-
-class RopeCache(Protocol):
-    """The rotary tables a model builds once (``runtime.engine.layers.rotary.RotaryEmbedding``)."""
-
-    rotary_dim: int
-    cos_cache: torch.Tensor  # fp32 [max_position, rotary_dim // 2]
-    sin_cache: torch.Tensor  # fp32 [max_position, rotary_dim // 2]
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass
-class RopeInputs:
-    """One forward's rotary inputs, made once by ``DeviceOps.rope`` and read by every layer.
-
-    ``cos``/``sin`` ``[T, 1, rotary_dim // 2]`` in the activations' dtype are the rows of the
-    batch's positions where an implementation gathers them up front (torch, CPU); a kernel
-    that reads the fp32 tables at ``positions`` itself (Triton) leaves them None.
-    """
-
-    positions: torch.Tensor  # int64 [T]
-    cache: RopeCache
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class DecoderLayerWeights:
-    """One pre-norm decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a device's
-    whole-layer kernels read it: the layer's own parameters (owned, and loaded, by the layer; the
-    record only names them) and shapes, made by the model (``LlamaDecoderLayer.decode_weights``) so that a device
-    never reads a model's attribute names."""
-
-    input_norm: torch.Tensor  # [hidden]
-    input_norm_eps: float
-    post_norm: torch.Tensor  # [hidden]
-    post_norm_eps: float
-    # the linears' weights: dense, or kept quantized (runtime.engine.quant)
-    qkv: torch.Tensor | QuantizedWeight  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor | QuantizedWeight  # [hidden, q_heads * head_dim]
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor | QuantizedWeight  # [2 * inter, hidden]: gate rows first
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | QuantizedWeight  # [hidden, inter]
-    down_bias: torch.Tensor | None
-    num_heads: int  # query heads (on this rank)
-    num_kv_heads: int
-    head_dim: int
-    scaling: float  # attention's softmax scale
-    sliding_window: int | None  # None: full attention
-    qk_norm: bool  # per-head RMSNorm of q and k before rotary
-    tp_size: int  # ranks the layer's linears are split over
-
-
-class DecoderStackModel(Protocol):
-    """What a device's layer stack needs of a model: its layers' weights, and running the layers
-    one by one (for the forwards the stack does not take)."""
-
-    def decode_weights(self) -> list[DecoderLayerWeights]:
-        ...
-
-    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
-
-
-class LayerStack(Protocol):
-    """A device's way of running all of a model's decoder layers for one forward, handed to the
-    model's forward by the model runner (``DeviceOps.layer_stack``): ``(hidden, residual)`` after
-    every layer for the embeddings ``hidden`` (which become the residual stream), exactly as the
-    layers one by one would give them."""
-
-    def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
 
 
 class LinearWeightLayer(nn.Module):

@@ -17,7 +17,8 @@ from torch import nn
 
 from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cuda.memory import CUDA_PLATFORM
-from runtime.engine.ops.base import DecoderStackModel, LayerStack, RopeCache, RopeInputs
+from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight, embedding_rows, reference_linear
 

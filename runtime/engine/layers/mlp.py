@@ -1,0 +1,34 @@
+"""The gated MLP block (``down(act(gate(x)) * up(x))``) that the Llama-style families share.
+
+Gate and up are one merged column-parallel projection (one matmul), down is row-parallel; the
+activation is the family's choice (``runtime.engine.layers.choices``). Parameter names
+(``gate_up_proj``, ``down_proj``) are what ``checkpoint_targets`` expands to the checkpoint's
+``gate_proj`` / ``up_proj`` / ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.engine.layers.choices import gated_activation
+from runtime.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from runtime.engine.ops import DeviceOps
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, ops: DeviceOps) -> None:
+        super().__init__()
+        self.activation = activation
+        self._act_and_mul = gated_activation(activation)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype,
+            ops=ops,
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._act_and_mul(self.gate_up_proj, x))

@@ -1,0 +1,89 @@
+"""The model protocol: everything the rest of the engine may ask of a model.
+
+The model runner, the weight loader, the attention backends (through the runner) and a device's
+layer stack (the CPU's one-call decode stack) talk to a model only through ``CausalLM``; none of
+them reads a model's attribute names or names a model class. A family's module in this folder
+subclasses it (or subclasses another family's model, as SGLang reuses ``LlamaForCausalLM``) and
+the registry (``registry.py``) maps the family's name to it.
+
+What a model owes:
+- ``forward``: fp32 logits at the batch's logit rows, running its decoder layers through the
+  layer stack the runner hands it (a device's own, or None: its layers one by one);
+- ``attention_layers``: each attention layer's ``AttentionLayerSpec`` on this rank, which the runner
+  sizes the KV pool and the backends' scratch from;
+- ``checkpoint_targets``: every checkpoint tensor name it needs -> (parameter, shard id), so a
+  missing tensor is named before serving starts; ``load_weights`` fills them (given here once for
+  every model: each parameter's own ``weight_loader`` does the sharding);
+- ``decode_weights``: each decoder layer as a device's whole-layer kernels read it, or None when
+  its layers have no such form (the device then never runs them in one call);
+- ``run_layers``: the decoder layers one by one, what a layer stack falls back to.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
+from runtime.engine.forward_batch import ForwardBatch
+from runtime.engine.layers.linear import LazyWeight, replicated_weight_loader
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.ops import DecoderLayerWeights, LayerStack, RopeInputs
+
+logger = logging.getLogger(__name__)
+
+# checkpoint tensor name -> (the parameter it fills, the shard of it: a merged layer's part, or None)
+CheckpointTargets = dict[str, tuple[nn.Parameter, object]]
+
+
+class CausalLM(nn.Module, abc.ABC):
+    """A causal language model over packed tokens, built for one TP rank with its parameters
+    uninitialised; ``load_weights`` fills them."""
+
+    config: ModelConfig
+
+    @abc.abstractmethod
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend,
+                layer_stack: LayerStack | None = None) -> torch.Tensor:
+        """fp32 logits ``[rows, vocab]`` at ``batch.logit_rows()``."""
+
+    @abc.abstractmethod
+    def attention_layers(self) -> list[AttentionLayerSpec]:
+        """Every attention layer's spec on this rank (heads after the TP split), in layer order."""
+
+    @abc.abstractmethod
+    def checkpoint_targets(self) -> CheckpointTargets:
+        """Every checkpoint tensor name this model needs -> (parameter, shard id)."""
+
+    @abc.abstractmethod
+    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch,
+                   backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
+
+    def decode_weights(self) -> list[DecoderLayerWeights] | None:
+        """Each decoder layer as a device's whole-layer kernels read it; None (the default): this
+        model's layers are not of that form."""
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load ``(name, tensor)`` pairs; returns the target names that were loaded.
+
+        Tensors the model has no use for (rotary ``inv_freq`` buffers, the LM head of a tied
+        checkpoint) are skipped; the caller checks that every target was loaded.
+        """
+        targets = self.checkpoint_targets()
+        loaded: set[str] = set()
+        for name, weight in weights:
+            target = targets.get(name)
+            if target is None:
+                logger.debug("checkpoint tensor %s is not used by this model", name)
+                continue
+            param, shard = target
+            loader = getattr(param, "weight_loader", replicated_weight_loader)
+            loader(param, weight, name, shard)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,140 @@
+"""The model protocol, the family table and the registry: one list of families, read the same way
+by the HF config parser and the GGUF config builder; the engine asks a model only what
+``CausalLM`` declares; a device's layer stack takes only the layer choices it implements."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.checkpoints.families import BY_ARCHITECTURE, BY_NAME, FAMILIES, family_of_gguf, gguf_architecture_of
+from runtime.checkpoints.gguf.config import hf_config
+from runtime.checkpoints.gguf.reader import read_gguf
+from runtime.engine.cpu.decode_layers import CpuLayerStack
+from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.models.base import CausalLM
+from runtime.engine.models.registry import MODEL_CLASSES, get_model_class
+from runtime.engine.ops import DecoderLayerWeights, RopeInputs
+from tests.support import REPO_ROOT
+from tests.support.gguf_files import write_checkpoint_gguf
+
+FAMILY_CHECKPOINTS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoints) -> None:
+    assert set(MODEL_CLASSES) == set(BY_NAME)
+    for name in FAMILY_CHECKPOINTS:
+        config = ModelConfig.from_pretrained(tiny_checkpoints.path(name))
+        assert config.family == name and issubclass(get_model_class(config), CausalLM)
+
+
+def test_an_unknown_family_is_refused_by_the_registry(tiny_checkpoints) -> None:
+    config = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints.path("llama")), family="gemma3")
+    with pytest.raises(UnsupportedModelError, match="gemma3"):
+        get_model_class(config)
+
+
+def test_the_registry_imports_a_family_module_only_when_one_is_built() -> None:
+    code = ("import sys; import runtime.engine.models.registry as r; "
+            "print('runtime.engine.models.llama' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
+def test_the_hf_parser_and_the_gguf_builder_read_a_family_alike(name: str, tiny_checkpoints, tmp_path: Path) -> None:
+    """The same checkpoint as config.json and as the GGUF file llama.cpp's converter writes: both
+    readings come from the family's one entry (architecture, biases, q/k norm, windows, choices)."""
+    src = tiny_checkpoints.path(name)
+    from_hf = ModelConfig.from_pretrained(src)
+    family = BY_NAME[from_hf.family]
+    contents = read_gguf(write_checkpoint_gguf(src, tmp_path / f"{name}.gguf"))
+    assert contents.architecture == gguf_architecture_of(family)
+    from_gguf = ModelConfig.from_dict(hf_config(contents), tmp_path)
+    for field in ("family", "architecture", "qkv_bias", "qk_norm", "hidden_act", "norm", "rope_style", "layer_windows"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_hf.qk_norm == family.qk_norm
+    assert from_hf.qkv_bias == (family.always_qkv_bias or bool(json.loads((src / "config.json").read_text())
+                                                               .get("attention_bias", False)))
+
+
+def test_the_table_names_each_architecture_once_and_finds_converted_mistral() -> None:
+    architectures = [arch for family in FAMILIES for arch in family.architectures]
+    assert len(architectures) == len(set(architectures)) == len(BY_ARCHITECTURE)
+    assert family_of_gguf("llama", "Mistral-7B-Instruct-v0.3") is BY_NAME["mistral"]
+    assert family_of_gguf("llama", "SmolLM2 135M Instruct") is BY_NAME["llama"]
+    assert family_of_gguf("gemma3", "gemma-3-270m") is None
+
+
+@pytest.mark.parametrize(("key", "value", "what"), [("hidden_act", "gelu_pytorch_tanh", "hidden_act")])
+def test_a_layer_choice_the_layers_lack_is_refused_before_any_weight(key: str, value: str, what: str,
+                                                                      tiny_checkpoints) -> None:
+    raw = json.loads((tiny_checkpoints.path("llama") / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError, match=f"unsupported {what} '{value}'; supported: silu, swish"):
+        ModelConfig.from_dict({**raw, key: value}, tiny_checkpoints.path("llama"))
+
+
+def _runner(path: Path) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=512, load_progress=False)
+
+
+def test_the_runner_sizes_attention_from_the_models_attention_layers(tiny_checkpoints) -> None:
+    runner = _runner(tiny_checkpoints.path("qwen3"))
+    specs = runner.model.attention_layers()
+    cfg = runner.model_config
+    assert [s.layer_id for s in specs] == list(range(cfg.num_hidden_layers))
+    assert {(s.num_heads, s.num_kv_heads, s.head_dim) for s in specs} == {
+        (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)}
+    assert (runner.num_heads, runner.num_kv_heads) == (specs[0].num_heads, specs[0].num_kv_heads)
+
+
+class _Declared:
+    """A model as a layer stack sees it, whose layer records are rewritten (or withheld: None)."""
+
+    def __init__(self, model: CausalLM, rewrite: dict[str, str] | None) -> None:
+        self.model, self.rewrite = model, rewrite
+
+    def decode_weights(self) -> list[DecoderLayerWeights] | None:
+        if self.rewrite is None:
+            return None
+        weights = self.model.decode_weights()
+        assert weights is not None
+        return [dataclasses.replace(w, **self.rewrite) for w in weights]
+
+    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any,
+                   backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.run_layers(rope, hidden, batch, backend)
+
+
+def test_the_cpu_stack_takes_only_the_layer_choices_it_implements(tiny_checkpoints) -> None:
+    runner = _runner(tiny_checkpoints.path("llama"))
+    assert CpuLayerStack(_Declared(runner.model, {})).description() is not None  # the C call takes these layers
+    for rewrite in ({"activation": "gelu_pytorch_tanh"}, {"norm": "rms_one_plus"}, {"rope_style": "gptj"}):
+        assert CpuLayerStack(_Declared(runner.model, rewrite)).description() is None, rewrite
+    assert CpuLayerStack(_Declared(runner.model, None)).description() is None  # "not of that form"
+
+
+def test_a_model_without_stackable_layers_serves_through_its_layers(tiny_checkpoints) -> None:
+    """``decode_weights() -> None`` (the protocol's default) costs nothing but the one-call path."""
+    from tests.support.harness import Harness
+    from runtime.engine.forward_batch import ForwardMode
+
+    runner = _runner(tiny_checkpoints.path("llama"))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    h = Harness(runner)
+    reqs = h.prefill_sharing(prompts, 0)
+    want = h.step(reqs, ForwardMode.DECODE).logits.clone()
+    h.reset()
+    runner.layer_stack = runner.ops.layer_stack(_Declared(runner.model, None))
+    reqs = h.prefill_sharing(prompts, 0)
+    got = h.step(reqs, ForwardMode.DECODE).logits.clone()
+    h.reset()
+    assert torch.equal(want, got)
