@@ -1,15 +1,29 @@
-"""The speculative-decoding flags (SGLang's names), kept beside ``runtime.config.args`` so that file
-stays one idea: their help text and their checks. ``ServerArgs`` holds the values."""
+"""The "speculative decoding" flags (SGLang's names): their help text and their checks, one flag
+group like the other ``*_args`` modules. ``ServerArgs`` (runtime.config.server_args) holds the values;
+scheduler_proc/spec does the work."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Protocol
 
 SPECULATIVE_ALGORITHM_CHOICES = ("ngram",)
 
 
-def add_spec_cli_args(parser: argparse.ArgumentParser, defaults: Any) -> None:
+class SpecFlags(Protocol):
+    """The ``ServerArgs`` fields of this group, and ``page_size`` (drafts are freed slot by slot);
+    a protocol, so that this module need not import ``runtime.config.server_args``."""
+
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int
+    speculative_ngram_min_match_window_size: int
+    speculative_ngram_max_match_window_size: int
+    speculative_max_step_tokens: int | None
+    speculative_ngram_capacity: int
+    page_size: int
+
+
+def add_spec_args(parser: argparse.ArgumentParser, defaults: SpecFlags) -> None:
     """The "speculative decoding" group; ``defaults`` is a default ``ServerArgs``."""
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.lower, default=defaults.speculative_algorithm,
@@ -39,7 +53,7 @@ def add_spec_cli_args(parser: argparse.ArgumentParser, defaults: Any) -> None:
                         f"(default {defaults.speculative_ngram_max_match_window_size})")
 
 
-def validate_spec(args: Any) -> None:
+def check_spec(args: SpecFlags) -> None:
     """ValueError naming the flag when a speculative flag is out of range or inconsistent."""
     if args.speculative_algorithm is not None and args.speculative_algorithm not in SPECULATIVE_ALGORITHM_CHOICES:
         raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHM_CHOICES)}; "

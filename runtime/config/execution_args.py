@@ -1,0 +1,76 @@
+"""The "execution" flags: where and how the model runs (device, dtype, quantized weights, the
+attention kernels, CUDA graphs, the seed). The engine reads the values; these flags only name them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+from runtime.config.flag_checks import choice
+
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_CHOICES = ("gguf", "int8", "w8a8_int8")  # runtime.engine.quant.loading.QUANTIZATION_METHODS
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
+
+
+class ExecutionFlags(Protocol):
+    """The ``ServerArgs`` fields of this group (a protocol, so that this module need not import
+    ``runtime.config.server_args``, which imports it)."""
+
+    device: str
+    dtype: str
+    quantization: str | None
+    attention_backend: str
+    random_seed: int | None
+    disable_cuda_graph: bool
+    cuda_graph_max_bs: int | None
+    cuda_graph_bs: list[int] | None
+
+
+def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags) -> None:
+    """The "execution" group; ``defaults`` is a default ``ServerArgs``."""
+    d = defaults
+    g = parser.add_argument_group("execution")
+    g.add_argument("--device", type=str, default=d.device, choices=DEVICE_CHOICES,
+                   help="auto picks cuda when available, else cpu (default auto)")
+    g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
+                   help="weight and activation dtype; auto is bfloat16 where supported (default auto)")
+    g.add_argument("--quantization", type=str, default=d.quantization, choices=QUANTIZATION_CHOICES,
+                   help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
+                        "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
+                        "activations are quantized to int8 per block on the fly (default: none, weights "
+                        "dense in --dtype, a GGUF file's dequantized at load)")
+    g.add_argument("--attention-backend", type=str, default=d.attention_backend,
+                   choices=ATTENTION_BACKEND_CHOICES,
+                   help="auto is triton on cuda and torch_native on cpu (default auto)")
+    g.add_argument("--random-seed", type=int, default=d.random_seed,
+                   help="seed of the server's random generators (default: unseeded)")
+    g.add_argument("--disable-cuda-graph", action="store_true", default=d.disable_cuda_graph,
+                   help="run decode eagerly instead of replaying captured CUDA graphs (cuda only)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
+                        "(default 256, capped by --max-running-requests)")
+    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=d.cuda_graph_bs, metavar="BS",
+                   help="the decode batch sizes to capture (default 1 2 4 8 16 24 32 ... up to "
+                        "--cuda-graph-max-bs); a batch is padded to the next captured size")
+
+
+def check_device_and_dtype(args: ExecutionFlags) -> None:
+    """--device, --dtype and --quantization name something the engine knows."""
+    choice("--device", args.device, DEVICE_CHOICES)
+    choice("--dtype", args.dtype, DTYPE_CHOICES)
+    if args.quantization is not None:
+        choice("--quantization", args.quantization, QUANTIZATION_CHOICES)
+
+
+def check_attention_backend(args: ExecutionFlags) -> None:
+    """--attention-backend names a backend the engine has."""
+    choice("--attention-backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
+
+
+def check_cuda_graph_bs(args: ExecutionFlags) -> None:
+    """An empty or non-positive capture list would leave decode with no graph to pad a batch to."""
+    if args.cuda_graph_bs is not None:
+        if not args.cuda_graph_bs or min(args.cuda_graph_bs) < 1:
+            raise ValueError(f"--cuda-graph-bs needs batch sizes >= 1, got {args.cuda_graph_bs}")

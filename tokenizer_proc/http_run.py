@@ -1,0 +1,88 @@
+"""One HTTP request's generation as a *local client* of the front door (``FrontDoor.open_local``):
+its requests are submitted, its chunks read back, and whatever is left aborted when the reply is
+done or the HTTP client goes away, so that an abandoned request frees its KV. Also the SSE framing
+its streams are written in. Both generation route groups (OpenAI and native) run requests this way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import Request
+
+from runtime.protocol.messages import ErrorReply, GenerateChunk, GenerateReq
+from tokenizer_proc.front_door import FrontDoor
+from tokenizer_proc.http_errors import ClientWentAway, RequestFailed
+
+SSE_DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event holding ``obj`` as JSON."""
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class LocalRun:
+    """The requests of one HTTP request, as one local client of the front door."""
+
+    def __init__(self, door: FrontDoor, reqs: list[GenerateReq]) -> None:
+        self.door = door
+        self.reqs = reqs
+        self.identity, self.queue = door.open_local()
+        self.prompt_index = {r.rid: i for i, r in enumerate(reqs)}
+        self.n = 1  # samples per prompt (the requests share their sampling params)
+
+    async def submit(self) -> None:
+        """Validate and send every request; Rejected (and nothing left running) when one fails."""
+        try:
+            samples = [await self.door.submit_local(self.identity, req) for req in self.reqs]
+        except BaseException:
+            self.close()
+            raise
+        self.n = samples[0]
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """(prompt index, chunk) until every sample has finished; RequestFailed on an error
+        reply, ClientWentAway when the HTTP client went away."""
+        left = len(self.reqs) * self.n
+        while left:
+            try:
+                msg = self.queue.get_nowait()  # chunks come in bursts: no await when one is queued
+            except asyncio.QueueEmpty:
+                msg = await self.queue.get()
+            if isinstance(msg, GenerateChunk):
+                left -= msg.finished
+                yield self.prompt_index[msg.rid], msg
+            elif isinstance(msg, ErrorReply):
+                raise RequestFailed(msg.code, msg.message)
+            elif isinstance(msg, BaseException):
+                raise msg
+
+    def disconnected(self) -> None:
+        """The client went away: abort, and wake ``events`` with ClientWentAway."""
+        self.close()
+        self.queue.put_nowait(ClientWentAway())
+
+    def close(self) -> None:
+        """Idempotent: aborts whatever has not finished."""
+        self.door.close_local(self.identity)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, run: LocalRun) -> AsyncIterator[None]:
+    """For a non-stream reply: abort the run if the client goes away before it is sent
+    (a stream notices it itself, when Starlette cancels it)."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(lambda t: None if t.cancelled() else run.disconnected())
+    try:
+        yield
+    finally:
+        watcher.cancel()
