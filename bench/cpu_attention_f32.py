@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.engine.cpu import attention as cpu_attention  # noqa: E402
+from runtime.engine.cpu import attention_fastpaths as cpu_attention  # noqa: E402
 from runtime.engine.cpu import attention_kernels as attn_kernels  # noqa: E402
 from runtime.engine.cpu import kernel_library  # noqa: E402
 

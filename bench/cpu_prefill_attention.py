@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_output_path, machine_info, pin_threads, print_table, write_json  # noqa: E402
 from runtime.engine.cpu import attention_kernels as attn_kernels  # noqa: E402
-from runtime.engine.cpu import attention as torch_native  # noqa: E402
+from runtime.engine.cpu import attention_fastpaths as torch_native  # noqa: E402
 from runtime.engine.cpu.host_memory import keep_freed_memory_in_process  # noqa: E402
 
 DEFAULT_SHAPES = ("64x128", "16x512", "4x2048", "256x32")

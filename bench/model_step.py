@@ -85,7 +85,7 @@ class StepDriver:
         import torch
 
         from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-        from runtime.engine.sampling.sampler import SamplingBatchInfo
+        from runtime.engine.sampling.batch_info import SamplingBatchInfo
         from runtime.protocol.sampling_params import SamplingParams
 
         pool = self.runner.req_to_token_pool

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, cast
 import torch
 
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.sampling.sampler import SamplingBatchInfo
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from memory.prefix_cache import BasePrefixCache
 from scheduler_proc import input_logprobs
 from scheduler_proc.memory_setup import Allocator

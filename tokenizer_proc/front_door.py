@@ -1,6 +1,6 @@
 """``FrontDoor``: all that the HTTP server may ask of the tokenizer manager.
 
-The HTTP server (tokenizer_proc/http_server.py) submits its requests as *local clients*
+The HTTP server (tokenizer_proc/http/server.py) submits its requests as *local clients*
 of the TokenizerManager, so that they share the ZMQ path's validation, rid space, reply
 routing, limits, metrics and aborts. This Protocol is the whole of that contact: the
 request table, the request builder and the sockets stay the manager's own. The manager

@@ -43,7 +43,7 @@ ROUTER_RCVHWM = 1000  # requests read ahead per client: a flood waits in its sen
 
 
 async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Connection) -> None:
-    from tokenizer_proc.http_server import HttpServer
+    from tokenizer_proc.http.server import HttpServer
     from tokenizer_proc.metrics import Metrics
 
     loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """The TokenizerManager process: the server's front door.
 
-One asyncio loop (uvloop) runs three tasks, and the HTTP server (tokenizer_proc/http_server.py):
+One asyncio loop (uvloop) runs three tasks, and the HTTP server (tokenizer_proc/http/server.py):
   * clients: a ROUTER socket (one DEALER per client). Each request is checked,
     tokenized and pushed to the scheduler; control requests become a round trip to
     the scheduler.

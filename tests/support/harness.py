@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.sampling.sampler import SamplingBatchInfo
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from runtime.engine.model_runner import ModelOutput, ModelRunner
 from runtime.protocol.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
-from runtime.engine.cpu import attention as torch_native
+from runtime.engine.cpu import attention_fastpaths as torch_native
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32
 from runtime.engine.cpu import kernels as cpu_kernels

@@ -17,7 +17,8 @@ import xgrammar as xgr
 from runtime.engine.cpu.ops import CpuOps
 from runtime.text.grammar import GrammarBackend, GrammarError, RequestGrammar, allocate_bitmask, check_constraint
 from runtime.engine.sampling import penalties as pen
-from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
+from runtime.engine.sampling.sampler import Sampler
 from runtime.engine.ops.torch_ops import TorchOps
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 

@@ -15,7 +15,7 @@ from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.registry import get_attention_backend_class, resolve_attention_backend_name
 from runtime.engine.attention.plan import TorchNativeMetadata
-from runtime.engine.cpu import attention as torch_native
+from runtime.engine.cpu import attention_fastpaths as torch_native
 from runtime.engine.cpu import decode_layers
 from runtime.engine.cpu.attention import CpuAttnBackend
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode

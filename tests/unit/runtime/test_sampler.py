@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from runtime.engine.sampling import penalties as pen
-from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
+from runtime.engine.sampling.sampler import Sampler
 from runtime.protocol.sampling_params import SamplingParams
 
 CHI2_DF7_P001 = 24.322  # chi-square critical value, 7 degrees of freedom, p = 0.001

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from runtime.config.args import ServerArgs
-from runtime.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
+from runtime.engine.sampling.sampler import Sampler
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler

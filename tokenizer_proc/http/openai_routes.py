@@ -13,10 +13,10 @@ from starlette.background import BackgroundTask
 
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc import openai_reply as reply_fmt
-from tokenizer_proc.http_body import read_body
-from tokenizer_proc.http_context import Http, HttpContext
-from tokenizer_proc.http_errors import STATUS_OF_CODE, RequestFailed, error_type
-from tokenizer_proc.http_run import SSE_DONE, LocalRun, abort_on_disconnect, sse
+from tokenizer_proc.http.body import read_body
+from tokenizer_proc.http.context import Http, HttpContext
+from tokenizer_proc.http.errors import STATUS_OF_CODE, RequestFailed, error_type
+from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
 
 router = APIRouter()
 

@@ -14,7 +14,7 @@ from fastapi import Request
 
 from runtime.protocol.messages import ErrorReply, GenerateChunk, GenerateReq
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http_errors import ClientWentAway, RequestFailed
+from tokenizer_proc.http.errors import ClientWentAway, RequestFailed
 
 SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode

@@ -14,11 +14,11 @@ a load balancer can poll it. Errors use OpenAI's JSON (``{"error": {"message", "
 
 This module binds and runs the server and assembles the app; the routes are in one module
 per group, each an ``APIRouter`` that reaches the shared state through the ``Http``
-dependency (tokenizer_proc/http_context.py):
+dependency (tokenizer_proc/http/context.py):
 
-- http_openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
-- http_native_routes.py: POST /generate (SGLang's native body)
-- http_control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
+- openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
+- native_routes.py: POST /generate (SGLang's native body)
+- control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
 """
 
@@ -32,11 +32,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
-from tokenizer_proc import http_control_routes, http_native_routes, http_openai_routes
+from tokenizer_proc.http import control_routes, native_routes, openai_routes
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http_body import loc_path as _loc_path
-from tokenizer_proc.http_context import HttpContext
-from tokenizer_proc.http_errors import STATUS_OF_CODE, add_error_handlers, error_response
+from tokenizer_proc.http.body import loc_path as _loc_path
+from tokenizer_proc.http.context import HttpContext
+from tokenizer_proc.http.errors import STATUS_OF_CODE, add_error_handlers, error_response
 
 # STATUS_OF_CODE, error_response and _loc_path stay importable from here, where they used to live
 # (tests/unit/tokenizer_proc imports them).
@@ -96,7 +96,7 @@ def build_app(context: HttpContext) -> FastAPI:
     app = FastAPI(title="tinyserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.http = context
     add_error_handlers(app)
-    app.include_router(http_control_routes.router)
-    app.include_router(http_native_routes.router)
-    app.include_router(http_openai_routes.router)
+    app.include_router(control_routes.router)
+    app.include_router(native_routes.router)
+    app.include_router(openai_routes.router)
     return app

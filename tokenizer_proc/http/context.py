@@ -15,7 +15,7 @@ from runtime.protocol.messages import GenerateReq
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http_run import LocalRun
+from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.request_builder import check_api_key
 
 

@@ -12,10 +12,10 @@ from starlette.background import BackgroundTask
 
 from runtime.protocol.messages import GenerateChunk
 from tokenizer_proc import openai_protocol as oai
-from tokenizer_proc.http_body import read_body
-from tokenizer_proc.http_context import Http
-from tokenizer_proc.http_errors import RequestFailed
-from tokenizer_proc.http_run import SSE_DONE, LocalRun, abort_on_disconnect, sse
+from tokenizer_proc.http.body import read_body
+from tokenizer_proc.http.context import Http
+from tokenizer_proc.http.errors import RequestFailed
+from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
 
 router = APIRouter()
 

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response
 
 from runtime.protocol.messages import ErrorReply, FlushCacheReq, GenerateReq, HealthReq, ServerInfoReq
 from tokenizer_proc import openai_protocol as oai
-from tokenizer_proc.http_context import Http, HttpContext
-from tokenizer_proc.http_errors import RequestFailed, error_response
-from tokenizer_proc.http_run import abort_on_disconnect
+from tokenizer_proc.http.context import Http, HttpContext
+from tokenizer_proc.http.errors import RequestFailed, error_response
+from tokenizer_proc.http.run import abort_on_disconnect
 
 router = APIRouter()
 
