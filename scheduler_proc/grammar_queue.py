@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import msgspec
 
@@ -32,6 +32,15 @@ from scheduler_proc.req import Req
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 4
+
+
+@runtime_checkable
+class BytesBroadcast(Protocol):
+    """The control half of a TP group that rank 0's grammar decisions cross (the scheduler
+    process's ``TPGroup``, over gloo). ``get_tp_group`` is typed as the layers' tensor-only
+    ``TPCommunicator``, so ``_agree`` checks that the registered group also carries bytes."""
+
+    def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes: ...
 
 
 @dataclass
@@ -155,8 +164,11 @@ class GrammarQueue:
         """Rank 0's decisions, on every rank."""
         from runtime.engine.distributed import get_tp_group
 
+        group = get_tp_group()
+        if not isinstance(group, BytesBroadcast):
+            raise TypeError(f"the TP group ({type(group).__name__}) cannot broadcast grammar decisions")
         payload = msgspec.msgpack.encode(decisions) if self._tp_rank == 0 else None
-        agreed = get_tp_group().broadcast_bytes(payload)  # type: ignore[attr-defined]
+        agreed = group.broadcast_bytes(payload)
         return msgspec.msgpack.decode(agreed, type=dict[str, str | None]) if self._tp_rank else decisions
 
     def _attach(self, waiting: _Waiting) -> str | None:

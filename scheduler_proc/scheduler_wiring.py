@@ -1,0 +1,126 @@
+"""The scheduler's parts, built once: pools, prefix cache, queues, the deciders and the model worker.
+
+Why a module of its own: ``Scheduler`` is composed of one mixin per job (``scheduler_input``,
+``scheduler_launch``, ``scheduler_decode_room``, ``scheduler_results``, ``scheduler_control``;
+the step loop is ``scheduler.py``), and every job works on this one set of parts. Each mixin
+subclasses ``SchedulerWiring``, so it reads the parts typed without importing ``scheduler.py``
+(the import graph allows no circle, ``TYPE_CHECKING`` imports included), and a new feature's
+part has a single place to be built.
+
+The seams: the few methods one job calls in another are declared at the end of this class.
+Each is defined by exactly one mixin, which ``Scheduler`` lists before this class, so a
+declaration here never runs (it raises if a mixin is left out) and mypy checks each definition
+against it. Calls inside one job need no declaration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memory.invariant import InvariantReport
+from memory.prefix_cache import BasePrefixCache
+from runtime.config.args import ServerArgs
+from scheduler_proc.admission import Admission
+from scheduler_proc.batch_builder import BatchBuilder
+from scheduler_proc.deadlines import Deadlines
+from scheduler_proc.decode_memory import DecodeMemory
+from scheduler_proc.grammar_queue import GrammarQueue
+from scheduler_proc.memory_setup import create_allocator, create_tree_cache
+from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, create_model_runner, create_model_worker, \
+    overlap_default
+from scheduler_proc.output import OutputProcessor
+from scheduler_proc.prefill_adder import PrefillPlan
+from scheduler_proc.priority import PriorityPreemption
+from scheduler_proc.queue_bound import QueueBound
+from scheduler_proc.queues import RequestQueues
+from scheduler_proc.req import Req, StopChecker
+from scheduler_proc.spec.verify import SpecDecoder
+
+
+class SchedulerWiring:
+    """Builds and holds one TP rank's scheduler parts; the base of every job mixin."""
+
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, model_runner: ForwardRunner | None = None,
+                 kv_events: bool = False) -> None:
+        self.args = server_args
+        self.tp_rank = tp_rank
+        if model_runner is None:
+            model_runner = create_model_runner(server_args, tp_rank)
+        self.runner = model_runner
+        self.page_size = server_args.page_size
+        self.context_len: int = model_runner.context_len
+        self.max_running_requests: int = model_runner.max_running_requests
+        self.allocator = create_allocator(model_runner, self.page_size)  # (hybrid with windowed layers)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        # The allocator rounds the pool down to whole pages: that is the real capacity.
+        self.max_total_tokens: int = self.allocator.size
+        self.tree_cache: BasePrefixCache
+        # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
+        self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
+        self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
+                                   self.max_running_requests, self.host_tier)
+        self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
+        self.output = OutputProcessor(StopChecker(set(model_runner.eos_token_ids), self.context_len),
+                                      server_args.stream_interval, server_args.decode_log_interval)
+        self.stats = self.output.stats
+        self.memory = DecodeMemory(self.context_len)
+        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats,  # None: no speculation
+                                       torch.device(model_runner.device))
+        self.preemption = PriorityPreemption() if server_args.priority_preemption else None
+        overlap = server_args.disable_overlap_schedule
+        overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
+        self.worker = create_model_worker(model_runner, overlap)
+        self.queues = RequestQueues()
+        # Constrained requests wait here until their grammar is compiled (off this thread).
+        self.grammars = GrammarQueue(lambda: self.output.stop_checker.load_tokenizer(server_args),
+                                     model_runner.vocab_size, model_runner.eos_token_ids,
+                                     server_args.grammar_compile_timeout, tp_rank, server_args.tp_size)
+        # Jump-forward re-prefills through the prefix cache: without one it would recompute everything.
+        self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
+        # --max-queued-requests (scheduler_proc/queue_bound.py) and request deadlines
+        # (scheduler_proc/deadlines.py: rank 0 decides; under TP its expiries reach the others as aborts).
+        self.queue_bound = QueueBound(server_args.max_queued_requests)
+        self.deadlines = Deadlines()
+        self.inflight: LaunchedStep | None = None
+        self._was_idle = True
+        self.last_invariant: InvariantReport | None = None
+
+    # ------------------------------------------------------------------ seams between the jobs
+
+    def drain(self) -> None:
+        """Defined in ``scheduler.py`` (the step loop)."""
+        raise NotImplementedError
+
+    def control(self, kind: str) -> dict[str, Any]:
+        """Defined in ``scheduler_control``."""
+        raise NotImplementedError
+
+    def kv_usage(self) -> float:
+        """Defined in ``scheduler_control``."""
+        raise NotImplementedError
+
+    def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
+        """Defined in ``scheduler_results``."""
+        raise NotImplementedError
+
+    def _release_unscheduled(self, req: Req) -> None:
+        """Defined in ``scheduler_results``."""
+        raise NotImplementedError
+
+    def _reserve_decode(self) -> list[Req]:
+        """Defined in ``scheduler_decode_room``."""
+        raise NotImplementedError
+
+    def _retract(self, req: Req) -> None:
+        """Defined in ``scheduler_decode_room``."""
+        raise NotImplementedError
+
+    def _preempt_for_priority(self, plan: PrefillPlan) -> None:
+        """Defined in ``scheduler_decode_room``."""
+        raise NotImplementedError
+
+    def _requeue(self, req: Req) -> None:
+        """Defined in ``scheduler_decode_room``."""
+        raise NotImplementedError
