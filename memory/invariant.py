@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class InvariantReport:
     double_owned_slots: list[int] = field(default_factory=list)
     message: str = ""
     # Models with sliding-window layers: the SWA pool's numbers (memory.swa_invariant.SWAReport).
-    swa: dict | None = None
+    swa: dict[str, Any] | None = None
 
 
 def check_memory_invariant(

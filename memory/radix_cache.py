@@ -26,7 +26,7 @@ from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
-from memory.tree_node import ChildKey, TreeNode
+from memory.tree_node import ChildKey, TokenKey, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class RadixCache(BasePrefixCache):
         return self._clock
 
     def _child_key(self, key: list[int], off: int, extra_key: str | None) -> ChildKey:
-        head: ChildKey = key[off] if self.page_size == 1 else tuple(key[off : off + self.page_size])
+        head: TokenKey = key[off] if self.page_size == 1 else tuple(key[off : off + self.page_size])
         return head if extra_key is None else (extra_key, head)
 
     def _match_len(self, node_key: list[int], key: list[int], off: int) -> int:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-ChildKey = int | tuple
+# A child's key in its parent: the first token of its edge (page size 1) or the first page of
+# tokens, paired with the edge's ``extra_key`` when it has one.
+TokenKey = int | tuple[int, ...]
+ChildKey = TokenKey | tuple[str, TokenKey]
 
 
 class TreeNode:

@@ -30,7 +30,7 @@ import logging
 import threading
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncGenerator, Coroutine, Iterator, TypeVar
 
 from runtime.client.connection import (
     CONNECT_TIMEOUT_S,
@@ -110,12 +110,14 @@ class AsyncClient(ClientConnection):
                 raise ValueError("rid must be a str")
             rids = [rid]
         field = "text" if prompt is not None else "input_ids" if input_ids is not None else "messages"
+        # One keyword per request; its value's shape is the server's to validate (msgspec).
+        input_kwargs: list[dict[str, Any]] = [{field: item} for item in items]
         reqs = [
             GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                         tools=tools, chat_template_kwargs=chat_template_kwargs, api_key=self.api_key,
-                        deadline_s=deadline_s, priority=priority, **{field: item})
-            for r, item in zip(rids, items)
+                        deadline_s=deadline_s, priority=priority, **inputs)
+            for r, inputs in zip(rids, input_kwargs)
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
         n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
@@ -225,10 +227,11 @@ class AsyncClient(ClientConnection):
                 frames.append(exc)
         if not batch and isinstance(frames[0], RequestError):
             raise frames[0]
-        queues: list[asyncio.Queue[Any] | None] = []
+        # Each request's reply queue, or, for one that is never sent, the error it fails with.
+        queues: list[asyncio.Queue[Any] | RequestError] = []
         try:
             for r, frame in zip(reqs, frames):
-                queues.append(self._register("gen", r.rid) if isinstance(frame, bytes) else None)
+                queues.append(self._register("gen", r.rid) if isinstance(frame, bytes) else frame)
         except ValueError:
             for r in reqs[: len(queues)]:  # leave nothing registered for a batch that never went out
                 self._queues.pop(("gen", r.rid), None)
@@ -237,8 +240,8 @@ class AsyncClient(ClientConnection):
         for frame in frames:
             if isinstance(frame, bytes):
                 self._send_frame(frame)
-        outcomes = await asyncio.gather(*(self._collect(r, q, n) if q is not None else _raise(f)
-                                          for r, q, f in zip(reqs, queues, frames)),
+        outcomes = await asyncio.gather(*(_raise(q) if isinstance(q, RequestError) else self._collect(r, q, n)
+                                          for r, q in zip(reqs, queues)),
                                         return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
@@ -248,7 +251,7 @@ class AsyncClient(ClientConnection):
             raise first
         return list(outcomes) if batch else outcomes[0]
 
-    async def _stream(self, req: GenerateReq, n: int) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req: GenerateReq, n: int) -> AsyncGenerator[dict[str, Any], None]:
         self._ensure_open()
         frame = self._encode(req)
         queue = self._register("gen", req.rid)
@@ -341,13 +344,13 @@ class Client:
         try:
             while True:
                 try:
-                    chunk = self._call(agen.__anext__())  # type: ignore[attr-defined]
+                    chunk = self._call(agen.__anext__())
                 except StopAsyncIteration:
                     return
                 yield chunk
         finally:
             if not self.closed:
-                self._call(agen.aclose())  # type: ignore[attr-defined]  # aborts an unfinished stream
+                self._call(agen.aclose())  # aborts an unfinished stream
 
     def abort(self, rid: str) -> bool:
         return self._call(self._async.abort(rid))

@@ -65,8 +65,8 @@ class ClientConnection:
         sock.connect(address)
         self._sock = sock
         # Non-blocking reads of both sockets from the reader (one wake drains everything).
-        self._raw = zmq.Socket.shadow(sock.underlying)
-        self._raw_monitor = zmq.Socket.shadow(self._monitor.underlying)
+        self._raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._raw_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
         self._connected = False
         self._down_since = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Generator
+from typing import Any, AsyncGenerator, Awaitable, Callable, Generator
 
 from runtime.protocol.messages import GenerateChunk, GenerateReq
 
@@ -41,7 +41,7 @@ class GenerateCall:
     stream, how to stream them (``stream``: the chunks); this module knows no client."""
 
     def __init__(self, reqs: list[GenerateReq], *, run: Callable[[], Awaitable[Any]],
-                 stream: Callable[[], AsyncIterator[dict[str, Any]]] | None) -> None:
+                 stream: Callable[[], AsyncGenerator[dict[str, Any], None]] | None) -> None:
         self._reqs = reqs
         self._run = run
         self._stream = stream
@@ -55,10 +55,10 @@ class GenerateCall:
             return self._as_iterator().__await__()
         return self._run().__await__()
 
-    async def _as_iterator(self) -> AsyncIterator[dict[str, Any]]:
+    async def _as_iterator(self) -> AsyncGenerator[dict[str, Any], None]:
         return self.__aiter__()
 
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+    def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
         if self._stream is None:
             raise TypeError("iterate only a stream=True call; await the others")
         return self._stream()

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _configure(sock: zmq.Socket, endpoint: str, bind: bool) -> None:
+def _configure(sock: zmq.Socket[Any], endpoint: str, bind: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -38,15 +38,15 @@ class PushSocket(Generic[T]):
     """The sending end of a pipeline: ``send(msg)`` never blocks (no high-water mark)."""
 
     def __init__(self, endpoint: str, msg_type: Any, *, bind: bool = False,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.endpoint = endpoint
         self.msg_type = msg_type  # kept for symmetry and error messages; encoding needs no type
-        self._sock: zmq.Socket = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
+        self._sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
         _configure(self._sock, endpoint, bind)
         self._encoder = msgspec.msgpack.Encoder()
 
     @property
-    def socket(self) -> zmq.Socket:
+    def socket(self) -> zmq.Socket[bytes]:
         return self._sock
 
     def send(self, msg: T) -> None:
@@ -60,14 +60,14 @@ class PullSocket(Generic[T]):
     """The receiving end: decodes into ``msg_type``; malformed frames are logged and skipped."""
 
     def __init__(self, endpoint: str, msg_type: Any, *, bind: bool = True,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.endpoint = endpoint
-        self._sock: zmq.Socket = (ctx or zmq.Context.instance()).socket(zmq.PULL)
+        self._sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.PULL)
         _configure(self._sock, endpoint, bind)
-        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(msg_type)
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(msg_type)
 
     @property
-    def socket(self) -> zmq.Socket:
+    def socket(self) -> zmq.Socket[bytes]:
         """The zmq socket, e.g. to register with a ``zmq.Poller`` over several sockets."""
         return self._sock
 
@@ -110,7 +110,7 @@ class AsyncPullSocket(Generic[T]):
         self.endpoint = endpoint
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.PULL)
         _configure(self._sock, endpoint, bind)
-        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(msg_type)
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(msg_type)
 
     async def recv(self) -> T:
         while True:
@@ -205,7 +205,7 @@ class ClientBusy(Exception):
         self.identity = identity
 
 
-def decode_or_log(decoder: msgspec.msgpack.Decoder, payload: Any, where: str) -> Any | None:
+def decode_or_log(decoder: msgspec.msgpack.Decoder[T], payload: bytes | memoryview, where: str) -> T | None:
     """Decode one frame; on a malformed frame log an error and return None."""
     try:
         return decoder.decode(payload)
