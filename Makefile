@@ -29,7 +29,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) launch.py $(SERVE_ARGS)
 
+# lint and format check first (seconds), then the suite (the type check runs inside it:
+# tests/unit/repository/test_types.py)
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 clean:

@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from runtime.config.args import ServerArgs
-from runtime.config.port_args import PortArgs
 from runtime.checkpoints.gguf.reader import GGUFError
 from runtime.checkpoints.hub import HubError
 from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
+from runtime.config.args import ServerArgs
+from runtime.config.port_args import PortArgs
 from runtime.protocol.child_process import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
@@ -99,8 +99,10 @@ class Supervisor:
             if signum == signal.SIGTERM and self.drain_deadline is None and self._can_drain():
                 # The first SIGTERM of a serving node 0: a graceful drain in the tokenizer
                 # (tokenizer_proc/drain.py), which reports "drained" when it is done.
-                logger.info("received SIGTERM; draining for up to %.0f s (again to stop at once)",
-                            self.server_args.graceful_shutdown_timeout)
+                logger.info(
+                    "received SIGTERM; draining for up to %.0f s (again to stop at once)",
+                    self.server_args.graceful_shutdown_timeout,
+                )
                 self.drain_deadline = time.monotonic() + self.server_args.graceful_shutdown_timeout + DRAIN_MARGIN_S
                 os.kill(self.child("tokenizer").process.pid, signal.SIGUSR1)
             else:
@@ -119,8 +121,12 @@ class Supervisor:
     def _can_drain(self) -> bool:
         """A drain needs a graceful-shutdown timeout and a serving tokenizer (node 0, every child
         ready); before that, or on the other nodes, SIGTERM stops at once."""
-        return (self.server_args.graceful_shutdown_timeout > 0 and self.server_args.node_rank == 0
-                and bool(self.children) and all(c.ready for c in self.children))
+        return (
+            self.server_args.graceful_shutdown_timeout > 0
+            and self.server_args.node_rank == 0
+            and bool(self.children)
+            and all(c.ready for c in self.children)
+        )
 
     # ------------------------------------------------------------------ spawn
 
@@ -128,8 +134,10 @@ class Supervisor:
         """Start ``target`` ("module:function") as child ``name``: ``target(*args, ready_conn, **kwargs)``."""
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
-            target=run_child, name=name,
-            args=(name, self.server_args.log_level, child_conn, target, *args), kwargs=kwargs,
+            target=run_child,
+            name=name,
+            args=(name, self.server_args.log_level, child_conn, target, *args),
+            kwargs=kwargs,
         )
         process.start()
         child_conn.close()  # the child holds the only other end: EOF means it died
@@ -144,8 +152,14 @@ class Supervisor:
         local_ranks = range(sa.node_rank * ranks_per_node, (sa.node_rank + 1) * ranks_per_node)
         for dp_rank in range(sa.dp_size):
             for tp_rank in local_ranks:
-                self.spawn(scheduler_name(sa, dp_rank, tp_rank), "scheduler_proc.scheduler_process:run_scheduler_process",
-                           sa, pa, tp_rank, dp_rank=dp_rank)
+                self.spawn(
+                    scheduler_name(sa, dp_rank, tp_rank),
+                    "scheduler_proc.scheduler_process:run_scheduler_process",
+                    sa,
+                    pa,
+                    tp_rank,
+                    dp_rank=dp_rank,
+                )
         if sa.node_rank != 0:
             return  # the other nodes only contribute TP ranks
         if sa.dp_size > 1:
@@ -174,8 +188,10 @@ class Supervisor:
         for child in self.children:
             if child.process.sentinel in ready and not child.drained:
                 child.process.join(0.1)
-                raise ChildFailed(child.name, f"exited with code {child.process.exitcode}"
-                                  f"{' before becoming ready' if not child.ready else ''}")
+                raise ChildFailed(
+                    child.name,
+                    f"exited with code {child.process.exitcode}{' before becoming ready' if not child.ready else ''}",
+                )
 
     def _on_status(self, child: Child) -> None:
         if child.drained:
@@ -184,8 +200,10 @@ class Supervisor:
             status = recv_status(child.conn)
         except (EOFError, OSError):
             child.process.join(STOP_GRACE_S)
-            raise ChildFailed(child.name, f"exited with code {child.process.exitcode}"
-                              f"{' before becoming ready' if not child.ready else ''}") from None
+            raise ChildFailed(
+                child.name,
+                f"exited with code {child.process.exitcode}{' before becoming ready' if not child.ready else ''}",
+            ) from None
         if status.get("status") == "error":
             raise ChildFailed(child.name, str(status.get("error")))
         if status.get("status") == "drained":  # a graceful drain (SIGTERM or POST /drain) is done
@@ -204,8 +222,9 @@ class Supervisor:
             try:
                 processes = {c.name: c.process.pid for c in self.children}
                 processes["launch"] = os.getpid()
-                send_status(self.child("tokenizer").conn,
-                            {**status, "status": "scheduler_ready", "processes": processes})
+                send_status(
+                    self.child("tokenizer").conn, {**status, "status": "scheduler_ready", "processes": processes}
+                )
             except OSError:
                 pass  # the tokenizer died; its sentinel reports it
 
@@ -274,8 +293,12 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     elif not has_tokenizer(model_path):
         raise ModelSourceError(f"{sa.model_path or model_path} has no tokenizer; give --tokenizer-path one")
     served = sa.served_model_name
-    return dataclasses.replace(sa, model_path=model_path, tokenizer_path=tokenizer_path,
-                               served_model_name=served if served is not None else sa.model_path or DEFAULT_MODEL)
+    return dataclasses.replace(
+        sa,
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        served_model_name=served if served is not None else sa.model_path or DEFAULT_MODEL,
+    )
 
 
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:

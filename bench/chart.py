@@ -41,8 +41,9 @@ def load_fractions(path: str | None) -> dict[tuple[str, str], float]:
     return {key: statistics.median(v) for key, v in values.items()}
 
 
-def draw(summary: dict[tuple[str, str], dict[str, Any]], fractions: dict[tuple[str, str], float], out: Path,
-         title: str) -> bool:
+def draw(
+    summary: dict[tuple[str, str], dict[str, Any]], fractions: dict[tuple[str, str], float], out: Path, title: str
+) -> bool:
     try:
         import matplotlib
 

@@ -75,19 +75,69 @@ BENCH_SPEC = BenchModelSpec()
 # GPU benchmark shapes: Llama-3.2-1B and Llama-3-8B blocks over the bench tokenizer's vocabulary.
 SHAPES: dict[str, BenchModelSpec] = {
     "bench-200m": BENCH_SPEC,
-    "llama-1b": BenchModelSpec(name=f"bench-llama-1b-v{BENCH_MODEL_VERSION}", hidden_size=2048, num_layers=16,
-                               num_heads=32, num_kv_heads=8, intermediate_size=8192, max_positions=8192,
-                               rope_theta=500000.0, tie_word_embeddings=True),
-    "llama-8b": BenchModelSpec(name=f"bench-llama-8b-v{BENCH_MODEL_VERSION}", hidden_size=4096, num_layers=32,
-                               num_heads=32, num_kv_heads=8, intermediate_size=14336, max_positions=8192,
-                               rope_theta=500000.0),
+    "llama-1b": BenchModelSpec(
+        name=f"bench-llama-1b-v{BENCH_MODEL_VERSION}",
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        max_positions=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b": BenchModelSpec(
+        name=f"bench-llama-8b-v{BENCH_MODEL_VERSION}",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        max_positions=8192,
+        rope_theta=500000.0,
+    ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # ---------------------------------------------------------------------- corpus
 
-_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
-           "br", "cl", "dr", "fl", "gr", "kr", "pl", "pr", "sh", "sl", "st", "str", "th", "tr", "ch", "qu")
+_ONSETS = (
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "cl",
+    "dr",
+    "fl",
+    "gr",
+    "kr",
+    "pl",
+    "pr",
+    "sh",
+    "sl",
+    "st",
+    "str",
+    "th",
+    "tr",
+    "ch",
+    "qu",
+)
 _NUCLEI = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "oa", "ou", "y")
 _CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "x")
 _PUNCT = (".", ".", ".", ",", "?", "!", ";", ":")
@@ -160,11 +210,14 @@ def build_into(out: Path, spec: BenchModelSpec) -> Path:
     """Build tokenizer + bf16 weights of ``spec`` into ``out`` (no caching)."""
     t0 = time.perf_counter()
     corpus = synthetic_corpus(spec.corpus_lines, spec.lexicon_size, spec.seed)
-    info = train_bpe_tokenizer(vocab_size=spec.vocab_size, out_dir=out, model_max_length=spec.max_positions,
-                               corpus=corpus)
+    info = train_bpe_tokenizer(
+        vocab_size=spec.vocab_size, out_dir=out, model_max_length=spec.max_positions, corpus=corpus
+    )
     if info["vocab_size"] != spec.vocab_size:
-        raise RuntimeError(f"the tokenizer reached only {info['vocab_size']} tokens of {spec.vocab_size}; "
-                           "the corpus is too small (raise corpus_lines / lexicon_size)")
+        raise RuntimeError(
+            f"the tokenizer reached only {info['vocab_size']} tokens of {spec.vocab_size}; "
+            "the corpus is too small (raise corpus_lines / lexicon_size)"
+        )
     logger.info("trained a %d-token tokenizer in %.1f s", info["vocab_size"], time.perf_counter() - t0)
     build_checkpoint(bench_llama_config(spec, info), out, seed=spec.seed, dtype=torch.bfloat16)
     logger.info("built %s in %.1f s", out, time.perf_counter() - t0)
@@ -232,12 +285,18 @@ def special_token_ids() -> range:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=str, default=None,
-                        help="build here instead of the tinyserve cache folder")
-    parser.add_argument("--shape", choices=list(SHAPES), default="bench-200m",
-                        help="model shape (default bench-200m, the CPU benchmarks' model)")
-    parser.add_argument("--device", default="auto",
-                        help="where llama-1b/llama-8b weights are drawn: auto (cuda when available), cuda, cpu")
+    parser.add_argument("--out-dir", type=str, default=None, help="build here instead of the tinyserve cache folder")
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default="bench-200m",
+        help="model shape (default bench-200m, the CPU benchmarks' model)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where llama-1b/llama-8b weights are drawn: auto (cuda when available), cuda, cpu",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     print(build_shaped_checkpoint(args.shape, args.out_dir, args.device))

@@ -218,8 +218,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
     return "\n".join(lines)
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], title: str | None = None,
-                digits: int = 2) -> None:
+def print_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], title: str | None = None, digits: int = 2
+) -> None:
     if title:
         print(f"\n== {title} ==")
     print(format_table(rows, columns, digits))
@@ -267,6 +268,4 @@ def progress(iterable: Iterable[T], total: int | None = None, desc: str = "", di
     """A tqdm bar on stderr (so stdout stays a clean table)."""
     from tqdm import tqdm
 
-    yield from tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=disable, leave=False,
-                    dynamic_ncols=True)
-
+    yield from tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=disable, leave=False, dynamic_ncols=True)

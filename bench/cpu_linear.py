@@ -71,8 +71,14 @@ SHAPES: dict[str, tuple[int, int]] = {  # name -> (out, in) of the bench model's
     "lm_head": (32000, 1024),
 }
 DECODE_MAX_M = 64  # the LM head runs at most this many rows per step (sampled rows only)
-ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-                    "TINYSERVE_CPU_ISA": "avx2"}}
+ISA_ENV = {
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "TINYSERVE_CPU_ISA": "avx2",
+    }
+}
 SAMPLE_SECONDS = 0.02
 VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl", "q8_0", "q4_1")
 
@@ -82,13 +88,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 2048, 8192], help="rows (tokens) per call")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
-                   help="cap oneDNN, MKL and ATen at this ISA and use our kernels' build of it "
-                        "(re-runs the script with their env set)")
+    p.add_argument(
+        "--isa",
+        choices=["native", *ISA_ENV],
+        default="native",
+        help="cap oneDNN, MKL and ATen at this ISA and use our kernels' build of it "
+        "(re-runs the script with their env set)",
+    )
     p.add_argument("--batch-hint", type=int, default=64, help="the M oneDNN's reorder is told to expect")
     p.add_argument("--repeat", type=int, default=7)
-    p.add_argument("--stream-mib", type=float, default=256.0,
-                   help="cycle through weight copies totalling at least this much (0: one copy, cache-warm)")
+    p.add_argument(
+        "--stream-mib",
+        type=float,
+        default=256.0,
+        help="cycle through weight copies totalling at least this much (0: one copy, cache-warm)",
+    )
     p.add_argument("--all-pairs", action="store_true", help="also time the LM head at prefill sizes")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: timed in CPU time)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here (default: bench/results/)")
@@ -207,21 +221,35 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     pinning = pin_threads(args.threads)
-    rows = [measure(name, m, args) for name in args.shapes for m in args.m
-            if args.all_pairs or name != "lm_head" or m <= DECODE_MAX_M]
+    rows = [
+        measure(name, m, args)
+        for name in args.shapes
+        for m in args.m
+        if args.all_pairs or name != "lm_head" or m <= DECODE_MAX_M
+    ]
     env = {k: os.environ[k] for k in ISA_ENV["avx2"] if k in os.environ}
     columns = [("shape", "shape"), ("m", "M"), ("plain_ms", "plain ms"), ("plain_gflops", "plain GFLOPS")]
     for v in VARIANTS[1:]:
-        columns += [(f"{v}_ms", f"{v} ms"), (f"{v}_speedup", f"plain/{v}"), (f"{v}_diff", f"{v} diff"),
-                    (f"{v}_rel", f"{v} rel")]
+        columns += [
+            (f"{v}_ms", f"{v} ms"),
+            (f"{v}_speedup", f"plain/{v}"),
+            (f"{v}_diff", f"{v} diff"),
+            (f"{v}_rel", f"{v} rel"),
+        ]
     clock = "thread CPU time" if args.threads == 1 else "wall-clock time"
-    print_table(rows, columns, digits=3,
-                title=f"linear x @ W.T, {args.dtype}, {args.threads} thread(s), ISA cap {env or 'none'}"
-                      f" (ATen: {torch.backends.cpu.get_cpu_capability()}), medians of {args.repeat} in {clock}")
+    print_table(
+        rows,
+        columns,
+        digits=3,
+        title=f"linear x @ W.T, {args.dtype}, {args.threads} thread(s), ISA cap {env or 'none'}"
+        f" (ATen: {torch.backends.cpu.get_cpu_capability()}), medians of {args.repeat} in {clock}",
+    )
     if not args.no_json:
         path = args.json or default_output_path("cpu_linear", f"{args.dtype}_{args.isa}")
-        write_json(path, {"kind": "cpu_linear", "machine": machine_info(pinning), "args": vars(args),
-                          "isa_env": env, "rows": rows})
+        write_json(
+            path,
+            {"kind": "cpu_linear", "machine": machine_info(pinning), "args": vars(args), "isa_env": env, "rows": rows},
+        )
         print(f"\nwrote {path}")
     return 0
 

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_output_path, machine_info, pin_threads, print_table, write_json  # noqa: E402
-from runtime.engine.cpu import attention_kernels as attn_kernels  # noqa: E402
 from runtime.engine.cpu import attention_fastpaths as torch_native  # noqa: E402
+from runtime.engine.cpu import attention_kernels as attn_kernels  # noqa: E402
 from runtime.engine.cpu.host_memory import keep_freed_memory_in_process  # noqa: E402
 
 DEFAULT_SHAPES = ("64x128", "16x512", "4x2048", "256x32")
@@ -70,12 +70,12 @@ def measure(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any
     scale = d**-0.5
     paths: dict[str, Callable[[], Any]] = {
         "C kernel": lambda: attn_kernels.causal_attention(q, k, v, scale),
-        "matmul path": lambda: torch_native._matmul_causal_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), scale),
+        "matmul path": lambda: torch_native._matmul_causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale),
     }
     if not args.skip_flash:
         paths["flash"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        )
     if attn_kernels.causal_attention(q, k, v, scale) is None:
         del paths["C kernel"]  # no AVX-512 or no compiler here: the backend runs the matmul path
     flops = 4.0 * n * h * d * length * (length + 1) / 2
@@ -84,8 +84,9 @@ def measure(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any
         times = {name: median_ms(fn, args.repeat) for name, fn in paths.items()}
     base = times["matmul path"]
     for name, ms in times.items():
-        rows.append({"shape": f"{n}x{length}", "path": name, "ms": ms, "gflops": flops / ms / 1e6,
-                     "vs_matmul": base / ms})
+        rows.append(
+            {"shape": f"{n}x{length}", "path": name, "ms": ms, "gflops": flops / ms / 1e6, "vs_matmul": base / ms}
+        )
     return rows
 
 
@@ -97,10 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         n, length = (int(x) for x in shape.lower().split("x"))
         rows.extend(measure(n, length, args))
-    print_table(rows, [("shape", "N x L"), ("path", "path"), ("ms", "ms / layer"), ("gflops", "GFLOPS"),
-                       ("vs_matmul", "speed-up vs matmul path")],
-                title=f"prefill attention, bf16, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}"
-                      f" (medians of {args.repeat})")
+    print_table(
+        rows,
+        [
+            ("shape", "N x L"),
+            ("path", "path"),
+            ("ms", "ms / layer"),
+            ("gflops", "GFLOPS"),
+            ("vs_matmul", "speed-up vs matmul path"),
+        ],
+        title=f"prefill attention, bf16, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}"
+        f" (medians of {args.repeat})",
+    )
     if not args.no_json:
         path = args.json or default_output_path("cpu_prefill_attention", "cpu")
         write_json(path, {"kind": "cpu_prefill_attention", "machine": machine_info(pinning), "rows": rows})

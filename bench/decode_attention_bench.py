@@ -108,8 +108,18 @@ def main(argv: list[str] | None = None) -> int:
 
         def call() -> None:
             decode_attention_fwd(
-                q, k_buf, v_buf, out, x["kv_indptr"], x["kv_indices"], logits, lse,
-                num_kv_splits, args.max_kv_splits, scale, grouped=grouped,
+                q,
+                k_buf,
+                v_buf,
+                out,
+                x["kv_indptr"],
+                x["kv_indices"],
+                logits,
+                lse,
+                num_kv_splits,
+                args.max_kv_splits,
+                scale,
+                grouped=grouped,
             )
 
         return call

@@ -46,9 +46,13 @@ if __package__ in (None, ""):
 from bench.common import default_output_path, machine_info, pin_threads, print_table, write_json
 
 # In-process components, in table order: (key, label).
-COMPONENTS = [("layers", "decoder layers ({layers_path})"), ("lm_head", "LM head (fp32 logits)"),
-              ("sample", "sampling (greedy argmax)"), ("python", "embedding, rotary, final norm, Python glue"),
-              ("scheduler", "scheduler bookkeeping (batch, outputs)")]
+COMPONENTS = [
+    ("layers", "decoder layers ({layers_path})"),
+    ("lm_head", "LM head (fp32 logits)"),
+    ("sample", "sampling (greedy argmax)"),
+    ("python", "embedding, rotary, final norm, Python glue"),
+    ("scheduler", "scheduler bookkeeping (batch, outputs)"),
+]
 
 
 class Timers:
@@ -66,6 +70,7 @@ class Timers:
             finally:
                 self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
+
         return timed
 
     def snapshot(self) -> dict[str, float]:
@@ -84,14 +89,20 @@ def patched(obj: Any, name: str, timers: Timers, key: str) -> Iterator[None]:
 
 def split_step(before: dict[str, float], after: dict[str, float], step_s: float) -> dict[str, float]:
     """One step's components in ms from the timers' totals before and after it (pure)."""
+
     def d(key: str) -> float:
         return (after.get(key, 0.0) - before.get(key, 0.0)) * 1e3
 
     layers = d("c_layers") + d("py_layers")
     forward = d("forward")
-    return {"layers": layers, "lm_head": d("lm_head"), "sample": d("sample"),
-            "python": max(forward - layers - d("lm_head") - d("sample"), 0.0),
-            "scheduler": max(step_s * 1e3 - forward, 0.0), "step": step_s * 1e3}
+    return {
+        "layers": layers,
+        "lm_head": d("lm_head"),
+        "sample": d("sample"),
+        "python": max(forward - layers - d("lm_head") - d("sample"), 0.0),
+        "scheduler": max(step_s * 1e3 - forward, 0.0),
+        "step": step_s * 1e3,
+    }
 
 
 def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], str]:
@@ -99,9 +110,9 @@ def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) 
     from runtime.config.args import ServerArgs
     from runtime.engine.cpu import decode_layers
     from runtime.engine.layers.embedding import ParallelLMHead
-    from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.engine.model_runner import ModelRunner
     from runtime.engine.models.llama import LlamaModel
+    from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.protocol.sampling_params import SamplingParams
     from scheduler_proc.model_worker import create_model_runner
     from scheduler_proc.scheduler import Scheduler
@@ -111,14 +122,23 @@ def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) 
     timers = Timers()
     steps: list[dict[str, float]] = []
     with contextlib.ExitStack() as stack:
-        for obj, name, key in ((decode_layers, "_call", "c_layers"), (LlamaModel, "run_layers", "py_layers"),
-                               (ParallelLMHead, "forward", "lm_head"), (ModelRunner, "_sample", "sample"),
-                               (ModelRunner, "forward", "forward")):
+        for obj, name, key in (
+            (decode_layers, "_call", "c_layers"),
+            (LlamaModel, "run_layers", "py_layers"),
+            (ParallelLMHead, "forward", "lm_head"),
+            (ModelRunner, "_sample", "sample"),
+            (ModelRunner, "forward", "forward"),
+        ):
             stack.enter_context(patched(obj, name, timers, key))
         for rid, n in (("warm-up", 8), ("timed", new_tokens)):
-            sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(prompt), stream=True,
-                                                      sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0,
-                                                                                     ignore_eos=True)))
+            sched.handle_message(
+                TokenizedGenerateReq(
+                    rid=rid,
+                    input_ids=list(prompt),
+                    stream=True,
+                    sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                )
+            )
             while not sched.is_idle():
                 decodes, before = sched.stats["num_decode_batches"], timers.snapshot()
                 t0 = time.perf_counter()
@@ -155,8 +175,9 @@ def server_processes(launcher: int) -> dict[str, int]:
     return found
 
 
-def served(model_path: str, flags: Sequence[str], prompt: list[int], new_tokens: int, repeat: int,
-           env: dict[str, str]) -> dict[str, Any]:
+def served(
+    model_path: str, flags: Sequence[str], prompt: list[int], new_tokens: int, repeat: int, env: dict[str, str]
+) -> dict[str, Any]:
     """Per token over HTTP, unstreamed and streamed (medians of ``repeat``), and each process's CPU ms a token."""
     from bench.load_runner import run_workload
     from bench.workloads import BenchRequest, Workload
@@ -173,8 +194,9 @@ def served(model_path: str, flags: Sequence[str], prompt: list[int], new_tokens:
             per_token, decode, cpu = [], [], {name: [] for name in procs}
             for _ in range(repeat):
                 before = {name: process_cpu_seconds(pid) for name, pid in procs.items()}
-                records, duration = run_workload(c.server.http_address, workload, stream=stream,
-                                                 show_progress=False, **via)
+                records, duration = run_workload(
+                    c.server.http_address, workload, stream=stream, show_progress=False, **via
+                )
                 (rec,) = records
                 if rec.error is not None or rec.output_len != new_tokens:
                     raise RuntimeError(f"the request failed: {rec.error}, {rec.output_len} tokens")
@@ -186,7 +208,8 @@ def served(model_path: str, flags: Sequence[str], prompt: list[int], new_tokens:
             out["stream" if stream else "whole"] = {
                 "ms_per_token": statistics.median(per_token),
                 "decode_ms_per_token": statistics.median(decode) if decode else None,
-                "cpu_ms_per_token": {name: statistics.median(v) for name, v in cpu.items()}}
+                "cpu_ms_per_token": {name: statistics.median(v) for name, v in cpu.items()},
+            }
     return out
 
 
@@ -198,10 +221,13 @@ def profile_rows(parts: dict[str, float], layers_path: str, server: dict[str, An
     total = server["stream"]["decode_ms_per_token"] if server else parts["step"]
     rows = [{"component": label.format(layers_path=layers_path), "ms": parts[key]} for key, label in COMPONENTS]
     if server:
-        rows.append({"component": "processes, ZMQ, detokenizer, HTTP (served less in process)",
-                     "ms": max(total - parts["step"], 0.0)})
-    rows.append({"component": "total (served decode step, streamed)" if server else "total (in process)",
-                 "ms": total})
+        rows.append(
+            {
+                "component": "processes, ZMQ, detokenizer, HTTP (served less in process)",
+                "ms": max(total - parts["step"], 0.0),
+            }
+        )
+    rows.append({"component": "total (served decode step, streamed)" if server else "total (in process)", "ms": total})
     for row in rows:
         row["share"] = f"{100 * row['ms'] / total:.1f}%" if total else "-"
     return rows
@@ -210,8 +236,9 @@ def profile_rows(parts: dict[str, float], layers_path: str, server: dict[str, An
 def main(argv: Sequence[str] | None = None) -> int:
     from bench import serving
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Any other flag is passed to launch.py.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog="Any other flag is passed to launch.py."
+    )
     serving.add_model_args(parser)
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -234,25 +261,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts, layers_path = in_process(model_path, args.dtype, prompt, args.new_tokens)
     server = None
     if not args.skip_server:
-        server = served(model_path, ["--device", "cpu", "--dtype", args.dtype, *flags], prompt, args.new_tokens,
-                        args.repeat, pinning.child_env())
+        server = served(
+            model_path,
+            ["--device", "cpu", "--dtype", args.dtype, *flags],
+            prompt,
+            args.new_tokens,
+            args.repeat,
+            pinning.child_env(),
+        )
     machine = machine_info(pinning)
     rows = profile_rows(parts, layers_path, server)
-    print_table(rows, [("component", "component"), ("ms", "ms a token"), ("share", "share")],
-                title=f"one request's decode step ({machine.get('cpu_model')}, {pinning.num_threads} threads, "
-                      f"{args.dtype})")
+    print_table(
+        rows,
+        [("component", "component"), ("ms", "ms a token"), ("share", "share")],
+        title=f"one request's decode step ({machine.get('cpu_model')}, {pinning.num_threads} threads, {args.dtype})",
+    )
     if server:
-        cpu_rows = [{"mode": mode, "ms_per_token": server[mode]["ms_per_token"],
-                     "decode_ms": server[mode]["decode_ms_per_token"],
-                     **{f"cpu_{k}": v for k, v in server[mode]["cpu_ms_per_token"].items()}}
-                    for mode in ("whole", "stream")]
+        cpu_rows = [
+            {
+                "mode": mode,
+                "ms_per_token": server[mode]["ms_per_token"],
+                "decode_ms": server[mode]["decode_ms_per_token"],
+                **{f"cpu_{k}": v for k, v in server[mode]["cpu_ms_per_token"].items()},
+            }
+            for mode in ("whole", "stream")
+        ]
         names = list(server["whole"]["cpu_ms_per_token"])
-        print_table(cpu_rows, [("mode", "served"), ("ms_per_token", "ms a token (with prefill)"),
-                               ("decode_ms", "decode ms a token"), *[(f"cpu_{n}", f"{n} CPU ms") for n in names]],
-                    title="served: wall and each process's CPU time, per token")
-    out = write_json(args.output or default_output_path("decode_profile", args.dtype), {
-        "kind": "decode_profile", "model_path": model_path, "dtype": args.dtype, "server_flags": flags,
-        "layers_path": layers_path, "in_process_ms": parts, "server": server, "rows": rows, "machine": machine})
+        print_table(
+            cpu_rows,
+            [
+                ("mode", "served"),
+                ("ms_per_token", "ms a token (with prefill)"),
+                ("decode_ms", "decode ms a token"),
+                *[(f"cpu_{n}", f"{n} CPU ms") for n in names],
+            ],
+            title="served: wall and each process's CPU time, per token",
+        )
+    out = write_json(
+        args.output or default_output_path("decode_profile", args.dtype),
+        {
+            "kind": "decode_profile",
+            "model_path": model_path,
+            "dtype": args.dtype,
+            "server_flags": flags,
+            "layers_path": layers_path,
+            "in_process_ms": parts,
+            "server": server,
+            "rows": rows,
+            "machine": machine,
+        },
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -29,15 +29,21 @@ if __package__ in (None, ""):
 from bench.common import default_output_path, machine_info, pin_threads, print_table, write_json
 
 
-def run_variant(model_path: str, prompts: list[list[int]], schemas: list[str], overlap: bool,
-                max_new_tokens: int) -> dict[str, Any]:
+def run_variant(
+    model_path: str, prompts: list[list[int]], schemas: list[str], overlap: bool, max_new_tokens: int
+) -> dict[str, Any]:
     from runtime.config.args import ServerArgs
     from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.protocol.sampling_params import SamplingParams
     from scheduler_proc.scheduler import Scheduler
 
-    args = ServerArgs(model_path=model_path, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-                      disable_jump_forward=True)
+    args = ServerArgs(
+        model_path=model_path,
+        device="cpu",
+        dtype="float32",
+        disable_overlap_schedule=not overlap,
+        disable_jump_forward=True,
+    )
     sched = Scheduler(args)
 
     def submit(rid: str, ids: list[int], schema: str) -> None:
@@ -62,8 +68,12 @@ def run_variant(model_path: str, prompts: list[list[int]], schemas: list[str], o
     out_tokens = drain()
     seconds = time.perf_counter() - start
     sched.worker.close()
-    return {"seconds": seconds, "out_tokens": out_tokens, "tok_s": out_tokens / seconds,
-            "decode_steps": sched.stats["num_decode_batches"] - decode_before}
+    return {
+        "seconds": seconds,
+        "out_tokens": out_tokens,
+        "tok_s": out_tokens / seconds,
+        "decode_steps": sched.stats["num_decode_batches"] - decode_before,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,8 +93,15 @@ def main(argv: list[str] | None = None) -> None:
     model_path = str(checkpoint_folder(DEFAULT_MODEL if args.model == "smollm2" else args.model, None, True))
     tokenizer = load_tokenizer(model_path)
     workload = json_schema(num_requests=args.num_requests, max_new_tokens=args.max_new_tokens)
-    prompts = [list(tokenizer.encode(tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
-                                     add_special_tokens=False)) for r in workload.requests]
+    prompts = [
+        list(
+            tokenizer.encode(
+                tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+        )
+        for r in workload.requests
+    ]
     schemas = [str(r.json_schema) for r in workload.requests]
     rows = []
     for name, overlap in (("serial", False), ("overlap, mask waits", True)):
@@ -92,11 +109,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr)
     for row in rows:
         row["vs_serial"] = row["tok_s"] / rows[0]["tok_s"]
-    print_table(rows, [("variant", "variant"), ("out_tokens", "out tokens"), ("decode_steps", "decode steps"),
-                       ("seconds", "time s"), ("tok_s", "out tok/s"), ("vs_serial", "x serial")],
-                title=f"json-schema, {args.num_requests} requests, in-process scheduler, {pinning.num_threads} threads")
-    write_json(args.output or default_output_path("grammar_overlap", args.model),
-               {"machine": machine_info(pinning), "args": vars(args), "rows": rows})
+    print_table(
+        rows,
+        [
+            ("variant", "variant"),
+            ("out_tokens", "out tokens"),
+            ("decode_steps", "decode steps"),
+            ("seconds", "time s"),
+            ("tok_s", "out tok/s"),
+            ("vs_serial", "x serial"),
+        ],
+        title=f"json-schema, {args.num_requests} requests, in-process scheduler, {pinning.num_threads} threads",
+    )
+    write_json(
+        args.output or default_output_path("grammar_overlap", args.model),
+        {"machine": machine_info(pinning), "args": vars(args), "rows": rows},
+    )
 
 
 if __name__ == "__main__":

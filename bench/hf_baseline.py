@@ -49,7 +49,7 @@ def hf_batches(workload: Workload, batch_size: int = DEFAULT_BATCH_SIZE) -> list
         for req in level:
             by_len.setdefault(req.max_new_tokens, []).append(req)
         for reqs in by_len.values():
-            batches += [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
+            batches += [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
     return batches
 
 
@@ -75,7 +75,9 @@ class HFRunner:
 
         if is_gguf_folder(Path(model_path)):  # transformers' own GGUF loading, from the same file
             gguf_file = GGUFIndex.read(Path(model_path)).file
-            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=self.dtype
+            )
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
@@ -96,12 +98,16 @@ class HFRunner:
         attention_mask = t.tensor(mask, device=self.device)
         with t.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
             )
         self._sync()
-        new = out[:, input_ids.shape[1]:]
+        new = out[:, input_ids.shape[1] :]
         if new.shape[1] != max_new_tokens:
             raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {max_new_tokens}")
         return new.tolist()
@@ -113,8 +119,9 @@ class HFRunner:
             self.generate([r.input_ids for r in batch], min(batch[0].max_new_tokens, 2))
 
 
-def summarize_batches(batch_times: Sequence[float], batch_sizes: Sequence[int], input_tokens: int,
-                      output_tokens: int, duration: float) -> dict[str, Any]:
+def summarize_batches(
+    batch_times: Sequence[float], batch_sizes: Sequence[int], input_tokens: int, output_tokens: int, duration: float
+) -> dict[str, Any]:
     """The baseline's figures, with serving.py's keys where the meaning is the same (pure)."""
     lat = summarize(list(batch_times))
     return {
@@ -126,20 +133,30 @@ def summarize_batches(batch_times: Sequence[float], batch_sizes: Sequence[int], 
         "request_throughput": sum(batch_sizes) / duration if duration > 0 else math.nan,
         "output_tok_s": output_tokens / duration if duration > 0 else math.nan,
         "total_tok_s": (input_tokens + output_tokens) / duration if duration > 0 else math.nan,
-        "ttft_p50_ms": math.nan, "ttft_p99_ms": math.nan,
-        "itl_p50_ms": math.nan, "itl_p99_ms": math.nan,
+        "ttft_p50_ms": math.nan,
+        "ttft_p99_ms": math.nan,
+        "itl_p50_ms": math.nan,
+        "itl_p99_ms": math.nan,
         # every request of a batch finishes with it: request latency = batch latency (no queueing counted)
-        "latency_p50_s": lat["p50"], "latency_p99_s": lat["p99"],
-        "batch_latency_p50_s": lat["p50"], "batch_latency_p99_s": lat["p99"], "batch_latency_mean_s": lat["mean"],
+        "latency_p50_s": lat["p50"],
+        "latency_p99_s": lat["p99"],
+        "batch_latency_p50_s": lat["p50"],
+        "batch_latency_p99_s": lat["p99"],
+        "batch_latency_mean_s": lat["mean"],
         "num_batches": len(batch_times),
         "cache_hit_rate": 0.0,
         "errors": [],
     }
 
 
-def run_baseline(runner: HFRunner, workload: Workload, batch_size: int = DEFAULT_BATCH_SIZE,
-                 model_dims: dict[str, int] | None = None, model_path: str | None = None,
-                 show_progress: bool = True) -> dict[str, Any]:
+def run_baseline(
+    runner: HFRunner,
+    workload: Workload,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    model_dims: dict[str, int] | None = None,
+    model_path: str | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     """One run of ``workload``; a run record in serving.py's layout."""
     batches = hf_batches(workload, batch_size)
     times: list[float] = []
@@ -163,9 +180,15 @@ def run_baseline(runner: HFRunner, workload: Workload, batch_size: int = DEFAULT
 
 
 TABLE_COLUMNS = [
-    ("engine", "engine"), ("workload", "workload"), ("completed", "done"), ("duration_s", "time s"),
-    ("output_tok_s", "out tok/s"), ("total_tok_s", "total tok/s"), ("num_batches", "batches"),
-    ("batch_latency_p50_s", "batch p50 s"), ("batch_latency_p99_s", "batch p99 s"),
+    ("engine", "engine"),
+    ("workload", "workload"),
+    ("completed", "done"),
+    ("duration_s", "time s"),
+    ("output_tok_s", "out tok/s"),
+    ("total_tok_s", "total tok/s"),
+    ("num_batches", "batches"),
+    ("batch_latency_p50_s", "batch p50 s"),
+    ("batch_latency_p99_s", "batch p99 s"),
 ]
 
 
@@ -177,8 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_model_args(parser)
     add_workload_args(parser)
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    parser.add_argument("--warmup", type=int, default=-1,
-                        help="warm-up batches (2 tokens each) before each workload; -1: all of them (default)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="warm-up batches (2 tokens each) before each workload; -1: all of them (default)",
+    )
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     add_pinning_args(parser)
@@ -196,8 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_baseline(runner, wl, args.batch_size, dims, model_path)
         run["machine"] = machine_info(pinning)
         runs.append(run)
-    print_table([{"engine": r["engine"], "workload": r["workload"]["name"], **r["metrics"]} for r in runs],
-                TABLE_COLUMNS, title="transformers generate baseline")
+    print_table(
+        [{"engine": r["engine"], "workload": r["workload"]["name"], **r["metrics"]} for r in runs],
+        TABLE_COLUMNS,
+        title="transformers generate baseline",
+    )
     tag = "-".join(w.name for w in workloads)
     out = write_json(args.output or default_output_path("hf", tag), {"kind": "hf_baseline", "runs": runs})
     print(f"\nwrote {out}")

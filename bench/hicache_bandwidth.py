@@ -52,8 +52,15 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(device: torch.device, shape: tuple[int, int, int], tokens: int, page_size: int, dtype: torch.dtype,
-            repeat: int, seed: int = 0) -> list[dict[str, Any]]:
+def measure(
+    device: torch.device,
+    shape: tuple[int, int, int],
+    tokens: int,
+    page_size: int,
+    dtype: torch.dtype,
+    repeat: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     layers, heads, dim = shape
     pool_tokens = 2 * tokens  # room to scatter: every other page is used
     pool = MHATokenToKVPool(pool_tokens, page_size, dtype, layers, heads, dim, device)
@@ -77,8 +84,15 @@ def measure(device: torch.device, shape: tuple[int, int, int], tokens: int, page
         ("backup", lambda: transfer.to_host(dev_idx, host_idx).wait()),
     ):
         seconds = _timed(fn, device, repeat)
-        rows.append({"op": name, "tokens": tokens, "mib": nbytes / (1 << 20), "ms": seconds * 1e3,
-                     "gb_s": nbytes / seconds / 1e9})
+        rows.append(
+            {
+                "op": name,
+                "tokens": tokens,
+                "mib": nbytes / (1 << 20),
+                "ms": seconds * 1e3,
+                "gb_s": nbytes / seconds / 1e9,
+            }
+        )
     copy_rate = rows[0]["gb_s"]
     for row in rows:
         row["of_copy"] = row["gb_s"] / copy_rate
@@ -98,11 +112,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     tokens = args.tokens // args.page_size * args.page_size
     rows = measure(device, SHAPES[args.shape], tokens, args.page_size, getattr(torch, args.dtype), args.repeat)
-    print_table(rows, [("op", "op"), ("tokens", "tokens"), ("mib", "MiB"), ("ms", "ms"), ("gb_s", "GB/s"),
-                       ("of_copy", "of copy")], title=f"hierarchical cache transfers on {device} ({args.shape})")
-    out = write_json(args.output or default_output_path("hicache_bandwidth", args.shape),
-                     {"kind": "hicache_bandwidth", "device": str(device), "shape": args.shape,
-                      "page_size": args.page_size, "dtype": args.dtype, "rows": rows, "machine": machine_info()})
+    print_table(
+        rows,
+        [("op", "op"), ("tokens", "tokens"), ("mib", "MiB"), ("ms", "ms"), ("gb_s", "GB/s"), ("of_copy", "of copy")],
+        title=f"hierarchical cache transfers on {device} ({args.shape})",
+    )
+    out = write_json(
+        args.output or default_output_path("hicache_bandwidth", args.shape),
+        {
+            "kind": "hicache_bandwidth",
+            "device": str(device),
+            "shape": args.shape,
+            "page_size": args.page_size,
+            "dtype": args.dtype,
+            "rows": rows,
+            "machine": machine_info(),
+        },
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -46,8 +46,9 @@ class HttpError(Exception):
 class CompletionsClient:
     """POST /v1/completions for bench requests (greedy, exactly ``max_new_tokens`` tokens)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None,
-                 extra_body: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None = None, extra_body: dict[str, Any] | None = None
+    ) -> None:
         parts = urlsplit(base_url)
         self.extra_body = dict(extra_body or {})
         self.host = parts.hostname or "127.0.0.1"
@@ -58,8 +59,15 @@ class CompletionsClient:
             self.headers.append(("Authorization", f"Bearer {api_key}"))
 
     def body(self, input_ids: list[int], max_new_tokens: int, stream: bool) -> bytes:
-        body: dict[str, Any] = {"model": self.model, "prompt": input_ids, "max_tokens": max_new_tokens,
-                                "temperature": 0.0, "ignore_eos": True, "stream": stream, **self.extra_body}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": input_ids,
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+            **self.extra_body,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return json.dumps(body).encode()
@@ -69,8 +77,15 @@ class CompletionsClient:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         conn = h11.Connection(h11.CLIENT)
         try:
-            writer.write(conn.send(h11.Request(method="POST", target="/v1/completions",
-                                               headers=[*self.headers, ("Content-Length", str(len(body)))])))
+            writer.write(
+                conn.send(
+                    h11.Request(
+                        method="POST",
+                        target="/v1/completions",
+                        headers=[*self.headers, ("Content-Length", str(len(body)))],
+                    )
+                )
+            )
             writer.write(conn.send(h11.Data(data=body)))
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
@@ -109,8 +124,9 @@ class CompletionsClient:
                     yield Event(choice=True)
                 if data.get("usage"):
                     usage = data["usage"]
-                    yield Event(choice=False, completion_tokens=usage["completion_tokens"],
-                                cached_tokens=_cached_tokens(usage))
+                    yield Event(
+                        choice=False, completion_tokens=usage["completion_tokens"], cached_tokens=_cached_tokens(usage)
+                    )
 
     async def complete(self, input_ids: list[int], max_new_tokens: int) -> Event:
         raw = b"".join([piece async for piece in self._post(self.body(input_ids, max_new_tokens, stream=False))])
@@ -123,8 +139,9 @@ def _cached_tokens(usage: dict[str, Any]) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
-async def send(client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool,
-               rec: RequestRecord, start: float) -> None:
+async def send(
+    client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool, rec: RequestRecord, start: float
+) -> None:
     """One bench request; fills ``rec`` as the ZMQ path does:
     TTFT at the first token event, a gap per later event, token counts from the usage."""
     if not stream:

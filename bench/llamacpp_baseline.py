@@ -48,9 +48,24 @@ class LlamaServerConfig:
     def argv(self, port: int) -> list[str]:
         """The command line: ``-np`` slots sharing ``-c`` = slots x ctx_per_slot tokens of context,
         ``-t`` / ``-tb`` threads for decode and prompt batches alike."""
-        return [self.server, "-m", self.gguf, "-np", str(self.slots), "-c", str(self.slots * self.ctx_per_slot),
-                "-t", str(self.threads), "-tb", str(self.threads), "--host", "127.0.0.1", "--port", str(port),
-                *self.extra_args]
+        return [
+            self.server,
+            "-m",
+            self.gguf,
+            "-np",
+            str(self.slots),
+            "-c",
+            str(self.slots * self.ctx_per_slot),
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self.extra_args,
+        ]
 
     @property
     def model_name(self) -> str:
@@ -76,8 +91,12 @@ def _healthy(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def llama_server(config: LlamaServerConfig, env: dict[str, str] | None = None, ready_timeout: float = 300.0,
-                 log_path: str | None = None) -> Iterator[str]:
+def llama_server(
+    config: LlamaServerConfig,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 300.0,
+    log_path: str | None = None,
+) -> Iterator[str]:
     """A running llama-server (its ``http://127.0.0.1:PORT``), stopped on exit. Its output goes to
     ``log_path`` (default: discarded), and is named in the error if it does not come up."""
     if not os.access(config.server, os.X_OK):
@@ -91,8 +110,10 @@ def llama_server(config: LlamaServerConfig, env: dict[str, str] | None = None, r
         deadline = time.monotonic() + ready_timeout
         while not _healthy(port):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up (exit code {proc.poll()}; "
-                                   f"its output: {log_path or 'discarded, give --llamacpp-log'})")
+                raise RuntimeError(
+                    f"llama-server did not come up (exit code {proc.poll()}; "
+                    f"its output: {log_path or 'discarded, give --llamacpp-log'})"
+                )
             time.sleep(0.2)  # nothing to wait on but its HTTP answer
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -106,12 +127,20 @@ def llama_server(config: LlamaServerConfig, env: dict[str, str] | None = None, r
             log.close()
 
 
-def run_llamacpp_baseline(config: LlamaServerConfig, workloads: Sequence[Any], repeat: int, *, stream: bool,
-                          warmup: int, seed: int, env: dict[str, str] | None = None,
-                          log_path: str | None = None) -> list[dict[str, Any]]:
+def run_llamacpp_baseline(
+    config: LlamaServerConfig,
+    workloads: Sequence[Any],
+    repeat: int,
+    *,
+    stream: bool,
+    warmup: int,
+    seed: int,
+    env: dict[str, str] | None = None,
+    log_path: str | None = None,
+) -> list[dict[str, Any]]:
     """Run records in serving.py's layout, one per (repeat, workload), from one llama-server."""
-    from bench.serving import summarize_run, warm_up
     from bench.load_runner import run_workload
+    from bench.serving import summarize_run, warm_up
 
     via = {"backend": "http", "model": config.model_name, "extra_body": EXTRA_BODY}
     runs: list[dict[str, Any]] = []
@@ -122,12 +151,25 @@ def run_llamacpp_baseline(config: LlamaServerConfig, workloads: Sequence[Any], r
                 records, duration = run_workload(url, wl, stream=stream, seed=seed, **via)
                 metrics = summarize_run(records, duration)
                 if metrics["failed"]:
-                    print(f"warning: {metrics['failed']} llama.cpp requests failed in {wl.name}: {metrics['errors']}",
-                          file=sys.stderr)
-                runs.append({"kind": "llamacpp_baseline", "engine": ENGINE, "workload": wl.spec(), "repeat": rep,
-                             "settings": {"argv": config.argv(0)[1:], "stream": stream, "warmup": warmup,
-                                          "extra_body": EXTRA_BODY},
-                             "metrics": metrics})
+                    print(
+                        f"warning: {metrics['failed']} llama.cpp requests failed in {wl.name}: {metrics['errors']}",
+                        file=sys.stderr,
+                    )
+                runs.append(
+                    {
+                        "kind": "llamacpp_baseline",
+                        "engine": ENGINE,
+                        "workload": wl.spec(),
+                        "repeat": rep,
+                        "settings": {
+                            "argv": config.argv(0)[1:],
+                            "stream": stream,
+                            "warmup": warmup,
+                            "extra_body": EXTRA_BODY,
+                        },
+                        "metrics": metrics,
+                    }
+                )
     return runs
 
 
@@ -144,5 +186,9 @@ def version(server: str) -> str | None:
 
 def describe(config: LlamaServerConfig) -> dict[str, Any]:
     """What the result file records of the baseline."""
-    return {"server": config.server, "gguf": config.gguf, "version": version(config.server),
-            "argv": json.dumps(config.argv(0)[1:])}
+    return {
+        "server": config.server,
+        "gguf": config.gguf,
+        "version": version(config.server),
+        "argv": json.dumps(config.argv(0)[1:]),
+    }

@@ -40,7 +40,6 @@ class RequestRecord:
     text: str | None = None  # the output, kept for constrained requests only (to validate it)
 
 
-
 def arrival_times(num_chains: int, request_rate: float, seed: int) -> list[float]:
     """Start offsets of the chains: all 0 for an infinite rate, else a Poisson process."""
     if math.isinf(request_rate) or request_rate <= 0:
@@ -116,12 +115,21 @@ def _take_meta(rec: RequestRecord, meta: dict[str, Any]) -> None:
     rec.prompt_len = int(meta.get("prompt_tokens", rec.prompt_len))  # a chat prompt's length is the server's
 
 
-async def run_workload_async(address: str, workload: Workload, *, api_key: str | None = None,
-                             request_rate: float = math.inf, max_concurrency: int | None = None,
-                             stream: bool = True, seed: int = 0, timeout: float | None = None,
-                             show_progress: bool = True, backend: str = "zmq",
-                             model: str | None = None,
-                             extra_body: dict[str, Any] | None = None) -> tuple[list[RequestRecord], float]:
+async def run_workload_async(
+    address: str,
+    workload: Workload,
+    *,
+    api_key: str | None = None,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    stream: bool = True,
+    seed: int = 0,
+    timeout: float | None = None,
+    show_progress: bool = True,
+    backend: str = "zmq",
+    model: str | None = None,
+    extra_body: dict[str, Any] | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Send ``workload`` to the server; the request records and the wall time of the whole run.
 
     ``address`` is the ZMQ address, or with ``backend="http"`` the HTTP one
@@ -146,8 +154,14 @@ async def run_workload_async(address: str, workload: Workload, *, api_key: str |
     else:
         opened = AsyncClient(address, api_key=api_key, timeout=timeout)
     async with opened as client:
-        bar = tqdm(total=workload.num_requests, desc=workload.name, file=sys.stderr, leave=False,
-                   disable=not show_progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=workload.num_requests,
+            desc=workload.name,
+            file=sys.stderr,
+            leave=False,
+            disable=not show_progress,
+            dynamic_ncols=True,
+        )
         t0 = time.perf_counter()
 
         async def run_chain(chain: list[BenchRequest], start: float) -> None:
@@ -179,4 +193,3 @@ def run_workload(address: str, workload: Workload, **kwargs: Any) -> tuple[list[
     except ImportError:
         return asyncio.run(run_workload_async(address, workload, **kwargs))
     return uvloop.run(run_workload_async(address, workload, **kwargs))
-

@@ -79,8 +79,9 @@ class StepDriver:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(6, self.runner.vocab_size) for _ in range(n)]
 
-    def extend_batch(self, rows: Sequence[int], prefix_lens: Sequence[int], ext_lens: Sequence[int],
-                     decode: bool = False) -> Any:
+    def extend_batch(
+        self, rows: Sequence[int], prefix_lens: Sequence[int], ext_lens: Sequence[int], decode: bool = False
+    ) -> Any:
         """A batch running ``ext_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones."""
         import torch
 
@@ -98,18 +99,32 @@ class StepDriver:
             positions += range(p, p + n)
         seq_lens = [p + n for p, n in zip(prefix_lens, ext_lens)]
         params = [SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True) for _ in rows]
-        info = SamplingBatchInfo.from_requests(params, [[1]] * len(rows), [[]] * len(rows), self.runner.vocab_size,
-                                               self.runner.eos_token_ids, self.runner.device)
+        info = SamplingBatchInfo.from_requests(
+            params,
+            [[1]] * len(rows),
+            [[]] * len(rows),
+            self.runner.vocab_size,
+            self.runner.eos_token_ids,
+            self.runner.device,
+        )
 
         def t(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int64, device=self.runner.device)
 
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            input_ids=t(self.tokens(len(locs))), positions=t(positions), req_pool_indices=t(rows),
-            seq_lens=t(seq_lens), prefix_lens=t(prefix_lens), extend_lens=t(ext_lens), out_cache_loc=t(locs),
-            req_to_token_pool=pool, token_to_kv_pool=self.runner.token_to_kv_pool,
-            seq_lens_cpu=list(seq_lens), prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(ext_lens),
+            input_ids=t(self.tokens(len(locs))),
+            positions=t(positions),
+            req_pool_indices=t(rows),
+            seq_lens=t(seq_lens),
+            prefix_lens=t(prefix_lens),
+            extend_lens=t(ext_lens),
+            out_cache_loc=t(locs),
+            req_to_token_pool=pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool,
+            seq_lens_cpu=list(seq_lens),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(ext_lens),
             sampling_info=info,
         )
 
@@ -128,10 +143,12 @@ def scenario_batches(driver: StepDriver, name: str, args: argparse.Namespace) ->
     runner = driver.runner
     bs = args.batch
     if name == "prefill":
+
         def make() -> Any:
             driver.reset()
             rows = driver.new_rows(bs)
             return [driver.extend_batch(rows, [0] * bs, [args.prompt_len] * bs)]
+
         return make, bs * args.prompt_len, bs
     if name == "decode":
         driver.reset()
@@ -141,8 +158,11 @@ def scenario_batches(driver: StepDriver, name: str, args: argparse.Namespace) ->
 
         def make_decode() -> Any:
             driver.next_slot = mark  # every timed run rewrites the same slots
-            return [driver.extend_batch(rows, [args.context - 1 + j] * bs, [1] * bs, decode=True)
-                    for j in range(args.decode_steps)]
+            return [
+                driver.extend_batch(rows, [args.context - 1 + j] * bs, [1] * bs, decode=True)
+                for j in range(args.decode_steps)
+            ]
+
         return make_decode, bs, bs
     if name == "shared":
         n = bs - 1
@@ -157,6 +177,7 @@ def scenario_batches(driver: StepDriver, name: str, args: argparse.Namespace) ->
         def make_shared() -> Any:
             driver.next_slot = mark
             return [driver.extend_batch(rows, [args.prefix_len] * n, [args.suffix_len] * n)]
+
         return make_shared, n * args.suffix_len, n
     if name == "shared-decode":
         driver.reset()
@@ -174,8 +195,11 @@ def scenario_batches(driver: StepDriver, name: str, args: argparse.Namespace) ->
 
         def make_shared_decode() -> Any:
             driver.next_slot = mark
-            return [driver.extend_batch(rows, [args.shared_context - 1 + j] * bs, [1] * bs, decode=True)
-                    for j in range(args.decode_steps)]
+            return [
+                driver.extend_batch(rows, [args.shared_context - 1 + j] * bs, [1] * bs, decode=True)
+                for j in range(args.decode_steps)
+            ]
+
         return make_shared_decode, bs, bs
     raise ValueError(name)
 
@@ -188,6 +212,7 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     try:
         from runtime.engine.cpu.prepacked import linear
     except ImportError:  # a checkout from before prepacked weights (for before/after runs)
+
         def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
             return F.linear(x, weight, bias)
 
@@ -226,12 +251,17 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
             mm(x, gu)
             mm(d_in, down)
         mm(xs, head)
+
     return run
 
 
-def time_calls(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None,
-               clock: Callable[[], float] = time.perf_counter,
-               sync: Callable[[], None] = lambda: None) -> list[float]:
+def time_calls(
+    fn: Callable[[], Any],
+    repeat: int,
+    setup: Callable[[], Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
+) -> list[float]:
     """Seconds per call; ``sync`` waits for queued device work (before the clock starts and stops)."""
     import torch
 
@@ -267,8 +297,10 @@ def launches_per_step(counts: dict[str, int], steps: int, device_type: str) -> d
     nesting level) are the nearest count of per-op dispatch work.
     """
     if device_type == "cuda":
-        return {"kernel_launches": sum(counts.get(n, 0) for n in KERNEL_LAUNCH_EVENTS) / steps,
-                "graph_launches": sum(counts.get(n, 0) for n in GRAPH_LAUNCH_EVENTS) / steps}
+        return {
+            "kernel_launches": sum(counts.get(n, 0) for n in KERNEL_LAUNCH_EVENTS) / steps,
+            "graph_launches": sum(counts.get(n, 0) for n in GRAPH_LAUNCH_EVENTS) / steps,
+        }
     return {"torch_ops": sum(c for n, c in counts.items() if n.startswith("aten::")) / steps}
 
 
@@ -295,11 +327,16 @@ def profile_step(runner: Any, make: Callable[[], Any], rows: int = 25) -> dict[s
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="checkpoint folder (default: the bench checkpoint)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                        help="auto: cuda when available, else cpu")
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda when available, else cpu"
+    )
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, choices=("gguf", "int8", "w8a8_int8"),
-                        help="keep weights quantized (the server's --quantization)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("gguf", "int8", "w8a8_int8"),
+        help="keep weights quantized (the server's --quantization)",
+    )
     parser.add_argument("--disable-cuda-graph", action="store_true", help="cuda: decode eagerly")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="cuda: largest captured decode batch")
     parser.add_argument("--attention-backend", default="auto")
@@ -307,16 +344,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--context", type=int, default=160, help="decode: tokens per request incl. the new one")
-    parser.add_argument("--shared-context", type=int, default=576,
-                        help="shared-decode: tokens per request incl. the new one")
+    parser.add_argument(
+        "--shared-context", type=int, default=576, help="shared-decode: tokens per request incl. the new one"
+    )
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=16, help="consecutive steps per decode timing")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: this process's CPU time, which a busy shared machine inflates less "
-                             "(meaningful with --threads 1, where no thread spins at a barrier)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time, which a busy shared machine inflates less "
+        "(meaningful with --threads 1, where no thread spins at a barrier)",
+    )
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops per scenario")
     args = parser.parse_args(argv)
 
@@ -326,15 +368,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     path = args.model_path or str(build_bench_checkpoint())
     t0 = time.perf_counter()
-    runner = ModelRunner(path, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                         max_total_tokens=args.batch * (args.shared_context + args.context + 2 * args.decode_steps)
-                         + 1024,
-                         max_running_requests=2 * args.batch + 2, load_progress=False,
-                         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                         **({"quantization": args.quantization} if args.quantization else {}))
+    runner = ModelRunner(
+        path,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_total_tokens=args.batch * (args.shared_context + args.context + 2 * args.decode_steps) + 1024,
+        max_running_requests=2 * args.batch + 2,
+        load_progress=False,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        **({"quantization": args.quantization} if args.quantization else {}),
+    )
     graphs = getattr(runner, "graph_runner", None)
-    print(f"ModelRunner ready in {time.perf_counter() - t0:.2f}s ({runner.device}, {runner.attention_backend_name}, "
-          f"{runner.dtype}, {graphs.summary() if graphs is not None else 'no cuda graphs'})")
+    print(
+        f"ModelRunner ready in {time.perf_counter() - t0:.2f}s ({runner.device}, {runner.attention_backend_name}, "
+        f"{runner.dtype}, {graphs.summary() if graphs is not None else 'no cuda graphs'})"
+    )
     sync = functools.partial(device_sync, runner.device)
     driver = StepDriver(runner)
     rows: list[dict[str, Any]] = []
@@ -342,20 +392,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         make, tokens, sampled = scenario_batches(driver, name, args)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         steps = len(make())
-        model_t = [t / steps for t in time_calls(lambda b: run_batches(runner, b), args.repeat, setup=make, clock=clock,
-                                                 sync=sync)]
+        model_t = [
+            t / steps
+            for t in time_calls(lambda b: run_batches(runner, b), args.repeat, setup=make, clock=clock, sync=sync)
+        ]
         mm_t = time_calls(matmul_step(runner, tokens, sampled), args.repeat, clock=clock, sync=sync)
         med_m, med_mm = statistics.median(model_t), statistics.median(mm_t)
-        rows.append({"scenario": name, "tokens": tokens, "model_ms": med_m * 1e3, "model_min_ms": min(model_t) * 1e3,
-                     "matmul_ms": med_mm * 1e3, "matmul_min_ms": min(mm_t) * 1e3, "ratio": med_m / med_mm,
-                     "tok_s": tokens / med_m})
+        rows.append(
+            {
+                "scenario": name,
+                "tokens": tokens,
+                "model_ms": med_m * 1e3,
+                "model_min_ms": min(model_t) * 1e3,
+                "matmul_ms": med_mm * 1e3,
+                "matmul_min_ms": min(mm_t) * 1e3,
+                "ratio": med_m / med_mm,
+                "tok_s": tokens / med_m,
+            }
+        )
         if args.profile:
             print(f"\n== profile: {name} ==")
             profile_step(runner, make)
-    print_table(rows, [("scenario", "scenario"), ("tokens", "tokens"), ("model_ms", "model ms"),
-                       ("model_min_ms", "min"), ("matmul_ms", "matmuls ms"), ("matmul_min_ms", "min"),
-                       ("ratio", "model/matmul"), ("tok_s", "tok/s")],
-                title=f"ModelRunner step vs its matmuls ({args.clock} clock, median of {args.repeat})")
+    print_table(
+        rows,
+        [
+            ("scenario", "scenario"),
+            ("tokens", "tokens"),
+            ("model_ms", "model ms"),
+            ("model_min_ms", "min"),
+            ("matmul_ms", "matmuls ms"),
+            ("matmul_min_ms", "min"),
+            ("ratio", "model/matmul"),
+            ("tok_s", "tok/s"),
+        ],
+        title=f"ModelRunner step vs its matmuls ({args.clock} clock, median of {args.repeat})",
+    )
     return 0
 
 

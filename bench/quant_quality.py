@@ -66,9 +66,12 @@ def text_logprobs(runner: Any, ids: list[int], chunk: int | None = None) -> tupl
         batch, (count,) = harness.build_batch([req], ForwardMode.EXTEND, max_new=chunk)
         rows = torch.arange(count, dtype=torch.int64)
         targets = ids[start + 1 : start + count + 1]
-        batch.input_logprobs = InputLogprobRows(logit_rows=rows, sample_rows=rows[-1:],
-                                                prompt_rows=rows[: len(targets)],
-                                                target_ids=torch.tensor(targets, dtype=torch.int64))
+        batch.input_logprobs = InputLogprobRows(
+            logit_rows=rows,
+            sample_rows=rows[-1:],
+            prompt_rows=rows[: len(targets)],
+            target_ids=torch.tensor(targets, dtype=torch.int64),
+        )
         out = runner.forward(batch, top_logprobs_num=1)
         assert out.input_token_logprobs is not None and out.input_top_logprobs is not None
         logprobs.append(out.input_token_logprobs)
@@ -83,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default="smollm2-135m-instruct", help="checkpoint, GGUF file or model name")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--chunk", type=int, default=4,
-                   help="also run the text in extends of this many tokens: the few-row kernels of a decode step "
-                        "(the CPU's quantized linears round activations below 24 rows, not from 24)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=4,
+        help="also run the text in extends of this many tokens: the few-row kernels of a decode step "
+        "(the CPU's quantized linears round activations below 24 rows, not from 24)",
+    )
     args = p.parse_args(argv)
     pin_threads(args.threads)
     from runtime.engine.model_runner import ModelRunner
@@ -95,23 +102,45 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     for method in args.methods:
         t0 = time.perf_counter()
-        runner = ModelRunner(args.model_path, device="cpu", dtype="float32", max_total_tokens=4096,
-                             load_progress=False, quantization=None if method == "none" else method)
+        runner = ModelRunner(
+            args.model_path,
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=4096,
+            load_progress=False,
+            quantization=None if method == "none" else method,
+        )
         ids = list(load_tokenizer(str(runner.model_path)).encode(TEXT))
         logprobs, top1 = text_logprobs(runner, ids)
         few_logprobs, few_top1 = text_logprobs(runner, ids, args.chunk)
         if reference is None:
             reference = top1
-        rows.append({"method": method, "tokens": len(ids), "weights_mib": runner.weight_bytes() / 2**20,
-                     "ppl": math.exp(-float(logprobs.mean())), "top1": float((top1 == reference).float().mean()),
-                     "ppl_few": math.exp(-float(few_logprobs.mean())),
-                     "top1_few": float((few_top1 == reference).float().mean()),
-                     "seconds": time.perf_counter() - t0})
-    print_table(rows, [("method", "--quantization"), ("tokens", "tokens"), ("weights_mib", "weights MiB"),
-                       ("ppl", "perplexity (one prefill)"), ("top1", "top-1 = first row's"),
-                       ("ppl_few", f"perplexity ({args.chunk}-token extends)"), ("top1_few", "top-1 = first row's"),
-                       ("seconds", "load+run s")],
-                title=f"{args.model_path}: perplexity of bench.quant_quality.TEXT, fp32 activations")
+        rows.append(
+            {
+                "method": method,
+                "tokens": len(ids),
+                "weights_mib": runner.weight_bytes() / 2**20,
+                "ppl": math.exp(-float(logprobs.mean())),
+                "top1": float((top1 == reference).float().mean()),
+                "ppl_few": math.exp(-float(few_logprobs.mean())),
+                "top1_few": float((few_top1 == reference).float().mean()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    print_table(
+        rows,
+        [
+            ("method", "--quantization"),
+            ("tokens", "tokens"),
+            ("weights_mib", "weights MiB"),
+            ("ppl", "perplexity (one prefill)"),
+            ("top1", "top-1 = first row's"),
+            ("ppl_few", f"perplexity ({args.chunk}-token extends)"),
+            ("top1_few", "top-1 = first row's"),
+            ("seconds", "load+run s"),
+        ],
+        title=f"{args.model_path}: perplexity of bench.quant_quality.TEXT, fp32 activations",
+    )
     return 0
 
 

@@ -83,7 +83,13 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--suffix-len", type=int, default=64)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--pool-tokens", type=int, nargs="+", default=[1 << 20, 1 << 16], help="KV pool sizes (the smaller one forces eviction)")
+    ap.add_argument(
+        "--pool-tokens",
+        type=int,
+        nargs="+",
+        default=[1 << 20, 1 << 16],
+        help="KV pool sizes (the smaller one forces eviction)",
+    )
     ap.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -70,8 +70,15 @@ class ModelDims:
         from runtime.engine.model_config import ModelConfig
 
         c = ModelConfig.from_pretrained(path)
-        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   c.intermediate_size, c.vocab_size)
+        return cls(
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelDims":
@@ -181,8 +188,9 @@ def useful_flops(dims: ModelDims, work: WorkCount) -> dict[str, float]:
 # ---------------------------------------------------------------------- measuring
 
 
-def time_op(fn: Callable[[], Any], sync: Callable[[], None], min_time_s: float = 0.2, min_iters: int = 3,
-            max_iters: int = 200) -> float:
+def time_op(
+    fn: Callable[[], Any], sync: Callable[[], None], min_time_s: float = 0.2, min_iters: int = 3, max_iters: int = 200
+) -> float:
     """Fastest seconds per call of ``fn`` after one warm-up call.
 
     The fastest call, not the median: a roofline is the best rate the hardware gives,
@@ -259,8 +267,7 @@ class MatmulMeter:
             ws = [t.randn(n, k, device=self.device, dtype=self.dtype) for _ in range(self._copies(n * k * 2))]
             it = itertools.count()
             with t.inference_mode():
-                sec = time_op(lambda: t.nn.functional.linear(x, ws[next(it) % len(ws)]), self._sync,
-                              self.min_time_s)
+                sec = time_op(lambda: t.nn.functional.linear(x, ws[next(it) % len(ws)]), self._sync, self.min_time_s)
             plain = 2.0 * m * k * n / sec / 1e9
             packed = self._packed_linear_gflops(x, ws)
             self.linear_methods[key] = (plain, packed)
@@ -280,9 +287,11 @@ class MatmulMeter:
         n = ws[0].shape[0]
         it = itertools.count()
         with self.torch.inference_mode():
+
             def call() -> Any:
                 i = next(it) % len(ws)
                 return linear(x, ws[i], None, packed[i])
+
             sec = time_op(call, self._sync, self.min_time_s)
         return 2.0 * m * k * n / sec / 1e9
 
@@ -306,8 +315,10 @@ def roofline(dims: ModelDims, work: WorkCount, meter: MatmulMeter) -> dict[str, 
     flops = useful_flops(dims, work)
     rates: dict[str, float] = {}
     seconds: dict[str, float] = {}
-    for phase, m, tokens in (("prefill", work.prefill_batch_tokens, work.prefill_tokens),
-                             ("decode", work.decode_batch, work.decode_tokens)):
+    for phase, m, tokens in (
+        ("prefill", work.prefill_batch_tokens, work.prefill_tokens),
+        ("decode", work.decode_batch, work.decode_tokens),
+    ):
         t = 0.0
         for name, k, n in dims.linear_shapes():
             g = meter.linear_gflops(m, k, n)
@@ -339,9 +350,13 @@ def roofline(dims: ModelDims, work: WorkCount, meter: MatmulMeter) -> dict[str, 
         rates["attention@decode-shared-prefix"] = g
         seconds["attention_decode"] += per_key * work.decode_shared_keys / (g * 1e9)
     total = sum(seconds.values())
-    return {"flops": flops, "seconds": {**seconds, "total": total}, "gflops_measured": rates,
-            "roofline_gflops": flops["total"] / total / 1e9 if total else math.nan,
-            "decode_memory_s": decode_bytes(dims, work, meter.dtype.itemsize) / (meter.copy_gbps() * 1e9)}
+    return {
+        "flops": flops,
+        "seconds": {**seconds, "total": total},
+        "gflops_measured": rates,
+        "roofline_gflops": flops["total"] / total / 1e9 if total else math.nan,
+        "decode_memory_s": decode_bytes(dims, work, meter.dtype.itemsize) / (meter.copy_gbps() * 1e9),
+    }
 
 
 def decode_bytes(dims: ModelDims, work: WorkCount, elem_bytes: int) -> float:
@@ -380,10 +395,17 @@ def runs_in(data: dict[str, Any]) -> list[dict[str, Any]]:
     return list(data.get("runs", []))
 
 
-ROOF_COLUMNS = [("engine", "engine"), ("workload", "workload"), ("duration_s", "time s"),
-                ("useful_gflop", "useful GFLOP"), ("achieved_gflops", "achieved GFLOPS"),
-                ("roofline_gflops", "roofline GFLOPS"), ("roofline_s", "roofline s"), ("fraction", "fraction"),
-                ("decode_memory_s", "decode memory s")]
+ROOF_COLUMNS = [
+    ("engine", "engine"),
+    ("workload", "workload"),
+    ("duration_s", "time s"),
+    ("useful_gflop", "useful GFLOP"),
+    ("achieved_gflops", "achieved GFLOPS"),
+    ("roofline_gflops", "roofline GFLOPS"),
+    ("roofline_s", "roofline s"),
+    ("fraction", "fraction"),
+    ("decode_memory_s", "decode memory s"),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,13 +415,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="uniform", help="without result files: the workload")
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                        help="largest prefill batch (the server's --chunked-prefill-size)")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="largest prefill batch (the server's --chunked-prefill-size)",
+    )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds to time each shape")
-    parser.add_argument("--copy-bytes", type=int, default=None,
-                        help="bytes per bandwidth copy (default 1 GiB on cuda, 256 MiB on cpu)")
-    parser.add_argument("--peak-gemm-size", type=int, default=None,
-                        help="side of the peak-rate GEMM (default 8192 on cuda, 2048 on cpu)")
+    parser.add_argument(
+        "--copy-bytes", type=int, default=None, help="bytes per bandwidth copy (default 1 GiB on cuda, 256 MiB on cpu)"
+    )
+    parser.add_argument(
+        "--peak-gemm-size",
+        type=int,
+        default=None,
+        help="side of the peak-rate GEMM (default 8192 on cuda, 2048 on cpu)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per allowed cpu)")
     parser.add_argument("--output", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
@@ -422,24 +453,55 @@ def main(argv: list[str] | None = None) -> int:
         dims = ModelDims.from_path(args.model_path)
         work = count_work(make_workload(args.workload), args.prefill_chunk)
         roof = roofline(dims, work, meter)
-        rows.append({"engine": "-", "workload": args.workload, "useful_gflop": roof["flops"]["total"] / 1e9,
-                     "roofline_gflops": roof["roofline_gflops"], "roofline_s": roof["seconds"]["total"],
-                     "decode_memory_s": roof["decode_memory_s"], "work": work.as_dict(), "roofline": roof})
+        rows.append(
+            {
+                "engine": "-",
+                "workload": args.workload,
+                "useful_gflop": roof["flops"]["total"] / 1e9,
+                "roofline_gflops": roof["roofline_gflops"],
+                "roofline_s": roof["seconds"]["total"],
+                "decode_memory_s": roof["decode_memory_s"],
+                "work": work.as_dict(),
+                "roofline": roof,
+            }
+        )
     print_table(rows, ROOF_COLUMNS, title=f"roofline ({device}, {args.dtype})", digits=3)
     r = meter.device_rates
-    print_table([{"copy": r["copy_gbps"], "gemm": r["peak_gemm_gflops"], "size": int(r["peak_gemm_size"])}],
-                [("copy", "copy GB/s (read + write)"), ("gemm", f"{args.dtype} GEMM GFLOPS"), ("size", "GEMM side")],
-                title=f"device rates ({device})")
-    rates = [{"shape": f"{key[0]} {'x'.join(map(str, key[1:]))}", "gflops": g,
-              "plain": meter.linear_methods.get(key, (None, None))[0],
-              "packed": meter.linear_methods.get(key, (None, None))[1]} for key, g in meter.cache.items()]
-    print_table(rates, [("shape", "shape (linear MxKxN / bmm BxMxKxN)"), ("gflops", "GFLOPS used"),
-                        ("plain", "F.linear"), ("packed", "prepacked")],
-                title="measured matmul rates (linear: the faster of F.linear and oneDNN-prepacked weights)")
-    out = write_json(args.output or default_output_path("roofline", device), {"kind": "roofline", "device": device,
-                                                                             "dtype": args.dtype, "rows": rows,
-                                                                             "rates": rates,
-                                                                             "device_rates": meter.device_rates})
+    print_table(
+        [{"copy": r["copy_gbps"], "gemm": r["peak_gemm_gflops"], "size": int(r["peak_gemm_size"])}],
+        [("copy", "copy GB/s (read + write)"), ("gemm", f"{args.dtype} GEMM GFLOPS"), ("size", "GEMM side")],
+        title=f"device rates ({device})",
+    )
+    rates = [
+        {
+            "shape": f"{key[0]} {'x'.join(map(str, key[1:]))}",
+            "gflops": g,
+            "plain": meter.linear_methods.get(key, (None, None))[0],
+            "packed": meter.linear_methods.get(key, (None, None))[1],
+        }
+        for key, g in meter.cache.items()
+    ]
+    print_table(
+        rates,
+        [
+            ("shape", "shape (linear MxKxN / bmm BxMxKxN)"),
+            ("gflops", "GFLOPS used"),
+            ("plain", "F.linear"),
+            ("packed", "prepacked"),
+        ],
+        title="measured matmul rates (linear: the faster of F.linear and oneDNN-prepacked weights)",
+    )
+    out = write_json(
+        args.output or default_output_path("roofline", device),
+        {
+            "kind": "roofline",
+            "device": device,
+            "dtype": args.dtype,
+            "rows": rows,
+            "rates": rates,
+            "device_rates": meter.device_rates,
+        },
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -63,27 +63,51 @@ class TimedRunner:
         return out
 
 
-def build_scheduler(num_requests: int, prompt_len: int, max_new_tokens: int, page_size: int = 1,
-                    radix: bool = True, vocab_size: int = 32000) -> tuple[Any, TimedRunner]:
+def build_scheduler(
+    num_requests: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    page_size: int = 1,
+    radix: bool = True,
+    vocab_size: int = 32000,
+) -> tuple[Any, TimedRunner]:
     """A scheduler sized so all ``num_requests`` run at once without retraction."""
     from runtime.config.args import ServerArgs
-    from tests.support.stub_runner import StubModelRunner
     from scheduler_proc.scheduler import Scheduler
+    from tests.support.stub_runner import StubModelRunner
 
     context = prompt_len + max_new_tokens + 8
     total = num_requests * (prompt_len + max_new_tokens + page_size) + 4096
-    args = ServerArgs(max_total_tokens=total, max_running_requests=num_requests, page_size=page_size,
-                      disable_radix_cache=not radix, max_prefill_tokens=max(num_requests * prompt_len, 16384),
-                      chunked_prefill_size=-1)
-    stub = StubModelRunner(max_total_tokens=total, vocab_size=vocab_size, context_len=context,
-                           max_running_requests=num_requests, page_size=page_size, eos_token_ids=(2,),
-                           verify_kv=False)
+    args = ServerArgs(
+        max_total_tokens=total,
+        max_running_requests=num_requests,
+        page_size=page_size,
+        disable_radix_cache=not radix,
+        max_prefill_tokens=max(num_requests * prompt_len, 16384),
+        chunked_prefill_size=-1,
+    )
+    stub = StubModelRunner(
+        max_total_tokens=total,
+        vocab_size=vocab_size,
+        context_len=context,
+        max_running_requests=num_requests,
+        page_size=page_size,
+        eos_token_ids=(2,),
+        verify_kv=False,
+    )
     runner = TimedRunner(stub)
     return Scheduler(args, model_runner=runner), runner
 
 
-def submit_requests(sched: Any, num_requests: int, prompt_len: int, max_new_tokens: int, stream: bool,
-                    seed: int = 0, vocab_size: int = 32000) -> None:
+def submit_requests(
+    sched: Any,
+    num_requests: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    stream: bool,
+    seed: int = 0,
+    vocab_size: int = 32000,
+) -> None:
     from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.protocol.sampling_params import SamplingParams
 
@@ -94,9 +118,17 @@ def submit_requests(sched: Any, num_requests: int, prompt_len: int, max_new_toke
         sched.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params, stream=stream))
 
 
-def measure_overhead(num_requests: int = 256, prompt_len: int = 128, steps: int = 200, warmup_steps: int = 10,
-                     page_size: int = 1, radix: bool = True, stream: bool = True,
-                     profile: cProfile.Profile | None = None, show_progress: bool = False) -> dict[str, Any]:
+def measure_overhead(
+    num_requests: int = 256,
+    prompt_len: int = 128,
+    steps: int = 200,
+    warmup_steps: int = 10,
+    page_size: int = 1,
+    radix: bool = True,
+    stream: bool = True,
+    profile: cProfile.Profile | None = None,
+    show_progress: bool = False,
+) -> dict[str, Any]:
     """Per-step scheduler overhead (ms) over ``steps`` decode steps with ``num_requests`` running."""
     max_new = warmup_steps + steps + 4  # nobody finishes while we measure
     sched, runner = build_scheduler(num_requests, prompt_len, max_new, page_size, radix)
@@ -139,17 +171,27 @@ def measure_overhead(num_requests: int = 256, prompt_len: int = 128, steps: int 
         model_ms.append((runner.cpu_s - m_cpu) * 1e3)
     decode_steps = sched.stats["num_decode_batches"] - decodes_before
     if decode_steps != steps or len(sched.queues.running) != num_requests:
-        raise RuntimeError(f"expected {steps} decode steps of {num_requests} requests, got {decode_steps} "
-                           f"steps and {len(sched.queues.running)} running")
+        raise RuntimeError(
+            f"expected {steps} decode steps of {num_requests} requests, got {decode_steps} "
+            f"steps and {len(sched.queues.running)} running"
+        )
     cpu, wall, model, enc = summarize(cpu_ms), summarize(wall_ms), summarize(model_ms), summarize(encode_ms)
     return {
-        "num_requests": num_requests, "prompt_len": prompt_len, "steps": steps, "page_size": page_size,
-        "radix_cache": radix, "stream": stream,
-        "cpu_ms_p50": cpu["p50"], "cpu_ms_p99": cpu["p99"], "cpu_ms_mean": cpu["mean"],
-        "wall_ms_p50": wall["p50"], "wall_ms_p99": wall["p99"],
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "page_size": page_size,
+        "radix_cache": radix,
+        "stream": stream,
+        "cpu_ms_p50": cpu["p50"],
+        "cpu_ms_p99": cpu["p99"],
+        "cpu_ms_mean": cpu["mean"],
+        "wall_ms_p50": wall["p50"],
+        "wall_ms_p99": wall["p99"],
         "encode_ms_p50": enc["p50"],  # part of cpu_ms: msgpack of the step's outputs
         "stub_model_ms_p50": model["p50"],  # not part of cpu_ms
-        "target_ms": TARGET_MS, "meets_target": cpu["p50"] <= TARGET_MS,
+        "target_ms": TARGET_MS,
+        "meets_target": cpu["p50"] <= TARGET_MS,
     }
 
 
@@ -161,9 +203,11 @@ def profile_report(profile: cProfile.Profile, top: int = 25, folders: Sequence[s
         if any(f in filename for f in folders):
             entries.append((ct, tt, nc, f"{os.path.relpath(filename, REPO_ROOT)}:{line}({func})"))
     entries.sort(reverse=True)
-    lines = [f"top {top} by cumulative time in {', '.join(folders)} (seconds over all profiled steps; "
-             "cProfile inflates every call, so compare entries with each other, not with the table):",
-             f"{'cumtime':>9} {'tottime':>9} {'calls':>8}  function"]
+    lines = [
+        f"top {top} by cumulative time in {', '.join(folders)} (seconds over all profiled steps; "
+        "cProfile inflates every call, so compare entries with each other, not with the table):",
+        f"{'cumtime':>9} {'tottime':>9} {'calls':>8}  function",
+    ]
     lines += [f"{ct:9.4f} {tt:9.4f} {nc:8d}  {name}" for ct, tt, nc, name in entries[:top]]
     buf = io.StringIO()
     pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(15)
@@ -171,10 +215,19 @@ def profile_report(profile: cProfile.Profile, top: int = 25, folders: Sequence[s
     return "\n".join(lines)
 
 
-COLUMNS = [("num_requests", "running"), ("page_size", "page"), ("radix_cache", "radix"), ("steps", "steps"),
-           ("cpu_ms_p50", "CPU ms p50"), ("cpu_ms_p99", "CPU ms p99"), ("wall_ms_p50", "wall ms p50"),
-           ("wall_ms_p99", "wall ms p99"), ("encode_ms_p50", "of which encode ms"),
-           ("stub_model_ms_p50", "stub model ms (excluded)"), ("meets_target", f"<= {TARGET_MS:g} ms")]
+COLUMNS = [
+    ("num_requests", "running"),
+    ("page_size", "page"),
+    ("radix_cache", "radix"),
+    ("steps", "steps"),
+    ("cpu_ms_p50", "CPU ms p50"),
+    ("cpu_ms_p99", "CPU ms p99"),
+    ("wall_ms_p50", "wall ms p50"),
+    ("wall_ms_p99", "wall ms p99"),
+    ("encode_ms_p50", "of which encode ms"),
+    ("stub_model_ms_p50", "stub model ms (excluded)"),
+    ("meets_target", f"<= {TARGET_MS:g} ms"),
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,22 +242,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps and print the top entries")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--output", default=None,
-                        help="JSON path (default bench/results/scheduler_overhead_<N>_<time>.json)")
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default bench/results/scheduler_overhead_<N>_<time>.json)"
+    )
     args = parser.parse_args(argv)
 
     pinning = pin_threads(args.threads)
     profile = cProfile.Profile() if args.profile else None
-    result = measure_overhead(args.num_requests, args.prompt_len, args.steps, args.warmup_steps, args.page_size,
-                              radix=not args.disable_radix_cache, stream=not args.no_stream, profile=profile,
-                              show_progress=True)
+    result = measure_overhead(
+        args.num_requests,
+        args.prompt_len,
+        args.steps,
+        args.warmup_steps,
+        args.page_size,
+        radix=not args.disable_radix_cache,
+        stream=not args.no_stream,
+        profile=profile,
+        show_progress=True,
+    )
     print_table([result], COLUMNS, title="scheduler overhead per decode step (outside the model)", digits=3)
     report = profile_report(profile, args.profile_top) if profile is not None else None
     if report:
         print("\n" + report)
-    out = write_json(args.output or default_output_path("scheduler_overhead", str(args.num_requests)),
-                     {"kind": "scheduler_overhead", "result": result, "machine": machine_info(pinning),
-                      "profile": report})
+    out = write_json(
+        args.output or default_output_path("scheduler_overhead", str(args.num_requests)),
+        {"kind": "scheduler_overhead", "result": result, "machine": machine_info(pinning), "profile": report},
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -88,16 +88,23 @@ def timed_waits() -> Iterator[list[float]]:
         PendingStep.wait = original  # type: ignore[method-assign]
 
 
-def run_once(sched: Any, tracer: TracingRunner, workload: Any, max_new: int | None) -> tuple[float, list[dict[str, Any]]]:
+def run_once(
+    sched: Any, tracer: TracingRunner, workload: Any, max_new: int | None
+) -> tuple[float, list[dict[str, Any]]]:
     """Submit every request of ``workload`` (dependency chains are not supported) and run to completion."""
     from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.protocol.sampling_params import SamplingParams
 
     for r in workload.requests:
         n = r.max_new_tokens if max_new is None else max_new
-        sched.handle_message(TokenizedGenerateReq(
-            rid=f"r{r.index}-{max_new}", input_ids=list(r.input_ids),
-            sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), stream=True))
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid=f"r{r.index}-{max_new}",
+                input_ids=list(r.input_ids),
+                sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                stream=True,
+            )
+        )
     steps: list[dict[str, Any]] = []
     first_call = len(tracer.calls)
     t_start = time.perf_counter()
@@ -110,12 +117,19 @@ def run_once(sched: Any, tracer: TracingRunner, workload: Any, max_new: int | No
             dt = time.perf_counter() - t0
             host = dt - (waited[0] - wait0) - (tracer.inline_s - inline)
             launched = sched.stats["num_decode_batches"] > decodes
-            steps.append({"mode": "decode" if launched else "other", "wall_ms": dt * 1e3, "host_ms": host * 1e3,
-                          "t_s": time.perf_counter() - t_start})
+            steps.append(
+                {
+                    "mode": "decode" if launched else "other",
+                    "wall_ms": dt * 1e3,
+                    "host_ms": host * 1e3,
+                    "t_s": time.perf_counter() - t_start,
+                }
+            )
     # Forwards finish on the worker thread with overlap: pair them with iterations by order.
     calls = tracer.calls[first_call:]
-    for step, (mode, bs, tokens, model_s) in zip([s for s in steps if s["mode"] == "decode"],
-                                                  [c for c in calls if c[0] == "decode"]):
+    for step, (mode, bs, tokens, model_s) in zip(
+        [s for s in steps if s["mode"] == "decode"], [c for c in calls if c[0] == "decode"]
+    ):
         step.update(bs=bs, tokens=tokens, model_ms=model_s * 1e3)
     for mode, bs, tokens, model_s in calls:
         if mode == "prefill":
@@ -134,13 +148,19 @@ def summarize_steps(name: str, duration: float, steps: list[dict[str, Any]], out
     host = median([s["host_ms"] for s in dec])
     exposed = median([max(s["wall_ms"] - s["model_ms"], 0.0) for s in dec])
     return {
-        "workload": name, "time_s": duration, "out_tok_s": out_tokens / duration,
-        "prefills": len(pre), "prefill_tokens": sum(s["tokens"] for s in pre),
+        "workload": name,
+        "time_s": duration,
+        "out_tok_s": out_tokens / duration,
+        "prefills": len(pre),
+        "prefill_tokens": sum(s["tokens"] for s in pre),
         "prefill_s": sum(s["model_ms"] for s in pre) / 1e3,
-        "decodes": len(dec), "decode_s": sum(s["model_ms"] for s in dec) / 1e3,
+        "decodes": len(dec),
+        "decode_s": sum(s["model_ms"] for s in dec) / 1e3,
         "decode_ms_p50": median([s["model_ms"] for s in dec]),
         "step_wall_ms_p50": median([s["wall_ms"] for s in dec]),
-        "host_ms_p50": host, "exposed_ms_p50": exposed, "hidden_ms_p50": max(host - exposed, 0.0),
+        "host_ms_p50": host,
+        "exposed_ms_p50": exposed,
+        "hidden_ms_p50": max(host - exposed, 0.0),
         "sched_s": sum(s["host_ms"] for s in steps if "host_ms" in s) / 1e3,
     }
 
@@ -148,17 +168,26 @@ def summarize_steps(name: str, duration: float, steps: list[dict[str, Any]], out
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="checkpoint folder (default: the bench checkpoint)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                        help="auto: cuda when available, else cpu")
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda when available, else cpu"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", action="store_true", help="print one line per step")
     parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--overlap", default="both", choices=("off", "on", "both"),
-                        help="overlap scheduling off, on, or both one after the other (default both)")
-    parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a ServerArgs field, e.g. max_prefill_tokens=4096 or disable_cuda_graph=1 "
-                             "(repeatable)")
+    parser.add_argument(
+        "--overlap",
+        default="both",
+        choices=("off", "on", "both"),
+        help="overlap scheduling off, on, or both one after the other (default both)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a ServerArgs field, e.g. max_prefill_tokens=4096 or disable_cuda_graph=1 (repeatable)",
+    )
     add_workload_args(parser)
     args = parser.parse_args(argv)
 
@@ -182,8 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     rows = []
     for overlap in modes:
-        sched = Scheduler(dataclasses.replace(server_args, disable_overlap_schedule=not overlap),
-                          model_runner=tracer)
+        sched = Scheduler(dataclasses.replace(server_args, disable_overlap_schedule=not overlap), model_runner=tracer)
         for wl in build_workloads(args, path):
             name = f"{wl.name} (overlap {'on' if overlap else 'off'})"
             if not args.no_warmup:
@@ -191,18 +219,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sched.control("flush_cache")
             duration, steps = run_once(sched, tracer, wl, max_new=None)
             if args.steps:
-                print_table(steps, [("t_s", "t s"), ("mode", "mode"), ("bs", "bs"), ("tokens", "tokens"),
-                                    ("model_ms", "model ms"), ("wall_ms", "wall ms"), ("host_ms", "host ms")],
-                            title=f"{name}: steps")
+                print_table(
+                    steps,
+                    [
+                        ("t_s", "t s"),
+                        ("mode", "mode"),
+                        ("bs", "bs"),
+                        ("tokens", "tokens"),
+                        ("model_ms", "model ms"),
+                        ("wall_ms", "wall ms"),
+                        ("host_ms", "host ms"),
+                    ],
+                    title=f"{name}: steps",
+                )
             rows.append(summarize_steps(name, duration, steps, wl.output_tokens))
             sched.control("flush_cache")
         sched.worker.close()
-    print_table(rows, [("workload", "workload"), ("time_s", "time s"), ("out_tok_s", "out tok/s"),
-                       ("prefills", "prefills"), ("prefill_s", "prefill s"), ("decodes", "decodes"),
-                       ("decode_ms_p50", "device ms/step"), ("step_wall_ms_p50", "wall ms/step"),
-                       ("host_ms_p50", "host ms/step"), ("exposed_ms_p50", "exposed ms/step"),
-                       ("hidden_ms_p50", "hidden ms/step")],
-                title="scheduler + model, in process (per decode step: medians)")
+    print_table(
+        rows,
+        [
+            ("workload", "workload"),
+            ("time_s", "time s"),
+            ("out_tok_s", "out tok/s"),
+            ("prefills", "prefills"),
+            ("prefill_s", "prefill s"),
+            ("decodes", "decodes"),
+            ("decode_ms_p50", "device ms/step"),
+            ("step_wall_ms_p50", "wall ms/step"),
+            ("host_ms_p50", "host ms/step"),
+            ("exposed_ms_p50", "exposed ms/step"),
+            ("hidden_ms_p50", "hidden ms/step"),
+        ],
+        title="scheduler + model, in process (per decode step: medians)",
+    )
     return 0
 
 

@@ -50,6 +50,7 @@ from bench.common import (
     summarize,
     write_json,
 )
+
 # Sending a workload is bench/load_runner.py's; its names stay importable from here.
 from bench.load_runner import (  # noqa: F401
     RequestRecord,
@@ -58,8 +59,7 @@ from bench.load_runner import (  # noqa: F401
     run_workload_async,
     sampling_params,
 )
-from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, \
-    token_range_for
+from bench.workloads import ALL_WORKLOADS, WORKLOADS, Workload, make_workload, parse_workload_args, token_range_for
 from runtime.protocol.spec_stats import SPEC_STATS, spec_summary
 
 ENGINE = "tinyserve"
@@ -78,8 +78,13 @@ def summarize_run(records: Sequence[RequestRecord], duration: float) -> dict[str
     ttft = summarize([r.ttft * 1e3 for r in ok if r.ttft is not None])
     itl = summarize([g * 1e3 for r in ok for g in r.itl])
     lat = summarize([r.latency for r in ok if r.latency is not None])
-    tpot = summarize([(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in ok
-                      if r.latency is not None and r.ttft is not None and r.output_len > 1])
+    tpot = summarize(
+        [
+            (r.latency - r.ttft) / (r.output_len - 1) * 1e3
+            for r in ok
+            if r.latency is not None and r.ttft is not None and r.output_len > 1
+        ]
+    )
     return {
         "duration_s": duration,
         "completed": len(ok),
@@ -89,22 +94,36 @@ def summarize_run(records: Sequence[RequestRecord], duration: float) -> dict[str
         "request_throughput": len(ok) / duration if duration > 0 else math.nan,
         "output_tok_s": output_tokens / duration if duration > 0 else math.nan,
         "total_tok_s": (input_tokens + output_tokens) / duration if duration > 0 else math.nan,
-        "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"], "ttft_mean_ms": ttft["mean"],
-        "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"], "itl_mean_ms": itl["mean"],
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p99_ms": ttft["p99"],
+        "ttft_mean_ms": ttft["mean"],
+        "itl_p50_ms": itl["p50"],
+        "itl_p99_ms": itl["p99"],
+        "itl_mean_ms": itl["mean"],
         "tpot_p50_ms": tpot["p50"],
-        "latency_p50_s": lat["p50"], "latency_p90_s": lat["p90"], "latency_p99_s": lat["p99"],
+        "latency_p50_s": lat["p50"],
+        "latency_p90_s": lat["p90"],
+        "latency_p99_s": lat["p99"],
         "cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
         "errors": sorted({r.error for r in records if r.error is not None}),
     }
 
 
 TABLE_COLUMNS = [
-    ("engine", "engine"), ("workload", "workload"), ("completed", "done"), ("duration_s", "time s"),
-    ("output_tok_s", "out tok/s"), ("total_tok_s", "total tok/s"),
-    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
-    ("latency_p50_s", "lat p50 s"), ("cache_hit_rate", "cache hit"),
-    ("spec_accept_length", "accept len"), ("spec_accept_rate", "accept rate"),
+    ("engine", "engine"),
+    ("workload", "workload"),
+    ("completed", "done"),
+    ("duration_s", "time s"),
+    ("output_tok_s", "out tok/s"),
+    ("total_tok_s", "total tok/s"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p99_ms", "ITL p99 ms"),
+    ("latency_p50_s", "lat p50 s"),
+    ("cache_hit_rate", "cache hit"),
+    ("spec_accept_length", "accept len"),
+    ("spec_accept_rate", "accept rate"),
 ]
 
 
@@ -131,9 +150,15 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def server_for(address: str | None, model_path: str | None, server_flags: Sequence[str], api_key: str | None,
-               pinning: Pinning | None, ready_timeout: float = 600.0,
-               http_address: str | None = None) -> Iterator[ServerHandle]:
+def server_for(
+    address: str | None,
+    model_path: str | None,
+    server_flags: Sequence[str],
+    api_key: str | None,
+    pinning: Pinning | None,
+    ready_timeout: float = 600.0,
+    http_address: str | None = None,
+) -> Iterator[ServerHandle]:
     """The server at ``address``, or one started with ``model_path`` + ``server_flags`` (stopped on exit).
 
     A started server inherits this process's cpu affinity and gets its thread count
@@ -159,11 +184,19 @@ def server_for(address: str | None, model_path: str | None, server_flags: Sequen
         yield _handle(c.server.address, api_key, info, started_here=True, http_address=c.server.http_address)
 
 
-def _handle(address: str, api_key: str | None, info: dict[str, Any], started_here: bool,
-            http_address: str | None = None) -> ServerHandle:
+def _handle(
+    address: str, api_key: str | None, info: dict[str, Any], started_here: bool, http_address: str | None = None
+) -> ServerHandle:
     model = info.get("model", {})
-    return ServerHandle(address, api_key, model.get("model_path"), model.get("vocab_size"),
-                        info.get("server_args", {}), started_here, http_address)
+    return ServerHandle(
+        address,
+        api_key,
+        model.get("model_path"),
+        model.get("vocab_size"),
+        info.get("server_args", {}),
+        started_here,
+        http_address,
+    )
 
 
 def flush_cache(address: str, api_key: str | None, attempts: int = 50) -> bool:
@@ -188,8 +221,10 @@ def warm_up(address: str, api_key: str | None, workload: Workload, num: int, **v
         return
     picked = workload.requests if num < 0 else workload.requests[:num]
     # replace(): a chat request keeps its messages and schema (its grammar is compiled here, too).
-    reqs = [replace(r, index=i, max_new_tokens=min(r.max_new_tokens, 2), after=None, session=i)
-            for i, r in enumerate(picked)]
+    reqs = [
+        replace(r, index=i, max_new_tokens=min(r.max_new_tokens, 2), after=None, session=i)
+        for i, r in enumerate(picked)
+    ]
     run_workload(address, Workload("warmup", {}, reqs), api_key=api_key, show_progress=False, **via)
 
 
@@ -211,9 +246,19 @@ def model_dims_dict(model_path: str | None) -> dict[str, int] | None:
     return ModelDims.from_path(model_path).as_dict()
 
 
-def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, request_rate: float,
-                        max_concurrency: int | None, stream: bool, seed: int, warmup: int,
-                        timeout: float | None, flush: bool = True, backend: str = "zmq") -> list[dict[str, Any]]:
+def benchmark_workloads(
+    handle: ServerHandle,
+    workloads: list[Workload],
+    *,
+    request_rate: float,
+    max_concurrency: int | None,
+    stream: bool,
+    seed: int,
+    warmup: int,
+    timeout: float | None,
+    flush: bool = True,
+    backend: str = "zmq",
+) -> list[dict[str, Any]]:
     """Run each workload once against the server; one run record each. With
     ``backend="http"`` the requests (warm-up included) go to the HTTP front door."""
     runs = []
@@ -227,24 +272,40 @@ def benchmark_workloads(handle: ServerHandle, workloads: list[Workload], *, requ
         if flush and not flush_cache(handle.address, handle.api_key):
             print("warning: could not flush the prefix cache; the hit rate includes earlier runs", file=sys.stderr)
         before = spec_counters(handle.address, handle.api_key)
-        records, duration = run_workload(target, wl, api_key=handle.api_key, request_rate=request_rate,
-                                         max_concurrency=max_concurrency, stream=stream, seed=seed,
-                                         timeout=timeout, **via)
+        records, duration = run_workload(
+            target,
+            wl,
+            api_key=handle.api_key,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            stream=stream,
+            seed=seed,
+            timeout=timeout,
+            **via,
+        )
         metrics = summarize_run(records, duration)
         after = spec_counters(handle.address, handle.api_key)
         metrics.update(spec_summary({k: after[k] - before.get(k, 0) for k in after}))
-        runs.append({
-            "kind": "serving",
-            "engine": ENGINE if backend == "zmq" else f"{ENGINE}-{backend}",
-            "workload": wl.spec(),
-            "model": dims,
-            "model_path": handle.model_path,
-            "server_args": handle.server_args,
-            "settings": {"request_rate": request_rate, "max_concurrency": max_concurrency, "stream": stream,
-                         "seed": seed, "warmup": warmup, "backend": backend},
-            "metrics": metrics,
-            "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in records],
-        })
+        runs.append(
+            {
+                "kind": "serving",
+                "engine": ENGINE if backend == "zmq" else f"{ENGINE}-{backend}",
+                "workload": wl.spec(),
+                "model": dims,
+                "model_path": handle.model_path,
+                "server_args": handle.server_args,
+                "settings": {
+                    "request_rate": request_rate,
+                    "max_concurrency": max_concurrency,
+                    "stream": stream,
+                    "seed": seed,
+                    "warmup": warmup,
+                    "backend": backend,
+                },
+                "metrics": metrics,
+                "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in records],
+            }
+        )
     return runs
 
 
@@ -262,9 +323,12 @@ def plot_runs(runs: list[dict[str, Any]], path: str | Path) -> bool:
         print("matplotlib is not installed; skipping the chart", file=sys.stderr)
         return False
     labels = [f"{r['engine']}\n{r['workload']['name']}" for r in runs]
-    panels = [("output tokens/s", ["output_tok_s"]), ("total tokens/s", ["total_tok_s"]),
-              ("TTFT ms (p50, p99)", ["ttft_p50_ms", "ttft_p99_ms"]),
-              ("ITL ms (p50, p99)", ["itl_p50_ms", "itl_p99_ms"])]
+    panels = [
+        ("output tokens/s", ["output_tok_s"]),
+        ("total tokens/s", ["total_tok_s"]),
+        ("TTFT ms (p50, p99)", ["ttft_p50_ms", "ttft_p99_ms"]),
+        ("ITL ms (p50, p99)", ["itl_p50_ms", "itl_p99_ms"]),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4))
     for ax, (title, keys) in zip(axes, panels):
         width = 0.8 / len(keys)
@@ -287,24 +351,37 @@ def plot_runs(runs: list[dict[str, Any]], path: str | Path) -> bool:
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", nargs="+", default=["uniform"], metavar="NAME",
-                   help=f"one or more of {', '.join(WORKLOADS)}, or 'all' ({', '.join(ALL_WORKLOADS)}; "
-                        "default uniform)")
+    g.add_argument(
+        "--workload",
+        nargs="+",
+        default=["uniform"],
+        metavar="NAME",
+        help=f"one or more of {', '.join(WORKLOADS)}, or 'all' ({', '.join(ALL_WORKLOADS)}; default uniform)",
+    )
     g.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 64)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per request (default 64)")
-    g.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a workload parameter, e.g. prompt_len=32, prefix_len=128, segment_lens=64,32,16 "
-                        "(repeatable; see bench/workloads.py)")
+    g.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload parameter, e.g. prompt_len=32, prefix_len=128, segment_lens=64,32,16 "
+        "(repeatable; see bench/workloads.py)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival process")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="checkpoint folder (overrides --model)")
-    g.add_argument("--model", choices=("bench", "smollm2", "tiny"), default="bench",
-                   help="bench: the ~200M synthetic benchmark checkpoint (built on first use); smollm2: "
-                        "SmolLM2-135M-Instruct, the default model (GGUF, dequantized at load); tiny: the "
-                        "random tiny test model")
+    g.add_argument(
+        "--model",
+        choices=("bench", "smollm2", "tiny"),
+        default="bench",
+        help="bench: the ~200M synthetic benchmark checkpoint (built on first use); smollm2: "
+        "SmolLM2-135M-Instruct, the default model (GGUF, dequantized at load); tiny: the "
+        "random tiny test model",
+    )
 
 
 def add_pinning_args(parser: argparse.ArgumentParser) -> None:
@@ -326,8 +403,9 @@ def resolve_model_path(args: argparse.Namespace) -> str:
     return str(build_bench_checkpoint())
 
 
-def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None,
-                    chat_ok: bool = False) -> list[Workload]:
+def build_workloads(
+    args: argparse.Namespace, model_path: str | None, vocab_size: int | None = None, chat_ok: bool = False
+) -> list[Workload]:
     """The workloads the flags ask for; chat ones (json-schema, repeat) only where ``chat_ok``: they
     are text the server tokenizes, so only a served run (bench.serving, bench/structured.py) can send
     them."""
@@ -354,24 +432,40 @@ def build_workloads(args: argparse.Namespace, model_path: str | None, vocab_size
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        epilog="Any other flag (e.g. --device cpu --max-total-tokens 40000) is passed to launch.py.")
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any other flag (e.g. --device cpu --max-total-tokens 40000) is passed to launch.py.",
+    )
     parser.add_argument("--address", default=None, help="a running server (default: start one)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--backend", nargs="+", choices=("zmq", "http"), default=["zmq"],
-                        help="zmq: the Python client (default); http: OpenAI /v1/completions over HTTP; "
-                             "both ('--backend zmq http') run each workload through each, on the same server")
-    parser.add_argument("--http-address", default=None,
-                        help="with --address and --backend http: the server's http://HOST:PORT")
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        choices=("zmq", "http"),
+        default=["zmq"],
+        help="zmq: the Python client (default); http: OpenAI /v1/completions over HTTP; "
+        "both ('--backend zmq http') run each workload through each, on the same server",
+    )
+    parser.add_argument(
+        "--http-address", default=None, help="with --address and --backend http: the server's http://HOST:PORT"
+    )
     add_model_args(parser)
     add_workload_args(parser)
     g = parser.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests (sessions) per second, Poisson arrivals (default: all at once)")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests (sessions) per second, Poisson arrivals (default: all at once)",
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT / ITL)")
-    g.add_argument("--warmup", type=int, default=-1,
-                   help="warm-up requests (2 tokens each) before each workload; -1: all its prompts (default)")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="warm-up requests (2 tokens each) before each workload; -1: all its prompts (default)",
+    )
     g.add_argument("--timeout", type=float, default=None, help="per-request client timeout in seconds")
     add_pinning_args(parser)
     g = parser.add_argument_group("output")
@@ -388,19 +482,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.structured import main_json_schema  # its own comparison: three runs, two servers
 
         return main_json_schema(args, server_flags, pinning, model_path)
-    with server_for(args.address, model_path, server_flags, args.api_key, pinning,
-                    http_address=args.http_address) as handle:
+    with server_for(
+        args.address, model_path, server_flags, args.api_key, pinning, http_address=args.http_address
+    ) as handle:
         workloads = build_workloads(args, handle.model_path, handle.vocab_size, chat_ok=True)
-        runs = [run for backend in args.backend
-                for run in benchmark_workloads(handle, workloads, request_rate=args.request_rate,
-                                               max_concurrency=args.max_concurrency, stream=not args.no_stream,
-                                               seed=args.seed, warmup=args.warmup, timeout=args.timeout,
-                                               backend=backend)]
+        runs = [
+            run
+            for backend in args.backend
+            for run in benchmark_workloads(
+                handle,
+                workloads,
+                request_rate=args.request_rate,
+                max_concurrency=args.max_concurrency,
+                stream=not args.no_stream,
+                seed=args.seed,
+                warmup=args.warmup,
+                timeout=args.timeout,
+                backend=backend,
+            )
+        ]
     for run in runs:
         run["machine"] = machine_info(pinning)
         if run["metrics"]["failed"]:
-            print(f"warning: {run['metrics']['failed']} requests failed in {run['workload']['name']}: "
-                  f"{run['metrics']['errors']}", file=sys.stderr)
+            print(
+                f"warning: {run['metrics']['failed']} requests failed in {run['workload']['name']}: "
+                f"{run['metrics']['errors']}",
+                file=sys.stderr,
+            )
     print_table([table_row(r) for r in runs], TABLE_COLUMNS, title="serving benchmark")
     tag = "-".join(w.name for w in workloads)
     out = write_json(args.output or default_output_path("serving", tag), {"kind": "serving", "runs": runs})

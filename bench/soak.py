@@ -39,10 +39,19 @@ from bench.serving import add_model_args, resolve_model_path, server_for
 
 SMALL_POOL_TOKENS = 2048
 IDLE_TIMEOUT_S = 120.0
-TABLE_COLUMNS = [("requests", "requests"), ("completed", "completed"), ("aborted", "aborted"),
-                 ("disconnected", "disconnected"), ("errors", "errors"), ("hung", "hung"),
-                 ("leaked_slots", "leaked slots"), ("invariant_ok", "invariant ok"), ("wall_s", "wall s"),
-                 ("req_per_s", "req/s"), ("idle_after_s", "idle after s")]
+TABLE_COLUMNS = [
+    ("requests", "requests"),
+    ("completed", "completed"),
+    ("aborted", "aborted"),
+    ("disconnected", "disconnected"),
+    ("errors", "errors"),
+    ("hung", "hung"),
+    ("leaked_slots", "leaked slots"),
+    ("invariant_ok", "invariant ok"),
+    ("wall_s", "wall s"),
+    ("req_per_s", "req/s"),
+    ("idle_after_s", "idle after s"),
+]
 
 
 @dataclass(frozen=True)
@@ -58,17 +67,25 @@ class Plan:
     after_s: float  # abort / disconnect after this delay (non-stream)
 
 
-def make_plans(num: int, abort_frac: float, disconnect_frac: float, vocab_size: int, max_prompt: int,
-               max_new: int, seed: int) -> list[Plan]:
+def make_plans(
+    num: int, abort_frac: float, disconnect_frac: float, vocab_size: int, max_prompt: int, max_new: int, seed: int
+) -> list[Plan]:
     rng = random.Random(seed)
     plans = []
     for i in range(num):
         u = rng.random()
         fate = "abort" if u < abort_frac else "disconnect" if u < abort_frac + disconnect_frac else "complete"
-        plans.append(Plan(index=i, fate=fate,
-                          input_ids=[rng.randrange(vocab_size) for _ in range(rng.randint(1, max_prompt))],
-                          max_new_tokens=rng.randint(1, max_new), stream=rng.random() < 0.5,
-                          after_chunks=rng.randint(1, 4), after_s=rng.uniform(0.0, 0.2)))
+        plans.append(
+            Plan(
+                index=i,
+                fate=fate,
+                input_ids=[rng.randrange(vocab_size) for _ in range(rng.randint(1, max_prompt))],
+                max_new_tokens=rng.randint(1, max_new),
+                stream=rng.random() < 0.5,
+                after_chunks=rng.randint(1, 4),
+                after_s=rng.uniform(0.0, 0.2),
+            )
+        )
     return plans
 
 
@@ -124,9 +141,17 @@ async def _disconnect(ctx: zmq.asyncio.Context, address: str, api_key: str | Non
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        await sock.send(msgspec.msgpack.encode(GenerateReq(
-            rid=uuid.uuid4().hex, input_ids=plan.input_ids, sampling_params=_params(plan), stream=plan.stream,
-            api_key=api_key)))
+        await sock.send(
+            msgspec.msgpack.encode(
+                GenerateReq(
+                    rid=uuid.uuid4().hex,
+                    input_ids=plan.input_ids,
+                    sampling_params=_params(plan),
+                    stream=plan.stream,
+                    api_key=api_key,
+                )
+            )
+        )
         if plan.stream:
             seen = 0
             while seen < plan.after_chunks and await sock.poll(5000):
@@ -139,8 +164,9 @@ async def _disconnect(ctx: zmq.asyncio.Context, address: str, api_key: str | Non
     return "disconnected"
 
 
-async def run_soak(address: str, api_key: str | None, plans: list[Plan], concurrency: int,
-                   timeout: float) -> tuple[dict[str, int], float]:
+async def run_soak(
+    address: str, api_key: str | None, plans: list[Plan], concurrency: int, timeout: float
+) -> tuple[dict[str, int], float]:
     """Run every plan, ``concurrency`` at a time; the outcome counts and the wall time."""
     from runtime.client import AsyncClient
 
@@ -148,6 +174,7 @@ async def run_soak(address: str, api_key: str | None, plans: list[Plan], concurr
     sem = asyncio.Semaphore(concurrency)
     ctx = zmq.asyncio.Context()
     async with AsyncClient(address, api_key=api_key, timeout=timeout) as client:
+
         async def one(plan: Plan) -> None:
             async with sem:
                 if plan.fate == "complete":
@@ -173,17 +200,23 @@ def wait_idle(address: str, api_key: str | None, timeout: float = IDLE_TIMEOUT_S
     with Client(address, api_key=api_key, timeout=60) as c:
         while True:
             info = c.server_info()
-            busy = info["num_running"] or info["num_queued"] or info.get("num_chunked") \
+            busy = (
+                info["num_running"]
+                or info["num_queued"]
+                or info.get("num_chunked")
                 or info["tokenizer"]["active_requests"]
+            )
             if not busy or time.perf_counter() - t0 > timeout:
                 return info, time.perf_counter() - t0
             time.sleep(0.1)  # the server pushes no "idle" event: poll its cheap info call
 
 
-def summarize(plans: list[Plan], counts: dict[str, int], wall: float, info: dict[str, Any],
-              idle_after: float) -> dict[str, Any]:
-    busy_left = int(info["num_running"] or 0) + int(info["num_queued"] or 0) \
-        + int(info["tokenizer"]["active_requests"] or 0)
+def summarize(
+    plans: list[Plan], counts: dict[str, int], wall: float, info: dict[str, Any], idle_after: float
+) -> dict[str, Any]:
+    busy_left = (
+        int(info["num_running"] or 0) + int(info["num_queued"] or 0) + int(info["tokenizer"]["active_requests"] or 0)
+    )
     leaked = int(info["max_total_tokens"]) - int(info["available_tokens"]) - int(info["evictable_tokens"])
     return {
         "requests": len(plans),
@@ -204,8 +237,11 @@ def summarize(plans: list[Plan], counts: dict[str, int], wall: float, info: dict
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Any other flag (e.g. --device cpu) is passed to launch.py.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any other flag (e.g. --device cpu) is passed to launch.py.",
+    )
     parser.add_argument("--address", default=None, help="a running server (default: start one)")
     parser.add_argument("--api-key", default=None)
     add_model_args(parser)
@@ -213,8 +249,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     g.add_argument("--num-requests", type=int, default=3000)
     g.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default 32)")
     g.add_argument("--abort-frac", type=float, default=0.1, help="share aborted by the client (default 0.1)")
-    g.add_argument("--disconnect-frac", type=float, default=0.1,
-                   help="share whose client vanishes mid-flight (default 0.1)")
+    g.add_argument(
+        "--disconnect-frac", type=float, default=0.1, help="share whose client vanishes mid-flight (default 0.1)"
+    )
     g.add_argument("--max-prompt", type=int, default=256, help="prompt lengths are drawn in [1, this]")
     g.add_argument("--max-new-tokens", type=int, default=64, help="output lengths are drawn in [1, this]")
     g.add_argument("--timeout", type=float, default=120.0, help="a request without a reply this long is hung")
@@ -235,15 +272,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = c.server_info()["model"]
         vocab = int(model["vocab_size"])
         # Every prompt and its output fit: nothing is refused for its length.
-        max_prompt = max(1, min(args.max_prompt, int(model["max_req_input_len"]),
-                                int(model["context_len"]) - args.max_new_tokens))
-        plans = make_plans(args.num_requests, args.abort_frac, args.disconnect_frac, vocab, max_prompt,
-                           args.max_new_tokens, args.seed)
+        max_prompt = max(
+            1, min(args.max_prompt, int(model["max_req_input_len"]), int(model["context_len"]) - args.max_new_tokens)
+        )
+        plans = make_plans(
+            args.num_requests, args.abort_frac, args.disconnect_frac, vocab, max_prompt, args.max_new_tokens, args.seed
+        )
         counts, wall = asyncio.run(run_soak(handle.address, args.api_key, plans, args.concurrency, args.timeout))
         info, idle_after = wait_idle(handle.address, args.api_key)
     result = summarize(plans, counts, wall, info, idle_after)
-    record = {"kind": "soak", "config": {k: v for k, v in vars(args).items()}, "server_flags": server_flags,
-              "result": result, "machine": machine_info(None), "first_plans": [asdict(p) for p in plans[:3]]}
+    record = {
+        "kind": "soak",
+        "config": {k: v for k, v in vars(args).items()},
+        "server_flags": server_flags,
+        "result": result,
+        "machine": machine_info(None),
+        "first_plans": [asdict(p) for p in plans[:3]],
+    }
     print_table([result], TABLE_COLUMNS, title="soak")
     out = write_json(args.output or default_output_path("soak", str(args.num_requests)), record)
     print(f"\nwrote {out}")

@@ -44,7 +44,7 @@ def fits(num_requests: int, full_size: int, swa_size: int, args: argparse.Namesp
     """Whether ``num_requests`` requests reach ``args.context`` tokens each in these pools."""
     alloc = SWATokenToKVPoolAllocator(full_size, swa_size, torch.zeros(full_size + 1, dtype=torch.int64), "cpu")
     pool = ReqToTokenPool(num_requests + 1, args.context + 8, "cpu")
-    cache: Any = (SWARadixCache(pool, alloc, args.window) if args.radix else SWAChunkCache(pool, alloc, args.window))
+    cache: Any = SWARadixCache(pool, alloc, args.window) if args.radix else SWAChunkCache(pool, alloc, args.window)
     prompt_len = args.context - args.decode
     reqs = []
     for r in range(num_requests):
@@ -92,12 +92,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="tokens per request at the end (default 4096)")
     parser.add_argument("--decode", type=int, default=256, help="of which generated one by one (default 256)")
     parser.add_argument("--window", type=int, default=256, help="window of the windowed layers (default 256)")
-    parser.add_argument("--budget-requests", type=int, default=16,
-                        help="the KV budget, in full-length requests of a full-attention cache (default 16)")
+    parser.add_argument(
+        "--budget-requests",
+        type=int,
+        default=16,
+        help="the KV budget, in full-length requests of a full-attention cache (default 16)",
+    )
     parser.add_argument("--swa-full-tokens-ratio", type=float, default=0.125, help="SWA / full pool size (0.125)")
     parser.add_argument("--chunk", type=int, default=512, help="chunked prefill size (default 512)")
     parser.add_argument("--radix", action="store_true", help="the radix cache instead of the chunk cache")
-    parser.add_argument("--output", default=None, help="JSON path (default bench/results/swa_capacity_<cache>_<time>.json)")
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default bench/results/swa_capacity_<cache>_<time>.json)"
+    )
     args = parser.parse_args()
     layers = BENCH_SPEC.num_layers
     swa_layers = layers // 2  # every other layer windowed
@@ -106,19 +112,33 @@ def main() -> None:
     head_bytes = 2 * BENCH_SPEC.num_kv_heads * (BENCH_SPEC.hidden_size // BENCH_SPEC.num_heads) * 2  # K+V, bf16
     hybrid = max_requests(full_size, swa_size, args)
     result = {
-        "context": args.context, "window": args.window, "windowed_layers": f"{swa_layers}/{layers}",
+        "context": args.context,
+        "window": args.window,
+        "windowed_layers": f"{swa_layers}/{layers}",
         "cache": "radix" if args.radix else "chunk",
         "kv_bytes": budget_tokens * layers * head_bytes,
         "hybrid_bytes": (full_size * (layers - swa_layers) + swa_size * swa_layers) * head_bytes,
         "full_attention_requests": args.budget_requests,
-        "full_pool_tokens": full_size, "swa_pool_tokens": swa_size,
-        "hybrid_requests": hybrid, "ratio": round(hybrid / args.budget_requests, 3),
+        "full_pool_tokens": full_size,
+        "swa_pool_tokens": swa_size,
+        "hybrid_requests": hybrid,
+        "ratio": round(hybrid / args.budget_requests, 3),
     }
-    print_table([result], [("context", "context"), ("window", "window"), ("windowed_layers", "windowed layers"),
-                           ("cache", "cache"), ("full_attention_requests", "full-attention requests"),
-                           ("hybrid_requests", "hybrid SWA requests"), ("ratio", "ratio"),
-                           ("full_pool_tokens", "full pool tokens"), ("swa_pool_tokens", "SWA pool tokens")],
-                title="requests that reach the context in the same KV bytes")
+    print_table(
+        [result],
+        [
+            ("context", "context"),
+            ("window", "window"),
+            ("windowed_layers", "windowed layers"),
+            ("cache", "cache"),
+            ("full_attention_requests", "full-attention requests"),
+            ("hybrid_requests", "hybrid SWA requests"),
+            ("ratio", "ratio"),
+            ("full_pool_tokens", "full pool tokens"),
+            ("swa_pool_tokens", "SWA pool tokens"),
+        ],
+        title="requests that reach the context in the same KV bytes",
+    )
     out = write_json(args.output or default_output_path("swa_capacity", result["cache"]), result)
     print(f"\nwrote {out}")
 

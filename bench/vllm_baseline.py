@@ -41,8 +41,15 @@ def vllm_env(cpus: Sequence[int] | None) -> dict[str, str]:
     return env
 
 
-def run_vllm_baseline(python: str, model_path: str, workloads: Sequence[Any], dtype: str, repeat: int,
-                      cpus: Sequence[int] | None = None, timeout: float = 3600.0) -> list[dict[str, Any]]:
+def run_vllm_baseline(
+    python: str,
+    model_path: str,
+    workloads: Sequence[Any],
+    dtype: str,
+    repeat: int,
+    cpus: Sequence[int] | None = None,
+    timeout: float = 3600.0,
+) -> list[dict[str, Any]]:
     """Run record per (repeat, workload) in serving.py's layout, from the vLLM child's RESULT lines."""
     from bench.hf_baseline import summarize_batches
 
@@ -50,35 +57,59 @@ def run_vllm_baseline(python: str, model_path: str, workloads: Sequence[Any], dt
         if any(r.after is not None for r in wl.requests):
             raise SystemExit(f"the vLLM baseline runs independent requests only; {wl.name!r} has turns")
     spec = {
-        "model_path": model_path, "dtype": dtype, "repeat": repeat,
+        "model_path": model_path,
+        "dtype": dtype,
+        "repeat": repeat,
         "max_model_len": max(len(r.input_ids) + r.max_new_tokens for wl in workloads for r in wl.requests) + 8,
-        "workloads": [{"name": wl.name, "prompts": [r.input_ids for r in wl.requests],
-                       "max_new_tokens": [r.max_new_tokens for r in wl.requests]} for wl in workloads],
+        "workloads": [
+            {
+                "name": wl.name,
+                "prompts": [r.input_ids for r in wl.requests],
+                "max_new_tokens": [r.max_new_tokens for r in wl.requests],
+            }
+            for wl in workloads
+        ],
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([python, os.path.abspath(__file__), "--child", f.name], env=vllm_env(cpus),
-                              stdout=subprocess.PIPE, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [python, os.path.abspath(__file__), "--child", f.name],
+            env=vllm_env(cpus),
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+        )
     finally:
         os.unlink(f.name)
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
-               if line.startswith(RESULT_PREFIX)]
+    results = [
+        json.loads(line[len(RESULT_PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)
+    ]
     if proc.returncode != 0 or len(results) != repeat * len(workloads):
-        raise RuntimeError(f"the vLLM baseline ({python}) exited {proc.returncode} with {len(results)} of "
-                           f"{repeat * len(workloads)} results (its stderr is above)")
+        raise RuntimeError(
+            f"the vLLM baseline ({python}) exited {proc.returncode} with {len(results)} of "
+            f"{repeat * len(workloads)} results (its stderr is above)"
+        )
     by_name = {wl.name: wl for wl in workloads}
     runs = []
     for res in results:
         wl = by_name[res["workload"]]
-        metrics = summarize_batches([res["time_s"]], [wl.num_requests], wl.prompt_tokens, res["output_tokens"],
-                                    res["time_s"])
+        metrics = summarize_batches(
+            [res["time_s"]], [wl.num_requests], wl.prompt_tokens, res["output_tokens"], res["time_s"]
+        )
         metrics.pop("num_batches")
         metrics["cache_hit_rate"] = math.nan  # vLLM's offline API does not report it
-        runs.append({"kind": "vllm_baseline", "engine": ENGINE, "workload": wl.spec(), "repeat": res["repeat"],
-                     "model_path": model_path, "settings": {"dtype": dtype, "python": python,
-                                                            "vllm_version": res.get("vllm_version")},
-                     "metrics": metrics})
+        runs.append(
+            {
+                "kind": "vllm_baseline",
+                "engine": ENGINE,
+                "workload": wl.spec(),
+                "repeat": res["repeat"],
+                "model_path": model_path,
+                "settings": {"dtype": dtype, "python": python, "vllm_version": res.get("vllm_version")},
+                "metrics": metrics,
+            }
+        )
     return runs
 
 
@@ -92,8 +123,13 @@ def child_main(spec_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-              enable_prefix_caching=True)
+    llm = LLM(
+        model=spec["model_path"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        enable_prefix_caching=True,
+    )
     for rep in range(spec["repeat"]):
         for wl in spec["workloads"]:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in wl["prompts"]]
@@ -104,9 +140,13 @@ def child_main(spec_path: str) -> None:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
-            result = {"workload": wl["name"], "repeat": rep, "time_s": elapsed,
-                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                      "vllm_version": getattr(vllm, "__version__", None)}
+            result = {
+                "workload": wl["name"],
+                "repeat": rep,
+                "time_s": elapsed,
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "vllm_version": getattr(vllm, "__version__", None),
+            }
             print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 

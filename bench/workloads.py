@@ -120,42 +120,104 @@ def _check_range(vocab_low: int, vocab_high: int) -> None:
         raise ValueError(f"empty token range [{vocab_low}, {vocab_high})")
 
 
-def uniform(num_requests: int = 64, prompt_len: int = 128, max_new_tokens: int = 64, seed: int = 0,
-            vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def uniform(
+    num_requests: int = 64,
+    prompt_len: int = 128,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     _check_range(vocab_low, vocab_high)
     rng = random.Random(f"uniform-{seed}")
-    reqs = [BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens, session=i)
-            for i in range(num_requests)]
-    return Workload("uniform", dict(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                    seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+    reqs = [
+        BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens, session=i)
+        for i in range(num_requests)
+    ]
+    return Workload(
+        "uniform",
+        dict(
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
-def single(num_requests: int = 1, prompt_len: int = 128, max_new_tokens: int = 128, seed: int = 0,
-           vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def single(
+    num_requests: int = 1,
+    prompt_len: int = 128,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     _check_range(vocab_low, vocab_high)
     rng = random.Random(f"single-{seed}")
-    reqs = [BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens,
-                         after=i - 1 if i else None) for i in range(num_requests)]  # one session: one at a time
-    return Workload("single", dict(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                   seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+    reqs = [
+        BenchRequest(i, _random_ids(rng, prompt_len, vocab_low, vocab_high), max_new_tokens, after=i - 1 if i else None)
+        for i in range(num_requests)
+    ]  # one session: one at a time
+    return Workload(
+        "single",
+        dict(
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
-def shared_prefix(num_requests: int = 64, prefix_len: int = 512, suffix_len: int = 32, max_new_tokens: int = 64,
-                  seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
-                  vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def shared_prefix(
+    num_requests: int = 64,
+    prefix_len: int = 512,
+    suffix_len: int = 32,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     _check_range(vocab_low, vocab_high)
     rng = random.Random(f"shared-prefix-{seed}")
     prefix = _random_ids(rng, prefix_len, vocab_low, vocab_high)
-    reqs = [BenchRequest(i, prefix + _random_ids(rng, suffix_len, vocab_low, vocab_high), max_new_tokens, session=i)
-            for i in range(num_requests)]
-    return Workload("shared-prefix", dict(num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len,
-                                          max_new_tokens=max_new_tokens, seed=seed, vocab_low=vocab_low,
-                                          vocab_high=vocab_high), reqs)
+    reqs = [
+        BenchRequest(i, prefix + _random_ids(rng, suffix_len, vocab_low, vocab_high), max_new_tokens, session=i)
+        for i in range(num_requests)
+    ]
+    return Workload(
+        "shared-prefix",
+        dict(
+            num_requests=num_requests,
+            prefix_len=prefix_len,
+            suffix_len=suffix_len,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
-def multi_turn(num_requests: int = 64, num_turns: int = 4, system_len: int = 128, user_len: int = 64,
-               answer_len: int = 64, max_new_tokens: int = 64, seed: int = 0,
-               vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def multi_turn(
+    num_requests: int = 64,
+    num_turns: int = 4,
+    system_len: int = 128,
+    user_len: int = 64,
+    answer_len: int = 64,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     """``num_requests // num_turns`` sessions (at least one) of ``num_turns`` turns each."""
     _check_range(vocab_low, vocab_high)
     if num_turns < 1:
@@ -173,33 +235,81 @@ def multi_turn(num_requests: int = 64, num_turns: int = 4, system_len: int = 128
             index = len(reqs)
             reqs.append(BenchRequest(index, history, max_new_tokens, after=prev, session=s))
             prev = index
-    return Workload("multi-turn", dict(num_requests=num_requests, num_turns=num_turns, system_len=system_len,
-                                       user_len=user_len, answer_len=answer_len, max_new_tokens=max_new_tokens,
-                                       seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+    return Workload(
+        "multi-turn",
+        dict(
+            num_requests=num_requests,
+            num_turns=num_turns,
+            system_len=system_len,
+            user_len=user_len,
+            answer_len=answer_len,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
-def multi_turn_overflow(pool_tokens: int = 16384, working_set_ratio: float = 4.0, num_turns: int = 4,
-                        system_len: int = 600, user_len: int = 64, answer_len: int = 64, max_new_tokens: int = 64,
-                        num_requests: int | None = None, seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
-                        vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def multi_turn_overflow(
+    pool_tokens: int = 16384,
+    working_set_ratio: float = 4.0,
+    num_turns: int = 4,
+    system_len: int = 600,
+    user_len: int = 64,
+    answer_len: int = 64,
+    max_new_tokens: int = 64,
+    num_requests: int | None = None,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     """Enough ``multi_turn`` sessions that their final histories total ``working_set_ratio * pool_tokens``
     tokens (``num_requests``, when given, fixes the request count instead)."""
     if pool_tokens < 1 or working_set_ratio <= 0:
         raise ValueError("pool_tokens must be >= 1 and working_set_ratio > 0")
     final_len = system_len + num_turns * user_len + (num_turns - 1) * answer_len
     sessions = max(1, -(-int(working_set_ratio * pool_tokens) // final_len))
-    inner = multi_turn(num_requests if num_requests is not None else sessions * num_turns, num_turns, system_len,
-                       user_len, answer_len, max_new_tokens, seed, vocab_low, vocab_high)
-    return Workload("multi-turn-overflow", dict(pool_tokens=pool_tokens, working_set_ratio=working_set_ratio,
-                                                num_turns=num_turns, system_len=system_len, user_len=user_len,
-                                                answer_len=answer_len, max_new_tokens=max_new_tokens,
-                                                num_requests=num_requests, seed=seed, vocab_low=vocab_low,
-                                                vocab_high=vocab_high), inner.requests)
+    inner = multi_turn(
+        num_requests if num_requests is not None else sessions * num_turns,
+        num_turns,
+        system_len,
+        user_len,
+        answer_len,
+        max_new_tokens,
+        seed,
+        vocab_low,
+        vocab_high,
+    )
+    return Workload(
+        "multi-turn-overflow",
+        dict(
+            pool_tokens=pool_tokens,
+            working_set_ratio=working_set_ratio,
+            num_turns=num_turns,
+            system_len=system_len,
+            user_len=user_len,
+            answer_len=answer_len,
+            max_new_tokens=max_new_tokens,
+            num_requests=num_requests,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        inner.requests,
+    )
 
 
-def tree(num_requests: int = 64, branching: int = 4, segment_lens: tuple[int, ...] | list[int] = (256, 128, 64, 32),
-         max_new_tokens: int = 64, seed: int = 0, vocab_low: int = DEFAULT_VOCAB_LOW,
-         vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def tree(
+    num_requests: int = 64,
+    branching: int = 4,
+    segment_lens: tuple[int, ...] | list[int] = (256, 128, 64, 32),
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     """Prompt i = root segment + one segment per inner level + a unique leaf segment.
 
     With ``segment_lens=(root, l1, ..., leaf)`` there are ``len - 2`` inner levels; at
@@ -231,9 +341,19 @@ def tree(num_requests: int = 64, branching: int = 4, segment_lens: tuple[int, ..
     order = list(range(num_requests))
     random.Random(f"tree-order-{seed}").shuffle(order)
     reqs = [BenchRequest(k, prompts[i], max_new_tokens, session=k) for k, i in enumerate(order)]
-    return Workload("tree", dict(num_requests=num_requests, branching=branching, segment_lens=lens,
-                                 max_new_tokens=max_new_tokens, seed=seed, vocab_low=vocab_low,
-                                 vocab_high=vocab_high), reqs)
+    return Workload(
+        "tree",
+        dict(
+            num_requests=num_requests,
+            branching=branching,
+            segment_lens=lens,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
 # ---------------------------------------------------------------------- json-schema
@@ -250,19 +370,37 @@ def _str(max_len: int) -> dict[str, Any]:
 # Extraction-style schemas: every string, array and number is bounded, so a greedy output
 # always closes and ends with stop (a free string can run to max_new_tokens on a small model).
 JSON_SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": _obj(name=_str(40), age={"type": "integer", "minimum": 0, "maximum": 120}, city=_str(40),
-                   occupation=_str(40)),
-    "order": _obj(customer=_str(40), currency={"enum": ["USD", "EUR", "GBP"]},
-                  items={"type": "array", "maxItems": 4, "items": _obj(
-                      product=_str(30), quantity={"type": "integer", "minimum": 1, "maximum": 99})}),
-    "event": _obj(title=_str(60), date={"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
-                  category={"enum": ["conference", "meetup", "workshop", "webinar"]},
-                  attendees={"type": "integer", "minimum": 0, "maximum": 10000}, online={"type": "boolean"}),
-    "review": _obj(product=_str(40), rating={"type": "integer", "minimum": 1, "maximum": 5},
-                   sentiment={"enum": ["positive", "neutral", "negative"]},
-                   pros={"type": "array", "maxItems": 3, "items": _str(30)}),
-    "ticket": _obj(customer=_str(40), subject=_str(60), priority={"enum": ["low", "medium", "high", "urgent"]},
-                   department={"enum": ["billing", "shipping", "technical", "account"]}),
+    "person": _obj(
+        name=_str(40), age={"type": "integer", "minimum": 0, "maximum": 120}, city=_str(40), occupation=_str(40)
+    ),
+    "order": _obj(
+        customer=_str(40),
+        currency={"enum": ["USD", "EUR", "GBP"]},
+        items={
+            "type": "array",
+            "maxItems": 4,
+            "items": _obj(product=_str(30), quantity={"type": "integer", "minimum": 1, "maximum": 99}),
+        },
+    ),
+    "event": _obj(
+        title=_str(60),
+        date={"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        category={"enum": ["conference", "meetup", "workshop", "webinar"]},
+        attendees={"type": "integer", "minimum": 0, "maximum": 10000},
+        online={"type": "boolean"},
+    ),
+    "review": _obj(
+        product=_str(40),
+        rating={"type": "integer", "minimum": 1, "maximum": 5},
+        sentiment={"enum": ["positive", "neutral", "negative"]},
+        pros={"type": "array", "maxItems": 3, "items": _str(30)},
+    ),
+    "ticket": _obj(
+        customer=_str(40),
+        subject=_str(60),
+        priority={"enum": ["low", "medium", "high", "urgent"]},
+        department={"enum": ["billing", "shipping", "technical", "account"]},
+    ),
 }
 
 _SYSTEM = "You are a data extraction assistant. Reply with one JSON object and nothing else."
@@ -283,19 +421,30 @@ def _document(kind: str, rng: random.Random) -> str:
         lines = ", ".join(f"{rng.randint(1, 5)} x {p}" for p in rng.sample(_PRODUCT, rng.randint(1, 3)))
         return f"Order from {name}: {lines}. Total charged in {rng.choice(['dollars', 'euros', 'pounds'])}."
     if kind == "event":
-        return (f"The {city} {rng.choice(['Python', 'Data', 'Design', 'Cloud'])} "
-                f"{rng.choice(['meetup', 'conference', 'workshop'])} takes place on 2025-{rng.randint(1, 12):02d}-"
-                f"{rng.randint(1, 28):02d}; about {rng.randint(20, 900)} people are expected to attend in person.")
+        return (
+            f"The {city} {rng.choice(['Python', 'Data', 'Design', 'Cloud'])} "
+            f"{rng.choice(['meetup', 'conference', 'workshop'])} takes place on 2025-{rng.randint(1, 12):02d}-"
+            f"{rng.randint(1, 28):02d}; about {rng.randint(20, 900)} people are expected to attend in person."
+        )
     if kind == "review":
-        return (f"Review by {name}: I bought the {product} last month. {rng.choice(['Solid', 'Cheap', 'Great'])} "
-                f"build and {rng.choice(['easy to use', 'quiet', 'light'])}, but the "
-                f"{rng.choice(['cable', 'lid', 'strap'])} feels flimsy. Rating: {rng.randint(1, 5)}/5.")
-    return (f"Hello, this is {name}. My {product} arrived {rng.choice(['broken', 'late', 'without a charger'])} "
-            f"and I was charged twice. Please help {rng.choice(['soon', 'today', 'when you can'])}.")
+        return (
+            f"Review by {name}: I bought the {product} last month. {rng.choice(['Solid', 'Cheap', 'Great'])} "
+            f"build and {rng.choice(['easy to use', 'quiet', 'light'])}, but the "
+            f"{rng.choice(['cable', 'lid', 'strap'])} feels flimsy. Rating: {rng.randint(1, 5)}/5."
+        )
+    return (
+        f"Hello, this is {name}. My {product} arrived {rng.choice(['broken', 'late', 'without a charger'])} "
+        f"and I was charged twice. Please help {rng.choice(['soon', 'today', 'when you can'])}."
+    )
 
 
-def json_schema(num_requests: int = 64, max_new_tokens: int = 256, seed: int = 0,
-                vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def json_schema(
+    num_requests: int = 64,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     """Chat extraction requests cycling through ``JSON_SCHEMAS``, each on its own generated text.
 
     ``max_new_tokens`` is a cap the bounded schemas stay well under (outputs end with stop).
@@ -308,16 +457,55 @@ def json_schema(num_requests: int = 64, max_new_tokens: int = 256, seed: int = 0
     for i in range(num_requests):
         kind = kinds[i % len(kinds)]
         schema = JSON_SCHEMAS[kind]
-        ask = (f"Extract the {kind} from the text below as JSON with the fields "
-               f"{', '.join(schema['properties'])}.\n\nText: {_document(kind, rng)}")
-        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, json_schema=json.dumps(schema),
-                                 messages=[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": ask}]))
-    return Workload("json-schema", dict(num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed,
-                                        vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+        ask = (
+            f"Extract the {kind} from the text below as JSON with the fields "
+            f"{', '.join(schema['properties'])}.\n\nText: {_document(kind, rng)}"
+        )
+        reqs.append(
+            BenchRequest(
+                i,
+                [],
+                max_new_tokens,
+                session=i,
+                json_schema=json.dumps(schema),
+                messages=[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": ask}],
+            )
+        )
+    return Workload(
+        "json-schema",
+        dict(
+            num_requests=num_requests,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
-_WORDS = ("river", "garden", "market", "engine", "winter", "letter", "window", "forest", "silver", "harbor",
-          "teacher", "bridge", "candle", "mountain", "station", "village", "island", "museum", "orchard", "tower")
+_WORDS = (
+    "river",
+    "garden",
+    "market",
+    "engine",
+    "winter",
+    "letter",
+    "window",
+    "forest",
+    "silver",
+    "harbor",
+    "teacher",
+    "bridge",
+    "candle",
+    "mountain",
+    "station",
+    "village",
+    "island",
+    "museum",
+    "orchard",
+    "tower",
+)
 _VERBS = ("opened", "carried", "painted", "found", "watched", "followed", "repaired", "described", "visited")
 
 
@@ -326,7 +514,9 @@ def _passage(rng: random.Random, sentences: int) -> str:
     out = []
     for _ in range(sentences):
         a, b, c = rng.sample(_WORDS, 3)
-        out.append(f"The {a} near the {b} was {rng.choice(_VERBS)} by a {c} every {rng.choice(['morning', 'evening'])}.")
+        out.append(
+            f"The {a} near the {b} was {rng.choice(_VERBS)} by a {c} every {rng.choice(['morning', 'evening'])}."
+        )
     return " ".join(out)
 
 
@@ -334,13 +524,21 @@ def _function(rng: random.Random) -> tuple[str, str]:
     """A short Python function, and one of its variable names."""
     name, var, other = rng.sample(["total", "count", "value", "items", "result", "offset", "limit", "scale"], 3)
     factor = rng.randint(2, 9)
-    code = (f"def compute_{name}(data, {other}):\n    {var} = 0\n    for x in data:\n        if x > {other}:\n"
-            f"            {var} += x * {factor}\n        else:\n            {var} -= x\n    return {var}\n")
+    code = (
+        f"def compute_{name}(data, {other}):\n    {var} = 0\n    for x in data:\n        if x > {other}:\n"
+        f"            {var} += x * {factor}\n        else:\n            {var} -= x\n    return {var}\n"
+    )
     return code, var
 
 
-def repeat(num_requests: int = 16, max_new_tokens: int = 160, sentences: int = 4, seed: int = 0,
-           vocab_low: int = DEFAULT_VOCAB_LOW, vocab_high: int = DEFAULT_VOCAB_HIGH) -> Workload:
+def repeat(
+    num_requests: int = 16,
+    max_new_tokens: int = 160,
+    sentences: int = 4,
+    seed: int = 0,
+    vocab_low: int = DEFAULT_VOCAB_LOW,
+    vocab_high: int = DEFAULT_VOCAB_HIGH,
+) -> Workload:
     """Chat requests whose answers quote their prompt, alternately a text rewrite with one word
     changed and a function with one variable renamed (speculative decoding's copy-heavy case).
     The token range is taken (every workload takes it) but unused: the prompts are text."""
@@ -352,16 +550,31 @@ def repeat(num_requests: int = 16, max_new_tokens: int = 160, sentences: int = 4
             text = _passage(rng, sentences)
             old = rng.choice([w for w in _WORDS if w in text])
             new = rng.choice([w for w in _WORDS if w not in text])
-            ask = (f"Rewrite the text below exactly as it is, but with the word \"{old}\" replaced by "
-                   f"\"{new}\". Reply with the rewritten text only.\n\n{text}")
+            ask = (
+                f'Rewrite the text below exactly as it is, but with the word "{old}" replaced by '
+                f'"{new}". Reply with the rewritten text only.\n\n{text}'
+            )
         else:
             code, var = _function(rng)
-            ask = (f"Rename the variable `{var}` to `acc` in this Python function. Reply with the whole "
-                   f"function only.\n\n```python\n{code}```")
-        reqs.append(BenchRequest(i, [], max_new_tokens, session=i, messages=[{"role": "user", "content": ask}],
-                                 until_eos=True))
-    return Workload("repeat", dict(num_requests=num_requests, max_new_tokens=max_new_tokens, sentences=sentences,
-                                   seed=seed, vocab_low=vocab_low, vocab_high=vocab_high), reqs)
+            ask = (
+                f"Rename the variable `{var}` to `acc` in this Python function. Reply with the whole "
+                f"function only.\n\n```python\n{code}```"
+            )
+        reqs.append(
+            BenchRequest(i, [], max_new_tokens, session=i, messages=[{"role": "user", "content": ask}], until_eos=True)
+        )
+    return Workload(
+        "repeat",
+        dict(
+            num_requests=num_requests,
+            max_new_tokens=max_new_tokens,
+            sentences=sentences,
+            seed=seed,
+            vocab_low=vocab_low,
+            vocab_high=vocab_high,
+        ),
+        reqs,
+    )
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {

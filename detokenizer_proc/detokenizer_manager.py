@@ -14,9 +14,10 @@ import logging
 from multiprocessing.connection import Connection
 from typing import Any
 
-from detokenizer_proc.incremental import DecodeState, Decoder
+from detokenizer_proc.incremental import Decoder, DecodeState
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
+from runtime.protocol.child_process import send_status
 from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.protocol.messages import (
     BatchStrOut,
@@ -29,7 +30,6 @@ from runtime.protocol.messages import (
     TokenizerInput,
 )
 from runtime.text.tokenizer import load_tokenizer
-from runtime.protocol.child_process import send_status
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,7 @@ class DetokenizerManager:
             meta["grammar_compile_seconds"] = out.grammar_compile_seconds
             meta["grammar_cache_hit"] = out.grammar_cache_hit
         if out.output_logprobs is not None:
-            meta["output_token_logprobs"] = [
-                [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)
-            ]
+            meta["output_token_logprobs"] = [[lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)]
         if out.output_top_logprobs is not None:
             meta["output_top_logprobs"] = out.output_top_logprobs
         if out.input_token_logprobs is not None:  # (a request's first output only)

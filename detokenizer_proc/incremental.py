@@ -38,8 +38,7 @@ class DecodeState:
     text: str = ""  # complete characters decoded so far
     sent: int = 0  # characters of ``text`` already handed out
 
-    def step(self, tok: Decoder, new_ids: Sequence[int], finished: bool,
-             finish_reason: dict[str, Any] | None) -> str:
+    def step(self, tok: Decoder, new_ids: Sequence[int], finished: bool, finish_reason: dict[str, Any] | None) -> str:
         """Absorb ``new_ids``; return the text that may be sent now (possibly "")."""
         if finished and _matched_stop_token(finish_reason) and not self.no_stop_trim and new_ids:
             new_ids = new_ids[:-1]  # the matched stop token is not part of the text
@@ -49,8 +48,12 @@ class DecodeState:
         if finished:
             end = len(text)
             matched = (finish_reason or {}).get("matched")
-            if (finish_reason or {}).get("type") == "stop" and isinstance(matched, str) \
-                    and matched and not self.no_stop_trim:
+            if (
+                (finish_reason or {}).get("type") == "stop"
+                and isinstance(matched, str)
+                and matched
+                and not self.no_stop_trim
+            ):
                 cut = text.find(matched)
                 if cut != -1:
                     end = cut
@@ -58,7 +61,7 @@ class DecodeState:
             end = len(text) - self._holdback(text)
         if end <= self.sent:
             return ""
-        delta = text[self.sent:end]
+        delta = text[self.sent : end]
         self.sent = end
         return delta
 
@@ -66,11 +69,11 @@ class DecodeState:
         if self.read_offset >= len(self.ids):
             return
         skip = self.skip_special_tokens
-        prefix_text = tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        new_text = tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
+        prefix_text = tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        new_text = tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if not flush and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return  # nothing new, or the tail is an incomplete character: wait for more ids
-        self.text += new_text[len(prefix_text):]
+        self.text += new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
 

@@ -16,9 +16,9 @@ from memory.invariant import InvariantReport, check_memory_invariant
 from memory.kv_pool import MHATokenToKVPool
 from memory.prefix_cache import BasePrefixCache, HitStats, KVCacheEvent, MatchResult, request_kv_len
 from memory.radix_cache import RadixCache
-from memory.tree_node import TreeNode
 from memory.req_state import CacheHandle, CacheRequest, SimpleCacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.tree_node import TreeNode
 
 __all__ = [
     "BasePrefixCache",

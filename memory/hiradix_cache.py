@@ -39,9 +39,9 @@ from memory.host_pool import HostKVPool
 from memory.kv_transfer import KVTransfer, TransferOp
 from memory.prefix_cache import KVCacheEvent, MatchResult
 from memory.radix_cache import RadixCache
-from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +167,13 @@ class HiRadixCache(RadixCache):
         dev, dev_node, _, _ = self._walk(key, extra_key)
         return dev, dev_node
 
-    def _walk(self, key: list[int], extra_key: str | None
-              ) -> tuple[list[torch.Tensor], TreeNode, list[torch.Tensor], TreeNode]:
+    def _walk(
+        self, key: list[int], extra_key: str | None
+    ) -> tuple[list[torch.Tensor], TreeNode, list[torch.Tensor], TreeNode]:
         """The match's device values and last device node, then its host-only values and last node."""
         nodes = self._match_nodes(key, extra_key)
         device = [n.value for n in nodes if n.value is not None]  # a prefix of ``nodes`` (module docstring)
-        host_only = nodes[len(device):]
+        host_only = nodes[len(device) :]
         host = [n.host_value for n in host_only if n.host_value is not None]
         assert len(host) == len(host_only), "a node with no KV in either tier"
         dev_node = nodes[len(device) - 1] if device else self.root
@@ -326,8 +327,12 @@ class HiRadixCache(RadixCache):
 
     # --------------------------------------------------------------- eviction
     def _is_device_leaf(self, node: TreeNode, leaving: set[TreeNode]) -> bool:
-        return (node is not self.root and node.value is not None and node.lock_ref == 0
-                and all(c.value is None or c in leaving for c in node.children.values()))
+        return (
+            node is not self.root
+            and node.value is not None
+            and node.lock_ref == 0
+            and all(c.value is None or c in leaving for c in node.children.values())
+        )
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (or all that is evictable), least valuable first.
@@ -377,8 +382,9 @@ class HiRadixCache(RadixCache):
         if not leaving:
             return
         nodes = list(leaving)
-        op = self.transfer.to_host(torch.cat([n.device_value() for n in nodes]),
-                                   torch.cat([n.host_slots() for n in nodes]))
+        op = self.transfer.to_host(
+            torch.cat([n.device_value() for n in nodes]), torch.cat([n.host_slots() for n in nodes])
+        )
         op.wait()  # the device slots are reused as soon as they are free
         self._count(op)
         for node in nodes:

@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, hicache_ratio: float,
-                     hicache_size_gb: float) -> int:
+def host_pool_tokens(
+    device_tokens: int, bytes_per_token: int, page_size: int, hicache_ratio: float, hicache_size_gb: float
+) -> int:
     """Host tokens for ``--hicache-size`` (GB; wins when > 0) or ``--hicache-ratio`` (host tokens per
     device token), rounded down to whole pages and at least one page."""
     if hicache_size_gb > 0:
@@ -50,8 +51,12 @@ class HostKVPool:
         self.k_buffer = [self._buffer(shape) for _ in range(self.num_layers)]
         self.v_buffer = [self._buffer(shape) for _ in range(self.num_layers)]
         self.allocator = BaseTokenToKVPoolAllocator(size, self.page_size, "cpu")
-        logger.info("host KV pool: %d tokens (%.3f GiB%s)", size, size * self.bytes_per_token() / GIB,
-                    ", pinned" if self.pinned else "")
+        logger.info(
+            "host KV pool: %d tokens (%.3f GiB%s)",
+            size,
+            size * self.bytes_per_token() / GIB,
+            ", pinned" if self.pinned else "",
+        )
 
     def _buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.pinned)

@@ -78,7 +78,9 @@ def check_memory_invariant(
     double.update((tree_count > 1).nonzero().flatten().tolist())
     double.update((free & in_tree).nonzero().flatten().tolist())
     if int(in_tree.sum()) != evictable + protected:
-        problems.append(f"tree holds {int(in_tree.sum())} distinct slots but evictable + protected = {evictable + protected}")
+        problems.append(
+            f"tree holds {int(in_tree.sum())} distinct slots but evictable + protected = {evictable + protected}"
+        )
 
     # Pages owned by running requests (slots in their rows that the tree does not own).
     owners = torch.zeros(allocator.num_pages + 1, dtype=torch.int64)
@@ -129,8 +131,9 @@ def check_memory_invariant(
     return InvariantReport(not problems, available, evictable, protected, leaked, double_owned, message, swa)
 
 
-def check_host_invariant(host_allocator: BaseTokenToKVPoolAllocator, host_slots: torch.Tensor,
-                         host_evictable: int, host_protected: int) -> InvariantReport:
+def check_host_invariant(
+    host_allocator: BaseTokenToKVPoolAllocator, host_slots: torch.Tensor, host_evictable: int, host_protected: int
+) -> InvariantReport:
     """The host tier of a hierarchical cache (:mod:`memory.hiradix_cache`): every host slot is free or
     held by exactly one tree node (``host_slots``: all of them, in any order), and
     ``available + evictable + protected == host size``. Host slots belong to the tree alone,
@@ -152,12 +155,16 @@ def check_host_invariant(host_allocator: BaseTokenToKVPoolAllocator, host_slots:
     held = count > 0
     double = sorted(set((count > 1).nonzero().flatten().tolist()) | set((free & held).nonzero().flatten().tolist()))
     if int(held.sum()) != host_evictable + host_protected:
-        problems.append(f"the tree holds {int(held.sum())} distinct host slots but host evictable + protected = "
-                        f"{host_evictable + host_protected}")
+        problems.append(
+            f"the tree holds {int(held.sum())} distinct host slots but host evictable + protected = "
+            f"{host_evictable + host_protected}"
+        )
     accounted = available + host_evictable + host_protected
     if accounted != host_allocator.size:
-        problems.append(f"host available {available} + evictable {host_evictable} + protected {host_protected}"
-                        f" = {accounted} != host size {host_allocator.size}")
+        problems.append(
+            f"host available {available} + evictable {host_evictable} + protected {host_protected}"
+            f" = {accounted} != host size {host_allocator.size}"
+        )
     leaked = (usable & ~free & ~held).nonzero().flatten().tolist()
     if leaked:
         problems.append(f"{len(leaked)} leaked host slots: {leaked[:_MAX_LISTED]}")

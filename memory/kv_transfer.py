@@ -51,7 +51,11 @@ class KVTransfer:
 
     def __init__(self, device_pool: MHATokenToKVPool, host_pool: HostKVPool) -> None:
         if (device_pool.num_layers, device_pool.kv_heads, device_pool.head_dim, device_pool.dtype) != (
-                host_pool.num_layers, host_pool.kv_heads, host_pool.head_dim, host_pool.dtype):
+            host_pool.num_layers,
+            host_pool.kv_heads,
+            host_pool.head_dim,
+            host_pool.dtype,
+        ):
             raise ValueError("the host pool's layout differs from the device pool's")
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -86,8 +90,16 @@ class KVTransfer:
 class CudaTransferOp(TransferOp):
     """A copy in flight on the copy stream; ``wait`` syncs its event (and scatters a backup)."""
 
-    def __init__(self, num_tokens: int, nbytes: int, to_device: bool, started: Any, event: Any,
-                 keep: tuple[Any, ...], finish: Any = None) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        nbytes: int,
+        to_device: bool,
+        started: Any,
+        event: Any,
+        keep: tuple[Any, ...],
+        finish: Any = None,
+    ) -> None:
         super().__init__(num_tokens, nbytes, to_device)
         self._done = False
         self._started, self._event, self._keep, self._finish = started, event, keep, finish

@@ -30,6 +30,7 @@ from memory.tree_node import ChildKey, TokenKey, TreeNode
 
 logger = logging.getLogger(__name__)
 
+
 def _common_prefix_len(node_key: list[int], key: list[int], off: int) -> int:
     """Length of the common prefix of ``node_key`` and ``key[off:]`` (fast path: one C-level compare)."""
     n = min(len(node_key), len(key) - off)
@@ -87,7 +88,9 @@ class RadixCache(BasePrefixCache):
         if self.enable_kv_events:
             self._events.append(KVCacheEvent("cleared", (), 0, None))
 
-    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, extra_key: str | None) -> TreeNode:
+    def _new_node(
+        self, key: list[int], value: torch.Tensor, parent: TreeNode | None, extra_key: str | None
+    ) -> TreeNode:
         node = TreeNode(self._next_id, key, value, parent, extra_key)
         self._next_id += 1
         return node
@@ -244,7 +247,9 @@ class RadixCache(BasePrefixCache):
             if n < len(child.key):
                 break
         if off < usable:
-            leaf = self._new_node(key[off:usable], value[off:usable].to(device=self.device, dtype=torch.int64).clone(), node, extra_key)
+            leaf = self._new_node(
+                key[off:usable], value[off:usable].to(device=self.device, dtype=torch.int64).clone(), node, extra_key
+            )
             leaf.last_access_time = now
             node.children[self._child_key(key, off, extra_key)] = leaf
             self._leaves.discard(node)

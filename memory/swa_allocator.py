@@ -26,8 +26,9 @@ class SWATokenToKVPoolAllocator(FreeGroup):
     """Same interface as ``BaseTokenToKVPoolAllocator`` (page_size 1), plus the SWA half's own calls.
     (Not a subclass of it: none of its page bookkeeping applies; the free groups are shared.)"""
 
-    def __init__(self, full_size: int, swa_size: int, full_to_swa: torch.Tensor, device: str | torch.device,
-                 debug: bool = False) -> None:
+    def __init__(
+        self, full_size: int, swa_size: int, full_to_swa: torch.Tensor, device: str | torch.device, debug: bool = False
+    ) -> None:
         self.full = TokenToKVPoolAllocator(full_size, device, debug=debug)
         self.swa = TokenToKVPoolAllocator(swa_size, device, debug=debug)
         if full_to_swa.numel() < full_size + 1:
@@ -95,8 +96,9 @@ class SWATokenToKVPoolAllocator(FreeGroup):
         self.full_to_swa[full] = swa
         return full
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
-                     extend_num_tokens: int) -> torch.Tensor | None:
+    def alloc_extend(
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int
+    ) -> torch.Tensor | None:
         return self.alloc(extend_num_tokens)
 
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
@@ -127,8 +129,14 @@ class SWATokenToKVPoolAllocator(FreeGroup):
         return int(swa.numel())
 
 
-def free_own_out_of_window(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor, handle: CacheHandle,
-                           kv_len: int, window: int, own_start: int) -> int:
+def free_own_out_of_window(
+    allocator: SWATokenToKVPoolAllocator,
+    req_to_token: torch.Tensor,
+    handle: CacheHandle,
+    kv_len: int,
+    window: int,
+    own_start: int,
+) -> int:
     """Give back the SWA slots of a request's own tokens that no later query of it can see.
 
     The request's next query sits at position ``kv_len`` or later and sees keys from

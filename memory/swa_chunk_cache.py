@@ -22,8 +22,9 @@ class SWAChunkCache(ChunkCache):
 
     def free_out_of_window(self, req: CacheRequest, kv_len: int) -> int:
         """Free the SWA slots of ``req``'s tokens before ``kv_len - W + 1`` (see ``swa_allocator``)."""
-        return free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, req.cache_handle,
-                                      kv_len, self.window, 0)
+        return free_own_out_of_window(
+            self.swa_allocator, self.req_to_token_pool.req_to_token, req.cache_handle, kv_len, self.window, 0
+        )
 
     def release_req(self, req: CacheRequest, kv_len: int | None = None) -> None:
         super().release_req(req, kv_len)

@@ -66,8 +66,9 @@ def check_swa_memory(
     tree_swa = int((mapping[tree] > 0).sum()) if tree.numel() else 0
     evictable, protected = tree_cache.swa_evictable_size(), tree_cache.swa_protected_size()
     if tree_swa != evictable + protected:
-        problems.append(f"the tree's tokens hold {tree_swa} SWA slots but swa evictable + protected = "
-                        f"{evictable + protected}")
+        problems.append(
+            f"the tree's tokens hold {tree_swa} SWA slots but swa evictable + protected = {evictable + protected}"
+        )
     in_tree = torch.zeros(mapping.numel(), dtype=torch.bool)
     in_tree[tree] = True
     owned = 0
@@ -79,8 +80,10 @@ def check_swa_memory(
     if idle or active_rows is not None:
         used = int((count > 0).sum())
         if available + evictable + protected + owned != allocator.swa_size:
-            problems.append(f"swa available {available} + evictable {evictable} + protected {protected} + "
-                            f"request-owned {owned} != swa size {allocator.swa_size}")
+            problems.append(
+                f"swa available {available} + evictable {evictable} + protected {protected} + "
+                f"request-owned {owned} != swa size {allocator.swa_size}"
+            )
         unheld = (~swa_free & (count == 0)).nonzero().flatten()
         leaked = unheld[unheld > 0].tolist()  # slot 0 is padding
         if leaked:

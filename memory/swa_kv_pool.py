@@ -86,8 +86,9 @@ class SWAKVPool(MHATokenToKVPool):
         return sum(k.numel() * k.element_size() * 2 for k in self.k_buffer)
 
 
-def swa_pool_sizes(budget_tokens_full_attention: int, ratio: float, full_layers: int,
-                   swa_layers: int) -> tuple[int, int]:
+def swa_pool_sizes(
+    budget_tokens_full_attention: int, ratio: float, full_layers: int, swa_layers: int
+) -> tuple[int, int]:
     """``(full_size, swa_size)`` with ``swa_size = ratio * full_size`` in the memory that a full-attention
     pool of ``budget_tokens_full_attention`` tokens would take (every layer counted once per token)."""
     if not 0.0 < ratio <= 1.0:

@@ -39,10 +39,10 @@ import torch
 
 from memory.prefix_cache import MatchResult, request_kv_len
 from memory.radix_cache import RadixCache
-from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_allocator import SWATokenToKVPoolAllocator, free_own_out_of_window
+from memory.tree_node import TreeNode
 
 
 class SWARadixCache(RadixCache):
@@ -61,8 +61,9 @@ class SWARadixCache(RadixCache):
         # Bumped whenever a node may have become free of guards (a lock dropped, a prefix inserted):
         # a request's path is walked again only after that (``free_out_of_window``).
         self._epoch = 0
-        super().__init__(req_to_token_pool, allocator, 1, eviction_policy=eviction_policy,
-                         enable_kv_events=enable_kv_events)
+        super().__init__(
+            req_to_token_pool, allocator, 1, eviction_policy=eviction_policy, enable_kv_events=enable_kv_events
+        )
 
     # ------------------------------------------------------------ tree shape
     def reset(self) -> None:
@@ -195,8 +196,9 @@ class SWARadixCache(RadixCache):
         path that no protected end covers (those nodes become tombstones; the last window of the
         prefix it reused is an anchor's, never freed here). Returns SWA slots freed."""
         handle = req.cache_handle
-        freed = free_own_out_of_window(self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len,
-                                       self.window, self._held_len(req))
+        freed = free_own_out_of_window(
+            self.swa_allocator, self.req_to_token_pool.req_to_token, handle, kv_len, self.window, self._held_len(req)
+        )
         node = handle.last_node
         if node is None or node is self.root or self.disable or handle.swa_tree_epoch == self._epoch:
             return freed  # nothing on its path can have lost its guards since the last walk

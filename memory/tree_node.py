@@ -25,11 +25,23 @@ class TreeNode:
     - ``swa_tombstone``: the tokens gave their SWA slots back (``SWARadixCache`` only).
     """
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "hit_count", "extra_key",
-                 "host_value", "swa_tombstone")
+    __slots__ = (
+        "id",
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access_time",
+        "hit_count",
+        "extra_key",
+        "host_value",
+        "swa_tombstone",
+    )
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None,
-                 extra_key: str | None) -> None:
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None, extra_key: str | None
+    ) -> None:
         self.id = node_id
         self.key = key
         self.value = value

@@ -35,15 +35,27 @@ def _priority(req: Req) -> int:
 class Admission:
     """Plans prefills for one scheduler; owns the consecutive-prefill counter."""
 
-    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, allocator: SlotAllocator,
-                 max_total_tokens: int, max_running_requests: int, host_tier: HostTier | None = None) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        tree_cache: BasePrefixCache,
+        allocator: SlotAllocator,
+        max_total_tokens: int,
+        max_running_requests: int,
+        host_tier: HostTier | None = None,
+    ) -> None:
         self.tree_cache = tree_cache
         # A host tier's loads evict while planning: every request is matched right before it is added.
         self.host_tier = host_tier
         self.allocator = allocator
         self.radix_enabled = not args.disable_radix_cache
-        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, self.radix_enabled, seed=args.random_seed or 0,
-                                     priority=args.enable_priority_scheduling)
+        self.policy = SchedulePolicy(
+            args.schedule_policy,
+            tree_cache,
+            self.radix_enabled,
+            seed=args.random_seed or 0,
+            priority=args.enable_priority_scheduling,
+        )
         # Report the request a plan stopped at, for priority preemption (scheduler_proc.priority).
         self.report_blocked = args.priority_preemption
         self.page_size = args.page_size
@@ -58,8 +70,9 @@ class Admission:
         """The running requests made progress: prefills may take the next turns again."""
         self.consecutive_prefills = 0
 
-    def plan(self, waiting: Sequence[Req], running: Sequence[Req], chunked_req: Req | None,
-             new_token_ratio: float) -> PrefillPlan:
+    def plan(
+        self, waiting: Sequence[Req], running: Sequence[Req], chunked_req: Req | None, new_token_ratio: float
+    ) -> PrefillPlan:
         """The next prefill (empty when decode should run, or nothing fits)."""
         if not waiting and chunked_req is None:
             return PrefillPlan()
@@ -71,8 +84,15 @@ class Admission:
             # No request slot: the first in priority order (the first of the largest) waits for one.
             return PrefillPlan(blocked=max(waiting, key=_priority) if self.report_blocked else None)
         adder = PrefillAdder(
-            self.tree_cache, self.allocator, running, new_token_ratio, self.max_prefill_tokens,
-            self.chunked_prefill_size, self.max_running_requests, self.page_size, self.host_tier,
+            self.tree_cache,
+            self.allocator,
+            running,
+            new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.max_running_requests,
+            self.page_size,
+            self.host_tier,
         )
         plan = PrefillPlan()
         if chunked_req is not None:

@@ -40,8 +40,9 @@ class AdmissionGate:
         self.taken = 0  # ... of which the loop has counted into ``waiting`` (the loop)
         self._taken_unreported = 0
         self._refusals_seen = 0
-        self._thread = threading.Thread(target=self._run, args=(recv, error_endpoint), name="admission-gate",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(recv, error_endpoint), name="admission-gate", daemon=True
+        )
         self._thread.start()
 
     def _run(self, recv: PullSocket[Any], error_endpoint: str) -> None:

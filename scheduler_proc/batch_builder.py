@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 import torch
 
+from memory.prefix_cache import BasePrefixCache
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
-from memory.prefix_cache import BasePrefixCache
 from scheduler_proc import input_logprobs
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
@@ -36,8 +36,9 @@ class OutOfMemory(RuntimeError):
 
 
 class BatchBuilder:
-    def __init__(self, model_runner: ForwardRunner, allocator: Allocator,
-                 tree_cache: BasePrefixCache, page_size: int) -> None:
+    def __init__(
+        self, model_runner: ForwardRunner, allocator: Allocator, tree_cache: BasePrefixCache, page_size: int
+    ) -> None:
         self.runner = model_runner
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -91,8 +92,11 @@ class BatchBuilder:
                     grammar.fill_after(drafts[i], mask, starts[i])
         outputs = [_outputs_for_sampling(r) for r in reqs]
         expand = range(len(reqs)) if drafts is None else [i for i, c in enumerate(counts) for _ in range(c)]
-        histories = outputs if drafts is None else [
-            outputs[i] + list(drafts[i][:j]) for i, c in enumerate(counts) for j in range(c)]
+        histories = (
+            outputs
+            if drafts is None
+            else [outputs[i] + list(drafts[i][:j]) for i, c in enumerate(counts) for j in range(c)]
+        )
         return SamplingBatchInfo.from_requests(
             [reqs[i].sampling_params for i in expand],
             [reqs[i].origin_input_ids for i in expand],
@@ -108,8 +112,9 @@ class BatchBuilder:
         """Prefill each planned request's ``extend_len`` tokens after its cached prefix."""
         return self._to_batch(ForwardMode.EXTEND, [self._extend_parts(items)])[0]
 
-    def build_decode(self, reqs: Sequence[Req],
-                     inflight_rows: Mapping[Req, int] | None = None) -> tuple[ForwardBatch, FutureInputs | None]:
+    def build_decode(
+        self, reqs: Sequence[Req], inflight_rows: Mapping[Req, int] | None = None
+    ) -> tuple[ForwardBatch, FutureInputs | None]:
         """One new token per request at position scheduled_len - 1: its last sampled token,
         or, for a request in ``inflight_rows``, that row of the step in flight's tokens."""
         return self._to_batch(ForwardMode.DECODE, [self._decode_parts(reqs, inflight_rows or {})])
@@ -132,9 +137,16 @@ class BatchBuilder:
         for row, p, n in zip(rows, prefix_lens, counts):
             self.req_to_token_pool.write(row, p, out_cache_loc[offset : offset + n])
             offset += n
-        parts = _Parts(list(reqs), [t for r, d in zip(reqs, drafts) for t in [r.output_ids[-1], *d]],
-                       [p + j for p, n in zip(prefix_lens, counts) for j in range(n)], rows,
-                       [p + n for p, n in zip(prefix_lens, counts)], prefix_lens, counts, out_cache_loc)
+        parts = _Parts(
+            list(reqs),
+            [t for r, d in zip(reqs, drafts) for t in [r.output_ids[-1], *d]],
+            [p + j for p, n in zip(prefix_lens, counts) for j in range(n)],
+            rows,
+            [p + n for p, n in zip(prefix_lens, counts)],
+            prefix_lens,
+            counts,
+            out_cache_loc,
+        )
         return self._to_batch(ForwardMode.VERIFY, [parts], drafts)[0]
 
     def build_mixed(self, items: Sequence[PlannedExtend], decode_reqs: Sequence[Req]) -> ForwardBatch:
@@ -212,11 +224,16 @@ class BatchBuilder:
         # A token still in flight is a placeholder (0) the worker fills from the device.
         input_ids = [0 if r.num_inflight else r.output_ids[-1] for r in reqs]
         future = [(i, inflight_rows[r]) for i, r in enumerate(reqs) if r.num_inflight]
-        return _Parts(list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs),
-                      out_cache_loc, future)
+        return _Parts(
+            list(reqs), input_ids, prefix_lens, rows, seq_lens, prefix_lens, [1] * len(reqs), out_cache_loc, future
+        )
 
-    def _to_batch(self, mode: ForwardMode, parts: list["_Parts"], drafts: Sequence[Sequence[int]] | None = None,
-                  ) -> tuple[ForwardBatch, FutureInputs | None]:
+    def _to_batch(
+        self,
+        mode: ForwardMode,
+        parts: list["_Parts"],
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[ForwardBatch, FutureInputs | None]:
         def cat(name: str) -> list[int]:
             return [x for p in parts for x in getattr(p, name)]
 
@@ -253,8 +270,9 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
             # Logits at more than the last position only for prefills that ask for prompt logprobs.
-            input_logprobs=None if mode in (ForwardMode.DECODE, ForwardMode.VERIFY) else input_logprobs.plan_batch(
-                reqs, prefix_lens, extend_lens, self.device),
+            input_logprobs=None
+            if mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
+            else input_logprobs.plan_batch(reqs, prefix_lens, extend_lens, self.device),
         )
         return batch, future_inputs
 

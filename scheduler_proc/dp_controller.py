@@ -29,8 +29,9 @@ import zmq
 
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
-from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.engine.kv_sizing import merge_kv_pools
+from runtime.protocol.child_process import send_status
+from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.protocol.messages import (
     ControllerInput,
     DetokenizerInput,
@@ -43,7 +44,6 @@ from runtime.protocol.messages import (
     TokenizedGenerateReq,
 )
 from runtime.protocol.spec_stats import SPEC_STATS, spec_summary
-from runtime.protocol.child_process import send_status
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,22 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     if kind == "flush_cache":
         return {"success": all(p.get("success") for p in payloads), "replicas": payloads}
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
-    for key in ("num_running", "num_queued", "max_total_tokens", "available_tokens", "evictable_tokens",
-                "protected_tokens", "num_retractions", "num_finished", "prompt_tokens", "cached_prompt_tokens",
-                "host_hit_tokens", "num_refused_overloaded", "num_timed_out", *SPEC_STATS):
+    for key in (
+        "num_running",
+        "num_queued",
+        "max_total_tokens",
+        "available_tokens",
+        "evictable_tokens",
+        "protected_tokens",
+        "num_retractions",
+        "num_finished",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "host_hit_tokens",
+        "num_refused_overloaded",
+        "num_timed_out",
+        *SPEC_STATS,
+    ):
         if all(key in p for p in payloads):
             merged[key] = sum(p[key] for p in payloads)
     if payloads and all("context_len" in p for p in payloads):

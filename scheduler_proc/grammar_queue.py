@@ -63,8 +63,15 @@ class GrammarStats:
 class GrammarQueue:
     """The requests whose grammar is compiling; see the module docstring."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
-                 timeout_s: float, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        timeout_s: float,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -156,8 +163,9 @@ class GrammarQueue:
                 decisions[waiting.req.rid] = None if error is None else str(error)
             elif now >= waiting.deadline:
                 kind = waiting.req.sampling_params.constraint[0]  # type: ignore[index]
-                decisions[waiting.req.rid] = (f"{kind}: the grammar did not compile within "
-                                              f"{self._timeout_s:g} s (--grammar-compile-timeout)")
+                decisions[waiting.req.rid] = (
+                    f"{kind}: the grammar did not compile within {self._timeout_s:g} s (--grammar-compile-timeout)"
+                )
         return decisions
 
     def _agree(self, decisions: dict[str, str | None]) -> dict[str, str | None]:

@@ -79,8 +79,9 @@ def _plan(req: Req, prefix_len: int, extend_len: int) -> tuple[int, list[int]]:
     return last - first, req.origin_input_ids[first + 1 : last_prompt + 2]
 
 
-def plan_batch(reqs: Sequence[Req], prefix_lens: Sequence[int], extend_lens: Sequence[int],
-               device: torch.device) -> InputLogprobRows | None:
+def plan_batch(
+    reqs: Sequence[Req], prefix_lens: Sequence[int], extend_lens: Sequence[int], device: torch.device
+) -> InputLogprobRows | None:
     """The batch's ``input_logprobs`` (None when no request of it needs prompt rows now).
 
     Request i's tokens are packed after those of requests 0..i-1; its logit rows are a run of
@@ -128,5 +129,6 @@ def take(reqs: Sequence[Req], result: "StepResult") -> None:
         if req.top_logprobs_num and top is not None:
             k = req.top_logprobs_num
             req.input_top_logprobs.extend(
-                [[v, i] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n))
+                [[v, i] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n)
+            )
         offset += n

@@ -47,8 +47,9 @@ def create_allocator(runner: Any, page_size: int) -> Allocator:
     return PagedTokenToKVPoolAllocator(runner.max_total_tokens, page_size, runner.device)
 
 
-def create_tree_cache(args: ServerArgs, runner: Any, allocator: Allocator,
-                      kv_events: bool) -> tuple[BasePrefixCache, HostTier | None]:
+def create_tree_cache(
+    args: ServerArgs, runner: Any, allocator: Allocator, kv_events: bool
+) -> tuple[BasePrefixCache, HostTier | None]:
     """The prefix cache the flags and the allocator ask for, and its host tier (hierarchical cache only)."""
     pool, page = runner.req_to_token_pool, args.page_size
     # (ServerArgs restricts the flag to these choices; the caches check it again)
@@ -59,21 +60,31 @@ def create_tree_cache(args: ServerArgs, runner: Any, allocator: Allocator,
             return SWAChunkCache(pool, allocator, window), None
         if args.enable_hierarchical_cache:
             logger.warning("the hierarchical cache does not cover sliding-window pools: serving without the host tier")
-        return SWARadixCache(pool, allocator, window, eviction_policy=eviction,
-                             enable_kv_events=kv_events), None
+        return SWARadixCache(pool, allocator, window, eviction_policy=eviction, enable_kv_events=kv_events), None
     if args.disable_radix_cache:
         return ChunkCache(pool, allocator, page), None
     if not args.enable_hierarchical_cache:
-        return RadixCache(pool, allocator, page, eviction_policy=eviction,
-                          enable_kv_events=kv_events), None
+        return RadixCache(pool, allocator, page, eviction_policy=eviction, enable_kv_events=kv_events), None
     device_pool = runner.token_to_kv_pool
-    tokens = host_pool_tokens(allocator.size, device_pool.bytes_per_token(), page, args.hicache_ratio,
-                              args.hicache_size)
+    tokens = host_pool_tokens(
+        allocator.size, device_pool.bytes_per_token(), page, args.hicache_ratio, args.hicache_size
+    )
     if tokens < allocator.size:
-        logger.warning("the host tier (%d tokens) is smaller than the KV pool (%d): write-through copies "
-                       "of what the pool holds may not fit", tokens, allocator.size)
+        logger.warning(
+            "the host tier (%d tokens) is smaller than the KV pool (%d): write-through copies "
+            "of what the pool holds may not fit",
+            tokens,
+            allocator.size,
+        )
     host_pool = HostKVPool(device_pool, tokens)
-    cache = HiRadixCache(pool, allocator, host_pool, make_kv_transfer(device_pool, host_pool), page,
-                         eviction_policy=eviction, write_policy=args.hicache_write_policy,
-                         enable_kv_events=kv_events)
+    cache = HiRadixCache(
+        pool,
+        allocator,
+        host_pool,
+        make_kv_transfer(device_pool, host_pool),
+        page,
+        eviction_policy=eviction,
+        write_policy=args.hicache_write_policy,
+        enable_kv_events=kv_events,
+    )
     return cache, HostTier(cache)

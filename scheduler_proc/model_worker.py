@@ -110,6 +110,7 @@ class PendingStep:
 
 def _host_copy(output: Any) -> Any:
     """Start the device-to-host copies of what the scheduler reads (non-blocking on cuda)."""
+
     def host(t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", non_blocking=True)
 
@@ -158,8 +159,9 @@ class LaunchedStep:
         return {req: i for i, req in enumerate(self.decode, start=len(self.extend))}
 
 
-def can_plan_ahead(step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bool, speculative: bool,
-                   preemption_pending: bool) -> bool:
+def can_plan_ahead(
+    step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bool, speculative: bool, preemption_pending: bool
+) -> bool:
     """Whether the next step may be planned while ``step`` (in flight) runs (overlap scheduling), or
     the host state must be exact first."""
     if speculative:
@@ -176,8 +178,9 @@ def can_plan_ahead(step: LaunchedStep, queues: RequestQueues, *, mixed_chunk: bo
         return False  # a mixed batch's decode part takes host inputs
     # Penalties read the output history, a grammar's mask (and jump-forward) the state after the
     # last token (bench/grammar_overlap.py measured this against filling masks later).
-    return not any(r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None
-                   for r in queues.running)
+    return not any(
+        r.to_abort is not None or r.sampling_params.has_penalties or r.grammar is not None for r in queues.running
+    )
 
 
 class ModelWorker:
@@ -210,7 +213,8 @@ class OverlapModelWorker(ModelWorker):
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._queue: queue.SimpleQueue[tuple[ForwardBatch, FutureInputs | None, PendingStep, Any] | None] = (
-            queue.SimpleQueue())
+            queue.SimpleQueue()
+        )
         self._last_token_ids: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
         self._thread.start()

@@ -12,19 +12,31 @@ import time
 from typing import Any
 
 from runtime.protocol.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
+from runtime.protocol.spec_stats import spec_summary
 from scheduler_proc import input_logprobs
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
-from runtime.protocol.spec_stats import spec_summary
 
 logger = logging.getLogger(__name__)
 
 
 def new_stats() -> dict[str, int]:
-    return {"num_retractions": 0, "num_retracted_reqs": 0, "num_priority_preemptions": 0,
-            "num_prefill_batches": 0, "num_decode_batches": 0, "num_mixed_batches": 0, "num_finished": 0,
-            "num_aborted": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "num_received": 0,
-            "jump_forward_tokens": 0, "num_refused_overloaded": 0, "num_timed_out": 0}
+    return {
+        "num_retractions": 0,
+        "num_retracted_reqs": 0,
+        "num_priority_preemptions": 0,
+        "num_prefill_batches": 0,
+        "num_decode_batches": 0,
+        "num_mixed_batches": 0,
+        "num_finished": 0,
+        "num_aborted": 0,
+        "prompt_tokens": 0,
+        "cached_prompt_tokens": 0,
+        "num_received": 0,
+        "jump_forward_tokens": 0,
+        "num_refused_overloaded": 0,
+        "num_timed_out": 0,
+    }
 
 
 class OutputProcessor:
@@ -127,10 +139,19 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ logs
 
-    def log_prefill(self, new_seqs: int, new_tokens: int, cached_tokens: int, usage: float,
-                    running: int, queued: int) -> None:
-        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                    "#running-req: %d, #queue-req: %d", new_seqs, new_tokens, cached_tokens, usage, running, queued)
+    def log_prefill(
+        self, new_seqs: int, new_tokens: int, cached_tokens: int, usage: float, running: int, queued: int
+    ) -> None:
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            new_seqs,
+            new_tokens,
+            cached_tokens,
+            usage,
+            running,
+            queued,
+        )
 
     def log_decode(self, batch_size: int, tokens: int, usage: float, queued: int) -> None:
         """One line every ``decode_log_interval`` decode steps, with the throughput since the last."""
@@ -144,7 +165,15 @@ class OutputProcessor:
         throughput = tokens_since / max(now - self._last_decode_log, 1e-9)
         self._decode_tokens_since_log, self._last_decode_log, self._spec_tokens_at_log = 0, now, emitted
         spec = spec_summary(self.stats)
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
-                    "%.2f, #queue-req: %d%s", batch_size, tokens, usage, throughput, queued,
-                    f", accept len: {spec['spec_accept_length']:.2f}, accept rate: {spec['spec_accept_rate']:.2f}"
-                    if spec else "")
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
+            "%.2f, #queue-req: %d%s",
+            batch_size,
+            tokens,
+            usage,
+            throughput,
+            queued,
+            f", accept len: {spec['spec_accept_length']:.2f}, accept rate: {spec['spec_accept_rate']:.2f}"
+            if spec
+            else "",
+        )

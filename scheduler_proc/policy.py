@@ -32,8 +32,9 @@ def _negated_priority(req: Req) -> int:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0,
-                 priority: bool = False) -> None:
+    def __init__(
+        self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0, priority: bool = False
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.policy = policy

@@ -180,13 +180,18 @@ class PrefillAdder:
         trunc = round_down(limit, self.page_size)
         if trunc <= 0:
             # A first chunk as large as the other limits allow would need this much more.
-            self.shortfall = min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens) \
-                + self.page_size - self.rem_total_tokens
+            self.shortfall = (
+                min(self.rem_input_tokens, self.rem_chunk_tokens or self.rem_input_tokens)
+                + self.page_size
+                - self.rem_total_tokens
+            )
             if not locked:
                 self._unlock(req, charged)
             return AddResult.NO_TOKEN if kv_room <= limit else AddResult.OTHER
         self.new_chunked_req = req
-        self._take(PlannedExtend(req, prefix_len, trunc), kv_slots_for_extend(prefix_len, prefix_len + trunc, self.page_size))
+        self._take(
+            PlannedExtend(req, prefix_len, trunc), kv_slots_for_extend(prefix_len, prefix_len + trunc, self.page_size)
+        )
         return AddResult.OTHER  # a chunked request ends the batch
 
     def _take(self, item: PlannedExtend, total_tokens: int) -> None:

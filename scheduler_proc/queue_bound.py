@@ -41,5 +41,7 @@ class QueueBound:
         if self.limit is None or num_waiting < self.limit:
             return None
         self.refused += 1
-        return (f"the server is overloaded: {num_waiting} requests are waiting, the most "
-                f"--max-queued-requests allows ({self.limit}); retry later")
+        return (
+            f"the server is overloaded: {num_waiting} requests are waiting, the most "
+            f"--max-queued-requests allows ({self.limit}); retry later"
+        )

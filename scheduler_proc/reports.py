@@ -44,33 +44,47 @@ class SchedulerParts(Protocol):
     def kv_usage(self) -> float: ...
 
 
-def memory_invariant(queues: RequestQueues, allocator: Allocator, tree_cache: BasePrefixCache,
-                     req_to_token_pool: Any, max_total_tokens: int, host_tier: HostTier | None) -> InvariantReport:
+def memory_invariant(
+    queues: RequestQueues,
+    allocator: Allocator,
+    tree_cache: BasePrefixCache,
+    req_to_token_pool: Any,
+    max_total_tokens: int,
+    host_tier: HostTier | None,
+) -> InvariantReport:
     """The memory invariant now (the scheduler has completed its step in flight): every KV slot and
     row is free, cached, or held by a running request (and the host tier's, with one)."""
     if host_tier:
         host_tier.drain()
     holders = queues.holders()
-    active_rows = {r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders
-                   if r.cache_handle.req_pool_idx is not None}
-    report = check_memory_invariant(allocator, tree_cache, req_to_token_pool, max_total_tokens,
-                                    idle=not holders, active_rows=active_rows)
+    active_rows = {
+        r.cache_handle.req_pool_idx: r.kv_committed_len for r in holders if r.cache_handle.req_pool_idx is not None
+    }
+    report = check_memory_invariant(
+        allocator, tree_cache, req_to_token_pool, max_total_tokens, idle=not holders, active_rows=active_rows
+    )
     return host_tier.check(report) if host_tier else report
 
 
 def load_report(dp_rank: int, queues: RequestQueues, tree_cache: BasePrefixCache, stats: dict[str, int]) -> LoadReport:
     """Load and prefix-cache changes for the DP controller's routing (takes the cache's pending events)."""
     events = [KVEvent(e.kind, list(e.token_ids), e.start, e.extra_key, e.tier) for e in tree_cache.take_events()]
-    return LoadReport(dp_rank, len(queues.running), len(queues.waiting),
-                      num_received=stats["num_received"], events=events)
+    return LoadReport(
+        dp_rank, len(queues.running), len(queues.waiting), num_received=stats["num_received"], events=events
+    )
 
 
 def kv_pool_info(runner: Any, max_total_tokens: int, context_len: int, max_running_requests: int) -> dict[str, Any]:
     """``server_info``'s ``kv_pool``: the pool as the runner sized it (``ModelRunner.kv_pool``), with
     the allocator's capacity as its tokens; a runner that does not say (the stub) gives no bytes."""
     sized = getattr(runner, "kv_pool", None)
-    return KVPoolSize(max_total_tokens, context_len, max_running_requests,
-                      getattr(sized, "bytes_per_token", None), getattr(sized, "ram_bytes", None)).info()
+    return KVPoolSize(
+        max_total_tokens,
+        context_len,
+        max_running_requests,
+        getattr(sized, "bytes_per_token", None),
+        getattr(sized, "ram_bytes", None),
+    ).info()
 
 
 def weight_info(runner: Any) -> dict[str, Any] | None:
@@ -84,8 +98,13 @@ def server_info(sched: SchedulerParts, invariant: InvariantReport) -> dict[str, 
     """Memory, queues, counters and the memory invariant of ``sched`` (``invariant``: checked by the
     caller, with nothing in flight); ``kv_pool``: the pool's size in the figures of the start-up log
     line (``KVPoolSize.info``); ``weights``: ``weight_info``."""
-    queues, tree_cache, allocator, host_tier, stats = (sched.queues, sched.tree_cache, sched.allocator,
-                                                       sched.host_tier, sched.stats)
+    queues, tree_cache, allocator, host_tier, stats = (
+        sched.queues,
+        sched.tree_cache,
+        sched.allocator,
+        sched.host_tier,
+        sched.stats,
+    )
     max_total_tokens, context_len, grammar = sched.max_total_tokens, sched.context_len, sched.grammars
     kv_pool = kv_pool_info(sched.runner, max_total_tokens, context_len, sched.max_running_requests)
     weights = weight_info(sched.runner)

@@ -39,8 +39,9 @@ from scheduler_proc.scheduler_launch import SchedulerLaunchMixin
 from scheduler_proc.scheduler_results import SchedulerResultsMixin
 
 
-class Scheduler(SchedulerInputMixin, SchedulerLaunchMixin, SchedulerDecodeRoomMixin, SchedulerResultsMixin,
-                SchedulerControlMixin):
+class Scheduler(
+    SchedulerInputMixin, SchedulerLaunchMixin, SchedulerDecodeRoomMixin, SchedulerResultsMixin, SchedulerControlMixin
+):
     """One TP rank's scheduler. Usable in-process (tests call ``handle_message``/``step``).
 
     ``Scheduler(server_args, tp_rank=0, model_runner=None, kv_events=False)``: the constructor
@@ -55,8 +56,12 @@ class Scheduler(SchedulerInputMixin, SchedulerLaunchMixin, SchedulerDecodeRoomMi
         if len(self.grammars):  # first: whether to plan ahead depends on the waiting queue
             self._admit_compiled()
         if self.inflight is not None and not can_plan_ahead(
-                self.inflight, self.queues, mixed_chunk=self.args.enable_mixed_chunk, speculative=self.spec is not None,
-                preemption_pending=self.preemption is not None and self.preemption.pending):
+            self.inflight,
+            self.queues,
+            mixed_chunk=self.args.enable_mixed_chunk,
+            speculative=self.spec is not None,
+            preemption_pending=self.preemption is not None and self.preemption.pending,
+        ):
             self._complete_inflight()
         self._apply_aborts()
         launched = self._launch_next()

@@ -40,8 +40,9 @@ class SchedulerControlMixin(SchedulerWiring):
 
     def check_memory(self) -> InvariantReport:
         self.drain()
-        self.last_invariant = reports.memory_invariant(self.queues, self.allocator, self.tree_cache,
-                                                       self.req_to_token_pool, self.max_total_tokens, self.host_tier)
+        self.last_invariant = reports.memory_invariant(
+            self.queues, self.allocator, self.tree_cache, self.req_to_token_pool, self.max_total_tokens, self.host_tier
+        )
         return self.last_invariant
 
     def kv_usage(self) -> float:

@@ -9,8 +9,13 @@ this mixin only acts on their answers.
 
 from __future__ import annotations
 
-from runtime.protocol.messages import SchedAbortReq, SchedControlOut, SchedControlReq, SchedulerInput, \
-    TokenizedGenerateReq
+from runtime.protocol.messages import (
+    SchedAbortReq,
+    SchedControlOut,
+    SchedControlReq,
+    SchedulerInput,
+    TokenizedGenerateReq,
+)
 from scheduler_proc import input_logprobs
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.queue_bound import OVERLOADED
@@ -40,10 +45,16 @@ class SchedulerInputMixin(SchedulerWiring):
             self.stats["num_refused_overloaded"] += 1
             self.output.error(msg.rid, OVERLOADED, refusal)
             return
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                  stream=msg.stream, return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                  logprob_start_len=msg.logprob_start_len,
-                  priority=msg.priority if self.args.enable_priority_scheduling else 0)
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            priority=msg.priority if self.args.enable_priority_scheduling else 0,
+        )
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
         if req.sampling_params.stop_strs:
             self.output.stop_checker.load_tokenizer(self.args)

@@ -81,8 +81,14 @@ class SchedulerLaunchMixin(SchedulerWiring):
             if not item.chunked:  # it decodes from the next step on, its first token in flight
                 item.req.num_inflight += 1
                 self.queues.start_running(item.req)
-        self.output.log_prefill(len(items), sum(i.extend_len for i in items), sum(i.prefix_len for i in items),
-                                self.kv_usage(), len(self.queues.running), len(self.queues.waiting))
+        self.output.log_prefill(
+            len(items),
+            sum(i.extend_len for i in items),
+            sum(i.prefix_len for i in items),
+            self.kv_usage(),
+            len(self.queues.running),
+            len(self.queues.waiting),
+        )
         return LaunchedStep(pending, batch.forward_mode, list(items), decoding)
 
     def _launch_decode(self) -> LaunchedStep | None:
@@ -91,8 +97,11 @@ class SchedulerLaunchMixin(SchedulerWiring):
         if not reqs:
             return None
         drafts = None if self.spec is None else self.spec.propose(reqs, self.allocator.available_size())
-        batch, future = (self.builder.build_verify(reqs, drafts), None) if drafts is not None else \
-            self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
+        batch, future = (
+            (self.builder.build_verify(reqs, drafts), None)
+            if drafts is not None
+            else self.builder.build_decode(reqs, self.inflight.decode_rows() if self.inflight else None)
+        )
         self.stats["num_decode_batches"] += 1
         pending = self.worker.launch(batch, future)
         for req in reqs:

@@ -20,9 +20,9 @@ from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
 from runtime.engine.device import resolve_device
 from runtime.engine.distributed import TPGroup, init_tp_group, set_tp_group
+from runtime.protocol.child_process import send_status
 from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.protocol.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
-from runtime.protocol.child_process import send_status
 from scheduler_proc.admission_gate import AdmissionGate
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.scheduler import Scheduler
@@ -55,8 +55,9 @@ class SchedulerIO:
     outputs (they are identical to rank 0's).
     """
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int, dp_rank: int,
-                 tp_group: TPGroup | None) -> None:
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int, dp_rank: int, tp_group: TPGroup | None
+    ) -> None:
         self.tp_rank, self.dp_rank, self.tp_group = tp_rank, dp_rank, tp_group
         self.dp = server_args.dp_size > 1
         self._encoder = msgspec.msgpack.Encoder()
@@ -109,8 +110,9 @@ class SchedulerIO:
             self.controller.send(scheduler.load_report(self.dp_rank))
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, ready_conn: Connection,
-                          dp_rank: int = 0) -> None:
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, tp_rank: int, ready_conn: Connection, dp_rank: int = 0
+) -> None:
     """Child-process main: build the scheduler, report ready, then loop forever."""
     if server_args.random_seed is not None:
         random.seed(server_args.random_seed)
@@ -118,22 +120,29 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     place_rank(server_args, tp_rank, dp_rank)
     tp_group = None
     if server_args.tp_size > 1:
-        tp_group = init_tp_group(tp_rank, server_args.tp_size, port_args.dist_init_method(dp_rank),
-                                 resolve_device(server_args.device))
+        tp_group = init_tp_group(
+            tp_rank, server_args.tp_size, port_args.dist_init_method(dp_rank), resolve_device(server_args.device)
+        )
         set_tp_group(tp_group)
     # Only rank 0 reports to the DP controller; events on other ranks would pile up unread.
     kv_events = server_args.load_balance_method == "cache_aware" and server_args.dp_size > 1 and tp_rank == 0
     scheduler = Scheduler(server_args, tp_rank, kv_events=kv_events)
     io = SchedulerIO(server_args, port_args, tp_rank, dp_rank, tp_group)
-    send_status(ready_conn, {
-        "status": "ready",
-        "max_total_tokens": scheduler.max_total_tokens,
-        "context_len": scheduler.context_len,
-        "vocab_size": scheduler.runner.vocab_size,
-        "max_req_input_len": min(scheduler.context_len - 1, scheduler.max_total_tokens - 2 * scheduler.page_size),
-    })
-    logger.info("scheduler ready: %d KV tokens, overlap schedule %s", scheduler.max_total_tokens,
-                "on" if scheduler.worker.overlap else "off")
+    send_status(
+        ready_conn,
+        {
+            "status": "ready",
+            "max_total_tokens": scheduler.max_total_tokens,
+            "context_len": scheduler.context_len,
+            "vocab_size": scheduler.runner.vocab_size,
+            "max_req_input_len": min(scheduler.context_len - 1, scheduler.max_total_tokens - 2 * scheduler.page_size),
+        },
+    )
+    logger.info(
+        "scheduler ready: %d KV tokens, overlap schedule %s",
+        scheduler.max_total_tokens,
+        "on" if scheduler.worker.overlap else "off",
+    )
     install_test_step_delay(scheduler.runner)  # (tests only; after start-up, so only served steps sleep)
     watchdog = start_watchdog(server_args.watchdog_timeout, f"scheduler dp{dp_rank} tp{tp_rank}")
     while True:

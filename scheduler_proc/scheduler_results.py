@@ -40,8 +40,18 @@ class SchedulerResultsMixin(SchedulerWiring):
                 sampled.append((row, item.req))
         self._take_tokens(sampled, result, finished, prefilled=True)
         if step.drafts is not None and self.spec is not None:  # verify: accepted tokens; rejected slots freed
-            finished.update(self.spec.take(step.decode, step.drafts, result, len(step.extend), self.output,
-                                           self.req_to_token_pool.req_to_token, self.allocator.free, self.finish))
+            finished.update(
+                self.spec.take(
+                    step.decode,
+                    step.drafts,
+                    result,
+                    len(step.extend),
+                    self.output,
+                    self.req_to_token_pool.req_to_token,
+                    self.allocator.free,
+                    self.finish,
+                )
+            )
         else:
             for req in step.decode:
                 req.kv_committed_len += 1
@@ -50,16 +60,21 @@ class SchedulerResultsMixin(SchedulerWiring):
         if finished:
             self.queues.drop_finished(finished)
         if self.jump_forward and self.grammars.stats.constrained_requests:  # (no scan until one arrives)
-            for req in jump_forward([r for r in self.queues.running if r.grammar is not None],
-                                    self.grammars.tokenizer, self.context_len, self.output):
+            for req in jump_forward(
+                [r for r in self.queues.running if r.grammar is not None],
+                self.grammars.tokenizer,
+                self.context_len,
+                self.output,
+            ):
                 if req.finish_reason is not None:
                     self.queues.remove_running(req)
                     self.finish(req, req.finish_reason)
                 else:  # its row goes back as in a retraction; the next prefill computes the forced text
                     self._retract(req)
 
-    def _take_tokens(self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req],
-                     prefilled: bool) -> None:
+    def _take_tokens(
+        self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req], prefilled: bool
+    ) -> None:
         output = self.output
         for row, req in rows:
             req.num_inflight -= 1

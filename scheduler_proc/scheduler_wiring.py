@@ -28,8 +28,13 @@ from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
-from scheduler_proc.model_worker import ForwardRunner, LaunchedStep, create_model_runner, create_model_worker, \
-    overlap_default
+from scheduler_proc.model_worker import (
+    ForwardRunner,
+    LaunchedStep,
+    create_model_runner,
+    create_model_worker,
+    overlap_default,
+)
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.prefill_adder import PrefillPlan
 from scheduler_proc.priority import PriorityPreemption
@@ -42,8 +47,13 @@ from scheduler_proc.spec.verify import SpecDecoder
 class SchedulerWiring:
     """Builds and holds one TP rank's scheduler parts; the base of every job mixin."""
 
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, model_runner: ForwardRunner | None = None,
-                 kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        model_runner: ForwardRunner | None = None,
+        kv_events: bool = False,
+    ) -> None:
         self.args = server_args
         self.tp_rank = tp_rank
         if model_runner is None:
@@ -59,24 +69,42 @@ class SchedulerWiring:
         self.tree_cache: BasePrefixCache
         # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
         self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
-        self.admission = Admission(server_args, self.tree_cache, self.allocator, self.max_total_tokens,
-                                   self.max_running_requests, self.host_tier)
+        self.admission = Admission(
+            server_args,
+            self.tree_cache,
+            self.allocator,
+            self.max_total_tokens,
+            self.max_running_requests,
+            self.host_tier,
+        )
         self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size)
-        self.output = OutputProcessor(StopChecker(set(model_runner.eos_token_ids), self.context_len),
-                                      server_args.stream_interval, server_args.decode_log_interval)
+        self.output = OutputProcessor(
+            StopChecker(set(model_runner.eos_token_ids), self.context_len),
+            server_args.stream_interval,
+            server_args.decode_log_interval,
+        )
         self.stats = self.output.stats
         self.memory = DecodeMemory(self.context_len)
-        self.spec = SpecDecoder.create(server_args, self.context_len, self.stats,  # None: no speculation
-                                       torch.device(model_runner.device))
+        self.spec = SpecDecoder.create(
+            server_args,
+            self.context_len,
+            self.stats,  # None: no speculation
+            torch.device(model_runner.device),
+        )
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
         self.worker = create_model_worker(model_runner, overlap)
         self.queues = RequestQueues()
         # Constrained requests wait here until their grammar is compiled (off this thread).
-        self.grammars = GrammarQueue(lambda: self.output.stop_checker.load_tokenizer(server_args),
-                                     model_runner.vocab_size, model_runner.eos_token_ids,
-                                     server_args.grammar_compile_timeout, tp_rank, server_args.tp_size)
+        self.grammars = GrammarQueue(
+            lambda: self.output.stop_checker.load_tokenizer(server_args),
+            model_runner.vocab_size,
+            model_runner.eos_token_ids,
+            server_args.grammar_compile_timeout,
+            tp_rank,
+            server_args.tp_size,
+        )
         # Jump-forward re-prefills through the prefix cache: without one it would recompute everything.
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         # --max-queued-requests (scheduler_proc/queue_bound.py) and request deadlines

@@ -49,9 +49,16 @@ class StepWatchdog:
     with a fake clock and survive a trip; the defaults are the real process's.
     """
 
-    def __init__(self, timeout_s: float, *, name: str = "scheduler", poll_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, exit_fn: Callable[[int], Any] | None = None,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        name: str = "scheduler",
+        poll_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        exit_fn: Callable[[int], Any] | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"watchdog timeout must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -114,10 +121,16 @@ class StepWatchdog:
     def trip(self, elapsed: float) -> None:
         """Log, dump every thread's stack, exit non-zero (returns only with an injected ``exit_fn``)."""
         self.tripped = True
-        logger.error("watchdog: a %s step has run %.1f s, longer than --watchdog-timeout %g s "
-                     "(%d loop iterations completed before it); dumping every thread's stack and exiting "
-                     "with code %d",
-                     self.name, elapsed, self.timeout_s, self.steps_done, WATCHDOG_EXIT_CODE)
+        logger.error(
+            "watchdog: a %s step has run %.1f s, longer than --watchdog-timeout %g s "
+            "(%d loop iterations completed before it); dumping every thread's stack and exiting "
+            "with code %d",
+            self.name,
+            elapsed,
+            self.timeout_s,
+            self.steps_done,
+            WATCHDOG_EXIT_CODE,
+        )
         stream = self._stream if self._stream is not None else sys.stderr
         _flush_logs()
         try:
@@ -133,8 +146,11 @@ def exit_process(code: int) -> None:
     """``os._exit(code)`` after multiprocessing's finalizers (as ``runtime.protocol.child_process.exit_now``: they
     unlink named semaphores that would otherwise be reported as leaked), given at most
     ``FINALIZERS_S`` on a thread of their own: one could wait on a lock the stuck step holds."""
-    finalizers = threading.Thread(target=multiprocessing.util._run_finalizers,  # type: ignore[attr-defined]
-                                  name="watchdog-finalizers", daemon=True)
+    finalizers = threading.Thread(
+        target=multiprocessing.util._run_finalizers,  # type: ignore[attr-defined]
+        name="watchdog-finalizers",
+        daemon=True,
+    )
     finalizers.start()
     finalizers.join(FINALIZERS_S)
     _flush_logs()

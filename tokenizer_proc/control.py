@@ -48,8 +48,13 @@ class PendingControl:
 class ControlCalls:
     """The control calls waiting for the scheduler, by internal rid, and per client."""
 
-    def __init__(self, to_scheduler: PushSocket[Any], reply: SendReply, max_per_client: int,
-                 compose_server_info: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        to_scheduler: PushSocket[Any],
+        reply: SendReply,
+        max_per_client: int,
+        compose_server_info: Callable[[dict[str, Any]], dict[str, Any]],
+    ) -> None:
         self.to_scheduler = to_scheduler
         self.reply = reply
         self.max_per_client = max_per_client
@@ -60,18 +65,23 @@ class ControlCalls:
     def start(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
         waiting = self.per_client.get(identity, 0)
         if waiting >= self.max_per_client:
-            raise Rejected("too_many_requests", f"this client has {waiting} control requests waiting for the "
-                                                f"scheduler, the most --max-controls-per-client allows")
+            raise Rejected(
+                "too_many_requests",
+                f"this client has {waiting} control requests waiting for the "
+                f"scheduler, the most --max-controls-per-client allows",
+            )
         self.per_client[identity] = waiting + 1
         kind = _KIND[type(req)]
         internal = uuid.uuid4().hex
         pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
         pending.timer = asyncio.get_running_loop().call_later(
-            _timeout_s(kind), lambda: asyncio.ensure_future(self._timed_out(internal)))
+            _timeout_s(kind), lambda: asyncio.ensure_future(self._timed_out(internal))
+        )
         self.pending[internal] = pending
         # Health is a server_info round trip: it proves the scheduler loop is turning.
-        self.to_scheduler.send(SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache"
-                                               else "server_info"))
+        self.to_scheduler.send(
+            SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache" else "server_info")
+        )
 
     def drop(self, internal: str) -> PendingControl | None:
         pending = self.pending.pop(internal, None)
@@ -96,9 +106,14 @@ class ControlCalls:
         if pending is None:
             return
         code = "unhealthy" if pending.kind == "health" else "internal"
-        await self.reply(pending.identity, ErrorReply(
-            rid=pending.client_rid, code=code,
-            message=f"the scheduler did not answer {pending.kind} within {_timeout_s(pending.kind):.0f} s"))
+        await self.reply(
+            pending.identity,
+            ErrorReply(
+                rid=pending.client_rid,
+                code=code,
+                message=f"the scheduler did not answer {pending.kind} within {_timeout_s(pending.kind):.0f} s",
+            ),
+        )
 
     async def handle_out(self, out: SchedControlOut) -> None:
         pending = self.drop(out.rid)

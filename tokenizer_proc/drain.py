@@ -43,8 +43,7 @@ class Drained(Protocol):
 class Drain:
     """One drain of the front door; ``start`` is idempotent (SIGTERM and /drain may both come)."""
 
-    def __init__(self, manager: Drained, timeout_s: float,
-                 on_drained: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, manager: Drained, timeout_s: float, on_drained: Callable[[], Awaitable[None]]) -> None:
         self.manager = manager
         self.timeout_s = timeout_s
         self.on_drained = on_drained  # stops the process (the launcher then stops the others)
@@ -66,8 +65,12 @@ class Drain:
         table.on_remove = changed.set
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        logger.info("draining (%s): %d request(s) in flight, new ones refused; waiting up to %.0f s", why,
-                    table.num_groups, self.timeout_s)
+        logger.info(
+            "draining (%s): %d request(s) in flight, new ones refused; waiting up to %.0f s",
+            why,
+            table.num_groups,
+            self.timeout_s,
+        )
         while table.num_groups and loop.time() < deadline:
             changed.clear()
             try:

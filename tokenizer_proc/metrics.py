@@ -25,11 +25,49 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from runtime.protocol.spec_stats import spec_summary
 
 PREFIX = "tinyserve:"
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5)
+ITL_BUCKETS = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class Metrics:
@@ -44,41 +82,79 @@ class Metrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return Counter(PREFIX + name, doc, ["model_name", *extra], registry=r)
 
-        self.requests = counter("requests", "Finished sequences by finish reason (stop, length, abort, error)",
-                                ("finish_reason",))
-        self.rejected = counter("rejected_requests", "Requests refused before they reached the scheduler",
-                                ("code",))
-        self.refused = counter("requests_refused", "Requests a scheduler refused on arrival, by reason "
-                               "(overloaded: --max-queued-requests); once per request", ("reason",))
+        self.requests = counter(
+            "requests", "Finished sequences by finish reason (stop, length, abort, error)", ("finish_reason",)
+        )
+        self.rejected = counter("rejected_requests", "Requests refused before they reached the scheduler", ("code",))
+        self.refused = counter(
+            "requests_refused",
+            "Requests a scheduler refused on arrival, by reason (overloaded: --max-queued-requests); once per request",
+            ("reason",),
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the sequences that started")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first token (streamed requests)",
-                              ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Gap between stream chunks divided by their tokens (streamed requests)",
-                             ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(**labels)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token, per sequence",
-                             ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to the first token (streamed requests)",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Gap between stream chunks divided by their tokens (streamed requests)",
+            ["model_name"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last token, per sequence",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
         self.constrained_requests = counter(
-            "constrained_requests", "Sequences with a json_schema / regex / ebnf constraint, by where their "
-            "compiled grammar came from (compiled, cache)", ("grammar_source",))
-        self.grammar_compile = Histogram(PREFIX + "grammar_compile_seconds",
-                                         "Compile time of a constrained sequence's grammar (cache misses)",
-                                         ["model_name"], buckets=GRAMMAR_COMPILE_BUCKETS, registry=r).labels(**labels)
-        self.running = Gauge(PREFIX + "num_running_reqs", "Requests decoding in the schedulers",
-                             ["model_name"], registry=r).labels(**labels)
-        self.queued = Gauge(PREFIX + "num_queue_reqs", "Requests waiting in the schedulers",
-                            ["model_name"], registry=r).labels(**labels)
-        self.kv_usage = Gauge(PREFIX + "token_usage", "Fraction of the KV pool in use (cached prefixes excluded)",
-                              ["model_name"], registry=r).labels(**labels)
-        self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Prompt tokens found in the prefix cache / looked up",
-                                    ["model_name"], registry=r).labels(**labels)
-        self.spec_accept_length = Gauge(PREFIX + "spec_accept_length", "Speculative decoding: mean tokens a "
-                                        "request emits per decode step (1 without accepted drafts)",
-                                        ["model_name"], registry=r).labels(**labels)
-        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative decoding: drafted tokens "
-                                      "accepted / drafted", ["model_name"], registry=r).labels(**labels)
+            "constrained_requests",
+            "Sequences with a json_schema / regex / ebnf constraint, by where their "
+            "compiled grammar came from (compiled, cache)",
+            ("grammar_source",),
+        )
+        self.grammar_compile = Histogram(
+            PREFIX + "grammar_compile_seconds",
+            "Compile time of a constrained sequence's grammar (cache misses)",
+            ["model_name"],
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.running = Gauge(
+            PREFIX + "num_running_reqs", "Requests decoding in the schedulers", ["model_name"], registry=r
+        ).labels(**labels)
+        self.queued = Gauge(
+            PREFIX + "num_queue_reqs", "Requests waiting in the schedulers", ["model_name"], registry=r
+        ).labels(**labels)
+        self.kv_usage = Gauge(
+            PREFIX + "token_usage",
+            "Fraction of the KV pool in use (cached prefixes excluded)",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self.cache_hit_rate = Gauge(
+            PREFIX + "cache_hit_rate", "Prompt tokens found in the prefix cache / looked up", ["model_name"], registry=r
+        ).labels(**labels)
+        self.spec_accept_length = Gauge(
+            PREFIX + "spec_accept_length",
+            "Speculative decoding: mean tokens a request emits per decode step (1 without accepted drafts)",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self.spec_accept_rate = Gauge(
+            PREFIX + "spec_accept_rate",
+            "Speculative decoding: drafted tokens accepted / drafted",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
         self._model = model_name
         self._prompt = self.prompt_tokens.labels(**labels)
         self._generated = self.generation_tokens.labels(**labels)
@@ -94,8 +170,9 @@ class Metrics:
 
     def constrained(self, compile_seconds: float, cache_hit: bool) -> None:
         """A constrained sequence's first output: how its grammar was had."""
-        self.constrained_requests.labels(model_name=self._model,
-                                         grammar_source="cache" if cache_hit else "compiled").inc()
+        self.constrained_requests.labels(
+            model_name=self._model, grammar_source="cache" if cache_hit else "compiled"
+        ).inc()
         if not cache_hit:
             self.grammar_compile.observe(compile_seconds)
 

@@ -36,8 +36,12 @@ logger = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # What the server's names are called in the OpenAI schema (for error messages).
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
-                 "json_schema": "response_format"}
+_OPENAI_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "input_ids": "prompt",
+    "json_schema": "response_format",
+}
 # ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Known OpenAI fields this server cannot honour: a 400 naming the field says why (a silent
@@ -56,8 +60,9 @@ _warned_fields: set[str] = set()
 class BadRequest(Exception):
     """A request the HTTP layer refuses before it reaches the tokenizer manager."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str = "invalid_request") -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_request"
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -87,8 +92,9 @@ class _Fields(BaseModel):
             key = f"{type(self).__name__}.{name}"
             if key not in _warned_fields:
                 _warned_fields.add(key)
-                logger.warning("ignoring the request field %r that %s does not know (logged once)", name,
-                               type(self).__name__)
+                logger.warning(
+                    "ignoring the request field %r that %s does not know (logged once)", name, type(self).__name__
+                )
         return self
 
 
@@ -173,8 +179,21 @@ class _SamplingFields(_Fields):
             params["min_new_tokens"] = self.min_tokens
         if self.response_format is not None:
             params.update(self.response_format.constraint())
-        for name in ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                     "min_p", "repetition_penalty", "stop_token_ids", "regex", "ebnf", "logit_bias"):
+        for name in (
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "stop_token_ids",
+            "regex",
+            "ebnf",
+            "logit_bias",
+        ):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -221,12 +240,20 @@ class CompletionRequest(_SamplingFields):
         if not prompts:
             raise BadRequest("prompt: empty list", "prompt")
         prompt_logprobs = self.echo and self.logprobs is not None
-        return [GenerateReq(rid=uuid.uuid4().hex, sampling_params=params, stream=self.stream,
-                            return_logprob=self.logprobs is not None, top_logprobs_num=top,
-                            logprob_start_len=0 if prompt_logprobs else -1, deadline_s=self.server_deadline_s,
-                            priority=self.priority,
-                            **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-                for p in prompts]
+        return [
+            GenerateReq(
+                rid=uuid.uuid4().hex,
+                sampling_params=params,
+                stream=self.stream,
+                return_logprob=self.logprobs is not None,
+                top_logprobs_num=top,
+                logprob_start_len=0 if prompt_logprobs else -1,
+                deadline_s=self.server_deadline_s,
+                priority=self.priority,
+                **({"text": p} if isinstance(p, str) else {"input_ids": p}),
+            )
+            for p in prompts
+        ]
 
 
 class ContentPart(_Fields):
@@ -244,8 +271,9 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
-                raise BadRequest(f"messages[{index}].content: only text parts are supported",
-                                 f"messages[{index}].content")
+                raise BadRequest(
+                    f"messages[{index}].content: only text parts are supported", f"messages[{index}].content"
+                )
             content = "".join(p.text or "" for p in content)
         return message_for_template({**(self.model_extra or {}), "role": self.role, "content": content or ""})
 
@@ -281,16 +309,29 @@ class ChatCompletionRequest(_SamplingFields):
         if tools.constraint:
             given = [k for k in ("json_schema", "regex", "ebnf") if k in params]
             if given:
-                raise BadRequest(f"tool_choice {self.tool_choice_name} constrains the output; it cannot be "
-                                 f"combined with {openai_param(given[0], True)}", "tool_choice")
+                raise BadRequest(
+                    f"tool_choice {self.tool_choice_name} constrains the output; it cannot be "
+                    f"combined with {openai_param(given[0], True)}",
+                    "tool_choice",
+                )
             params.update(tools.constraint)
         if tools.keep_special_tokens:
             params["skip_special_tokens"] = False
         messages = [m.as_dict(i) for i, m in enumerate(self.messages)]
-        return [GenerateReq(rid=uuid.uuid4().hex, messages=messages, sampling_params=params, stream=self.stream,
-                            return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
-                            tools=tools.template_tools, chat_template_kwargs=self.chat_template_kwargs,
-                            deadline_s=self.server_deadline_s, priority=self.priority)]
+        return [
+            GenerateReq(
+                rid=uuid.uuid4().hex,
+                messages=messages,
+                sampling_params=params,
+                stream=self.stream,
+                return_logprob=self.logprobs,
+                top_logprobs_num=self.top_logprobs or 0,
+                tools=tools.template_tools,
+                chat_template_kwargs=self.chat_template_kwargs,
+                deadline_s=self.server_deadline_s,
+                priority=self.priority,
+            )
+        ]
 
     @property
     def tool_choice_name(self) -> str:
@@ -339,11 +380,20 @@ class NativeGenerateReq(BaseModel):
             rids = list(self.rid) if isinstance(self.rid, list) else [self.rid]
         if len(set(rids)) != len(rids):
             raise BadRequest("rid: the rids of a batch must differ", "rid")
-        return [GenerateReq(rid=r, sampling_params=self.sampling_params, stream=self.stream,
-                            return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-                            logprob_start_len=self.logprob_start_len, deadline_s=self.deadline_s,
-                            priority=self.priority,
-                            **{field: item}) for r, item in zip(rids, items)], batch
+        return [
+            GenerateReq(
+                rid=r,
+                sampling_params=self.sampling_params,
+                stream=self.stream,
+                return_logprob=self.return_logprob,
+                top_logprobs_num=self.top_logprobs_num,
+                logprob_start_len=self.logprob_start_len,
+                deadline_s=self.deadline_s,
+                priority=self.priority,
+                **{field: item},
+            )
+            for r, item in zip(rids, items)
+        ], batch
 
 
 def openai_param(field: str | None, chat: bool) -> str | None:

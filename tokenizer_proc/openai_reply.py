@@ -20,9 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.protocol.messages import GenerateChunk
+from runtime.text.parsers import (
+    ReasoningParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    make_reasoning_parser,
+    make_tool_call_parser,
+)
 from tokenizer_proc.openai_tools import ToolPlan, call_id, constrained_calls
-from runtime.text.parsers import (ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser, make_reasoning_parser,
-                                    make_tool_call_parser)
 
 Kind = Literal["completion", "chat"]
 
@@ -61,8 +67,12 @@ class Usage:
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(p for p, _ in self.prompt.values())
         completion = sum(self.completion.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.prompt.values())}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.prompt.values())},
+        }
 
 
 class LogprobFormatter:
@@ -88,12 +98,14 @@ class LogprobFormatter:
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
-        out: dict[str, Any] = {"tokens": tokens,
-                               "token_logprobs": [None if lp is None else float(lp) for lp, _ in pairs],
-                               "text_offset": offsets, "top_logprobs": None}
+        out: dict[str, Any] = {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else float(lp) for lp, _ in pairs],
+            "text_offset": offsets,
+            "top_logprobs": None,
+        }
         if tops is not None:
-            out["top_logprobs"] = [None if top is None else {self.token(t): float(lp) for lp, t in top}
-                                   for top in tops]
+            out["top_logprobs"] = [None if top is None else {self.token(t): float(lp) for lp, t in top} for top in tops]
         return out
 
     def chat(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -102,9 +114,16 @@ class LogprobFormatter:
         content = []
         for (lp, tid), top in zip(pairs, tops):
             tok = self.token(tid)
-            content.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (t := self.token(i)), "logprob": float(v),
-                                              "bytes": list(t.encode())} for v, i in top]})
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": float(lp),
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": (t := self.token(i)), "logprob": float(v), "bytes": list(t.encode())} for v, i in top
+                    ],
+                }
+            )
         return {"content": content}
 
 
@@ -134,7 +153,9 @@ class ChatChoice:
                 self.reasoning = ReasoningParser(force_reasoning=False)
         self.parser: ToolCallParser | None = (
             make_tool_call_parser(parsing.tool_call_parser, self.plan.names)
-            if self.plan.mode == "parse" and parsing.tool_call_parser is not None else None)
+            if self.plan.mode == "parse" and parsing.tool_call_parser is not None
+            else None
+        )
         self.has_calls = False
         self.held: list[str] = []  # required: the constrained output, parsed once it is whole
         self.named_started = False
@@ -158,8 +179,10 @@ class ChatChoice:
             message["reasoning_content"] = reasoning
         if calls:
             self.has_calls = True
-            message["tool_calls"] = [{"id": call_id(), "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            message["tool_calls"] = [
+                {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
         return message
 
     # ------------------------------------------------------------------ streamed
@@ -220,8 +243,12 @@ class ChatChoice:
     def _call_delta(call: ToolCallDelta) -> dict[str, Any]:
         if call.name is None:
             return {"index": call.index, "function": {"arguments": call.arguments}}
-        return {"index": call.index, "id": call_id(), "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
+        return {
+            "index": call.index,
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
 
     def finish_reason(self, chunk: GenerateChunk) -> str | None:
         reason = finish_reason(chunk)
@@ -231,8 +258,16 @@ class ChatChoice:
 class OpenAIReply:
     """Builds the completion or chat completion reply (one body, or the stream's events)."""
 
-    def __init__(self, kind: Kind, body: Any, n: int, model: str, logprobs: LogprobFormatter,
-                 parsing: OutputParsing | None = None, prompts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        body: Any,
+        n: int,
+        model: str,
+        logprobs: LogprobFormatter,
+        parsing: OutputParsing | None = None,
+        prompts: list[str] | None = None,
+    ) -> None:
         self.chat = kind == "chat"
         self.req = body
         self.n = n
@@ -274,15 +309,25 @@ class OpenAIReply:
         self.choices[index] = choice
 
     def body(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model,
-                "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage.as_dict()}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+            "usage": self.usage.as_dict(),
+        }
 
     # ------------------------------------------------------------------ stream
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def event(self, prompt_index: int, chunk: GenerateChunk, offsets: dict[int, int]) -> dict[str, Any] | None:
         """The stream event of one chunk (None when it has nothing to show yet: a parser holds
@@ -308,7 +353,7 @@ class OpenAIReply:
             echo = self.echo[prompt_index] if self.echo and first else ""
             at = offsets.get(index, 0)
             choice["text"] = echo + chunk.text
-            choice["logprobs"] = (self.fmt.completion(chunk.meta, at, bool(echo)) if self.want_logprobs else None)
+            choice["logprobs"] = self.fmt.completion(chunk.meta, at, bool(echo)) if self.want_logprobs else None
             offsets[index] = at + len(choice["text"])
             choice["finish_reason"] = finish_reason(chunk)
         event = self._chunk([choice])

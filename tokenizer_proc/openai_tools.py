@@ -88,8 +88,9 @@ class ToolPlan:
     keep_special_tokens: bool = False
 
 
-def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool,
-               parser: str | None) -> ToolPlan:
+def plan_tools(
+    tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool, parser: str | None
+) -> ToolPlan:
     """Check the tools and choice against each other and the server's ``--tool-call-parser``."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
@@ -98,8 +99,10 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
     names = tuple(t.function.name for t in tools)
     for i, name in enumerate(names):
         if not _FUNCTION_NAME.fullmatch(name):
-            raise ToolError(f"tools[{i}].function.name: {name!r} must be 1-64 letters, digits, '_' or '-'",
-                            f"tools[{i}].function.name")
+            raise ToolError(
+                f"tools[{i}].function.name: {name!r} must be 1-64 letters, digits, '_' or '-'",
+                f"tools[{i}].function.name",
+            )
     if len(set(names)) != len(names):
         raise ToolError("tools: function names must be unique", "tools")
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
@@ -107,24 +110,32 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
-            raise ToolError(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})",
-                            "tool_choice")
+            raise ToolError(
+                f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})", "tool_choice"
+            )
         schema = _parameters(tools[names.index(name)])
         return ToolPlan("named", template_tools, names, {"json_schema": json.dumps(schema)}, named=name)
     if choice == "required":
-        return ToolPlan("required", template_tools, names,
-                        {"json_schema": json.dumps(_calls_schema(tools, parallel_tool_calls))})
+        return ToolPlan(
+            "required", template_tools, names, {"json_schema": json.dumps(_calls_schema(tools, parallel_tool_calls))}
+        )
     if choice == "none":
         return ToolPlan("none", template_tools, names, {})
     if parser is None:
         if tool_choice is not None:  # asked for explicitly: say why it cannot work
-            raise ToolError("tool_choice 'auto' needs the server started with --tool-call-parser; "
-                            "'required' or a named function work on any server", "tool_choice")
-        _warn_once("tools were given without tool_choice and the server has no --tool-call-parser: "
-                   "the model's tool calls are returned as text")
+            raise ToolError(
+                "tool_choice 'auto' needs the server started with --tool-call-parser; "
+                "'required' or a named function work on any server",
+                "tool_choice",
+            )
+        _warn_once(
+            "tools were given without tool_choice and the server has no --tool-call-parser: "
+            "the model's tool calls are returned as text"
+        )
         return ToolPlan("none", template_tools, names, {})
-    return ToolPlan("parse", template_tools, names, {},
-                    keep_special_tokens=not TOOL_CALL_PARSERS[parser].skip_special_tokens)
+    return ToolPlan(
+        "parse", template_tools, names, {}, keep_special_tokens=not TOOL_CALL_PARSERS[parser].skip_special_tokens
+    )
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
@@ -133,11 +144,20 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     """A JSON array of calls, each naming one offered tool with arguments valid for it."""
-    one_call = [{"type": "object",
-                 "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "items": one_call[0] if len(one_call) == 1 else {"anyOf": one_call},
-                              "minItems": 1}
+    one_call = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": one_call[0] if len(one_call) == 1 else {"anyOf": one_call},
+        "minItems": 1,
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -155,8 +175,11 @@ def constrained_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
         return [ToolCall(plan.named, _dumps(value))] if isinstance(value, dict) else None
     if not isinstance(value, list):
         return None
-    calls = [ToolCall(c["name"], _dumps(c["arguments"])) for c in value
-             if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
+    calls = [
+        ToolCall(c["name"], _dumps(c["arguments"]))
+        for c in value
+        if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+    ]
     return calls if calls and len(calls) == len(value) else None
 
 

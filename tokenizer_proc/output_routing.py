@@ -42,8 +42,16 @@ INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs")
 class OutputRouter:
     """Turns the detokenizer's messages into client replies, through the request table."""
 
-    def __init__(self, table: RequestTable, replies: ClientReplies, to_scheduler: PushSocket[Any],
-                 control: ControlCalls, stats: dict[str, int], metrics: Metrics | None, log_requests: bool) -> None:
+    def __init__(
+        self,
+        table: RequestTable,
+        replies: ClientReplies,
+        to_scheduler: PushSocket[Any],
+        control: ControlCalls,
+        stats: dict[str, int],
+        metrics: Metrics | None,
+        log_requests: bool,
+    ) -> None:
         self.table = table
         self.replies = replies
         self.to_scheduler = to_scheduler
@@ -95,9 +103,14 @@ class OutputRouter:
             sample.finished = True
         routed = None
         if group.stream:
-            chunk = GenerateChunk(rid=group.client_rid, text=out.text_delta, output_ids=out.new_output_ids,
-                                  finished=out.finished, finish_reason=out.finish_reason,
-                                  meta=self.meta(group, sample, out.meta, out.finish_reason if out.finished else None))
+            chunk = GenerateChunk(
+                rid=group.client_rid,
+                text=out.text_delta,
+                output_ids=out.new_output_ids,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                meta=self.meta(group, sample, out.meta, out.finish_reason if out.finished else None),
+            )
             routed = (group, chunk)
         else:
             sample.text.append(out.text_delta)
@@ -112,8 +125,14 @@ class OutputRouter:
                     meta["output_token_logprobs"] = sample.token_logprobs
                 if sample.top_logprobs or "output_top_logprobs" in out.meta:
                     meta["output_top_logprobs"] = sample.top_logprobs
-                chunk = GenerateChunk(rid=group.client_rid, text="".join(sample.text), output_ids=sample.output_ids,
-                                      finished=True, finish_reason=out.finish_reason, meta=meta)
+                chunk = GenerateChunk(
+                    rid=group.client_rid,
+                    text="".join(sample.text),
+                    output_ids=sample.output_ids,
+                    finished=True,
+                    finish_reason=out.finish_reason,
+                    meta=meta,
+                )
                 if not await self.replies.send(group.identity, chunk):
                     self.reply_lost(group)
                     return None
@@ -135,8 +154,9 @@ class OutputRouter:
         for group in groups:
             self._stats["requests_aborted"] += 1
             for sample in self.drop_group(group, abort_in_scheduler=True):
-                await self.replies.send(group.identity, self.final_chunk(
-                    group, sample, finish_reason={"type": "abort", "message": why}))
+                await self.replies.send(
+                    group.identity, self.final_chunk(group, sample, finish_reason={"type": "abort", "message": why})
+                )
 
     def drop_group(self, group: ReqGroup, abort_in_scheduler: bool) -> list[SampleState]:
         """Remove a group from the table; abort its unfinished samples in the scheduler (their
@@ -177,13 +197,21 @@ class OutputRouter:
             self.metrics.finished(reason, latency)
         if self.log_requests:
             ttft = "-" if sample.first_output_at is None else f"{sample.first_output_at - group.started:.3f} s"
-            logger.info("finished %s%s: %s, %d prompt tokens (%d cached), %d output tokens, ttft %s, "
-                        "latency %.3f s", group.client_rid, f"[{sample.index}]" if group.n > 1 else "", reason,
-                        int(meta.get("prompt_tokens", 0)), int(meta.get("cached_tokens", 0)),
-                        int(meta.get("completion_tokens", len(sample.output_ids))), ttft, latency)
+            logger.info(
+                "finished %s%s: %s, %d prompt tokens (%d cached), %d output tokens, ttft %s, latency %.3f s",
+                group.client_rid,
+                f"[{sample.index}]" if group.n > 1 else "",
+                reason,
+                int(meta.get("prompt_tokens", 0)),
+                int(meta.get("cached_tokens", 0)),
+                int(meta.get("completion_tokens", len(sample.output_ids))),
+                ttft,
+                latency,
+            )
 
-    def meta(self, group: ReqGroup, sample: SampleState, out_meta: dict[str, Any],
-             finish_reason: dict[str, Any] | None) -> dict[str, Any]:
+    def meta(
+        self, group: ReqGroup, sample: SampleState, out_meta: dict[str, Any], finish_reason: dict[str, Any] | None
+    ) -> dict[str, Any]:
         meta = dict(out_meta)
         if group.n > 1:
             meta["index"] = sample.index
@@ -197,10 +225,14 @@ class OutputRouter:
         sample.finished = True
         text = "" if group.stream else "".join(sample.text)
         ids = [] if group.stream else sample.output_ids
-        return GenerateChunk(rid=group.client_rid, text=text, output_ids=ids, finished=True,
-                             finish_reason=finish_reason,
-                             meta=self.meta(group, sample, {"completion_tokens": len(sample.output_ids)},
-                                            finish_reason))
+        return GenerateChunk(
+            rid=group.client_rid,
+            text=text,
+            output_ids=ids,
+            finished=True,
+            finish_reason=finish_reason,
+            meta=self.meta(group, sample, {"completion_tokens": len(sample.output_ids)}, finish_reason),
+        )
 
     async def handle_sched_error(self, err: SchedErrorOut) -> None:
         if await self.control.handle_error(err):
@@ -217,4 +249,3 @@ class OutputRouter:
         self.note_finished(group, sample, "error", {})
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))
-

@@ -26,10 +26,10 @@ import zmq.asyncio
 
 from runtime.config.args import ServerArgs, endpoint
 from runtime.config.port_args import PortArgs
+from runtime.protocol.child_process import exit_now, recv_status, send_status
 from runtime.protocol.ipc import AsyncPullSocket, AsyncRouter, PushSocket
 from runtime.protocol.messages import SchedulerInput, TokenizerInput
 from runtime.text.tokenizer import load_tokenizer
-from runtime.protocol.child_process import exit_now, recv_status, send_status
 from tokenizer_proc.drain import Drain
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
@@ -61,20 +61,30 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     loop.add_signal_handler(signal.SIGUSR1, lambda: manager is not None and manager.start_drain("SIGTERM"))
     ctx = zmq.asyncio.Context()
     max_request_bytes = server_args.max_request_bytes or default_max_request_bytes(
-        server_args.resolved_model_path(), server_args.context_length)
-    router = AsyncRouter(ctx, server_args.client_address(), maxmsgsize=max_request_bytes, rcvhwm=ROUTER_RCVHWM,
-                         sndhwm=send_hwm(server_args.max_requests_per_client, server_args.max_controls_per_client))
+        server_args.resolved_model_path(), server_args.context_length
+    )
+    router = AsyncRouter(
+        ctx,
+        server_args.client_address(),
+        maxmsgsize=max_request_bytes,
+        rcvhwm=ROUTER_RCVHWM,
+        sndhwm=send_hwm(server_args.max_requests_per_client, server_args.max_controls_per_client),
+    )
     from_detokenizer: AsyncPullSocket[Any] = AsyncPullSocket(port_args.tokenizer_ipc, TokenizerInput, ctx, bind=True)
     to_scheduler: PushSocket[Any] = PushSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=False)
     http = HttpServer(server_args, max_request_bytes)
     http_task = asyncio.ensure_future(http.serve())
-    tokenizer = await loop.run_in_executor(None, load_tokenizer, server_args.resolved_tokenizer_path(),
-                                           server_args.chat_template)
+    tokenizer = await loop.run_in_executor(
+        None, load_tokenizer, server_args.resolved_tokenizer_path(), server_args.chat_template
+    )
     # The launcher sends the scheduler's figures once the scheduler is ready.
     info = await loop.run_in_executor(None, recv_status, ready_conn)
-    limits = ModelLimits(vocab_size=int(info["vocab_size"]), context_len=int(info["context_len"]),
-                         max_req_input_len=int(info["max_req_input_len"]),
-                         max_total_tokens=int(info["max_total_tokens"]))
+    limits = ModelLimits(
+        vocab_size=int(info["vocab_size"]),
+        context_len=int(info["context_len"]),
+        max_req_input_len=int(info["max_req_input_len"]),
+        max_total_tokens=int(info["max_total_tokens"]),
+    )
     metrics = Metrics(http.model_name) if server_args.enable_metrics else None
     manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler, metrics)
     manager.processes = dict(info.get("processes") or {})
@@ -88,12 +98,19 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
     address = endpoint("tcp", server_args.host, router.port)
     send_status(ready_conn, {"status": "ready", "address": address, "http_address": http.address})
     logger.info("tokenizer ready on %s and %s", address, http.address)
-    await asyncio.gather(manager.client_loop(), manager.outputs.output_loop(from_detokenizer), manager.probe_loop(),
-                         http_task)
+    await asyncio.gather(
+        manager.client_loop(), manager.outputs.output_loop(from_detokenizer), manager.probe_loop(), http_task
+    )
 
 
-async def _stop(manager: TokenizerManager, http: Any, http_task: "asyncio.Future[None]", ctx: zmq.asyncio.Context,
-                router: AsyncRouter, from_detokenizer: AsyncPullSocket[Any]) -> None:
+async def _stop(
+    manager: TokenizerManager,
+    http: Any,
+    http_task: "asyncio.Future[None]",
+    ctx: zmq.asyncio.Context,
+    router: AsyncRouter,
+    from_detokenizer: AsyncPullSocket[Any],
+) -> None:
     """Answer everything in flight with server_shutdown, let the answers leave, exit 0."""
     try:
         logger.info("shutting down: %d request(s) in flight get server_shutdown", manager.table.num_groups)

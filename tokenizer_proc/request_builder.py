@@ -22,9 +22,22 @@ from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_
 
 # apply_chat_template arguments a client's chat_template_kwargs may not override: they decide
 # what the call returns or which messages and tools it renders, which the server owns.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "documents", "tokenize", "return_dict",
-                                      "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
-                                      "chat_template", "padding", "truncation", "max_length"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 
 
@@ -40,7 +53,7 @@ class Rejected(Exception):
 
 
 # A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
-PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 
 
 def _check_priority(priority: int) -> None:
@@ -70,8 +83,13 @@ def check_api_key(expected: str | None, given: str | None) -> None:
 class RequestBuilder:
     """Validates and tokenizes generate requests (owns no state besides the tokenizer)."""
 
-    def __init__(self, tokenizer: Any, limits: ModelLimits, grammar_backend: str = "xgrammar",
-                 request_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: ModelLimits,
+        grammar_backend: str = "xgrammar",
+        request_timeout: float | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammar_backend = grammar_backend  # "none": constrained requests are refused
@@ -94,19 +112,22 @@ class RequestBuilder:
         _check_priority(req.priority)
         out = []
         for i in range(params.n):
-            sub = msgspec.structs.replace(params, n=1, seed=_nth_seed(params.seed, i),
-                                          top_logprobs_num=top_logprobs_num)
-            out.append(TokenizedGenerateReq(
-                rid=uuid.uuid4().hex,
-                input_ids=input_ids,
-                sampling_params=sub,
-                stream=req.stream,
-                return_logprob=return_logprob,
-                top_logprobs_num=top_logprobs_num,
-                logprob_start_len=logprob_start_len,
-                deadline=deadline,
-                priority=req.priority,
-            ))
+            sub = msgspec.structs.replace(
+                params, n=1, seed=_nth_seed(params.seed, i), top_logprobs_num=top_logprobs_num
+            )
+            out.append(
+                TokenizedGenerateReq(
+                    rid=uuid.uuid4().hex,
+                    input_ids=input_ids,
+                    sampling_params=sub,
+                    stream=req.stream,
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=logprob_start_len,
+                    deadline=deadline,
+                    priority=req.priority,
+                )
+            )
         return out
 
     def _deadline(self, req: GenerateReq, arrived: float) -> float | None:
@@ -114,8 +135,9 @@ class RequestBuilder:
         arrival, else ``--request-timeout``, else none."""
         seconds = req.deadline_s
         if seconds is not None and (isinstance(seconds, bool) or not 0 < seconds < math.inf):
-            raise Rejected("invalid_request", f"deadline_s must be a number of seconds > 0, got {seconds!r}",
-                           "deadline_s")
+            raise Rejected(
+                "invalid_request", f"deadline_s must be a number of seconds > 0, got {seconds!r}", "deadline_s"
+            )
         seconds = seconds if seconds is not None else self.request_timeout
         return None if seconds is None else arrived + seconds
 
@@ -132,11 +154,15 @@ class RequestBuilder:
         if params.n > MAX_N:
             raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}", "n")
         if req.top_logprobs_num < 0:
-            raise Rejected("invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}",
-                           "top_logprobs_num")
+            raise Rejected(
+                "invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}", "top_logprobs_num"
+            )
         if req.top_logprobs_num > self.limits.vocab_size:
-            raise Rejected("invalid_request",
-                           f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}", "top_logprobs_num")
+            raise Rejected(
+                "invalid_request",
+                f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}",
+                "top_logprobs_num",
+            )
         return params
 
     def _check_constraint(self, params: SamplingParams) -> None:
@@ -147,8 +173,11 @@ class RequestBuilder:
             return
         kind, text = constraint
         if self.grammar_backend == "none":
-            raise Rejected("invalid_request", f"sampling_params.{kind}: constrained decoding is off on this "
-                                              "server (--grammar-backend none)", kind)
+            raise Rejected(
+                "invalid_request",
+                f"sampling_params.{kind}: constrained decoding is off on this server (--grammar-backend none)",
+                kind,
+            )
         from runtime.text.grammar import GrammarError, check_constraint  # xgrammar: only for constrained requests
 
         try:
@@ -159,8 +188,9 @@ class RequestBuilder:
     def _input_ids(self, req: GenerateReq) -> list[int]:
         given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]
         if len(given) != 1:
-            raise Rejected("invalid_request",
-                           f"give exactly one of text, input_ids, messages (got {', '.join(given) or 'none'})")
+            raise Rejected(
+                "invalid_request", f"give exactly one of text, input_ids, messages (got {', '.join(given) or 'none'})"
+            )
         if req.text is not None:
             if not req.text:
                 raise Rejected("invalid_request", "empty prompt: text is ''")
@@ -175,8 +205,12 @@ class RequestBuilder:
             raise Rejected("invalid_request", "empty prompt: messages is []")
         return self._render_chat(req.messages, req.tools, req.chat_template_kwargs)
 
-    def _render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any] | None) -> list[int]:
+    def _render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise Rejected("invalid_request", "messages: the model's tokenizer has no chat template")
         for i, m in enumerate(messages):
@@ -185,8 +219,11 @@ class RequestBuilder:
         kwargs = dict(template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
-            raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} cannot be set "
-                                              "this way", "chat_template_kwargs")
+            raise Rejected(
+                "invalid_request",
+                f"chat_template_kwargs: {', '.join(reserved)} cannot be set this way",
+                "chat_template_kwargs",
+            )
         kwargs.setdefault("add_generation_prompt", True)
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kwargs)
@@ -203,27 +240,37 @@ class RequestBuilder:
         tokenized (that would take the tokenizer's time and memory for nothing)."""
         # Characters are never more than bytes: the cheap bound first, the UTF-8 length after.
         if len(text) > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
-            raise Rejected("too_long", f"the prompt has more than {self.max_prompt_bytes} bytes, more than a "
-                                       f"prompt of at most {self.limits.max_req_input_len} tokens can have",
-                           "prompt")
+            raise Rejected(
+                "too_long",
+                f"the prompt has more than {self.max_prompt_bytes} bytes, more than a "
+                f"prompt of at most {self.limits.max_req_input_len} tokens can have",
+                "prompt",
+            )
 
     def _check_ids(self, ids: list[int]) -> None:
         if len(ids) > self.limits.max_req_input_len:  # first: it bounds the vocabulary scan
-            raise Rejected("too_long", f"the prompt has {len(ids)} tokens; the maximum is "
-                                       f"{self.limits.max_req_input_len}", "prompt")
+            raise Rejected(
+                "too_long",
+                f"the prompt has {len(ids)} tokens; the maximum is {self.limits.max_req_input_len}",
+                "prompt",
+            )
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Rejected("invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})",
-                           "input_ids")
+            raise Rejected(
+                "invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})", "input_ids"
+            )
 
     @staticmethod
     def _logprob_start_len(start: int, prompt_len: int) -> int:
         """Prompt logprobs start at a prompt position (-1: none): one past the prompt would be none too,
         which the client did not mean."""
         if not -1 <= start < prompt_len:
-            raise Rejected("invalid_request", f"logprob_start_len: must be -1 (none) or a prompt position in "
-                                              f"[0, {prompt_len}), got {start}", "logprob_start_len")
+            raise Rejected(
+                "invalid_request",
+                f"logprob_start_len: must be -1 (none) or a prompt position in [0, {prompt_len}), got {start}",
+                "logprob_start_len",
+            )
         return start
 
     def _fit_context(self, n: int, params: SamplingParams, explicit: bool) -> SamplingParams:
@@ -233,22 +280,25 @@ class RequestBuilder:
         if params.max_new_tokens <= room:
             return params
         if explicit:
-            raise Rejected("too_long", f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                                       f"{n + params.max_new_tokens} exceeds the context length "
-                                       f"{self.limits.context_len}", "max_new_tokens")
-        return msgspec.structs.replace(params, max_new_tokens=room,
-                                       min_new_tokens=min(params.min_new_tokens, room))
+            raise Rejected(
+                "too_long",
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{n + params.max_new_tokens} exceeds the context length "
+                f"{self.limits.context_len}",
+                "max_new_tokens",
+            )
+        return msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
 
 
 def _check_stop_strs(stops: list[str]) -> None:
     """A bounded number of bounded stop strings: the scheduler tests every one after each token."""
     if len(stops) > MAX_STOP_STRS:
-        raise SamplingParamsError("stop", f"at most {MAX_STOP_STRS} stop strings, "
-                                          f"got {len(stops)}")
+        raise SamplingParamsError("stop", f"at most {MAX_STOP_STRS} stop strings, got {len(stops)}")
     longest = max(stops, key=len, default="")
     if len(longest) > MAX_STOP_STR_CHARS:
-        raise SamplingParamsError("stop", f"a stop string may have at most "
-                                          f"{MAX_STOP_STR_CHARS} characters, got one of {len(longest)}")
+        raise SamplingParamsError(
+            "stop", f"a stop string may have at most {MAX_STOP_STR_CHARS} characters, got one of {len(longest)}"
+        )
 
 
 def _nth_seed(seed: int | None, i: int) -> int | None:

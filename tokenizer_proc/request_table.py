@@ -139,5 +139,11 @@ class RequestTable:
 
     def is_empty(self) -> bool:
         """Nothing in flight, nothing being tokenized, no abort pending."""
-        return not (self._groups or self._samples or self._rids_by_client or self._samples_by_client
-                    or self._building or self._abandoned)
+        return not (
+            self._groups
+            or self._samples
+            or self._rids_by_client
+            or self._samples_by_client
+            or self._building
+            or self._abandoned
+        )

@@ -81,28 +81,44 @@ class TokenizerManager:
     """The front door: request intake, aborts, control calls and shutdown here; reply routing
     in ``OutputRouter``; the requests in flight in ``RequestTable``."""
 
-    def __init__(self, server_args: ServerArgs, tokenizer: Any, limits: ModelLimits,
-                 router: AsyncRouter, to_scheduler: PushSocket[Any], metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tokenizer: Any,
+        limits: ModelLimits,
+        router: AsyncRouter,
+        to_scheduler: PushSocket[Any],
+        metrics: Metrics | None = None,
+    ) -> None:
         self.server_args = server_args
         self.limits = limits
-        self.builder = RequestBuilder(tokenizer, limits, grammar_backend=server_args.grammar_backend,
-                                      request_timeout=server_args.request_timeout)
+        self.builder = RequestBuilder(
+            tokenizer, limits, grammar_backend=server_args.grammar_backend, request_timeout=server_args.request_timeout
+        )
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
         self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
         self.processes: dict[str, int] = {}  # name -> pid, from the launcher (server info)
         # Counters for server info, owned here; the replies and the routing bump theirs.
-        self.stats: dict[str, int] = {"requests_accepted": 0, "requests_rejected": 0, "requests_aborted": 0,
-                                      "clients_gone": 0, "malformed_frames": 0, "replies_dropped": 0,
-                                      "requests_refused_overloaded": 0}
+        self.stats: dict[str, int] = {
+            "requests_accepted": 0,
+            "requests_rejected": 0,
+            "requests_aborted": 0,
+            "clients_gone": 0,
+            "malformed_frames": 0,
+            "replies_dropped": 0,
+            "requests_refused_overloaded": 0,
+        }
         self.metrics = metrics  # None unless --enable-metrics
         self.table = RequestTable()
         self.replies = ClientReplies(router, self.stats, self.client_gone)
         # Control round trips waiting, per client (issue 17's fairness), are ControlCalls'.
-        self.control = ControlCalls(to_scheduler, self.replies.send, server_args.max_controls_per_client,
-                                    self.compose_server_info)
-        self.outputs = OutputRouter(self.table, self.replies, to_scheduler, self.control, self.stats, metrics,
-                                    server_args.log_requests)
+        self.control = ControlCalls(
+            to_scheduler, self.replies.send, server_args.max_controls_per_client, self.compose_server_info
+        )
+        self.outputs = OutputRouter(
+            self.table, self.replies, to_scheduler, self.control, self.stats, metrics, server_args.log_requests
+        )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: big texts queue up
         self.tasks: set[asyncio.Task[None]] = set()  # offloaded requests (a reference keeps them alive)
         self.stopping = False
@@ -130,8 +146,12 @@ class TokenizerManager:
             return  # an empty frame is a keepalive; nothing to answer
         if len(frames) != 1:
             self.stats["malformed_frames"] += 1
-            await self.replies.send(identity, ErrorReply(rid="", code="invalid_request",
-                                                         message=f"expected one frame per message, got {len(frames)}"))
+            await self.replies.send(
+                identity,
+                ErrorReply(
+                    rid="", code="invalid_request", message=f"expected one frame per message, got {len(frames)}"
+                ),
+            )
             return
         try:
             req = self.client_decoder.decode(frames[0])
@@ -139,8 +159,9 @@ class TokenizerManager:
             self.stats["malformed_frames"] += 1
             rid = _loose_rid(frames[0])
             logger.warning("rejecting a malformed request from %s: %s", identity.hex(), exc)
-            await self.replies.send(identity, ErrorReply(rid=rid, code="invalid_request",
-                                                         message=f"malformed request: {exc}"))
+            await self.replies.send(
+                identity, ErrorReply(rid=rid, code="invalid_request", message=f"malformed request: {exc}")
+            )
             return
         if isinstance(req, GenerateReq) and prompt_chars(req) >= OFFLOAD_BYTES:
             # Tokenized on the worker thread: this loop goes on reading the other clients.
@@ -165,8 +186,9 @@ class TokenizerManager:
             await self.replies.send(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
         except Exception as exc:  # a bug here must not leave the client waiting forever
             logger.exception("failed to handle request %s", req.rid)
-            await self.replies.send(identity, ErrorReply(rid=req.rid, code="internal",
-                                                         message=f"{type(exc).__name__}: {exc}"))
+            await self.replies.send(
+                identity, ErrorReply(rid=req.rid, code="internal", message=f"{type(exc).__name__}: {exc}")
+            )
 
     def note_rejected(self, exc: Rejected) -> None:
         self.stats["requests_rejected"] += 1
@@ -186,8 +208,11 @@ class TokenizerManager:
             raise Rejected("invalid_request", f"rid {req.rid!r} is already in flight")
         limit = self.server_args.max_requests_per_client
         if table.samples_in_flight(identity) + table.num_building(identity) >= limit:
-            raise Rejected("too_many_requests", f"this client has {limit} requests in flight, the most "
-                                                f"--max-requests-per-client allows; wait for some to finish")
+            raise Rejected(
+                "too_many_requests",
+                f"this client has {limit} requests in flight, the most "
+                f"--max-requests-per-client allows; wait for some to finish",
+            )
         abandoned = False  # aborted while it was tokenized: accepted, then aborted at once
         if prompt_chars(req) >= OFFLOAD_BYTES:
             subs, abandoned = await self._build_off_loop(identity, req, arrived)
@@ -195,10 +220,17 @@ class TokenizerManager:
             subs = self.builder.build(req, arrived)
         held = table.samples_in_flight(identity)
         if held + len(subs) > limit:
-            raise Rejected("too_many_requests", f"{len(subs)} more requests would put this client past "
-                                                f"--max-requests-per-client ({limit}; {held} in flight)")
-        group = ReqGroup(identity=identity, client_rid=req.rid, stream=req.stream,
-                         samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)])
+            raise Rejected(
+                "too_many_requests",
+                f"{len(subs)} more requests would put this client past "
+                f"--max-requests-per-client ({limit}; {held} in flight)",
+            )
+        group = ReqGroup(
+            identity=identity,
+            client_rid=req.rid,
+            stream=req.stream,
+            samples=[SampleState(index=i, internal_rid=s.rid) for i, s in enumerate(subs)],
+        )
         table.add(group)
         for sub in subs:
             self.to_scheduler.send(sub)
@@ -206,15 +238,23 @@ class TokenizerManager:
         logger.debug("accepted %s from %s as %s", req.rid, identity.hex(), [s.rid for s in subs])
         if self.server_args.log_requests:
             sp = subs[0].sampling_params
-            logger.info("request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, "
-                        "from %s", req.rid, len(subs[0].input_ids), len(subs), sp.max_new_tokens, sp.temperature,
-                        req.stream, "http" if is_local(identity) else "zmq")
+            logger.info(
+                "request %s: %d prompt tokens, n=%d, max_new_tokens=%d, temperature=%g, stream=%s, from %s",
+                req.rid,
+                len(subs[0].input_ids),
+                len(subs),
+                sp.max_new_tokens,
+                sp.temperature,
+                req.stream,
+                "http" if is_local(identity) else "zmq",
+            )
         if abandoned:
             await self.outputs.abort_groups([group])
         return group.n
 
-    async def _build_off_loop(self, identity: bytes, req: GenerateReq,
-                              arrived: float) -> tuple[list[TokenizedGenerateReq], bool]:
+    async def _build_off_loop(
+        self, identity: bytes, req: GenerateReq, arrived: float
+    ) -> tuple[list[TokenizedGenerateReq], bool]:
         """``builder.build`` on the worker thread, and whether the client aborted the request
         meanwhile (the rid counts as in flight while it is tokenized)."""
         self.table.begin_build(identity, req.rid)
@@ -349,8 +389,9 @@ class TokenizerManager:
         self.stopping = True
         for group in self.table.all_groups():
             self.outputs.drop_group(group, abort_in_scheduler=True)
-            await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown",
-                                                               message=SHUTDOWN_MESSAGE))
+            await self.replies.send(
+                group.identity, ErrorReply(rid=group.client_rid, code="server_shutdown", message=SHUTDOWN_MESSAGE)
+            )
         await self.control.fail_all("server_shutdown", SHUTDOWN_MESSAGE)
         self.executor.shutdown(wait=False, cancel_futures=True)
 

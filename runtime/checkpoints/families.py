@@ -54,12 +54,13 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",)),
-    Family("mistral", ("MistralForCausalLM",), ("mistral",), window_rule=WindowRule.EVERY_LAYER,
-           gguf_converted_as="llama"),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), always_qkv_bias=True,
-           window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True,
-           window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS),
+    Family(
+        "mistral", ("MistralForCausalLM",), ("mistral",), window_rule=WindowRule.EVERY_LAYER, gguf_converted_as="llama"
+    ),
+    Family(
+        "qwen2", ("Qwen2ForCausalLM",), ("qwen2",), always_qkv_bias=True, window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS
+    ),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS),
 )
 
 # llama.cpp's ``llama`` converter interleaves the rows of each Q and K head for its RoPE (Mistral

@@ -44,8 +44,10 @@ def resolve_hub_path(repo_id: str, revision: str | None = None, need_weights: bo
             reason = "HF_HUB_OFFLINE is set"
         else:
             reason = "the hub could not be reached"
-        raise HubError(f"{where} is not in the hub cache {cache} and {reason}; download it once with "
-                       f"network access (or give --model-path a local folder)") from exc
+        raise HubError(
+            f"{where} is not in the hub cache {cache} and {reason}; download it once with "
+            f"network access (or give --model-path a local folder)"
+        ) from exc
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as exc:
         raise HubError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     except errors.HfHubHTTPError as exc:

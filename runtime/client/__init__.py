@@ -16,5 +16,14 @@ from runtime.client.clients import (
     ServerGone,
 )
 
-__all__ = ["CONNECT_TIMEOUT_S", "HEARTBEAT_IVL_S", "HEARTBEAT_TIMEOUT_S", "AsyncClient", "Client", "GenerateCall",
-           "RequestError", "RequestTimeout", "ServerGone"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "HEARTBEAT_IVL_S",
+    "HEARTBEAT_TIMEOUT_S",
+    "AsyncClient",
+    "Client",
+    "GenerateCall",
+    "RequestError",
+    "RequestTimeout",
+    "ServerGone",
+]

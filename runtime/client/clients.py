@@ -62,21 +62,29 @@ async def _raise(exc: BaseException) -> Any:
     raise exc
 
 
-
 class AsyncClient(ClientConnection):
     """Asyncio client (works on uvloop). Use one per event loop; the socket, its liveness
     and the routing of replies are ``ClientConnection``'s."""
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
-                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                 rid: str | list[str] | None = None, logprob_start_len: int = -1,
-                 tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 deadline_s: float | None = None, priority: int = 0) -> "GenerateCall":
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        logprob_start_len: int = -1,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> "GenerateCall":
         """``await`` it for the result (a list for a batch or for n > 1); with
         ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
 
@@ -113,16 +121,27 @@ class AsyncClient(ClientConnection):
         # One keyword per request; its value's shape is the server's to validate (msgspec).
         input_kwargs: list[dict[str, Any]] = [{field: item} for item in items]
         reqs = [
-            GenerateReq(rid=r, sampling_params=sampling_params, stream=stream, return_logprob=return_logprob,
-                        top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                        tools=tools, chat_template_kwargs=chat_template_kwargs, api_key=self.api_key,
-                        deadline_s=deadline_s, priority=priority, **inputs)
+            GenerateReq(
+                rid=r,
+                sampling_params=sampling_params,
+                stream=stream,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                api_key=self.api_key,
+                deadline_s=deadline_s,
+                priority=priority,
+                **inputs,
+            )
             for r, inputs in zip(rids, input_kwargs)
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
         n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-        return GenerateCall(reqs, run=lambda: self._run(reqs, batch, n),
-                            stream=(lambda: self._stream(reqs[0], n)) if stream else None)
+        return GenerateCall(
+            reqs, run=lambda: self._run(reqs, batch, n), stream=(lambda: self._stream(reqs[0], n)) if stream else None
+        )
 
     async def abort(self, rid: str) -> bool:
         """Abort a request of this client; True if it was still in flight."""
@@ -240,9 +259,10 @@ class AsyncClient(ClientConnection):
         for frame in frames:
             if isinstance(frame, bytes):
                 self._send_frame(frame)
-        outcomes = await asyncio.gather(*(_raise(q) if isinstance(q, RequestError) else self._collect(r, q, n)
-                                          for r, q in zip(reqs, queues)),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(_raise(q) if isinstance(q, RequestError) else self._collect(r, q, n) for r, q in zip(reqs, queues)),
+            return_exceptions=True,
+        )
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             first = errors[0]
@@ -281,8 +301,9 @@ class Client:
     aborts the request on the server. Thread-safe; use as a context manager or close().
     """
 
-    def __init__(self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None, timeout: float | None = None
+    ) -> None:
         import uvloop
 
         self.address = address
@@ -314,23 +335,41 @@ class Client:
             future.cancel()  # e.g. KeyboardInterrupt: the request is aborted on the server
             raise
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None, *,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
-                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                 rid: str | list[str] | None = None, logprob_start_len: int = -1,
-                 tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 deadline_s: float | None = None, priority: int = 0) -> Any:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        logprob_start_len: int = -1,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> Any:
         """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
         a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
         ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
-        call = self._async.generate(prompt, sampling_params, input_ids=input_ids, messages=messages,
-                                    stream=stream, return_logprob=return_logprob,
-                                    top_logprobs_num=top_logprobs_num, rid=rid,
-                                    logprob_start_len=logprob_start_len, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs, deadline_s=deadline_s,
-                                    priority=priority)
+        call = self._async.generate(
+            prompt,
+            sampling_params,
+            input_ids=input_ids,
+            messages=messages,
+            stream=stream,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            logprob_start_len=logprob_start_len,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            deadline_s=deadline_s,
+            priority=priority,
+        )
         if stream:
             return self._iterate(call)
 
@@ -395,5 +434,14 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient
             loop.close()
 
 
-__all__ = ["CONNECT_TIMEOUT_S", "HEARTBEAT_IVL_S", "HEARTBEAT_TIMEOUT_S", "AsyncClient", "Client", "GenerateCall",
-           "RequestError", "RequestTimeout", "ServerGone"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "HEARTBEAT_IVL_S",
+    "HEARTBEAT_TIMEOUT_S",
+    "AsyncClient",
+    "Client",
+    "GenerateCall",
+    "RequestError",
+    "RequestTimeout",
+    "ServerGone",
+]

@@ -47,8 +47,9 @@ async def _get_within(queue: "asyncio.Queue[Any]", wait: float | None) -> Any:
 class ClientConnection:
     """The socket, its liveness and the reply routing of one client (one per event loop)."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None, timeout: float | None = None
+    ) -> None:
         self.address = address
         self.api_key = api_key
         self.timeout = timeout
@@ -89,8 +90,11 @@ class ClientConnection:
             return self._encoder.encode(msg)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             # UnicodeEncodeError (a lone surrogate) is a ValueError; an unknown type a TypeError.
-            raise RequestError("invalid_request", f"the request cannot be encoded: {type(exc).__name__}: {exc}",
-                               getattr(msg, "rid", "")) from None
+            raise RequestError(
+                "invalid_request",
+                f"the request cannot be encoded: {type(exc).__name__}: {exc}",
+                getattr(msg, "rid", ""),
+            ) from None
 
     def _send_frame(self, frame: bytes) -> None:
         # No high-water mark: never blocks; the returned future is already resolved.
@@ -139,8 +143,7 @@ class ClientConnection:
                 except zmq.Again:
                     break
                 self._on_event(event["event"])
-            if not self._connected and self._queues and \
-                    time.monotonic() - self._down_since > CONNECT_TIMEOUT_S:
+            if not self._connected and self._queues and time.monotonic() - self._down_since > CONNECT_TIMEOUT_S:
                 self._fail_all(f"no connection to {self.address} for {CONNECT_TIMEOUT_S:.0f} s")
 
     def _on_event(self, event: int) -> None:
@@ -150,8 +153,10 @@ class ClientConnection:
             self._connected = False
             self._down_since = time.monotonic()
             # The server forgets a client whose connection dropped: nothing in flight will be answered.
-            self._fail_all(f"lost the connection to {self.address} (closed, or no heartbeat answered "
-                           f"within {HEARTBEAT_TIMEOUT_S:.0f} s)")
+            self._fail_all(
+                f"lost the connection to {self.address} (closed, or no heartbeat answered "
+                f"within {HEARTBEAT_TIMEOUT_S:.0f} s)"
+            )
 
     def _fail_all(self, message: str) -> None:
         """Every call waiting now raises ServerGone (each removes its own queue as it ends)."""
@@ -186,8 +191,7 @@ class ClientConnection:
                 queue.put_nowait(msg)
                 delivered = True
         if not delivered:
-            logger.warning("server error for no pending request (rid %r): [%s] %s",
-                           msg.rid, msg.code, msg.message)
+            logger.warning("server error for no pending request (rid %r): [%s] %s", msg.rid, msg.code, msg.message)
 
     async def _disconnect(self, linger_ms: int) -> None:
         """Stop the reader, fail whatever still waits, close the sockets and the context."""

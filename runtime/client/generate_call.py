@@ -40,8 +40,13 @@ class GenerateCall:
     The client hands over how to run the requests (``run``: the whole result) and, for a
     stream, how to stream them (``stream``: the chunks); this module knows no client."""
 
-    def __init__(self, reqs: list[GenerateReq], *, run: Callable[[], Awaitable[Any]],
-                 stream: Callable[[], AsyncGenerator[dict[str, Any], None]] | None) -> None:
+    def __init__(
+        self,
+        reqs: list[GenerateReq],
+        *,
+        run: Callable[[], Awaitable[Any]],
+        stream: Callable[[], AsyncGenerator[dict[str, Any], None]] | None,
+    ) -> None:
         self._reqs = reqs
         self._run = run
         self._stream = stream

@@ -32,28 +32,65 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
     """The "execution" group; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("execution")
-    g.add_argument("--device", type=str, default=d.device, choices=DEVICE_CHOICES,
-                   help="auto picks cuda when available, else cpu (default auto)")
-    g.add_argument("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
-                   help="weight and activation dtype; auto is bfloat16 where supported (default auto)")
-    g.add_argument("--quantization", type=str, default=d.quantization, choices=QUANTIZATION_CHOICES,
-                   help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
-                        "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
-                        "activations are quantized to int8 per block on the fly (default: none, weights "
-                        "dense in --dtype, a GGUF file's dequantized at load)")
-    g.add_argument("--attention-backend", type=str, default=d.attention_backend,
-                   choices=ATTENTION_BACKEND_CHOICES,
-                   help="auto is triton on cuda and torch_native on cpu (default auto)")
-    g.add_argument("--random-seed", type=int, default=d.random_seed,
-                   help="seed of the server's random generators (default: unseeded)")
-    g.add_argument("--disable-cuda-graph", action="store_true", default=d.disable_cuda_graph,
-                   help="run decode eagerly instead of replaying captured CUDA graphs (cuda only)")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
-                   help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
-                        "(default 256, capped by --max-running-requests)")
-    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=d.cuda_graph_bs, metavar="BS",
-                   help="the decode batch sizes to capture (default 1 2 4 8 16 24 32 ... up to "
-                        "--cuda-graph-max-bs); a batch is padded to the next captured size")
+    g.add_argument(
+        "--device",
+        type=str,
+        default=d.device,
+        choices=DEVICE_CHOICES,
+        help="auto picks cuda when available, else cpu (default auto)",
+    )
+    g.add_argument(
+        "--dtype",
+        type=str,
+        default=d.dtype,
+        choices=DTYPE_CHOICES,
+        help="weight and activation dtype; auto is bfloat16 where supported (default auto)",
+    )
+    g.add_argument(
+        "--quantization",
+        type=str,
+        default=d.quantization,
+        choices=QUANTIZATION_CHOICES,
+        help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
+        "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
+        "activations are quantized to int8 per block on the fly (default: none, weights "
+        "dense in --dtype, a GGUF file's dequantized at load)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        type=str,
+        default=d.attention_backend,
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="auto is triton on cuda and torch_native on cpu (default auto)",
+    )
+    g.add_argument(
+        "--random-seed",
+        type=int,
+        default=d.random_seed,
+        help="seed of the server's random generators (default: unseeded)",
+    )
+    g.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        default=d.disable_cuda_graph,
+        help="run decode eagerly instead of replaying captured CUDA graphs (cuda only)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=d.cuda_graph_max_bs,
+        help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
+        "(default 256, capped by --max-running-requests)",
+    )
+    g.add_argument(
+        "--cuda-graph-bs",
+        type=int,
+        nargs="+",
+        default=d.cuda_graph_bs,
+        metavar="BS",
+        help="the decode batch sizes to capture (default 1 2 4 8 16 24 32 ... up to "
+        "--cuda-graph-max-bs); a batch is padded to the next captured size",
+    )
 
 
 def check_device_and_dtype(args: ExecutionFlags) -> None:

@@ -26,21 +26,41 @@ def add_logging_args(parser: argparse.ArgumentParser, defaults: LoggingFlags) ->
     """The "logging and monitoring" group; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("logging and monitoring")
-    g.add_argument("--enable-metrics", action="store_true", default=d.enable_metrics,
-                   help="serve Prometheus metrics on the HTTP server's /metrics")
-    g.add_argument("--log-requests", action="store_true", default=d.log_requests,
-                   help="log one info line per request when it arrives and when it finishes "
-                        "(rid, lengths, finish reason, latency)")
-    g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
-                   help=f"log the scheduler's decode figures every N decode steps "
-                        f"(default {d.decode_log_interval})")
-    g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
-                   help="seconds one scheduler step may run; a longer one logs the stack of every thread "
-                        "of that scheduler process, which then exits non-zero, so the server stops "
-                        "(clients get server_shutdown) and exits 1 for a supervisor to restart it "
-                        f"(default {d.watchdog_timeout:g})")
-    g.add_argument("--log-level", type=str.lower, default=d.log_level, choices=LOG_LEVEL_CHOICES,
-                   help=f"logging level of every process (default {d.log_level})")
+    g.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        default=d.enable_metrics,
+        help="serve Prometheus metrics on the HTTP server's /metrics",
+    )
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=d.log_requests,
+        help="log one info line per request when it arrives and when it finishes "
+        "(rid, lengths, finish reason, latency)",
+    )
+    g.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=d.decode_log_interval,
+        help=f"log the scheduler's decode figures every N decode steps (default {d.decode_log_interval})",
+    )
+    g.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=d.watchdog_timeout,
+        help="seconds one scheduler step may run; a longer one logs the stack of every thread "
+        "of that scheduler process, which then exits non-zero, so the server stops "
+        "(clients get server_shutdown) and exits 1 for a supervisor to restart it "
+        f"(default {d.watchdog_timeout:g})",
+    )
+    g.add_argument(
+        "--log-level",
+        type=str.lower,
+        default=d.log_level,
+        choices=LOG_LEVEL_CHOICES,
+        help=f"logging level of every process (default {d.log_level})",
+    )
 
 
 def check_log_level(args: LoggingFlags) -> None:

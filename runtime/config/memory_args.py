@@ -33,37 +33,76 @@ def add_memory_args(parser: argparse.ArgumentParser, defaults: MemoryFlags) -> N
     """The "memory" group; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("memory")
-    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                   help="fraction of device memory for weights + KV cache, in (0, 1) "
-                        "(default: chosen from the device)")
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
-                   help="KV cache size in tokens; overrides --mem-fraction-static (default: derived)")
-    g.add_argument("--page-size", type=int, default=d.page_size,
-                   help=f"tokens per KV page, a power of two (default {d.page_size})")
-    g.add_argument("--disable-radix-cache", action="store_true", default=d.disable_radix_cache,
-                   help="turn off prefix caching (every request prefills its whole prompt)")
-    g.add_argument("--radix-eviction-policy", type=str, default=d.radix_eviction_policy,
-                   choices=EVICTION_POLICY_CHOICES,
-                   help=f"which cached prefixes are evicted first (default {d.radix_eviction_policy})")
-    g.add_argument("--enable-hierarchical-cache", action="store_true", default=d.enable_hierarchical_cache,
-                   help="keep prefixes evicted from the KV pool in a host-memory tier and load them "
-                        "back when a request matches them")
-    g.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
-                   help=f"host tier size in host tokens per KV pool token (default {d.hicache_ratio}); "
-                        "--hicache-size wins when set")
-    g.add_argument("--hicache-size", type=float, default=d.hicache_size,
-                   help="host tier size in GB (default 0: use --hicache-ratio)")
-    g.add_argument("--hicache-write-policy", type=str, default=d.hicache_write_policy,
-                   choices=HICACHE_WRITE_POLICY_CHOICES,
-                   help="write_through copies a prefix to the host when it is cached, write_back only "
-                        f"when the KV pool evicts it (default {d.hicache_write_policy})")
-    g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
-                   help="models with sliding-window layers: SWA pool tokens per full pool token, in "
-                        f"(0, 1] (default {d.swa_full_tokens_ratio}); windowed layers keep only each "
-                        "request's last W tokens")
-    g.add_argument("--disable-hybrid-swa-memory", action="store_true", default=d.disable_hybrid_swa_memory,
-                   help="keep every layer's KV for the whole sequence (one pool) even when some layers "
-                        "are windowed")
+    g.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=d.mem_fraction_static,
+        help="fraction of device memory for weights + KV cache, in (0, 1) (default: chosen from the device)",
+    )
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=d.max_total_tokens,
+        help="KV cache size in tokens; overrides --mem-fraction-static (default: derived)",
+    )
+    g.add_argument(
+        "--page-size", type=int, default=d.page_size, help=f"tokens per KV page, a power of two (default {d.page_size})"
+    )
+    g.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        default=d.disable_radix_cache,
+        help="turn off prefix caching (every request prefills its whole prompt)",
+    )
+    g.add_argument(
+        "--radix-eviction-policy",
+        type=str,
+        default=d.radix_eviction_policy,
+        choices=EVICTION_POLICY_CHOICES,
+        help=f"which cached prefixes are evicted first (default {d.radix_eviction_policy})",
+    )
+    g.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        default=d.enable_hierarchical_cache,
+        help="keep prefixes evicted from the KV pool in a host-memory tier and load them "
+        "back when a request matches them",
+    )
+    g.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=d.hicache_ratio,
+        help=f"host tier size in host tokens per KV pool token (default {d.hicache_ratio}); "
+        "--hicache-size wins when set",
+    )
+    g.add_argument(
+        "--hicache-size",
+        type=float,
+        default=d.hicache_size,
+        help="host tier size in GB (default 0: use --hicache-ratio)",
+    )
+    g.add_argument(
+        "--hicache-write-policy",
+        type=str,
+        default=d.hicache_write_policy,
+        choices=HICACHE_WRITE_POLICY_CHOICES,
+        help="write_through copies a prefix to the host when it is cached, write_back only "
+        f"when the KV pool evicts it (default {d.hicache_write_policy})",
+    )
+    g.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=d.swa_full_tokens_ratio,
+        help="models with sliding-window layers: SWA pool tokens per full pool token, in "
+        f"(0, 1] (default {d.swa_full_tokens_ratio}); windowed layers keep only each "
+        "request's last W tokens",
+    )
+    g.add_argument(
+        "--disable-hybrid-swa-memory",
+        action="store_true",
+        default=d.disable_hybrid_swa_memory,
+        help="keep every layer's KV for the whole sequence (one pool) even when some layers are windowed",
+    )
 
 
 def check_cache_policies(args: MemoryFlags) -> None:

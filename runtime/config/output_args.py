@@ -25,23 +25,46 @@ def add_output_args(parser: argparse.ArgumentParser, defaults: OutputFlags) -> N
     """The "structured outputs" and "OpenAI chat output" groups; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("structured outputs")
-    g.add_argument("--grammar-backend", type=str, default=d.grammar_backend, choices=("xgrammar", "none"),
-                   help="engine of json_schema / regex / ebnf constraints and response_format; none "
-                        f"refuses constrained requests (default {d.grammar_backend})")
-    g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
-                   help="seconds a request may wait for its grammar to compile before it fails "
-                        f"(default {d.grammar_compile_timeout:g})")
-    g.add_argument("--disable-jump-forward", action="store_true", default=d.disable_jump_forward,
-                   help="decode text a grammar forces token by token instead of appending it at once")
+    g.add_argument(
+        "--grammar-backend",
+        type=str,
+        default=d.grammar_backend,
+        choices=("xgrammar", "none"),
+        help="engine of json_schema / regex / ebnf constraints and response_format; none "
+        f"refuses constrained requests (default {d.grammar_backend})",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d.grammar_compile_timeout,
+        help="seconds a request may wait for its grammar to compile before it fails "
+        f"(default {d.grammar_compile_timeout:g})",
+    )
+    g.add_argument(
+        "--disable-jump-forward",
+        action="store_true",
+        default=d.disable_jump_forward,
+        help="decode text a grammar forces token by token instead of appending it at once",
+    )
     g = parser.add_argument_group("OpenAI chat output")
     tool_parsers, reasoning_parsers = parser_names()
-    g.add_argument("--tool-call-parser", type=str, default=d.tool_call_parser, choices=tool_parsers,
-                   help="the model's tool-call format: with tools and tool_choice auto, calls in the "
-                        "output become message.tool_calls (default: none; tool_choice required or a "
-                        "named function works without it)")
-    g.add_argument("--reasoning-parser", type=str, default=d.reasoning_parser, choices=reasoning_parsers,
-                   help="the model's thinking markers: the thinking text goes to "
-                        "message.reasoning_content (default: none, it stays in content)")
+    g.add_argument(
+        "--tool-call-parser",
+        type=str,
+        default=d.tool_call_parser,
+        choices=tool_parsers,
+        help="the model's tool-call format: with tools and tool_choice auto, calls in the "
+        "output become message.tool_calls (default: none; tool_choice required or a "
+        "named function works without it)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        type=str,
+        default=d.reasoning_parser,
+        choices=reasoning_parsers,
+        help="the model's thinking markers: the thinking text goes to "
+        "message.reasoning_content (default: none, it stays in content)",
+    )
 
 
 def parser_names() -> tuple[list[str], list[str]]:

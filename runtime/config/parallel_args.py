@@ -29,23 +29,34 @@ def add_parallel_args(parser: argparse.ArgumentParser, defaults: ParallelFlags) 
     """The "parallelism" group; ``defaults`` is a default ``ServerArgs``."""
     d = defaults
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tp-size", type=int, default=d.tp_size,
-                   help=f"tensor-parallel ranks (default {d.tp_size})")
-    g.add_argument("--dp-size", type=int, default=d.dp_size,
-                   help=f"data-parallel replicas (default {d.dp_size})")
-    g.add_argument("--load-balance-method", type=str, default=d.load_balance_method,
-                   choices=LOAD_BALANCE_CHOICES,
-                   help=f"how the DP controller picks a replica (default {d.load_balance_method})")
-    g.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
-                   help=f"first GPU used by this node (default {d.base_gpu_id})")
-    g.add_argument("--gpu-id-step", type=int, default=d.gpu_id_step,
-                   help=f"distance between the GPUs of consecutive ranks (default {d.gpu_id_step})")
-    g.add_argument("--nnodes", type=int, default=d.nnodes,
-                   help=f"number of nodes (default {d.nnodes})")
-    g.add_argument("--node-rank", type=int, default=d.node_rank,
-                   help=f"rank of this node, in [0, nnodes) (default {d.node_rank})")
-    g.add_argument("--dist-init-addr", type=str, default=d.dist_init_addr,
-                   help="HOST:PORT of the torch.distributed rendezvous (required when --nnodes > 1)")
+    g.add_argument("--tp-size", type=int, default=d.tp_size, help=f"tensor-parallel ranks (default {d.tp_size})")
+    g.add_argument("--dp-size", type=int, default=d.dp_size, help=f"data-parallel replicas (default {d.dp_size})")
+    g.add_argument(
+        "--load-balance-method",
+        type=str,
+        default=d.load_balance_method,
+        choices=LOAD_BALANCE_CHOICES,
+        help=f"how the DP controller picks a replica (default {d.load_balance_method})",
+    )
+    g.add_argument(
+        "--base-gpu-id", type=int, default=d.base_gpu_id, help=f"first GPU used by this node (default {d.base_gpu_id})"
+    )
+    g.add_argument(
+        "--gpu-id-step",
+        type=int,
+        default=d.gpu_id_step,
+        help=f"distance between the GPUs of consecutive ranks (default {d.gpu_id_step})",
+    )
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help=f"number of nodes (default {d.nnodes})")
+    g.add_argument(
+        "--node-rank", type=int, default=d.node_rank, help=f"rank of this node, in [0, nnodes) (default {d.node_rank})"
+    )
+    g.add_argument(
+        "--dist-init-addr",
+        type=str,
+        default=d.dist_init_addr,
+        help="HOST:PORT of the torch.distributed rendezvous (required when --nnodes > 1)",
+    )
 
 
 def check_load_balance_method(args: ParallelFlags) -> None:

@@ -15,8 +15,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from runtime.config import (execution_args, front_door_args, logging_args, memory_args, model_args, output_args,
-                            parallel_args, scheduling_args, spec_args)
+from runtime.config import (
+    execution_args,
+    front_door_args,
+    logging_args,
+    memory_args,
+    model_args,
+    output_args,
+    parallel_args,
+    scheduling_args,
+    spec_args,
+)
 from runtime.config.flag_checks import positive
 from runtime.config.version import package_version
 
@@ -123,7 +132,7 @@ class ServerArgs:
         parser = argparse.ArgumentParser(
             prog="tinyserve",  # the console script; `python launch.py` is the same program
             description="Start a tinyserve server: tokenizer, scheduler and detokenizer processes. "
-                        "Prints 'ready: tcp://HOST:PORT' once it accepts requests.",
+            "Prints 'ready: tcp://HOST:PORT' once it accepts requests.",
         )
         parser.add_argument("--version", action="version", version=f"tinyserve {package_version()}")
         cls.add_cli_args(parser)

@@ -26,41 +26,66 @@ class SpecFlags(Protocol):
 def add_spec_args(parser: argparse.ArgumentParser, defaults: SpecFlags) -> None:
     """The "speculative decoding" group; ``defaults`` is a default ``ServerArgs``."""
     g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-algorithm", type=str.lower, default=defaults.speculative_algorithm,
-                   choices=SPECULATIVE_ALGORITHM_CHOICES,
-                   help="draft tokens for each decoding request and verify them in one forward (ngram: "
-                        "match the request's latest tokens against its own prompt and output); the output "
-                        "is exactly the model's (default: off)")
-    g.add_argument("--speculative-num-draft-tokens", type=int, default=defaults.speculative_num_draft_tokens,
-                   help="most tokens drafted per request and step "
-                        f"(default {defaults.speculative_num_draft_tokens})")
-    g.add_argument("--speculative-max-step-tokens", type=int, default=defaults.speculative_max_step_tokens,
-                   help="most tokens a verify step feeds the model: its requests' last tokens plus their drafts, "
-                        "which are cut to fit (under load a step of many requests has little room left: "
-                        "speculation steps aside where extra rows stop being nearly free); default: the "
-                        "device's (16 on CPU, no limit on GPU)")
-    g.add_argument("--speculative-ngram-capacity", type=int, default=defaults.speculative_ngram_capacity,
-                   help="also draft from n-grams seen in earlier requests: a table of at most this many runs of "
-                        "tokens (SGLang's flag; its trie is always on) with what followed them, used when a "
-                        "request's own text has no match (default 0: off)")
-    g.add_argument("--speculative-ngram-min-match-window-size", type=int,
-                   default=defaults.speculative_ngram_min_match_window_size,
-                   help="fewest latest tokens a match must cover before its continuation is drafted "
-                        f"(default {defaults.speculative_ngram_min_match_window_size})")
-    g.add_argument("--speculative-ngram-max-match-window-size", type=int,
-                   default=defaults.speculative_ngram_max_match_window_size,
-                   help="most latest tokens compared when choosing among matches "
-                        f"(default {defaults.speculative_ngram_max_match_window_size})")
+    g.add_argument(
+        "--speculative-algorithm",
+        type=str.lower,
+        default=defaults.speculative_algorithm,
+        choices=SPECULATIVE_ALGORITHM_CHOICES,
+        help="draft tokens for each decoding request and verify them in one forward (ngram: "
+        "match the request's latest tokens against its own prompt and output); the output "
+        "is exactly the model's (default: off)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=defaults.speculative_num_draft_tokens,
+        help=f"most tokens drafted per request and step (default {defaults.speculative_num_draft_tokens})",
+    )
+    g.add_argument(
+        "--speculative-max-step-tokens",
+        type=int,
+        default=defaults.speculative_max_step_tokens,
+        help="most tokens a verify step feeds the model: its requests' last tokens plus their drafts, "
+        "which are cut to fit (under load a step of many requests has little room left: "
+        "speculation steps aside where extra rows stop being nearly free); default: the "
+        "device's (16 on CPU, no limit on GPU)",
+    )
+    g.add_argument(
+        "--speculative-ngram-capacity",
+        type=int,
+        default=defaults.speculative_ngram_capacity,
+        help="also draft from n-grams seen in earlier requests: a table of at most this many runs of "
+        "tokens (SGLang's flag; its trie is always on) with what followed them, used when a "
+        "request's own text has no match (default 0: off)",
+    )
+    g.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=defaults.speculative_ngram_min_match_window_size,
+        help="fewest latest tokens a match must cover before its continuation is drafted "
+        f"(default {defaults.speculative_ngram_min_match_window_size})",
+    )
+    g.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=defaults.speculative_ngram_max_match_window_size,
+        help="most latest tokens compared when choosing among matches "
+        f"(default {defaults.speculative_ngram_max_match_window_size})",
+    )
 
 
 def check_spec(args: SpecFlags) -> None:
     """ValueError naming the flag when a speculative flag is out of range or inconsistent."""
     if args.speculative_algorithm is not None and args.speculative_algorithm not in SPECULATIVE_ALGORITHM_CHOICES:
-        raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHM_CHOICES)}; "
-                         f"got {args.speculative_algorithm!r}")
-    for flag, value in (("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
-                        ("--speculative-ngram-min-match-window-size", args.speculative_ngram_min_match_window_size),
-                        ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size)):
+        raise ValueError(
+            f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHM_CHOICES)}; "
+            f"got {args.speculative_algorithm!r}"
+        )
+    for flag, value in (
+        ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+        ("--speculative-ngram-min-match-window-size", args.speculative_ngram_min_match_window_size),
+        ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size),
+    ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.speculative_ngram_capacity < 0:
@@ -68,8 +93,9 @@ def check_spec(args: SpecFlags) -> None:
     if args.speculative_max_step_tokens is not None and args.speculative_max_step_tokens < 1:
         raise ValueError(f"--speculative-max-step-tokens must be >= 1, got {args.speculative_max_step_tokens}")
     if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:
-        raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
-                         "--speculative-ngram-max-match-window-size")
+        raise ValueError(
+            "--speculative-ngram-min-match-window-size must not exceed --speculative-ngram-max-match-window-size"
+        )
     if args.speculative_algorithm is not None and args.page_size != 1:
         # Rejected drafts are freed slot by slot: a page would be left partly owned.
         raise ValueError("--speculative-algorithm needs --page-size 1")

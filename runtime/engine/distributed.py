@@ -107,8 +107,9 @@ class TPGroup:
         try:
             return self._broadcast_bytes(payload, src)
         except RuntimeError as exc:
-            raise TPPeerLost(f"TP rank {self.rank} of {self.world_size} lost a peer "
-                             f"(a rank's process or node stopped): {exc}") from exc
+            raise TPPeerLost(
+                f"TP rank {self.rank} of {self.world_size} lost a peer (a rank's process or node stopped): {exc}"
+            ) from exc
 
     def _broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
         size = torch.zeros(1, dtype=torch.int64)
@@ -133,8 +134,9 @@ class TPGroup:
 def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
     """Join the TP group. ``init_method`` is a ``tcp://host:port`` every rank can reach."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=IDLE_TIMEOUT)
+    dist.init_process_group(
+        backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT
+    )
     world = dist.group.WORLD
     # Control traffic has a group of its own even on CPU: with overlap scheduling the
     # model's collectives run on the worker thread while the scheduler thread broadcasts.

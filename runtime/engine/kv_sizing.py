@@ -57,8 +57,10 @@ class KVPoolSize:
         if self.share_of_ram is not None:
             memory.append(f"{100 * self.share_of_ram:.1f}% of RAM")
         sized = f" ({', '.join(memory)})" if memory else ""
-        return (f"KV pool: {self.tokens} tokens{sized}: {self.full_length_requests} full-length requests of "
-                f"{self.context_len} tokens, {self.max_running_requests} request slots")
+        return (
+            f"KV pool: {self.tokens} tokens{sized}: {self.full_length_requests} full-length requests of "
+            f"{self.context_len} tokens, {self.max_running_requests} request slots"
+        )
 
 
 def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,9 +78,16 @@ def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
 MIN_POOL_PAGES = 16
 
 
-def kv_pool_tokens(*, per_token: int, budget_bytes: float, page_size: int, max_total_tokens: int | None = None,
-                   demand_tokens: int | None = None, warn_over_budget: bool = False,
-                   warn: Callable[..., Any] | None = None) -> int:
+def kv_pool_tokens(
+    *,
+    per_token: int,
+    budget_bytes: float,
+    page_size: int,
+    max_total_tokens: int | None = None,
+    demand_tokens: int | None = None,
+    warn_over_budget: bool = False,
+    warn: Callable[..., Any] | None = None,
+) -> int:
     """Tokens the KV pool holds, in whole pages.
 
     ``max_total_tokens`` (the flag) wins as it is (a warning where the device says so and it is

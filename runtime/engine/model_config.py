@@ -117,11 +117,16 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads != 0:
-            raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise UnsupportedModelError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         head_dim = int(raw.get("head_dim") or hidden // heads)
         act = str(raw.get("hidden_act") or family.activation)
-        for what, value, supported in (("hidden_act", act, GATED_ACTIVATIONS), ("norm form", family.norm, NORM_FORMS),
-                                       ("rope style", family.rope_style, ROPE_STYLES)):
+        for what, value, supported in (
+            ("hidden_act", act, GATED_ACTIVATIONS),
+            ("norm form", family.norm, NORM_FORMS),
+            ("rope style", family.rope_style, ROPE_STYLES),
+        ):
             if value not in supported:
                 raise UnsupportedModelError(f"unsupported {what} {value!r}; supported: {', '.join(supported)}")
         max_pos = int(raw.get("max_position_embeddings", 2048))

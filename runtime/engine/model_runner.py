@@ -22,6 +22,7 @@ import torch
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
+from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.engine.attention.base import AttentionBackend
 from runtime.engine.attention.registry import (
     create_attention_backend,
@@ -31,17 +32,16 @@ from runtime.engine.attention.registry import (
 from runtime.engine.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.engine.cuda.triton_common import interpreted_dtype
 from runtime.engine.device import concrete_device, resolve_device, resolve_dtype
+from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
-from runtime.engine.distributed import get_tp_group
-from runtime.engine.sampling.sampler import Sampler
+from runtime.engine.loading.weight_loader import load_model_weights
 from runtime.engine.model_config import ModelConfig
-from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
 from runtime.engine.quant.loading import quantized_bytes
-from runtime.engine.loading.weight_loader import load_model_weights
+from runtime.engine.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,13 @@ class ModelRunner:
         )
 
         with torch.device(self.device):
-            self.model: CausalLM = get_model_class(cfg)(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops)
+            self.model: CausalLM = get_model_class(cfg)(
+                cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops
+            )
         self.quantization = quantization  # --quantization: which weights stay quantized (runtime.engine.quant.loading)
-        load_model_weights(self.model, self.model_path, progress=load_progress and tp_rank == 0,
-                           quantization=quantization)
+        load_model_weights(
+            self.model, self.model_path, progress=load_progress and tp_rank == 0, quantization=quantization
+        )
         self.model.eval()
         self.ops.prepare_model(self.model)
         first_attention = self.model.attention_layers()[0]
@@ -142,11 +145,18 @@ class ModelRunner:
             # full-attention pool is shared out between the two by the ratio.
             if max_total_tokens is None:
                 windowed = sum(w is not None for w in cfg.layer_windows)
-                self.max_total_tokens, _ = swa_pool_sizes(self.max_total_tokens, swa_full_tokens_ratio,
-                                                          cfg.num_hidden_layers - windowed, windowed)
+                self.max_total_tokens, _ = swa_pool_sizes(
+                    self.max_total_tokens, swa_full_tokens_ratio, cfg.num_hidden_layers - windowed, windowed
+                )
             self.token_to_kv_pool = SWAKVPool(
-                self.max_total_tokens, max(1, int(self.max_total_tokens * swa_full_tokens_ratio)), page_size,
-                self.dtype, cfg.layer_windows, self.num_kv_heads, cfg.head_dim, self.device,
+                self.max_total_tokens,
+                max(1, int(self.max_total_tokens * swa_full_tokens_ratio)),
+                page_size,
+                self.dtype,
+                cfg.layer_windows,
+                self.num_kv_heads,
+                cfg.head_dim,
+                self.device,
             )
         else:
             if cfg.is_hybrid_swa and not disable_hybrid_swa_memory:
@@ -164,7 +174,8 @@ class ModelRunner:
         # plus its share of the backend's extra KV copy.
         ram = self.ops.platform(self.device).ram_bytes
         self.kv_pool = KVPoolSize(
-            tokens=self.max_total_tokens, context_len=self.context_len,
+            tokens=self.max_total_tokens,
+            context_len=self.context_len,
             max_running_requests=self.max_running_requests,
             bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * self._kv_copy_factor()),
             ram_bytes=ram() if ram is not None else None,
@@ -216,11 +227,15 @@ class ModelRunner:
         """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, and the
         bytes of the weights kept quantized by source format (``runtime.engine.quant``: what the format
         says, e.g. 0.75 bytes a value for Q4_1 as repacked)."""
-        return {"bytes": self.weight_bytes(), "quantization": self.quantization,
-                "quantized_bytes": quantized_bytes(self.model)}
+        return {
+            "bytes": self.weight_bytes(),
+            "quantization": self.quantization,
+            "quantized_bytes": quantized_bytes(self.model),
+        }
 
-    def _kv_capacity(self, max_total_tokens: int | None, mem_fraction_static: float | None,
-                     max_running_requests: int | None) -> int:
+    def _kv_capacity(
+        self, max_total_tokens: int | None, mem_fraction_static: float | None, max_running_requests: int | None
+    ) -> int:
         """Tokens the KV pool holds: ``max_total_tokens`` if given, else the memory budget at the
         device's share (``runtime.engine.kv_sizing.kv_pool_tokens``); at the default share, no more
         than the device says the expected work needs (CPU: ``host_memory.cpu_demand_tokens``)."""
@@ -232,9 +247,15 @@ class ModelRunner:
         demand = None
         if platform.demand_tokens is not None and mem_fraction_static is None:
             demand = platform.demand_tokens(max_running_requests, self.context_len)
-        return kv_pool_tokens(per_token=self.kv_bytes_per_token(), budget_bytes=budget, page_size=self.page_size,
-                              max_total_tokens=max_total_tokens, demand_tokens=demand,
-                              warn_over_budget=platform.warn_over_budget, warn=logger.warning)
+        return kv_pool_tokens(
+            per_token=self.kv_bytes_per_token(),
+            budget_bytes=budget,
+            page_size=self.page_size,
+            max_total_tokens=max_total_tokens,
+            demand_tokens=demand,
+            warn_over_budget=platform.warn_over_budget,
+            warn=logger.warning,
+        )
 
     # ---- forward --------------------------------------------------------------------
 
@@ -280,12 +301,14 @@ class ModelRunner:
                     out.top_logprobs = (values, ids)
             return self._same_on_every_rank(out)
         sampled = self.sampler(logits, info, return_logprob=batch.return_logprob, top_logprobs_num=k)
-        return self._same_on_every_rank(ModelOutput(
-            next_token_ids=sampled.next_token_ids,
-            logprobs=sampled.logprobs,
-            top_logprobs=sampled.top_logprobs,
-            logits=logits,
-        ))
+        return self._same_on_every_rank(
+            ModelOutput(
+                next_token_ids=sampled.next_token_ids,
+                logprobs=sampled.logprobs,
+                top_logprobs=sampled.top_logprobs,
+                logits=logits,
+            )
+        )
 
     def _same_on_every_rank(self, out: "ModelOutput") -> "ModelOutput":
         """Under TP every rank must append the same tokens: rank 0's samples win.
@@ -310,8 +333,11 @@ class ModelRunner:
 PROMPT_LOGPROB_ROWS = 1024
 
 
-def prompt_logprobs(logits: torch.Tensor, rows: InputLogprobRows, k: int,
-                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def prompt_logprobs(
+    logits: torch.Tensor,
+    rows: InputLogprobRows,
+    k: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Each prompt row's logprob of its target token, and with ``k`` its k best: log_softmax of
     the raw fp32 logits, as the output logprobs are (the logits are the same on every TP rank,
     so every rank gets the same values without a broadcast)."""

@@ -73,8 +73,7 @@ def send_error(conn: Connection, error: str) -> None:
         pass
 
 
-def run_child(name: str, log_level: str, ready_conn: Connection, target: str, *args: Any,
-              **kwargs: Any) -> None:
+def run_child(name: str, log_level: str, ready_conn: Connection, target: str, *args: Any, **kwargs: Any) -> None:
     """Spawn target of every child: ``target(*args, ready_conn, **kwargs)`` with the process set up.
 
     ``target`` is "module:function", imported here in the child, so that the launcher
@@ -157,7 +156,7 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             continue
         # The command name is in parentheses and may contain spaces; ppid follows it.
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         if len(fields) > 1 and int(fields[1]) == pid:
             out.append(int(entry))
     return out
@@ -170,4 +169,4 @@ def pid_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
+    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"

@@ -37,8 +37,9 @@ def _configure(sock: zmq.Socket[Any], endpoint: str, bind: bool) -> None:
 class PushSocket(Generic[T]):
     """The sending end of a pipeline: ``send(msg)`` never blocks (no high-water mark)."""
 
-    def __init__(self, endpoint: str, msg_type: Any, *, bind: bool = False,
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, msg_type: Any, *, bind: bool = False, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.msg_type = msg_type  # kept for symmetry and error messages; encoding needs no type
         self._sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
@@ -59,8 +60,9 @@ class PushSocket(Generic[T]):
 class PullSocket(Generic[T]):
     """The receiving end: decodes into ``msg_type``; malformed frames are logged and skipped."""
 
-    def __init__(self, endpoint: str, msg_type: Any, *, bind: bool = True,
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, msg_type: Any, *, bind: bool = True, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+    ) -> None:
         self.endpoint = endpoint
         self._sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.PULL)
         _configure(self._sock, endpoint, bind)
@@ -140,8 +142,9 @@ class AsyncRouter:
     (it must answer a malformed payload with an error reply, not just drop it).
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, sndhwm: int = 0, rcvhwm: int = 0,
-                 maxmsgsize: int = 0) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, *, sndhwm: int = 0, rcvhwm: int = 0, maxmsgsize: int = 0
+    ) -> None:
         sock: zmq.asyncio.Socket = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, sndhwm)

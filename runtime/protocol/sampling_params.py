@@ -93,9 +93,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             params = cls()
         else:
             if not isinstance(d, dict):
-                raise SamplingParamsError(
-                    "<root>", f"expected a dict of sampling parameters, got {type(d).__name__}"
-                )
+                raise SamplingParamsError("<root>", f"expected a dict of sampling parameters, got {type(d).__name__}")
             for key in d:
                 if not isinstance(key, str) or key not in cls.__struct_fields__:
                     raise SamplingParamsError(str(key), "unknown sampling parameter")
@@ -152,8 +150,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 _check("stop_token_ids", tid < vocab_size, tid, f"must be < vocab size {vocab_size}")
         given = [name for name in CONSTRAINT_KINDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise SamplingParamsError(given[1], f"at most one of {', '.join(CONSTRAINT_KINDS)} may be given, "
-                                                f"got {' and '.join(given)}")
+            raise SamplingParamsError(
+                given[1], f"at most one of {', '.join(CONSTRAINT_KINDS)} may be given, got {' and '.join(given)}"
+            )
         for name in given:
             _check(name, bool(getattr(self, name).strip()), getattr(self, name), "must not be empty")
         if self.logit_bias is not None:
@@ -162,16 +161,24 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         """Bounded size, token ids in the vocabulary, finite biases in [-100, 100] (OpenAI's range)."""
         bias = self.logit_bias or {}
-        _check("logit_bias", len(bias) <= MAX_LOGIT_BIAS_ENTRIES, len(bias),
-               f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased (entries)")
+        _check(
+            "logit_bias",
+            len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+            len(bias),
+            f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased (entries)",
+        )
         ids, values = self.logit_bias_entries  # refuses a key that is no decimal id, or a repeated id
         for tid, value in zip(ids, values):
             _check("logit_bias", tid >= 0, tid, "token ids must be >= 0")
             if vocab_size is not None:
                 _check("logit_bias", tid < vocab_size, tid, f"token ids must be < vocab size {vocab_size}")
             _finite("logit_bias", value)
-            _check("logit_bias", -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT, value,
-                   f"biases must be in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+            _check(
+                "logit_bias",
+                -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT,
+                value,
+                f"biases must be in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+            )
 
     # ---- derived views ------------------------------------------------------------
 
@@ -210,11 +217,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def _field_of(exc: msgspec.ValidationError) -> str:

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 # Verify steps; request-steps of decoding (with or without drafts) and the tokens they emitted;
 # drafts proposed and accepted.
-SPEC_STATS = ("spec_verify_batches", "spec_decode_req_steps", "spec_decode_tokens", "spec_draft_tokens",
-              "spec_accepted_drafts")
+SPEC_STATS = (
+    "spec_verify_batches",
+    "spec_decode_req_steps",
+    "spec_decode_tokens",
+    "spec_draft_tokens",
+    "spec_accepted_drafts",
+)
 
 
 def spec_summary(stats: dict[str, int]) -> dict[str, float]:
@@ -18,5 +23,7 @@ def spec_summary(stats: dict[str, int]) -> dict[str, float]:
         return {}
     steps = stats["spec_decode_req_steps"]
     drafted = stats["spec_draft_tokens"]
-    return {"spec_accept_length": stats["spec_decode_tokens"] / steps if steps else 0.0,
-            "spec_accept_rate": stats["spec_accepted_drafts"] / drafted if drafted else 0.0}
+    return {
+        "spec_accept_length": stats["spec_decode_tokens"] / steps if steps else 0.0,
+        "spec_accept_rate": stats["spec_accepted_drafts"] / drafted if drafted else 0.0,
+    }

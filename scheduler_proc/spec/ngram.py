@@ -38,7 +38,7 @@ class NgramIndex:
         """A verify step's outcome for this request: back off after a draft that missed entirely."""
         if drafted and not accepted:
             self.misses += 1
-            self.skip = min(2 ** self.misses, MAX_BACKOFF_STEPS)
+            self.skip = min(2**self.misses, MAX_BACKOFF_STEPS)
         elif accepted:
             self.misses = 0
 

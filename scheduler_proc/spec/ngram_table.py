@@ -25,8 +25,7 @@ class NgramTable:
     def __init__(self, capacity: int, continuation: int, min_window: int = 1, max_window: int = 12) -> None:
         self.capacity = capacity
         self.continuation = continuation
-        self.key_lengths = tuple(n for n in KEY_LENGTHS if min_window <= n <= max_window) or (
-            max(min_window, 1),)
+        self.key_lengths = tuple(n for n in KEY_LENGTHS if min_window <= n <= max_window) or (max(min_window, 1),)
         self.entries: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
     def __len__(self) -> int:

@@ -48,26 +48,36 @@ from scheduler_proc.spec.ngram_table import NgramTable
 class SpecDecoder:
     """Proposes drafts for a decode step's requests and takes the verify step's tokens."""
 
-    def __init__(self, args: ServerArgs, context_len: int, stats: dict[str, int],
-                 step_tokens: int | None = None) -> None:
-        self.proposer = NgramProposer(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
-                                      args.speculative_ngram_max_match_window_size)
+    def __init__(
+        self, args: ServerArgs, context_len: int, stats: dict[str, int], step_tokens: int | None = None
+    ) -> None:
+        self.proposer = NgramProposer(
+            args.speculative_num_draft_tokens,
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+        )
         # n-grams of finished requests, for a request whose own text has no match (None: off)
-        self.table = NgramTable(args.speculative_ngram_capacity, args.speculative_num_draft_tokens,
-                                args.speculative_ngram_min_match_window_size,
-                                args.speculative_ngram_max_match_window_size) \
-            if args.speculative_ngram_capacity > 0 else None
+        self.table = (
+            NgramTable(
+                args.speculative_ngram_capacity,
+                args.speculative_num_draft_tokens,
+                args.speculative_ngram_min_match_window_size,
+                args.speculative_ngram_max_match_window_size,
+            )
+            if args.speculative_ngram_capacity > 0
+            else None
+        )
         self.context_len = context_len
         # the most tokens a verify step feeds the model (None: no limit beyond the free KV slots)
-        self.step_tokens = args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None \
-            else step_tokens
+        self.step_tokens = (
+            args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None else step_tokens
+        )
         self.stats = stats
         for key in SPEC_STATS:
             stats.setdefault(key, 0)
 
     @staticmethod
-    def create(args: ServerArgs, context_len: int, stats: dict[str, int],
-               device: torch.device) -> "SpecDecoder | None":
+    def create(args: ServerArgs, context_len: int, stats: dict[str, int], device: torch.device) -> "SpecDecoder | None":
         """None without speculation; ``device``'s platform gives --speculative-max-step-tokens' default."""
         if args.speculative_algorithm is None:
             return None
@@ -107,9 +117,17 @@ class SpecDecoder:
             return None
         return drafts
 
-    def take(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]], result: StepResult, first_row: int,
-             output: OutputProcessor, req_to_token: torch.Tensor, free_slots: Callable[[torch.Tensor], None],
-             finish: Callable[[Req, dict[str, Any] | None], None]) -> list[Req]:
+    def take(
+        self,
+        reqs: Sequence[Req],
+        drafts: Sequence[Sequence[int]],
+        result: StepResult,
+        first_row: int,
+        output: OutputProcessor,
+        req_to_token: torch.Tensor,
+        free_slots: Callable[[torch.Tensor], None],
+        finish: Callable[[Req, dict[str, Any] | None], None],
+    ) -> list[Req]:
         """Give each request the tokens it accepted (stop rules apply per token), keep the KV of
         what it emitted, free its rejected drafts' slots, then ``finish`` (the scheduler's: tell the
         client, release the memory) the requests that finished now; returns them."""

@@ -13,10 +13,32 @@ def test_soak_on_tiny_settings_leaks_nothing(tiny_llama_path: Path, tmp_path: Pa
     from bench import soak
 
     out = tmp_path / "soak.json"
-    code = soak.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
-                      "--num-requests", "40", "--concurrency", "8", "--abort-frac", "0.3",
-                      "--disconnect-frac", "0.3", "--max-prompt", "24", "--max-new-tokens", "12",
-                      "--timeout", "60", "--output", str(out)])
+    code = soak.main(
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "40",
+            "--concurrency",
+            "8",
+            "--abort-frac",
+            "0.3",
+            "--disconnect-frac",
+            "0.3",
+            "--max-prompt",
+            "24",
+            "--max-new-tokens",
+            "12",
+            "--timeout",
+            "60",
+            "--output",
+            str(out),
+        ]
+    )
     result = read_json(out)["result"]
     assert code == 0, result
     assert result["requests"] == 40 and result["planned"]["abort"] > 0 and result["planned"]["disconnect"] > 0

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support import REPO_ROOT
 from runtime.client import CONNECT_TIMEOUT_S, HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, Client, ServerGone
+from tests.support import REPO_ROOT
 
 # Answers a generate with one chunk and never finishes it; answers server_info.
 FAKE_SERVER = r"""
@@ -41,8 +41,13 @@ while True:
 @pytest.fixture()
 def fake_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
     repo = str(REPO_ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER], stdout=subprocess.PIPE, text=True, cwd=repo,
-                            env={**os.environ, "PYTHONPATH": repo})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVER],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
     yield proc, f"tcp://127.0.0.1:{port}"

@@ -22,8 +22,9 @@ needs_fp32_one_row = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_amx),
-                                   pytest.param("float32", marks=needs_fp32_one_row)])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_fp32_one_row)]
+)
 def test_a_server_decodes_through_the_one_call_path_as_the_layers_do(dtype: str, tiny_checkpoints) -> None:
     """The real processes (launch.py, the path on by default) against this process's model
     running its layers: one request at a time (the same batch shapes on both sides), the same
@@ -39,6 +40,10 @@ def test_a_server_decodes_through_the_one_call_path_as_the_layers_do(dtype: str,
             (req,) = h.generate([prompt], steps)
             expected.append(req.output_ids)
     with launch_server(base_args(path, "--dtype", dtype), client_timeout=CLIENT_TIMEOUT_S) as client:
-        got = [client.generate(input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True,
-                                                             "max_new_tokens": steps})["output_ids"] for p in prompts]
+        got = [
+            client.generate(
+                input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": steps}
+            )["output_ids"]
+            for p in prompts
+        ]
     assert got == expected

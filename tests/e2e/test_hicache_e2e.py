@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.support.checkpoints import random_prompt
-from tests.support.server_process import launch_server
 from runtime.client import AsyncClient, Client
+from tests.support.checkpoints import random_prompt
 from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args
+from tests.support.server_process import launch_server
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
@@ -36,8 +36,9 @@ def _server(model: Path, pool: int, *extra: str) -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def tier_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    yield from _server(tiny_checkpoints.path("llama_long"), SMALL_POOL, "--enable-hierarchical-cache",
-                       "--hicache-ratio", "16")
+    yield from _server(
+        tiny_checkpoints.path("llama_long"), SMALL_POOL, "--enable-hierarchical-cache", "--hicache-ratio", "16"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,9 @@ def reference(big_server: Client) -> dict[tuple[int, int], tuple[list[int], int]
     return run_conversations(big_server)
 
 
-def test_later_turns_load_their_history_from_the_host(tier_server: Client,
-                                                      reference: dict[tuple[int, int], tuple[list[int], int]]) -> None:
+def test_later_turns_load_their_history_from_the_host(
+    tier_server: Client, reference: dict[tuple[int, int], tuple[list[int], int]]
+) -> None:
     run = run_conversations(tier_server)
     assert {k: v[0] for k, v in run.items()} == {k: v[0] for k, v in reference.items()}
     info = tier_server.server_info()
@@ -102,8 +104,9 @@ def test_later_turns_load_their_history_from_the_host(tier_server: Client,
     assert info["device_evicted_tokens"] > 0 and info["host_backed_up_tokens"] > 0
 
 
-def test_without_the_tier_the_same_run_recomputes(plain_server: Client,
-                                                  reference: dict[tuple[int, int], tuple[list[int], int]]) -> None:
+def test_without_the_tier_the_same_run_recomputes(
+    plain_server: Client, reference: dict[tuple[int, int], tuple[list[int], int]]
+) -> None:
     run = run_conversations(plain_server)
     assert {k: v[0] for k, v in run.items()} == {k: v[0] for k, v in reference.items()}
     info = plain_server.server_info()

@@ -25,23 +25,34 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.server_process import launch_server
 from runtime.client import Client
 from tests.support.server_fixtures import API_KEY, CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
+from tests.support.server_process import launch_server
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
 MODEL = "tiny-llama"
-PROMPTS = ["Hello! How are you today?", "The quick brown fox jumps over the lazy dog.",
-           "def add(a, b):\n    return a + b", "héllo wörld"]
+PROMPTS = [
+    "Hello! How are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b",
+    "héllo wörld",
+]
 GREEDY_HTTP = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints: Any) -> Iterator[Client]:
-    args = base_args(tiny_checkpoints.path("llama"), "--api-key", API_KEY, "--enable-metrics", "--log-requests",
-                     "--served-model-name", MODEL)
+    args = base_args(
+        tiny_checkpoints.path("llama"),
+        "--api-key",
+        API_KEY,
+        "--enable-metrics",
+        "--log-requests",
+        "--served-model-name",
+        MODEL,
+    )
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         assert client.server.http_address is not None
         yield client
@@ -49,8 +60,9 @@ def server(tiny_checkpoints: Any) -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def oai(server: Client) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.server.http_address + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=CLIENT_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=server.server.http_address + "/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
 
 
 def http(server: Client, method: str, path: str, body: Any = None, key: str | None = API_KEY) -> tuple[int, bytes]:
@@ -68,7 +80,7 @@ def http(server: Client, method: str, path: str, body: Any = None, key: str | No
 
 
 def sse_events(raw: bytes) -> list[Any]:
-    lines = [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    lines = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert lines[-1] == b"[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -98,8 +110,16 @@ def test_completions_equal_the_zmq_client(server: Client, oai: openai.OpenAI) ->
 def test_completion_stream_adds_up_with_usage_and_cached_tokens(server: Client, oai: openai.OpenAI) -> None:
     prompt = PROMPTS[1] + " again and again"
     full = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY_HTTP)
-    chunks = list(oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stream=True,
-                                         stream_options={"include_usage": True}, **GREEDY_HTTP))
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY_HTTP,
+        )
+    )
     text_chunks, usage_chunk = chunks[:-1], chunks[-1]
     assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
     assert len(text_chunks) == 16  # --stream-interval 1: one event per token
@@ -115,61 +135,78 @@ def test_chat_equals_the_zmq_client_stream_and_not(server: Client, oai: openai.O
     r = oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, **GREEDY_HTTP)
     assert r.choices[0].message.content == zmq["text"] and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == zmq["meta"]["prompt_tokens"] and r.object == "chat.completion"
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
-                                              **GREEDY_HTTP))
+    chunks = list(
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True, **GREEDY_HTTP)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == zmq["text"]
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
     # content given as text parts renders the same prompt
-    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Hello "},
-                                                        {"type": "text", "text": "there"}]}]
+    parts = [
+        messages[0],
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
+    ]
     r2 = oai.chat.completions.create(model=MODEL, messages=parts, max_tokens=10, **GREEDY_HTTP)
     assert r2.choices[0].message.content == zmq["text"]
 
 
 def test_n2_logprobs_and_stop(server: Client, oai: openai.OpenAI) -> None:
-    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=2, temperature=1.0, seed=3,
-                               extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=6, n=2, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 12
     zmq = server.generate("Hello", {**GREEDY, "max_new_tokens": 5}, return_logprob=True, top_logprobs_num=3)
     r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=5, logprobs=3, **GREEDY_HTTP)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([p for p, _ in zmq["meta"]["output_token_logprobs"]], abs=1e-5)
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
-    assert all(len(top) <= 3 and max(top.values()) >= chosen - 1e-5
-               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       logprobs=True, top_logprobs=2, **GREEDY_HTTP)
+    assert all(
+        len(top) <= 3 and max(top.values()) >= chosen - 1e-5 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY_HTTP,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
     # stop: the text ends before the stop string, finish_reason "stop", as on ZMQ
     full = server.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 24})["text"]
-    stop = next(full[i:i + 3] for i in range(4, len(full) - 3) if full[i:i + 3].strip() == full[i:i + 3]
-                and full.find(full[i:i + 3]) == i)
+    stop = next(
+        full[i : i + 3]
+        for i in range(4, len(full) - 3)
+        if full[i : i + 3].strip() == full[i : i + 3] and full.find(full[i : i + 3]) == i
+    )
     r = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stop=[stop], **GREEDY_HTTP)
-    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == server.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 24, "stop": stop})["text"]
 
 
 # ---------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": -2}, "max_tokens"),
-    ({"n": 0}, "n"),
-    ({"presence_penalty": 5}, "presence_penalty"),
-    ({"frequency_penalty": "a lot"}, "frequency_penalty"),
-    ({"stop": 7}, "stop"),
-    ({"seed": "x"}, "seed"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"top_k": 0}, "top_k"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": [1, 10**6]}, "prompt"),
-    ({"prompt": list(range(3, 600))}, "prompt"),  # longer than the context (512)
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": -2}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"frequency_penalty": "a lot"}, "frequency_penalty"),
+        ({"stop": 7}, "stop"),
+        ({"seed": "x"}, "seed"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"top_k": 0}, "top_k"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [1, 10**6]}, "prompt"),
+        ({"prompt": list(range(3, 600))}, "prompt"),  # longer than the context (512)
+    ],
+)
 def test_bad_completion_request_names_the_field(oai: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
     body = {"prompt": "Hello", "max_tokens": 4, **extra}
     prompt = body.pop("prompt")
@@ -178,14 +215,16 @@ def test_bad_completion_request_names_the_field(oai: openai.OpenAI, extra: dict[
     assert exc.value.status_code == 400 and exc.value.param == param, exc.value.body
 
 
-@pytest.mark.parametrize("messages, extra, param", [
-    ([{"content": "no role"}], {}, "messages[0].role"),
-    ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "messages[0].content"),
-    ([{"role": "user", "content": "hi"}], {"top_logprobs": 2}, "top_logprobs"),
-    ([{"role": "user", "content": "hi"}], {"max_completion_tokens": 10**6}, "max_completion_tokens"),
-])
-def test_bad_chat_request_names_the_field(oai: openai.OpenAI, messages: Any, extra: dict[str, Any],
-                                          param: str) -> None:
+@pytest.mark.parametrize(
+    "messages, extra, param",
+    [
+        ([{"content": "no role"}], {}, "messages[0].role"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "messages[0].content"),
+        ([{"role": "user", "content": "hi"}], {"top_logprobs": 2}, "top_logprobs"),
+        ([{"role": "user", "content": "hi"}], {"max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ],
+)
+def test_bad_chat_request_names_the_field(oai: openai.OpenAI, messages: Any, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model=MODEL, messages=messages, extra_body=extra)
     assert exc.value.param == param, exc.value.body
@@ -226,7 +265,8 @@ def test_native_generate_body_and_reply(server: Client) -> None:
     assert r["meta_info"]["completion_tokens"] == 8 and r["meta_info"]["e2e_latency"] > 0
     status, body = http(server, "POST", "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params})
     assert status == 200 and [x["output_ids"] for x in json.loads(body)] == [
-        server.generate(input_ids=ids, sampling_params=params)["output_ids"] for ids in ([5, 6, 7], [8, 9])]
+        server.generate(input_ids=ids, sampling_params=params)["output_ids"] for ids in ([5, 6, 7], [8, 9])
+    ]
     status, raw = http(server, "POST", "/generate", {"text": PROMPTS[0], "sampling_params": params, "stream": True})
     events = sse_events(raw)
     assert events[-1]["text"] == zmq["text"]  # cumulative text, as SGLang streams it
@@ -247,14 +287,24 @@ def test_native_generate_scores_a_prompt_with_max_new_tokens_zero(server: Client
     """lm-eval's loglikelihood call: return_logprob, logprob_start_len and max_new_tokens 0 score the
     prompt without generating; the reply's meta_info has what the ZMQ client gets."""
     ids = [17, 42, 99, 5, 230, 61, 8, 150, 77, 12]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-            "logprob_start_len": 4, "top_logprobs_num": 2}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 4,
+        "top_logprobs_num": 2,
+    }
     status, raw = http(server, "POST", "/generate", body)
     assert status == 200, raw
     r = json.loads(raw)
     assert r["output_ids"] == [] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
-    zmq = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                          top_logprobs_num=2, logprob_start_len=4)
+    zmq = server.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=4,
+    )
     got = r["meta_info"]["input_token_logprobs"]
     assert [t for _, t in got] == ids[4:] and all(lp < 0 for lp, _ in got)
     assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in zmq["meta"]["input_token_logprobs"]], abs=1e-5)
@@ -269,18 +319,30 @@ def test_native_generate_scores_a_prompt_with_max_new_tokens_zero(server: Client
 def scrape(server: Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     status, body = http(server, "GET", "/metrics")
     assert status == 200
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def test_metrics_move_by_exactly_the_requests_sent(server: Client, oai: openai.OpenAI) -> None:
     wait_until(lambda: is_idle(server), 30, "an idle server")
     before = scrape(server)
-    usages = [oai.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY_HTTP).usage
-              for p, n in ((PROMPTS[2], 5), (PROMPTS[3], 7))]
-    stream = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Metrics?"}],
-                                              max_tokens=4, stream=True, stream_options={"include_usage": True},
-                                              **GREEDY_HTTP))
+    usages = [
+        oai.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY_HTTP).usage
+        for p, n in ((PROMPTS[2], 5), (PROMPTS[3], 7))
+    ]
+    stream = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Metrics?"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY_HTTP,
+        )
+    )
     usages.append(stream[-1].usage)
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=MODEL, prompt="x", temperature=-1)
@@ -309,8 +371,9 @@ def test_metrics_count_constrained_requests_and_their_compiles(server: Client, o
     wait_until(lambda: is_idle(server), 30, "an idle server")
     before, info_before = scrape(server), server.server_info()
     regex = f"(yes|no|maybe){{1,3}} {time.monotonic_ns()}"  # never compiled before on this server
-    reply = oai.completions.create(model=MODEL, prompt="Answer:", n=2, max_tokens=48, temperature=0,
-                                   extra_body={"regex": regex})
+    reply = oai.completions.create(
+        model=MODEL, prompt="Answer:", n=2, max_tokens=48, temperature=0, extra_body={"regex": regex}
+    )
     assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in reply.choices), reply
     after, info_after = scrape(server), server.server_info()
 
@@ -335,8 +398,11 @@ def _open_request(server: Client, path: str, body: dict[str, Any]) -> socket.soc
     host, port = server.server.http_address.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S)
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -345,16 +411,20 @@ def test_http_clients_gone_mid_request_are_aborted_and_their_kv_freed(server: Cl
     mid-generation: every request is aborted, nothing leaks, the server keeps serving."""
     before = wait_until(lambda: is_idle(server), 30, "an idle server")
     body = {"model": MODEL, "max_tokens": 450, "temperature": 0, "ignore_eos": True}
-    streams = [_open_request(server, "/v1/completions", {**body, "prompt": f"stream {i}", "stream": True})
-               for i in range(4)]
+    streams = [
+        _open_request(server, "/v1/completions", {**body, "prompt": f"stream {i}", "stream": True}) for i in range(4)
+    ]
     for sock in streams:
         got = b""
         while b"data: " not in got:
             got += sock.recv(4096)
         assert got.startswith(b"HTTP/1.1 200")
-    plain = [_open_request(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x"}]}),
-             _open_request(server, "/generate", {"text": "y", "sampling_params": {"max_new_tokens": 450,
-                                                                                    "ignore_eos": True}})]
+    plain = [
+        _open_request(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x"}]}),
+        _open_request(
+            server, "/generate", {"text": "y", "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}
+        ),
+    ]
     wait_until(lambda: server.server_info()["tokenizer"]["active_requests"] == 6, 60, "all six requests")
     for sock in streams + plain:
         sock.close()
@@ -375,10 +445,23 @@ def test_bench_serving_drives_the_http_front_door(server: Client) -> None:
     from bench.workloads import BenchRequest, Workload
 
     reqs = [BenchRequest(i, [5 + i, 6, 7, 8], 6, session=i) for i in range(4)]
-    records, duration = run_workload(server.server.http_address, Workload("smoke", {}, reqs), api_key=API_KEY,
-                                     backend="http", model=MODEL, show_progress=False)
+    records, duration = run_workload(
+        server.server.http_address,
+        Workload("smoke", {}, reqs),
+        api_key=API_KEY,
+        backend="http",
+        model=MODEL,
+        show_progress=False,
+    )
     assert [r.error for r in records] == [None] * 4 and duration > 0
     assert all(r.output_len == 6 and r.ttft is not None and len(r.itl) == 5 for r in records)
-    records, _ = run_workload(server.server.http_address, Workload("smoke", {}, reqs), api_key=API_KEY,
-                              backend="http", model=MODEL, stream=False, show_progress=False)
+    records, _ = run_workload(
+        server.server.http_address,
+        Workload("smoke", {}, reqs),
+        api_key=API_KEY,
+        backend="http",
+        model=MODEL,
+        stream=False,
+        show_progress=False,
+    )
     assert [(r.error, r.output_len) for r in records] == [(None, 6)] * 4

@@ -24,21 +24,22 @@ from typing import Any
 
 import pytest
 
-from tests.support.server_process import ServerProcess
 from runtime.checkpoints.hub import HubError, resolve_hub_path
 from runtime.protocol.child_process import child_pids
+from tests.support import REPO_ROOT as REPO
 from tests.support.server_fixtures import base_args, wait_gone, wait_until
+from tests.support.server_process import ServerProcess
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
-from tests.support import REPO_ROOT as REPO
 REPO_ID = "tinyserve-test/tiny-llama"
 COMMIT_MAIN = "a" * 40
 COMMIT_V1 = "b" * 40
 
 
-def add_to_hub_cache(cache: Path, repo_id: str, src: Path, commit: str, ref: str | None = "main",
-                     skip: tuple[str, ...] = ()) -> Path:
+def add_to_hub_cache(
+    cache: Path, repo_id: str, src: Path, commit: str, ref: str | None = "main", skip: tuple[str, ...] = ()
+) -> Path:
     """Lay ``src``'s files out as huggingface_hub caches a snapshot (refs/REF -> commit)."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
@@ -81,8 +82,13 @@ def test_hub_errors_are_clear(offline_hub: Path, tiny_llama_path: Path) -> None:
 
 def test_launch_reports_an_uncached_hub_id(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), "--model-path", "nobody/nothing",
-                           "--device", "cpu", "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--model-path", "nobody/nothing", "--device", "cpu", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     assert "nobody/nothing is not in the hub cache" in proc.stderr
 
@@ -137,15 +143,18 @@ def test_health_is_503_until_the_scheduler_is_ready_and_titles_show(tmp_path: Pa
     url = f"http://127.0.0.1:{http_port}"
     try:
         # Hold the scheduler before it can be ready: the HTTP server must answer "starting".
-        scheduler = wait_until(lambda: _children_by_title(server).get("tinyserve::scheduler_TP0"), 60,
-                               "the scheduler's process title")
+        scheduler = wait_until(
+            lambda: _children_by_title(server).get("tinyserve::scheduler_TP0"), 60, "the scheduler's process title"
+        )
         os.kill(scheduler, signal.SIGSTOP)
         try:
+
             def health() -> tuple[int, Any] | None:
                 try:
                     return _get(url + "/health")
                 except (urllib.error.URLError, ConnectionError):
                     return None  # not listening yet
+
             status, body = wait_until(health, 60, "the HTTP server to listen")
             assert status == 503 and body["error"]["code"] == "starting"
             assert _get(url + "/v1/models")[0] == 503

@@ -40,8 +40,9 @@ def assert_matches(meta: dict[str, Any], want: tuple[list[Any], list[Any]]) -> N
     assert [t for _, t in got] == [t for _, t in tokens]
     assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in tokens], abs=1e-4)
     got_top = meta["input_top_logprobs"]
-    assert [None if row is None else [t for _, t in row] for row in got_top] == \
-        [None if row is None else [t for _, t in row] for row in tops]
+    assert [None if row is None else [t for _, t in row] for row in got_top] == [
+        None if row is None else [t for _, t in row] for row in tops
+    ]
 
 
 def test_prompt_logprobs_through_the_client(llama_server: Client, hf_reference: Callable[[str], Any]) -> None:
@@ -50,32 +51,56 @@ def test_prompt_logprobs_through_the_client(llama_server: Client, hf_reference: 
     want = reference(model, prompt, 9, 2)
     # Twice: the second finds the prompt cached, yet computes it again from position 8.
     for _ in range(2):
-        r = llama_server.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3},
-                                  return_logprob=True, top_logprobs_num=2, logprob_start_len=9)
+        r = llama_server.generate(
+            input_ids=prompt,
+            sampling_params={**GREEDY, "max_new_tokens": 3},
+            return_logprob=True,
+            top_logprobs_num=2,
+            logprob_start_len=9,
+        )
         assert r["output_ids"] == hf_greedy(model, prompt, 3)[0]
         assert_matches(r["meta"], want)
         assert len(r["meta"]["output_token_logprobs"]) == 3
     assert r["meta"]["cached_tokens"] <= 8
     # Streaming: the first chunk with output carries them, no later one.
-    chunks = list(llama_server.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3},
-                                        stream=True, return_logprob=True, top_logprobs_num=2, logprob_start_len=9))
+    chunks = list(
+        llama_server.generate(
+            input_ids=prompt,
+            sampling_params={**GREEDY, "max_new_tokens": 3},
+            stream=True,
+            return_logprob=True,
+            top_logprobs_num=2,
+            logprob_start_len=9,
+        )
+    )
     assert_matches(chunks[0]["meta"], want)
     assert not any("input_token_logprobs" in c["meta"] for c in chunks[1:])
     # n = 2: each sample has them; without return_logprob there are none.
-    rs = llama_server.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2, "n": 2},
-                               return_logprob=True, top_logprobs_num=2, logprob_start_len=9)
+    rs = llama_server.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 2, "n": 2},
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=9,
+    )
     for r in rs:
         assert_matches(r["meta"], want)
-    plain = llama_server.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2},
-                                  logprob_start_len=9)
+    plain = llama_server.generate(
+        input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, logprob_start_len=9
+    )
     assert "input_token_logprobs" not in plain["meta"]
 
 
 def test_max_new_tokens_zero_scores_the_prompt(llama_server: Client, hf_reference: Callable[[str], Any]) -> None:
     model, _ = hf_reference("llama")
     prompt = random_prompt(21, model.config.vocab_size, seed=77)
-    r = llama_server.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                              top_logprobs_num=1, logprob_start_len=0)
+    r = llama_server.generate(
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        top_logprobs_num=1,
+        logprob_start_len=0,
+    )
     assert r["output_ids"] == [] and r["text"] == ""
     assert r["meta"]["finish_reason"] == {"type": "length", "length": 0}
     assert r["meta"]["completion_tokens"] == 0
@@ -85,9 +110,12 @@ def test_max_new_tokens_zero_scores_the_prompt(llama_server: Client, hf_referenc
 
 
 @pytest.mark.parametrize("start,return_logprob", [(-2, True), (5, True), (7, False)])
-def test_a_logprob_start_outside_the_prompt_is_refused(llama_server: Client, start: int,
-                                                      return_logprob: bool) -> None:
+def test_a_logprob_start_outside_the_prompt_is_refused(llama_server: Client, start: int, return_logprob: bool) -> None:
     with pytest.raises(RequestError) as err:
-        llama_server.generate(input_ids=[5, 6, 7, 8, 9], sampling_params={"max_new_tokens": 1},
-                              return_logprob=return_logprob, logprob_start_len=start)
+        llama_server.generate(
+            input_ids=[5, 6, 7, 8, 9],
+            sampling_params={"max_new_tokens": 1},
+            return_logprob=return_logprob,
+            logprob_start_len=start,
+        )
     assert err.value.code == "invalid_request" and "logprob_start_len" in err.value.message

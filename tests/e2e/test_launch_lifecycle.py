@@ -19,19 +19,19 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.checkpoints import hf_greedy
-from tests.support.server_process import ServerProcess, ServerStartError, launch_server
-from runtime.config.args import ServerArgs
 from runtime.client import Client
-from runtime.protocol.child_process import child_pids
+from runtime.config.args import ServerArgs
 from runtime.config.version import package_version
+from runtime.protocol.child_process import child_pids
+from tests.support import REPO_ROOT as REPO
+from tests.support.checkpoints import hf_greedy
 from tests.support.real_model import SERVED_NAME, private_model_cache, smollm2_file
 from tests.support.server_fixtures import wait_gone
+from tests.support.server_process import ServerProcess, ServerStartError, launch_server
 from tests.support.triton_interp import compiled_triton_env
 
 pytest_plugins = ["tests.support.server_fixtures", "tests.support.real_model"]
 
-from tests.support import REPO_ROOT as REPO
 LAUNCH = str(REPO / "launch.py")
 
 
@@ -108,8 +108,21 @@ def test_default_model_serves_on_cuda(tmp_path: Path, short_tmpdir: Path) -> Non
 
 def test_killed_child_stops_the_server(tmp_path: Path, short_tmpdir: Path, tiny_llama_path: Path) -> None:
     env, tmpdir = server_env(tmp_path, short_tmpdir), short_tmpdir
-    server = ServerProcess(["--model-path", str(tiny_llama_path), "--dtype", "float32", "--device", "cpu",
-                            "--max-total-tokens", "2048", "--port", "0"], env=env)
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--port",
+            "0",
+        ],
+        env=env,
+    )
     try:
         with Client(server.address, timeout=60) as c:
             processes = c.server_info()["processes"]
@@ -134,29 +147,66 @@ def test_port_in_use_fails_fast_with_the_reason(tmp_path: Path, short_tmpdir: Pa
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(ServerStartError) as exc:
-            ServerProcess(["--model-path", str(tiny_llama_path), "--dtype", "float32", "--device", "cpu",
-                           "--max-total-tokens", "1024", "--port", str(port)], env=env)
+            ServerProcess(
+                [
+                    "--model-path",
+                    str(tiny_llama_path),
+                    "--dtype",
+                    "float32",
+                    "--device",
+                    "cpu",
+                    "--max-total-tokens",
+                    "1024",
+                    "--port",
+                    str(port),
+                ],
+                env=env,
+            )
     assert "Address already in use" in str(exc.value)
     assert "exited with code 1" in str(exc.value)
     assert ipc_dirs(tmpdir) == []
 
 
 def test_tp_and_dp_layout_serves_transformers_greedy_output(
-        tiny_llama_path: Path, hf_reference: Callable[[str], Any]) -> None:
+    tiny_llama_path: Path, hf_reference: Callable[[str], Any]
+) -> None:
     """--tp-size 2 --dp-size 2 (shortest_queue): four scheduler ranks behind a DP
     controller, one server; SIGTERM exits 0 and leaves no process behind."""
     model, tok = hf_reference("llama")
     prompts = ["Hello world", "The quick brown fox", "Once upon a time", "def add(a, b):"]
-    with launch_server(["--model-path", str(tiny_llama_path), "--dtype", "float32", "--device", "cpu",
-                        "--max-total-tokens", "2048", "--tp-size", "2", "--dp-size", "2",
-                        "--load-balance-method", "shortest_queue"], client_timeout=120) as c:
+    with launch_server(
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--tp-size",
+            "2",
+            "--dp-size",
+            "2",
+            "--load-balance-method",
+            "shortest_queue",
+        ],
+        client_timeout=120,
+    ) as c:
         results = c.generate(prompts, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         info = c.server_info()
     assert c.server.process.returncode == 0, c.server.log_tail()
     for prompt, r in zip(prompts, results):
         assert r["output_ids"] == hf_greedy(model, tok.encode(prompt), 8)[0]
-    assert {"scheduler-dp0-tp0", "scheduler-dp0-tp1", "scheduler-dp1-tp0", "scheduler-dp1-tp1",
-            "dp-controller", "detokenizer", "tokenizer"} <= set(info["processes"])
+    assert {
+        "scheduler-dp0-tp0",
+        "scheduler-dp0-tp1",
+        "scheduler-dp1-tp0",
+        "scheduler-dp1-tp1",
+        "dp-controller",
+        "detokenizer",
+        "tokenizer",
+    } <= set(info["processes"])
     assert info["memory_invariant"]["ok"]
     # Ties on load go to the replica with fewer dispatches: a burst lands on both.
     assert info["load_balance_method"] == "shortest_queue"
@@ -171,9 +221,24 @@ def test_two_nodes_share_the_tp_ranks(tiny_llama_path: Path, hf_reference: Calla
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["--model-path", str(tiny_llama_path), "--dtype", "float32", "--device", "cpu",
-              "--max-total-tokens", "2048", "--tp-size", "2", "--nnodes", "2",
-              "--dist-init-addr", f"127.0.0.1:{port}", "--port", "0"]
+    common = [
+        "--model-path",
+        str(tiny_llama_path),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "2048",
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{port}",
+        "--port",
+        "0",
+    ]
     started: dict[int, Any] = {}
 
     def start(rank: int) -> None:  # both nodes must start together: they meet in the TP rendezvous
@@ -224,11 +289,14 @@ def test_help_documents_every_flag() -> None:
     assert version.returncode == 0 and version.stdout == f"tinyserve {package_version()}\n"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--page-size", "3"], "--page-size must be a power of two"),
-    (["--schedule-policy", "nope"], "invalid choice"),
-    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "multiple of --nnodes"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--page-size", "3"], "--page-size must be a power of two"),
+        (["--schedule-policy", "nope"], "invalid choice"),
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "multiple of --nnodes"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_message(argv: list[str], message: str) -> None:
     out = run_launch(*argv)
     assert out.returncode == 2

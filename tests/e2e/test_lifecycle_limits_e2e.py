@@ -33,17 +33,26 @@ MAX_QUEUED = 2
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints: Any) -> Iterator[Client]:
-    args = base_args(tiny_checkpoints.path("llama_long"), "--served-model-name", MODEL, "--enable-metrics",
-                     "--max-running-requests", "1", "--max-queued-requests", str(MAX_QUEUED),
-                     max_total_tokens=16384)
+    args = base_args(
+        tiny_checkpoints.path("llama_long"),
+        "--served-model-name",
+        MODEL,
+        "--enable-metrics",
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        max_total_tokens=16384,
+    )
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def oai(server: Client) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.server.http_address + "/v1", api_key="none", max_retries=0,
-                         timeout=CLIENT_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=server.server.http_address + "/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
 
 
 def idle_info(server: Client) -> dict[str, Any]:
@@ -81,15 +90,25 @@ def test_zmq_stream_deadline_ends_with_a_timeout_chunk(server: Client) -> None:
 
 def test_openai_timeout_aborts_near_one_second(server: Client, oai: openai.OpenAI) -> None:
     start = time.monotonic()
-    reply = oai.completions.create(model=MODEL, prompt="A long text:", max_tokens=LONG, temperature=0,
-                                   extra_body={"ignore_eos": True, "timeout": 1})
+    reply = oai.completions.create(
+        model=MODEL,
+        prompt="A long text:",
+        max_tokens=LONG,
+        temperature=0,
+        extra_body={"ignore_eos": True, "timeout": 1},
+    )
     elapsed = time.monotonic() - start
     assert reply.choices[0].finish_reason == "abort"
     assert 0 < reply.usage.completion_tokens < LONG
     assert 0.95 <= elapsed < 5.0, elapsed
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on"}],
-                                       max_tokens=LONG, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True, "deadline_s": 1})
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Go on"}],
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "deadline_s": 1},
+    )
     reasons = [c.choices[0].finish_reason for c in chat if c.choices]
     assert reasons[-1] == "abort" and reasons.count("abort") == 1
     idle_info(server)
@@ -104,8 +123,12 @@ def test_no_deadline_no_abort(server: Client) -> None:
 
 
 def post(server: Client, path: str, body: Any) -> tuple[int, dict[str, str], Any]:
-    req = urllib.request.Request(server.server.http_address + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.server.http_address + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
@@ -153,8 +176,7 @@ def test_over_the_queue_bound_is_refused_at_once_then_it_drains(server: Client, 
 
     info = idle_info(server)
     assert info["num_refused_overloaded"] == before["num_refused_overloaded"] + 3
-    assert info["tokenizer"]["requests_refused_overloaded"] == \
-        before["tokenizer"]["requests_refused_overloaded"] + 3
+    assert info["tokenizer"]["requests_refused_overloaded"] == before["tokenizer"]["requests_refused_overloaded"] + 3
     with urllib.request.urlopen(server.server.http_address + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     assert f'tinyserve:requests_refused_total{{model_name="{MODEL}",reason="overloaded"}} ' in metrics

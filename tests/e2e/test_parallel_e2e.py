@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.checkpoints import hf_greedy, random_prompt
-from tests.support.server_process import launch_server
 from runtime.client import Client
+from tests.support.checkpoints import hf_greedy, random_prompt
 from tests.support.server_fixtures import base_args, wait_gone
+from tests.support.server_process import launch_server
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
@@ -56,8 +56,10 @@ def ids(results: list[dict[str, Any]]) -> list[list[int]]:
 def tp2_llama(tiny_checkpoints: Any) -> Iterator[Client]:
     # With overlap scheduling: each rank's forwards (and their collectives) on a worker thread,
     # the input broadcast on the scheduler thread. tp2_qwen3 keeps the serial loop.
-    with launch_server(args(tiny_checkpoints.path("llama"), "--tp-size", "2", "--enable-overlap-schedule"),
-                       client_timeout=CLIENT_TIMEOUT_S) as c:
+    with launch_server(
+        args(tiny_checkpoints.path("llama"), "--tp-size", "2", "--enable-overlap-schedule"),
+        client_timeout=CLIENT_TIMEOUT_S,
+    ) as c:
         yield c
 
 
@@ -75,8 +77,10 @@ def dp2_round_robin(tiny_checkpoints: Any) -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def dp2_cache_aware(tiny_checkpoints: Any) -> Iterator[Client]:
-    with launch_server(args(tiny_checkpoints.path("llama"), "--dp-size", "2", "--load-balance-method", "cache_aware"),
-                       client_timeout=CLIENT_TIMEOUT_S) as c:
+    with launch_server(
+        args(tiny_checkpoints.path("llama"), "--dp-size", "2", "--load-balance-method", "cache_aware"),
+        client_timeout=CLIENT_TIMEOUT_S,
+    ) as c:
         yield c
 
 
@@ -84,8 +88,9 @@ def dp2_cache_aware(tiny_checkpoints: Any) -> Iterator[Client]:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_tp2_greedy_equals_transformers(name: str, request: pytest.FixtureRequest,
-                                        hf_reference: Callable[[str], Any]) -> None:
+def test_tp2_greedy_equals_transformers(
+    name: str, request: pytest.FixtureRequest, hf_reference: Callable[[str], Any]
+) -> None:
     client: Client = request.getfixturevalue(f"tp2_{name}")
     results = client.generate(PROMPTS, GREEDY)
     assert ids(results) == hf_outputs(hf_reference, name, PROMPTS)
@@ -125,9 +130,15 @@ def test_tp2_constrained_decoding_equals_tp1(tp2_llama: Client, llama_server: Cl
     import re
 
     regex = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "b": {"type": "string", "enum": ["x", "yy"]}},
-              "required": ["a", "b"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "string", "enum": ["x", "yy"]},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     for params in ({"max_new_tokens": 40, "temperature": 0}, {"max_new_tokens": 40, "temperature": 0.8, "seed": 3}):
         for constraint in ({"regex": regex}, {"json_schema": schema}):
             tp2 = tp2_llama.generate(PROMPTS, {**params, **constraint})
@@ -141,11 +152,13 @@ def test_tp2_constrained_decoding_equals_tp1(tp2_llama: Client, llama_server: Cl
 
 
 def test_tp2_replicated_kv_head_and_killed_rank_stops_the_server(
-        tiny_checkpoints: Any, hf_reference: Callable[[str], Any]) -> None:
+    tiny_checkpoints: Any, hf_reference: Callable[[str], Any]
+) -> None:
     """Mistral has one KV head: both ranks hold a copy. Then SIGKILL rank 1 (the rank
     without sockets): the server exits non-zero, every process gone."""
-    with launch_server(args(tiny_checkpoints.path("mistral"), "--tp-size", "2"),
-                       client_timeout=CLIENT_TIMEOUT_S) as client:
+    with launch_server(
+        args(tiny_checkpoints.path("mistral"), "--tp-size", "2"), client_timeout=CLIENT_TIMEOUT_S
+    ) as client:
         assert ids(client.generate(PROMPTS, GREEDY)) == hf_outputs(hf_reference, "mistral", PROMPTS)
         processes = client.server_info()["processes"]
         children = [pid for name, pid in processes.items() if name != "launch"]
@@ -163,8 +176,9 @@ def test_tp2_replicated_kv_head_and_killed_rank_stops_the_server(
 # ---------------------------------------------------------------------- data parallelism
 
 
-def test_dp2_round_robin_uses_both_replicas_and_equals_dp1(dp2_round_robin: Client, llama_server: Client,
-                                                           hf_reference: Callable[[str], Any]) -> None:
+def test_dp2_round_robin_uses_both_replicas_and_equals_dp1(
+    dp2_round_robin: Client, llama_server: Client, hf_reference: Callable[[str], Any]
+) -> None:
     prompts = PROMPTS + ["Once upon a time"]
     before = dp2_round_robin.server_info()
     results = dp2_round_robin.generate(prompts, GREEDY)

@@ -22,6 +22,7 @@ from runtime.client import Client
 from tests.support.server_process import launch_server
 
 pytest.register_assert_rewrite("server_fixtures")
+
 from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -32,8 +33,14 @@ SHORT = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8}
 
 @pytest.fixture(scope="module")
 def priority_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    args = base_args(tiny_checkpoints.path("llama"), "--max-running-requests", "1", "--enable-priority-scheduling",
-                     "--priority-preemption", "--enable-overlap-schedule")
+    args = base_args(
+        tiny_checkpoints.path("llama"),
+        "--max-running-requests",
+        "1",
+        "--enable-priority-scheduling",
+        "--priority-preemption",
+        "--enable-overlap-schedule",
+    )
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
 
@@ -45,8 +52,12 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def http_generate(client: Client, body: dict[str, Any]) -> dict[str, Any]:
     address = client.server.http_address  # type: ignore[attr-defined]
-    req = urllib.request.Request(address + "/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        address + "/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
         return json.loads(resp.read())
 
@@ -68,8 +79,11 @@ def test_high_priority_preempts_the_running_request_whose_output_stays_exact(pri
     high: dict[str, Any] = {}
 
     def high_request() -> None:
-        high.update(http_generate(priority_server, {"input_ids": random_ids(16, vocab, seed=99),
-                                                    "sampling_params": SHORT, "priority": 10}))
+        high.update(
+            http_generate(
+                priority_server, {"input_ids": random_ids(16, vocab, seed=99), "sampling_params": SHORT, "priority": 10}
+            )
+        )
         done("high")
 
     threads: list[threading.Thread] = []

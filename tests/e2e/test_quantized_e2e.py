@@ -19,14 +19,20 @@ from typing import Iterator
 import pytest
 import torch
 
+from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.model_config import ModelConfig
-from runtime.checkpoints.model_source import checkpoint_folder
-from runtime.engine.models.registry import get_model_class
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.models.registry import get_model_class
 from runtime.text.tokenizer import load_tokenizer
-from tests.e2e.test_real_model_e2e import (ANSWER_TOKENS, BF16_QUESTIONS, QUESTIONS, ask_both_clients,
-                                           assert_idle_and_nothing_leaked, assert_right)
+from tests.e2e.test_real_model_e2e import (
+    ANSWER_TOKENS,
+    BF16_QUESTIONS,
+    QUESTIONS,
+    ask_both_clients,
+    assert_idle_and_nothing_leaked,
+    assert_right,
+)
 from tests.support.harness import Harness
 from tests.support.real_model import chat_ids, real_model_args, serve_real_model, smollm2_file
 from tests.support.server_process import ServedClient
@@ -40,8 +46,9 @@ EMBEDDING_VALUES = 49152 * 576
 
 @pytest.fixture(scope="module")
 def gguf_server(real_model_cache: Path) -> Iterator[ServedClient]:
-    yield from serve_real_model(real_model_cache, real_model_args("float32", "--quantization", "gguf",
-                                                                  max_total_tokens=2048))
+    yield from serve_real_model(
+        real_model_cache, real_model_args("float32", "--quantization", "gguf", max_total_tokens=2048)
+    )
 
 
 def test_gguf_blocks_answer_right_and_take_the_formats_bytes(gguf_server: ServedClient) -> None:
@@ -70,16 +77,24 @@ def smollm2_safetensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ModelConfig.from_pretrained(out)
     with torch.device("meta"):
         targets = get_model_class(config)(config).checkpoint_targets()
-    save_file({name: weight.load() for name, weight in iterate_gguf_weights(prepared, targets, config, progress=False)},
-              str(out / "model.safetensors"))
+    save_file(
+        {name: weight.load() for name, weight in iterate_gguf_weights(prepared, targets, config, progress=False)},
+        str(out / "model.safetensors"),
+    )
     return out
 
 
 def test_int8_linears_of_a_safetensors_checkpoint_answer_right(smollm2_safetensors: Path) -> None:
     """In process (a second server would cost the suite half a minute): the model runner the
     scheduler builds, greedy, on the chat template's prompts."""
-    runner = ModelRunner(smollm2_safetensors, device="cpu", dtype="float32", max_total_tokens=2048,
-                         load_progress=False, quantization="int8")
+    runner = ModelRunner(
+        smollm2_safetensors,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=2048,
+        load_progress=False,
+        quantization="int8",
+    )
     assert runner.weight_info()["quantized_bytes"] == {"int8": LINEAR_VALUES + 30 * (960 + 576 + 3072 + 576) * 4}
     assert isinstance(runner.model.model.embed_tokens.weight, torch.Tensor)  # (SGLang's w8a8_int8 keeps it dense)
     tokenizer = load_tokenizer(str(smollm2_safetensors))

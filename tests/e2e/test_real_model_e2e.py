@@ -27,8 +27,16 @@ import openai
 import pytest
 
 from runtime.client import Client
-from tests.support.real_model import (API_KEY, CHUNKED_PREFILL_SIZE, CLIENT_TIMEOUT_S, SERVED_NAME, chat_ids,
-                                      hf_greedy_until_eos, real_model_args, serve_real_model)
+from tests.support.real_model import (
+    API_KEY,
+    CHUNKED_PREFILL_SIZE,
+    CLIENT_TIMEOUT_S,
+    SERVED_NAME,
+    chat_ids,
+    hf_greedy_until_eos,
+    real_model_args,
+    serve_real_model,
+)
 from tests.support.server_fixtures import is_idle, wait_until
 from tests.support.server_process import ServedClient
 
@@ -45,14 +53,19 @@ QUESTIONS: dict[str, str] = {
     "What is the chemical symbol for water?": "H2O",
 }
 # bf16 is emulated on this CPU (slow): one question of each kind.
-BF16_QUESTIONS = ["What is the capital of Japan?", "What is 10 + 10?", "How do you say 'hello' in Spanish?",
-                  "Who is the author of Hamlet?"]
+BF16_QUESTIONS = [
+    "What is the capital of Japan?",
+    "What is 10 + 10?",
+    "How do you say 'hello' in Spanish?",
+    "Who is the author of Hamlet?",
+]
 ANSWER_TOKENS = 12  # every chosen answer names its word within 11 tokens
 EQUALITY_TOKENS = 24
 SEQUENTIAL_TOKENS = 12  # batch size 1 costs a decode step per token per chat: the first half of the reference
 
 CHATS: list[list[dict[str, str]]] = [
-    [{"role": "user", "content": q}] for q in (
+    [{"role": "user", "content": q}]
+    for q in (
         "What is the capital of France?",
         "What is 2 + 2?",
         "Who wrote Hamlet?",
@@ -72,36 +85,48 @@ CHATS: list[list[dict[str, str]]] = [
         "How many days are there in a week?",
     )
 ] + [
-    [{"role": "system", "content": "You are a terse assistant. Answer in at most five words."},
-     {"role": "user", "content": "What is the largest ocean on Earth?"}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
-     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+    [
+        {"role": "system", "content": "You are a terse assistant. Answer in at most five words."},
+        {"role": "user", "content": "What is the largest ocean on Earth?"},
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+        {"role": "user", "content": "Tell me a fun fact about octopuses."},
+    ],
 ]
 
 
 def assert_right(question: str, answer: str, dtype: str, client: str) -> None:
     word = QUESTIONS[question]
-    assert re.search(rf"\b{re.escape(word)}\b", answer, re.IGNORECASE), \
+    assert re.search(rf"\b{re.escape(word)}\b", answer, re.IGNORECASE), (
         f"{dtype} via {client}: {question!r} -> {answer!r}, which lacks {word!r}"
+    )
 
 
 def ask_both_clients(client: ServedClient, questions: list[str], dtype: str) -> dict[str, tuple[str, str]]:
     """Each question through the ZMQ client (one batch call) and the openai SDK over HTTP (all at
     once, from threads): ``question -> (zmq answer, http answer)``, each checked right."""
     assert client.server.http_address is not None
-    oai = openai.OpenAI(base_url=client.server.http_address + "/v1", api_key=API_KEY, max_retries=0,
-                        timeout=CLIENT_TIMEOUT_S)
+    oai = openai.OpenAI(
+        base_url=client.server.http_address + "/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
 
     def http(question: str) -> str:
-        r = oai.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": question}],
-                                        temperature=0, max_completion_tokens=ANSWER_TOKENS)
+        r = oai.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_completion_tokens=ANSWER_TOKENS,
+        )
         assert r.model == SERVED_NAME and r.choices[0].message.role == "assistant"
         return r.choices[0].message.content or ""
 
     greedy = {"temperature": 0, "max_new_tokens": ANSWER_TOKENS}
     with ThreadPoolExecutor(len(questions) + 1) as pool:  # both clients at once: one batch, half the steps
-        zmq_call = pool.submit(client.generate, messages=[[{"role": "user", "content": q}] for q in questions],
-                               sampling_params=greedy)
+        zmq_call = pool.submit(
+            client.generate, messages=[[{"role": "user", "content": q}] for q in questions], sampling_params=greedy
+        )
         http_answers = list(pool.map(http, questions))
         zmq = zmq_call.result()
     answers = {}
@@ -149,8 +174,12 @@ def reference(smollm2_hf: tuple[Any, Any]) -> list[Expected]:
     assert eos == model.config.eos_token_id
     outputs = hf_greedy_until_eos(model, prompts, EQUALITY_TOKENS, eos, tokenizer.pad_token_id or eos)
     assert any(o[-1] == eos for o in outputs) and any(o[-1] != eos for o in outputs), "both ways to finish"
-    return [Expected(p, o, {"type": "stop", "matched": eos} if o[-1] == eos
-                     else {"type": "length", "length": EQUALITY_TOKENS}) for p, o in zip(prompts, outputs)]
+    return [
+        Expected(
+            p, o, {"type": "stop", "matched": eos} if o[-1] == eos else {"type": "length", "length": EQUALITY_TOKENS}
+        )
+        for p, o in zip(prompts, outputs)
+    ]
 
 
 def check_against_reference(results: list[dict[str, Any]], reference: list[Expected]) -> None:
@@ -178,7 +207,8 @@ def test_one_at_a_time_equals_transformers(reference: list[Expected], smollm2_se
 
 
 def test_sixteen_at_once_equal_transformers_then_hit_the_prefix_cache(
-        reference: list[Expected], smollm2_server: ServedClient) -> None:
+    reference: list[Expected], smollm2_server: ServedClient
+) -> None:
     """All chats sent at once on an empty prefix cache (so prefills of several requests share
     32-token chunks), then all again: the repeats come from the prefix cache and say so, and
     give the same tokens."""

@@ -32,21 +32,20 @@ import zmq
 
 pytest.register_assert_rewrite("server_fixtures")
 
-from tests.support.server_process import ServerProcess, launch_server  # noqa: E402
 from runtime.client import Client, RequestError  # noqa: E402
 from runtime.protocol.messages import ServerInfoReq  # noqa: E402
+from tests.support import REPO_ROOT as REPO
 from tests.support.server_fixtures import base_args, wait_until  # noqa: E402
+from tests.support.server_process import ServerProcess, launch_server  # noqa: E402
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
-from tests.support import REPO_ROOT as REPO
 LONG = {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0}  # the tiny models' context is 512
 MAX_REQUESTS_PER_CLIENT = 8
 
 
 def _http(address: str, path: str, body: bytes, timeout: float = 30) -> tuple[int, bytes]:
-    req = urllib.request.Request(address + path, data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(address + path, data=body, method="POST", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -56,8 +55,12 @@ def _http(address: str, path: str, body: bytes, timeout: float = 30) -> tuple[in
 
 def _sse_events(address: str, body: dict[str, Any]) -> list[Any]:
     """POST a streaming /generate; every event until [DONE]."""
-    req = urllib.request.Request(address + "/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        address + "/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     events: list[Any] = []
     with urllib.request.urlopen(req, timeout=60) as resp:
         for line in resp:
@@ -81,8 +84,9 @@ def _latency(client: Client) -> float:
 
 def test_sigterm_under_load_answers_every_request_with_server_shutdown(tiny_llama_path: Path) -> None:
     # Two running at a time, so that the seven stay in flight for seconds.
-    server = ServerProcess([*base_args(tiny_llama_path), "--max-running-requests", "2", "--port", "0",
-                            "--graceful-shutdown-timeout", "0"])  # no drain: the plain stop
+    server = ServerProcess(
+        [*base_args(tiny_llama_path), "--max-running-requests", "2", "--port", "0", "--graceful-shutdown-timeout", "0"]
+    )  # no drain: the plain stop
     outcomes: dict[str, Any] = {}
 
     def zmq_request(name: str, stream: bool) -> None:
@@ -109,16 +113,23 @@ def test_sigterm_under_load_answers_every_request_with_server_shutdown(tiny_llam
         except Exception as exc:  # reported by the asserts below
             outcomes[name] = repr(exc)
 
-    jobs = [("zmq-stream-0", zmq_request, True), ("zmq-stream-1", zmq_request, True),
-            ("zmq-stream-2", zmq_request, True), ("zmq-0", zmq_request, False), ("zmq-1", zmq_request, False),
-            ("http-stream", http_request, True), ("http", http_request, False)]
+    jobs = [
+        ("zmq-stream-0", zmq_request, True),
+        ("zmq-stream-1", zmq_request, True),
+        ("zmq-stream-2", zmq_request, True),
+        ("zmq-0", zmq_request, False),
+        ("zmq-1", zmq_request, False),
+        ("http-stream", http_request, True),
+        ("http", http_request, False),
+    ]
     threads = [threading.Thread(target=fn, args=(name, stream)) for name, fn, stream in jobs]
     try:
         for t in threads:
             t.start()
         with Client(server.address or "", timeout=60) as probe:
-            wait_until(lambda: probe.server_info()["tokenizer"]["active_requests"] == len(jobs), 60,
-                       "every request in flight")
+            wait_until(
+                lambda: probe.server_info()["tokenizer"]["active_requests"] == len(jobs), 60, "every request in flight"
+            )
         t0 = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         for t in threads:
@@ -244,8 +255,13 @@ print(json.dumps(seen), flush=True)
 def test_big_prompts_and_stop_lists_do_not_slow_other_clients(fair_server: Client) -> None:
     c = fair_server
     idle = statistics.median(_latency(c) for _ in range(15))
-    hostile = subprocess.Popen([sys.executable, "-c", HOSTILE, c.address, c.server.http_address, "4"],
-                               stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    hostile = subprocess.Popen(
+        [sys.executable, "-c", HOSTILE, c.address, c.server.http_address, "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert hostile.stdout is not None and hostile.stdout.readline().strip() == "started"
         busy = []
@@ -266,8 +282,7 @@ def test_big_prompts_and_stop_lists_do_not_slow_other_clients(fair_server: Clien
 
 def test_too_many_requests_per_client(fair_server: Client) -> None:
     c = fair_server
-    streams = [c.generate(input_ids=[5] * 4, sampling_params=LONG, stream=True)
-               for _ in range(MAX_REQUESTS_PER_CLIENT)]
+    streams = [c.generate(input_ids=[5] * 4, sampling_params=LONG, stream=True) for _ in range(MAX_REQUESTS_PER_CLIENT)]
     try:
         for s in streams:
             next(s)  # all in flight
@@ -277,8 +292,13 @@ def test_too_many_requests_per_client(fair_server: Client) -> None:
         with Client(c.address, timeout=60) as other:  # the limit is per client
             assert len(other.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})["output_ids"]) == 1
         http = c.server.http_address
-        status, raw = _http(http, "/generate", json.dumps(
-            {"input_ids": [[5]] * (MAX_REQUESTS_PER_CLIENT + 1), "sampling_params": {"max_new_tokens": 1}}).encode())
+        status, raw = _http(
+            http,
+            "/generate",
+            json.dumps(
+                {"input_ids": [[5]] * (MAX_REQUESTS_PER_CLIENT + 1), "sampling_params": {"max_new_tokens": 1}}
+            ).encode(),
+        )
         assert status == 429 and json.loads(raw)["error"]["code"] == "too_many_requests"
     finally:
         for s in streams:

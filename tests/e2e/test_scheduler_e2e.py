@@ -11,11 +11,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.support.server_process import launch_server
 from runtime.client import Client
 from scheduler_proc.admission import MAX_CONSECUTIVE_PREFILLS
+from tests.support.server_process import launch_server
 
 pytest.register_assert_rewrite("server_fixtures")
+
 from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -89,8 +90,10 @@ def test_parallel_samples_share_the_prompt(llama_server: Client) -> None:
     # The cache holds each distinct token path once: the prompt once, plus each sample's branch.
     paths = {tuple(prompt + out[:k]) for out in outputs for k in range(len(out))}
     assert info["evictable_tokens"] == len({p[:n] for p in paths for n in range(1, len(p) + 1)})
-    singles = [llama_server.generate(input_ids=prompt, sampling_params={**params, "seed": 3 + i})["output_ids"]
-               for i in range(4)]
+    singles = [
+        llama_server.generate(input_ids=prompt, sampling_params={**params, "seed": 3 + i})["output_ids"]
+        for i in range(4)
+    ]
     assert outputs == singles
     assert len({tuple(o) for o in outputs}) > 1  # each sample decodes on its own
     assert info["memory_invariant"]["ok"], info["memory_invariant"]
@@ -99,8 +102,9 @@ def test_parallel_samples_share_the_prompt(llama_server: Client) -> None:
 @pytest.fixture(scope="module")
 def long_prompt_server(tiny_checkpoints: Any) -> Iterator[Client]:
     # One 2,000-token prompt per prefill batch, so prefill batches can be counted by completions.
-    args = base_args(tiny_checkpoints.path("llama_long"), "--max-prefill-tokens", "2048",
-                     "--chunked-prefill-size", "2048")
+    args = base_args(
+        tiny_checkpoints.path("llama_long"), "--max-prefill-tokens", "2048", "--chunked-prefill-size", "2048"
+    )
     args[args.index("--max-total-tokens") + 1] = "20000"
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
@@ -118,16 +122,19 @@ def test_running_request_keeps_decoding_under_a_stream_of_long_prompts(long_prom
 
     async def run() -> None:
         async with AsyncClient(address) as client:
+
             async def stream() -> None:
                 async for chunk in client.generate(
-                    input_ids=random_ids(8, vocab, seed=1), sampling_params={**GREEDY, "max_new_tokens": 24},
+                    input_ids=random_ids(8, vocab, seed=1),
+                    sampling_params={**GREEDY, "max_new_tokens": 24},
                     stream=True,
                 ):
                     events.extend("token" for _ in chunk["output_ids"])
 
             async def long_prompt(i: int) -> None:
-                await client.generate(input_ids=random_ids(2000, vocab, seed=1000 + i),
-                                      sampling_params={**GREEDY, "max_new_tokens": 1})
+                await client.generate(
+                    input_ids=random_ids(2000, vocab, seed=1000 + i), sampling_params={**GREEDY, "max_new_tokens": 1}
+                )
                 events.append("prefill")
 
             streaming = asyncio.create_task(stream())
@@ -181,5 +188,7 @@ def test_abort_in_queue_while_running_and_all_at_once(small_pool_server: Client)
     info = wait_until(lambda: is_idle(small_pool_server), 30, "the server to go idle")
     assert info["memory_invariant"]["ok"], info["memory_invariant"]
     # Other requests still finish normally afterwards.
-    after = small_pool_server.generate(input_ids=random_ids(10, vocab, seed=4), sampling_params={**GREEDY, "max_new_tokens": 5})
+    after = small_pool_server.generate(
+        input_ids=random_ids(10, vocab, seed=4), sampling_params={**GREEDY, "max_new_tokens": 5}
+    )
     assert after["meta"]["finish_reason"]["type"] == "length"

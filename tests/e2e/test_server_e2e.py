@@ -26,10 +26,10 @@ import zmq
 
 pytest.register_assert_rewrite("server_fixtures")
 
-from tests.support.checkpoints import hf_greedy, random_prompt  # noqa: E402
 from runtime.client import AsyncClient, Client
-from tests.support import REPO_ROOT
 from runtime.protocol.messages import GenerateReq
+from tests.support import REPO_ROOT
+from tests.support.checkpoints import hf_greedy, random_prompt  # noqa: E402
 from tests.support.server_fixtures import API_KEY, is_idle, wait_until
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -66,15 +66,17 @@ def mixed_workload(vocab: int) -> list[tuple[dict[str, Any], int]]:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_greedy_equals_transformers_for_32_concurrent_requests(
-        request: pytest.FixtureRequest, hf_reference: Callable[[str], Any], name: str) -> None:
+    request: pytest.FixtureRequest, hf_reference: Callable[[str], Any], name: str
+) -> None:
     client = server_for(request, name)
     model, tok = hf_reference(name)
     work = mixed_workload(model.config.vocab_size)
 
     async def run_all() -> list[dict[str, Any]]:
         async with AsyncClient(client.address, api_key=client.api_key, timeout=120) as c:
-            return await asyncio.gather(*(c.generate(sampling_params={**GREEDY, "max_new_tokens": n}, **kw)
-                                          for kw, n in work))
+            return await asyncio.gather(
+                *(c.generate(sampling_params={**GREEDY, "max_new_tokens": n}, **kw) for kw, n in work)
+            )
 
     results = uvloop.run(run_all())
     for (kw, max_new), r in zip(work, results):
@@ -125,7 +127,7 @@ def test_stream_interval_groups_tokens(qwen3_server: Client) -> None:
 
 def _ascii_window(text: str, start: int, width: int = 3) -> str | None:
     for i in range(start, len(text) - width):
-        w = text[i:i + width]
+        w = text[i : i + width]
         if all(c.isascii() and (c.isalnum() or c == " ") for c in w) and text.find(w) == i:
             return w
     return None
@@ -140,7 +142,7 @@ def test_stop_string_never_leaks(llama_server: Client) -> None:
         if stop is None:
             continue
         tried += 1
-        expected = full["text"][:full["text"].index(stop)]
+        expected = full["text"][: full["text"].index(stop)]
         chunks = list(llama_server.generate(prompt, {**params, "stop": [stop, "zzzzqq"]}, stream=True))
         so_far = ""
         for ch in chunks:
@@ -149,7 +151,7 @@ def test_stop_string_never_leaks(llama_server: Client) -> None:
         assert so_far == expected
         assert chunks[-1]["finish_reason"] == {"type": "stop", "matched": stop}
         ids = [t for ch in chunks for t in ch["output_ids"]]
-        assert ids == full["output_ids"][:len(ids)]
+        assert ids == full["output_ids"][: len(ids)]
         assert llama_server.generate(prompt, {**params, "stop": stop})["text"] == expected
         kept = llama_server.generate(prompt, {**params, "stop": stop, "no_stop_trim": True})["text"]
         assert kept.startswith(expected + stop)  # untrimmed: up to the end of the last token
@@ -175,7 +177,8 @@ def test_prefix_cache_reports_cached_tokens(llama_server: Client) -> None:
 
 
 def test_disabled_radix_cache_caches_nothing_and_gives_the_same_text(
-        qwen3_server: Client, hf_reference: Callable[[str], Any]) -> None:
+    qwen3_server: Client, hf_reference: Callable[[str], Any]
+) -> None:
     model, _ = hf_reference("qwen3")
     prompt = random_prompt(40, model.config.vocab_size, seed=9002)
     params = {**GREEDY, "max_new_tokens": 8}
@@ -190,16 +193,18 @@ def test_chat_messages_use_the_chat_template(llama_server: Client, hf_reference:
     model, tok = hf_reference("llama")
     messages = [{"role": "user", "content": "Hello there"}]
     r = llama_server.generate(messages=messages, sampling_params={**GREEDY, "max_new_tokens": 6})
-    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     assert r["meta"]["prompt_tokens"] == len(ids)
     assert r["output_ids"] == hf_greedy(model, ids, 6)[0]
 
 
 def test_parallel_samples_and_logprobs(llama_server: Client, hf_reference: Callable[[str], Any]) -> None:
     model, tok = hf_reference("llama")
-    rs = llama_server.generate("Hello", {"max_new_tokens": 6, "n": 3, "temperature": 1.0, "seed": 5,
-                                         "ignore_eos": True})
+    rs = llama_server.generate(
+        "Hello", {"max_new_tokens": 6, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    )
     assert len(rs) == 3 and all(len(r["output_ids"]) == 6 for r in rs)
     assert [r["meta"]["index"] for r in rs] == [0, 1, 2]
     r = llama_server.generate("Hello", {**GREEDY, "max_new_tokens": 5}, return_logprob=True)
@@ -234,8 +239,13 @@ def test_client_gone_mid_stream_is_aborted_and_its_kv_freed(llama_server: Client
     before = wait_until(lambda: is_idle(c), 30, "an idle server")
     ctx, sock = _raw_dealer(c.address)
     for i in range(16):
-        req = GenerateReq(rid=f"vanishing-{i}", input_ids=random_prompt(20, vocab, seed=9100 + i), stream=True,
-                          sampling_params={**GREEDY, "max_new_tokens": 480}, api_key=API_KEY)
+        req = GenerateReq(
+            rid=f"vanishing-{i}",
+            input_ids=random_prompt(20, vocab, seed=9100 + i),
+            stream=True,
+            sampling_params={**GREEDY, "max_new_tokens": 480},
+            api_key=API_KEY,
+        )
         sock.send(msgspec.msgpack.encode(req))
     try:
         first = _recv_reply(sock)
@@ -268,8 +278,11 @@ def test_killed_client_process_is_noticed_without_a_stream(llama_server: Client)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
     try:
-        wait_until(lambda: (lambda i: i["num_running"] and i["num_queued"])(c.server_info()), 60,
-                   "the client's requests to run and queue")
+        wait_until(
+            lambda: (lambda i: i["num_running"] and i["num_queued"])(c.server_info()),
+            60,
+            "the client's requests to run and queue",
+        )
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()

@@ -56,8 +56,9 @@ def long_request(llama_server: Client) -> Any:
             with Client(llama_server.address, api_key=API_KEY, timeout=120) as c:
                 while not stop.is_set():
                     ids = []
-                    for ch in c.generate(input_ids=[9] * 10, sampling_params={**GREEDY, "max_new_tokens": 200},
-                                         stream=True):
+                    for ch in c.generate(
+                        input_ids=[9] * 10, sampling_params={**GREEDY, "max_new_tokens": 200}, stream=True
+                    ):
                         ids += ch["output_ids"]
                         started.set()
                     state["outputs"].append(ids)
@@ -76,7 +77,8 @@ def long_request(llama_server: Client) -> Any:
 
 @pytest.mark.parametrize("kwargs, code, words", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
 def test_bad_request_is_answered_with_a_named_error(
-        llama_server: Client, long_request: Any, kwargs: dict[str, Any], code: str, words: list[str]) -> None:
+    llama_server: Client, long_request: Any, kwargs: dict[str, Any], code: str, words: list[str]
+) -> None:
     with pytest.raises(RequestError) as exc:
         llama_server.generate(**kwargs)
     assert exc.value.code == code, exc.value
@@ -119,21 +121,27 @@ def _raw_exchange(address: str, frames: list[list[bytes]]) -> list[dict[str, Any
 
 
 def test_garbage_frames_get_an_error_and_the_server_keeps_serving(llama_server: Client, long_request: Any) -> None:
-    ok = GenerateReq(rid="after-garbage", input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 2},
-                     api_key=API_KEY)
-    wrong_type = msgspec.msgpack.encode({"type": "generate", "rid": "typed", "text": "hi", "stream": "yes",
-                                         "api_key": API_KEY})
-    unknown_field = msgspec.msgpack.encode({"type": "generate", "rid": "extra", "text": "hi", "colour": 1,
-                                            "api_key": API_KEY})
-    replies = _raw_exchange(llama_server.address, [
-        [b"\xc1\x00 this is not msgpack"],
-        [msgspec.msgpack.encode([1, 2, 3])],
-        [msgspec.msgpack.encode({"type": "nonsense", "rid": "t"})],
-        [wrong_type],
-        [unknown_field],
-        [b"two", b"frames"],
-        [msgspec.msgpack.encode(ok)],
-    ])
+    ok = GenerateReq(
+        rid="after-garbage", input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 2}, api_key=API_KEY
+    )
+    wrong_type = msgspec.msgpack.encode(
+        {"type": "generate", "rid": "typed", "text": "hi", "stream": "yes", "api_key": API_KEY}
+    )
+    unknown_field = msgspec.msgpack.encode(
+        {"type": "generate", "rid": "extra", "text": "hi", "colour": 1, "api_key": API_KEY}
+    )
+    replies = _raw_exchange(
+        llama_server.address,
+        [
+            [b"\xc1\x00 this is not msgpack"],
+            [msgspec.msgpack.encode([1, 2, 3])],
+            [msgspec.msgpack.encode({"type": "nonsense", "rid": "t"})],
+            [wrong_type],
+            [unknown_field],
+            [b"two", b"frames"],
+            [msgspec.msgpack.encode(ok)],
+        ],
+    )
     garbage, array, tag, typed, extra, multi, answer = replies
     for r in (garbage, array, multi):
         assert (r["type"], r["rid"], r["code"]) == ("error", "", "invalid_request")
@@ -146,8 +154,9 @@ def test_garbage_frames_get_an_error_and_the_server_keeps_serving(llama_server: 
 
 
 def test_duplicate_rid_in_flight_is_rejected(llama_server: Client, long_request: Any) -> None:
-    slow = msgspec.msgpack.encode(GenerateReq(rid="dup", input_ids=[5] * 4, api_key=API_KEY,
-                                              sampling_params={**GREEDY, "max_new_tokens": 200}))
+    slow = msgspec.msgpack.encode(
+        GenerateReq(rid="dup", input_ids=[5] * 4, api_key=API_KEY, sampling_params={**GREEDY, "max_new_tokens": 200})
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

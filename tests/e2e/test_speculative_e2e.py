@@ -28,10 +28,20 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    args = base_args(tiny_checkpoints.path("llama"), "--speculative-algorithm", "ngram",
-                     "--speculative-num-draft-tokens", "5", "--speculative-max-step-tokens", "256",
-                     "--enable-overlap-schedule", "--chunked-prefill-size", "16",
-                     "--enable-metrics", max_total_tokens=512)
+    args = base_args(
+        tiny_checkpoints.path("llama"),
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-num-draft-tokens",
+        "5",
+        "--speculative-max-step-tokens",
+        "256",
+        "--enable-overlap-schedule",
+        "--chunked-prefill-size",
+        "16",
+        "--enable-metrics",
+        max_total_tokens=512,
+    )
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
 
@@ -49,11 +59,17 @@ def test_same_tokens_as_plain_decoding(spec_server: Client, llama_server: Client
     vocab = spec_server.server_info()["model"]["vocab_size"]
     passages = [[rng.randrange(3, vocab) for _ in range(8 + i)] for i in range(12)]
     calls = [{"input_ids": p * 3, "sampling_params": {**GREEDY, "max_new_tokens": 24}} for p in passages]
-    calls += [{"prompt": "Once upon a time, in a land far away,",
-               "sampling_params": {"temperature": 0.8, "seed": 3, "max_new_tokens": 12, "n": 2}},
-              {"prompt": "def add(a, b):", "return_logprob": True,
-               "sampling_params": {"temperature": 0.0, "repetition_penalty": 1.2, "max_new_tokens": 12,
-                                   "stop": ["\n\n"]}}]
+    calls += [
+        {
+            "prompt": "Once upon a time, in a land far away,",
+            "sampling_params": {"temperature": 0.8, "seed": 3, "max_new_tokens": 12, "n": 2},
+        },
+        {
+            "prompt": "def add(a, b):",
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "repetition_penalty": 1.2, "max_new_tokens": 12, "stop": ["\n\n"]},
+        },
+    ]
     expected, got = concurrent(llama_server, calls), concurrent(spec_server, calls)
 
     def key(results: list[Any]) -> list[Any]:
@@ -62,8 +78,9 @@ def test_same_tokens_as_plain_decoding(spec_server: Client, llama_server: Client
 
     assert key(got) == key(expected)
     # Streaming: the chunks of a speculating request add up to the whole answer.
-    chunks = list(spec_server.generate(input_ids=passages[0] * 3, sampling_params={**GREEDY, "max_new_tokens": 24},
-                                       stream=True))
+    chunks = list(
+        spec_server.generate(input_ids=passages[0] * 3, sampling_params={**GREEDY, "max_new_tokens": 24}, stream=True)
+    )
     assert [t for c in chunks for t in c["output_ids"]] == got[0]["output_ids"]
     info = wait_until(lambda: is_idle(spec_server), 60, "the speculative server to go idle")
     assert info["memory_invariant"]["ok"], info["memory_invariant"]

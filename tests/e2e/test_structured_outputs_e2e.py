@@ -63,8 +63,9 @@ SAMPLED = {"temperature": 0.8}
 @pytest.fixture(scope="module")
 def oai(smollm2_server: ServedClient) -> Iterator[openai.OpenAI]:
     assert smollm2_server.server.http_address is not None
-    client = openai.OpenAI(base_url=smollm2_server.server.http_address + "/v1", api_key=API_KEY, max_retries=0,
-                           timeout=CLIENT_TIMEOUT_S)
+    client = openai.OpenAI(
+        base_url=smollm2_server.server.http_address + "/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
     try:
         yield client
     finally:
@@ -74,8 +75,12 @@ def oai(smollm2_server: ServedClient) -> Iterator[openai.OpenAI]:
 def post(server: ServedClient, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """``(status, JSON body)`` of a POST to the server's HTTP address."""
     assert server.server.http_address is not None
-    req = urllib.request.Request(server.server.http_address + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        server.server.http_address + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
             return resp.status, json.loads(resp.read())
@@ -91,11 +96,25 @@ class Sample:
     finish: str  # "stop", "length", "abort"
 
 
-def chat(oai: openai.OpenAI, content: str, *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-         n: int = 1, stream: bool = False, response_format: dict[str, Any] | None = None,
-         extra_body: dict[str, Any] | None = None) -> list[Sample]:
-    kwargs: dict[str, Any] = {"model": SERVED_NAME, "messages": [{"role": "user", "content": content}],
-                              "max_tokens": max_tokens, "temperature": temperature, "n": n}
+def chat(
+    oai: openai.OpenAI,
+    content: str,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    n: int = 1,
+    stream: bool = False,
+    response_format: dict[str, Any] | None = None,
+    extra_body: dict[str, Any] | None = None,
+) -> list[Sample]:
+    kwargs: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "n": n,
+    }
     if seed is not None:
         kwargs["seed"] = seed
     if response_format is not None:
@@ -115,10 +134,23 @@ def chat(oai: openai.OpenAI, content: str, *, max_tokens: int, temperature: floa
     return [Sample(t, f) for t, f in zip(texts, finishes)]
 
 
-def completion(oai: openai.OpenAI, prompt: str, *, max_tokens: int, temperature: float = 0.0,
-               seed: int | None = None, extra_body: dict[str, Any]) -> list[Sample]:
-    r = oai.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                               seed=seed, extra_body=extra_body)
+def completion(
+    oai: openai.OpenAI,
+    prompt: str,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    extra_body: dict[str, Any],
+) -> list[Sample]:
+    r = oai.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        extra_body=extra_body,
+    )
     return [Sample(c.text, c.finish_reason) for c in r.choices]
 
 
@@ -139,8 +171,12 @@ def zmq(server: ServedClient, content: str, sampling_params: dict[str, Any]) -> 
 
 
 def _object(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
-    return {"type": "object", "properties": properties,
-            "required": list(properties) if required is None else required, "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+    }
 
 
 def _string(max_length: int) -> dict[str, Any]:
@@ -160,65 +196,99 @@ CITIES = ["Paris", "Tokyo", "Cairo", "Lima"]
 
 def person(i: int) -> tuple[dict[str, Any], str, str]:
     job = JOBS[i]
-    return (_object({"name": _string(12 + 4 * i), "age": _integer(18, 60 + 10 * i)}),
-            f"Describe a fictional {job} as JSON with a name and an age.", f"A fictional {job}, as JSON: ")
+    return (
+        _object({"name": _string(12 + 4 * i), "age": _integer(18, 60 + 10 * i)}),
+        f"Describe a fictional {job} as JSON with a name and an age.",
+        f"A fictional {job}, as JSON: ",
+    )
 
 
 def choice(i: int) -> tuple[dict[str, Any], str, str]:
     animals = ANIMALS[i]
-    return (_object({"animal": {"enum": animals}, "size": {"type": "string", "enum": ["small", "medium", "large"]}}),
-            f"Pick one of these animals: {', '.join(animals)}, and say how big it is, as JSON.",
-            "An animal and its size, as JSON: ")
+    return (
+        _object({"animal": {"enum": animals}, "size": {"type": "string", "enum": ["small", "medium", "large"]}}),
+        f"Pick one of these animals: {', '.join(animals)}, and say how big it is, as JSON.",
+        "An animal and its size, as JSON: ",
+    )
 
 
 def tags(i: int) -> tuple[dict[str, Any], str, str]:
     topic = ["the ocean", "music"][i]
-    return (_object({"topic": _string(16),
-                     "tags": {"type": "array", "items": _string(10), "minItems": 1, "maxItems": 2 + i}}),
-            f"Give a short topic name and a few one-word tags about {topic}, as JSON.",
-            f"Tags about {topic}, as JSON: ")
+    return (
+        _object(
+            {"topic": _string(16), "tags": {"type": "array", "items": _string(10), "minItems": 1, "maxItems": 2 + i}}
+        ),
+        f"Give a short topic name and a few one-word tags about {topic}, as JSON.",
+        f"Tags about {topic}, as JSON: ",
+    )
 
 
 def review(i: int) -> tuple[dict[str, Any], str, str]:
     rating = {"type": "number", "minimum": 0, "maximum": 5} if i == 0 else _integer(1, 5)
     kind = ["book", "film"][i]
-    return (_object({kind: _object({"title": _string(24), "year": _integer(1900, 2024)}), "rating": rating}),
-            f"Review a famous {kind} as JSON: its title and year, and a rating.", f"A {kind} review, as JSON: ")
+    return (
+        _object({kind: _object({"title": _string(24), "year": _integer(1900, 2024)}), "rating": rating}),
+        f"Review a famous {kind} as JSON: its title and year, and a rating.",
+        f"A {kind} review, as JSON: ",
+    )
 
 
 def place(i: int) -> tuple[dict[str, Any], str, str]:
     city = CITIES[i]
     required = [["city"], ["city", "country"]][i]
-    return (_object({"city": _string(16), "country": _string(16), "population": _integer(0, 40_000_000)}, required),
-            f"Tell me about {city} as JSON.", f"{city}, as JSON: ")
+    return (
+        _object({"city": _string(16), "country": _string(16), "population": _integer(0, 40_000_000)}, required),
+        f"Tell me about {city} as JSON.",
+        f"{city}, as JSON: ",
+    )
 
 
 def scores(i: int) -> tuple[dict[str, Any], str, str]:
-    return (_object({"passed": {"type": "boolean"},
-                     "scores": {"type": "array", "items": _integer(0, 10), "maxItems": 3 + i}}),
-            "A student took some tests scored out of 10. Report the scores and whether they passed, as JSON.",
-            "Test scores, as JSON: ")
+    return (
+        _object(
+            {"passed": {"type": "boolean"}, "scores": {"type": "array", "items": _integer(0, 10), "maxItems": 3 + i}}
+        ),
+        "A student took some tests scored out of 10. Report the scores and whether they passed, as JSON.",
+        "Test scores, as JSON: ",
+    )
 
 
 def people(i: int) -> tuple[dict[str, Any], str, str]:
-    return (_object({"people": {"type": "array", "maxItems": 2,
-                                "items": _object({"name": _string(10), "age": _integer(0, 99)})}}),
-            f"List {['two friends', 'a mother and her son'][i]} with their names and ages, as JSON.",
-            "Two people, as JSON: ")
+    return (
+        _object(
+            {
+                "people": {
+                    "type": "array",
+                    "maxItems": 2,
+                    "items": _object({"name": _string(10), "age": _integer(0, 99)}),
+                }
+            }
+        ),
+        f"List {['two friends', 'a mother and her son'][i]} with their names and ages, as JSON.",
+        "Two people, as JSON: ",
+    )
 
 
 def answer(i: int) -> tuple[dict[str, Any], str, str]:
     question = ["Is the sun a star?", "Can fish fly?"][i]
-    return (_object({"answer": {"enum": ["yes", "no"]}, "confidence": {"type": ["integer", "null"],
-                                                                        "minimum": 0, "maximum": 100}},
-                    ["answer"] if i else None),
-            f"{question} Answer as JSON with your confidence in percent.", f"Q: {question} A (JSON): ")
+    return (
+        _object(
+            {
+                "answer": {"enum": ["yes", "no"]},
+                "confidence": {"type": ["integer", "null"], "minimum": 0, "maximum": 100},
+            },
+            ["answer"] if i else None,
+        ),
+        f"{question} Answer as JSON with your confidence in percent.",
+        f"Q: {question} A (JSON): ",
+    )
 
 
 TEMPLATES: list[Template] = [person, choice, tags, review, place, scores, people, answer]
 # Two variants of each template but the two with the longest answers: 14 schemas.
-SCHEMAS = [(template.__name__, *template(i)) for template in TEMPLATES
-           for i in range(1 if template in (review, people) else 2)]
+SCHEMAS = [
+    (template.__name__, *template(i)) for template in TEMPLATES for i in range(1 if template in (review, people) else 2)
+]
 
 
 def response_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -249,22 +319,60 @@ def schema_jobs(oai: openai.OpenAI, server: ServedClient) -> list[SchemaJob]:
         seed = 1000 + k
         return [
             ("chat", "chat greedy", lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, response_format=rf), 1),
-            ("chat", "chat seeded", lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed,
-                                                 response_format=rf, **SAMPLED), 1),
-            ("chat stream", "chat greedy", lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, stream=True,
-                                                        response_format=rf), 1),
-            ("chat stream n=2", "chat seeded", lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed, n=2,
-                                                            stream=True, response_format=rf, **SAMPLED), 2),
-            ("chat n=2", "chat seeded", lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed, n=2,
-                                                     response_format=rf, **SAMPLED), 2),
-            ("completion", "raw greedy", lambda: completion(oai, raw, max_tokens=SCHEMA_TOKENS,
-                                                            extra_body={"response_format": rf}), 1),
-            ("/generate, schema object", "raw greedy", lambda: native(server, raw, {
-                "json_schema": schema, "max_new_tokens": SCHEMA_TOKENS, "temperature": 0}), 1),
-            ("zmq, schema text", "chat seeded", lambda: zmq(server, prompt, {
-                "json_schema": json.dumps(schema), "max_new_tokens": SCHEMA_TOKENS, "seed": seed, **SAMPLED}), 1),
-            ("zmq, schema object", "chat greedy", lambda: zmq(server, prompt, {
-                "json_schema": schema, "max_new_tokens": SCHEMA_TOKENS, "temperature": 0}), 1),
+            (
+                "chat",
+                "chat seeded",
+                lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed, response_format=rf, **SAMPLED),
+                1,
+            ),
+            (
+                "chat stream",
+                "chat greedy",
+                lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, stream=True, response_format=rf),
+                1,
+            ),
+            (
+                "chat stream n=2",
+                "chat seeded",
+                lambda: chat(
+                    oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed, n=2, stream=True, response_format=rf, **SAMPLED
+                ),
+                2,
+            ),
+            (
+                "chat n=2",
+                "chat seeded",
+                lambda: chat(oai, prompt, max_tokens=SCHEMA_TOKENS, seed=seed, n=2, response_format=rf, **SAMPLED),
+                2,
+            ),
+            (
+                "completion",
+                "raw greedy",
+                lambda: completion(oai, raw, max_tokens=SCHEMA_TOKENS, extra_body={"response_format": rf}),
+                1,
+            ),
+            (
+                "/generate, schema object",
+                "raw greedy",
+                lambda: native(server, raw, {"json_schema": schema, "max_new_tokens": SCHEMA_TOKENS, "temperature": 0}),
+                1,
+            ),
+            (
+                "zmq, schema text",
+                "chat seeded",
+                lambda: zmq(
+                    server,
+                    prompt,
+                    {"json_schema": json.dumps(schema), "max_new_tokens": SCHEMA_TOKENS, "seed": seed, **SAMPLED},
+                ),
+                1,
+            ),
+            (
+                "zmq, schema object",
+                "chat greedy",
+                lambda: zmq(server, prompt, {"json_schema": schema, "max_new_tokens": SCHEMA_TOKENS, "temperature": 0}),
+                1,
+            ),
         ]
 
     jobs = []
@@ -355,8 +463,13 @@ PYDANTIC_CASES: list[tuple[type[BaseModel], str]] = [
 
 
 def parse_pydantic(oai: openai.OpenAI, model: type[BaseModel], content: str) -> Any:
-    return oai.beta.chat.completions.parse(model=SERVED_NAME, messages=[{"role": "user", "content": content}],
-                                           response_format=model, temperature=0, max_tokens=SCHEMA_TOKENS)
+    return oai.beta.chat.completions.parse(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": content}],
+        response_format=model,
+        temperature=0,
+        max_tokens=SCHEMA_TOKENS,
+    )
 
 
 # ---------------------------------------------------------------------- the wave
@@ -383,33 +496,83 @@ class Wave:
 def wave(smollm2_server: ServedClient, oai: openai.OpenAI) -> Iterator[Wave]:
     """Every request of the checks below, all sent at once (73 requests, one batch on the CPU)."""
     jobs = schema_jobs(oai, smollm2_server)
-    n_requests = len(jobs) + len(JSON_OBJECT_CASES) + 2 * len(REGEX_CASES) + \
-        len(EBNF_CASES) + len(PYDANTIC_CASES)
+    n_requests = len(jobs) + len(JSON_OBJECT_CASES) + 2 * len(REGEX_CASES) + len(EBNF_CASES) + len(PYDANTIC_CASES)
     start = time.monotonic()
     with ThreadPoolExecutor(n_requests) as pool:
         schema = [(job, pool.submit(job.run)) for job in jobs]
-        json_object = [pool.submit(chat, oai, prompt, max_tokens=100, response_format={"type": "json_object"},
-                                   stream=i == 2, **sampling)
-                       for i, (prompt, sampling) in enumerate(JSON_OBJECT_CASES)]
+        json_object = [
+            pool.submit(
+                chat, oai, prompt, max_tokens=100, response_format={"type": "json_object"}, stream=i == 2, **sampling
+            )
+            for i, (prompt, sampling) in enumerate(JSON_OBJECT_CASES)
+        ]
         regex = []
         for i, (pattern, prompt) in enumerate(REGEX_CASES):
-            regex.append(("chat" if i % 2 else "chat stream", pattern, pool.submit(
-                chat, oai, prompt, max_tokens=SHORT_TOKENS, stream=i % 2 == 0, extra_body={"regex": pattern},
-                **(SAMPLED | {"seed": i} if i == 1 else {}))))
+            regex.append(
+                (
+                    "chat" if i % 2 else "chat stream",
+                    pattern,
+                    pool.submit(
+                        chat,
+                        oai,
+                        prompt,
+                        max_tokens=SHORT_TOKENS,
+                        stream=i % 2 == 0,
+                        extra_body={"regex": pattern},
+                        **(SAMPLED | {"seed": i} if i == 1 else {}),
+                    ),
+                )
+            )
             if i % 2:
-                regex.append(("completion", pattern, pool.submit(
-                    completion, oai, f"{prompt}\nAnswer: ", max_tokens=SHORT_TOKENS, extra_body={"regex": pattern})))
+                regex.append(
+                    (
+                        "completion",
+                        pattern,
+                        pool.submit(
+                            completion,
+                            oai,
+                            f"{prompt}\nAnswer: ",
+                            max_tokens=SHORT_TOKENS,
+                            extra_body={"regex": pattern},
+                        ),
+                    )
+                )
             else:
-                regex.append(("zmq", pattern, pool.submit(
-                    zmq, smollm2_server, prompt, {"regex": pattern, "max_new_tokens": SHORT_TOKENS, "temperature": 0})))
+                regex.append(
+                    (
+                        "zmq",
+                        pattern,
+                        pool.submit(
+                            zmq,
+                            smollm2_server,
+                            prompt,
+                            {"regex": pattern, "max_new_tokens": SHORT_TOKENS, "temperature": 0},
+                        ),
+                    )
+                )
         ebnf = []
         for i, (name, grammar, prompt) in enumerate(EBNF_CASES):
             if i % 2:
-                ebnf.append((name, "/generate", pool.submit(native, smollm2_server, f"{prompt}\nAnswer: ", {
-                    "ebnf": grammar, "max_new_tokens": SHORT_TOKENS, "temperature": 0})))
+                ebnf.append(
+                    (
+                        name,
+                        "/generate",
+                        pool.submit(
+                            native,
+                            smollm2_server,
+                            f"{prompt}\nAnswer: ",
+                            {"ebnf": grammar, "max_new_tokens": SHORT_TOKENS, "temperature": 0},
+                        ),
+                    )
+                )
             else:
-                ebnf.append((name, "chat", pool.submit(chat, oai, prompt, max_tokens=SHORT_TOKENS,
-                                                       extra_body={"ebnf": grammar})))
+                ebnf.append(
+                    (
+                        name,
+                        "chat",
+                        pool.submit(chat, oai, prompt, max_tokens=SHORT_TOKENS, extra_body={"ebnf": grammar}),
+                    )
+                )
         pydantic = [(model, pool.submit(parse_pydantic, oai, model, prompt)) for model, prompt in PYDANTIC_CASES]
         for future in [f for _, f in schema] + json_object + [f for *_, f in regex + ebnf] + [f for _, f in pydantic]:
             future.exception()  # wait for all (a failure is the owning test's to report)
@@ -508,21 +671,28 @@ def test_pydantic_parse_returns_the_model(wave: Wave) -> None:
         assert message.parsed == model.model_validate_json(message.content or "")
 
 
-def test_a_complete_grammar_ends_the_request_before_min_tokens(smollm2_server: ServedClient,
-                                                                oai: openai.OpenAI) -> None:
+def test_a_complete_grammar_ends_the_request_before_min_tokens(
+    smollm2_server: ServedClient, oai: openai.OpenAI
+) -> None:
     """min_new_tokens suppresses EOS, but once the grammar's output is complete EOS is the only
     token it allows: the request stops there (it used to sample a token outside the grammar,
     greedy token 0, and end with an abort)."""
     prompt = "Is the sky blue? Answer yes or no."
     answers = r"(yes|no)(, (yes|no)){0,3}"  # EOS allowed after each answer
     with ThreadPoolExecutor(3) as pool:
-        greedy = pool.submit(zmq, smollm2_server, prompt, {"regex": "yes|no", "min_new_tokens": 6,
-                                                          "max_new_tokens": 12, "temperature": 0})
-        sampled = pool.submit(chat, oai, prompt, max_tokens=12, seed=4, extra_body={"regex": "yes|no", "min_tokens": 6},
-                              **SAMPLED)
+        greedy = pool.submit(
+            zmq,
+            smollm2_server,
+            prompt,
+            {"regex": "yes|no", "min_new_tokens": 6, "max_new_tokens": 12, "temperature": 0},
+        )
+        sampled = pool.submit(
+            chat, oai, prompt, max_tokens=12, seed=4, extra_body={"regex": "yes|no", "min_tokens": 6}, **SAMPLED
+        )
         # Where the grammar still allows more than EOS, min_new_tokens holds: no early stop.
-        longer = pool.submit(zmq, smollm2_server, prompt, {"regex": answers, "min_new_tokens": 5, "max_new_tokens": 24,
-                                                          "temperature": 0})
+        longer = pool.submit(
+            zmq, smollm2_server, prompt, {"regex": answers, "min_new_tokens": 5, "max_new_tokens": 24, "temperature": 0}
+        )
         for future in (greedy, sampled):
             [sample] = future.result()
             assert sample.finish == "stop" and sample.text in ("yes", "no"), sample
@@ -565,8 +735,9 @@ def test_bad_constraints_are_refused_naming_the_parameter(smollm2_server: Served
         assert zmq_error.value.code == "invalid_request", what
         assert zmq_error.value.message.startswith(f"sampling_params.{param}: "), (what, zmq_error.value.message)
 
-        status, body = post(smollm2_server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4,
-                                                                                           **params}})
+        status, body = post(
+            smollm2_server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4, **params}}
+        )
         assert status == 400 and body["error"]["param"] == param, (what, body)
         assert body["error"]["code"] == "invalid_request" and body["error"]["message"].startswith(f"{param}: ")
 
@@ -590,8 +761,9 @@ def test_bad_constraints_are_refused_naming_the_parameter(smollm2_server: Served
     # Nothing reached the scheduler, and the server goes on serving, constrained requests too.
     after = assert_idle_and_nothing_leaked(smollm2_server)
     assert after["num_received"] == before["num_received"]
-    [sample] = chat(oai, "On what date did people first land on the moon?", max_tokens=SHORT_TOKENS,
-                    extra_body={"regex": DATE})
+    [sample] = chat(
+        oai, "On what date did people first land on the moon?", max_tokens=SHORT_TOKENS, extra_body={"regex": DATE}
+    )
     assert sample.finish == "stop" and re.fullmatch(DATE, sample.text), sample
     assert zmq(smollm2_server, "Say hi.", {"max_new_tokens": 8, "temperature": 0})[0].text
 
@@ -600,13 +772,15 @@ def test_bad_constraints_are_refused_naming_the_parameter(smollm2_server: Served
 
 
 LONG_YES_NO = r"(yes|no)(, (yes|no)){150}"  # ~300 tokens: never done before its abort
-LONG_SCHEMA = _object({"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 120,
-                                   "maxItems": 120}})
+LONG_SCHEMA = _object(
+    {"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 120, "maxItems": 120}}
+)
 LONG_TOKENS = 400
 
 
-def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_server: ServedClient,
-                                                                      oai: openai.OpenAI) -> None:
+def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(
+    smollm2_server: ServedClient, oai: openai.OpenAI
+) -> None:
     """Five constrained requests aborted mid-generation: two HTTP streams closed after their
     first events, a ZMQ stream left early, a ZMQ stream aborted by rid, and a request aborted
     as soon as the tokenizer has it (its grammar, never seen before, may still be compiling).
@@ -614,11 +788,18 @@ def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_se
     before = wait_until(lambda: is_idle(smollm2_server), 60, "an idle server")
     prompt = "Answer yes or no to each of my next hundred questions."
     http_streams = [
-        oai.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": prompt}], stream=True,
-                                    max_tokens=LONG_TOKENS, temperature=0.8, seed=3,
-                                    response_format=response_format("long", LONG_SCHEMA)),
-        oai.completions.create(model=SERVED_NAME, prompt=prompt, stream=True, max_tokens=LONG_TOKENS,
-                               extra_body={"regex": LONG_YES_NO}),
+        oai.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": prompt}],
+            stream=True,
+            max_tokens=LONG_TOKENS,
+            temperature=0.8,
+            seed=3,
+            response_format=response_format("long", LONG_SCHEMA),
+        ),
+        oai.completions.create(
+            model=SERVED_NAME, prompt=prompt, stream=True, max_tokens=LONG_TOKENS, extra_body={"regex": LONG_YES_NO}
+        ),
     ]
     texts = []
     for stream in http_streams:
@@ -633,15 +814,21 @@ def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_se
     assert texts[0].startswith('{"answers": ["'), texts[0]
     assert re.match(r"(yes|no), ", texts[1]), texts[1]
 
-    zmq_stream = smollm2_server.generate(messages=[{"role": "user", "content": prompt}], stream=True, sampling_params={
-        "ebnf": YES_NO.replace("{0,4}", "{150}"), "max_new_tokens": LONG_TOKENS, "temperature": 0})
+    zmq_stream = smollm2_server.generate(
+        messages=[{"role": "user", "content": prompt}],
+        stream=True,
+        sampling_params={"ebnf": YES_NO.replace("{0,4}", "{150}"), "max_new_tokens": LONG_TOKENS, "temperature": 0},
+    )
     first = next(zmq_stream)
     assert not first["finished"] and first["text"] in ("yes", "no"), first
 
     rid = uuid.uuid4().hex
-    by_rid = smollm2_server.generate(messages=[{"role": "user", "content": prompt}], stream=True, rid=rid,
-                                     sampling_params={"regex": LONG_YES_NO, "max_new_tokens": LONG_TOKENS,
-                                                      "seed": 5, **SAMPLED})
+    by_rid = smollm2_server.generate(
+        messages=[{"role": "user", "content": prompt}],
+        stream=True,
+        rid=rid,
+        sampling_params={"regex": LONG_YES_NO, "max_new_tokens": LONG_TOKENS, "seed": 5, **SAMPLED},
+    )
     assert not next(by_rid)["finished"]
     for stream in http_streams:
         stream.close()  # the server sees the disconnect
@@ -651,22 +838,43 @@ def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_se
     assert rest and rest[-1]["finished"] and rest[-1]["finish_reason"]["type"] == "abort", rest[-1:]
 
     # A grammar never compiled before, aborted as soon as the tokenizer holds the request.
-    fresh = _object({"word": _string(150 + uuid.uuid4().int % 50), "list": {  # ~1 s to compile
-        "type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 120, "maxItems": 120}})
+    fresh = _object(
+        {
+            "word": _string(150 + uuid.uuid4().int % 50),
+            "list": {  # ~1 s to compile
+                "type": "array",
+                "items": {"enum": ["yes", "no"]},
+                "minItems": 120,
+                "maxItems": 120,
+            },
+        }
+    )
     rid = uuid.uuid4().hex
     wait_until(lambda: is_idle(smollm2_server), 60, "the aborts above to land")  # then only this one is active
     with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(smollm2_server.generate, messages=[{"role": "user", "content": prompt}], rid=rid,
-                             sampling_params={"json_schema": fresh, "max_new_tokens": LONG_TOKENS})
-        wait_until(lambda: smollm2_server.server_info()["tokenizer"]["active_requests"] == 1, 60,
-                   "the tokenizer to hold the request")
+        result = pool.submit(
+            smollm2_server.generate,
+            messages=[{"role": "user", "content": prompt}],
+            rid=rid,
+            sampling_params={"json_schema": fresh, "max_new_tokens": LONG_TOKENS},
+        )
+        wait_until(
+            lambda: smollm2_server.server_info()["tokenizer"]["active_requests"] == 1,
+            60,
+            "the tokenizer to hold the request",
+        )
         assert smollm2_server.abort(rid) is True
         assert result.result()["meta"]["finish_reason"]["type"] == "abort"
 
     after = assert_idle_and_nothing_leaked(smollm2_server)
     assert after["num_aborted"] == before["num_aborted"] + 5, (before["num_aborted"], after["num_aborted"])
-    [sample] = chat(oai, "What time does a bakery usually open in the morning?", max_tokens=SHORT_TOKENS,
-                    stream=True, extra_body={"regex": CLOCK})
+    [sample] = chat(
+        oai,
+        "What time does a bakery usually open in the morning?",
+        max_tokens=SHORT_TOKENS,
+        stream=True,
+        extra_body={"regex": CLOCK},
+    )
     assert sample.finish == "stop" and re.fullmatch(CLOCK, sample.text), sample
 
 
@@ -675,12 +883,14 @@ def test_constrained_requests_aborted_mid_stream_leave_the_pool_whole(smollm2_se
 
 FREE = ["What is the capital of Japan?", "What is 10 + 10?", "Who is the author of Hamlet?"]
 FREE_TOKENS = 16
-MEDIUM_SCHEMA = _object({"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 20,
-                                     "maxItems": 20}})
+MEDIUM_SCHEMA = _object(
+    {"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 20, "maxItems": 20}}
+)
 
 
-def test_free_requests_beside_constrained_ones_decode_as_alone(smollm2_server: ServedClient,
-                                                               oai: openai.OpenAI) -> None:
+def test_free_requests_beside_constrained_ones_decode_as_alone(
+    smollm2_server: ServedClient, oai: openai.OpenAI
+) -> None:
     """Greedy unconstrained requests decoded in the same batches as constrained ones (whose
     rows the grammar masks) give the tokens they give alone."""
     messages = [[{"role": "user", "content": q}] for q in FREE]
@@ -690,17 +900,21 @@ def test_free_requests_beside_constrained_ones_decode_as_alone(smollm2_server: S
     assert "Tokyo" in alone[0]["text"], alone[0]  # the model is itself
 
     # Constrained streams that outlast the free requests, each running before those are sent.
-    constrained = [{"regex": r"(yes|no)(, (yes|no)){24}", "seed": 11, **SAMPLED},
-                   {"json_schema": MEDIUM_SCHEMA, "seed": 12, **SAMPLED},
-                   {"ebnf": YES_NO.replace("{0,4}", "{24}"), "temperature": 0}]
+    constrained = [
+        {"regex": r"(yes|no)(, (yes|no)){24}", "seed": 11, **SAMPLED},
+        {"json_schema": MEDIUM_SCHEMA, "seed": 12, **SAMPLED},
+        {"ebnf": YES_NO.replace("{0,4}", "{24}"), "temperature": 0},
+    ]
     started = [threading.Event() for _ in constrained]
     finished_at: list[float] = [0.0] * len(constrained)
 
     def run(i: int) -> str:
         text = ""
-        for chunk in smollm2_server.generate(messages=[{"role": "user", "content": "Answer yes or no, many times."}],
-                                             stream=True, sampling_params={**constrained[i],
-                                                                           "max_new_tokens": LONG_TOKENS}):
+        for chunk in smollm2_server.generate(
+            messages=[{"role": "user", "content": "Answer yes or no, many times."}],
+            stream=True,
+            sampling_params={**constrained[i], "max_new_tokens": LONG_TOKENS},
+        ):
             text += chunk["text"]
             started[i].set()
             if chunk["finished"]:
@@ -734,8 +948,9 @@ def test_free_requests_beside_constrained_ones_decode_as_alone(smollm2_server: S
 # Last in the module: before the fix below, this request stopped the server.
 
 
-def test_forced_text_that_starts_mid_character_is_decoded_not_jumped(smollm2_server: ServedClient,
-                                                                     oai: openai.OpenAI) -> None:
+def test_forced_text_that_starts_mid_character_is_decoded_not_jumped(
+    smollm2_server: ServedClient, oai: openai.OpenAI
+) -> None:
     """The model's vocabulary has no token for a whole 🙂 (F0 9F 99 82): its first token is the
     partial 'F0 9F', and the text the grammar then forces starts with the byte 0x99, which is no
     UTF-8 string. xgrammar's find_jump_forward_string raised UnicodeDecodeError there, in the
@@ -744,9 +959,11 @@ def test_forced_text_that_starts_mid_character_is_decoded_not_jumped(smollm2_ser
     pattern = "🙂🙃|(é|🙂){1,3} ok"
     prompt = "Reply with two emoji."
     with ThreadPoolExecutor(3) as pool:
-        results = [pool.submit(zmq, smollm2_server, prompt, {"regex": "🙂🙃", "max_new_tokens": 16, "temperature": 0}),
-                   pool.submit(chat, oai, prompt, max_tokens=24, stream=True, extra_body={"regex": pattern}),
-                   pool.submit(chat, oai, prompt, max_tokens=24, seed=2, extra_body={"regex": pattern}, **SAMPLED)]
+        results = [
+            pool.submit(zmq, smollm2_server, prompt, {"regex": "🙂🙃", "max_new_tokens": 16, "temperature": 0}),
+            pool.submit(chat, oai, prompt, max_tokens=24, stream=True, extra_body={"regex": pattern}),
+            pool.submit(chat, oai, prompt, max_tokens=24, seed=2, extra_body={"regex": pattern}, **SAMPLED),
+        ]
         samples = [s for future in results for s in future.result()]
     assert samples[0].text == "🙂🙃" and samples[0].finish == "stop", samples[0]
     for sample in samples[1:]:

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import pytest
 
+from runtime.client import Client
 from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
 from tests.support.server_process import launch_server
-from runtime.client import Client
 
 pytest.register_assert_rewrite("server_fixtures")
 from tests.support.server_fixtures import CLIENT_TIMEOUT_S, base_args, is_idle, wait_until  # noqa: E402
@@ -27,8 +27,14 @@ NAME = "qwen2_swa"
 
 @pytest.fixture(scope="module")
 def swa_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    args = base_args(tiny_checkpoints.path(NAME), "--chunked-prefill-size", "16", "--swa-full-tokens-ratio", "0.5",
-                     max_total_tokens=1024)
+    args = base_args(
+        tiny_checkpoints.path(NAME),
+        "--chunked-prefill-size",
+        "16",
+        "--swa-full-tokens-ratio",
+        "0.5",
+        max_total_tokens=1024,
+    )
     with launch_server(args, client_timeout=CLIENT_TIMEOUT_S) as client:
         yield client
 

@@ -40,29 +40,51 @@ from tests.support.server_process import ServedClient
 
 pytest_plugins = ["tests.support.server_fixtures", "tests.support.real_model"]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6},
-                                                    "hours": {"type": "integer", "minimum": 0, "maximum": 23}},
-                   "required": ["zone", "hours"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "zone": {"type": "string", "maxLength": 6},
+                "hours": {"type": "integer", "minimum": 0, "maximum": 23},
+            },
+            "required": ["zone", "hours"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "seed": 0}
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "unit": "c"\}\}\n</tool_call>'
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "unit": "c"\}\}\n</tool_call>'
+)
 THINKING = r"<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>[a-z]{2,6}( [a-z]{2,6}){1,3}"
 
 
 @pytest.fixture(scope="module")
 def oai(qwen3_server: Client) -> openai.OpenAI:
     assert qwen3_server.server.http_address is not None
-    return openai.OpenAI(base_url=qwen3_server.server.http_address + "/v1", api_key="unused", max_retries=0,
-                         timeout=CLIENT_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=qwen3_server.server.http_address + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
 
 
 def model(oai: openai.OpenAI) -> str:
@@ -108,8 +130,11 @@ def test_required_tool_call_round_trip(oai: openai.OpenAI) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
-    history = [*ASK, choice.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
     final = chat(oai, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8)
     assert final.choices[0].message.tool_calls is None
     assert isinstance(final.choices[0].message.content, str)
@@ -125,8 +150,9 @@ def test_required_tool_calls_streamed_equal_whole_and_follow_the_schemas(oai: op
         whole = chat(oai, **kwargs).choices[0]
         stream = streamed(oai, **kwargs)
         assert calls_of(whole.message) and stream["finish"] == whole.finish_reason == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(stream["calls"].items())] \
-            == calls_of(whole.message)
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(stream["calls"].items())] == calls_of(
+            whole.message
+        )
         for name, arguments in calls_of(whole.message):
             jsonschema.validate(arguments, SCHEMAS[name])
 
@@ -195,8 +221,9 @@ def raw_post(oai: openai.OpenAI, path: str, body: dict[str, Any]) -> tuple[int, 
     """POST to ``/v1`` + path (``/../generate``: the server's native endpoint)."""
     base = str(oai.base_url).rstrip("/")
     url = base.removesuffix("/v1") + path[3:] if path.startswith("/..") else base + path
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
     try:
         with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
             return resp.status, json.loads(resp.read())
@@ -205,31 +232,57 @@ def raw_post(oai: openai.OpenAI, path: str, body: dict[str, Any]) -> tuple[int, 
 
 
 def test_unknown_fields_are_ignored_and_unsupported_ones_refused_by_name(oai: openai.OpenAI) -> None:
-    r = chat(oai, max_tokens=2, user="u1", metadata={"k": "v"}, store=False,
-             extra_body={"a_field_from_the_future": {"x": 1}, "service_tier": "auto"})
+    r = chat(
+        oai,
+        max_tokens=2,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        extra_body={"a_field_from_the_future": {"x": 1}, "service_tier": "auto"},
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
-    for field, value in (("audio", {"voice": "alloy", "format": "wav"}), ("functions", [{"name": "f"}]),
-                         ("modalities", ["text", "audio"])):
+    for field, value in (
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("functions", [{"name": "f"}]),
+        ("modalities", ["text", "audio"]),
+    ):
         status, body = raw_post(oai, "/chat/completions", {"model": model(oai), "messages": ASK, field: value})
         assert status == 400 and body["error"]["param"] == field, body
     status, body = raw_post(oai, "/completions", {"model": model(oai), "prompt": "a", "suffix": "b"})
     assert status == 400 and body["error"]["param"] == "suffix"
-    status, body = raw_post(oai, "/chat/completions", {"model": model(oai), "messages": ASK, "tools": TOOLS,
-                                                       "tool_choice": {"type": "function",
-                                                                       "function": {"name": "nope"}}})
+    status, body = raw_post(
+        oai,
+        "/chat/completions",
+        {
+            "model": model(oai),
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+    )
     assert status == 400 and body["error"]["param"] == "tool_choice"
 
 
 def test_logit_bias_forces_and_bans_tokens(oai: openai.OpenAI) -> None:
     def ids(**params: Any) -> list[int]:  # through SGLang's /generate: token ids in the reply
-        status, body = raw_post(oai, "/../generate", {"text": "Hello", "sampling_params": {
-            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True, **params}})
+        status, body = raw_post(
+            oai,
+            "/../generate",
+            {"text": "Hello", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, **params}},
+        )
         assert status == 200, body
         return body["output_ids"]
 
     def tokens(**kwargs: Any) -> list[str]:
-        r = oai.completions.create(model=model(oai), prompt="Hello", max_tokens=5, temperature=0, logprobs=0,
-                                   extra_body={"ignore_eos": True}, **kwargs)
+        r = oai.completions.create(
+            model=model(oai),
+            prompt="Hello",
+            max_tokens=5,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+            **kwargs,
+        )
         return r.choices[0].logprobs.tokens
 
     plain = ids()
@@ -241,20 +294,20 @@ def test_logit_bias_forces_and_bans_tokens(oai: openai.OpenAI) -> None:
     assert tokens(logit_bias={str(forced): 100}) != tokens()
 
 
-def test_echo_with_logprobs_gives_the_prompts_logprobs(oai: openai.OpenAI,
-                                                      hf_reference: Callable[[str], Any]) -> None:
+def test_echo_with_logprobs_gives_the_prompts_logprobs(oai: openai.OpenAI, hf_reference: Callable[[str], Any]) -> None:
     hf_model, tokenizer = hf_reference("qwen3")
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     for max_tokens in (0, 1):  # lm-evaluation-harness sends 1 and drops the last token; 0 also works
-        r = oai.completions.create(model=model(oai), prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1,
-                                   temperature=0)
+        r = oai.completions.create(
+            model=model(oai), prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1, temperature=0
+        )
         lp = r.choices[0].logprobs
         assert r.choices[0].text.startswith(tokenizer.decode(prompt))
         assert len(lp.token_logprobs) == len(prompt) + max_tokens and lp.token_logprobs[0] is None
-        got = torch.tensor(lp.token_logprobs[1:len(prompt)])
+        got = torch.tensor(lp.token_logprobs[1 : len(prompt)])
         assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
         for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
             assert max(top.values()) >= value - 1e-5
@@ -263,8 +316,15 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(oai: openai.OpenAI,
 
 
 def test_continuous_usage_stats_count_every_chunk(oai: openai.OpenAI) -> None:
-    events = list(chat(oai, stream=True, max_tokens=10, extra_body={"ignore_eos": True},
-                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    events = list(
+        chat(
+            oai,
+            stream=True,
+            max_tokens=10,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [e.usage.completion_tokens for e in events if e.choices]
     assert counts == sorted(counts) and counts[-1] == 10 and len(set(counts)) > 1
     assert events[-1].usage.completion_tokens == 10 and not events[-1].choices
@@ -274,20 +334,40 @@ def test_real_model_tool_round_trip(smollm2_server: ServedClient) -> None:
     """SmolLM2's template shows it no tools; the constraint alone makes its answer a call, and a
     trained model fills the arguments in from the question."""
     assert smollm2_server.server.http_address is not None
-    client = openai.OpenAI(base_url=smollm2_server.server.http_address + "/v1", api_key=REAL_MODEL_KEY,
-                           max_retries=0, timeout=CLIENT_TIMEOUT_S)
-    weather_only = [{"type": "function", "function": {**WEATHER["function"], "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-        "additionalProperties": False}}}]
-    first = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=weather_only,
-                                           tool_choice="required", max_tokens=40, temperature=0)
+    client = openai.OpenAI(
+        base_url=smollm2_server.server.http_address + "/v1",
+        api_key=REAL_MODEL_KEY,
+        max_retries=0,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+    weather_only = [
+        {
+            "type": "function",
+            "function": {
+                **WEATHER["function"],
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    first = client.chat.completions.create(
+        model=SERVED_NAME, messages=ASK, tools=weather_only, tool_choice="required", max_tokens=40, temperature=0
+    )
     [(name, arguments)] = calls_of(first.choices[0].message)
     assert name == "get_weather" and arguments["city"] == "Paris"
     call = first.choices[0].message.tool_calls[0]
-    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": "It is 18 degrees and sunny in Paris."}]
-    final = client.chat.completions.create(model=SERVED_NAME, messages=history, tools=weather_only,
-                                           tool_choice="none", max_tokens=24, temperature=0)
+    history = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "It is 18 degrees and sunny in Paris."},
+    ]
+    final = client.chat.completions.create(
+        model=SERVED_NAME, messages=history, tools=weather_only, tool_choice="none", max_tokens=24, temperature=0
+    )
     assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
 
 

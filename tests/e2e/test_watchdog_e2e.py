@@ -26,8 +26,9 @@ STEP_DELAY_S = 30.0
 
 def test_a_stuck_step_trips_the_watchdog_tells_the_client_and_exits_non_zero(tiny_llama_path: Path) -> None:
     env = {**os.environ, STEP_DELAY_ENV: str(STEP_DELAY_S)}
-    server = ServerProcess([*base_args(tiny_llama_path), "--port", "0",
-                            "--watchdog-timeout", str(WATCHDOG_TIMEOUT_S)], env=env)
+    server = ServerProcess(
+        [*base_args(tiny_llama_path), "--port", "0", "--watchdog-timeout", str(WATCHDOG_TIMEOUT_S)], env=env
+    )
     outcome: dict[str, Any] = {}
     try:
         with Client(server.address or "", timeout=60) as c:

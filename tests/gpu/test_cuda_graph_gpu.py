@@ -11,14 +11,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tests.support.triton_interp import run_compiled_when_interpreting
 
 
 def _runner(path: Path, **kwargs: Any) -> Any:
     from runtime.engine.model_runner import ModelRunner
 
-    return ModelRunner(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=4096,
-                       max_running_requests=16, load_progress=False, **kwargs)
+    return ModelRunner(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="triton",
+        max_total_tokens=4096,
+        max_running_requests=16,
+        load_progress=False,
+        **kwargs,
+    )
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -48,9 +57,8 @@ def test_graph_decode_matches_eager_in_bf16(tiny_llama_path: Path) -> None:
 
 def test_decode_step_syncs_only_to_read_its_tokens(tiny_llama_path: Path) -> None:
     """The forward queues work and returns; reading the sampled ids is the step's one sync."""
-    from tests.support.harness import Harness
-
     from runtime.engine.forward_batch import ForwardMode
+    from tests.support.harness import Harness
 
     runner = _runner(tiny_llama_path)
     harness = Harness(runner)

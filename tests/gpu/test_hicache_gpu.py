@@ -7,8 +7,6 @@ import random
 from pathlib import Path
 
 import torch
-from tests.support.stub_scheduler import assert_idle_invariant, collect
-from tests.support.triton_interp import run_compiled_when_interpreting
 
 from memory.host_pool import HostKVPool
 from memory.kv_pool import MHATokenToKVPool
@@ -17,6 +15,8 @@ from runtime.config.args import ServerArgs
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
+from tests.support.stub_scheduler import assert_idle_invariant, collect
+from tests.support.triton_interp import run_compiled_when_interpreting
 
 
 def test_cuda_copies_round_trip_on_the_copy_stream() -> None:
@@ -41,8 +41,10 @@ def test_cuda_copies_round_trip_on_the_copy_stream() -> None:
 
 def _conversations(sched: Scheduler, sessions: int = 8, turns: int = 3) -> dict[str, list[int]]:
     rng = random.Random(0)
-    users = [[[rng.randrange(3, 300) for _ in range((100 if t == 0 else 0) + 12)] for t in range(turns)]
-             for _ in range(sessions)]
+    users = [
+        [[rng.randrange(3, 300) for _ in range((100 if t == 0 else 0) + 12)] for t in range(turns)]
+        for _ in range(sessions)
+    ]
     history = {s: list(users[s][0]) for s in range(sessions)}
     turn = dict.fromkeys(range(sessions), 0)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -58,19 +60,31 @@ def _conversations(sched: Scheduler, sessions: int = 8, turns: int = 3) -> dict[
                 turn[s] += 1
                 if turn[s] < turns:
                     history[s] = history[s] + results[rid]["ids"] + users[s][turn[s]]
-                    sched.handle_message(TokenizedGenerateReq(rid=f"s{s}t{turn[s]}", input_ids=history[s],
-                                                              sampling_params=params))
+                    sched.handle_message(
+                        TokenizedGenerateReq(rid=f"s{s}t{turn[s]}", input_ids=history[s], sampling_params=params)
+                    )
     return {rid: r["ids"] for rid, r in results.items()}
 
 
 def test_tier_on_cuda_gives_the_big_pools_tokens(tiny_llama_path: Path) -> None:
     outputs = {}
-    for name, pool, extra in (("big", 8192, {}),
-                              ("tier", 256, {"enable_hierarchical_cache": True, "hicache_ratio": 16.0}),
-                              ("tier-overlap", 256, {"enable_hierarchical_cache": True, "hicache_ratio": 16.0,
-                                                     "hicache_write_policy": "write_back"})):
-        args = ServerArgs(model_path=str(tiny_llama_path), device="cuda", dtype="bfloat16", max_total_tokens=pool,
-                          disable_overlap_schedule=name != "tier-overlap", **extra)
+    for name, pool, extra in (
+        ("big", 8192, {}),
+        ("tier", 256, {"enable_hierarchical_cache": True, "hicache_ratio": 16.0}),
+        (
+            "tier-overlap",
+            256,
+            {"enable_hierarchical_cache": True, "hicache_ratio": 16.0, "hicache_write_policy": "write_back"},
+        ),
+    ):
+        args = ServerArgs(
+            model_path=str(tiny_llama_path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=pool,
+            disable_overlap_schedule=name != "tier-overlap",
+            **extra,
+        )
         sched = Scheduler(args)
         outputs[name] = _conversations(sched)
         assert_idle_invariant(sched)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
-from tests.support.triton_interp import run_compiled_when_interpreting
-
 from runtime.config.args import ServerArgs
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
+from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
+from tests.support.triton_interp import run_compiled_when_interpreting
 
 
 def test_overlap_on_cuda_gives_the_serial_tokens(tiny_llama_path: Path) -> None:
@@ -24,8 +23,13 @@ def test_overlap_on_cuda_gives_the_serial_tokens(tiny_llama_path: Path) -> None:
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 40))] for _ in range(16)]
     outputs = []
     for overlap in (False, True):
-        args = ServerArgs(model_path=str(tiny_llama_path), device="cuda", dtype="bfloat16", max_total_tokens=4096,
-                          disable_overlap_schedule=not overlap)
+        args = ServerArgs(
+            model_path=str(tiny_llama_path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=4096,
+            disable_overlap_schedule=not overlap,
+        )
         sched = Scheduler(args)
         assert sched.worker.overlap is overlap
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -45,9 +45,14 @@ print(json.dumps(out))
 def test_compiled_triton_windows_on_a_gpu(tiny_checkpoints, name: str) -> None:
     """On cuda, the compiled Triton kernels (windowed extend, windowed decode plans under CUDA
     graphs, the SWA pool's slots) give torch_native's tokens."""
-    result = subprocess.run([sys.executable, "-c", _GPU_SCRIPT, str(tiny_checkpoints.path(name)), str(REPO_ROOT)],
-                            cwd=REPO_ROOT, env=compiled_triton_env(), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _GPU_SCRIPT, str(tiny_checkpoints.path(name)), str(REPO_ROOT)],
+        cwd=REPO_ROOT,
+        env=compiled_triton_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["triton"] == out["torch_native"]

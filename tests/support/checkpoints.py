@@ -55,8 +55,9 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
     if name == "llama_long":  # long prompts (scheduler tests); not in the parametrized set
         return LlamaConfig(**{**c, "max_position_embeddings": 4096}, rope_theta=10000.0, tie_word_embeddings=False)
     if name == "llama_hd64":  # head_dim 64, what the pair-packed prefix kernels take; not in the parametrized set
-        return LlamaConfig(**{**c, "hidden_size": 256, "intermediate_size": 256}, rope_theta=10000.0,
-                           tie_word_embeddings=False)
+        return LlamaConfig(
+            **{**c, "hidden_size": 256, "intermediate_size": 256}, rope_theta=10000.0, tie_word_embeddings=False
+        )
     if name == "mistral":  # GQA group 4 (4 query heads share 1 KV head)
         return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=4096)
     if name == "qwen2":  # q/k/v biases, linear RoPE scaling
@@ -113,9 +114,7 @@ def build_test_checkpoint(name: str, out_dir: str | Path, max_shard_size: str | 
     """Tokenizer + fp32 random weights of checkpoint ``name`` in ``out_dir``."""
     out = Path(out_dir)
     qwen = name.startswith("qwen")
-    tok = train_bpe_tokenizer(
-        TOKENIZER_VOCAB, out, qwen_split=qwen, add_bos=not qwen, model_max_length=MAX_POSITIONS
-    )
+    tok = train_bpe_tokenizer(TOKENIZER_VOCAB, out, qwen_split=qwen, add_bos=not qwen, model_max_length=MAX_POSITIONS)
     config = checkpoint_config(name, tok)
     build_checkpoint(
         config,

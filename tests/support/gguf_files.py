@@ -30,7 +30,11 @@ from runtime.checkpoints.gguf.config import needs_qk_unpermute
 
 # Byte offsets of the fp16 scale fields inside one block of each K-quant type (gguf-py's layouts).
 KQUANT_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
 }
 
 TensorHook = Callable[[str, np.ndarray], "np.ndarray | None"]
@@ -64,8 +68,9 @@ def llama_unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator,
-                         target_std: float = 1.0) -> np.ndarray:
+def random_kquant_blocks(
+    type_name: str, rows: int, cols: int, rng: np.random.Generator, target_std: float = 1.0
+) -> np.ndarray:
     """``rows`` rows of random but valid ``type_name`` blocks: random quants and sub-scales, and
     finite fp16 super-block scales chosen so the values' standard deviation is about
     ``target_std`` (a weight of sane size: a tiny model fed huge weights only saturates)."""
@@ -79,11 +84,11 @@ def random_kquant_blocks(type_name: str, rows: int, cols: int, rng: np.random.Ge
     offsets = KQUANT_SCALE_OFFSETS[type_name]
     scales = rng.uniform(0.5, 1.0, size=(raw.shape[0], len(offsets)))
     for i, offset in enumerate(offsets):
-        raw[:, offset: offset + 2] = scales[:, i].astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, offset : offset + 2] = scales[:, i].astype(np.float16).view(np.uint8).reshape(-1, 2)
     # every value is linear in the block's fp16 scales: rescale them all by one factor
     factor = target_std / float(dequantize(raw, qtype).std())
     for i, offset in enumerate(offsets):
-        raw[:, offset: offset + 2] = (scales[:, i] * factor).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, offset : offset + 2] = (scales[:, i] * factor).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, cols // block * type_size)
 
 
@@ -127,8 +132,9 @@ def reference_tensor(path: Path, name: str) -> np.ndarray:
     return np.asarray(dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32).reshape(shape)
 
 
-def write_tensors_gguf(out: Path, tensors: Mapping[str, tuple[np.ndarray, str]], seed: int = 0,
-                       architecture: str = "llama") -> Path:
+def write_tensors_gguf(
+    out: Path, tensors: Mapping[str, tuple[np.ndarray, str]], seed: int = 0, architecture: str = "llama"
+) -> Path:
     """A GGUF file holding only ``tensors`` (name -> (fp32 values, GGML type name)), no model metadata."""
     from gguf import GGUFWriter
 
@@ -149,10 +155,21 @@ def _finish(writer: Any) -> None:
     writer.close()
 
 
-def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", types: Mapping[str, str] | None = None,
-                          architecture: str | None = None, model_name: str | None = None, tokenizer: bool = True,
-                          tie: bool = False, rope_scaling: bool = True, tensor_hook: TensorHook | None = None,
-                          extra: Callable[[Any], None] | None = None, seed: int = 0) -> Path:
+def write_checkpoint_gguf(
+    src: Path,
+    out: Path,
+    *,
+    weight_type: str = "F32",
+    types: Mapping[str, str] | None = None,
+    architecture: str | None = None,
+    model_name: str | None = None,
+    tokenizer: bool = True,
+    tie: bool = False,
+    rope_scaling: bool = True,
+    tensor_hook: TensorHook | None = None,
+    extra: Callable[[Any], None] | None = None,
+    seed: int = 0,
+) -> Path:
     """The HF checkpoint folder ``src`` as the GGUF file ``out``, as llama.cpp's converter writes it.
 
     Every 2-D weight is stored as ``weight_type`` (``types`` overrides per GGUF tensor name);
@@ -203,8 +220,9 @@ def write_checkpoint_gguf(src: Path, out: Path, *, weight_type: str = "F32", typ
         extra(writer)
 
     rng = np.random.default_rng(seed)
-    table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
-                                     config.num_hidden_layers)
+    table = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
+    )
     state = load_file(str(src / "model.safetensors"))
     for hf_name in sorted(state):
         if tied and hf_name == "lm_head.weight":

@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from runtime.engine.model_runner import ModelOutput, ModelRunner
+from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from runtime.protocol.sampling_params import SamplingParams
 
 

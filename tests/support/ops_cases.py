@@ -12,8 +12,14 @@ from runtime.engine.model_config import RopeConfig
 from runtime.engine.ops import DeviceOps, TorchOps
 
 REFERENCE = TorchOps()
-LLAMA3_ROPE = RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                         original_max_position_embeddings=64)
+LLAMA3_ROPE = RopeConfig(
+    rope_type="llama3",
+    theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
 
 
 def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -53,8 +59,16 @@ def check_rms_norm_on_head_views(ops: DeviceOps, device: str, dtype: torch.dtype
     assert torch.equal(qkv, before)  # the input is read only
 
 
-def check_rotary(ops: DeviceOps, device: str, dtype: torch.dtype, head_dim: int, rotary_dim: int, llama3: bool,
-                 fused: bool, tol: float) -> None:
+def check_rotary(
+    ops: DeviceOps,
+    device: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    rotary_dim: int,
+    llama3: bool,
+    fused: bool,
+    tol: float,
+) -> None:
     """q and k rotated in place: as views of one fused qkv output (strided rows, v untouched) or
     as separate tensors (after a per-head norm); llama3 scaling at positions far past its
     original window."""

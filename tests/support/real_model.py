@@ -58,16 +58,28 @@ def smollm2_file() -> Path:
 
 def real_model_args(dtype: str, *extra: str, max_total_tokens: int = 8192) -> list[str]:
     """launch.py flags for the default model (no --model-path) on the CPU."""
-    return ["--port", "0", "--device", "cpu", "--dtype", dtype, "--max-total-tokens", str(max_total_tokens),
-            "--random-seed", "0", "--api-key", API_KEY, *extra]
+    return [
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--random-seed",
+        "0",
+        "--api-key",
+        API_KEY,
+        *extra,
+    ]
 
 
 def start_real_model_server(cache: Path, args: Sequence[str], *, wait: bool = True) -> ServerProcess:
     """``launch.py args`` with ``cache`` as its $TINYSERVE_CACHE (and no TRITON_INTERPRET, which
     the Triton test modules set for the session)."""
     smollm2_file()  # a missing wheel fails here, with the install command, not in a server log
-    return ServerProcess(list(args), env=compiled_triton_env(TINYSERVE_CACHE=str(cache)), wait=wait,
-                         ready_timeout=600)
+    return ServerProcess(list(args), env=compiled_triton_env(TINYSERVE_CACHE=str(cache)), wait=wait, ready_timeout=600)
 
 
 def serve_real_model(cache: Path, args: Sequence[str]) -> Iterator[ServedClient]:
@@ -110,8 +122,12 @@ def private_model_cache(folder: Path) -> Path:
 def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
     """The session's fp32 server, started but not waited for (``smollm2_server`` waits)."""
     server = start_real_model_server(
-        real_model_cache, real_model_args("float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
-                                          "--speculative-algorithm", "ngram"), wait=False)
+        real_model_cache,
+        real_model_args(
+            "float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--speculative-algorithm", "ngram"
+        ),
+        wait=False,
+    )
     try:
         yield server
     finally:
@@ -161,8 +177,9 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def hf_greedy_until_eos(model: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int,
-                        pad_token_id: int) -> list[list[int]]:
+def hf_greedy_until_eos(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int, pad_token_id: int
+) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, up to and including its first EOS (what
     the server returns when a request stops on EOS), else ``max_new_tokens`` tokens.
 
@@ -173,9 +190,15 @@ def hf_greedy_until_eos(model: Any, prompts: list[list[int]], max_new_tokens: in
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], dtype=torch.int64)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.int64)
     with torch.no_grad(), one_torch_thread():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
     result = []
     for row in out[:, width:].tolist():
-        result.append(row[:row.index(eos_token_id) + 1] if eos_token_id in row else row)
+        result.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
     return result

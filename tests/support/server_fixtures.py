@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.server_process import launch_server
 from runtime.client import Client
 from runtime.protocol.child_process import pid_alive
+from tests.support.server_process import launch_server
 
 API_KEY = "test-key"
 MAX_TOTAL_TOKENS = 6144
@@ -32,23 +32,46 @@ CLIENT_TIMEOUT_S = 120.0
 
 
 def base_args(model: Path, *extra: str, max_total_tokens: int = MAX_TOTAL_TOKENS) -> list[str]:
-    return ["--model-path", str(model), "--dtype", "float32", "--device", "cpu",
-            "--max-total-tokens", str(max_total_tokens), "--random-seed", "0", *extra]
+    return [
+        "--model-path",
+        str(model),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--random-seed",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
 def llama_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    with launch_server(base_args(tiny_checkpoints.path("llama"), "--api-key", API_KEY),
-                       client_timeout=CLIENT_TIMEOUT_S) as client:
+    with launch_server(
+        base_args(tiny_checkpoints.path("llama"), "--api-key", API_KEY), client_timeout=CLIENT_TIMEOUT_S
+    ) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def qwen3_server(tiny_checkpoints: Any) -> Iterator[Client]:
-    with launch_server(base_args(tiny_checkpoints.path("qwen3"), "--disable-radix-cache", "--stream-interval", "3",
-                                 "--chat-template", str(QWEN3_TEMPLATE), "--tool-call-parser", "hermes",
-                                 "--reasoning-parser", "qwen3"),
-                       client_timeout=CLIENT_TIMEOUT_S) as client:
+    with launch_server(
+        base_args(
+            tiny_checkpoints.path("qwen3"),
+            "--disable-radix-cache",
+            "--stream-interval",
+            "3",
+            "--chat-template",
+            str(QWEN3_TEMPLATE),
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+        ),
+        client_timeout=CLIENT_TIMEOUT_S,
+    ) as client:
         yield client
 
 
@@ -96,6 +119,5 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def is_idle(client: Client) -> dict[str, Any] | None:
     """server_info when the server holds no request anywhere, else None."""
     info = client.server_info()
-    busy = info["num_running"] or info["num_queued"] or info.get("num_chunked") \
-        or info["tokenizer"]["active_requests"]
+    busy = info["num_running"] or info["num_queued"] or info.get("num_chunked") or info["tokenizer"]["active_requests"]
     return None if busy else info

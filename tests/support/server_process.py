@@ -20,8 +20,8 @@ import threading
 from typing import Iterator, Sequence
 
 from launch import HTTP_PREFIX, READY_PREFIX
-from runtime.config.args import FALSE_FLAGS, ServerArgs
 from runtime.client import Client
+from runtime.config.args import FALSE_FLAGS, ServerArgs
 from tests.support import REPO_ROOT
 
 LAUNCH_SCRIPT = REPO_ROOT / "launch.py"
@@ -35,8 +35,15 @@ class ServerProcess:
     """A server running ``launch.py`` in a subprocess; its stderr goes to ``log_path``
     (by default a temporary file, read back and removed at ``stop``)."""
 
-    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                 ready_timeout: float = 300.0, log_path: str | None = None, wait: bool = True) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 300.0,
+        log_path: str | None = None,
+        wait: bool = True,
+    ) -> None:
         self.argv = list(argv)
         self._own_log = log_path is None  # a temporary log is read back and removed at stop
         self._log_text: str | None = None
@@ -47,7 +54,10 @@ class ServerProcess:
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
             [sys.executable, str(LAUNCH_SCRIPT), *self.argv],
-            stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
         )
         self.address: str | None = None
         self.http_address: str | None = None  # http://HOST:PORT of the HTTP server
@@ -71,9 +81,9 @@ class ServerProcess:
         assert self.process.stdout is not None
         for line in self.process.stdout:  # keeps draining after ready so the pipe never fills
             if self.http_address is None and line.startswith(HTTP_PREFIX):
-                self.http_address = line[len(HTTP_PREFIX):].strip()
+                self.http_address = line[len(HTTP_PREFIX) :].strip()
             if self.address is None and line.startswith(READY_PREFIX):
-                self.address = line[len(READY_PREFIX):].strip()
+                self.address = line[len(READY_PREFIX) :].strip()
                 self._ready.set()
         self._ready.set()  # EOF: the server exited
 
@@ -117,7 +127,6 @@ class ServedClient(Client):
         self.server = server
 
 
-
 def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
     """CLI flags for ``args`` (a ServerArgs becomes the flags of its non-default fields)."""
     if not isinstance(args, ServerArgs):
@@ -140,8 +149,13 @@ def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
 
 
 @contextlib.contextmanager
-def launch_server(args: Sequence[str] | ServerArgs = (), *, env: dict[str, str] | None = None,
-                  ready_timeout: float = 300.0, client_timeout: float | None = None) -> Iterator[ServedClient]:
+def launch_server(
+    args: Sequence[str] | ServerArgs = (),
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 300.0,
+    client_timeout: float | None = None,
+) -> Iterator[ServedClient]:
     """Start a server and yield a connected ``Client``; stop both on exit.
 
     Without ``--port`` the server picks a free port. The client carries the

@@ -73,7 +73,9 @@ class StubModelRunner:
         avoid = set(self.eos_token_ids)
         if not self.verify_kv:
             last = batch.input_ids[batch.last_token_indices()]
-            ids = [reference_next_token([t, s], self.vocab_size, avoid) for t, s in zip(last.tolist(), batch.seq_lens_cpu)]
+            ids = [
+                reference_next_token([t, s], self.vocab_size, avoid) for t, s in zip(last.tolist(), batch.seq_lens_cpu)
+            ]
             return StubOutput(torch.tensor(ids, dtype=torch.int64))
         table = self.req_to_token_pool.req_to_token
         ids = []
@@ -82,6 +84,7 @@ class StubModelRunner:
             for end in range(seq_len - new + 1 if verify else seq_len, seq_len + 1):
                 slots = table[row, :end].to(torch.int64)
                 tokens = k[slots, 0, 0].to(torch.int64).tolist()
-                ids.append(reference_next_token(tokens[-self.history:] if self.history else tokens,
-                                                self.vocab_size, avoid))
+                ids.append(
+                    reference_next_token(tokens[-self.history :] if self.history else tokens, self.vocab_size, avoid)
+                )
         return StubOutput(torch.tensor(ids, dtype=torch.int64))

@@ -9,8 +9,8 @@ from typing import Any
 
 from runtime.config.args import ServerArgs
 from runtime.protocol.messages import BatchTokenIDOut, SchedErrorOut
-from tests.support.stub_runner import StubModelRunner, reference_next_token
 from scheduler_proc.scheduler import Scheduler
+from tests.support.stub_runner import StubModelRunner, reference_next_token
 
 VOCAB = 1000
 EOS = 0
@@ -19,8 +19,9 @@ EOS = 0
 def stub_scheduler(overlap: bool, max_total_tokens: int = 8192, page_size: int = 1, **overrides) -> Scheduler:
     overrides.setdefault("disable_overlap_schedule", not overlap)
     args = ServerArgs(page_size=page_size, max_total_tokens=max_total_tokens, **overrides)
-    runner = StubModelRunner(max_total_tokens=max_total_tokens, vocab_size=VOCAB, page_size=page_size,
-                             eos_token_ids=(EOS,))
+    runner = StubModelRunner(
+        max_total_tokens=max_total_tokens, vocab_size=VOCAB, page_size=page_size, eos_token_ids=(EOS,)
+    )
     return Scheduler(args, model_runner=runner)
 
 
@@ -48,8 +49,9 @@ def collect(sched: Scheduler, results: dict[str, dict]) -> None:
             entry["cached"] = out.cached_tokens
 
 
-def run_until_idle(sched: Scheduler, results: dict[str, dict] | None = None,
-                   max_steps: int = 100_000) -> dict[str, dict]:
+def run_until_idle(
+    sched: Scheduler, results: dict[str, dict] | None = None, max_steps: int = 100_000
+) -> dict[str, dict]:
     """Step until nothing is left; collect each request's output ids and final info."""
     results = {} if results is None else results
     for _ in range(max_steps):

@@ -40,7 +40,11 @@ def replace_tests_with_fresh_process_run(module_globals: dict[str, Any], module_
         env = dict(os.environ, TRITON_INTERPRET="1")
         result = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(module_file))],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
@@ -59,7 +63,11 @@ def run_compiled_when_interpreting(module_globals: dict[str, Any], module_file: 
         """TRITON_INTERPRET=1 was set by an earlier module: run this file where Triton compiles."""
         result = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(module_file))],
-            cwd=REPO_ROOT, env=compiled_triton_env(), capture_output=True, text=True, timeout=600,
+            cwd=REPO_ROOT,
+            env=compiled_triton_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 

@@ -16,15 +16,19 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
     """The body, validated; one over ``limit`` bytes is refused before it is read whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise oai.BadRequest(f"the request body has {declared} bytes; the most this server reads is {limit} "
-                             f"(--max-request-bytes)", status=413, code="too_long")
+        raise oai.BadRequest(
+            f"the request body has {declared} bytes; the most this server reads is {limit} (--max-request-bytes)",
+            status=413,
+            code="too_long",
+        )
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise oai.BadRequest(f"the request body is longer than {limit} bytes (--max-request-bytes)",
-                                 status=413, code="too_long")
+            raise oai.BadRequest(
+                f"the request body is longer than {limit} bytes (--max-request-bytes)", status=413, code="too_long"
+            )
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:

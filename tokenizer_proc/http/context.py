@@ -50,22 +50,33 @@ class HttpContext:
     def check_model(self, model: str) -> None:
         """An OpenAI request names the served model (or --model-path as given), else 404."""
         if model not in (self.model_name, self.server_args.model_path):
-            raise oai.BadRequest(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                                 "model", status=404, code="model_not_found")
+            raise oai.BadRequest(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
 
     def output_parsing(self, body: oai.ChatCompletionRequest) -> reply_fmt.OutputParsing:
         """How a chat request's output is read: its tools against --tool-call-parser, its reasoning
         split by --reasoning-parser unless it asked to keep it inline (separate_reasoning false)."""
         args = self.server_args
         tools = body.tool_plan(args.tool_call_parser)
-        return reply_fmt.OutputParsing(tools, args.tool_call_parser,
-                                       args.reasoning_parser if body.separate_reasoning else None,
-                                       body.enable_thinking, constrained=bool(tools.constraint) or body.constrained)
+        return reply_fmt.OutputParsing(
+            tools,
+            args.tool_call_parser,
+            args.reasoning_parser if body.separate_reasoning else None,
+            body.enable_thinking,
+            constrained=bool(tools.constraint) or body.constrained,
+        )
 
     def prompt_texts(self, body: oai.CompletionRequest) -> list[str]:
         """Each prompt as text (``echo``): token-id prompts decoded."""
-        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
-            not isinstance(body.prompt[0], int) else [body.prompt]
+        prompts = (
+            body.prompt
+            if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+            else [body.prompt]
+        )
         door = self.ready_door()
         return [p if isinstance(p, str) else str(door.tokenizer.decode(p)) for p in prompts]
 

@@ -45,8 +45,9 @@ async def health(http: Http) -> Response:
 async def health_generate(request: Request, http: Http) -> Response:
     """200 once a one-token generation went through the whole pipeline."""
     http.authorize(request)
-    run = await http.start([GenerateReq(rid="health_generate", input_ids=[0],
-                                        sampling_params={"max_new_tokens": 1, "temperature": 0})])
+    run = await http.start(
+        [GenerateReq(rid="health_generate", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})]
+    )
     try:
         async with abort_on_disconnect(request, run):
             async for _ in run.events():
@@ -75,8 +76,13 @@ async def drain(request: Request, http: Http) -> JSONResponse:
     those in flight finish (up to --graceful-shutdown-timeout), then the server exits 0."""
     http.authorize(request)
     started = http.ready_door().start_drain("POST /drain")
-    return JSONResponse({"draining": True, "started_now": started,
-                         "graceful_shutdown_timeout": http.server_args.graceful_shutdown_timeout})
+    return JSONResponse(
+        {
+            "draining": True,
+            "started_now": started,
+            "graceful_shutdown_timeout": http.server_args.graceful_shutdown_timeout,
+        }
+    )
 
 
 @router.get("/metrics")
@@ -84,8 +90,7 @@ async def metrics(request: Request, http: Http) -> Response:
     """Prometheus text (--enable-metrics), the scheduler's gauges refreshed first."""
     door_metrics = http.ready_door().metrics
     if door_metrics is None:
-        raise oai.BadRequest("metrics are off; start the server with --enable-metrics", status=404,
-                             code="not_found")
+        raise oai.BadRequest("metrics are off; start the server with --enable-metrics", status=404, code="not_found")
     from prometheus_client import CONTENT_TYPE_LATEST
 
     door_metrics.set_scheduler_gauges(await _control(http, request, ServerInfoReq(rid="metrics")))

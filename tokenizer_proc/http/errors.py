@@ -17,13 +17,31 @@ from tokenizer_proc.request_builder import Rejected
 logger = logging.getLogger(__name__)
 
 # The ZMQ error codes as HTTP statuses (an unknown code is a 500).
-STATUS_OF_CODE = {"invalid_request": 400, "too_long": 400, "unauthorized": 401, "model_not_found": 404,
-                  "too_many_requests": 429, "out_of_memory": 503, "unhealthy": 503, "starting": 503,
-                  "server_shutdown": 503, "draining": 503, "overloaded": 503, "aborted": 499, "internal": 500}
+STATUS_OF_CODE = {
+    "invalid_request": 400,
+    "too_long": 400,
+    "unauthorized": 401,
+    "model_not_found": 404,
+    "too_many_requests": 429,
+    "out_of_memory": 503,
+    "unhealthy": 503,
+    "starting": 503,
+    "server_shutdown": 503,
+    "draining": 503,
+    "overloaded": 503,
+    "aborted": 499,
+    "internal": 500,
+}
 # Refusals a client should retry elsewhere or later: their 503 says after how many seconds.
 RETRY_AFTER_S = {"draining": 1, "overloaded": 1}
-_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
 
 
 class RequestFailed(Exception):
@@ -61,7 +79,7 @@ async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
     param = oai.openai_param(exc.param, chat) if request.url.path.startswith("/v1/") else exc.param
     message = exc.message
     if exc.param is not None and param is not None and message.startswith(f"sampling_params.{exc.param}:"):
-        message = param + message[len(f"sampling_params.{exc.param}"):]
+        message = param + message[len(f"sampling_params.{exc.param}") :]
     return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, param)
 
 

@@ -27,8 +27,9 @@ async def generate(request: Request, http: Http) -> Response:
     reqs, batch = body.generate_reqs()
     run = await http.start(reqs)
     if body.stream:
-        return StreamingResponse(_native_stream(run), media_type="text/event-stream",
-                                 background=BackgroundTask(run.close))
+        return StreamingResponse(
+            _native_stream(run), media_type="text/event-stream", background=BackgroundTask(run.close)
+        )
     results: list[list[dict[str, Any]]] = [[{} for _ in range(run.n)] for _ in reqs]
     try:
         async with abort_on_disconnect(request, run):

@@ -25,9 +25,21 @@ router = APIRouter()
 async def models(request: Request, http: Http) -> JSONResponse:
     http.authorize(request)
     door = http.ready_door()
-    return JSONResponse({"object": "list", "data": [{
-        "id": http.model_name, "object": "model", "created": http.created, "owned_by": "tinyserve",
-        "root": http.server_args.model_path, "max_model_len": door.context_len}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": http.model_name,
+                    "object": "model",
+                    "created": http.created,
+                    "owned_by": "tinyserve",
+                    "root": http.server_args.model_path,
+                    "max_model_len": door.context_len,
+                }
+            ],
+        }
+    )
 
 
 @router.post("/v1/completions")
@@ -40,8 +52,9 @@ async def chat_completions(request: Request, http: Http) -> Response:
     return await _openai_generate(http, request, oai.ChatCompletionRequest, "chat")
 
 
-async def _openai_generate(http: HttpContext, request: Request, schema: type[BaseModel],
-                           kind: reply_fmt.Kind) -> Response:
+async def _openai_generate(
+    http: HttpContext, request: Request, schema: type[BaseModel], kind: reply_fmt.Kind
+) -> Response:
     """Both generation routes: read and check the body, run it, reply whole or as a stream."""
     http.authorize(request)
     body: Any = await read_body(request, schema, http.max_request_bytes)
@@ -53,11 +66,13 @@ async def _openai_generate(http: HttpContext, request: Request, schema: type[Bas
         reply = reply_fmt.OpenAIReply(kind, body, run.n, http.model_name, http.logprobs, parsing=parsing)
     else:
         run = await http.start(body.generate_reqs())
-        reply = reply_fmt.OpenAIReply(kind, body, run.n, http.model_name, http.logprobs,
-                                      prompts=http.prompt_texts(body) if body.echo else None)
+        reply = reply_fmt.OpenAIReply(
+            kind, body, run.n, http.model_name, http.logprobs, prompts=http.prompt_texts(body) if body.echo else None
+        )
     if body.stream:
-        return StreamingResponse(_openai_stream(reply, run), media_type="text/event-stream",
-                                 background=BackgroundTask(run.close))
+        return StreamingResponse(
+            _openai_stream(reply, run), media_type="text/event-stream", background=BackgroundTask(run.close)
+        )
     try:
         async with abort_on_disconnect(request, run):
             async for i, chunk in run.events():
@@ -80,8 +95,16 @@ async def _openai_stream(reply: reply_fmt.OpenAIReply, run: LocalRun) -> AsyncIt
         if last is not None:
             yield sse(last)
     except RequestFailed as exc:
-        yield sse({"error": {"message": exc.message, "type": error_type(STATUS_OF_CODE.get(exc.code, 500)),
-                             "param": None, "code": exc.code}})
+        yield sse(
+            {
+                "error": {
+                    "message": exc.message,
+                    "type": error_type(STATUS_OF_CODE.get(exc.code, 500)),
+                    "param": None,
+                    "code": exc.code,
+                }
+            }
+        )
     finally:
         run.close()
     yield SSE_DONE

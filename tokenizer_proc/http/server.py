@@ -32,8 +32,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
-from tokenizer_proc.http import control_routes, native_routes, openai_routes
 from tokenizer_proc.front_door import FrontDoor
+from tokenizer_proc.http import control_routes, native_routes, openai_routes
 from tokenizer_proc.http.body import loc_path as _loc_path
 from tokenizer_proc.http.context import HttpContext
 from tokenizer_proc.http.errors import STATUS_OF_CODE, add_error_handlers, error_response
@@ -62,8 +62,14 @@ class HttpServer:
         bound = self.sock.getsockname()[1]
         self.address = endpoint("http", host, bound)
         self.app = build_app(self.context)
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                log_level=server_args.log_level, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            log_level=server_args.log_level,
+            timeout_keep_alive=30,
+        )
         self.server = _Server(config)
 
     @property

@@ -35,8 +35,10 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     arch = contents.architecture
     family = family_of_gguf(arch, str(contents.metadata.get("general.name", "")))
     if family is None:
-        raise GGUFError(f"{contents.path}: unsupported architecture {arch or '(none)'!r} in general.architecture; "
-                        f"supported: {', '.join(BY_GGUF_ARCHITECTURE)}")
+        raise GGUFError(
+            f"{contents.path}: unsupported architecture {arch or '(none)'!r} in general.architecture; "
+            f"supported: {', '.join(BY_GGUF_ARCHITECTURE)}"
+        )
     architecture, model_type = family.architecture, family.name
 
     def need(key: str) -> Any:
@@ -80,12 +82,18 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
         if family.window_rule is WindowRule.FROM_MAX_WINDOW_LAYERS:
             config["use_sliding_window"] = True
             config["max_window_layers"] = 0
-    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+    for key, name in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
         if name in contents.metadata:
             config[key] = int(contents.metadata[name])
     # llama.cpp ends generation on eos and on the end-of-turn token where a chat model has one.
-    eos = [int(contents.metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if k in contents.metadata]
+    eos = [
+        int(contents.metadata[k])
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        if k in contents.metadata
+    ]
     if eos:
         config["eos_token_id"] = eos[0] if len(set(eos)) == 1 else sorted(set(eos), key=eos.index)
     check_tensor_shapes(contents, config)
@@ -95,13 +103,17 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
 def _rope_scaling(contents: GGUFContents) -> dict[str, Any] | None:
     kind = contents.arch_value("rope.scaling.type")
     if "rope_freqs.weight" in contents.tensors:
-        raise GGUFError(f"{contents.path}: per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1-style "
-                        f"scaling) are not supported for GGUF files yet; load the safetensors checkpoint instead")
+        raise GGUFError(
+            f"{contents.path}: per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1-style "
+            f"scaling) are not supported for GGUF files yet; load the safetensors checkpoint instead"
+        )
     if kind in (None, "none"):
         return None
     if kind != "linear":
-        raise GGUFError(f"{contents.path}: unsupported RoPE scaling {kind!r} ({contents.architecture}.rope.scaling.type); "
-                        f"supported: linear")
+        raise GGUFError(
+            f"{contents.path}: unsupported RoPE scaling {kind!r} ({contents.architecture}.rope.scaling.type); "
+            f"supported: linear"
+        )
     return {"rope_type": "linear", "factor": float(contents.arch_value("rope.scaling.factor", 1.0))}
 
 
@@ -119,10 +131,15 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     family = BY_NAME[config["model_type"]]
     for i in range(config["num_hidden_layers"]):
         block = {
-            "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
-            "attn_q.weight": (q_rows, hidden), "attn_k.weight": (kv_rows, hidden), "attn_v.weight": (kv_rows, hidden),
+            "attn_norm.weight": (hidden,),
+            "ffn_norm.weight": (hidden,),
+            "attn_q.weight": (q_rows, hidden),
+            "attn_k.weight": (kv_rows, hidden),
+            "attn_v.weight": (kv_rows, hidden),
             "attn_output.weight": (hidden, q_rows),
-            "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
+            "ffn_gate.weight": (inter, hidden),
+            "ffn_up.weight": (inter, hidden),
+            "ffn_down.weight": (hidden, inter),
         }
         if config["attention_bias"] or family.always_qkv_bias:
             block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
@@ -139,5 +156,4 @@ def check_tensor_shapes(contents: GGUFContents, config: dict[str, Any]) -> None:
         if entry is None:
             raise GGUFError(f"{contents.path}: tensor {name} is missing")
         if entry.shape != shape:
-            raise GGUFError(f"{contents.path}: tensor {name} has shape {entry.shape}, but the metadata "
-                            f"implies {shape}")
+            raise GGUFError(f"{contents.path}: tensor {name} has shape {entry.shape}, but the metadata implies {shape}")

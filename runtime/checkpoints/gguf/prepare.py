@@ -48,8 +48,13 @@ class GGUFIndex:
     @classmethod
     def read(cls, folder: Path) -> "GGUFIndex":
         raw = json.loads((folder / GGUF_INDEX).read_text())
-        return cls(Path(raw["file"]), int(raw["size"]), int(raw["mtime_ns"]), str(raw["architecture"]),
-                   tuple(TensorEntry.from_json(t) for t in raw["tensors"]))
+        return cls(
+            Path(raw["file"]),
+            int(raw["size"]),
+            int(raw["mtime_ns"]),
+            str(raw["architecture"]),
+            tuple(TensorEntry.from_json(t) for t in raw["tensors"]),
+        )
 
 
 def is_gguf_folder(folder: Path) -> bool:
@@ -69,8 +74,10 @@ def find_gguf_file(path: Path) -> Path | None:
         return None
     files = sorted(path.glob("*.gguf"))
     if len(files) > 1:
-        raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                        f"give --model-path the one to serve")
+        raise GGUFError(
+            f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+            f"give --model-path the one to serve"
+        )
     return files[0] if files else None
 
 
@@ -82,7 +89,9 @@ def prepare_gguf(path: str | Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARE_VERSION}".encode()).hexdigest()[:16]
     final = cache_root() / "gguf" / f"{path.stem}-{key}"
-    return build_once(final, lambda tmp: _build(path, stat.st_size, stat.st_mtime_ns, tmp), f"the checkpoint of {path.name}")
+    return build_once(
+        final, lambda tmp: _build(path, stat.st_size, stat.st_mtime_ns, tmp), f"the checkpoint of {path.name}"
+    )
 
 
 def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
@@ -90,7 +99,10 @@ def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
     config = hf_config(contents)  # checks architecture, metadata and every tensor's shape
     _write_tokenizer(contents, out)
     index: dict[str, Any] = {
-        "file": str(path), "size": size, "mtime_ns": mtime_ns, "architecture": contents.architecture,
+        "file": str(path),
+        "size": size,
+        "mtime_ns": mtime_ns,
+        "architecture": contents.architecture,
         "tensors": [t.to_json() for t in contents.tensors.values()],
     }
     (out / GGUF_INDEX).write_text(json.dumps(index) + "\n")
@@ -127,7 +139,9 @@ def _drop_tokens_beyond_the_file(out: Path, count: int) -> None:
     added = spec.get("added_tokens") or []
     kept = [token for token in added if int(token["id"]) < count]
     if len(kept) != len(added):
-        logger.info("dropping tokens the GGUF file does not have: %s",
-                    ", ".join(t["content"] for t in added if int(t["id"]) >= count))
+        logger.info(
+            "dropping tokens the GGUF file does not have: %s",
+            ", ".join(t["content"] for t in added if int(t["id"]) >= count),
+        )
         spec["added_tokens"] = kept
         path.write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")

@@ -17,7 +17,19 @@ from typing import Any
 # The types gguf's numpy dequantization handles that tinyserve loads (llama.cpp's common
 # weight types; the importance-matrix IQ types and the 1-2 bit ternary ones are left out).
 SUPPORTED_TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
 )
 
 
@@ -37,13 +49,23 @@ class TensorEntry:
     n_bytes: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type_name, "shape": list(self.shape),
-                "offset": self.offset, "n_bytes": self.n_bytes}
+        return {
+            "name": self.name,
+            "type": self.type_name,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "n_bytes": self.n_bytes,
+        }
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "TensorEntry":
-        return cls(str(raw["name"]), str(raw["type"]), tuple(int(d) for d in raw["shape"]),
-                   int(raw["offset"]), int(raw["n_bytes"]))
+        return cls(
+            str(raw["name"]),
+            str(raw["type"]),
+            tuple(int(d) for d in raw["shape"]),
+            int(raw["offset"]),
+            int(raw["n_bytes"]),
+        )
 
 
 @dataclass
@@ -65,8 +87,7 @@ class GGUFContents:
 
 # Metadata arrays kept out of GGUFContents.metadata: the tokenizer tables (tens of thousands of
 # strings) are read by transformers' converter, not by us; their length is kept instead.
-_TABLE_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
-               "tokenizer.ggml.merges")
+_TABLE_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.merges")
 
 
 def _unreadable(path: Path, size: int, exc: Exception) -> str:
@@ -80,8 +101,10 @@ def _unreadable(path: Path, size: int, exc: Exception) -> str:
         return f"{path} is not a GGUF file (it does not start with the GGUF magic number)"
     if "is not a valid" in str(exc):  # an enum value this gguf package does not know
         return f"{path} is not a readable GGUF file: {detail} (written by a newer llama.cpp, or corrupt)"
-    return (f"{path} is not a readable GGUF file, probably truncated (an incomplete download?): "
-            f"it has {size} bytes and reading it failed with {detail}")
+    return (
+        f"{path} is not a readable GGUF file, probably truncated (an incomplete download?): "
+        f"it has {size} bytes and reading it failed with {detail}"
+    )
 
 
 def read_gguf(path: str | Path) -> GGUFContents:
@@ -114,8 +137,10 @@ def read_gguf(path: str | Path) -> GGUFContents:
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype not in supported:
-            raise GGUFError(f"{path}: tensor {t.name} has type {qtype.name}, which tinyserve cannot "
-                            f"dequantize (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+            raise GGUFError(
+                f"{path}: tensor {t.name} has type {qtype.name}, which tinyserve cannot "
+                f"dequantize (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            )
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {end}, the file has {size}")

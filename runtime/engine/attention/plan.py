@@ -47,7 +47,9 @@ class AttnGroup:
 
     q_index: torch.Tensor  # int64 [n, q_len]: packed-token row of each padded query (0 for padding)
     kv_loc: torch.Tensor  # int64 [n, kv_len]: KV-pool slot of each padded key (0 for padding)
-    mask: torch.Tensor | None  # bool [n, 1, q_len, kv_len] (one-token groups: fp32 key bias [n, 1, 1, kv_len], key_bias); None: no mask
+    mask: (
+        torch.Tensor | None
+    )  # bool [n, 1, q_len, kv_len] (one-token groups: fp32 key bias [n, 1, 1, kv_len], key_bias); None: no mask
     out_tokens: torch.Tensor | None  # int64 [t]: packed rows this group produces; None = all rows in order
     out_rows: torch.Tensor | None  # int64 [t]: matching rows of the flattened [n * q_len] output
     one_token: bool = False  # every member has exactly one query: GQA folded into the query axis
@@ -102,8 +104,13 @@ def pack_groups(members: list[int], ext_lens: list[int], seq_lens: list[int]) ->
 
 
 def one_token_group(
-    kv_loc: torch.Tensor, valid: torch.Tensor, uniform: bool, members: list[int], starts: list[int] | None,
-    in_order: bool, group_type: type[G],
+    kv_loc: torch.Tensor,
+    valid: torch.Tensor,
+    uniform: bool,
+    members: list[int],
+    starts: list[int] | None,
+    in_order: bool,
+    group_type: type[G],
 ) -> G:
     """A one-token group over the keys ``kv_loc`` (``valid`` marks the real ones; ``uniform``:
     every member has the same number, known on the host, so no mask). ``in_order``: the
@@ -119,8 +126,16 @@ def one_token_group(
         q_index = out_tokens[:, None]
         out_rows = torch.arange(len(members), dtype=torch.int64, device=device)
     mask = None if uniform else key_bias(valid[:, None, None, :])
-    return group_type(q_index, kv_loc, mask, out_tokens, out_rows, one_token=True,
-                      q_start=0 if in_order else None, kv_flat=kv_loc.reshape(-1))
+    return group_type(
+        q_index,
+        kv_loc,
+        mask,
+        out_tokens,
+        out_rows,
+        one_token=True,
+        q_start=0 if in_order else None,
+        kv_flat=kv_loc.reshape(-1),
+    )
 
 
 def extend_outputs(

@@ -86,7 +86,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 groups.append(self._extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, bs))
         batch.attn_metadata = TorchNativeMetadata(groups)
 
-    def _kv_locations(self, batch: ForwardBatch, members: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_locations(
+        self, batch: ForwardBatch, members: list[int], seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_loc [n, L], key_valid [n, L])`` read from req_to_token for the group's requests."""
         device = batch.req_pool_indices.device
         kv_len = max(seq_lens[i] for i in members)
@@ -145,8 +147,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             # attention over them, nothing to gather.
             out_tokens = None if covers_all else q_index.reshape(-1)
             out_rows = None if covers_all else torch.arange(n * q_len, device=device)
-            return self.group_type(q_index, kv_loc, None, out_tokens, out_rows, q_start=q_start, keys_are_new=True,
-                                   shared_loc=shared_loc)
+            return self.group_type(
+                q_index, kv_loc, None, out_tokens, out_rows, q_start=q_start, keys_are_new=True, shared_loc=shared_loc
+            )
         own_loc = kv_loc[:, p:]
         own_lens = torch.tensor([seq_lens[i] - p for i in members], dtype=torch.int64, device=device)
         kj = torch.arange(own_loc.shape[1], dtype=torch.int64, device=device)[None, :]
@@ -155,8 +158,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         mask = causal & valid[:, None, :]
         mask[:, :, 0] |= ~q_valid  # padded query rows see key 0 only, to stay finite
         out_tokens, out_rows = extend_outputs(q_index, q_valid, covers_all)
-        return self.group_type(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
-                               kv_flat=own_loc.masked_fill(~valid, 0).reshape(-1), shared_loc=shared_loc)
+        return self.group_type(
+            q_index,
+            kv_loc,
+            mask[:, None],
+            out_tokens,
+            out_rows,
+            q_start=q_start,
+            kv_flat=own_loc.masked_fill(~valid, 0).reshape(-1),
+            shared_loc=shared_loc,
+        )
 
     # ---- per layer -------------------------------------------------------------------
 
@@ -188,8 +199,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta: TorchNativeMetadata = batch.attn_metadata
         if window not in meta.windowed:
             meta.windowed[window] = plan_window_groups(
-                batch, window, host_list(batch.seq_lens_cpu, batch.seq_lens),
-                host_list(batch.extend_lens_cpu, batch.extend_lens), host_list(batch.prefix_lens_cpu, batch.prefix_lens),
+                batch,
+                window,
+                host_list(batch.seq_lens_cpu, batch.seq_lens),
+                host_list(batch.extend_lens_cpu, batch.extend_lens),
+                host_list(batch.prefix_lens_cpu, batch.prefix_lens),
                 self.group_type,
             )
         return meta.windowed[window]
@@ -254,7 +268,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         return og.transpose(1, 2).reshape(n * q_len, h, d)
 
     def _group_keys(
-        self, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: AttentionLayerSpec,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """An extend group's keys and values ``[n, Hkv, L, D]`` (after any shared prefix), in k's dtype:

@@ -26,7 +26,11 @@ from runtime.engine.forward_batch import ForwardBatch
 
 
 def plan_window_groups(
-    batch: ForwardBatch, window: int, seq_lens: list[int], ext_lens: list[int], prefix_lens: list[int],
+    batch: ForwardBatch,
+    window: int,
+    seq_lens: list[int],
+    ext_lens: list[int],
+    prefix_lens: list[int],
     group_type: type[G],
 ) -> list[G]:
     """The groups (of ``group_type``) of one forward for layers of window ``window`` (see the module
@@ -42,8 +46,9 @@ def plan_window_groups(
         groups.append(_one_token_group(batch, ones, starts, seq_lens, key_start, len(ones) == bs, group_type))
     key_lens = [seq_lens[i] - key_start[i] for i in range(bs)]
     for members in pack_groups(multi, ext_lens, key_lens):
-        groups.append(_extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, key_start, window,
-                                    group_type))
+        groups.append(
+            _extend_group(batch, members, starts, ext_lens, prefix_lens, seq_lens, key_start, window, group_type)
+        )
     return groups
 
 
@@ -68,8 +73,13 @@ def _window_slots(
 
 
 def _one_token_group(
-    batch: ForwardBatch, members: list[int], starts: list[int], seq_lens: list[int], key_start: list[int],
-    in_order: bool, group_type: type[G],
+    batch: ForwardBatch,
+    members: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    key_start: list[int],
+    in_order: bool,
+    group_type: type[G],
 ) -> G:
     # A one-token query sits at position seq_len - 1: it sees exactly the keys from key_start on.
     kv_loc, valid = _window_slots(batch, members, key_start, seq_lens)
@@ -107,5 +117,4 @@ def _extend_group(
     q_start = starts[members[0]] if contiguous else None
     covers_all = contiguous and q_start == 0 and n * q_len == sum(ext_lens)
     out_tokens, out_rows = extend_outputs(q_index, q_valid, covers_all)
-    return group_type(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start,
-                      kv_flat=kv_loc.reshape(-1))
+    return group_type(q_index, kv_loc, mask[:, None], out_tokens, out_rows, q_start=q_start, kv_flat=kv_loc.reshape(-1))

@@ -159,8 +159,10 @@ class TritonAttnBackend(AttentionBackend):
             ends, ends_cpu = batch.prefix_lens, _host_list(batch.prefix_lens_cpu, batch.prefix_lens)
             reach = window - 1
         used = sum(min(e, reach) for e in ends_cpu)
-        plan = _WindowPlan(torch.zeros(len(ends_cpu) + 1, dtype=torch.int32, device=device),
-                           torch.empty(used, dtype=torch.int32, device=device))
+        plan = _WindowPlan(
+            torch.zeros(len(ends_cpu) + 1, dtype=torch.int32, device=device),
+            torch.empty(used, dtype=torch.int32, device=device),
+        )
         lens = self._fill_window_plan(batch, ends, reach, used, plan)
         plan.num_kv_splits = self._num_kv_splits(batch, lens) if meta.is_decode else None
         meta.windowed[window] = plan
@@ -202,8 +204,11 @@ class TritonAttnBackend(AttentionBackend):
             attn_logits=torch.zeros(scratch, dtype=torch.float32, device=device),
             attn_lse=torch.zeros(scratch[:3], dtype=torch.float32, device=device),
             windowed={
-                w: _WindowPlan(torch.zeros(max_bs + 1, **i32), torch.zeros(min(max_kv_tokens, max_bs * w), **i32),
-                               torch.ones(max_bs, **i32))
+                w: _WindowPlan(
+                    torch.zeros(max_bs + 1, **i32),
+                    torch.zeros(min(max_kv_tokens, max_bs * w), **i32),
+                    torch.ones(max_bs, **i32),
+                )
                 for w in self.windows
             },
         )
@@ -237,7 +242,11 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"{total} KV tokens exceed the graph plan's {meta.kv_indices.shape[0]}")
         meta.kv_indptr[1:].copy_(torch.cumsum(batch.seq_lens, dim=0))
         self._kernels.create_kv_indices(
-            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, meta.kv_indptr, None,
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            meta.kv_indptr,
+            None,
             meta.kv_indices,
         )
         assert meta.num_kv_splits is not None

@@ -87,8 +87,16 @@ class _StaticInputs:
         raw = batch.batch_size
         if bs > raw:
             self.rows[:, raw:bs].copy_(self.pad[:, raw:bs])
-        for row, src in enumerate((batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens,
-                                   batch.prefix_lens, batch.out_cache_loc)):
+        for row, src in enumerate(
+            (
+                batch.input_ids,
+                batch.positions,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                batch.prefix_lens,
+                batch.out_cache_loc,
+            )
+        ):
             self.rows[row, :raw].copy_(src)
 
     def batch(self, bs: int, like: Any) -> ForwardBatch:
@@ -172,8 +180,12 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         """Decode batches of at most the largest size whose sequences fit the plan's buffers (a
         graph computes one logit row per request: never a batch asking for prompt logprobs)."""
-        if (not batch.forward_mode.is_decode() or batch.input_logprobs is not None
-                or not 0 < batch.batch_size <= self.max_bs or not self.batches):
+        if (
+            not batch.forward_mode.is_decode()
+            or batch.input_logprobs is not None
+            or not 0 < batch.batch_size <= self.max_bs
+            or not self.batches
+        ):
             return False
         lens = batch.seq_lens_cpu if len(batch.seq_lens_cpu) == batch.batch_size else None
         return lens is not None and sum(lens) + self.max_bs * PAD_SEQ_LEN <= self.max_kv_tokens
@@ -242,8 +254,7 @@ def setup_cuda_graphs(
             if not smaller:
                 check = SelfCheckResult(False, f"out of memory capturing batch size {sizes[-1]}: {exc}")
                 break
-            logger.warning("out of memory capturing decode batches up to %d: retrying up to %d", sizes[-1],
-                           smaller[-1])
+            logger.warning("out of memory capturing decode batches up to %d: retrying up to %d", sizes[-1], smaller[-1])
             sizes = smaller
             continue
         except RuntimeError as exc:  # an op that cannot be captured, a CUDA error: eager still works
@@ -291,14 +302,19 @@ def self_check(model_runner: Any, graph_runner: CudaGraphRunner) -> SelfCheckRes
 
         pos = torch.arange(start, start + n, device=device).expand(raw, n)
         return ForwardBatch(
-            forward_mode=mode, input_ids=t(ids[:, start : start + n]), positions=t(pos),
+            forward_mode=mode,
+            input_ids=t(ids[:, start : start + n]),
+            positions=t(pos),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
             seq_lens=torch.full((raw,), start + n, dtype=torch.int64, device=device),
             prefix_lens=torch.full((raw,), start, dtype=torch.int64, device=device),
             extend_lens=torch.full((raw,), n, dtype=torch.int64, device=device),
             out_cache_loc=t(slots[:, start : start + n]),
-            req_to_token_pool=model_runner.req_to_token_pool, token_to_kv_pool=model_runner.token_to_kv_pool,
-            seq_lens_cpu=[start + n] * raw, prefix_lens_cpu=[start] * raw, extend_lens_cpu=[n] * raw,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            seq_lens_cpu=[start + n] * raw,
+            prefix_lens_cpu=[start] * raw,
+            extend_lens_cpu=[n] * raw,
         )
 
     try:

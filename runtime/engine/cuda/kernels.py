@@ -33,8 +33,9 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(X, x_stride, R, r_stride, W, Out, out_stride, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    X, x_stride, R, r_stride, W, Out, out_stride, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -73,15 +74,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     check_launch(_rms_norm_kernel, x2, weight, out2, *(() if r2 is None else (r2,)))
     block = next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, x2.stride(0), x2 if r2 is None else r2, 0 if r2 is None else r2.stride(0), weight, out2, out2.stride(0),
-        hidden, float(eps), HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=_num_warps(block),
+        x2,
+        x2.stride(0),
+        x2 if r2 is None else r2,
+        0 if r2 is None else r2.stride(0),
+        weight,
+        out2,
+        out2.stride(0),
+        hidden,
+        float(eps),
+        HAS_RESIDUAL=r2 is not None,
+        BLOCK=block,
+        num_warps=_num_warps(block),
     )
     return out
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, num_heads, cos, sin, half,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(base, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
@@ -97,9 +107,24 @@ def _rotate_heads(base, stride_h, num_heads, cos, sin, half,
 
 
 @triton.jit
-def _rotary_kernel(Q, q_stride_t, q_stride_h, K, k_stride_t, k_stride_h, Positions, Cos, Sin, cache_stride,
-                   num_q_heads, num_k_heads, half,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(
+    Q,
+    q_stride_t,
+    q_stride_h,
+    K,
+    k_stride_t,
+    k_stride_h,
+    Positions,
+    Cos,
+    Sin,
+    cache_stride,
+    num_q_heads,
+    num_k_heads,
+    half,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -112,8 +137,14 @@ def _rotary_kernel(Q, q_stride_t, q_stride_h, K, k_stride_t, k_stride_h, Positio
     _rotate_heads(K + t * k_stride_t, k_stride_h, num_k_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-            sin_cache: torch.Tensor, rotary_dim: int) -> bool:
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    rotary_dim: int,
+) -> bool:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place by the fp32 tables'
     ``[max_position, rotary_dim // 2]`` rows at ``positions``; False (nothing touched) where
     the layout is not one the kernel takes (dims must be unit-stride)."""
@@ -130,9 +161,22 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache
     check_launch(_rotary_kernel, q, k, positions, cos_cache, sin_cache)
     block_half = next_power_of_2(half)
     _rotary_kernel[(t,)](
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, cos_cache, sin_cache,
-        cos_cache.stride(0), q.shape[1], k.shape[1], half,
-        BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_HALF=block_half,
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        k.stride(0),
+        k.stride(1),
+        positions,
+        cos_cache,
+        sin_cache,
+        cos_cache.stride(0),
+        q.shape[1],
+        k.shape[1],
+        half,
+        BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]),
+        BLOCK_HALF=block_half,
         num_warps=_num_warps(next_power_of_2(q.shape[1]) * block_half),
     )
     return True
@@ -165,14 +209,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     check_launch(_silu_and_mul_kernel, x2, out2)
     block = min(_SILU_BLOCK, next_power_of_2(inter))
     _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
-        x2, x2.stride(0), out2, out2.stride(0), inter, BLOCK=block, num_warps=_num_warps(block),
+        x2,
+        x2.stride(0),
+        out2,
+        out2.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=_num_warps(block),
     )
     return out
 
 
 @triton.jit
-def _store_kv_kernel(K, k_stride_t, k_stride_h, V, v_stride_t, v_stride_h, Loc, KBuf, VBuf, buf_stride_slot,
-                     buf_stride_h, num_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(
+    K,
+    k_stride_t,
+    k_stride_h,
+    V,
+    v_stride_t,
+    v_stride_h,
+    Loc,
+    KBuf,
+    VBuf,
+    buf_stride_slot,
+    buf_stride_h,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + i).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -200,7 +265,20 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     check_launch(_store_kv_kernel, k_buf, v_buf, loc, k, v)
     heads, dim = row
     _store_kv_kernel[(n,)](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), loc, k_buf, v_buf, k_buf.stride(0), k_buf.stride(1),
-        heads, dim, BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(dim),
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        loc,
+        k_buf,
+        v_buf,
+        k_buf.stride(0),
+        k_buf.stride(1),
+        heads,
+        dim,
+        BLOCK_H=next_power_of_2(heads),
+        BLOCK_D=next_power_of_2(dim),
     )
     return True

@@ -34,8 +34,9 @@ class TritonOps(TorchOps):
             self._module = kernels
         return self._module
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
             from runtime.engine.cuda.quant_matmul import quant_matmul
@@ -62,7 +63,9 @@ class TritonOps(TorchOps):
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
         cache = rope.cache
-        if not self._kernels(q.device).rotary_(q, k, rope.positions, cache.cos_cache, cache.sin_cache, cache.rotary_dim):
+        if not self._kernels(q.device).rotary_(
+            q, k, rope.positions, cache.cos_cache, cache.sin_cache, cache.rotary_dim
+        ):
             super().rotary_(q, k, rope)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

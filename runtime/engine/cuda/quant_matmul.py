@@ -29,10 +29,28 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
 @triton.jit
-def _quant_matmul_kernel(X, x_stride, QS, qs_stride, S, s_stride, MINS, Out, out_stride, Bias, M, N, K,
-                         GROUP: tl.constexpr, IS_Q4: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+def _quant_matmul_kernel(
+    X,
+    x_stride,
+    QS,
+    qs_stride,
+    S,
+    s_stride,
+    MINS,
+    Out,
+    out_stride,
+    Bias,
+    M,
+    N,
+    K,
+    GROUP: tl.constexpr,
+    IS_Q4: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -40,8 +58,11 @@ def _quant_matmul_kernel(X, x_stride, QS, qs_stride, S, s_stride, MINS, Out, out
     for k0 in range(0, K, BLOCK_K):
         depth = k0 + tl.arange(0, BLOCK_K)
         depth_ok = depth < K
-        x = tl.load(X + rows[:, None].to(tl.int64) * x_stride + depth[None, :],
-                    mask=row_ok[:, None] & depth_ok[None, :], other=0.0)
+        x = tl.load(
+            X + rows[:, None].to(tl.int64) * x_stride + depth[None, :],
+            mask=row_ok[:, None] & depth_ok[None, :],
+            other=0.0,
+        )
         w_mask = col_ok[:, None] & depth_ok[None, :]
         w_rows = cols[:, None].to(tl.int64)
         if IS_Q4:
@@ -61,12 +82,16 @@ def _quant_matmul_kernel(X, x_stride, QS, qs_stride, S, s_stride, MINS, Out, out
         acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows[:, None].to(tl.int64) * out_stride + cols[None, :], acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        Out + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+        acc.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
-def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``x [..., in] @ dequantized weight.T (+ bias)`` in ``out_dtype`` (default: ``x``'s)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
@@ -80,9 +105,25 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         check_launch(_quant_matmul_kernel, *tensors)
         grid = (cdiv(m, BLOCK_M), cdiv(out_features, BLOCK_N))
         _quant_matmul_kernel[grid](
-            rows, rows.stride(0), weight.qs, weight.qs.stride(0), weight.scales, weight.scales.stride(0), mins, out,
-            out.stride(0), bias if bias is not None else out, m, out_features, in_features,
-            GROUP=weight.group, IS_Q4=weight.kind == "q4", HAS_BIAS=bias is not None,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=dot_precision(x.dtype),
+            rows,
+            rows.stride(0),
+            weight.qs,
+            weight.qs.stride(0),
+            weight.scales,
+            weight.scales.stride(0),
+            mins,
+            out,
+            out.stride(0),
+            bias if bias is not None else out,
+            m,
+            out_features,
+            in_features,
+            GROUP=weight.group,
+            IS_Q4=weight.kind == "q4",
+            HAS_BIAS=bias is not None,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            PRECISION=dot_precision(x.dtype),
         )
     return out.reshape(*x.shape[:-1], out_features)

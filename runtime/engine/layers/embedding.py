@@ -40,7 +40,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size, dtype=params_dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         # blocks kept quantized (runtime.engine.quant.loading); the last rank's padding rows become zero blocks
         self.quant_shards = PendingShards()

@@ -17,13 +17,26 @@ from runtime.engine.ops import DeviceOps
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, ops: DeviceOps) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        ops: DeviceOps,
+    ) -> None:
         super().__init__()
         self.activation = activation
         self._act_and_mul = gated_activation(activation)
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype,
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
             ops=ops,
         )
         self.down_proj = RowParallelLinear(

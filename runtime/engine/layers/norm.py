@@ -25,7 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.ops = ops or default_ops(params_dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
 
         With ``residual`` the sum is accumulated into ``residual`` in place (the caller owns

@@ -49,8 +49,9 @@ def _dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
 class GGUFWeight:
     """One GGUF tensor behind the ``LazyWeight`` protocol (see runtime.engine.layers.linear)."""
 
-    def __init__(self, data: np.ndarray, entry: TensorEntry, name: str, qk_heads: int | None = None,
-                 keep_quantized: bool = False) -> None:
+    def __init__(
+        self, data: np.ndarray, entry: TensorEntry, name: str, qk_heads: int | None = None, keep_quantized: bool = False
+    ) -> None:
         self.name = name  # the HF name the model loads it as
         self.entry = entry
         # --quantization gguf: a weight of a type the kernels read is handed over in its blocks
@@ -59,7 +60,9 @@ class GGUFWeight:
         rows = entry.shape[0] if len(entry.shape) > 1 else 1
         self._cols = entry.shape[-1]
         self._block, type_size = _quant_sizes(entry.type_name)
-        self._raw = data[entry.offset: entry.offset + entry.n_bytes].reshape(rows, self._cols // self._block * type_size)
+        self._raw = data[entry.offset : entry.offset + entry.n_bytes].reshape(
+            rows, self._cols // self._block * type_size
+        )
         self._type_size = type_size
 
     @property
@@ -80,8 +83,8 @@ class GGUFWeight:
             raise IndexError(f"{self.name}: a 2-D tensor has no dim {dim}")
         if self._qk_heads is None and start % self._block == 0 and length % self._block == 0:
             first, count = start // self._block * self._type_size, length // self._block * self._type_size
-            return self._to_torch(_dequantize(self._raw[:, first: first + count], self.entry.type_name))
-        return self.load()[:, start: start + length]
+            return self._to_torch(_dequantize(self._raw[:, first : first + count], self.entry.type_name))
+        return self.load()[:, start : start + length]
 
     def quantized(self, dim: int, start: int, length: int) -> QuantizedWeight | None:
         """``narrow(dim, start, length)`` kept in its blocks (repacked, ``runtime.engine.quant.gguf_blocks``):
@@ -93,7 +96,7 @@ class GGUFWeight:
             raw, cols = self._raw_rows(start, length), self._cols
         elif dim == 1 and start % self._block == 0 and length % self._block == 0:
             first = start // self._block * self._type_size
-            raw = self._raw_rows(0, self.shape[0])[:, first: first + length // self._block * self._type_size]
+            raw = self._raw_rows(0, self.shape[0])[:, first : first + length // self._block * self._type_size]
             cols = length
         else:
             return None
@@ -103,11 +106,11 @@ class GGUFWeight:
         """Rows [start, start + length) of a 2-D tensor's blocks in the HF row order (see ``_rows``)."""
         heads, total = self._qk_heads, self.shape[0]
         if not heads:
-            return self._raw[start: start + length]
+            return self._raw[start : start + length]
         head_rows = total // heads
         if start % head_rows or length % head_rows:
-            return self._raw_rows(0, total)[start: start + length]
-        raw = self._raw[start: start + length]
+            return self._raw_rows(0, total)[start : start + length]
+        raw = self._raw[start : start + length]
         return raw.reshape(-1, head_rows // 2, 2, raw.shape[1]).swapaxes(1, 2).reshape(length, raw.shape[1])
 
     def _rows(self, start: int, length: int) -> np.ndarray:
@@ -116,11 +119,11 @@ class GGUFWeight:
         total = self.shape[0]
         head_rows = total // heads if heads else 0
         if heads and (start % head_rows or length % head_rows):  # not head-aligned: un-interleave all
-            return self._rows(0, total)[start: start + length]
+            return self._rows(0, total)[start : start + length]
         if len(self.shape) == 1:
-            values = _dequantize(self._raw, self.entry.type_name)[0][start: start + length]
+            values = _dequantize(self._raw, self.entry.type_name)[0][start : start + length]
         else:
-            values = _dequantize(self._raw[start: start + length], self.entry.type_name)
+            values = _dequantize(self._raw[start : start + length], self.entry.type_name)
         if heads:
             # GGUF row 2j + a of a head is HF row a * head_rows / 2 + j (a in {0, 1}).
             tail = values.shape[1:]
@@ -160,8 +163,9 @@ def hf_tensor_names(architecture: str, num_layers: int, hf_names: Iterable[str])
     return mapping
 
 
-def iterate_gguf_weights(folder: Path, hf_names: Iterable[str], config: ModelConfig,
-                         progress: bool = True, keep_quantized: bool = False) -> Iterator[tuple[str, GGUFWeight]]:
+def iterate_gguf_weights(
+    folder: Path, hf_names: Iterable[str], config: ModelConfig, progress: bool = True, keep_quantized: bool = False
+) -> Iterator[tuple[str, GGUFWeight]]:
     """``(HF name, lazy weight)`` for every tensor of a prepared GGUF checkpoint the model reads
     (``config``: the folder's, for the layer count and the heads to un-interleave); with
     ``keep_quantized`` (``--quantization gguf``) the weights of the kept types offer their blocks."""

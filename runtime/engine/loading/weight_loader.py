@@ -87,8 +87,9 @@ def iterate_weights(folder: str | Path, progress: bool = True) -> Iterator[tuple
             bar.update(1)
 
 
-def load_model_weights(model: CausalLM, folder: str | Path, progress: bool = True,
-                       quantization: str | None = None) -> None:
+def load_model_weights(
+    model: CausalLM, folder: str | Path, progress: bool = True, quantization: str | None = None
+) -> None:
     """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
     folder runtime.checkpoints.gguf.prepare made); errors name the tensor at fault. ``quantization`` (the
     ``--quantization`` method, ``runtime.engine.quant.loading``): which weights stay quantized."""
@@ -96,8 +97,9 @@ def load_model_weights(model: CausalLM, folder: str | Path, progress: bool = Tru
     is_gguf = is_gguf_folder(Path(folder))
     check_quantization(quantization, is_gguf)
     if is_gguf:
-        weights = iterate_gguf_weights(Path(folder), targets, model.config, progress=progress,
-                                       keep_quantized=quantization == "gguf")
+        weights = iterate_gguf_weights(
+            Path(folder), targets, model.config, progress=progress, keep_quantized=quantization == "gguf"
+        )
     else:
         weights = iterate_weights(folder, progress=progress)
     loaded = model.load_weights(weights)

@@ -47,8 +47,9 @@ class CausalLM(nn.Module, abc.ABC):
     config: ModelConfig
 
     @abc.abstractmethod
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend,
-                layer_stack: LayerStack | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, layer_stack: LayerStack | None = None
+    ) -> torch.Tensor:
         """fp32 logits ``[rows, vocab]`` at ``batch.logit_rows()``."""
 
     @abc.abstractmethod
@@ -60,8 +61,9 @@ class CausalLM(nn.Module, abc.ABC):
         """Every checkpoint tensor name this model needs -> (parameter, shard id)."""
 
     @abc.abstractmethod
-    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch,
-                   backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
 
     def decode_weights(self) -> list[DecoderLayerWeights] | None:

@@ -94,7 +94,9 @@ class LlamaAttention(nn.Module):
             sliding_window=config.layer_windows[layer_id] if config.layer_windows else None,
         )
 
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
         """``rope`` is the forward's rotary inputs from ``DeviceOps.rope`` (shared by all layers)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # owned by this forward: q and k are rotated in place in it
@@ -115,8 +117,15 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, dtype, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp_rank=tp_rank,
-                            tp_size=tp_size, dtype=dtype, ops=ops)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            ops=ops,
+        )
         self.input_layernorm = _norm(config, config.hidden_size, dtype, ops)
         self.post_attention_layernorm = _norm(config, config.hidden_size, dtype, ops)
         self.norm_form, self.rope_style = config.norm, config.rope_style
@@ -144,14 +153,28 @@ class LlamaDecoderLayer(nn.Module):
         decode stack, ``runtime.engine.cpu.decode_layers``): what ``forward`` computes with, named."""
         attn, mlp = self.self_attn, self.mlp
         return DecoderLayerWeights(
-            input_norm=self.input_layernorm.weight, input_norm_eps=self.input_layernorm.eps,
-            post_norm=self.post_attention_layernorm.weight, post_norm_eps=self.post_attention_layernorm.eps,
-            qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
-            gate_up=mlp.gate_up_proj.weight, gate_up_bias=mlp.gate_up_proj.bias,
-            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            scaling=attn.spec.scaling, sliding_window=attn.spec.sliding_window, qk_norm=attn.q_norm is not None,
-            tp_size=attn.qkv_proj.tp_size, activation=mlp.activation, norm=self.norm_form, rope_style=self.rope_style,
+            input_norm=self.input_layernorm.weight,
+            input_norm_eps=self.input_layernorm.eps,
+            post_norm=self.post_attention_layernorm.weight,
+            post_norm_eps=self.post_attention_layernorm.eps,
+            qkv=attn.qkv_proj.weight,
+            qkv_bias=attn.qkv_proj.bias,
+            o=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_proj.weight,
+            gate_up_bias=mlp.gate_up_proj.bias,
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            scaling=attn.spec.scaling,
+            sliding_window=attn.spec.sliding_window,
+            qk_norm=attn.q_norm is not None,
+            tp_size=attn.qkv_proj.tp_size,
+            activation=mlp.activation,
+            norm=self.norm_form,
+            rope_style=self.rope_style,
         )
 
 

@@ -25,8 +25,9 @@ def get_model_class(config: ModelConfig) -> type[CausalLM]:
     """The class that serves ``config``'s family."""
     target = MODEL_CLASSES.get(config.family)
     if target is None:
-        raise UnsupportedModelError(f"no model implementation for architecture {config.architecture} "
-                                    f"(family {config.family})")
+        raise UnsupportedModelError(
+            f"no model implementation for architecture {config.architecture} (family {config.family})"
+        )
     module, _, name = target.partition(":")
     cls = getattr(importlib.import_module(module), name)
     assert isinstance(cls, type) and issubclass(cls, CausalLM), f"{target} is not a CausalLM"

@@ -23,11 +23,21 @@ import torch
 from runtime.engine.ops.base import DeviceOps
 from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel, LayerStack
 from runtime.engine.ops.rope import RopeCache, RopeInputs
-from runtime.engine.platform import ServingPlatform
 from runtime.engine.ops.torch_ops import TorchOps
+from runtime.engine.platform import ServingPlatform
 
-__all__ = ["DecoderLayerWeights", "DecoderStackModel", "DeviceOps", "LayerStack", "RopeCache", "RopeInputs",
-           "ServingPlatform", "TorchOps", "default_ops", "get_ops"]
+__all__ = [
+    "DecoderLayerWeights",
+    "DecoderStackModel",
+    "DeviceOps",
+    "LayerStack",
+    "RopeCache",
+    "RopeInputs",
+    "ServingPlatform",
+    "TorchOps",
+    "default_ops",
+    "get_ops",
+]
 
 OPS_ENV = "TINYSERVE_OPS"
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -62,8 +62,9 @@ class DeviceOps(Protocol):
         runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one);
         a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
         the kernel's quantization of ``x``."""
@@ -101,8 +102,9 @@ class DeviceOps(Protocol):
         """``silu(gate) * up`` of ``x [..., 2 * I]`` (gate first) as a new ``[..., I]`` tensor."""
         ...
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-                            bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``silu_and_mul(linear(x, weight, bias))`` (a gated MLP's merged gate/up projection), in
         one pass where a device can fuse the two."""
         ...

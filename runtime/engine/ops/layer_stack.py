@@ -56,11 +56,11 @@ class DecoderStackModel(Protocol):
     of the record's form, and the stack always runs them one by one), and running the layers one
     by one (for the forwards the stack does not take)."""
 
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
-        ...
+    def decode_weights(self) -> list[DecoderLayerWeights] | None: ...
 
-    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LayerStack(Protocol):
@@ -69,5 +69,6 @@ class LayerStack(Protocol):
     every layer for the embeddings ``hidden`` (which become the residual stream), exactly as the
     layers one by one would give them."""
 
-    def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
+    def __call__(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -45,8 +45,9 @@ class TorchOps:
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return reference_linear(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -59,8 +60,9 @@ class TorchOps:
     def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         return self.linear(x, weight, None).float()
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-                            bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return self.silu_and_mul(self.linear(x, weight, bias))
 
     def rms_norm(
@@ -96,8 +98,11 @@ class TorchOps:
         return logits.argmax(dim=-1).to(torch.int64)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
-        index = torch.arange(logits.shape[0], device=logits.device) if rows is None else torch.tensor(
-            rows, dtype=torch.int64, device=logits.device)
+        index = (
+            torch.arange(logits.shape[0], device=logits.device)
+            if rows is None
+            else torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        )
         cols = logits.shape[1]
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         words = bitmask.index_select(0, index)

@@ -64,10 +64,16 @@ def _from_q4_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> Quant
     # 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles): unpack, then pack ours
     packed = blocks[:, 16:].reshape(-1, 4, 1, 32)
     values = ((packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, BLOCK)
-    ours = values[:, : BLOCK // 2] | (values[:, BLOCK // 2:] << 4)
+    ours = values[:, : BLOCK // 2] | (values[:, BLOCK // 2 :] << 4)
     per_row = in_features // BLOCK
-    return QuantizedWeight("q4", name, (rows, in_features), _tensor(ours.reshape(rows, in_features // 2)),
-                           _tensor(scales.reshape(rows, per_row)), _tensor(mins.reshape(rows, per_row)))
+    return QuantizedWeight(
+        "q4",
+        name,
+        (rows, in_features),
+        _tensor(ours.reshape(rows, in_features // 2)),
+        _tensor(scales.reshape(rows, per_row)),
+        _tensor(mins.reshape(rows, per_row)),
+    )
 
 
 def _from_q6_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
@@ -79,5 +85,11 @@ def _from_q6_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> Quant
     dense = Q6_K.dequantize_blocks(blocks).reshape(-1, 16, 16)  # the package's d * sc * q (-32 <= q < 32)
     safe = np.where(scales == 0, 1.0, scales)[..., None]
     values = np.where(scales[..., None] == 0, 0, np.rint(dense / safe)).astype(np.int8)
-    return QuantizedWeight("q8", name, (rows, in_features), _tensor(values.reshape(rows, in_features)),
-                           _tensor(scales.reshape(rows, in_features // 16)), group=16)
+    return QuantizedWeight(
+        "q8",
+        name,
+        (rows, in_features),
+        _tensor(values.reshape(rows, in_features)),
+        _tensor(scales.reshape(rows, in_features // 16)),
+        group=16,
+    )

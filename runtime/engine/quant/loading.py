@@ -38,8 +38,10 @@ def check_quantization(method: str | None, is_gguf: bool) -> None:
     if method is not None and method not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
     if method == "gguf" and not is_gguf:
-        raise ValueError("--quantization gguf keeps a GGUF file's weights quantized: the model is not a GGUF file "
-                         "(use int8 for a safetensors checkpoint)")
+        raise ValueError(
+            "--quantization gguf keeps a GGUF file's weights quantized: the model is not a GGUF file "
+            "(use int8 for a safetensors checkpoint)"
+        )
 
 
 def quantized_shard(weight: Any, dim: int, start: int, length: int) -> QuantizedWeight | None:
@@ -104,11 +106,14 @@ def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | Non
         parts = [p for _, p in rows] + ([zero_rows(rows[0][1], padding)] if padding else [])
         stacked = cat_rows(parts) if len(parts) > 1 else parts[0]
         return stacked.to(weight.device)
-    logger.info("%s: shards of mixed formats (%s) load dense", type(module).__name__,
-                ", ".join(sorted({p.source for _, p in rows})))
+    logger.info(
+        "%s: shards of mixed formats (%s) load dense",
+        type(module).__name__,
+        ", ".join(sorted({p.source for _, p in rows})),
+    )
     with torch.no_grad():
         for offset, part in rows:
-            weight.data[offset: offset + part.shape[0]].copy_(part.dequantize(dtype=weight.dtype))
+            weight.data[offset : offset + part.shape[0]].copy_(part.dequantize(dtype=weight.dtype))
     return None
 
 

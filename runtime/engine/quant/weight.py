@@ -35,8 +35,16 @@ class QuantizedWeight(nn.Module):
     """``[out, in]`` weight in layout ``kind`` (see the module doc); ``source`` names the format it
     came from (a GGUF type name, or ``int8``) for logs and ``server_info``."""
 
-    def __init__(self, kind: str, source: str, shape: tuple[int, int], qs: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None = None, group: int = BLOCK) -> None:
+    def __init__(
+        self,
+        kind: str,
+        source: str,
+        shape: tuple[int, int],
+        qs: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None = None,
+        group: int = BLOCK,
+    ) -> None:
         super().__init__()
         out_features, in_features = shape
         if kind not in KINDS:
@@ -107,15 +115,29 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("cannot stack quantized weights of different layouts")
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
     source = "+".join(sorted({p.source for p in parts}))
-    return QuantizedWeight(first.kind, source, (sum(p.shape[0] for p in parts), first.shape[1]),
-                           torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins, first.group)
+    return QuantizedWeight(
+        first.kind,
+        source,
+        (sum(p.shape[0] for p in parts), first.shape[1]),
+        torch.cat([p.qs for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+        first.group,
+    )
 
 
 def zero_rows(like: QuantizedWeight, rows: int) -> QuantizedWeight:
     """``rows`` rows of zeros in ``like``'s layout (an embedding's padding rows under TP)."""
     mins = None if like.mins is None else like.mins.new_zeros(rows, like.mins.shape[1])
-    return QuantizedWeight(like.kind, like.source, (rows, like.shape[1]), like.qs.new_zeros(rows, like.qs.shape[1]),
-                           like.scales.new_zeros(rows, like.scales.shape[1]), mins, like.group)
+    return QuantizedWeight(
+        like.kind,
+        like.source,
+        (rows, like.shape[1]),
+        like.qs.new_zeros(rows, like.qs.shape[1]),
+        like.scales.new_zeros(rows, like.scales.shape[1]),
+        mins,
+        like.group,
+    )
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight | None:

@@ -119,9 +119,7 @@ class SamplingBatchInfo:
         """
         bs = len(params)
         if len(prompt_ids) != bs or len(output_ids) != bs:
-            raise ValueError(
-                f"batch mismatch: {bs} params, {len(prompt_ids)} prompts, {len(output_ids)} outputs"
-            )
+            raise ValueError(f"batch mismatch: {bs} params, {len(prompt_ids)} prompts, {len(output_ids)} outputs")
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
         # One host tensor, one transfer: temperature, top_p, min_p, top_k, greedy flag.
@@ -191,14 +189,10 @@ class SamplingBatchInfo:
             self.rep_seen = pen.token_presence(
                 [prompt_ids[i] for i in rep], vocab, self.device, [output_ids[i] for i in rep]
             )
-            self.rep_penalties = torch.tensor(
-                [[params[i].repetition_penalty] for i in rep], dtype=torch.float32
-            ).to(self.device)
-        fp = [
-            i
-            for i in range(bs)
-            if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0
-        ]
+            self.rep_penalties = torch.tensor([[params[i].repetition_penalty] for i in rep], dtype=torch.float32).to(
+                self.device
+            )
+        fp = [i for i in range(bs) if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if fp:
             self.fp_rows = self._rows_tensor(fp, bs)
             self.fp_counts = pen.token_counts([output_ids[i] for i in fp], vocab, self.device)

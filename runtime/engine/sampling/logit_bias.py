@@ -27,8 +27,7 @@ class LogitBias:
     values: torch.Tensor  # [n] float32
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], vocab_size: int,
-              device: torch.device) -> "LogitBias | None":
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> "LogitBias | None":
         """The entries of every request with a ``logit_bias`` (row i = ``params[i]``); None when none has one.
 
         The ids come parsed from ``SamplingParams.logit_bias_entries`` (cached per request). Ids outside
@@ -55,8 +54,7 @@ class LogitBias:
             if host.shape[1] == 0:
                 return None
         dev = host.to(device)
-        return cls(rows=dev[0].to(torch.int64), token_ids=dev[1].to(torch.int64),
-                   values=dev[2].to(torch.float32))
+        return cls(rows=dev[0].to(torch.int64), token_ids=dev[1].to(torch.int64), values=dev[2].to(torch.float32))
 
     def apply_(self, logits: torch.Tensor) -> None:
         """Add the biases to fp32 ``logits`` [bs, vocab] in place (a banned token, -inf, stays -inf)."""

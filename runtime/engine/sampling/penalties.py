@@ -22,9 +22,7 @@ import numpy as np
 import torch
 
 
-def flatten_token_lists(
-    token_lists: Sequence[Sequence[int]], vocab_size: int
-) -> tuple[np.ndarray, np.ndarray]:
+def flatten_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, token) pairs of every in-vocabulary token, as two int64 host arrays.
 
     Out-of-range ids are dropped rather than trusted: an index past the vocabulary would be
@@ -40,9 +38,7 @@ def flatten_token_lists(
     return rows, tokens
 
 
-def token_counts(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
+def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """float32 [len(token_lists), vocab_size]: how often each token occurs in each list.
 
     One ``index_add_`` over the flattened (row * vocab + token) index. Counts are small
@@ -81,9 +77,7 @@ def token_presence(
     return seen.view(n, vocab_size)
 
 
-def apply_repetition_penalty(
-    logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor
-) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
     """HF repetition penalty on ``logits`` [n, V] fp32; ``penalties`` [n, 1]; returns a new tensor."""
     scale = torch.where(seen, penalties, torch.ones_like(penalties))
     return torch.where(logits > 0, logits / scale, logits * scale)

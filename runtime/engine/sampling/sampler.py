@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.engine.ops import DeviceOps, get_ops
 from runtime.engine.sampling import penalties as pen
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
-from runtime.engine.ops import DeviceOps, get_ops
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +79,17 @@ class Sampler:
     ) -> SamplerOutput:
         bs, vocab = logits.shape[0], info.vocab_size
         if logits.dim() != 2 or logits.shape[1] < vocab or bs != info.batch_size:
-            raise ValueError(
-                f"logits {tuple(logits.shape)} do not match batch {info.batch_size} x vocab {vocab}"
-            )
+            raise ValueError(f"logits {tuple(logits.shape)} do not match batch {info.batch_size} x vocab {vocab}")
         # Columns past vocab_size are LM-head padding (vocab-parallel): never sampled.
-        if (info.all_greedy and not info.need_penalties and info.min_tokens_mask is None
-                and info.vocab_mask is None and info.logit_bias is None
-                and not return_logprob and top_logprobs_num <= 0):
+        if (
+            info.all_greedy
+            and not info.need_penalties
+            and info.min_tokens_mask is None
+            and info.vocab_mask is None
+            and info.logit_bias is None
+            and not return_logprob
+            and top_logprobs_num <= 0
+        ):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
             return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
@@ -150,9 +154,7 @@ class Sampler:
             if info.rep_rows is None:
                 x = pen.apply_repetition_penalty(x, info.rep_seen, info.rep_penalties)
             else:
-                sub = pen.apply_repetition_penalty(
-                    x.index_select(0, info.rep_rows), info.rep_seen, info.rep_penalties
-                )
+                sub = pen.apply_repetition_penalty(x.index_select(0, info.rep_rows), info.rep_seen, info.rep_penalties)
                 x.index_copy_(0, info.rep_rows, sub)
         if info.fp_counts is not None:
             assert info.frequency_penalties is not None and info.presence_penalties is not None

@@ -13,5 +13,4 @@
 from runtime.text.grammar.backend import GrammarBackend, GrammarError, check_constraint
 from runtime.text.grammar.matcher import RequestGrammar, allocate_bitmask, fill_bitmask
 
-__all__ = ["GrammarBackend", "GrammarError", "RequestGrammar", "allocate_bitmask", "check_constraint",
-           "fill_bitmask"]
+__all__ = ["GrammarBackend", "GrammarError", "RequestGrammar", "allocate_bitmask", "check_constraint", "fill_bitmask"]

@@ -123,12 +123,14 @@ class GrammarBackend:
     tokens that end a complete output (the model's EOS ids).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_entries: int = GRAMMAR_CACHE_ENTRIES) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_entries: int = GRAMMAR_CACHE_ENTRIES
+    ) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
         # xgrammar's own cache is off: ours is bounded by entries and counts its hits.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()

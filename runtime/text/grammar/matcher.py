@@ -26,8 +26,9 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 _batch_fillers = threading.local()
 
 
-def fill_bitmask(grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int,
-                 vocab_size: int) -> torch.Tensor:
+def fill_bitmask(
+    grammars: Sequence["RequestGrammar"], rows: Sequence[int], batch_size: int, vocab_size: int
+) -> torch.Tensor:
     """The host bitmask of a step: row ``rows[i]`` from ``grammars[i]``, every other row all-allowed.
 
     One call fills every row on xgrammar's own threads (a row inside some JSON states scans much

@@ -54,7 +54,7 @@ class ReasoningParser:
         """Whole output -> (reasoning, or None when the output had no reasoning part; content)."""
         stripped = text.lstrip()
         if stripped.startswith(self.start):
-            body = stripped[len(self.start):]
+            body = stripped[len(self.start) :]
         elif self.force_reasoning:
             body = stripped
         else:
@@ -62,7 +62,7 @@ class ReasoningParser:
         i = body.find(self.end)
         if i == -1:
             return body.strip(), ""
-        return body[:i].strip(), body[i + len(self.end):].lstrip()
+        return body[:i].strip(), body[i + len(self.end) :].lstrip()
 
     def feed(self, delta: str) -> tuple[str, str]:
         """Next text fragment -> (reasoning fragment, content fragment) now safe to send."""
@@ -79,7 +79,7 @@ class ReasoningParser:
         if self._state == _OPENING:
             stripped = self._buf.lstrip()
             if stripped.startswith(self.start):
-                self._buf = stripped[len(self.start):]
+                self._buf = stripped[len(self.start) :]
                 self._state = _REASONING
             elif not at_end and self.start.startswith(stripped):
                 return "", ""  # only whitespace and part of the start tag so far
@@ -109,7 +109,7 @@ class ReasoningParser:
         i = self._buf.find(self.end)
         if i != -1:
             piece = self._buf[:i].rstrip()
-            self._buf = self._buf[i + len(self.end):]
+            self._buf = self._buf[i + len(self.end) :]
             self._state = _CONTENT_LEAD
         elif at_end:
             piece, self._buf = self._buf.rstrip(), ""
@@ -117,7 +117,7 @@ class ReasoningParser:
         else:
             safe = len(self._buf) - held_back_len(self._buf, self.end)
             piece = self._buf[:safe].rstrip()
-            self._buf = self._buf[len(piece):]
+            self._buf = self._buf[len(piece) :]
         if piece:
             self._reasoning_started = True
         return piece

@@ -86,8 +86,9 @@ def _content_step(buf: str, marker: str, at_end: bool) -> _Step | None:
     return i, buf[:i], []
 
 
-def _marked_step(buf: str, marker: str, at_end: bool,
-                 read: Callable[[str, bool], tuple[int, list[ToolCall]] | _Malformed | None]) -> _Step | None:
+def _marked_step(
+    buf: str, marker: str, at_end: bool, read: Callable[[str, bool], tuple[int, list[ToolCall]] | _Malformed | None]
+) -> _Step | None:
     """A format whose calls follow a marker: content up to the marker, then the calls ``read``
     finds at the head of ``buf``. When they are malformed only the marker becomes content; the
     rest follows as ordinary content, so the text ends up verbatim."""
@@ -361,7 +362,7 @@ class MistralToolCallParser(ToolCallParser):
         match = self._NAME.match(buf, pos)
         if match is None:
             return _MALFORMED
-        tail = buf[match.end():]
+        tail = buf[match.end() :]
         if not tail.startswith(self.ARGS):
             return None if not at_end and self.ARGS.startswith(tail) else _MALFORMED
         pos = skip_ws(buf, match.end() + len(self.ARGS))

@@ -134,8 +134,11 @@ def test_json_schema_workload_is_chat_with_bounded_valid_schemas() -> None:
     assert {r.json_schema for r in w.requests} == {json.dumps(s) for s in JSON_SCHEMAS.values()}
     assert all(r.input_ids == [] and [m["role"] for m in r.messages or []] == ["system", "user"] for r in w.requests)
     assert len({r.messages[1]["content"] for r in w.requests if r.messages}) == 6  # a text of its own each
-    assert serving.sampling_params(w.requests[0]) == {"max_new_tokens": 32, "temperature": 0.0,
-                                                      "json_schema": w.requests[0].json_schema}
+    assert serving.sampling_params(w.requests[0]) == {
+        "max_new_tokens": 32,
+        "temperature": 0.0,
+        "json_schema": w.requests[0].json_schema,
+    }
     wanted = argparse.Namespace(workload=["json-schema"], workload_arg=[], num_requests=2, max_new_tokens=None, seed=0)
     with pytest.raises(SystemExit, match="serving-only"):
         serving.build_workloads(wanted, None)  # hf / vllm / traces send token ids: not this one
@@ -145,18 +148,24 @@ def test_json_schema_workload_is_chat_with_bounded_valid_schemas() -> None:
 def test_json_schema_twin_validity_and_ratios() -> None:
     w = json_schema(num_requests=4)
     person = {"name": "Ann", "age": 30, "city": "Oslo", "occupation": "chef"}
-    recs = [serving.RequestRecord(0, 50, output_len=20, text=json.dumps(person)),
-            serving.RequestRecord(1, 50, output_len=9, text='{"customer": "Bo"'),  # cut short: does not parse
-            serving.RequestRecord(2, 50, output_len=7, text=json.dumps(person)),  # parses, wrong schema
-            serving.RequestRecord(3, 50, error="server_shutdown")]
+    recs = [
+        serving.RequestRecord(0, 50, output_len=20, text=json.dumps(person)),
+        serving.RequestRecord(1, 50, output_len=9, text='{"customer": "Bo"'),  # cut short: does not parse
+        serving.RequestRecord(2, 50, output_len=7, text=json.dumps(person)),  # parses, wrong schema
+        serving.RequestRecord(3, 50, error="server_shutdown"),
+    ]
     assert structured.valid_fraction(w, recs) == 0.25
     twin = structured.unconstrained_twin(w, recs)
-    assert [(r.index, r.max_new_tokens, r.json_schema) for r in twin.requests] == [(0, 20, None), (1, 9, None),
-                                                                                 (2, 7, None)]
+    assert [(r.index, r.max_new_tokens, r.json_schema) for r in twin.requests] == [
+        (0, 20, None),
+        (1, 9, None),
+        (2, 7, None),
+    ]
     assert twin.requests[0].messages == w.requests[0].messages
     assert serving.sampling_params(twin.requests[0])["ignore_eos"] is True
-    row = structured.ratio_row("a / b", {"output_tok_s": 6.0, "decode_steps": 10}, {"output_tok_s": 3.0,
-                                                                                   "decode_steps": 0})
+    row = structured.ratio_row(
+        "a / b", {"output_tok_s": 6.0, "decode_steps": 10}, {"output_tok_s": 3.0, "decode_steps": 0}
+    )
     assert row["output_tok_s"] == 2.0 and math.isnan(row["decode_steps"])
     assert structured.same_outputs_pct(recs[:2], [recs[0], serving.RequestRecord(1, 50, text="{}")]) == 50.0
 
@@ -169,7 +178,10 @@ def test_prefix_tree_stats_counts_shared_prefixes_once() -> None:
 
 def test_workload_args_and_token_range(tiny_llama_path: Path) -> None:
     assert parse_workload_args(["prefix_len=8", "segment_lens=4,2,1", "x=0.5"]) == {
-        "prefix_len": 8, "segment_lens": [4, 2, 1], "x": 0.5}
+        "prefix_len": 8,
+        "segment_lens": [4, 2, 1],
+        "x": 0.5,
+    }
     low, high = token_range_for(str(tiny_llama_path))
     cfg = json.loads((tiny_llama_path / "config.json").read_text())
     assert low == 6 and high == cfg["vocab_size"]  # the 6 special tokens come first
@@ -179,9 +191,15 @@ def test_workload_args_and_token_range(tiny_llama_path: Path) -> None:
 
 
 def test_bench_spec_is_about_200m_parameters() -> None:
-    dims = roofline.ModelDims(BENCH_SPEC.hidden_size, BENCH_SPEC.num_layers, BENCH_SPEC.num_heads,
-                              BENCH_SPEC.num_kv_heads, BENCH_SPEC.hidden_size // BENCH_SPEC.num_heads,
-                              BENCH_SPEC.intermediate_size, BENCH_SPEC.vocab_size)
+    dims = roofline.ModelDims(
+        BENCH_SPEC.hidden_size,
+        BENCH_SPEC.num_layers,
+        BENCH_SPEC.num_heads,
+        BENCH_SPEC.num_kv_heads,
+        BENCH_SPEC.hidden_size // BENCH_SPEC.num_heads,
+        BENCH_SPEC.intermediate_size,
+        BENCH_SPEC.vocab_size,
+    )
     # per layer: q 1024x1024, k and v 1024x256, o 1024x1024, gate+up+down 3x1024x2816
     assert dims.block_params == 12 * (1024 * 1536 + 1024 * 1024 + 1024 * 5632 + 2816 * 1024)
     total = dims.block_params + dims.lm_head_params + dims.embedding_params
@@ -189,9 +207,18 @@ def test_bench_spec_is_about_200m_parameters() -> None:
 
 
 def test_small_spec_checkpoint_builds_and_caches(tmp_path: Path) -> None:
-    spec = BenchModelSpec(name="t", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                          intermediate_size=64, vocab_size=300, max_positions=128, corpus_lines=400,
-                          lexicon_size=300)
+    spec = BenchModelSpec(
+        name="t",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=300,
+        max_positions=128,
+        corpus_lines=400,
+        lexicon_size=300,
+    )
     assert synthetic_corpus(50, 100, 1) == synthetic_corpus(50, 100, 1)
     out = build_bench_checkpoint(tmp_path / "ckpt", spec)
     cfg = json.loads((out / "config.json").read_text())
@@ -205,8 +232,9 @@ def test_small_spec_checkpoint_builds_and_caches(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- roofline
 
-TINY = roofline.ModelDims(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                          intermediate_size=16, vocab_size=10)
+TINY = roofline.ModelDims(
+    hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16, vocab_size=10
+)
 
 
 def test_flop_accounting_on_a_known_config() -> None:
@@ -254,11 +282,15 @@ def test_roofline_of_a_run_record() -> None:
 
 
 def test_serving_summary_from_records() -> None:
-    recs = [serving.RequestRecord(0, prompt_len=10, output_len=4, cached_tokens=5, ttft=0.1, latency=0.4,
-                                  itl=[0.1, 0.1, 0.1]),
-            serving.RequestRecord(1, prompt_len=10, output_len=4, cached_tokens=0, ttft=0.3, latency=0.6,
-                                  itl=[0.1, 0.1, 0.1]),
-            serving.RequestRecord(2, prompt_len=10, error="too_long")]
+    recs = [
+        serving.RequestRecord(
+            0, prompt_len=10, output_len=4, cached_tokens=5, ttft=0.1, latency=0.4, itl=[0.1, 0.1, 0.1]
+        ),
+        serving.RequestRecord(
+            1, prompt_len=10, output_len=4, cached_tokens=0, ttft=0.3, latency=0.6, itl=[0.1, 0.1, 0.1]
+        ),
+        serving.RequestRecord(2, prompt_len=10, error="too_long"),
+    ]
     m = serving.summarize_run(recs, duration=2.0)
     assert (m["completed"], m["failed"], m["errors"]) == (2, 1, ["too_long"])
     assert m["output_tok_s"] == 4.0 and m["total_tok_s"] == 14.0
@@ -299,8 +331,11 @@ def test_hf_baseline_generates_exactly_max_new_tokens(tiny_llama_path: Path) -> 
 
 def test_compare_summary_has_medians_and_ratio() -> None:
     def run(engine: str, tok_s: float) -> dict:
-        return {"engine": engine, "workload": {"name": "uniform"},
-                "metrics": {"output_tok_s": tok_s, "total_tok_s": 2 * tok_s, "duration_s": 10.0 / tok_s}}
+        return {
+            "engine": engine,
+            "workload": {"name": "uniform"},
+            "metrics": {"output_tok_s": tok_s, "total_tok_s": 2 * tok_s, "duration_s": 10.0 / tok_s},
+        }
 
     runs = [run("ours", 10.0), run("ours", 30.0), run("ours", 20.0), run("hf", 5.0), run("hf", 5.0)]
     rows = compare.summarize_comparison(runs, "ours", "hf")
@@ -310,8 +345,9 @@ def test_compare_summary_has_medians_and_ratio() -> None:
 
 
 @pytest.mark.parametrize("extra,streamed", [([], True), (["--no-stream"], False)])
-def test_compare_streams_unless_asked_not_to(extra: list[str], streamed: bool, tiny_llama_path: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compare_streams_unless_asked_not_to(
+    extra: list[str], streamed: bool, tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--no-stream sends tinyserve's requests unstreamed (whole outputs, as the offline baselines
     return them); the setting is recorded."""
     seen: list[bool] = []
@@ -322,25 +358,59 @@ def test_compare_streams_unless_asked_not_to(extra: list[str], streamed: bool, t
 
     def fake_workloads(handle: Any, workloads: list[Any], **kwargs: Any) -> list[dict[str, Any]]:
         seen.append(kwargs["stream"])
-        return [{"engine": serving.ENGINE, "workload": {"name": w.name},
-                 "metrics": {"output_tok_s": 1.0, "total_tok_s": 2.0, "duration_s": 1.0}} for w in workloads]
+        return [
+            {
+                "engine": serving.ENGINE,
+                "workload": {"name": w.name},
+                "metrics": {"output_tok_s": 1.0, "total_tok_s": 2.0, "duration_s": 1.0},
+            }
+            for w in workloads
+        ]
 
     monkeypatch.setattr(serving, "server_for", no_server)
     monkeypatch.setattr(serving, "benchmark_workloads", fake_workloads)
     out = tmp_path / "cmp.json"
-    assert compare.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--workload", "uniform",
-                         "--num-requests", "2", "--repeat", "2", "--skip-baseline", "--output", str(out), *extra]) == 0
+    assert (
+        compare.main(
+            [
+                "--model-path",
+                str(tiny_llama_path),
+                "--device",
+                "cpu",
+                "--workload",
+                "uniform",
+                "--num-requests",
+                "2",
+                "--repeat",
+                "2",
+                "--skip-baseline",
+                "--output",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     assert seen == [streamed, streamed]
     assert read_json(out)["settings"]["stream"] is streamed
 
 
 def test_chart_inputs_from_compare_and_roofline_files(tmp_path: Path) -> None:
     compare_file = tmp_path / "compare.json"
-    write_json(compare_file, {"summary": [{"engine": "tinyserve", "workload": "uniform", "output_tok_s": 600.0},
-                                          {"engine": "hf-transformers", "workload": "uniform", "output_tok_s": 200.0}]})
+    write_json(
+        compare_file,
+        {
+            "summary": [
+                {"engine": "tinyserve", "workload": "uniform", "output_tok_s": 600.0},
+                {"engine": "hf-transformers", "workload": "uniform", "output_tok_s": 200.0},
+            ]
+        },
+    )
     roofline_file = tmp_path / "roofline.json"
-    write_json(roofline_file, {"rows": [{"engine": "tinyserve", "workload": "uniform", "fraction": f}
-                                        for f in (0.7, 0.9, 0.8)]})
+    write_json(
+        roofline_file,
+        {"rows": [{"engine": "tinyserve", "workload": "uniform", "fraction": f} for f in (0.7, 0.9, 0.8)]},
+    )
     summary = chart.load_summary([str(compare_file)])
     assert summary[("tinyserve", "uniform")]["output_tok_s"] == 600.0
     assert chart.load_fractions(str(roofline_file)) == {("tinyserve", "uniform"): 0.8}
@@ -362,8 +432,9 @@ def test_scheduler_overhead_profile_names_scheduler_functions() -> None:
     import cProfile
 
     prof = cProfile.Profile()
-    scheduler_overhead.measure_overhead(num_requests=4, prompt_len=4, steps=3, warmup_steps=1, page_size=4,
-                                        profile=prof)
+    scheduler_overhead.measure_overhead(
+        num_requests=4, prompt_len=4, steps=3, warmup_steps=1, page_size=4, profile=prof
+    )
     report = scheduler_overhead.profile_report(prof, top=5)
     assert "scheduler_proc/scheduler.py" in report and "step" in report
 
@@ -389,9 +460,19 @@ def test_gpu_shapes_have_the_llama_block_dims() -> None:
 
     one, eight = SHAPES["llama-1b"], SHAPES["llama-8b"]
     assert (one.hidden_size, one.num_layers, one.num_heads, one.num_kv_heads, one.intermediate_size) == (
-        2048, 16, 32, 8, 8192)
+        2048,
+        16,
+        32,
+        8,
+        8192,
+    )
     assert (eight.hidden_size, eight.num_layers, eight.num_heads, eight.num_kv_heads, eight.intermediate_size) == (
-        4096, 32, 32, 8, 14336)
+        4096,
+        32,
+        32,
+        8,
+        14336,
+    )
     assert one.vocab_size == eight.vocab_size == BENCH_SPEC.vocab_size  # the bench tokenizer's: every id decodes
     assert one.tie_word_embeddings and not eight.tie_word_embeddings
     dims = roofline.ModelDims(4096, 32, 32, 8, 128, 14336, eight.vocab_size)
@@ -402,12 +483,22 @@ def test_shaped_checkpoint_is_drawn_on_the_device_and_serves(
     tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from bench import checkpoint
-    from tests.support.harness import Harness
     from runtime.engine.model_runner import ModelRunner
+    from tests.support.harness import Harness
 
     vocab = json.loads((tiny_llama_path / "config.json").read_text())["vocab_size"]
-    spec = BenchModelSpec(name="t", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                          vocab_size=vocab, max_positions=128, rope_theta=500000.0, tie_word_embeddings=True)
+    spec = BenchModelSpec(
+        name="t",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=vocab,
+        max_positions=128,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
     monkeypatch.setitem(checkpoint.SHAPES, "tiny-test", spec)
     monkeypatch.setattr(checkpoint, "build_bench_checkpoint", lambda out_dir=None: tiny_llama_path)  # its tokenizer
     out = tmp_path / "shaped"
@@ -434,9 +525,30 @@ def test_launch_counts_per_step() -> None:
 def test_model_step_runs_on_a_device_and_profiles(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench import model_step
 
-    assert model_step.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
-                            "--scenario", "decode", "--batch", "2", "--context", "6", "--decode-steps", "2",
-                            "--repeat", "1", "--profile"]) == 0
+    assert (
+        model_step.main(
+            [
+                "--model-path",
+                str(tiny_llama_path),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--scenario",
+                "decode",
+                "--batch",
+                "2",
+                "--context",
+                "6",
+                "--decode-steps",
+                "2",
+                "--repeat",
+                "1",
+                "--profile",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ModelRunner ready" in out and "(cpu," in out and "no cuda graphs" in out
     per_step = [line for line in out.splitlines() if line.startswith("per step: torch ops")]
@@ -447,12 +559,33 @@ def test_model_step_runs_on_a_device_and_profiles(tiny_llama_path: Path, capsys:
 def test_scheduler_trace_takes_a_device(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench import scheduler_trace
 
-    assert scheduler_trace.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
-                                 "--workload", "uniform", "--num-requests", "3", "--max-new-tokens", "3",
-                                 "--workload-arg", "prompt_len=5", "--no-warmup", "--steps"]) == 0
+    assert (
+        scheduler_trace.main(
+            [
+                "--model-path",
+                str(tiny_llama_path),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--workload",
+                "uniform",
+                "--num-requests",
+                "3",
+                "--max-new-tokens",
+                "3",
+                "--workload-arg",
+                "prompt_len=5",
+                "--no-warmup",
+                "--steps",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    rows = {" ".join(line.split()[1:3]): line.split()[3:] for line in out.splitlines()
-            if line.split()[:1] == ["uniform"]}
+    rows = {
+        " ".join(line.split()[1:3]): line.split()[3:] for line in out.splitlines() if line.split()[:1] == ["uniform"]
+    }
     assert set(rows) == {"(overlap off)", "(overlap on)"}  # both modes by default, one table
     for cols in rows.values():
         decodes, device_ms, wall_ms, host_ms, exposed_ms, hidden_ms = cols[4:10]
@@ -461,12 +594,33 @@ def test_scheduler_trace_takes_a_device(tiny_llama_path: Path, capsys: pytest.Ca
     assert float(rows["(overlap off)"][9]) == 0.0  # nothing is hidden without overlap
 
 
-def test_roofline_measures_copy_bandwidth_and_peak_gemm(tiny_llama_path: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_roofline_measures_copy_bandwidth_and_peak_gemm(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "roof.json"
-    assert roofline.main(["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32",
-                          "--workload", "uniform", "--min-time", "0", "--copy-bytes", str(1 << 20),
-                          "--peak-gemm-size", "64", "--output", str(out)]) == 0
+    assert (
+        roofline.main(
+            [
+                "--model-path",
+                str(tiny_llama_path),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--workload",
+                "uniform",
+                "--min-time",
+                "0",
+                "--copy-bytes",
+                str(1 << 20),
+                "--peak-gemm-size",
+                "64",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = read_json(out)
     rates = data["device_rates"]
     assert rates["copy_gbps"] > 0 and rates["peak_gemm_gflops"] > 0 and rates["peak_gemm_size"] == 64
@@ -488,7 +642,7 @@ def test_hicache_bandwidth_rows() -> None:
     assert rows[0]["of_copy"] == 1.0
 
 
-FAKE_VLLM = '''
+FAKE_VLLM = """
 import json, os
 __version__ = "fake"
 
@@ -521,33 +675,56 @@ class LLM:
             f.write(json.dumps([self.model, [p.prompt_token_ids for p in prompts],
                                 [s.max_tokens for s in params], [s.temperature for s in params]]) + "\\n")
         return [_Output(list(range(s.max_tokens))) for s in params]
-'''
+"""
 
 
 def test_compare_with_vllm_runs_its_offline_engine_in_the_given_python(
-        tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A stand-in vllm package in another interpreter gets the same prompts, greedy, with each
     request's max_new_tokens (after a 2-token warm pass); its timings become the baseline rows."""
     package = tmp_path / "fake" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
-    (package / "inputs.py").write_text("class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
-                                       "        self.prompt_token_ids = prompt_token_ids\n")
+    (package / "inputs.py").write_text(
+        "class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
+        "        self.prompt_token_ids = prompt_token_ids\n"
+    )
     log = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     out = tmp_path / "cmp.json"
-    flags = ["--model-path", str(tiny_llama_path), "--device", "cpu", "--dtype", "float32", "--workload", "uniform",
-             "--num-requests", "3", "--max-new-tokens", "4", "--workload-arg", "prompt_len=5", "--repeat", "2",
-             "--skip-ours", "--baseline", "vllm", "--output", str(out)]
+    flags = [
+        "--model-path",
+        str(tiny_llama_path),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--workload",
+        "uniform",
+        "--num-requests",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--workload-arg",
+        "prompt_len=5",
+        "--repeat",
+        "2",
+        "--skip-ours",
+        "--baseline",
+        "vllm",
+        "--output",
+        str(out),
+    ]
     with pytest.raises(SystemExit):
         compare.main(flags)  # --baseline vllm needs --vllm-python
     assert compare.main([*flags, "--vllm-python", sys.executable]) == 0
     assert "tinyserve vs vllm" in capsys.readouterr().out
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    wanted = argparse.Namespace(workload=["uniform"], workload_arg=["prompt_len=5"], num_requests=3,
-                                max_new_tokens=4, seed=0)
+    wanted = argparse.Namespace(
+        workload=["uniform"], workload_arg=["prompt_len=5"], num_requests=3, max_new_tokens=4, seed=0
+    )
     workload = serving.build_workloads(wanted, str(tiny_llama_path))[0]
     prompts = [r.input_ids for r in workload.requests]
     assert len(calls) == 4  # per repeat: the warm pass, then the timed run
@@ -564,11 +741,13 @@ def test_overload_rows_split_admitted_refused_and_other_errors() -> None:
     from bench import overload
     from bench.load_runner import RequestRecord
 
-    records = [RequestRecord(0, 8, output_len=4, ttft=0.1, latency=0.5),
-               RequestRecord(1, 8, output_len=4, ttft=0.3, latency=0.7),
-               RequestRecord(2, 8, error="overloaded", latency=0.002),
-               RequestRecord(3, 8, error="overloaded", latency=0.004),
-               RequestRecord(4, 8, error="internal", latency=0.1)]
+    records = [
+        RequestRecord(0, 8, output_len=4, ttft=0.1, latency=0.5),
+        RequestRecord(1, 8, output_len=4, ttft=0.3, latency=0.7),
+        RequestRecord(2, 8, error="overloaded", latency=0.002),
+        RequestRecord(3, 8, error="overloaded", latency=0.004),
+        RequestRecord(4, 8, error="internal", latency=0.1),
+    ]
     row = overload.load_row("2x", 10.0, records, 2.0)
     assert (row["sent"], row["admitted"], row["refused"], row["other_errors"]) == (5, 2, 2, "internal")
     assert row["ttft_p50_ms"] == pytest.approx(200.0) and row["refusal_p50_ms"] == pytest.approx(3.0)

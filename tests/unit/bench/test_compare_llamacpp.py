@@ -72,18 +72,21 @@ def test_flags_name_what_the_llamacpp_baseline_needs(tmp_path: Path) -> None:
     args, rest = compare.parse_args(["--baseline", "llamacpp", "--llamacpp-server", "x", "--tp-size", "1"])
     assert args.workload == ["single", "uniform"] and args.slots == 64 and rest == ["--tp-size", "1"]
     assert compare.parse_args([])[0].workload == ["uniform"]
-    config = LlamaServerConfig("/bin/llama-server", "m.gguf", slots=4, threads=2, ctx_per_slot=256,
-                               extra_args=("--flash-attn",))
+    config = LlamaServerConfig(
+        "/bin/llama-server", "m.gguf", slots=4, threads=2, ctx_per_slot=256, extra_args=("--flash-attn",)
+    )
     argv = config.argv(8080)
     assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == "1024"
     assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "2" and argv[-1] == "--flash-attn"
 
 
 def test_side_by_side_rows_and_the_cpu_named() -> None:
-    rows = [{"engine": "ours", "workload": "single", "output_tok_s": 30.0, "latency_p50_s": 4.0},
-            {"engine": "base", "workload": "single", "output_tok_s": 60.0, "latency_p50_s": 2.0},
-            {"engine": "ratio ours/base", "workload": "single", "output_tok_s": 0.5},
-            {"engine": "base", "workload": "uniform", "output_tok_s": 90.0, "latency_p50_s": 9.0}]
+    rows = [
+        {"engine": "ours", "workload": "single", "output_tok_s": 30.0, "latency_p50_s": 4.0},
+        {"engine": "base", "workload": "single", "output_tok_s": 60.0, "latency_p50_s": 2.0},
+        {"engine": "ratio ours/base", "workload": "single", "output_tok_s": 0.5},
+        {"engine": "base", "workload": "uniform", "output_tok_s": 90.0, "latency_p50_s": 9.0},
+    ]
     (single,) = compare.side_by_side(rows, {"single": 128, "uniform": 64}, "ours", "base")  # uniform: ours missing
     assert single["ratio"] == 0.5 and single["ours_ms"] == 4000.0 / 128 and single["base_ms"] == 2000.0 / 128
     assert math.isnan(compare.side_by_side(rows, {}, "ours", "base")[0]["ours_ms"])
@@ -93,17 +96,47 @@ def test_side_by_side_rows_and_the_cpu_named() -> None:
 
 
 def test_a_llamacpp_run_starts_the_server_with_our_slots_and_threads_and_sends_the_same_prompts(
-        tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log = tmp_path / "server.jsonl"
     server = tmp_path / "llama-server"
     server.write_text(FAKE_SERVER.format(python=sys.executable, log=str(log)))
     server.chmod(0o755)
     gguf = write_checkpoint_gguf(tiny_llama_path, tmp_path / "tiny.gguf")
     out = tmp_path / "cmp.json"
-    assert compare.main(["--baseline", "llamacpp", "--llamacpp-server", str(server), "--gguf", str(gguf),
-                         "--slots", "3", "--llamacpp-ctx-per-slot", "256", "--threads", "1", "--skip-ours",
-                         "--workload", "single", "uniform", "--num-requests", "2", "--max-new-tokens", "3",
-                         "--workload-arg", "prompt_len=5", "--repeat", "2", "--output", str(out)]) == 0
+    assert (
+        compare.main(
+            [
+                "--baseline",
+                "llamacpp",
+                "--llamacpp-server",
+                str(server),
+                "--gguf",
+                str(gguf),
+                "--slots",
+                "3",
+                "--llamacpp-ctx-per-slot",
+                "256",
+                "--threads",
+                "1",
+                "--skip-ours",
+                "--workload",
+                "single",
+                "uniform",
+                "--num-requests",
+                "2",
+                "--max-new-tokens",
+                "3",
+                "--workload-arg",
+                "prompt_len=5",
+                "--repeat",
+                "2",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "tinyserve vs llamacpp" in capsys.readouterr().out
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     (argv,) = [e["argv"] for e in entries if "argv" in e]  # one server for every run
@@ -111,15 +144,17 @@ def test_a_llamacpp_run_starts_the_server_with_our_slots_and_threads_and_sends_t
     assert argv[argv.index("-c") + 1] == "768" and argv[argv.index("-t") + 1] == "1"
     bodies = [e["body"] for e in entries if "body" in e]
     data = read_json(out)
-    wanted = argparse.Namespace(workload=["single", "uniform"], workload_arg=["prompt_len=5"], num_requests=2,
-                                max_new_tokens=3, seed=0)
+    wanted = argparse.Namespace(
+        workload=["single", "uniform"], workload_arg=["prompt_len=5"], num_requests=2, max_new_tokens=3, seed=0
+    )
     workloads = serving.build_workloads(wanted, str(checkpoint_folder(str(gguf))))  # the folder both engines read
     prompts = sorted(r.input_ids for w in workloads for r in w.requests)
     assert len(bodies) == 2 * 2 * 4  # per repeat: each workload's warm-up and timed run (2 requests each)
     assert sorted(b["prompt"] for b in bodies if b["max_tokens"] == 3) == sorted(prompts * 2)
     assert {b["max_tokens"] for b in bodies} == {2, 3}  # warm-ups ask for 2 tokens
-    assert all(b["temperature"] == 0.0 and b["ignore_eos"] and b["cache_prompt"] is False and not b["stream"]
-               for b in bodies)
+    assert all(
+        b["temperature"] == 0.0 and b["ignore_eos"] and b["cache_prompt"] is False and not b["stream"] for b in bodies
+    )
     rows = [r for r in data["summary"] if r["engine"] == ENGINE]
     assert [r["workload"] for r in rows] == ["single", "uniform"] and all(r["repeats"] == 2 for r in rows)
     assert data["settings"]["baseline_info"]["version"] == "version: 0 (stand-in)"

@@ -30,8 +30,24 @@ def test_process_cpu_time_is_read_from_proc() -> None:
 
 def test_the_tiny_model_profiles_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
-    assert decode_profile.main(["--model", "tiny", "--prompt-len", "8", "--new-tokens", "6", "--skip-server",
-                                "--threads", "1", "--output", str(out)]) == 0
+    assert (
+        decode_profile.main(
+            [
+                "--model",
+                "tiny",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "6",
+                "--skip-server",
+                "--threads",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = read_json(out)
     assert data["server"] is None and data["in_process_ms"]["layers"] > 0 and data["in_process_ms"]["lm_head"] > 0
     assert "decoder layers" in capsys.readouterr().out

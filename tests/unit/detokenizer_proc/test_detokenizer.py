@@ -25,23 +25,46 @@ def tokenizer(tiny_llama_path: Path) -> Any:
     return load_tokenizer(str(tiny_llama_path))
 
 
-def out(rid: str, ids: list[int], finished: bool = False, finish_reason: dict[str, Any] | None = None,
-        **kw: Any) -> BatchTokenIDOut:
-    return BatchTokenIDOut(outputs=[ReqOutput(rid=rid, new_output_ids=ids, finished=finished,
-                                              finish_reason=finish_reason, completion_tokens=len(ids), **kw)])
+def out(
+    rid: str, ids: list[int], finished: bool = False, finish_reason: dict[str, Any] | None = None, **kw: Any
+) -> BatchTokenIDOut:
+    return BatchTokenIDOut(
+        outputs=[
+            ReqOutput(
+                rid=rid,
+                new_output_ids=ids,
+                finished=finished,
+                finish_reason=finish_reason,
+                completion_tokens=len(ids),
+                **kw,
+            )
+        ]
+    )
 
 
-def stream(manager: DetokenizerManager, rid: str, ids: list[int], sizes: list[int],
-           finish_reason: dict[str, Any] | None = None, **kw: Any) -> list[str]:
+def stream(
+    manager: DetokenizerManager,
+    rid: str,
+    ids: list[int],
+    sizes: list[int],
+    finish_reason: dict[str, Any] | None = None,
+    **kw: Any,
+) -> list[str]:
     """Feed ``ids`` in pieces of ``sizes``; the last piece finishes the request."""
     deltas, pos = [], 0
     for i, size in enumerate(sizes):
         last = i == len(sizes) - 1
-        piece = ids[pos:] if last else ids[pos:pos + size]
+        piece = ids[pos:] if last else ids[pos : pos + size]
         pos += size
-        res = manager.handle(out(rid, piece, finished=last,
-                                 finish_reason=(finish_reason or {"type": "length", "length": len(ids)}) if last else None,
-                                 **kw))
+        res = manager.handle(
+            out(
+                rid,
+                piece,
+                finished=last,
+                finish_reason=(finish_reason or {"type": "length", "length": len(ids)}) if last else None,
+                **kw,
+            )
+        )
         assert isinstance(res, BatchStrOut)
         deltas.append(res.outputs[0].text_delta)
     return deltas
@@ -91,14 +114,21 @@ def test_stop_string_never_leaks_while_streaming(tokenizer: Any, first_output_on
     # the scheduler finishes at the first token whose text completes the stop string
     end = next(i for i in range(1, len(full) + 1) if stop in tokenizer.decode(full[:i]))
     ids = full[:end]
-    expected = TEXT[:TEXT.index(stop)]
+    expected = TEXT[: TEXT.index(stop)]
     m = DetokenizerManager(tokenizer)
     emitted = ""
     for i, tid in enumerate(ids):
         last = i == len(ids) - 1
         stops = [stop, "never"] if i == 0 or not first_output_only else None
-        res = m.handle(out("r", [tid], finished=last, stop_strs=stops,
-                           finish_reason={"type": "stop", "matched": stop} if last else None))
+        res = m.handle(
+            out(
+                "r",
+                [tid],
+                finished=last,
+                stop_strs=stops,
+                finish_reason={"type": "stop", "matched": stop} if last else None,
+            )
+        )
         emitted += res.outputs[0].text_delta
         assert expected.startswith(emitted), emitted  # nothing of the stop string, ever
     assert emitted == expected
@@ -110,8 +140,15 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer: Any) -> None:
     full = tokenizer.encode(TEXT, add_special_tokens=False)
     end = next(i for i in range(1, len(full) + 1) if stop in tokenizer.decode(full[:i]))
     m = DetokenizerManager(tokenizer)
-    deltas = stream(m, "r", full[:end], [1] * end, finish_reason={"type": "stop", "matched": stop},
-                    stop_strs=[stop], no_stop_trim=True)
+    deltas = stream(
+        m,
+        "r",
+        full[:end],
+        [1] * end,
+        finish_reason={"type": "stop", "matched": stop},
+        stop_strs=[stop],
+        no_stop_trim=True,
+    )
     assert "".join(deltas) == tokenizer.decode(full[:end])
     assert "".join(deltas).endswith(stop)
 
@@ -123,8 +160,7 @@ def test_matched_stop_token_is_not_in_the_text(tokenizer: Any) -> None:
     res = m.handle(out("r", ids, finished=True, finish_reason={"type": "stop", "matched": stop_id}))
     assert res.outputs[0].text_delta == tokenizer.decode(ids[:-1])
     assert res.outputs[0].new_output_ids == ids  # the ids are reported as generated
-    res = m.handle(out("k", ids, finished=True, finish_reason={"type": "stop", "matched": stop_id},
-                       no_stop_trim=True))
+    res = m.handle(out("k", ids, finished=True, finish_reason={"type": "stop", "matched": stop_id}, no_stop_trim=True))
     assert res.outputs[0].text_delta == "hello world"
 
 
@@ -138,10 +174,23 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer: Any) -> None:
 
 def test_meta_and_logprobs_are_passed_on(tokenizer: Any) -> None:
     m = DetokenizerManager(tokenizer)
-    res = m.handle(BatchTokenIDOut(outputs=[ReqOutput(
-        rid="r", new_output_ids=[70, 71], finished=True, finish_reason={"type": "length", "length": 2},
-        prompt_tokens=9, completion_tokens=2, cached_tokens=4, output_logprobs=[-0.1, -0.2],
-        output_top_logprobs=[[[-0.1, 70.0]], [[-0.2, 71.0]]])]))
+    res = m.handle(
+        BatchTokenIDOut(
+            outputs=[
+                ReqOutput(
+                    rid="r",
+                    new_output_ids=[70, 71],
+                    finished=True,
+                    finish_reason={"type": "length", "length": 2},
+                    prompt_tokens=9,
+                    completion_tokens=2,
+                    cached_tokens=4,
+                    output_logprobs=[-0.1, -0.2],
+                    output_top_logprobs=[[[-0.1, 70.0]], [[-0.2, 71.0]]],
+                )
+            ]
+        )
+    )
     o = res.outputs[0]
     assert o.finished and o.finish_reason == {"type": "length", "length": 2}
     assert o.meta["prompt_tokens"] == 9 and o.meta["completion_tokens"] == 2 and o.meta["cached_tokens"] == 4
@@ -154,9 +203,18 @@ def test_prompt_logprobs_survive_the_message_round_trip(tokenizer: Any) -> None:
     """A request's first output carries its prompt logprobs (None for token 0) through msgpack."""
     import msgspec
 
-    sent = BatchTokenIDOut(outputs=[ReqOutput(
-        rid="r", new_output_ids=[], finished=True, finish_reason={"type": "length", "length": 0},
-        input_token_logprobs=[[None, 5], [-1.5, 6]], input_top_logprobs=[None, [[-0.5, 9.0], [-1.5, 6.0]]])])
+    sent = BatchTokenIDOut(
+        outputs=[
+            ReqOutput(
+                rid="r",
+                new_output_ids=[],
+                finished=True,
+                finish_reason={"type": "length", "length": 0},
+                input_token_logprobs=[[None, 5], [-1.5, 6]],
+                input_top_logprobs=[None, [[-0.5, 9.0], [-1.5, 6.0]]],
+            )
+        ]
+    )
     received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
     o = DetokenizerManager(tokenizer).handle(received).outputs[0]
     assert o.meta["input_token_logprobs"] == [[None, 5], [-1.5, 6]]
@@ -185,8 +243,14 @@ def test_many_requests_in_one_batch_keep_separate_state(tokenizer: Any) -> None:
         for i, seq in enumerate(ids):
             if step < len(seq):
                 last = step == len(seq) - 1
-                outputs.append(ReqOutput(rid=str(i), new_output_ids=[seq[step]], finished=last,
-                                         finish_reason={"type": "length", "length": len(seq)} if last else None))
+                outputs.append(
+                    ReqOutput(
+                        rid=str(i),
+                        new_output_ids=[seq[step]],
+                        finished=last,
+                        finish_reason={"type": "length", "length": len(seq)} if last else None,
+                    )
+                )
         for o in m.handle(BatchTokenIDOut(outputs=outputs)).outputs:
             got[o.rid] += o.text_delta
     assert [got[str(i)] for i in range(len(texts))] == texts

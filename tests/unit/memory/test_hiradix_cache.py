@@ -22,8 +22,8 @@ from memory.host_pool import HostKVPool, host_pool_tokens
 from memory.invariant import check_host_invariant, check_memory_invariant
 from memory.kv_pool import MHATokenToKVPool
 from memory.kv_transfer import KVTransfer, TransferOp, make_kv_transfer
-from memory.tree_node import TreeNode
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.tree_node import TreeNode
 
 LAYERS, HEADS, DIM = 2, 2, 3
 
@@ -59,15 +59,29 @@ class DeferredTransfer(KVTransfer):
 class Tiers:
     """A device pool, a host pool and the cache over them; ``tags`` is what each prefix's KV holds."""
 
-    def __init__(self, device_tokens: int, host_tokens: int, page_size: int = 1, policy: str = "write_through",
-                 deferred: bool = False, eviction: str = "lru") -> None:
+    def __init__(
+        self,
+        device_tokens: int,
+        host_tokens: int,
+        page_size: int = 1,
+        policy: str = "write_through",
+        deferred: bool = False,
+        eviction: str = "lru",
+    ) -> None:
         self.p = page_size
         self.pool = MHATokenToKVPool(device_tokens, page_size, torch.float32, LAYERS, HEADS, DIM, "cpu")
         self.alloc = BaseTokenToKVPoolAllocator(device_tokens, page_size, "cpu", debug=True)
         self.host = HostKVPool(self.pool, host_tokens)
         transfer = (DeferredTransfer if deferred else KVTransfer)(self.pool, self.host)
-        self.cache = HiRadixCache(ReqToTokenPool(2, 8, "cpu"), self.alloc, self.host, transfer, page_size,
-                                  eviction_policy=eviction, write_policy=policy)  # type: ignore[arg-type]
+        self.cache = HiRadixCache(
+            ReqToTokenPool(2, 8, "cpu"),
+            self.alloc,
+            self.host,
+            transfer,
+            page_size,
+            eviction_policy=eviction,
+            write_policy=policy,
+        )  # type: ignore[arg-type]
 
     @staticmethod
     def tag(prefix: tuple[int, ...], layer: int, v: bool) -> torch.Tensor:
@@ -99,8 +113,11 @@ class Tiers:
         return torch.stack([t[slots] for t in k] + [t[slots] for t in v])
 
     def expected(self, key: list[int]) -> torch.Tensor:
-        rows = [torch.stack([self.tag(tuple(key[: i + 1]), layer, v) for i in range(len(key))])
-                for v in (False, True) for layer in range(LAYERS)]
+        rows = [
+            torch.stack([self.tag(tuple(key[: i + 1]), layer, v) for i in range(len(key))])
+            for v in (False, True)
+            for layer in range(LAYERS)
+        ]
         return torch.stack(rows)
 
     def device_kv(self, slots: torch.Tensor) -> torch.Tensor:
@@ -125,7 +142,7 @@ class Tiers:
             assert node.value is not None or node.host_value is not None
             if node.value is None:
                 assert all(c.value is None for c in node.children.values()), "device part is not a prefix"
-            want = self.expected(list(full))[:, len(path):]
+            want = self.expected(list(full))[:, len(path) :]
             if node.value is not None and settled:
                 assert torch.equal(self.device_kv(node.value), want)
             if node.host_value is not None and settled:
@@ -172,8 +189,9 @@ def test_partial_match_splits_across_tiers() -> None:
     assert t.cache.load_back(m.last_host_node).numel() == 2  # type: ignore[union-attr]
     t.cache.issue_transfers()
     t.check()
-    assert torch.equal(t.device_kv(t.cache.match_prefix(list(range(1, 7))).device_indices),
-                       t.expected(list(range(1, 7))))
+    assert torch.equal(
+        t.device_kv(t.cache.match_prefix(list(range(1, 7))).device_indices), t.expected(list(range(1, 7)))
+    )
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -266,8 +284,12 @@ def test_events_name_the_tier() -> None:
     assert t.insert([1, 2, 3, 4])
     assert t.insert([5, 6, 7, 8])
     kinds = [(e.kind, e.tier, e.token_ids) for e in t.cache.take_events()]
-    assert kinds == [("stored", "device", (1, 2, 3, 4)), ("stored", "host", (1, 2, 3, 4)),
-                     ("removed", "device", (1, 2, 3, 4)), ("stored", "device", (5, 6, 7, 8))]
+    assert kinds == [
+        ("stored", "device", (1, 2, 3, 4)),
+        ("stored", "host", (1, 2, 3, 4)),
+        ("removed", "device", (1, 2, 3, 4)),
+        ("stored", "device", (5, 6, 7, 8)),
+    ]
 
 
 def test_host_pool_sizing_and_transfer_choice() -> None:
@@ -324,12 +346,19 @@ OPS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10**6)), min_size=1, 
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=OPS, page_size=st.sampled_from([1, 2]), policy=st.sampled_from(["write_through", "write_back"]),
-       deferred=st.booleans(), eviction=st.sampled_from(["lru", "lfu"]))
-def test_random_sequences_keep_both_invariants(ops: list[tuple[int, int]], page_size: int, policy: str,
-                                               deferred: bool, eviction: str) -> None:
-    t = Tiers(device_tokens=16, host_tokens=24, page_size=page_size, policy=policy, deferred=deferred,
-              eviction=eviction)
+@given(
+    ops=OPS,
+    page_size=st.sampled_from([1, 2]),
+    policy=st.sampled_from(["write_through", "write_back"]),
+    deferred=st.booleans(),
+    eviction=st.sampled_from(["lru", "lfu"]),
+)
+def test_random_sequences_keep_both_invariants(
+    ops: list[tuple[int, int]], page_size: int, policy: str, deferred: bool, eviction: str
+) -> None:
+    t = Tiers(
+        device_tokens=16, host_tokens=24, page_size=page_size, policy=policy, deferred=deferred, eviction=eviction
+    )
     _run(t, ops)
 
 

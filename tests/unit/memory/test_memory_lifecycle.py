@@ -20,9 +20,9 @@ from memory.chunk_cache import ChunkCache
 from memory.invariant import check_memory_invariant
 from memory.prefix_cache import BasePrefixCache, request_kv_len
 from memory.radix_cache import RadixCache
-from memory.tree_node import TreeNode
 from memory.req_state import CacheRequest, SimpleCacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
+from memory.tree_node import TreeNode
 
 
 def t(values: list[int]) -> torch.Tensor:
@@ -106,7 +106,9 @@ class Sim:
         start = len(req.fill_ids)
         end = min(len(req.origin_input_ids), start + self.chunk)
         last = self.row(req, start)[-1] if start else -1
-        out = self._alloc(end - start + self.p, lambda: self.alloc.alloc_extend(t([start]), t([end]), t([last]), end - start))
+        out = self._alloc(
+            end - start + self.p, lambda: self.alloc.alloc_extend(t([start]), t([end]), t([last]), end - start)
+        )
         if out is None:
             return False
         self._store(req, start, out)
@@ -144,7 +146,12 @@ class Sim:
     def check(self) -> None:
         active = {r.cache_handle.req_pool_idx: self.kv_len(r) for r in self.running}
         report = check_memory_invariant(
-            self.alloc, self.cache, self.pool, self.alloc.size, idle=not self.running, active_rows=active  # type: ignore[arg-type]
+            self.alloc,
+            self.cache,
+            self.pool,
+            self.alloc.size,
+            idle=not self.running,
+            active_rows=active,  # type: ignore[arg-type]
         )
         assert report.ok, report.message
         for r in self.running:
@@ -192,7 +199,11 @@ def test_duplicate_prefix_race_page1() -> None:
     assert sim.row(a, 9)[8] == 17 and sim.row(b, 9)[8] == 18
     assert a.output_ids == b.output_ids
     sim.finish(a)
-    assert (sim.cache.total_size(), sim.cache.protected_size(), sim.cache.evictable_size()) == (9, 8, 1)  # b still holds 8
+    assert (sim.cache.total_size(), sim.cache.protected_size(), sim.cache.evictable_size()) == (
+        9,
+        8,
+        1,
+    )  # b still holds 8
     sim.finish(b)  # b's slot 18 duplicates a's slot 17 and is freed
     report = check_memory_invariant(sim.alloc, sim.cache, sim.pool, 32, idle=True)
     assert report.ok and report.leaked_slots == [] and report.double_owned_slots == []

@@ -26,8 +26,14 @@ def _cache() -> SWARadixCache:
 
 
 def _check(cache: SWARadixCache, active: dict[int, int] | None = None) -> None:
-    report = check_memory_invariant(cache.swa_allocator, cache, cache.req_to_token_pool, cache.swa_allocator.size,
-                                    idle=active is None, active_rows=active)
+    report = check_memory_invariant(
+        cache.swa_allocator,
+        cache,
+        cache.req_to_token_pool,
+        cache.swa_allocator.size,
+        idle=active is None,
+        active_rows=active,
+    )
     assert report.ok, report.message
 
 

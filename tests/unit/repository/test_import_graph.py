@@ -37,6 +37,7 @@ FORBIDDEN_IN_RUNTIME = {
     "runtime.client": ("runtime.checkpoints", "runtime.engine", "runtime.config", "runtime.text"),
 }
 
+
 @functools.cache
 def product_modules() -> dict[str, Path]:
     """Dotted name -> file of every product module (``launch`` included)."""
@@ -46,6 +47,7 @@ def product_modules() -> dict[str, Path]:
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
+
 
 def imported_names(module: str, path: Path) -> set[str]:
     """Every dotted name the module imports: ``import a.b`` gives ``a.b``; ``from a import b``
@@ -64,6 +66,7 @@ def imported_names(module: str, path: Path) -> set[str]:
             names.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
     return names
 
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the product modules it imports (each name resolved to its longest module prefix)."""
     modules = product_modules()
@@ -77,6 +80,7 @@ def import_graph() -> dict[str, set[str]]:
                 targets.add(name)
         graph[module] = targets - {module}
     return graph
+
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan, iterative)."""
@@ -119,9 +123,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     found.append(sorted(component))
     return found
 
+
 def test_the_checker_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
 
 def test_no_import_circle_between_product_modules() -> None:
     graph = import_graph()
@@ -129,12 +135,14 @@ def test_no_import_circle_between_product_modules() -> None:
     found = cycles(graph)
     assert found == [], "\n".join(" <-> ".join(c) for c in found)
 
+
 def test_layers_import_only_downwards() -> None:
     wrong = []
     for module, targets in import_graph().items():
         banned = FORBIDDEN.get(module.split(".")[0], ())
         wrong += [f"{module} -> {t}" for t in sorted(targets) if t.split(".")[0] in banned]
     assert wrong == []
+
 
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
@@ -163,6 +171,10 @@ def test_runtime_root_holds_only_its_concern_folders() -> None:
 
 
 def test_the_product_imports_no_test_or_benchmark_code() -> None:
-    wrong = [f"{module}: {name}" for module, path in product_modules().items()
-             for name in sorted(imported_names(module, path)) if name.split(".")[0] in ("tests", "bench")]
+    wrong = [
+        f"{module}: {name}"
+        for module, path in product_modules().items()
+        for name in sorted(imported_names(module, path))
+        if name.split(".")[0] in ("tests", "bench")
+    ]
     assert wrong == []

@@ -30,6 +30,7 @@ lib = kernel_library.load()
 print(json.dumps({"runtime": runtime.__file__, "level": kernel_library.level(), "loaded": lib is not None}))
 """
 
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a clean copy of the sources (a checkout's build/ folder can hold files
@@ -39,11 +40,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(REPO_ROOT / name, source / name)
     for package in PRODUCT_PACKAGES:
         shutil.copytree(REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-4000:]
     (path,) = out.glob("tinyserve-*.whl")
     return path
+
 
 def test_the_wheel_ships_the_kernel_sources_and_headers(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -52,15 +58,19 @@ def test_the_wheel_ships_the_kernel_sources_and_headers(wheel: Path) -> None:
     assert any(n.endswith(".h") for n in expected) and expected <= names
     assert "launch.py" in names and not any(n.startswith(("tests/", "bench/")) for n in names)
 
+
 def test_the_kernels_build_from_the_installed_copy(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINYSERVE_CPU")}
     env.update(PYTHONPATH=str(site), TINYSERVE_CACHE=str(tmp_path / "cache"))  # a fresh build, from `site`
-    done = subprocess.run([sys.executable, "-c", _CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["runtime"]).is_relative_to(site)
-    assert result["loaded"], f"no kernels built from the installed copy (level {result['level']}): {done.stderr[-3000:]}"
+    assert result["loaded"], (
+        f"no kernels built from the installed copy (level {result['level']}): {done.stderr[-3000:]}"
+    )
     assert list((tmp_path / "cache" / "kernels").glob("cpu_kernels-*.so"))

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from tests.support import REPO_ROOT as REPO
+
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".c", ".h", ".txt", ".cfg", ".ini", ".sh", ".yml", ".yaml", ""}
 # Spelled in pieces so that this file does not match itself.
 OUTSIDE_REFERENCES = ("../" + "shared", "DESIGN" + ".md")
@@ -16,8 +17,11 @@ def repository_text_files() -> list[Path]:
     build metadata and generated results."""
     files = []
     for root, dirs, names in os.walk(REPO):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and not d.endswith(".egg-info")
-                   and d not in ("__pycache__", "results", "build")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".") and not d.endswith(".egg-info") and d not in ("__pycache__", "results", "build")
+        ]
         files += [Path(root) / n for n in names if Path(n).suffix in TEXT_SUFFIXES]
     return files
 
@@ -25,8 +29,12 @@ def repository_text_files() -> list[Path]:
 def test_no_file_points_outside_the_repository() -> None:
     files = repository_text_files()
     assert any(f.name == "architecture.md" for f in files) and len(files) > 50
-    hits = [f"{f.relative_to(REPO)}: {ref}" for f in files
-            for ref in OUTSIDE_REFERENCES if ref in f.read_text(errors="replace")]
+    hits = [
+        f"{f.relative_to(REPO)}: {ref}"
+        for f in files
+        for ref in OUTSIDE_REFERENCES
+        if ref in f.read_text(errors="replace")
+    ]
     assert hits == []
 
 

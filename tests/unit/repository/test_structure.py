@@ -63,6 +63,9 @@ def names_used(path: Path) -> set[str]:
 def test_no_code_outside_models_names_a_model_class() -> None:
     classes = model_class_names()
     assert {"LlamaForCausalLM", "LlamaDecoderLayer"} <= classes
-    wrong = [f"{p.relative_to(REPO_ROOT)}: {sorted(names_used(p) & classes)}" for p in product_files()
-             if MODELS not in p.parents and names_used(p) & classes]
+    wrong = [
+        f"{p.relative_to(REPO_ROOT)}: {sorted(names_used(p) & classes)}"
+        for p in product_files()
+        if MODELS not in p.parents and names_used(p) & classes
+    ]
     assert wrong == []

@@ -3,12 +3,10 @@ memory/, runtime/protocol/, runtime/client/ and detokenizer_proc/; the config sa
 
 from __future__ import annotations
 
-import subprocess
 import importlib
+import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from tests.support import REPO_ROOT
 
@@ -22,7 +20,10 @@ def test_mypy_finds_no_errors(tmp_path: Path) -> None:
     # Its own cache: nothing stale from another checkout's run, no lock shared with a concurrent one.
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", "--cache-dir", str(tmp_path / "mypy_cache")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert "No module named mypy" not in proc.stderr, "mypy is not installed: pip install -e '.[test]'"
     assert proc.returncode == 0, f"mypy exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"

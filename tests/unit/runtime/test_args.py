@@ -12,37 +12,81 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server_process import server_argv
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
 from runtime.config.version import VERSION, package_version
-
 from tests.support import REPO_ROOT as REPO
+from tests.support.server_process import server_argv
 
 EXPECTED_DEFAULTS = {
-    "model_path": None, "tokenizer_path": None, "host": "127.0.0.1", "port": 30000, "device": "auto",
-    "dtype": "auto", "quantization": None, "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
-    "attention_backend": "auto", "mem_fraction_static": None, "max_total_tokens": None,
-    "max_running_requests": None, "max_prefill_tokens": 16384, "chunked_prefill_size": 8192, "page_size": 1,
-    "schedule_policy": "fcfs", "enable_priority_scheduling": False, "priority_preemption": False,
-    "disable_radix_cache": False, "radix_eviction_policy": "lru",
-    "context_length": None, "stream_interval": 1, "random_seed": None, "api_key": None, "log_level": "info",
-    "disable_cuda_graph": False, "cuda_graph_max_bs": None, "cuda_graph_bs": None,
-    "nnodes": 1, "node_rank": 0, "dist_init_addr": None, "enable_mixed_chunk": False,
-    "disable_overlap_schedule": None, "base_gpu_id": 0,
-    "gpu_id_step": 1, "revision": None, "http_port": None, "served_model_name": None, "chat_template": None,
-    "enable_metrics": False, "log_requests": False, "decode_log_interval": 40, "watchdog_timeout": 300.0,
-    "max_requests_per_client": 4096, "max_controls_per_client": 16, "max_request_bytes": None,
-    "enable_hierarchical_cache": False, "hicache_ratio": 2.0, "hicache_size": 0.0,
+    "model_path": None,
+    "tokenizer_path": None,
+    "host": "127.0.0.1",
+    "port": 30000,
+    "device": "auto",
+    "dtype": "auto",
+    "quantization": None,
+    "tp_size": 1,
+    "dp_size": 1,
+    "load_balance_method": "round_robin",
+    "attention_backend": "auto",
+    "mem_fraction_static": None,
+    "max_total_tokens": None,
+    "max_running_requests": None,
+    "max_prefill_tokens": 16384,
+    "chunked_prefill_size": 8192,
+    "page_size": 1,
+    "schedule_policy": "fcfs",
+    "enable_priority_scheduling": False,
+    "priority_preemption": False,
+    "disable_radix_cache": False,
+    "radix_eviction_policy": "lru",
+    "context_length": None,
+    "stream_interval": 1,
+    "random_seed": None,
+    "api_key": None,
+    "log_level": "info",
+    "disable_cuda_graph": False,
+    "cuda_graph_max_bs": None,
+    "cuda_graph_bs": None,
+    "nnodes": 1,
+    "node_rank": 0,
+    "dist_init_addr": None,
+    "enable_mixed_chunk": False,
+    "disable_overlap_schedule": None,
+    "base_gpu_id": 0,
+    "gpu_id_step": 1,
+    "revision": None,
+    "http_port": None,
+    "served_model_name": None,
+    "chat_template": None,
+    "enable_metrics": False,
+    "log_requests": False,
+    "decode_log_interval": 40,
+    "watchdog_timeout": 300.0,
+    "max_requests_per_client": 4096,
+    "max_controls_per_client": 16,
+    "max_request_bytes": None,
+    "enable_hierarchical_cache": False,
+    "hicache_ratio": 2.0,
+    "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
     "swa_full_tokens_ratio": 0.8,
     "disable_hybrid_swa_memory": False,
-    "grammar_backend": "xgrammar", "grammar_compile_timeout": 60.0, "disable_jump_forward": False,
-    "tool_call_parser": None, "reasoning_parser": None, "graceful_shutdown_timeout": 30.0,
-    "max_queued_requests": None, "request_timeout": None,
-    "speculative_algorithm": None, "speculative_num_draft_tokens": 8,
-    "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 12,
-    "speculative_max_step_tokens": None, "speculative_ngram_capacity": 0,
+    "grammar_backend": "xgrammar",
+    "grammar_compile_timeout": 60.0,
+    "disable_jump_forward": False,
+    "tool_call_parser": None,
+    "reasoning_parser": None,
+    "graceful_shutdown_timeout": 30.0,
+    "max_queued_requests": None,
+    "request_timeout": None,
+    "speculative_algorithm": None,
+    "speculative_num_draft_tokens": 8,
+    "speculative_ngram_min_match_window_size": 1,
+    "speculative_ngram_max_match_window_size": 12,
+    "speculative_max_step_tokens": None,
+    "speculative_ngram_capacity": 0,
 }
 
 
@@ -62,8 +106,9 @@ def test_help_documents_every_flag() -> None:
 def test_serving_doc_documents_every_flag() -> None:
     """docs/serving.md names every flag --help lists (so a new flag comes with its documentation)."""
     doc = (REPO / "docs" / "serving.md").read_text()
-    flags = [opt for action in ServerArgs.make_parser()._actions for opt in action.option_strings
-             if opt.startswith("--")]
+    flags = [
+        opt for action in ServerArgs.make_parser()._actions for opt in action.option_strings if opt.startswith("--")
+    ]
     assert len(flags) > len(EXPECTED_DEFAULTS)  # every field's flag, --enable-overlap-schedule, --help, --version
     missing = [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", doc)]
     assert missing == [], f"flags not in docs/serving.md: {missing}"
@@ -93,17 +138,79 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}")
     argv = [
-        "--model-path", str(tmp_path), "--tokenizer-path", str(tmp_path), "--host", "0.0.0.0", "--port", "31000",
-        "--device", "cpu", "--dtype", "float32", "--tp-size", "2", "--dp-size", "3",
-        "--load-balance-method", "cache_aware", "--attention-backend", "triton", "--mem-fraction-static", "0.5",
-        "--max-total-tokens", "1024", "--max-running-requests", "8", "--max-prefill-tokens", "512",
-        "--chunked-prefill-size", "-1", "--page-size", "16", "--schedule-policy", "dfs-weight",
-        "--disable-radix-cache", "--radix-eviction-policy", "lfu", "--context-length", "256",
-        "--stream-interval", "4", "--random-seed", "7", "--api-key", "k", "--log-level", "DEBUG",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-mixed-chunk",
-        "--base-gpu-id", "2", "--gpu-id-step", "2", "--revision", "v1", "--http-port", "8080",
-        "--served-model-name", "m", "--chat-template", str(template), "--enable-metrics", "--log-requests",
-        "--decode-log-interval", "5", "--watchdog-timeout", "2.5", "--enable-priority-scheduling",
+        "--model-path",
+        str(tmp_path),
+        "--tokenizer-path",
+        str(tmp_path),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "31000",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--tp-size",
+        "2",
+        "--dp-size",
+        "3",
+        "--load-balance-method",
+        "cache_aware",
+        "--attention-backend",
+        "triton",
+        "--mem-fraction-static",
+        "0.5",
+        "--max-total-tokens",
+        "1024",
+        "--max-running-requests",
+        "8",
+        "--max-prefill-tokens",
+        "512",
+        "--chunked-prefill-size",
+        "-1",
+        "--page-size",
+        "16",
+        "--schedule-policy",
+        "dfs-weight",
+        "--disable-radix-cache",
+        "--radix-eviction-policy",
+        "lfu",
+        "--context-length",
+        "256",
+        "--stream-interval",
+        "4",
+        "--random-seed",
+        "7",
+        "--api-key",
+        "k",
+        "--log-level",
+        "DEBUG",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--dist-init-addr",
+        "10.0.0.1:5000",
+        "--enable-mixed-chunk",
+        "--base-gpu-id",
+        "2",
+        "--gpu-id-step",
+        "2",
+        "--revision",
+        "v1",
+        "--http-port",
+        "8080",
+        "--served-model-name",
+        "m",
+        "--chat-template",
+        str(template),
+        "--enable-metrics",
+        "--log-requests",
+        "--decode-log-interval",
+        "5",
+        "--watchdog-timeout",
+        "2.5",
+        "--enable-priority-scheduling",
         "--priority-preemption",
     ]
     a = ServerArgs.from_cli(argv)
@@ -125,8 +232,9 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert ServerArgs.from_cli(server_argv(a)) == a
 
 
-@pytest.mark.parametrize("flags, value", [([], None), (["--disable-overlap-schedule"], True),
-                                          (["--enable-overlap-schedule"], False)])
+@pytest.mark.parametrize(
+    "flags, value", [([], None), (["--disable-overlap-schedule"], True), (["--enable-overlap-schedule"], False)]
+)
 def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | None) -> None:
     a = ServerArgs.from_cli(flags)
     assert a.disable_overlap_schedule is value
@@ -230,7 +338,9 @@ def test_resolved_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
     wheel_file = tmp_path / "SmolLM2.gguf"
     monkeypatch.setattr(runtime.checkpoints.model_source, "smollm2_gguf_file", lambda: wheel_file)
-    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}")
+    monkeypatch.setattr(
+        runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}"
+    )
     assert ServerArgs().resolved_model_path() == str(tmp_path / "prepared-SmolLM2.gguf")
     assert ServerArgs(tokenizer_path="/tok").resolved_tokenizer_path() == "/tok"
 

@@ -12,9 +12,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
 
-from tests.support.checkpoints import random_prompt
-from tests.support.harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
@@ -24,13 +23,13 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.attention import CpuAttnBackend
-from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.ops.base import LinearWeightLayer
 from runtime.engine.cpu.prepacked import drop_packed_copy, packed_copy, prepack_available, prepack_model
-from runtime.engine.model_runner import ModelRunner
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.loading.weight_loader import load_model_weights
-from test_model_attention import HKV, D, H, _forward_and_check, _reference, _run
-
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops.base import LinearWeightLayer
+from tests.support.checkpoints import random_prompt
+from tests.support.harness import Harness
 
 
 def _record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, record: Callable[..., Any]) -> list[Any]:
@@ -44,6 +43,7 @@ def _record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, record
 
     monkeypatch.setattr(owner, name, wrapper)
     return calls
+
 
 def t(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
@@ -67,8 +67,13 @@ def test_decode_equal_lengths_has_no_mask() -> None:
 
 
 def _run_shared(
-    mode: ForwardMode, shared: int, own_lens: list[int], ext_lens: list[int], seed: int = 0,
-    dtype: torch.dtype = torch.float32, head_dim: int = D,
+    mode: ForwardMode,
+    shared: int,
+    own_lens: list[int],
+    ext_lens: list[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = D,
 ) -> TorchNativeMetadata:
     """Requests whose first ``shared`` KV slots are the same (then ``own_lens`` cached tokens of
     their own), extended by ``ext_lens``; every output row checked against the reference
@@ -101,9 +106,14 @@ def _run_shared(
 
 
 @pytest.mark.parametrize("score_bytes", [1 << 30, 64])  # one chunk of query rows / many
-@pytest.mark.parametrize("mode,own,ext", [(ForwardMode.EXTEND, [0, 0, 0], [5, 5, 5]),
-                                           (ForwardMode.EXTEND, [0, 2, 0, 7], [3, 6, 1, 4]),
-                                           (ForwardMode.DECODE, [0, 3, 9], [1, 1, 1])])
+@pytest.mark.parametrize(
+    "mode,own,ext",
+    [
+        (ForwardMode.EXTEND, [0, 0, 0], [5, 5, 5]),
+        (ForwardMode.EXTEND, [0, 2, 0, 7], [3, 6, 1, 4]),
+        (ForwardMode.DECODE, [0, 3, 9], [1, 1, 1]),
+    ],
+)
 def test_bf16_cascade_over_shared_prefix(score_bytes, mode, own, ext, monkeypatch) -> None:
     """bf16 cascades: the shared keys through bf16 GEMMs + the C row softmax (prefill) or the
     decode kernel's prefix segment, against the fp32 reference."""
@@ -172,10 +182,10 @@ def test_mirror_survives_batch_changes(tiny_runner: ModelRunner) -> None:
     prompts = [random_prompt(5 + 4 * i, vocab, seed=90 + i) for i in range(5)]
     a = [h.add_request(p) for p in prompts[:4]]
     h.prefill(a, return_logprob=True)
-    h.decode(a, 3, return_logprob=True)          # rebuild, then appends
-    h.decode(a[:3], 2, return_logprob=True)      # one left: rows differ -> rebuild
+    h.decode(a, 3, return_logprob=True)  # rebuild, then appends
+    h.decode(a[:3], 2, return_logprob=True)  # one left: rows differ -> rebuild
     late = h.add_request(prompts[4])
-    h.prefill([late], return_logprob=True)       # an extend in between -> dropped
+    h.prefill([late], return_logprob=True)  # an extend in between -> dropped
     h.decode(a[:3] + [late], 4, return_logprob=True)
     h.decode(a[:3], 1, return_logprob=True)
     got = [(r.output_ids, r.logprobs) for r in a[:3] + [a[3], late]]
@@ -243,8 +253,9 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     assert all(packed_copy(m.weight) is None for m in slots)
 
 
-@pytest.mark.parametrize("own,ext", [([0, 0, 0], [5, 5, 5]), ([0, 2, 0, 7], [3, 6, 1, 4]), ([4, 4], [9, 9]),
-                                     ([0, 0], [1, 6])])
+@pytest.mark.parametrize(
+    "own,ext", [([0, 0, 0], [5, 5, 5]), ([0, 2, 0, 7], [3, 6, 1, 4]), ([4, 4], [9, 9]), ([0, 0], [1, 6])]
+)
 def test_extend_cascade_over_shared_prefix(own, ext) -> None:
     meta = _run_shared(ForwardMode.EXTEND, CASCADE_MIN_PREFIX + 5, own, ext)
     multi = [g for g in meta.groups if not g.one_token]
@@ -298,10 +309,19 @@ def _decode_steps(
             ks[i] = torch.cat([ks[i], k_new[i : i + 1]])
             vs[i] = torch.cat([vs[i], v_new[i : i + 1]])
         batch = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(bs, dtype=torch.int64),
-            positions=torch.zeros(bs, dtype=torch.int64), req_pool_indices=t(rows), seq_lens=t(seq_lens),
-            prefix_lens=t(prefix_lens), extend_lens=t([1] * bs), out_cache_loc=t(new), req_to_token_pool=rtt,
-            token_to_kv_pool=pool, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=[1] * bs,
+            forward_mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(bs, dtype=torch.int64),
+            positions=torch.zeros(bs, dtype=torch.int64),
+            req_pool_indices=t(rows),
+            seq_lens=t(seq_lens),
+            prefix_lens=t(prefix_lens),
+            extend_lens=t([1] * bs),
+            out_cache_loc=t(new),
+            req_to_token_pool=rtt,
+            token_to_kv_pool=pool,
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=[1] * bs,
         )
         backend.init_forward_metadata(batch)
         out = backend.forward(q, k_new, v_new, AttentionLayerSpec(0, H, HKV, head_dim, head_dim**-0.5), batch)
@@ -317,8 +337,12 @@ def _decode_steps(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, CASCADE_MIN_PREFIX + 3])
 def test_consecutive_decode_steps_through_the_mirror(dtype, shared, monkeypatch) -> None:
-    appends = _record_calls(monkeypatch, attn_kernels, "decode_attention",
-                            lambda *args, **kwargs: kwargs.get("append", args[7] if len(args) > 7 else None) is not None)
+    appends = _record_calls(
+        monkeypatch,
+        attn_kernels,
+        "decode_attention",
+        lambda *args, **kwargs: kwargs.get("append", args[7] if len(args) > 7 else None) is not None,
+    )
     metas = _decode_steps(dtype, shared, [5, 1, 9, 3], steps=4)
     plans = [m.groups[0].mirror for m in metas]
     assert plans[0].rebuild and not any(p.rebuild for p in plans[1:])  # one gather, then appends
@@ -344,8 +368,9 @@ def test_decode_cascade_through_the_packed_prefix_kernel(dtype, monkeypatch) -> 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("score_bytes", [1 << 30, 700, 1])  # all in one chunk / runs of 6 positions / of 1
 @pytest.mark.parametrize("c_softmax", [True, False])
-def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads, score_bytes, c_softmax,
-                                                                monkeypatch) -> None:
+def test_half_precision_prefill_matmul_path_is_causal_attention(
+    heads, kv_heads, score_bytes, c_softmax, monkeypatch
+) -> None:
     """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA,
     with its log-sum-exp (the cascade's merge input), through the C softmax and through torch's."""
     monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
@@ -360,12 +385,17 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(heads, kv_heads,
     assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
     assert lse is not None and lse.shape == (n * length, heads) and lse.dtype == torch.float32
     qf, kf = q.float().transpose(1, 2), k.float().repeat_interleave(heads // kv_heads, dim=1)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        qf, k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
-    ).transpose(1, 2).reshape(n * length, heads, d)
+    expected = (
+        torch.nn.functional.scaled_dot_product_attention(
+            qf, k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
+        )
+        .transpose(1, 2)
+        .reshape(n * length, heads, d)
+    )
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
     scores = (qf @ kf.transpose(-1, -2) * d**-0.5).masked_fill(
-        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf")
+    )
     expected_lse = scores.logsumexp(-1).transpose(1, 2).reshape(n * length, heads)
     torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)  # scores were bf16 GEMM outputs
     assert torch_native._matmul_causal_attention(q, k, v, d**-0.5)[1] is None

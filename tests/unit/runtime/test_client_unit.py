@@ -83,15 +83,25 @@ def echo_handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
         n = (req.sampling_params or {}).get("n", 1)
         if req.stream:
             return [b""] + [  # an empty keepalive frame first: the client must ignore it
-                GenerateChunk(rid=req.rid, text=c, output_ids=[ord(c)], finished=i == len(text) - 1,
-                              finish_reason={"type": "length", "length": len(text)} if i == len(text) - 1 else None,
-                              meta=meta)
+                GenerateChunk(
+                    rid=req.rid,
+                    text=c,
+                    output_ids=[ord(c)],
+                    finished=i == len(text) - 1,
+                    finish_reason={"type": "length", "length": len(text)} if i == len(text) - 1 else None,
+                    meta=meta,
+                )
                 for i, c in enumerate(text)
             ]
         return [
-            GenerateChunk(rid=req.rid, text=text[::-1] + (str(i) if n > 1 else ""), output_ids=[ord(c) for c in text],
-                          finished=True, finish_reason={"type": "length", "length": len(text)},
-                          meta={**meta, **({"index": i} if n > 1 else {})})
+            GenerateChunk(
+                rid=req.rid,
+                text=text[::-1] + (str(i) if n > 1 else ""),
+                output_ids=[ord(c) for c in text],
+                finished=True,
+                finish_reason={"type": "length", "length": len(text)},
+                meta={**meta, **({"index": i} if n > 1 else {})},
+            )
             for i in reversed(range(n))  # out of order on purpose
         ]
     if isinstance(req, AbortReq):
@@ -216,11 +226,13 @@ def test_control_calls(server: FakeServer) -> None:
 
 def test_abort_ends_a_pending_generate() -> None:
     """abort() from another thread: the pending generate gets the server's final chunk."""
+
     def handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
         if isinstance(req, AbortReq):
-            return [GenerateChunk(rid=req.rid, text="", output_ids=[], finished=True,
-                                  finish_reason={"type": "abort"}),
-                    ControlReply(rid=req.rid, kind="abort", payload={"aborted": True})]
+            return [
+                GenerateChunk(rid=req.rid, text="", output_ids=[], finished=True, finish_reason={"type": "abort"}),
+                ControlReply(rid=req.rid, kind="abort", payload={"aborted": True}),
+            ]
         return []
 
     s = FakeServer(handler)
@@ -267,15 +279,23 @@ def test_a_frame_of_several_streams_chunks_feeds_each_stream() -> None:
         if len(held) < 2:
             return []
         a, b = held
-        steps: list[Any] = [GenerateChunks([GenerateChunk(rid=a.rid, text=f"a{i}", output_ids=[i], finished=False),
-                                            GenerateChunk(rid=b.rid, text=f"b{i}", output_ids=[i], finished=i == 1)])
-                            for i in range(2)]
+        steps: list[Any] = [
+            GenerateChunks(
+                [
+                    GenerateChunk(rid=a.rid, text=f"a{i}", output_ids=[i], finished=False),
+                    GenerateChunk(rid=b.rid, text=f"b{i}", output_ids=[i], finished=i == 1),
+                ]
+            )
+            for i in range(2)
+        ]
         return steps + [GenerateChunk(rid=a.rid, text="a2", output_ids=[2], finished=True)]  # b has ended
 
     s = FakeServer(handler)
     try:
+
         async def main() -> None:
             async with AsyncClient(s.address) as c:
+
                 async def collect(prompt: str) -> list[str]:
                     return [ch["text"] async for ch in c.generate(prompt, stream=True)]
 
@@ -291,6 +311,7 @@ def test_a_frame_of_several_streams_chunks_feeds_each_stream() -> None:
 def test_close_aborts_requests_in_flight() -> None:
     s = FakeServer(lambda server, identity, req: [])
     try:
+
         async def main() -> None:
             c = AsyncClient(s.address)
             task = asyncio.ensure_future(c.generate("x", rid="inflight"))
@@ -335,8 +356,11 @@ def test_a_request_the_client_cannot_encode_is_a_request_error(server: FakeServe
             c.generate("lone \ud800 surrogate", rid="bad")
         assert exc.value.code == "invalid_request" and exc.value.rid == "bad"
         assert "UnicodeEncodeError" in exc.value.message and "surrogate" in exc.value.message
-        for kwargs in ({"input_ids": [1, 2 ** 70]}, {"prompt": "x", "sampling_params": {"stop": object()}},
-                       {"messages": [{"role": "user", "content": "\udfff"}]}):
+        for kwargs in (
+            {"input_ids": [1, 2**70]},
+            {"prompt": "x", "sampling_params": {"stop": object()}},
+            {"messages": [{"role": "user", "content": "\udfff"}]},
+        ):
             with pytest.raises(RequestError, match="cannot be encoded") as exc:
                 c.generate(**kwargs)
             assert exc.value.code == "invalid_request"
@@ -363,7 +387,7 @@ def test_async_client_encoding_failure_is_a_request_error(server: FakeServer) ->
             with pytest.raises(RequestError, match="UnicodeEncodeError"):
                 await c.generate("\ud800")
             with pytest.raises(RequestError, match="OverflowError"):
-                async for _ in c.generate(input_ids=[-(2 ** 64)], stream=True):
+                async for _ in c.generate(input_ids=[-(2**64)], stream=True):
                     pass
             with pytest.raises(RequestError, match="UnicodeEncodeError"):
                 await c.abort("\ud800")

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from runtime.engine.cpu import attention_kernels as attn_kernels
-from runtime.engine.cpu import attention_kernels_f32
-from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu import attention_kernels_f32, kernel_library
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 
@@ -109,8 +108,16 @@ def test_decode_stores_the_append_first() -> None:
     expected, _ = _own_reference(q, k_expect, v_expect, [length + 1 for length in lens], width, d**-0.5)
     torch.testing.assert_close(out.double(), expected, **TOL)
     with pytest.raises(ValueError):  # a position outside the mirror
-        attn_kernels.decode_attention(q, k_t, v, bias, 1.0, width, False,
-                                      attn_kernels.KeyAppend(k_new, v_new, torch.tensor([0, k_t.shape[-1], 0])))
+        attn_kernels.decode_attention(
+            q,
+            k_t,
+            v,
+            bias,
+            1.0,
+            width,
+            False,
+            attn_kernels.KeyAppend(k_new, v_new, torch.tensor([0, k_t.shape[-1], 0])),
+        )
 
 
 @pytest.mark.parametrize("group,d,p", [(4, 64, 1), (1, 64, 15), (3, 80, 17), (4, 128, 300), (12, 64, 513)])
@@ -131,8 +138,9 @@ def test_prefix_then_decode_continues_the_softmax(group: int, d: int, p: int) ->
     out, lse = attn_kernels.decode_attention(q, k_t, v, bias, scale, width, True, None, (o_pre, lse_pre))
     keys = torch.cat([k_pre.transpose(0, 1).expand(len(lens), -1, -1, -1), k_t[..., :width].transpose(-1, -2)], 2)
     values = torch.cat([v_pre.transpose(0, 1).expand(len(lens), -1, -1, -1), v[:, :, :width]], 2)
-    valid = torch.cat([torch.ones(len(lens), p, dtype=torch.bool),
-                       torch.arange(width)[None, :] < torch.tensor(lens)[:, None]], 1)[:, None, None, :]
+    valid = torch.cat(
+        [torch.ones(len(lens), p, dtype=torch.bool), torch.arange(width)[None, :] < torch.tensor(lens)[:, None]], 1
+    )[:, None, None, :]
     expected, expected_lse = _attention(q, keys, values, valid, scale)
     assert lse is not None
     torch.testing.assert_close(out.double(), expected, **TOL)
@@ -148,8 +156,10 @@ def test_decode_continues_an_empty_prefix() -> None:
     torch.testing.assert_close(out.double(), _own_reference(q, k_t, v, [3, 70], width, 0.125)[0], **TOL)
 
 
-@pytest.mark.parametrize("n,length,heads,kv_heads,d", [(3, 37, 8, 2, 64), (2, 1, 4, 4, 64), (1, 300, 3, 1, 80),
-                                                        (2, 18, 12, 1, 128), (4, 16, 4, 2, 32)])
+@pytest.mark.parametrize(
+    "n,length,heads,kv_heads,d",
+    [(3, 37, 8, 2, 64), (2, 1, 4, 4, 64), (1, 300, 3, 1, 80), (2, 18, 12, 1, 128), (4, 16, 4, 2, 32)],
+)
 def test_causal_prefill_matches_attention(n: int, length: int, heads: int, kv_heads: int, d: int) -> None:
     """q, k, v as strided views of one fused qkv output (the model's layout), with the lse."""
     gen = torch.Generator().manual_seed(length * heads + d)
@@ -166,8 +176,13 @@ def test_causal_prefill_matches_attention(n: int, length: int, heads: int, kv_he
     out, lse = result
     group = heads // kv_heads
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
-    expected, expected_lse = _attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, 1),
-                                        v.transpose(1, 2).repeat_interleave(group, 1), causal, d**-0.5)
+    expected, expected_lse = _attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2).repeat_interleave(group, 1),
+        v.transpose(1, 2).repeat_interleave(group, 1),
+        causal,
+        d**-0.5,
+    )
     assert lse is not None and out.shape == (n * length, heads, d)
     torch.testing.assert_close(out.double(), expected.transpose(1, 2).reshape(n * length, heads, d), **TOL)
     torch.testing.assert_close(lse.double(), expected_lse.transpose(1, 2).reshape(n * length, heads), **TOL)

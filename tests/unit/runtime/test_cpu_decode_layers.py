@@ -22,16 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
-from tests.support.cpu_features import bf16_kernels
-from tests.support.harness import Harness
 from runtime.engine.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
 from runtime.engine.cpu.prepacked import fp32_panel_rows
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
-
 from tests.support import REPO_ROOT as ROOT
-
+from tests.support.checkpoints import CHECKPOINT_NAMES, hf_greedy, load_hf_model, random_prompt
+from tests.support.cpu_features import bf16_kernels
+from tests.support.harness import Harness
 
 BF16_KERNELS = bf16_kernels()
 needs_bf16_kernels = pytest.mark.skipif(
@@ -46,7 +44,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
 needs_fp32_kernels = pytest.mark.skipif(
     not (fp32_panel_rows() and attention_kernels_f32.applies()),
     reason="needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it (TINYSERVE_CPU_ISA may "
-           "select plain C): the fp32 call's linears and attention are its kernels",
+    "select plain C): the fp32 call's linears and attention are its kernels",
 )
 DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernels), pytest.param("float32", marks=needs_fp32_kernels)]
 
@@ -68,7 +66,9 @@ def _runner(path: Path, dtype: str = "bfloat16") -> ModelRunner:
     return ModelRunner(path, device="cpu", dtype=dtype, max_total_tokens=8192, load_progress=False)
 
 
-def _decode_logits(runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5) -> list[torch.Tensor]:
+def _decode_logits(
+    runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5
+) -> list[torch.Tensor]:
     """Prefill ``requests`` prompts (the first ``shared_prefix`` tokens common, cached once), then
     one decode step per entry of ``modes`` (True: the one-call path allowed); each step's logits."""
     h = Harness(runner)
@@ -105,8 +105,9 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_chec
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared_prefix", [0, 40])
-def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int, dtype: str, tiny_checkpoints,
-                                                              calls: list[bool]) -> None:
+def test_one_call_with_a_shared_prefix_and_alternating_paths(
+    shared_prefix: int, dtype: str, tiny_checkpoints, calls: list[bool]
+) -> None:
     """head_dim 64: the shared prefix goes through the packed prefix kernel inside the call (bf16:
     the pair-packed one). Steps alternate between the two paths, each appending to the mirror the
     other one reads."""
@@ -123,8 +124,9 @@ def test_one_call_with_a_shared_prefix_and_alternating_paths(shared_prefix: int,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(dtype: str, tiny_checkpoints,
-                                                                       calls: list[bool]) -> None:
+def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(
+    dtype: str, tiny_checkpoints, calls: list[bool]
+) -> None:
     """A weight reload drops a layer's packed copy (its address is stale) and packs again after:
     meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
     runner = _runner(tiny_checkpoints.path("llama"), dtype)
@@ -145,11 +147,30 @@ def test_bf16_without_amx_takes_the_dot_product_kernels(tiny_checkpoints) -> Non
     """This file's bf16 tests once more in a process whose oneDNN may use AVX512-BF16 but not AMX
     (ONEDNN_MAX_CPU_ISA is read when oneDNN starts): it packs the layout of a CPU without AMX, and
     the call runs ``dp_linear_bf16`` and silu*mul where the AMX set has its fused gate/up."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "TINYSERVE_CPU_AMX": "0",
-           "TINYSERVE_CPU_ISA": "avx512bf16"}  # (whatever build this run selected: the kernels are in that one)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bfloat16",
-                           str(Path(__file__).relative_to(ROOT))], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "TINYSERVE_CPU_AMX": "0",
+        "TINYSERVE_CPU_ISA": "avx512bf16",
+    }  # (whatever build this run selected: the kernels are in that one)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "bfloat16",
+            str(Path(__file__).relative_to(ROOT)),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and "skipped" not in summary and "passed" in summary, done.stdout[-3000:]
 
@@ -172,8 +193,10 @@ def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, c
 
 
 @needs_fp32_kernels
-@pytest.mark.skipif(1 not in fp32_panel_rows(), reason="the panel kernel's build here (AVX-512) leaves one row to "
-                                                        "F.linear; with AVX2 it takes it")
+@pytest.mark.skipif(
+    1 not in fp32_panel_rows(),
+    reason="the panel kernel's build here (AVX-512) leaves one row to F.linear; with AVX2 it takes it",
+)
 def test_fp32_one_request_takes_the_call_and_equals_transformers(tiny_checkpoints, calls: list[bool]) -> None:
     """One request alone (the kernel's matrix-vector path for every linear): its decode steps run
     through the call and give transformers' greedy tokens."""
@@ -189,8 +212,9 @@ def test_fp32_one_request_takes_the_call_and_equals_transformers(tiny_checkpoint
 
 
 @needs_fp32_kernels
-def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(tiny_checkpoints, calls: list[bool],
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(
+    tiny_checkpoints, calls: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fewer rows than the panel kernel takes (its band made to start at two rows, wherever it
     starts on this host): the stack's linears are F.linear's, so the call (whose linears are the
     panel kernel's) must decline, and the two modes give the same bits."""

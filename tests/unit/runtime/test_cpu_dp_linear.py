@@ -17,7 +17,6 @@ import torch
 
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.prepacked import AMX_LINEAR_MAX_ROWS, DP_COLUMNS, dp_layout_of
-
 from tests.support import REPO_ROOT as ROOT
 
 needs_avx512_bf16 = pytest.mark.skipif(
@@ -31,13 +30,24 @@ def _dp_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(torch.int16).view(n // DP_COLUMNS, DP_COLUMNS, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def _call(x: torch.Tensor, layout: torch.Tensor, n: int, bias: torch.Tensor | None, float_out: bool) -> torch.Tensor | None:
+def _call(
+    x: torch.Tensor, layout: torch.Tensor, n: int, bias: torch.Tensor | None, float_out: bool
+) -> torch.Tensor | None:
     lib = kernel_library.load()
     assert lib is not None
     rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.float32 if float_out else torch.bfloat16)
-    rc = lib.dp_linear_bf16(x.data_ptr(), rows, x.stride(0), layout.data_ptr(), n, k,
-                            bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
+    rc = lib.dp_linear_bf16(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        layout.data_ptr(),
+        n,
+        k,
+        bias.data_ptr() if bias is not None else None,
+        int(float_out),
+        out.data_ptr(),
+    )
     return out if rc == 0 else None
 
 
@@ -107,8 +117,13 @@ def test_linear_takes_dp_kernel_on_onednns_avx512_bf16_packing() -> None:
     """A process whose oneDNN may use AVX512-BF16 but not AMX (ONEDNN_MAX_CPU_ISA is read when
     oneDNN starts) packs ``[out / 64][in / 2][64][2]``; ``linear`` and ``float_linear`` run the
     kernel on that copy for up to 64 rows, oneDNN's call beyond."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "TINYSERVE_CPU_AMX": "0",
-           "TINYSERVE_CPU_ISA": "avx512bf16"}  # (whatever build this run selected: the kernel is in that one)
-    done = subprocess.run([sys.executable, "-c", _CAPPED], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "TINYSERVE_CPU_AMX": "0",
+        "TINYSERVE_CPU_ISA": "avx512bf16",
+    }  # (whatever build this run selected: the kernel is in that one)
+    done = subprocess.run(
+        [sys.executable, "-c", _CAPPED], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu import kernels as cpu_kernels
-
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 
@@ -107,8 +106,14 @@ def test_row_softmax_in_place(period: int, rows_per_position: int, first_positio
         position = first_position + (torch.arange(rows) % period) // rows_per_position
         logits = logits.masked_fill(torch.arange(cols)[None, :] > position[:, None], float("-inf"))
     assert cpu_kernels.softmax_supported(scores)
-    lse = cpu_kernels.softmax_rows(scores, 0.3, causal_period=period, rows_per_position=rows_per_position,
-                                   first_position=first_position, with_lse=True)
+    lse = cpu_kernels.softmax_rows(
+        scores,
+        0.3,
+        causal_period=period,
+        rows_per_position=rows_per_position,
+        first_position=first_position,
+        with_lse=True,
+    )
     torch.testing.assert_close(scores.float(), logits.softmax(-1), atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-4)
     assert cpu_kernels.softmax_rows(scores, 1.0) is None
@@ -119,7 +124,7 @@ def test_row_softmax_in_place(period: int, rows_per_position: int, first_positio
 def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 1e-3) -> None:
     """bf16 results equal torch's except for rare one-ulp rounding differences."""
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)  # within one bf16 ulp
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)  # within one bf16 ulp
     assert (got != want).float().mean().item() <= max_mismatch
 
 
@@ -143,7 +148,10 @@ def test_silu_and_mul_matches_torch_bf16(inter: int) -> None:
 def test_store_kv_writes_the_rows_index_put_would(n: int) -> None:
     gen = torch.Generator().manual_seed(13)
     slots, hkv, d = 400, 2, 64
-    k_buf, v_buf = torch.randn(slots, hkv, d, generator=gen).bfloat16(), torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    k_buf, v_buf = (
+        torch.randn(slots, hkv, d, generator=gen).bfloat16(),
+        torch.randn(slots, hkv, d, generator=gen).bfloat16(),
+    )
     qkv = torch.randn(n, 4 * hkv * d, generator=gen).bfloat16()  # k and v as strided views, as the model has them
     k, v = qkv[:, hkv * d : 2 * hkv * d].view(n, hkv, d), qkv[:, 2 * hkv * d : 3 * hkv * d].view(n, hkv, d)
     loc = torch.randperm(slots, generator=gen)[:n]
@@ -258,7 +266,9 @@ def test_decode_attention_stores_the_appended_keys_first() -> None:
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
     with pytest.raises(ValueError):
-        attn_kernels.decode_attention(q, k_t, v, None, 1.0, cap, False, attn_kernels.KeyAppend(append.k, append.v, pos + cap))
+        attn_kernels.decode_attention(
+            q, k_t, v, None, 1.0, cap, False, attn_kernels.KeyAppend(append.k, append.v, pos + cap)
+        )
     assert not attn_kernels.append_supported(attn_kernels.KeyAppend(append.k.float(), append.v, pos), k_t)
 
 
@@ -291,7 +301,9 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     k_t, v = torch.randn(n, hkv, d, cap).bfloat16(), torch.randn(n, hkv, cap, d).bfloat16()
     scale = d**-0.5
     packed = attn_kernels.pack_prefix(k_pre, v_pre)
-    assert (packed.k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK) % attn_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
+    assert (
+        packed.k.shape[1] * attn_kernels.PREFIX_KEY_BLOCK
+    ) % attn_kernels.PREFIX_KEY_ALIGN == 0 and packed.length == p
     if not attn_kernels.prefix_supported(torch.bfloat16, torch.device("cpu"), d):
         with pytest.raises(ValueError):  # built without AVX-512: it refuses, and the backend keeps the GEMM cascade
             attn_kernels.prefix_attention(q, packed, scale)
@@ -301,11 +313,11 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     scores_pre = torch.einsum("nhgd,phd->nhgp", qf, k_pre.float()) * scale
     torch.testing.assert_close(lse_pre, scores_pre.logsumexp(-1), atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(o_pre, scores_pre.softmax(-1) @ v_pre.float().transpose(0, 1), atol=2e-2, rtol=2e-2)
-    out, lse = attn_kernels.decode_attention(q, k_t, v, _bias(lens, cap), scale, max(lens), True,
-                                            init=(o_pre, lse_pre))
+    out, lse = attn_kernels.decode_attention(q, k_t, v, _bias(lens, cap), scale, max(lens), True, init=(o_pre, lse_pre))
     own = torch.matmul(qf, k_t.float()) * scale
-    own = own.masked_fill(torch.arange(cap)[None, None, None, :] >= torch.tensor(lens)[:, None, None, None],
-                          float("-inf"))
+    own = own.masked_fill(
+        torch.arange(cap)[None, None, None, :] >= torch.tensor(lens)[:, None, None, None], float("-inf")
+    )
     scores = torch.cat([scores_pre, own], -1)
     values = torch.cat([v_pre.float().transpose(0, 1)[None].expand(n, -1, -1, -1), v.float()], 2)
     torch.testing.assert_close(out.float(), scores.softmax(-1) @ values, atol=2e-2, rtol=2e-2)
@@ -313,12 +325,15 @@ def test_prefix_attention_then_own_keys_equals_one_softmax(group: int, d: int, p
     torch.testing.assert_close(lse, scores.logsumexp(-1), atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("n,length,group,d", [
-    (3, 37, 4, 64),    # a 16-row block that ends mid-position, a partly padded 32-key tail
-    (1, 600, 1, 64),   # two online-softmax key blocks (512 + 88), one position per row
-    (2, 1, 8, 128),    # a single token: one key, half a row block
-    (4, 17, 3, 64),    # a group that does not divide 16
-])
+@pytest.mark.parametrize(
+    "n,length,group,d",
+    [
+        (3, 37, 4, 64),  # a 16-row block that ends mid-position, a partly padded 32-key tail
+        (1, 600, 1, 64),  # two online-softmax key blocks (512 + 88), one position per row
+        (2, 1, 8, 128),  # a single token: one key, half a row block
+        (4, 17, 3, 64),  # a group that does not divide 16
+    ],
+)
 def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int, amx: bool) -> None:
     """The prefill kernel (each request's keys packed once, rows read only the keys up to their
     position) against fp32 causal attention, out and log-sum-exp, on the strided token rows of a
@@ -341,7 +356,8 @@ def test_causal_attention_matches_fp32(n: int, length: int, group: int, d: int, 
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
     kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
     scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(
-        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf")
+    )
     expected = (scores.softmax(-1) @ vf).transpose(1, 2).reshape(n * length, h, d)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, scores.logsumexp(-1).transpose(1, 2).reshape(n * length, h), atol=2e-3, rtol=1e-3)
@@ -355,7 +371,9 @@ def test_causal_attention_refuses_what_it_cannot_read() -> None:
     fp32 = attn_kernels.causal_attention(q.float(), k.float(), v.float(), 0.1)
     assert (fp32 is None) == (kernel_library.level() == "baseline")  # fp32: its own kernel at the vector builds
     assert attn_kernels.causal_attention(q[..., :48], k[..., :48], v[..., :48], 0.1) is None  # head dim 48
-    assert attn_kernels.causal_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # head-major
+    assert (
+        attn_kernels.causal_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None
+    )  # head-major
     assert attn_kernels.causal_attention(q, torch.randn(2, 5, 3, 64).bfloat16(), v, 0.1) is None  # 4 heads, 3 KV heads
     uneven = torch.randn(2, 7, 2, 64).bfloat16()[:, :5]  # requests 7 token rows apart, 5 used
     assert attn_kernels.causal_attention(q, uneven, v, 0.1) is None
@@ -371,7 +389,7 @@ def test_mirror_gather_writes_the_pool_rows_in_the_mirrors_layouts(dtype) -> Non
     k_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
     v_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
     loc = torch.randint(0, slots, (n * w,), generator=gen)
-    loc[w - 3: w] = 0  # a shorter request's padding
+    loc[w - 3 : w] = 0  # a shorter request's padding
     dense_k = torch.full((n, hkv, d, cap), 7.0, dtype=dtype)
     dense_v = torch.full((n, hkv, cap, d), 7.0, dtype=dtype)
     assert cpu_kernels.mirror_gather(k_buf, v_buf, loc, w, dense_k, dense_v)

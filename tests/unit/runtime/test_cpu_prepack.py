@@ -17,8 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
-from tests.support.harness import Harness
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
@@ -40,8 +38,10 @@ from runtime.engine.cpu.prepacked import (
     takes_packed,
     tile_layout,
 )
-from runtime.engine.model_runner import ModelRunner
 from runtime.engine.loading.weight_loader import load_model_weights
+from runtime.engine.model_runner import ModelRunner
+from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
+from tests.support.harness import Harness
 
 # |packed - F.linear| <= BOUND_EPS * eps * sum_k |x_k w_k| per output: the measured worst is
 # ~1.2 eps (these shapes and the bench model's, every build level); the bound leaves room for other CPUs.
@@ -76,7 +76,9 @@ def test_fp32_panel_linear_is_within_the_bound(out_features: int, in_features: i
         got = linear(x, weight, bias, packed)
         plain = F.linear(x, weight, bias)
         direct = panel_linear(x, packed, bias, out_features)
-        assert (direct is not None) == _kernel_runs(), f"rows={rows}: the kernel ran where it cannot, or not where it can"
+        assert (direct is not None) == _kernel_runs(), (
+            f"rows={rows}: the kernel ran where it cannot, or not where it can"
+        )
         if direct is not None:
             scale = F.linear(x.abs(), weight.abs(), None if bias is None else bias.abs())
             excess = (direct - plain).abs() - BOUND_EPS * eps * scale
@@ -96,8 +98,9 @@ def test_fp32_panel_linear_is_within_the_bound(out_features: int, in_features: i
 
 
 @pytest.mark.parametrize("out_features,in_features", [(1024, 2816), (48, 300)])
-def test_fp32_panel_linear_rows_are_batch_independent_and_level_independent(out_features: int,
-                                                                             in_features: int) -> None:
+def test_fp32_panel_linear_rows_are_batch_independent_and_level_independent(
+    out_features: int, in_features: int
+) -> None:
     """A row's result is the same bits whatever else is in the batch and wherever it sits in it, at
     every build level that runs the kernel: each output is one sum in a fixed order."""
     gen = torch.Generator().manual_seed(7)
@@ -158,9 +161,18 @@ def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama with hidden 512 and MLP 1408: sums long enough that oneDNN's and MKL's differ."""
     from bench.checkpoint import BenchModelSpec, build_bench_checkpoint
 
-    spec = BenchModelSpec(name="prepack-wide", hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
-                          intermediate_size=1408, vocab_size=600, max_positions=256, corpus_lines=400,
-                          lexicon_size=300)
+    spec = BenchModelSpec(
+        name="prepack-wide",
+        hidden_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1408,
+        vocab_size=600,
+        max_positions=256,
+        corpus_lines=400,
+        lexicon_size=300,
+    )
     return build_bench_checkpoint(tmp_path_factory.mktemp("wide"), spec)
 
 
@@ -190,12 +202,14 @@ def test_packed_fp32_greedy_equals_transformers(wide_checkpoint: Path, wide_refe
         return
     assert packed, "fp32 linears were not packed"
     x = torch.randn(8, packed[-1].shape[1], generator=torch.Generator().manual_seed(0))
-    assert not torch.equal(linear(x, packed[-1], None, packed_copy(packed[-1])),
-                           F.linear(x, packed[-1])), "the packed path gave F.linear's bits: nothing was tested"
+    assert not torch.equal(linear(x, packed[-1], None, packed_copy(packed[-1])), F.linear(x, packed[-1])), (
+        "the packed path gave F.linear's bits: nothing was tested"
+    )
 
 
-def test_kernels_off_serve_unpacked(wide_checkpoint: Path, wide_reference: Any,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_off_serve_unpacked(
+    wide_checkpoint: Path, wide_reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without the C kernels (``TINYSERVE_CPU_KERNELS=0``) no fp32 copy is made (nothing would
     read it), every call is F.linear's, and the greedy tokens are the same."""
     monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
@@ -214,8 +228,7 @@ def test_cpu_linear_bench_times_every_variant(tmp_path: Path, capsys: pytest.Cap
     from bench.common import read_json
 
     out = tmp_path / "linear.json"
-    assert cpu_linear.main(["--shapes", "o", "--m", "4", "--repeat", "1", "--stream-mib", "0",
-                            "--json", str(out)]) == 0
+    assert cpu_linear.main(["--shapes", "o", "--m", "4", "--repeat", "1", "--stream-mib", "0", "--json", str(out)]) == 0
     (row,) = read_json(out)["rows"]
     assert row["m"] == 4 and row["plain_ms"] > 0
     if prepack_available():
@@ -227,8 +240,9 @@ def test_cpu_linear_bench_times_every_variant(tmp_path: Path, capsys: pytest.Cap
 
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(1536, 1024, False), (96, 2816, True)])
-def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int, in_features: int, with_bias: bool,
-                                                              amx: bool) -> None:
+def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(
+    out_features: int, in_features: int, with_bias: bool, amx: bool
+) -> None:
     """Up to AMX_LINEAR_MAX_ROWS bf16 rows: csrc/amx_linear.c on the oneDNN-packed copy, within one
     bf16 rounding of the fp32 product and of oneDNN's own result, for row counts around the
     kernel's 16- and 32-row blocks, strided rows and a 3-d input; beyond the band, without AMX or
@@ -242,7 +256,9 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(out_features: int,
     packed = pack_weight(weight)
     assert packed is not None
     if "avx512bf16" in kernel_library.host_levels() and out_features % 64 == 0:
-        assert tile_layout(packed) or getattr(packed, DP_ADDRESS)  # oneDNN packed for AMX or AVX512-BF16: ours read both
+        assert tile_layout(packed) or getattr(
+            packed, DP_ADDRESS
+        )  # oneDNN packed for AMX or AVX512-BF16: ours read both
     amx = amx and tile_layout(packed)  # (with oneDNN kept off AMX, as on a CPU without it, it packs the other)
     wide = torch.randn(AMX_LINEAR_MAX_ROWS + 1, in_features + 64, generator=gen).bfloat16()
     for rows in (1, 15, 16, 17, 32, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
@@ -312,7 +328,5 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     x = torch.randn(4, hidden, generator=gen).bfloat16()
     bias = torch.randn(2 * inter, generator=gen).bfloat16()
     assert amx_linear_silu_mul(x, weight, bias, packed) is None  # a bias: the two calls
-    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias),
-                       ops.silu_and_mul(linear(x, weight, bias, packed)))
+    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias), ops.silu_and_mul(linear(x, weight, bias, packed)))
     assert amx_linear_silu_mul(x.float(), weight.float(), None, pack_weight(weight.float())) is None
-

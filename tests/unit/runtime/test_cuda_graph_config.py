@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.server_process import server_argv
 from runtime.config.args import ServerArgs
 from runtime.engine.cuda.graph_runner import capture_batch_sizes
+from tests.support.server_process import server_argv
 
 
 def test_flags_parse_with_sglang_names_and_round_trip() -> None:

@@ -24,22 +24,29 @@ from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa:
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
-from tests.support.harness import Harness  # noqa: E402
-from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
-from runtime.engine.cuda import graph_runner as cgr  # noqa: E402
 from runtime.engine.cpu import prepacked  # noqa: E402
+from runtime.engine.cuda import graph_runner as cgr  # noqa: E402
 from runtime.engine.cuda.attention import TritonAttnBackend  # noqa: E402
 from runtime.engine.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
 from runtime.engine.forward_batch import ForwardMode  # noqa: E402
 from runtime.engine.model_runner import ModelRunner  # noqa: E402
 from runtime.protocol.sampling_params import SamplingParams  # noqa: E402
+from tests.support.harness import Harness  # noqa: E402
+from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
 SIZES = [1, 2, 4, 8]
 
 
 def _runner(path: Path, backend: str = "triton") -> ModelRunner:
-    return ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=1024,
-                       max_running_requests=16, load_progress=False)
+    return ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend=backend,
+        max_total_tokens=1024,
+        max_running_requests=16,
+        load_progress=False,
+    )
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -118,8 +125,16 @@ def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: An
     prompts = [random_prompt(n, 384, seed=n) for n in (30, 41, 27)]
     outputs = {}
     for backend in ("torch_native", "triton"):
-        runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512,
-                             max_running_requests=8, swa_full_tokens_ratio=0.5, load_progress=False)
+        runner = ModelRunner(
+            path,
+            device="cpu",
+            dtype="float32",
+            attention_backend=backend,
+            max_total_tokens=512,
+            max_running_requests=8,
+            swa_full_tokens_ratio=0.5,
+            load_progress=False,
+        )
         spy = None
         if backend == "triton":
             runner.graph_runner = cgr.setup_cuda_graphs(runner, batch_sizes=[4], replay="eager")
@@ -160,8 +175,11 @@ def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatc
         buf.copy_(saved)
     written: list[list[int]] = []
     store = runner.ops.store_kv  # the backend writes K/V through the runner's device ops
-    monkeypatch.setattr(runner.ops, "store_kv", lambda pool_, layer_id, loc, k, v: (
-        written.append(loc.tolist()), store(pool_, layer_id, loc, k, v))[1])
+    monkeypatch.setattr(
+        runner.ops,
+        "store_kv",
+        lambda pool_, layer_id, loc, k, v: (written.append(loc.tolist()), store(pool_, layer_id, loc, k, v))[1],
+    )
     got = graphs.replay(batch)
 
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -248,8 +266,9 @@ def test_out_of_memory_captures_what_fits(
         graphs = cgr.setup_cuda_graphs(runner, replay="eager")  # default sizes up to max_running_requests 16
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4]
     assert "retrying up to 8" in caplog.text and "retrying up to 4" in caplog.text
-    monkeypatch.setattr(cgr.CudaGraphRunner, "capture", lambda self: (_ for _ in ()).throw(
-        torch.OutOfMemoryError("CUDA out of memory")))
+    monkeypatch.setattr(
+        cgr.CudaGraphRunner, "capture", lambda self: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+    )
     with caplog.at_level(logging.WARNING, logger="runtime.engine.cuda.graph_runner"):
         assert cgr.setup_cuda_graphs(runner, replay="eager") is None
     assert "out of memory capturing batch size 1" in caplog.text and "serving eager" in caplog.text

@@ -19,10 +19,27 @@ from runtime.engine.model_config import ModelConfig
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
 
-FIELDS = ("architecture", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rope",
-          "max_position_embeddings", "context_len", "tie_word_embeddings", "qkv_bias", "qk_norm",
-          "hidden_act", "eos_token_ids", "bos_token_id", "pad_token_id")
+FIELDS = (
+    "architecture",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rope",
+    "max_position_embeddings",
+    "context_len",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "hidden_act",
+    "eos_token_ids",
+    "bos_token_id",
+    "pad_token_id",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +50,9 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
-def test_config_from_metadata_equals_source_config(tiny_checkpoints: TinyCheckpoints, tmp_path: Path,
-                                                   name: str) -> None:
+def test_config_from_metadata_equals_source_config(
+    tiny_checkpoints: TinyCheckpoints, tmp_path: Path, name: str
+) -> None:
     src = tiny_checkpoints.path(name)
     gguf_file = write_checkpoint_gguf(src, tmp_path / f"{name}.gguf")
     expected = ModelConfig.from_pretrained(src)
@@ -51,9 +69,12 @@ def test_config_from_metadata_equals_source_config(tiny_checkpoints: TinyCheckpo
 def test_distinguishing_fields_are_not_defaults(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
     """The checkpoints differ where it matters, so the comparison above covers each rule: Mistral
     named by general.name, one KV head, Qwen2's biases and linear RoPE scaling, Qwen3's head_dim."""
-    configs = {name: hf_config(read_gguf(write_checkpoint_gguf(tiny_checkpoints.path(name), tmp_path / f"{name}.gguf",
-                                                               tokenizer=False)))
-               for name in ("llama", "mistral", "qwen2", "qwen3")}
+    configs = {
+        name: hf_config(
+            read_gguf(write_checkpoint_gguf(tiny_checkpoints.path(name), tmp_path / f"{name}.gguf", tokenizer=False))
+        )
+        for name in ("llama", "mistral", "qwen2", "qwen3")
+    }
     assert configs["llama"]["architectures"] == ["LlamaForCausalLM"]
     assert configs["mistral"]["architectures"] == ["MistralForCausalLM"]
     assert configs["mistral"]["num_key_value_heads"] == 1
@@ -66,11 +87,13 @@ def test_distinguishing_fields_are_not_defaults(tiny_checkpoints: TinyCheckpoint
 
 def test_llama_named_otherwise_stays_llama(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
     """Only general.name tells Mistral from Llama in a llama-architecture file."""
-    path = write_checkpoint_gguf(tiny_checkpoints.path("mistral"), tmp_path / "m.gguf", model_name="Tiny",
-                                 tokenizer=False)
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("mistral"), tmp_path / "m.gguf", model_name="Tiny", tokenizer=False
+    )
     assert hf_config(read_gguf(path))["architectures"] == ["LlamaForCausalLM"]
-    path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "l.gguf",
-                                 model_name="Mistral-7B-Instruct-v0.3", tokenizer=False)
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("llama"), tmp_path / "l.gguf", model_name="Mistral-7B-Instruct-v0.3", tokenizer=False
+    )
     assert hf_config(read_gguf(path))["model_type"] == "mistral"
 
 
@@ -90,7 +113,10 @@ def test_token_ids_come_from_the_tokenizer_metadata(tiny_checkpoints: TinyCheckp
     without = hf_config(read_gguf(write_checkpoint_gguf(src, tmp_path / "b.gguf", tokenizer=False)))
     expected = ModelConfig.from_pretrained(src)
     assert (with_tok["bos_token_id"], with_tok["eos_token_id"], with_tok["pad_token_id"]) == (
-        expected.bos_token_id, expected.eos_token_ids[0], expected.pad_token_id)
+        expected.bos_token_id,
+        expected.eos_token_ids[0],
+        expected.pad_token_id,
+    )
     assert not {"bos_token_id", "eos_token_id", "pad_token_id"} & set(without)
 
 
@@ -107,8 +133,12 @@ def test_end_of_turn_token_also_ends_generation(tiny_checkpoints: TinyCheckpoint
 def test_sliding_window_metadata(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
     """attention.sliding_window windows every layer (Qwen2 needs use_sliding_window for it)."""
     for name in ("mistral", "qwen2"):
-        path = write_checkpoint_gguf(tiny_checkpoints.path(name), tmp_path / f"{name}-swa.gguf", tokenizer=False,
-                                     extra=lambda w: w.add_sliding_window(16))
+        path = write_checkpoint_gguf(
+            tiny_checkpoints.path(name),
+            tmp_path / f"{name}-swa.gguf",
+            tokenizer=False,
+            extra=lambda w: w.add_sliding_window(16),
+        )
         config = ModelConfig.from_pretrained(prepare_gguf(path))
         assert config.layer_windows == (16, 16), name
 
@@ -128,8 +158,12 @@ def test_rope_scaling_we_cannot_apply_is_refused(tiny_checkpoints: TinyCheckpoin
     with pytest.raises(GGUFError, match="unsupported RoPE scaling 'yarn'"):
         hf_config(read_gguf(path))
     # Llama 3.1-style scaling: llama.cpp writes the per-frequency factors as a tensor
-    freqs = write_checkpoint_gguf(src, tmp_path / "freqs.gguf", tokenizer=False,
-                                  extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    freqs = write_checkpoint_gguf(
+        src,
+        tmp_path / "freqs.gguf",
+        tokenizer=False,
+        extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)),
+    )
     with pytest.raises(GGUFError, match="rope_freqs.weight"):
         hf_config(read_gguf(freqs))
 

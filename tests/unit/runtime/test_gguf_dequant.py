@@ -18,14 +18,18 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from runtime.engine.loading import gguf_tensors
 from runtime.checkpoints.gguf.reader import SUPPORTED_TENSOR_TYPES, GGUFContents, read_gguf
+from runtime.engine.loading import gguf_tensors
 from runtime.engine.loading.gguf_tensors import GGUFWeight
 from tests.support.gguf_files import llama_permute, llama_unpermute, reference_tensor, write_tensors_gguf
 
 HEADS, KV_HEADS, HEAD_DIM, COLS = 4, 2, 32, 512  # COLS: two K-quant super-blocks per row
-NAMES = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "down": "blk.0.ffn_down.weight",
-         "norm": "blk.0.attn_norm.weight"}
+NAMES = {
+    "q": "blk.0.attn_q.weight",
+    "k": "blk.0.attn_k.weight",
+    "down": "blk.0.ffn_down.weight",
+    "norm": "blk.0.attn_norm.weight",
+}
 SOURCE_SEED = 7
 
 
@@ -113,10 +117,20 @@ def test_quantized_types_stay_close_to_the_source(type_file: TypeFile) -> None:
 # (key, dim, start, length): TP=2 halves aligned to heads (rows) or to blocks (columns), and
 # shards that are not aligned, which take the un-interleave-everything / dequantize-all path.
 SHARDS = [
-    ("q", 0, 0, 64), ("q", 0, 64, 64), ("k", 0, 0, 32), ("k", 0, 32, 32),
-    ("down", 0, 0, 24), ("down", 0, 24, 24), ("down", 1, 0, 256), ("down", 1, 256, 256),
+    ("q", 0, 0, 64),
+    ("q", 0, 64, 64),
+    ("k", 0, 0, 32),
+    ("k", 0, 32, 32),
+    ("down", 0, 0, 24),
+    ("down", 0, 24, 24),
+    ("down", 1, 0, 256),
+    ("down", 1, 256, 256),
     ("norm", 0, 256, 256),
-    ("q", 0, 16, 40), ("k", 0, 5, 20), ("q", 1, 256, 256), ("down", 1, 40, 100), ("down", 1, 96, 64),
+    ("q", 0, 16, 40),
+    ("k", 0, 5, 20),
+    ("q", 1, 256, 256),
+    ("down", 1, 40, 100),
+    ("down", 1, 96, 64),
 ]
 
 

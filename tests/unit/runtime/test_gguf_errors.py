@@ -72,10 +72,13 @@ def test_not_a_gguf_file(tmp_path: Path, cache: Path, data: bytes) -> None:
 
 @pytest.mark.parametrize("type_name", ["IQ2_XXS", "TQ1_0", "IQ4_NL"])
 def test_tensor_type_we_do_not_dequantize(tmp_path: Path, cache: Path, type_name: str) -> None:
-    path = write_tensors_gguf(tmp_path / "iq.gguf", {
-        "token_embd.weight": (np.zeros((8, 256), np.float32), "F32"),
-        "blk.0.attn_q.weight": (np.ones((4, 256), np.float32), type_name),
-    })
+    path = write_tensors_gguf(
+        tmp_path / "iq.gguf",
+        {
+            "token_embd.weight": (np.zeros((8, 256), np.float32), "F32"),
+            "blk.0.attn_q.weight": (np.ones((4, 256), np.float32), type_name),
+        },
+    )
     _assert_refused(path, cache, "blk.0.attn_q.weight", type_name, "cannot dequantize")
 
 
@@ -86,10 +89,12 @@ def test_tensor_type_number_outside_the_enum(llama_file: Path, cache: Path) -> N
 
 
 @pytest.mark.parametrize("architecture", ["gpt2", "phi3"])
-def test_unsupported_architecture(tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache: Path,
-                                  architecture: str) -> None:
-    path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "other.gguf", architecture=architecture,
-                                 tokenizer=False)
+def test_unsupported_architecture(
+    tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache: Path, architecture: str
+) -> None:
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("llama"), tmp_path / "other.gguf", architecture=architecture, tokenizer=False
+    )
     _assert_refused(path, cache, f"unsupported architecture {architecture!r}", "general.architecture")
 
 
@@ -97,8 +102,9 @@ def test_tensor_shape_disagrees_with_metadata(tiny_checkpoints: TinyCheckpoints,
     def halve_k(name: str, values: np.ndarray) -> np.ndarray:
         return values[: values.shape[0] // 2] if name == "blk.1.attn_k.weight" else values
 
-    path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "shape.gguf", tensor_hook=halve_k,
-                                 tokenizer=False)
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("llama"), tmp_path / "shape.gguf", tensor_hook=halve_k, tokenizer=False
+    )
     _assert_refused(path, cache, "blk.1.attn_k.weight has shape (16, 64)", "implies (32, 64)")
 
 
@@ -106,8 +112,9 @@ def test_missing_tensor(tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache
     def drop_gate(name: str, values: np.ndarray) -> np.ndarray | None:
         return None if name == "blk.0.ffn_gate.weight" else values
 
-    path = write_checkpoint_gguf(tiny_checkpoints.path("qwen2"), tmp_path / "gap.gguf", tensor_hook=drop_gate,
-                                 tokenizer=False)
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("qwen2"), tmp_path / "gap.gguf", tensor_hook=drop_gate, tokenizer=False
+    )
     _assert_refused(path, cache, "tensor blk.0.ffn_gate.weight is missing")
 
 

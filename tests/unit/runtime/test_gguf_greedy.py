@@ -38,8 +38,15 @@ def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFa
 
 
 def _runner(path: Path, **kwargs: Any) -> ModelRunner:
-    return ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=1024,
-                       load_progress=False, **kwargs)
+    return ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=1024,
+        load_progress=False,
+        **kwargs,
+    )
 
 
 def _transformers_gguf(path: Path) -> Any:
@@ -64,22 +71,36 @@ def _assert_same_generation(runner: ModelRunner, reference: Any) -> None:
 
 # A llama.cpp "Q4_K_M"-like mixture on the checkpoint whose every row is 256 wide (one K-quant
 # super-block): most weights Q4_K, some Q6_K / Q5_K, and the 2-3 bit types too.
-KQUANT_MIX = {"output.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q5_K",
-              "blk.1.ffn_up.weight": "Q3_K", "blk.0.attn_output.weight": "Q2_K"}
+KQUANT_MIX = {
+    "output.weight": "Q6_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_v.weight": "Q5_K",
+    "blk.1.ffn_up.weight": "Q3_K",
+    "blk.0.attn_output.weight": "Q2_K",
+}
 
 
-@pytest.mark.parametrize(("name", "weight_type", "tie", "architecture"), [
-    ("llama", "Q8_0", False, "LlamaForCausalLM"),
-    ("llama", "F16", False, "LlamaForCausalLM"),
-    ("qwen2", "Q8_0", False, "Qwen2ForCausalLM"),
-    ("qwen2", "Q8_0", True, "Qwen2ForCausalLM"),  # tied, as Qwen2.5-0.5B is
-    ("llama_hd64", "Q4_K", False, "LlamaForCausalLM"),  # with KQUANT_MIX
-])
-def test_greedy_equals_transformers_gguf_loading(tiny_checkpoints: TinyCheckpoints, files: Path, name: str,
-                                                 weight_type: str, tie: bool, architecture: str) -> None:
-    path = write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-{weight_type}-{tie}.gguf",
-                                 weight_type=weight_type, types=KQUANT_MIX if weight_type == "Q4_K" else None,
-                                 tie=tie, rope_scaling=False)  # transformers reads Qwen's vocab size off the tokens
+@pytest.mark.parametrize(
+    ("name", "weight_type", "tie", "architecture"),
+    [
+        ("llama", "Q8_0", False, "LlamaForCausalLM"),
+        ("llama", "F16", False, "LlamaForCausalLM"),
+        ("qwen2", "Q8_0", False, "Qwen2ForCausalLM"),
+        ("qwen2", "Q8_0", True, "Qwen2ForCausalLM"),  # tied, as Qwen2.5-0.5B is
+        ("llama_hd64", "Q4_K", False, "LlamaForCausalLM"),  # with KQUANT_MIX
+    ],
+)
+def test_greedy_equals_transformers_gguf_loading(
+    tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type: str, tie: bool, architecture: str
+) -> None:
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path(name),
+        files / f"{name}-{weight_type}-{tie}.gguf",
+        weight_type=weight_type,
+        types=KQUANT_MIX if weight_type == "Q4_K" else None,
+        tie=tie,
+        rope_scaling=False,
+    )  # transformers reads Qwen's vocab size off the tokens
     runner = _runner(path)
     assert runner.model_config.architecture == architecture
     assert runner.model_config.tie_word_embeddings is tie
@@ -93,16 +114,18 @@ def test_mistral_named_file_serves_as_mistral(tiny_checkpoints: TinyCheckpoints,
     Llama does, and the one-KV-head GQA and Q/K un-interleave are what is under test."""
     src = tiny_checkpoints.path("mistral")
     served = write_checkpoint_gguf(src, files / "mistral-Q8_0.gguf", weight_type="Q8_0", tokenizer=False)
-    as_llama = write_checkpoint_gguf(src, files / "mistral-as-llama-Q8_0.gguf", weight_type="Q8_0",
-                                     model_name="tiny", tokenizer=False)
+    as_llama = write_checkpoint_gguf(
+        src, files / "mistral-as-llama-Q8_0.gguf", weight_type="Q8_0", model_name="tiny", tokenizer=False
+    )
     runner = _runner(served)
     assert runner.model_config.architecture == "MistralForCausalLM" and runner.model_config.num_key_value_heads == 1
     _assert_same_generation(runner, _transformers_gguf(as_llama))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_metadata_transformers_ignores_matches_the_source_checkpoint(tiny_checkpoints: TinyCheckpoints, files: Path,
-                                                                     name: str) -> None:
+def test_metadata_transformers_ignores_matches_the_source_checkpoint(
+    tiny_checkpoints: TinyCheckpoints, files: Path, name: str
+) -> None:
     """Qwen2's linear RoPE scaling (rope.scaling.*) and Qwen3's head_dim 32 != hidden / heads
     (attention.key_length) reach our model. transformers' GGUF loader drops both, so the
     reference is the source checkpoint itself: an F32 file holds its weights exactly."""
@@ -115,21 +138,26 @@ def test_metadata_transformers_ignores_matches_the_source_checkpoint(tiny_checkp
 
 # mistral: its one KV head is replicated, so each rank un-interleaves the whole K
 @pytest.mark.parametrize(("name", "weight_type"), [("llama", "Q8_0"), ("mistral", "Q8_0"), ("llama_hd64", "Q4_K")])
-def test_tp2_shards_of_a_quantized_llama_file_reproduce_tp1(tiny_checkpoints: TinyCheckpoints, files: Path,
-                                                             thread_tp_group: ThreadTPGroup, name: str,
-                                                             weight_type: str) -> None:
+def test_tp2_shards_of_a_quantized_llama_file_reproduce_tp1(
+    tiny_checkpoints: TinyCheckpoints, files: Path, thread_tp_group: ThreadTPGroup, name: str, weight_type: str
+) -> None:
     """Each rank reads its head-aligned Q/K rows (un-interleaved per head) and its columns of the
     row-parallel weights straight from the quantized file (whole Q8_0 blocks; the 128-column
     halves of 256-wide K-quant rows take the dequantize-all path)."""
-    path = write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-tp-{weight_type}.gguf",
-                                 weight_type=weight_type, types=KQUANT_MIX if weight_type == "Q4_K" else None,
-                                 tokenizer=False)
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path(name),
+        files / f"{name}-tp-{weight_type}.gguf",
+        weight_type=weight_type,
+        types=KQUANT_MIX if weight_type == "Q4_K" else None,
+        tokenizer=False,
+    )
     reference = _runner(path)
     prompts = _prompts(reference.vocab_size)
     expected = [r.output_ids for r in Harness(reference).generate(prompts, NEW_TOKENS)]
     ranks = [_runner(path, tp_rank=r, tp_size=2) for r in range(2)]
     assert ranks[0].num_heads == reference.num_heads // 2
 
-    results = run_on_ranks(thread_tp_group, lambda rank: [
-        r.output_ids for r in Harness(ranks[rank]).generate(prompts, NEW_TOKENS)])
+    results = run_on_ranks(
+        thread_tp_group, lambda rank: [r.output_ids for r in Harness(ranks[rank]).generate(prompts, NEW_TOKENS)]
+    )
     assert results[0] == results[1] == expected

@@ -18,9 +18,9 @@ import pytest
 from runtime.checkpoints.gguf import prepare as prepare_module
 from runtime.checkpoints.gguf.prepare import GGUFIndex, is_gguf_folder, prepare_gguf
 from runtime.checkpoints.gguf.reader import GGUFError
+from runtime.checkpoints.model_source import checkpoint_folder, has_tokenizer
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.model_config import ModelConfig
-from runtime.checkpoints.model_source import checkpoint_folder, has_tokenizer
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
 
@@ -30,8 +30,11 @@ TEXTS = (
     "<|user|>\nspecial tokens stay whole</s>",
     "e\u0301te\u0301 caf\u00e9, x(brackets) abc123def I'm here's",  # decomposed accents: NFC or not
 )
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-            {"role": "assistant", "content": "4"}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +49,9 @@ def _prepared_folders(cache: Path) -> list[Path]:
     return sorted(p.parent for p in (cache / "gguf").glob("*/config.json"))
 
 
-def test_second_prepare_reuses_the_folder_without_parsing(tiny_checkpoints: TinyCheckpoints, tmp_path: Path,
-                                                          cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_prepare_reuses_the_folder_without_parsing(
+    tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "llama.gguf", tokenizer=False)
     first = prepare_gguf(path)
     assert is_gguf_folder(first) and first.parent == cache / "gguf"
@@ -102,8 +106,9 @@ def test_index_records_the_unpermute_rule(tiny_checkpoints: TinyCheckpoints, tmp
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # BOS added or not; GPT-2 or Qwen2 split regex
-def test_tokenizer_from_gguf_tokenizes_like_the_source(tiny_checkpoints: TinyCheckpoints, tmp_path: Path,
-                                                       name: str) -> None:
+def test_tokenizer_from_gguf_tokenizes_like_the_source(
+    tiny_checkpoints: TinyCheckpoints, tmp_path: Path, name: str
+) -> None:
     from transformers import AutoTokenizer
 
     src = tiny_checkpoints.path(name)
@@ -122,9 +127,12 @@ def test_tokenizer_from_gguf_tokenizes_like_the_source(tiny_checkpoints: TinyChe
         assert ours.decode(ids, skip_special_tokens=True) == source.decode(ids, skip_special_tokens=True)
         assert ours.decode(ids) == source.decode(ids)
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
-        source.bos_token_id, source.eos_token_id, source.pad_token_id)
+        source.bos_token_id,
+        source.eos_token_id,
+        source.pad_token_id,
+    )
     assert ours.chat_template == source.chat_template
-    assert (ours.apply_chat_template(MESSAGES, tokenize=False) == source.apply_chat_template(MESSAGES, tokenize=False))
+    assert ours.apply_chat_template(MESSAGES, tokenize=False) == source.apply_chat_template(MESSAGES, tokenize=False)
     assert ours.apply_chat_template(MESSAGES) == source.apply_chat_template(MESSAGES)
 
 
@@ -150,8 +158,8 @@ def test_launch_resolves_a_gguf_model_path(tiny_checkpoints: TinyCheckpoints, tm
     """launch.py prepares the file once, before any child starts; children get the folder, the
     API keeps the name the user gave; a weights-only file needs --tokenizer-path."""
     from launch import resolve_paths
-    from runtime.config.args import ServerArgs
     from runtime.checkpoints.model_source import ModelSourceError
+    from runtime.config.args import ServerArgs
 
     path = write_checkpoint_gguf(tiny_checkpoints.path("llama"), tmp_path / "llama.gguf")
     resolved = resolve_paths(ServerArgs(model_path=str(path)))

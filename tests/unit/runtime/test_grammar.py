@@ -15,44 +15,53 @@ import torch
 import xgrammar as xgr
 
 from runtime.engine.cpu.ops import CpuOps
-from runtime.text.grammar import GrammarBackend, GrammarError, RequestGrammar, allocate_bitmask, check_constraint
+from runtime.engine.ops.torch_ops import TorchOps
 from runtime.engine.sampling import penalties as pen
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from runtime.engine.sampling.sampler import Sampler
-from runtime.engine.ops.torch_ops import TorchOps
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
+from runtime.text.grammar import GrammarBackend, GrammarError, RequestGrammar, allocate_bitmask, check_constraint
 
 # A C++ source location as xgrammar's messages start: "[11:28:42] /project/cpp/regex_converter.cc:83: ".
 CXX_LOCATION = re.compile(r"\[[0-9:]+\]|\.cc:\d+|/project/")
 
 EMAIL = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 # ---- check_constraint -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,text", [
-    ("json_schema", json.dumps(PERSON)),
-    ("json_schema", '{"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}'),
-    ("regex", EMAIL),
-    ("regex", r"\d{1,3}(\.\d{1,3}){3}"),
-    ("ebnf", 'root ::= "yes" | "no"'),
-    ("ebnf", 'root ::= item ("," item)*\nitem ::= [a-z]+'),
-])
+@pytest.mark.parametrize(
+    "kind,text",
+    [
+        ("json_schema", json.dumps(PERSON)),
+        ("json_schema", '{"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}'),
+        ("regex", EMAIL),
+        ("regex", r"\d{1,3}(\.\d{1,3}){3}"),
+        ("ebnf", 'root ::= "yes" | "no"'),
+        ("ebnf", 'root ::= item ("," item)*\nitem ::= [a-z]+'),
+    ],
+)
 def test_check_constraint_accepts_valid(kind: str, text: str) -> None:
     check_constraint(kind, text)  # no exception
 
 
-@pytest.mark.parametrize("kind,text,name,detail", [
-    ("json_schema", '{"type": "objectx"}', "JSON schema", "objectx"),
-    ("json_schema", "{not json", "JSON schema", "not JSON"),
-    ("regex", "[a-z", "regular expression", "Unclosed '['"),
-    ("regex", "(ab", "regular expression", "parenthesis"),
-    ("ebnf", "root ::= undefined_rule", "EBNF grammar", "undefined_rule"),
-    ("ebnf", 'root ::= "unterminated', "EBNF grammar", "string literal"),
-])
+@pytest.mark.parametrize(
+    "kind,text,name,detail",
+    [
+        ("json_schema", '{"type": "objectx"}', "JSON schema", "objectx"),
+        ("json_schema", "{not json", "JSON schema", "not JSON"),
+        ("regex", "[a-z", "regular expression", "Unclosed '['"),
+        ("regex", "(ab", "regular expression", "parenthesis"),
+        ("ebnf", "root ::= undefined_rule", "EBNF grammar", "undefined_rule"),
+        ("ebnf", 'root ::= "unterminated', "EBNF grammar", "string literal"),
+    ],
+)
 def test_check_constraint_rejects_invalid(kind: str, text: str, name: str, detail: str) -> None:
     with pytest.raises(GrammarError) as ei:
         check_constraint(kind, text)
@@ -84,19 +93,23 @@ def test_json_schema_object_becomes_its_text() -> None:
     assert SamplingParams.from_dict({"json_schema": text}).json_schema == text
 
 
-@pytest.mark.parametrize("kind,text", [("regex", EMAIL), ("ebnf", 'root ::= "a"'),
-                                       ("json_schema", '{"type": "integer"}')])
+@pytest.mark.parametrize(
+    "kind,text", [("regex", EMAIL), ("ebnf", 'root ::= "a"'), ("json_schema", '{"type": "integer"}')]
+)
 def test_constraint_property(kind: str, text: str) -> None:
     assert SamplingParams.from_dict({kind: text}).constraint == (kind, text)
     assert SamplingParams.from_dict({}).constraint is None
 
 
-@pytest.mark.parametrize("given,second", [
-    ({"json_schema": '{"type": "string"}', "regex": "a+"}, "regex"),
-    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
-    ({"json_schema": PERSON, "ebnf": 'root ::= "a"'}, "ebnf"),
-    ({"json_schema": "{}", "regex": "a", "ebnf": 'root ::= "a"'}, "regex"),
-])
+@pytest.mark.parametrize(
+    "given,second",
+    [
+        ({"json_schema": '{"type": "string"}', "regex": "a+"}, "regex"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"json_schema": PERSON, "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"json_schema": "{}", "regex": "a", "ebnf": 'root ::= "a"'}, "regex"),
+    ],
+)
 def test_two_constraints_rejected_naming_the_second(given: dict[str, Any], second: str) -> None:
     with pytest.raises(SamplingParamsError) as ei:
         SamplingParams.from_dict(given)
@@ -200,13 +213,25 @@ class SpyOps(TorchOps):
         super().apply_token_bitmask(logits, bitmask, rows)
 
 
-def info_for(params: list[SamplingParams], vocab: int, mask: torch.Tensor | None = None,
-             mask_rows: list[int] | None = None, prompts: list[list[int]] | None = None,
-             outputs: list[list[int]] | None = None) -> SamplingBatchInfo:
+def info_for(
+    params: list[SamplingParams],
+    vocab: int,
+    mask: torch.Tensor | None = None,
+    mask_rows: list[int] | None = None,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> SamplingBatchInfo:
     bs = len(params)
-    return SamplingBatchInfo.from_requests(params, prompts or [[] for _ in range(bs)],
-                                           outputs or [[] for _ in range(bs)], vocab, [], "cpu",
-                                           vocab_mask=mask, vocab_mask_rows=mask_rows)
+    return SamplingBatchInfo.from_requests(
+        params,
+        prompts or [[] for _ in range(bs)],
+        outputs or [[] for _ in range(bs)],
+        vocab,
+        [],
+        "cpu",
+        vocab_mask=mask,
+        vocab_mask_rows=mask_rows,
+    )
 
 
 def test_greedy_with_mask_takes_best_allowed_token() -> None:
@@ -283,9 +308,11 @@ def test_penalties_do_not_resurrect_masked_tokens() -> None:
     logits = torch.tensor([[1.0, 2.0, -3.0, 0.5, 4.0, -1.0, 0.0, 1.5, -0.5, 0.2]] * 3)
     allowed = torch.ones(3, vocab, dtype=torch.bool)
     allowed[:, [4, 2]] = False  # the best logit (4) and a seen negative one (2)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=0.1),  # seen tokens x10 / /0.1
-              SamplingParams(temperature=0.0, frequency_penalty=-2.0, presence_penalty=-2.0),
-              SamplingParams(temperature=0.0)]  # free row of the same batch: unmasked, unpenalised
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=0.1),  # seen tokens x10 / /0.1
+        SamplingParams(temperature=0.0, frequency_penalty=-2.0, presence_penalty=-2.0),
+        SamplingParams(temperature=0.0),
+    ]  # free row of the same batch: unmasked, unpenalised
     history = [[2, 4, 4, 4], [2, 4, 4, 4], [2, 4]]
     mask = pack_bitmask(allowed)
     info = info_for(params, vocab, mask, [0, 1], prompts=[[] for _ in range(3)], outputs=history)
@@ -296,8 +323,9 @@ def test_penalties_do_not_resurrect_masked_tokens() -> None:
     seen = pen.token_presence([history[0]], vocab, torch.device("cpu"))
     want0 = pen.apply_repetition_penalty(logits[:1], seen, torch.tensor([[0.1]]))[0]
     counts = pen.token_counts([history[1]], vocab, torch.device("cpu"))
-    want1 = pen.apply_frequency_presence_penalties(logits[1:2], counts, torch.tensor([[-2.0]]),
-                                                   torch.tensor([[-2.0]]))[0]
+    want1 = pen.apply_frequency_presence_penalties(logits[1:2], counts, torch.tensor([[-2.0]]), torch.tensor([[-2.0]]))[
+        0
+    ]
     keep = allowed[0]
     assert torch.equal(adjusted[0, keep], want0[keep])
     assert torch.equal(adjusted[1, keep], want1[keep])
@@ -305,8 +333,11 @@ def test_penalties_do_not_resurrect_masked_tokens() -> None:
     # Without the mask the penalties would have made token 4 the choice of rows 0 and 1.
     unmasked = info_for(params, vocab, None, None, prompts=[[] for _ in range(3)], outputs=history)
     assert sampler(logits, unmasked).next_token_ids.tolist()[:2] == [4, 4]
-    assert sampler(logits, info).next_token_ids.tolist() == [int(want0.masked_fill(~keep, -1e9).argmax()),
-                                                            int(want1.masked_fill(~keep, -1e9).argmax()), 4]
+    assert sampler(logits, info).next_token_ids.tolist() == [
+        int(want0.masked_fill(~keep, -1e9).argmax()),
+        int(want1.masked_fill(~keep, -1e9).argmax()),
+        4,
+    ]
 
 
 def test_min_new_tokens_mask_stacks_with_grammar_mask() -> None:
@@ -315,8 +346,15 @@ def test_min_new_tokens_mask_stacks_with_grammar_mask() -> None:
     logits[0, eos], logits[0, 5], logits[0, 6] = 5.0, 3.0, 4.0
     allowed = torch.zeros(1, vocab, dtype=torch.bool)
     allowed[0, [5, eos]] = True
-    info = SamplingBatchInfo.from_requests([SamplingParams(temperature=0.0, min_new_tokens=2)], [[1]], [[]], vocab,
-                                           [eos], "cpu", vocab_mask=pack_bitmask(allowed))
+    info = SamplingBatchInfo.from_requests(
+        [SamplingParams(temperature=0.0, min_new_tokens=2)],
+        [[1]],
+        [[]],
+        vocab,
+        [eos],
+        "cpu",
+        vocab_mask=pack_bitmask(allowed),
+    )
     adjusted = Sampler().penalized_logits(logits, info)[0]
     assert torch.isneginf(adjusted[eos]) and torch.isneginf(adjusted[6])  # min_new_tokens, grammar
     assert Sampler()(logits, info).next_token_ids.tolist() == [5]
@@ -335,8 +373,9 @@ def test_grammar_that_allows_only_stop_overrides_min_new_tokens(temperature: flo
     allowed[0, eos] = True  # complete: only the stop token
     allowed[1, [5, eos]] = True  # may stop or go on
     params = [SamplingParams(temperature=temperature, min_new_tokens=4, seed=1)] * 3
-    info = SamplingBatchInfo.from_requests(params, [[1]] * 3, [[]] * 3, vocab, [eos], "cpu",
-                                           vocab_mask=pack_bitmask(allowed), vocab_mask_rows=[0, 1])
+    info = SamplingBatchInfo.from_requests(
+        params, [[1]] * 3, [[]] * 3, vocab, [eos], "cpu", vocab_mask=pack_bitmask(allowed), vocab_mask_rows=[0, 1]
+    )
     sampler = Sampler(generator=torch.Generator().manual_seed(0))
     for _ in range(20 if temperature else 1):
         assert sampler(logits, info).next_token_ids.tolist() == [eos, 5, 6]
@@ -405,8 +444,9 @@ def test_compile_error_names_kind_and_is_not_cached(backend: GrammarBackend) -> 
     assert backend.cached() == 0
 
 
-def test_matcher_accepts_valid_tokens_and_terminates_on_stop(backend: GrammarBackend, tokenizer: Any,
-                                                             vocab_size: int) -> None:
+def test_matcher_accepts_valid_tokens_and_terminates_on_stop(
+    backend: GrammarBackend, tokenizer: Any, vocab_size: int
+) -> None:
     grammar = RequestGrammar(backend.compile("regex", EMAIL))
     eos = tokenizer.eos_token_id
     assert eos not in allowed_ids(grammar, vocab_size)
@@ -422,8 +462,9 @@ def test_matcher_accepts_valid_tokens_and_terminates_on_stop(backend: GrammarBac
     assert not grammar.accept(tokens[0])  # nothing after the stop token
 
 
-def test_matcher_refuses_invalid_token_state_unchanged(backend: GrammarBackend, tokenizer: Any,
-                                                       vocab_size: int) -> None:
+def test_matcher_refuses_invalid_token_state_unchanged(
+    backend: GrammarBackend, tokenizer: Any, vocab_size: int
+) -> None:
     grammar = RequestGrammar(backend.compile("regex", EMAIL))
     (at,) = tokenizer.encode("@", add_special_tokens=False)
     eos = tokenizer.eos_token_id
@@ -519,10 +560,12 @@ CONTROL_CHARS = ["\t", "\x0e", "\x1f"]
 
 
 @pytest.mark.parametrize("char", CONTROL_CHARS, ids=repr)
-@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "pattern": "^.{1,8}$"}],
-                         ids=["unbounded", "pattern"])
-def test_json_string_refuses_control_characters(backend: GrammarBackend, tokenizer: Any, char: str,
-                                                string: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "string", [{"type": "string"}, {"type": "string", "pattern": "^.{1,8}$"}], ids=["unbounded", "pattern"]
+)
+def test_json_string_refuses_control_characters(
+    backend: GrammarBackend, tokenizer: Any, char: str, string: dict[str, Any]
+) -> None:
     """JSON (RFC 8259) strings cannot hold raw U+0000-U+001F: the grammar must refuse the token."""
     (token,) = tokenizer.encode(char, add_special_tokens=False)
     schema = {"type": "object", "properties": {"name": string}, "required": ["name"]}
@@ -532,8 +575,9 @@ def test_json_string_refuses_control_characters(backend: GrammarBackend, tokeniz
 
 
 @pytest.mark.parametrize("char", CONTROL_CHARS, ids=repr)
-def test_length_bounded_json_string_refuses_control_characters(backend: GrammarBackend, tokenizer: Any,
-                                                               char: str) -> None:
+def test_length_bounded_json_string_refuses_control_characters(
+    backend: GrammarBackend, tokenizer: Any, char: str
+) -> None:
     """xgrammar 0.2.8 alone compiles a minLength/maxLength string to [^"\\\r\n]{m,n}, which admits raw
     control characters (mlc-ai/xgrammar#800); ``bounded_strings`` gives such strings a pattern
     over the characters JSON allows raw."""
@@ -547,12 +591,16 @@ def test_bounded_strings_rewrites_only_length_bounded_string_schemas() -> None:
     strings with a pattern or format of their own, and unbounded strings keep theirs."""
     from runtime.text.grammar.backend import bounded_strings
 
-    schema = {"type": "object", "properties": {
-        "default": {"type": "string", "maxLength": 5},
-        "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}},
-        "code": {"type": "string", "maxLength": 4, "pattern": "^[A-Z]+$"},
-        "free": {"type": "string"}},
-        "default": {"type": "string", "maxLength": 1}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "default": {"type": "string", "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}},
+            "code": {"type": "string", "maxLength": 4, "pattern": "^[A-Z]+$"},
+            "free": {"type": "string"},
+        },
+        "default": {"type": "string", "maxLength": 1},
+    }
     out = bounded_strings(schema)
     assert out["properties"]["default"]["pattern"].endswith("{0,5}$")
     assert out["properties"]["tags"]["items"]["pattern"].endswith("{1,3}$")

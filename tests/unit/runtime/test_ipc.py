@@ -39,8 +39,14 @@ def test_round_trip_of_every_scheduler_input(endpoint: str) -> None:
     pull: PullSocket[object] = PullSocket(endpoint, SchedulerInput, bind=True)
     push: PushSocket[object] = PushSocket(endpoint, SchedulerInput, bind=False)
     msgs = [
-        TokenizedGenerateReq(rid="a", input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0.0, stop=["x"]),
-                             stream=True, return_logprob=True, top_logprobs_num=2),
+        TokenizedGenerateReq(
+            rid="a",
+            input_ids=[1, 2, 3],
+            sampling_params=SamplingParams(temperature=0.0, stop=["x"]),
+            stream=True,
+            return_logprob=True,
+            top_logprobs_num=2,
+        ),
         SchedAbortReq(rid="a"),
         SchedControlReq(rid="c", kind="server_info"),
     ]
@@ -61,11 +67,25 @@ def test_round_trip_of_every_scheduler_input(endpoint: str) -> None:
 
 
 def test_round_trip_of_detokenizer_and_tokenizer_inputs(endpoint: str) -> None:
-    out = ReqOutput(rid="r", new_output_ids=[5], finished=True, finish_reason={"type": "stop", "matched": 7},
-                    prompt_tokens=3, completion_tokens=1, output_logprobs=[-0.5], stop_strs=["ab"])
+    out = ReqOutput(
+        rid="r",
+        new_output_ids=[5],
+        finished=True,
+        finish_reason={"type": "stop", "matched": 7},
+        prompt_tokens=3,
+        completion_tokens=1,
+        output_logprobs=[-0.5],
+        stop_strs=["ab"],
+    )
     for union, msgs in (
-        (DetokenizerInput, [BatchTokenIDOut(outputs=[out]), SchedErrorOut(rid="r", code="too_long", message="m"),
-                            SchedControlOut(rid="c", kind="flush_cache", payload={"success": True})]),
+        (
+            DetokenizerInput,
+            [
+                BatchTokenIDOut(outputs=[out]),
+                SchedErrorOut(rid="r", code="too_long", message="m"),
+                SchedControlOut(rid="c", kind="flush_cache", payload={"success": True}),
+            ],
+        ),
         (TokenizerInput, [BatchStrOut(outputs=[StrOutput(rid="r", text_delta="é", new_output_ids=[5])])]),
     ):
         pull: PullSocket[object] = PullSocket(endpoint, union, bind=True)
@@ -153,6 +173,7 @@ def test_router_picks_a_free_port_and_reports_gone_clients() -> None:
 def test_router_send_queue_is_bounded_per_client(endpoint: str) -> None:
     """A client that does not read fills its own queue (ClientBusy: the reply is dropped);
     another client on the same ROUTER is still served."""
+
     async def main() -> int:
         ctx = zmq.asyncio.Context()
         router = AsyncRouter(ctx, endpoint, sndhwm=8)

@@ -27,8 +27,13 @@ SMOLLM2_CONTEXT = 8192
 
 
 def smollm2(mem_total: int, **flags: int | float | None) -> int:
-    return cpu_kv_pool_tokens(mem_total=mem_total, weight_bytes=SMOLLM2_WEIGHTS, per_token=SMOLLM2_PER_TOKEN,
-                              context_len=SMOLLM2_CONTEXT, **flags)  # type: ignore[arg-type]
+    return cpu_kv_pool_tokens(
+        mem_total=mem_total,
+        weight_bytes=SMOLLM2_WEIGHTS,
+        per_token=SMOLLM2_PER_TOKEN,
+        context_len=SMOLLM2_CONTEXT,
+        **flags,
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mem_total", [24 * GIB, 24_683_656 * 1024])  # nominal 24 GiB, and a real one's MemTotal
@@ -53,8 +58,9 @@ def test_a_small_machine_hits_the_share_of_ram() -> None:
     assert tokens == int((mem_total * CPU_DEFAULT_MEM_FRACTION - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN)
     assert tokens < 64 * 2048
     # Schedulers on one host (TP ranks x DP replicas) split the share.
-    assert smollm2(mem_total, ranks=2) == int((mem_total * CPU_DEFAULT_MEM_FRACTION / 2 - SMOLLM2_WEIGHTS)
-                                              // SMOLLM2_PER_TOKEN)
+    assert smollm2(mem_total, ranks=2) == int(
+        (mem_total * CPU_DEFAULT_MEM_FRACTION / 2 - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN
+    )
     with pytest.raises(RuntimeError, match="not enough memory"):
         smollm2(GIB // 2)  # the weights alone take more than the share
 
@@ -64,16 +70,25 @@ def test_flags_override() -> None:
     assert smollm2(GIB // 2, max_total_tokens=1000) == 1000  # as given, whatever the memory
     assert smollm2(24 * GIB, max_total_tokens=1001, page_size=16) == 992  # whole pages
     # An explicit share of MemTotal takes all of it (no cap by the work).
-    assert smollm2(512 * GIB, mem_fraction_static=0.1) == int((512 * GIB * 0.1 - SMOLLM2_WEIGHTS)
-                                                               // SMOLLM2_PER_TOKEN) > 64 * 4096
+    assert (
+        smollm2(512 * GIB, mem_fraction_static=0.1)
+        == int((512 * GIB * 0.1 - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN)
+        > 64 * 4096
+    )
     with pytest.raises(ValueError, match="max_total_tokens"):
         smollm2(24 * GIB, max_total_tokens=0)
 
 
 def test_kv_pool_tokens_warns_only_where_asked() -> None:
     warnings: list[tuple] = []
-    kv_pool_tokens(per_token=10, budget_bytes=1000, page_size=1, max_total_tokens=500, warn_over_budget=True,
-                   warn=lambda *a: warnings.append(a))
+    kv_pool_tokens(
+        per_token=10,
+        budget_bytes=1000,
+        page_size=1,
+        max_total_tokens=500,
+        warn_over_budget=True,
+        warn=lambda *a: warnings.append(a),
+    )
     kv_pool_tokens(per_token=10, budget_bytes=1000, page_size=1, max_total_tokens=500, warn=warnings.append)
     assert len(warnings) == 1
 
@@ -84,9 +99,9 @@ def _meminfo(tmp_path: Path, total_kb: int, available_kb: int) -> Path:
     return path
 
 
-def test_the_runner_pool_does_not_change_with_mem_available(tmp_path: Path, tiny_llama_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_the_runner_pool_does_not_change_with_mem_available(
+    tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import builtins
 
     real_open = builtins.open
@@ -109,28 +124,44 @@ def test_the_runner_pool_does_not_change_with_mem_available(tmp_path: Path, tiny
     assert pool.tokens == runner.max_total_tokens == CPU_PLANNED_RUNNING_REQUESTS * 512
     assert pool.full_length_requests == 64 and pool.context_len == 512
     assert pool.ram_bytes == 24 * GIB and pool.bytes == pool.tokens * runner.kv_bytes_per_token()
-    assert f"KV pool: {pool.tokens} tokens (" in caplog.text and "% of RAM): 64 full-length requests of 512 tokens" \
-        in caplog.text
+    assert (
+        f"KV pool: {pool.tokens} tokens (" in caplog.text
+        and "% of RAM): 64 full-length requests of 512 tokens" in caplog.text
+    )
 
 
 def test_kv_pool_figures_and_log_line() -> None:
-    pool = KVPoolSize(tokens=158696, context_len=8192, max_running_requests=512, bytes_per_token=92160,
-                      ram_bytes=24 * GIB)
+    pool = KVPoolSize(
+        tokens=158696, context_len=8192, max_running_requests=512, bytes_per_token=92160, ram_bytes=24 * GIB
+    )
     assert pool.full_length_requests == 19 and pool.bytes == 158696 * 92160
     assert pool.share_of_ram == pytest.approx(158696 * 92160 / (24 * GIB))
-    assert pool.log_line() == ("KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM): 19 full-length requests "
-                               "of 8192 tokens, 512 request slots")
+    assert pool.log_line() == (
+        "KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM): 19 full-length requests of 8192 tokens, 512 request slots"
+    )
     gpu = KVPoolSize(tokens=1000, context_len=100, max_running_requests=4, bytes_per_token=10)
     assert gpu.share_of_ram is None and "% of RAM" not in gpu.log_line()
-    assert gpu.info() == {"tokens": 1000, "bytes": 10000, "share_of_ram": None, "full_length_requests": 10,
-                          "context_len": 100, "max_running_requests": 4}
+    assert gpu.info() == {
+        "tokens": 1000,
+        "bytes": 10000,
+        "share_of_ram": None,
+        "full_length_requests": 10,
+        "context_len": 100,
+        "max_running_requests": 4,
+    }
 
 
 def test_dp_replicas_pools_add_up() -> None:
     a = KVPoolSize(1000, 100, 4, 10, 100_000).info()
     merged = merge_kv_pools([a, a])
-    assert merged == {"tokens": 2000, "bytes": 20000, "share_of_ram": pytest.approx(0.2),
-                      "full_length_requests": 20, "context_len": 100, "max_running_requests": 8}
+    assert merged == {
+        "tokens": 2000,
+        "bytes": 20000,
+        "share_of_ram": pytest.approx(0.2),
+        "full_length_requests": 20,
+        "context_len": 100,
+        "max_running_requests": 8,
+    }
     stub = KVPoolSize(1000, 100, 4).info()
     assert merge_kv_pools([a, stub])["bytes"] is None
 
@@ -140,8 +171,14 @@ def test_server_info_reports_the_pool(tiny_llama_path: Path) -> None:
     from scheduler_proc.scheduler import Scheduler
     from tests.support.stub_scheduler import stub_scheduler
 
-    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=2048,
-                         max_running_requests=8, load_progress=False)
+    runner = ModelRunner(
+        tiny_llama_path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        load_progress=False,
+    )
     sched = Scheduler(ServerArgs(max_total_tokens=2048, disable_overlap_schedule=True), model_runner=runner)
     info = sched.server_info()["kv_pool"]
     assert info == runner.kv_pool.info()

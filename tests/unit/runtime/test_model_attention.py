@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import random_prompt
-from tests.support.harness import Harness
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
-from runtime.engine.attention.registry import get_attention_backend_class, resolve_attention_backend_name
 from runtime.engine.attention.plan import TorchNativeMetadata
+from runtime.engine.attention.registry import get_attention_backend_class, resolve_attention_backend_name
 from runtime.engine.cpu import attention_fastpaths as torch_native
 from runtime.engine.cpu import decode_layers
 from runtime.engine.cpu.attention import CpuAttnBackend
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.model_runner import ModelRunner
+from tests.support.checkpoints import random_prompt
+from tests.support.harness import Harness
 
 H, HKV, D = 4, 2, 8
 
@@ -55,7 +55,12 @@ def _run(
         rtt.write(rows[i], 0, torch.tensor(mine))
         k_seq.append(torch.randn(n, HKV, D, generator=gen).to(dtype))
         v_seq.append(torch.randn(n, HKV, D, generator=gen).to(dtype))
-        pool.set_kv_buffer(0, torch.tensor(mine[: prefix_lens[i]], dtype=torch.int64), k_seq[i][: prefix_lens[i]], v_seq[i][: prefix_lens[i]])
+        pool.set_kv_buffer(
+            0,
+            torch.tensor(mine[: prefix_lens[i]], dtype=torch.int64),
+            k_seq[i][: prefix_lens[i]],
+            v_seq[i][: prefix_lens[i]],
+        )
         new_locs.extend(mine[prefix_lens[i] :])
     return _forward_and_check(mode, k_seq, v_seq, prefix_lens, extend_lens, rows, new_locs, pool, rtt, gen, dtype)
 
@@ -123,11 +128,14 @@ def test_decode_is_one_padded_group() -> None:
     assert len(meta.groups) == 1
 
 
-@pytest.mark.parametrize("mode,prefix_lens,extend_lens", [
-    (ForwardMode.DECODE, [3, 40, 1, 12, 7], [1, 1, 1, 1, 1]),  # padded one-token group (key bias)
-    (ForwardMode.EXTEND, [0, 0, 0, 0], [6, 6, 6, 6]),  # equal-length prompts: the matmul prefill path
-    (ForwardMode.MIXED, [10, 0, 33, 4], [1, 12, 1, 5]),
-])
+@pytest.mark.parametrize(
+    "mode,prefix_lens,extend_lens",
+    [
+        (ForwardMode.DECODE, [3, 40, 1, 12, 7], [1, 1, 1, 1, 1]),  # padded one-token group (key bias)
+        (ForwardMode.EXTEND, [0, 0, 0, 0], [6, 6, 6, 6]),  # equal-length prompts: the matmul prefill path
+        (ForwardMode.MIXED, [10, 0, 33, 4], [1, 12, 1, 5]),
+    ],
+)
 def test_bf16_paths_match_the_reference(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]) -> None:
     _run(mode, prefix_lens, extend_lens, dtype=torch.bfloat16)
 

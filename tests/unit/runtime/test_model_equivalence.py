@@ -12,10 +12,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
-from tests.support.harness import Harness
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
+from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
+from tests.support.harness import Harness
 
 NEW_TOKENS = 24
 BATCH_PROMPT_LENS = (1, 3, 7, 12, 20, 33, 47, 60)
@@ -39,7 +39,12 @@ class Reference:
 def runner_and_ref(tiny_checkpoint: tuple[str, Path]) -> Iterator[tuple[ModelRunner, Reference]]:
     _, path = tiny_checkpoint
     runner = ModelRunner(
-        path, device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=8192, load_progress=False
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=8192,
+        load_progress=False,
     )
     yield runner, Reference(load_hf_model(path))
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
+from runtime.engine.device import resolve_device, resolve_dtype
+from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
+from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup
-from runtime.engine.device import resolve_device, resolve_dtype
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
-from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
-from runtime.engine.model_runner import ModelRunner
-from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
 
 
 def _runner(path: Path, **kwargs) -> ModelRunner:
@@ -122,7 +122,9 @@ _BASE = {
 
 def test_old_style_rope_scaling_equals_rope_parameters(tmp_path: Path) -> None:
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
-    old = ModelConfig.from_dict({**_BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, tmp_path)
+    old = ModelConfig.from_dict(
+        {**_BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, tmp_path
+    )
     new = ModelConfig.from_dict(
         {**_BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}, tmp_path
     )
@@ -137,16 +139,30 @@ def test_config_switches(tmp_path: Path) -> None:
     qwen2 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32}, tmp_path)
     assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.context_len == 4096  # window off without use_sliding_window
     assert qwen2.sliding_window is None and not qwen2.is_hybrid_swa
-    hybrid = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
-                                    "use_sliding_window": True, "max_window_layers": 1}, tmp_path)
+    hybrid = ModelConfig.from_dict(
+        {
+            **_BASE,
+            "architectures": ["Qwen2ForCausalLM"],
+            "sliding_window": 32,
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+        },
+        tmp_path,
+    )
     assert hybrid.layer_windows == (None, 32) and hybrid.sliding_window == 32 and hybrid.is_hybrid_swa
     qwen3 = ModelConfig.from_dict({**_BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}, tmp_path)
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
-    mistral = ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path)
+    mistral = ModelConfig.from_dict(
+        {**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path
+    )
     assert mistral.context_len == 4096  # not capped at the window: windowed layers attend to their last 1024
     assert mistral.layer_windows == (1024,) * _BASE["num_hidden_layers"]
-    assert ModelConfig.from_dict({**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path,
-                                 context_length=1024).layer_windows == (None,) * _BASE["num_hidden_layers"]
+    assert (
+        ModelConfig.from_dict(
+            {**_BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, tmp_path, context_length=1024
+        ).layer_windows
+        == (None,) * _BASE["num_hidden_layers"]
+    )
     assert ModelConfig.from_dict(_BASE, tmp_path, context_length=100).context_len == 100
     with pytest.raises(ValueError, match="exceeds"):
         ModelConfig.from_dict(_BASE, tmp_path, context_length=5000)

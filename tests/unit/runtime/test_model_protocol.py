@@ -43,8 +43,7 @@ def test_an_unknown_family_is_refused_by_the_registry(tiny_checkpoints) -> None:
 
 
 def test_the_registry_imports_a_family_module_only_when_one_is_built() -> None:
-    code = ("import sys; import runtime.engine.models.registry as r; "
-            "print('runtime.engine.models.llama' in sys.modules)")
+    code = "import sys; import runtime.engine.models.registry as r; print('runtime.engine.models.llama' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -62,8 +61,9 @@ def test_the_hf_parser_and_the_gguf_builder_read_a_family_alike(name: str, tiny_
     for field in ("family", "architecture", "qkv_bias", "qk_norm", "hidden_act", "norm", "rope_style", "layer_windows"):
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     assert from_hf.qk_norm == family.qk_norm
-    assert from_hf.qkv_bias == (family.always_qkv_bias or bool(json.loads((src / "config.json").read_text())
-                                                               .get("attention_bias", False)))
+    assert from_hf.qkv_bias == (
+        family.always_qkv_bias or bool(json.loads((src / "config.json").read_text()).get("attention_bias", False))
+    )
 
 
 def test_the_table_names_each_architecture_once_and_finds_converted_mistral() -> None:
@@ -75,8 +75,9 @@ def test_the_table_names_each_architecture_once_and_finds_converted_mistral() ->
 
 
 @pytest.mark.parametrize(("key", "value", "what"), [("hidden_act", "gelu_pytorch_tanh", "hidden_act")])
-def test_a_layer_choice_the_layers_lack_is_refused_before_any_weight(key: str, value: str, what: str,
-                                                                      tiny_checkpoints) -> None:
+def test_a_layer_choice_the_layers_lack_is_refused_before_any_weight(
+    key: str, value: str, what: str, tiny_checkpoints
+) -> None:
     raw = json.loads((tiny_checkpoints.path("llama") / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match=f"unsupported {what} '{value}'; supported: silu, swish"):
         ModelConfig.from_dict({**raw, key: value}, tiny_checkpoints.path("llama"))
@@ -92,7 +93,8 @@ def test_the_runner_sizes_attention_from_the_models_attention_layers(tiny_checkp
     cfg = runner.model_config
     assert [s.layer_id for s in specs] == list(range(cfg.num_hidden_layers))
     assert {(s.num_heads, s.num_kv_heads, s.head_dim) for s in specs} == {
-        (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)}
+        (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    }
     assert (runner.num_heads, runner.num_kv_heads) == (specs[0].num_heads, specs[0].num_kv_heads)
 
 
@@ -109,8 +111,9 @@ class _Declared:
         assert weights is not None
         return [dataclasses.replace(w, **self.rewrite) for w in weights]
 
-    def run_layers(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any,
-                   backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.run_layers(rope, hidden, batch, backend)
 
 
@@ -124,8 +127,8 @@ def test_the_cpu_stack_takes_only_the_layer_choices_it_implements(tiny_checkpoin
 
 def test_a_model_without_stackable_layers_serves_through_its_layers(tiny_checkpoints) -> None:
     """``decode_weights() -> None`` (the protocol's default) costs nothing but the one-call path."""
-    from tests.support.harness import Harness
     from runtime.engine.forward_batch import ForwardMode
+    from tests.support.harness import Harness
 
     runner = _runner(tiny_checkpoints.path("llama"))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

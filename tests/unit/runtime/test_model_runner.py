@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import random_prompt
-from tests.support.harness import Harness
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
 from runtime.protocol.sampling_params import SamplingParams
+from tests.support.checkpoints import random_prompt
+from tests.support.harness import Harness
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import launch
 import runtime.checkpoints.gguf.prepare
 import runtime.checkpoints.model_source
 import runtime.checkpoints.tiny_model
-from runtime.config.args import ServerArgs
 from runtime.checkpoints.model_source import (
     DEFAULT_MODEL,
     SMOLLM2_INSTALL,
@@ -26,6 +25,7 @@ from runtime.checkpoints.model_source import (
     is_model_reference,
     smollm2_gguf_file,
 )
+from runtime.config.args import ServerArgs
 
 
 def test_missing_default_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,8 +102,9 @@ def test_launch_resolves_names_and_requires_a_tokenizer(monkeypatch: pytest.Monk
     assert chosen.served_model_name == "mine"
 
 
-def test_missing_wheel_stops_launch_before_any_child(monkeypatch: pytest.MonkeyPatch,
-                                                     capfd: pytest.CaptureFixture[str]) -> None:
+def test_missing_wheel_stops_launch_before_any_child(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     def not_installed() -> Path:
         raise ModelSourceError("the default model ... is not installed")
 
@@ -113,8 +114,9 @@ def test_missing_wheel_stops_launch_before_any_child(monkeypatch: pytest.MonkeyP
     assert "is not installed" in capfd.readouterr().err
 
 
-def test_unreadable_gguf_file_stops_launch_with_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          capfd: pytest.CaptureFixture[str]) -> None:
+def test_unreadable_gguf_file_stops_launch_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     """An OSError while preparing (a file without read permission, a full cache disk) is one
     line naming the file, not a traceback, and no child starts."""
     gguf_file = tmp_path / "locked.gguf"

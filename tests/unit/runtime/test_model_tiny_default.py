@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import Harness
 from runtime.checkpoints import model_cache, tiny_model
 from runtime.engine.model_runner import ModelRunner
+from tests.support.harness import Harness
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -16,12 +16,12 @@ from runtime.engine.attention.registry import get_attention_backend_class
 from runtime.engine.cpu import attention as cpu_attention
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.ops import CpuOps
+from runtime.engine.cuda.ops import TritonOps
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import RopeConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops import OPS_ENV, TorchOps, get_ops
-from runtime.engine.cuda.ops import TritonOps
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -41,7 +41,10 @@ def test_the_seam_picks_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> 
 def test_torch_native_is_the_cpu_wing_only_on_cpu() -> None:
     assert get_attention_backend_class("torch_native", torch.device("cpu")) is cpu_attention.CpuAttnBackend
     assert get_attention_backend_class("torch_native", torch.device("cuda")) is torch_native.TorchNativeAttnBackend
-    assert not torch_native.TorchNativeAttnBackend.plan_cascade and torch_native.TorchNativeAttnBackend.kv_copy_fraction == 0
+    assert (
+        not torch_native.TorchNativeAttnBackend.plan_cascade
+        and torch_native.TorchNativeAttnBackend.kv_copy_fraction == 0
+    )
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
@@ -75,7 +78,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32])
-def test_cpu_ops_take_the_c_kernels_exactly_where_they_apply(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_ops_take_the_c_kernels_exactly_where_they_apply(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 and fp32 both go through the C kernels, and CpuOps equals the plain torch ops: in
     fp32 RMSNorm and rotary bit for bit, silu*mul within a few ulp; bf16 within its rounding."""
     assert cpu_kernels.available()
@@ -96,7 +101,9 @@ def test_cpu_ops_take_the_c_kernels_exactly_where_they_apply(dtype: torch.dtype,
     qkv = torch.randn(5, 8 * 64, generator=gen).to(dtype)
     q, k = qkv[:, : 4 * 64].view(5, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(5, 2, 64)
     want = qkv.clone()
-    ref.rotary_(want[:, : 4 * 64].view(5, 4, 64), want[:, 4 * 64 : 6 * 64].view(5, 2, 64), ref.rope(cache, positions, dtype))
+    ref.rotary_(
+        want[:, : 4 * 64].view(5, 4, 64), want[:, 4 * 64 : 6 * 64].view(5, 2, 64), ref.rope(cache, positions, dtype)
+    )
     ops.rotary_(q, k, ops.rope(cache, positions, dtype))
     assert torch.equal(qkv, want)  # the C rotary is bit-identical to torch's
     logits = torch.randn(4, 300, generator=gen)
@@ -141,9 +148,12 @@ def test_plain_torch_backend_matches_the_reference(dtype: torch.dtype, monkeypat
     monkeypatch.setattr(test_model_attention, "CpuAttnBackend", torch_native.TorchNativeAttnBackend)
     run = test_model_attention._run
     shared = CASCADE_MIN_PREFIX + 4
-    for mode, prefix, ext in ((ForwardMode.EXTEND, [0, 5, 0], [9, 3, 1]), (ForwardMode.EXTEND, [0, 0], [6, 6]),
-                              (ForwardMode.DECODE, [12, 3, 7, 12], [1, 1, 1, 1]),
-                              (ForwardMode.DECODE, [shared] * 3, [1, 1, 1]),
-                              (ForwardMode.MIXED, [4, 0, 11], [4, 1, 2])):
+    for mode, prefix, ext in (
+        (ForwardMode.EXTEND, [0, 5, 0], [9, 3, 1]),
+        (ForwardMode.EXTEND, [0, 0], [6, 6]),
+        (ForwardMode.DECODE, [12, 3, 7, 12], [1, 1, 1, 1]),
+        (ForwardMode.DECODE, [shared] * 3, [1, 1, 1]),
+        (ForwardMode.MIXED, [4, 0, 11], [4, 1, 2]),
+    ):
         meta = run(mode, prefix, ext, dtype=dtype)
         assert all(type(g) is AttnGroup and g.shared_loc is None for g in meta.groups)  # no CPU plan fields

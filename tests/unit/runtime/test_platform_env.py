@@ -43,9 +43,11 @@ def test_the_launcher_sets_the_cpu_defaults_without_importing_torch() -> None:
     parsing the flags and applying the defaults for --device cpu leaves torch unimported (its
     import held a core for seconds before any child could start)."""
     assert CPU_PLATFORM.process_env is CPU_OPENMP_ENV
-    probe = ("import sys, launch; from runtime.config.args import ServerArgs; "
-             "args = ServerArgs.from_cli(['--device', 'cpu']); applied = launch.apply_platform_env(args); "
-             "print(sorted(applied), 'torch' in sys.modules)")
+    probe = (
+        "import sys, launch; from runtime.config.args import ServerArgs; "
+        "args = ServerArgs.from_cli(['--device', 'cpu']); applied = launch.apply_platform_env(args); "
+        "print(sorted(applied), 'torch' in sys.modules)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in dict(CPU_OPENMP_ENV)}
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['GOMP_SPINCOUNT',", "'OMP_WAIT_POLICY']", "False"], out.stdout + out.stderr

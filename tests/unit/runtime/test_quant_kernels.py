@@ -35,10 +35,13 @@ def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.
 
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
-@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 32), (3, 9, 96), (5, 61, 544),
-                                                                  (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)])
-def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int, out_features: int,
-                                                         in_features: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 37, 32), (3, 9, 96), (5, 61, 544), (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)],
+)
+def test_kernel_within_the_activation_quantization_bound(
+    layout: str, rows: int, out_features: int, in_features: int
+) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     weight = _random_weight(layout, out_features, in_features, gen)
     x = torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
@@ -57,9 +60,11 @@ def test_kernel_within_the_activation_quantization_bound(layout: str, rows: int,
 
 def _double(weight: QuantizedWeight) -> QuantizedWeight:
     """A stand-in whose ``dequantize`` is in float64 (for the float64 reference)."""
+
     class Double(QuantizedWeight):
         def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return super().dequantize(rows, torch.float64)
+
     return Double(weight.kind, weight.source, weight.shape, weight.qs, weight.scales, weight.mins, weight.group)
 
 
@@ -96,7 +101,7 @@ def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.G
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
     fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
     for at in fields:
-        raw[..., at: at + 2] = (rng.random(raw.shape[:2]) * 0.05 + 1e-3).astype(np.float16)[..., None].view(np.uint8)
+        raw[..., at : at + 2] = (rng.random(raw.shape[:2]) * 0.05 + 1e-3).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -110,8 +115,13 @@ def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
     assert torch.equal(ours.dequantize(), want)
     assert torch.equal(ours.dequantize(torch.tensor([3, 1])), want[[3, 1]])  # the rows an embedding looks up
-    per_value = {"Q8_0": 1 + 4 / 32, "Q4_0": 0.5 + 8 / 32, "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32,
-                 "Q6_K": 1 + 4 / 16}[type_name]
+    per_value = {
+        "Q8_0": 1 + 4 / 32,
+        "Q4_0": 0.5 + 8 / 32,
+        "Q4_1": 0.5 + 8 / 32,
+        "Q4_K": 0.5 + 8 / 32,
+        "Q6_K": 1 + 4 / 16,
+    }[type_name]
     assert ours.nbytes() == int(5 * 512 * per_value)
 
 

@@ -41,18 +41,27 @@ def _runner(path: Path, **kwargs: Any) -> ModelRunner:
 
 def _weights(runner: ModelRunner) -> dict[str, Any]:
     """Every linear's and the embedding's weight, by module name."""
-    return {name: module.weight for name, module in runner.model.named_modules()
-            if isinstance(module, (LinearWeightLayer, VocabParallelEmbedding))}
+    return {
+        name: module.weight
+        for name, module in runner.model.named_modules()
+        if isinstance(module, (LinearWeightLayer, VocabParallelEmbedding))
+    }
 
 
 def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type: str, **kwargs: Any) -> Path:
-    return write_checkpoint_gguf(tiny_checkpoints.path(name), files / f"{name}-{weight_type}.gguf",
-                                 weight_type=weight_type, tokenizer=False, **kwargs)
+    return write_checkpoint_gguf(
+        tiny_checkpoints.path(name),
+        files / f"{name}-{weight_type}.gguf",
+        weight_type=weight_type,
+        tokenizer=False,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize(("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False)])
-def test_gguf_weights_stay_in_their_blocks_with_the_files_values(tiny_checkpoints: TinyCheckpoints, files: Path,
-                                                                weight_type: str, tie: bool) -> None:
+def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
+    tiny_checkpoints: TinyCheckpoints, files: Path, weight_type: str, tie: bool
+) -> None:
     """The real model's mix: Q4_1 linears and a Q8_0 token embedding, tied to the LM head."""
     types = {"token_embd.weight": "Q8_0"} if tie else None
     path = _gguf(tiny_checkpoints, files, "llama", weight_type, tie=tie, types=types)
@@ -92,8 +101,9 @@ def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints
 
 
 @pytest.mark.parametrize("source", ["gguf", "int8", "int8-of-gguf"])
-def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpoints: TinyCheckpoints,
-                                                                    files: Path, source: str) -> None:
+def test_every_linear_within_the_bound_of_its_dequantized_reference(
+    tiny_checkpoints: TinyCheckpoints, files: Path, source: str
+) -> None:
     if source == "int8":
         runner = _runner(tiny_checkpoints.path("qwen2"), quantization="int8")  # safetensors
     else:  # a GGUF file's blocks kept, or its dequantized values made int8
@@ -114,15 +124,22 @@ def test_every_linear_within_the_bound_of_its_dequantized_reference(tiny_checkpo
     assert checked == expected
     if source != "gguf":  # SGLang's w8a8_int8: the embedding and LM head stay dense
         assert isinstance(runner.model.lm_head.weight, torch.Tensor)
-        assert all(w.source == "int8" and w.group == w.shape[1] for w in _weights(runner).values()
-                   if isinstance(w, QuantizedWeight))
+        assert all(
+            w.source == "int8" and w.group == w.shape[1]
+            for w in _weights(runner).values()
+            if isinstance(w, QuantizedWeight)
+        )
 
 
-@pytest.mark.skipif(not attention_kernels_f32.applies(), reason="needs a CPU with AVX2 and FMA (or AVX-512) "
-                    "and the kernels' vector build: the fp32 call's attention is its kernels")
+@pytest.mark.skipif(
+    not attention_kernels_f32.applies(),
+    reason="needs a CPU with AVX2 and FMA (or AVX-512) "
+    "and the kernels' vector build: the fp32 call's attention is its kernels",
+)
 @pytest.mark.parametrize("source", ["gguf", "int8"])
-def test_one_call_decode_equals_the_layers_bit_for_bit(tiny_checkpoints: TinyCheckpoints, files: Path,
-                                                       source: str, calls: list[bool]) -> None:
+def test_one_call_decode_equals_the_layers_bit_for_bit(
+    tiny_checkpoints: TinyCheckpoints, files: Path, source: str, calls: list[bool]
+) -> None:
     if source == "gguf":
         runner = _runner(_gguf(tiny_checkpoints, files, "llama", "Q4_1"), quantization="gguf")
     else:

@@ -222,9 +222,7 @@ def test_truncation_matches_transformers_warpers() -> None:
 # ---- per-request seeds ------------------------------------------------------------------
 
 
-def _run_steps(
-    seeded_row: int, others: list[SamplingParams], steps: int, torch_seed: int, device: str
-) -> list[int]:
+def _run_steps(seeded_row: int, others: list[SamplingParams], steps: int, torch_seed: int, device: str) -> list[int]:
     """Decode ``steps`` steps of one seeded request placed at ``seeded_row`` among ``others``."""
     vocab = 64
     target = SamplingParams(seed=1234, temperature=1.0, top_p=0.97, top_k=50)
@@ -318,9 +316,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     got = Sampler().penalized_logits(logits, make_info(params, vocab, prompts, outputs))
     for i in range(3):
         ids = torch.tensor([prompts[i] + outputs[i]])
-        want = RepetitionPenaltyLogitsProcessor(penalty=params[i].repetition_penalty)(
-            ids, logits[i : i + 1].clone()
-        )
+        want = RepetitionPenaltyLogitsProcessor(penalty=params[i].repetition_penalty)(ids, logits[i : i + 1].clone())
         torch.testing.assert_close(got[i : i + 1], want)
 
 
@@ -408,8 +404,9 @@ def test_min_new_tokens_gives_way_to_a_complete_grammar() -> None:
     bitmask = torch.tensor([[1 << eos], [(1 << eos) | (1 << 3)], [0]], dtype=torch.int32)
     for rows in ([0, 1], None):  # a batch with an unconstrained row, and one of constrained rows only
         n = 3 if rows else 2
-        info = SamplingBatchInfo.from_requests(params[:n], [[]] * n, [[4]] * n, vocab, [eos], "cpu",
-                                               vocab_mask=bitmask[:n], vocab_mask_rows=rows)
+        info = SamplingBatchInfo.from_requests(
+            params[:n], [[]] * n, [[4]] * n, vocab, [eos], "cpu", vocab_mask=bitmask[:n], vocab_mask_rows=rows
+        )
         got = seeded_sampler()(logits[:n], info).next_token_ids.tolist()
         assert got[:2] == [eos, 3]
         if rows:
@@ -495,8 +492,10 @@ def test_bias_comes_before_penalties_and_min_new_tokens() -> None:
     logits = torch.zeros(2, vocab)
     logits[:, 3] = 1.0
     # Repetition penalty 2 on a seen token: (1 + 3) / 2 = 2 (bias first), not 1 / 2 + 3 = 3.5.
-    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={"3": 3.0}),
-              SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias={str(eos): 100.0})]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={"3": 3.0}),
+        SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias={str(eos): 100.0}),
+    ]
     info = make_info(params, vocab, prompts=[[3], [1]], outputs=[[], []], eos=[eos])
     adjusted = Sampler().penalized_logits(logits, info)
     assert adjusted[0, 3].item() == pytest.approx(2.0)
@@ -512,8 +511,10 @@ def test_bias_keeps_logprobs_raw_and_drops_ids_past_the_vocab() -> None:
     logits[:, vocab:] = 50.0
     target = int(logits[0, :vocab].argmin())
     # Unvalidated params may name an id past the vocabulary: it is dropped, never indexed.
-    params = [SamplingParams(temperature=0.0, logit_bias={str(target): 100.0, str(vocab + 1): 100.0}),
-              SamplingParams(temperature=0.0, logit_bias={str(vocab): 100.0})]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={str(target): 100.0, str(vocab + 1): 100.0}),
+        SamplingParams(temperature=0.0, logit_bias={str(vocab): 100.0}),
+    ]
     info = make_info(params, vocab)
     out = Sampler()(logits, info, return_logprob=True, top_logprobs_num=2)
     raw = torch.log_softmax(logits[:, :vocab], dim=-1)

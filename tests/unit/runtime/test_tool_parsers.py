@@ -54,94 +54,192 @@ CASES: list[tuple[str, str, str, list[ToolCall]]] = [
     ("hermes", "Let me check.\n" + HERMES_CALL_PARIS, "Let me check.\n", [W_PARIS]),
     ("hermes", HERMES_CALL_PARIS + "\n\n" + HERMES_CALL_PARIS + "\n", "", [W_PARIS, W_PARIS]),
     ("hermes", HERMES_CALL_PARIS + "\nDone: it is sunny.", "\nDone: it is sunny.", [W_PARIS]),
-    ("hermes", 'Before<tool_call>{"name":"noop","arguments":{}}</tool_call>mid\n'
-               '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n',
-     "Beforemid\n", [NOOP, W_PARIS]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "note": "東京 ☂"}}\n'
-               '</tool_call>', "", [W_ZURICH]),
-    ("hermes", '<tool_call>\n{"name": "search", "arguments": {"q": "a } b { c", "opts": {"k": [1, {"x": null}],'
-               ' "deep": {"e": true}}}}\n</tool_call>', "", [SEARCH_NESTED]),
-    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "</tool_call> and <tool_call>"}}</tool_call>',
-     "", [SEARCH_TAG]),
-    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "a \\"quoted\\" } brace"}}</tool_call>',
-     "", [ToolCall("search", '{"q": "a \\"quoted\\" } brace"}')]),
+    (
+        "hermes",
+        'Before<tool_call>{"name":"noop","arguments":{}}</tool_call>mid\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n',
+        "Beforemid\n",
+        [NOOP, W_PARIS],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "note": "東京 ☂"}}\n</tool_call>',
+        "",
+        [W_ZURICH],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "search", "arguments": {"q": "a } b { c", "opts": {"k": [1, {"x": null}],'
+        ' "deep": {"e": true}}}}\n</tool_call>',
+        "",
+        [SEARCH_NESTED],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "search", "arguments": {"q": "</tool_call> and <tool_call>"}}</tool_call>',
+        "",
+        [SEARCH_TAG],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "search", "arguments": {"q": "a \\"quoted\\" } brace"}}</tool_call>',
+        "",
+        [ToolCall("search", '{"q": "a \\"quoted\\" } brace"}')],
+    ),
     # a string ending in an escaped backslash: its closing quote is not escaped
-    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "C:\\\\", "r": "}"}}</tool_call>',
-     "", [ToolCall("search", '{"q": "C:\\\\", "r": "}"}')]),
+    (
+        "hermes",
+        '<tool_call>{"name": "search", "arguments": {"q": "C:\\\\", "r": "}"}}</tool_call>',
+        "",
+        [ToolCall("search", '{"q": "C:\\\\", "r": "}"}')],
+    ),
     # missing "arguments" means no arguments
     ("hermes", '<tool_call>{"name": "noop"}</tool_call>', "", [NOOP]),
     # unterminated at EOS: the JSON alone decides
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "Sure.\n",
-     [W_PARIS]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', '<tool_call>\n{"name": '
-     '"get_weather", "arguments": {"city": "Par', []),
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "Sure.\n", [W_PARIS]),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        [],
+    ),
     ("hermes", "<tool_call>", "<tool_call>", []),
     ("hermes", "text <tool_call>\n", "text <tool_call>\n", []),
-    ("hermes", '<tool_call>{"name": "noop", "arguments": {}} trailing', '<tool_call>{"name": "noop", '
-     '"arguments": {}} trailing', []),
-    ("hermes", '<tool_call>{"name": "noop", "arguments": {}}</tool_', '<tool_call>{"name": "noop", '
-     '"arguments": {}}</tool_', []),
+    (
+        "hermes",
+        '<tool_call>{"name": "noop", "arguments": {}} trailing',
+        '<tool_call>{"name": "noop", "arguments": {}} trailing',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "noop", "arguments": {}}</tool_',
+        '<tool_call>{"name": "noop", "arguments": {}}</tool_',
+        [],
+    ),
     # malformed blocks stay verbatim; the good ones around them are still calls
     ("hermes", HERMES_BAD_JSON, HERMES_BAD_JSON, []),
     ("hermes", HERMES_BAD_JSON + "\n" + HERMES_CALL_PARIS, HERMES_BAD_JSON + "\n", [W_PARIS]),
     ("hermes", HERMES_CALL_PARIS + "\n" + HERMES_BAD_JSON, "\n" + HERMES_BAD_JSON, [W_PARIS]),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-    ("hermes", '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
-     '<tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
-    ("hermes", '<tool_call>{"name": "noop", "arguments": "{}"}</tool_call>',
-     '<tool_call>{"name": "noop", "arguments": "{}"}</tool_call>', []),
+    (
+        "hermes",
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "noop", "arguments": "{}"}</tool_call>',
+        '<tool_call>{"name": "noop", "arguments": "{}"}</tool_call>',
+        [],
+    ),
     ("hermes", '<tool_call>["noop"]</tool_call>', '<tool_call>["noop"]</tool_call>', []),
-    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
-     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
-    ("hermes", '<tool_call>{"name": "noop", "arguments": {}</tool_call> then\n' + HERMES_CALL_PARIS,
-     '<tool_call>{"name": "noop", "arguments": {}</tool_call> then\n', [W_PARIS]),
+    (
+        "hermes",
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "noop", "arguments": {}</tool_call> then\n' + HERMES_CALL_PARIS,
+        '<tool_call>{"name": "noop", "arguments": {}</tool_call> then\n',
+        [W_PARIS],
+    ),
     # -- llama3 ------------------------------------------------------------------------
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [W_PARIS]),
     ("llama3", '\n <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}\n', "", [W_PARIS]),
     ("llama3", '{"name": "get_weather", "arguments": {"city": "Zürich", "note": "東京 ☂"}}', "", [W_ZURICH]),
-    ("llama3", '<|python_tag|>{"name": "noop", "parameters": {}}; {"name": "get_weather", "parameters": '
-               '{"city": "Paris"}};', "", [NOOP, W_PARIS]),
-    ("llama3", '{"name": "search", "parameters": {"q": "a } b { c", "opts": {"k": [1, {"x": null}], '
-               '"deep": {"e": true}}}}', "", [SEARCH_NESTED]),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "noop", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Paris"}};',
+        "",
+        [NOOP, W_PARIS],
+    ),
+    (
+        "llama3",
+        '{"name": "search", "parameters": {"q": "a } b { c", "opts": {"k": [1, {"x": null}], "deep": {"e": true}}}}',
+        "",
+        [SEARCH_NESTED],
+    ),
     ("llama3", "It is sunny in Paris.", "It is sunny in Paris.", []),
     ("llama3", "", "", []),
     ("llama3", " \n", " \n", []),
     ("llama3", '<|python_tag|>print("hi")', '<|python_tag|>print("hi")', []),
     ("llama3", "<|python_tag|>", "<|python_tag|>", []),
     ("llama3", "<|python", "<|python", []),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call.',
-     '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call.', []),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call.',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call.',
+        [],
+    ),
     ("llama3", 'Call: {"name": "noop", "parameters": {}}', 'Call: {"name": "noop", "parameters": {}}', []),
-    ("llama3", '{"name": "noop", "parameters": {}}; {"name": "rm_rf", "parameters": {}}',
-     '{"name": "noop", "parameters": {}}; {"name": "rm_rf", "parameters": {}}', []),
+    (
+        "llama3",
+        '{"name": "noop", "parameters": {}}; {"name": "rm_rf", "parameters": {}}',
+        '{"name": "noop", "parameters": {}}; {"name": "rm_rf", "parameters": {}}',
+        [],
+    ),
     ("llama3", '{"name": "noop", "parameters": {}', '{"name": "noop", "parameters": {}', []),
     ("llama3", '{"name": "noop", "parameters": []}', '{"name": "noop", "parameters": []}', []),
     ("llama3", '{"city": "Paris"}', '{"city": "Paris"}', []),
     # -- mistral -----------------------------------------------------------------------
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [W_PARIS]),
-    ("mistral", '[TOOL_CALLS][{"name": "noop", "arguments": {}}, {"name": "get_weather", "arguments": '
-                '{"city": "Zürich", "note": "東京 ☂"}}]', "", [NOOP, W_ZURICH]),
-    ("mistral", 'Checking.\n[TOOL_CALLS] [{"name": "search", "arguments": {"q": "a } b { c", "opts": '
-                '{"k": [1, {"x": null}], "deep": {"e": true}}}}]\n', "Checking.\n", [SEARCH_NESTED]),
-    ("mistral", '[TOOL_CALLS] [{"name": "search", "arguments": {"q": "]} [TOOL_CALLS] ["}}]', "",
-     [call("search", {"q": "]} [TOOL_CALLS] ["})]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "noop", "arguments": {}}, {"name": "get_weather", "arguments": '
+        '{"city": "Zürich", "note": "東京 ☂"}}]',
+        "",
+        [NOOP, W_ZURICH],
+    ),
+    (
+        "mistral",
+        'Checking.\n[TOOL_CALLS] [{"name": "search", "arguments": {"q": "a } b { c", "opts": '
+        '{"k": [1, {"x": null}], "deep": {"e": true}}}}]\n',
+        "Checking.\n",
+        [SEARCH_NESTED],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "search", "arguments": {"q": "]} [TOOL_CALLS] ["}}]',
+        "",
+        [call("search", {"q": "]} [TOOL_CALLS] ["})],
+    ),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [W_PARIS]),
-    ("mistral", '[TOOL_CALLS]noop[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "note": "東京 ☂"}',
-     "", [NOOP, W_ZURICH]),
+    (
+        "mistral",
+        '[TOOL_CALLS]noop[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "note": "東京 ☂"}',
+        "",
+        [NOOP, W_ZURICH],
+    ),
     ("mistral", "No tools needed [TOOL] here [", "No tools needed [TOOL] here [", []),
     ("mistral", "", "", []),
     ("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", []),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par',
-     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par', []),
-    ("mistral", '[TOOL_CALLS] [{"name": "noop", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]',
-     '[TOOL_CALLS] [{"name": "noop", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]', []),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par',
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par',
+        [],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "noop", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]',
+        '[TOOL_CALLS] [{"name": "noop", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]',
+        [],
+    ),
     ("mistral", "[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
     ("mistral", "[TOOL_CALLS] [not json]", "[TOOL_CALLS] [not json]", []),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]oops", "[TOOL_CALLS]get_weather[ARGS]oops", []),
     ("mistral", "[TOOL_CALLS]get weather", "[TOOL_CALLS]get weather", []),
     ("mistral", "[TOOL_CALLS]get_weather[ARG", "[TOOL_CALLS]get_weather[ARG", []),
-    ("mistral", '[TOOL_CALLS] [{"name": "bad"}] and [TOOL_CALLS] [{"name": "noop"}]',
-     '[TOOL_CALLS] [{"name": "bad"}] and ', [NOOP]),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "bad"}] and [TOOL_CALLS] [{"name": "noop"}]',
+        '[TOOL_CALLS] [{"name": "bad"}] and ',
+        [NOOP],
+    ),
 ]
 
 
@@ -269,5 +367,5 @@ def test_long_call_streams_in_linear_time(fmt: str) -> None:
         "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "search", "arguments": args}]),
     }[fmt]
     started = time.perf_counter()
-    assert stream(fmt, [text[i:i + 2] for i in range(0, len(text), 2)]) == ("", [call("search", args)])
+    assert stream(fmt, [text[i : i + 2] for i in range(0, len(text), 2)]) == ("", [call("search", args)])
     assert time.perf_counter() - started < 2.0

@@ -25,9 +25,6 @@ from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa:
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
-from tests.support.checkpoints import random_prompt  # noqa: E402
-from tests.support.harness import Harness  # noqa: E402
-from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 from memory.kv_pool import MHATokenToKVPool  # noqa: E402
 from memory.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from runtime.engine.attention.base import AttentionLayerSpec  # noqa: E402
@@ -37,8 +34,11 @@ from runtime.engine.cuda.attention import TritonAttnBackend, TritonAttnMetadata 
 from runtime.engine.cuda.attention_kernels import decode_attention as decode_mod  # noqa: E402
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from runtime.engine.model_runner import ModelRunner  # noqa: E402
+from tests.support import REPO_ROOT  # noqa: E402
+from tests.support.checkpoints import random_prompt  # noqa: E402
+from tests.support.harness import Harness  # noqa: E402
+from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
-from tests.support import REPO_ROOT
 NUM_LAYERS = 2
 LAYER = 1  # not layer 0: the backend must write and read the layer it is given
 
@@ -109,7 +109,12 @@ class PagedRequests:
     ids=["mha-d64-page1", "gqa4-d80-page16-splitk", "window7-page1", "window11-page16-splitk"],
 )
 def test_backend_matches_torch_native_on_shared_pools(
-    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, sm_count: int | None, window: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    sm_count: int | None,
+    window: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if sm_count is not None:  # plan decode as on a GPU with this many SMs: real split-K
@@ -119,7 +124,9 @@ def test_backend_matches_torch_native_on_shared_pools(
     pool = MHATokenToKVPool(num_pages * page_size, page_size, torch.float32, NUM_LAYERS, num_kv_heads, head_dim, "cpu")
     reqs = PagedRequests(pool, ReqToTokenPool(8, 256, "cpu"), gen)
     layer = AttentionLayerSpec(LAYER, num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
-    runner = type("RunnerView", (), {"device": torch.device("cpu"), "num_heads": num_heads, "num_kv_heads": num_kv_heads})
+    runner = type(
+        "RunnerView", (), {"device": torch.device("cpu"), "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    )
     triton_backend, native = TritonAttnBackend(runner), TorchNativeAttnBackend(runner)
 
     a, b, c, d, e = (reqs.new() for _ in range(5))
@@ -190,7 +197,12 @@ def test_cpu_backend_turns_on_the_interpreter_or_says_why_not() -> None:
     outputs = {}
     for order in ("backend-first", "triton-first"):
         result = subprocess.run(
-            [sys.executable, "-c", _FRESH_PROCESS_SCRIPT, order], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", _FRESH_PROCESS_SCRIPT, order],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[order] = result.stdout
@@ -204,7 +216,12 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
     outputs = {}
     for backend in ("torch_native", "triton"):
         runner = ModelRunner(
-            tiny_llama_path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512, load_progress=False
+            tiny_llama_path,
+            device="cpu",
+            dtype="float32",
+            attention_backend=backend,
+            max_total_tokens=512,
+            load_progress=False,
         )
         assert type(runner.attn_backend).__name__ == ("TritonAttnBackend" if backend == "triton" else "CpuAttnBackend")
         harness = Harness(runner)
@@ -226,8 +243,15 @@ def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name:
     prompts = [random_prompt(50, 384, seed=1), random_prompt(23, 384, seed=2)]
     outputs = {}
     for backend in ("torch_native", "triton"):
-        runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=1024,
-                             load_progress=False, disable_hybrid_swa_memory=True)  # (the harness's own slots)
+        runner = ModelRunner(
+            path,
+            device="cpu",
+            dtype="float32",
+            attention_backend=backend,
+            max_total_tokens=1024,
+            load_progress=False,
+            disable_hybrid_swa_memory=True,
+        )  # (the harness's own slots)
         harness = Harness(runner)
         whole = harness.generate(prompts, max_new_tokens=8)
         harness.reset()
@@ -246,8 +270,15 @@ def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints) -> Non
     prompts = [random_prompt(34, 384, seed=5), random_prompt(28, 384, seed=6)]
     outputs = {}
     for backend in ("torch_native", "triton"):
-        runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=512,
-                             swa_full_tokens_ratio=0.5, load_progress=False)
+        runner = ModelRunner(
+            path,
+            device="cpu",
+            dtype="float32",
+            attention_backend=backend,
+            max_total_tokens=512,
+            swa_full_tokens_ratio=0.5,
+            load_progress=False,
+        )
         outputs[backend] = generate_greedy(runner, prompts, 12, chunked_prefill_size=16)
     assert outputs["triton"] == outputs["torch_native"] and all(len(ids) == 12 for ids in outputs["triton"])
 
@@ -259,8 +290,14 @@ def test_speculative_verify_batches_match_plain_decoding(tiny_llama_path) -> Non
 
     base = random_prompt(6, 384, seed=7)
     prompts = [base * 3, random_prompt(8, 384, seed=8)]
-    runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", attention_backend="triton",
-                         max_total_tokens=512, load_progress=False)
+    runner = ModelRunner(
+        tiny_llama_path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=512,
+        load_progress=False,
+    )
     spec = generate_greedy(runner, prompts, 8, speculative_algorithm="ngram")
     assert spec == generate_greedy(runner, prompts, 8) and all(len(ids) == 8 for ids in spec)
 

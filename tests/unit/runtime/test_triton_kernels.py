@@ -58,7 +58,11 @@ def _slot_layout(total_lens: list[int], page_size: int, gen: torch.Generator) ->
 
 
 def _reference(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_rows: list[torch.Tensor], scale: float,
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    q_rows: list[torch.Tensor],
+    scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention in fp64 per request: request i's queries ``q[q_rows[i]]`` see ``keys[i]``
@@ -91,9 +95,15 @@ def _decode_case(
     k_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
-    case = dict(q=q, k_buffer=k_buf, v_buffer=v_buf, kv_indptr=_indptr(lens), kv_indices=torch.cat(slots).to(torch.int32))
+    case = dict(
+        q=q, k_buffer=k_buf, v_buffer=v_buf, kv_indptr=_indptr(lens), kv_indices=torch.cat(slots).to(torch.int32)
+    )
     ref = _reference(
-        q, [k_buf[s] for s in slots], [v_buf[s] for s in slots], [torch.tensor([i]) for i in range(len(lens))], head_dim**-0.5
+        q,
+        [k_buf[s] for s in slots],
+        [v_buf[s] for s in slots],
+        [torch.tensor([i]) for i in range(len(lens))],
+        head_dim**-0.5,
     )
     return case, ref
 

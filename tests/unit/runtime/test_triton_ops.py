@@ -18,9 +18,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support import ops_cases  # noqa: E402
-from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
 from runtime.engine.cuda.ops import TritonOps  # noqa: E402
+from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from tests.support import ops_cases  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
@@ -57,9 +57,9 @@ def test_store_kv(head_dim: int) -> None:
 
 
 def test_layouts_a_kernel_does_not_take_fall_back_to_torch() -> None:
+    from runtime.engine.cuda import kernels as triton_kernels
     from runtime.engine.layers.rotary import RotaryEmbedding
     from runtime.engine.model_config import RopeConfig
-    from runtime.engine.cuda import kernels as triton_kernels
 
     assert triton_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width
     cache = RotaryEmbedding(16, 32, RopeConfig(rope_type="default", theta=10000.0))
@@ -76,18 +76,21 @@ def test_layouts_a_kernel_does_not_take_fall_back_to_torch() -> None:
 def test_whole_model_through_triton_ops_matches_torch_ops(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 tiny Qwen3 (per-head q/k norm) and Llama 3 (llama3 rope, tied head): the same greedy
     tokens and logits through TritonOps as through TorchOps."""
-    from tests.support.harness import Harness
     from runtime.engine import model_runner
     from runtime.engine.ops import TorchOps
+    from tests.support.harness import Harness
 
     for name in ("qwen3", "llama_tied_llama3"):
         path: Path = tiny_checkpoints.path(name)
         outputs = []
         for ops in (TritonOps(), TorchOps()):
             monkeypatch.setattr(model_runner, "get_ops", lambda device, dtype, ops=ops: ops)
-            runner = model_runner.ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=512,
-                                              load_progress=False)
-            assert runner.model.model.layers[0].mlp.gate_up_proj.ops is ops  # (the gated activation runs through its ops)
+            runner = model_runner.ModelRunner(
+                path, device="cpu", dtype="float32", max_total_tokens=512, load_progress=False
+            )
+            assert (
+                runner.model.model.layers[0].mlp.gate_up_proj.ops is ops
+            )  # (the gated activation runs through its ops)
             h = Harness(runner)
             prompts = [[3, 9, 27, 5, 11, 70][: 3 + i] for i in range(3)]
             outputs.append([(r.output_ids, r.logprobs) for r in h.generate(prompts, 5, return_logprob=True)])

@@ -33,8 +33,7 @@ EPS32 = float(torch.finfo(torch.float32).eps)
 
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 96), (17, 70, 128)])
-def test_dequantizing_matmul_equals_the_reference(layout: str, rows: int, out_features: int,
-                                                  in_features: int) -> None:
+def test_dequantizing_matmul_equals_the_reference(layout: str, rows: int, out_features: int, in_features: int) -> None:
     gen = torch.Generator().manual_seed(rows + in_features)
     weight: QuantizedWeight = _random_weight(layout, out_features, in_features, gen)
     x = torch.randn(rows, in_features, generator=gen)

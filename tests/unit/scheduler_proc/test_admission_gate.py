@@ -12,7 +12,13 @@ from typing import Any, Iterator
 import pytest
 
 from runtime.protocol.ipc import PullSocket, PushSocket
-from runtime.protocol.messages import DetokenizerInput, SchedAbortReq, SchedErrorOut, SchedulerInput, TokenizedGenerateReq
+from runtime.protocol.messages import (
+    DetokenizerInput,
+    SchedAbortReq,
+    SchedErrorOut,
+    SchedulerInput,
+    TokenizedGenerateReq,
+)
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.admission_gate import AdmissionGate
 
@@ -43,7 +49,8 @@ def take_all(gate: AdmissionGate, count: int) -> list[Any]:
 
 
 def test_over_the_bound_is_refused_without_the_loop(
-        sockets: tuple[PushSocket[Any], AdmissionGate, PullSocket[Any]]) -> None:
+    sockets: tuple[PushSocket[Any], AdmissionGate, PullSocket[Any]],
+) -> None:
     sender, gate, errors = sockets
     for rid in ("a", "b", "c"):
         sender.send(generate(rid))

@@ -25,8 +25,9 @@ from scheduler_proc.dp_controller import (
 PREFIX = list(range(100, 100 + 3 * BLOCK))  # three whole blocks
 
 
-def report(dp_rank: int, running: int = 0, queued: int = 0, events: list[KVEvent] | None = None,
-           received: int = 0) -> LoadReport:
+def report(
+    dp_rank: int, running: int = 0, queued: int = 0, events: list[KVEvent] | None = None, received: int = 0
+) -> LoadReport:
     return LoadReport(dp_rank, running, queued, num_received=received, events=events or [])
 
 
@@ -187,12 +188,26 @@ def test_a_report_replaces_the_load_and_keeps_the_blocks() -> None:
 
 def replica_info(**overrides: Any) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "num_running": 1, "num_queued": 2, "max_total_tokens": 100, "available_tokens": 60,
-        "evictable_tokens": 30, "protected_tokens": 10, "num_retractions": 0, "num_finished": 4,
-        "prompt_tokens": 40, "cached_prompt_tokens": 10, "context_len": 512,
+        "num_running": 1,
+        "num_queued": 2,
+        "max_total_tokens": 100,
+        "available_tokens": 60,
+        "evictable_tokens": 30,
+        "protected_tokens": 10,
+        "num_retractions": 0,
+        "num_finished": 4,
+        "prompt_tokens": 40,
+        "cached_prompt_tokens": 10,
+        "context_len": 512,
         "memory_invariant": {"ok": True},
-        "kv_pool": {"tokens": 100, "bytes": 1000, "share_of_ram": 0.25, "full_length_requests": 2,
-                    "context_len": 50, "max_running_requests": 8},
+        "kv_pool": {
+            "tokens": 100,
+            "bytes": 1000,
+            "share_of_ram": 0.25,
+            "full_length_requests": 2,
+            "context_len": 50,
+            "max_running_requests": 8,
+        },
     }
     info.update(overrides)
     return info
@@ -207,8 +222,14 @@ def test_server_info_replies_are_summed_and_kept_per_replica() -> None:
     assert merged["max_total_tokens"] == 200 and merged["num_finished"] == 10
     assert merged["context_len"] == 512
     # Each replica has its own pool in the same host RAM: the pools add up, shares of RAM too.
-    assert merged["kv_pool"] == {"tokens": 200, "bytes": 2000, "share_of_ram": 0.5, "full_length_requests": 4,
-                                 "context_len": 50, "max_running_requests": 16}
+    assert merged["kv_pool"] == {
+        "tokens": 200,
+        "bytes": 2000,
+        "share_of_ram": 0.5,
+        "full_length_requests": 4,
+        "context_len": 50,
+        "max_running_requests": 16,
+    }
     assert merged["cache_hit_rate"] == pytest.approx(40 / 80)
     assert merged["memory_invariant"]["ok"] is True
     broken = merge_control_replies("server_info", [a, replica_info(memory_invariant={"ok": False})])

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from runtime.config.args import ServerArgs
-from runtime.text.grammar.backend import GrammarBackend
 from runtime.protocol.messages import BatchTokenIDOut, SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
+from runtime.text.grammar.backend import GrammarBackend
 from scheduler_proc import grammar_queue
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import assert_idle_invariant
@@ -47,8 +47,12 @@ TAGS = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "pattern": "^[^0-9]{1,10}$"},
-        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
-                 "minItems": 2, "maxItems": 4},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+            "minItems": 2,
+            "maxItems": 4,
+        },
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
     },
     "required": ["name", "tags", "age"],
@@ -56,8 +60,20 @@ TAGS = {
 # Strings are bounded by ``pattern``, not ``maxLength``: xgrammar 0.2.8 compiles a length-bounded
 # string to a class that admits raw control characters (invalid JSON), see
 # tests/unit/runtime/test_grammar.py::test_length_bounded_json_string_refuses_control_characters.
-PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "Give me some JSON", "numbers 1 2 3",
-           "lazy dog jumps", "A B C D", "over the hills", "tiny models talk", "far away", "say it", "end"]
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox",
+    "Once upon a time",
+    "Give me some JSON",
+    "numbers 1 2 3",
+    "lazy dog jumps",
+    "A B C D",
+    "over the hills",
+    "tiny models talk",
+    "far away",
+    "say it",
+    "end",
+]
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
@@ -90,19 +106,32 @@ class Harness:
         self.made: list[Scheduler] = []
 
     def scheduler(self, max_total_tokens: int = 4096, **overrides: Any) -> Scheduler:
-        args = ServerArgs(model_path=str(self.path), device="cpu", dtype="float32", max_total_tokens=max_total_tokens,
-                          disable_overlap_schedule=not self.overlap, **overrides)
+        args = ServerArgs(
+            model_path=str(self.path),
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=max_total_tokens,
+            disable_overlap_schedule=not self.overlap,
+            **overrides,
+        )
         sched = Scheduler(args)
         assert sched.worker.overlap == self.overlap
         self.made.append(sched)
         return sched
 
-    def submit(self, sched: Scheduler, rid: str, prompt: str, return_logprob: bool = False, stream: bool = False,
-               **params: Any) -> None:
+    def submit(
+        self, sched: Scheduler, rid: str, prompt: str, return_logprob: bool = False, stream: bool = False, **params: Any
+    ) -> None:
         params.setdefault("temperature", 0.0)
-        sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=self.tokenizer.encode(prompt),
-                                                  sampling_params=SamplingParams.from_dict(params),
-                                                  return_logprob=return_logprob, stream=stream))
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid=rid,
+                input_ids=self.tokenizer.encode(prompt),
+                sampling_params=SamplingParams.from_dict(params),
+                return_logprob=return_logprob,
+                stream=stream,
+            )
+        )
 
     @staticmethod
     def collect(sched: Scheduler, results: dict[str, dict[str, Any]]) -> None:
@@ -121,8 +150,9 @@ class Harness:
                 entry["finished"] = out.finished
                 entry["reason"] = out.finish_reason
 
-    def run(self, sched: Scheduler, results: dict[str, dict[str, Any]] | None = None,
-            timeout_s: float = STEP_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+    def run(
+        self, sched: Scheduler, results: dict[str, dict[str, Any]] | None = None, timeout_s: float = STEP_TIMEOUT_S
+    ) -> dict[str, dict[str, Any]]:
         """Step until idle (a compile still running on a grammar thread keeps it busy; the steps
         meanwhile are empty and quick, so the bound is time, not a step count)."""
         results = {} if results is None else results
@@ -236,8 +266,9 @@ def test_length_limit_before_the_grammar_completes(h: Harness) -> None:
         assert results[rid]["reason"] == {"type": "length", "length": limit}
         assert len(results[rid]["ids"]) == limit
     assert re.fullmatch(WORDS, h.text(results["words"]["ids"]))
-    assert '{"name": "'.startswith(h.text(results["short"]["ids"])) or \
-        h.text(results["short"]["ids"]).startswith('{"name": "')
+    assert '{"name": "'.startswith(h.text(results["short"]["ids"])) or h.text(results["short"]["ids"]).startswith(
+        '{"name": "'
+    )
     assert_clean(sched)
 
 
@@ -247,8 +278,7 @@ def test_min_new_tokens_beyond_a_complete_grammar(h: Harness) -> None:
     holds while the grammar allows going on."""
     sched = h.scheduler()
     h.submit(sched, "short", PROMPTS[0], max_new_tokens=16, min_new_tokens=8, regex="yes|no")
-    h.submit(sched, "sampled", PROMPTS[1], max_new_tokens=16, min_new_tokens=8, regex="yes|no",
-             temperature=1.0, seed=3)
+    h.submit(sched, "sampled", PROMPTS[1], max_new_tokens=16, min_new_tokens=8, regex="yes|no", temperature=1.0, seed=3)
     h.submit(sched, "open", PROMPTS[2], max_new_tokens=12, min_new_tokens=10, regex=r"[a-z]+")
     results = h.run(sched)
     eos = h.tokenizer.eos_token_id
@@ -508,6 +538,7 @@ def test_retraction_keeps_outputs(h: Harness, jump_forward: bool) -> None:
     request ends exactly as with room to spare (its matcher keeps its state across the retraction).
     With jump-forward on, only regexes that force nothing: a jump gives the request's row back
     and re-admits it with its whole budget reserved, which is itself a release valve."""
+
     def submit_all(sched: Scheduler) -> None:
         for i, prompt in enumerate(PROMPTS):
             if i % 3 == 0 and not jump_forward:
@@ -666,9 +697,15 @@ def test_same_schema_different_seeds(h: Harness) -> None:
 # ---- other batch shapes ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags", [{"page_size": 4}, {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
-                                   {"page_size": 4, "chunked_prefill_size": 8, "enable_mixed_chunk": True}],
-                         ids=["page4", "chunked-mixed", "page4-chunked-mixed"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"page_size": 4},
+        {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
+        {"page_size": 4, "chunked_prefill_size": 8, "enable_mixed_chunk": True},
+    ],
+    ids=["page4", "chunked-mixed", "page4-chunked-mixed"],
+)
 def test_outputs_same_across_batch_shapes(h: Harness, flags: dict[str, Any]) -> None:
     """Pages, chunked prompts and mixed prefill+decode batches put constrained rows elsewhere in
     the batch (and jump-forward re-prefills through page-aligned prefixes): the greedy outputs are
@@ -677,8 +714,13 @@ def test_outputs_same_across_batch_shapes(h: Harness, flags: dict[str, Any]) -> 
 
     def submit_all(sched: Scheduler) -> dict[str, dict[str, Any]]:
         for i in range(4):
-            h.submit(sched, f"j{i}", long_prompt if i % 2 else PROMPTS[i], max_new_tokens=128,
-                     json_schema=FIXED_KEYS if i < 2 else TAGS)
+            h.submit(
+                sched,
+                f"j{i}",
+                long_prompt if i % 2 else PROMPTS[i],
+                max_new_tokens=128,
+                json_schema=FIXED_KEYS if i < 2 else TAGS,
+            )
         h.submit(sched, "email", long_prompt, max_new_tokens=64, regex=EMAIL)
         h.submit(sched, "free", long_prompt, max_new_tokens=20)
         return h.run(sched)
@@ -704,8 +746,14 @@ def test_grammar_queue_counts_against_the_queue_bound_and_deadlines_reach_it(h: 
     _, started, release = gate
     sched = start_blocked_email(h, gate, "waiting", max_queued_requests=3)
     params = SamplingParams.from_dict({"max_new_tokens": 64, "temperature": 0.0, "regex": EMAIL})
-    sched.handle_message(TokenizedGenerateReq(rid="late", input_ids=h.tokenizer.encode(PROMPTS[1]),
-                                              sampling_params=params, deadline=time.monotonic() - 1.0))
+    sched.handle_message(
+        TokenizedGenerateReq(
+            rid="late",
+            input_ids=h.tokenizer.encode(PROMPTS[1]),
+            sampling_params=params,
+            deadline=time.monotonic() - 1.0,
+        )
+    )
     h.submit(sched, "free", PROMPTS[2], max_new_tokens=6)  # 2 in the grammar queue + 1 waiting: the bound
     h.submit(sched, "over", PROMPTS[3], max_new_tokens=6)
     results: dict[str, dict[str, Any]] = {}

@@ -25,8 +25,10 @@ SESSIONS, TURNS, SYSTEM, USER, NEW = 8, 3, 120, 16, 8
 def conversations(seed: int = 0) -> list[list[list[int]]]:
     """Per session, the user messages of each turn (the first one starts with its system prompt)."""
     rng = random.Random(seed)
-    return [[[rng.randrange(1, VOCAB) for _ in range((SYSTEM if t == 0 else 0) + USER)] for t in range(TURNS)]
-            for _ in range(SESSIONS)]
+    return [
+        [[rng.randrange(1, VOCAB) for _ in range((SYSTEM if t == 0 else 0) + USER)] for t in range(TURNS)]
+        for _ in range(SESSIONS)
+    ]
 
 
 def run_conversations(sched: Scheduler, convs: list[list[list[int]]]) -> dict[str, dict]:
@@ -37,8 +39,13 @@ def run_conversations(sched: Scheduler, convs: list[list[list[int]]]) -> dict[st
 
     def send(s: int) -> None:
         history[s] = history.get(s, []) + convs[s][turn[s]]
-        sched.handle_message(TokenizedGenerateReq(rid=f"s{s}t{turn[s]}", input_ids=list(history[s]),
-                                                  sampling_params=SamplingParams(max_new_tokens=NEW, temperature=0.0)))
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid=f"s{s}t{turn[s]}",
+                input_ids=list(history[s]),
+                sampling_params=SamplingParams(max_new_tokens=NEW, temperature=0.0),
+            )
+        )
 
     for s in range(len(convs)):
         send(s)
@@ -66,8 +73,14 @@ def later_turns_cached(results: dict[str, dict]) -> int:
 @pytest.mark.parametrize("page_size,policy", [(1, "write_through"), (4, "write_back")])
 def test_history_comes_back_from_the_host_with_exact_kv(overlap: bool, page_size: int, policy: str) -> None:
     convs = conversations()
-    tier = stub_scheduler(overlap, max_total_tokens=512, page_size=page_size, enable_hierarchical_cache=True,
-                          hicache_ratio=8.0, hicache_write_policy=policy)
+    tier = stub_scheduler(
+        overlap,
+        max_total_tokens=512,
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        hicache_write_policy=policy,
+    )
     assert isinstance(tier.tree_cache, HiRadixCache)
     with_tier = run_conversations(tier, convs)
     assert_idle_invariant(tier)  # both tiers: no leaked slot, nothing locked
@@ -75,8 +88,10 @@ def test_history_comes_back_from_the_host_with_exact_kv(overlap: bool, page_size
     assert info["memory_invariant"]["ok"] and info["protected_tokens"] == 0
     assert info["host_hit_tokens"] > 0 and info["device_evicted_tokens"] > 0
     # Host copies of what is also on the device are protected (they go when the node does).
-    assert (info["host_available_tokens"] + info["host_evictable_tokens"] + info["host_protected_tokens"]
-            == info["host_total_tokens"])
+    assert (
+        info["host_available_tokens"] + info["host_evictable_tokens"] + info["host_protected_tokens"]
+        == info["host_total_tokens"]
+    )
 
     plain = stub_scheduler(overlap, max_total_tokens=512, page_size=page_size)
     without = run_conversations(plain, convs)
@@ -117,11 +132,20 @@ def test_retraction_and_chunking_with_the_tier(overlap: bool, page_size: int, po
     rng = random.Random(7)
     shared = [[rng.randrange(1, VOCAB) for _ in range(60)] for _ in range(3)]
     prompts = [rng.choice(shared) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(30)]
-    sched = stub_scheduler(overlap, max_total_tokens=512, page_size=page_size, chunked_prefill_size=48,
-                           enable_hierarchical_cache=True, hicache_write_policy=policy)
+    sched = stub_scheduler(
+        overlap,
+        max_total_tokens=512,
+        page_size=page_size,
+        chunked_prefill_size=48,
+        enable_hierarchical_cache=True,
+        hicache_write_policy=policy,
+    )
     for i, prompt in enumerate(prompts):
-        sched.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt,
-                                                  sampling_params=SamplingParams(max_new_tokens=30, temperature=0.0)))
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid=f"r{i}", input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=30, temperature=0.0)
+            )
+        )
     results: dict[str, dict] = {}
     while not sched.is_idle():
         sched.step()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from runtime.config.args import ServerArgs
-from runtime.protocol.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
 from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.messages import BatchTokenIDOut, SchedErrorOut, TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
@@ -38,8 +38,15 @@ def hf(path: Path) -> Any:
 @pytest.fixture(scope="module")
 def runner(path: Path) -> ModelRunner:
     """One runner for the module: every test's Scheduler takes its pools afresh (they start empty)."""
-    return ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
-                       max_total_tokens=2048, load_progress=False, max_running_requests=16)
+    return ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=2048,
+        load_progress=False,
+        max_running_requests=16,
+    )
 
 
 @pytest.fixture
@@ -76,12 +83,27 @@ def reference(hf: Any, prompt: list[int], start: int) -> tuple[list[list[Any]], 
     return tokens, tops
 
 
-def submit(sched: Scheduler, rid: str, prompt: list[int], max_new_tokens: int = 4, start: int = -1,
-           top: int = TOP_K, stream: bool = False) -> None:
+def submit(
+    sched: Scheduler,
+    rid: str,
+    prompt: list[int],
+    max_new_tokens: int = 4,
+    start: int = -1,
+    top: int = TOP_K,
+    stream: bool = False,
+) -> None:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream,
-                                              return_logprob=start >= 0, top_logprobs_num=top if start >= 0 else 0,
-                                              logprob_start_len=start))
+    sched.handle_message(
+        TokenizedGenerateReq(
+            rid=rid,
+            input_ids=prompt,
+            sampling_params=params,
+            stream=stream,
+            return_logprob=start >= 0,
+            top_logprobs_num=top if start >= 0 else 0,
+            logprob_start_len=start,
+        )
+    )
 
 
 def run(sched: Scheduler) -> dict[str, dict[str, Any]]:
@@ -143,8 +165,9 @@ def test_prompt_logprobs_equal_transformers(make, hf, runner, overlap: bool, chu
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_a_repeated_request_still_gets_all_its_prompt_logprobs_with_the_radix_cache(make, hf, runner,
-                                                                                   overlap: bool) -> None:
+def test_a_repeated_request_still_gets_all_its_prompt_logprobs_with_the_radix_cache(
+    make, hf, runner, overlap: bool
+) -> None:
     sched = make(overlap, chunked_prefill_size=8)
     prompt = random_prompt(40, runner.vocab_size, seed=11)
     want = reference(hf, prompt, 21)
@@ -246,10 +269,20 @@ def test_prompt_logprobs_in_a_mixed_batch_beside_decoding_requests(make, hf, run
 
 def test_prompt_logprobs_with_pages_of_four(path: Path, hf) -> None:
     """Page size 4: the cache match is page-aligned below the limit, and still every prompt logprob comes."""
-    paged = ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=1024,
-                        page_size=4, load_progress=False, max_running_requests=8)
-    sched = Scheduler(ServerArgs(max_total_tokens=1024, page_size=4, disable_overlap_schedule=True,
-                                 chunked_prefill_size=8), model_runner=paged)
+    paged = ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=1024,
+        page_size=4,
+        load_progress=False,
+        max_running_requests=8,
+    )
+    sched = Scheduler(
+        ServerArgs(max_total_tokens=1024, page_size=4, disable_overlap_schedule=True, chunked_prefill_size=8),
+        model_runner=paged,
+    )
     prompt = random_prompt(27, paged.vocab_size, seed=41)
     for rid, start in (("a", 11), ("b", 11), ("c", 6)):
         submit(sched, rid, prompt, start=start)
@@ -264,15 +297,29 @@ def test_prompt_logprobs_under_tensor_parallelism(path: Path, hf, thread_tp_grou
     scheduler computes the same prompt logprobs, equal to transformers'."""
     from tests.support.tp_threads import run_on_ranks
 
-    runners = [ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
-                           max_total_tokens=512, load_progress=False, max_running_requests=4, tp_rank=r, tp_size=2)
-               for r in range(2)]
+    runners = [
+        ModelRunner(
+            path,
+            device="cpu",
+            dtype="float32",
+            attention_backend="torch_native",
+            max_total_tokens=512,
+            load_progress=False,
+            max_running_requests=4,
+            tp_rank=r,
+            tp_size=2,
+        )
+        for r in range(2)
+    ]
     assert runners[0].model.lm_head.weight.shape[0] < runners[0].vocab_size  # each rank has half the vocab
     prompt = random_prompt(19, runners[0].vocab_size, seed=53)
 
     def work(rank: int) -> dict[str, Any]:
-        sched = Scheduler(ServerArgs(max_total_tokens=512, disable_overlap_schedule=True, chunked_prefill_size=8,
-                                     tp_size=2), tp_rank=rank, model_runner=runners[rank])
+        sched = Scheduler(
+            ServerArgs(max_total_tokens=512, disable_overlap_schedule=True, chunked_prefill_size=8, tp_size=2),
+            tp_rank=rank,
+            model_runner=runners[rank],
+        )
         submit(sched, "r", prompt, max_new_tokens=2, start=0)
         return run(sched)["r"]
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from runtime.config.args import ServerArgs
 from runtime.protocol.messages import SchedAbortReq, SchedErrorOut, TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.scheduler import Scheduler
-from runtime.config.args import ServerArgs
 from tests.support.stub_runner import StubModelRunner
 from tests.support.stub_scheduler import EOS, VOCAB, assert_idle_invariant, collect, expected_output, run_until_idle
 
@@ -31,23 +31,30 @@ def overlap(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 
-def make(overlap: bool, clock: FakeClock | None = None, max_running_requests: int = 256,
-         **overrides: Any) -> Scheduler:
+def make(overlap: bool, clock: FakeClock | None = None, max_running_requests: int = 256, **overrides: Any) -> Scheduler:
     """The stub scheduler; the running limit is the model runner's (as the real one derives it)."""
     args = ServerArgs(max_total_tokens=8192, disable_overlap_schedule=not overlap, **overrides)
-    runner = StubModelRunner(max_total_tokens=8192, vocab_size=VOCAB, eos_token_ids=(EOS,),
-                             max_running_requests=max_running_requests)
+    runner = StubModelRunner(
+        max_total_tokens=8192, vocab_size=VOCAB, eos_token_ids=(EOS,), max_running_requests=max_running_requests
+    )
     sched = Scheduler(args, model_runner=runner)
     if clock is not None:
         sched.deadlines = Deadlines(clock=clock)
     return sched
 
 
-def submit(sched: Scheduler, rid: str, prompt: list[int], max_new_tokens: int,
-           deadline: float | None = None, stream: bool = False) -> None:
+def submit(
+    sched: Scheduler,
+    rid: str,
+    prompt: list[int],
+    max_new_tokens: int,
+    deadline: float | None = None,
+    stream: bool = False,
+) -> None:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream,
-                                              deadline=deadline))
+    sched.handle_message(
+        TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params, stream=stream, deadline=deadline)
+    )
 
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -121,8 +128,12 @@ def test_deadline_aborts_a_waiting_request(overlap: bool) -> None:
     clock.now += 5  # at the deadline
     sched.step()
     collect(sched, results)
-    assert results["late"] == {"ids": [], "finished": True, "reason": {"type": "abort", "message": "timeout"},
-                               "cached": 0}
+    assert results["late"] == {
+        "ids": [],
+        "finished": True,
+        "reason": {"type": "abort", "message": "timeout"},
+        "cached": 0,
+    }
     run_until_idle(sched, results)
     assert results["long"]["ids"] == expected_output(PROMPT, 40)  # the others are not disturbed
     assert sched.stats["num_timed_out"] == 1

@@ -36,8 +36,13 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(params=[False, True], ids=["serial", "overlap"])
 def sched(request: pytest.FixtureRequest, tiny_llama_path: Path) -> Iterator[Scheduler]:
     overlap = bool(request.param)
-    args = ServerArgs(model_path=str(tiny_llama_path), device="cpu", dtype="float32", max_total_tokens=2048,
-                      disable_overlap_schedule=not overlap)
+    args = ServerArgs(
+        model_path=str(tiny_llama_path),
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=2048,
+        disable_overlap_schedule=not overlap,
+    )
     scheduler = Scheduler(args)
     assert scheduler.worker.overlap == overlap
     yield scheduler
@@ -74,12 +79,15 @@ def test_greedy_with_logit_bias(sched: Scheduler) -> None:
     eos = set(sched.runner.eos_token_ids)
     forced = next(t for t in range(3, vocab) if t not in plain["a"] and t not in eos)
     banned = plain["a"][0]  # the token greedy picks first, banned with -100
-    got = generate(sched, {
-        "forced": (prompts[0], {"logit_bias": {str(forced): 100}}),
-        "banned": (prompts[0], {"logit_bias": {str(banned): -100}}),
-        "sampled": (prompts[0], {"logit_bias": {str(forced): 100}, "temperature": 1.0, "seed": 3}),
-        "b": (prompts[1], {}),  # batched with the biased ones: exactly its unbiased output
-    })
+    got = generate(
+        sched,
+        {
+            "forced": (prompts[0], {"logit_bias": {str(forced): 100}}),
+            "banned": (prompts[0], {"logit_bias": {str(banned): -100}}),
+            "sampled": (prompts[0], {"logit_bias": {str(forced): 100}, "temperature": 1.0, "seed": 3}),
+            "b": (prompts[1], {}),  # batched with the biased ones: exactly its unbiased output
+        },
+    )
     assert got["forced"] == [forced] * MAX_NEW
     assert got["sampled"] == [forced] * MAX_NEW
     assert banned not in got["banned"] and len(got["banned"]) == MAX_NEW

@@ -15,11 +15,17 @@ import pytest
 from runtime.config.args import ServerArgs
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
-from tests.support.stub_runner import StubModelRunner
 from scheduler_proc.model_worker import ModelWorker, OverlapModelWorker
 from scheduler_proc.scheduler import Scheduler
-from tests.support.stub_scheduler import VOCAB, assert_idle_invariant, collect, expected_output, run_until_idle, stub_scheduler
-
+from tests.support.stub_runner import StubModelRunner
+from tests.support.stub_scheduler import (
+    VOCAB,
+    assert_idle_invariant,
+    collect,
+    expected_output,
+    run_until_idle,
+    stub_scheduler,
+)
 
 
 def make(overlap: bool, max_total_tokens: int = 8192, **overrides) -> Scheduler:
@@ -131,7 +137,6 @@ def test_outputs_equal_the_serial_scheduler_under_retraction_and_chunking(page_s
         assert runs[1][f"r{i}"]["ids"] == expected_output(prompt, 30)
 
 
-
 def test_a_prefill_is_processed_before_anything_is_launched_after_it() -> None:
     """Processing a prefill inserts its prompts into the prefix cache (rows remapped, duplicate
     slots freed, SWA slots moved): no later step may be in flight while that happens."""
@@ -139,7 +144,9 @@ def test_a_prefill_is_processed_before_anything_is_launched_after_it() -> None:
     events: list[str] = []
     launch, complete = sched.worker.launch, sched._complete_inflight
     sched.worker.launch = lambda batch, future=None: (  # type: ignore[method-assign]
-        events.append("decode" if batch.forward_mode.is_decode() else "prefill"), launch(batch, future))[1]
+        events.append("decode" if batch.forward_mode.is_decode() else "prefill"),
+        launch(batch, future),
+    )[1]
     sched._complete_inflight = lambda: (events.append("done"), complete())[1]  # type: ignore[method-assign]
     rng = random.Random(8)
     for i in range(6):
@@ -151,5 +158,7 @@ def test_a_prefill_is_processed_before_anything_is_launched_after_it() -> None:
     for i, event in enumerate(events):
         if event == "prefill":
             assert events[i + 1] == "done", events
-    assert events.count("decode") > 0 and "decode" in [events[i + 1] for i, e in enumerate(events[:-1]) if e == "decode"]
+    assert events.count("decode") > 0 and "decode" in [
+        events[i + 1] for i, e in enumerate(events[:-1]) if e == "decode"
+    ]
     assert_idle_invariant(sched)

@@ -70,8 +70,13 @@ def test_lpm_falls_back_to_fcfs_without_radix_or_on_long_queue() -> None:
 def test_dfs_weight_visits_heavier_subtrees_first() -> None:
     # Branch A (3 waiting requests) is heavier than branch B (1), though B arrived first.
     tree = tree_with([[1, 1, 1, 1], [2, 2, 2, 2]])
-    waiting = [req("b0", [2, 2, 2, 2, 5]), req("a0", [1, 1, 1, 1, 5]), req("loose", [3, 3]),
-               req("a1", [1, 1, 1, 1, 6]), req("a2", [1, 1, 1, 1, 7])]
+    waiting = [
+        req("b0", [2, 2, 2, 2, 5]),
+        req("a0", [1, 1, 1, 1, 5]),
+        req("loose", [3, 3]),
+        req("a1", [1, 1, 1, 1, 6]),
+        req("a2", [1, 1, 1, 1, 7]),
+    ]
     ordered = rids(SchedulePolicy("dfs-weight", tree, radix_enabled=True).order(waiting))
     assert ordered.index("a2") < ordered.index("b0")
     assert ordered[:3] == ["a0", "a1", "a2"] or set(ordered[:3]) == {"a0", "a1", "a2"}
@@ -104,10 +109,25 @@ class FakeTree:
         self.locked.remove(node)
 
 
-def adder(available: int, running: list[Req] | None = None, ratio: float = 1.0, max_prefill: int = 10_000,
-          chunk: int | None = None, max_running: int = 64, evictable: int = 0) -> PrefillAdder:
-    return PrefillAdder(FakeTree(evictable), FakeAllocator(available), running or [], ratio, max_prefill, chunk,
-                        max_running, page_size=1)
+def adder(
+    available: int,
+    running: list[Req] | None = None,
+    ratio: float = 1.0,
+    max_prefill: int = 10_000,
+    chunk: int | None = None,
+    max_running: int = 64,
+    evictable: int = 0,
+) -> PrefillAdder:
+    return PrefillAdder(
+        FakeTree(evictable),
+        FakeAllocator(available),
+        running or [],
+        ratio,
+        max_prefill,
+        chunk,
+        max_running,
+        page_size=1,
+    )
 
 
 def test_adder_admits_exactly_what_fits() -> None:

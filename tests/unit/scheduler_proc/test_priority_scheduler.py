@@ -16,8 +16,8 @@ from runtime.config.args import ServerArgs
 from runtime.protocol.messages import BatchTokenIDOut, TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.policy import SchedulePolicy
-from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.prefill_adder import PrefillPlan
+from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_runner import StubModelRunner
@@ -36,10 +36,12 @@ def make_scheduler(overlap: bool, limit: str, **flags: bool) -> Scheduler:
     """``limit`` "slots": one request slot (--max-running-requests 1); "memory": a KV pool that
     holds one request's prompt and output but not two."""
     slots, tokens = (1, 4096) if limit == "slots" else (64, 128)
-    args = ServerArgs(max_total_tokens=tokens, max_running_requests=slots, disable_overlap_schedule=not overlap,
-                      **flags)
-    runner = StubModelRunner(max_total_tokens=tokens, vocab_size=VOCAB, max_running_requests=slots,
-                             eos_token_ids=(EOS,))
+    args = ServerArgs(
+        max_total_tokens=tokens, max_running_requests=slots, disable_overlap_schedule=not overlap, **flags
+    )
+    runner = StubModelRunner(
+        max_total_tokens=tokens, vocab_size=VOCAB, max_running_requests=slots, eos_token_ids=(EOS,)
+    )
     return Scheduler(args, model_runner=runner)
 
 
@@ -180,8 +182,13 @@ def test_victims_lowest_first_then_latest_started_strictly_lower_only() -> None:
 def test_a_chunked_high_priority_prompt_preempts_for_its_next_chunk(overlap: bool) -> None:
     """A long high-priority prompt is prefilled in chunks next to a decoding low one; when a later
     chunk finds no room, the low one gives way instead of the prompt waiting for it to finish."""
-    args = ServerArgs(max_total_tokens=128, chunked_prefill_size=16, disable_overlap_schedule=not overlap,
-                      enable_priority_scheduling=True, priority_preemption=True)
+    args = ServerArgs(
+        max_total_tokens=128,
+        chunked_prefill_size=16,
+        disable_overlap_schedule=not overlap,
+        enable_priority_scheduling=True,
+        priority_preemption=True,
+    )
     sched = Scheduler(args, model_runner=StubModelRunner(max_total_tokens=128, vocab_size=VOCAB, eos_token_ids=(EOS,)))
     low, high = prompts(2, seed=11)
     high = (high * 2)[:60]

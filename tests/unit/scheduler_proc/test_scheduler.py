@@ -14,7 +14,14 @@ import pytest
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
-from tests.support.stub_scheduler import EOS, VOCAB, assert_idle_invariant, expected_output, run_until_idle, stub_scheduler
+from tests.support.stub_scheduler import (
+    EOS,
+    VOCAB,
+    assert_idle_invariant,
+    expected_output,
+    run_until_idle,
+    stub_scheduler,
+)
 
 OVERLAP = {"overlap": True}
 
@@ -45,8 +52,9 @@ def random_prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 @pytest.mark.parametrize("chunked_prefill_size", [-1, 16])
 def test_outputs_match_reference(page_size: int, disable_radix_cache: bool, chunked_prefill_size: int) -> None:
-    sched = make_scheduler(page_size=page_size, disable_radix_cache=disable_radix_cache,
-                           chunked_prefill_size=chunked_prefill_size)
+    sched = make_scheduler(
+        page_size=page_size, disable_radix_cache=disable_radix_cache, chunked_prefill_size=chunked_prefill_size
+    )
     prompts = random_prompts(12, seed=1, shared_prefix=24)
     for i, p in enumerate(prompts):
         submit(sched, f"r{i}", p, max_new_tokens=10 + i)

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
-from tests.support.harness import Harness
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
+from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
+from tests.support.harness import Harness
 
 NEW_TOKENS = 40
 PROMPT_LENS = (5, 23, 40, 70)
@@ -31,8 +31,15 @@ def swa_model(request: pytest.FixtureRequest, tiny_checkpoints: Any) -> Iterator
     name = request.param
     path: Path = tiny_checkpoints.path(name)
     # One pool (the test harness hands out slots itself; the SWA pool is tests/unit/scheduler_proc/test_swa_memory.py's).
-    runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
-                         max_total_tokens=8192, load_progress=False, disable_hybrid_swa_memory=True)
+    runner = ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=8192,
+        load_progress=False,
+        disable_hybrid_swa_memory=True,
+    )
     hf = load_hf_model(path)
     yield name, runner, hf
 
@@ -61,8 +68,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 def test_config_windows_match_transformers_layer_types(swa_model) -> None:
     name, runner, hf = swa_model
     window = SWA_WINDOWS[name]
-    expected = tuple(window if t == "sliding_attention" else None for t in hf.config.layer_types) \
-        if getattr(hf.config, "layer_types", None) else (window,) * hf.config.num_hidden_layers
+    expected = (
+        tuple(window if t == "sliding_attention" else None for t in hf.config.layer_types)
+        if getattr(hf.config, "layer_types", None)
+        else (window,) * hf.config.num_hidden_layers
+    )
     assert runner.model_config.layer_windows == expected
     assert runner.context_len == hf.config.max_position_embeddings  # not capped at the window
     specs = [layer.self_attn.spec.sliding_window for layer in runner.model.model.layers]

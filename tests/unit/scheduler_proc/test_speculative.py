@@ -30,8 +30,9 @@ from tests.support.stub_scheduler import assert_idle_invariant, collect, run_unt
 SMALL_VOCAB = 16  # (the stub's cycle with history 1: every token seen once more after 16)
 
 
-def spec_scheduler(spec: bool, history: int | None = 1, vocab: int = SMALL_VOCAB, max_total_tokens: int = 4096,
-                   **overrides: Any) -> Scheduler:
+def spec_scheduler(
+    spec: bool, history: int | None = 1, vocab: int = SMALL_VOCAB, max_total_tokens: int = 4096, **overrides: Any
+) -> Scheduler:
     overrides.setdefault("disable_overlap_schedule", True)
     overrides.setdefault("speculative_max_step_tokens", 1 << 20)  # (every request drafts, however many run)
     args = ServerArgs(max_total_tokens=max_total_tokens, speculative_algorithm="ngram" if spec else None, **overrides)
@@ -123,8 +124,9 @@ def test_random_output_accepts_almost_nothing_and_equals_plain_decoding() -> Non
 
 
 @pytest.mark.parametrize(("requests", "budget"), [(3, 12), (16, 16), (20, 16)])
-def test_the_step_budget_shares_drafts_and_steps_aside_under_load(requests: int, budget: int,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_step_budget_shares_drafts_and_steps_aside_under_load(
+    requests: int, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--speculative-max-step-tokens: a verify step never feeds more tokens than the budget; the
     drafts are shared evenly, and with as many requests as the budget none is drafted (plain decode)."""
     from scheduler_proc.spec.verify import SpecDecoder
@@ -160,8 +162,9 @@ def test_the_device_gives_the_budgets_default() -> None:
     cpu = SpecDecoder.create(args, 2048, {}, torch.device("cpu"))
     assert cpu is not None and cpu.step_tokens == CPU_PLATFORM.spec_step_tokens == 16
     assert CUDA_PLATFORM.spec_step_tokens is None  # (a GPU step has room for many rows: no limit)
-    mine = SpecDecoder.create(ServerArgs(speculative_algorithm="ngram", speculative_max_step_tokens=40), 2048, {},
-                              torch.device("cpu"))
+    mine = SpecDecoder.create(
+        ServerArgs(speculative_algorithm="ngram", speculative_max_step_tokens=40), 2048, {}, torch.device("cpu")
+    )
     assert mine is not None and mine.step_tokens == 40
     assert SpecDecoder.create(ServerArgs(), 2048, {}, torch.device("cpu")) is None
 
@@ -175,20 +178,28 @@ def test_batch_of_one() -> None:
 def test_stops_limits_and_streams_cut_inside_an_accepted_run() -> None:
     """Stop tokens, max_new_tokens, min_new_tokens, stream chunks: per accepted token, as without drafts."""
     base = prompts(6, 10, SMALL_VOCAB, seed=3)
-    calls = [(base[0], {"max_new_tokens": 23}),  # length cut inside a run
-             (base[1], {"max_new_tokens": 40, "stop_token_ids": [7]}),  # stop token inside a run
-             (base[2], {"max_new_tokens": 40, "stop_token_ids": [7], "min_new_tokens": 20}),
-             (base[3], {"max_new_tokens": 1}),
-             (base[4], {"max_new_tokens": 30, "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
-             (base[5], {"max_new_tokens": 30, "temperature": 0.8, "seed": 9})]
+    calls = [
+        (base[0], {"max_new_tokens": 23}),  # length cut inside a run
+        (base[1], {"max_new_tokens": 40, "stop_token_ids": [7]}),  # stop token inside a run
+        (base[2], {"max_new_tokens": 40, "stop_token_ids": [7], "min_new_tokens": 20}),
+        (base[3], {"max_new_tokens": 1}),
+        (base[4], {"max_new_tokens": 30, "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
+        (base[5], {"max_new_tokens": 30, "temperature": 0.8, "seed": 9}),
+    ]
     off, on, _ = run_both(calls)
     for rid in off:
         assert (on[rid]["ids"], on[rid]["reason"]) == (off[rid]["ids"], off[rid]["reason"]), rid
     assert len(on["0"]["ids"]) == 23 and on["1"]["ids"][-1] == 7 and len(on["2"]["ids"]) >= 20
     # Streaming: every accepted token reaches the client, in order, with the stop token last.
     sched = spec_scheduler(True)
-    sched.handle_message(TokenizedGenerateReq(rid="s", input_ids=base[1], stream=True, sampling_params=SamplingParams(
-        max_new_tokens=40, temperature=0.0, stop_token_ids=[7])))
+    sched.handle_message(
+        TokenizedGenerateReq(
+            rid="s",
+            input_ids=base[1],
+            stream=True,
+            sampling_params=SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[7]),
+        )
+    )
     assert run_until_idle(sched)["s"]["ids"] == off["1"]["ids"]
 
 
@@ -213,8 +224,10 @@ def test_retraction_under_a_small_pool() -> None:
 def test_memory_invariant_after_500_requests_with_random_aborts() -> None:
     rng = random.Random(7)
     sched = spec_scheduler(True, max_total_tokens=1024)
-    pending = [(str(i), [rng.randrange(1, SMALL_VOCAB) for _ in range(rng.randrange(2, 12))], rng.randrange(1, 40))
-               for i in range(500)]
+    pending = [
+        (str(i), [rng.randrange(1, SMALL_VOCAB) for _ in range(rng.randrange(2, 12))], rng.randrange(1, 40))
+        for i in range(500)
+    ]
     live: list[str] = []
     done: dict[str, dict] = {}
     while pending or not sched.is_idle():
@@ -256,8 +269,9 @@ def test_verified_tokens_follow_the_target_distribution(params: dict[str, Any]) 
     sp = SamplingParams(max_new_tokens=4, seed=0, **params)
     rows = [SamplingParams(max_new_tokens=4, seed=i, **params) for i in range(n)]
     histories = [[5] * 3 + ([draft] if j else []) for _ in range(n) for j in (0, 1)]
-    info = SamplingBatchInfo.from_requests([r for r in rows for _ in (0, 1)], [[1]] * (2 * n), histories, vocab,
-                                           [], "cpu")
+    info = SamplingBatchInfo.from_requests(
+        [r for r in rows for _ in (0, 1)], [[1]] * (2 * n), histories, vocab, [], "cpu"
+    )
     samples = Sampler()(logits.repeat(n, 1), info).next_token_ids.view(n, 2).tolist()
     first = [s[0] for s in samples]
     second = [s[1] for s, f in zip(samples, first) if accepted_drafts(s, [draft]) == 1]
@@ -313,8 +327,13 @@ def test_host_tier_loads_back_under_speculation() -> None:
 def test_dp_controller_merges_the_counters() -> None:
     from scheduler_proc.dp_controller import merge_control_replies
 
-    replica = {"spec_decode_req_steps": 10, "spec_decode_tokens": 25, "spec_draft_tokens": 30,
-               "spec_accepted_drafts": 15, "spec_verify_batches": 4}
+    replica = {
+        "spec_decode_req_steps": 10,
+        "spec_decode_tokens": 25,
+        "spec_draft_tokens": 30,
+        "spec_accepted_drafts": 15,
+        "spec_verify_batches": 4,
+    }
     other = {**replica, "spec_decode_req_steps": 30, "spec_decode_tokens": 35}
     merged = merge_control_replies("server_info", [replica, other])
     assert merged["spec_accept_length"] == pytest.approx(60 / 40)

@@ -16,16 +16,22 @@ from typing import Any
 import pytest
 
 from runtime.config.args import ServerArgs
-from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
 from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
 
 
 def runner_for(path: Path, **kw: Any) -> ModelRunner:
-    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 2048),
-                       load_progress=False, **kw)
+    return ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=kw.pop("max_total_tokens", 2048),
+        load_progress=False,
+        **kw,
+    )
 
 
 def calls_for(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -38,18 +44,24 @@ def calls_for(vocab: int, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def generate(runner: Any, prompts: list[list[int]], params: list[dict[str, Any]], spec: bool,
-             tp_rank: int = 0, **args: Any) -> dict[str, dict]:
+def generate(
+    runner: Any, prompts: list[list[int]], params: list[dict[str, Any]], spec: bool, tp_rank: int = 0, **args: Any
+) -> dict[str, dict]:
     args.setdefault("disable_overlap_schedule", True)
     args.setdefault("speculative_max_step_tokens", 1 << 20)  # (every request drafts, however many run)
-    sched = Scheduler(ServerArgs(max_total_tokens=runner.max_total_tokens,
-                                 speculative_algorithm="ngram" if spec else None, **args),
-                      tp_rank=tp_rank, model_runner=runner)
+    sched = Scheduler(
+        ServerArgs(max_total_tokens=runner.max_total_tokens, speculative_algorithm="ngram" if spec else None, **args),
+        tp_rank=tp_rank,
+        model_runner=runner,
+    )
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         p = dict(p)
         logprobs = p.pop("return_logprob", False)
-        sched.handle_message(TokenizedGenerateReq(rid=str(i), input_ids=prompt, return_logprob=logprobs,
-                                                  sampling_params=SamplingParams(**p)))
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid=str(i), input_ids=prompt, return_logprob=logprobs, sampling_params=SamplingParams(**p)
+            )
+        )
     results = run_until_idle(sched)
     assert_idle_invariant(sched)
     results["stats"] = dict(sched.stats)
@@ -76,6 +88,7 @@ def test_greedy_equal_on_every_architecture_at_batch_1_and_32(tiny_checkpoint: t
 def test_sliding_window_models(tiny_checkpoints: Any, name: str) -> None:
     """Drafts sit inside the window rules: a verify extend masks each position's own window, and the
     slots that left it are given back after the step as after a decode."""
+
     # (A runner per scheduler: the SWA slot map lives in the runner's pool, and a second scheduler's
     # allocator would start with the first one's cached slots still mapped.)
     def run(spec: bool) -> dict[str, list[int]]:
@@ -94,12 +107,14 @@ def test_sampling_penalties_logprobs_chunks_and_prefix_hits(tiny_llama_path: Pat
     runner = runner_for(tiny_llama_path)
     base = calls_for(runner.vocab_size, 2, seed=3)[0]
     prompts = [base + [5 + i] for i in range(6)]
-    params = [{"max_new_tokens": 12, "temperature": 0.9, "seed": 11, "ignore_eos": True},
-              {"max_new_tokens": 12, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5, "ignore_eos": True},
-              {"max_new_tokens": 12, "temperature": 0.0, "repetition_penalty": 1.2, "frequency_penalty": 0.5},
-              {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 8, "return_logprob": True},
-              {"max_new_tokens": 12, "temperature": 0.0, "return_logprob": True, "ignore_eos": True},
-              {"max_new_tokens": 12, "temperature": 0.0, "stop_token_ids": [7, 9, 11, 13]}]
+    params = [
+        {"max_new_tokens": 12, "temperature": 0.9, "seed": 11, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.0, "repetition_penalty": 1.2, "frequency_penalty": 0.5},
+        {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 8, "return_logprob": True},
+        {"max_new_tokens": 12, "temperature": 0.0, "return_logprob": True, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.0, "stop_token_ids": [7, 9, 11, 13]},
+    ]
     on = generate(runner, prompts, params, spec=True, chunked_prefill_size=8)
     off = generate(runner, prompts, params, spec=False, chunked_prefill_size=8)
     assert ids(on) == ids(off)
@@ -114,19 +129,32 @@ def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
     prompt = calls_for(runner.vocab_size, 1, seed=4)[0]
     got = {}
     for spec in (False, True):
-        sched = Scheduler(ServerArgs(max_total_tokens=2048, disable_overlap_schedule=True,
-                                     speculative_algorithm="ngram" if spec else None), model_runner=runner)
-        sched.handle_message(TokenizedGenerateReq(rid="r", input_ids=prompt, return_logprob=True, top_logprobs_num=2,
-                                                  sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0,
-                                                                                 ignore_eos=True)))
+        sched = Scheduler(
+            ServerArgs(
+                max_total_tokens=2048, disable_overlap_schedule=True, speculative_algorithm="ngram" if spec else None
+            ),
+            model_runner=runner,
+        )
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid="r",
+                input_ids=prompt,
+                return_logprob=True,
+                top_logprobs_num=2,
+                sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
+            )
+        )
         outs = []
         while True:
             sched.step()
             outs += [o for m in sched.take_outbox() if isinstance(m, BatchTokenIDOut) for o in m.outputs]
             if sched.is_idle():
                 break
-        got[spec] = ([t for o in outs for t in o.new_output_ids], [lp for o in outs for lp in o.output_logprobs],
-                     [[t for _, t in top] for o in outs for top in o.output_top_logprobs])
+        got[spec] = (
+            [t for o in outs for t in o.new_output_ids],
+            [lp for o in outs for lp in o.output_logprobs],
+            [[t for _, t in top] for o in outs for top in o.output_top_logprobs],
+        )
         if spec:
             assert sched.stats["spec_accepted_drafts"] > 0
     assert got[True][0] == got[False][0] and got[True][2] == got[False][2]
@@ -137,8 +165,17 @@ def test_tensor_parallel_2(tiny_llama_path: Path, thread_tp_group: Any) -> None:
     """TP=2 (a thread per rank): every rank proposes the same drafts and takes rank 0's samples."""
     from tests.support.tp_threads import run_on_ranks
 
-    runners = [runner_for(tiny_llama_path, max_total_tokens=512, max_running_requests=8, tp_rank=r, tp_size=2,
-                          attention_backend="torch_native") for r in range(2)]
+    runners = [
+        runner_for(
+            tiny_llama_path,
+            max_total_tokens=512,
+            max_running_requests=8,
+            tp_rank=r,
+            tp_size=2,
+            attention_backend="torch_native",
+        )
+        for r in range(2)
+    ]
     prompts = calls_for(runners[0].vocab_size, 4, seed=5)
     params = [{"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}] * 4
 
@@ -150,8 +187,9 @@ def test_tensor_parallel_2(tiny_llama_path: Path, thread_tp_group: Any) -> None:
     assert results[0] == ids(generate(runner_for(tiny_llama_path, max_total_tokens=512), prompts, params, spec=False))
 
 
-def test_constrained_requests_draft_what_their_grammar_takes(tiny_llama_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_constrained_requests_draft_what_their_grammar_takes(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Drafts of a constrained request are cut to what its grammar accepts, and each verify row is
     masked by the grammar's state after the drafts before it: the output is plain decoding's and
     matches its grammar."""
@@ -173,16 +211,31 @@ def test_constrained_requests_draft_what_their_grammar_takes(tiny_llama_path: Pa
     prompts = ["ab cd ab cd ab", "Hello world", "cd cd cd"]
 
     def run(spec: bool) -> dict[str, list[int]]:
-        args = ServerArgs(model_path=str(tiny_llama_path), device="cpu", dtype="float32", max_total_tokens=2048,
-                          disable_overlap_schedule=True, speculative_algorithm="ngram" if spec else None,
-                          speculative_max_step_tokens=1 << 20)
+        args = ServerArgs(
+            model_path=str(tiny_llama_path),
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=2048,
+            disable_overlap_schedule=True,
+            speculative_algorithm="ngram" if spec else None,
+            speculative_max_step_tokens=1 << 20,
+        )
         sched = Scheduler(args)
         for i, prompt in enumerate(prompts):
-            sched.handle_message(TokenizedGenerateReq(
-                rid=str(i), input_ids=tokenizer.encode(prompt),
-                sampling_params=SamplingParams(max_new_tokens=64, temperature=0.0, regex=pattern)))
-        sched.handle_message(TokenizedGenerateReq(rid="free", input_ids=tokenizer.encode(prompts[0] * 3),
-                                                  sampling_params=SamplingParams(max_new_tokens=24, temperature=0.0)))
+            sched.handle_message(
+                TokenizedGenerateReq(
+                    rid=str(i),
+                    input_ids=tokenizer.encode(prompt),
+                    sampling_params=SamplingParams(max_new_tokens=64, temperature=0.0, regex=pattern),
+                )
+            )
+        sched.handle_message(
+            TokenizedGenerateReq(
+                rid="free",
+                input_ids=tokenizer.encode(prompts[0] * 3),
+                sampling_params=SamplingParams(max_new_tokens=24, temperature=0.0),
+            )
+        )
         out = ids(run_until_idle(sched))
         assert_idle_invariant(sched)
         return out

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
 from memory.invariant import check_memory_invariant
 from memory.req_state import SimpleCacheRequest
 from memory.req_to_token_pool import ReqToTokenPool
@@ -24,10 +23,11 @@ from memory.swa_allocator import SWATokenToKVPoolAllocator
 from memory.swa_chunk_cache import SWAChunkCache
 from memory.swa_kv_pool import swa_pool_sizes
 from runtime.config.args import ServerArgs
-from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.engine.model_runner import ModelRunner
+from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
+from tests.support.checkpoints import SWA_WINDOWS, hf_greedy, load_hf_model, random_prompt
 from tests.support.stub_scheduler import collect, run_until_idle
 
 # ---- allocator, chunk cache, invariant -------------------------------------------------
@@ -81,11 +81,23 @@ def test_chunk_cache_frees_what_left_the_window_and_the_rest_at_release() -> Non
     assert req.cache_handle.swa_evicted_len == 13 and alloc.swa_available_size() == 64 - 7
     assert bool((alloc.full_to_swa[slots[:13]] == 0).all()) and bool((alloc.full_to_swa[slots[13:]] > 0).all())
     assert cache.free_out_of_window(req, 20) == 0 and cache.free_out_of_window(req, 21) == 1
-    report = check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=False,  # type: ignore[arg-type]
-                                    active_rows={req.cache_handle.req_pool_idx: 20})
+    report = check_memory_invariant(
+        alloc,
+        cache,
+        cache.req_to_token_pool,
+        64,
+        idle=False,  # type: ignore[arg-type]
+        active_rows={req.cache_handle.req_pool_idx: 20},
+    )
     assert report.ok, report.message
-    assert report.swa == {"available": 58, "evictable": 0, "protected": 0, "request_owned": 6, "size": 64,
-                          "problems": []}
+    assert report.swa == {
+        "available": 58,
+        "evictable": 0,
+        "protected": 0,
+        "request_owned": 6,
+        "size": 64,
+        "problems": [],
+    }
     cache.release_req(req, 20)
     assert alloc.full_available_size() == alloc.swa_available_size() == 64 and req.cache_handle.swa_evicted_len == 0
     assert check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=True).ok  # type: ignore[arg-type]
@@ -97,8 +109,14 @@ def test_invariant_names_leaked_and_dangling_swa_slots() -> None:
     stray = alloc.swa.alloc(2)  # taken from the SWA pool, mapped to no token
     assert stray is not None
     alloc.full.free(slots[:1])  # a full slot freed behind the pair's back: its SWA slot dangles
-    report = check_memory_invariant(alloc, cache, cache.req_to_token_pool, 64, idle=False,  # type: ignore[arg-type]
-                                    active_rows={req.cache_handle.req_pool_idx: 10})
+    report = check_memory_invariant(
+        alloc,
+        cache,
+        cache.req_to_token_pool,
+        64,
+        idle=False,  # type: ignore[arg-type]
+        active_rows={req.cache_handle.req_pool_idx: 10},
+    )
     assert not report.ok
     assert "2 leaked SWA slots" in report.message and "free full slots keep an SWA slot" in report.message
 
@@ -126,15 +144,25 @@ def expected(references: dict[str, Any], name: str, prompt: list[int], n: int = 
 def make_scheduler(path: Path, max_total_tokens: int = 2048, ratio: float = 0.5, **flags: Any) -> Scheduler:
     flags.setdefault("disable_overlap_schedule", True)
     args = ServerArgs(max_total_tokens=max_total_tokens, swa_full_tokens_ratio=ratio, **flags)
-    runner = ModelRunner(path, device="cpu", dtype="float32", attention_backend="torch_native",
-                         max_total_tokens=max_total_tokens, swa_full_tokens_ratio=ratio, load_progress=False,
-                         max_running_requests=16)
+    runner = ModelRunner(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=max_total_tokens,
+        swa_full_tokens_ratio=ratio,
+        load_progress=False,
+        max_running_requests=16,
+    )
     return Scheduler(args, model_runner=runner)
 
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], n: int = NEW_TOKENS) -> None:
-    sched.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt,
-                                              sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0)))
+    sched.handle_message(
+        TokenizedGenerateReq(
+            rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0)
+        )
+    )
 
 
 def assert_both_pools_clean(sched: Scheduler) -> None:
@@ -155,20 +183,28 @@ def _second_round(first: list[list[int]], outputs: list[list[int]], vocab: int) 
     """Two conversations go on (prompt + answer + a new turn: the whole history is cached, its
     last window live), one reuses a prefix that ends where the first request's window had
     moved on (the match backs off to what the windowed layers still have)."""
-    return [first[0] + outputs[0] + random_prompt(9, vocab, seed=1),
-            first[2] + outputs[2] + random_prompt(20, vocab, seed=2),
-            first[1][:45] + random_prompt(12, vocab, seed=3)]
+    return [
+        first[0] + outputs[0] + random_prompt(9, vocab, seed=1),
+        first[2] + outputs[2] + random_prompt(20, vocab, seed=2),
+        first[1][:45] + random_prompt(12, vocab, seed=3),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(SWA_WINDOWS))
-@pytest.mark.parametrize("radix,chunk,overlap", [(True, 8, False), (True, 40, True), (False, 8, True),
-                                                 (False, 40, False)],
-                         ids=["radix-chunk8", "radix-chunk40-overlap", "chunkcache-chunk8-overlap",
-                              "chunkcache-chunk40"])
-def test_scheduler_greedy_equals_transformers(tiny_checkpoints, references, name: str, radix: bool, chunk: int,
-                                              overlap: bool) -> None:
-    sched = make_scheduler(tiny_checkpoints.path(name), disable_radix_cache=not radix, chunked_prefill_size=chunk,
-                           disable_overlap_schedule=not overlap)
+@pytest.mark.parametrize(
+    "radix,chunk,overlap",
+    [(True, 8, False), (True, 40, True), (False, 8, True), (False, 40, False)],
+    ids=["radix-chunk8", "radix-chunk40-overlap", "chunkcache-chunk8-overlap", "chunkcache-chunk40"],
+)
+def test_scheduler_greedy_equals_transformers(
+    tiny_checkpoints, references, name: str, radix: bool, chunk: int, overlap: bool
+) -> None:
+    sched = make_scheduler(
+        tiny_checkpoints.path(name),
+        disable_radix_cache=not radix,
+        chunked_prefill_size=chunk,
+        disable_overlap_schedule=not overlap,
+    )
     assert sched.allocator.swa_size == sched.max_total_tokens // 2
     vocab = sched.runner.vocab_size
     first = _prompts(vocab)
@@ -220,8 +256,13 @@ def test_random_aborts_and_retraction_leak_nothing(tiny_checkpoints, references)
     """A pool too small for the batch forces retractions; random aborts land mid-prefill and
     mid-decode. Survivors match transformers; both pools are whole afterwards."""
     name = "mistral_swa"
-    sched = make_scheduler(tiny_checkpoints.path(name), max_total_tokens=200, ratio=1.0, chunked_prefill_size=16,
-                           disable_overlap_schedule=False)
+    sched = make_scheduler(
+        tiny_checkpoints.path(name),
+        max_total_tokens=200,
+        ratio=1.0,
+        chunked_prefill_size=16,
+        disable_overlap_schedule=False,
+    )
     rng = random.Random(0)
     prompts = {f"r{i}": random_prompt(rng.randrange(10, 60), sched.runner.vocab_size, seed=i) for i in range(8)}
     for rid, prompt in prompts.items():
@@ -264,10 +305,19 @@ def test_capacity_bench_fits_more_requests_than_a_full_attention_cache(radix: bo
 def test_paged_pool_keeps_one_pool_and_still_applies_the_window(tiny_checkpoints, references) -> None:
     """Page size 16: no SWA pool (the windowed layers keep every token), same tokens."""
     name = "mistral_swa"
-    runner = ModelRunner(tiny_checkpoints.path(name), device="cpu", dtype="float32", attention_backend="torch_native",
-                         max_total_tokens=1024, page_size=16, load_progress=False)
-    sched = Scheduler(ServerArgs(max_total_tokens=1024, page_size=16, chunked_prefill_size=32,
-                                 disable_overlap_schedule=True), model_runner=runner)
+    runner = ModelRunner(
+        tiny_checkpoints.path(name),
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=1024,
+        page_size=16,
+        load_progress=False,
+    )
+    sched = Scheduler(
+        ServerArgs(max_total_tokens=1024, page_size=16, chunked_prefill_size=32, disable_overlap_schedule=True),
+        model_runner=runner,
+    )
     assert not hasattr(sched.allocator, "swa")
     prompts = _prompts(runner.vocab_size)[1:]
     for i, prompt in enumerate(prompts):

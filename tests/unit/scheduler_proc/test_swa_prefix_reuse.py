@@ -45,8 +45,9 @@ def _run_one(sched: Any, rid: str, prompt: list[int]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("chunk", [8, None], ids=["chunked8", "unchunked"])
 @pytest.mark.parametrize("suffix_len", [5, 20], ids=["short-suffix", "suffix>W"])
-def test_successive_requests_on_a_cached_prefix_all_hit(tiny_checkpoints: Any, reference: Any, chunk: int | None,
-                                                        suffix_len: int) -> None:
+def test_successive_requests_on_a_cached_prefix_all_hit(
+    tiny_checkpoints: Any, reference: Any, chunk: int | None, suffix_len: int
+) -> None:
     """A caches P; then five requests P + suffix_i each report P as cached (before the fix the
     first reuse tombstoned P's last window and every later one matched nothing)."""
     sched = make_scheduler(tiny_checkpoints.path(NAME), chunked_prefill_size=chunk or -1)
@@ -62,15 +63,16 @@ def test_successive_requests_on_a_cached_prefix_all_hit(tiny_checkpoints: Any, r
 
 
 @pytest.mark.parametrize("chunk", [8, None], ids=["chunked8", "unchunked"])
-def test_a_shorter_reuse_keeps_a_longer_cached_conversation_matchable(tiny_checkpoints: Any, reference: Any,
-                                                                      chunk: int | None) -> None:
+def test_a_shorter_reuse_keeps_a_longer_cached_conversation_matchable(
+    tiny_checkpoints: Any, reference: Any, chunk: int | None
+) -> None:
     """A conversation (prompt + a short answer) is cached; a request reusing only part of it, and
     going on elsewhere, must not take the SWA half of the conversation's last window."""
     sched = make_scheduler(tiny_checkpoints.path(NAME), chunked_prefill_size=chunk or -1)
     vocab = sched.runner.vocab_size
     history = random_prompt(PREFIX_LEN, vocab, seed=78)
     answer = _run_one(sched, "a", history)["ids"]
-    partial = history[:PREFIX_LEN - 2] + random_prompt(20, vocab, seed=5)
+    partial = history[: PREFIX_LEN - 2] + random_prompt(20, vocab, seed=5)
     got = _run_one(sched, "b", partial)
     assert got["ids"] == _greedy(reference, partial)
     turn = history + answer + random_prompt(4, vocab, seed=6)

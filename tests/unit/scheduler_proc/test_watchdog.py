@@ -65,7 +65,8 @@ def test_steps_that_finish_in_time_do_not_trip(tmp_path: Path) -> None:
 
 
 def test_a_long_step_logs_dumps_every_thread_and_exits_non_zero(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     dog, clock, exits, stream = fake_watchdog(tmp_path, timeout=10)
     dog.begin_step()
     clock.now += 10.5

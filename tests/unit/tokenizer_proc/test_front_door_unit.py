@@ -144,26 +144,40 @@ def test_a_steps_stream_chunks_reach_each_client_in_one_frame() -> None:
     """Three streams of client c, one of d and a non-stream request of c, all in one step's
     outputs: c gets its three chunks as one GenerateChunks frame (in output order), d its one
     chunk as a plain GenerateChunk; the non-stream request's reply waits for its end."""
+
     async def main() -> None:
         m, router, sched, _ = manager()
-        for who, rid, stream in ((b"c", "s1", True), (b"c", "s2", True), (b"d", "t", True), (b"c", "s3", True),
-                                 (b"c", "whole", False)):
+        for who, rid, stream in (
+            (b"c", "s1", True),
+            (b"c", "s2", True),
+            (b"d", "t", True),
+            (b"c", "s3", True),
+            (b"c", "whole", False),
+        ):
             await m.handle_client_frames(who, frame(GenerateReq(rid=rid, input_ids=[1], stream=stream)))
         internal = [x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
         outs = [StrOutput(rid=r, text_delta=f"<{i}>", new_output_ids=[i]) for i, r in enumerate(internal)]
-        outs[1] = StrOutput(rid=internal[1], text_delta="<1>", new_output_ids=[1], finished=True,
-                            finish_reason={"type": "length"})
+        outs[1] = StrOutput(
+            rid=internal[1], text_delta="<1>", new_output_ids=[1], finished=True, finish_reason={"type": "length"}
+        )
         await m.outputs.handle_outputs(outs)
         assert [who for who, _ in router.sent] == [b"c", b"d"]
         (_, batch), (_, single) = router.sent
         assert isinstance(batch, GenerateChunks) and isinstance(single, GenerateChunk)
-        assert [(c.rid, c.text, c.finished) for c in batch.chunks] == [("s1", "<0>", False), ("s2", "<1>", True),
-                                                                      ("s3", "<3>", False)]
+        assert [(c.rid, c.text, c.finished) for c in batch.chunks] == [
+            ("s1", "<0>", False),
+            ("s2", "<1>", True),
+            ("s3", "<3>", False),
+        ]
         assert (single.rid, single.text) == ("t", "<2>")
         assert not m.table.contains(b"c", "s2") and m.table.contains(b"c", "whole")  # s2 finished; the rest run on
         router.busy.add(b"c")  # a client that stops reading loses every stream of the frame
-        await m.outputs.handle_outputs([StrOutput(rid=internal[0], text_delta="x", new_output_ids=[5]),
-                                StrOutput(rid=internal[3], text_delta="y", new_output_ids=[6])])
+        await m.outputs.handle_outputs(
+            [
+                StrOutput(rid=internal[0], text_delta="x", new_output_ids=[5]),
+                StrOutput(rid=internal[3], text_delta="y", new_output_ids=[6]),
+            ]
+        )
         assert SchedAbortReq(rid=internal[0]) in sched.sent and SchedAbortReq(rid=internal[3]) in sched.sent
         assert not m.table.contains(b"c", "s1") and not m.table.contains(b"c", "s3") and m.table.contains(b"d", "t")
 
@@ -180,8 +194,11 @@ def test_shutdown_answers_everything_in_flight_and_refuses_the_rest() -> None:
         assert SchedAbortReq(rid=internal) in sched.sent
         await m.handle_client_frames(b"e", frame(GenerateReq(rid="late", input_ids=[1])))
         replies = {(who, msg.rid): msg.code for who, msg in router.sent if isinstance(msg, ErrorReply)}
-        assert replies == {(b"c", "g"): "server_shutdown", (b"d", "i"): "server_shutdown",
-                           (b"e", "late"): "server_shutdown"}
+        assert replies == {
+            (b"c", "g"): "server_shutdown",
+            (b"d", "i"): "server_shutdown",
+            (b"e", "late"): "server_shutdown",
+        }
         assert m.table.num_groups == 0 and not m.control.pending
 
     asyncio.run(main())

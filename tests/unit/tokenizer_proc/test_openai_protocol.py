@@ -20,11 +20,18 @@ def completion(**body: Any) -> oai.CompletionRequest:
 
 
 def test_prompts_become_one_request_each_with_the_sampling_params() -> None:
-    reqs = completion(prompt=["a", "b"], max_tokens=5, temperature=0, stop="x", n=2, logprobs=3,
-                      ignore_eos=True, top_k=4).generate_reqs()
+    reqs = completion(
+        prompt=["a", "b"], max_tokens=5, temperature=0, stop="x", n=2, logprobs=3, ignore_eos=True, top_k=4
+    ).generate_reqs()
     assert [r.text for r in reqs] == ["a", "b"] and reqs[0].rid != reqs[1].rid
-    assert reqs[0].sampling_params == {"n": 2, "max_new_tokens": 5, "temperature": 0.0, "stop": "x", "top_k": 4,
-                                       "ignore_eos": True}
+    assert reqs[0].sampling_params == {
+        "n": 2,
+        "max_new_tokens": 5,
+        "temperature": 0.0,
+        "stop": "x",
+        "top_k": 4,
+        "ignore_eos": True,
+    }
     assert reqs[0].return_logprob and reqs[0].top_logprobs_num == 3
     assert [r.input_ids for r in completion(prompt=[1, 2]).generate_reqs()] == [[1, 2]]
     assert [r.input_ids for r in completion(prompt=[[1], [2, 3]]).generate_reqs()] == [[1], [2, 3]]
@@ -35,13 +42,16 @@ def test_prompts_become_one_request_each_with_the_sampling_params() -> None:
     assert chat.generate_reqs()[0].messages == [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "a", "suffix": "z"}, "suffix"),
-    ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "functions": [{"name": "f"}]}, "functions"),
-    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": []}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "a", "suffix": "z"}, "suffix"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "functions": [{"name": "f"}]}, "functions"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
 def test_unsupported_or_inconsistent_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(oai.BadRequest) as exc:
         completion(**body).generate_reqs()
@@ -69,8 +79,16 @@ def test_server_names_map_back_to_openai_names() -> None:
 
 def test_kv_usage_gauge_from_a_dp_controllers_sums() -> None:
     m = Metrics("m")
-    m.set_scheduler_gauges({"num_running": 3, "num_queued": 2, "max_total_tokens": 100, "available_tokens": 60,
-                            "evictable_tokens": 15, "cache_hit_rate": 0.5})
+    m.set_scheduler_gauges(
+        {
+            "num_running": 3,
+            "num_queued": 2,
+            "max_total_tokens": 100,
+            "available_tokens": 60,
+            "evictable_tokens": 15,
+            "cache_hit_rate": 0.5,
+        }
+    )
     text = m.render().decode()
     assert 'tinyserve:token_usage{model_name="m"} 0.25' in text
     assert 'tinyserve:num_running_reqs{model_name="m"} 3.0' in text
@@ -92,7 +110,7 @@ def test_constraints_are_checked_before_queueing_and_refused_without_a_grammar_b
     assert [r.sampling_params.regex for r in built] == ["[ab]+", "[ab]+"]
     with pytest.raises(Rejected) as bad:
         builder.build(GenerateReq(rid="b", input_ids=[1], sampling_params={"ebnf": "root ::= foo"}))
-    assert bad.value.param == "ebnf" and "Rule \"foo\" is not defined" in bad.value.message
+    assert bad.value.param == "ebnf" and 'Rule "foo" is not defined' in bad.value.message
     off = RequestBuilder(tokenizer=None, limits=limits, grammar_backend="none")
     with pytest.raises(Rejected) as refused:
         off.build(ok)
@@ -101,15 +119,17 @@ def test_constraints_are_checked_before_queueing_and_refused_without_a_grammar_b
 
 
 def chat_request(**body: Any) -> oai.ChatCompletionRequest:
-    return oai.ChatCompletionRequest.model_validate_json(json.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}))
+    return oai.ChatCompletionRequest.model_validate_json(
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+    )
 
 
 def test_unknown_fields_are_ignored_with_one_warning_per_name(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger=oai.__name__):
         for _ in range(3):
-            req = chat_request(brand_new_field=1, another_one={"x": 2}, user="u", metadata={"a": "b"}, store=True,
-                               stream_options=None)
+            req = chat_request(
+                brand_new_field=1, another_one={"x": 2}, user="u", metadata={"a": "b"}, store=True, stream_options=None
+            )
             assert req.generate_reqs()[0].sampling_params == {"n": 1}
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and any("'brand_new_field'" in w for w in warned)
@@ -130,14 +150,20 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs() -> None:
 
 
 def test_logit_bias_and_stream_options_pass_through() -> None:
-    req = chat_request(logit_bias={"5": -100.0}, stream=True,
-                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    req = chat_request(
+        logit_bias={"5": -100.0}, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
     assert req.generate_reqs()[0].sampling_params == {"n": 1, "logit_bias": {"5": -100.0}}
     assert req.include_usage and req.continuous_usage
 
 
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "clock"}}  # no parameters: any object
 
 
@@ -158,10 +184,10 @@ def test_tool_choice_decides_the_constraint_and_how_calls_are_read() -> None:
     assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
     assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "weather"}, {"const": "clock"}]
     assert required.generate_reqs(plan)[0].sampling_params["json_schema"] == plan.constraint["json_schema"]
-    calls = constrained_calls(plan, '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
-                                    '{"name": "clock", "arguments": {}}]')
-    assert [(c.name, json.loads(c.arguments)) for c in calls or []] == [("weather", {"city": "Oslo"}),
-                                                                         ("clock", {})]
+    calls = constrained_calls(
+        plan, '[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "clock", "arguments": {}}]'
+    )
+    assert [(c.name, json.loads(c.arguments)) for c in calls or []] == [("weather", {"city": "Oslo"}), ("clock", {})]
     assert constrained_calls(plan, '[{"name": "weather", "argu') is None  # cut by max_tokens
 
     named = chat_request(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "weather"}})
@@ -171,14 +197,17 @@ def test_tool_choice_decides_the_constraint_and_how_calls_are_read() -> None:
     assert (call.name, json.loads(call.arguments)) == ("weather", {"city": "Lima"})
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "required"}, "tool_choice"),  # no tools
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),  # auto asked for, no parser
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),  # auto asked for, no parser
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
 def test_inconsistent_tools_are_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(oai.BadRequest) as exc:
         req = chat_request(**body)
@@ -188,9 +217,16 @@ def test_inconsistent_tools_are_refused_by_name(body: dict[str, Any], param: str
 
 def test_assistant_tool_calls_reach_the_template_with_object_arguments() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}
-    req = oai.ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    req = oai.ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+        }
+    )
     messages = req.generate_reqs()[0].messages or []
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
     assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
@@ -200,8 +236,9 @@ def test_server_deadline_fields() -> None:
     assert completion(prompt="a").generate_reqs()[0].deadline_s is None
     assert completion(prompt="a", timeout=2).generate_reqs()[0].deadline_s == 2.0
     assert completion(prompt="a", timeout=2, deadline_s=0.5).generate_reqs()[0].deadline_s == 0.5
-    chat = oai.ChatCompletionRequest.model_validate({"model": "m", "timeout": 1.5,
-                                                     "messages": [{"role": "user", "content": "hi"}]})
+    chat = oai.ChatCompletionRequest.model_validate(
+        {"model": "m", "timeout": 1.5, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert chat.generate_reqs()[0].deadline_s == 1.5
     native = oai.NativeGenerateReq.model_validate_json('{"text": "a", "deadline_s": 3}')
     assert native.generate_reqs()[0][0].deadline_s == 3.0
@@ -243,5 +280,5 @@ def test_priority_travels_from_every_body_to_each_scheduler_request() -> None:
     built = builder.build(GenerateReq(rid="a", input_ids=[1, 2], sampling_params={"n": 2}, priority=5))
     assert [r.priority for r in built] == [5, 5]
     with pytest.raises(Rejected) as bad:
-        builder.build(GenerateReq(rid="b", input_ids=[1], priority=2 ** 63))
+        builder.build(GenerateReq(rid="b", input_ids=[1], priority=2**63))
     assert bad.value.param == "priority"

@@ -254,7 +254,7 @@ def _decode_stage1_grouped(
 def _decode_stage2(
     Att_Out,
     Att_Lse,
-    O,  # [bs, H, Lv]
+    O,  # noqa: E741 ([bs, H, Lv]: the kernel keeps the upstream parameter names)
     kv_indptr,
     num_kv_splits,
     stride_ab,
@@ -285,7 +285,9 @@ def _decode_stage2(
         s0 = split * per_split
         s1 = tl.minimum(s0 + per_split, seq_len)
         if s1 > s0:  # the same test stage 1 used to decide whether it wrote this part
-            part = tl.load(Att_Out + b * stride_ab + h * stride_ah + split * stride_as + offs_dv, mask=mask_dv, other=0.0)
+            part = tl.load(
+                Att_Out + b * stride_ab + h * stride_ah + split * stride_as + offs_dv, mask=mask_dv, other=0.0
+            )
             lse = tl.load(Att_Lse + b * stride_lb + h * stride_lh + split)
             m_new = tl.maximum(m_i, lse)
             alpha = tl.exp(m_i - m_new)
