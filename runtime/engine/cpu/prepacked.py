@@ -25,8 +25,12 @@ once, after the weights are loaded, saves that work:
   from memory, this one spreads the fetch over its work (``bench/cpu_linear.py``, with
   AVX-512 and capped at AVX2). A single row (a decode step of one request) takes the kernel's
   matrix-vector path, which multiplies several panels at once so that the FMA chains overlap
-  (with AVX2 it streams the weight faster than MKL's sgemv; with AVX-512 it is unmeasured, and
-  one to three rows stay on F.linear there, as measured before it existed). Prefill sizes, where
+  (with AVX2 it streams the weight faster than MKL's sgemv; with AVX-512 too, by a rough
+  single-thread check on an AVX512-BF16 EPYC, as are two and three rows). Every build level takes
+  every row count from one: a row count left to F.linear would give those rows MKL's bits while a
+  call of more rows gives them the kernel's, so a row's bits would depend on how many rows share
+  its call (a speculative verify's rows against the decode steps they replay,
+  tests/unit/runtime/test_cpu_verify_one_call.py). Prefill sizes, where
   MKL's blocking wins, stay on F.linear. The
   copy is made only where the kernel can run (a vector build of the kernels). The kernel sums
   each output in its own order (blocks of 256 products in sequence, then the blocks), so its
@@ -66,10 +70,12 @@ ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
 # Rows (tokens) of an fp32 call that take linear_f32 on the panel copy, by the kernels' build
 # level (bench/cpu_linear.py: against MKL's sgemm and oneDNN's packed kernel at the bench model's
 # shapes). From FP32_PANEL_MAX_ROWS + 1 rows on, MKL's blocking for large products wins; below
-# the level's minimum, the libraries' kernels do (AVX2: every row count from one, the kernel's
-# matrix-vector path included; AVX-512: from four, measured before that path existed).
+# the level's minimum, the libraries' kernels would. Every level starts at one row (the kernel's
+# matrix-vector path; AVX-512 once started at four, measured before that path existed): the band
+# must hold every decode batch size, else a row's bits depend on its batch's size (a 3-row decode
+# step on F.linear, the same rows in a 7-row verify on the kernel).
 FP32_PANEL_MAX_ROWS = 128
-FP32_PANEL_MIN_ROWS = {"avx2": 1, "avx512": 4, "avx512bf16": 4}  # no entry: the kernel declines
+FP32_PANEL_MIN_ROWS = {"avx2": 1, "avx512": 1, "avx512bf16": 1}  # no entry: the kernel declines
 PANEL = 16  # columns per panel of the fp32 copy (csrc/linear_f32.c: PANEL)
 # bf16 calls of up to this many rows take amx_linear_bf16 where it applies (beyond it oneDNN's
 # cache blocking wins: bench/cpu_linear.py --dtype bfloat16 --m 64 128 256).
@@ -149,7 +155,9 @@ def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() // max(x.shape[-1], 1) in fp32_panel_rows()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed copy when there is one and it is faster."""
     if packed is not None and takes_packed(x, weight):
         if x.dtype == torch.float32:
@@ -212,22 +220,33 @@ def tile_layout(packed: torch.Tensor | None) -> bool:
 def panel_address(panels: torch.Tensor, out_features: int, in_features: int) -> int:
     """The address ``linear_f32`` reads when ``panels`` is a usable ``panel_copy`` of an
     ``[out_features, in_features]`` weight (fp32, contiguous, on the CPU), else 0."""
-    if (panels.dtype != torch.float32 or panels.device.type != "cpu" or not panels.is_contiguous()
-            or out_features % PANEL or panels.shape != (out_features // PANEL, in_features, PANEL)):
+    if (
+        panels.dtype != torch.float32
+        or panels.device.type != "cpu"
+        or not panels.is_contiguous()
+        or out_features % PANEL
+        or panels.shape != (out_features // PANEL, in_features, PANEL)
+    ):
         return 0
     return panels.data_ptr()
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor | None:
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor | None:
     """fp32 ``x [..., in]`` times the weight whose ``panel_copy`` is ``panels``, plus ``bias``,
     through ``linear_f32``; None where the kernel does not apply (no vector build, operands it
     cannot read)."""
     lib = kernel_library.load()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
-                             or not bias.is_contiguous() or bias.numel() != out_features):
+    if bias is not None and (
+        bias.dtype != torch.float32
+        or bias.device.type != "cpu"
+        or bias.dim() != 1
+        or not bias.is_contiguous()
+        or bias.numel() != out_features
+    ):
         return None
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
@@ -237,8 +256,16 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    rc = lib.linear_f32(x2.data_ptr(), rows, x2.stride(0), panels.data_ptr(), out_features, in_features,
-                        bias.data_ptr() if bias is not None else None, out.data_ptr())
+    rc = lib.linear_f32(
+        x2.data_ptr(),
+        rows,
+        x2.stride(0),
+        panels.data_ptr(),
+        out_features,
+        in_features,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+    )
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
@@ -271,46 +298,67 @@ def _kernel_operand(x: torch.Tensor, packed: torch.Tensor | None, tag: str) -> t
     return (lib, x2, address) if x2.stride(1) == 1 else None
 
 
-def _packed_kernel_linear(kernel: str, tag: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                          out_features: int, float_out: bool) -> torch.Tensor | None:
+def _packed_kernel_linear(
+    kernel: str,
+    tag: str,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    float_out: bool,
+) -> torch.Tensor | None:
     """bf16 ``x`` times ``packed`` (plus ``bias``) through the C ``kernel`` (``amx_linear_bf16`` or
     ``dp_linear_bf16``: one signature), or None where it does not apply (``_kernel_operand``)."""
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()
-                             or bias.numel() != out_features):
+    if bias is not None and (
+        bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous() or bias.numel() != out_features
+    ):
         return None
     operand = _kernel_operand(x, packed, tag)
     if operand is None:
         return None
     lib, x2, address = operand
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32 if float_out else torch.bfloat16)
-    rc = getattr(lib, kernel)(x2.data_ptr(), x2.shape[0], x2.stride(0), address, out_features, x2.shape[1],
-                              bias.data_ptr() if bias is not None else None, int(float_out), out.data_ptr())
+    rc = getattr(lib, kernel)(
+        x2.data_ptr(),
+        x2.shape[0],
+        x2.stride(0),
+        address,
+        out_features,
+        x2.shape[1],
+        bias.data_ptr() if bias is not None else None,
+        int(float_out),
+        out.data_ptr(),
+    )
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False) -> torch.Tensor | None:
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
+) -> torch.Tensor | None:
     """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
     where it does not apply (AMX off, or see ``_kernel_operand``).
     ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
     return _packed_kernel_linear("amx_linear_bf16", TILE_ADDRESS, x, packed, bias, out_features, float_out)
 
 
-def dp_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-              float_out: bool = False) -> torch.Tensor | None:
+def dp_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
+) -> torch.Tensor | None:
     """The same through ``dp_linear_bf16`` where oneDNN packed for AVX512-BF16 without AMX."""
     return _packed_kernel_linear("dp_linear_bf16", DP_ADDRESS, x, packed, bias, out_features, float_out)
 
 
-def _bf16_kernel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                        float_out: bool = False) -> torch.Tensor | None:
+def _bf16_kernel_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
+) -> torch.Tensor | None:
     """The AMX kernel, else the AVX512-BF16 one (a copy is in at most one of their layouts), else None."""
     out = amx_linear(x, packed, bias, out_features, float_out)
     return out if out is not None else dp_linear(x, packed, bias, out_features, float_out)
 
 
-def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        packed: torch.Tensor | None) -> torch.Tensor | None:
+def amx_linear_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
     rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
     followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
@@ -321,8 +369,9 @@ def amx_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     lib, x2, address = operand
     inter = weight.shape[0] // 2
     out = torch.empty(x2.shape[0], inter, dtype=torch.bfloat16)
-    rc = lib.amx_linear_silu_mul_bf16(x2.data_ptr(), x2.shape[0], x2.stride(0), address, inter, x2.shape[1],
-                                      out.data_ptr())
+    rc = lib.amx_linear_silu_mul_bf16(
+        x2.data_ptr(), x2.shape[0], x2.stride(0), address, inter, x2.shape[1], out.data_ptr()
+    )
     return out.view(*x.shape[:-1], inter) if rc == 0 else None
 
 

@@ -195,7 +195,7 @@ def test_fp32_one_call_greedy_equals_transformers(name: str, tiny_checkpoints, c
 @needs_fp32_kernels
 @pytest.mark.skipif(
     1 not in fp32_panel_rows(),
-    reason="the panel kernel's build here (AVX-512) leaves one row to F.linear; with AVX2 it takes it",
+    reason="this build's panel kernel leaves one row to F.linear (the one-row path needs AVX2 or AVX-512)",
 )
 def test_fp32_one_request_takes_the_call_and_equals_transformers(tiny_checkpoints, calls: list[bool]) -> None:
     """One request alone (the kernel's matrix-vector path for every linear): its decode steps run

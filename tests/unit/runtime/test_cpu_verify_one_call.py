@@ -14,12 +14,11 @@ decode step must append to the copies, not rebuild them, and still equal the ora
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.engine.cpu import attention_kernels_f32, decode_layers
+from runtime.engine.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
 from runtime.engine.cpu.prepacked import fp32_panel_rows
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
@@ -28,11 +27,20 @@ from tests.support.cpu_features import bf16_kernels
 from tests.support.harness import Harness, HarnessRequest
 
 DTYPES = [
-    pytest.param("bfloat16", marks=pytest.mark.skipif(bf16_kernels() is None, reason="needs a CPU with AVX512-BF16 "
-                                                       "(avx512_bf16; AMX where it has them) for the bf16 call")),
-    pytest.param("float32", marks=pytest.mark.skipif(not (fp32_panel_rows() and attention_kernels_f32.applies()),
-                                                      reason="needs a CPU with AVX2 and FMA (or AVX-512) and the "
-                                                             "kernels' vector build of it for the fp32 call")),
+    pytest.param(
+        "bfloat16",
+        marks=pytest.mark.skipif(
+            bf16_kernels() is None,
+            reason="needs a CPU with AVX512-BF16 (avx512_bf16; AMX where it has them) for the bf16 call",
+        ),
+    ),
+    pytest.param(
+        "float32",
+        marks=pytest.mark.skipif(
+            not (fp32_panel_rows() and attention_kernels_f32.applies()),
+            reason="needs a CPU with AVX2 and FMA (or AVX-512) and the kernels' vector build of it for the fp32 call",
+        ),
+    ),
 ]
 PRE_STEPS = 2  # decode steps before the verify: the mirror's rebuild, then an append
 
@@ -94,10 +102,12 @@ def _verify(h: Harness, reqs: list[HarnessRequest], drafts: list[list[int]]) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("name", "shared_prefix"), [("llama", 0), ("qwen2", 0), ("llama_hd64", 40)])
-def test_verify_rows_equal_decode_steps_and_the_next_step_appends(name: str, shared_prefix: int, dtype: str,
-                                                                  tiny_checkpoints, calls: list[bool]) -> None:
-    runner = ModelRunner(tiny_checkpoints.path(name), device="cpu", dtype=dtype, max_total_tokens=8192,
-                         load_progress=False)
+def test_verify_rows_equal_decode_steps_and_the_next_step_appends(
+    name: str, shared_prefix: int, dtype: str, tiny_checkpoints, calls: list[bool]
+) -> None:
+    runner = ModelRunner(
+        tiny_checkpoints.path(name), device="cpu", dtype=dtype, max_total_tokens=8192, load_progress=False
+    )
     rng = random.Random(7)
     drafts = [[rng.randrange(3, runner.vocab_size) for _ in range(k)] for k in (4, 0, 2, 3, 1)]
     oracle = _fed_logits(runner, shared_prefix, drafts)
@@ -118,8 +128,8 @@ def test_verify_rows_equal_decode_steps_and_the_next_step_appends(name: str, sha
     row_of = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
     emitted = [int(logits[row_of[i] + a].argmax()) for i, a in enumerate(accepted)]
     for req, draft, a, start, token in zip(reqs, drafts, accepted, starts, emitted):
-        del req.output_ids[len(req.output_ids) - (len(draft) - a):]
-        del req.slots[start + 1 + a:]  # (the rejected drafts' slots; the harness never reuses them)
+        del req.output_ids[len(req.output_ids) - (len(draft) - a) :]
+        del req.slots[start + 1 + a :]  # (the rejected drafts' slots; the harness never reuses them)
         req.output_ids.append(token)
     with decode_layers.use_decode_layers(True):
         after = h.step(reqs, ForwardMode.DECODE).logits.clone()
@@ -132,14 +142,16 @@ def test_verify_rows_equal_decode_steps_and_the_next_step_appends(name: str, sha
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared_prefix", [0, 40])
-def test_verify_of_other_requests_gathers_the_copies_again(dtype: str, shared_prefix: int, tiny_checkpoints,
-                                                           calls: list[bool]) -> None:
+def test_verify_of_other_requests_gathers_the_copies_again(
+    dtype: str, shared_prefix: int, tiny_checkpoints, calls: list[bool]
+) -> None:
     """A verify whose requests are not the mirrored ones (one dropped out, as when a request
     finishes) cannot append: the copies are gathered again from the pool first, and the step still
     runs through the one call, its rows equal to the decode steps' (a row's bits do not depend on
     the other rows of its batch)."""
-    runner = ModelRunner(tiny_checkpoints.path("llama_hd64"), device="cpu", dtype=dtype, max_total_tokens=8192,
-                         load_progress=False)
+    runner = ModelRunner(
+        tiny_checkpoints.path("llama_hd64"), device="cpu", dtype=dtype, max_total_tokens=8192, load_progress=False
+    )
     drafts = [[5, 6, 7], [8, 9]]
     oracle = _fed_logits(runner, shared_prefix, drafts + [[]])
     calls.clear()
@@ -167,8 +179,9 @@ def test_kernel_rows_share_mirror_rows(dtype: torch.dtype) -> None:
     kv_row = torch.tensor([0, 0, 0, 1, 2, 2, 2], dtype=torch.int64)
     pos = torch.tensor([10, 11, 12, 5, 20, 21, 22], dtype=torch.int64)
     new_k, new_v = torch.randn(7, hkv, d).to(dtype), torch.randn(7, hkv, d).to(dtype)
-    bias = torch.zeros(7, 1, 1, cap).masked_fill_(torch.arange(cap)[None, None, None, :] > pos[:, None, None, None],
-                                                   float("-inf"))
+    bias = torch.zeros(7, 1, 1, cap).masked_fill_(
+        torch.arange(cap)[None, None, None, :] > pos[:, None, None, None], float("-inf")
+    )
     if not attn_kernels.supports(q, k_t, v, bias):
         pytest.skip("needs the CPU kernels (fp32: a vector build, AVX2 and FMA or AVX-512)")
     # the reference: each query row against its own copy of its mirror row with every new key of that row stored
@@ -178,7 +191,29 @@ def test_kernel_rows_share_mirror_rows(dtype: torch.dtype) -> None:
         ref_v[kv_row[b], :, pos[b]] = new_v[b]
     own_k, own_v = ref_k[kv_row].contiguous(), ref_v[kv_row].contiguous()
     want, want_lse = attn_kernels.decode_attention(q, own_k, own_v, bias, 0.25, 24, True)
-    got, got_lse = attn_kernels.decode_attention(q, k_t, v, bias, 0.25, 24, True,
-                                                 attn_kernels.KeyAppend(new_k, new_v, pos), kv_row=kv_row)
+    got, got_lse = attn_kernels.decode_attention(
+        q, k_t, v, bias, 0.25, 24, True, attn_kernels.KeyAppend(new_k, new_v, pos), kv_row=kv_row
+    )
     assert torch.equal(k_t, ref_k) and torch.equal(v, ref_v)  # every append landed in its request's row
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("level", [name for name in kernel_library.host_levels() if name != "baseline"])
+def test_fp32_linear_rows_do_not_depend_on_the_batch_size(level: str) -> None:
+    """What the fp32 verify above rests on, at every vector level this host runs (AVX2, AVX-512,
+    AVX-512 + BF16): ``prepacked.linear`` gives a row the same bits in a call of any decode size,
+    one row included. (The AVX-512 builds once left one to three rows to F.linear, MKL's sums, so a
+    3-request decode step and the same rows in a 7-row verify differed in the last bits.)"""
+    torch.manual_seed(1)
+    weight, bias = torch.randn(96, 300), torch.randn(96)
+    packed = prepacked.panel_copy(weight)
+    x = torch.randn(9, 300)
+    with kernel_library.use_level(level):
+        if not fp32_panel_rows():
+            pytest.skip(f"no vector build of the {level} kernels here (a compiler is needed)")
+        assert 1 in fp32_panel_rows(), f"{level}: one row must take the panel kernel as larger batches do"
+        whole = prepacked.linear(x, weight, bias, packed)
+        for m in range(1, x.shape[0]):
+            for r0 in (0, x.shape[0] - m):
+                part = prepacked.linear(x[r0 : r0 + m], weight, bias, packed)
+                assert torch.equal(part, whole[r0 : r0 + m]), f"{level}: rows {r0}..{r0 + m - 1} alone differ"
