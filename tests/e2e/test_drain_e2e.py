@@ -23,9 +23,15 @@ from tests.support.server_process import ServerProcess
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
-TOKENS = 150
-LONG = {"max_new_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
-REQUESTS = 16  # one runs at a time: far more work than the grace period holds
+GRACE_S = 3
+TOKENS = 150  # the short request: it is stopped near its end, so its last tokens fit in the grace
+SHORT = {"max_new_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
+# The long ones (llama_long: 4096 positions): one runs at a time, so after the stop 15 x ~4000
+# decode steps are left, one request after another; no CPU does 60000 serial steps in GRACE_S.
+LONG_TOKENS = 4000
+LONG = {"max_new_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
+REQUESTS = 16  # REQUESTS - 1 long ones, then the short one
+SHORT_ID = REQUESTS - 1
 
 
 def http(address: str, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], bytes]:
@@ -38,44 +44,78 @@ def http(address: str, method: str, path: str, body: Any = None) -> tuple[int, d
         return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
 
-def test_sigterm_drains_what_fits_and_aborts_the_rest(tiny_llama_path: Path) -> None:
-    server = ServerProcess([*base_args(tiny_llama_path), "--max-running-requests", "1", "--port", "0",
-                            "--graceful-shutdown-timeout", "3"])
+def test_sigterm_drains_what_fits_and_aborts_the_rest(tiny_checkpoints: Any) -> None:
+    # One request runs at a time; the short one comes last with a higher priority and preempts
+    # the running long one, so it is the one decoding when the stop comes, whatever the CPU speed.
+    server = ServerProcess(
+        [
+            *base_args(tiny_checkpoints.path("llama_long")),
+            "--max-running-requests",
+            "1",
+            "--enable-priority-scheduling",
+            "--priority-preemption",
+            "--port",
+            "0",
+            "--graceful-shutdown-timeout",
+            str(GRACE_S),
+        ]
+    )
     results: dict[int, Any] = {}
     streamed: dict[int, list[int]] = {i: [] for i in range(REQUESTS)}
+    progress = threading.Condition()
 
-    def run(i: int) -> None:
+    def run(i: int, sampling_params: dict[str, Any], priority: int) -> None:
         try:
             with Client(server.address or "", timeout=60) as c:
                 chunk: dict[str, Any] = {}
-                for chunk in c.generate(input_ids=[5, 6, 7 + i], sampling_params=LONG, stream=True):
-                    streamed[i].extend(chunk["output_ids"])
+                for chunk in c.generate(
+                    input_ids=[5, 6, 7 + i], sampling_params=sampling_params, stream=True, priority=priority
+                ):
+                    with progress:
+                        streamed[i].extend(chunk["output_ids"])
+                        progress.notify_all()
                 results[i] = {"output_ids": streamed[i], "meta": chunk["meta"]}
         except RequestError as exc:
             results[i] = exc.code
+        finally:
+            with progress:
+                progress.notify_all()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(REQUESTS)]
+    threads = [threading.Thread(target=run, args=(i, LONG, 0)) for i in range(REQUESTS - 1)]
+    threads.append(threading.Thread(target=run, args=(SHORT_ID, SHORT, 1)))
     try:
-        for t in threads:
+        for t in threads[:-1]:
             t.start()
         with Client(server.address or "", timeout=30) as probe:
-            wait_until(lambda: probe.server_info()["tokenizer"]["active_requests"] == REQUESTS, 60,
-                       "every request in flight")
+            # (No push notice for "queued": the tokenizer's count is polled.)
+            wait_until(
+                lambda: probe.server_info()["tokenizer"]["active_requests"] == REQUESTS - 1,
+                60,
+                "every long request in flight",
+            )
+            threads[-1].start()
             children = [pid for name, pid in probe.server_info()["processes"].items() if name != "launch"]
-            # The stop comes when the running request is near its end, so that one fits in the grace
-            # period however slow this machine is (a loaded 2-core box made 150 tokens take > 3 s).
-            wait_until(lambda: max(len(ids) for ids in streamed.values()) >= TOKENS - 10, 60, "one request near its end")
+            # The stop comes when the short request is near its end (its streamed output says so),
+            # so that it fits in the grace period however slow this machine is (a loaded 2-core
+            # box made 150 tokens take > 3 s), while the long ones cannot however fast it is.
+            with progress:
+                assert progress.wait_for(lambda: len(streamed[SHORT_ID]) >= TOKENS - 10 or SHORT_ID in results, 120), (
+                    "the short request near its end"
+                )
+            assert SHORT_ID not in results or isinstance(results[SHORT_ID], dict), results[SHORT_ID]
             t0 = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             http_address = server.http_address or ""
             status, headers, body = wait_until(
-                lambda: (r := http(http_address, "GET", "/health"))[0] == 503 and r, 10, "/health 503")
+                lambda: (r := http(http_address, "GET", "/health"))[0] == 503 and r, 10, "/health 503"
+            )
             assert json.loads(body)["error"]["code"] == "draining"
             with pytest.raises(RequestError) as refused:
                 probe.generate(input_ids=[5], sampling_params={"max_new_tokens": 2})
             assert refused.value.code == "draining"
-        status, headers, body = http(http_address, "POST", "/generate",
-                                     {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
+        status, headers, body = http(
+            http_address, "POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}
+        )
         assert status == 503 and headers.get("retry-after") == "1"
         assert json.loads(body)["error"]["code"] == "draining"
         code = server.process.wait(30)
@@ -85,12 +125,13 @@ def test_sigterm_drains_what_fits_and_aborts_the_rest(tiny_llama_path: Path) -> 
     finally:
         server.stop()
     assert code == 0, server.log_tail()
-    assert took < 3 + 5, took
+    assert took < GRACE_S + 5, took
     finished = [r for r in results.values() if isinstance(r, dict) and r["meta"]["finish_reason"]["type"] == "length"]
     aborted = [r for r in results.values() if isinstance(r, dict) and r["meta"]["finish_reason"]["type"] == "abort"]
     assert len(finished) + len(aborted) == REQUESTS, results
-    assert finished and aborted, {i: r if not isinstance(r, dict) else r["meta"]["finish_reason"]
-                                  for i, r in results.items()}
+    assert finished and aborted, {
+        i: r if not isinstance(r, dict) else r["meta"]["finish_reason"] for i, r in results.items()
+    }
     assert all(len(r["output_ids"]) == TOKENS for r in finished)
     assert all("graceful-shutdown" in r["meta"]["finish_reason"]["message"] for r in aborted)
     assert wait_gone(children, 10) == []
