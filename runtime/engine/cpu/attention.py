@@ -74,7 +74,10 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.verify_plan = None
-        if batch.forward_mode == ForwardMode.VERIFY and self.mirrored_layers in (None, len(batch.token_to_kv_pool.k_buffer)):
+        if batch.forward_mode == ForwardMode.VERIFY and self.mirrored_layers in (
+            None,
+            len(batch.token_to_kv_pool.k_buffer),
+        ):
             # the copies take the step's tokens as appends (a step the one-call path then declines runs
             # as the extend planned below, and the next forward finds them stale and rebuilds)
             self.verify_plan = self.mirror.plan_verify(batch)
@@ -85,8 +88,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             (group,) = batch.attn_metadata.groups
             assert isinstance(group, CpuAttnGroup)
             if self.mirrored_layers != 0:
-                group.mirror = self.mirror.plan(batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens),
-                                                self.mirrored_layers)
+                group.mirror = self.mirror.plan(
+                    batch, group, host_list(batch.seq_lens_cpu, batch.seq_lens), self.mirrored_layers
+                )
 
     def _decode_group(
         self,
@@ -140,13 +144,17 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         append: attn_kernels.KeyAppend | None = None
         if g.mirror is not None:
             append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
-            kd_t, vd, prefix = self.mirror.keys(layer.layer_id, g.mirror, k, v, k_buf, v_buf,
-                                                defer_append=append is not None)
+            kd_t, vd, prefix = self.mirror.keys(
+                layer.layer_id, g.mirror, k, v, k_buf, v_buf, defer_append=append is not None
+            )
             mask = g.mirror.mask
         elif g.shared is not None:
             plan = g.shared
             prefix = (self._gather(k_buf, plan.loc, 1).transpose(-1, -2), self._gather(v_buf, plan.loc, 1))
-            kd_t, vd = self._gather(k_buf, plan.suffix_loc, n).transpose(-1, -2), self._gather(v_buf, plan.suffix_loc, n)
+            kd_t, vd = (
+                self._gather(k_buf, plan.suffix_loc, n).transpose(-1, -2),
+                self._gather(v_buf, plan.suffix_loc, n),
+            )
             mask = plan.suffix_mask
         else:
             assert g.kv_flat is not None
@@ -159,14 +167,16 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             # Cascade in two kernels: the shared prefix for every query at once, then each
             # request's own keys continuing the same softmax (no merge pass).
             init = attn_kernels.prefix_attention(qg, packed, layer.scaling)
-            og, _ = attn_kernels.decode_attention(qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1], False,
-                                                 append, init)
+            og, _ = attn_kernels.decode_attention(
+                qg, kd_t, vd, mask, layer.scaling, width or kd_t.shape[-1], False, append, init
+            )
         elif prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
             og = fastpaths._cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append)
         else:
-            og, _ = fastpaths._few_query_attention(qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width,
-                                                   append=append)
+            og, _ = fastpaths._few_query_attention(
+                qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append
+            )
         return og.reshape(n, layer.num_heads, layer.head_dim)
 
     def _extend(
@@ -195,8 +205,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             return fastpaths._causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
         # Cascade: own keys (causal, returning the log-sum-exp) ...
         if matmul_prefill:
-            o_own, lse_own = fastpaths._causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling,
-                                                                 with_lse=True)
+            o_own, lse_own = fastpaths._causal_prefill_attention(
+                qs.view(n, q_len, h, d), kg, vg, layer.scaling, with_lse=True
+            )
             assert lse_own is not None
         else:
             flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -204,7 +215,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
                 o_own, lse_own = flash(qg, kg, vg, is_causal=True, scale=layer.scaling)
             else:
                 assert g.mask is not None
-                add_mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
+                add_mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(
+                    ~g.mask, float("-inf")
+                )
                 o_own, lse_own = flash(qg, kg, vg, attn_mask=add_mask, scale=layer.scaling)
             o_own = o_own.transpose(1, 2).reshape(n * q_len, h, d)
             lse_own = lse_own.transpose(1, 2).reshape(n * q_len, h)
@@ -218,18 +231,23 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         group = h // hkv
         if attn_kernels.prefix_supported(real.dtype, real.device, d):
             # the prefix kernel: a tile of query rows of a KV head against each key load
-            packed = attn_kernels.pack_prefix(k_buf.index_select(0, g.shared_loc).to(real.dtype),
-                                              v_buf.index_select(0, g.shared_loc).to(real.dtype))
+            packed = attn_kernels.pack_prefix(
+                k_buf.index_select(0, g.shared_loc).to(real.dtype), v_buf.index_select(0, g.shared_loc).to(real.dtype)
+            )
             o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
-            merged = fastpaths._merge(o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d),
-                                      lse_own.reshape(t, hkv, group))
+            merged = fastpaths._merge(
+                o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group)
+            )
             return merged.reshape(t, h, d)
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         o_pre, lse_pre = fastpaths._attend_shared_keys(q_all, kp, vp, layer.scaling)
         # (reshape: views where the layouts allow, which they do on the bf16 paths)
-        merged = fastpaths._merge(o_pre.reshape(hkv, t, group, d).permute(1, 0, 2, 3),
-                                  lse_pre.reshape(hkv, t, group).permute(1, 0, 2),
-                                  o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group))
+        merged = fastpaths._merge(
+            o_pre.reshape(hkv, t, group, d).permute(1, 0, 2, 3),
+            lse_pre.reshape(hkv, t, group).permute(1, 0, 2),
+            o_own.reshape(t, hkv, group, d),
+            lse_own.reshape(t, hkv, group),
+        )
         return merged.reshape(t, h, d)

@@ -29,7 +29,6 @@ import torch
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import kernels as cpu_kernels
 
-
 _MATMUL_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 # Longer prompts keep SDPA (the matmul path splits them into runs of query positions, each
 # a GEMM against the keys before its end; far longer prompts make many small GEMMs).
@@ -98,8 +97,9 @@ def _matmul_causal_attention(
             qg = q_fold[start:end, :, first:last].reshape(c, hkv, m, d)  # row = position * group + head
             scores = torch.matmul(qg, k[start:end, :, :last].transpose(-1, -2))  # [c, Hkv, m, last]
             if cpu_kernels.softmax_supported(scores):  # in place: scores become probs
-                lse = cpu_kernels.softmax_rows(scores, scale, causal_period=m, rows_per_position=group,
-                                               first_position=first, with_lse=with_lse)
+                lse = cpu_kernels.softmax_rows(
+                    scores, scale, causal_period=m, rows_per_position=group, first_position=first, with_lse=with_lse
+                )
                 probs = scores
             else:
                 position = first + torch.arange(m, device=q.device) // group
@@ -109,7 +109,8 @@ def _matmul_causal_attention(
                 probs = torch.softmax(logits, dim=-1).to(v.dtype)
             o = torch.matmul(probs, v[start:end, :, :last])  # [c, Hkv, m, D]
             out[start:end, first:last].view(c, last - first, hkv, group, d).copy_(
-                o.view(c, hkv, last - first, group, d).transpose(1, 2))
+                o.view(c, hkv, last - first, group, d).transpose(1, 2)
+            )
             if lse_out is not None:
                 assert lse is not None
                 lse_out[start:end, first:last] = lse.view(c, hkv, last - first, group).transpose(1, 2)
@@ -193,15 +194,22 @@ def _cascade(
     ``exp(lse_part - lse_total)``.
     """
     out_p, lse_p = _attend_prefix(qg, kp, vp, scale)
-    out_s, lse_s = _few_query_attention(qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width,
-                                        append=append)
+    out_s, lse_s = _few_query_attention(
+        qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width, append=append
+    )
     assert lse_s is not None
     return _merge(out_p, lse_p, out_s, lse_s).contiguous()
 
 
 def _few_query_attention(
-    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, with_lse: bool,
-    width: int | None = None, append: attn_kernels.KeyAppend | None = None,
+    qg: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    with_lse: bool,
+    width: int | None = None,
+    append: attn_kernels.KeyAppend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, Hkv, group, D]`` queries (a decode step, GQA folded) against keys ``k_t``
     ``[n, Hkv, D, L]`` (transposed: a view of ``[..., D, cap]`` rows is a strided batched

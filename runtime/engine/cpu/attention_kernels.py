@@ -55,8 +55,35 @@ MAX_HEAD_DIM = 256
 MAX_GROUP_X_DIM = 2048
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-declare("decode_attention_bf16", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
-                                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _int)
+declare(
+    "decode_attention_bf16",
+    [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _f32,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+    ],
+    _int,
+)
 declare("prefix_attention_available", [], _int)
 declare("prefix_attention_bf16", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
 declare("causal_attention_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
@@ -94,10 +121,15 @@ def append_supported(append: KeyAppend, k_t: torch.Tensor, rows: int | None = No
     the query rows, when a ``kv_row`` map gives several of them one mirror row)."""
     _, hkv, d, _ = k_t.shape
     n = k_t.shape[0] if rows is None else rows
-    return all(
-        t.dtype == k_t.dtype and t.device.type == "cpu" and t.shape == (n, hkv, d) and t.stride()[1:] == (d, 1)
-        for t in (append.k, append.v)
-    ) and append.pos.dtype == torch.int64 and append.pos.shape == (n,) and append.pos.is_contiguous()
+    return (
+        all(
+            t.dtype == k_t.dtype and t.device.type == "cpu" and t.shape == (n, hkv, d) and t.stride()[1:] == (d, 1)
+            for t in (append.k, append.v)
+        )
+        and append.pos.dtype == torch.int64
+        and append.pos.shape == (n,)
+        and append.pos.is_contiguous()
+    )
 
 
 def decode_attention(
@@ -141,19 +173,39 @@ def decode_attention(
         new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
         stride_k, stride_v = append.k.stride(0), append.v.stride(0)
     if q.dtype == torch.float32:
-        rc = attn_f32.decode(q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init,
-                             kv_row)
+        rc = attn_f32.decode(
+            q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init, kv_row
+        )
     else:
         rc = lib.decode_attention_bf16(
-            q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, cap,
-            width, out.data_ptr(), lse.data_ptr() if lse is not None else None, n, hkv, group, d, float(scale),
-            new_k, stride_k, new_v, stride_v, pos,
-            init[0].data_ptr() if init is not None else None, init[1].data_ptr() if init is not None else None,
-            kv_row.data_ptr() if kv_row is not None else None, kv_n,
+            q.data_ptr(),
+            q.stride(0),
+            k_t.data_ptr(),
+            v.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            cap,
+            width,
+            out.data_ptr(),
+            lse.data_ptr() if lse is not None else None,
+            n,
+            hkv,
+            group,
+            d,
+            float(scale),
+            new_k,
+            stride_k,
+            new_v,
+            stride_v,
+            pos,
+            init[0].data_ptr() if init is not None else None,
+            init[1].data_ptr() if init is not None else None,
+            kv_row.data_ptr() if kv_row is not None else None,
+            kv_n,
         )
     if rc != 0:
-        raise ValueError(f"decode attention kernel rejected group={group}, head_dim={d} (or an append position "
-                         "or mirror row)")
+        raise ValueError(
+            f"decode attention kernel rejected group={group}, head_dim={d} (or an append position or mirror row)"
+        )
     return out, lse
 
 
@@ -214,9 +266,21 @@ def prefix_attention(q: torch.Tensor, prefix: PackedPrefix, scale: float) -> tup
     assert q.stride()[1:] == (group * d, d, 1) and prefix.k.shape[0] == hkv and prefix.k.shape[2] == d // 2
     out = torch.empty(n, hkv, group, d, dtype=torch.float32)
     lse = torch.empty(n, hkv, group, dtype=torch.float32)
-    rc = lib.prefix_attention_bf16(q.data_ptr(), q.stride(0), prefix.k.data_ptr(), prefix.v.data_ptr(),
-                                   prefix.length, prefix.k.shape[1] * PREFIX_KEY_BLOCK, n, hkv, group, d, float(scale),
-                                   out.data_ptr(), lse.data_ptr())
+    rc = lib.prefix_attention_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        prefix.k.data_ptr(),
+        prefix.v.data_ptr(),
+        prefix.length,
+        prefix.k.shape[1] * PREFIX_KEY_BLOCK,
+        n,
+        hkv,
+        group,
+        d,
+        float(scale),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
     if rc != 0:
         raise ValueError(f"prefix attention kernel rejected head_dim={d}, {prefix.length} keys")
     return out, lse
@@ -239,8 +303,13 @@ def causal_attention(
     token_strides = []
     for t, heads in ((q, h), (k, hkv), (v, hkv)):
         token_stride = t.stride(1) if length > 1 else t.stride(0)  # (a size-1 dim's stride is arbitrary)
-        if (t.dtype != q.dtype or t.device.type != "cpu" or tuple(t.shape) != (n, length, heads, d)
-                or t.stride()[2:] != (d, 1) or (n > 1 and t.stride(0) != length * token_stride)):
+        if (
+            t.dtype != q.dtype
+            or t.device.type != "cpu"
+            or tuple(t.shape) != (n, length, heads, d)
+            or t.stride()[2:] != (d, 1)
+            or (n > 1 and t.stride(0) != length * token_stride)
+        ):
             return None
         token_strides.append(token_stride)
     if q.dtype == torch.float32:
@@ -249,7 +318,20 @@ def causal_attention(
     lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
     lib = kernel_library.load()
     assert lib is not None
-    rc = lib.causal_attention_bf16(q.data_ptr(), token_strides[0], k.data_ptr(), token_strides[1], v.data_ptr(),
-                                   token_strides[2], n, length, hkv, h // hkv, d, float(scale), out.data_ptr(),
-                                   lse.data_ptr() if lse is not None else None)
+    rc = lib.causal_attention_bf16(
+        q.data_ptr(),
+        token_strides[0],
+        k.data_ptr(),
+        token_strides[1],
+        v.data_ptr(),
+        token_strides[2],
+        n,
+        length,
+        hkv,
+        h // hkv,
+        d,
+        float(scale),
+        out.data_ptr(),
+        lse.data_ptr() if lse is not None else None,
+    )
     return None if rc != 0 else (out, lse)

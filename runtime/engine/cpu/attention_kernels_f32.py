@@ -32,8 +32,35 @@ KEY_PACK = 16  # csrc: F32_PACK, keys per block of a packed K
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 declare("attention_f32_vectorised", [], _int)
-declare("decode_attention_f32", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
-                                 _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _int)
+declare(
+    "decode_attention_f32",
+    [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _f32,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+    ],
+    _int,
+)
 declare("prefix_attention_f32", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
 declare("causal_attention_f32", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
 
@@ -49,19 +76,51 @@ def _ptr_or_none(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def decode(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, width: int,
-           out: torch.Tensor, lse: torch.Tensor | None, new_k: int | None, stride_k: int, new_v: int | None,
-           stride_v: int, pos: int | None, init: tuple[torch.Tensor, torch.Tensor] | None,
-           kv_row: torch.Tensor | None = None) -> int:
+def decode(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    width: int,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    new_k: int | None,
+    stride_k: int,
+    new_v: int | None,
+    stride_v: int,
+    pos: int | None,
+    init: tuple[torch.Tensor, torch.Tensor] | None,
+    kv_row: torch.Tensor | None = None,
+) -> int:
     """``decode_attention_f32`` on checked operands (``attention_kernels.decode_attention``); its return code."""
     lib = kernel_library.load()
     assert lib is not None
     n, hkv, group, d = q.shape
     return lib.decode_attention_f32(
-        q.data_ptr(), q.stride(0), k_t.data_ptr(), v.data_ptr(), _ptr_or_none(bias), k_t.shape[-1], width,
-        out.data_ptr(), _ptr_or_none(lse), n, hkv, group, d, float(scale), new_k, stride_k, new_v, stride_v, pos,
-        _ptr_or_none(init[0] if init is not None else None), _ptr_or_none(init[1] if init is not None else None),
-        _ptr_or_none(kv_row), k_t.shape[0],
+        q.data_ptr(),
+        q.stride(0),
+        k_t.data_ptr(),
+        v.data_ptr(),
+        _ptr_or_none(bias),
+        k_t.shape[-1],
+        width,
+        out.data_ptr(),
+        _ptr_or_none(lse),
+        n,
+        hkv,
+        group,
+        d,
+        float(scale),
+        new_k,
+        stride_k,
+        new_v,
+        stride_v,
+        pos,
+        _ptr_or_none(init[0] if init is not None else None),
+        _ptr_or_none(init[1] if init is not None else None),
+        _ptr_or_none(kv_row),
+        k_t.shape[0],
     )
 
 
@@ -75,7 +134,9 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed_k, v.transpose(0, 1).contiguous()
 
 
-def prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[n, Hkv, group, D]`` (request rows may be strided) against a prefix packed by ``pack``:
     ``(out [n, Hkv, group, D], lse [n, Hkv, group])`` fp32."""
     lib = kernel_library.load()
@@ -85,15 +146,29 @@ def prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale
     assert k.shape == (hkv, k.shape[1], d, KEY_PACK) and v.shape == (hkv, length, d)
     out = torch.empty(n, hkv, group, d, dtype=torch.float32)
     lse = torch.empty(n, hkv, group, dtype=torch.float32)
-    rc = lib.prefix_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), length,
-                                  k.shape[1] * KEY_PACK, n, hkv, group, d, float(scale), out.data_ptr(), lse.data_ptr())
+    rc = lib.prefix_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        length,
+        k.shape[1] * KEY_PACK,
+        n,
+        hkv,
+        group,
+        d,
+        float(scale),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
     if rc != 0:
         raise ValueError(f"fp32 prefix attention kernel rejected head_dim={d}, {length} keys")
     return out, lse
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_strides: list[int], scale: float,
-           with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_strides: list[int], scale: float, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``causal_attention_f32`` on checked operands (``attention_kernels.causal_attention``), or None if it refuses."""
     lib = kernel_library.load()
     assert lib is not None
@@ -101,7 +176,20 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_strides: lis
     hkv = k.shape[2]
     out = torch.empty(n * length, h, d, dtype=torch.float32)
     lse = torch.empty(n * length, h, dtype=torch.float32) if with_lse else None
-    rc = lib.causal_attention_f32(q.data_ptr(), token_strides[0], k.data_ptr(), token_strides[1], v.data_ptr(),
-                                  token_strides[2], n, length, hkv, h // hkv, d, float(scale), out.data_ptr(),
-                                  _ptr_or_none(lse))
+    rc = lib.causal_attention_f32(
+        q.data_ptr(),
+        token_strides[0],
+        k.data_ptr(),
+        token_strides[1],
+        v.data_ptr(),
+        token_strides[2],
+        n,
+        length,
+        hkv,
+        h // hkv,
+        d,
+        float(scale),
+        out.data_ptr(),
+        _ptr_or_none(lse),
+    )
     return None if rc != 0 else (out, lse)

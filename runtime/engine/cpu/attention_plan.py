@@ -70,5 +70,9 @@ def plan_shared_prefix(kv_loc: torch.Tensor, lens: list[int]) -> SharedPrefix | 
     suffix_lens = [length - p for length in lens]
     ls = max(suffix_lens)
     suffix = kv_loc[:, p : p + ls].contiguous()
-    return SharedPrefix(loc=kv_loc[0, :p].contiguous(), suffix_loc=suffix.reshape(-1), suffix_len=ls,
-                        suffix_mask=length_mask(suffix_lens, ls, kv_loc.device))
+    return SharedPrefix(
+        loc=kv_loc[0, :p].contiguous(),
+        suffix_loc=suffix.reshape(-1),
+        suffix_len=ls,
+        suffix_mask=length_mask(suffix_lens, ls, kv_loc.device),
+    )

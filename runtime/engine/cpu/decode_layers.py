@@ -38,7 +38,6 @@ import contextlib
 import ctypes
 import functools
 import os
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -47,20 +46,16 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
+from runtime.engine.cpu.layer_description import StackDescription, _Layer, describe_layers
 from runtime.engine.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
-    DP_ADDRESS,
-    TILE_ADDRESS,
     fp32_panel_rows,
-    packed_copy,
     packed_generation,
-    panel_address,
 )
 from runtime.engine.forward_batch import ForwardMode
-from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel
+from runtime.engine.ops.layer_stack import DecoderStackModel
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import rope_cos_sin
-from runtime.engine.quant.weight import QuantizedWeight
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -68,39 +63,69 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 class _Step(ctypes.Structure):
     """csrc/decode_layers.c: DecodeStep."""
 
-    _fields_ = [(name, _i64) for name in ("n", "hidden", "q_heads", "kv_heads", "head_dim", "inter", "rot_dim",
-                                          "cap", "width", "prefix_len", "prefix_pad", "pool_slots")] + [
-        ("eps", _f32), ("scale", _f32)] + [(name, _ptr) for name in (
-            "residual", "hidden_out", "cos", "sin", "out_loc", "append_pos", "mask", "normed", "qkv", "attn", "o",
-            "mid", "gate_up", "prefix_out", "prefix_lse", "kv_row")] + [("kv_rows", _i64)]
+    _fields_ = (
+        [
+            (name, _i64)
+            for name in (
+                "n",
+                "hidden",
+                "q_heads",
+                "kv_heads",
+                "head_dim",
+                "inter",
+                "rot_dim",
+                "cap",
+                "width",
+                "prefix_len",
+                "prefix_pad",
+                "pool_slots",
+            )
+        ]
+        + [("eps", _f32), ("scale", _f32)]
+        + [
+            (name, _ptr)
+            for name in (
+                "residual",
+                "hidden_out",
+                "cos",
+                "sin",
+                "out_loc",
+                "append_pos",
+                "mask",
+                "normed",
+                "qkv",
+                "attn",
+                "o",
+                "mid",
+                "gate_up",
+                "prefix_out",
+                "prefix_lse",
+                "kv_row",
+            )
+        ]
+        + [("kv_rows", _i64)]
+    )
 
 
-class _Layer(ctypes.Structure):
-    """csrc/decode_layers.c: DecodeLayer."""
-
-    _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
-                                          "k_pool", "v_pool", "k_t", "v", "prefix_k", "prefix_v")]
-
-
-class _QuantWeight(ctypes.Structure):
-    """csrc/decode_layers.c: QuantWeight (a ``QuantizedWeight``'s tensors, as ``quant_linear_f32`` reads them)."""
-
-    _fields_ = [("kind", _i64), ("group", _i64), ("qs", _ptr), ("scales", _ptr), ("mins", _ptr)]
-
-
-# The sets of kernels a call can run (csrc/decode_layers.c), by the dtype they take, in the order
-# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel or
-# on weights kept quantized (runtime.engine.quant: the qf32 set).
-_KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32", "qf32")}
-_SET_DTYPES = {kernels: dtype for dtype, sets in _KERNEL_SETS.items() for kernels in sets}
-_ENTRY_POINTS = {"amx": "decode_layers_amx", "dp": "decode_layers_dp", "f32": "decode_layers_f32",
-                 "qf32": "decode_layers_qf32"}
-_QUANT_KINDS = {"q8": 0, "q4": 1}  # csrc/quant_linear.c: kind
+_ENTRY_POINTS = {
+    "amx": "decode_layers_amx",
+    "dp": "decode_layers_dp",
+    "f32": "decode_layers_f32",
+    "qf32": "decode_layers_qf32",
+}
 for _name in _ENTRY_POINTS.values():
     declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
 
-_STAGES = ("", "qkv linear", "KV pool write", "prefix attention", "decode attention", "o linear", "gate/up + silu",
-           "down linear")
+_STAGES = (
+    "",
+    "qkv linear",
+    "KV pool write",
+    "prefix attention",
+    "decode attention",
+    "o linear",
+    "gate/up + silu",
+    "down linear",
+)
 _enabled: list[bool] = []  # use_decode_layers' stack of settings
 
 
@@ -121,28 +146,6 @@ def use_decode_layers(on: bool) -> Iterator[None]:
         yield
     finally:
         _enabled.pop()
-
-
-@dataclass
-class _Stack:
-    """The per-model part of the call: the set of kernels (and so its dtype), the shapes and every
-    layer's weight addresses (of the packed copies as of ``packed_generation`` ``generation``)."""
-
-    kernels: str  # a key of _ENTRY_POINTS
-    hidden: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    eps: float
-    scale: float
-    layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
-    # the qf32 set: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
-    quant: list[_QuantWeight] = field(default_factory=list, repr=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _SET_DTYPES[self.kernels]
 
 
 class StepScratch:
@@ -172,105 +175,25 @@ class CpuLayerStack:
 
     def __init__(self, model: DecoderStackModel) -> None:
         self.model = model
-        self.described: _Stack | None = None
+        self.described: StackDescription | None = None
         self._generation = -1  # the packed_generation() self.described was made at (-1: never)
         self.scratch = StepScratch()
 
-    def __call__(self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_cos_sin(rope, hidden.dtype)
         whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
 
-    def description(self) -> _Stack | None:
-        """The cached ``_describe`` of the model's layers (one integer compare while current)."""
+    def description(self) -> StackDescription | None:
+        """The cached ``describe_layers`` of the model's layers (one integer compare while current)."""
         generation = packed_generation()
         if generation != self._generation:
             weights = self.model.decode_weights()
-            self.described = _describe(weights) if weights else None
+            self.described = describe_layers(weights) if weights else None
             self._generation = generation
         return self.described
-
-
-def _packed_address(weight: torch.Tensor | QuantizedWeight, tp_size: int, kernels: str, dtype: torch.dtype,
-                    quant: list[_QuantWeight] | None = None) -> int:
-    """The address of ``weight``'s packed copy as the linear kernel of ``kernels`` reads it (the
-    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy; for the qf32 set a weight
-    kept quantized, described in a ``_QuantWeight`` appended to ``quant``), else 0."""
-    if isinstance(weight, QuantizedWeight) or kernels == "qf32":
-        if kernels != "qf32" or not isinstance(weight, QuantizedWeight) or tp_size != 1 or weight.device.type != "cpu":
-            return 0
-        mins = weight.mins
-        desc = _QuantWeight(_QUANT_KINDS[weight.kind], weight.group, weight.qs.data_ptr(), weight.scales.data_ptr(),
-                            mins.data_ptr() if mins is not None else None)
-        if quant is not None:
-            quant.append(desc)
-        return ctypes.addressof(desc)
-    packed = packed_copy(weight)
-    if tp_size != 1 or weight.dtype != dtype or packed is None:
-        return 0
-    if kernels != "f32":
-        return int(getattr(packed, TILE_ADDRESS if kernels == "amx" else DP_ADDRESS, 0))
-    return panel_address(packed, *weight.shape)
-
-
-# The layer choices (activation, norm form, rope style) the C layer implements: silu*mul, RMSNorm
-# with the weight as it is, neox rotary halves.
-C_LAYER_CHOICES = frozenset({("silu", "rms", "neox"), ("swish", "rms", "neox")})
-
-
-def _kernel_set(layer: DecoderLayerWeights, dtype: torch.dtype) -> str | None:
-    """The set of kernels whose linear reads the layer's packed qkv weight (a bf16 copy is in at
-    most one of the two layouts), else None; ``_describe`` checks every other linear against it."""
-    for kernels in _KERNEL_SETS.get(dtype, ()):
-        if _packed_address(layer.qkv, layer.tp_size, kernels, dtype):
-            return kernels
-    return None
-
-
-def _describe(layers: list[DecoderLayerWeights]) -> _Stack | None:
-    """The stack's ``_Stack`` when the C call runs every layer exactly as its forward would, else None."""
-    first = layers[0]
-    q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-    hidden, inter = first.input_norm.shape[0], first.down.shape[1]
-    eps, scale = first.input_norm_eps, first.scaling
-    dtype = first.input_norm.dtype
-    kernels = _kernel_set(first, dtype)
-    if kernels is None:
-        return None
-    group = q_heads // kv_heads
-    if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
-        return None
-    if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
-        return None
-    array = (_Layer * len(layers))()
-    quant: list[_QuantWeight] = []
-    for layer, entry in zip(layers, array):
-        if layer.qk_norm or layer.sliding_window is not None or layer.scaling != scale:
-            return None
-        if (layer.activation, layer.norm, layer.rope_style) not in C_LAYER_CHOICES:
-            return None
-        if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (q_heads, kv_heads, head_dim):
-            return None
-        norms = ((layer.input_norm, layer.input_norm_eps), (layer.post_norm, layer.post_norm_eps))
-        if any(norm_eps != eps or norm.shape != (hidden,) or norm.dtype != dtype or not norm.is_contiguous()
-               for norm, norm_eps in norms):
-            return None
-        weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        shapes = ((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * inter, hidden), \
-            (hidden, inter)
-        addresses = [_packed_address(weight, layer.tp_size, kernels, dtype, quant) for weight in weights]
-        if not all(addresses) or any(tuple(weight.shape) != shape for weight, shape in zip(weights, shapes)):
-            return None
-        if (kernels == "amx" and inter % 32) or any(b is not None for b in (layer.o_bias, layer.gate_up_bias,
-                                                                              layer.down_bias)):
-            return None  # (the fused AMX gate/up kernel's column blocks)
-        bias = layer.qkv_bias
-        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
-            return None
-        entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-        entry.qkv, entry.o, entry.gate_up, entry.down = addresses
-        entry.qkv_bias = bias.data_ptr() if bias is not None else None
-    return _Stack(kernels, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
 
 
 def _rows_taken(dtype: torch.dtype, n: int, kernels: str | None = None) -> bool:
@@ -293,8 +216,15 @@ def _kernels_run(kernels: str, lib: Any) -> bool:
     return attn_f32.applies()  # (f32, qf32)
 
 
-def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
-        batch: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+def run(
+    layers: CpuLayerStack,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    batch: Any,
+    backend: Any,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
     ``hidden [n, H]`` (which become the residual stream, as in the layer stack), with the rotary
     ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
@@ -314,8 +244,11 @@ def run(layers: CpuLayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     if not _kernels_run(stack.kernels, lib):
         return None
     half = rotary_dim // 2
-    if rotary_dim % 2 or rotary_dim > stack.head_dim or any(
-            t.dtype != dtype or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin)):
+    if (
+        rotary_dim % 2
+        or rotary_dim > stack.head_dim
+        or any(t.dtype != dtype or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin))
+    ):
         return None
     loc = batch.out_cache_loc
     pool = batch.token_to_kv_pool
@@ -335,8 +268,18 @@ def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
     return prefix.k.shape[1] * (attn_kernels.PREFIX_KEY_BLOCK if dtype == torch.bfloat16 else attn_f32.KEY_PACK)
 
 
-def _call(lib: Any, stack: _Stack, buffers: StepScratch, mirror: Any, hidden: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor, rotary_dim: int, loc: torch.Tensor, pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(
+    lib: Any,
+    stack: StackDescription,
+    buffers: StepScratch,
+    mirror: Any,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    loc: torch.Tensor,
+    pool: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = hidden.shape
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
     plan = mirror.plan
@@ -368,15 +311,35 @@ def _call(lib: Any, stack: _Stack, buffers: StepScratch, mirror: Any, hidden: to
             if packed.length != prefix_len or _padded_keys(packed, stack.dtype) != prefix_pad:
                 raise ValueError("the decode mirror's packed prefixes differ between layers")
             entry.prefix_k, entry.prefix_v = packed.k.data_ptr(), packed.v.data_ptr()
-    step = _Step(n=n, hidden=h, q_heads=stack.q_heads, kv_heads=stack.kv_heads, head_dim=stack.head_dim,
-                 inter=stack.inter, rot_dim=rotary_dim, cap=cap, width=plan.width, prefix_len=prefix_len,
-                 prefix_pad=prefix_pad, pool_slots=k_pool.shape[0], eps=stack.eps, scale=stack.scale,
-                 residual=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out_loc=loc.data_ptr(),
-                 append_pos=plan.append_pos.data_ptr(), mask=plan.mask.data_ptr(),
-                 kv_row=kv_row.data_ptr() if kv_row is not None else None, kv_rows=kv_n,
-                 **{name: t.data_ptr() for name, t in scratch.items()})
+    step = _Step(
+        n=n,
+        hidden=h,
+        q_heads=stack.q_heads,
+        kv_heads=stack.kv_heads,
+        head_dim=stack.head_dim,
+        inter=stack.inter,
+        rot_dim=rotary_dim,
+        cap=cap,
+        width=plan.width,
+        prefix_len=prefix_len,
+        prefix_pad=prefix_pad,
+        pool_slots=k_pool.shape[0],
+        eps=stack.eps,
+        scale=stack.scale,
+        residual=hidden.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        out_loc=loc.data_ptr(),
+        append_pos=plan.append_pos.data_ptr(),
+        mask=plan.mask.data_ptr(),
+        kv_row=kv_row.data_ptr() if kv_row is not None else None,
+        kv_rows=kv_n,
+        **{name: t.data_ptr() for name, t in scratch.items()},
+    )
     rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))
     if rc != 0:
-        raise ValueError(f"decode layer {-rc // 16}: the {_STAGES[-rc % 16]} kernel refused its operands "
-                         "(a KV slot outside the pool, or a mirror position past its capacity)")
+        raise ValueError(
+            f"decode layer {-rc // 16}: the {_STAGES[-rc % 16]} kernel refused its operands "
+            "(a KV slot outside the pool, or a mirror position past its capacity)"
+        )
     return scratch["hidden_out"], hidden

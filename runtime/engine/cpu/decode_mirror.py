@@ -91,7 +91,6 @@ class DecodeKVMirror:
         pool = batch.token_to_kv_pool
         kv_loc = group.kv_loc
         device = kv_loc.device
-        n = kv_loc.shape[0]
         p = int(group.shared.loc.numel()) if group.shared is not None else 0
         own_lens = [length - p for length in seq_lens]
         width = max(own_lens)
@@ -113,8 +112,16 @@ class DecodeKVMirror:
         self._record(batch, own, own_lens, prefix_slots, num_layers, mirrored)
         return result
 
-    def _rebuild_plan(self, batch: ForwardBatch, own: torch.Tensor, p: int, prefix_slots: torch.Tensor,
-                      own_lens: list[int], num_layers: int, mirrored: int) -> MirrorPlan | None:
+    def _rebuild_plan(
+        self,
+        batch: ForwardBatch,
+        own: torch.Tensor,
+        p: int,
+        prefix_slots: torch.Tensor,
+        own_lens: list[int],
+        num_layers: int,
+        mirrored: int,
+    ) -> MirrorPlan | None:
         """A plan that gathers every key from the pool (the copies re-made at a capacity for
         ``own_lens``); None (and the copies dropped) when they would exceed their memory budget."""
         pool = batch.token_to_kv_pool
@@ -134,11 +141,19 @@ class DecodeKVMirror:
         self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
         self.prefix_packed = [None] * num_layers
         self.cap = cap
-        return MirrorPlan(True, width, p, own[:, :width].contiguous().reshape(-1), prefix_slots.contiguous(), None,
-                          mask)
+        return MirrorPlan(
+            True, width, p, own[:, :width].contiguous().reshape(-1), prefix_slots.contiguous(), None, mask
+        )
 
-    def _record(self, batch: ForwardBatch, own: torch.Tensor, own_lens: list[int], prefix_slots: torch.Tensor,
-                num_layers: int, mirrored: int) -> None:
+    def _record(
+        self,
+        batch: ForwardBatch,
+        own: torch.Tensor,
+        own_lens: list[int],
+        prefix_slots: torch.Tensor,
+        num_layers: int,
+        mirrored: int,
+    ) -> None:
         """What a planned forward leaves in the copies (trusted once it updated every layer)."""
         self.rows = batch.req_pool_indices.clone()
         self.own_lens = own_lens
@@ -175,8 +190,11 @@ class DecodeKVMirror:
         starts = [length - p for length in prefix_lens]  # each request's first new key in its row
         own_lens = [length - p for length in seq_lens]
         own, prefix_slots = kv_loc[:, p : p + max(own_lens)], kv_loc[0, :p]
-        if min(starts) < 0 or not torch.equal(kv_loc[:, :p], prefix_slots.expand(len(starts), p)) or \
-                not self._can_append(batch, own, starts, p, prefix_slots, num_layers, max(own_lens), mirrored):
+        if (
+            min(starts) < 0
+            or not torch.equal(kv_loc[:, :p], prefix_slots.expand(len(starts), p))
+            or not self._can_append(batch, own, starts, p, prefix_slots, num_layers, max(own_lens), mirrored)
+        ):
             shared = plan_shared_prefix(kv_loc, [length + 1 for length in prefix_lens])  # (keeps every new token own)
             p = int(shared.loc.numel()) if shared is not None else 0
             starts = [length - p for length in prefix_lens]
@@ -190,9 +208,12 @@ class DecodeKVMirror:
                 k_buf, v_buf = pool.get_kv_buffer(layer)
                 self.keys(layer, rebuild, k_buf[:0], v_buf[:0], k_buf, v_buf)
         ext_lens = host_list(batch.extend_lens_cpu, batch.extend_lens)
-        kv_row = torch.repeat_interleave(torch.arange(len(starts), device=device), torch.tensor(ext_lens, device=device))
-        pos = torch.tensor([start + j for start, e in zip(starts, ext_lens) for j in range(e)], dtype=torch.int64,
-                           device=device)
+        kv_row = torch.repeat_interleave(
+            torch.arange(len(starts), device=device), torch.tensor(ext_lens, device=device)
+        )
+        pos = torch.tensor(
+            [start + j for start, e in zip(starts, ext_lens) for j in range(e)], dtype=torch.int64, device=device
+        )
         mask = key_bias((torch.arange(self.cap, device=device)[None, :] <= pos[:, None])[:, None, None, :])
         self._record(batch, own, own_lens, prefix_slots, num_layers, mirrored)
         return MirrorPlan(False, max(own_lens), p, None, None, pos, mask, kv_row)
@@ -319,4 +340,3 @@ class DecodeKVMirror:
             assert pk is not None and pv is not None
             prefix = (pk, pv)
         return dense_k, dense_v, prefix
-

@@ -58,18 +58,31 @@ def cpu_demand_tokens(max_running_requests: int | None, context_len: int) -> int
     return requests * min(context_len, CPU_TYPICAL_CONTEXT)
 
 
-def cpu_kv_pool_tokens(*, mem_total: int, weight_bytes: int, per_token: int, context_len: int,
-                       page_size: int = 1, ranks: int = 1, mem_fraction_static: float | None = None,
-                       max_total_tokens: int | None = None, max_running_requests: int | None = None) -> int:
+def cpu_kv_pool_tokens(
+    *,
+    mem_total: int,
+    weight_bytes: int,
+    per_token: int,
+    context_len: int,
+    page_size: int = 1,
+    ranks: int = 1,
+    mem_fraction_static: float | None = None,
+    max_total_tokens: int | None = None,
+    max_running_requests: int | None = None,
+) -> int:
     """The CPU rule as a pure function of the machine and the model (what ``ModelRunner`` does on
     CPU, through ``CPU_PLATFORM``): --max-total-tokens as given; else min(the RAM share's
     budget, the expected work's tokens); an explicit --mem-fraction-static takes its whole
     share (no cap by the work)."""
     fraction = CPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
     demand = cpu_demand_tokens(max_running_requests, context_len) if mem_fraction_static is None else None
-    return kv_pool_tokens(per_token=per_token, page_size=page_size, max_total_tokens=max_total_tokens,
-                          budget_bytes=cpu_kv_budget_bytes(mem_total, fraction, weight_bytes, ranks),
-                          demand_tokens=demand)
+    return kv_pool_tokens(
+        per_token=per_token,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        budget_bytes=cpu_kv_budget_bytes(mem_total, fraction, weight_bytes, ranks),
+        demand_tokens=demand,
+    )
 
 
 def keep_freed_memory_in_process() -> bool:

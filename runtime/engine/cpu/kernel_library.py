@@ -48,14 +48,24 @@ from typing import Any, Iterator, Sequence
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-COMMON_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-                 "-fassociative-math", "-fno-signed-zeros")
+COMMON_CFLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+)
 _X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # level -> (CPU flags it needs, compiler flags), best first
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (_X86_V4 + ("avx512_bf16", "avx512_vnni"),
-                   ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
+    "avx512bf16": (
+        _X86_V4 + ("avx512_bf16", "avx512_vnni"),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+    ),
     "avx512": (_X86_V4, ("-march=x86-64-v4",)),
     "avx2": (_X86_V3, ("-march=x86-64-v3",)),
     "baseline": ((), ()),
@@ -215,6 +225,11 @@ def _build(compiler: str, flags: Sequence[str], srcs: Sequence[Path], out: Path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        subprocess.run([compiler, *flags, "-I", str(CSRC), "-o", str(tmp_out), *map(str, srcs), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=300)
+        subprocess.run(
+            [compiler, *flags, "-I", str(CSRC), "-o", str(tmp_out), *map(str, srcs), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         os.replace(tmp_out, out)  # atomic: a concurrent builder sees the old file or the whole new one

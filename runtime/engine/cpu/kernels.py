@@ -85,8 +85,9 @@ def _bf16_cpu(*tensors: torch.Tensor) -> bool:
 def _elementwise_suffix(first: torch.Tensor, *rest: torch.Tensor) -> str | None:
     """``"bf16"``/``"f32"`` when every tensor is a contiguous CPU tensor of that one dtype, else None."""
     suffix = _ELEMENTWISE.get(first.dtype)
-    if suffix is None or not all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous()
-                                 for t in (first, *rest)):
+    if suffix is None or not all(
+        t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in (first, *rest)
+    ):
         return None
     return suffix
 
@@ -101,8 +102,14 @@ def softmax_applies(device: torch.device, dtype: torch.dtype, cols: int) -> bool
     return device.type == "cpu" and dtype == torch.bfloat16 and 0 < cols <= MAX_SOFTMAX_COLS and available()
 
 
-def softmax_rows(scores: torch.Tensor, scale: float, causal_period: int = 0, rows_per_position: int = 1,
-                 first_position: int = 0, with_lse: bool = False) -> torch.Tensor | None:
+def softmax_rows(
+    scores: torch.Tensor,
+    scale: float,
+    causal_period: int = 0,
+    rows_per_position: int = 1,
+    first_position: int = 0,
+    with_lse: bool = False,
+) -> torch.Tensor | None:
     """``scores`` (bf16, contiguous, rows along the last dim) becomes ``softmax(scale * scores)`` in place.
 
     ``causal_period > 0``: the rows come in blocks of ``causal_period`` (one request's
@@ -117,8 +124,16 @@ def softmax_rows(scores: torch.Tensor, scale: float, causal_period: int = 0, row
     cols = scores.shape[-1]
     rows = scores.numel() // cols
     lse = torch.empty(scores.shape[:-1], dtype=torch.float32) if with_lse else None
-    rc = lib.softmax_rows_bf16(scores.data_ptr(), rows, cols, float(scale), causal_period, rows_per_position,
-                               first_position, lse.data_ptr() if lse is not None else None)
+    rc = lib.softmax_rows_bf16(
+        scores.data_ptr(),
+        rows,
+        cols,
+        float(scale),
+        causal_period,
+        rows_per_position,
+        first_position,
+        lse.data_ptr() if lse is not None else None,
+    )
     if rc != 0:
         raise ValueError(f"softmax kernel rejected {cols} columns")
     return lse
@@ -130,9 +145,17 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     False, writing nothing, where the kernel does not apply (then use the pool's own write).
     Slots outside the pool are refused here too, so that write raises its usual error."""
     n = loc.shape[0] if loc.dim() == 1 else -1
-    if not (available() and loc.dtype == torch.int64 and loc.device.type == "cpu" and loc.is_contiguous()
-            and k_buf.dtype == v_buf.dtype and k_buf.device.type == "cpu" and k_buf.is_contiguous()
-            and v_buf.is_contiguous() and v_buf.shape == k_buf.shape):
+    if not (
+        available()
+        and loc.dtype == torch.int64
+        and loc.device.type == "cpu"
+        and loc.is_contiguous()
+        and k_buf.dtype == v_buf.dtype
+        and k_buf.device.type == "cpu"
+        and k_buf.is_contiguous()
+        and v_buf.is_contiguous()
+        and v_buf.shape == k_buf.shape
+    ):
         return False
     row = k_buf.shape[1:]
     inner = (row[1], 1) if len(row) == 2 else None
@@ -142,12 +165,31 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     row_bytes = k_buf[0].numel() * k_buf.element_size()
     lib = kernel_library.load()
     assert lib is not None
-    return lib.store_kv_rows(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(), v.stride(0) * v.element_size(),
-                             loc.data_ptr(), n, row_bytes, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0]) == 0
+    return (
+        lib.store_kv_rows(
+            k.data_ptr(),
+            k.stride(0) * k.element_size(),
+            v.data_ptr(),
+            v.stride(0) * v.element_size(),
+            loc.data_ptr(),
+            n,
+            row_bytes,
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            k_buf.shape[0],
+        )
+        == 0
+    )
 
 
-def mirror_gather(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, width: int,
-                  dense_k: torch.Tensor, dense_v: torch.Tensor) -> bool:
+def mirror_gather(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    loc: torch.Tensor,
+    width: int,
+    dense_k: torch.Tensor,
+    dense_v: torch.Tensor,
+) -> bool:
     """Keys ``[0, width)`` of the decode mirror's copies (``runtime.engine.cpu.decode_mirror``): the pool rows
     at ``loc`` (int64 ``[n * width]``, request by request) of ``k_buf``/``v_buf`` ``[slots, Hkv, D]``
     into ``dense_k [n, Hkv, D, cap]`` (transposed) and ``dense_v [n, Hkv, cap, D]``, any dtype of 2
@@ -155,8 +197,15 @@ def mirror_gather(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, w
     slots outside the pool are refused here too, so that gather raises its usual error."""
     n, hkv, d, cap = dense_k.shape
     tensors = (k_buf, v_buf, dense_k, dense_v)
-    if not (available() and loc.dtype == torch.int64 and loc.device.type == "cpu" and loc.is_contiguous()
-            and loc.numel() == n * width and 0 <= width <= cap and k_buf.element_size() in (2, 4)):
+    if not (
+        available()
+        and loc.dtype == torch.int64
+        and loc.device.type == "cpu"
+        and loc.is_contiguous()
+        and loc.numel() == n * width
+        and 0 <= width <= cap
+        and k_buf.element_size() in (2, 4)
+    ):
         return False
     if not all(t.device.type == "cpu" and t.dtype == k_buf.dtype and t.is_contiguous() for t in tensors):
         return False
@@ -164,8 +213,23 @@ def mirror_gather(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, w
         return False
     lib = kernel_library.load()
     assert lib is not None
-    return lib.mirror_gather(k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], loc.data_ptr(), n, width, hkv, d,
-                             cap, k_buf.element_size(), dense_k.data_ptr(), dense_v.data_ptr()) == 0
+    return (
+        lib.mirror_gather(
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            k_buf.shape[0],
+            loc.data_ptr(),
+            n,
+            width,
+            hkv,
+            d,
+            cap,
+            k_buf.element_size(),
+            dense_k.data_ptr(),
+            dense_v.data_ptr(),
+        )
+        == 0
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -198,12 +262,21 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     out = torch.empty_like(x)
     lib = kernel_library.load()
     assert lib is not None
-    getattr(lib, f"rmsnorm_{suffix}")(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                                      weight.data_ptr(), x.numel() // hidden, hidden, float(eps), out.data_ptr())
+    getattr(lib, f"rmsnorm_{suffix}")(
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        float(eps),
+        out.data_ptr(),
+    )
     return out
 
 
-def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor | None:
+def merge_attention(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor | None:
     """Softmax over the union of two key sets from each set's output ``[T, A, B, D]`` (bf16,
     any strides with unit stride along D) and log-sum-exp ``[T, A, B]`` (fp32, any strides):
     a new contiguous ``[T, A, B, D]`` bf16 tensor, or None where the kernel does not apply."""
@@ -218,8 +291,18 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     out = torch.empty(o_a.shape, dtype=o_a.dtype)
     lib = kernel_library.load()
     assert lib is not None
-    lib.merge_attn_bf16(*o_a.shape, o_a.data_ptr(), *o_a.stride()[:3], lse_a.data_ptr(), *lse_a.stride(),
-                        o_b.data_ptr(), *o_b.stride()[:3], lse_b.data_ptr(), *lse_b.stride(), out.data_ptr())
+    lib.merge_attn_bf16(
+        *o_a.shape,
+        o_a.data_ptr(),
+        *o_a.stride()[:3],
+        lse_a.data_ptr(),
+        *lse_a.stride(),
+        o_b.data_ptr(),
+        *o_b.stride()[:3],
+        lse_b.data_ptr(),
+        *lse_b.stride(),
+        out.data_ptr(),
+    )
     return out
 
 
@@ -237,8 +320,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
         return False
     lib = kernel_library.load()
     assert lib is not None
-    getattr(lib, f"rotary_{suffix}")(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim,
-                                     cos.data_ptr(), sin.data_ptr())
+    getattr(lib, f"rotary_{suffix}")(
+        x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], rotary_dim, cos.data_ptr(), sin.data_ptr()
+    )
     return True
 
 

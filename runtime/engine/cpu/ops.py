@@ -22,8 +22,15 @@ from torch import nn
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.engine.cpu.prepacked import (
+    amx_linear_silu_mul,
+    drop_packed_copy,
+    float_linear,
+    linear,
+    packed_copy,
+    prepack_model,
+)
 from runtime.engine.cpu.quant_kernels import quant_linear
-from runtime.engine.cpu.prepacked import amx_linear_silu_mul, drop_packed_copy, float_linear, linear, packed_copy, prepack_model
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
@@ -54,8 +61,9 @@ class CpuOps(TorchOps):
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
             return out if out is not None else super().linear(x, weight, bias)
@@ -85,8 +93,9 @@ class CpuOps(TorchOps):
         fused = cpu_kernels.silu_and_mul(x)
         return fused if fused is not None else super().silu_and_mul(x)
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-                            bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return super().linear_silu_and_mul(x, weight, bias)
         fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass

@@ -31,13 +31,18 @@ DENSE_MIN_ROWS = 256
 _KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                 float_out: bool = False) -> torch.Tensor | None:
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, float_out: bool = False
+) -> torch.Tensor | None:
     """``x [..., in] @ weight.T (+ bias)`` in ``x``'s dtype (fp32 with ``float_out``), or None where
     the kernel does not apply."""
     lib = kernel_library.load()
-    if lib is None or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in (
-            torch.float32, torch.bfloat16):
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return None
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
@@ -51,16 +56,36 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     mins = weight.mins
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = torch.empty(out_features, in_features, dtype=torch.float32)
-        if lib.quant_dequantize_f32(_KIND_CODES[weight.kind], weight.qs.data_ptr(), weight.scales.data_ptr(),
-                                    mins.data_ptr() if mins is not None else None, weight.group, out_features,
-                                    in_features, dense.data_ptr()) == 0:
+        if (
+            lib.quant_dequantize_f32(
+                _KIND_CODES[weight.kind],
+                weight.qs.data_ptr(),
+                weight.scales.data_ptr(),
+                mins.data_ptr() if mins is not None else None,
+                weight.group,
+                out_features,
+                in_features,
+                dense.data_ptr(),
+            )
+            == 0
+        ):
             out = torch.nn.functional.linear(rows, dense, bias).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
-    rc = lib.quant_linear_f32(rows.data_ptr(), rows.shape[0], rows.stride(0), _KIND_CODES[weight.kind],
-                              weight.qs.data_ptr(), weight.scales.data_ptr(),
-                              mins.data_ptr() if mins is not None else None, weight.group, out_features,
-                              in_features, bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                              out_features)
+    rc = lib.quant_linear_f32(
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.stride(0),
+        _KIND_CODES[weight.kind],
+        weight.qs.data_ptr(),
+        weight.scales.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+        weight.group,
+        out_features,
+        in_features,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out_features,
+    )
     if rc != 0:
         return None
     out = out.reshape(*x.shape[:-1], out_features)
