@@ -302,7 +302,7 @@ class TokenizerManager:
             await asyncio.sleep(PROBE_INTERVAL_S)
             await self.replies.probe(self.table.clients())
 
-    # ================================================================== local (HTTP) clients: http_server.FrontDoor
+    # ================================================================== local (HTTP) clients: front_door.FrontDoor
 
     @property
     def tokenizer(self) -> Any:

@@ -27,6 +27,15 @@ class WindowRule(Enum):
     FROM_MAX_WINDOW_LAYERS = "from_max_window_layers"
 
 
+# The layer choices the layers implement, by name (``runtime.engine.layers.choices`` maps each to
+# its work, and a test keeps the two in step): a family may name only these, and a checkpoint whose
+# config names another is refused before any weight is read. Names only, so that reading a config
+# needs no torch.
+ACTIVATIONS: tuple[str, ...] = ("silu", "swish")  # the gated MLP's act(gate) * up ("swish" is silu)
+NORM_FORMS: tuple[str, ...] = ("rms",)  # x / rms(x) * weight, fp32 statistics
+ROPE_STYLES: tuple[str, ...] = ("neox",)  # the two halves of a head's rotary dims rotate as pairs
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's checkpoint conventions and layer choices."""

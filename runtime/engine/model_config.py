@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.checkpoints.families import BY_ARCHITECTURE, SUPPORTED_ARCHITECTURES, Family, WindowRule
-from runtime.engine.layers.choices import GATED_ACTIVATIONS, NORM_FORMS, ROPE_STYLES
+from runtime.checkpoints.families import (
+    ACTIVATIONS,
+    BY_ARCHITECTURE,
+    NORM_FORMS,
+    ROPE_STYLES,
+    SUPPORTED_ARCHITECTURES,
+    Family,
+    WindowRule,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +130,7 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         act = str(raw.get("hidden_act") or family.activation)
         for what, value, supported in (
-            ("hidden_act", act, GATED_ACTIVATIONS),
+            ("hidden_act", act, ACTIVATIONS),
             ("norm form", family.norm, NORM_FORMS),
             ("rope style", family.rope_style, ROPE_STYLES),
         ):

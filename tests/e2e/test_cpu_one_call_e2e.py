@@ -18,7 +18,7 @@ from tests.support.server_process import launch_server
 
 needs_fp32_one_row = pytest.mark.skipif(
     not (1 in fp32_panel_rows() and attention_kernels_f32.applies()),
-    reason="needs the kernels' AVX2 build (AVX2 + FMA; with AVX-512 the panel kernel leaves one row to F.linear)",
+    reason="needs the fp32 panel kernel and decode attention kernels (an AVX2 + FMA or AVX-512 build)",
 )
 
 

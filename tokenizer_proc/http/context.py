@@ -2,7 +2,7 @@
 exists) and the helpers every route group needs (readiness, the api key, the model name, starting
 a ``LocalRun``). ``build_app`` stores one ``HttpContext`` on ``app.state``; a route receives it as
 the typed dependency ``Http``, the FastAPI way, instead of closing over the server object, so
-that the routes can live in their own modules (tokenizer_proc/http_*_routes.py)."""
+that the routes can live in their own modules (tokenizer_proc/http/*_routes.py)."""
 
 from __future__ import annotations
 

@@ -34,13 +34,10 @@ from fastapi import FastAPI
 from runtime.config.args import ServerArgs, endpoint
 from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.http import control_routes, native_routes, openai_routes
-from tokenizer_proc.http.body import loc_path as _loc_path
 from tokenizer_proc.http.context import HttpContext
-from tokenizer_proc.http.errors import STATUS_OF_CODE, add_error_handlers, error_response
+from tokenizer_proc.http.errors import add_error_handlers
 
-# STATUS_OF_CODE, error_response and _loc_path stay importable from here, where they used to live
-# (tests/unit/tokenizer_proc imports them).
-__all__ = ["HttpServer", "build_app", "STATUS_OF_CODE", "error_response", "_loc_path"]
+__all__ = ["HttpServer", "build_app"]
 
 
 class HttpServer:

@@ -1,11 +1,12 @@
-"""The layer choices a model family makes: its gated MLP's activation, its norm form, its rope
-style. Each is a name in the family's entry (``runtime.checkpoints.families``) that the layers
-turn into work here, so that no runner or model compares a family's name to pick a formula.
+"""The layer choices a model family makes, turned into work: its gated MLP's activation, its norm
+form, its rope style. Each is a name in the family's entry (``runtime.checkpoints.families``, which
+also lists every name these tables implement) that the layers look up here, so that no runner or
+model compares a family's name to pick a formula.
 
-A name missing from a table is a family the layers cannot run: ``runtime.engine.model_config``
-refuses its checkpoint with ``UnsupportedModelError`` before any weight is read. A device's
-whole-layer kernels (the CPU's one-call stack) take only the choices they implement, and leave
-any other layer to the layers one by one (``runtime.engine.ops.layer_stack``).
+A name the family table does not list is a family the layers cannot run:
+``runtime.engine.model_config`` refuses its checkpoint with ``UnsupportedModelError`` before any
+weight is read. A device's whole-layer kernels (the CPU's one-call stack) take only the choices they
+implement, and leave any other layer to the layers one by one (``runtime.engine.ops.layer_stack``).
 """
 
 from __future__ import annotations
@@ -16,26 +17,37 @@ import torch
 
 from runtime.engine.layers.linear import MergedColumnParallelLinear
 from runtime.engine.layers.norm import RMSNorm
+from runtime.engine.ops import DeviceOps, RopeInputs
 
 # activation name -> act(gate) * up of a merged gate/up projection's output, through its device
 # ops (one pass with the projection where the device fuses them). "swish" is silu's other name.
 GatedActivation = Callable[[MergedColumnParallelLinear, torch.Tensor], torch.Tensor]
+# rope style -> rotate q [T, Hq, D] and k [T, Hkv, D] in place for the forward's rotary inputs
+Rotation = Callable[[DeviceOps, torch.Tensor, torch.Tensor, RopeInputs], None]
 
 
 def _silu_and_mul(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
     return gate_up.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
 
 
+def _neox_rotation(ops: DeviceOps, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
+    ops.rotary_(q, k, rope)  # DeviceOps.rotary_: the neox halves, on every device
+
+
 GATED_ACTIVATIONS: dict[str, GatedActivation] = {"silu": _silu_and_mul, "swish": _silu_and_mul}
 
 # norm form -> the layer that computes it (``rms``: x / rms(x) * weight, fp32 statistics)
-NORM_FORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm}
+NORM_LAYERS: dict[str, type[RMSNorm]] = {"rms": RMSNorm}
 
-# rope style -> what rotates: ``neox`` pairs the two halves of a head's rotary dims, the one
-# layout ``DeviceOps.rotary_`` (and every device's kernel) implements.
-ROPE_STYLES: tuple[str, ...] = ("neox",)
+# rope style -> how q and k rotate: ``neox`` pairs the two halves of a head's rotary dims
+ROPE_ROTATIONS: dict[str, Rotation] = {"neox": _neox_rotation}
 
 
 def gated_activation(name: str) -> GatedActivation:
-    """The gated activation called ``name`` (KeyError: a name ``model_config`` let through)."""
+    """The gated activation called ``name`` (KeyError: a name the family table does not list)."""
     return GATED_ACTIVATIONS[name]
+
+
+def rope_rotation(style: str) -> Rotation:
+    """How q and k rotate in rope style ``style`` (KeyError: a style the family table does not list)."""
+    return ROPE_ROTATIONS[style]

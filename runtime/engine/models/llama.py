@@ -21,7 +21,7 @@ from torch import nn
 
 from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.forward_batch import ForwardBatch
-from runtime.engine.layers.choices import NORM_FORMS
+from runtime.engine.layers.choices import NORM_LAYERS, rope_rotation
 from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.engine.layers.mlp import GatedMLP
@@ -43,7 +43,7 @@ _STACKED: dict[str, tuple[str, object]] = {
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps) -> RMSNorm:
     """A norm layer of the family's form over ``size`` features."""
-    return NORM_FORMS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+    return NORM_LAYERS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
 
 class LlamaAttention(nn.Module):
@@ -85,6 +85,7 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = _norm(config, config.head_dim, dtype, ops)
             self.k_norm = _norm(config, config.head_dim, dtype, ops)
+        self._rotate = rope_rotation(config.rope_style)
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
             num_heads=self.num_heads,
@@ -106,7 +107,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # new tensors
-        self.ops.rotary_(q, k, rope)
+        self._rotate(self.ops, q, k, rope)  # the family's rope style (in place)
         out = backend.forward(q, k, v, self.spec, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

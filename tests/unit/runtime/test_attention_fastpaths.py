@@ -1,7 +1,7 @@
 """Fast paths of CpuAttnBackend (views, causal, cascade over a shared prefix, the
 decode-key mirror) and prepacked bf16 linears, against per-request references.
 
-The code under test: runtime/engine/attention/torch_native.py (planning), runtime/engine/cpu/attention.py and
+The code under test: runtime/engine/attention/fastpaths.py (planning), runtime/engine/cpu/attention.py and
 runtime/engine/cpu/prepacked.py.
 """
 
@@ -18,7 +18,7 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.plan import CASCADE_MIN_PREFIX, TorchNativeMetadata
-from runtime.engine.cpu import attention_fastpaths as torch_native
+from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32
 from runtime.engine.cpu import kernels as cpu_kernels
@@ -117,7 +117,7 @@ def _run_shared(
 def test_bf16_cascade_over_shared_prefix(score_bytes, mode, own, ext, monkeypatch) -> None:
     """bf16 cascades: the shared keys through bf16 GEMMs + the C row softmax (prefill) or the
     decode kernel's prefix segment, against the fp32 reference."""
-    monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(fastpaths, "_PREFILL_SCORE_BYTES", score_bytes)
     _run_shared(mode, CASCADE_MIN_PREFIX + 5, own, ext, dtype=torch.bfloat16)
 
 
@@ -373,7 +373,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(
 ) -> None:
     """The bf16 CPU prefill path (folded GQA groups, chunks of requests) against fp32 SDPA,
     with its log-sum-exp (the cascade's merge input), through the C softmax and through torch's."""
-    monkeypatch.setattr(torch_native, "_PREFILL_SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(fastpaths, "_PREFILL_SCORE_BYTES", score_bytes)
     if not c_softmax:
         monkeypatch.setattr(cpu_kernels, "softmax_supported", lambda scores: False)
     gen = torch.Generator().manual_seed(3)
@@ -381,7 +381,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(
     q = torch.randn(n, length, heads, d, generator=gen).bfloat16()
     k = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
     v = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
-    out, lse = torch_native._matmul_causal_attention(q, k, v, d**-0.5, with_lse=True)
+    out, lse = fastpaths._matmul_causal_attention(q, k, v, d**-0.5, with_lse=True)
     assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
     assert lse is not None and lse.shape == (n * length, heads) and lse.dtype == torch.float32
     qf, kf = q.float().transpose(1, 2), k.float().repeat_interleave(heads // kv_heads, dim=1)
@@ -398,11 +398,11 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(
     )
     expected_lse = scores.logsumexp(-1).transpose(1, 2).reshape(n * length, heads)
     torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)  # scores were bf16 GEMM outputs
-    assert torch_native._matmul_causal_attention(q, k, v, d**-0.5)[1] is None
+    assert fastpaths._matmul_causal_attention(q, k, v, d**-0.5)[1] is None
 
 
 def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
-    calls = _record_calls(monkeypatch, torch_native, "_causal_prefill_attention", lambda q, *args, **kwargs: q.shape[0])
+    calls = _record_calls(monkeypatch, fastpaths, "_causal_prefill_attention", lambda q, *args, **kwargs: q.shape[0])
     _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)
     assert calls == [3]
 

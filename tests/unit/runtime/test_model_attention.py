@@ -13,7 +13,7 @@ from memory.req_to_token_pool import ReqToTokenPool
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.plan import TorchNativeMetadata
 from runtime.engine.attention.registry import get_attention_backend_class, resolve_attention_backend_name
-from runtime.engine.cpu import attention_fastpaths as torch_native
+from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import decode_layers
 from runtime.engine.cpu.attention import CpuAttnBackend
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
@@ -168,13 +168,13 @@ def test_64_concurrent_decodes_match_one_at_a_time(tiny_llama_path: Path, monkey
     harness.prefill(reqs)
 
     calls = []
-    real_attention = torch_native._few_query_attention
+    real_attention = fastpaths._few_query_attention
 
     def counting_attention(*args, **kwargs):
         calls.append(args[0].shape[0])
         return real_attention(*args, **kwargs)
 
-    monkeypatch.setattr(torch_native, "_few_query_attention", counting_attention)
+    monkeypatch.setattr(fastpaths, "_few_query_attention", counting_attention)
     with decode_layers.use_decode_layers(False):  # the backend's own calls (the one-call path runs them in C)
         harness.decode(reqs, steps - 1)
     monkeypatch.undo()

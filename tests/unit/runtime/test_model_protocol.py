@@ -141,3 +141,47 @@ def test_a_model_without_stackable_layers_serves_through_its_layers(tiny_checkpo
     got = h.step(reqs, ForwardMode.DECODE).logits.clone()
     h.reset()
     assert torch.equal(want, got)
+
+
+def test_the_layers_implement_exactly_the_choices_the_table_lists() -> None:
+    from runtime.checkpoints import families
+    from runtime.engine.layers import choices
+
+    assert set(choices.GATED_ACTIVATIONS) == set(families.ACTIVATIONS)
+    assert set(choices.NORM_LAYERS) == set(families.NORM_FORMS)
+    assert set(choices.ROPE_ROTATIONS) == set(families.ROPE_STYLES)
+    for family in FAMILIES:
+        assert family.activation in families.ACTIVATIONS and family.norm in families.NORM_FORMS
+        assert family.rope_style in families.ROPE_STYLES
+
+
+def test_reading_a_config_imports_no_torch(tiny_checkpoints) -> None:
+    """The tokenizer process reads the config for its limits; the family table is plain data."""
+    code = (
+        "import sys; from runtime.engine.model_config import ModelConfig; "
+        f"ModelConfig.from_pretrained({str(tiny_checkpoints.path('qwen3'))!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# What llama.cpp's converter and transformers do for each family, written out by hand (not read from
+# the table, which both the product and the tests' GGUF writer read): a wrong entry fails here.
+EXPECTED = {
+    # family: (GGUF architecture written, Q/K rows permuted, q/k/v bias always, q/k norm, window rule)
+    "llama": ("llama", True, False, False, "none"),
+    "mistral": ("llama", True, False, False, "every_layer"),
+    "qwen2": ("qwen2", False, True, False, "from_max_window_layers"),
+    "qwen3": ("qwen3", False, False, True, "from_max_window_layers"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_family_entry_says_what_its_checkpoints_hold(name: str) -> None:
+    from runtime.checkpoints.gguf.config import needs_qk_unpermute
+
+    family = BY_NAME[name]
+    arch = gguf_architecture_of(family)
+    got = (arch, needs_qk_unpermute(arch), family.always_qkv_bias, family.qk_norm, family.window_rule.value)
+    assert got == EXPECTED[name]
+    assert set(BY_NAME) == set(EXPECTED)

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from tokenizer_proc import openai_protocol as oai
-from tokenizer_proc.http.server import _loc_path
+from tokenizer_proc.http.body import loc_path as _loc_path
 from tokenizer_proc.metrics import Metrics
 
 
@@ -245,7 +245,7 @@ def test_server_deadline_fields() -> None:
 
 
 def test_overloaded_is_503_with_retry_after() -> None:
-    from tokenizer_proc.http.server import STATUS_OF_CODE, error_response
+    from tokenizer_proc.http.errors import STATUS_OF_CODE, error_response
 
     response = error_response(STATUS_OF_CODE["overloaded"], "full", "overloaded")
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
