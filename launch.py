@@ -104,7 +104,9 @@ class Supervisor:
                     self.server_args.graceful_shutdown_timeout,
                 )
                 self.drain_deadline = time.monotonic() + self.server_args.graceful_shutdown_timeout + DRAIN_MARGIN_S
-                os.kill(self.child("tokenizer").process.pid, signal.SIGUSR1)
+                tokenizer_pid = self.child("tokenizer").process.pid
+                assert tokenizer_pid is not None  # (spawn records a child only once its process started)
+                os.kill(tokenizer_pid, signal.SIGUSR1)
             else:
                 if not self.stop_requested:
                     logger.info("received %s; shutting down", signal.Signals(signum).name)

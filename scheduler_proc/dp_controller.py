@@ -188,10 +188,12 @@ def run_dp_controller_process(server_args: ServerArgs, port_args: PortArgs, read
     """Child-process main (spawned through ``runtime.protocol.child_process.run_child``, which reports errors):
     PULL from the tokenizer, PUSH to each replica, merge control replies."""
     router = Router(server_args.dp_size, server_args.load_balance_method)
-    from_tokenizer = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
-    from_replicas = PullSocket(port_args.dp_controller_ipc, ControllerInput, bind=True)
-    to_replicas = [PushSocket(addr, SchedulerInput, bind=False) for addr in port_args.dp_scheduler_input_ipcs]
-    to_detokenizer = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
+    from_tokenizer: PullSocket[SchedulerInput] = PullSocket(port_args.scheduler_input_ipc, SchedulerInput, bind=True)
+    from_replicas: PullSocket[ControllerInput] = PullSocket(port_args.dp_controller_ipc, ControllerInput, bind=True)
+    to_replicas: list[PushSocket[SchedulerInput]] = [
+        PushSocket(addr, SchedulerInput, bind=False) for addr in port_args.dp_scheduler_input_ipcs
+    ]
+    to_detokenizer: PushSocket[DetokenizerInput] = PushSocket(port_args.detokenizer_ipc, DetokenizerInput, bind=False)
     send_status(ready_conn, {"status": "ready"})
     pending: dict[str, list[dict[str, Any]]] = {}
     poller = zmq.Poller()
@@ -212,9 +214,9 @@ def run_dp_controller_process(server_args: ServerArgs, port_args: PortArgs, read
                         payload["dispatch_counts"] = list(router.dispatch_counts)
                         payload["load_balance_method"] = router.method
                     to_detokenizer.send(SchedControlOut(msg.rid, msg.kind, payload))
-        while (msg := from_tokenizer.recv_nowait()) is not None:
-            if isinstance(msg, TokenizedGenerateReq):
-                to_replicas[router.choose(msg.input_ids)].send(msg)
-            elif isinstance(msg, (SchedAbortReq, SchedControlReq)):
+        while (req := from_tokenizer.recv_nowait()) is not None:
+            if isinstance(req, TokenizedGenerateReq):
+                to_replicas[router.choose(req.input_ids)].send(req)
+            elif isinstance(req, (SchedAbortReq, SchedControlReq)):
                 for sock in to_replicas:
-                    sock.send(msg)
+                    sock.send(req)

@@ -28,8 +28,9 @@ def cache_root() -> Path:
     return base / "tinyserve"
 
 
-def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
-    """``final`` built by ``build(tmp_dir)`` on first use, atomically and safely under concurrency.
+def build_once(final: Path, build: Callable[[Path], object], what: str) -> Path:
+    """``final`` built by ``build(tmp_dir)`` (its return value unused) on first use, atomically and
+    safely under concurrency.
 
     The build goes to a temporary sibling folder that is renamed into place, so a crash
     never leaves a half-built folder and concurrent builders all end with one complete

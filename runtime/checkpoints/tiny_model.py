@@ -243,7 +243,11 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(corpus if corpus is not None else embedded_corpus(), trainer=trainer)
-    ids = {name: tok.token_to_id(name) for name in (PAD, BOS, EOS)}
+    ids: dict[str, int] = {}
+    for name in (PAD, BOS, EOS):
+        token_id = tok.token_to_id(name)
+        assert token_id is not None  # (the trainer put every special token in the vocabulary)
+        ids[name] = token_id
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, ids[BOS])]
@@ -322,7 +326,9 @@ def tiny_llama_config(tokenizer_info: dict[str, int]) -> "PretrainedConfig":
         num_key_value_heads=4,
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        # transformers 5 takes the old-style rope_theta through its **kwargs (its typed fields name
+        # rope_parameters instead, which 4.x, also supported, lacks).
+        rope_theta=10000.0,  # type: ignore[call-arg]
         tie_word_embeddings=False,
         bos_token_id=tokenizer_info["bos_token_id"],
         eos_token_id=tokenizer_info["eos_token_id"],

@@ -113,19 +113,21 @@ class TPGroup:
 
     def _broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
         size = torch.zeros(1, dtype=torch.int64)
+        sent: bytes | None = None  # this rank's payload when it is the source
         if self.rank == src:
             assert payload is not None
+            sent = payload
             size[0] = len(payload)
         dist.broadcast(size, src=src, group=self.cpu_group)
         n = int(size[0])
         if n == 0:
             return b""
-        if self.rank == src:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if sent is not None:
+            buf = torch.frombuffer(bytearray(sent), dtype=torch.uint8)
         else:
             buf = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, src=src, group=self.cpu_group)
-        return payload if self.rank == src else buf.numpy().tobytes()
+        return sent if sent is not None else buf.numpy().tobytes()
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
@@ -138,6 +140,7 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT
     )
     world = dist.group.WORLD
+    assert world is not None  # (set by init_process_group above)
     # Control traffic has a group of its own even on CPU: with overlap scheduling the
     # model's collectives run on the worker thread while the scheduler thread broadcasts.
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

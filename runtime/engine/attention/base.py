@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,10 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     # The device ops that write K/V: the model runner's, else picked from the pool at first use.
     _ops: DeviceOps | None = None
+
+    def __init__(self, model_runner: Any = None) -> None:
+        """Every backend is built as ``cls(model_runner)`` (``runtime.engine.attention.registry``,
+        SGLang's convention); a backend reads what it needs from the runner."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
         """Write the new tokens' K/V at ``batch.out_cache_loc`` of layer ``layer.layer_id``.

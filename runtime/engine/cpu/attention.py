@@ -222,11 +222,12 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             o_own = o_own.transpose(1, 2).reshape(n * q_len, h, d)
             lse_own = lse_own.transpose(1, 2).reshape(n * q_len, h)
         padded = g.out_rows is not None and not g.keys_are_new
-        if padded:  # keep the real rows, in out_tokens order
+        real = qs  # the group's real queries
+        if padded:  # keep the real rows (outputs and queries), in out_tokens order
             assert g.out_rows is not None and g.out_tokens is not None
             o_own, lse_own = o_own.index_select(0, g.out_rows), lse_own.index_select(0, g.out_rows)
+            real = q.index_select(0, g.out_tokens)
         # ... and every real query of the group against the shared prefix at once.
-        real = q.index_select(0, g.out_tokens) if padded else qs
         t = real.shape[0]
         group = h // hkv
         if attn_kernels.prefix_supported(real.dtype, real.device, d):

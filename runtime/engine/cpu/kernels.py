@@ -47,6 +47,7 @@ torch path.
 from __future__ import annotations
 
 import ctypes
+from typing import Literal, overload
 
 import torch
 
@@ -100,6 +101,29 @@ def softmax_supported(scores: torch.Tensor) -> bool:
 def softmax_applies(device: torch.device, dtype: torch.dtype, cols: int) -> bool:
     """Whether contiguous scores of this device, dtype and row length would go to ``softmax_rows``."""
     return device.type == "cpu" and dtype == torch.bfloat16 and 0 < cols <= MAX_SOFTMAX_COLS and available()
+
+
+@overload
+def softmax_rows(
+    scores: torch.Tensor,
+    scale: float,
+    causal_period: int = ...,
+    rows_per_position: int = ...,
+    first_position: int = ...,
+    *,
+    with_lse: Literal[True],
+) -> torch.Tensor: ...
+
+
+@overload
+def softmax_rows(
+    scores: torch.Tensor,
+    scale: float,
+    causal_period: int = ...,
+    rows_per_position: int = ...,
+    first_position: int = ...,
+    with_lse: bool = ...,
+) -> torch.Tensor | None: ...
 
 
 def softmax_rows(

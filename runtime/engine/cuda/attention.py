@@ -71,6 +71,15 @@ class _WindowPlan:
 
 
 @dataclass
+class _GraphWindowBuffers:
+    """A window's ``_WindowPlan`` buffers for CUDA graphs (decode only: its split counts too)."""
+
+    kv_indptr: torch.Tensor  # int32 [max_bs + 1]
+    kv_indices: torch.Tensor  # int32 [min(max_kv_tokens, max_bs * W)]
+    num_kv_splits: torch.Tensor  # int32 [max_bs]
+
+
+@dataclass
 class _GraphPlanBuffers:
     """The decode plan's fixed buffers for CUDA graphs (sized for the largest captured batch)."""
 
@@ -79,7 +88,7 @@ class _GraphPlanBuffers:
     num_kv_splits: torch.Tensor  # int32 [max_bs]
     attn_logits: torch.Tensor  # fp32 [max_bs, H, max_kv_splits, Dv]
     attn_lse: torch.Tensor  # fp32 [max_bs, H, max_kv_splits]
-    windowed: dict[int, _WindowPlan] = field(default_factory=dict)  # the same per window
+    windowed: dict[int, _GraphWindowBuffers] = field(default_factory=dict)  # the same per window
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -204,7 +213,7 @@ class TritonAttnBackend(AttentionBackend):
             attn_logits=torch.zeros(scratch, dtype=torch.float32, device=device),
             attn_lse=torch.zeros(scratch[:3], dtype=torch.float32, device=device),
             windowed={
-                w: _WindowPlan(
+                w: _GraphWindowBuffers(
                     torch.zeros(max_bs + 1, **i32),
                     torch.zeros(min(max_kv_tokens, max_bs * w), **i32),
                     torch.ones(max_bs, **i32),

@@ -74,13 +74,14 @@ class _StaticInputs:
     """The fixed input buffers every graph reads (sized for the largest batch), plus padding."""
 
     def __init__(self, max_bs: int, device: torch.device) -> None:
-        i64 = dict(dtype=torch.int64, device=device)
+        i64 = torch.int64
         # Rows: input_ids, positions, req_pool_indices, seq_lens, prefix_lens, out_cache_loc.
-        self.rows = torch.zeros(6, max_bs, **i64)
+        self.rows = torch.zeros(6, max_bs, dtype=i64, device=device)
         # What a padded column holds: token 0 at position 0 of request row 0, length 1, slot 0.
-        self.pad = torch.tensor([0, 0, 0, PAD_SEQ_LEN, PAD_SEQ_LEN - 1, PAD_SLOT], **i64)[:, None].expand(6, max_bs)
+        pad_column = torch.tensor([0, 0, 0, PAD_SEQ_LEN, PAD_SEQ_LEN - 1, PAD_SLOT], dtype=i64, device=device)
+        self.pad = pad_column[:, None].expand(6, max_bs)
         self.rows.copy_(self.pad)
-        self.extend_lens = torch.ones(max_bs, **i64)
+        self.extend_lens = torch.ones(max_bs, dtype=i64, device=device)
 
     def load(self, batch: ForwardBatch, bs: int) -> None:
         """Copy ``batch`` into the first columns and padding into the rest, up to ``bs``."""

@@ -17,10 +17,13 @@ from runtime.engine.distributed import tensor_model_parallel_all_gather, tensor_
 from runtime.engine.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.engine.ops import DeviceOps, default_ops
 from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.loading import PendingShards
+from runtime.engine.quant.loading import PendingShards, dense_weight
+from runtime.engine.quant.weight import QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
+    weight: nn.Parameter | QuantizedWeight  # (kept quantized: see runtime.engine.quant.loading)
+
     def __init__(
         self,
         vocab_size: int,
@@ -50,7 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tied_to: VocabParallelEmbedding | None = None  # (a tied LM head: the embedding whose weight it is)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values (a tied head's too)
+        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values (a tied head's too)
         check_shape(name, weight.shape, (self.vocab_size, self.hidden_size))
         n = max(self.vocab_end - self.vocab_start, 0)
         with torch.no_grad():
@@ -76,7 +79,7 @@ class ParallelLMHead(VocabParallelEmbedding, LinearWeightLayer):
         self.weight = embedding.weight
         object.__setattr__(self, "tied_to", embedding)  # a reference, not a sub-module (no second set of names)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
         if self.tp_size == 1:  # (one rank: no padding rows, nothing to gather)
             return self.ops.float_linear(hidden, self.weight)

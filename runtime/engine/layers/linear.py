@@ -24,7 +24,7 @@ from torch import nn
 from runtime.engine.distributed import tensor_model_parallel_all_reduce
 from runtime.engine.ops import DeviceOps, default_ops
 from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.loading import PendingShards
+from runtime.engine.quant.loading import PendingShards, dense_weight
 
 
 class LazyWeight(Protocol):
@@ -91,7 +91,7 @@ class ReplicatedLinear(LinearWeightLayer):
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
         check_shape(name, weight.shape, param.shape)
         if not self.quant_shards.take(weight, 0, 0, param.shape[0], 0):
             replicated_weight_loader(param, weight, name, shard_id)
@@ -146,7 +146,7 @@ class ColumnParallelLinear(LinearWeightLayer):
         return self.local_offsets[shard_id], self.tp_rank * size, size
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
-        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
@@ -255,7 +255,7 @@ class RowParallelLinear(LinearWeightLayer):
             self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(self.weight)  # the device drops any copy of the old values
+        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
         check_shape(name, weight.shape, (self.out_features, self.in_features))
         if not self.quant_shards.take(weight, 1, self.tp_rank * self.in_local, self.in_local, 0):
             copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)

@@ -45,6 +45,11 @@ class RotaryEmbedding(nn.Module):
     positions) and each layer rotates its q and k in place with ``DeviceOps.rotary_``.
     """
 
+    # The buffers registered in __init__ (declared for the type checker: nn.Module's attribute
+    # lookup of a buffer is typed ``Tensor | Module``).
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -62,9 +67,10 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, heads, D]`` (any strides) rotated as a new contiguous tensor, in plain torch
-        (the reference the device ops' in-place ``rotary_`` must equal)."""
+        (the reference the device ops' in-place ``rotary_`` must equal). (Not ``apply``: that name
+        is ``nn.Module.apply(fn)``, which a model's ``apply`` calls on every sub-module.)"""
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         out.copy_(x)
         rotate_half_(out, cos, sin, self.rotary_dim)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from runtime.checkpoints.gguf.prepare import is_gguf_folder
+from runtime.engine.layers.linear import LazyWeight
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.models.base import CausalLM
 from runtime.engine.quant.loading import check_quantization, finish_loading
@@ -96,6 +97,7 @@ def load_model_weights(
     targets = model.checkpoint_targets()
     is_gguf = is_gguf_folder(Path(folder))
     check_quantization(quantization, is_gguf)
+    weights: Iterator[tuple[str, LazyWeight]]
     if is_gguf:
         weights = iterate_gguf_weights(
             Path(folder), targets, model.config, progress=progress, keep_quantized=quantization == "gguf"

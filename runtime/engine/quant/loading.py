@@ -51,6 +51,14 @@ def quantized_shard(weight: Any, dim: int, start: int, length: int) -> Quantized
     return take(dim, start, length) if take is not None else None
 
 
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """A layer's ``weight`` while the checkpoint loads: the dense parameter (its ``weight_loader``
+    hangs off it, and ``finish_loading`` swaps in a ``QuantizedWeight`` only after reading it)."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is {type(weight).__name__}"
+    return weight
+
+
 class PendingShards:
     """The quantized shards a layer's loader was handed, by the first row they fill in its weight."""
 
@@ -82,7 +90,7 @@ def finish_loading(model: nn.Module, method: str | None) -> None:
             continue
         quantized = _stacked(module, pending)
         if quantized is None and method in INT8_METHODS and getattr(module, "int8_quantizable", False):
-            quantized = quantize_int8(module.weight)
+            quantized = quantize_int8(dense_weight(module))
         pending.parts.clear()
         if quantized is not None:
             _replace(module, quantized)
@@ -96,7 +104,7 @@ def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | Non
     weight that cannot be all quantized is dequantized into the dense parameter)."""
     if not pending.parts:
         return None
-    weight = module.weight
+    weight = dense_weight(module)
     rows = sorted(pending.parts.items())
     covered = sum(p.shape[0] for _, p in rows)
     offsets_ok = all(o == sum(p.shape[0] for _, p in rows[:i]) for i, (o, _) in enumerate(rows))

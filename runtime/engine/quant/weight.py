@@ -35,6 +35,13 @@ class QuantizedWeight(nn.Module):
     """``[out, in]`` weight in layout ``kind`` (see the module doc); ``source`` names the format it
     came from (a GGUF type name, or ``int8``) for logs and ``server_info``."""
 
+    # The buffers registered in __init__ (declared for the type checker: nn.Module's attribute
+    # lookup of a buffer is typed ``Tensor | Module``).
+    qs: torch.Tensor  # q8: int8 [out, in]; q4: uint8 [out, in // 2]
+    scales: torch.Tensor  # fp32 [out, in // group]
+    mins: torch.Tensor | None  # q4: fp32, scales' shape; None for a q8 weight
+    shape: tuple[int, int]
+
     def __init__(
         self,
         kind: str,
@@ -111,9 +118,15 @@ def embedding_rows(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtyp
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of ``parts``' rows stacked (a merged qkv or gate/up projection); all alike in layout."""
     first = parts[0]
-    if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+    if any(
+        p.kind != first.kind
+        or p.group != first.group
+        or p.shape[1] != first.shape[1]
+        or (p.mins is None) != (first.mins is None)
+        for p in parts
+    ):
         raise ValueError("cannot stack quantized weights of different layouts")
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
     source = "+".join(sorted({p.source for p in parts}))
     return QuantizedWeight(
         first.kind,
@@ -148,4 +161,5 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight | None:
     dense = weight.detach().float()
     scales = dense.abs().amax(dim=1, keepdim=True) / 127.0
     qs = torch.where(scales > 0, dense / torch.where(scales > 0, scales, 1.0), 0.0).round().clamp(-127, 127)
-    return QuantizedWeight("q8", "int8", tuple(dense.shape), qs.to(torch.int8), scales, group=dense.shape[1])
+    out_features, in_features = dense.shape
+    return QuantizedWeight("q8", "int8", (out_features, in_features), qs.to(torch.int8), scales, group=in_features)

@@ -1,5 +1,6 @@
-"""The type check: mypy over the paths ``[tool.mypy] files`` names in pyproject.toml (strict on
-memory/, runtime/protocol/, runtime/client/ and detokenizer_proc/; the config says which flags)."""
+"""The type check: mypy over the paths ``[tool.mypy] files`` names in pyproject.toml (every product
+package and launch.py; strict on memory/, runtime/protocol/, runtime/client/ and detokenizer_proc/:
+the config says which flags)."""
 
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def test_rotary_in_place_is_bit_identical_to_torch(rotary_dim: int) -> None:
     cos, sin = rope.cos_sin(torch.tensor([0, 5, 7, 1, 100, 3, 2, 8, 127]), torch.bfloat16)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d).bfloat16()
     qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
-    expected = rope.apply(qk, cos, sin)
+    expected = rope.rotate(qk, cos, sin)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
     assert cpu_kernels.rotary_(qk, cos, sin, rotary_dim)  # in place: q and k stay views of qkv
     assert torch.equal(qk, expected)

@@ -96,7 +96,7 @@ def test_rotary_in_place_is_bit_identical_to_torch(rotary_dim: int, tokens: int)
     cos, sin = rope.cos_sin(torch.randint(0, 512, (tokens,), generator=gen), torch.float32)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 4
     qk = qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
-    expected = rope.apply(qk, cos, sin)
+    expected = rope.rotate(qk, cos, sin)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
     assert cpu_kernels.rotary_(qk, cos, sin, rotary_dim)
     assert torch.equal(qk, expected)
