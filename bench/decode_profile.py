@@ -111,7 +111,6 @@ def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) 
     from runtime.engine.cpu import decode_layers
     from runtime.engine.layers.embedding import ParallelLMHead
     from runtime.engine.model_runner import ModelRunner
-    from runtime.engine.models.llama import LlamaModel
     from runtime.protocol.messages import TokenizedGenerateReq
     from runtime.protocol.sampling_params import SamplingParams
     from scheduler_proc.model_worker import create_model_runner
@@ -124,7 +123,8 @@ def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) 
     with contextlib.ExitStack() as stack:
         for obj, name, key in (
             (decode_layers, "_call", "c_layers"),
-            (LlamaModel, "run_layers", "py_layers"),
+            # the layers one by one: what the device's layer stack falls back to (CausalLM.run_layers)
+            (type(sched.runner.model), "run_layers", "py_layers"),
             (ParallelLMHead, "forward", "lm_head"),
             (ModelRunner, "_sample", "sample"),
             (ModelRunner, "forward", "forward"),
