@@ -33,8 +33,6 @@ from runtime.checkpoints.families import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeConfig", "UnsupportedModelError"]
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -73,8 +71,8 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     hidden_act: str  # the gated MLP's activation (a layer choice: runtime.engine.layers.choices)
-    norm: str = "rms"  # the norm form of every norm layer (a layer choice)
-    rope_style: str = "neox"  # how rotary pairs a head's dims (a layer choice)
+    norm: str  # the norm form of every norm layer (a layer choice)
+    rope_style: str  # how rotary pairs a head's dims (a layer choice)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None

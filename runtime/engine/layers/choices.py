@@ -41,13 +41,3 @@ NORM_LAYERS: dict[str, type[RMSNorm]] = {"rms": RMSNorm}
 
 # rope style -> how q and k rotate: ``neox`` pairs the two halves of a head's rotary dims
 ROPE_ROTATIONS: dict[str, Rotation] = {"neox": _neox_rotation}
-
-
-def gated_activation(name: str) -> GatedActivation:
-    """The gated activation called ``name`` (KeyError: a name the family table does not list)."""
-    return GATED_ACTIVATIONS[name]
-
-
-def rope_rotation(style: str) -> Rotation:
-    """How q and k rotate in rope style ``style`` (KeyError: a style the family table does not list)."""
-    return ROPE_ROTATIONS[style]

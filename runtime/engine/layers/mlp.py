@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.engine.layers.choices import gated_activation
+from runtime.engine.layers.choices import GATED_ACTIVATIONS
 from runtime.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from runtime.engine.ops import DeviceOps
 
@@ -30,7 +30,7 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.activation = activation
-        self._act_and_mul = gated_activation(activation)
+        self._act_and_mul = GATED_ACTIVATIONS[activation]  # (model_config refused any other name)
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
             [intermediate_size, intermediate_size],

@@ -21,7 +21,7 @@ from torch import nn
 
 from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.forward_batch import ForwardBatch
-from runtime.engine.layers.choices import NORM_LAYERS, rope_rotation
+from runtime.engine.layers.choices import NORM_LAYERS, ROPE_ROTATIONS
 from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.engine.layers.mlp import GatedMLP
@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = _norm(config, config.head_dim, dtype, ops)
             self.k_norm = _norm(config, config.head_dim, dtype, ops)
-        self._rotate = rope_rotation(config.rope_style)
+        self._rotate = ROPE_ROTATIONS[config.rope_style]
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
             num_heads=self.num_heads,

@@ -46,9 +46,9 @@ class DecoderLayerWeights:
     tp_size: int  # ranks the layer's linears are split over
     # The family's layer choices (runtime.engine.layers.choices): a device's kernels take the
     # layers whose choices they implement and leave the others to the layers one by one.
-    activation: str = "silu"
-    norm: str = "rms"
-    rope_style: str = "neox"
+    activation: str
+    norm: str
+    rope_style: str
 
 
 class DecoderStackModel(Protocol):
