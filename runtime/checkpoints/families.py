@@ -25,14 +25,19 @@ class WindowRule(Enum):
     EVERY_LAYER = "every_layer"  # ``sliding_window`` windows every layer (Mistral)
     # Qwen2/Qwen3: off unless ``use_sliding_window``; then the layers from ``max_window_layers`` on
     FROM_MAX_WINDOW_LAYERS = "from_max_window_layers"
+    # Gemma: every layer windowed but each N-th (``sliding_window_pattern``, else the family's
+    # ``window_pattern``): layer i attends fully when (i + 1) % N == 0
+    EVERY_NTH_FULL = "every_nth_full"
 
 
 # The layer choices the layers implement, by name (``runtime.engine.layers.choices`` maps each to
 # its work, and a test keeps the two in step): a family may name only these, and a checkpoint whose
 # config names another is refused before any weight is read. Names only, so that reading a config
 # needs no torch.
-ACTIVATIONS: tuple[str, ...] = ("silu", "swish")  # the gated MLP's act(gate) * up ("swish" is silu)
-NORM_FORMS: tuple[str, ...] = ("rms",)  # x / rms(x) * weight, fp32 statistics
+# the gated MLP's act(gate) * up ("swish" is silu; "gelu_pytorch_tanh": gelu's tanh approximation)
+ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu_pytorch_tanh")
+# rms: x / rms(x) * weight, fp32 statistics; rms_unit_offset (Gemma): x / rms(x) * (1 + weight)
+NORM_FORMS: tuple[str, ...] = ("rms", "rms_unit_offset")
 ROPE_STYLES: tuple[str, ...] = ("neox",)  # the two halves of a head's rotary dims rotate as pairs
 
 
@@ -46,10 +51,19 @@ class Family:
     always_qkv_bias: bool = False  # q/k/v biases whatever ``attention_bias`` says (Qwen2 has no such key)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     window_rule: WindowRule = WindowRule.NONE
+    window_pattern: int = 0  # EVERY_NTH_FULL: N when the config does not say (Gemma 2: 2, Gemma 3: 6)
     # The ``general.architecture`` llama.cpp's converter writes for this family when it is not the
     # family's own (Mistral: ``llama``); such a file is told apart by the family's name in its
     # ``general.name``, as transformers does.
     gguf_converted_as: str | None = None
+    # llama.cpp's converter stores this family's norm weights plus this offset (Gemma: 1, for its
+    # plain RMSNorm); the GGUF reader subtracts it again, as transformers' GGUF loader does.
+    gguf_norm_offset: float = 0.0
+    # Norm tensors a GGUF block has beyond attn_norm / ffn_norm (Gemma's sandwich norms)
+    gguf_block_norms: tuple[str, ...] = ()
+    # Float metadata read into the config: (key under the architecture, config key, value when the
+    # file has none; None: leave the key out). llama.cpp's own defaults where it hard-codes them.
+    gguf_float_keys: tuple[tuple[str, str, float | None], ...] = ()
     # Layer choices, read by the layers (``runtime.engine.layers``), never compared by name elsewhere:
     activation: str = "silu"  # the gated MLP's activation (config ``hidden_act`` when it names one)
     norm: str = "rms"  # the norm form: ``rms`` is x / rms(x) * weight
@@ -61,6 +75,10 @@ class Family:
         return self.architectures[0]
 
 
+_GEMMA_BLOCK_NORMS = ("post_attention_norm", "post_ffw_norm")
+# llama.cpp scales Gemma's queries by key_length ** -0.5 (its config's query_pre_attn_scalar)
+_GEMMA_QUERY_SCALE: tuple[str, str, float | None] = ("attention.key_length", "query_pre_attn_scalar", None)
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",)),
     Family(
@@ -70,6 +88,38 @@ FAMILIES: tuple[Family, ...] = (
         "qwen2", ("Qwen2ForCausalLM",), ("qwen2",), always_qkv_bias=True, window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS
     ),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS),
+    Family(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        ("gemma2",),
+        window_rule=WindowRule.EVERY_NTH_FULL,
+        window_pattern=2,
+        gguf_norm_offset=1.0,
+        gguf_block_norms=_GEMMA_BLOCK_NORMS,
+        gguf_float_keys=(
+            _GEMMA_QUERY_SCALE,
+            ("attn_logit_softcapping", "attn_logit_softcapping", 50.0),
+            ("final_logit_softcapping", "final_logit_softcapping", 30.0),
+        ),
+        activation="gelu_pytorch_tanh",
+        norm="rms_unit_offset",
+    ),
+    Family(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        ("gemma3",),
+        qk_norm=True,
+        window_rule=WindowRule.EVERY_NTH_FULL,
+        window_pattern=6,
+        gguf_norm_offset=1.0,
+        gguf_block_norms=_GEMMA_BLOCK_NORMS,
+        gguf_float_keys=(_GEMMA_QUERY_SCALE, ("rope.freq_base_swa", "rope_local_base_freq", 10000.0)),
+        activation="gelu_pytorch_tanh",
+        norm="rms_unit_offset",
+    ),
+    # Phi-3, Phi-3.5, Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint; every layer
+    # windowed when the config has a sliding_window smaller than the context
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_rule=WindowRule.EVERY_LAYER),
 )
 
 # llama.cpp's ``llama`` converter interleaves the rows of each Q and K head for its RoPE (Mistral

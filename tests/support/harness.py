@@ -1,7 +1,8 @@
 """A minimal driver for ModelRunner, used by tests until the scheduler exists.
 
 It does what a scheduler does at its simplest: one ``req_to_token`` row per request,
-KV slots handed out by a counter (never reused until ``reset``), ForwardBatch building
+KV slots handed out by a counter (never reused until ``reset``; a hybrid sliding-window pool's
+windowed layers get the SWA slot of the same number), ForwardBatch building
 for extend (optionally chunked, optionally after a shared prefix) and decode, and
 greedy (or SamplingParams-driven) generation. No memory pressure, no eviction.
 """
@@ -13,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from memory.swa_kv_pool import SWAKVPool
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.model_runner import ModelOutput, ModelRunner
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
@@ -68,6 +70,12 @@ class Harness:
             raise RuntimeError(f"harness ran out of KV slots ({self.runner.max_total_tokens}); call reset()")
         slots = list(range(self._next_slot, end))
         self._next_slot = end
+        pool = self.runner.token_to_kv_pool
+        if isinstance(pool, SWAKVPool):
+            # windowed layers: each token keeps the SWA slot of its own number (never reused until reset)
+            if end > pool.swa_size + 1:
+                raise RuntimeError(f"harness ran out of SWA slots ({pool.swa_size}); call reset()")
+            pool.full_to_swa[slots] = torch.tensor(slots, dtype=torch.int64, device=pool.device)
         return slots
 
     def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> HarnessRequest:

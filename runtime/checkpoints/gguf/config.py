@@ -7,7 +7,8 @@ architecture is which family, and what each family's config and tensors hold, is
 table's (``runtime.checkpoints.families``). Mistral checkpoints are usually converted as
 ``llama`` (told apart by ``general.name``, as transformers does); llama.cpp's llama converter
 interleaves the rows of each Q and K head for its RoPE, which the weight reader undoes
-(``needs_qk_unpermute``). Tied embeddings: no ``output.weight`` tensor.
+(``needs_qk_unpermute``), and stores Gemma's norm weights plus one, which it subtracts again
+(``Family.gguf_norm_offset``). Tied embeddings: no ``output.weight`` tensor.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in contents.tensors,
         "torch_dtype": "float32",
     }
+    for key, config_key, default in family.gguf_float_keys:
+        value = contents.arch_value(key, default)
+        if value is not None:
+            config[config_key] = float(value)
     rope_scaling = _rope_scaling(contents)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -145,6 +150,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if family.qk_norm:
             block.update({"attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],)})
+        block.update({f"{norm}.weight": (hidden,) for norm in family.gguf_block_norms})
         shapes.update({f"blk.{i}.{name}": shape for name, shape in block.items()})
     return shapes
 

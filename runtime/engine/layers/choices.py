@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from runtime.engine.layers.linear import MergedColumnParallelLinear
-from runtime.engine.layers.norm import RMSNorm
+from runtime.engine.layers.norm import RMSNorm, UnitOffsetRMSNorm
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps, RopeInputs
 
 # activation name -> act(gate) * up of a merged gate/up projection's output, through its device
@@ -30,14 +31,28 @@ def _silu_and_mul(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch
     return gate_up.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
 
 
+def _gelu_tanh_and_mul(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    return gate_up.ops.gelu_tanh_and_mul(gate_up.ops.linear(x, gate_up.weight, gate_up.bias))
+
+
 def _neox_rotation(ops: DeviceOps, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
     ops.rotary_(q, k, rope)  # DeviceOps.rotary_: the neox halves, on every device
 
 
-GATED_ACTIVATIONS: dict[str, GatedActivation] = {"silu": _silu_and_mul, "swish": _silu_and_mul}
+GATED_ACTIVATIONS: dict[str, GatedActivation] = {
+    "silu": _silu_and_mul,
+    "swish": _silu_and_mul,
+    "gelu_pytorch_tanh": _gelu_tanh_and_mul,
+}
 
-# norm form -> the layer that computes it (``rms``: x / rms(x) * weight, fp32 statistics)
-NORM_LAYERS: dict[str, type[RMSNorm]] = {"rms": RMSNorm}
+# norm form -> the layer that computes it (``rms``: x / rms(x) * weight, fp32 statistics;
+# ``rms_unit_offset``: x / rms(x) * (1 + weight), Gemma's)
+NORM_LAYERS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "rms_unit_offset": UnitOffsetRMSNorm}
 
 # rope style -> how q and k rotate: ``neox`` pairs the two halves of a head's rotary dims
 ROPE_ROTATIONS: dict[str, Rotation] = {"neox": _neox_rotation}
+
+
+def norm_layer(config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps) -> RMSNorm:
+    """A norm layer of ``config``'s family's form over ``size`` features."""
+    return NORM_LAYERS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)

@@ -1,4 +1,4 @@
-"""RMSNorm, with the residual add fused into the same call.
+"""RMSNorm (and Gemma's unit-offset form), with the residual add fused into the same call.
 
 The variance is computed in fp32 whatever the model dtype, and the result is cast back
 before the weight multiply, exactly as transformers' Llama/Qwen RMSNorm does, so fp32
@@ -10,9 +10,12 @@ nothing else reads.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from runtime.engine.layers.linear import WeightShapeError
 from runtime.engine.ops import DeviceOps, default_ops
 
 
@@ -35,3 +38,29 @@ class RMSNorm(nn.Module):
         """
         out = self.ops.rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` for the checkpoint's ``w``.
+
+    The parameter holds ``1 + w``, made once when ``w`` is loaded (in fp32, then cast to the
+    parameter's dtype), so a forward is the plain RMSNorm's one call. transformers multiplies by
+    ``1.0 + w.float()`` in fp32; in fp32 the products are the same, bit for bit.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None, ops: DeviceOps | None = None
+    ) -> None:
+        super().__init__(hidden_size, eps, params_dtype, ops)
+        self.weight.weight_loader = self._load_with_unit_offset  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _load_with_unit_offset(param: nn.Parameter, weight: Any, name: str, shard_id: object = None) -> None:
+        """``param = 1 + weight`` (``weight``: a checkpoint tensor behind ``LazyWeight``)."""
+        value = weight.load()
+        if tuple(value.shape) != tuple(param.shape):
+            raise WeightShapeError(
+                f"checkpoint tensor {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(value.float() + 1.0)

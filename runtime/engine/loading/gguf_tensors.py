@@ -9,7 +9,9 @@ serve). Dequantization is the ``gguf`` package's reference numpy code, to fp32; 
 layer's loader converts to the serving dtype.
 
 llama.cpp's llama converter stores each Q/K head's rows interleaved (its RoPE rotates
-adjacent pairs, ours and transformers' rotate halves); ``GGUFWeight`` undoes that per head.
+adjacent pairs, ours and transformers' rotate halves); ``GGUFWeight`` undoes that per head. Its
+Gemma converter stores norm weights plus one (the family's ``gguf_norm_offset``), which
+``GGUFWeight`` subtracts again, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from runtime.checkpoints.families import BY_NAME
 from runtime.checkpoints.gguf.reader import GGUFError, TensorEntry
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.quant.gguf_blocks import KEPT_TYPES, from_gguf
@@ -50,10 +53,17 @@ class GGUFWeight:
     """One GGUF tensor behind the ``LazyWeight`` protocol (see runtime.engine.layers.linear)."""
 
     def __init__(
-        self, data: np.ndarray, entry: TensorEntry, name: str, qk_heads: int | None = None, keep_quantized: bool = False
+        self,
+        data: np.ndarray,
+        entry: TensorEntry,
+        name: str,
+        qk_heads: int | None = None,
+        keep_quantized: bool = False,
+        offset: float = 0.0,
     ) -> None:
         self.name = name  # the HF name the model loads it as
         self.entry = entry
+        self._offset = offset  # subtracted from every value read (a norm stored as 1 + w: Gemma's)
         # --quantization gguf: a weight of a type the kernels read is handed over in its blocks
         self.keeps_blocks = keep_quantized and entry.type_name in KEPT_TYPES and len(entry.shape) == 2
         self._qk_heads = qk_heads  # heads to un-interleave (a llama Q/K weight or bias), else None
@@ -124,6 +134,8 @@ class GGUFWeight:
             values = _dequantize(self._raw, self.entry.type_name)[0][start : start + length]
         else:
             values = _dequantize(self._raw[start : start + length], self.entry.type_name)
+        if self._offset:
+            values = values - np.float32(self._offset)  # (a new array: never a write into the file)
         if heads:
             # GGUF row 2j + a of a head is HF row a * head_rows / 2 + j (a in {0, 1}).
             tail = values.shape[1:]
@@ -175,6 +187,7 @@ def iterate_gguf_weights(
     data = open_mapped(index.file, index.size, index.mtime_ns)
     names = hf_tensor_names(index.architecture, config.num_hidden_layers, hf_names)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    norm_offset = BY_NAME[config.family].gguf_norm_offset
     for entry in tqdm(index.tensors, desc=f"Loading {index.file.name}", unit="tensor", disable=not progress):
         name = names.get(entry.name)
         if name is None:
@@ -182,4 +195,5 @@ def iterate_gguf_weights(
             continue
         kind = entry.name.split(".")[2] if entry.name.startswith("blk.") else ""
         qk_heads = heads.get(kind) if index.unpermute_qk else None
-        yield name, GGUFWeight(data, entry, name, qk_heads, keep_quantized)
+        offset = norm_offset if entry.name.endswith("norm.weight") else 0.0
+        yield name, GGUFWeight(data, entry, name, qk_heads, keep_quantized, offset)

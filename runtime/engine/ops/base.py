@@ -109,6 +109,11 @@ class DeviceOps(Protocol):
         one pass where a device can fuse the two."""
         ...
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` of ``x [..., 2 * I]`` (gate first) as a new
+        ``[..., I]`` tensor (Gemma's gated MLP)."""
+        ...
+
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, Hkv, D]`` at KV slots ``loc`` (int64 ``[n]``) of layer ``layer_id``
         of ``pool`` (an ``MHATokenToKVPool``)."""

@@ -91,6 +91,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu's fresh output takes the product: one temporary
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)  # as transformers' GELUTanh, then the product
+
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool.set_kv_buffer(layer_id, loc, k, v)
 

@@ -1,0 +1,118 @@
+"""Gemma 2: the Llama decoder with Gemma's choices and its sandwich norms.
+
+What differs from Llama, and where each difference lives:
+- the family's layer choices (``runtime.checkpoints.families``): gated GELU (tanh approximation)
+  and the unit-offset RMSNorm ``x / rms(x) * (1 + w)``, built by the shared layers;
+- each layer norms the attention and MLP outputs again before they join the residual stream
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``), and the MLP has its own input
+  norm (``pre_feedforward_layernorm``): ``GemmaDecoderLayer``;
+- the embeddings are scaled by sqrt(hidden) (rounded to the model's dtype first, as transformers
+  does): ``GemmaModel.embed``;
+- the softmax scale is ``query_pre_attn_scalar ** -0.5`` and attention scores and final logits are
+  soft-capped (``ModelConfig.attn_logit_softcap`` / ``final_logit_softcap``): the attention layer's
+  spec carries the first (every backend applies it), ``Gemma2ForCausalLM.forward`` the second;
+- windowed and full layers alternate (the family's window rule in ``model_config``); a family may
+  give its windowed layers their own RoPE (Gemma 3): ``GemmaModel.run_layers`` hands each layer its
+  type's rotary inputs.
+
+The layers have four norms, not the pre-norm form the CPU's one-call decode stack reads, so
+``decode_weights`` says so and the layers run one by one on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.attention.base import AttentionBackend
+from runtime.engine.forward_batch import ForwardBatch
+from runtime.engine.layers.choices import norm_layer
+from runtime.engine.layers.rotary import RotaryEmbedding
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from runtime.engine.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """The Llama layer with Gemma's extra norms around attention and MLP outputs."""
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
+    ) -> None:
+        super().__init__(config, layer_id, tp_rank, tp_size, dtype, ops)
+        self.pre_feedforward_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+        self.post_feedforward_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+
+    def forward(
+        self,
+        rope: RopeInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaDecoderLayer.forward``: the stream is ``residual + hidden`` (``residual`` None
+        before the first layer), and each add into ``residual`` happens in place inside a norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, batch, backend))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+    def decode_weights(self) -> DecoderLayerWeights:
+        raise NotImplementedError("a Gemma layer has no pre-norm DecoderLayerWeights form")
+
+
+class GemmaModel(LlamaModel):
+    """Gemma's decoder stack: scaled embeddings, sandwich-norm layers, per-layer-type RoPE."""
+
+    layer_class = GemmaDecoderLayer
+
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
+        super().__init__(config, tp_rank, tp_size, dtype, ops)
+        # sqrt(hidden) as transformers applies it: an fp32 value rounded to the model's dtype
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype))
+        self.local_layers = config.local_layers or (False,) * config.num_hidden_layers
+        self.rotary_local: RotaryEmbedding | None = None
+        if config.rope_local is not None:
+            self.rotary_local = RotaryEmbedding(config.head_dim, config.context_len, config.rope_local)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def run_layers(
+        self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers one by one, each with its type's rotary inputs (``rope`` for full-attention
+        layers; the windowed ones' own, made once here, where the config gives them one)."""
+        local = rope
+        if self.rotary_local is not None:
+            local = self.ops.rope(self.rotary_local, rope.positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for layer, is_local in zip(self.layers, self.local_layers):
+            hidden, residual = layer(local if is_local else rope, hidden, residual, batch, backend)
+        assert residual is not None, "model has no layers"
+        return hidden, residual
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (and, through its subclass, Gemma 3 text): see the module docstring."""
+
+    model_class = GemmaModel
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, layer_stack: LayerStack | None = None
+    ) -> torch.Tensor:
+        """fp32 logits at ``batch.logit_rows()``, soft-capped where the config says
+        (``cap * tanh(logits / cap)``, the operations transformers does)."""
+        logits = super().forward(batch, backend, layer_stack)
+        cap = self.config.final_logit_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def decode_weights(self) -> list[DecoderLayerWeights] | None:
+        return None  # four norms per layer: not the record's pre-norm form
