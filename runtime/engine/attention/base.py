@@ -32,6 +32,9 @@ class AttentionLayerSpec:
     scaling: float  # softmax scale, usually head_dim ** -0.5
     # W: each query sees only keys at positions q - W < j <= q (a windowed layer); None: full attention.
     sliding_window: int | None = None
+    # C: attention scores are soft-capped, ``C * tanh(score / C)`` after scaling and before the
+    # mask and softmax (Gemma 2); None: plain scores.
+    logit_softcap: float | None = None
 
 
 class AttentionBackend(ABC):

@@ -10,6 +10,9 @@ What the plan itself saves on every device:
 - one-token groups fold the GQA group into the query axis (``[n, kv_heads, group, D]``
   against ``[n, kv_heads, L, D]``): every KV head's keys are read once for its whole
   query group;
+- a layer with soft-capped logits (``AttentionLayerSpec.logit_softcap``) runs the same groups
+  through ``runtime.engine.attention.softcap`` (explicit scores: SDPA cannot cap), every other
+  layer through SDPA as before;
 - keys are gathered with ``index_select`` on flattened slots (advanced indexing with a
   2-D index is ~20x slower on CPU);
 - a group whose queries are a contiguous, unpadded run of the packed tokens reads and
@@ -42,6 +45,7 @@ from runtime.engine.attention.plan import (
     pack_groups,
     packed_starts,
 )
+from runtime.engine.attention.softcap import softcapped_attention
 from runtime.engine.attention.window_plan import plan_window_groups
 from runtime.engine.forward_batch import ForwardBatch
 
@@ -242,6 +246,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         n = qg.shape[0]
         assert g.kv_flat is not None
         kd, vd = self._gather(k_buf, g.kv_flat, n).to(qg.dtype), self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
+        if layer.logit_softcap is not None:  # (SDPA cannot cap: explicit scores, the fp32 key bias as it is)
+            og, _ = softcapped_attention(qg, kd, vd, layer.scaling, layer.logit_softcap, mask=g.mask)
+            return og.reshape(n, layer.num_heads, layer.head_dim)
         mask = None if g.mask is None else g.mask.to(qg.dtype)  # SDPA wants a float mask in q's dtype
         og = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=layer.scaling)
         return og.reshape(n, layer.num_heads, layer.head_dim)
@@ -261,7 +268,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qg = self._group_queries(q, g).view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
         kg, vg = self._group_keys(k, v, k_buf, v_buf, layer, g)
-        if g.keys_are_new:
+        if layer.logit_softcap is not None:  # (SDPA cannot cap: explicit scores, the same mask)
+            mask = None if g.keys_are_new else g.mask
+            og, _ = softcapped_attention(
+                qg, kg, vg, layer.scaling, layer.logit_softcap, mask=mask, is_causal=g.keys_are_new
+            )
+        elif g.keys_are_new:
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=h != hkv)
         else:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=layer.scaling, enable_gqa=h != hkv)

@@ -30,6 +30,15 @@ What keeps it fast (each measured on the 200M bench model, see bench/model_step.
   and a shared prefix of an fp32 prefill through the fp32 prefix kernel, where they apply;
 - the forward's new K/V go into the pool through ``CpuOps.store_kv`` (the C row copy).
 
+Soft-capped logits (``AttentionLayerSpec.logit_softcap``, Gemma 2): the C kernels (decode, prefix,
+causal, row softmax) and the flash op do not cap, so a capped layer takes none of them. It keeps
+the same plan, the same groups and the same key sources (the mirror, whose appends it then stores
+in torch, a one-token group's shared prefix, an extend group's cascade), and computes each part
+in torch with the cap (``runtime.engine.attention.softcap``; the cascade's two parts merged by
+log-sum-exp as before). Once a capped layer has run, ``claim_decode_step`` declines, so the
+one-call decode stack (``runtime.engine.cpu.decode_layers``, whose C attention does not cap) never
+runs such a model.
+
 This module is the backend: it plans the groups, keeps the mirror and picks a path per group.
 The attention computations themselves (where each applies, and how it runs) are the stateless
 functions of ``runtime.engine.cpu.attention_fastpaths``.
@@ -44,6 +53,7 @@ import torch
 from runtime.engine.attention import torch_native
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.plan import AttnGroup, TorchNativeMetadata, host_list
+from runtime.engine.attention.softcap import softcapped_attention
 from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
@@ -71,6 +81,17 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         # unmasked prefill paths: only the full-attention layers count as the mirror's readers.
         windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
         self.mirrored_layers: int | None = sum(w is None for w in windows) if windows else None
+        # Whether a layer with soft-capped logits has run through this backend: the one-call decode
+        # stack's C attention cannot cap, so from then on ``claim_decode_step`` declines (every
+        # decode follows the prefill that ran each layer here).
+        self.softcap_seen = False
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if layer.logit_softcap is not None:
+            self.softcap_seen = True
+        return super().forward(q, k, v, layer, batch)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.verify_plan = None
@@ -112,7 +133,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         KV writes and attention through the kernels itself (``runtime.engine.cpu.decode_layers``: the same
         kernels ``forward`` would call), marked as updated; None where ``forward`` must run per layer
         (a rebuild, windowed layers, a batch that is not one in-order decode group, a verify the
-        copies could not take)."""
+        copies could not take, a model with soft-capped logits)."""
+        if self.softcap_seen:
+            return None  # (the kernels of the one call do not cap)
         meta: TorchNativeMetadata | None = batch.attn_metadata
         if batch.forward_mode == ForwardMode.VERIFY:
             return None if self.verify_plan is None else self.mirror.claim_append_step(self.verify_plan, num_layers)
@@ -136,14 +159,17 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> torch.Tensor:
-        """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded."""
+        """Rows ``[n, H, D]``: each member's single query against its keys, GQA folded (a capped
+        layer: the same keys, the torch paths with the cap, the mirror's append stored in torch)."""
         assert isinstance(g, CpuAttnGroup)  # (group_type: every group this backend plans)
         qg = self._folded_queries(q, layer, g)
         n = qg.shape[0]
+        softcap = layer.logit_softcap
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         append: attn_kernels.KeyAppend | None = None
         if g.mirror is not None:
-            append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
+            if softcap is None:
+                append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
             kd_t, vd, prefix = self.mirror.keys(
                 layer.layer_id, g.mirror, k, v, k_buf, v_buf, defer_append=append is not None
             )
@@ -163,7 +189,7 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
         packed = self.mirror.packed_prefix(layer.layer_id) if g.mirror is not None and prefix is not None else None
-        if packed is not None and attn_kernels.supports(qg, kd_t, vd, mask):
+        if packed is not None and softcap is None and attn_kernels.supports(qg, kd_t, vd, mask):
             # Cascade in two kernels: the shared prefix for every query at once, then each
             # request's own keys continuing the same softmax (no merge pass).
             init = attn_kernels.prefix_attention(qg, packed, layer.scaling)
@@ -172,10 +198,10 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             )
         elif prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
-            og = fastpaths._cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append)
+            og = fastpaths._cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append, softcap)
         else:
             og, _ = fastpaths._few_query_attention(
-                qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append
+                qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append, softcap=softcap
             )
         return og.reshape(n, layer.num_heads, layer.head_dim)
 
@@ -191,12 +217,16 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
     ) -> torch.Tensor:
         """Rows ``[n * q_len, H, D]`` of the padded group, request by request.
 
-        Cascade groups (``shared_loc``) return only the real rows, in ``out_tokens`` order.
+        Cascade groups (``shared_loc``) return only the real rows, in ``out_tokens`` order. A capped
+        layer takes no kernel: the plan's explicit-score path, or the cascade's two parts in torch.
         """
         n, q_len = g.q_index.shape
-        matmul_prefill = g.keys_are_new and fastpaths._matmul_prefill_applies(q, q_len, layer.head_dim)
+        softcap = layer.logit_softcap
+        matmul_prefill = (
+            softcap is None and g.keys_are_new and fastpaths._matmul_prefill_applies(q, q_len, layer.head_dim)
+        )
         if g.shared_loc is None and not matmul_prefill:
-            return super()._extend(q, k, v, k_buf, v_buf, layer, g)  # the plain SDPA of the plan
+            return super()._extend(q, k, v, k_buf, v_buf, layer, g)  # the plain SDPA of the plan (capped: explicit)
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qs = self._group_queries(q, g)
         qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
@@ -209,6 +239,14 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
                 qs.view(n, q_len, h, d), kg, vg, layer.scaling, with_lse=True
             )
             assert lse_own is not None
+        elif softcap is not None:
+            own_mask = None if g.keys_are_new else g.mask
+            o_capped, lse_capped = softcapped_attention(
+                qg, kg, vg, layer.scaling, softcap, mask=own_mask, is_causal=g.keys_are_new, with_lse=True
+            )
+            assert lse_capped is not None
+            o_own = o_capped.transpose(1, 2).reshape(n * q_len, h, d)
+            lse_own = lse_capped.transpose(1, 2).reshape(n * q_len, h)
         else:
             flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
             if g.keys_are_new:
@@ -230,7 +268,7 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         # ... and every real query of the group against the shared prefix at once.
         t = real.shape[0]
         group = h // hkv
-        if attn_kernels.prefix_supported(real.dtype, real.device, d):
+        if softcap is None and attn_kernels.prefix_supported(real.dtype, real.device, d):
             # the prefix kernel: a tile of query rows of a KV head against each key load
             packed = attn_kernels.pack_prefix(
                 k_buf.index_select(0, g.shared_loc).to(real.dtype), v_buf.index_select(0, g.shared_loc).to(real.dtype)
@@ -243,7 +281,7 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
-        o_pre, lse_pre = fastpaths._attend_shared_keys(q_all, kp, vp, layer.scaling)
+        o_pre, lse_pre = fastpaths._attend_shared_keys(q_all, kp, vp, layer.scaling, softcap)
         # (reshape: views where the layouts allow, which they do on the bf16 paths)
         merged = fastpaths._merge(
             o_pre.reshape(hkv, t, group, d).permute(1, 0, 2, 3),

@@ -18,6 +18,11 @@ bench/cpu_attention_f32.py, bench/cpu_prefill_attention.py).
 - ``_attend_shared_keys``: many queries against one key set with no mask (the shared prefix of a
   prefill's cascade), bf16 GEMMs around ``cpu_kernels.softmax_rows`` or the flash op.
 
+Soft-capped logits (``softcap``, Gemma 2's ``attn_logit_softcapping``): none of the C kernels nor
+the flash op cap, so where a ``softcap`` is given these functions never call them and compute
+the scores in torch (``runtime.engine.attention.softcap``: scale, cap, mask, fp32 softmax); the
+cascade's merge by log-sum-exp stays exact, as the cap acts on each score alone.
+
 The names keep their leading underscore: they are the backend's internals, shared with it alone
 (it calls them through this module, so a test's ``monkeypatch`` of one here reaches the backend).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.engine.attention.softcap import cap_scores_, softcapped_attention
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import kernels as cpu_kernels
 
@@ -134,7 +140,7 @@ def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: tor
 
 
 def _attend_prefix(
-    qg: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
+    qg: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every member's queries ``[n, Hkv, group, D]`` against one shared prefix ``[1, Hkv, P, D]``.
 
@@ -143,12 +149,12 @@ def _attend_prefix(
     """
     n, hkv, group, d = qg.shape
     q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
-    out_p, lse_p = _attend_shared_keys(q_all, kp, vp, scale)
+    out_p, lse_p = _attend_shared_keys(q_all, kp, vp, scale, softcap)
     return out_p.view(hkv, n, group, d).transpose(0, 1), lse_p.view(hkv, n, group).transpose(0, 1)
 
 
 def _attend_shared_keys(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Many queries ``[1, Hkv, M, D]`` against one key set ``[1, Hkv, P, D]`` (no mask):
     ``(out [1, Hkv, M, D], lse [1, Hkv, M] fp32)``.
@@ -156,7 +162,12 @@ def _attend_shared_keys(
     bf16 on CPU: bf16 score GEMMs, ``cpu_kernels.softmax_rows`` in place, then the value
     GEMM, a few thousand query rows at a time (~2x faster than the flash kernel on the
     shared-prefix prefill: 8064 queries x 512 keys per KV head). Otherwise the flash op.
+    With a ``softcap``: explicit capped scores in torch (neither caps).
     """
+    if softcap is not None:
+        out_c, lse_c = softcapped_attention(q, k, v, scale, softcap, with_lse=True)
+        assert lse_c is not None
+        return out_c, lse_c
     m, p = q.shape[2], k.shape[2]
     if not cpu_kernels.softmax_applies(q.device, q.dtype, p):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -184,6 +195,7 @@ def _cascade(
     scale: float,
     suffix_width: int | None = None,
     append: attn_kernels.KeyAppend | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, group, D]`` queries: softmax over (shared prefix ++ own suffix), in two passes.
 
@@ -191,11 +203,11 @@ def _cascade(
     (transposed) and ``vs`` ``[n, Hkv, Ls, D]`` each request's own keys (``suffix_mask``,
     a key bias ``[n, 1, 1, Ls]``, masks the padding).
     Each call returns its log-sum-exp; the two partial outputs are combined with weights
-    ``exp(lse_part - lse_total)``.
+    ``exp(lse_part - lse_total)``. ``softcap``: both passes cap their logits (torch paths).
     """
-    out_p, lse_p = _attend_prefix(qg, kp, vp, scale)
+    out_p, lse_p = _attend_prefix(qg, kp, vp, scale, softcap)
     out_s, lse_s = _few_query_attention(
-        qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width, append=append
+        qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width, append=append, softcap=softcap
     )
     assert lse_s is not None
     return _merge(out_p, lse_p, out_s, lse_s).contiguous()
@@ -210,6 +222,7 @@ def _few_query_attention(
     with_lse: bool,
     width: int | None = None,
     append: attn_kernels.KeyAppend | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n, Hkv, group, D]`` queries (a decode step, GQA folded) against keys ``k_t``
     ``[n, Hkv, D, L]`` (transposed: a view of ``[..., D, cap]`` rows is a strided batched
@@ -226,14 +239,17 @@ def _few_query_attention(
     ``mask`` is an fp32 key bias ``[n, 1, 1, L]`` (``_key_bias``: 0 for a real key, -inf
     for padding) or None; ``width``: keys at ``width`` and beyond are all padding (the
     kernel skips them); ``append`` (``kernel_append``, only given when the kernel runs): the
-    new keys the kernel stores first. Returns ``(out [n, Hkv, group, D], lse [n, Hkv, group]
-    fp32 or None)``.
+    new keys the kernel stores first. ``softcap``: the logits are capped (the kernel does not cap:
+    the matmul path runs, and ``append`` must be None). Returns ``(out [n, Hkv, group, D],
+    lse [n, Hkv, group] fp32 or None)``.
     """
-    if attn_kernels.supports(qg, k_t, v, mask):
+    if softcap is None and attn_kernels.supports(qg, k_t, v, mask):
         return attn_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse, append)
     assert append is None, "a deferred mirror append needs the decode kernel"
 
     scores = torch.matmul(qg, k_t).float().mul_(scale)  # [n, Hkv, group, L]
+    if softcap is not None:
+        cap_scores_(scores, softcap)
     if mask is not None:
         scores.add_(mask)
     if not with_lse:

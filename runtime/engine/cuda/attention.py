@@ -16,6 +16,10 @@ per forward for each window: decode reads each request's last ``min(seq_len, W)`
 and the extend kernel masks each query's window. Slots are translated into the KV pool's
 SWA slots when the pool keeps windowed layers apart (``translate_swa``).
 
+Soft-capped layers (``AttentionLayerSpec.logit_softcap``, Gemma 2) pass their cap to the kernels
+(``logit_cap``, a compile-time constant: one specialisation per cap value, captured into a CUDA
+graph like any other); the plans do not depend on it.
+
 Under CUDA graphs (decode only) the plan lives in buffers allocated once by
 ``init_cuda_graph_state``: capture hands the kernels views of them, replay rewrites them
 in place with the same planning kernels as the eager path. Padded rows of a graph batch
@@ -299,6 +303,7 @@ class TritonAttnBackend(AttentionBackend):
                 num_kv_splits,
                 self.max_kv_splits,
                 layer.scaling,
+                logit_cap=layer.logit_softcap or 0.0,
             )
         else:
             k = _last_dim_contiguous(k.reshape(-1, layer.num_kv_heads, layer.head_dim))
@@ -316,6 +321,7 @@ class TritonAttnBackend(AttentionBackend):
                 meta.max_len_extend,
                 layer.scaling,
                 layer.sliding_window,
+                logit_cap=layer.logit_softcap or 0.0,
             )
         return out
 

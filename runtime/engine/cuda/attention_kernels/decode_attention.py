@@ -13,6 +13,9 @@ Two stage-1 variants: per head (one query head per program, fp32 vector math) an
 grouped (all query heads that share one KV head in one program, so K/V are read once
 per group and QK^T / PV run as tensor-core dots). The grouped one is picked for GQA.
 
+Soft-capped logits (Gemma 2): ``logit_cap`` C > 0 makes stage 1 take ``C * tanh(score / C)`` of
+each scaled score before the mask (``logit_cap.soft_cap``); stage 2 merges the capped parts as any.
+
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``attn_logits``/``attn_lse`` are scratch owned by the caller (the backend's per-forward
 metadata); ``o`` is the caller's output.
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.cuda.attention_kernels.logit_cap import soft_cap
 from runtime.engine.cuda.triton_common import (
     cdiv,
     check_launch,
@@ -95,6 +99,7 @@ def _decode_stage1_per_head(
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -129,7 +134,7 @@ def _decode_stage1_per_head(
                 mask=mask_n[:, None] & mask_dk[None, :],
                 other=0.0,
             )
-            qk = tl.sum(q[None, :] * k.to(tl.float32), 1) * sm_scale
+            qk = soft_cap(tl.sum(q[None, :] * k.to(tl.float32), 1) * sm_scale, LOGIT_CAP)
             qk = tl.where(mask_n, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 0))
             alpha = tl.exp(m_i - m_new)
@@ -182,6 +187,7 @@ def _decode_stage1_grouped(
     SPLIT_ALIGN: tl.constexpr,
     FP32_MATH: tl.constexpr,
     PRECISION: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -229,7 +235,7 @@ def _decode_stage1_grouped(
             )
             if FP32_MATH:
                 k = k.to(tl.float32)
-            qk = tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale
+            qk = soft_cap(tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale, LOGIT_CAP)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
@@ -346,10 +352,12 @@ def decode_attention_fwd(
     max_kv_splits: int,
     sm_scale: float,
     grouped: bool | None = None,
+    logit_cap: float = 0.0,
 ) -> None:
     """Decode attention of ``q [bs, H, Dk]`` over each request's paged KV, written into ``o [bs, H, Dv]``.
 
     ``grouped`` selects the stage-1 variant: None picks grouped when ``H / Hkv > 1``.
+    ``logit_cap`` C > 0: the scaled scores are soft-capped, ``C * tanh(score / C)`` (Gemma 2); 0: off.
     ``num_kv_splits[i]`` must lie in ``[1, max_kv_splits]``; ``attn_logits``/``attn_lse``
     need room for ``max_kv_splits`` parts per (request, head).
     """
@@ -365,6 +373,8 @@ def decode_attention_fwd(
     for t, name in ((q, "q"), (k_buffer, "k_buffer"), (v_buffer, "v_buffer"), (o, "o"), (attn_logits, "attn_logits")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
+    if logit_cap < 0:
+        raise ValueError(f"logit_cap must be >= 0 (0: off), got {logit_cap}")
     if bs == 0:
         return
     group = num_heads // num_kv_heads
@@ -391,6 +401,7 @@ def decode_attention_fwd(
         BLOCK_DK=block_dk,
         BLOCK_DV=block_dv,
         SPLIT_ALIGN=align,
+        LOGIT_CAP=float(logit_cap),
     )
     args = (q, k_buffer, v_buffer, sm_scale, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse)
     if grouped:

@@ -18,6 +18,9 @@ last ``W - 1`` cached ones at most), so the prefix ends where the new tokens sta
 distance to a query is its offset from that end plus the query's offset; the kernel masks
 by that distance and starts stage 2 at the first block any row of the block can see.
 
+Soft-capped logits (Gemma 2): ``logit_cap`` C > 0 makes both stages take ``C * tanh(score / C)``
+of each scaled score before the causal and window masks (``logit_cap.soft_cap``).
+
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``q_extend``/``k_extend``/``v_extend`` are the layer's activations; ``o_extend`` is the caller's.
 """
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.cuda.attention_kernels.logit_cap import soft_cap
 from runtime.engine.cuda.triton_common import (
     check_launch,
     dot_precision,
@@ -94,6 +98,7 @@ def _extend_kernel(
     FP32_MATH: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -147,7 +152,7 @@ def _extend_kernel(
             if FP32_MATH:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale
+            qk = soft_cap(tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale, LOGIT_CAP)
             visible = mask_n[None, :]
             if USE_WINDOW:
                 visible = visible & ((pre_len + offs_m[:, None] - offs_n[None, :]) < window)
@@ -177,7 +182,7 @@ def _extend_kernel(
             if FP32_MATH:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale
+            qk = soft_cap(tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale, LOGIT_CAP)
             causal = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
             if USE_WINDOW:
                 causal = causal & ((offs_m[:, None] - offs_n[None, :]) < window)
@@ -206,6 +211,7 @@ def extend_attention_fwd(
     max_len_extend: int,
     sm_scale: float,
     sliding_window: int | None = None,
+    logit_cap: float = 0.0,
 ) -> None:
     """Attention of the packed new tokens ``q_extend [T, H, Dk]`` into ``o_extend [T, H, Dv]``.
 
@@ -214,9 +220,12 @@ def extend_attention_fwd(
     number of new tokens of any request (it sizes the grid; a host-side int, no sync).
     ``sliding_window`` W: each query sees keys less than W positions behind it; the prefix
     must then be the cached tokens right before the new ones (at most the last W - 1).
+    ``logit_cap`` C > 0: the scaled scores are soft-capped, ``C * tanh(score / C)`` (Gemma 2); 0: off.
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
+    if logit_cap < 0:
+        raise ValueError(f"logit_cap must be >= 0 (0: off), got {logit_cap}")
     num_tokens, num_heads, lk = q_extend.shape
     num_kv_heads = k_extend.shape[1]
     lv = v_extend.shape[-1]
@@ -270,4 +279,5 @@ def extend_attention_fwd(
         FP32_MATH=fp32_math,
         PRECISION=dot_precision(torch.float32 if fp32_math else k_buffer.dtype),
         USE_WINDOW=sliding_window is not None,
+        LOGIT_CAP=float(logit_cap),
     )
