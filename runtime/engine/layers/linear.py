@@ -24,7 +24,7 @@ from torch import nn
 from runtime.engine.distributed import tensor_model_parallel_all_reduce
 from runtime.engine.ops import DeviceOps, default_ops
 from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.loading import PendingShards, dense_weight
+from runtime.engine.quant.loading import PendingShards, dense_weight, quantized_shard
 
 
 class LazyWeight(Protocol):
@@ -36,6 +36,36 @@ class LazyWeight(Protocol):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
     def load(self) -> torch.Tensor: ...
+
+
+class WeightRows:
+    """Rows ``[start, start + rows)`` of a checkpoint tensor, itself a ``LazyWeight``: one part of a
+    tensor the checkpoint stores fused (Phi-3's ``qkv_proj``: q, k and v rows stacked; its
+    ``gate_up_proj``), so each part goes through its merged layer's loader like a separate tensor
+    and a TP rank still reads only the rows of its shard. A GGUF weight kept quantized hands over
+    the part's blocks (``quantized``)."""
+
+    def __init__(self, weight: LazyWeight, start: int, rows: int) -> None:
+        self.weight, self.start, self.rows = weight, start, rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.weight.shape[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.weight.narrow(0, self.start + start, length)
+        return self.load().narrow(dim, start, length)
+
+    def load(self) -> torch.Tensor:
+        return self.weight.narrow(0, self.start, self.rows)
+
+    def quantized(self, dim: int, start: int, length: int) -> Any:
+        """The part's rows in their blocks where the fused tensor keeps them (rows only: a part is
+        never split by columns), else None (``runtime.engine.quant.loading.quantized_shard``)."""
+        if dim != 0:
+            return None
+        return quantized_shard(self.weight, 0, self.start + start, length)
 
 
 class WeightShapeError(ValueError):
@@ -146,6 +176,15 @@ class ColumnParallelLinear(LinearWeightLayer):
         return self.local_offsets[shard_id], self.tp_rank * size, size
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = 0) -> None:
+        """Load sub-matrix ``shard_id`` of a merged layer; None: ``weight`` holds every sub-matrix
+        stacked (a checkpoint that stores the merged layer fused), loaded part by part."""
+        if shard_id is None and len(self.output_sizes) > 1:
+            rows = sum(self.output_sizes)
+            check_shape(name, weight.shape, (rows, self.in_features) if param.dim() == 2 else (rows,))
+            starts = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+            for part, (start, size) in enumerate(zip(starts, self.output_sizes)):
+                self.weight_loader(param, WeightRows(weight, start, size), name, part)
+            return
         self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
