@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -208,6 +209,15 @@ def write_checkpoint_gguf(
     if rope_scaling and rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    rotary = int(head_dim * float(rope.get("partial_rotary_factor") or 1.0))
+    if rotary != head_dim:  # (llama.cpp's phi3 converter states it always)
+        writer.add_rope_dimension_count(rotary)
+    longrope = rope_scaling and rope.get("rope_type") == "longrope"
+    if longrope:  # as llama.cpp's phi3 converter: the factors become tensors (below)
+        original = int(rope["original_max_position_embeddings"])
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     if BY_NAME[config.model_type].qk_norm:  # (the converter states Qwen3's explicit head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -240,6 +250,9 @@ def write_checkpoint_gguf(
         type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
         array, raw_dtype = encode(values, type_name, rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    if longrope:
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     _finish(writer)
     return out
 

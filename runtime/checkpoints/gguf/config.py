@@ -81,6 +81,9 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     rope_scaling = _rope_scaling(contents)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    rotary = contents.arch_value("rope.dimension_count")
+    if rotary is not None and int(rotary) < head_dim:  # partial rotary (Phi-4-mini: 3/4 of each head)
+        config["partial_rotary_factor"] = int(rotary) / head_dim
     window = contents.arch_value("attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
@@ -107,6 +110,8 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
 
 def _rope_scaling(contents: GGUFContents) -> dict[str, Any] | None:
     kind = contents.arch_value("rope.scaling.type")
+    if "rope_factors_long.weight" in contents.tensors:
+        return _longrope(contents)
     if "rope_freqs.weight" in contents.tensors:
         raise GGUFError(
             f"{contents.path}: per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1-style "
@@ -122,8 +127,37 @@ def _rope_scaling(contents: GGUFContents) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": float(contents.arch_value("rope.scaling.factor", 1.0))}
 
 
-def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> the shape (rows first) the config implies, for every tensor the model reads."""
+def _longrope(contents: GGUFContents) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the per-frequency factors as F32 tensors
+    ``rope_factors_long`` / ``rope_factors_short`` (read here: they are config, not weights), the
+    pretraining context as ``rope.scaling.original_context_length``, the factor it multiplies cos
+    and sin by as ``rope.scaling.attn_factor``."""
+    import numpy as np
+
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for kind in ("long", "short"):
+        name = f"rope_factors_{kind}.weight"
+        entry = contents.tensors.get(name)
+        if entry is None or entry.type_name != "F32" or len(entry.shape) != 1:
+            raise GGUFError(f"{contents.path}: LongRoPE needs tensor {name} as 1-D F32, found {entry}")
+        values = np.fromfile(contents.path, dtype="<f4", count=entry.shape[0], offset=entry.offset)
+        scaling[f"{kind}_factor"] = [float(v) for v in values]
+    original = contents.arch_value("rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFError(
+            f"{contents.path}: metadata key {contents.architecture}.rope.scaling.original_context_length is missing"
+        )
+    scaling["original_max_position_embeddings"] = int(original)
+    attention = contents.arch_value("rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def expected_shapes(config: dict[str, Any], fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> the shape (rows first) the config implies, for every tensor the model
+    reads; ``fused``: the file stores q, k and v rows in one ``attn_qkv`` and gate and up rows in
+    ``ffn_up`` (llama.cpp's ``phi3``)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -146,6 +180,10 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             "ffn_up.weight": (inter, hidden),
             "ffn_down.weight": (hidden, inter),
         }
+        if fused:
+            for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+                del block[name]
+            block.update({"attn_qkv.weight": (q_rows + 2 * kv_rows, hidden), "ffn_up.weight": (2 * inter, hidden)})
         if config["attention_bias"] or family.always_qkv_bias:
             block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if family.qk_norm:
@@ -157,7 +195,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def check_tensor_shapes(contents: GGUFContents, config: dict[str, Any]) -> None:
     """GGUFError naming the first tensor that is missing or whose shape disagrees with the metadata."""
-    for name, shape in expected_shapes(config).items():
+    for name, shape in expected_shapes(config, fused="blk.0.attn_qkv.weight" in contents.tensors).items():
         entry = contents.tensors.get(name)
         if entry is None:
             raise GGUFError(f"{contents.path}: tensor {name} is missing")

@@ -88,7 +88,7 @@ def test_tensor_type_number_outside_the_enum(llama_file: Path, cache: Path) -> N
     _assert_refused(llama_file, cache, "250", "is not a valid GGMLQuantizationType", "newer llama.cpp")
 
 
-@pytest.mark.parametrize("architecture", ["gpt2", "phi3"])
+@pytest.mark.parametrize("architecture", ["gpt2", "phi2"])
 def test_unsupported_architecture(
     tiny_checkpoints: TinyCheckpoints, tmp_path: Path, cache: Path, architecture: str
 ) -> None:
