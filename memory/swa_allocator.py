@@ -34,6 +34,9 @@ class SWATokenToKVPoolAllocator(FreeGroup):
         if full_to_swa.numel() < full_size + 1:
             raise ValueError(f"full_to_swa has {full_to_swa.numel()} entries for {full_size} full slots")
         self.full_to_swa = full_to_swa  # the pool's map, written only here
+        # Every slot starts free, so no pair exists yet: a map left by an earlier allocator over the
+        # same pool (a second scheduler on one model runner) would otherwise pair free slots.
+        self.full_to_swa.zero_()
         self.page_size = 1
         self.size = self.full.size
         self.swa_size = self.swa.size
