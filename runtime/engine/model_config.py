@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ from runtime.checkpoints.families import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "su": the name Phi-3's first long-context configs gave longrope
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 
 
 class UnsupportedModelError(ValueError):
@@ -42,12 +44,18 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
-    rope_type: str  # "default" | "linear" | "llama3"
+    rope_type: str  # "default" | "linear" | "llama3" | "longrope"
     theta: float
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors of the inverse frequencies, one per
+    # rotary pair; the long ones apply to a forward whose sequence outgrows
+    # original_max_position_embeddings (transformers' rule), the short ones otherwise.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # multiplies cos and sin (longrope: sqrt(1 + ln(factor) / ln(original)))
 
 
 @dataclass
@@ -79,7 +87,33 @@ class ModelConfig:
     checkpoint_dtype: str | None = None  # torch_dtype / dtype as saved, informational
     # Per layer: W when the layer attends to its last W tokens only (query included), else None.
     layer_windows: tuple[int | None, ...] = ()
+    # The RoPE of the windowed layers where the config gives them their own (Gemma 3's
+    # ``rope_local_base_freq``); None: every layer uses ``rope``.
+    rope_local: RopeConfig | None = None
+    # Per layer: whether it is of the windowed type (kept when the windows are dropped because no
+    # sequence outgrows them: such a layer still rotates with ``rope_local``).
+    local_layers: tuple[bool, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (Phi-4-mini: 0.75)
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # attention scores soft-capped at this (Gemma 2)
+    final_logit_softcap: float | None = None  # logits soft-capped at this (Gemma 2)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The softmax scale of every attention layer."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_rope(self, layer_id: int) -> RopeConfig:
+        """The RoPE of layer ``layer_id`` (windowed layers may have their own)."""
+        if self.rope_local is not None and self.local_layers[layer_id]:
+            return self.rope_local
+        return self.rope
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -126,7 +160,8 @@ class ModelConfig:
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        act = str(raw.get("hidden_act") or family.activation)
+        # Gemma names the MLP's activation ``hidden_activation`` (its ``hidden_act`` is a leftover)
+        act = str(raw.get("hidden_activation") or raw.get("hidden_act") or family.activation)
         for what, value, supported in (
             ("hidden_act", act, ACTIVATIONS),
             ("norm form", family.norm, NORM_FORMS),
@@ -135,7 +170,7 @@ class ModelConfig:
             if value not in supported:
                 raise UnsupportedModelError(f"unsupported {what} {value!r}; supported: {', '.join(supported)}")
         max_pos = int(raw.get("max_position_embeddings", 2048))
-        rope = _parse_rope(raw, folder)
+        rope, rope_local = _parse_ropes(raw, folder)
 
         context_len = max_pos
         layer_windows = _layer_windows(raw, family, int(raw["num_hidden_layers"]))
@@ -148,6 +183,7 @@ class ModelConfig:
                     f"from max_position_embeddings in config.json)"
                 )
             context_len = context_length
+        local_layers = tuple(w is not None for w in layer_windows)
         if all(w is None or w >= context_len for w in layer_windows):
             layer_windows = (None,) * len(layer_windows)  # no sequence outgrows the window: attention is full
 
@@ -179,8 +215,35 @@ class ModelConfig:
             pad_token_id=raw.get("pad_token_id"),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             layer_windows=layer_windows,
+            rope_local=rope_local,
+            local_layers=local_layers,
+            partial_rotary_factor=float(raw.get("partial_rotary_factor") or 1.0),
+            query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+            attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
             raw=raw,
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _parse_ropes(raw: dict[str, Any], folder: Path) -> tuple[RopeConfig, RopeConfig | None]:
+    """``(rope, rope of the windowed layers or None)``. transformers 5 writes per-layer-type
+    parameters (``rope_parameters: {"full_attention": ..., "sliding_attention": ...}``); older
+    Gemma 3 configs give the windowed layers ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = _parse_rope({**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}, folder)
+        local = params.get("sliding_attention")
+        if not isinstance(local, dict):
+            return full, None
+        return full, _parse_rope({**raw, "rope_parameters": local, "rope_scaling": None}, folder)
+    rope = _parse_rope(raw, folder)
+    if raw.get("rope_local_base_freq") is None:
+        return rope, None
+    return rope, RopeConfig("default", float(raw["rope_local_base_freq"]))
 
 
 def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
@@ -198,6 +261,8 @@ def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig("default", float(theta))
+    if rope_type in ("longrope", "su"):
+        return _parse_longrope(raw, params, float(theta))
     factor = float(params.get("factor", 1.0))
     if rope_type == "linear":
         return RopeConfig("linear", float(theta), factor=factor)
@@ -209,6 +274,34 @@ def _parse_rope(raw: dict[str, Any], folder: Path) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+    )
+
+
+def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """LongRoPE as transformers 5 reads it (``_compute_longrope_parameters``): a top-level
+    ``original_max_position_embeddings`` wins over the scaling dict's (Phi-3 keeps it there); with no
+    ``factor`` the context's growth ``max_position_embeddings / original`` sets the attention factor."""
+    orig = int(
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or raw.get("max_position_embeddings", 2048)
+    )
+    missing = [key for key in ("short_factor", "long_factor") if not isinstance(params.get(key), (list, tuple))]
+    if missing:
+        raise UnsupportedModelError(f"longrope scaling without {' or '.join(missing)}")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(raw.get("max_position_embeddings", orig)) / orig
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return RopeConfig(
+        "longrope",
+        theta,
+        factor=factor,
+        original_max_position_embeddings=orig,
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]),
+        attention_factor=float(attention),
     )
 
 
@@ -226,6 +319,9 @@ def _layer_windows(raw: dict[str, Any], family: Family, num_layers: int) -> tupl
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == num_layers:
         return tuple(window if t == "sliding_attention" else None for t in types)
+    if rule is WindowRule.EVERY_NTH_FULL:
+        every = int(raw.get("sliding_window_pattern") or family.window_pattern)
+        return tuple(None if (i + 1) % every == 0 else window for i in range(num_layers))
     if rule is WindowRule.FROM_MAX_WINDOW_LAYERS:
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))

@@ -10,6 +10,7 @@ leaves them at 1 / 0: otherwise a loader that dropped them would go unnoticed.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -19,9 +20,26 @@ from torch import nn
 
 from runtime.checkpoints.tiny_model import build_checkpoint, train_bpe_tokenizer
 
-CHECKPOINT_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "llama_tied_llama3")
+CHECKPOINT_NAMES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "llama_tied_llama3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "phi3_longrope",
+)
 # Sliding-window checkpoints (sliding-window tests): window of their windowed layers.
 SWA_WINDOWS: dict[str, int] = {"mistral_swa": 16, "qwen2_swa": 24}
+# phi3_longrope's original_max_position_embeddings: its long factors rotate the tokens of a
+# sequence longer than this. The parametrized tests' sequences (prompt and output) stay within
+# it: transformers' generate re-runs a sequence that outgrows it during decoding with the long
+# factors (Phi3ForCausalLM.prepare_inputs_for_generation), which serving does not. Prompts
+# across it, and decoding past it, are tests/unit/runtime/test_phi3.py's.
+PHI3_ORIGINAL_MAX = 96
+GEMMA_WINDOW = 16  # the Gemma checkpoints' windowed layers (prompts of the parity tests cross it)
 TOKENIZER_VOCAB = 384
 MAX_POSITIONS = 512
 SEED = 1234
@@ -47,7 +65,15 @@ def _common(tok: dict[str, int]) -> dict[str, Any]:
 
 def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
     """The transformers config of test checkpoint ``name`` (tokenizer ids from ``tok``)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     c = _common(tok)
     if name == "llama":
@@ -79,6 +105,43 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
         )
     if name == "qwen3":  # per-head q/k RMSNorm, head_dim 32 != hidden / heads
         return Qwen3Config(**c, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+    if name == "gemma2":  # sandwich norms, gelu-tanh, scaled embeddings, both soft-caps, windowed / full layers
+        return Gemma2Config(
+            **c,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,  # small caps: the tiny model's scores and logits reach them
+            final_logit_softcapping=3.0,
+            sliding_window=GEMMA_WINDOW,
+            rope_theta=10000.0,
+        )
+    if name == "gemma3":  # q/k norms, windowed layers with their own RoPE base, a full layer between them
+        return Gemma3TextConfig(
+            **{**c, "num_hidden_layers": 3},
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=GEMMA_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    if name == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint, GQA
+        return Phi3Config(**c, rope_theta=10000.0, tie_word_embeddings=False)
+    if name == "phi3_longrope":  # 3/4 of each head rotated, LongRoPE (short and long factors), tied
+        return Phi3Config(
+            **c,
+            partial_rotary_factor=0.75,  # head_dim 16: 12 rotary dims, 6 pairs
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.0, 1.1, 1.3, 1.6, 2.0],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0],
+            },
+            tie_word_embeddings=True,
+        )
     if name == "llama_tied_llama3":
         return LlamaConfig(
             **c,
@@ -157,7 +220,12 @@ def load_hf_model(path: str | Path) -> Any:
     """The transformers reference model of a checkpoint, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = json.loads((Path(path) / "config.json").read_text())
+    # SDPA has no soft-cap: transformers computes a soft-capped model's attention eagerly
+    eager = config.get("attn_logit_softcapping") is not None
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager" if eager else None
+    )
     return model.eval()
 
 

@@ -2,8 +2,15 @@
 
 cos/sin for every position up to ``max_position`` are computed once in fp32 and cached on
 the device; a forward only gathers the rows of the batch's positions. Scaling variants:
-``linear`` (positions divided by ``factor``) and ``llama3`` (per-frequency smooth
-interpolation between the original and the scaled wavelength).
+``linear`` (positions divided by ``factor``), ``llama3`` (per-frequency smooth
+interpolation between the original and the scaled wavelength) and ``longrope`` (Phi-3.5,
+Phi-4-mini: per-frequency divisors, short or long, and an attention factor in cos and sin).
+
+LongRoPE's two sets of frequencies live in one table of ``2 * max_position`` rows: the short
+rows, then the long ones. A forward's table positions (``table_positions``) point a token at the
+long rows by adding ``max_position`` where transformers would use the long factors, so every
+device's rotary op (which gathers rows at positions, or reads the table at them in a kernel)
+serves both without knowing of them.
 """
 
 from __future__ import annotations
@@ -13,13 +20,21 @@ import math
 import torch
 from torch import nn
 
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.model_config import RopeConfig
 from runtime.engine.ops.torch_ops import rotate_half_
 
 
-def rope_inv_freq(rotary_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[rotary_dim // 2]`` (fp32) after the configured scaling."""
+def rope_inv_freq(rotary_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` (fp32) after the configured scaling (``long``: a
+    longrope's long factors, else its short ones)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope needs {rotary_dim // 2} factors (one per rotary pair), got {len(factors)}")
+        # transformers' operation order: 1 / (factor * theta ** exponent)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -55,11 +70,48 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.max_position = max_position
-        inv_freq = rope_inv_freq(self.rotary_dim, rope)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # Owned here, never written after construction: [max_position, rotary_dim // 2] each.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # longrope: a sequence longer than this rotates its new tokens with the long rows (None:
+        # one set of frequencies, or a context that never outgrows the short ones)
+        self.long_after: int | None = None
+        sets = [rope_inv_freq(self.rotary_dim, rope)]
+        orig = rope.original_max_position_embeddings
+        if rope.rope_type == "longrope" and orig is not None and max_position > orig:
+            self.long_after = orig
+            sets.append(rope_inv_freq(self.rotary_dim, rope, long=True))
+        positions = torch.arange(max_position, dtype=torch.float32)[:, None]
+        freqs = torch.cat([positions * inv_freq[None, :] for inv_freq in sets])
+        cos, sin = freqs.cos(), freqs.sin()
+        if rope.attention_factor != 1.0:  # (as transformers: fp32 cos / sin times the factor)
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+        # Owned here, never written after construction: [max_position (x2: longrope), rotary_dim // 2] each.
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def table_positions(self, batch: ForwardBatch) -> torch.Tensor:
+        """The table rows of ``batch``'s tokens: their positions, moved to the long rows (by
+        ``max_position``) for the tokens transformers rotates with the long factors.
+
+        transformers picks the set per forward: the long one when the forward's last position + 1
+        exceeds ``original_max_position_embeddings``; keys cached by earlier forwards keep theirs.
+        Per request here: an extend's new tokens are long when its sequence after the forward is;
+        a decode or verify token (each one the step of plain decoding that would have run it)
+        when its own position + 1 is. Tensor ops only (no host sync; a CUDA graph replays them).
+
+        So a prompt past the limit, prefilled in one forward (or in chunks whose first is past it),
+        equals transformers' ``generate``; a sequence that outgrows the limit while decoding keeps
+        its short-rotated keys, as transformers' forward over a cache does, where ``generate``
+        drops the cache at that step and re-runs the sequence with the long factors (Phi-3's
+        ``prepare_inputs_for_generation``): matching that needs the scheduler to re-prefill it."""
+        positions = batch.positions
+        if self.long_after is None:
+            return positions
+        if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
+            long = positions >= self.long_after
+        else:
+            long = torch.repeat_interleave(
+                batch.seq_lens > self.long_after, batch.extend_lens, output_size=positions.shape[0]
+            )
+        return positions + long.to(positions.dtype) * self.max_position
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[T, 1, rotary_dim // 2]`` in ``dtype`` (the activations' dtype, as in HF)."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.forward_batch import ForwardBatch
-from runtime.engine.layers.choices import NORM_LAYERS, ROPE_ROTATIONS
+from runtime.engine.layers.choices import ROPE_ROTATIONS, norm_layer
 from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.engine.layers.mlp import GatedMLP
@@ -39,11 +39,6 @@ _STACKED: dict[str, tuple[str, object]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-def _norm(config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps) -> RMSNorm:
-    """A norm layer of the family's form over ``size`` features."""
-    return NORM_LAYERS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
 
 
 class LlamaAttention(nn.Module):
@@ -83,16 +78,17 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = _norm(config, config.head_dim, dtype, ops)
-            self.k_norm = _norm(config, config.head_dim, dtype, ops)
+            self.q_norm = norm_layer(config, config.head_dim, dtype, ops)
+            self.k_norm = norm_layer(config, config.head_dim, dtype, ops)
         self._rotate = ROPE_ROTATIONS[config.rope_style]
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=config.head_dim,
-            scaling=config.head_dim**-0.5,
+            scaling=config.attention_scaling,
             sliding_window=config.layer_windows[layer_id] if config.layer_windows else None,
+            logit_softcap=config.attn_logit_softcap,
         )
 
     def forward(
@@ -127,8 +123,8 @@ class LlamaDecoderLayer(nn.Module):
             dtype=dtype,
             ops=ops,
         )
-        self.input_layernorm = _norm(config, config.hidden_size, dtype, ops)
-        self.post_attention_layernorm = _norm(config, config.hidden_size, dtype, ops)
+        self.input_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+        self.post_attention_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
         self.norm_form, self.rope_style = config.norm, config.rope_style
 
     def forward(
@@ -180,17 +176,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # the decoder layer a subclass's family stacks (Gemma: the sandwich-norm layer)
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
         super().__init__()
         self.ops = ops
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
         )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope)  # shared by every layer
+        # shared by every layer; rotates the first rotary_dim dims of each head
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope, config.rotary_dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp_rank, tp_size, dtype, ops) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i, tp_rank, tp_size, dtype, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = _norm(config, config.hidden_size, dtype, ops)
+        self.norm = norm_layer(config, config.hidden_size, dtype, ops)
 
     def forward(
         self,
@@ -203,10 +203,15 @@ class LlamaModel(nn.Module):
 
         ``layer_stack``: the device's way of running the decoder layers, chosen by the model
         runner (``DeviceOps.layer_stack``); None: ``run_layers``, one by one."""
-        hidden = self.embed_tokens(batch.input_ids)  # a fresh tensor: becomes the residual buffer
-        rope = self.ops.rope(self.rotary_emb, batch.positions, hidden.dtype)  # once, not per layer
+        hidden = self.embed(batch.input_ids)  # a fresh tensor: becomes the residual buffer
+        # once, not per layer; at the table's rows (a longrope's long rows for some tokens)
+        rope = self.ops.rope(self.rotary_emb, self.rotary_emb.table_positions(batch), hidden.dtype)
         hidden, residual = (layer_stack or self.run_layers)(rope, hidden, batch, backend)
         return self.norm(hidden.index_select(0, sample_rows) + residual.index_select(0, sample_rows))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (a family may scale them)."""
+        return self.embed_tokens(input_ids)
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
@@ -226,6 +231,8 @@ class LlamaForCausalLM(CausalLM):
     current default device and ``dtype``).
     """
 
+    model_class: type[LlamaModel] = LlamaModel  # the decoder stack (a family's subclass may replace it)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -239,7 +246,7 @@ class LlamaForCausalLM(CausalLM):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         ops = ops or default_ops(dtype)
-        self.model = LlamaModel(config, tp_rank, tp_size, dtype, ops)
+        self.model = self.model_class(config, tp_rank, tp_size, dtype, ops)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
         )

@@ -18,6 +18,9 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "runtime.engine.models.llama:LlamaForCausalLM",
     "qwen2": "runtime.engine.models.llama:LlamaForCausalLM",
     "qwen3": "runtime.engine.models.llama:LlamaForCausalLM",
+    "phi3": "runtime.engine.models.phi3:Phi3ForCausalLM",
+    "gemma2": "runtime.engine.models.gemma2:Gemma2ForCausalLM",
+    "gemma3": "runtime.engine.models.gemma3:Gemma3ForCausalLM",
 }
 
 
