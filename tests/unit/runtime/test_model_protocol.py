@@ -37,8 +37,8 @@ def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoi
 
 
 def test_an_unknown_family_is_refused_by_the_registry(tiny_checkpoints) -> None:
-    config = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints.path("llama")), family="gemma3")
-    with pytest.raises(UnsupportedModelError, match="gemma3"):
+    config = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints.path("llama")), family="olmoe")
+    with pytest.raises(UnsupportedModelError, match="olmoe"):
         get_model_class(config)
 
 
@@ -71,15 +71,18 @@ def test_the_table_names_each_architecture_once_and_finds_converted_mistral() ->
     assert len(architectures) == len(set(architectures)) == len(BY_ARCHITECTURE)
     assert family_of_gguf("llama", "Mistral-7B-Instruct-v0.3") is BY_NAME["mistral"]
     assert family_of_gguf("llama", "SmolLM2 135M Instruct") is BY_NAME["llama"]
-    assert family_of_gguf("gemma3", "gemma-3-270m") is None
+    assert family_of_gguf("gemma3", "gemma-3-270m") is BY_NAME["gemma3"]
+    assert family_of_gguf("gpt2", "gpt2") is None
 
 
-@pytest.mark.parametrize(("key", "value", "what"), [("hidden_act", "gelu_pytorch_tanh", "hidden_act")])
+@pytest.mark.parametrize(("key", "value", "what"), [("hidden_act", "relu", "hidden_act")])
 def test_a_layer_choice_the_layers_lack_is_refused_before_any_weight(
     key: str, value: str, what: str, tiny_checkpoints
 ) -> None:
     raw = json.loads((tiny_checkpoints.path("llama") / "config.json").read_text())
-    with pytest.raises(UnsupportedModelError, match=f"unsupported {what} '{value}'; supported: silu, swish"):
+    with pytest.raises(
+        UnsupportedModelError, match=f"unsupported {what} '{value}'; supported: silu, swish, gelu_pytorch_tanh"
+    ):
         ModelConfig.from_dict({**raw, key: value}, tiny_checkpoints.path("llama"))
 
 
@@ -173,6 +176,9 @@ EXPECTED = {
     "mistral": ("llama", True, False, False, "every_layer"),
     "qwen2": ("qwen2", False, True, False, "from_max_window_layers"),
     "qwen3": ("qwen3", False, False, True, "from_max_window_layers"),
+    "phi3": ("phi3", False, False, False, "every_layer"),  # (Phi-3-mini-4k's sliding_window 2047)
+    "gemma2": ("gemma2", False, False, False, "every_nth_full"),  # (windowed, full, windowed, ...)
+    "gemma3": ("gemma3", False, False, True, "every_nth_full"),  # (five windowed to one full)
 }
 
 
