@@ -127,6 +127,11 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
         )
+    # what transformers' GGUF loader rebuilds from the file (its config classes' defaults); not parametrized
+    if name == "gemma2_gguf":
+        return Gemma2Config(**c, head_dim=256, sliding_window=GEMMA_WINDOW, rope_theta=10000.0)
+    if name == "gemma3_gguf":  # likewise: five windowed layers to one full (the default pattern)
+        return Gemma3TextConfig(**{**c, "num_hidden_layers": 6}, head_dim=256, sliding_window=GEMMA_WINDOW)
     if name == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint, GQA
         return Phi3Config(**c, rope_theta=10000.0, tie_word_embeddings=False)
     if name == "phi3_longrope":  # 3/4 of each head rotated, LongRoPE (short and long factors), tied
@@ -157,7 +162,7 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
         )
     raise ValueError(
         f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, llama_hd64, "
-        f"{', '.join(SWA_WINDOWS)}"
+        f"gemma2_gguf, gemma3_gguf, {', '.join(SWA_WINDOWS)}"
     )
 
 

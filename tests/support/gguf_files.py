@@ -4,8 +4,11 @@
 a GGUF file the way llama.cpp's converter lays one out: per-architecture metadata keys,
 tensor names from gguf's ``TensorNameMap``, Q/K rows interleaved for the ``llama``
 architecture (llama.cpp's RoPE rotates adjacent pairs), no ``output.weight`` when the
-embeddings are tied, and the byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata that
-transformers can convert back. ``write_tensors_gguf`` writes bare tensors of any supported
+embeddings are tied, Gemma's norm weights stored plus the family's ``gguf_norm_offset`` with its
+head size, window and float keys (``gguf_float_keys``, checked against gguf-py's ``Keys``), and
+the byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata that transformers can convert back.
+The family is the family table's entry for the config's ``architectures`` (Gemma 3's
+``model_type``, ``gemma3_text``, is no family's name). ``write_tensors_gguf`` writes bare tensors of any supported
 GGML type (for the dequantization tests, whose K-quant shapes the tiny models are too
 narrow for). Broken files: ``write_checkpoint_gguf``'s options give an unsupported
 architecture, a tensor of the wrong shape or a missing one; ``truncate`` and
@@ -26,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from runtime.checkpoints.families import BY_NAME, gguf_architecture_of
+from runtime.checkpoints.families import BY_ARCHITECTURE, WindowRule, gguf_architecture_of
 from runtime.checkpoints.gguf.config import needs_qk_unpermute
 
 # Byte offsets of the fp16 scale fields inside one block of each K-quant type (gguf-py's layouts).
@@ -189,12 +192,14 @@ def write_checkpoint_gguf(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src)
-    arch = gguf_architecture_of(BY_NAME[config.model_type])  # the family table's (Mistral: llama)
+    # by architecture: Gemma 3's model_type (gemma3_text) is no family's name
+    family = BY_ARCHITECTURE[config.architectures[0]]
+    arch = gguf_architecture_of(family)  # the family table's (Mistral: llama)
     written_arch = architecture or arch
     tied = tie or bool(config.tie_word_embeddings)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope, swa_rope = _rope_parameters(config)
 
     writer = gguf.GGUFWriter(out, written_arch)
     writer.add_name(model_name if model_name is not None else config.model_type)
@@ -218,9 +223,20 @@ def write_checkpoint_gguf(
         scale = config.max_position_embeddings / original
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-    if BY_NAME[config.model_type].qk_norm:  # (the converter states Qwen3's explicit head_dim)
+    float_keys = {key: config_key for key, config_key, _ in family.gguf_float_keys}
+    written_keys: set[str] = set()
+    # the converter states Qwen3's explicit head_dim, and Gemma's (whose query scale llama.cpp reads from it)
+    if family.qk_norm or "attention.key_length" in float_keys:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+        written_keys.add("attention.key_length")
+    if family.window_rule is WindowRule.EVERY_NTH_FULL and getattr(config, "sliding_window", None):
+        # llama.cpp's Gemma converters write the window only: the pattern is hard-coded per architecture
+        writer.add_sliding_window(int(config.sliding_window))
+    for key, config_key in float_keys.items():
+        value = _config_float(config, config_key, swa_rope)
+        if key not in written_keys and value is not None:
+            writer.add_float32(_gguf_key(arch, key).format(arch=written_arch), value)
     if arch == "llama":  # llama.cpp's llama converter writes it; for Qwen the token count says it
         writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -245,6 +261,8 @@ def write_checkpoint_gguf(
             values = tensor_hook(name, values)
             if values is None:
                 continue
+        if family.gguf_norm_offset and name.endswith("norm.weight"):  # (Gemma: stored as 1 + w)
+            values = values + np.float32(family.gguf_norm_offset)
         if needs_qk_unpermute(arch) and (".attn_q." in name or ".attn_k." in name):
             values = llama_permute(values, heads if ".attn_q." in name else kv_heads)
         type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
@@ -255,6 +273,43 @@ def write_checkpoint_gguf(
             writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     _finish(writer)
     return out
+
+
+def _rope_parameters(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(rope of the full-attention layers, rope of the windowed ones)`` from transformers'
+    ``rope_parameters``, flat or per layer type (Gemma 3: the file's rope.* keys are the full
+    layers'; llama.cpp gives the windowed ones their own base)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    return params, {}
+
+
+def _config_float(config: Any, config_key: str, swa_rope: Mapping[str, Any]) -> float | None:
+    """The value of a family's GGUF float key in ``config``; None where the config has none
+    (transformers 5 keeps Gemma 3's ``rope_local_base_freq`` as the windowed layers' rope_theta)."""
+    value = getattr(config, config_key, None)
+    if value is None and config_key == "rope_local_base_freq":
+        value = swa_rope.get("rope_theta")
+    return None if value is None else float(value)
+
+
+def _gguf_key(arch: str, key: str) -> str:
+    """``{arch}.key`` checked against gguf-py's ``Keys``: a family-table key llama.cpp does not
+    know would make files no converter writes."""
+    import gguf
+
+    known = {
+        value
+        for group in vars(gguf.Keys).values()
+        if isinstance(group, type)
+        for value in vars(group).values()
+        if isinstance(value, str)
+    }
+    name = "{arch}." + key
+    if name not in known:
+        raise ValueError(f"{name} is not a GGUF metadata key gguf-py knows (family of {arch})")
+    return name
 
 
 def _add_tokenizer(writer: Any, src: Path, config: Any) -> None:

@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.checkpoints.families import BY_ARCHITECTURE, BY_NAME, FAMILIES, family_of_gguf, gguf_architecture_of
+from runtime.checkpoints.families import (
+    BY_ARCHITECTURE,
+    BY_NAME,
+    FAMILIES,
+    WindowRule,
+    family_of_gguf,
+    gguf_architecture_of,
+)
 from runtime.checkpoints.gguf.config import hf_config
 from runtime.checkpoints.gguf.reader import read_gguf
 from runtime.engine.cpu.decode_layers import CpuLayerStack
@@ -26,7 +33,7 @@ from runtime.engine.ops import DecoderLayerWeights, RopeInputs
 from tests.support import REPO_ROOT
 from tests.support.gguf_files import write_checkpoint_gguf
 
-FAMILY_CHECKPOINTS = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_CHECKPOINTS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoints) -> None:
@@ -51,14 +58,24 @@ def test_the_registry_imports_a_family_module_only_when_one_is_built() -> None:
 @pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
 def test_the_hf_parser_and_the_gguf_builder_read_a_family_alike(name: str, tiny_checkpoints, tmp_path: Path) -> None:
     """The same checkpoint as config.json and as the GGUF file llama.cpp's converter writes: both
-    readings come from the family's one entry (architecture, biases, q/k norm, windows, choices)."""
+    readings come from the family's one entry (architecture, biases, q/k norm, windows, choices).
+
+    llama.cpp writes a Gemma's window but not which layers use it (it hard-codes every 2nd / 6th
+    layer full): the GGUF reading's windows are the HF reading's of the config without its
+    ``layer_types`` (the tiny gemma3 checkpoint's windowed, full, windowed is not that pattern)."""
     src = tiny_checkpoints.path(name)
-    from_hf = ModelConfig.from_pretrained(src)
+    raw = json.loads((src / "config.json").read_text())
+    from_hf = ModelConfig.from_dict(raw, src)
     family = BY_NAME[from_hf.family]
     contents = read_gguf(write_checkpoint_gguf(src, tmp_path / f"{name}.gguf"))
     assert contents.architecture == gguf_architecture_of(family)
     from_gguf = ModelConfig.from_dict(hf_config(contents), tmp_path)
     for field in ("family", "architecture", "qkv_bias", "qk_norm", "hidden_act", "norm", "rope_style", "layer_windows"):
+        if field == "layer_windows" and family.window_rule is WindowRule.EVERY_NTH_FULL:
+            without_types = {k: v for k, v in raw.items() if k not in ("layer_types", "sliding_window_pattern")}
+            assert from_gguf.layer_windows == ModelConfig.from_dict(without_types, src).layer_windows
+            assert set(from_gguf.layer_windows) - {None} == set(from_hf.layer_windows) - {None}  # the one window
+            continue
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     assert from_hf.qk_norm == family.qk_norm
     assert from_hf.qkv_bias == (
