@@ -180,8 +180,9 @@ def write_checkpoint_gguf(
     1-D tensors (norms, biases) stay F32 as llama.cpp keeps them. ``architecture`` overrides
     general.architecture (and the key prefix), ``model_name`` general.name (default: the HF
     model_type, so a Mistral checkpoint is named "mistral"). ``tie`` drops ``output.weight``
-    (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys (transformers'
-    GGUF loader ignores them, so a file compared with it must not need them).
+    (a tied checkpoint). ``rope_scaling=False`` leaves out the rope.scaling keys and the
+    ``rope_freqs`` tensor of a llama3 scaling (transformers' GGUF loader ignores them, so a file
+    compared with it must not need them).
     ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's values before it is
     permuted and encoded, or drop it by returning None. ``extra(writer)`` may add metadata
     keys or tensors of its own (the GGUFWriter, before any tensor is written).
@@ -268,11 +269,41 @@ def write_checkpoint_gguf(
         type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
         array, raw_dtype = encode(values, type_name, rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    if rope_scaling and rope.get("rope_type") == "llama3":  # as llama.cpp's llama converter: a divisors tensor
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     if longrope:
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     _finish(writer)
     return out
+
+
+def llama_cpp_rope_freqs(rope: Mapping[str, Any], dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter computes for a ``llama3`` scaling
+    (``LlamaModel.generate_extra_tensors``), step by step as it does (torch fp32): each rotary
+    frequency's divisor. Written independently of the product's ``llama3_divisors``, which
+    must agree with it."""
+    import torch
+
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors: list[float] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(float(factor))
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
 
 
 def _rope_parameters(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:

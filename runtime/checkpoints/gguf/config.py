@@ -8,7 +8,8 @@ table's (``runtime.checkpoints.families``). Mistral checkpoints are usually conv
 ``llama`` (told apart by ``general.name``, as transformers does); llama.cpp's llama converter
 interleaves the rows of each Q and K head for its RoPE, which the weight reader undoes
 (``needs_qk_unpermute``), and stores Gemma's norm weights plus one, which it subtracts again
-(``Family.gguf_norm_offset``). Tied embeddings: no ``output.weight`` tensor.
+(``Family.gguf_norm_offset``). Tied embeddings: no ``output.weight`` tensor. RoPE scaling that
+llama.cpp stores as tensors (LongRoPE's factors, Llama 3.1's ``rope_freqs``) is read here too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from runtime.checkpoints.families import (
     family_of_gguf,
 )
 from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError
+from runtime.checkpoints.gguf.rope_freqs import TENSOR as ROPE_FREQS
+from runtime.checkpoints.gguf.rope_freqs import rope_freqs_scaling
 
 
 def needs_qk_unpermute(architecture: str) -> bool:
@@ -78,12 +81,13 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
         value = contents.arch_value(key, default)
         if value is not None:
             config[config_key] = float(value)
-    rope_scaling = _rope_scaling(contents)
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
     rotary = contents.arch_value("rope.dimension_count")
     if rotary is not None and int(rotary) < head_dim:  # partial rotary (Phi-4-mini: 3/4 of each head)
         config["partial_rotary_factor"] = int(rotary) / head_dim
+    rotary_dim = int(rotary) if rotary is not None and int(rotary) < head_dim else head_dim
+    rope_scaling = _rope_scaling(contents, rotary_dim, config["rope_theta"], config["max_position_embeddings"])
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
     window = contents.arch_value("attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
@@ -108,15 +112,15 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     return config
 
 
-def _rope_scaling(contents: GGUFContents) -> dict[str, Any] | None:
+def _rope_scaling(contents: GGUFContents, rotary_dim: int, base: float, context: int) -> dict[str, Any] | None:
+    """The config's ``rope_scaling``: from LongRoPE's factor tensors (Phi-3), llama.cpp's
+    ``rope_freqs`` divisors (Llama 3.1-style scaling, ``runtime.checkpoints.gguf.rope_freqs``) or
+    the ``rope.scaling.*`` keys; None: no scaling."""
     kind = contents.arch_value("rope.scaling.type")
     if "rope_factors_long.weight" in contents.tensors:
         return _longrope(contents)
-    if "rope_freqs.weight" in contents.tensors:
-        raise GGUFError(
-            f"{contents.path}: per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1-style "
-            f"scaling) are not supported for GGUF files yet; load the safetensors checkpoint instead"
-        )
+    if ROPE_FREQS in contents.tensors:
+        return rope_freqs_scaling(contents, rotary_dim, base, context)
     if kind in (None, "none"):
         return None
     if kind != "linear":

@@ -49,7 +49,8 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+# llama_tied_llama3: its llama3 RoPE scaling recovered from the file's rope_freqs tensor
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama_tied_llama3"])
 def test_config_from_metadata_equals_source_config(
     tiny_checkpoints: TinyCheckpoints, tmp_path: Path, name: str
 ) -> None:
@@ -157,15 +158,21 @@ def test_rope_scaling_we_cannot_apply_is_refused(tiny_checkpoints: TinyCheckpoin
     path = write_checkpoint_gguf(src, tmp_path / "yarn.gguf", tokenizer=False, extra=yarn)
     with pytest.raises(GGUFError, match="unsupported RoPE scaling 'yarn'"):
         hf_config(read_gguf(path))
-    # Llama 3.1-style scaling: llama.cpp writes the per-frequency factors as a tensor
-    freqs = write_checkpoint_gguf(
-        src,
-        tmp_path / "freqs.gguf",
-        tokenizer=False,
-        extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)),
-    )
-    with pytest.raises(GGUFError, match="rope_freqs.weight"):
-        hf_config(read_gguf(freqs))
+    # llama.cpp's per-frequency divisors (Llama 3.1-style scaling) must be one F32 per rotary
+    # frequency (head_dim 16: 8), each a positive number
+    for name, values in (
+        ("short", np.ones(5, np.float32)),
+        ("f16", np.ones(8, np.float16)),
+        ("zero", np.zeros(8, np.float32)),
+    ):
+        freqs = write_checkpoint_gguf(
+            src,
+            tmp_path / f"freqs-{name}.gguf",
+            tokenizer=False,
+            extra=lambda w, v=values: w.add_tensor("rope_freqs.weight", v),
+        )
+        with pytest.raises(GGUFError, match="rope_freqs.weight"):
+            hf_config(read_gguf(freqs))
 
 
 def test_vocab_size_without_the_key(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
