@@ -64,6 +64,10 @@ class Family:
     # Float metadata read into the config: (key under the architecture, config key, value when the
     # file has none; None: leave the key out). llama.cpp's own defaults where it hard-codes them.
     gguf_float_keys: tuple[tuple[str, str, float | None], ...] = ()
+    # A multimodal checkpoint's config nests the text model's under ``text_config``, keeping only
+    # what differs from the text config class's defaults; these are those defaults (what
+    # transformers fills in from its class), under the keys ``model_config`` reads.
+    text_config_defaults: tuple[tuple[str, object], ...] = ()
     # Layer choices, read by the layers (``runtime.engine.layers``), never compared by name elsewhere:
     activation: str = "silu"  # the gated MLP's activation (config ``hidden_act`` when it names one)
     norm: str = "rms"  # the norm form: ``rms`` is x / rms(x) * weight
@@ -106,7 +110,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "gemma3",
-        ("Gemma3ForCausalLM",),
+        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),  # (the second: its text model only)
         ("gemma3",),
         qk_norm=True,
         window_rule=WindowRule.EVERY_NTH_FULL,
@@ -114,6 +118,26 @@ FAMILIES: tuple[Family, ...] = (
         gguf_norm_offset=1.0,
         gguf_block_norms=_GEMMA_BLOCK_NORMS,
         gguf_float_keys=(_GEMMA_QUERY_SCALE, ("rope.freq_base_swa", "rope_local_base_freq", 10000.0)),
+        text_config_defaults=(  # transformers' Gemma3TextConfig
+            ("vocab_size", 262208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+            ("hidden_activation", "gelu_pytorch_tanh"),
+            ("max_position_embeddings", 131072),
+            ("rms_norm_eps", 1e-6),
+            ("rope_theta", 1000000.0),
+            ("rope_local_base_freq", 10000.0),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 4096),
+            ("tie_word_embeddings", True),
+            ("pad_token_id", 0),
+            ("eos_token_id", 1),
+            ("bos_token_id", 2),
+        ),
         activation="gelu_pytorch_tanh",
         norm="rms_unit_offset",
     ),

@@ -152,6 +152,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = BY_ARCHITECTURE[arch]
+        if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: its text model is served
+            raw = _text_config(raw, family)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -223,6 +225,14 @@ class ModelConfig:
             final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
             raw=raw,
         )
+
+
+def _text_config(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (Gemma 3 4B and up): the family's text
+    config defaults, then the nested ``text_config``, then the top level's token ids and dtype
+    (where such checkpoints keep their end-of-turn ids)."""
+    top = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype")
+    return {**dict(family.text_config_defaults), **raw["text_config"], **{k: raw[k] for k in top if k in raw}}
 
 
 def _optional_float(value: Any) -> float | None:

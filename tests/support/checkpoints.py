@@ -39,6 +39,8 @@ SWA_WINDOWS: dict[str, int] = {"mistral_swa": 16, "qwen2_swa": 24}
 # factors (Phi3ForCausalLM.prepare_inputs_for_generation), which serving does not. Prompts
 # across it, and decoding past it, are tests/unit/runtime/test_phi3.py's.
 PHI3_ORIGINAL_MAX = 96
+# the multimodal checkpoint's image placeholder, begin- and end-of-image ids: text prompts stay below
+GEMMA_IMAGE_TOKENS = (380, 381, 382)
 GEMMA_WINDOW = 16  # the Gemma checkpoints' windowed layers (prompts of the parity tests cross it)
 TOKENIZER_VOCAB = 384
 MAX_POSITIONS = 512
@@ -126,6 +128,23 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
+        )
+    if name == "gemma3_multimodal":  # the tiny gemma3 inside a Gemma3ForConditionalGeneration; not parametrized
+        from transformers import Gemma3Config, SiglipVisionConfig
+
+        vision = SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        )
+        return Gemma3Config(
+            text_config=checkpoint_config("gemma3", tok),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            **dict(zip(("image_token_index", "boi_token_index", "eoi_token_index"), GEMMA_IMAGE_TOKENS)),
         )
     # what transformers' GGUF loader rebuilds from the file (its config classes' defaults); not parametrized
     if name == "gemma2_gguf":

@@ -71,6 +71,11 @@ class CausalLM(nn.Module, abc.ABC):
         model's layers are not of that form."""
         return None
 
+    def checkpoint_name(self, name: str) -> str:
+        """The target name of checkpoint tensor ``name`` (a family whose checkpoints nest the model
+        under a prefix, a multimodal one's text model, maps it here); the default: itself."""
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
         """Load ``(name, tensor)`` pairs; returns the target names that were loaded.
 
@@ -80,6 +85,7 @@ class CausalLM(nn.Module, abc.ABC):
         targets = self.checkpoint_targets()
         loaded: set[str] = set()
         for name, weight in weights:
+            name = self.checkpoint_name(name)
             target = targets.get(name)
             if target is None:
                 logger.debug("checkpoint tensor %s is not used by this model", name)

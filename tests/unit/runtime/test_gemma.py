@@ -22,7 +22,14 @@ from runtime.engine.model_runner import ModelRunner
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
-from tests.support.checkpoints import GEMMA_WINDOW, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
+from tests.support.checkpoints import (
+    GEMMA_IMAGE_TOKENS,
+    GEMMA_WINDOW,
+    TinyCheckpoints,
+    hf_greedy,
+    load_hf_model,
+    random_prompt,
+)
 from tests.support.harness import Harness
 from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
 from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
@@ -90,6 +97,51 @@ def test_gemma2_config_alternates_and_caps(tiny_checkpoints: TinyCheckpoints) ->
     assert (config.attn_logit_softcap, config.final_logit_softcap) == (2.0, 3.0)
     assert config.attention_scaling == 24**-0.5 and config.rope_local is None
     assert config.local_layers == (True, False)
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tiny_checkpoints: TinyCheckpoints) -> None:
+    """``Gemma3ForConditionalGeneration``: its nested text config and prefixed text-model weights
+    (the vision tower is not read) give transformers' greedy tokens on text prompts."""
+    path = tiny_checkpoints.path("gemma3_multimodal")
+    runner = _runner(path)
+    assert runner.model_config.layer_windows == (GEMMA_WINDOW, None, GEMMA_WINDOW)
+    hf = load_hf_model(path)
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration"
+    prompts = [random_prompt(n, GEMMA_IMAGE_TOKENS[0], seed=40 + n) for n in (6, 2 * GEMMA_WINDOW + 1)]
+    got = [r.output_ids for r in Harness(runner).generate(prompts, NEW_TOKENS)]
+    assert got == [hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
+
+
+def test_a_released_multimodal_config_fills_what_its_text_config_leaves_out(tmp_path: Path) -> None:
+    """Gemma 3 4B's config.json keeps in ``text_config`` only what differs from transformers'
+    Gemma3TextConfig; the rest (heads, head_dim, query scale, RoPE bases) are the class defaults."""
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    config = ModelConfig.from_dict(raw, tmp_path)
+    assert (config.family, config.architecture, config.hidden_size, config.num_hidden_layers) == (
+        "gemma3",
+        "Gemma3ForConditionalGeneration",
+        2560,
+        34,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert config.attention_scaling == 256**-0.5 and config.vocab_size == 262208 and config.tie_word_embeddings
+    assert (config.rope.rope_type, config.rope.factor, config.rope.theta) == ("linear", 8.0, 1000000.0)
+    assert config.rope_local is not None and config.rope_local.theta == 10000.0
+    assert config.layer_windows[:6] == (1024,) * 5 + (None,)
+    assert config.eos_token_ids == [1, 106]
 
 
 # ---- through the scheduler --------------------------------------------------------------
