@@ -234,11 +234,13 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
     assert outputs["triton"][1] == outputs["triton"][3]  # chunked prefill changes nothing
 
 
-@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
+@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa", "gemma2", "gemma3", "phi3_longrope"])
 def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name: str) -> None:
     """Windowed layers through the Triton plans (decode: the last W keys; extend: the last W - 1
     cached keys and the kernel's window mask), whole and chunked (29 > W), equal torch_native's
-    tokens (which tests/unit/scheduler_proc/test_sliding_window.py checks against transformers)."""
+    tokens (which tests/unit/scheduler_proc/test_sliding_window.py and the parity suites check
+    against transformers). Gemma 2 adds the kernels' logit soft-cap and alternating windowed and
+    full layers, Gemma 3 windowed layers with their own RoPE base, Phi-3 partial rotary."""
     path = tiny_checkpoints.path(name)
     prompts = [random_prompt(50, 384, seed=1), random_prompt(23, 384, seed=2)]
     outputs = {}
@@ -261,12 +263,13 @@ def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name:
     assert outputs["triton"][0] == outputs["triton"][2]
 
 
-def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints) -> None:
+@pytest.mark.parametrize("name", ["qwen2_swa", "gemma3"])
+def test_hybrid_swa_pool_scheduler_matches_torch_native(tiny_checkpoints, name: str) -> None:
     """The Triton plans read windowed layers through the SWA pool's slots (translate_swa) while
     the scheduler frees what left the window and tombstones tree nodes: same tokens as torch_native."""
     from tests.support.stub_scheduler import generate_greedy
 
-    path = tiny_checkpoints.path("qwen2_swa")
+    path = tiny_checkpoints.path(name)
     prompts = [random_prompt(34, 384, seed=5), random_prompt(28, 384, seed=6)]
     outputs = {}
     for backend in ("torch_native", "triton"):
