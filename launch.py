@@ -51,6 +51,7 @@ from runtime.checkpoints.hub import HubError
 from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
+from runtime.engine.model_config import ModelConfig, UnsupportedModelError
 from runtime.protocol.child_process import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")
@@ -303,6 +304,12 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     )
 
 
+def check_model(server_args: ServerArgs) -> None:
+    """UnsupportedModelError (naming the supported architectures) for a checkpoint no family
+    serves, before any child starts: reading its config needs no torch."""
+    ModelConfig.from_pretrained(server_args.model_path)
+
+
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
     """Put the serving device's environment defaults (``ServingPlatform.process_env``: the CPU's
     OpenMP wait) into this process's environment, which every child inherits; the libraries read
@@ -340,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(server_args.log_level, "launch")
     try:
         server_args = resolve_paths(server_args)
-    except (HubError, GGUFError, ModelSourceError, OSError) as exc:  # OSError: a file it cannot read or write
+        check_model(server_args)
+    except (HubError, GGUFError, ModelSourceError, UnsupportedModelError, OSError) as exc:  # OSError: unreadable
         logger.error("%s", exc)
         return 1
     applied = apply_platform_env(server_args)

@@ -302,3 +302,20 @@ def test_bad_flags_exit_2_with_a_message(argv: list[str], message: str) -> None:
     assert out.returncode == 2
     assert message in out.stderr
     assert "ready:" not in out.stdout
+
+
+def test_an_unsupported_architecture_is_refused_before_any_child(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """A checkpoint no family serves: launch.py names the supported architectures and exits 1
+    without starting a process (``--log-level debug`` would log each child it starts)."""
+    import json
+
+    from runtime.checkpoints.families import SUPPORTED_ARCHITECTURES
+
+    folder = Path(shutil.copytree(tiny_llama_path, tmp_path / "gpt2"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    out = run_launch("--model-path", str(folder), "--port", "0", "--log-level", "debug")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "unsupported architecture GPT2LMHeadModel" in out.stderr
+    assert f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}" in out.stderr
+    assert "started " not in out.stderr and "ready:" not in out.stdout
