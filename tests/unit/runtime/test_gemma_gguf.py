@@ -27,6 +27,7 @@ from runtime.engine.ops.base import LinearWeightLayer
 from runtime.engine.quant.weight import QuantizedWeight
 from tests.support.checkpoints import GEMMA_WINDOW, TinyCheckpoints, hf_greedy, random_prompt
 from tests.support.gguf_files import gguf_test_folder, reference_tensor, write_checkpoint_gguf
+from tests.support.gguf_models import gguf_runner, transformers_gguf
 
 NEW_TOKENS = 10
 PROMPT_LENS = (5, 2 * GEMMA_WINDOW + 1)  # the longer one crosses the window before decoding starts
@@ -53,28 +54,6 @@ def _file(tiny_checkpoints: TinyCheckpoints, files: Path, family: str, weight_ty
     return path
 
 
-def _runner(path: Path, **kwargs: Any) -> ModelRunner:
-    return ModelRunner(
-        path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch_native",
-        max_total_tokens=1024,
-        load_progress=False,
-        **kwargs,
-    )
-
-
-def _transformers_gguf(path: Path) -> Any:
-    """transformers' GGUF loading of ``path`` (eager attention: SDPA has no soft-cap)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
-
-
 def _assert_same_generation(runner: ModelRunner, reference: Any, atol: float = LOGPROB_ATOL) -> None:
     from tests.support.harness import Harness
 
@@ -92,7 +71,7 @@ def test_greedy_equals_transformers_gguf_loading(
     tiny_checkpoints: TinyCheckpoints, files: Path, family: str, weight_type: str
 ) -> None:
     path = _file(tiny_checkpoints, files, family, weight_type)
-    runner = _runner(path)
+    runner = gguf_runner(path)
     ours, source = runner.model_config, ModelConfig.from_pretrained(tiny_checkpoints.path(CHECKPOINTS[family]))
     assert ours.family == family and ours.tie_word_embeddings
     # what the file says and the family's defaults add up to the source checkpoint's reading
@@ -103,7 +82,7 @@ def test_greedy_equals_transformers_gguf_loading(
         source.final_logit_softcap,
     )
     assert None in ours.layer_windows and GEMMA_WINDOW in ours.layer_windows
-    _assert_same_generation(runner, _transformers_gguf(path))
+    _assert_same_generation(runner, transformers_gguf(path, eager=True))
 
 
 @pytest.mark.parametrize("family", sorted(CHECKPOINTS))
@@ -114,7 +93,7 @@ def test_kept_q8_0_blocks_generate_what_transformers_does(
     whose values are the dense load's, and the model still generates transformers' tokens (its
     log-probabilities within the kernels' activation rounding)."""
     path = _file(tiny_checkpoints, files, family, "Q8_0")
-    dense, kept = _runner(path), _runner(path, quantization="gguf")
+    dense, kept = gguf_runner(path), gguf_runner(path, quantization="gguf")
     dense_weights = {
         name: module.weight
         for name, module in dense.model.named_modules()
@@ -125,7 +104,7 @@ def test_kept_q8_0_blocks_generate_what_transformers_does(
             weight = module.weight
             assert isinstance(weight, QuantizedWeight) and weight.source == "Q8_0", name
             assert torch.equal(weight.dequantize(), dense_weights[name]), name
-    _assert_same_generation(kept, _transformers_gguf(path), atol=KEPT_LOGPROB_ATOL)
+    _assert_same_generation(kept, transformers_gguf(path, eager=True), atol=KEPT_LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("family", sorted(CHECKPOINTS))

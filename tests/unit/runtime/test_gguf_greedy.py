@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import torch
 
 from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
+from tests.support.gguf_models import gguf_runner, transformers_gguf
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 
@@ -35,25 +35,6 @@ def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFa
     """A folder for this module's GGUF files, and a private cache for the folders prepared from them."""
     with gguf_test_folder(tmp_path_factory, "gguf-greedy") as folder:
         yield folder
-
-
-def _runner(path: Path, **kwargs: Any) -> ModelRunner:
-    return ModelRunner(
-        path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch_native",
-        max_total_tokens=1024,
-        load_progress=False,
-        **kwargs,
-    )
-
-
-def _transformers_gguf(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -101,10 +82,10 @@ def test_greedy_equals_transformers_gguf_loading(
         tie=tie,
         rope_scaling=False,
     )  # transformers reads Qwen's vocab size off the tokens
-    runner = _runner(path)
+    runner = gguf_runner(path)
     assert runner.model_config.architecture == architecture
     assert runner.model_config.tie_word_embeddings is tie
-    _assert_same_generation(runner, _transformers_gguf(path))
+    _assert_same_generation(runner, transformers_gguf(path))
 
 
 def test_mistral_named_file_serves_as_mistral(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
@@ -117,9 +98,9 @@ def test_mistral_named_file_serves_as_mistral(tiny_checkpoints: TinyCheckpoints,
     as_llama = write_checkpoint_gguf(
         src, files / "mistral-as-llama-Q8_0.gguf", weight_type="Q8_0", model_name="tiny", tokenizer=False
     )
-    runner = _runner(served)
+    runner = gguf_runner(served)
     assert runner.model_config.architecture == "MistralForCausalLM" and runner.model_config.num_key_value_heads == 1
-    _assert_same_generation(runner, _transformers_gguf(as_llama))
+    _assert_same_generation(runner, transformers_gguf(as_llama))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
@@ -130,8 +111,8 @@ def test_metadata_transformers_ignores_matches_the_source_checkpoint(
     (attention.key_length) reach our model. transformers' GGUF loader drops both, so the
     reference is the source checkpoint itself: an F32 file holds its weights exactly."""
     src = tiny_checkpoints.path(name)
-    runner = _runner(write_checkpoint_gguf(src, files / f"{name}-source-F32.gguf", tokenizer=False))
-    source_config = _runner(src).model_config
+    runner = gguf_runner(write_checkpoint_gguf(src, files / f"{name}-source-F32.gguf", tokenizer=False))
+    source_config = gguf_runner(src).model_config
     assert (runner.model_config.rope, runner.model_config.head_dim) == (source_config.rope, source_config.head_dim)
     _assert_same_generation(runner, load_hf_model(src))
 
@@ -151,10 +132,10 @@ def test_tp2_shards_of_a_quantized_llama_file_reproduce_tp1(
         types=KQUANT_MIX if weight_type == "Q4_K" else None,
         tokenizer=False,
     )
-    reference = _runner(path)
+    reference = gguf_runner(path)
     prompts = _prompts(reference.vocab_size)
     expected = [r.output_ids for r in Harness(reference).generate(prompts, NEW_TOKENS)]
-    ranks = [_runner(path, tp_rank=r, tp_size=2) for r in range(2)]
+    ranks = [gguf_runner(path, tp_rank=r, tp_size=2) for r in range(2)]
     assert ranks[0].num_heads == reference.num_heads // 2
 
     results = run_on_ranks(

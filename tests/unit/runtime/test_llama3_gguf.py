@@ -23,9 +23,9 @@ import torch
 from runtime.checkpoints.gguf.prepare import prepare_gguf
 from runtime.checkpoints.gguf.rope_freqs import RTOL, llama3_divisors, llama3_parameters
 from runtime.engine.layers.rotary import rope_inv_freq
-from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, llama_cpp_rope_freqs, write_checkpoint_gguf
+from tests.support.gguf_models import gguf_runner
 from tests.support.harness import Harness
 
 NEW_TOKENS = 10
@@ -36,17 +36,6 @@ LOGPROB_ATOL = 2e-3
 def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with gguf_test_folder(tmp_path_factory, "llama3-gguf") as folder:
         yield folder
-
-
-def _runner(path: Path) -> ModelRunner:
-    return ModelRunner(
-        path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch_native",
-        max_total_tokens=1024,
-        load_progress=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -89,7 +78,7 @@ def test_divisors_of_no_llama3_curve_are_applied_as_llama_cpp_does(
         tokenizer=False,
         extra=lambda w: w.add_tensor("rope_freqs.weight", divisors),
     )
-    runner = _runner(path)
+    runner = gguf_runner(path)
     rope = runner.model_config.rope
     assert (rope.rope_type, rope.attention_factor) == ("longrope", 1.0)
     assert rope.short_factor == rope.long_factor == tuple(float(d) for d in divisors)
@@ -120,7 +109,7 @@ def test_llama3_file_serves_as_its_source(tiny_checkpoints: TinyCheckpoints, fil
     path = write_checkpoint_gguf(src, files / "llama3-F32.gguf", tokenizer=False)
     config = json.loads((prepare_gguf(path) / "config.json").read_text())
     assert config["rope_scaling"]["rope_type"] == "llama3"
-    runner, source = _runner(path), _runner(src)
+    runner, source = gguf_runner(path), gguf_runner(src)
     assert runner.model_config.rope == source.model_config.rope
     assert runner.model_config.tie_word_embeddings
     ours, theirs = runner.model.model.rotary_emb, source.model.model.rotary_emb

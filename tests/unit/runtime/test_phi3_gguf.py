@@ -21,6 +21,7 @@ from runtime.engine.model_runner import ModelRunner
 from runtime.engine.quant.weight import QuantizedWeight
 from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
+from tests.support.gguf_models import gguf_runner
 from tests.support.harness import Harness
 from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 
@@ -32,11 +33,6 @@ LOGPROB_ATOL = 2e-3
 def files(tiny_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with gguf_test_folder(tmp_path_factory, "phi3-gguf") as folder:
         yield folder
-
-
-def _runner(path: Path, **kwargs: Any) -> ModelRunner:
-    kwargs.setdefault("attention_backend", "torch_native")
-    return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=1024, load_progress=False, **kwargs)
 
 
 def _assert_same_generation(runner: ModelRunner, reference: Any, lengths: tuple[int, ...]) -> None:
@@ -56,7 +52,7 @@ def test_fused_file_greedy_equals_transformers_gguf_loading(
     path = write_checkpoint_gguf(
         tiny_checkpoints.path("phi3"), files / f"phi3-{weight_type}.gguf", weight_type=weight_type
     )
-    runner = _runner(path)
+    runner = gguf_runner(path)
     assert runner.model_config.architecture == "Phi3ForCausalLM"
     reference = AutoModelForCausalLM.from_pretrained(str(files), gguf_file=path.name, dtype=torch.float32).eval()
     _assert_same_generation(runner, reference, (5, 17))
@@ -67,7 +63,7 @@ def test_partial_rotary_and_longrope_file_serves_as_its_source(tiny_checkpoints:
     path = write_checkpoint_gguf(src, files / "phi3-longrope-F32.gguf", tokenizer=False)
     config = json.loads((prepare_gguf(path) / "config.json").read_text())
     assert config["partial_rotary_factor"] == 0.75 and config["rope_scaling"]["rope_type"] == "longrope"
-    runner, source = _runner(path), _runner(src)
+    runner, source = gguf_runner(path), gguf_runner(src)
     ours, theirs = runner.model_config, source.model_config
     assert ours.rotary_dim == theirs.rotary_dim == 12
     for kind in ("short_factor", "long_factor"):  # (the file's F32, as transformers reads the config's)
@@ -90,13 +86,13 @@ def test_tp2_ranks_keep_their_fused_shards_quantized(
     path = write_checkpoint_gguf(
         tiny_checkpoints.path("phi3"), files / "phi3-tp-Q8_0.gguf", weight_type="Q8_0", tokenizer=False
     )
-    whole = _runner(path)
+    whole = gguf_runner(path)
     prompts = [random_prompt(n, whole.vocab_size, seed=90 + n) for n in (6, 19)]
     expected = [r.output_ids for r in Harness(whole).generate(prompts, NEW_TOKENS)]
     ranks = []
     for rank in range(2):
-        dense = _runner(path, tp_rank=rank, tp_size=2)
-        kept = _runner(path, tp_rank=rank, tp_size=2, quantization="gguf")
+        dense = gguf_runner(path, tp_rank=rank, tp_size=2)
+        kept = gguf_runner(path, tp_rank=rank, tp_size=2, quantization="gguf")
         for layer, dense_layer in zip(kept.model.model.layers, dense.model.model.layers):
             for fused, dense_fused in (
                 (layer.self_attn.qkv_proj, dense_layer.self_attn.qkv_proj),
