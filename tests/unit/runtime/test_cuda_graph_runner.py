@@ -114,14 +114,17 @@ def test_replayed_decode_still_applies_a_logit_bias(runner: ModelRunner) -> None
     assert got == [[forced] * 4, plain]
 
 
-def test_eager_replay_of_a_windowed_model_over_the_swa_pool(tiny_checkpoints: Any) -> None:
-    """The hybrid Qwen2 (windowed layers in the SWA pool) served by a scheduler whose decode goes
-    through the graph runner: the per-window plan buffers are rewritten in place and translated
-    to SWA slots at every replay; same tokens as torch_native without graphs."""
+@pytest.mark.parametrize("name", ["qwen2_swa", "gemma2", "gemma3", "phi3_longrope"])
+def test_eager_replay_of_the_families_beyond_llama(tiny_checkpoints: Any, name: str) -> None:
+    """A model served by a scheduler whose decode goes through the graph runner; same tokens as
+    torch_native without graphs. The hybrid ones (Qwen2, Gemma: windowed layers in the SWA pool)
+    have their per-window plan buffers rewritten in place and translated to SWA slots at every
+    replay; Gemma 2 adds the soft-caps, Gemma 3 its windowed layers' own RoPE made inside the
+    replayed forward, Phi-3 (not windowed) the LongRoPE table's rows chosen from the static batch."""
     from tests.support.checkpoints import random_prompt
     from tests.support.stub_scheduler import generate_greedy
 
-    path = tiny_checkpoints.path("qwen2_swa")
+    path = tiny_checkpoints.path(name)
     prompts = [random_prompt(n, 384, seed=n) for n in (30, 41, 27)]
     outputs = {}
     for backend in ("torch_native", "triton"):
