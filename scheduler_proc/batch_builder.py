@@ -37,9 +37,17 @@ class OutOfMemory(RuntimeError):
 
 class BatchBuilder:
     def __init__(
-        self, model_runner: ForwardRunner, allocator: Allocator, tree_cache: BasePrefixCache, page_size: int
+        self,
+        model_runner: ForwardRunner,
+        allocator: Allocator,
+        tree_cache: BasePrefixCache,
+        page_size: int,
+        long_rope: bool = False,
     ) -> None:
         self.runner = model_runner
+        # The model's RoPE switches with length (scheduler_proc.long_rope): extend batches carry
+        # each request's choice (ForwardBatch.long_rope).
+        self.long_rope = long_rope
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = page_size
@@ -273,6 +281,9 @@ class BatchBuilder:
             input_logprobs=None
             if mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
             else input_logprobs.plan_batch(reqs, prefix_lens, extend_lens, self.device),
+            long_rope=torch.tensor([r.long_rope for r in reqs], dtype=torch.bool, device=self.device)
+            if self.long_rope and mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
+            else None,
         )
         return batch, future_inputs
 

@@ -47,6 +47,8 @@ class ForwardRunner(Protocol):
     context_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    # The length past which the model's RoPE differs for every token (LongRoPE), or None.
+    rope_switch_len: int | None
     max_total_tokens: int
     max_running_requests: int
     req_to_token_pool: ReqToTokenPool

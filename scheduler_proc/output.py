@@ -36,6 +36,8 @@ def new_stats() -> dict[str, int]:
         "jump_forward_tokens": 0,
         "num_refused_overloaded": 0,
         "num_timed_out": 0,
+        # requests recomputed because their decoding outgrew a LongRoPE switch (scheduler_proc.long_rope)
+        "num_rope_recomputations": 0,
     }
 
 

@@ -63,6 +63,9 @@ class Req:
     first_prefix_len: int = 0
     admitted: bool = False
     is_retracted: bool = False
+    # Its KV is (to be) rotated with a LongRoPE model's long factors, all of it; its prefix namespace
+    # (extra_key) says so too. Written only by scheduler_proc.long_rope.
+    long_rope: bool = False
     # Speculative decoding's n-gram index of this request's tokens (scheduler_proc.spec.ngram writes it).
     spec_index: Any = None
 

@@ -69,10 +69,28 @@ class SchedulerDecodeRoomMixin(SchedulerWiring):
 
     def _retract(self, req: Req) -> None:
         """A running request (nothing of it in flight) gives its memory back and waits at the front:
-        its KV becomes cache, and it resumes from whatever of it is still cached."""
+        its KV becomes cache, and it resumes from whatever of it is still cached. One past a LongRoPE
+        switch resumes long (``long_rope.mark_long``, after its short KV was cached under its short
+        namespace): its re-prefill recomputes every token with the long factors."""
         self.queues.retract(req)
         self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
         req.is_retracted = True
+        if self.long_rope is not None:
+            self.long_rope.mark_long(req)
+
+    def _recompute_past_rope_switch(self) -> None:
+        """Retract the running requests whose next forward would outgrow a LongRoPE switch with
+        short-rotated KV, so that they re-prefill prompt + outputs with the long factors, as
+        transformers' ``generate`` re-runs the sequence at that step (``scheduler_proc.long_rope``).
+        Before any batch that decodes them is planned; the step in flight is completed first
+        (retraction needs the exact host state). Not a memory shortage: ``new_token_ratio`` stays."""
+        if self.long_rope is None or not self.long_rope.crossing(self.queues.running):
+            return
+        self.drain()
+        crossing = self.long_rope.crossing(self.queues.running)  # (the drained step may finish some)
+        for req in crossing:
+            self._retract(req)
+        self.stats["num_rope_recomputations"] += len(crossing)
 
     def _preempt_for_priority(self, plan: PrefillPlan) -> None:
         """Retract the running requests ``PriorityPreemption`` picks for the request the plan was

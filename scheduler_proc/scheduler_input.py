@@ -56,6 +56,8 @@ class SchedulerInputMixin(SchedulerWiring):
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
         )
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
+        if self.long_rope is not None:  # a prompt past a LongRoPE switch is long from the start
+            self.long_rope.mark_long(req)
         if req.sampling_params.stop_strs:
             self.output.stop_checker.load_tokenizer(self.args)
         input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)

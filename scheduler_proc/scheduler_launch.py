@@ -27,6 +27,7 @@ class SchedulerLaunchMixin(SchedulerWiring):
         if self.host_tier:  # copies queued since the last step go out; loads go out before the launch
             self.host_tier.begin_step()
         queues = self.queues
+        self._recompute_past_rope_switch()  # (before any batch that decodes the running requests)
         plan = self.admission.plan(queues.waiting, queues.running, queues.chunked, self.memory.new_token_ratio)
         if self.host_tier:
             self.host_tier.issue_loads()

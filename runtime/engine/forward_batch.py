@@ -75,6 +75,10 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_num: int = 0  # max over the batch; 0 = none
     input_logprobs: InputLogprobRows | None = None  # prompt logprobs: extend batches that ask only
+    # bool [bs]: which requests' extend tokens rotate with a LongRoPE model's long factors (the
+    # scheduler's per-request choice, scheduler_proc.long_rope: a chunk's seq_lens may not reach the
+    # switch that the request's whole sequence is past); None: by seq_lens. Extend and mixed batches.
+    long_rope: torch.Tensor | None = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 

@@ -116,6 +116,17 @@ class ModelConfig:
         return self.rope
 
     @property
+    def rope_switch_len(self) -> int | None:
+        """The length past which a sequence rotates every token with another RoPE (LongRoPE: its long
+        factors past ``original_max_position_embeddings``, when the context reaches beyond it); None
+        when one RoPE serves every length. The scheduler keeps each request's KV on one side of it
+        (``scheduler_proc.long_rope``)."""
+        orig = self.rope.original_max_position_embeddings
+        if self.rope.rope_type == "longrope" and orig is not None and self.context_len > orig:
+            return orig
+        return None
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 

@@ -107,6 +107,8 @@ class ModelRunner:
         self.context_len = cfg.context_len
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
+        # (the scheduler keeps each request's KV on one side of it: scheduler_proc.long_rope)
+        self.rope_switch_len = cfg.rope_switch_len
         logger.info(
             "loading %s (%s, %d layers, hidden %d) on %s as %s, tp %d/%d",
             self.model_path,

@@ -38,6 +38,7 @@ import torch
 
 from runtime.config.args import ServerArgs
 from runtime.protocol.spec_stats import SPEC_STATS
+from scheduler_proc.long_rope import LongRopeSwitch
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
@@ -73,6 +74,8 @@ class SpecDecoder:
             args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None else step_tokens
         )
         self.stats = stats
+        # A LongRoPE model's switch (set by the wiring): a short request drafts up to it, no further.
+        self.long_rope: LongRopeSwitch | None = None
         for key in SPEC_STATS:
             stats.setdefault(key, 0)
 
@@ -90,7 +93,9 @@ class SpecDecoder:
         params = req.sampling_params
         if req.num_inflight or len(req.output_ids) < params.min_new_tokens:
             return 0
-        return min(req.remaining_new_tokens(), self.context_len - req.scheduled_len) - 1
+        limit = min(req.remaining_new_tokens(), self.context_len - req.scheduled_len) - 1
+        room = None if self.long_rope is None else self.long_rope.draft_room(req)
+        return limit if room is None else min(limit, room)
 
     def propose(self, reqs: Sequence[Req], free_slots: int) -> list[list[int]] | None:
         """Each request's drafts, within ``free_slots`` and the step's token budget beyond its one

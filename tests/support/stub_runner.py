@@ -49,6 +49,7 @@ class StubModelRunner:
         eos_token_ids: tuple[int, ...] = (0,),
         verify_kv: bool = True,
         history: int | None = None,
+        rope_switch_len: int | None = None,
     ) -> None:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -57,6 +58,8 @@ class StubModelRunner:
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.eos_token_ids = list(eos_token_ids)
+        # A LongRoPE-like switch for the scheduler's rules (the stub's tokens ignore it).
+        self.rope_switch_len = rope_switch_len
         self.verify_kv = verify_kv
         # The next token hashes only the last ``history`` tokens (None: all): a small history makes
         # outputs that repeat, which n-gram drafts predict (speculative decoding's tests).

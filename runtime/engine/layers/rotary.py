@@ -8,7 +8,7 @@ Phi-4-mini: per-frequency divisors, short or long, and an attention factor in co
 
 LongRoPE's two sets of frequencies live in one table of ``2 * max_position`` rows: the short
 rows, then the long ones. A forward's table positions (``table_positions``) point a token at the
-long rows by adding ``max_position`` where transformers would use the long factors, so every
+long rows by adding ``max_position`` where transformers' ``generate`` uses the long factors, so every
 device's rotary op (which gathers rows at positions, or reads the table at them in a kernel)
 serves both without knowing of them.
 """
@@ -89,28 +89,26 @@ class RotaryEmbedding(nn.Module):
 
     def table_positions(self, batch: ForwardBatch) -> torch.Tensor:
         """The table rows of ``batch``'s tokens: their positions, moved to the long rows (by
-        ``max_position``) for the tokens transformers rotates with the long factors.
+        ``max_position``) for the tokens transformers' ``generate`` rotates with the long factors.
 
-        transformers picks the set per forward: the long one when the forward's last position + 1
-        exceeds ``original_max_position_embeddings``; keys cached by earlier forwards keep theirs.
-        Per request here: an extend's new tokens are long when its sequence after the forward is;
-        a decode or verify token (each one the step of plain decoding that would have run it)
-        when its own position + 1 is. Tensor ops only (no host sync; a CUDA graph replays them).
-
-        So a prompt past the limit, prefilled in one forward (or in chunks whose first is past it),
-        equals transformers' ``generate``; a sequence that outgrows the limit while decoding keeps
-        its short-rotated keys, as transformers' forward over a cache does, where ``generate``
-        drops the cache at that step and re-runs the sequence with the long factors (Phi-3's
-        ``prepare_inputs_for_generation``): matching that needs the scheduler to re-prefill it."""
+        transformers picks the set per forward (the long one when its last position + 1 exceeds
+        ``original_max_position_embeddings``), and ``generate`` keeps every cached key on the same
+        side: the step at which a sequence outgrows the limit re-runs it whole with the long factors
+        (Phi-3's ``prepare_inputs_for_generation``). Per request here: an extend's tokens are long
+        when the scheduler says the request is (``batch.long_rope``: its whole sequence is past the
+        limit, which a chunk's ``seq_lens`` may not show; it recomputes a request that outgrows the
+        limit, ``scheduler_proc.long_rope``), or, in a batch without that choice (tests' harness),
+        when its sequence after the forward is; a decode or verify token when its own position + 1
+        is (past the limit only long requests decode). Tensor ops only (no host sync; a CUDA graph
+        replays them)."""
         positions = batch.positions
         if self.long_after is None:
             return positions
         if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
             long = positions >= self.long_after
         else:
-            long = torch.repeat_interleave(
-                batch.seq_lens > self.long_after, batch.extend_lens, output_size=positions.shape[0]
-            )
+            per_request = batch.long_rope if batch.long_rope is not None else batch.seq_lens > self.long_after
+            long = torch.repeat_interleave(per_request, batch.extend_lens, output_size=positions.shape[0])
         return positions + long.to(positions.dtype) * self.max_position
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,14 +4,15 @@ What the parametrized suites (test_model_equivalence, test_cpu_decode_layers, th
 scheduler tests) do not reach: the fused ``qkv_proj`` / ``gate_up_proj`` split over TP ranks, and
 LongRoPE past ``original_max_position_embeddings`` (the parametrized sequences stay within it).
 
-LongRoPE's rule, as transformers computes one forward: the long factors rotate every token of a
-forward whose last position + 1 exceeds ``original_max_position_embeddings``. A prompt that
-crosses it in one prefill (or in chunks whose first already crosses it) therefore equals
-``generate``. A sequence that crosses it while decoding keeps its short-rotated keys here, as a
-transformers forward over the cache does; ``generate`` instead drops the cache at that step and
-runs the whole sequence again with the long factors (``Phi3ForCausalLM.prepare_inputs_for_generation``),
-which needs the scheduler to re-prefill the request: that case is compared with transformers'
-forward over the cache, logits step by step.
+LongRoPE's rule, as transformers' ``generate`` applies it: every cached key of a sequence is
+rotated with the short factors while it is at most ``original_max_position_embeddings`` long, and
+with the long factors, all of them, once it is longer (a prompt past it is one forward with the
+long factors; the step at which a sequence outgrows it re-runs the whole sequence,
+``Phi3ForCausalLM.prepare_inputs_for_generation``). The model reads which requests are long from
+the batch (``ForwardBatch.long_rope``, the scheduler's choice) or, in a batch without it (the
+harness here), from each request's length after the forward; the scheduler's side (recomputing a
+request that decodes across the limit, long chunks below it, the prefix cache's namespaces) is
+tested against ``generate`` in ``tests/unit/scheduler_proc/test_longrope_crossing.py``.
 """
 
 from __future__ import annotations
@@ -143,34 +144,23 @@ def test_mixed_batch_with_a_crossing_extend(longrope: tuple[ModelRunner, Any]) -
     h.reset()
 
 
-def test_decoding_past_original_max_equals_transformers_forward_over_its_cache(
-    longrope: tuple[ModelRunner, Any],
-) -> None:
-    """A prompt within ORIG decoded past it: from the crossing step on, new tokens rotate with the
-    long factors and the cached keys keep theirs, as transformers' forward over a cache computes
-    (``generate`` would re-run the sequence instead: see the module doc)."""
-    from transformers import DynamicCache
-
-    runner, hf = longrope
-    prompt = random_prompt(ORIG - 3, runner.vocab_size, seed=7)
+def test_the_batch_choice_overrides_the_length_rule(longrope: tuple[ModelRunner, Any]) -> None:
+    """With ``batch.long_rope`` (the scheduler's per-request choice) a chunk ending below ORIG of a
+    prompt past it reads the long rows, and a request marked short the short ones; decode and
+    verify rows still go by position (past ORIG only long requests decode)."""
+    runner, _ = longrope
     h = Harness(runner)
-    (req,) = h.generate([prompt], 1)
-    cache = DynamicCache(config=hf.config)
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
-    assert req.output_ids == [int(logits.argmax())]
-    for step in range(8):  # positions ORIG - 3 ... ORIG + 4
-        token = req.output_ids[-1]
-        ours = h.step([req], ForwardMode.DECODE).logits[0]
-        with torch.no_grad():
-            theirs = hf(
-                torch.tensor([[token]]),
-                cache=cache,
-                use_cache=True,
-                position_ids=torch.tensor([[len(prompt) + step]]),
-            ).logits[0, -1]
-        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), f"decode step {step}"
-        assert req.output_ids[-1] == int(theirs.argmax())
+    chunk, other = h.add_request(random_prompt(ORIG - 10, 300, seed=2)), h.add_request([5, 6, 7])
+    batch, _ = h.build_batch([chunk, other], ForwardMode.EXTEND)
+    table = runner.model.model.rotary_emb
+    assert torch.equal(table.table_positions(batch)[: ORIG - 10], torch.arange(ORIG - 10))  # (by length: short)
+    batch.long_rope = torch.tensor([True, False])
+    rows = table.table_positions(batch)
+    assert torch.equal(rows[: ORIG - 10], torch.arange(ORIG - 10) + table.max_position)
+    assert torch.equal(rows[ORIG - 10 :], torch.arange(3))
+    batch.forward_mode = ForwardMode.DECODE
+    batch.positions = torch.tensor([ORIG - 1, ORIG])
+    assert torch.equal(table.table_positions(batch), batch.positions + torch.tensor([0, 1]) * table.max_position)
     h.reset()
 
 
@@ -189,9 +179,9 @@ def _serve(runner: ModelRunner, prompts: list[list[int]], **args: Any) -> list[l
 
 
 def test_pages_of_four_and_chunked_prefill_through_the_scheduler(tiny_checkpoints: TinyCheckpoints) -> None:
-    """Page size 4, prompts in chunks: short prompts in chunks of 8; a long one in chunks whose
-    first already crosses ORIG (every chunk rotates with the long factors, as its one-forward
-    prefill in transformers does)."""
+    """Page size 4, prompts in chunks: short prompts in chunks of 8; a long one in chunks that end
+    below ORIG, or whose first already crosses it (every chunk rotates with the long factors, as
+    its one-forward prefill in transformers does)."""
     path = tiny_checkpoints.path("phi3_longrope")
     hf = load_hf_model(path)
     runner = _runner(path, page_size=4, max_running_requests=8)
@@ -201,8 +191,9 @@ def test_pages_of_four_and_chunked_prefill_through_the_scheduler(tiny_checkpoint
         hf_greedy(hf, p, NEW_TOKENS)[0] for p in short
     ]
     long = [rng.randrange(3, runner.vocab_size) for _ in range(ORIG + 60)]
-    chunk = (ORIG // 4 + 2) * 4  # past ORIG, in whole pages
-    assert _serve(runner, [long], page_size=4, chunked_prefill_size=chunk) == [hf_greedy(hf, long, NEW_TOKENS)[0]]
+    expected = [hf_greedy(hf, long, NEW_TOKENS)[0]]
+    for chunk in (32, (ORIG // 4 + 2) * 4):  # below ORIG; past it, in whole pages
+        assert _serve(runner, [long], page_size=4, chunked_prefill_size=chunk) == expected
 
 
 # ---- tensor parallelism --------------------------------------------------------------------
