@@ -307,7 +307,7 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
 def check_model(server_args: ServerArgs) -> None:
     """UnsupportedModelError (naming the supported architectures) for a checkpoint no family
     serves, before any child starts: reading its config needs no torch."""
-    ModelConfig.from_pretrained(server_args.model_path)
+    ModelConfig.from_pretrained(server_args.resolved_model_path())
 
 
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
