@@ -58,6 +58,13 @@ class RopeConfig:
     attention_factor: float = 1.0  # multiplies cos and sin (longrope: sqrt(1 + ln(factor) / ln(original)))
 
 
+def longrope_switch_len(rope: RopeConfig, context_len: int) -> int | None:
+    """``original_max_position_embeddings`` of a longrope whose context reaches past it (the length
+    past which its long factors rotate every token); None for any other RoPE or a context within it."""
+    orig = rope.original_max_position_embeddings
+    return orig if rope.rope_type == "longrope" and orig is not None and context_len > orig else None
+
+
 @dataclass
 class ModelConfig:
     path: Path
@@ -109,22 +116,13 @@ class ModelConfig:
         """How many of each head's dims RoPE rotates (the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def layer_rope(self, layer_id: int) -> RopeConfig:
-        """The RoPE of layer ``layer_id`` (windowed layers may have their own)."""
-        if self.rope_local is not None and self.local_layers[layer_id]:
-            return self.rope_local
-        return self.rope
-
     @property
     def rope_switch_len(self) -> int | None:
         """The length past which a sequence rotates every token with another RoPE (LongRoPE: its long
         factors past ``original_max_position_embeddings``, when the context reaches beyond it); None
         when one RoPE serves every length. The scheduler keeps each request's KV on one side of it
         (``scheduler_proc.long_rope``)."""
-        orig = self.rope.original_max_position_embeddings
-        if self.rope.rope_type == "longrope" and orig is not None and self.context_len > orig:
-            return orig
-        return None
+        return longrope_switch_len(self.rope, self.context_len)
 
     @property
     def num_queries_per_kv(self) -> int:

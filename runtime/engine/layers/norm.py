@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.layers.linear import WeightShapeError
+from runtime.engine.layers.linear import check_shape
 from runtime.engine.ops import DeviceOps, default_ops
 
 
@@ -58,9 +58,6 @@ class UnitOffsetRMSNorm(RMSNorm):
     def _load_with_unit_offset(param: nn.Parameter, weight: Any, name: str, shard_id: object = None) -> None:
         """``param = 1 + weight`` (``weight``: a checkpoint tensor behind ``LazyWeight``)."""
         value = weight.load()
-        if tuple(value.shape) != tuple(param.shape):
-            raise WeightShapeError(
-                f"checkpoint tensor {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-            )
+        check_shape(name, value.shape, param.shape)
         with torch.no_grad():
             param.copy_(value.float() + 1.0)

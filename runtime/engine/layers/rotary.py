@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.model_config import RopeConfig
+from runtime.engine.model_config import RopeConfig, longrope_switch_len
 from runtime.engine.ops.torch_ops import rotate_half_
 
 
@@ -72,11 +72,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         # longrope: a sequence longer than this rotates its new tokens with the long rows (None:
         # one set of frequencies, or a context that never outgrows the short ones)
-        self.long_after: int | None = None
+        self.long_after = longrope_switch_len(rope, max_position)
         sets = [rope_inv_freq(self.rotary_dim, rope)]
-        orig = rope.original_max_position_embeddings
-        if rope.rope_type == "longrope" and orig is not None and max_position > orig:
-            self.long_after = orig
+        if self.long_after is not None:
             sets.append(rope_inv_freq(self.rotary_dim, rope, long=True))
         positions = torch.arange(max_position, dtype=torch.float32)[:, None]
         freqs = torch.cat([positions * inv_freq[None, :] for inv_freq in sets])

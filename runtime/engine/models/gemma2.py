@@ -52,13 +52,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaDecoderLayer.forward``: the stream is ``residual + hidden`` (``residual`` None
         before the first layer), and each add into ``residual`` happens in place inside a norm."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, batch, backend))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, residual = self.attend(rope, hidden, residual, batch, backend)
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
     def decode_weights(self) -> DecoderLayerWeights:

@@ -136,14 +136,27 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual`` (None before the first layer) is owned by the layer stack and updated in place."""
+        hidden, residual = self.attend(rope, hidden, residual, batch, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def attend(
+        self,
+        rope: RopeInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention output, residual)``: the pending add into the residual stream (none before
+        the first layer: the embeddings become it), the input norm and attention, as every family's
+        layer begins."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, batch, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.self_attn(rope, hidden, batch, backend), residual
 
     def decode_weights(self) -> DecoderLayerWeights:
         """This layer's tensors and shapes for a device's whole-layer kernels (the CPU's one-call
@@ -232,6 +245,9 @@ class LlamaForCausalLM(CausalLM):
     """
 
     model_class: type[LlamaModel] = LlamaModel  # the decoder stack (a family's subclass may replace it)
+    # checkpoint sub-module name -> (our merged module, shard id): a family whose checkpoints store
+    # the merged matrices fused (Phi-3) has none, and loads each under its own name
+    stacked_checkpoint_names: dict[str, tuple[str, object]] = _STACKED
 
     def __init__(
         self,
@@ -294,7 +310,9 @@ class LlamaForCausalLM(CausalLM):
                 continue  # same tensor as model.embed_tokens.weight
             module_path, _, leaf = name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
-            expanded = [(ckpt, shard) for ckpt, (ours, shard) in _STACKED.items() if ours == module]
+            expanded = [
+                (ckpt, shard) for ckpt, (ours, shard) in self.stacked_checkpoint_names.items() if ours == module
+            ]
             if expanded:
                 for ckpt, shard in expanded:
                     targets[f"{parent}.{ckpt}.{leaf}"] = (param, shard)

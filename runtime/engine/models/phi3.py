@@ -16,19 +16,11 @@ the intermediate features, and reads only those rows from the file.
 
 from __future__ import annotations
 
-from runtime.engine.models.base import CheckpointTargets
 from runtime.engine.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """``LlamaForCausalLM`` loading the fused ``qkv_proj`` / ``gate_up_proj`` tensors of a Phi-3 checkpoint."""
+    """``LlamaForCausalLM`` loading the fused ``qkv_proj`` / ``gate_up_proj`` tensors of a Phi-3
+    checkpoint: every parameter under its own name, shard id None (a merged layer's whole matrix)."""
 
-    def checkpoint_targets(self) -> CheckpointTargets:
-        """Every parameter under its own name, shard id None (a merged layer's whole fused matrix);
-        a tied LM head is the embedding's tensor and has no name of its own."""
-        tied = self.config.tie_word_embeddings
-        return {
-            name: (param, None)
-            for name, param in self.named_parameters(remove_duplicate=False)
-            if not (tied and name == "lm_head.weight")
-        }
+    stacked_checkpoint_names: dict[str, tuple[str, object]] = {}

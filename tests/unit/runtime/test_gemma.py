@@ -69,7 +69,12 @@ def test_gemma3_config_in_both_spellings(tiny_checkpoints: TinyCheckpoints, tmp_
     ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``: the same model."""
     new = ModelConfig.from_pretrained(tiny_checkpoints.path("gemma3"))
     assert new.layer_windows == (GEMMA_WINDOW, None, GEMMA_WINDOW)
-    assert [new.layer_rope(i).theta for i in range(3)] == [10000.0, 1000000.0, 10000.0]
+    assert new.rope_local is not None and new.local_layers == (True, False, True)
+    assert [(new.rope_local if local else new.rope).theta for local in new.local_layers] == [
+        10000.0,
+        1000000.0,
+        10000.0,
+    ]
     assert (new.rope.rope_type, new.rope.factor) == ("linear", 2.0)
     assert (new.hidden_act, new.norm, new.qk_norm) == ("gelu_pytorch_tanh", "rms_unit_offset", True)
     assert new.attention_scaling == 32**-0.5
