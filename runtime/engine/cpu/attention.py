@@ -81,17 +81,11 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         # unmasked prefill paths: only the full-attention layers count as the mirror's readers.
         windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
         self.mirrored_layers: int | None = sum(w is None for w in windows) if windows else None
-        # Whether a layer with soft-capped logits has run through this backend: the one-call decode
-        # stack's C attention cannot cap, so from then on ``claim_decode_step`` declines (every
-        # decode follows the prefill that ran each layer here).
+        # Whether a layer with soft-capped logits has run through this backend (noted where a group
+        # reads the cap, not per layer call): the one-call decode stack's C attention cannot cap, so
+        # from then on ``claim_decode_step`` declines (every decode follows the prefill that ran
+        # each layer here).
         self.softcap_seen = False
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
-    ) -> torch.Tensor:
-        if layer.logit_softcap is not None:
-            self.softcap_seen = True
-        return super().forward(q, k, v, layer, batch)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.verify_plan = None
@@ -165,6 +159,8 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         qg = self._folded_queries(q, layer, g)
         n = qg.shape[0]
         softcap = layer.logit_softcap
+        if softcap is not None:
+            self.softcap_seen = True
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         append: attn_kernels.KeyAppend | None = None
         if g.mirror is not None:
@@ -222,6 +218,8 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         """
         n, q_len = g.q_index.shape
         softcap = layer.logit_softcap
+        if softcap is not None:
+            self.softcap_seen = True
         matmul_prefill = (
             softcap is None and g.keys_are_new and fastpaths._matmul_prefill_applies(q, q_len, layer.head_dim)
         )
