@@ -39,6 +39,23 @@ ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu_pytorch_tanh")
 # rms: x / rms(x) * weight, fp32 statistics; rms_unit_offset (Gemma): x / rms(x) * (1 + weight)
 NORM_FORMS: tuple[str, ...] = ("rms", "rms_unit_offset")
 ROPE_STYLES: tuple[str, ...] = ("neox",)  # the two halves of a head's rotary dims rotate as pairs
+# what a q/k norm normalises: each head (Qwen3, Gemma 3) or the whole projection of every head (OLMoE)
+QK_NORM_SPANS: tuple[str, ...] = ("head", "projection")
+
+
+@dataclass(frozen=True)
+class MoeKeys:
+    """How a mixture-of-experts family's ``config.json`` describes its sparse MLP layers (read by
+    ``runtime.engine.model_config``; a config whose expert count is 0 is dense)."""
+
+    experts_keys: tuple[str, ...]  # the number of routed experts: the first of these keys present
+    expert_size_key: str  # each routed expert's intermediate size
+    # the key saying whether the top-k weights are renormalised to sum to 1 (its default: False, as
+    # transformers' config classes have it); None: always renormalised (Mixtral)
+    renormalize_key: str | None
+    # routing weights rounded to the model's dtype before they scale the experts' outputs (transformers'
+    # Qwen and OLMoE routers); False: kept in fp32 (Mixtral's router)
+    weights_in_model_dtype: bool = True
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,9 @@ class Family:
     architectures: tuple[str, ...]  # config.json ``architectures`` values served as this family
     gguf_architectures: tuple[str, ...]  # GGUF ``general.architecture`` values read as this family
     always_qkv_bias: bool = False  # q/k/v biases whatever ``attention_bias`` says (Qwen2 has no such key)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm of q and k before RoPE (Qwen3: per head; see qk_norm_span)
+    qk_norm_span: str = "head"  # what the q/k norm normalises (one of QK_NORM_SPANS)
+    moe: MoeKeys | None = None  # a mixture-of-experts family: how its config names its experts
     window_rule: WindowRule = WindowRule.NONE
     window_pattern: int = 0  # EVERY_NTH_FULL: N when the config does not say (Gemma 2: 2, Gemma 3: 6)
     # The ``general.architecture`` llama.cpp's converter writes for this family when it is not the
@@ -82,6 +101,9 @@ class Family:
 _GEMMA_BLOCK_NORMS = ("post_attention_norm", "post_ffw_norm")
 # llama.cpp scales Gemma's queries by key_length ** -0.5 (its config's query_pre_attn_scalar)
 _GEMMA_QUERY_SCALE: tuple[str, str, float | None] = ("attention.key_length", "query_pre_attn_scalar", None)
+
+# (transformers 5 writes Qwen3-MoE's expert count as num_local_experts; released configs say num_experts)
+_QWEN_MOE = MoeKeys(("num_experts", "num_local_experts"), "moe_intermediate_size", "norm_topk_prob")
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",)),
@@ -144,6 +166,40 @@ FAMILIES: tuple[Family, ...] = (
     # Phi-3, Phi-3.5, Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint; every layer
     # windowed when the config has a sliding_window smaller than the context
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), window_rule=WindowRule.EVERY_LAYER),
+    # Mixtures of experts: the Llama layout with sparse MLP layers (``runtime.engine.layers.moe``)
+    Family(
+        "qwen2_moe",
+        ("Qwen2MoeForCausalLM",),
+        ("qwen2moe",),
+        always_qkv_bias=True,
+        window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS,
+        moe=_QWEN_MOE,
+    ),
+    Family(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        ("qwen3moe",),
+        qk_norm=True,
+        window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS,
+        moe=_QWEN_MOE,
+    ),
+    # llama.cpp converts Mixtral as ``llama`` with expert tensors
+    Family(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        ("mixtral",),
+        window_rule=WindowRule.EVERY_LAYER,
+        gguf_converted_as="llama",
+        moe=MoeKeys(("num_local_experts",), "intermediate_size", None, weights_in_model_dtype=False),
+    ),
+    Family(
+        "olmoe",
+        ("OlmoeForCausalLM",),
+        ("olmoe",),
+        qk_norm=True,
+        qk_norm_span="projection",
+        moe=MoeKeys(("num_experts",), "intermediate_size", "norm_topk_prob"),
+    ),
 )
 
 # llama.cpp's ``llama`` converter interleaves the rows of each Q and K head for its RoPE (Mistral

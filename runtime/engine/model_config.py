@@ -26,6 +26,7 @@ from runtime.checkpoints.families import (
     ACTIVATIONS,
     BY_ARCHITECTURE,
     NORM_FORMS,
+    QK_NORM_SPANS,
     ROPE_STYLES,
     SUPPORTED_ARCHITECTURES,
     Family,
@@ -63,6 +64,29 @@ def longrope_switch_len(rope: RopeConfig, context_len: int) -> int | None:
     past which its long factors rotate every token); None for any other RoPE or a context within it."""
     orig = rope.original_max_position_embeddings
     return orig if rope.rope_type == "longrope" and orig is not None and context_len > orig else None
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's sparse MLP layers: each token's ``top_k`` of ``num_experts``
+    experts, weighted by the router's softmax over them (``runtime.engine.layers.moe``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    renormalize: bool  # the top-k weights divided by their sum
+    weights_in_model_dtype: bool  # routing weights rounded to the model's dtype before they scale
+    sparse_layers: tuple[bool, ...]  # per layer: a sparse MLP (else the dense one of intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert behind a sigmoid gate; 0: none
+    ep_size: int = 1  # ranks that split the experts between them (--ep-size): each holds whole experts
+
+    def local_experts(self, rank: int, tp_size: int) -> range:
+        """The experts TP rank ``rank`` holds whole under expert parallelism (all of them when
+        ``ep_size`` is 1): the ranks form ``ep_size`` groups of ``tp_size // ep_size`` consecutive
+        ranks, and group g holds the g-th ``num_experts // ep_size`` experts."""
+        per_group = self.num_experts // self.ep_size
+        group = rank // (tp_size // self.ep_size)
+        return range(group * per_group, (group + 1) * per_group)
 
 
 @dataclass
@@ -104,6 +128,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # attention scores soft-capped at this (Gemma 2)
     final_logit_softcap: float | None = None  # logits soft-capped at this (Gemma 2)
+    qk_norm_span: str = "head"  # what the q/k norm normalises: each head, or the whole projection (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to +-this after their projections and norms (OLMoE)
+    moe: MoeConfig | None = None  # the sparse MLP layers of a mixture of experts; None: dense
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -139,7 +166,7 @@ class ModelConfig:
         return self.sliding_window is not None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, context_length: int | None = None) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path, context_length: int | None = None, ep_size: int = 1) -> "ModelConfig":
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
@@ -148,10 +175,13 @@ class ModelConfig:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
-        return cls.from_dict(raw, folder, context_length)
+        return cls.from_dict(raw, folder, context_length, ep_size)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], folder: Path, context_length: int | None = None) -> "ModelConfig":
+    def from_dict(
+        cls, raw: dict[str, Any], folder: Path, context_length: int | None = None, ep_size: int = 1
+    ) -> "ModelConfig":
+        """``ep_size``: the ranks that split a mixture of experts' experts (``--ep-size``)."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -177,6 +207,7 @@ class ModelConfig:
             ("hidden_act", act, ACTIVATIONS),
             ("norm form", family.norm, NORM_FORMS),
             ("rope style", family.rope_style, ROPE_STYLES),
+            ("q/k norm span", family.qk_norm_span, QK_NORM_SPANS),
         ):
             if value not in supported:
                 raise UnsupportedModelError(f"unsupported {what} {value!r}; supported: {', '.join(supported)}")
@@ -232,6 +263,9 @@ class ModelConfig:
             query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
             attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
+            qk_norm_span=family.qk_norm_span,
+            clip_qkv=_optional_float(raw.get("clip_qkv")),
+            moe=_parse_moe(raw, family, int(raw["num_hidden_layers"]), ep_size),
             raw=raw,
         )
 
@@ -242,6 +276,39 @@ def _text_config(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     (where such checkpoints keep their end-of-turn ids)."""
     top = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype")
     return {**dict(family.text_config_defaults), **raw["text_config"], **{k: raw[k] for k in top if k in raw}}
+
+
+def _parse_moe(raw: dict[str, Any], family: Family, num_layers: int, ep_size: int) -> MoeConfig | None:
+    """The family's sparse MLP layers as transformers builds them: every layer unless it is in
+    ``mlp_only_layers`` or ``decoder_sparse_step`` skips it; None for a dense family or config."""
+    keys = family.moe
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    experts = next((int(raw[k]) for k in keys.experts_keys if raw.get(k) is not None), 0) if keys else 0
+    if keys is None or experts == 0:
+        if ep_size > 1:
+            raise UnsupportedModelError(
+                f"--ep-size {ep_size} needs a mixture-of-experts model ({family.name} is dense)"
+            )
+        return None
+    if experts % ep_size:
+        raise UnsupportedModelError(f"{experts} experts cannot be split evenly over --ep-size {ep_size}")
+    top_k = int(raw["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok {top_k} is not within 1..{experts}")
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense_layers = set(raw.get("mlp_only_layers") or ())
+    renormalize = bool(raw.get(keys.renormalize_key, False)) if keys.renormalize_key else True
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=int(raw[keys.expert_size_key]),
+        renormalize=renormalize,
+        weights_in_model_dtype=keys.weights_in_model_dtype,
+        sparse_layers=tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        ep_size=ep_size,
+    )
 
 
 def _optional_float(value: Any) -> float | None:

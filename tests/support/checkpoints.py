@@ -1,5 +1,6 @@
 """The one place that builds tiny test checkpoints (Llama, Mistral, Qwen2, Qwen3, tied Llama 3,
-and the sliding-window Mistral and hybrid Qwen2).
+Gemma 2/3, Phi-3, the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE, and the
+sliding-window Mistral and hybrid Qwen2).
 
 Each is a genuine HF folder made with transformers' config classes and save_pretrained
 (through ``runtime.checkpoints.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
@@ -30,7 +31,13 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "gemma3",
     "phi3",
     "phi3_longrope",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "qwen2_moe",
 )
+# the mixtures of experts among them (MoE tests: tensor and expert parallelism, the router)
+MOE_CHECKPOINT_NAMES: tuple[str, ...] = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 # Sliding-window checkpoints (sliding-window tests): window of their windowed layers.
 SWA_WINDOWS: dict[str, int] = {"mistral_swa": 16, "qwen2_swa": 24}
 # phi3_longrope's original_max_position_embeddings: its long factors rotate the tokens of a
@@ -72,9 +79,13 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     c = _common(tok)
@@ -165,6 +176,45 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
                 "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0],
             },
             tie_word_embeddings=True,
+        )
+    if name == "qwen3_moe":  # 16 experts, top-4 renormalised; layer 1 of 3 dense (mlp_only_layers)
+        return Qwen3MoeConfig(
+            **{**c, "num_hidden_layers": 3},
+            head_dim=32,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        )
+    if name == "mixtral":  # top-2 of 8 (fp32 routing weights), every layer windowed (W = 4096)
+        return MixtralConfig(
+            **{**c, "num_key_value_heads": 1, "intermediate_size": 48},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=4096,
+            rope_theta=1000000.0,
+        )
+    if name == "olmoe":  # top-2 of 6, not renormalised; whole-projection q/k norms, q/k/v clamped
+        return OlmoeConfig(
+            **{**c, "intermediate_size": 32},
+            num_experts=6,
+            num_experts_per_tok=2,
+            clip_qkv=1.5,
+            rope_theta=10000.0,
+        )
+    if name == "qwen2_moe":  # top-2 of 8 with the gated shared expert; layer 0 dense (decoder_sparse_step 2)
+        return Qwen2MoeConfig(
+            **c,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            decoder_sparse_step=2,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
         )
     if name == "llama_tied_llama3":
         return LlamaConfig(

@@ -15,24 +15,27 @@ from typing import Callable
 
 import torch
 
-from runtime.engine.layers.linear import MergedColumnParallelLinear
 from runtime.engine.layers.norm import RMSNorm, UnitOffsetRMSNorm
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps, RopeInputs
+from runtime.engine.ops.experts import ExpertActivation, ExpertWeight
 
-# activation name -> act(gate) * up of a merged gate/up projection's output, through its device
-# ops (one pass with the projection where the device fuses them). "swish" is silu's other name.
-GatedActivation = Callable[[MergedColumnParallelLinear, torch.Tensor], torch.Tensor]
+# activation name -> act(gate) * up of a merged gate/up projection's output (weight, bias), through
+# the device ops (one pass with the projection where the device fuses them). "swish" is silu's
+# other name. (A sparse MLP's experts hand theirs to the device ops' expert loop.)
+GatedActivation = ExpertActivation
 # rope style -> rotate q [T, Hq, D] and k [T, Hkv, D] in place for the forward's rotary inputs
 Rotation = Callable[[DeviceOps, torch.Tensor, torch.Tensor, RopeInputs], None]
 
 
-def _silu_and_mul(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    return gate_up.ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+def _silu_and_mul(ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return ops.linear_silu_and_mul(x, weight, bias)
 
 
-def _gelu_tanh_and_mul(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    return gate_up.ops.gelu_tanh_and_mul(gate_up.ops.linear(x, gate_up.weight, gate_up.bias))
+def _gelu_tanh_and_mul(
+    ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return ops.gelu_tanh_and_mul(ops.linear(x, weight, bias))
 
 
 def _neox_rotation(ops: DeviceOps, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:

@@ -264,7 +264,8 @@ class RowParallelLinear(LinearWeightLayer):
     """``y = x W^T + b`` with W's input columns split over ranks; partial sums are all-reduced.
 
     The input must already be sharded along its last dim (it comes from a column-parallel
-    layer). The bias is added once, after the reduction.
+    layer). The bias is added once, after the reduction. ``reduce_results=False`` leaves the
+    partial sums to the caller (a sparse MLP sums its experts' partials and reduces once).
     """
 
     def __init__(
@@ -276,9 +277,11 @@ class RowParallelLinear(LinearWeightLayer):
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
         ops: DeviceOps | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.ops = ops or default_ops(params_dtype)
+        self.reduce_results = reduce_results
         self.in_features = in_features
         self.out_features = out_features
         self.tp_rank = tp_rank
@@ -300,5 +303,7 @@ class RowParallelLinear(LinearWeightLayer):
             copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(self.ops.linear(x, self.weight, None), self.tp_size)
+        out = self.ops.linear(x, self.weight, None)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out if self.bias is None else out + self.bias

@@ -27,7 +27,10 @@ class GatedMLP(nn.Module):
         tp_size: int,
         dtype: torch.dtype,
         ops: DeviceOps,
+        reduce_results: bool = True,
     ) -> None:
+        """``reduce_results=False``: a TP rank's output is its partial sum (a sparse MLP's shared
+        expert, reduced with the routed experts' in one all-reduce)."""
         super().__init__()
         self.activation = activation
         self._act_and_mul = GATED_ACTIVATIONS[activation]  # (model_config refused any other name)
@@ -40,8 +43,15 @@ class GatedMLP(nn.Module):
             ops=ops,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+            intermediate_size,
+            hidden_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=dtype,
+            ops=ops,
+            reduce_results=reduce_results,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act_and_mul(self.gate_up_proj, x))
+        gate_up = self.gate_up_proj
+        return self.down_proj(self._act_and_mul(gate_up.ops, x, gate_up.weight, gate_up.bias))

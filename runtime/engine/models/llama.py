@@ -95,26 +95,45 @@ class LlamaAttention(nn.Module):
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         """``rope`` is the forward's rotary inputs from ``DeviceOps.rope`` (shared by all layers)."""
+        q, k, v = self.project(hidden)
+        self._rotate(self.ops, q, k, rope)  # the family's rope style (in place)
+        out = backend.forward(q, k, v, self.spec, batch)
+        return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`` of ``hidden``, q and k normed per head where
+        the family norms them; q and k are owned by this forward (rotated in place next)."""
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # owned by this forward: q and k are rotated in place in it
+        qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # new tensors
-        self._rotate(self.ops, q, k, rope)  # the family's rope style (in place)
-        out = backend.forward(q, k, v, self.spec, batch)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
+    # the attention a subclass's family uses (OLMoE: q/k norms over the whole projection)
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(
         self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, dtype, ops)
-        self.mlp = GatedMLP(
+        self.self_attn = self.attention_class(config, layer_id, tp_rank, tp_size, dtype, ops)
+        self.mlp = self.make_mlp(config, layer_id, tp_rank, tp_size, dtype, ops)
+        self.input_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+        self.post_attention_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+        self.norm_form, self.rope_style = config.norm, config.rope_style
+
+    def make_mlp(
+        self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
+    ) -> nn.Module:
+        """Layer ``layer_id``'s MLP: the dense gated MLP (a mixture of experts' family gives its sparse
+        layers the sparse one)."""
+        return GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
@@ -123,9 +142,6 @@ class LlamaDecoderLayer(nn.Module):
             dtype=dtype,
             ops=ops,
         )
-        self.input_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
-        self.post_attention_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
-        self.norm_form, self.rope_style = config.norm, config.rope_style
 
     def forward(
         self,
@@ -162,6 +178,7 @@ class LlamaDecoderLayer(nn.Module):
         """This layer's tensors and shapes for a device's whole-layer kernels (the CPU's one-call
         decode stack, ``runtime.engine.cpu.decode_layers``): what ``forward`` computes with, named."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, GatedMLP), "only a dense layer has the record's form"
         return DecoderLayerWeights(
             input_norm=self.input_layernorm.weight,
             input_norm_eps=self.input_layernorm.eps,

@@ -21,6 +21,10 @@ MODEL_CLASSES: dict[str, str] = {
     "phi3": "runtime.engine.models.phi3:Phi3ForCausalLM",
     "gemma2": "runtime.engine.models.gemma2:Gemma2ForCausalLM",
     "gemma3": "runtime.engine.models.gemma3:Gemma3ForCausalLM",
+    "qwen2_moe": "runtime.engine.models.qwen_moe:QwenMoeForCausalLM",
+    "qwen3_moe": "runtime.engine.models.qwen_moe:QwenMoeForCausalLM",
+    "mixtral": "runtime.engine.models.mixtral:MixtralForCausalLM",
+    "olmoe": "runtime.engine.models.olmoe:OlmoeForCausalLM",
 }
 
 

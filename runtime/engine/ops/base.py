@@ -6,8 +6,9 @@ at which device or dtype they run on. The model runner asks the same object what
 the device assumes (``platform``: memory defaults, CUDA graphs) and for the device's
 own way of running a model's decoder layers (``layer_stack``), never the device type.
 ``runtime.engine.ops.get_ops`` picks the implementation once per (device, dtype). The records
-handed across the seam have modules of their own: ``rope.py`` (one forward's rotary inputs) and
-``layer_stack.py`` (what a device's whole-layer kernels read of a model).
+handed across the seam have modules of their own: ``rope.py`` (one forward's rotary inputs),
+``layer_stack.py`` (what a device's whole-layer kernels read of a model) and ``experts.py`` (what its
+expert kernels read of a mixture-of-experts layer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
@@ -112,6 +114,14 @@ class DeviceOps(Protocol):
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(gate, approximate="tanh") * up`` of ``x [..., 2 * I]`` (gate first) as a new
         ``[..., I]`` tensor (Gemma's gated MLP)."""
+        ...
+
+    def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
+        """This rank's share of a sparse MLP layer's output for ``x [T, H]``: for each token, the sum
+        over its routed experts that this rank holds of ``weight * down(act(gate) * up)`` (the product
+        in the routing weights' dtype, then rounded to ``x``'s), added expert by expert in ascending id
+        order as transformers does; a TP rank's partial sums (its slice of each expert's intermediate
+        dimension) are left for the layer to reduce. Only the routed experts' weights are read."""
         ...
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cuda.memory import CUDA_PLATFORM
+from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
@@ -94,6 +95,25 @@ class TorchOps:
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)  # as transformers' GELUTanh, then the product
+
+    def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
+        # the (token, choice) pairs sorted by expert once; then one product per routed expert over its tokens
+        top_k = routing.ids.shape[1]
+        order = torch.argsort(routing.ids.reshape(-1), stable=True)
+        counts = torch.bincount(routing.ids.reshape(-1), minlength=experts.num_experts).tolist()
+        flat_weights = routing.weights.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            pairs, start = order[start : start + count], start + count
+            if count == 0 or expert not in experts.local_experts:
+                continue
+            gate_up, down = experts.expert_weights(expert)
+            tokens = pairs // top_k
+            hidden = experts.act_and_mul(self, x.index_select(0, tokens), gate_up, None)
+            weighted = self.linear(hidden, down, None) * flat_weights.index_select(0, pairs).unsqueeze(1)
+            out.index_add_(0, tokens, weighted.to(x.dtype))
+        return out
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool.set_kv_buffer(layer_id, loc, k, v)

@@ -44,8 +44,8 @@ def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoi
 
 
 def test_an_unknown_family_is_refused_by_the_registry(tiny_checkpoints) -> None:
-    config = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints.path("llama")), family="olmoe")
-    with pytest.raises(UnsupportedModelError, match="olmoe"):
+    config = dataclasses.replace(ModelConfig.from_pretrained(tiny_checkpoints.path("llama")), family="deepseek_v3")
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
         get_model_class(config)
 
 
@@ -196,6 +196,10 @@ EXPECTED = {
     "phi3": ("phi3", False, False, False, "every_layer"),  # (Phi-3-mini-4k's sliding_window 2047)
     "gemma2": ("gemma2", False, False, False, "every_nth_full"),  # (windowed, full, windowed, ...)
     "gemma3": ("gemma3", False, False, True, "every_nth_full"),  # (five windowed to one full)
+    "qwen2_moe": ("qwen2moe", False, True, False, "from_max_window_layers"),
+    "qwen3_moe": ("qwen3moe", False, False, True, "from_max_window_layers"),
+    "mixtral": ("llama", True, False, False, "every_layer"),  # (converted as a llama with experts)
+    "olmoe": ("olmoe", False, False, True, "none"),  # (its q/k norms span the whole projection)
 }
 
 
