@@ -306,8 +306,9 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
 
 def check_model(server_args: ServerArgs) -> None:
     """UnsupportedModelError (naming the supported architectures) for a checkpoint no family
-    serves, before any child starts: reading its config needs no torch."""
-    ModelConfig.from_pretrained(server_args.resolved_model_path())
+    serves, or whose experts ``--ep-size`` cannot split, before any child starts: reading its
+    config needs no torch."""
+    ModelConfig.from_pretrained(server_args.resolved_model_path(), ep_size=server_args.ep_size)
 
 
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:

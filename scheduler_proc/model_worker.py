@@ -280,6 +280,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         context_length=server_args.context_length,
         tp_rank=tp_rank,
         tp_size=server_args.tp_size,
+        ep_size=server_args.ep_size,
         dp_size=server_args.dp_size,
         random_seed=server_args.random_seed or 0,
         disable_cuda_graph=server_args.disable_cuda_graph,

@@ -16,6 +16,7 @@ class ParallelFlags(Protocol):
     ``runtime.config.server_args``, which imports it)."""
 
     tp_size: int
+    ep_size: int
     dp_size: int
     load_balance_method: str
     base_gpu_id: int
@@ -30,6 +31,14 @@ def add_parallel_args(parser: argparse.ArgumentParser, defaults: ParallelFlags) 
     d = defaults
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tp-size", type=int, default=d.tp_size, help=f"tensor-parallel ranks (default {d.tp_size})")
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        default=d.ep_size,
+        help="expert-parallel ranks of a mixture of experts: the --tp-size ranks form this many groups, "
+        f"each holding whole experts (a divisor of --tp-size; default {d.ep_size}: every rank holds a "
+        "slice of every expert)",
+    )
     g.add_argument("--dp-size", type=int, default=d.dp_size, help=f"data-parallel replicas (default {d.dp_size})")
     g.add_argument(
         "--load-balance-method",
@@ -71,6 +80,8 @@ def check_topology(args: ParallelFlags) -> None:
         raise ValueError(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.tp_size % args.ep_size:
+        raise ValueError(f"--ep-size ({args.ep_size}) must divide --tp-size ({args.tp_size})")
     if args.tp_size % args.nnodes:
         raise ValueError(f"--tp-size ({args.tp_size}) must be a multiple of --nnodes ({args.nnodes})")
     if args.nnodes > 1 and not args.dist_init_addr:

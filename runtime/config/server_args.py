@@ -42,6 +42,7 @@ class ServerArgs:
     dtype: str = "auto"
     quantization: str | None = None  # None: weights dense in --dtype (a GGUF file's dequantized)
     tp_size: int = 1
+    ep_size: int = 1  # of the tp_size ranks: groups that each hold whole experts (a mixture of experts)
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     attention_backend: str = "auto"
@@ -209,6 +210,7 @@ def check_counts(args: ServerArgs) -> None:
     it is one step of ``CHECKS``: split by group it would report a different flag first."""
     for flag, value in (
         ("--tp-size", args.tp_size),
+        ("--ep-size", args.ep_size),
         ("--dp-size", args.dp_size),
         ("--max-prefill-tokens", args.max_prefill_tokens),
         ("--stream-interval", args.stream_interval),

@@ -75,6 +75,7 @@ class ModelRunner:
         context_length: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        ep_size: int = 1,
         dp_size: int = 1,
         random_seed: int = 0,
         load_progress: bool = True,
@@ -102,7 +103,8 @@ class ModelRunner:
         self.random_seed = random_seed
         torch.manual_seed(random_seed)
 
-        self.model_config = ModelConfig.from_pretrained(self.model_path, context_length=context_length)
+        # ep_size: of the tp_size ranks, the groups that each hold whole experts (a mixture of experts)
+        self.model_config = ModelConfig.from_pretrained(self.model_path, context_length=context_length, ep_size=ep_size)
         cfg = self.model_config
         self.context_len = cfg.context_len
         self.vocab_size = cfg.vocab_size

@@ -7,7 +7,7 @@ goes to its ``top_k`` most probable ones, weighted by those probabilities (renor
 them). The routed experts run on the device (``DeviceOps.moe_experts``: tokens grouped by expert,
 one product per routed expert over its tokens, only those experts' weights read) and an optional
 shared expert (Qwen2-MoE) adds its output behind a sigmoid gate. Every choice follows transformers
-op for op: ``torch.topk`` breaks ties the same way, and the experts' outputs are added in ascending
+op for op: the same ``torch.topk`` breaks ties, and the experts' outputs are added in ascending
 expert order, so greedy output equals its ``generate`` token for token.
 
 Parallelism: every rank routes every token (the router is replicated; attention's all-reduce left
@@ -38,7 +38,7 @@ from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> ExpertRouting:
     """Each token's top-k experts from its router ``logits [T, E]`` (the model's dtype), as
-    transformers' routers choose them: softmax in fp32, ``torch.topk`` (ties to the lower id),
+    transformers' routers choose them: softmax in fp32, ``torch.topk`` (ties broken as it breaks them),
     renormalised if the family says so, rounded to ``logits``' dtype if its router rounds."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, moe.top_k, dim=-1)

@@ -27,6 +27,7 @@ EXPECTED_DEFAULTS = {
     "dtype": "auto",
     "quantization": None,
     "tp_size": 1,
+    "ep_size": 1,
     "dp_size": 1,
     "load_balance_method": "round_robin",
     "attention_backend": "auto",
@@ -152,6 +153,8 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "float32",
         "--tp-size",
         "2",
+        "--ep-size",
+        "2",
         "--dp-size",
         "3",
         "--load-balance-method",
@@ -216,7 +219,13 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
     assert (a.host, a.port, a.device, a.dtype) == ("0.0.0.0", 31000, "cpu", "float32")
-    assert (a.tp_size, a.dp_size, a.load_balance_method, a.attention_backend) == (2, 3, "cache_aware", "triton")
+    assert (a.tp_size, a.ep_size, a.dp_size, a.load_balance_method, a.attention_backend) == (
+        2,
+        2,
+        3,
+        "cache_aware",
+        "triton",
+    )
     assert (a.mem_fraction_static, a.max_total_tokens, a.max_running_requests) == (0.5, 1024, 8)
     assert (a.max_prefill_tokens, a.chunked_prefill_size, a.page_size) == (512, -1, 16)
     assert not a.chunked_prefill_enabled
@@ -249,6 +258,8 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"page_size": 3}, "--page-size"),
         ({"page_size": 0}, "--page-size"),
         ({"tp_size": 0}, "--tp-size"),
+        ({"ep_size": 0}, "--ep-size"),
+        ({"tp_size": 3, "ep_size": 2}, r"--ep-size \(2\) must divide --tp-size \(3\)"),
         ({"dp_size": -2}, "--dp-size"),
         ({"max_total_tokens": 0}, "--max-total-tokens"),
         ({"max_running_requests": 0}, "--max-running-requests"),
