@@ -192,7 +192,10 @@ class ModelRunner:
         self.layer_stack: LayerStack | None = self.ops.layer_stack(self.model)
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs:
-            self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
+            if self.ops.graph_safe(self.model):
+                self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
+            else:
+                logger.info("decode runs eagerly: the %s ops cannot capture this model's layers", self.ops.name)
         logger.info(
             "model ready in %.1fs (attention backend %s, %s)",
             time.perf_counter() - start,

@@ -2,6 +2,9 @@
 ``runtime.engine.cuda.kernels`` (falling back to the torch op where a kernel does not take a
 layout). Linears stay cuBLAS (``F.linear``), except weights kept quantized (``--quantization``:
 the dequantizing matmul of ``runtime.engine.cuda.quant_matmul``), and greedy argmax stays torch's.
+A mixture of experts' routed experts run in the fused kernel (``runtime.engine.cuda.moe_kernels``)
+on their weights stacked once at ``prepare_model`` (each expert's parameters then view its rows of
+the stack: one copy in memory); experts kept quantized run the plain expert loop, eagerly.
 
 The kernel module is imported on first use, after ``prepare_triton_for_device``: on a CPU
 (tests, under Triton's interpreter) that is what switches the interpreter on.
@@ -9,15 +12,26 @@ The kernel module is imported on first use, after ``prepare_triton_for_device``:
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from runtime.engine.cuda.triton_common import prepare_triton_for_device
+from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
 from runtime.engine.quant.weight import QuantizedWeight
+
+
+class StackedExperts(NamedTuple):
+    """A sparse MLP layer's local experts as the fused kernel reads them."""
+
+    w13: torch.Tensor  # [E_local, 2 * I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor  # [E_local, H, I]
+    expert_map: torch.Tensor | None  # int32 [E]: global id -> local index, -1 elsewhere; None: all local
 
 
 class TritonOps(TorchOps):
@@ -25,6 +39,29 @@ class TritonOps(TorchOps):
 
     def __init__(self) -> None:
         self._module: ModuleType | None = None
+        # each expert layer's stacked weights (made by prepare_model; gone with the layer)
+        self._stacked: weakref.WeakKeyDictionary[ExpertLayer, StackedExperts] = weakref.WeakKeyDictionary()
+
+    def prepare_model(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, ExpertLayer):
+                stacked = stack_experts(module)
+                if stacked is not None:
+                    self._stacked[module] = stacked
+
+    def graph_safe(self, model: nn.Module) -> bool:
+        return all(m in self._stacked for m in model.modules() if isinstance(m, ExpertLayer))
+
+    def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
+        stacked = self._stacked.get(experts)
+        if stacked is None or stacked.w13.dtype != x.dtype:
+            return super().moe_experts(x, routing, experts)
+        self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
+        from runtime.engine.cuda.moe_kernels import fused_experts
+
+        return fused_experts(
+            x, stacked.w13, stacked.w2, routing.weights, routing.ids, experts.activation, stacked.expert_map
+        )
 
     def _kernels(self, device: torch.device) -> ModuleType:
         if self._module is None:
@@ -81,3 +118,24 @@ class TritonOps(TorchOps):
         import xgrammar  # the grammar engine's own Triton kernel (constrained requests only)
 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="triton")
+
+
+def stack_experts(layer: ExpertLayer) -> StackedExperts | None:
+    """``layer``'s local experts stacked for the fused kernel, their parameters re-pointed at the
+    stack's rows (a later load writes through them into it); None when any expert is kept quantized."""
+    pairs = [layer.expert_weights(e) for e in layer.local_experts]
+    dense = [(g, d) for g, d in pairs if not isinstance(g, QuantizedWeight) and not isinstance(d, QuantizedWeight)]
+    if not dense or len(dense) != len(pairs):
+        return None
+    w13 = torch.stack([g.detach() for g, _ in dense])
+    w2 = torch.stack([d.detach() for _, d in dense])
+    for i, (gate_up, down) in enumerate(dense):
+        gate_up.data, down.data = w13[i], w2[i]
+    expert_map = None
+    if len(layer.local_experts) != layer.num_experts:
+        expert_map = torch.full((layer.num_experts,), -1, dtype=torch.int32, device=w13.device)
+        first = layer.local_experts.start
+        expert_map[first : first + len(layer.local_experts)] = torch.arange(
+            len(layer.local_experts), dtype=torch.int32, device=w13.device
+        )
+    return StackedExperts(w13, w2, expert_map)

@@ -54,6 +54,12 @@ class DeviceOps(Protocol):
         those copies (the CPU's hang off the weight tensors they copy); a layer never sees them."""
         ...
 
+    def graph_safe(self, model: nn.Module) -> bool:
+        """Whether ``model``'s decode forward asks nothing of this device that a CUDA graph cannot
+        capture (a host read of routing, as an expert loop makes); the model runner captures no graph
+        otherwise."""
+        ...
+
     def weight_loaded(self, weight: torch.Tensor) -> None:
         """``weight``'s values were just (re)written by its layer's loader: drop any device copy of
         it (``prepare_model`` makes them again)."""

@@ -40,6 +40,10 @@ class TorchOps:
     def prepare_model(self, model: nn.Module) -> None:
         return None
 
+    def graph_safe(self, model: nn.Module) -> bool:
+        # the expert loop reads each layer's routing on the host
+        return not any(isinstance(m, ExpertLayer) for m in model.modules())
+
     def weight_loaded(self, weight: torch.Tensor) -> None:
         return None  # no device copies
 
