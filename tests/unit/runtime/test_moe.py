@@ -247,6 +247,15 @@ def test_two_ranks_reproduce_one(
         layer = next(m for m in ranks[1].model.modules() if isinstance(m, SparseMoeMLP))
         experts = layer.num_experts
         assert layer.local_experts == range(experts // 2, experts) and len(layer.experts) == experts // 2
+    # the experts' weights are counted where the KV pool is sized: each rank holds about half of them
+    expert_bytes = sum(
+        p.numel() * p.element_size()
+        for m in whole.model.modules()
+        if isinstance(m, SparseMoeMLP)
+        for p in m.experts.parameters()
+    )
+    for runner in ranks:
+        assert whole.weight_bytes() - runner.weight_bytes() >= expert_bytes // 2
 
     # each rank's own serial scheduler (the same batches on both), the memory invariant checked after
     outputs = run_on_ranks(thread_tp_group, lambda rank: generate_greedy(ranks[rank], prompts, NEW_TOKENS))
