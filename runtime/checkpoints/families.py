@@ -56,6 +56,9 @@ class MoeKeys:
     # routing weights rounded to the model's dtype before they scale the experts' outputs (transformers'
     # Qwen and OLMoE routers); False: kept in fp32 (Mixtral's router)
     weights_in_model_dtype: bool = True
+    # whether a GGUF file renormalises when it does not say (``{arch}.expert_weights_norm``): llama.cpp's
+    # graph and transformers' GGUF loader renormalise Qwen3-MoE's and not Qwen2-MoE's or OLMoE's
+    gguf_renormalize: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ _GEMMA_QUERY_SCALE: tuple[str, str, float | None] = ("attention.key_length", "qu
 
 # (transformers 5 writes Qwen3-MoE's expert count as num_local_experts; released configs say num_experts)
 _QWEN_MOE = MoeKeys(("num_experts", "num_local_experts"), "moe_intermediate_size", "norm_topk_prob")
+_QWEN3_MOE = MoeKeys(
+    ("num_experts", "num_local_experts"), "moe_intermediate_size", "norm_topk_prob", gguf_renormalize=True
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), ("llama",)),
@@ -181,7 +187,7 @@ FAMILIES: tuple[Family, ...] = (
         ("qwen3moe",),
         qk_norm=True,
         window_rule=WindowRule.FROM_MAX_WINDOW_LAYERS,
-        moe=_QWEN_MOE,
+        moe=_QWEN3_MOE,
     ),
     # llama.cpp converts Mixtral as ``llama`` with expert tensors
     Family(
@@ -199,6 +205,9 @@ FAMILIES: tuple[Family, ...] = (
         qk_norm=True,
         qk_norm_span="projection",
         moe=MoeKeys(("num_experts",), "intermediate_size", "norm_topk_prob"),
+        # llama.cpp's OLMo converter states clip_qkv so (its OLMoE converter drops it: released
+        # OLMoE configs have none); a file that states it gets it
+        gguf_float_keys=(("attention.clamp_kqv", "clip_qkv", None),),
     ),
 )
 
@@ -212,12 +221,21 @@ BY_GGUF_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
 
 
-def family_of_gguf(architecture: str, general_name: str) -> Family | None:
-    """The family of a GGUF file whose ``general.architecture`` is ``architecture`` and whose
-    ``general.name`` is ``general_name``; None: not a family we serve."""
-    for family in FAMILIES:
-        if family.gguf_converted_as == architecture and family.name in general_name.lower():
+def family_of_gguf(architecture: str, general_name: str, expert_count: int = 0) -> Family | None:
+    """The family of a GGUF file whose ``general.architecture`` is ``architecture``, whose
+    ``general.name`` is ``general_name`` and whose ``{arch}.expert_count`` is ``expert_count``; None:
+    not a family we serve. Of the families converted as another's architecture, only the mixtures
+    of experts are candidates for a file with experts and only the dense ones for one without: a
+    ``llama`` file with experts is Mixtral whatever its name ("mistralai_Mixtral-8x7B" names Mistral
+    too), one without is never Mixtral."""
+    converted = [
+        f for f in FAMILIES if f.gguf_converted_as == architecture and (f.moe is not None) == (expert_count > 0)
+    ]
+    for family in converted:
+        if family.name in general_name.lower():
             return family
+    if expert_count > 0 and len(converted) == 1:
+        return converted[0]
     return BY_GGUF_ARCHITECTURE.get(architecture)
 
 

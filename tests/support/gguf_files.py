@@ -8,11 +8,16 @@ embeddings are tied, Gemma's norm weights stored plus the family's ``gguf_norm_o
 head size, window and float keys (``gguf_float_keys``, checked against gguf-py's ``Keys``), and
 the byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata that transformers can convert back.
 The family is the family table's entry for the config's ``architectures`` (Gemma 3's
-``model_type``, ``gemma3_text``, is no family's name). ``write_tensors_gguf`` writes bare tensors of any supported
-GGML type (for the dequantization tests, whose K-quant shapes the tiny models are too
-narrow for). Broken files: ``write_checkpoint_gguf``'s options give an unsupported
-architecture, a tensor of the wrong shape or a missing one; ``truncate`` and
-``set_tensor_type_number`` damage a written file the ways a download or a newer converter can.
+``model_type``, ``gemma3_text``, is no family's name). A mixture of experts gets llama.cpp's expert
+keys and its experts stacked into ``ffn_{gate,up,down}_exps`` (or, ``expert_form="per_expert"``, the
+older converter's ``ffn_gate.{e}`` tensors of Mixtral files); a quantized file keeps the router F32
+and the shared-expert gate 1-D F32, as llama.cpp's quantizer leaves them; the dense blocks of a
+mixture whose llama.cpp table has none (Qwen's) take the dense names (``ffn_up``).
+``write_tensors_gguf`` writes bare tensors of any supported GGML type (for the dequantization
+tests, whose K-quant shapes the tiny models are too narrow for). Broken files:
+``write_checkpoint_gguf``'s options give an unsupported architecture, a tensor of the wrong shape or
+a missing one; ``truncate`` and ``set_tensor_type_number`` damage a written file the ways a download
+or a newer converter can.
 
 Types gguf-py can quantize are quantized from the values; for the K-quants (which gguf-py
 only dequantizes) valid random blocks of the values' spread are written instead, so the
@@ -24,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from runtime.checkpoints.families import BY_ARCHITECTURE, WindowRule, gguf_architecture_of
+from runtime.checkpoints.families import BY_ARCHITECTURE, MoeKeys, WindowRule, gguf_architecture_of
 from runtime.checkpoints.gguf.config import needs_qk_unpermute
 
 # Byte offsets of the fp16 scale fields inside one block of each K-quant type (gguf-py's layouts).
@@ -42,6 +48,19 @@ KQUANT_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
 }
 
 TensorHook = Callable[[str, np.ndarray], "np.ndarray | None"]
+
+# An expert's projection in an HF checkpoint (Mixtral's block_sparse_moe w1/w3/w2 or mlp.*_proj)
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PROJECTIONS = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
+_HF_DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
+_UNQUANTIZED = ("F32", "F16", "BF16")
 
 
 @contextlib.contextmanager
@@ -173,6 +192,7 @@ def write_checkpoint_gguf(
     tensor_hook: TensorHook | None = None,
     extra: Callable[[Any], None] | None = None,
     seed: int = 0,
+    expert_form: str = "merged",
 ) -> Path:
     """The HF checkpoint folder ``src`` as the GGUF file ``out``, as llama.cpp's converter writes it.
 
@@ -185,7 +205,8 @@ def write_checkpoint_gguf(
     compared with it must not need them).
     ``tensor_hook(gguf_name, hf_order_values)`` may replace a tensor's values before it is
     permuted and encoded, or drop it by returning None. ``extra(writer)`` may add metadata
-    keys or tensors of its own (the GGUFWriter, before any tensor is written).
+    keys or tensors of its own (the GGUFWriter, before any tensor is written). ``expert_form``: a
+    mixture's experts ``merged`` into ``*_exps`` tensors or ``per_expert`` (older Mixtral files).
     """
     import gguf
     import torch
@@ -240,6 +261,8 @@ def write_checkpoint_gguf(
             writer.add_float32(_gguf_key(arch, key).format(arch=written_arch), value)
     if arch == "llama":  # llama.cpp's llama converter writes it; for Qwen the token count says it
         writer.add_vocab_size(config.vocab_size)
+    if family.moe is not None:
+        _add_expert_keys(writer, config, family.moe)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_tokenizer(writer, src, config)
@@ -251,24 +274,48 @@ def write_checkpoint_gguf(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
     )
     state = load_file(str(src / "model.safetensors"))
-    for hf_name in sorted(state):
-        if tied and hf_name == "lm_head.weight":
-            continue
-        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
-        values: np.ndarray | None = state[hf_name].to(torch.float32).numpy()
-        if tensor_hook is not None:
-            values = tensor_hook(name, values)
-            if values is None:
-                continue
+
+    def add(name: str, values: np.ndarray) -> None:
+        hooked = tensor_hook(name, values) if tensor_hook is not None else values
+        if hooked is None:
+            return
+        values = hooked
         if family.gguf_norm_offset and name.endswith("norm.weight"):  # (Gemma: stored as 1 + w)
             values = values + np.float32(family.gguf_norm_offset)
         if needs_qk_unpermute(arch) and (".attn_q." in name or ".attn_k." in name):
             values = llama_permute(values, heads if ".attn_q." in name else kv_heads)
         type_name = "F32" if values.ndim == 1 else (types or {}).get(name, weight_type)
-        array, raw_dtype = encode(values, type_name, rng)
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        if weight_type not in _UNQUANTIZED and name not in (types or {}):  # llama.cpp's quantizer:
+            if name.endswith(".ffn_gate_inp.weight"):  # the router is never quantized
+                type_name = "F32"
+            elif name.endswith(".ffn_gate_inp_shexp.weight"):  # [1, H] rewritten 1-D
+                values, type_name = values.reshape(-1), "F32"
+        array, raw_dtype = encode(values.reshape(-1, values.shape[-1]), type_name, rng)
+        writer.add_tensor(name, array.reshape(*values.shape[:-1], array.shape[-1]), raw_dtype=raw_dtype)
+
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for hf_name in sorted(state):
+        if tied and hf_name == "lm_head.weight":
+            continue
+        values = state[hf_name].to(torch.float32).numpy()
+        expert = _HF_EXPERT.match(hf_name)
+        if expert is not None:
+            projection = _EXPERT_PROJECTIONS[expert.group(3)]
+            experts.setdefault((int(expert.group(1)), projection), {})[int(expert.group(2))] = values
+            continue
+        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        dense = _HF_DENSE_MLP.match(hf_name) if family.moe is not None else None
+        if name is None and dense is not None:  # (a dense block of a mixture: llama.cpp's dense names)
+            name = f"blk.{dense.group(1)}.ffn_{dense.group(2)}.weight"
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        add(name, values)
+    for (layer, projection), by_expert in sorted(experts.items()):
+        if expert_form == "merged":  # (the expert is GGUF's outermost dimension)
+            add(f"blk.{layer}.ffn_{projection}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
+        else:
+            for e, values in sorted(by_expert.items()):
+                add(f"blk.{layer}.ffn_{projection}.{e}.weight", values)
     if rope_scaling and rope.get("rope_type") == "llama3":  # as llama.cpp's llama converter: a divisors tensor
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     if longrope:
@@ -276,6 +323,17 @@ def write_checkpoint_gguf(
             writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     _finish(writer)
     return out
+
+
+def _add_expert_keys(writer: Any, config: Any, keys: MoeKeys) -> None:
+    """A mixture's keys as llama.cpp's converters write them: expert and top-k counts, the routed
+    experts' size where it is not ``feed_forward_length`` (Qwen's) and the shared expert's."""
+    writer.add_expert_count(next(int(getattr(config, k)) for k in keys.experts_keys if getattr(config, k, None)))
+    writer.add_expert_used_count(int(config.num_experts_per_tok))
+    if keys.expert_size_key != "intermediate_size":
+        writer.add_expert_feed_forward_length(int(getattr(config, keys.expert_size_key)))
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(int(config.shared_expert_intermediate_size))
 
 
 def llama_cpp_rope_freqs(rope: Mapping[str, Any], dim: int) -> np.ndarray:

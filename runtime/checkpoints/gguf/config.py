@@ -9,7 +9,9 @@ table's (``runtime.checkpoints.families``). Mistral checkpoints are usually conv
 interleaves the rows of each Q and K head for its RoPE, which the weight reader undoes
 (``needs_qk_unpermute``), and stores Gemma's norm weights plus one, which it subtracts again
 (``Family.gguf_norm_offset``). Tied embeddings: no ``output.weight`` tensor. RoPE scaling that
-llama.cpp stores as tensors (LongRoPE's factors, Llama 3.1's ``rope_freqs``) is read here too.
+llama.cpp stores as tensors (LongRoPE's factors, Llama 3.1's ``rope_freqs``) is read here too, and a
+mixture of experts' keys and expert tensors (``runtime.checkpoints.gguf.experts``; Mixtral is a
+``llama`` file with experts).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from runtime.checkpoints.families import (
     WindowRule,
     family_of_gguf,
 )
+from runtime.checkpoints.gguf.experts import expert_count, moe_config, shape_matches, sparse_block_shapes, sparse_layer
 from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError
 from runtime.checkpoints.gguf.rope_freqs import TENSOR as ROPE_FREQS
 from runtime.checkpoints.gguf.rope_freqs import rope_freqs_scaling
@@ -37,7 +40,7 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     """The ``config.json`` dict for ``contents``; GGUFError for an architecture we do not serve
     or metadata that is missing or inconsistent."""
     arch = contents.architecture
-    family = family_of_gguf(arch, str(contents.metadata.get("general.name", "")))
+    family = family_of_gguf(arch, str(contents.metadata.get("general.name", "")), expert_count(contents))
     if family is None:
         raise GGUFError(
             f"{contents.path}: unsupported architecture {arch or '(none)'!r} in general.architecture; "
@@ -108,6 +111,7 @@ def hf_config(contents: GGUFContents) -> dict[str, Any]:
     ]
     if eos:
         config["eos_token_id"] = eos[0] if len(set(eos)) == 1 else sorted(set(eos), key=eos.index)
+    config.update(moe_config(contents, family, config["num_hidden_layers"], config["intermediate_size"]))
     check_tensor_shapes(contents, config)
     return config
 
@@ -158,10 +162,13 @@ def _longrope(contents: GGUFContents) -> dict[str, Any]:
     return scaling
 
 
-def expected_shapes(config: dict[str, Any], fused: bool = False) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    config: dict[str, Any], fused: bool = False, merged_experts: bool = True
+) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> the shape (rows first) the config implies, for every tensor the model
     reads; ``fused``: the file stores q, k and v rows in one ``attn_qkv`` and gate and up rows in
-    ``ffn_up`` (llama.cpp's ``phi3``)."""
+    ``ffn_up`` (llama.cpp's ``phi3``); ``merged_experts``: a mixture's experts in ``*_exps`` tensors,
+    else one tensor per expert (older Mixtral files)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -190,18 +197,26 @@ def expected_shapes(config: dict[str, Any], fused: bool = False) -> dict[str, tu
             block.update({"attn_qkv.weight": (q_rows + 2 * kv_rows, hidden), "ffn_up.weight": (2 * inter, hidden)})
         if config["attention_bias"] or family.always_qkv_bias:
             block.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
-        if family.qk_norm:
-            block.update({"attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],)})
+        if family.qk_norm:  # (OLMoE's norms span the whole projection)
+            whole = family.qk_norm_span == "projection"
+            q_norm, k_norm = (q_rows, kv_rows) if whole else (config["head_dim"], config["head_dim"])
+            block.update({"attn_q_norm.weight": (q_norm,), "attn_k_norm.weight": (k_norm,)})
         block.update({f"{norm}.weight": (hidden,) for norm in family.gguf_block_norms})
+        if family.moe is not None and sparse_layer(config, i):
+            for name in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+                del block[name]
+            block.update(sparse_block_shapes(config, family.moe, merged_experts))
         shapes.update({f"blk.{i}.{name}": shape for name, shape in block.items()})
     return shapes
 
 
 def check_tensor_shapes(contents: GGUFContents, config: dict[str, Any]) -> None:
     """GGUFError naming the first tensor that is missing or whose shape disagrees with the metadata."""
-    for name, shape in expected_shapes(config, fused="blk.0.attn_qkv.weight" in contents.tensors).items():
+    fused = "blk.0.attn_qkv.weight" in contents.tensors
+    merged = not any(".ffn_gate.0.weight" in name for name in contents.tensors)  # (older Mixtral: per expert)
+    for name, shape in expected_shapes(config, fused, merged).items():
         entry = contents.tensors.get(name)
         if entry is None:
             raise GGUFError(f"{contents.path}: tensor {name} is missing")
-        if entry.shape != shape:
+        if not shape_matches(name, entry.shape, shape):
             raise GGUFError(f"{contents.path}: tensor {name} has shape {entry.shape}, but the metadata implies {shape}")

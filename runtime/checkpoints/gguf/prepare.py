@@ -116,12 +116,20 @@ def _write_tokenizer(contents: GGUFContents, out: Path) -> None:
     if "tokenizer.ggml.model" not in contents.metadata:
         logger.warning("%s has no tokenizer (no tokenizer.ggml.* metadata)", contents.path)
         return
-    from transformers import AutoTokenizer  # lazy: a slow import
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: a slow import
 
+    folder, name = str(contents.path.parent), contents.path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(contents.path.parent), gguf_file=contents.path.name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, NotImplementedError) as exc:
-        raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
+        # AutoTokenizer first reads the model's config from the file, which transformers' GGUF
+        # loader refuses for architectures it does not load (OLMoE's): the fast tokenizer it builds
+        # from the same tokenizer.ggml.* metadata does without that config.
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        except (ValueError, KeyError, NotImplementedError):
+            raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
+        logger.info("%s: tokenizer converted without a model config (%s)", contents.path, exc)
     tokenizer.save_pretrained(str(out))
     _drop_tokens_beyond_the_file(out, int(contents.metadata["tokenizer.ggml.tokens#count"]))
     os.chmod(out, 0o755)

@@ -12,6 +12,12 @@ llama.cpp's llama converter stores each Q/K head's rows interleaved (its RoPE ro
 adjacent pairs, ours and transformers' rotate halves); ``GGUFWeight`` undoes that per head. Its
 Gemma converter stores norm weights plus one (the family's ``gguf_norm_offset``), which
 ``GGUFWeight`` subtracts again, as transformers' GGUF loader does.
+
+A mixture of experts' merged ``*_exps`` tensors are read as one 2-D tensor per expert
+(``runtime.checkpoints.gguf.experts.expert_entry``: each expert's bytes lie together), each a
+``GGUFWeight`` of its own: a rank that holds only some experts (``--ep-size``) reads only theirs, the
+dense load dequantizes only the experts loaded, and under ``--quantization gguf`` each expert's
+projections keep their blocks, rows (gate/up) or whole blocks of columns (down) alike.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from runtime.checkpoints.families import BY_NAME
+from runtime.checkpoints.gguf.experts import as_matrix, dense_mlp_name, expert_tensors
 from runtime.checkpoints.gguf.reader import GGUFError, TensorEntry
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.quant.gguf_blocks import KEPT_TYPES, from_gguf
@@ -162,7 +169,8 @@ def open_mapped(path: Path, size: int, mtime_ns: int) -> np.ndarray:
 
 def hf_tensor_names(architecture: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
     """GGUF tensor name -> HF name, for the HF names the model loads, from the ``gguf``
-    package's own name table (llama.cpp's converter writes by it)."""
+    package's own name table (llama.cpp's converter writes by it). Experts are not in it
+    (``runtime.checkpoints.gguf.experts`` names them)."""
     import gguf
 
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == architecture), gguf.MODEL_ARCH.LLAMA)
@@ -175,6 +183,22 @@ def hf_tensor_names(architecture: str, num_layers: int, hf_names: Iterable[str])
     return mapping
 
 
+def _model_tensors(
+    entry: TensorEntry, names: dict[str, str], wanted: set[str], moe: bool
+) -> Iterator[tuple[str, TensorEntry]]:
+    """``(model name, tensor)`` for each tensor of ``entry`` the model reads: itself under its table
+    name, or (a mixture of experts) its experts, or a dense block's MLP tensor, which the MoE name
+    tables lack."""
+    name = names.get(entry.name)
+    if name is not None:
+        yield name, as_matrix(entry)
+    elif moe:
+        yield from expert_tensors(entry, wanted)
+        dense = dense_mlp_name(entry.name)
+        if dense is not None and dense in wanted:
+            yield dense, entry
+
+
 def iterate_gguf_weights(
     folder: Path, hf_names: Iterable[str], config: ModelConfig, progress: bool = True, keep_quantized: bool = False
 ) -> Iterator[tuple[str, GGUFWeight]]:
@@ -185,15 +209,17 @@ def iterate_gguf_weights(
 
     index = GGUFIndex.read(folder)
     data = open_mapped(index.file, index.size, index.mtime_ns)
-    names = hf_tensor_names(index.architecture, config.num_hidden_layers, hf_names)
+    wanted = set(hf_names)
+    names = hf_tensor_names(index.architecture, config.num_hidden_layers, wanted)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     norm_offset = BY_NAME[config.family].gguf_norm_offset
     for entry in tqdm(index.tensors, desc=f"Loading {index.file.name}", unit="tensor", disable=not progress):
-        name = names.get(entry.name)
-        if name is None:
+        tensors = list(_model_tensors(entry, names, wanted, config.moe is not None))
+        if not tensors:
             logger.debug("GGUF tensor %s is not used by this model", entry.name)
             continue
         kind = entry.name.split(".")[2] if entry.name.startswith("blk.") else ""
         qk_heads = heads.get(kind) if index.unpermute_qk else None
         offset = norm_offset if entry.name.endswith("norm.weight") else 0.0
-        yield name, GGUFWeight(data, entry, name, qk_heads, keep_quantized, offset)
+        for name, tensor in tensors:
+            yield name, GGUFWeight(data, tensor, name, qk_heads, keep_quantized, offset)

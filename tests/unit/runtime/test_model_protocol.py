@@ -31,9 +31,10 @@ from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import MODEL_CLASSES, get_model_class
 from runtime.engine.ops import DecoderLayerWeights, RopeInputs
 from tests.support import REPO_ROOT
+from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.gguf_files import write_checkpoint_gguf
 
-FAMILY_CHECKPOINTS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILY_CHECKPOINTS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", *MOE_CHECKPOINT_NAMES)
 
 
 def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoints) -> None:
