@@ -101,6 +101,8 @@ class TorchOps:
         return F.gelu(gate, approximate="tanh").mul_(up)  # as transformers' GELUTanh, then the product
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._one_token_experts(x, routing, experts)
         # the (token, choice) pairs sorted by expert once; then one product per routed expert over its tokens
         top_k = routing.ids.shape[1]
         order = torch.argsort(routing.ids.reshape(-1), stable=True)
@@ -117,6 +119,20 @@ class TorchOps:
             hidden = experts.act_and_mul(self, x.index_select(0, tokens), gate_up, None)
             weighted = self.linear(hidden, down, None) * flat_weights.index_select(0, pairs).unsqueeze(1)
             out.index_add_(0, tokens, weighted.to(x.dtype))
+        return out
+
+    def _one_token_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
+        """``moe_experts`` of one token (a decode step of one request): no grouping, no scatter; the
+        same products and the same additions in the same (ascending expert) order."""
+        ids = routing.ids[0].tolist()
+        weights = routing.weights.reshape(-1, 1)
+        out = torch.zeros_like(x)
+        for choice in sorted(range(len(ids)), key=ids.__getitem__):
+            if ids[choice] not in experts.local_experts:
+                continue
+            gate_up, down = experts.expert_weights(ids[choice])
+            hidden = experts.act_and_mul(self, x, gate_up, None)
+            out.add_((self.linear(hidden, down, None) * weights[choice]).to(x.dtype))
         return out
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
