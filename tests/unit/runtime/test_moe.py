@@ -289,3 +289,26 @@ def test_expert_parallelism_is_checked_against_the_model(tiny_checkpoints: TinyC
         ModelConfig.from_pretrained(tiny_checkpoints.path("olmoe"), ep_size=4)
     with pytest.raises(UnsupportedModelError, match="needs a mixture-of-experts model"):
         ModelConfig.from_pretrained(tiny_checkpoints.path("llama"), ep_size=2)
+
+
+def test_int8_keeps_every_expert_quantized_and_the_routers_dense(tiny_checkpoints: TinyCheckpoints) -> None:
+    """``--quantization int8`` on Qwen2-MoE: every expert's (and the shared expert's) projections kept
+    as int8, both routers dense; the first step's log-probabilities stay close to the dense model's
+    and the memory invariant holds after serving."""
+    path = tiny_checkpoints.path("qwen2_moe")
+    dense, int8 = _runner(path), _runner(path, quantization="int8")
+    layer = next(m for m in int8.model.modules() if isinstance(m, SparseMoeMLP))
+    assert all(isinstance(w, QuantizedWeight) for e in layer.local_experts for w in layer.expert_weights(e))
+    assert layer.shared_expert is not None and isinstance(layer.shared_expert.down_proj.weight, QuantizedWeight)
+    assert layer.shared_expert_gate is not None
+    assert not isinstance(layer.gate.weight, QuantizedWeight) and not isinstance(
+        layer.shared_expert_gate.weight, QuantizedWeight
+    )
+    prompts = [random_prompt(n, dense.vocab_size, seed=7 + n) for n in (4, 19)]
+    first = []
+    for runner in (dense, int8):
+        harness = Harness(runner)
+        first.append([r.logprobs[0] for r in harness.generate(prompts, 1, return_logprob=True)])
+        harness.reset()
+    assert first[1] == pytest.approx(first[0], abs=0.1)
+    assert len(generate_greedy(int8, prompts, NEW_TOKENS)) == len(prompts)
