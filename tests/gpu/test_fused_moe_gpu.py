@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.moe_cases import expert_case
 from tests.support.triton_interp import run_compiled_when_interpreting
 
 DTYPES = [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 4e-2)]
@@ -38,21 +39,7 @@ def _case(
     seed: int,
     weights_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Random activations and experts on the GPU (scaled so every stage is O(1)); each token picks
-    ``top_k`` distinct experts with softmax weights."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
-    weights = torch.rand(tokens, top_k, generator=gen).softmax(dim=1)
-    return dict(
-        x=x.to("cuda", dtype),
-        w13=w13.to("cuda", dtype),
-        w2=w2.to("cuda", dtype),
-        topk_weights=weights.to("cuda", weights_dtype),
-        topk_ids=ids.to("cuda"),
-    )
+    return expert_case(tokens, experts, top_k, hidden, inter, seed, dtype, weights_dtype, device="cuda")
 
 
 def _check(case: dict[str, Any], activation: str, tol: float, expert_map: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
 from runtime.engine.cuda.moe_align import align_pairs_to_blocks, max_padded_pairs  # noqa: E402
 from runtime.engine.cuda.moe_kernels import fused_experts, reference_experts  # noqa: E402
+from tests.support.moe_cases import expert_case  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
 
 FP32 = torch.float32
@@ -75,16 +76,7 @@ def _case(
     weights_dtype: torch.dtype = FP32,
     ids: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """Random activations and experts (scaled so every stage is O(1)); each token picks ``top_k``
-    distinct experts (or ``ids``), with softmax-like weights."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    if ids is None:
-        ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
-    weights = torch.rand(tokens, top_k, generator=gen).softmax(dim=1).to(weights_dtype)
-    return dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids.to(torch.int64))
+    return expert_case(tokens, experts, top_k, hidden, inter, seed, dtype, weights_dtype, ids)
 
 
 def _check(case: dict[str, Any], activation: str, expert_map: torch.Tensor | None = None) -> torch.Tensor:
