@@ -36,6 +36,9 @@ class FrontDoor(Protocol):
     def start_drain(self, why: str) -> bool:
         """Start the graceful drain (``POST /drain``); False when it had started already."""
 
+    def model_info(self) -> dict[str, Any]:
+        """The model and the sampling defaults in force (``GET /get_model_info``)."""
+
     def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies (chunks, errors) go to."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from typing import Any, Literal
 
@@ -42,6 +43,9 @@ _OPENAI_NAMES = {
     "input_ids": "prompt",
     "json_schema": "response_format",
 }
+# A server field name in a refusal's message: ``sampling_params.<field>``, or one of those named otherwise in
+# OpenAI's schema (a bare "prompt" or "stop" is left alone: the same word in both).
+_SERVER_NAME = re.compile(r"\bsampling_params\.(\w+)|\b(?<!\.)(max_new_tokens|min_new_tokens|top_logprobs_num)\b")
 # ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Known OpenAI fields this server cannot honour: a 400 naming the field says why (a silent
@@ -396,12 +400,20 @@ class NativeGenerateReq(BaseModel):
         ], batch
 
 
-def openai_param(field: str | None, chat: bool) -> str | None:
-    """The request field a SamplingParams field came from."""
+def openai_param(field: str | None, chat: bool, body: BaseModel | None = None) -> str | None:
+    """The request field a SamplingParams field came from. ``body`` (the request, when known) tells a
+    chat request's ``max_tokens`` from its ``max_completion_tokens``: the error names the one it sent."""
     if field is None:
         return None
     if field == "top_logprobs_num":
         return "top_logprobs" if chat else "logprobs"
     if field == "max_new_tokens" and chat:
-        return "max_completion_tokens"
+        legacy = body is not None and getattr(body, "max_completion_tokens", None) is None
+        return "max_tokens" if legacy and getattr(body, "max_tokens", None) is not None else "max_completion_tokens"
     return _OPENAI_NAMES.get(field, field)
+
+
+def openai_message(message: str, chat: bool, body: BaseModel | None = None) -> str:
+    """A refusal's message in the client's names: ``sampling_params.X`` and the server's own field
+    names (``max_new_tokens``, ...) become the OpenAI fields the values came from."""
+    return _SERVER_NAME.sub(lambda m: openai_param(m.group(1) or m.group(2), chat, body) or m.group(0), message)

@@ -33,6 +33,7 @@ from runtime.text.tokenizer import load_tokenizer
 from tokenizer_proc.drain import Drain
 from tokenizer_proc.limits import default_max_request_bytes, send_hwm
 from tokenizer_proc.request_builder import ModelLimits
+from tokenizer_proc.sampling_defaults import SamplingDefaults
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, ready_conn: Conne
         max_total_tokens=int(info["max_total_tokens"]),
     )
     metrics = Metrics(http.model_name) if server_args.enable_metrics else None
-    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler, metrics)
+    sampling_defaults = SamplingDefaults.load(server_args)
+    sampling_defaults.log()
+    manager = TokenizerManager(server_args, tokenizer, limits, router, to_scheduler, metrics, sampling_defaults)
     manager.processes = dict(info.get("processes") or {})
 
     async def drained() -> None:

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import msgspec
 
@@ -89,12 +89,16 @@ class RequestBuilder:
         limits: ModelLimits,
         grammar_backend: str = "xgrammar",
         request_timeout: float | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammar_backend = grammar_backend  # "none": constrained requests are refused
         self.request_timeout = request_timeout  # --request-timeout: the deadline of requests without deadline_s
         self.max_prompt_bytes = max_prompt_bytes(limits.max_req_input_len)
+        # The model's sampling defaults (tokenizer_proc/sampling_defaults.py), checked at start-up: for
+        # the fields a request leaves unset, so the scheduler receives complete params.
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     def build(self, req: GenerateReq, arrived: float | None = None) -> list[TokenizedGenerateReq]:
         """One scheduler request per sample (``n`` of them, with fresh internal rids). ``arrived``
@@ -144,8 +148,11 @@ class RequestBuilder:
     # ------------------------------------------------------------------ pieces
 
     def _sampling_params(self, req: GenerateReq) -> SamplingParams:
+        given = req.sampling_params
+        if self.sampling_defaults and (given is None or isinstance(given, dict)):
+            given = {**self.sampling_defaults, **(given or {})}  # the request's own values win
         try:
-            params = SamplingParams.from_dict(req.sampling_params)
+            params = SamplingParams.from_dict(given)
             _check_stop_strs(params.stop_strs)
             params.validate(self.limits.vocab_size)
         except SamplingParamsError as exc:

@@ -69,6 +69,7 @@ from tokenizer_proc.output_routing import OutputRouter
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
 from tokenizer_proc.request_table import RequestTable
 from tokenizer_proc.routing_state import ReqGroup, SampleState
+from tokenizer_proc.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,18 @@ class TokenizerManager:
         router: AsyncRouter,
         to_scheduler: PushSocket[Any],
         metrics: Metrics | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.server_args = server_args
         self.limits = limits
+        # Where unset sampling fields come from (--sampling-defaults); none given: the built-in ones.
+        self.sampling_defaults = sampling_defaults or SamplingDefaults(server_args.sampling_defaults)
         self.builder = RequestBuilder(
-            tokenizer, limits, grammar_backend=server_args.grammar_backend, request_timeout=server_args.request_timeout
+            tokenizer,
+            limits,
+            grammar_backend=server_args.grammar_backend,
+            request_timeout=server_args.request_timeout,
+            sampling_defaults=self.sampling_defaults.values,
         )
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
@@ -313,6 +321,16 @@ class TokenizerManager:
     def context_len(self) -> int:
         return self.limits.context_len
 
+    def model_info(self) -> dict[str, Any]:
+        """GET /get_model_info (SGLang's route): the model, and the sampling defaults in force."""
+        return {
+            "model_path": self.server_args.model_path,
+            "tokenizer_path": self.server_args.resolved_tokenizer_path(),
+            "is_generation": True,
+            "context_len": self.limits.context_len,
+            **self.sampling_defaults.info(),
+        }
+
     def open_local(self) -> tuple[bytes, "asyncio.Queue[Any]"]:
         """A new local client: its identity, and the queue its replies go to."""
         return self.replies.open_local_queue()
@@ -378,6 +396,7 @@ class TokenizerManager:
             "context_len": self.limits.context_len,
             "max_req_input_len": self.limits.max_req_input_len,
             "max_total_tokens": self.limits.max_total_tokens,
+            **self.sampling_defaults.info(),
         }
         info["server_args"] = self.server_args.redacted()
         info["processes"] = self.processes

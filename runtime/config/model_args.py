@@ -1,6 +1,7 @@
 """The "model" flags: which checkpoint and tokenizer to serve, under which name, with which chat
-template and context length. What a ``--model-path`` may name is ``runtime.checkpoints.model_source``'s
-business; this module only words the flags and refuses a reference that names nothing."""
+template, context length and sampling defaults. What a ``--model-path`` may name is
+``runtime.checkpoints.model_source``'s business; this module only words the flags and refuses a
+reference that names nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from runtime.checkpoints.model_source import (
     TINY_MODEL,
     is_model_reference,
 )
+from runtime.config.flag_checks import choice
+
+# SGLang's --sampling-defaults: "model" fills the sampling fields a request leaves unset from the
+# model's generation_config.json; "openai" keeps the built-in (OpenAI's) values, temperature 1.0.
+SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
 
 
 class ModelFlags(Protocol):
@@ -27,6 +33,7 @@ class ModelFlags(Protocol):
     chat_template: str | None
     tokenizer_path: str | None
     context_length: int | None
+    sampling_defaults: str
 
 
 def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> None:
@@ -75,6 +82,18 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         default=d.context_length,
         help="maximum tokens per request, prompt + output (default: the model's config)",
     )
+    g.add_argument(
+        "--sampling-defaults",
+        type=str,
+        default=d.sampling_defaults,
+        choices=SAMPLING_DEFAULTS_CHOICES,
+        help="where the sampling fields a request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) come from: model takes the model's generation_config.json (for "
+        f"{DEFAULT_MODEL}: temperature 0.2, top_p 0.9, its model card's), then the built-in "
+        "defaults; openai only the built-in (OpenAI's) ones, temperature 1.0 and top_p 1.0. "
+        "A request's own values always win; GET /get_model_info shows the defaults in force "
+        f"(default {d.sampling_defaults})",
+    )
 
 
 def check_model_paths(args: ModelFlags) -> None:
@@ -92,3 +111,8 @@ def check_chat_template(args: ModelFlags) -> None:
     """The template is read in the tokenizer process: a missing file is reported here instead."""
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template {args.chat_template!r} is not a file")
+
+
+def check_sampling_defaults(args: ModelFlags) -> None:
+    """argparse checks the command line; a ``ServerArgs`` built in code is checked here."""
+    choice("--sampling-defaults", args.sampling_defaults, SAMPLING_DEFAULTS_CHOICES)

@@ -88,6 +88,8 @@ class ServerArgs:
     http_port: int | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
+    # Where unset sampling fields come from (runtime/config/model_args.py): the model's, or OpenAI's.
+    sampling_defaults: str = "model"
     enable_metrics: bool = False
     log_requests: bool = False
     decode_log_interval: int = 40
@@ -246,6 +248,7 @@ CHECKS: tuple[Callable[[ServerArgs], None], ...] = (
     model_args.check_model_paths,
     output_args.check_parsers,
     model_args.check_chat_template,
+    model_args.check_sampling_defaults,
     front_door_args.check_addresses,
     check_counts,
     front_door_args.check_timeouts,

@@ -1,4 +1,4 @@
-"""The operational routes: health (/health, /health_generate), server info, cache flush, the
+"""The operational routes: health (/health, /health_generate), server and model info, cache flush, the
 graceful drain and Prometheus metrics. None of them generates for a client: they are what a load
 balancer, a supervisor or an operator calls, and most are one control round trip to the scheduler
 (tokenizer_proc/control.py)."""
@@ -62,6 +62,14 @@ async def health_generate(request: Request, http: Http) -> Response:
 @router.get("/get_server_info")
 async def server_info(request: Request, http: Http) -> JSONResponse:
     return JSONResponse(await _control(http, request, ServerInfoReq(rid="server_info")))
+
+
+@router.get("/get_model_info")
+async def model_info(request: Request, http: Http) -> JSONResponse:
+    """SGLang's model info, with the sampling defaults in force (--sampling-defaults): answered by the
+    front door alone, as nothing of it is the scheduler's."""
+    http.authorize(request)
+    return JSONResponse({**http.ready_door().model_info(), "served_model_name": http.model_name})
 
 
 @router.post("/flush_cache")

@@ -74,12 +74,18 @@ async def _bad_request(request: Request, exc: oai.BadRequest) -> JSONResponse:
 
 
 async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
-    """A refusal of the shared request path, its param renamed to the OpenAI field on /v1/."""
+    """A refusal of the shared request path; on /v1/ its param and message name the OpenAI fields the
+    client sent (``max_tokens``, not ``max_new_tokens``), told apart by the body the route kept on
+    ``request.state.openai_body``."""
+    if not request.url.path.startswith("/v1/"):  # the native body: the message names the param itself
+        message = exc.message
+        if exc.param is not None and message.startswith(f"sampling_params.{exc.param}:"):
+            message = exc.param + message[len(f"sampling_params.{exc.param}") :]
+        return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, exc.param)
     chat = request.url.path.endswith("/chat/completions")
-    param = oai.openai_param(exc.param, chat) if request.url.path.startswith("/v1/") else exc.param
-    message = exc.message
-    if exc.param is not None and param is not None and message.startswith(f"sampling_params.{exc.param}:"):
-        message = param + message[len(f"sampling_params.{exc.param}") :]
+    body = getattr(request.state, "openai_body", None)
+    param = oai.openai_param(exc.param, chat, body)
+    message = oai.openai_message(exc.message, chat, body)
     return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, param)
 
 

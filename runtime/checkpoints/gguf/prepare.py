@@ -3,10 +3,12 @@
 ``prepare_gguf`` runs once, before the server's children start (``launch.py``), and puts
 into the tinyserve cache a folder keyed by the file (path, size, modification time):
 ``config.json`` from the metadata, the tokenizer and chat template that transformers
-converts from the file, and ``gguf.json`` (the file's path and its tensor index). Parsing
-a GGUF header walks every entry of its token tables, seconds for a 49k vocabulary, so it is
-done here once instead of in the tokenizer, the detokenizer and every scheduler rank, and
-not at all on later starts. The tensors stay in the GGUF file: nothing is copied.
+converts from the file, ``generation_config.json`` when the model recommends sampling defaults
+(the file's ``general.sampling.*`` metadata, else the caller's ``fallback_sampling`` for a model
+tinyserve ships: ``runtime.checkpoints.sampling_defaults``) and ``gguf.json`` (the file's path and
+its tensor index). Parsing a GGUF header walks every entry of its token tables, seconds for a 49k
+vocabulary, so it is done here once instead of in the tokenizer, the detokenizer and every
+scheduler rank, and not at all on later starts. The tensors stay in the GGUF file: nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from runtime.checkpoints.gguf.config import hf_config, needs_qk_unpermute
 from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError, TensorEntry, read_gguf
 from runtime.checkpoints.model_cache import build_once, cache_root
+from runtime.checkpoints.sampling_defaults import GENERATION_CONFIG, gguf_sampling
 
 logger = logging.getLogger(__name__)
 
 GGUF_INDEX = "gguf.json"
-# Bump when what prepare writes changes: the folder name includes it.
-PREPARE_VERSION = 3
+# Bump when what prepare writes changes: the folder name includes it (4: generation_config.json).
+PREPARE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -81,23 +84,31 @@ def find_gguf_file(path: Path) -> Path | None:
     return files[0] if files else None
 
 
-def prepare_gguf(path: str | Path) -> Path:
-    """The checkpoint folder for the GGUF file ``path`` (built on first use, then reused)."""
+def prepare_gguf(path: str | Path, fallback_sampling: Mapping[str, float] | None = None) -> Path:
+    """The checkpoint folder for the GGUF file ``path`` (built on first use, then reused).
+    ``fallback_sampling``: the sampling defaults of a model tinyserve ships, used when the file has no
+    sampler metadata of its own; part of the folder's key, so that the same file prepared without
+    them (a plain ``--model-path FILE``) gets a folder of its own instead of whichever came first."""
     path = Path(path).resolve()
     if not path.is_file():
         raise GGUFError(f"GGUF file {path} does not exist")
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARE_VERSION}".encode()).hexdigest()[:16]
+    fallback = dict(fallback_sampling or {})
+    identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARE_VERSION}|{json.dumps(fallback, sort_keys=True)}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     final = cache_root() / "gguf" / f"{path.stem}-{key}"
     return build_once(
-        final, lambda tmp: _build(path, stat.st_size, stat.st_mtime_ns, tmp), f"the checkpoint of {path.name}"
+        final,
+        lambda tmp: _build(path, stat.st_size, stat.st_mtime_ns, tmp, fallback),
+        f"the checkpoint of {path.name}",
     )
 
 
-def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
+def _build(path: Path, size: int, mtime_ns: int, out: Path, fallback_sampling: dict[str, float]) -> None:
     contents = read_gguf(path)
     config = hf_config(contents)  # checks architecture, metadata and every tensor's shape
     _write_tokenizer(contents, out)
+    _write_generation_config(contents, fallback_sampling, out)
     index: dict[str, Any] = {
         "file": str(path),
         "size": size,
@@ -108,6 +119,18 @@ def _build(path: Path, size: int, mtime_ns: int, out: Path) -> None:
     (out / GGUF_INDEX).write_text(json.dumps(index) + "\n")
     # config.json last: build_once treats a folder with one as complete.
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_generation_config(contents: GGUFContents, fallback: dict[str, float], out: Path) -> None:
+    """generation_config.json with the model's sampling defaults, where it has any: the file's own
+    sampler metadata wins over ``fallback`` (a newer file of a shipped model says what it wants)."""
+    sampling = gguf_sampling(contents.metadata)
+    origin = "the file's general.sampling.* metadata"
+    if not sampling and fallback:
+        sampling, origin = dict(fallback), "tinyserve's shipped default for this model"
+    if sampling:
+        (out / GENERATION_CONFIG).write_text(json.dumps(sampling, indent=2, sort_keys=True) + "\n")
+        logger.info("%s: sampling defaults %s, from %s", contents.path.name, sampling, origin)
 
 
 def _write_tokenizer(contents: GGUFContents, out: Path) -> None:

@@ -61,6 +61,7 @@ EXPECTED_DEFAULTS = {
     "http_port": None,
     "served_model_name": None,
     "chat_template": None,
+    "sampling_defaults": "model",
     "enable_metrics": False,
     "log_requests": False,
     "decode_log_interval": 40,
@@ -215,6 +216,8 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
         "2.5",
         "--enable-priority-scheduling",
         "--priority-preemption",
+        "--sampling-defaults",
+        "openai",
     ]
     a = ServerArgs.from_cli(argv)
     assert a.model_path == str(tmp_path) and a.tokenizer_path == str(tmp_path)
@@ -237,6 +240,7 @@ def test_cli_parses_every_flag(tmp_path: Path) -> None:
     assert (a.enable_metrics, a.log_requests, a.decode_log_interval) == (True, True, 5)
     assert a.watchdog_timeout == 2.5
     assert (a.enable_priority_scheduling, a.priority_preemption) == (True, True)
+    assert a.sampling_defaults == "openai"
     # ServerArgs -> flags -> ServerArgs is lossless (launch_server relies on it)
     assert ServerArgs.from_cli(server_argv(a)) == a
 
@@ -304,6 +308,7 @@ def test_overlap_schedule_is_auto_unless_forced(flags: list[str], value: bool | 
         ({"swa_full_tokens_ratio": 1.5}, "--swa-full-tokens-ratio"),
         ({"watchdog_timeout": 0.0}, "--watchdog-timeout"),
         ({"watchdog_timeout": float("nan")}, "--watchdog-timeout"),
+        ({"sampling_defaults": "vllm"}, "--sampling-defaults"),
     ],
 )
 def test_validate_names_the_flag(kwargs: dict[str, object], flag: str) -> None:
@@ -349,10 +354,15 @@ def test_resolved_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
     wheel_file = tmp_path / "SmolLM2.gguf"
     monkeypatch.setattr(runtime.checkpoints.model_source, "smollm2_gguf_file", lambda: wheel_file)
-    monkeypatch.setattr(
-        runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda path: tmp_path / f"prepared-{path.name}"
-    )
+    fallbacks = []
+
+    def prepare(path: Path, fallback_sampling: object = None) -> Path:
+        fallbacks.append(fallback_sampling)
+        return tmp_path / f"prepared-{path.name}"
+
+    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", prepare)
     assert ServerArgs().resolved_model_path() == str(tmp_path / "prepared-SmolLM2.gguf")
+    assert fallbacks == [{"temperature": 0.2, "top_p": 0.9}]  # the model card's, which the file lacks
     assert ServerArgs(tokenizer_path="/tok").resolved_tokenizer_path() == "/tok"
 
 
