@@ -1,7 +1,8 @@
 """CLI entry point: parse flags, spawn the processes, wait until they are ready, supervise.
 
     python launch.py [flags]          # see --help; prints "http: http://HOST:PORT" (the
-                                      # HTTP server) then "ready: tcp://HOST:PORT" (ZMQ)
+                                      # HTTP server) then "ready: tcp://HOST:PORT (KV pool: ...)"
+                                      # (ZMQ, then what the KV pools reserved: parse_ready_line)
 
 Processes (docs/architecture.md), all children of this one, started with "spawn":
   scheduler-0..tp-1    one per TP rank (only rank 0 owns sockets); with --dp-size N,
@@ -29,7 +30,7 @@ The ipc directory is removed on every exit path. Children die with this process
 even when it is SIGKILLed (PR_SET_PDEATHSIG).
 
 Tests (and notebooks in a source checkout) start it in a subprocess through
-``tests/support/server_process.py``, which reads the two lines above.
+``tests/support/server_process.py``, which reads the two lines above (``parse_ready_line``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from runtime.checkpoints.hub import HubError
 from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
+from runtime.engine.kv_sizing import READY_NOTE_PREFIX, host_kv_pool, ready_note
 from runtime.engine.model_config import ModelConfig, UnsupportedModelError
 from runtime.protocol.child_process import configure_logging, recv_status, run_child, send_status
 
@@ -60,6 +62,14 @@ STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping children
 DRAIN_MARGIN_S = 5.0  # past --graceful-shutdown-timeout, for the tokenizer to abort the rest and report
 READY_PREFIX = "ready: "
 HTTP_PREFIX = "http: "  # printed just before the ready line
+
+
+def parse_ready_line(line: str) -> str | None:
+    """The client address of a ``ready:`` line (what ``main`` prints: the address, then the KV
+    pools' note, ``kv_sizing.ready_note``), or None for any other line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    return line[len(READY_PREFIX) :].partition(READY_NOTE_PREFIX)[0].strip()
 
 
 @dataclass
@@ -242,6 +252,15 @@ class Supervisor:
             return f"node {self.server_args.node_rank} of {self.server_args.nnodes} (scheduler ranks only)"
         return str(self.child("tokenizer").info["address"])
 
+    def kv_pool_note(self) -> str:
+        """What this host's schedulers reserved for KV, for the ready line (``kv_sizing.ready_note``)."""
+        replicas: dict[int, list[dict[str, Any]]] = {}
+        for c in self.children:
+            pool = c.info.get("kv_pool")
+            if c.name.startswith("scheduler") and pool:
+                replicas.setdefault(int(c.info.get("dp_rank", 0)), []).append(pool)
+        return ready_note(host_kv_pool(replicas))
+
     def http_address(self) -> str | None:
         """The HTTP server's ``http://HOST:PORT`` (node 0, once ready)."""
         if self.server_args.node_rank != 0:
@@ -366,8 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         http = supervisor.http_address()
         if http is not None:
             print(f"{HTTP_PREFIX}{http}", flush=True)
-        print(f"{READY_PREFIX}{address}", flush=True)
-        logger.info("serving on %s", address)
+        note = supervisor.kv_pool_note()
+        print(f"{READY_PREFIX}{address}{note}", flush=True)
+        logger.info("serving on %s%s", address, note)
         supervisor.supervise()
         return 0
     except ChildFailed as exc:

@@ -25,6 +25,7 @@ from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.protocol.messages import ControllerInput, DetokenizerInput, SchedAbortReq, SchedControlOut, SchedulerInput
 from scheduler_proc.admission_gate import AdmissionGate
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
+from scheduler_proc.reports import kv_pool_info
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.watchdog import install_test_step_delay, start_watchdog
 
@@ -136,6 +137,11 @@ def run_scheduler_process(
             "context_len": scheduler.context_len,
             "vocab_size": scheduler.runner.vocab_size,
             "max_req_input_len": min(scheduler.context_len - 1, scheduler.max_total_tokens - 2 * scheduler.page_size),
+            # What this rank reserved, for launch.py's ready line (kv_sizing.host_kv_pool, ready_note).
+            "dp_rank": dp_rank,
+            "kv_pool": kv_pool_info(
+                scheduler.runner, scheduler.max_total_tokens, scheduler.context_len, scheduler.max_running_requests
+            ),
         },
     )
     logger.info(

@@ -37,13 +37,16 @@ def add_memory_args(parser: argparse.ArgumentParser, defaults: MemoryFlags) -> N
         "--mem-fraction-static",
         type=float,
         default=d.mem_fraction_static,
-        help="fraction of device memory for weights + KV cache, in (0, 1) (default: chosen from the device)",
+        help="fraction of device memory for weights + KV cache, in (0, 1); given, the KV pool takes all of it "
+        "(default: cuda 0.8; cpu: the pool is sized by the work, at most 0.25 of RAM)",
     )
     g.add_argument(
         "--max-total-tokens",
         type=int,
         default=d.max_total_tokens,
-        help="KV cache size in tokens; overrides --mem-fraction-static (default: derived)",
+        help="KV cache size in tokens; overrides --mem-fraction-static (default: cuda from memory; cpu what "
+        "the work needs, N x min(context, 512) with N --max-running-requests or 64, at least one context; "
+        "launch.py's ready line says it)",
     )
     g.add_argument(
         "--page-size", type=int, default=d.page_size, help=f"tokens per KV page, a power of two (default {d.page_size})"

@@ -39,7 +39,8 @@ def add_scheduling_args(parser: argparse.ArgumentParser, defaults: SchedulingFla
         "--max-running-requests",
         type=int,
         default=d.max_running_requests,
-        help="maximum requests decoding at once (default: derived from memory)",
+        help="maximum requests decoding at once (default: min(512, KV pool tokens)); on cpu it also sizes "
+        "the default KV pool (that many requests of min(context, 512) tokens, else 64)",
     )
     g.add_argument(
         "--max-queued-requests",

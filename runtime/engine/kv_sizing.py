@@ -74,6 +74,48 @@ def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def merge_tp_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One DP replica's TP ranks' ``kv_pool`` as one: each rank holds a slice of every token's KV
+    heads, so the tokens, full-length requests and slots are any rank's (the first's) while the
+    bytes and shares of RAM add up."""
+    merged = dict(ranks[0])
+    for key in ("bytes", "share_of_ram"):
+        values = [r.get(key) for r in ranks]
+        merged[key] = None if any(v is None for v in values) else sum(values)
+    return merged
+
+
+def host_kv_pool(replicas: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """What the schedulers of one host reserved, from each one's ``kv_pool`` by DP replica
+    (``{dp_rank: [kv_pool of each TP rank on this host]}``): each replica's ranks merged
+    (``merge_tp_ranks``), then the replicas (``merge_kv_pools``); None without any."""
+    merged = [merge_tp_ranks(ranks) for _, ranks in sorted(replicas.items()) if ranks]
+    return merge_kv_pools(merged) if merged else None
+
+
+# What follows the client address on launch.py's ``ready:`` line (``ready_note``): a reader of the
+# line takes the address as what comes before it (``launch.parse_ready_line``).
+READY_NOTE_PREFIX = " (KV pool: "
+
+
+def ready_note(pool: dict[str, Any] | None) -> str:
+    """`` (KV pool: N tokens, X GiB, Y% of RAM: F full-length requests of C tokens)`` for the
+    ``ready:`` line, so that whoever starts a server sees what it reserved without reading the
+    log (the figures of ``KVPoolSize.log_line``, all of this host's schedulers together); empty
+    without a pool."""
+    if not pool or not pool.get("tokens"):
+        return ""
+    sized = [f"{pool['tokens']} tokens"]
+    if pool.get("bytes") is not None:
+        sized.append(f"{pool['bytes'] / (1 << 30):.2f} GiB")
+    if pool.get("share_of_ram") is not None:
+        sized.append(f"{100 * pool['share_of_ram']:.1f}% of RAM")
+    return (
+        f"{READY_NOTE_PREFIX}{', '.join(sized)}: {pool['full_length_requests']} full-length requests of "
+        f"{pool['context_len']} tokens)"
+    )
+
+
 # A pool sized from memory must hold at least this many pages (else start-up fails with a hint).
 MIN_POOL_PAGES = 16
 

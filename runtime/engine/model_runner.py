@@ -245,7 +245,8 @@ class ModelRunner:
     ) -> int:
         """Tokens the KV pool holds: ``max_total_tokens`` if given, else the memory budget at the
         device's share (``runtime.engine.kv_sizing.kv_pool_tokens``); at the default share, no more
-        than the device says the expected work needs (CPU: ``host_memory.cpu_demand_tokens``)."""
+        than the device says the configured work needs (CPU: ``host_memory.cpu_demand_tokens``,
+        the default there: a pool sized by the work, not by the machine's RAM)."""
         platform = self.ops.platform(self.device)  # the device's memory defaults
         frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
         if not 0.0 < frac <= 1.0:

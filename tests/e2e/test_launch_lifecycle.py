@@ -22,6 +22,7 @@ import pytest
 from runtime.client import Client
 from runtime.config.args import ServerArgs
 from runtime.config.version import package_version
+from runtime.engine.kv_sizing import ready_note
 from runtime.protocol.child_process import child_pids
 from tests.support import REPO_ROOT as REPO
 from tests.support.checkpoints import hf_greedy
@@ -76,6 +77,14 @@ def test_default_model_serves_and_sigterm_cleans_up(real_model_cache: Path, shor
             assert c.health()
         assert info["model"]["model_path"].startswith(str(real_model_cache / "gguf"))
         assert info["server_args"]["served_model_name"] == SERVED_NAME
+        # The ready line says what the KV pool reserved (issue 47): the default model's pool is
+        # sized by the work (64 requests of 512 tokens: 4 of its 8192-token context), not by RAM
+        # (a machine under ~14 GiB, where a quarter of RAM holds less, gets that quarter).
+        pool = info["kv_pool"]
+        assert pool["context_len"] == 8192 and (pool["tokens"] == 64 * 512 or pool["share_of_ram"] > 0.15), pool
+        assert server.ready_line == f"ready: {server.address}{ready_note(pool)}"
+        assert f"(KV pool: {pool['tokens']} tokens, " in server.ready_line
+        assert f": {pool['tokens'] // 8192} full-length requests of 8192 tokens)" in server.ready_line
         pids = [pid for name, pid in info["processes"].items() if name != "launch"]
         assert len(pids) == 3  # scheduler-0, detokenizer, tokenizer
         assert len(ipc_dirs(tmpdir)) == 1
@@ -196,6 +205,9 @@ def test_tp_and_dp_layout_serves_transformers_greedy_output(
         results = c.generate(prompts, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         info = c.server_info()
     assert c.server.process.returncode == 0, c.server.log_tail()
+    # The ready line: the two replicas' tokens (each replica's TP ranks hold the same tokens).
+    assert c.server.ready_line is not None and f"(KV pool: {2 * 2048} tokens, " in c.server.ready_line
+    assert info["kv_pool"]["tokens"] == 2 * 2048
     for prompt, r in zip(prompts, results):
         assert r["output_ids"] == hf_greedy(model, tok.encode(prompt), 8)[0]
     assert {
@@ -256,6 +268,7 @@ def test_two_nodes_share_the_tp_ranks(tiny_llama_path: Path, hf_reference: Calla
     try:
         assert isinstance(node0, ServerProcess) and isinstance(node1, ServerProcess), started
         assert node1.address == "node 1 of 2 (scheduler ranks only)"
+        assert node1.ready_line is not None and "(scheduler ranks only) (KV pool: 2048 tokens, " in node1.ready_line
         with Client(node0.address, timeout=60) as c:
             r = c.generate("Hello world", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
             assert set(c.server_info()["processes"]) == {"scheduler-0", "detokenizer", "tokenizer", "launch"}

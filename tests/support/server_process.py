@@ -19,7 +19,7 @@ import tempfile
 import threading
 from typing import Iterator, Sequence
 
-from launch import HTTP_PREFIX, READY_PREFIX
+from launch import HTTP_PREFIX, parse_ready_line
 from runtime.client import Client
 from runtime.config.args import FALSE_FLAGS, ServerArgs
 from tests.support import REPO_ROOT
@@ -61,6 +61,7 @@ class ServerProcess:
         )
         self.address: str | None = None
         self.http_address: str | None = None  # http://HOST:PORT of the HTTP server
+        self.ready_line: str | None = None  # the whole ready line: the address, then what the KV pools reserved
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()
@@ -82,8 +83,9 @@ class ServerProcess:
         for line in self.process.stdout:  # keeps draining after ready so the pipe never fills
             if self.http_address is None and line.startswith(HTTP_PREFIX):
                 self.http_address = line[len(HTTP_PREFIX) :].strip()
-            if self.address is None and line.startswith(READY_PREFIX):
-                self.address = line[len(READY_PREFIX) :].strip()
+            address = parse_ready_line(line) if self.address is None else None
+            if address is not None:
+                self.address, self.ready_line = address, line.rstrip("\n")
                 self._ready.set()
         self._ready.set()  # EOF: the server exited
 

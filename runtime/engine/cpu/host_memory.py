@@ -1,6 +1,6 @@
-"""Host-memory settings of a CPU serving process: how big the KV pool is by default (a share
-of MemTotal less the weights, at most what the expected work needs: ``CPU_PLATFORM``, what the
-model runner assumes on CPU), and keeping freed activation blocks inside the process."""
+"""Host-memory settings of a CPU serving process: how big the KV pool is by default (what the
+configured work needs, never more than a share of MemTotal less the weights: ``CPU_PLATFORM``,
+what the model runner assumes on CPU), and keeping freed activation blocks inside the process."""
 
 from __future__ import annotations
 
@@ -13,23 +13,28 @@ from runtime.engine.cpu.process_env import CPU_OPENMP_ENV
 from runtime.engine.kv_sizing import kv_pool_tokens
 from runtime.engine.platform import ServingPlatform
 
-# On CPU the weights and the KV pool (with the CPU backend's decode mirror, which may take as
-# much again: ``kv_bytes_per_token``) come out of the machine's RAM. By default together they
-# may take 25% of MemTotal: the rest is for the OS and page cache, the tokenizer and
-# detokenizer processes, a chunked prefill's activations, and an optional host tier of the
-# hierarchical cache (--hicache-ratio 2 by default, outside this share). On a 24 GiB machine
-# that gives SmolLM2-135M in fp32 ~63k tokens (64 requests of ~980 tokens, five times the old
-# default); the pool is zeroed at start, so a larger default would also cost start-up time.
-# MemTotal, not MemAvailable: the same machine and flags always give the same pool, whatever
-# other processes hold at start. --mem-fraction-static or --max-total-tokens ask for more.
-CPU_DEFAULT_MEM_FRACTION = 0.25
-# ...and, by default, no more than the expected work needs: --max-running-requests (else
-# CPU_PLANNED_RUNNING_REQUESTS) requests of a typical context each. A CPU decodes tens of
-# requests per step usefully, not hundreds (the old fixed cap was 64 x 2048 tokens); 4096
-# tokens covers a chat turn's prompt and answer, and the pool's spare room keeps prefixes
-# cached. Longer contexts still run: they share the pool with fewer requests.
+# By default the KV pool holds what the work the server is configured for needs, like
+# llama.cpp's --ctx-size x --parallel, not a share of the machine: --max-running-requests
+# (else CPU_PLANNED_RUNNING_REQUESTS) requests of a typical CPU request's tokens each (the
+# model's context, where shorter), and at least one request of the full context. A CPU decodes
+# tens of requests per step usefully, not hundreds; 512 tokens is a chat turn's prompt and
+# answer. For SmolLM2-135M (8192-token context) that is 32,768 tokens: 64 requests of 512, 16
+# of 2,048 or 4 of the full context, 0.70 GiB of pool in bf16 (1.41 GiB in fp32), where a
+# quarter of a 24 GiB machine (5.6 GiB, ~4 GB resident: the pool is zeroed, so every byte of it
+# is resident from the start) was the old default. The benchmark workloads need far less
+# (bench/workloads.py: the uniform 64-way load holds 64 x 192 tokens at once, the multi-turn
+# sessions ~10k). Longer contexts still run: they share the pool with fewer requests, and ask
+# for more with --max-total-tokens, --max-running-requests or --mem-fraction-static.
 CPU_PLANNED_RUNNING_REQUESTS = 64
-CPU_TYPICAL_CONTEXT = 4096
+CPU_TYPICAL_REQUEST_TOKENS = 512
+# ...and never more than this share of MemTotal for the weights and the KV pool together (with
+# the CPU backend's decode mirror, which may take as much again: ``kv_bytes_per_token``): the
+# bound a big model's pool hits on a small machine. The rest is for the OS and page cache, the
+# tokenizer and detokenizer processes, a chunked prefill's activations, and an optional host
+# tier of the hierarchical cache (--hicache-ratio 2 by default, outside this share). MemTotal,
+# not MemAvailable: the same machine and flags always give the same pool, whatever other
+# processes hold at start. An explicit --mem-fraction-static sizes the pool by this share alone.
+CPU_DEFAULT_MEM_FRACTION = 0.25
 
 
 def cpu_mem_total_bytes() -> int:
@@ -52,10 +57,12 @@ def cpu_kv_budget_bytes(mem_total: int, fraction: float, weight_bytes: int, rank
 
 
 def cpu_demand_tokens(max_running_requests: int | None, context_len: int) -> int:
-    """Tokens the expected work needs: the request slots asked for (else
-    ``CPU_PLANNED_RUNNING_REQUESTS``) x a typical context (the model's, where shorter)."""
+    """Tokens the configured work needs, the default pool: the request slots asked for (else
+    ``CPU_PLANNED_RUNNING_REQUESTS``) x a typical request's tokens (the model's context, where
+    shorter), and at least one request of the full context (a server that accepts a context
+    of N tokens must be able to run one)."""
     requests = max_running_requests or CPU_PLANNED_RUNNING_REQUESTS
-    return requests * min(context_len, CPU_TYPICAL_CONTEXT)
+    return max(context_len, requests * min(context_len, CPU_TYPICAL_REQUEST_TOKENS))
 
 
 def cpu_kv_pool_tokens(
@@ -71,9 +78,9 @@ def cpu_kv_pool_tokens(
     max_running_requests: int | None = None,
 ) -> int:
     """The CPU rule as a pure function of the machine and the model (what ``ModelRunner`` does on
-    CPU, through ``CPU_PLATFORM``): --max-total-tokens as given; else min(the RAM share's
-    budget, the expected work's tokens); an explicit --mem-fraction-static takes its whole
-    share (no cap by the work)."""
+    CPU, through ``CPU_PLATFORM``): --max-total-tokens as given; else the configured work's
+    tokens (``cpu_demand_tokens``), at most the default RAM share's budget; an explicit
+    --mem-fraction-static takes its whole share (no cap by the work)."""
     fraction = CPU_DEFAULT_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
     demand = cpu_demand_tokens(max_running_requests, context_len) if mem_fraction_static is None else None
     return kv_pool_tokens(
