@@ -9,7 +9,8 @@ reach the manager only through ``FrontDoor`` (tokenizer_proc/front_door.py).
 
 The server listens from the start of the process, before the tokenizer and the
 scheduler are ready: until then every endpoint answers 503 (``/health`` included), so
-a load balancer can poll it. Errors use OpenAI's JSON (``{"error": {"message", "type",
+a load balancer can poll it; only the chat page at ``/`` answers at once (it is static and
+says itself that the server is loading). Errors use OpenAI's JSON (``{"error": {"message", "type",
 "param", "code"}}``); the status comes from the same error codes the ZMQ client sees.
 
 This module binds and runs the server and assembles the app; the routes are in one module
@@ -20,6 +21,7 @@ dependency (tokenizer_proc/http/context.py):
 - native_routes.py: POST /generate (SGLang's native body)
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
+- chat_page.py: GET /, the chat page for a person with a browser (static/chat.html)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http import control_routes, native_routes, openai_routes
+from tokenizer_proc.http import chat_page, control_routes, native_routes, openai_routes
 from tokenizer_proc.http.context import HttpContext
 from tokenizer_proc.http.errors import add_error_handlers
 
@@ -95,11 +97,12 @@ class _Server(uvicorn.Server):
 
 def build_app(context: HttpContext) -> FastAPI:
     """The app: ``context`` on ``app.state`` (the routes' ``Http`` dependency), the error
-    handlers, and the three route groups."""
+    handlers, the three route groups and the chat page."""
     app = FastAPI(title="tinyserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.http = context
     add_error_handlers(app)
     app.include_router(control_routes.router)
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(chat_page.router)
     return app

@@ -59,6 +59,14 @@ def test_the_wheel_ships_the_kernel_sources_and_headers(wheel: Path) -> None:
     assert "launch.py" in names and not any(n.startswith(("tests/", "bench/")) for n in names)
 
 
+def test_the_wheel_ships_the_chat_page(wheel: Path) -> None:
+    """GET / reads tokenizer_proc/http/static/chat.html from the installed package (package data)."""
+    page = "tokenizer_proc/http/static/chat.html"
+    with zipfile.ZipFile(wheel) as z:
+        assert page in z.namelist()
+        assert z.read(page) == (REPO_ROOT / page).read_bytes()
+
+
 def test_the_kernels_build_from_the_installed_copy(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
