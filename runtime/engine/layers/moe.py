@@ -73,21 +73,22 @@ class SparseMoeMLP(ExpertLayer):
         self.act_and_mul = GATED_ACTIVATIONS[config.hidden_act]
         expert_tp = tp_size // moe.ep_size  # the ranks of an EP group split each of its experts
         self.gate = _router(config.hidden_size, moe.num_experts, dtype, ops)
-        self.experts = nn.ModuleDict(
-            {
-                str(expert): GatedMLP(
-                    config.hidden_size,
-                    moe.intermediate_size,
-                    config.hidden_act,
-                    tp_rank=tp_rank % expert_tp,
-                    tp_size=expert_tp,
-                    dtype=dtype,
-                    ops=ops,
-                    reduce_results=False,
-                )
-                for expert in self.local_experts
-            }
-        )
+        # global id -> its expert, looked up per routed expert in every forward; the ModuleDict below
+        # holds the same modules under the checkpoint's names (``experts.<id>``)
+        self._by_id: dict[int, GatedMLP] = {
+            expert: GatedMLP(
+                config.hidden_size,
+                moe.intermediate_size,
+                config.hidden_act,
+                tp_rank=tp_rank % expert_tp,
+                tp_size=expert_tp,
+                dtype=dtype,
+                ops=ops,
+                reduce_results=False,
+            )
+            for expert in self.local_experts
+        }
+        self.experts = nn.ModuleDict({str(expert): mlp for expert, mlp in self._by_id.items()})
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if moe.shared_expert_intermediate_size:
@@ -104,8 +105,7 @@ class SparseMoeMLP(ExpertLayer):
             self.shared_expert_gate = _router(config.hidden_size, 1, dtype, ops)
 
     def expert_weights(self, expert: int) -> tuple[ExpertWeight, ExpertWeight]:
-        mlp = self.experts[str(expert)]
-        assert isinstance(mlp, GatedMLP)  # (a ModuleDict yields plain Modules to the type checker)
+        mlp = self._by_id[expert]
         return mlp.gate_up_proj.weight, mlp.down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
