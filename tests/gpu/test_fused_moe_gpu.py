@@ -29,19 +29,6 @@ def _moe() -> ModuleType:
     return moe_kernels
 
 
-def _case(
-    tokens: int,
-    experts: int,
-    top_k: int,
-    hidden: int,
-    inter: int,
-    dtype: torch.dtype,
-    seed: int,
-    weights_dtype: torch.dtype = torch.float32,
-) -> dict[str, Any]:
-    return expert_case(tokens, experts, top_k, hidden, inter, seed, dtype, weights_dtype, device="cuda")
-
-
 def _check(case: dict[str, Any], activation: str, tol: float, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     moe = _moe()
     out = moe.fused_experts(**case, activation=activation, expert_map=expert_map)
@@ -66,7 +53,7 @@ SHAPES = [
 def test_fused_experts_matches_reference(
     dtype: torch.dtype, tol: float, activation: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> None:
-    _check(_case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + experts), activation, tol)
+    _check(expert_case(tokens, experts, top_k, hidden, inter, tokens + experts, dtype, device="cuda"), activation, tol)
 
 
 def test_block_rows_follow_the_pairs_per_expert() -> None:
@@ -76,12 +63,12 @@ def test_block_rows_follow_the_pairs_per_expert() -> None:
 
 @pytest.mark.parametrize("dtype,tol", DTYPES[1:])
 def test_routing_weights_in_the_model_dtype(dtype: torch.dtype, tol: float) -> None:
-    _check(_case(33, 8, 2, 256, 128, dtype, seed=3, weights_dtype=dtype), "silu", tol)
+    _check(expert_case(33, 8, 2, 256, 128, 3, dtype, weights_dtype=dtype, device="cuda"), "silu", tol)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_expert_parallel_ranks_add_up_to_one_rank(dtype: torch.dtype, tol: float) -> None:
-    case = _case(65, 16, 4, 256, 128, dtype, seed=4)
+    case = expert_case(65, 16, 4, 256, 128, 4, dtype, device="cuda")
     whole = _check(case, "silu", tol)
     parts = []
     for experts in (list(range(0, 16, 2)), list(range(1, 16, 2))):
@@ -93,7 +80,7 @@ def test_expert_parallel_ranks_add_up_to_one_rank(dtype: torch.dtype, tol: float
 
 def test_an_eager_call_never_syncs() -> None:
     moe = _moe()
-    case = _case(17, 8, 2, 256, 128, torch.bfloat16, seed=5)
+    case = expert_case(17, 8, 2, 256, 128, 5, torch.bfloat16, device="cuda")
     emap = torch.arange(8, dtype=torch.int32, device="cuda")
     moe.fused_experts(**case, activation="silu", expert_map=emap)  # compile outside the check
     torch.cuda.synchronize()
@@ -109,7 +96,7 @@ def test_cuda_graph_replays_new_routings() -> None:
     choice; half the experts remote) and weights: each replay equals an eager call and the reference."""
     moe = _moe()
     tokens, experts, top_k, hidden, inter = 8, 16, 4, 256, 128
-    static = _case(tokens, experts, top_k, hidden, inter, torch.bfloat16, seed=6)
+    static = expert_case(tokens, experts, top_k, hidden, inter, 6, torch.bfloat16, device="cuda")
     emap = torch.arange(experts, dtype=torch.int32, device="cuda")
     call = dict(static, activation="silu", expert_map=emap)
 

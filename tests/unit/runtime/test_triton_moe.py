@@ -65,20 +65,6 @@ def _plain_experts(
     return out.to(x.dtype)
 
 
-def _case(
-    tokens: int,
-    experts: int,
-    top_k: int,
-    hidden: int,
-    inter: int,
-    seed: int,
-    dtype: torch.dtype = FP32,
-    weights_dtype: torch.dtype = FP32,
-    ids: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    return expert_case(tokens, experts, top_k, hidden, inter, seed, dtype, weights_dtype, ids)
-
-
 def _check(case: dict[str, Any], activation: str, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     out = fused_experts(**case, activation=activation, expert_map=expert_map)
     want = _plain_experts(**case, activation=activation, expert_map=expert_map)
@@ -92,7 +78,7 @@ def _check(case: dict[str, Any], activation: str, expert_map: torch.Tensor | Non
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_reference_experts_is_the_plain_loop(activation: str) -> None:
-    case = _case(9, 8, 2, 40, 24, seed=1)
+    case = expert_case(9, 8, 2, 40, 24, seed=1)
     torch.testing.assert_close(
         reference_experts(**case, activation=activation),
         _plain_experts(**case, activation=activation),
@@ -186,11 +172,11 @@ SHAPES = [
 def test_fused_experts_matches_reference(
     tokens: int, experts: int, top_k: int, hidden: int, inter: int, activation: str
 ) -> None:
-    _check(_case(tokens, experts, top_k, hidden, inter, seed=tokens + 10 * experts + top_k), activation)
+    _check(expert_case(tokens, experts, top_k, hidden, inter, seed=tokens + 10 * experts + top_k), activation)
 
 
 def test_swish_is_silu_and_unknown_activations_are_refused() -> None:
-    case = _case(3, 4, 2, 32, 16, seed=2)
+    case = expert_case(3, 4, 2, 32, 16, seed=2)
     assert torch.equal(fused_experts(**case, activation="swish"), fused_experts(**case, activation="silu"))
     with pytest.raises(ValueError, match="relu"):
         fused_experts(**case, activation="relu")
@@ -198,17 +184,17 @@ def test_swish_is_silu_and_unknown_activations_are_refused() -> None:
 
 def test_an_expert_without_tokens_and_one_with_them_all() -> None:
     ids = torch.tensor([[0, 3], [3, 1], [1, 0], [3, 0], [0, 1]])  # expert 2 gets nothing
-    _check(_case(5, 4, 2, 40, 24, seed=4, ids=ids), "silu")
-    _check(_case(17, 8, 1, 40, 24, seed=5, ids=torch.full((17, 1), 6)), "gelu_pytorch_tanh")
+    _check(expert_case(5, 4, 2, 40, 24, seed=4, ids=ids), "silu")
+    _check(expert_case(17, 8, 1, 40, 24, seed=5, ids=torch.full((17, 1), 6)), "gelu_pytorch_tanh")
     both = torch.tensor([[2, 5]]).expand(17, 2)  # every token to the same two experts: runs past a block
-    _check(_case(17, 8, 2, 40, 24, seed=6, ids=both), "silu")
+    _check(expert_case(17, 8, 2, 40, 24, seed=6, ids=both), "silu")
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_expert_parallel_ranks_add_up_to_one_rank(interleaved: bool) -> None:
     """Two ranks with complementary expert maps: each matches the reference for its experts, and
     their outputs sum to the one-rank output (a token whose choices are all remote gets zeros)."""
-    case = _case(17, 8, 2, 40, 24, seed=7)
+    case = expert_case(17, 8, 2, 40, 24, seed=7)
     case["topk_ids"][0] = torch.tensor([1, 3]) if interleaved else torch.tensor([4, 6])  # all remote on rank 0
     whole = _check(case, "silu")
     owned = [list(range(0, 8, 2)), list(range(1, 8, 2))] if interleaved else [list(range(4)), list(range(4, 8))]
@@ -223,7 +209,7 @@ def test_expert_parallel_ranks_add_up_to_one_rank(interleaved: bool) -> None:
 
 
 def test_rank_without_any_local_choice_gives_zeros() -> None:
-    case = _case(3, 2, 2, 32, 16, seed=8, ids=torch.tensor([[0, 1], [1, 0], [0, 1]]))
+    case = expert_case(3, 2, 2, 32, 16, seed=8, ids=torch.tensor([[0, 1], [1, 0], [0, 1]]))
     emap = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # this rank holds experts 2 and 3: nobody chose them
     assert torch.equal(fused_experts(**case, activation="silu", expert_map=emap), torch.zeros(3, 32))
 
@@ -232,7 +218,7 @@ def test_routing_weights_in_the_model_dtype() -> None:
     """bf16 activations (fp32 math under the interpreter) with weights in bf16 and in fp32: each
     follows the reference to about one bf16 rounding."""
     for weights_dtype in (torch.bfloat16, FP32):
-        case = _case(9, 4, 2, 32, 16, seed=9, dtype=torch.bfloat16, weights_dtype=weights_dtype)
+        case = expert_case(9, 4, 2, 32, 16, seed=9, dtype=torch.bfloat16, weights_dtype=weights_dtype)
         out = fused_experts(**case, activation="silu")
         assert out.dtype == torch.bfloat16
         want = _plain_experts(**case, activation="silu")
@@ -240,7 +226,7 @@ def test_routing_weights_in_the_model_dtype() -> None:
 
 
 def test_empty_batch() -> None:
-    case = _case(0, 4, 2, 32, 16, seed=10)
+    case = expert_case(0, 4, 2, 32, 16, seed=10)
     assert fused_experts(**case, activation="silu").shape == (0, 32)
 
 
@@ -263,7 +249,7 @@ def test_no_torch_op_reads_values_on_the_host() -> None:
     """A CPU stand-in for the GPU test's CUDA-graph capture: no torch op in ``fused_experts`` turns
     a tensor's value into a host value or sizes a result from values (the Triton launches pass
     pointers and shapes only)."""
-    case = _case(9, 8, 2, 32, 16, seed=11)
+    case = expert_case(9, 8, 2, 32, 16, seed=11)
     emap = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1], dtype=torch.int32)
     case = dict(case, w13=case["w13"][:4], w2=case["w2"][:4])
     with _RecordOps() as seen:
