@@ -118,11 +118,17 @@ class Req:
         return done >= self.sampling_params.max_new_tokens or self.scheduled_len >= context_len
 
 
+# How many output tokens a stop regex is searched in: a pattern has no longest match to size the tail by
+# (as a stop string has), so a bounded one keeps the per-token cost fixed; a match longer than this tail
+# is not seen.
+STOP_REGEX_TAIL_TOKENS = 64
+
+
 class StopChecker:
     """Decides when a request is done after a token was appended.
 
-    Stop strings need text, so the checker decodes only the tail of the output
-    that could contain a newly completed stop string.
+    Stop strings and stop regexes need text, so the checker decodes only the tail of the output
+    that could contain a newly completed match.
     """
 
     def __init__(self, eos_token_ids: set[int], context_len: int, tokenizer: Any = None) -> None:
@@ -168,6 +174,13 @@ class StopChecker:
             for stop in stops:
                 if stop in tail:
                     req.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if params.stop_patterns and self._tokenizer is not None:
+            tail = self._tokenizer.decode(req.output_ids[-STOP_REGEX_TAIL_TOKENS:], skip_special_tokens=False)
+            for pattern in params.stop_patterns:
+                found = pattern.search(tail)
+                if found is not None:
+                    req.finish_reason = {"type": "stop", "matched": found.group(0)}
                     return
         if len(req.output_ids) >= params.max_new_tokens:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}

@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # SGLang's: stop once the output's tail matches one of these (Python ``re``) patterns; the finish
+    # reason's ``matched`` is the text that matched, which the reply's text leaves out (as a stop string)
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -144,6 +147,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             _check("seed", -(2**63) <= self.seed < 2**64, self.seed, "must fit in 64 bits")
         for s in self.stop_strs:
             _check("stop", len(s) > 0, s, "stop strings must be non-empty")
+        _ = self.stop_patterns  # compiles them: refuses a pattern that is no regex or matches the empty text
         for tid in self.stop_token_ids or ():
             _check("stop_token_ids", tid >= 0, tid, "token ids must be >= 0")
             if vocab_size is not None:
@@ -195,6 +199,21 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if isinstance(self.stop, str):
             return [self.stop]
         return list(self.stop)
+
+    @functools.cached_property
+    def stop_patterns(self) -> tuple[re.Pattern[str], ...]:
+        """``stop_regex`` compiled (empty when unset), once per process. A pattern matching the empty
+        text would end every request at its first token: refused."""
+        given = [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or ())
+        patterns = []
+        for text in given:
+            try:
+                pattern = re.compile(text)
+            except re.error as exc:
+                raise SamplingParamsError("stop_regex", f"not a regular expression ({exc}), got {text!r}") from None
+            _check("stop_regex", pattern.fullmatch("") is None, text, "must not match the empty text")
+            patterns.append(pattern)
+        return tuple(patterns)
 
     @property
     def constraint(self) -> tuple[str, str] | None:
