@@ -89,6 +89,10 @@ class DetokenizerManager:
             meta["input_token_logprobs"] = out.input_token_logprobs
         if out.input_top_logprobs is not None:
             meta["input_top_logprobs"] = out.input_top_logprobs
+        if out.output_token_ids_logprobs is not None:  # SGLang's token_ids_logprob, per new id
+            meta["output_token_ids_logprobs"] = out.output_token_ids_logprobs
+        if out.input_token_ids_logprobs is not None:  # (a request's first output only)
+            meta["input_token_ids_logprobs"] = out.input_token_ids_logprobs
         return StrOutput(
             rid=out.rid,
             text_delta=delta,

@@ -114,6 +114,7 @@ class BatchBuilder:
             self.device,
             vocab_mask=mask,
             vocab_mask_rows=[starts[i] + j for i in constrained for j in range(counts[i])] or None,
+            token_ids_logprob=[reqs[i].token_ids_logprob for i in expand],
         )
 
     def build_extend(self, items: Sequence[PlannedExtend]) -> ForwardBatch:

@@ -1,9 +1,10 @@
 """Prompt (input) token logprobs: what OpenAI's ``echo`` + ``logprobs`` and a loglikelihood
 evaluation need, SGLang's ``logprob_start_len``.
 
-A request asking for them (``return_logprob`` and ``logprob_start_len`` s >= 0) gets, for each
-prompt token i in [s, len(prompt)), log_softmax(logits at position i - 1)[token i] (None for
-i == 0, which has no position before it). The logits at a prompt position exist only while the
+A request asking for them (``return_logprob`` or ``token_ids_logprob``, and ``logprob_start_len``
+s >= 0) gets, for each prompt token i in [s, len(prompt)), log_softmax(logits at position i - 1)[token i]
+(None for i == 0, which has no position before it), and the same row's k best (``top_logprobs_num``)
+and its logprobs at the request's ``token_ids_logprob`` ids. The logits at a prompt position exist only while the
 prefill that computes that position runs, so:
 
 * admission may not reuse cached KV past the first position still needed (``match_limit``):
@@ -16,7 +17,8 @@ prefill that computes that position runs, so:
 * when the step's results are in, ``take`` appends each request's values in batch order.
 
 Batches without such a request carry no ``input_logprobs`` and compute the last row only.
-State: the request's ``input_token_logprobs`` / ``input_top_logprobs`` (written only here) and
+State: the request's ``input_token_logprobs`` / ``input_top_logprobs`` / ``input_token_ids_logprobs``
+(written only here; the first also counts the tokens done when only the last is sent) and
 ``input_logprobs_inflight`` (the rows of its prefill in flight; a prefilling request has no
 other step in flight).
 """
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from runtime.engine.forward_batch import InputLogprobRows
+from runtime.engine.sampling.token_ids_logprob import TokenIdsIndex
 from scheduler_proc.req import Req
 
 if TYPE_CHECKING:
@@ -36,7 +39,9 @@ if TYPE_CHECKING:
 
 def wants(req: Req) -> bool:
     """Whether ``req`` asked for prompt logprobs."""
-    return (req.return_logprob or req.top_logprobs_num > 0) and req.logprob_start_len >= 0
+    return (
+        req.return_logprob or req.top_logprobs_num > 0 or bool(req.token_ids_logprob)
+    ) and req.logprob_start_len >= 0
 
 
 def begin(req: Req) -> None:
@@ -45,6 +50,8 @@ def begin(req: Req) -> None:
         req.input_token_logprobs.append([None, req.origin_input_ids[0]])
         if req.top_logprobs_num:
             req.input_top_logprobs.append(None)
+        if req.token_ids_logprob:
+            req.input_token_ids_logprobs.append(None)
 
 
 def next_token(req: Req) -> int | None:
@@ -108,7 +115,11 @@ def plan_batch(
     sizes = [len(logit_rows), len(sample_rows), len(prompt_rows)]
     both = torch.tensor(logit_rows + sample_rows + prompt_rows + target_ids, dtype=torch.int64, device=device)
     logits_t, sample_t, prompt_t, targets_t = torch.split(both, sizes + [len(target_ids)])
-    return InputLogprobRows(logit_rows=logits_t, sample_rows=sample_t, prompt_rows=prompt_t, target_ids=targets_t)
+    # Each prompt row reports its request's token_ids_logprob (rows of requests naming none: nothing).
+    named = TokenIdsIndex.build([r.token_ids_logprob for r in reqs], device, [len(t) for _, t in plans])
+    return InputLogprobRows(
+        logit_rows=logits_t, sample_rows=sample_t, prompt_rows=prompt_t, target_ids=targets_t, token_ids=named
+    )
 
 
 def take(reqs: Sequence[Req], result: "StepResult") -> None:
@@ -119,6 +130,7 @@ def take(reqs: Sequence[Req], result: "StepResult") -> None:
         return
     offset = 0
     top = result.input_top_logprobs
+    named = result.input_token_ids_logprobs
     for req in reqs:
         n, req.input_logprobs_inflight = req.input_logprobs_inflight, 0
         if not n:
@@ -129,6 +141,11 @@ def take(reqs: Sequence[Req], result: "StepResult") -> None:
         if req.top_logprobs_num and top is not None:
             k = req.top_logprobs_num
             req.input_top_logprobs.extend(
-                [[v, i] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n)
+                [[v, int(i)] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n)
+            )
+        if req.token_ids_logprob and named is not None:
+            ids = req.token_ids_logprob
+            req.input_token_ids_logprobs.extend(
+                [[v, t] for v, t in zip(named[row], ids)] for row in range(offset, offset + n)
             )
         offset += n

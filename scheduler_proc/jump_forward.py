@@ -20,7 +20,7 @@ def jump_forward(reqs: list[Req], tokenizer: Any, context_len: int, output: Outp
     some, finished or not."""
     jumped = []
     for req in reqs:
-        if req.return_logprob or req.finish_reason is not None or req.num_inflight:
+        if req.return_logprob or req.token_ids_logprob or req.finish_reason is not None or req.num_inflight:
             continue
         room = min(req.remaining_new_tokens(), context_len - 1 - req.seqlen)
         forced = req.grammar.forced_tokens(tokenizer, room) if room > 0 else []  # type: ignore[union-attr]

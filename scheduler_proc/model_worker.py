@@ -67,14 +67,17 @@ class FutureInputs:
 
 @dataclass
 class StepResult:
-    """A finished step's outputs on the host, row i = batch request i."""
+    """A finished step's outputs on the host, row i = batch request i (token ids are Python ints)."""
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
+    # token_ids_logprob: row i's logprobs at its request's ids, in their order (padded past them).
+    token_ids_logprobs: list[list[float]] | None = None
     # Prompt logprobs of the batch's prompt rows, in batch order (``ForwardBatch.input_logprobs``).
     input_logprobs: list[float] | None = None
     input_top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
+    input_token_ids_logprobs: list[list[float]] | None = None
 
 
 class PendingStep:
@@ -122,26 +125,42 @@ def _host_copy(output: Any) -> Any:
         logprobs=None if output.logprobs is None else host(output.logprobs),
         top_logprobs=None if top is None else (host(top[0]), host(top[1])),
     )
-    prompt = getattr(output, "input_token_logprobs", None)  # (a stub runner's output has none)
+    named = getattr(output, "token_ids_logprobs", None)  # (a stub runner's output has none)
+    if named is not None:
+        copy.token_ids_logprobs = host(named)
+    prompt = getattr(output, "input_token_logprobs", None)
     if prompt is not None:
         copy.input_token_logprobs = host(prompt)
         prompt_top = output.input_top_logprobs
         copy.input_top_logprobs = None if prompt_top is None else (host(prompt_top[0]), host(prompt_top[1]))
+        prompt_named = output.input_token_ids_logprobs
+        copy.input_token_ids_logprobs = None if prompt_named is None else host(prompt_named)
     return copy
+
+
+def _top_lists(top: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
+    """(values, ids) of top logprobs as host lists, the ids Python ints whatever the tensor's dtype
+    (a float id would reach clients as ``3.0``)."""
+    return top[0].tolist(), top[1].to(torch.int64).tolist()
 
 
 def _to_result(output: Any) -> StepResult:
     top = output.top_logprobs
     result = StepResult(
-        token_ids=output.next_token_ids.tolist(),
+        token_ids=output.next_token_ids.to(torch.int64).tolist(),
         logprobs=None if output.logprobs is None else output.logprobs.tolist(),
-        top_logprobs=None if top is None else (top[0].tolist(), top[1].tolist()),
+        top_logprobs=None if top is None else _top_lists(top),
     )
-    prompt = getattr(output, "input_token_logprobs", None)  # (a stub runner's output has none)
+    named = getattr(output, "token_ids_logprobs", None)  # (a stub runner's output has none)
+    if named is not None:
+        result.token_ids_logprobs = named.tolist()
+    prompt = getattr(output, "input_token_logprobs", None)
     if prompt is not None:
         result.input_logprobs = prompt.tolist()
         prompt_top = output.input_top_logprobs
-        result.input_top_logprobs = None if prompt_top is None else (prompt_top[0].tolist(), prompt_top[1].tolist())
+        result.input_top_logprobs = None if prompt_top is None else _top_lists(prompt_top)
+        prompt_named = output.input_token_ids_logprobs
+        result.input_token_ids_logprobs = None if prompt_named is None else prompt_named.tolist()
     return result
 
 

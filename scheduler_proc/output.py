@@ -72,7 +72,10 @@ class OutputProcessor:
             if req.top_logprobs_num and result.top_logprobs is not None:
                 values, ids = result.top_logprobs
                 k = req.top_logprobs_num
-                req.output_top_logprobs.append([[v, t] for v, t in zip(values[row][:k], ids[row][:k])])
+                req.output_top_logprobs.append([[v, int(t)] for v, t in zip(values[row][:k], ids[row][:k])])
+        if req.token_ids_logprob and result.token_ids_logprobs is not None:  # (with or without return_logprob)
+            named = result.token_ids_logprobs[row]
+            req.output_token_ids_logprobs.append([[v, t] for v, t in zip(named, req.token_ids_logprob)])
         self.stop_checker.check(req)
         if req.finish_reason is None and req.stream:
             self.maybe_stream(req)
@@ -118,13 +121,16 @@ class OutputProcessor:
             cached_tokens=req.cached_tokens,
             output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
             output_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+            output_token_ids_logprobs=req.output_token_ids_logprobs[start:] if req.token_ids_logprob else None,
             skip_special_tokens=params.skip_special_tokens,
             stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
         )
         if not req.input_logprobs_sent and input_logprobs.wants(req):  # the first output carries them
-            out.input_token_logprobs = req.input_token_logprobs
+            # (token_ids_logprob alone asks for its own prompt values, not these)
+            out.input_token_logprobs = req.input_token_logprobs if req.return_logprob or req.top_logprobs_num else None
             out.input_top_logprobs = req.input_top_logprobs if req.top_logprobs_num else None
+            out.input_token_ids_logprobs = req.input_token_ids_logprobs if req.token_ids_logprob else None
             req.input_logprobs_sent = True
         if start == 0 and req.grammar is not None:
             out.grammar_compile_seconds = req.grammar.compile_seconds

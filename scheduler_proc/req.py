@@ -33,6 +33,8 @@ class Req:
     top_logprobs_num: int = 0
     # Prompt logprobs from this prompt position on; -1: none (scheduler_proc.input_logprobs).
     logprob_start_len: int = -1
+    # SGLang's token_ids_logprob: ids whose logprob each output (and asked prompt) position reports.
+    token_ids_logprob: list[int] | None = None
     extra_key: str | None = None
     # Larger is admitted first and may preempt smaller ones (scheduler_proc.priority); always 0
     # without --enable-priority-scheduling.
@@ -74,10 +76,13 @@ class Req:
     sent_offset: int = 0  # output ids already sent to the detokenizer
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # token_ids_logprob per output id: [[logprob, token_id], ...] in the order of the request's ids.
+    output_token_ids_logprobs: list[list[list[float]]] = field(default_factory=list)
     # Prompt logprobs collected so far, [logprob or None, token id] per prompt token from
     # logprob_start_len on (and the k best per token), written only by scheduler_proc.input_logprobs.
     input_token_logprobs: list[list[Any]] = field(default_factory=list)
     input_top_logprobs: list[list[list[float]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[list[float]] | None] = field(default_factory=list)  # (token_ids_logprob)
     # Prompt rows the prefill in flight computes for it (set when its batch is built).
     input_logprobs_inflight: int = 0
     input_logprobs_sent: bool = False  # they went out in its first ReqOutput

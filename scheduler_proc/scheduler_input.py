@@ -53,12 +53,13 @@ class SchedulerInputMixin(SchedulerWiring):
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob or None,
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
         )
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
         if self.long_rope is not None:  # a prompt past a LongRoPE switch is long from the start
             self.long_rope.mark_long(req)
-        if req.sampling_params.stop_strs:
+        if req.sampling_params.stop_strs or req.sampling_params.stop_regex:
             self.output.stop_checker.load_tokenizer(self.args)
         input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)
         if msg.deadline is not None and self.tp_rank == 0:

@@ -36,7 +36,7 @@ from tokenizer_proc.routing_state import ReqGroup, SampleState
 logger = logging.getLogger(__name__)
 
 # Meta keys of the prompt logprobs: sent once per request (its first output), kept for the last reply.
-INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs")
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 class OutputRouter:
@@ -117,6 +117,7 @@ class OutputRouter:
             sample.output_ids.extend(out.new_output_ids)
             sample.token_logprobs.extend(out.meta.get("output_token_logprobs", ()))
             sample.top_logprobs.extend(out.meta.get("output_top_logprobs", ()))
+            sample.token_ids_logprobs.extend(out.meta.get("output_token_ids_logprobs", ()))
             sample.input_logprobs.update({key: out.meta[key] for key in INPUT_LOGPROB_KEYS if key in out.meta})
             if out.finished:
                 meta = self.meta(group, sample, out.meta, out.finish_reason)
@@ -125,6 +126,8 @@ class OutputRouter:
                     meta["output_token_logprobs"] = sample.token_logprobs
                 if sample.top_logprobs or "output_top_logprobs" in out.meta:
                     meta["output_top_logprobs"] = sample.top_logprobs
+                if sample.token_ids_logprobs or "output_token_ids_logprobs" in out.meta:
+                    meta["output_token_ids_logprobs"] = sample.token_ids_logprobs
                 chunk = GenerateChunk(
                     rid=group.client_rid,
                     text="".join(sample.text),

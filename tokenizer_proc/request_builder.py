@@ -39,6 +39,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
+# token_ids_logprob: ids per request, a bound on the [rows, ids] gather every logit row of it pays for.
+MAX_TOKEN_IDS_LOGPROB = 1024
 
 
 class Rejected(Exception):
@@ -110,9 +112,11 @@ class RequestBuilder:
         params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
         top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
         return_logprob = req.return_logprob or top_logprobs_num > 0
-        # Checked even when unused; without return_logprob the scheduler is not asked for them.
+        token_ids_logprob = self._token_ids_logprob(req.token_ids_logprob)
+        # Checked even when unused; without return_logprob (or token_ids_logprob, which comes with or
+        # without it) the scheduler is not asked for them.
         logprob_start_len = self._logprob_start_len(req.logprob_start_len, len(input_ids))
-        logprob_start_len = logprob_start_len if return_logprob else -1
+        logprob_start_len = logprob_start_len if return_logprob or token_ids_logprob else -1
         _check_priority(req.priority)
         out = []
         for i in range(params.n):
@@ -128,6 +132,7 @@ class RequestBuilder:
                     return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num,
                     logprob_start_len=logprob_start_len,
+                    token_ids_logprob=token_ids_logprob,
                     deadline=deadline,
                     priority=req.priority,
                 )
@@ -267,6 +272,36 @@ class RequestBuilder:
             raise Rejected(
                 "invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})", "input_ids"
             )
+
+    def _token_ids_logprob(self, ids: list[int] | None) -> list[int] | None:
+        """SGLang's token_ids_logprob: at most ``MAX_TOKEN_IDS_LOGPROB`` ids of the vocabulary (an empty
+        list is none, as in SGLang). A front door that built the request itself (HTTP) may hand any
+        JSON value here, so the type is checked too."""
+        if ids is None:
+            return None
+        if not isinstance(ids, list):
+            raise Rejected(
+                "invalid_request", "token_ids_logprob: must be a list of token ids (integers)", "token_ids_logprob"
+            )
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise Rejected(
+                "invalid_request",
+                f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} token ids, got {len(ids)}",
+                "token_ids_logprob",
+            )
+        vocab = self.limits.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise Rejected(
+                    "invalid_request", f"token_ids_logprob: token ids are integers, got {t!r}", "token_ids_logprob"
+                )
+            if not 0 <= t < vocab:
+                raise Rejected(
+                    "invalid_request",
+                    f"token_ids_logprob: token id {t} is outside the vocabulary [0, {vocab})",
+                    "token_ids_logprob",
+                )
+        return list(ids) or None
 
     @staticmethod
     def _logprob_start_len(start: int, prompt_len: int) -> int:

@@ -28,6 +28,7 @@ class SampleState:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[Any] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)
+    token_ids_logprobs: list[Any] = field(default_factory=list)  # non-stream: output_token_ids_logprobs so far
     # non-stream: the prompt logprobs (input_token_logprobs / input_top_logprobs) from whichever
     # output carried them, for the final reply's meta
     input_logprobs: dict[str, Any] = field(default_factory=dict)

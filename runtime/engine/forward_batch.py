@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from memory.kv_pool import MHATokenToKVPool
     from memory.req_to_token_pool import ReqToTokenPool
+    from runtime.engine.sampling.token_ids_logprob import TokenIdsIndex
 
 
 class ForwardMode(enum.IntEnum):
@@ -45,13 +46,15 @@ class InputLogprobRows:
     The model computes logits at ``logit_rows`` of the packed token axis (per request: a run of
     positions ending at its last new token). Row ``sample_rows[i]`` of those logits is where
     request i samples; rows ``prompt_rows`` give the logprob of ``target_ids`` (the prompt token
-    after each such position). The tensors are the batch's, on its device.
+    after each such position). The tensors are the batch's, on its device. ``token_ids``, when a
+    request of the batch names ids (SGLang's ``token_ids_logprob``), has one row per prompt row.
     """
 
     logit_rows: torch.Tensor  # int64 [R]: packed token indices whose logits are computed
     sample_rows: torch.Tensor  # int64 [bs]: row of the computed logits each request samples from
     prompt_rows: torch.Tensor  # int64 [m]: rows of the computed logits that give prompt logprobs
     target_ids: torch.Tensor  # int64 [m]: the prompt token each of those rows predicts
+    token_ids: "TokenIdsIndex | None" = None  # [m, width]: the ids whose logprob each prompt row reports
 
 
 @dataclass

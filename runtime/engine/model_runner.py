@@ -53,11 +53,15 @@ class ModelOutput:
     next_token_ids: torch.Tensor  # int64 [bs]
     logprobs: torch.Tensor | None = None  # float32 [bs]: log_softmax of the raw logits at the chosen token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [bs, k], ids [bs, k])
+    # token_ids_logprob: float32 [bs, width], each row's logprobs at its ids (SamplingBatchInfo's index)
+    token_ids_logprobs: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # float32 [bs, vocab]: raw logits (for tests / debugging)
     # Prompt logprobs, when the batch asks (``ForwardBatch.input_logprobs``): float32 [m], one per
     # prompt row, and with top_logprobs_num the k best of each row (values [m, k], ids [m, k]).
     input_token_logprobs: torch.Tensor | None = None
     input_top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+    # and with token_ids_logprob, float32 [m, width]: each prompt row's logprobs at its ids
+    input_token_ids_logprobs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -291,7 +295,7 @@ class ModelRunner:
             logits = logits.index_select(0, batch.input_logprobs.sample_rows)
         out = self._sample(batch, logits, k)
         if prompt is not None:
-            out.input_token_logprobs, out.input_top_logprobs = prompt
+            out.input_token_logprobs, out.input_top_logprobs, out.input_token_ids_logprobs = prompt
         return out
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor, k: int) -> ModelOutput:
@@ -314,6 +318,7 @@ class ModelRunner:
                 next_token_ids=sampled.next_token_ids,
                 logprobs=sampled.logprobs,
                 top_logprobs=sampled.top_logprobs,
+                token_ids_logprobs=sampled.token_ids_logprobs,
                 logits=logits,
             )
         )
@@ -334,6 +339,8 @@ class ModelRunner:
         if out.top_logprobs is not None:
             group.broadcast_tensor(out.top_logprobs[0], src=0)
             group.broadcast_tensor(out.top_logprobs[1], src=0)
+        if out.token_ids_logprobs is not None:
+            group.broadcast_tensor(out.token_ids_logprobs, src=0)
         return out
 
 
@@ -345,13 +352,15 @@ def prompt_logprobs(
     logits: torch.Tensor,
     rows: InputLogprobRows,
     k: int,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Each prompt row's logprob of its target token, and with ``k`` its k best: log_softmax of
-    the raw fp32 logits, as the output logprobs are (the logits are the same on every TP rank,
-    so every rank gets the same values without a broadcast)."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+    """Each prompt row's logprob of its target token, with ``k`` its k best, and with
+    ``rows.token_ids`` its logprobs at those ids: log_softmax of the raw fp32 logits, as the output
+    logprobs are (the logits are the same on every TP rank, so every rank gets the same values
+    without a broadcast)."""
     chosen: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     ids: list[torch.Tensor] = []
+    named: list[torch.Tensor] = []
     for start in range(0, int(rows.prompt_rows.shape[0]), PROMPT_LOGPROB_ROWS):
         part = rows.prompt_rows[start : start + PROMPT_LOGPROB_ROWS]
         logprobs = torch.log_softmax(logits.index_select(0, part).float(), dim=-1)
@@ -361,7 +370,10 @@ def prompt_logprobs(
             top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
             values.append(top.values)
             ids.append(top.indices)
+        if rows.token_ids is not None:
+            named.append(rows.token_ids.gather(logprobs, start))
     if not chosen:  # (no prompt rows: the builder leaves such batches without input_logprobs)
         empty = logits.new_empty((0,))
-        return empty, None
-    return torch.cat(chosen), ((torch.cat(values), torch.cat(ids)) if k > 0 else None)
+        return empty, None, None
+    top_k = (torch.cat(values), torch.cat(ids)) if k > 0 else None
+    return torch.cat(chosen), top_k, (torch.cat(named) if named else None)

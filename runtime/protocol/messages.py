@@ -41,6 +41,11 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # Prompt logprobs from this prompt position on (-1: none; SGLang's convention): with
     # return_logprob, the reply's meta has ``input_token_logprobs`` (and ``input_top_logprobs``).
     logprob_start_len: int = -1
+    # SGLang's token_ids_logprob: token ids whose logprob the reply carries at every output position
+    # (meta ``output_token_ids_logprobs``) and, with logprob_start_len, every prompt position from it on
+    # (``input_token_ids_logprobs``); per position [[logprob, token_id], ...] in this order. With or
+    # without return_logprob; at most 1024 ids, each in [0, vocab size).
+    token_ids_logprob: list[int] | None = None
     # Larger runs first (SGLang's convention) with --enable-priority-scheduling; ignored without it.
     priority: int = 0
     api_key: str | None = None
@@ -119,6 +124,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none (checked by the tokenizer)
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports (checked; None: none)
     # Absolute time.monotonic() (CLOCK_MONOTONIC: system-wide, and every scheduler that receives
     # requests runs on the tokenizer's node) past which the scheduler aborts it; None: no deadline.
     deadline: float | None = None
@@ -151,12 +157,19 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     output_logprobs: list[float] | None = None  # one per new output id, when asked
-    output_top_logprobs: list[list[list[float]]] | None = None  # per new id: [[logprob, token_id], ...]
+    # Pairs are [logprob, token_id]: ``float | int`` keeps the id an int through the typed decoder
+    # (``float`` alone would decode it as a float).
+    output_top_logprobs: list[list[list[float | int]]] | None = None  # per new id: [[logprob, token_id], ...]
+    # token_ids_logprob: per new id, [[logprob, token_id], ...] in the order of the request's ids.
+    output_token_ids_logprobs: list[list[list[float | int]]] | None = None
     # Prompt logprobs (in a request's first ReqOutput only): [logprob or None, token_id] per prompt
     # token from logprob_start_len on (None for token 0), and, with top_logprobs_num, per such token
     # None (token 0) or its k best [[logprob, token_id], ...] at the position before it.
     input_token_logprobs: list[list[Any]] | None = None
-    input_top_logprobs: list[list[list[float]] | None] | None = None
+    input_top_logprobs: list[list[list[float | int]] | None] | None = None
+    # token_ids_logprob at the same prompt tokens (first ReqOutput only): None for token 0, else
+    # [[logprob, token_id], ...] at the position before it, in the order of the request's ids.
+    input_token_ids_logprobs: list[list[list[float | int]] | None] | None = None
     skip_special_tokens: bool = True
     stop_strs: list[str] | None = None  # the request's stop strings: the detokenizer holds back
     # any text that may be the start of one, and cuts the final text at the first match. Read

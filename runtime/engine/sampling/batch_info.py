@@ -22,6 +22,7 @@ import torch
 
 from runtime.engine.sampling import penalties as pen
 from runtime.engine.sampling.logit_bias import LogitBias
+from runtime.engine.sampling.token_ids_logprob import TokenIdsIndex
 from runtime.protocol.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -69,6 +70,8 @@ class SamplingBatchInfo:
     # Largest ``top_logprobs_num`` in the batch: the k the runner asks the sampler for
     # (each request keeps its own first ``top_logprobs_num`` columns).
     top_logprobs_num: int = 0
+    # SGLang's token_ids_logprob: the ids each row reports the logprob of (None: no row asks).
+    token_ids_logprob: TokenIdsIndex | None = None
     # Rows with top_p < 1 (the only ones that pay for a vocabulary sort): None = every row.
     top_p_rows: torch.Tensor | None = None  # [n_p] int64
     # Repetition penalty (rows with p != 1): rows None = every row of the batch.
@@ -108,6 +111,7 @@ class SamplingBatchInfo:
         device: torch.device | str,
         vocab_mask: torch.Tensor | None = None,
         vocab_mask_rows: list[int] | None = None,
+        token_ids_logprob: Sequence[Sequence[int] | None] | None = None,
     ) -> "SamplingBatchInfo":
         """Build the batch's tensors; vectorised, so cheap for hundreds of requests.
 
@@ -116,6 +120,7 @@ class SamplingBatchInfo:
         request's ``stop_token_ids``) while ``len(output_ids[i]) < min_new_tokens``, except
         that EOS is left alone for ``ignore_eos`` requests, which EOS cannot stop anyway.
         ``vocab_mask`` is the host bitmask of the constrained rows ``vocab_mask_rows``.
+        ``token_ids_logprob[i]`` are the ids whose logprob row i reports (None: none).
         """
         bs = len(params)
         if len(prompt_ids) != bs or len(output_ids) != bs:
@@ -166,6 +171,10 @@ class SamplingBatchInfo:
         info._build_penalties(params, prompt_ids, output_ids)
         info._build_min_tokens_mask(params, output_ids, eos_token_ids)
         info.logit_bias = LogitBias.build(params, vocab_size, device)
+        if token_ids_logprob is not None:
+            if len(token_ids_logprob) != bs:
+                raise ValueError(f"batch mismatch: {bs} params, {len(token_ids_logprob)} token_ids_logprob rows")
+            info.token_ids_logprob = TokenIdsIndex.build(token_ids_logprob, device)
         return info
 
     # ---- builders -----------------------------------------------------------------

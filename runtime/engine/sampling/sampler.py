@@ -42,15 +42,18 @@ logger = logging.getLogger(__name__)
 class SamplerOutput:
     """What the sampler returns for one step.
 
-    ``logprobs`` and ``top_logprobs`` are ``log_softmax`` of the ORIGINAL logits (before the
-    grammar mask, logit bias, penalties, min_new_tokens masking and temperature), which is what transformers'
-    ``log_softmax(model(...).logits)`` gives and what SGLang reports by default.
+    ``logprobs``, ``top_logprobs`` and ``token_ids_logprobs`` are ``log_softmax`` of the ORIGINAL
+    logits (before the grammar mask, logit bias, penalties, min_new_tokens masking and temperature),
+    which is what transformers' ``log_softmax(model(...).logits)`` gives and what SGLang reports by default.
     """
 
     next_token_ids: torch.Tensor  # int64 [bs]
     logprobs: torch.Tensor | None = None  # float32 [bs]: logprob of the chosen token
     # (values float32 [bs, k], ids int64 [bs, k]), values sorted descending.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+    # float32 [bs, width]: each row's logprobs at ``info.token_ids_logprob``'s ids (its request's
+    # ids first, in their order; the rest is padding), or None when no row asks.
+    token_ids_logprobs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -89,13 +92,14 @@ class Sampler:
             and info.logit_bias is None
             and not return_logprob
             and top_logprobs_num <= 0
+            and info.token_ids_logprob is None
         ):
             # Nothing to adjust: the argmax reads the caller's logits as they are (no copy).
             return SamplerOutput(next_token_ids=self.greedy_argmax(logits[:, :vocab]))
         # A private fp32 copy: the caller's logits buffer is never modified.
         x = logits[:, :vocab].to(torch.float32, copy=True)
         raw_logprobs = None
-        if return_logprob or top_logprobs_num > 0:
+        if return_logprob or top_logprobs_num > 0 or info.token_ids_logprob is not None:
             raw_logprobs = torch.log_softmax(x, dim=-1)
 
         x = self._adjust_logits(x, info)
@@ -115,6 +119,8 @@ class Sampler:
             if k > 0:
                 values, ids = raw_logprobs.topk(k, dim=-1, largest=True, sorted=True)
                 out.top_logprobs = (values, ids)
+            if info.token_ids_logprob is not None:
+                out.token_ids_logprobs = info.token_ids_logprob.gather(raw_logprobs)
         return out
 
     def penalized_logits(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -222,6 +222,46 @@ def test_prompt_logprobs_survive_the_message_round_trip(tokenizer: Any) -> None:
     assert o.new_output_ids == [] and o.text_delta == ""
 
 
+def test_token_ids_logprobs_pass_on_and_every_token_id_stays_an_int(tokenizer: Any) -> None:
+    """SGLang's token_ids_logprob (output and prompt positions) reach the meta under SGLang's names, and
+    the ids of every [logprob, id] pair, top logprobs' too, are still ints after the typed msgpack
+    decoder (a JSON client would otherwise see ``70.0``)."""
+    import msgspec
+
+    sent = BatchTokenIDOut(
+        outputs=[
+            ReqOutput(
+                rid="r",
+                new_output_ids=[70, 71],
+                output_top_logprobs=[[[-0.1, 70]], [[-0.2, 71]]],
+                output_token_ids_logprobs=[[[-3.0, 9], [-0.0, 4]], [[-2.5, 9], [-1.0, 4]]],
+                input_token_logprobs=[[None, 5], [-1.5, 6]],
+                input_top_logprobs=[None, [[-0.5, 9], [-1.5, 6]]],
+                input_token_ids_logprobs=[None, [[-4.0, 9], [-2.0, 4]]],
+            )
+        ]
+    )
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
+    meta = DetokenizerManager(tokenizer).handle(received).outputs[0].meta
+    assert meta["output_token_ids_logprobs"] == [[[-3.0, 9], [-0.0, 4]], [[-2.5, 9], [-1.0, 4]]]
+    assert meta["input_token_ids_logprobs"] == [None, [[-4.0, 9], [-2.0, 4]]]
+    pairs = [
+        pair
+        for key in (
+            "output_top_logprobs",
+            "input_top_logprobs",
+            "output_token_ids_logprobs",
+            "input_token_ids_logprobs",
+        )
+        for row in meta[key]
+        for pair in row or ()
+    ]
+    assert len(pairs) == 10
+    assert all(type(t) is int and type(lp) is float for lp, t in pairs), pairs
+    plain = DetokenizerManager(tokenizer).handle(out("p", [70])).outputs[0].meta
+    assert "output_token_ids_logprobs" not in plain and "input_token_ids_logprobs" not in plain
+
+
 def test_errors_free_state_and_control_passes_through(tokenizer: Any) -> None:
     m = DetokenizerManager(tokenizer)
     m.handle(out("r", tokenizer.encode("héllo", add_special_tokens=False)[:2]))

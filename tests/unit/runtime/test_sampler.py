@@ -564,3 +564,36 @@ def test_no_logprobs_unless_asked() -> None:
     assert out.logprobs is None and out.top_logprobs is None
     out = Sampler()(torch.randn(2, 9), make_info([SamplingParams()] * 2, 9), top_logprobs_num=3)
     assert out.logprobs is None and out.top_logprobs is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_ids_logprobs_are_raw_log_softmax_at_each_rows_own_ids(device: str) -> None:
+    """SGLang's token_ids_logprob: each row's ids (any length, repeats allowed, none at all), gathered
+    from the raw logits' log_softmax whatever penalties, bias, min_new_tokens or temperature do to the
+    sampled distribution; the only thing asked, it still leaves the all-greedy fast path."""
+    torch.manual_seed(8)
+    vocab = 40
+    logits = (torch.randn(4, vocab + 2) * 2).to(device=device)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.7, logit_bias={"3": -100.0}, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=[7]),
+    ]
+    named: list[list[int] | None] = [[3, 7, 3], None, [vocab - 1], [7, 0, 12, 39, 5]]
+    hist = [[1, 2, 3]] * 4
+    info = SamplingBatchInfo.from_requests(params, hist, hist, vocab, [0], device, token_ids_logprob=named)
+    out = Sampler()(logits, info)
+    raw = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
+    assert out.logprobs is None and out.top_logprobs is None
+    assert out.token_ids_logprobs is not None and tuple(out.token_ids_logprobs.shape) == (4, 5)
+    for row, ids in enumerate(named):
+        got = out.token_ids_logprobs[row, : len(ids or ())]
+        torch.testing.assert_close(got, raw[row, ids or []])
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    info = SamplingBatchInfo.from_requests(greedy, [[]] * 2, [[]] * 2, vocab, [], device, token_ids_logprob=[None, [2]])
+    out = Sampler()(logits[:2], info)
+    assert out.token_ids_logprobs is not None
+    torch.testing.assert_close(out.token_ids_logprobs[1, 0], raw[1, 2])
+    plain = SamplingBatchInfo.from_requests(greedy, [[]] * 2, [[]] * 2, vocab, [], device, token_ids_logprob=[None, []])
+    assert plain.token_ids_logprob is None and Sampler()(logits[:2], plain).token_ids_logprobs is None

@@ -122,7 +122,7 @@ def test_sampling_penalties_logprobs_chunks_and_prefix_hits(tiny_llama_path: Pat
 
 
 def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
-    """The logprob of each accepted token is that of its own verify position."""
+    """The logprob of each accepted token (its top-k, its token_ids_logprob) is that of its own verify position."""
     from runtime.protocol.messages import BatchTokenIDOut
 
     runner = runner_for(tiny_llama_path)
@@ -141,6 +141,7 @@ def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
                 input_ids=prompt,
                 return_logprob=True,
                 top_logprobs_num=2,
+                token_ids_logprob=[4, 1, runner.vocab_size - 1],
                 sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
             )
         )
@@ -154,11 +155,18 @@ def test_logprobs_per_accepted_token(tiny_llama_path: Path) -> None:
             [t for o in outs for t in o.new_output_ids],
             [lp for o in outs for lp in o.output_logprobs],
             [[t for _, t in top] for o in outs for top in o.output_top_logprobs],
+            [[lp for lp, _ in row] for o in outs for row in o.output_token_ids_logprobs],
+        )
+        assert all(
+            [t for _, t in row] == [4, 1, runner.vocab_size - 1] for o in outs for row in o.output_token_ids_logprobs
         )
         if spec:
             assert sched.stats["spec_accepted_drafts"] > 0
     assert got[True][0] == got[False][0] and got[True][2] == got[False][2]
     assert got[True][1] == pytest.approx(got[False][1], abs=1e-4)
+    assert len(got[True][3]) == len(got[True][0]) == 16
+    for with_spec, without in zip(got[True][3], got[False][3]):
+        assert with_spec == pytest.approx(without, abs=1e-4)
 
 
 def test_tensor_parallel_2(tiny_llama_path: Path, thread_tp_group: Any) -> None:

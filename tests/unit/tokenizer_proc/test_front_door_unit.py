@@ -256,3 +256,65 @@ def test_an_overloaded_sample_fails_its_request_once() -> None:
         assert m.table.is_empty()
 
     asyncio.run(main())
+
+
+def test_token_ids_logprob_is_checked_and_gathered_into_the_whole_reply() -> None:
+    """SGLang's token_ids_logprob: ids of the vocabulary, at most 1024, each refusal an invalid_request
+    naming the field; with or without return_logprob the ids (and the prompt start) reach the
+    scheduler, and a non-stream reply gathers output_token_ids_logprobs over its chunks and keeps the
+    first chunk's input_token_ids_logprobs."""
+    from tokenizer_proc.request_builder import MAX_TOKEN_IDS_LOGPROB, Rejected, RequestBuilder
+
+    builder = RequestBuilder(Tokenizer(), LIMITS)
+    too_many = list(range(50)) * (MAX_TOKEN_IDS_LOGPROB // 50 + 1)
+    for bad, why in (
+        ([3, 100], "token id 100 is outside the vocabulary [0, 100)"),
+        ([-1], "token id -1 is outside"),
+        ([1.5], "integers, got 1.5"),
+        ([True], "integers, got True"),
+        ("7", "must be a list"),
+        (too_many, f"at most 1024 token ids, got {len(too_many)}"),
+    ):
+        try:
+            builder.build(GenerateReq(rid="x", input_ids=[1], token_ids_logprob=bad))  # type: ignore[arg-type]
+        except Rejected as exc:
+            assert (exc.code, exc.param) == ("invalid_request", "token_ids_logprob")
+            assert exc.message.startswith("token_ids_logprob: ") and why in exc.message, exc.message
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    (ok,) = builder.build(GenerateReq(rid="x", input_ids=[1, 2, 3], token_ids_logprob=[99, 0, 99], logprob_start_len=1))
+    assert (ok.token_ids_logprob, ok.logprob_start_len, ok.return_logprob) == ([99, 0, 99], 1, False)
+    (empty,) = builder.build(GenerateReq(rid="x", input_ids=[1], token_ids_logprob=[], logprob_start_len=0))
+    assert empty.token_ids_logprob is None and empty.logprob_start_len == -1  # [] names none, as in SGLang
+    assert len(builder.build(GenerateReq(rid="x", input_ids=[1], token_ids_logprob=too_many[:1024]))) == 1
+
+    async def main() -> None:
+        m, router, sched, _ = manager()
+        await m.handle_client_frames(b"c", frame(GenerateReq(rid="bad", input_ids=[1], token_ids_logprob=[100])))
+        await m.handle_client_frames(
+            b"c", frame(GenerateReq(rid="whole", input_ids=[1, 2], token_ids_logprob=[4, 2], logprob_start_len=0))
+        )
+        errors = [msg for _, msg in router.sent if isinstance(msg, ErrorReply)]
+        assert [(e.rid, e.code) for e in errors] == [("bad", "invalid_request")]
+        assert "token_ids_logprob" in errors[0].message
+        (internal,) = [x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
+        prompt = [None, [[-0.5, 4], [-1.5, 2]]]
+        steps = [[[-1.0, 4], [-2.0, 2]]], [[[-3.0, 4], [-0.25, 2]], [[-4.0, 4], [-0.5, 2]]]
+        first = {"output_token_ids_logprobs": steps[0], "input_token_ids_logprobs": prompt}
+        await m.outputs.handle_outputs([StrOutput(rid=internal, text_delta="a", new_output_ids=[5], meta=first)])
+        last = StrOutput(
+            rid=internal,
+            text_delta="bc",
+            new_output_ids=[6, 7],
+            finished=True,
+            finish_reason={"type": "length"},
+            meta={"output_token_ids_logprobs": steps[1]},
+        )
+        await m.outputs.handle_outputs([last])
+        replies = [msg for _, msg in router.sent if isinstance(msg, GenerateChunk)]
+        assert len(replies) == 1 and replies[0].output_ids == [5, 6, 7]
+        assert replies[0].meta["output_token_ids_logprobs"] == steps[0] + steps[1]
+        assert replies[0].meta["input_token_ids_logprobs"] == prompt
+        assert m.table.is_empty()
+
+    asyncio.run(main())
