@@ -8,8 +8,8 @@ Routing methods:
   prompt, known from the replicas' KV events (stored/removed token paths); when
   loads diverge, or nothing matches, the least loaded replica instead.
 
-Control requests (flush_cache, server_info) go to every replica; their replies
-come back here and leave as one merged reply, so the tokenizer sees one server.
+Control requests (flush_cache, server_info, profiling, weight updates) go to every replica;
+their replies come back here and leave as one merged reply, so the tokenizer sees one server.
 
 ``--max-queued-requests`` is enforced by each replica on its own queue, not here: a request
 routed to a full replica is refused by it (``overloaded``) even if another has room, because
@@ -153,6 +153,15 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     """One reply for the whole server: per-replica payloads plus the sums a client wants first."""
     if kind == "flush_cache":
         return {"success": all(p.get("success") for p in payloads), "replicas": payloads}
+    if kind in ("start_profile", "stop_profile", "update_weights"):
+        # Done on every replica: a failure's message (its error code) first, the traces of all.
+        failed = [p for p in payloads if not p.get("success")]
+        done = {**(failed or payloads)[0], "success": not failed, "replicas": payloads}
+        if kind == "update_weights":
+            done["num_paused_requests"] = sum(int(p.get("num_paused_requests", 0)) for p in payloads)
+        if any("trace_files" in p for p in payloads):
+            done["trace_files"] = [f for p in payloads for f in p.get("trace_files", [])]
+        return done
     merged: dict[str, Any] = {"dp_size": len(payloads), "replicas": payloads}
     for key in (
         "num_running",

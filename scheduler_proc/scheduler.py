@@ -64,7 +64,13 @@ class Scheduler(
         ):
             self._complete_inflight()
         self._apply_aborts()
+        if self.profiler.due:  # (its num_steps seen: the trace is written with nothing in flight)
+            self.profile_due()
+        if self.weight_update is not None:  # reloads once no request runs (admission waits meanwhile)
+            self.advance_weight_update()
         launched = self._launch_next()
+        if launched is not None:
+            self.profiler.forward_step()
         if self.inflight is not None:
             self._complete_inflight()  # while ``launched`` runs
         self.inflight = launched

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from runtime.protocol.messages import (
     SchedAbortReq,
-    SchedControlOut,
     SchedControlReq,
     SchedulerInput,
     TokenizedGenerateReq,
@@ -35,7 +34,7 @@ class SchedulerInputMixin(SchedulerWiring):
         elif isinstance(msg, SchedAbortReq):
             self.abort(msg.rid, msg.reason or CLIENT_ABORT)
         elif isinstance(msg, SchedControlReq):
-            self.output.outbox.append(SchedControlOut(msg.rid, msg.kind, self.control(msg.kind)))
+            self.control_request(msg)  # (scheduler_control: some answer later, a weight update)
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Queue a request the tokenizer validated (prompt length, vocabulary, parameters), unless

@@ -28,7 +28,9 @@ class SchedulerLaunchMixin(SchedulerWiring):
             self.host_tier.begin_step()
         queues = self.queues
         self._recompute_past_rope_switch()  # (before any batch that decodes the running requests)
-        plan = self.admission.plan(queues.waiting, queues.running, queues.chunked, self.memory.new_token_ratio)
+        # A weight update waits for the running requests: no new one starts meanwhile (weight_update.py).
+        waiting = () if self.weight_update is not None else queues.waiting
+        plan = self.admission.plan(waiting, queues.running, queues.chunked, self.memory.new_token_ratio)
         if self.host_tier:
             self.host_tier.issue_loads()
         for req in plan.rejected:

@@ -127,7 +127,7 @@ def run_scheduler_process(
         set_tp_group(tp_group)
     # Only rank 0 reports to the DP controller; events on other ranks would pile up unread.
     kv_events = server_args.load_balance_method == "cache_aware" and server_args.dp_size > 1 and tp_rank == 0
-    scheduler = Scheduler(server_args, tp_rank, kv_events=kv_events)
+    scheduler = Scheduler(server_args, tp_rank, kv_events=kv_events, dp_rank=dp_rank)
     io = SchedulerIO(server_args, port_args, tp_rank, dp_rank, tp_group)
     send_status(
         ready_conn,

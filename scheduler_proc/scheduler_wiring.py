@@ -22,6 +22,7 @@ import torch
 from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
 from runtime.config.args import ServerArgs
+from runtime.protocol.messages import SchedControlReq
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder
 from scheduler_proc.deadlines import Deadlines
@@ -39,10 +40,12 @@ from scheduler_proc.model_worker import (
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.prefill_adder import PrefillPlan
 from scheduler_proc.priority import PriorityPreemption
+from scheduler_proc.profiler import StepProfiler, tp_agreement
 from scheduler_proc.queue_bound import QueueBound
 from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req, StopChecker
 from scheduler_proc.spec.verify import SpecDecoder
+from scheduler_proc.weight_update import PendingWeightUpdate, ServedWeights
 
 
 class SchedulerWiring:
@@ -54,9 +57,11 @@ class SchedulerWiring:
         tp_rank: int = 0,
         model_runner: ForwardRunner | None = None,
         kv_events: bool = False,
+        dp_rank: int = 0,
     ) -> None:
         self.args = server_args
         self.tp_rank = tp_rank
+        self.dp_rank = dp_rank
         if model_runner is None:
             model_runner = create_model_runner(server_args, tp_rank)
         self.runner = model_runner
@@ -118,6 +123,19 @@ class SchedulerWiring:
         # (scheduler_proc/deadlines.py: rank 0 decides; under TP its expiries reach the others as aborts).
         self.queue_bound = QueueBound(server_args.max_queued_requests)
         self.deadlines = Deadlines()
+        # /start_profile, /stop_profile (scheduler_proc/profiler.py) and /update_weights_from_disk
+        # (scheduler_proc/weight_update.py: the update waiting for the running requests to finish).
+        device = torch.device(model_runner.device)
+        self.profiler = StepProfiler(
+            device,
+            tp_rank,
+            server_args.tp_size,
+            dp_rank,
+            server_args.dp_size,
+            tp_agreement(server_args.tp_size, device),
+        )
+        self.weight_update: PendingWeightUpdate | None = None
+        self.served_weights = ServedWeights(str(getattr(model_runner, "model_path", None) or server_args.model_path))
         self.inflight: LaunchedStep | None = None
         self._was_idle = True
         self.last_invariant: InvariantReport | None = None
@@ -134,6 +152,18 @@ class SchedulerWiring:
 
     def kv_usage(self) -> float:
         """Defined in ``scheduler_control``."""
+        raise NotImplementedError
+
+    def control_request(self, msg: SchedControlReq) -> None:
+        """Defined in ``scheduler_control``."""
+        raise NotImplementedError
+
+    def abort(self, rid: str, message: str) -> None:
+        """Defined in ``scheduler_input``."""
+        raise NotImplementedError
+
+    def num_waiting(self) -> int:
+        """Defined in ``scheduler_input``."""
         raise NotImplementedError
 
     def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:

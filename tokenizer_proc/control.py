@@ -1,4 +1,5 @@
-"""Control round trips of the front door: server_info, health and flush_cache.
+"""Control round trips of the front door: server_info, health, flush_cache, the profiler's start and
+stop, and weight updates.
 
 Each call becomes one ``SchedControlReq`` with an internal rid, waits for the scheduler's
 ``SchedControlOut`` (or a timeout: a scheduler that does not answer makes health fail),
@@ -6,6 +7,13 @@ and is answered to the client that asked. A client may have at most
 ``--max-controls-per-client`` of them waiting: these are the requests a client can send
 fastest and that cost the scheduler a turn each, so one socket cannot fill the
 scheduler's queue with them (issue 17).
+
+A weight update waits for the running requests to finish before the scheduler answers, so it
+waits longer (``WEIGHT_UPDATE_TIMEOUT_S``); its ``model_path`` is first resolved here to a local
+checkpoint folder (``resolve_weight_update``: a hub id is downloaded, a GGUF file prepared, as
+``--model-path`` is at start-up), off the event loop, so the scheduler only ever reads a folder.
+A successful update is reported to ``on_weights`` even when its caller stopped waiting, so
+/get_model_info always names the weights served.
 """
 
 from __future__ import annotations
@@ -16,23 +24,30 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import msgspec
+
+from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.protocol.ipc import PushSocket
 from runtime.protocol.messages import (
     ControlReply,
     ErrorReply,
     FlushCacheReq,
     HealthReq,
+    ProfileReq,
     SchedControlOut,
     SchedControlReq,
     SchedErrorOut,
     ServerInfoReq,
+    UpdateWeightsReq,
 )
 from tokenizer_proc.request_builder import Rejected
 
 HEALTH_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 120.0
+WEIGHT_UPDATE_TIMEOUT_S = 3600.0  # it waits for the running requests to finish, then loads
 _KIND = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}
 
+ControlRequest = FlushCacheReq | ServerInfoReq | HealthReq | ProfileReq | UpdateWeightsReq
 SendReply = Callable[[bytes, Any], Awaitable[bool]]  # ClientReplies.send: False when not delivered
 
 
@@ -40,7 +55,7 @@ SendReply = Callable[[bytes, Any], Awaitable[bool]]  # ClientReplies.send: False
 class PendingControl:
     identity: bytes
     client_rid: str
-    kind: str  # the client's kind: "flush_cache" | "server_info" | "health"
+    kind: str  # the client's kind: "flush_cache" | "server_info" | "health" | *_profile | "update_weights"
     sent_at: float
     timer: asyncio.TimerHandle | None = None
 
@@ -54,15 +69,17 @@ class ControlCalls:
         reply: SendReply,
         max_per_client: int,
         compose_server_info: Callable[[dict[str, Any]], dict[str, Any]],
+        on_weights: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.to_scheduler = to_scheduler
         self.reply = reply
         self.max_per_client = max_per_client
         self.compose_server_info = compose_server_info  # the scheduler's payload -> the whole server info
+        self.on_weights = on_weights  # told each successful weight update's payload (model_path, weight_version)
         self.pending: dict[str, PendingControl] = {}
         self.per_client: dict[bytes, int] = {}
 
-    def start(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
+    def start(self, identity: bytes, req: ControlRequest) -> None:
         waiting = self.per_client.get(identity, 0)
         if waiting >= self.max_per_client:
             raise Rejected(
@@ -70,18 +87,16 @@ class ControlCalls:
                 f"this client has {waiting} control requests waiting for the "
                 f"scheduler, the most --max-controls-per-client allows",
             )
-        self.per_client[identity] = waiting + 1
-        kind = _KIND[type(req)]
+        kind = client_kind(req)
         internal = uuid.uuid4().hex
+        sched_req = scheduler_request(internal, kind, req)
+        self.per_client[identity] = waiting + 1
         pending = PendingControl(identity=identity, client_rid=req.rid, kind=kind, sent_at=time.monotonic())
         pending.timer = asyncio.get_running_loop().call_later(
             _timeout_s(kind), lambda: asyncio.ensure_future(self._timed_out(internal))
         )
         self.pending[internal] = pending
-        # Health is a server_info round trip: it proves the scheduler loop is turning.
-        self.to_scheduler.send(
-            SchedControlReq(rid=internal, kind="flush_cache" if kind == "flush_cache" else "server_info")
-        )
+        self.to_scheduler.send(sched_req)
 
     def drop(self, internal: str) -> PendingControl | None:
         pending = self.pending.pop(internal, None)
@@ -116,6 +131,8 @@ class ControlCalls:
         )
 
     async def handle_out(self, out: SchedControlOut) -> None:
+        if out.kind == "update_weights" and out.payload.get("success") and self.on_weights is not None:
+            self.on_weights(out.payload)  # (first: the caller may have stopped waiting)
         pending = self.drop(out.rid)
         if pending is None:
             return
@@ -142,6 +159,41 @@ class ControlCalls:
                 await self.reply(pending.identity, ErrorReply(rid=pending.client_rid, code=code, message=message))
 
 
+def client_kind(req: ControlRequest) -> str:
+    """The control call's kind, as its ``ControlReply`` names it."""
+    if isinstance(req, ProfileReq):
+        return "start_profile" if req.start else "stop_profile"
+    if isinstance(req, UpdateWeightsReq):
+        return "update_weights"
+    return _KIND[type(req)]
+
+
+def scheduler_request(internal: str, kind: str, req: ControlRequest) -> SchedControlReq:
+    """The scheduler's side of a control call (health is a server_info round trip: it proves the
+    scheduler loop is turning)."""
+    if isinstance(req, ProfileReq):
+        if req.start and req.options is None:
+            raise Rejected("invalid_request", "a profile start needs its options")
+        return SchedControlReq(rid=internal, kind=kind, profile=req.options if req.start else None)
+    if isinstance(req, UpdateWeightsReq):
+        return SchedControlReq(rid=internal, kind=kind, weights=req.update)
+    return SchedControlReq(rid=internal, kind="server_info" if kind == "health" else kind)
+
+
+async def resolve_weight_update(req: UpdateWeightsReq) -> UpdateWeightsReq:
+    """``req`` with its ``model_path`` turned into a local checkpoint folder, as ``--model-path`` is
+    (``runtime.checkpoints.model_source``; on a worker thread: it may download or prepare); Rejected
+    (``invalid_request``) when it names nothing that can be served."""
+    path = req.update.model_path
+    try:
+        folder = await asyncio.get_running_loop().run_in_executor(None, checkpoint_folder, path)
+    except Exception as exc:  # ModelSourceError, HubError, GGUFError, OSError: the message says why
+        raise Rejected("invalid_request", f"model_path {path!r}: {exc}") from None
+    return msgspec.structs.replace(req, update=msgspec.structs.replace(req.update, model_path=str(folder)))
+
+
 def _timeout_s(kind: str) -> float:
     """How long a control call of ``kind`` waits for the scheduler."""
+    if kind == "update_weights":
+        return WEIGHT_UPDATE_TIMEOUT_S
     return HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from runtime.protocol.messages import ControlReply, ErrorReply, FlushCacheReq, GenerateReq, HealthReq, ServerInfoReq
+from runtime.protocol.messages import ControlReply, ErrorReply, GenerateReq
+from tokenizer_proc.control import ControlRequest
 from tokenizer_proc.metrics import Metrics
 
 
@@ -49,5 +50,10 @@ class FrontDoor(Protocol):
     def close_local(self, identity: bytes) -> None:
         """The local client is done or went away: abort whatever it still has in flight."""
 
-    async def local_control(self, req: FlushCacheReq | ServerInfoReq | HealthReq) -> ControlReply | ErrorReply:
-        """One control round trip through the scheduler (server info, flush, health)."""
+    async def local_control(self, req: ControlRequest) -> ControlReply | ErrorReply:
+        """One control round trip through the scheduler (server info, flush, health, profiling, weight
+        updates); raises ``request_builder.Rejected`` when it is refused before it reaches it."""
+
+    async def abort_requests(self, rid: str, abort_all: bool, why: str) -> int:
+        """Abort the requests in flight whose client rid is ``rid`` (any client), or all of them; how
+        many (``POST /abort_request``)."""

@@ -57,11 +57,13 @@ from runtime.protocol.messages import (
     FlushCacheReq,
     GenerateReq,
     HealthReq,
+    ProfileReq,
     ServerInfoReq,
     TokenizedGenerateReq,
+    UpdateWeightsReq,
 )
 from tokenizer_proc.client_replies import ClientReplies, is_local
-from tokenizer_proc.control import ControlCalls
+from tokenizer_proc.control import ControlCalls, ControlRequest, resolve_weight_update
 from tokenizer_proc.drain import DRAINING_MESSAGE, Drain
 from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
 from tokenizer_proc.metrics import Metrics
@@ -122,8 +124,14 @@ class TokenizerManager:
         self.replies = ClientReplies(router, self.stats, self.client_gone)
         # Control round trips waiting, per client (issue 17's fairness), are ControlCalls'.
         self.control = ControlCalls(
-            to_scheduler, self.replies.send, server_args.max_controls_per_client, self.compose_server_info
+            to_scheduler,
+            self.replies.send,
+            server_args.max_controls_per_client,
+            self.compose_server_info,
+            self.weights_updated,
         )
+        # The checkpoint served and its version (SGLang's weight_version): moved by weight updates.
+        self.served_weights: dict[str, Any] = {"model_path": server_args.model_path, "weight_version": "default"}
         self.outputs = OutputRouter(
             self.table, self.replies, to_scheduler, self.control, self.stats, metrics, server_args.log_requests
         )
@@ -187,8 +195,8 @@ class TokenizerManager:
                 await self.handle_generate(identity, req)
             elif isinstance(req, AbortReq):
                 await self.handle_abort(identity, req)
-            elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq)):
-                self.start_control(identity, req)
+            elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq)):
+                await self.begin_control(identity, req)
         except Rejected as exc:
             self.note_rejected(exc)
             await self.replies.send(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
@@ -322,9 +330,10 @@ class TokenizerManager:
         return self.limits.context_len
 
     def model_info(self) -> dict[str, Any]:
-        """GET /get_model_info (SGLang's route): the model, and the sampling defaults in force."""
+        """GET /get_model_info (SGLang's route): the model (the checkpoint and version served, once
+        a weight update moved them), and the sampling defaults in force."""
         return {
-            "model_path": self.server_args.model_path,
+            **self.served_weights,
             "tokenizer_path": self.server_args.resolved_tokenizer_path(),
             "is_generation": True,
             "context_len": self.limits.context_len,
@@ -349,19 +358,40 @@ class TokenizerManager:
             self.note_rejected(exc)
             raise
 
-    async def local_control(self, req: FlushCacheReq | ServerInfoReq | HealthReq) -> ControlReply | ErrorReply:
-        """A control round trip for the HTTP server (server info, flush, health)."""
+    async def local_control(self, req: ControlRequest) -> ControlReply | ErrorReply:
+        """A control round trip for the HTTP server (server info, flush, health, profiling, weights);
+        Rejected when it is refused before it reaches the scheduler."""
         identity, queue = self.open_local()
         try:
-            self.start_control(identity, req)
+            await self.begin_control(identity, req)
             reply: ControlReply | ErrorReply = await queue.get()
             return reply
         finally:
             self.close_local(identity)
 
+    async def abort_requests(self, rid: str, abort_all: bool, why: str) -> int:
+        """POST /abort_request (SGLang's): abort every request in flight whose client rid is ``rid``,
+        whichever client sent it, or with ``abort_all`` every request; how many. Each ends with a last
+        reply of finish reason abort, and the scheduler frees its KV."""
+        groups = self.table.all_groups()
+        if not abort_all:
+            groups = [g for g in groups if g.client_rid == rid]
+        await self.outputs.abort_groups(groups, why)
+        return len(groups)
+
     # ================================================================== control, server info, shutdown
 
-    def start_control(self, identity: bytes, req: FlushCacheReq | ServerInfoReq | HealthReq) -> None:
+    async def begin_control(self, identity: bytes, req: ControlRequest) -> None:
+        """``start_control``, a weight update's model path resolved first (off the loop)."""
+        if isinstance(req, UpdateWeightsReq) and not self.stopping:
+            req = await resolve_weight_update(req)
+        self.start_control(identity, req)
+
+    def weights_updated(self, payload: dict[str, Any]) -> None:
+        """A weight update succeeded: report the checkpoint and version served from now on."""
+        self.served_weights = {"model_path": payload["model_path"], "weight_version": payload["weight_version"]}
+
+    def start_control(self, identity: bytes, req: ControlRequest) -> None:
         if self.stopping:
             raise Rejected("server_shutdown", SHUTDOWN_MESSAGE)
         if self.draining and isinstance(req, HealthReq):  # a load balancer stops sending here
@@ -389,8 +419,9 @@ class TokenizerManager:
             "draining": self.draining,
             **self.stats,
         }
+        info["weight_version"] = self.served_weights["weight_version"]
         info["model"] = {
-            "model_path": self.server_args.model_path,
+            **self.served_weights,
             "tokenizer_path": self.server_args.resolved_tokenizer_path(),
             "vocab_size": self.limits.vocab_size,
             "context_len": self.limits.context_len,

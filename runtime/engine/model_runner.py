@@ -36,6 +36,7 @@ from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
 from runtime.engine.loading.weight_loader import load_model_weights
+from runtime.engine.loading.weight_reload import reload_weights
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
@@ -206,6 +207,11 @@ class ModelRunner:
             self.attention_backend_name,
             self.graph_runner.summary() if self.graph_runner is not None else "no cuda graphs",
         )
+
+    def update_weights_from_disk(self, folder: str | Path, load_format: str | None = None) -> None:
+        """Reload the weights in place from another checkpoint of this model (every TP rank at the
+        same step); ``weight_reload.WeightReloadError``, the served weights kept, when it cannot."""
+        reload_weights(self, Path(folder), load_format)
 
     # ---- memory sizing ---------------------------------------------------------------
 

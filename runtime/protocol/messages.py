@@ -78,7 +78,44 @@ class HealthReq(msgspec.Struct, tag="health", forbid_unknown_fields=True, omit_d
     api_key: str | None = None
 
 
-ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+class ProfileOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a profile start asks for (SGLang's ``ProfileReq`` fields served here); the front door
+    fills in the defaults, so every TP rank and DP replica profiles alike."""
+
+    output_dir: str  # where each rank writes its Chrome trace
+    profile_id: str  # the traces' file name stem (every rank's and replica's the same)
+    num_steps: int | None = None  # stop by itself after this many forward steps; None: at the stop call
+    activities: list[str] | None = None  # "CPU", "GPU"; None: the CPU, and the GPU where the device has one
+    with_stack: bool = True
+    record_shapes: bool = True
+
+
+class ProfileReq(msgspec.Struct, tag="profile", forbid_unknown_fields=True, omit_defaults=True):
+    """Start (``options`` given) or stop the torch profiler on every scheduler rank."""
+
+    rid: str
+    start: bool
+    options: ProfileOptions | None = None  # with start
+    api_key: str | None = None
+
+
+class WeightUpdate(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A reload of the served weights in place (SGLang's ``update_weights_from_disk``)."""
+
+    model_path: str  # the checkpoint folder (the front door resolved what the client named)
+    load_format: str | None = None  # None / "auto": what the folder holds; "safetensors" or "gguf" to insist
+    weight_version: str | None = None  # reported by /get_model_info and /server_info once loaded
+    # Abort every request first (their replies end with abort); else running ones finish first.
+    abort_all_requests: bool = False
+
+
+class UpdateWeightsReq(msgspec.Struct, tag="update_weights", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    update: WeightUpdate
+    api_key: str | None = None
+
+
+ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq]
 
 
 class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
@@ -107,7 +144,8 @@ class ErrorReply(msgspec.Struct, tag="error"):
 
 class ControlReply(msgspec.Struct, tag="control"):
     rid: str
-    kind: str  # "flush_cache" | "server_info" | "health" | "abort"
+    kind: str  # "flush_cache" | "server_info" | "health" | "abort" | "start_profile" | "stop_profile"
+    # | "update_weights"
     payload: dict[str, Any]
 
 
@@ -138,9 +176,13 @@ class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
     reason: str = ""
 
 
-class SchedControlReq(msgspec.Struct, tag="sched_control"):
+class SchedControlReq(msgspec.Struct, tag="sched_control", omit_defaults=True):
     rid: str
-    kind: str  # "flush_cache" | "server_info"
+    # "flush_cache" | "server_info" | "start_profile" (with ``profile``) | "stop_profile"
+    # | "update_weights" (with ``weights``)
+    kind: str
+    profile: ProfileOptions | None = None
+    weights: WeightUpdate | None = None
 
 
 SchedulerInput = Union[TokenizedGenerateReq, SchedAbortReq, SchedControlReq]

@@ -354,3 +354,17 @@ def random_prompt(length: int, vocab_size: int, seed: int, low: int = 3) -> list
     """A reproducible prompt of ordinary (non-special) token ids."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab_size, (length,), generator=gen).tolist()
+
+
+def perturbed_copy(src: str | Path, dst: str | Path, seed: int, scale: float = 0.05) -> Path:
+    """A copy of safetensors checkpoint ``src`` whose every tensor moved by ``scale`` x N(0, 1) noise:
+    the same model with other weights, as an RL step makes (weight update tests)."""
+    from safetensors.torch import load_file, save_file
+
+    out = copy_checkpoint(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        moved = {name: t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype) for name, t in tensors.items()}
+        save_file(moved, str(path), metadata={"format": "pt"})
+    return out

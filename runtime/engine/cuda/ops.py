@@ -44,7 +44,9 @@ class TritonOps(TorchOps):
 
     def prepare_model(self, model: nn.Module) -> None:
         for module in model.modules():
-            if isinstance(module, ExpertLayer):
+            # A layer stacked already keeps its stack: a reload wrote through its experts' views into
+            # it, and captured CUDA graphs read that stack.
+            if isinstance(module, ExpertLayer) and module not in self._stacked:
                 stacked = stack_experts(module)
                 if stacked is not None:
                     self._stacked[module] = stacked

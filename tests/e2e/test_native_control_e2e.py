@@ -1,0 +1,250 @@
+"""SGLang's operational routes end to end, over raw HTTP as SGLang's clients send them, against one
+server on the tiny Llama (CPU, fp32, --api-key):
+
+* /server_info answers as /get_server_info does (SGLang's frontend calls the former);
+* /abort_request ends a long stream by its rid (the stream's last event says abort), whichever
+  connection sent it; abort_all ends an HTTP stream and a ZMQ stream alike; an unknown rid is a 200
+  that aborted nothing;
+* /start_profile (a GET with no body, as SGLang's frontend sends, or a POST with SGLang's body) and
+  /stop_profile write a Chrome trace that parses as JSON; num_steps stops by itself; a stop without
+  a start and a second start are 400s with their codes;
+* /update_weights_from_disk swaps in a second checkpoint of the same model: /generate then equals
+  transformers on the new weights, /get_model_info and /server_info report the weight_version; a
+  checkpoint of another architecture is a 400 and the weights served stay; an update sent while a
+  request streams waits for it (the stream is the old weights' tokens all through).
+
+After each test the server is idle with no KV slot leaked.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from runtime.client import Client
+from tests.support.checkpoints import hf_greedy, load_hf_model, perturbed_copy, random_prompt
+from tests.support.server_fixtures import API_KEY, CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
+from tests.support.server_process import launch_server
+
+pytest_plugins = ["tests.support.server_fixtures"]
+
+LONG = 480  # tokens of a stream that is still running when the test acts on it (context: 512)
+DURING = 240  # the stream an update waits for (compared with transformers token by token)
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def path_a(tiny_checkpoints: Any) -> Path:
+    return Path(tiny_checkpoints.path("llama"))
+
+
+@pytest.fixture(scope="module")
+def path_b(path_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with other weights (an RL step's)."""
+    return perturbed_copy(path_a, tmp_path_factory.mktemp("weights") / "llama_b", seed=11)
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(path_a: Path, profiles: Path) -> Iterator[Client]:
+    # SGLang's variable: where traces go when /start_profile names no output_dir
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(profiles / "default")}
+    with launch_server(base_args(path_a, "--api-key", API_KEY), env=env, client_timeout=CLIENT_TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def idle_after(server: Client) -> Iterator[None]:
+    yield
+    info = wait_until(lambda: is_idle(server), 30, "the server to go idle")
+    assert info["memory_invariant"]["ok"], info["memory_invariant"]
+    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
+
+
+def call(server: Client, method: str, path: str, body: Any = None, key: str | None = API_KEY) -> tuple[int, Any]:
+    """One HTTP request as SGLang's clients send it (a JSON content type, a body only when given)."""
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.server.http_address + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class Stream:
+    """A native /generate stream read event by event, as the server sends them."""
+
+    def __init__(self, server: Client, body: dict[str, Any]) -> None:
+        host, port = server.server.http_address.removeprefix("http://").rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=CLIENT_TIMEOUT_S)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+        self.conn.request("POST", "/generate", json.dumps({**body, "stream": True}), headers)
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200
+        self.ids: list[int] = []
+        self.last: dict[str, Any] = {}
+
+    def next(self) -> dict[str, Any] | None:
+        """The next event (None at [DONE])."""
+        while True:
+            line = self.resp.readline()
+            assert line, "the stream ended without [DONE]"
+            if line.startswith(b"data: "):
+                break
+        if line.strip() == b"data: [DONE]":
+            return None
+        event: dict[str, Any] = json.loads(line[len(b"data: ") :])
+        self.ids = event["output_ids"]  # (SGLang's stream: the ids so far)
+        self.last = event
+        return event
+
+    def rest(self) -> "Stream":
+        while self.next() is not None:
+            pass
+        self.conn.close()
+        return self
+
+
+def long_body(rid: str, prompt: list[int], max_new_tokens: int = LONG) -> dict[str, Any]:
+    return {"rid": rid, "input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}}
+
+
+def greedy(server: Client, prompt: list[int], n: int) -> list[int]:
+    status, reply = call(
+        server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n}}
+    )
+    assert status == 200, reply
+    ids: list[int] = reply["output_ids"]
+    return ids
+
+
+def test_server_info_is_also_served_as_sglang_names_it(server: Client) -> None:
+    status, info = call(server, "GET", "/server_info")
+    assert status == 200 and info["max_total_tokens"] == call(server, "GET", "/get_server_info")[1]["max_total_tokens"]
+    assert info["weight_version"] == "default" and info["memory_invariant"]["ok"]
+    assert call(server, "GET", "/server_info", key=None)[0] == 401
+
+
+# ---------------------------------------------------------------------- aborts
+
+
+def test_abort_request_ends_a_long_stream_by_its_rid(server: Client) -> None:
+    stream = Stream(server, long_body("long-one", random_prompt(12, 300, seed=1)))
+    assert stream.next() is not None  # running
+    status, reply = call(server, "POST", "/abort_request", {"rid": "long-one", "abort_all": False, "extra": 1})
+    assert (status, reply["aborted"]) == (200, 1), reply
+    stream.rest()
+    assert stream.last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(stream.ids) < LONG
+    assert call(server, "POST", "/abort_request", {"rid": "no-such-request"})[1]["aborted"] == 0
+
+
+def test_abort_all_ends_http_and_zmq_requests(server: Client) -> None:
+    stream = Stream(server, long_body("http-one", random_prompt(12, 300, seed=2)))
+    assert stream.next() is not None
+    zmq = server.generate(
+        input_ids=random_prompt(12, 300, seed=3), sampling_params={**GREEDY, "max_new_tokens": LONG}, stream=True
+    )
+    first = next(zmq)
+    status, reply = call(server, "POST", "/abort_request", {"abort_all": True})
+    assert status == 200 and reply["aborted"] == 2, reply
+    chunks = [first, *zmq]
+    assert chunks[-1]["finish_reason"]["type"] == "abort"
+    assert stream.rest().last["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+# ---------------------------------------------------------------------- profiling
+
+
+def trace_events(path: str | Path) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = json.loads(Path(path).read_text())["traceEvents"]
+    return events
+
+
+def test_profile_start_and_stop_write_a_chrome_trace(server: Client, profiles: Path) -> None:
+    # SGLang's frontend: a GET with no body (the output folder from SGLANG_TORCH_PROFILER_DIR)
+    status, started = call(server, "GET", "/start_profile")
+    assert status == 200 and started["success"] and started["output_dir"] == str(profiles / "default"), started
+    status, again = call(server, "POST", "/start_profile", {"output_dir": str(profiles)})
+    assert (status, again["error"]["code"]) == (400, "profile_already_started"), again
+    greedy(server, random_prompt(8, 300, seed=4), 4)
+    status, stopped = call(server, "GET", "/stop_profile")
+    assert status == 200 and stopped["num_steps"] == 4, stopped
+    (trace,) = stopped["trace_files"]
+    assert Path(trace).parent == profiles / "default"
+    assert any(e.get("name", "").startswith("aten::") for e in trace_events(trace))
+    status, refused = call(server, "POST", "/stop_profile")
+    assert (status, refused["error"]["code"]) == (400, "profile_not_started"), refused
+
+
+def test_profile_of_num_steps_stops_by_itself(server: Client, profiles: Path) -> None:
+    body = {"output_dir": str(profiles), "num_steps": 2, "activities": ["CPU"], "with_stack": False, "profile_id": "n2"}
+    status, started = call(server, "POST", "/start_profile", body)
+    assert status == 200, started
+    greedy(server, random_prompt(8, 300, seed=5), 6)
+    trace = profiles / "n2-TP-0.trace.json"
+    wait_until(trace.is_file, 30, "the trace of a profile of 2 steps")
+    trace_events(trace)  # parses
+    status, refused = call(server, "POST", "/stop_profile")
+    assert status == 400 and "stopped by itself after 2 forward steps" in refused["error"]["message"]
+
+
+# ---------------------------------------------------------------------- weight updates
+
+
+def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, tiny_checkpoints: Any) -> None:
+    prompt = random_prompt(12, 300, seed=6)
+    want_a = hf_greedy(load_hf_model(path_a), prompt, 8)[0]
+    want_b = hf_greedy(load_hf_model(path_b), prompt, 8)[0]
+    assert want_a != want_b and greedy(server, prompt, 8) == want_a
+
+    body = {"model_path": str(path_b), "load_format": None, "abort_all_requests": False, "weight_version": "rl-1"}
+    status, reply = call(server, "POST", "/update_weights_from_disk", body)
+    assert status == 200 and reply == {"success": True, "message": reply["message"], "num_paused_requests": 0}
+    assert greedy(server, prompt, 8) == want_b
+    model = call(server, "GET", "/get_model_info")[1]
+    assert (model["model_path"], model["weight_version"]) == (str(path_b), "rl-1")
+    assert call(server, "GET", "/server_info")[1]["weight_version"] == "rl-1"
+
+    other = tiny_checkpoints.path("qwen3")  # another architecture: refused, B serves on
+    status, reply = call(server, "POST", "/update_weights_from_disk", {"model_path": str(other)})
+    assert status == 400 and not reply["success"] and "Qwen3ForCausalLM" in reply["message"], reply
+    assert greedy(server, prompt, 8) == want_b
+
+    # An update sent while a request streams on A waits for it: the stream is A's all through.
+    assert call(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200
+    stream = Stream(server, long_body("during", prompt, DURING))
+    assert stream.next() is not None
+    replied: dict[str, Any] = {}
+
+    def update_to_b() -> None:
+        replied["status"], replied["reply"] = call(
+            server, "POST", "/update_weights_from_disk", {"model_path": str(path_b)}
+        )
+
+    updater = threading.Thread(target=update_to_b)
+    updater.start()
+    stream.rest()
+    updater.join(CLIENT_TIMEOUT_S)
+    log = server.server.log_tail(20_000)
+    assert replied["status"] == 200 and replied["reply"]["success"], replied
+    assert stream.ids == hf_greedy(load_hf_model(path_a), prompt, DURING)[0]
+    # the scheduler had the stream running when the update came: it waited for it
+    assert f"weight update from {path_b}: admission paused until 1 running request(s) finish" in log
+    assert greedy(server, prompt, 8) == want_b
+    assert call(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200  # (as found)
