@@ -343,63 +343,6 @@ class ChatCompletionRequest(_SamplingFields):
         return repr(choice) if isinstance(choice, str) or choice is None else f"function {choice.function.name!r}"
 
 
-class NativeGenerateReq(BaseModel):
-    """SGLang's /generate body (the fields this server has). Strict, unlike the OpenAI bodies: its
-    clients are this server's own, and a misspelt field is better refused than ignored."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # prompt logprobs from this position on (with return_logprob); -1: none
-    rid: str | list[str] | None = None
-    deadline_s: float | None = None  # server-side deadline, seconds from arrival (GenerateReq.deadline_s)
-    priority: int = 0  # larger first, with --enable-priority-scheduling (ignored without it)
-
-    def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
-        """The requests, and whether the body was a batch (the reply is then a list)."""
-        if (self.text is None) == (self.input_ids is None):
-            raise BadRequest("give exactly one of text, input_ids", "text")
-        items: list[Any]
-        if self.text is not None:
-            batch = isinstance(self.text, list)
-            items = list(self.text) if batch else [self.text]
-            field = "text"
-        else:
-            assert self.input_ids is not None
-            batch = bool(self.input_ids) and isinstance(self.input_ids[0], list)
-            items = list(self.input_ids) if batch else [self.input_ids]
-            field = "input_ids"
-        if batch and self.stream:
-            raise BadRequest("stream takes a single prompt", "stream")
-        if self.rid is None:
-            rids = [uuid.uuid4().hex for _ in items]
-        elif isinstance(self.rid, list) != batch or (batch and len(self.rid) != len(items)):
-            raise BadRequest("rid: one rid per prompt (a list for a batch, a string otherwise)", "rid")
-        else:
-            rids = list(self.rid) if isinstance(self.rid, list) else [self.rid]
-        if len(set(rids)) != len(rids):
-            raise BadRequest("rid: the rids of a batch must differ", "rid")
-        return [
-            GenerateReq(
-                rid=r,
-                sampling_params=self.sampling_params,
-                stream=self.stream,
-                return_logprob=self.return_logprob,
-                top_logprobs_num=self.top_logprobs_num,
-                logprob_start_len=self.logprob_start_len,
-                deadline_s=self.deadline_s,
-                priority=self.priority,
-                **{field: item},
-            )
-            for r, item in zip(rids, items)
-        ], batch
-
-
 def openai_param(field: str | None, chat: bool, body: BaseModel | None = None) -> str | None:
     """The request field a SamplingParams field came from. ``body`` (the request, when known) tells a
     chat request's ``max_tokens`` from its ``max_completion_tokens``: the error names the one it sent."""

@@ -37,7 +37,7 @@ from tests.support.real_model import (
     real_model_args,
     serve_real_model,
 )
-from tests.support.server_fixtures import is_idle, wait_until
+from tests.support.server_fixtures import assert_idle_and_nothing_leaked, is_idle, wait_until
 from tests.support.server_process import ServedClient
 
 pytest_plugins = ["tests.support.real_model"]
@@ -135,15 +135,6 @@ def ask_both_clients(client: ServedClient, questions: list[str], dtype: str) -> 
         assert_right(q, h, dtype, "the openai SDK")
         answers[q] = (z["text"], h)
     return answers
-
-
-def assert_idle_and_nothing_leaked(client: Client) -> None:
-    """Once every request is done, the KV pool is whole: the memory invariant holds and every
-    token is free or held only by the (evictable) prefix cache."""
-    info = wait_until(lambda: is_idle(client), 60, "an idle server")
-    assert info["memory_invariant"]["ok"], info["memory_invariant"]
-    assert info["protected_tokens"] == 0
-    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
 
 
 # ---------------------------------------------------------------------- equality with transformers

@@ -47,7 +47,7 @@ from pydantic import BaseModel, Field
 
 from runtime.client import RequestError
 from tests.support.real_model import API_KEY, CLIENT_TIMEOUT_S, SERVED_NAME
-from tests.support.server_fixtures import is_idle, wait_until
+from tests.support.server_fixtures import assert_idle_and_nothing_leaked, is_idle, wait_until
 from tests.support.server_process import ServedClient
 
 pytest_plugins = ["tests.support.real_model"]
@@ -577,15 +577,6 @@ def wave(smollm2_server: ServedClient, oai: openai.OpenAI) -> Iterator[Wave]:
         for future in [f for _, f in schema] + json_object + [f for *_, f in regex + ebnf] + [f for _, f in pydantic]:
             future.exception()  # wait for all (a failure is the owning test's to report)
     yield Wave(schema, json_object, regex, ebnf, pydantic, time.monotonic() - start)
-
-
-def assert_idle_and_nothing_leaked(client: ServedClient) -> dict[str, Any]:
-    """Once every request is done the KV pool is whole (same check as test_real_model_e2e)."""
-    info = wait_until(lambda: is_idle(client), 60, "an idle server")
-    assert info["memory_invariant"]["ok"], info["memory_invariant"]
-    assert info["protected_tokens"] == 0
-    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
-    return info
 
 
 # ---------------------------------------------------------------------- JSON schemas

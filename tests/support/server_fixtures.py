@@ -121,3 +121,13 @@ def is_idle(client: Client) -> dict[str, Any] | None:
     info = client.server_info()
     busy = info["num_running"] or info["num_queued"] or info.get("num_chunked") or info["tokenizer"]["active_requests"]
     return None if busy else info
+
+
+def assert_idle_and_nothing_leaked(client: Client) -> dict[str, Any]:
+    """Once every request is done, the KV pool is whole: the memory invariant holds and every
+    token is free or held only by the (evictable) prefix cache. The server's info, for more checks."""
+    info = wait_until(lambda: is_idle(client), 60, "an idle server")
+    assert info["memory_invariant"]["ok"], info["memory_invariant"]
+    assert info["protected_tokens"] == 0
+    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
+    return info

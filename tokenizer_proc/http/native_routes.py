@@ -1,6 +1,6 @@
-"""SGLang's native generation route, POST /generate: SGLang's body (``NativeGenerateReq``) in, and
-SGLang's reply out (text, output_ids, meta_info per sample; a list for a batch or n > 1), whole or
-as a stream of server-sent events with the text so far."""
+"""SGLang's native generation route, POST /generate: SGLang's body in (tokenizer_proc/native_protocol.py)
+and SGLang's reply out (tokenizer_proc/native_reply.py): text, output_ids and meta_info per sample, a
+list for a batch or n > 1; whole, or as server-sent events each holding everything so far."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from runtime.protocol.messages import GenerateChunk
-from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.http.body import read_body
-from tokenizer_proc.http.context import Http
+from tokenizer_proc.http.context import Http, HttpContext
 from tokenizer_proc.http.errors import RequestFailed
 from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
+from tokenizer_proc.native_protocol import NativeGenerateReq
+from tokenizer_proc.native_reply import NativeReplies, SampleSoFar
 
 router = APIRouter()
 
@@ -23,44 +23,44 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(request: Request, http: Http) -> Response:
     http.authorize(request)
-    body: oai.NativeGenerateReq = await read_body(request, oai.NativeGenerateReq, http.max_request_bytes)
+    body: NativeGenerateReq = await read_body(request, NativeGenerateReq, http.max_request_bytes)
     reqs, batch = body.generate_reqs()
+    replies = _replies(http, body, reqs)
     run = await http.start(reqs)
     if body.stream:
         return StreamingResponse(
-            _native_stream(run), media_type="text/event-stream", background=BackgroundTask(run.close)
+            _native_stream(run, replies), media_type="text/event-stream", background=BackgroundTask(run.close)
         )
     results: list[list[dict[str, Any]]] = [[{} for _ in range(run.n)] for _ in reqs]
     try:
         async with abort_on_disconnect(request, run):
             async for i, chunk in run.events():
                 if chunk.finished:
-                    results[i][chunk.meta.get("index", 0)] = _native_result(chunk)
+                    sample = SampleSoFar()
+                    sample.add(chunk)
+                    results[i][chunk.meta.get("index", 0)] = replies.result(chunk, sample)
     finally:
         run.close()
     flat = [r for per_prompt in results for r in per_prompt]
     return JSONResponse(flat if batch or run.n > 1 else flat[0])
 
 
-def _native_result(chunk: GenerateChunk) -> dict[str, Any]:
-    """One sample's reply: SGLang's meta_info names (e2e_latency, id) beside ours."""
-    meta = dict(chunk.meta)
-    meta.setdefault("finish_reason", chunk.finish_reason)
-    if "latency" in meta:
-        meta["e2e_latency"] = meta["latency"]
-    meta["id"] = chunk.rid
-    return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
+def _replies(http: HttpContext, body: NativeGenerateReq, reqs: list[Any]) -> NativeReplies:
+    door = http.ready_door()
+    assert http.logprobs is not None  # set with the door
+    weight_version = str(door.model_info().get("weight_version", "default"))
+    return NativeReplies(reqs, http.logprobs.token, body.return_text_in_logprobs, weight_version)
 
 
-async def _native_stream(run: LocalRun) -> AsyncIterator[bytes]:
-    """SGLang's stream: each event has the text so far, the new output ids and meta_info."""
-    text: dict[int, str] = {}
+async def _native_stream(run: LocalRun, replies: NativeReplies) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event has the text, output ids and logprobs so far, and meta_info."""
+    samples: dict[tuple[int, int], SampleSoFar] = {}
     try:
-        async for _, chunk in run.events():
+        async for i, chunk in run.events():
             index = chunk.meta.get("index", 0)
-            text[index] = text.get(index, "") + chunk.text
-            out = _native_result(chunk)
-            out["text"] = text[index]
+            sample = samples.setdefault((i, index), SampleSoFar())
+            sample.add(chunk)
+            out = replies.result(chunk, sample)
             out["index"] = index
             yield sse(out)
     except RequestFailed as exc:

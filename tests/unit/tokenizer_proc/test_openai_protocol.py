@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.http.body import loc_path as _loc_path
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.native_protocol import NativeGenerateReq
 
 
 def completion(**body: Any) -> oai.CompletionRequest:
@@ -240,7 +241,7 @@ def test_server_deadline_fields() -> None:
         {"model": "m", "timeout": 1.5, "messages": [{"role": "user", "content": "hi"}]}
     )
     assert chat.generate_reqs()[0].deadline_s == 1.5
-    native = oai.NativeGenerateReq.model_validate_json('{"text": "a", "deadline_s": 3}')
+    native = NativeGenerateReq.model_validate_json('{"text": "a", "deadline_s": 3}')
     assert native.generate_reqs()[0][0].deadline_s == 3.0
 
 
@@ -269,12 +270,12 @@ def test_priority_travels_from_every_body_to_each_scheduler_request() -> None:
     assert [r.priority for r in completion(prompt=["a", "b"], priority=3).generate_reqs()] == [3, 3]
     assert completion(prompt="a").generate_reqs()[0].priority == 0
     assert chat_request(priority=-2).generate_reqs()[0].priority == -2
-    native, _ = oai.NativeGenerateReq.model_validate({"text": ["a", "b"], "priority": 7}).generate_reqs()
+    native, _ = NativeGenerateReq.model_validate({"text": ["a", "b"], "priority": 7}).generate_reqs()
     assert [r.priority for r in native] == [7, 7]
     with pytest.raises(ValidationError):
         completion(prompt="a", priority=True)
     with pytest.raises(ValidationError):
-        oai.NativeGenerateReq.model_validate({"text": "a", "priority": "1"})
+        NativeGenerateReq.model_validate({"text": "a", "priority": "1"})
     limits = ModelLimits(vocab_size=100, context_len=1000, max_req_input_len=500, max_total_tokens=1000)
     builder = RequestBuilder(tokenizer=None, limits=limits)
     built = builder.build(GenerateReq(rid="a", input_ids=[1, 2], sampling_params={"n": 2}, priority=5))
