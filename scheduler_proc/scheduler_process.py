@@ -45,7 +45,15 @@ def place_rank(server_args: ServerArgs, tp_rank: int, dp_rank: int) -> None:
             # Triton kernels run on CPU only under the interpreter, which Triton reads at import.
             os.environ.setdefault("TRITON_INTERPRET", "1")
         ranks_here = max(server_args.tp_size // server_args.nnodes, 1) * server_args.dp_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+        torch.set_num_threads(max(1, usable_cpus() // ranks_here))
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on: its affinity (taskset, a container's cpuset), not the
+    machine's count, so a server pinned to some cores runs one thread per core it has."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class SchedulerIO:

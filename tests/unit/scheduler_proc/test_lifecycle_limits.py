@@ -257,3 +257,25 @@ def test_under_tp_rank_zero_sends_its_expiries_with_the_inputs() -> None:
     results = run_until_idle(sched)
     assert results["t"]["reason"] == {"type": "abort", "message": "timeout"}
     assert_idle_invariant(sched)
+
+
+def test_a_cpu_rank_takes_one_thread_per_core_it_may_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server pinned to some cores (taskset, a cpuset) runs as many threads as it has cores, not as
+    the machine has: two threads on one core spin-wait for each other."""
+    import os
+
+    import torch
+
+    from scheduler_proc.scheduler_process import place_rank
+
+    saved = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    try:
+        place_rank(ServerArgs(model_path="m", device="cpu"), tp_rank=0, dp_rank=0)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+        place_rank(ServerArgs(model_path="m", device="cpu", tp_size=2), tp_rank=1, dp_rank=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
