@@ -7,10 +7,7 @@ all of this is tests/e2e/test_sglang_frontend_e2e.py."""
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.error
-import urllib.request
 from typing import Any, Callable
 
 import pytest
@@ -20,31 +17,13 @@ pytest.register_assert_rewrite("server_fixtures")
 
 from runtime.client import Client  # noqa: E402
 from tests.support.checkpoints import random_prompt  # noqa: E402
-from tests.support.server_fixtures import API_KEY, CLIENT_TIMEOUT_S, is_idle, wait_until  # noqa: E402
+from tests.support.server_fixtures import http_json, is_idle, wait_until  # noqa: E402
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # SGLang's meta_info keys of a finished sample (SGLang's TokenizerManager writes them)
 SGLANG_META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}
-
-
-def post(server: Client, body: dict[str, Any], path: str = "/generate") -> tuple[int, Any]:
-    """(status, parsed JSON body, or the list of events of a stream)."""
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-    assert server.server.http_address is not None
-    req = urllib.request.Request(server.server.http_address + path, json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
-            raw = resp.read()
-            status = resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-    if body.get("stream"):
-        lines = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
-        assert lines[-1] == b"[DONE]"
-        return status, [json.loads(line) for line in lines[:-1]]
-    return status, json.loads(raw)
 
 
 def logprobs_of(model: Any, ids: list[int]) -> torch.Tensor:
@@ -60,8 +39,10 @@ def test_logprobs_in_sglang_shape_equal_transformers(llama_server: Client, hf_re
     model, tokenizer = hf_reference("llama")
     prompt = random_prompt(12, model.config.vocab_size, seed=707)
     named = [3, 11, 42]
-    status, r = post(
+    status, r = http_json(
         llama_server,
+        "POST",
+        "/generate",
         {
             "input_ids": prompt,
             "sampling_params": {**GREEDY, "max_new_tokens": 5},
@@ -99,8 +80,11 @@ def test_logprobs_in_sglang_shape_equal_transformers(llama_server: Client, hf_re
             assert [e[1] for e in by_id] == named and [e[2] for e in by_id] == [tokenizer.decode([t]) for t in named]
             assert [e[0] for e in by_id] == pytest.approx([float(want[row, t]) for t in named], abs=1e-4)
     # without return_text_in_logprobs the text is null, as in SGLang
-    status, plain = post(
-        llama_server, {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 2}, "return_logprob": True}
+    status, plain = http_json(
+        llama_server,
+        "POST",
+        "/generate",
+        {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 2}, "return_logprob": True},
     )
     assert status == 200 and plain["meta_info"]["input_token_logprobs"] == []
     assert [e[2] for e in plain["meta_info"]["output_token_logprobs"]] == [None, None]
@@ -120,7 +104,7 @@ def test_a_batch_takes_per_prompt_fields_and_a_rid_prefix(llama_server: Client) 
         "rid": "family",
         "model": "added-by-a-gateway",
     }
-    status, r = post(llama_server, body)
+    status, r = http_json(llama_server, "POST", "/generate", body)
     assert status == 200, r
     assert [x["meta_info"]["id"] for x in r] == ["family_0", "family_1"]
     assert [x["output_ids"] for x in r] == [
@@ -128,7 +112,7 @@ def test_a_batch_takes_per_prompt_fields_and_a_rid_prefix(llama_server: Client) 
         for p, n in zip(prompts, (3, 2))
     ]
     assert len(r[0]["meta_info"]["output_token_logprobs"]) == 3 and "output_token_logprobs" not in r[1]["meta_info"]
-    status, err = post(llama_server, {**body, "return_logprob": [True]})
+    status, err = http_json(llama_server, "POST", "/generate", {**body, "return_logprob": [True]})
     assert status == 400 and err["error"]["param"] == "return_logprob"
 
 
@@ -136,8 +120,8 @@ def test_a_stream_sends_everything_so_far_in_each_event(llama_server: Client) ->
     """SGLang's default streaming: each event's text, output ids and logprobs are cumulative, and its
     finish_reason is null until the last."""
     body = {"text": "hello there", "sampling_params": {**GREEDY, "max_new_tokens": 6}, "return_logprob": True}
-    status, events = post(llama_server, {**body, "stream": True})
-    status_whole, whole = post(llama_server, body)
+    status, events = http_json(llama_server, "POST", "/generate", {**body, "stream": True})
+    status_whole, whole = http_json(llama_server, "POST", "/generate", body)
     assert status == status_whole == 200
     assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
     for before, after in zip(events, events[1:]):
@@ -160,14 +144,21 @@ def test_sglang_sampling_parameters(llama_server: Client) -> None:
     full = llama_server.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 24})["text"]
     at = next(i for i in range(3, len(full) - 1) if full.find(full[i : i + 2]) == i)  # first occurrence at i
     pattern = re.escape(full[at]) + "[" + re.escape(full[at + 1]) + "]"
-    status, r = post(
-        llama_server, {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 24, "stop_regex": pattern}}
+    status, r = http_json(
+        llama_server,
+        "POST",
+        "/generate",
+        {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 24, "stop_regex": pattern}},
     )
     assert status == 200, r
     assert r["text"] == full[:at] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": full[at : at + 2]}
     seeded = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
-    by_sglang_name = post(llama_server, {"input_ids": prompt, "sampling_params": {**seeded, "sampling_seed": 11}})[1]
-    by_our_name = post(llama_server, {"input_ids": prompt, "sampling_params": {**seeded, "seed": 11}})[1]
+    by_sglang_name = http_json(
+        llama_server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {**seeded, "sampling_seed": 11}}
+    )[1]
+    by_our_name = http_json(
+        llama_server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {**seeded, "seed": 11}}
+    )[1]
     assert by_sglang_name["output_ids"] == by_our_name["output_ids"]
     for params, param in (
         ({"stop_regex": "(unclosed"}, "stop_regex"),
@@ -175,8 +166,10 @@ def test_sglang_sampling_parameters(llama_server: Client) -> None:
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"no_such_param": 1}, "no_such_param"),
     ):
-        status, err = post(llama_server, {"input_ids": prompt, "sampling_params": params})
+        status, err = http_json(llama_server, "POST", "/generate", {"input_ids": prompt, "sampling_params": params})
         assert status == 400 and err["error"]["param"] == param, (params, err)
-    status, err = post(llama_server, {"text": "a picture", "image_data": "http://example.com/cat.png"})
+    status, err = http_json(
+        llama_server, "POST", "/generate", {"text": "a picture", "image_data": "http://example.com/cat.png"}
+    )
     assert status == 400 and err["error"]["param"] == "image_data" and "image" in err["error"]["message"]
     wait_until(lambda: is_idle(llama_server), 30, "an idle server")

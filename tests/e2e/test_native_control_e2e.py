@@ -21,8 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,7 +28,14 @@ import pytest
 
 from runtime.client import Client
 from tests.support.checkpoints import hf_greedy, load_hf_model, perturbed_copy, random_prompt
-from tests.support.server_fixtures import API_KEY, CLIENT_TIMEOUT_S, base_args, is_idle, wait_until
+from tests.support.server_fixtures import (
+    API_KEY,
+    CLIENT_TIMEOUT_S,
+    assert_idle_and_nothing_leaked,
+    base_args,
+    http_json,
+    wait_until,
+)
 from tests.support.server_process import launch_server
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -67,23 +72,7 @@ def server(path_a: Path, profiles: Path) -> Iterator[Client]:
 @pytest.fixture(autouse=True)
 def idle_after(server: Client) -> Iterator[None]:
     yield
-    info = wait_until(lambda: is_idle(server), 30, "the server to go idle")
-    assert info["memory_invariant"]["ok"], info["memory_invariant"]
-    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
-
-
-def call(server: Client, method: str, path: str, body: Any = None, key: str | None = API_KEY) -> tuple[int, Any]:
-    """One HTTP request as SGLang's clients send it (a JSON content type, a body only when given)."""
-    headers = {"Content-Type": "application/json; charset=utf-8"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.server.http_address + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    assert_idle_and_nothing_leaked(server)
 
 
 class Stream:
@@ -125,7 +114,7 @@ def long_body(rid: str, prompt: list[int], max_new_tokens: int = LONG) -> dict[s
 
 
 def greedy(server: Client, prompt: list[int], n: int) -> list[int]:
-    status, reply = call(
+    status, reply = http_json(
         server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n}}
     )
     assert status == 200, reply
@@ -134,10 +123,13 @@ def greedy(server: Client, prompt: list[int], n: int) -> list[int]:
 
 
 def test_server_info_is_also_served_as_sglang_names_it(server: Client) -> None:
-    status, info = call(server, "GET", "/server_info")
-    assert status == 200 and info["max_total_tokens"] == call(server, "GET", "/get_server_info")[1]["max_total_tokens"]
+    status, info = http_json(server, "GET", "/server_info")
+    assert (
+        status == 200
+        and info["max_total_tokens"] == http_json(server, "GET", "/get_server_info")[1]["max_total_tokens"]
+    )
     assert info["weight_version"] == "default" and info["memory_invariant"]["ok"]
-    assert call(server, "GET", "/server_info", key=None)[0] == 401
+    assert http_json(server, "GET", "/server_info", key=None)[0] == 401
 
 
 # ---------------------------------------------------------------------- aborts
@@ -146,12 +138,12 @@ def test_server_info_is_also_served_as_sglang_names_it(server: Client) -> None:
 def test_abort_request_ends_a_long_stream_by_its_rid(server: Client) -> None:
     stream = Stream(server, long_body("long-one", random_prompt(12, 300, seed=1)))
     assert stream.next() is not None  # running
-    status, reply = call(server, "POST", "/abort_request", {"rid": "long-one", "abort_all": False, "extra": 1})
+    status, reply = http_json(server, "POST", "/abort_request", {"rid": "long-one", "abort_all": False, "extra": 1})
     assert (status, reply["aborted"]) == (200, 1), reply
     stream.rest()
     assert stream.last["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(stream.ids) < LONG
-    assert call(server, "POST", "/abort_request", {"rid": "no-such-request"})[1]["aborted"] == 0
+    assert http_json(server, "POST", "/abort_request", {"rid": "no-such-request"})[1]["aborted"] == 0
 
 
 def test_abort_all_ends_http_and_zmq_requests(server: Client) -> None:
@@ -161,7 +153,7 @@ def test_abort_all_ends_http_and_zmq_requests(server: Client) -> None:
         input_ids=random_prompt(12, 300, seed=3), sampling_params={**GREEDY, "max_new_tokens": LONG}, stream=True
     )
     first = next(zmq)
-    status, reply = call(server, "POST", "/abort_request", {"abort_all": True})
+    status, reply = http_json(server, "POST", "/abort_request", {"abort_all": True})
     assert status == 200 and reply["aborted"] == 2, reply
     chunks = [first, *zmq]
     assert chunks[-1]["finish_reason"]["type"] == "abort"
@@ -178,29 +170,29 @@ def trace_events(path: str | Path) -> list[dict[str, Any]]:
 
 def test_profile_start_and_stop_write_a_chrome_trace(server: Client, profiles: Path) -> None:
     # SGLang's frontend: a GET with no body (the output folder from SGLANG_TORCH_PROFILER_DIR)
-    status, started = call(server, "GET", "/start_profile")
+    status, started = http_json(server, "GET", "/start_profile")
     assert status == 200 and started["success"] and started["output_dir"] == str(profiles / "default"), started
-    status, again = call(server, "POST", "/start_profile", {"output_dir": str(profiles)})
+    status, again = http_json(server, "POST", "/start_profile", {"output_dir": str(profiles)})
     assert (status, again["error"]["code"]) == (400, "profile_already_started"), again
     greedy(server, random_prompt(8, 300, seed=4), 4)
-    status, stopped = call(server, "GET", "/stop_profile")
+    status, stopped = http_json(server, "GET", "/stop_profile")
     assert status == 200 and stopped["num_steps"] == 4, stopped
     (trace,) = stopped["trace_files"]
     assert Path(trace).parent == profiles / "default"
     assert any(e.get("name", "").startswith("aten::") for e in trace_events(trace))
-    status, refused = call(server, "POST", "/stop_profile")
+    status, refused = http_json(server, "POST", "/stop_profile")
     assert (status, refused["error"]["code"]) == (400, "profile_not_started"), refused
 
 
 def test_profile_of_num_steps_stops_by_itself(server: Client, profiles: Path) -> None:
     body = {"output_dir": str(profiles), "num_steps": 2, "activities": ["CPU"], "with_stack": False, "profile_id": "n2"}
-    status, started = call(server, "POST", "/start_profile", body)
+    status, started = http_json(server, "POST", "/start_profile", body)
     assert status == 200, started
     greedy(server, random_prompt(8, 300, seed=5), 6)
     trace = profiles / "n2-TP-0.trace.json"
     wait_until(trace.is_file, 30, "the trace of a profile of 2 steps")
     trace_events(trace)  # parses
-    status, refused = call(server, "POST", "/stop_profile")
+    status, refused = http_json(server, "POST", "/stop_profile")
     assert status == 400 and "stopped by itself after 2 forward steps" in refused["error"]["message"]
 
 
@@ -214,26 +206,26 @@ def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, ti
     assert want_a != want_b and greedy(server, prompt, 8) == want_a
 
     body = {"model_path": str(path_b), "load_format": None, "abort_all_requests": False, "weight_version": "rl-1"}
-    status, reply = call(server, "POST", "/update_weights_from_disk", body)
+    status, reply = http_json(server, "POST", "/update_weights_from_disk", body)
     assert status == 200 and reply == {"success": True, "message": reply["message"], "num_paused_requests": 0}
     assert greedy(server, prompt, 8) == want_b
-    model = call(server, "GET", "/get_model_info")[1]
+    model = http_json(server, "GET", "/get_model_info")[1]
     assert (model["model_path"], model["weight_version"]) == (str(path_b), "rl-1")
-    assert call(server, "GET", "/server_info")[1]["weight_version"] == "rl-1"
+    assert http_json(server, "GET", "/server_info")[1]["weight_version"] == "rl-1"
 
     other = tiny_checkpoints.path("qwen3")  # another architecture: refused, B serves on
-    status, reply = call(server, "POST", "/update_weights_from_disk", {"model_path": str(other)})
+    status, reply = http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(other)})
     assert status == 400 and not reply["success"] and "Qwen3ForCausalLM" in reply["message"], reply
     assert greedy(server, prompt, 8) == want_b
 
     # An update sent while a request streams on A waits for it: the stream is A's all through.
-    assert call(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200
+    assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200
     stream = Stream(server, long_body("during", prompt, DURING))
     assert stream.next() is not None
     replied: dict[str, Any] = {}
 
     def update_to_b() -> None:
-        replied["status"], replied["reply"] = call(
+        replied["status"], replied["reply"] = http_json(
             server, "POST", "/update_weights_from_disk", {"model_path": str(path_b)}
         )
 
@@ -247,4 +239,4 @@ def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, ti
     # the scheduler had the stream running when the update came: it waited for it
     assert f"weight update from {path_b}: admission paused until 1 running request(s) finish" in log
     assert greedy(server, prompt, 8) == want_b
-    assert call(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200  # (as found)
+    assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200  # (as found)

@@ -15,7 +15,10 @@ Each fixture yields a connected ``Client`` (``client.server`` is the ``ServerPro
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -131,3 +134,25 @@ def assert_idle_and_nothing_leaked(client: Client) -> dict[str, Any]:
     assert info["protected_tokens"] == 0
     assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
     return info
+
+
+def http_json(server: Client, method: str, path: str, body: Any = None, key: str | None = API_KEY) -> tuple[int, Any]:
+    """One HTTP request as SGLang's clients send it (a JSON content type, a body only when given):
+    the status and the JSON reply, or for a stream (``"stream": true``) the list of its events' JSON
+    (its ``[DONE]`` checked)."""
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    address = server.server.http_address  # type: ignore[attr-defined]
+    req = urllib.request.Request(address + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    if isinstance(body, dict) and body.get("stream"):
+        lines = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        assert lines and lines[-1] == b"[DONE]", raw[-200:]
+        return status, [json.loads(line) for line in lines[:-1]]
+    return status, json.loads(raw)
