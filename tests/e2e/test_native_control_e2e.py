@@ -34,6 +34,7 @@ from tests.support.server_fixtures import (
     assert_idle_and_nothing_leaked,
     base_args,
     http_json,
+    is_idle,
     wait_until,
 )
 from tests.support.server_process import launch_server
@@ -130,6 +131,10 @@ def test_server_info_is_also_served_as_sglang_names_it(server: Client) -> None:
     )
     assert info["weight_version"] == "default" and info["memory_invariant"]["ok"]
     assert http_json(server, "GET", "/server_info", key=None)[0] == 401
+    # SGLang's layout, which its Model Gateway parses: the flags and the model's entries at the top
+    # level as plain values (an object under "model" made the gateway drop the whole reply)
+    assert (info["tp_size"], info["dp_size"], info["max_total_num_tokens"]) == (1, 1, info["max_total_tokens"])
+    assert isinstance(info["model_path"], str) and info["served_model_name"] and "model" not in info
 
 
 # ---------------------------------------------------------------------- aborts
@@ -138,12 +143,18 @@ def test_server_info_is_also_served_as_sglang_names_it(server: Client) -> None:
 def test_abort_request_ends_a_long_stream_by_its_rid(server: Client) -> None:
     stream = Stream(server, long_body("long-one", random_prompt(12, 300, seed=1)))
     assert stream.next() is not None  # running
+    # SGLang's load report (the gateway's power_of_two reads num_tokens): the stream holds KV
+    status, load = http_json(server, "GET", "/get_load")
+    assert status == 200 and [(r["dp_rank"], r["num_reqs"], r["num_waiting_reqs"]) for r in load] == [(0, 1, 0)]
+    assert load[0]["num_tokens"] >= 12
     status, reply = http_json(server, "POST", "/abort_request", {"rid": "long-one", "abort_all": False, "extra": 1})
     assert (status, reply["aborted"]) == (200, 1), reply
     stream.rest()
     assert stream.last["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(stream.ids) < LONG
     assert http_json(server, "POST", "/abort_request", {"rid": "no-such-request"})[1]["aborted"] == 0
+    wait_until(lambda: is_idle(server), 30, "the aborted stream's KV to be freed")
+    assert http_json(server, "GET", "/get_load")[1][0]["num_tokens"] == 0
 
 
 def test_abort_all_ends_http_and_zmq_requests(server: Client) -> None:
