@@ -22,6 +22,7 @@ from torch import nn
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.engine.cpu.kernel_report import describe, kernel_report
 from runtime.engine.cpu.prepacked import (
     amx_linear_silu_mul,
     drop_packed_copy,
@@ -60,6 +61,10 @@ class CpuOps(TorchOps):
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
+
+    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
+        report = kernel_report(model, stack)
+        return {"ops": self.name, **report, "summary": describe(report)}
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None

@@ -70,6 +70,11 @@ class DeviceOps(Protocol):
         runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
         ...
 
+    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
+        """What this device chose to run ``model`` with (after ``prepare_model``), and why, with a
+        one-line ``summary``: logged at start-up and reported by ``server_info``."""
+        ...
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:

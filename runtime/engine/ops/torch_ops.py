@@ -50,6 +50,9 @@ class TorchOps:
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
+    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
+        return {"ops": self.name, "summary": f"{self.name} ops: plain torch"}
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:

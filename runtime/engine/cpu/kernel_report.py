@@ -1,0 +1,88 @@
+"""What the CPU path chose for a model, and why: the kernels' build level and what picked it, each
+linear weight's kernel, and whether a decode step runs as the one C call. The model runner logs it
+at start-up and ``server_info`` carries it (``weights.kernels``), so that a user, a benchmark note
+or a bug report says which code served, rather than which code a CPU of that name would run.
+
+Read from what was actually set up (the packed copies and their layouts, the quantized weights,
+the layer stack's description), never recomputed from the CPU flags: a weight oneDNN declined to
+pack, or a model the one-call stack declined, shows as such.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.decode_layers import CpuLayerStack
+from runtime.engine.cpu.prepacked import DP_ADDRESS, linear_weights, packed_copy, tile_layout
+from runtime.engine.quant.weight import QuantizedWeight
+
+# Each linear path's name in the report, with what runs it.
+PATHS = {
+    "amx_bf16": "bf16 on AMX tiles (csrc/amx_linear.c) for decode rows, oneDNN for prefill",
+    "dp_bf16": "bf16 on AVX512-BF16 dot products (csrc/dp_linear.c) for decode rows, oneDNN for prefill",
+    "onednn": "oneDNN on a prepacked copy",
+    "fp32_panels": "fp32 column panels (csrc/linear_f32.c) for decode rows, MKL for prefill",
+    "torch": "F.linear (no packed copy: the kernel cannot read this weight here)",
+}
+
+
+def isa_reason() -> str:
+    """Why the kernels run at the level they do."""
+    level = kernel_library.level()
+    if level is None:
+        return "TINYSERVE_CPU_KERNELS=0 turned them off"
+    best = kernel_library.host_levels()[0]
+    if level == best:
+        return "the best level this CPU runs"
+    if os.environ.get("TINYSERVE_CPU_ISA", "").strip().lower() == level:
+        return f"TINYSERVE_CPU_ISA={level}; this CPU runs up to {best}"
+    return f"chosen in this process; this CPU runs up to {best}"
+
+
+def linear_path(weight: torch.Tensor | QuantizedWeight) -> str:
+    """The report's name of the path a linear with this weight takes for a decode step."""
+    if isinstance(weight, QuantizedWeight):
+        return f"kept_{weight.source}"
+    packed = packed_copy(weight)
+    if packed is None:
+        return "torch"
+    if weight.dtype == torch.float32:
+        return "fp32_panels"
+    if tile_layout(packed):
+        return "amx_bf16"
+    if getattr(packed, DP_ADDRESS, 0):
+        return "dp_bf16"
+    return "onednn"
+
+
+def kernel_report(model: nn.Module, stack: Any) -> dict[str, Any]:
+    """The CPU's choices for ``model`` (after ``prepare_model``), ``stack`` its layer stack."""
+    level = kernel_library.level()
+    built = level is not None and kernel_library.load() is not None
+    weights: list[Any] = [*linear_weights(model), *(m for m in model.modules() if isinstance(m, QuantizedWeight))]
+    paths = Counter(linear_path(weight) for weight in {id(w): w for w in weights}.values())
+    description = stack.description() if isinstance(stack, CpuLayerStack) and built else None
+    return {
+        "isa": level if built else None,
+        "isa_reason": isa_reason() if built or level is None else "no C compiler: the kernels' work runs as torch ops",
+        "host_levels": list(kernel_library.host_levels()),
+        "linears": dict(sorted(paths.items())),
+        "decode_stack": description.kernels if description is not None else None,
+    }
+
+
+def describe(report: dict[str, Any]) -> str:
+    """The report as one log line."""
+    linears = ", ".join(f"{count} {path}" for path, count in report["linears"].items()) or "none"
+    stack = report["decode_stack"]
+    return (
+        f"CPU kernels {report['isa'] or 'off'} ({report['isa_reason']}; this CPU: {', '.join(report['host_levels'])}); "
+        f"linear weights: {linears}; decode step: "
+        + (f"one C call ({stack} kernels)" if stack else "layer by layer (the one-call stack does not take this model)")
+    )
