@@ -31,7 +31,7 @@ from runtime.engine.attention.registry import (
 )
 from runtime.engine.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.engine.cuda.triton_common import interpreted_dtype
-from runtime.engine.device import concrete_device, resolve_device, resolve_dtype
+from runtime.engine.device import concrete_device, dtype_reason, resolve_device, resolve_dtype
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
@@ -97,7 +97,7 @@ class ModelRunner:
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
         if dtype == "auto" and self.attention_backend_name == "triton":
             dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, quantization)
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
         self.ops.prepare_process()
@@ -117,13 +117,14 @@ class ModelRunner:
         # (the scheduler keeps each request's KV on one side of it: scheduler_proc.long_rope)
         self.rope_switch_len = cfg.rope_switch_len
         logger.info(
-            "loading %s (%s, %d layers, hidden %d) on %s as %s, tp %d/%d",
+            "loading %s (%s, %d layers, hidden %d) on %s as %s (%s), tp %d/%d",
             self.model_path,
             cfg.architecture,
             cfg.num_hidden_layers,
             cfg.hidden_size,
             self.device,
             self.dtype,
+            dtype_reason(dtype, self.device, quantization),
             tp_rank,
             tp_size,
         )
@@ -201,6 +202,8 @@ class ModelRunner:
                 self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
             else:
                 logger.info("decode runs eagerly: the %s ops cannot capture this model's layers", self.ops.name)
+        self.kernels = self.ops.kernel_report(self.model, self.layer_stack)
+        logger.info("kernels: %s", self.kernels["summary"])
         logger.info(
             "model ready in %.1fs (attention backend %s, %s)",
             time.perf_counter() - start,
@@ -212,6 +215,7 @@ class ModelRunner:
         """Reload the weights in place from another checkpoint of this model (every TP rank at the
         same step); ``weight_reload.WeightReloadError``, the served weights kept, when it cannot."""
         reload_weights(self, Path(folder), load_format)
+        self.kernels = self.ops.kernel_report(self.model, self.layer_stack)  # (its copies were made again)
 
     # ---- memory sizing ---------------------------------------------------------------
 
@@ -241,13 +245,14 @@ class ModelRunner:
         return total
 
     def weight_info(self) -> dict[str, object]:
-        """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, and the
+        """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, the
         bytes of the weights kept quantized by source format (``runtime.engine.quant``: what the format
-        says, e.g. 0.75 bytes a value for Q4_1 as repacked)."""
+        says, e.g. 0.75 bytes a value for Q4_1 as repacked), and the kernels the device ops chose."""
         return {
             "bytes": self.weight_bytes(),
             "quantization": self.quantization,
             "quantized_bytes": quantized_bytes(self.model),
+            "kernels": self.kernels,
         }
 
     def _kv_capacity(

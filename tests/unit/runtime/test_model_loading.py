@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
-from runtime.engine.device import resolve_device, resolve_dtype
+from runtime.engine.device import cpu_supports_bf16, dtype_reason, resolve_device, resolve_dtype
 from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
 from runtime.engine.model_config import ModelConfig, UnsupportedModelError
 from runtime.engine.model_runner import ModelRunner
@@ -179,9 +179,17 @@ def test_device_and_dtype_resolution() -> None:
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("float32", "cpu") is torch.float32
     assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
-    assert resolve_dtype("auto", "cpu") in (torch.bfloat16, torch.float32)
+    assert resolve_dtype("auto", "cpu") is (torch.bfloat16 if cpu_supports_bf16() else torch.float32)
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", "cpu")
+    # weights kept quantized on a CPU: fp32 activations (the quantized kernels' one-call decode stack),
+    # whatever the CPU; an explicit --dtype still wins
+    for method in ("gguf", "int8"):
+        assert resolve_dtype("auto", "cpu", method) is torch.float32
+        assert resolve_dtype("bfloat16", "cpu", method) is torch.bfloat16
+        assert "fp32 activations" in dtype_reason("auto", "cpu", method)
+    assert dtype_reason("float32", "cpu") == "--dtype"
+    assert ("native bf16" in dtype_reason("auto", "cpu")) is cpu_supports_bf16()
 
 
 def test_runner_attributes(tiny_llama_path: Path) -> None:
