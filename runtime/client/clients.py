@@ -84,6 +84,7 @@ class AsyncClient(ClientConnection):
         chat_template_kwargs: dict[str, Any] | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ) -> "GenerateCall":
         """``await`` it for the result (a list for a batch or for n > 1); with
         ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
@@ -97,7 +98,9 @@ class AsyncClient(ClientConnection):
         "timeout"}``, with what it generated so far); unlike the client's ``timeout``, which only
         stops waiting, it is enforced by the server, also while the request waits in its queue.
         ``priority``: larger is scheduled first on a server with ``--enable-priority-scheduling``
-        (ignored elsewhere)."""
+        (ignored elsewhere). ``token_ids_logprob`` (SGLang's): the logprobs of these token ids at every
+        output position, in ``meta["output_token_ids_logprobs"]`` (and at the prompt positions from
+        ``logprob_start_len`` on, in ``meta["input_token_ids_logprobs"]``)."""
         if (tools is not None or chat_template_kwargs is not None) and messages is None:
             raise ValueError("tools and chat_template_kwargs go with messages")
         given = [x for x in (prompt, input_ids, messages) if x is not None]
@@ -133,6 +136,7 @@ class AsyncClient(ClientConnection):
                 api_key=self.api_key,
                 deadline_s=deadline_s,
                 priority=priority,
+                token_ids_logprob=token_ids_logprob,
                 **inputs,
             )
             for r, inputs in zip(rids, input_kwargs)
@@ -351,6 +355,7 @@ class Client:
         chat_template_kwargs: dict[str, Any] | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ) -> Any:
         """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
         a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
@@ -369,6 +374,7 @@ class Client:
             chat_template_kwargs=chat_template_kwargs,
             deadline_s=deadline_s,
             priority=priority,
+            token_ids_logprob=token_ids_logprob,
         )
         if stream:
             return self._iterate(call)

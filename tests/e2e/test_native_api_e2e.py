@@ -79,6 +79,15 @@ def test_logprobs_in_sglang_shape_equal_transformers(llama_server: Client, hf_re
             assert [e[0] for e in top] == pytest.approx(values.tolist(), abs=1e-4)
             assert [e[1] for e in by_id] == named and [e[2] for e in by_id] == [tokenizer.decode([t]) for t in named]
             assert [e[0] for e in by_id] == pytest.approx([float(want[row, t]) for t in named], abs=1e-4)
+    # the ZMQ client asks the same (its meta keeps the server's [logprob, id] pairs)
+    zmq = llama_server.generate(
+        input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 5}, token_ids_logprob=named
+    )
+    pairs = zmq["meta"]["output_token_ids_logprobs"]
+    assert [[t for _, t in row] for row in pairs] == [named] * 5
+    assert [lp for row in pairs for lp, _ in row] == pytest.approx(
+        [e[0] for row in meta["output_token_ids_logprobs"] for e in row], abs=1e-5
+    )
     # without return_text_in_logprobs the text is null, as in SGLang
     status, plain = http_json(
         llama_server,
