@@ -6,8 +6,9 @@
     r["text"], r["output_ids"], r["meta"]
 
 ``AsyncClient`` is the implementation (one DEALER socket, a reader task that routes
-replies to the waiting call by rid); ``Client`` runs an ``AsyncClient`` on a private
-event loop thread, so its blocking methods are safe to call from several threads.
+replies to the waiting call by rid); ``Client`` (runtime/client/sync_client.py) runs an
+``AsyncClient`` on a private event loop thread, so its blocking methods are safe to call from
+several threads.
 
 Errors: a rejected request raises ``RequestError(code, message)`` for that request
 only, and so does one the client cannot encode (a lone surrogate in a string, an
@@ -25,12 +26,9 @@ the client closes are aborted on the server, so they stop holding KV memory.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
 import uuid
-import weakref
-from typing import Any, AsyncGenerator, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncGenerator
 
 from runtime.client.connection import (
     CONNECT_TIMEOUT_S,
@@ -48,12 +46,15 @@ from runtime.protocol.messages import (
     GenerateChunk,
     GenerateReq,
     HealthReq,
+    ProfileOptions,
+    ProfileReq,
     ServerInfoReq,
+    UpdateWeightsReq,
+    WeightUpdate,
 )
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 DEFAULT_HEALTH_TIMEOUT_S = 30.0
 
 
@@ -169,6 +170,42 @@ class AsyncClient(ClientConnection):
         figures ("tokenizer"), the model ("model") and the server's flags ("server_args")."""
         rid = uuid.uuid4().hex
         return await self._control("ctl", ServerInfoReq(rid=rid, api_key=self.api_key), rid)
+
+    async def start_profile(
+        self,
+        output_dir: str,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        profile_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Start the torch profiler on every scheduler rank (``POST /start_profile``): each writes a
+        Chrome trace ``{profile_id}-TP-{rank}.trace.json`` into ``output_dir`` at ``stop_profile``, or
+        by itself after ``num_steps`` forward steps; ``activities``: ``CPU``, ``GPU`` (default: what
+        the device has)."""
+        rid = uuid.uuid4().hex
+        options = ProfileOptions(output_dir, profile_id or rid, num_steps=num_steps, activities=activities)
+        return await self._control("ctl", ProfileReq(rid=rid, start=True, options=options, api_key=self.api_key), rid)
+
+    async def stop_profile(self) -> dict[str, Any]:
+        """Stop the profiler; the answer lists the trace files (``trace_files``)."""
+        rid = uuid.uuid4().hex
+        return await self._control("ctl", ProfileReq(rid=rid, start=False, api_key=self.api_key), rid)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Reload the served weights in place from another checkpoint of the same model (``POST
+        /update_weights_from_disk``): running requests finish on the old weights first (or are aborted
+        with ``abort_all_requests``). SGLang's answer: ``success``, ``message``, ``num_paused_requests``
+        (a refused checkpoint is ``success`` False, and the old weights serve on)."""
+        rid = uuid.uuid4().hex
+        update = WeightUpdate(model_path, load_format, weight_version, abort_all_requests)
+        return await self._control("ctl", UpdateWeightsReq(rid=rid, update=update, api_key=self.api_key), rid)
 
     async def health(self, timeout: float | None = None) -> bool:
         """True when the server answered through a scheduler round trip within ``timeout``
@@ -298,154 +335,11 @@ class AsyncClient(ClientConnection):
                 self._send_nowait(AbortReq(rid=req.rid, api_key=self.api_key))
 
 
-class Client:
-    """Blocking client: an ``AsyncClient`` on a private uvloop thread.
-
-    ``generate(..., stream=True)`` returns a generator of chunk dicts; leaving it early
-    aborts the request on the server. Thread-safe; use as a context manager or close().
-    """
-
-    def __init__(
-        self, address: str = "tcp://127.0.0.1:30000", api_key: str | None = None, timeout: float | None = None
-    ) -> None:
-        import uvloop
-
-        self.address = address
-        self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tinyserve-client", daemon=True)
-        self._thread.start()
-
-        async def make() -> AsyncClient:
-            return AsyncClient(address, api_key=api_key, timeout=timeout)
-
-        self._async = self._call(make())
-        # Runs on close(), on garbage collection, or at interpreter exit (while the loop
-        # thread still runs), whichever comes first; it holds no reference to self.
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._async)
-
-    @property
-    def api_key(self) -> str | None:
-        return self._async.api_key
-
-    @property
-    def timeout(self) -> float | None:
-        return self._async.timeout
-
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout)
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: the request is aborted on the server
-            raise
-
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | None = None,
-        *,
-        input_ids: list[int] | list[list[int]] | None = None,
-        messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
-        stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        rid: str | list[str] | None = None,
-        logprob_start_len: int = -1,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        deadline_s: float | None = None,
-        priority: int = 0,
-        token_ids_logprob: list[int] | None = None,
-    ) -> Any:
-        """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
-        a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
-        ``stream=True`` (``text`` and ``output_ids`` are deltas)."""
-        call = self._async.generate(
-            prompt,
-            sampling_params,
-            input_ids=input_ids,
-            messages=messages,
-            stream=stream,
-            return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            logprob_start_len=logprob_start_len,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            deadline_s=deadline_s,
-            priority=priority,
-            token_ids_logprob=token_ids_logprob,
-        )
-        if stream:
-            return self._iterate(call)
-
-        async def run() -> Any:
-            return await call
-
-        return self._call(run())
-
-    def _iterate(self, call: GenerateCall) -> Iterator[dict[str, Any]]:
-        agen = call.__aiter__()
-        try:
-            while True:
-                try:
-                    chunk = self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-                yield chunk
-        finally:
-            if not self.closed:
-                self._call(agen.aclose())  # aborts an unfinished stream
-
-    def abort(self, rid: str) -> bool:
-        return self._call(self._async.abort(rid))
-
-    def abort_all(self) -> int:
-        return self._call(self._async.abort_all())
-
-    def flush_cache(self) -> dict[str, Any]:
-        return self._call(self._async.flush_cache())
-
-    def server_info(self) -> dict[str, Any]:
-        return self._call(self._async.server_info())
-
-    def health(self, timeout: float | None = None) -> bool:
-        return self._call(self._async.health(timeout))
-
-    def close(self) -> None:
-        """Abort this client's requests in flight, close the socket, stop the loop thread."""
-        self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:
-    try:
-        if thread.is_alive():
-            asyncio.run_coroutine_threadsafe(aclient.close(), loop).result(10)
-    except Exception:  # closing must not raise (it also runs from the garbage collector)
-        logger.debug("error while closing a client", exc_info=True)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        if not thread.is_alive():
-            loop.close()
-
-
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "HEARTBEAT_IVL_S",
     "HEARTBEAT_TIMEOUT_S",
     "AsyncClient",
-    "Client",
     "GenerateCall",
     "RequestError",
     "RequestTimeout",

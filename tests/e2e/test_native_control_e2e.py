@@ -251,3 +251,21 @@ def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, ti
     assert f"weight update from {path_b}: admission paused until 1 running request(s) finish" in log
     assert greedy(server, prompt, 8) == want_b
     assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200  # (as found)
+
+
+def test_the_python_client_profiles_and_updates_weights(server: Client, profiles: Path) -> None:
+    """The same calls through the ZMQ client: a profile of one step, a reload (of the weights now
+    served, under a new version name) and a refused one, answered as SGLang's routes answer."""
+    started = server.start_profile(str(profiles / "zmq"), num_steps=1, profile_id="zmq")
+    assert started["success"] and started["output_dir"] == str(profiles / "zmq")
+    greedy(server, random_prompt(8, 300, seed=8), 3)
+    trace = profiles / "zmq" / "zmq-TP-0.trace.json"
+    wait_until(trace.is_file, 30, "the trace of a profile of 1 step")
+    trace_events(trace)  # parses
+    served = http_json(server, "GET", "/get_model_info")[1]["model_path"]
+    reply = server.update_weights_from_disk(served, weight_version="via-zmq")
+    assert reply["success"] and reply["num_paused_requests"] == 0, reply
+    assert server.server_info()["weight_version"] == "via-zmq"
+    refused = server.update_weights_from_disk(str(profiles))  # a folder with no checkpoint
+    assert not refused["success"] and str(profiles) in refused["message"], refused
+    assert server.server_info()["weight_version"] == "via-zmq"
