@@ -22,16 +22,11 @@ The ZMQ client keeps its own strict ``GenerateReq`` (runtime/protocol/messages.p
 
 from __future__ import annotations
 
-import logging
 import uuid
-from typing import Any, TypeVar
-
-from pydantic import BaseModel, ConfigDict, model_validator
+from typing import Any, ClassVar, TypeVar
 
 from runtime.protocol.messages import GenerateReq
-from tokenizer_proc.openai_protocol import BadRequest
-
-logger = logging.getLogger(__name__)
+from tokenizer_proc.openai_protocol import BadRequest, LenientBody
 
 T = TypeVar("T")
 
@@ -61,13 +56,13 @@ SAMPLING_UNSUPPORTED: dict[str, str] = {
     "watermark": "watermarking is not supported",
     "custom_params": "custom logit processor parameters are not supported",
 }
-_warned_fields: set[str] = set()
 
 
-class NativeGenerateReq(BaseModel):
+class NativeGenerateReq(LenientBody):
     """SGLang's ``GenerateReqInput`` as JSON (the fields this server serves)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    body_name: ClassVar[str] = "/generate"
+    refused: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -81,23 +76,6 @@ class NativeGenerateReq(BaseModel):
     rid: str | list[str] | None = None
     deadline_s: float | None = None  # server-side deadline, seconds from arrival (GenerateReq.deadline_s)
     priority: int | None = None  # larger first, with --enable-priority-scheduling (ignored without it)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, why in UNSUPPORTED_FIELDS.items():
-                if data.get(name) not in (None, False, "", [], {}):
-                    raise BadRequest(f"{name}: {why}", name)
-        return data
-
-    @model_validator(mode="after")
-    def _ignore_unknown(self) -> "NativeGenerateReq":
-        for name in self.model_extra or {}:
-            if name not in _warned_fields:
-                _warned_fields.add(name)
-                logger.warning("ignoring the /generate field %r that this server does not know (logged once)", name)
-        return self
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
         """The requests, and whether the body was a batch (the reply is then a list)."""

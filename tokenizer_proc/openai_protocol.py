@@ -25,7 +25,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -58,7 +58,7 @@ UNSUPPORTED: dict[str, str] = {
     "web_search_options": "web search is not supported",
     "suffix": "suffix (insertion) is not supported",
 }
-_warned_fields: set[str] = set()
+_warned_fields: set[tuple[str, str]] = set()  # (body, field name) pairs warned about
 
 
 class BadRequest(Exception):
@@ -74,32 +74,48 @@ class BadRequest(Exception):
         self.code = code
 
 
-class _Fields(BaseModel):
-    """Strict types; unknown fields ignored with one warning per name; ``UNSUPPORTED`` ones refused."""
+class LenientBody(BaseModel):
+    """A request body strict about types and lenient about fields, as SGLang's and vLLM's servers are
+    (SDKs, routers and agent frameworks add fields faster than servers learn them): a field it does
+    not know is ignored with one warning per body and name; a known field it cannot honour
+    (``refused``: name -> why) is a 400 naming it when given a value. The OpenAI bodies, SGLang's
+    ``/generate`` body (tokenizer_proc/native_protocol.py) and its operational routes' bodies
+    (tokenizer_proc/http/control_bodies.py) are all read this way."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    body_name: ClassVar[str] = ""  # how the warning names the body (default: the class name)
+    refused: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_given(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, why in UNSUPPORTED.items():
-                if data.get(name) not in (None, "", [], {}) and name not in cls.model_fields:
+            for name, why in cls.refused.items():
+                if data.get(name) not in (None, False, "", [], {}) and name not in cls.model_fields:
                     raise BadRequest(f"{name}: {why}", name)
-            if data.get("modalities") not in (None, ["text"]):
-                raise BadRequest("modalities: only text output is supported", "modalities")
         return data
 
     @model_validator(mode="after")
-    def _ignore_unknown(self) -> "_Fields":
+    def _ignore_unknown(self) -> "LenientBody":
+        body = self.body_name or type(self).__name__
         for name in self.model_extra or {}:
-            key = f"{type(self).__name__}.{name}"
-            if key not in _warned_fields:
-                _warned_fields.add(key)
-                logger.warning(
-                    "ignoring the request field %r that %s does not know (logged once)", name, type(self).__name__
-                )
+            if (body, name) not in _warned_fields:
+                _warned_fields.add((body, name))
+                logger.warning("ignoring the %s field %r that this server does not know (logged once)", body, name)
         return self
+
+
+class _Fields(LenientBody):
+    """An OpenAI body: ``UNSUPPORTED`` fields refused, and output other than text."""
+
+    refused: ClassVar[dict[str, str]] = UNSUPPORTED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_other_modalities(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("modalities") not in (None, ["text"]):
+            raise BadRequest("modalities: only text output is supported", "modalities")
+        return data
 
 
 class StreamOptions(_Fields):

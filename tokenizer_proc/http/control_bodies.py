@@ -11,55 +11,33 @@ one warning per name, and so is a field SGLang does not know either (routers add
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import ClassVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, model_validator
 
 from runtime.protocol.messages import ProfileOptions, WeightUpdate
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.http.body import read_body
 
-logger = logging.getLogger(__name__)
-
 PROFILER_DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"  # SGLang's: where traces go when output_dir is not given
 DEFAULT_PROFILER_DIR = "/tmp"  # (SGLang's default too)
-_warned: set[tuple[str, str]] = set()
 
 
-class _SGLangBody(BaseModel):
-    """A body of one of SGLang's operational routes: unknown fields are ignored with one warning."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    route: ClassVar[str] = ""  # the route whose body this is (for the warning)
-
-    @model_validator(mode="after")
-    def _warn_unknown(self) -> "_SGLangBody":
-        for name in self.model_extra or {}:
-            if (self.route, name) not in _warned:
-                _warned.add((self.route, name))
-                logger.warning(
-                    "ignoring the %s field %r, which this server does not serve (logged once)", self.route, name
-                )
-        return self
-
-
-class AbortBody(_SGLangBody):
+class AbortBody(oai.LenientBody):
     """SGLang's ``AbortReq``: one request by its rid, or every request."""
 
-    route: ClassVar[str] = "/abort_request"
+    body_name: ClassVar[str] = "/abort_request"
     rid: str | None = None
     abort_all: bool = False
     abort_message: str | None = None  # the finish reason's message (SGLang's)
 
 
-class ProfileBody(_SGLangBody):
+class ProfileBody(oai.LenientBody):
     """SGLang's ``ProfileReq`` (a profile start), the fields served here."""
 
-    route: ClassVar[str] = "/start_profile"
+    body_name: ClassVar[str] = "/start_profile"
     output_dir: str | None = None
     num_steps: int | None = None
     activities: list[str] | None = None
@@ -85,10 +63,10 @@ class ProfileBody(_SGLangBody):
         )
 
 
-class UpdateWeightsBody(_SGLangBody):
+class UpdateWeightsBody(oai.LenientBody):
     """SGLang's ``UpdateWeightFromDiskReqInput``, the fields served here."""
 
-    route: ClassVar[str] = "/update_weights_from_disk"
+    body_name: ClassVar[str] = "/update_weights_from_disk"
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
