@@ -141,7 +141,7 @@ def take(reqs: Sequence[Req], result: "StepResult") -> None:
         if req.top_logprobs_num and top is not None:
             k = req.top_logprobs_num
             req.input_top_logprobs.extend(
-                [[v, int(i)] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n)
+                [[v, i] for v, i in zip(top[0][row][:k], top[1][row][:k])] for row in range(offset, offset + n)
             )
         if req.token_ids_logprob and named is not None:
             ids = req.token_ids_logprob

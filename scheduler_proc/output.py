@@ -72,7 +72,7 @@ class OutputProcessor:
             if req.top_logprobs_num and result.top_logprobs is not None:
                 values, ids = result.top_logprobs
                 k = req.top_logprobs_num
-                req.output_top_logprobs.append([[v, int(t)] for v, t in zip(values[row][:k], ids[row][:k])])
+                req.output_top_logprobs.append([[v, t] for v, t in zip(values[row][:k], ids[row][:k])])
         if req.token_ids_logprob and result.token_ids_logprobs is not None:  # (with or without return_logprob)
             named = result.token_ids_logprobs[row]
             req.output_token_ids_logprobs.append([[v, t] for v, t in zip(named, req.token_ids_logprob)])
