@@ -42,6 +42,15 @@ def tiny_llama_path(tiny_checkpoints: TinyCheckpoints) -> Path:
     return tiny_checkpoints.path("llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_other_weights(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with every tensor moved by a little noise: the same model with other weights (an
+    RL step's), for weight updates in place."""
+    from tests.support.checkpoints import perturbed_copy
+
+    return perturbed_copy(tiny_llama_path, tmp_path_factory.mktemp("weights") / "llama_other", seed=7)
+
+
 @pytest.fixture(scope="session", params=CHECKPOINT_NAMES)
 def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Iterator[tuple[str, Path]]:
     """``(name, folder)`` for each tiny architecture: llama, mistral, qwen2, qwen3, llama_tied_llama3."""

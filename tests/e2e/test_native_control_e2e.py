@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 from runtime.client import Client
-from tests.support.checkpoints import hf_greedy, load_hf_model, perturbed_copy, random_prompt
+from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.server_fixtures import (
     API_KEY,
     CLIENT_TIMEOUT_S,
@@ -47,26 +47,17 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def path_a(tiny_checkpoints: Any) -> Path:
-    return Path(tiny_checkpoints.path("llama"))
-
-
-@pytest.fixture(scope="module")
-def path_b(path_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same model with other weights (an RL step's)."""
-    return perturbed_copy(path_a, tmp_path_factory.mktemp("weights") / "llama_b", seed=11)
-
-
-@pytest.fixture(scope="module")
 def profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("profiles")
 
 
 @pytest.fixture(scope="module")
-def server(path_a: Path, profiles: Path) -> Iterator[Client]:
+def server(tiny_llama_path: Path, profiles: Path) -> Iterator[Client]:
     # SGLang's variable: where traces go when /start_profile names no output_dir
     env = {"SGLANG_TORCH_PROFILER_DIR": str(profiles / "default")}
-    with launch_server(base_args(path_a, "--api-key", API_KEY), env=env, client_timeout=CLIENT_TIMEOUT_S) as client:
+    with launch_server(
+        base_args(tiny_llama_path, "--api-key", API_KEY), env=env, client_timeout=CLIENT_TIMEOUT_S
+    ) as client:
         yield client
 
 
@@ -210,18 +201,25 @@ def test_profile_of_num_steps_stops_by_itself(server: Client, profiles: Path) ->
 # ---------------------------------------------------------------------- weight updates
 
 
-def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, tiny_checkpoints: Any) -> None:
+def test_update_weights_from_disk(
+    server: Client, tiny_llama_path: Path, tiny_llama_other_weights: Path, tiny_checkpoints: Any
+) -> None:
     prompt = random_prompt(12, 300, seed=6)
-    want_a = hf_greedy(load_hf_model(path_a), prompt, 8)[0]
-    want_b = hf_greedy(load_hf_model(path_b), prompt, 8)[0]
+    want_a = hf_greedy(load_hf_model(tiny_llama_path), prompt, 8)[0]
+    want_b = hf_greedy(load_hf_model(tiny_llama_other_weights), prompt, 8)[0]
     assert want_a != want_b and greedy(server, prompt, 8) == want_a
 
-    body = {"model_path": str(path_b), "load_format": None, "abort_all_requests": False, "weight_version": "rl-1"}
+    body = {
+        "model_path": str(tiny_llama_other_weights),
+        "load_format": None,
+        "abort_all_requests": False,
+        "weight_version": "rl-1",
+    }
     status, reply = http_json(server, "POST", "/update_weights_from_disk", body)
     assert status == 200 and reply == {"success": True, "message": reply["message"], "num_paused_requests": 0}
     assert greedy(server, prompt, 8) == want_b
     model = http_json(server, "GET", "/get_model_info")[1]
-    assert (model["model_path"], model["weight_version"]) == (str(path_b), "rl-1")
+    assert (model["model_path"], model["weight_version"]) == (str(tiny_llama_other_weights), "rl-1")
     assert http_json(server, "GET", "/server_info")[1]["weight_version"] == "rl-1"
 
     other = tiny_checkpoints.path("qwen3")  # another architecture: refused, B serves on
@@ -230,14 +228,14 @@ def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, ti
     assert greedy(server, prompt, 8) == want_b
 
     # An update sent while a request streams on A waits for it: the stream is A's all through.
-    assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200
+    assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(tiny_llama_path)})[0] == 200
     stream = Stream(server, long_body("during", prompt, DURING))
     assert stream.next() is not None
     replied: dict[str, Any] = {}
 
     def update_to_b() -> None:
         replied["status"], replied["reply"] = http_json(
-            server, "POST", "/update_weights_from_disk", {"model_path": str(path_b)}
+            server, "POST", "/update_weights_from_disk", {"model_path": str(tiny_llama_other_weights)}
         )
 
     updater = threading.Thread(target=update_to_b)
@@ -246,11 +244,13 @@ def test_update_weights_from_disk(server: Client, path_a: Path, path_b: Path, ti
     updater.join(CLIENT_TIMEOUT_S)
     log = server.server.log_tail(20_000)
     assert replied["status"] == 200 and replied["reply"]["success"], replied
-    assert stream.ids == hf_greedy(load_hf_model(path_a), prompt, DURING)[0]
+    assert stream.ids == hf_greedy(load_hf_model(tiny_llama_path), prompt, DURING)[0]
     # the scheduler had the stream running when the update came: it waited for it
-    assert f"weight update from {path_b}: admission paused until 1 running request(s) finish" in log
+    assert f"weight update from {tiny_llama_other_weights}: admission paused until 1 running request(s) finish" in log
     assert greedy(server, prompt, 8) == want_b
-    assert http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(path_a)})[0] == 200  # (as found)
+    assert (
+        http_json(server, "POST", "/update_weights_from_disk", {"model_path": str(tiny_llama_path)})[0] == 200
+    )  # (as found)
 
 
 def test_the_python_client_profiles_and_updates_weights(server: Client, profiles: Path) -> None:

@@ -38,21 +38,11 @@ from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.dp_controller import merge_control_replies
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.weight_update import ABORTED_FOR_UPDATE
-from tests.support.checkpoints import copy_checkpoint, hf_greedy, load_hf_model, perturbed_copy, random_prompt
+from tests.support.checkpoints import copy_checkpoint, hf_greedy, load_hf_model, random_prompt
 from tests.support.stub_scheduler import assert_idle_invariant
 from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def path_a(tiny_checkpoints: Any) -> Path:
-    return Path(tiny_checkpoints.path("llama"))
-
-
-@pytest.fixture(scope="module")
-def path_b(path_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return perturbed_copy(path_a, tmp_path_factory.mktemp("weights") / "llama_b", seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +51,12 @@ def prompt(runner: ModelRunner) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def expected(path_a: Path, path_b: Path, prompt: list[int]) -> dict[str, list[int]]:
+def expected(tiny_llama_path: Path, tiny_llama_other_weights: Path, prompt: list[int]) -> dict[str, list[int]]:
     """transformers' greedy tokens of ``prompt`` on each checkpoint (they differ: the test can fail)."""
-    out = {name: hf_greedy(load_hf_model(path), prompt, NEW_TOKENS)[0] for name, path in (("a", path_a), ("b", path_b))}
+    out = {
+        name: hf_greedy(load_hf_model(path), prompt, NEW_TOKENS)[0]
+        for name, path in (("a", tiny_llama_path), ("b", tiny_llama_other_weights))
+    }
     assert out["a"] != out["b"]
     return out
 
@@ -83,16 +76,16 @@ def make_runner(path: Path, tp_rank: int = 0, tp_size: int = 1) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def runner(path_a: Path) -> ModelRunner:
-    return make_runner(path_a)
+def runner(tiny_llama_path: Path) -> ModelRunner:
+    return make_runner(tiny_llama_path)
 
 
 @pytest.fixture(params=[False], ids=["serial"])
-def sched(request: pytest.FixtureRequest, runner: ModelRunner, path_a: Path) -> Iterator[Scheduler]:
+def sched(request: pytest.FixtureRequest, runner: ModelRunner, tiny_llama_path: Path) -> Iterator[Scheduler]:
     """A fresh Scheduler over the module's runner, serving checkpoint A (serial unless a test asks
     for overlap through ``indirect`` parametrization)."""
-    if runner.model_path != path_a:
-        runner.update_weights_from_disk(path_a)
+    if runner.model_path != tiny_llama_path:
+        runner.update_weights_from_disk(tiny_llama_path)
     runner.req_to_token_pool.clear()
     args = ServerArgs(max_total_tokens=1024, disable_overlap_schedule=not request.param)
     scheduler = Scheduler(args, model_runner=runner)
@@ -140,23 +133,30 @@ def controls(events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_reload_generates_what_transformers_does_with_the_new_weights_and_flushes_the_cache(
-    sched: Scheduler, path_a: Path, path_b: Path, prompt: list[int], expected: dict[str, list[int]]
+    sched: Scheduler,
+    tiny_llama_path: Path,
+    tiny_llama_other_weights: Path,
+    prompt: list[int],
+    expected: dict[str, list[int]],
 ) -> None:
     submit(sched, "a1", prompt)
     results, _ = run(sched)
     assert results["a1"]["ids"] == expected["a"]
     assert sched.tree_cache.evictable_size() > 0  # the prompt is cached...
-    update(sched, path_b, weight_version="step-1")
+    update(sched, tiny_llama_other_weights, weight_version="step-1")
     _, events = run(sched)
     (reply,) = controls(events)
     assert reply["success"] and reply["num_paused_requests"] == 0, reply
-    assert (reply["model_path"], reply["weight_version"]) == (str(path_b), "step-1")
+    assert (reply["model_path"], reply["weight_version"]) == (str(tiny_llama_other_weights), "step-1")
     assert sched.tree_cache.evictable_size() == 0  # ...and gone with the old weights
-    assert sched.server_info()["served_weights"] == {"model_path": str(path_b), "weight_version": "step-1"}
+    assert sched.server_info()["served_weights"] == {
+        "model_path": str(tiny_llama_other_weights),
+        "weight_version": "step-1",
+    }
     submit(sched, "b1", prompt)
     results, _ = run(sched)
     assert results["b1"]["ids"] == expected["b"] and results["b1"]["cached"] == 0
-    update(sched, path_a)  # back: no version given, the last one stays
+    update(sched, tiny_llama_path)  # back: no version given, the last one stays
     _, events = run(sched)
     assert controls(events)[0]["success"] and controls(events)[0]["weight_version"] == "step-1"
     submit(sched, "a2", prompt)
@@ -165,13 +165,13 @@ def test_reload_generates_what_transformers_does_with_the_new_weights_and_flushe
 
 @pytest.mark.parametrize("sched", [False, True], ids=["serial", "overlap"], indirect=True)
 def test_running_requests_finish_on_the_old_weights_and_new_ones_wait(
-    sched: Scheduler, path_b: Path, prompt: list[int], expected: dict[str, list[int]]
+    sched: Scheduler, tiny_llama_other_weights: Path, prompt: list[int], expected: dict[str, list[int]]
 ) -> None:
     assert sched.worker.overlap == (sched.args.disable_overlap_schedule is False)
     submit(sched, "old", prompt)
     sched.step()  # prefilled, decoding
     sched.step()
-    update(sched, path_b)
+    update(sched, tiny_llama_other_weights)
     submit(sched, "new", prompt)
     results, events = run(sched)
     assert results["old"]["ids"] == expected["a"]
@@ -182,13 +182,13 @@ def test_running_requests_finish_on_the_old_weights_and_new_ones_wait(
 
 
 def test_abort_all_requests_aborts_them_first(
-    sched: Scheduler, path_b: Path, prompt: list[int], expected: dict[str, list[int]]
+    sched: Scheduler, tiny_llama_other_weights: Path, prompt: list[int], expected: dict[str, list[int]]
 ) -> None:
     submit(sched, "long", prompt, max_new_tokens=200)
     sched.step()
     sched.step()
     submit(sched, "queued", prompt)  # (admitted next step; aborted before)
-    update(sched, path_b, abort_all_requests=True)
+    update(sched, tiny_llama_other_weights, abort_all_requests=True)
     results, events = run(sched)
     for rid in ("long", "queued"):
         assert results[rid]["reason"] == {"type": "abort", "message": ABORTED_FOR_UPDATE}
@@ -199,17 +199,17 @@ def test_abort_all_requests_aborts_them_first(
 
 
 def test_a_second_update_while_one_waits_is_refused(
-    sched: Scheduler, path_a: Path, path_b: Path, prompt: list[int]
+    sched: Scheduler, tiny_llama_path: Path, tiny_llama_other_weights: Path, prompt: list[int]
 ) -> None:
     submit(sched, "r", prompt, max_new_tokens=30)
     sched.step()
-    update(sched, path_b, rid="first")
-    update(sched, path_a, rid="second")
+    update(sched, tiny_llama_other_weights, rid="first")
+    update(sched, tiny_llama_path, rid="second")
     second = sched.take_outbox()[-1]  # answered at once
     assert isinstance(second, SchedControlOut) and second.rid == "second"
     assert not second.payload["success"] and "already in progress" in second.payload["message"]
     _, events = run(sched)
-    assert controls(events)[0]["success"] and controls(events)[0]["model_path"] == str(path_b)
+    assert controls(events)[0]["success"] and controls(events)[0]["model_path"] == str(tiny_llama_other_weights)
 
 
 def _rewrite(folder: Path, change: Any) -> Path:
@@ -253,7 +253,7 @@ REFUSED = {
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_another_model_is_refused_and_the_old_weights_serve_on(
     sched: Scheduler,
-    path_a: Path,
+    tiny_llama_path: Path,
     tmp_path: Path,
     tiny_checkpoints: Any,
     prompt: list[int],
@@ -261,18 +261,18 @@ def test_another_model_is_refused_and_the_old_weights_serve_on(
     case: str,
 ) -> None:
     make, load_format, message = REFUSED[case]
-    update(sched, make(path_a, tmp_path, tiny_checkpoints), load_format=load_format)
+    update(sched, make(tiny_llama_path, tmp_path, tiny_checkpoints), load_format=load_format)
     _, events = run(sched)
     (reply,) = controls(events)
     assert not reply["success"] and message in reply["message"], reply
-    assert reply["model_path"] == str(path_a)
+    assert reply["model_path"] == str(tiny_llama_path)
     submit(sched, "still-a", prompt)
     assert run(sched)[0]["still-a"]["ids"] == expected["a"]
 
 
 def test_a_load_that_fails_half_way_is_undone(
     sched: Scheduler,
-    path_b: Path,
+    tiny_llama_other_weights: Path,
     prompt: list[int],
     expected: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
@@ -280,13 +280,13 @@ def test_a_load_that_fails_half_way_is_undone(
     real = weight_reload.load_model_weights
 
     def fails_half_way(model: Any, folder: Path, **kwargs: Any) -> None:
-        if Path(folder) != path_b:
+        if Path(folder) != tiny_llama_other_weights:
             return real(model, folder, **kwargs)
         model.load_weights(islice(iterate_weights(folder, progress=False), 6))  # some of B's tensors...
         raise OSError("the disk went away")  # ...then the rest cannot be read
 
     monkeypatch.setattr(weight_reload, "load_model_weights", fails_half_way)
-    update(sched, path_b)
+    update(sched, tiny_llama_other_weights)
     _, events = run(sched)
     (reply,) = controls(events)
     assert not reply["success"] and "the disk went away" in reply["message"]
@@ -306,15 +306,15 @@ def test_control_replies_of_dp_replicas_merge() -> None:
 
 
 def _tp_update(
-    path_a: Path, path_b: Path, prompt: list[int], group: ThreadTPGroup
+    tiny_llama_path: Path, tiny_llama_other_weights: Path, prompt: list[int], group: ThreadTPGroup
 ) -> list[tuple[dict[str, Any], list[int]]]:
     """Each TP rank: the update's reply and the greedy tokens of ``prompt`` afterwards."""
-    runners = [make_runner(path_a, tp_rank=r, tp_size=2) for r in range(2)]
+    runners = [make_runner(tiny_llama_path, tp_rank=r, tp_size=2) for r in range(2)]
 
     def work(rank: int) -> tuple[dict[str, Any], list[int]]:
         args = ServerArgs(max_total_tokens=1024, disable_overlap_schedule=True, tp_size=2)
         sched = Scheduler(args, tp_rank=rank, model_runner=runners[rank])
-        update(sched, path_b)  # (every rank receives the same inputs: the broadcast)
+        update(sched, tiny_llama_other_weights)  # (every rank receives the same inputs: the broadcast)
         submit(sched, "after", prompt)
         results, events = run(sched)
         return controls(events)[0], results["after"]["ids"]
@@ -323,16 +323,20 @@ def _tp_update(
 
 
 def test_every_tp_rank_reloads_its_shard(
-    path_a: Path, path_b: Path, prompt: list[int], expected: dict[str, list[int]], thread_tp_group: ThreadTPGroup
+    tiny_llama_path: Path,
+    tiny_llama_other_weights: Path,
+    prompt: list[int],
+    expected: dict[str, list[int]],
+    thread_tp_group: ThreadTPGroup,
 ) -> None:
-    for reply, ids in _tp_update(path_a, path_b, prompt, thread_tp_group):
+    for reply, ids in _tp_update(tiny_llama_path, tiny_llama_other_weights, prompt, thread_tp_group):
         assert reply["success"], reply
         assert ids == expected["b"]
 
 
 def test_when_one_tp_rank_fails_every_rank_keeps_the_old_weights(
-    path_a: Path,
-    path_b: Path,
+    tiny_llama_path: Path,
+    tiny_llama_other_weights: Path,
     prompt: list[int],
     expected: dict[str, list[int]],
     thread_tp_group: ThreadTPGroup,
@@ -341,12 +345,12 @@ def test_when_one_tp_rank_fails_every_rank_keeps_the_old_weights(
     real = weight_reload.load_model_weights
 
     def rank1_fails(model: Any, folder: Path, **kwargs: Any) -> None:
-        if thread_tp_group.local.rank == 1 and Path(folder) == path_b:
+        if thread_tp_group.local.rank == 1 and Path(folder) == tiny_llama_other_weights:
             raise OSError("rank 1 cannot read the shard")
         real(model, folder, **kwargs)
 
     monkeypatch.setattr(weight_reload, "load_model_weights", rank1_fails)
-    (reply0, ids0), (reply1, ids1) = _tp_update(path_a, path_b, prompt, thread_tp_group)
+    (reply0, ids0), (reply1, ids1) = _tp_update(tiny_llama_path, tiny_llama_other_weights, prompt, thread_tp_group)
     assert not reply0["success"] and "1 other TP rank(s) could not load" in reply0["message"]
     assert not reply1["success"] and "rank 1 cannot read the shard" in reply1["message"]
     assert ids0 == ids1 == expected["a"]
