@@ -37,6 +37,10 @@ class FrontDoor(Protocol):
     def start_drain(self, why: str) -> bool:
         """Start the graceful drain (``POST /drain``); False when it had started already."""
 
+    @property
+    def weight_version(self) -> str:
+        """The served weights' version (SGLang's ``weight_version``: a weight update may set it)."""
+
     def model_info(self) -> dict[str, Any]:
         """The model and the sampling defaults in force (``GET /get_model_info``)."""
 

@@ -329,6 +329,10 @@ class TokenizerManager:
     def context_len(self) -> int:
         return self.limits.context_len
 
+    @property
+    def weight_version(self) -> str:
+        return str(self.served_weights["weight_version"])
+
     def model_info(self) -> dict[str, Any]:
         """GET /get_model_info (SGLang's route): the model (the checkpoint and version served, once
         a weight update moved them), and the sampling defaults in force."""

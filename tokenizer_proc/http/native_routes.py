@@ -48,8 +48,7 @@ async def generate(request: Request, http: Http) -> Response:
 def _replies(http: HttpContext, body: NativeGenerateReq, reqs: list[Any]) -> NativeReplies:
     door = http.ready_door()
     assert http.logprobs is not None  # set with the door
-    weight_version = str(door.model_info().get("weight_version", "default"))
-    return NativeReplies(reqs, http.logprobs.token, body.return_text_in_logprobs, weight_version)
+    return NativeReplies(reqs, http.logprobs.token, body.return_text_in_logprobs, door.weight_version)
 
 
 async def _native_stream(run: LocalRun, replies: NativeReplies) -> AsyncIterator[bytes]:
