@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
-SPECULATIVE_ALGORITHM_CHOICES = ("ngram",)
+SPECULATIVE_ALGORITHM_CHOICES = ("auto", "ngram", "none")
+# launch.py's default: the device's own choice (ServingPlatform.default_speculative_algorithm: n-gram
+# drafts on CPUs, none on GPUs). A ServerArgs built in Python keeps None (off) unless given one.
+SPECULATIVE_ALGORITHM_CLI_DEFAULT = "auto"
 
 
 class SpecFlags(Protocol):
@@ -29,11 +32,13 @@ def add_spec_args(parser: argparse.ArgumentParser, defaults: SpecFlags) -> None:
     g.add_argument(
         "--speculative-algorithm",
         type=str.lower,
-        default=defaults.speculative_algorithm,
+        default=SPECULATIVE_ALGORITHM_CLI_DEFAULT,
         choices=SPECULATIVE_ALGORITHM_CHOICES,
         help="draft tokens for each decoding request and verify them in one forward (ngram: "
         "match the request's latest tokens against its own prompt and output); the output "
-        "is exactly the model's (default: off)",
+        "is exactly the model's; none: off; auto: ngram on CPUs (where a verify step of a few "
+        "rows costs little more than a decode step, and a loaded batch does not draft), off on "
+        "GPUs, and off with --page-size above 1 (default auto)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",
@@ -96,6 +101,26 @@ def check_spec(args: SpecFlags) -> None:
         raise ValueError(
             "--speculative-ngram-min-match-window-size must not exceed --speculative-ngram-max-match-window-size"
         )
-    if args.speculative_algorithm is not None and args.page_size != 1:
+    if args.speculative_algorithm == "ngram" and args.page_size != 1:
         # Rejected drafts are freed slot by slot: a page would be left partly owned.
         raise ValueError("--speculative-algorithm needs --page-size 1")
+
+
+def resolve_speculative_algorithm(args: SpecFlags, device_default: str | None) -> str | None:
+    """The algorithm a server runs: the flag's, or with ``auto`` the device's default
+    (``device_default``) where the other flags allow it (``--page-size 1``); None: off."""
+    chosen = args.speculative_algorithm
+    if chosen == "auto":
+        chosen = device_default if args.page_size == 1 else None
+    return None if chosen in (None, "none") else chosen
+
+
+def speculative_reason(args: SpecFlags, device_default: str | None) -> str:
+    """Why ``resolve_speculative_algorithm`` is what it is, for the start-up log."""
+    if args.speculative_algorithm != "auto":
+        return "--speculative-algorithm"
+    if args.page_size != 1:
+        return "auto: off with --page-size above 1 (rejected drafts are freed slot by slot)"
+    if device_default is None:
+        return "auto: off on this device"
+    return "auto: this device drafts by default (few-row verify steps cost little more than a decode step)"

@@ -35,3 +35,5 @@ class ServingPlatform:
     # None: no limit): as long as a step's extra rows cost little next to streaming the weights, drafts
     # pay; past that each draft row costs more than the tokens it is likely to save.
     spec_step_tokens: int | None = None
+    # What --speculative-algorithm auto (launch.py's default) runs here (None: no speculation).
+    default_speculative_algorithm: str | None = None

@@ -32,11 +32,13 @@ is on); speculation's steps always take the non-overlapped path.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
 
 from runtime.config.args import ServerArgs
+from runtime.config.spec_args import resolve_speculative_algorithm, speculative_reason
 from runtime.protocol.spec_stats import SPEC_STATS
 from scheduler_proc.long_rope import LongRopeSwitch
 from scheduler_proc.model_worker import StepResult
@@ -44,6 +46,8 @@ from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
 from scheduler_proc.spec.ngram import NgramProposer
 from scheduler_proc.spec.ngram_table import NgramTable
+
+logger = logging.getLogger(__name__)
 
 
 class SpecDecoder:
@@ -81,12 +85,20 @@ class SpecDecoder:
 
     @staticmethod
     def create(args: ServerArgs, context_len: int, stats: dict[str, int], device: torch.device) -> "SpecDecoder | None":
-        """None without speculation; ``device``'s platform gives --speculative-max-step-tokens' default."""
-        if args.speculative_algorithm is None:
+        """None without speculation; ``device``'s platform decides ``auto`` and gives
+        --speculative-max-step-tokens' default."""
+        if args.speculative_algorithm in (None, "none"):
             return None
         from runtime.engine.ops import get_ops
 
-        return SpecDecoder(args, context_len, stats, get_ops(device, torch.float32).platform(device).spec_step_tokens)
+        platform = get_ops(device, torch.float32).platform(device)
+        algorithm = resolve_speculative_algorithm(args, platform.default_speculative_algorithm)
+        logger.info(
+            "speculative decoding: %s (%s)",
+            algorithm or "off",
+            speculative_reason(args, platform.default_speculative_algorithm),
+        )
+        return SpecDecoder(args, context_len, stats, platform.spec_step_tokens) if algorithm is not None else None
 
     def draft_limit(self, req: Req) -> int:
         """Most drafts ``req`` may take this step: one fewer than the tokens it may still emit."""

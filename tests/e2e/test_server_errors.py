@@ -48,7 +48,7 @@ BAD_REQUESTS = [
 def long_request(llama_server: Client) -> Any:
     """Another client streaming long greedy requests in a loop for as long as this module's
     bad requests arrive; the last test checks every one of them came out whole and equal."""
-    state: dict[str, Any] = {"outputs": [], "error": None}
+    state: dict[str, Any] = {"outputs": [], "error": None, "progress": threading.Condition()}
     started, stop = threading.Event(), threading.Event()
 
     def run() -> None:
@@ -61,10 +61,14 @@ def long_request(llama_server: Client) -> Any:
                     ):
                         ids += ch["output_ids"]
                         started.set()
-                    state["outputs"].append(ids)
+                    with state["progress"]:
+                        state["outputs"].append(ids)
+                        state["progress"].notify_all()
         except BaseException as exc:  # reported by the last test
             state["error"] = exc
             started.set()
+            with state["progress"]:
+                state["progress"].notify_all()
 
     t = threading.Thread(target=run)
     t.start()
@@ -180,7 +184,13 @@ def test_duplicate_rid_in_flight_is_rejected(llama_server: Client, long_request:
 
 
 def test_the_other_clients_requests_were_not_disturbed(llama_server: Client, long_request: Any) -> None:
-    """Runs last in this module: every long stream that ran meanwhile is whole and identical."""
+    """Runs last in this module: every long stream that ran meanwhile is whole and identical (at
+    least two of them: however fast the host got through the bad requests, the loop runs on until
+    a second stream is whole)."""
+    with long_request["progress"]:
+        assert long_request["progress"].wait_for(
+            lambda: len(long_request["outputs"]) >= 2 or long_request["error"] is not None, 120
+        ), "two whole streams"
     long_request["stop"].set()
     long_request["thread"].join(120)
     assert long_request["error"] is None, long_request["error"]

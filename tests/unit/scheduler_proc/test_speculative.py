@@ -169,6 +169,33 @@ def test_the_device_gives_the_budgets_default() -> None:
     assert SpecDecoder.create(ServerArgs(), 2048, {}, torch.device("cpu")) is None
 
 
+def test_launchs_default_is_the_devices_choice_ngram_on_cpu_off_on_gpu() -> None:
+    """launch.py's --speculative-algorithm defaults to auto: n-gram drafts on a CPU, nothing on a
+    GPU or with pages of more than one slot; none turns it off; a ServerArgs built in Python is off."""
+    from runtime.config.spec_args import resolve_speculative_algorithm
+    from runtime.engine.cpu.host_memory import CPU_PLATFORM
+    from runtime.engine.cuda.memory import CUDA_PLATFORM
+    from scheduler_proc.spec.verify import SpecDecoder
+
+    assert ServerArgs.from_cli([]).speculative_algorithm == "auto"
+    assert ServerArgs().speculative_algorithm is None
+    cpu, gpu = CPU_PLATFORM.default_speculative_algorithm, CUDA_PLATFORM.default_speculative_algorithm
+    assert (cpu, gpu) == ("ngram", None)
+    auto = ServerArgs(speculative_algorithm="auto")
+    assert resolve_speculative_algorithm(auto, cpu) == "ngram"
+    assert resolve_speculative_algorithm(auto, gpu) is None
+    paged = ServerArgs(speculative_algorithm="auto", page_size=16)
+    paged.validate()  # auto with pages is not an error: it is off
+    assert resolve_speculative_algorithm(paged, cpu) is None
+    with pytest.raises(ValueError, match="--page-size 1"):
+        ServerArgs(speculative_algorithm="ngram", page_size=16).validate()
+    for off in (None, "none"):
+        assert resolve_speculative_algorithm(ServerArgs(speculative_algorithm=off), cpu) is None
+    assert SpecDecoder.create(auto, 2048, {}, torch.device("cpu")) is not None
+    assert SpecDecoder.create(ServerArgs.from_cli(["--speculative-algorithm", "none"]), 2048, {}, torch.device("cpu")) is None
+    assert SpecDecoder.create(paged, 2048, {}, torch.device("cpu")) is None
+
+
 def test_batch_of_one() -> None:
     off, on, sched = run_both([([3, 4, 5, 6], {"max_new_tokens": 30})])
     assert on["0"]["ids"] == off["0"]["ids"] and len(on["0"]["ids"]) == 30
