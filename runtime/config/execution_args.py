@@ -10,7 +10,10 @@ from runtime.config.flag_checks import choice
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATION_CHOICES = ("gguf", "int8", "w8a8_int8")  # runtime.engine.quant.loading.QUANTIZATION_METHODS
+# runtime.engine.quant.loading.QUANTIZATION_METHODS, plus auto (launch.py's default: the CPU's choice,
+# runtime.engine.quant.loading.resolve_quantization) and none (dense)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "w8a8_int8")
+QUANTIZATION_CLI_DEFAULT = "auto"
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 
 
@@ -49,12 +52,14 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
     g.add_argument(
         "--quantization",
         type=str,
-        default=d.quantization,
+        default=QUANTIZATION_CLI_DEFAULT,
         choices=QUANTIZATION_CHOICES,
         help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
         "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
-        "activations are quantized to int8 per block on the fly (default: none, weights "
-        "dense in --dtype, a GGUF file's dequantized at load)",
+        "activations are quantized to int8 per block on the fly; none: weights dense in --dtype, "
+        "a GGUF file's dequantized at load; auto: gguf for a GGUF file on a CPU without native "
+        "bf16 matmul (AVX2 or AVX-512 without BF16) when --dtype is auto, where its blocks serve "
+        "one user about twice as fast as fp32 and a loaded server as fast, else none (default auto)",
     )
     g.add_argument(
         "--attention-backend",

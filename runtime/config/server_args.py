@@ -40,7 +40,9 @@ class ServerArgs:
     port: int = 30000
     device: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None  # None: weights dense in --dtype (a GGUF file's dequantized)
+    # None or "none": weights dense in --dtype (a GGUF file's dequantized); "auto" (launch.py's default):
+    # the CPU's choice (runtime.engine.quant.loading.resolve_quantization)
+    quantization: str | None = None
     tp_size: int = 1
     ep_size: int = 1  # of the tp_size ranks: groups that each hold whole experts (a mixture of experts)
     dp_size: int = 1
@@ -102,7 +104,8 @@ class ServerArgs:
     # Production lifecycle (scheduler_proc/queue_bound.py, scheduler_proc/deadlines.py): None = unbounded / none.
     max_queued_requests: int | None = None
     request_timeout: float | None = None
-    # Speculative decoding (runtime/config/spec_args.py: the flags; scheduler_proc/spec: the work). None = off.
+    # Speculative decoding (runtime/config/spec_args.py: the flags; scheduler_proc/spec: the work). None or
+    # "none": off; "auto" (launch.py's default): the device's choice (resolve_speculative_algorithm).
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 8
     speculative_ngram_min_match_window_size: int = 1

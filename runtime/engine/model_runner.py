@@ -22,6 +22,7 @@ import torch
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
+from runtime.checkpoints.gguf.prepare import is_gguf_folder
 from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.engine.attention.base import AttentionBackend
 from runtime.engine.attention.registry import (
@@ -31,7 +32,7 @@ from runtime.engine.attention.registry import (
 )
 from runtime.engine.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.engine.cuda.triton_common import interpreted_dtype
-from runtime.engine.device import concrete_device, dtype_reason, resolve_device, resolve_dtype
+from runtime.engine.device import concrete_device, cpu_supports_bf16, dtype_reason, resolve_device, resolve_dtype
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
@@ -41,7 +42,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
-from runtime.engine.quant.loading import quantized_bytes
+from runtime.engine.quant.loading import quantization_reason, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class ModelRunner:
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
         if dtype == "auto" and self.attention_backend_name == "triton":
             dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
+        is_gguf = is_gguf_folder(self.model_path)
+        method = quantization
+        quantization = resolve_quantization(method, dtype, self.device, is_gguf, cpu_supports_bf16())
         self.dtype = resolve_dtype(dtype, self.device, quantization)
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
@@ -117,7 +121,7 @@ class ModelRunner:
         # (the scheduler keeps each request's KV on one side of it: scheduler_proc.long_rope)
         self.rope_switch_len = cfg.rope_switch_len
         logger.info(
-            "loading %s (%s, %d layers, hidden %d) on %s as %s (%s), tp %d/%d",
+            "loading %s (%s, %d layers, hidden %d) on %s as %s (%s), weights %s (%s), tp %d/%d",
             self.model_path,
             cfg.architecture,
             cfg.num_hidden_layers,
@@ -125,6 +129,8 @@ class ModelRunner:
             self.device,
             self.dtype,
             dtype_reason(dtype, self.device, quantization),
+            f"kept quantized ({quantization})" if quantization else "dense",
+            quantization_reason(method, quantization, is_gguf),
             tp_rank,
             tp_size,
         )

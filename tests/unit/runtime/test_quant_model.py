@@ -160,6 +160,32 @@ def test_gguf_needs_a_gguf_file(tiny_checkpoints: TinyCheckpoints) -> None:
         _runner(tiny_checkpoints.path("llama"), quantization="gguf")
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
+    tiny_checkpoints: TinyCheckpoints, files: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    """launch.py's --quantization auto: a GGUF file on a CPU without native bf16 matmul (AVX2) keeps
+    its blocks, with fp32 activations; with native bf16, or a dtype asked for, or a safetensors
+    folder, or none, the weights are dense."""
+    from runtime.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda: native_bf16)
+    path = _gguf(tiny_checkpoints, files, "llama", "Q4_1")
+
+    def auto(checkpoint: Path, **kwargs: Any) -> ModelRunner:
+        return ModelRunner(checkpoint, device="cpu", max_total_tokens=2048, load_progress=False, **kwargs)
+
+    chosen = auto(path, dtype="auto", quantization="auto")
+    if native_bf16:
+        assert chosen.quantization is None and not isinstance(_weights(chosen)["lm_head"], QuantizedWeight)
+    else:
+        assert chosen.quantization == "gguf" and chosen.dtype == torch.float32
+        assert all(isinstance(w, QuantizedWeight) for w in _weights(chosen).values())
+    assert auto(path, dtype="float32", quantization="auto").quantization is None  # the oracle's exactness
+    assert auto(path, dtype="auto", quantization="none").quantization is None
+    assert auto(tiny_checkpoints.path("llama"), dtype="float32", quantization="auto").quantization is None
+
+
 def test_tp2_ranks_keep_their_shards_quantized(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
     """Column-parallel ranks keep their rows (Q/K un-interleaved per head), row-parallel ranks their
     whole blocks of columns: each rank's values are its dense shard's."""
