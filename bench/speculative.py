@@ -1,7 +1,8 @@
 """Speculative decoding on and off, side by side: the issue's targets in one run.
 
-Starts one server without speculation and one with ``--speculative-algorithm ngram`` (every other
-flag the same; unknown flags go to both), both up at once (an idle server's threads sleep), and runs
+Starts one server without speculation (``--speculative-algorithm none``: launch.py's default drafts
+on CPUs) and one with ``--speculative-algorithm ngram`` (every other flag the same; unknown flags go
+to both), both up at once (an idle server's threads sleep), and runs
 each scenario on one then the other, ``--repeat`` times, so that the machine's drift falls on both
 alike; the table has the medians:
 
@@ -76,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec_flags = ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     results: dict[str, list[list[dict[str, Any]]]] = {"off": [[] for _ in scenarios], "on": [[] for _ in scenarios]}
     with (
-        server_for(None, model_path, server_flags, None, pinning) as off_server,
+        # (off explicitly: launch.py's default, auto, drafts on CPUs)
+        server_for(None, model_path, [*server_flags, "--speculative-algorithm", "none"], None, pinning) as off_server,
         server_for(None, model_path, [*server_flags, *spec_flags], None, pinning) as on_server,
     ):
         for _ in range(args.repeat):
