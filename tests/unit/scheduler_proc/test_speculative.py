@@ -192,7 +192,10 @@ def test_launchs_default_is_the_devices_choice_ngram_on_cpu_off_on_gpu() -> None
     for off in (None, "none"):
         assert resolve_speculative_algorithm(ServerArgs(speculative_algorithm=off), cpu) is None
     assert SpecDecoder.create(auto, 2048, {}, torch.device("cpu")) is not None
-    assert SpecDecoder.create(ServerArgs.from_cli(["--speculative-algorithm", "none"]), 2048, {}, torch.device("cpu")) is None
+    assert (
+        SpecDecoder.create(ServerArgs.from_cli(["--speculative-algorithm", "none"]), 2048, {}, torch.device("cpu"))
+        is None
+    )
     assert SpecDecoder.create(paged, 2048, {}, torch.device("cpu")) is None
 
 
