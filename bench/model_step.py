@@ -42,6 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_sync, pin_threads, print_table
+from runtime.config.execution_args import QUANTIZATION_CHOICES
 
 SCENARIOS = ("prefill", "decode", "shared", "shared-decode")
 
@@ -334,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=("gguf", "int8", "w8a8_int8"),
+        choices=[c for c in QUANTIZATION_CHOICES if c not in ("auto", "none")],
         help="keep weights quantized (the server's --quantization)",
     )
     parser.add_argument("--disable-cuda-graph", action="store_true", help="cuda: decode eagerly")

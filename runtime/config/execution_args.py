@@ -12,7 +12,7 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # runtime.engine.quant.loading.QUANTIZATION_METHODS, plus auto (launch.py's default: the CPU's choice,
 # runtime.engine.quant.loading.resolve_quantization) and none (dense)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "w8a8_int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf_dual", "int8", "w8a8_int8")
 QUANTIZATION_CLI_DEFAULT = "auto"
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 
@@ -55,11 +55,13 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
         default=QUANTIZATION_CLI_DEFAULT,
         choices=QUANTIZATION_CHOICES,
         help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
-        "their blocks; int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
+        "their blocks; gguf_dual keeps the blocks for decode steps of a few rows and dense values "
+        "beside them for prefills and loaded batches (the memory of both); int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
         "activations are quantized to int8 per block on the fly; none: weights dense in --dtype, "
-        "a GGUF file's dequantized at load; auto: gguf for a GGUF file on a CPU without native "
-        "bf16 matmul (AVX2 or AVX-512 without BF16) when --dtype is auto, where its blocks serve "
-        "one user about twice as fast as fp32 and a loaded server as fast, else none (default auto)",
+        "a GGUF file's dequantized at load; auto: for a GGUF file with --dtype auto on a CPU, gguf "
+        "without native bf16 matmul (AVX2, AVX-512 without BF16) and gguf_dual with it (while both "
+        "forms take at most a third of RAM), where each serves one user and a loaded server best, "
+        "else none (default auto)",
     )
     g.add_argument(
         "--attention-backend",

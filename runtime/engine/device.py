@@ -66,13 +66,18 @@ def cpu_supports_bf16() -> bool:
     return False
 
 
+# --quantization's method that keeps dense values beside the blocks: its activations follow the
+# dense model's rule (runtime.engine.quant.loading names the methods; this module imports no model code)
+DUAL_METHOD = "gguf_dual"
+
+
 def dtype_reason(name: str | torch.dtype, device: str | torch.device = "cpu", quantization: str | None = None) -> str:
     """Why ``resolve_dtype(name, device, quantization)`` is what it is, for the start-up log."""
     if isinstance(name, torch.dtype) or name.strip().lower() != "auto":
         return "--dtype"
     if torch.device(device).type == "cuda":
         return "auto: the GPU's half precision"
-    if quantization is not None:
+    if quantization is not None and quantization != DUAL_METHOD:
         return "auto with --quantization: the kept-quantized kernels' one-call decode stack takes fp32 activations"
     if cpu_supports_bf16():
         return "auto: this CPU has native bf16 matmul (AVX512-BF16 or AMX)"
@@ -85,7 +90,8 @@ def resolve_dtype(
     """``auto`` -> bf16 on cuda (fp16 on GPUs without bf16); on CPUs fp32 with weights kept quantized
     (``quantization``: the quantized kernels' decode stack runs fp32 activations, and a bf16 model
     with quantized weights took twice the time a token for one user and no less under load on an
-    AVX512-BF16 EPYC), else bf16 where the CPU has native bf16 matmul, else fp32."""
+    AVX512-BF16 EPYC; with ``gguf_dual``, whose dense values serve the large products, the dense
+    rule), else bf16 where the CPU has native bf16 matmul, else fp32."""
     if isinstance(name, torch.dtype):
         return name
     key = name.strip().lower()
@@ -93,7 +99,7 @@ def resolve_dtype(
     if key == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if quantization is not None:
+        if quantization is not None and quantization != DUAL_METHOD:
             return torch.float32
         return torch.bfloat16 if cpu_supports_bf16() else torch.float32
     if key not in _DTYPES:

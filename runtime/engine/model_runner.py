@@ -22,7 +22,6 @@ import torch
 from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
-from runtime.checkpoints.gguf.prepare import is_gguf_folder
 from runtime.checkpoints.model_source import checkpoint_folder
 from runtime.engine.attention.base import AttentionBackend
 from runtime.engine.attention.registry import (
@@ -36,13 +35,13 @@ from runtime.engine.device import concrete_device, cpu_supports_bf16, dtype_reas
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
-from runtime.engine.loading.weight_loader import load_model_weights
+from runtime.engine.loading.weight_loader import gguf_footprint, load_model_weights
 from runtime.engine.loading.weight_reload import reload_weights
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
-from runtime.engine.quant.loading import quantization_reason, quantized_bytes, resolve_quantization
+from runtime.engine.quant.loading import DUAL_RAM_SHARE, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -98,9 +97,16 @@ class ModelRunner:
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
         if dtype == "auto" and self.attention_backend_name == "triton":
             dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
-        is_gguf = is_gguf_folder(self.model_path)
-        method = quantization
-        quantization = resolve_quantization(method, dtype, self.device, is_gguf, cpu_supports_bf16())
+        platform = get_ops(self.device, torch.float32).platform(self.device)
+        host_ram = platform.ram_bytes() if platform.ram_bytes is not None else 0
+        quantization, quantization_why = resolve_quantization(
+            quantization,
+            dtype,
+            self.device,
+            gguf_footprint(self.model_path),
+            cpu_supports_bf16(),
+            int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
+        )
         self.dtype = resolve_dtype(dtype, self.device, quantization)
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
@@ -130,7 +136,7 @@ class ModelRunner:
             self.dtype,
             dtype_reason(dtype, self.device, quantization),
             f"kept quantized ({quantization})" if quantization else "dense",
-            quantization_reason(method, quantization, is_gguf),
+            quantization_why,
             tp_rank,
             tp_size,
         )

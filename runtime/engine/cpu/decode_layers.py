@@ -46,12 +46,13 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
-from runtime.engine.cpu.layer_description import StackDescription, _Layer, describe_layers
+from runtime.engine.cpu.layer_description import QUANT_SETS, StackDescription, _Layer, describe_layers, has_blocks
 from runtime.engine.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
     fp32_panel_rows,
     packed_generation,
 )
+from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.ops.layer_stack import DecoderStackModel
 from runtime.engine.ops.rope import RopeInputs
@@ -112,6 +113,7 @@ _ENTRY_POINTS = {
     "dp": "decode_layers_dp",
     "f32": "decode_layers_f32",
     "qf32": "decode_layers_qf32",
+    "qbf16": "decode_layers_qbf16",
 }
 for _name in _ENTRY_POINTS.values():
     declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
@@ -176,6 +178,8 @@ class CpuLayerStack:
     def __init__(self, model: DecoderStackModel) -> None:
         self.model = model
         self.described: StackDescription | None = None
+        # a dual model's (--quantization gguf_dual) few-row steps: the kernels that read the blocks
+        self.described_blocks: StackDescription | None = None
         self._generation = -1  # the packed_generation() self.described was made at (-1: never)
         self.scratch = StepScratch()
 
@@ -186,20 +190,25 @@ class CpuLayerStack:
         whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
 
-    def description(self) -> StackDescription | None:
-        """The cached ``describe_layers`` of the model's layers (one integer compare while current)."""
+    def description(self, rows: int | None = None) -> StackDescription | None:
+        """The cached ``describe_layers`` of the model's layers (one integer compare while current)
+        for a step of ``rows`` rows: a dual model's blocks up to ``BLOCK_ROWS_MAX`` rows, as its
+        layers' linears read them (``CpuOps.linear``), the dense values above (and for None)."""
         generation = packed_generation()
         if generation != self._generation:
             weights = self.model.decode_weights()
             self.described = describe_layers(weights) if weights else None
+            self.described_blocks = describe_layers(weights, blocks=True) if weights and has_blocks(weights) else None
             self._generation = generation
+        if rows is not None and rows <= BLOCK_ROWS_MAX and self.described_blocks is not None:
+            return self.described_blocks
         return self.described
 
 
 def _rows_taken(dtype: torch.dtype, n: int, kernels: str | None = None) -> bool:
     """Whether the step's linear kernel runs a batch of ``n`` rows (as the layer stack's would;
     ``kernels``: the set, once known)."""
-    if kernels == "qf32":
+    if kernels in QUANT_SETS:
         return n > 0  # (the quantized kernel takes any rows)
     if dtype == torch.bfloat16:
         return 0 < n <= AMX_LINEAR_MAX_ROWS
@@ -211,8 +220,10 @@ def _kernels_run(kernels: str, lib: Any) -> bool:
     stack's linears or attention take another path: the call must not run)."""
     if kernels == "amx":
         return lib.tinyserve_amx(-1) == 1
-    if kernels == "dp":
-        return kernel_library.level() == "avx512bf16"  # (dp_linear_bf16 declines in other builds)
+    if kernels in ("dp", "qbf16"):
+        # (dp_linear_bf16 declines in other builds, and the bf16 attention kernels are the layer
+        # stack's path only in this one)
+        return kernel_library.level() == "avx512bf16"
     return attn_f32.applies()  # (f32, qf32)
 
 
@@ -236,7 +247,7 @@ def run(
     lib = kernel_library.load()
     if claim is None or lib is None or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
         return None
-    stack = layers.description()
+    stack = layers.description(n)
     if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
         return None
     if not _rows_taken(dtype, n, stack.kernels):

@@ -20,7 +20,8 @@ from torch import nn
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.prepacked import DP_ADDRESS, linear_weights, packed_copy, tile_layout
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
+from runtime.engine.quant.weight import QuantizedWeight, blocks_of
 
 # Each linear path's name in the report, with what runs it.
 PATHS = {
@@ -46,9 +47,17 @@ def isa_reason() -> str:
 
 
 def linear_path(weight: torch.Tensor | QuantizedWeight) -> str:
-    """The report's name of the path a linear with this weight takes for a decode step."""
+    """The report's name of the path a linear with this weight takes for a decode step (a dual
+    weight: its blocks' up to ``BLOCK_ROWS_MAX`` rows, then its dense values')."""
     if isinstance(weight, QuantizedWeight):
         return f"kept_{weight.source}"
+    blocks = blocks_of(weight)
+    if blocks is not None:
+        return f"kept_{blocks.source}_upto_{BLOCK_ROWS_MAX}_rows+{_dense_path(weight)}"
+    return _dense_path(weight)
+
+
+def _dense_path(weight: torch.Tensor) -> str:
     packed = packed_copy(weight)
     if packed is None:
         return "torch"
@@ -65,15 +74,22 @@ def kernel_report(model: nn.Module, stack: Any) -> dict[str, Any]:
     """The CPU's choices for ``model`` (after ``prepare_model``), ``stack`` its layer stack."""
     level = kernel_library.level()
     built = level is not None and kernel_library.load() is not None
-    weights: list[Any] = [*linear_weights(model), *(m for m in model.modules() if isinstance(m, QuantizedWeight))]
+    dense = linear_weights(model)
+    attached = {id(blocks_of(w)) for w in dense}  # a dual weight's blocks: reported with it
+    kept = (m for m in model.modules() if isinstance(m, QuantizedWeight) and id(m) not in attached)
+    weights: list[Any] = [*dense, *kept]
     paths = Counter(linear_path(weight) for weight in {id(w): w for w in weights}.values())
     description = stack.description() if isinstance(stack, CpuLayerStack) and built else None
+    few_rows = stack.description(1) if isinstance(stack, CpuLayerStack) and built else None
+    decode_stack = description.kernels if description is not None else None
+    if few_rows is not None and few_rows is not description:
+        decode_stack = f"{few_rows.kernels} up to {BLOCK_ROWS_MAX} rows, {decode_stack or 'layer by layer'} above"
     return {
         "isa": level if built else None,
         "isa_reason": isa_reason() if built or level is None else "no C compiler: the kernels' work runs as torch ops",
         "host_levels": list(kernel_library.host_levels()),
         "linears": dict(sorted(paths.items())),
-        "decode_stack": description.kernels if description is not None else None,
+        "decode_stack": decode_stack,
     }
 
 

@@ -19,7 +19,7 @@ import torch
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu.prepacked import DP_ADDRESS, TILE_ADDRESS, packed_copy, panel_address
 from runtime.engine.ops.layer_stack import DecoderLayerWeights
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import QuantizedWeight, blocks_of
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -54,10 +54,11 @@ class _QuantWeight(ctypes.Structure):
 
 
 # The sets of kernels a call can run (csrc/decode_layers.c), by the dtype they take, in the order
-# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel or
-# on weights kept quantized (runtime.engine.quant: the qf32 set).
-_KERNEL_SETS = {torch.bfloat16: ("amx", "dp"), torch.float32: ("f32", "qf32")}
+# tried: bf16 linears on AMX tiles or on AVX512-BF16 dot products, fp32 ones on the panel kernel,
+# and in either dtype on weights kept quantized (runtime.engine.quant: the qf32 and qbf16 sets).
+_KERNEL_SETS = {torch.bfloat16: ("amx", "dp", "qbf16"), torch.float32: ("f32", "qf32")}
 _SET_DTYPES = {kernels: dtype for dtype, sets in _KERNEL_SETS.items() for kernels in sets}
+QUANT_SETS = ("qf32", "qbf16")  # the sets that read a weight's blocks
 _QUANT_KINDS = {"q8": 0, "q4": 1}  # csrc/quant_linear.c: kind
 
 
@@ -75,7 +76,7 @@ class StackDescription:
     eps: float
     scale: float
     layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
-    # the qf32 set: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
+    # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
     quant: list[_QuantWeight] = field(default_factory=list, repr=False)
 
     @property
@@ -91,22 +92,26 @@ def _packed_address(
     quant: list[_QuantWeight] | None = None,
 ) -> int:
     """The address of ``weight``'s packed copy as the linear kernel of ``kernels`` reads it (the
-    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy; for the qf32 set a weight
-    kept quantized, described in a ``_QuantWeight`` appended to ``quant``), else 0."""
-    if isinstance(weight, QuantizedWeight) or kernels == "qf32":
-        if kernels != "qf32" or not isinstance(weight, QuantizedWeight) or tp_size != 1 or weight.device.type != "cpu":
+    AMX tile layout, oneDNN's AVX512-BF16 layout, the fp32 panel copy; for the qf32 and qbf16 sets
+    a weight kept quantized, or a dense one's blocks (``blocks_of``), described in a ``_QuantWeight``
+    appended to ``quant``), else 0."""
+    if kernels in QUANT_SETS:
+        blocks = weight if isinstance(weight, QuantizedWeight) else blocks_of(weight)
+        if blocks is None or tp_size != 1 or blocks.device.type != "cpu":
             return 0
-        mins = weight.mins
+        mins = blocks.mins
         desc = _QuantWeight(
-            _QUANT_KINDS[weight.kind],
-            weight.group,
-            weight.qs.data_ptr(),
-            weight.scales.data_ptr(),
+            _QUANT_KINDS[blocks.kind],
+            blocks.group,
+            blocks.qs.data_ptr(),
+            blocks.scales.data_ptr(),
             mins.data_ptr() if mins is not None else None,
         )
         if quant is not None:
             quant.append(desc)
         return ctypes.addressof(desc)
+    if isinstance(weight, QuantizedWeight):
+        return 0
     packed = packed_copy(weight)
     if tp_size != 1 or weight.dtype != dtype or packed is None:
         return 0
@@ -120,23 +125,30 @@ def _packed_address(
 C_LAYER_CHOICES = frozenset({("silu", "rms", "neox"), ("swish", "rms", "neox")})
 
 
-def _kernel_set(layer: DecoderLayerWeights, dtype: torch.dtype) -> str | None:
+def _kernel_set(layer: DecoderLayerWeights, dtype: torch.dtype, blocks: bool) -> str | None:
     """The set of kernels whose linear reads the layer's packed qkv weight (a bf16 copy is in at
-    most one of the two layouts), else None; ``describe_layers`` checks every other linear against it."""
+    most one of the two layouts; ``blocks``: only the sets that read blocks), else None;
+    ``describe_layers`` checks every other linear against it."""
     for kernels in _KERNEL_SETS.get(dtype, ()):
-        if _packed_address(layer.qkv, layer.tp_size, kernels, dtype):
+        if (not blocks or kernels in QUANT_SETS) and _packed_address(layer.qkv, layer.tp_size, kernels, dtype):
             return kernels
     return None
 
 
-def describe_layers(layers: list[DecoderLayerWeights]) -> StackDescription | None:
-    """The stack's ``StackDescription`` when the C call runs every layer exactly as its forward would, else None."""
+def has_blocks(layers: list[DecoderLayerWeights]) -> bool:
+    """Whether the layers' dense weights carry their blocks too (``--quantization gguf_dual``)."""
+    return blocks_of(layers[0].qkv) is not None
+
+
+def describe_layers(layers: list[DecoderLayerWeights], blocks: bool = False) -> StackDescription | None:
+    """The stack's ``StackDescription`` when the C call runs every layer exactly as its forward would,
+    else None; ``blocks``: with the kernels that read the weights' blocks (a dual model's few-row steps)."""
     first = layers[0]
     q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
     hidden, inter = first.input_norm.shape[0], first.down.shape[1]
     eps, scale = first.input_norm_eps, first.scaling
     dtype = first.input_norm.dtype
-    kernels = _kernel_set(first, dtype)
+    kernels = _kernel_set(first, dtype, blocks)
     if kernels is None:
         return None
     group = q_heads // kv_heads

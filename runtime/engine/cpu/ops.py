@@ -31,12 +31,12 @@ from runtime.engine.cpu.prepacked import (
     packed_copy,
     prepack_model,
 )
-from runtime.engine.cpu.quant_kernels import quant_linear
+from runtime.engine.cpu.quant_kernels import quant_linear, takes_blocks
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.engine.platform import ServingPlatform
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import QuantizedWeight, blocks_of
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,18 @@ class CpuOps(TorchOps):
         if isinstance(weight, QuantizedWeight):
             out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
             return out if out is not None else super().linear(x, weight, bias)
+        blocks = _few_rows_blocks(x, weight)
+        if blocks is not None and (out := quant_linear(x, blocks, bias)) is not None:
+            return out
         return linear(x, weight, bias, packed_copy(weight))
 
     def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             out = quant_linear(x, weight, None, float_out=True)
             return out if out is not None else super().float_linear(x, weight)
+        blocks = _few_rows_blocks(x, weight)
+        if blocks is not None and (out := quant_linear(x, blocks, None, float_out=True)) is not None:
+            return out
         return float_linear(x, weight, packed_copy(weight))
 
     def rms_norm(
@@ -101,8 +107,8 @@ class CpuOps(TorchOps):
     def linear_silu_and_mul(
         self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
-            return super().linear_silu_and_mul(x, weight, bias)
+        if isinstance(weight, QuantizedWeight) or _few_rows_blocks(x, weight) is not None:
+            return super().linear_silu_and_mul(x, weight, bias)  # (self.linear: the blocks)
         fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass
         return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias)
 
@@ -119,6 +125,12 @@ class CpuOps(TorchOps):
         import xgrammar  # the grammar engine's own CPU kernel (constrained requests only)
 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
+
+
+def _few_rows_blocks(x: torch.Tensor, weight: torch.Tensor) -> QuantizedWeight | None:
+    """A dual weight's blocks where a product of ``x``'s rows reads them (``takes_blocks``), else None."""
+    blocks = blocks_of(weight)
+    return blocks if blocks is not None and takes_blocks(x, weight.shape[-1]) else None
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

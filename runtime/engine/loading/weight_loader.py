@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -17,11 +18,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from runtime.checkpoints.gguf.prepare import is_gguf_folder
+from runtime.checkpoints.gguf.prepare import GGUFIndex, is_gguf_folder
 from runtime.engine.layers.linear import LazyWeight
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.models.base import CausalLM
-from runtime.engine.quant.loading import check_quantization, finish_loading
+from runtime.engine.quant.gguf_blocks import KEPT_TYPES
+from runtime.engine.quant.loading import GGUF_METHODS, GGUFFootprint, check_quantization, finish_loading
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,17 @@ def iterate_weights(folder: str | Path, progress: bool = True) -> Iterator[tuple
             bar.update(1)
 
 
+def gguf_footprint(folder: str | Path) -> GGUFFootprint | None:
+    """What the GGUF file of a prepared folder takes dense in bf16 and in its kept blocks (None: the
+    folder is not a GGUF file's), from its index: nothing is read from the file."""
+    if not is_gguf_folder(Path(folder)):
+        return None
+    tensors = GGUFIndex.read(Path(folder)).tensors
+    dense = sum(2 * math.prod(t.shape) for t in tensors)
+    blocks = sum(t.n_bytes for t in tensors if t.type_name in KEPT_TYPES and len(t.shape) == 2)
+    return GGUFFootprint(dense, blocks)
+
+
 def load_model_weights(
     model: CausalLM, folder: str | Path, progress: bool = True, quantization: str | None = None
 ) -> None:
@@ -100,7 +113,7 @@ def load_model_weights(
     weights: Iterator[tuple[str, LazyWeight]]
     if is_gguf:
         weights = iterate_gguf_weights(
-            Path(folder), targets, model.config, progress=progress, keep_quantized=quantization == "gguf"
+            Path(folder), targets, model.config, progress=progress, keep_quantized=quantization in GGUF_METHODS
         )
     else:
         weights = iterate_weights(folder, progress=progress)

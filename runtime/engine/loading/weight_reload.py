@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 # served ones: the scheduler read them at start-up).
 MAY_DIFFER = frozenset({"path", "raw", "checkpoint_dtype", "eos_token_ids", "bos_token_id", "pad_token_id"})
 LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
+# --quantization methods whose weights reload in place: dense ones, and gguf_dual (its dense values
+# keep their tensors; its blocks are made again from the new file, as at start-up). Where only the
+# blocks are resident (gguf, int8) the layers hold no dense parameter to load into.
+RELOADABLE_METHODS = (None, "gguf_dual")
 
 
 class WeightReloadError(ValueError):
@@ -91,10 +95,11 @@ def check_reload(runner: ReloadTarget, folder: Path, load_format: str | None) ->
     if load_format not in LOAD_FORMATS:
         formats = ", ".join(str(f) for f in LOAD_FORMATS[1:])
         raise WeightReloadError(f"load_format {load_format!r} is not supported; choose from {formats} (or null)")
-    if runner.quantization is not None:
+    if runner.quantization not in RELOADABLE_METHODS:
         raise WeightReloadError(
-            f"this server keeps its weights quantized (--quantization {runner.quantization}); "
-            "reloading them in place is not supported"
+            f"this server keeps its weights quantized (--quantization {runner.quantization}, "
+            "chosen by auto for a GGUF file on a CPU unless given); reloading them in place is not "
+            "supported: start it with --quantization none to update its weights from disk"
         )
     if not folder.is_dir():
         raise WeightReloadError(f"model_path {folder} is not a checkpoint folder")

@@ -5,13 +5,19 @@
   (``quantized_shard``: rows, or whole blocks of columns) instead of dequantized values. Weights in
   other types (F32, F16, the rarer quants) load dense as before. Every weight of a layer is kept,
   the token embedding (rows dequantized as they are looked up) and a tied LM head with it.
+- ``gguf_dual``: the same blocks, and the dense values beside them (dequantized from the blocks, as
+  the dense load makes them): the blocks hang off each dense weight (``attach_blocks``) and are a
+  sub-module of its layer (``weight_blocks``, so the model's buffers count them). A decode step of
+  few rows reads the blocks (a fraction of the bytes), a prefill or a loaded batch the dense values
+  (no dequantization per product): both at the memory of both.
 - ``int8`` / ``w8a8_int8``: every linear layer's weight (not the embedding or an untied LM head,
   as SGLang's w8a8_int8 leaves them) becomes per-output-channel symmetric int8 once loaded, from
   any checkpoint.
 - None or ``none``: every weight dense in the serving dtype, a GGUF file's dequantized at load
   (greedy output then equals transformers' on the dequantized model, the project's oracle).
-- ``auto`` (launch.py's default): ``gguf`` for a GGUF file on a CPU without native bf16 matmul when the
-  dtype is ``auto`` too, else dense (``resolve_quantization`` says why).
+- ``auto`` (launch.py's default): for a GGUF file with ``--dtype auto`` on a CPU, ``gguf`` without
+  native bf16 matmul, ``gguf_dual`` with it (where both forms fit), else dense
+  (``resolve_quantization`` says why).
 
 A layer collects the quantized shards its loader is handed (``PendingShards``), and
 ``finish_loading`` (after the whole checkpoint is read) swaps its dense ``weight`` parameter for
@@ -22,55 +28,73 @@ quantized, stays dense (the quantized parts are dequantized into it).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from runtime.engine.quant.weight import QuantizedWeight, cat_rows, quantize_int8, zero_rows
+from runtime.engine.quant.weight import QuantizedWeight, attach_blocks, cat_rows, quantize_int8, zero_rows
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "int8", "w8a8_int8")
+QUANTIZATION_METHODS = ("gguf", "gguf_dual", "int8", "w8a8_int8")
 INT8_METHODS = ("int8", "w8a8_int8")
+GGUF_METHODS = ("gguf", "gguf_dual")  # the GGUF file's blocks are kept (gguf_dual: beside the dense values)
+
+
+# auto keeps both forms (gguf_dual) only while they take at most this share of the host's RAM (every
+# data-parallel replica's copy): where memory is what limits, the dense values alone leave the KV
+# pool the room the blocks would take.
+DUAL_RAM_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class GGUFFootprint:
+    """What a GGUF file's weights take in each form (``runtime.engine.loading.weight_loader.gguf_footprint``)."""
+
+    dense_bytes: int  # every tensor dense in bf16
+    block_bytes: int  # the tensors of kept types, as the file stores them
 
 
 def resolve_quantization(
-    method: str | None, dtype: str | torch.dtype, device: torch.device, is_gguf: bool, native_bf16: bool
-) -> str | None:
-    """The method a model loads with: ``method``, or with ``auto`` the CPU's choice; None: dense.
+    method: str | None,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    gguf: GGUFFootprint | None,
+    native_bf16: bool,
+    ram_share_bytes: int,
+) -> tuple[str | None, str]:
+    """The method a model loads with (None: dense) and why, for the start-up log: ``method``, or
+    with ``auto`` the CPU's choice for a GGUF file (``gguf``: its footprint; None for another
+    checkpoint) when ``dtype`` is auto too (a dtype asked for, fp32 for the oracle's exactness say,
+    means dense weights in it). ``ram_share_bytes``: what the weights of one replica may take.
 
-    ``auto`` keeps a GGUF file's blocks (``gguf``) on a CPU without native bf16 matmul (AVX2, or
-    AVX-512 without BF16), where the dense alternative is fp32: on a 2-core AVX2-only EPYC the
-    default model's Q4_1 blocks served one user 77 tok/s against 37 dense in fp32 (a step streams
-    an eighth of the bytes) and 64 concurrent users 152 against 160 output tok/s, in an eighth of
-    the memory. With native bf16 the dense bf16 model serves a loaded server 2.3x faster than the
-    blocks and one user at least as fast as llama.cpp, so it stays dense. Only with ``--dtype auto``:
-    a dtype asked for (fp32 for the oracle's exactness, say) means dense weights in it."""
+    - Without native bf16 matmul (AVX2, AVX-512 without BF16) the dense model would be fp32: its
+      blocks (``gguf``) served one user 77 tok/s against 37 dense on a 2-core AVX2-only EPYC and 64
+      users 152 against 160 output tok/s, in an eighth of the memory.
+    - With native bf16, both forms (``gguf_dual``): one user 151 tok/s against 94 dense bf16 on a
+      2-core AVX-512 EPYC, 64 users 500 against 502 (dense bf16 values for prefills and large
+      batches, the blocks for decode steps of a few rows), at the memory of both; dense bf16 where
+      both would take more than ``ram_share_bytes``."""
     if method != "auto":
-        return None if method in (None, "none") else method
-    wants_blocks = device.type == "cpu" and dtype == "auto" and is_gguf and not native_bf16
-    return "gguf" if wants_blocks else None
-
-
-def quantization_reason(method: str | None, chosen: str | None, is_gguf: bool) -> str:
-    """Why ``resolve_quantization`` chose ``chosen``, for the start-up log."""
-    if method != "auto":
-        return "--quantization"
-    if chosen is not None:
-        return "auto: a GGUF file on a CPU without native bf16 matmul keeps its blocks"
-    if not is_gguf:
-        return "auto: not a GGUF file"
-    return "auto: dense (native bf16 matmul, a GPU, or --dtype given)"
+        return (None if method in (None, "none") else method), "--quantization"
+    if device.type != "cpu" or dtype != "auto" or gguf is None or gguf.block_bytes == 0:
+        return None, "auto: dense (a GPU, --dtype given, or no quantized GGUF weights)"
+    if not native_bf16:
+        return "gguf", "auto: this CPU has no native bf16 matmul, where the GGUF blocks serve best"
+    if gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
+        return None, f"auto: dense bf16 (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)"
+    return "gguf_dual", "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
 
 
 def check_quantization(method: str | None, is_gguf: bool) -> None:
     """ValueError for a method this checkpoint cannot be loaded with."""
     if method is not None and method not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
-    if method == "gguf" and not is_gguf:
+    if method in GGUF_METHODS and not is_gguf:
         raise ValueError(
-            "--quantization gguf keeps a GGUF file's weights quantized: the model is not a GGUF file "
+            f"--quantization {method} keeps a GGUF file's weights quantized: the model is not a GGUF file "
             "(use int8 for a safetensors checkpoint)"
         )
 
@@ -118,13 +142,13 @@ def finish_loading(model: nn.Module, method: str | None) -> None:
         if tied is not None:
             if isinstance(tied.weight, QuantizedWeight):
                 _replace(module, tied.weight)
-            continue
+            continue  # (gguf_dual: the tied weight is the same tensor, its blocks hang off it already)
         quantized = _stacked(module, pending)
         if quantized is None and method in INT8_METHODS and getattr(module, "int8_quantizable", False):
             quantized = quantize_int8(dense_weight(module))
         pending.parts.clear()
         if quantized is not None:
-            _replace(module, quantized)
+            (_attach if method == "gguf_dual" else _replace)(module, quantized)
             kept[quantized.source] = kept.get(quantized.source, 0) + 1
     if kept:
         logger.info("weights kept quantized: %s", ", ".join(f"{n} {src}" for src, n in sorted(kept.items())))
@@ -164,6 +188,19 @@ def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:
         ops.weight_loaded(module.weight)  # drop any device copy of the dense values
     del module.weight
     module.weight = quantized
+
+
+def _attach(module: nn.Module, quantized: QuantizedWeight) -> None:
+    """``gguf_dual``: the dense ``module.weight`` gets the blocks' values (what the dense load gives:
+    the blocks dequantized to fp32, then cast) and keeps the blocks beside them."""
+    weight = dense_weight(module)
+    with torch.no_grad():
+        weight.data.copy_(quantized.dequantize())
+    ops = getattr(module, "ops", None)
+    if ops is not None:
+        ops.weight_loaded(weight)  # drop any device copy made of the values before
+    module.weight_blocks = quantized  # (a sub-module: its buffers are the model's)
+    attach_blocks(weight, quantized)
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:

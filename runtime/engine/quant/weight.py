@@ -103,6 +103,21 @@ class QuantizedWeight(nn.Module):
         return f"{self.source} as {self.kind}, shape {self.shape}, {self.nbytes()} bytes"
 
 
+# The attribute of a dense weight that holds its blocks too (``--quantization gguf_dual``): decode
+# steps of few rows read the blocks, larger products the dense values (runtime.engine.cpu.ops).
+_BLOCKS = "_tinyserve_blocks"
+
+
+def attach_blocks(weight: torch.Tensor, blocks: QuantizedWeight) -> None:
+    """Hang ``blocks`` (the same values, kept quantized) off the dense ``weight``."""
+    setattr(weight, _BLOCKS, blocks)
+
+
+def blocks_of(weight: object) -> QuantizedWeight | None:
+    """The blocks hung off a dense weight by ``attach_blocks``, else None."""
+    return getattr(weight, _BLOCKS, None) if isinstance(weight, torch.Tensor) else None
+
+
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` of ``x`` by the dequantized weight: what every quantized kernel approximates
     (they quantize ``x`` too) and what runs where no kernel does."""

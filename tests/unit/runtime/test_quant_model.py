@@ -19,7 +19,7 @@ from runtime.engine.cpu import attention_kernels_f32, decode_layers
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.weight import QuantizedWeight, reference_linear
+from runtime.engine.quant.weight import QuantizedWeight, blocks_of, reference_linear
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound
@@ -165,8 +165,9 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     tiny_checkpoints: TinyCheckpoints, files: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
 ) -> None:
     """launch.py's --quantization auto: a GGUF file on a CPU without native bf16 matmul (AVX2) keeps
-    its blocks, with fp32 activations; with native bf16, or a dtype asked for, or a safetensors
-    folder, or none, the weights are dense."""
+    its blocks, with fp32 activations; with native bf16 both forms, bf16 activations; with a dtype
+    asked for, or a safetensors folder, or none, or (with native bf16) too little RAM for both
+    forms, the weights are dense."""
     from runtime.engine import model_runner
 
     monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda: native_bf16)
@@ -177,7 +178,11 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
 
     chosen = auto(path, dtype="auto", quantization="auto")
     if native_bf16:
-        assert chosen.quantization is None and not isinstance(_weights(chosen)["lm_head"], QuantizedWeight)
+        assert chosen.quantization == "gguf_dual" and chosen.dtype == torch.bfloat16
+        assert all(blocks_of(w) is not None for w in _weights(chosen).values())
+        # where both forms would take more than their share of RAM: dense
+        monkeypatch.setattr(model_runner, "DUAL_RAM_SHARE", 1e-9)
+        assert auto(path, dtype="auto", quantization="auto").quantization is None
     else:
         assert chosen.quantization == "gguf" and chosen.dtype == torch.float32
         assert all(isinstance(w, QuantizedWeight) for w in _weights(chosen).values())

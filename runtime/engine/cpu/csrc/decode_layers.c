@@ -5,17 +5,18 @@
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
- * Four sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
+ * Five sets of kernels, one order of calls: bf16 with its linears on AMX tiles (gate/up fused with
  * silu*mul), bf16 with them on AVX512-BF16 dot products (dp_linear_bf16, for CPUs without AMX;
  * gate/up then silu*mul, as the stack runs them there), fp32 with them on the panel kernel
- * (linear_f32; gate/up then silu*mul), and fp32 with weights kept quantized (quant_linear_f32).
+ * (linear_f32; gate/up then silu*mul), and fp32 or bf16 with weights kept quantized
+ * (quant_linear_f32; bf16 activations widened for it and its results rounded back).
  * Each is a table of the kernels it calls (Kernels), the layer loop is written once.
  *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
  * (AMX: on, and the tile layout of every weight; dp: oneDNN's AVX512-BF16 layout and this build;
  * both at most 64 rows; fp32: panel copies and a row count the panel kernel takes; head shapes),
  * so a failure here means a broken precondition: the return value says which layer and stage. */
-#include <stdint.h>
+#include "common.h"
 #include "entry_points.h"
 
 /* What every layer shares (one decode batch of n rows: one per request, or, in a speculative verify
@@ -144,6 +145,45 @@ static int linear_q(const void* x, int64_t m, int64_t ldx, const void* w, int64_
     const QuantWeight* q = (const QuantWeight*)w;
     return quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, n, k, bias, out, n);
 }
+/* The qbf16 set's linear: bf16 activations against a weight kept quantized, as the layer stack's
+ * quant_linear runs them (runtime/engine/cpu/quant_kernels.py): x and the bias widened to fp32 (exact),
+ * quant_linear_f32, its fp32 result rounded to bf16 (nearest even). The fp32 copies live in a buffer
+ * of the calling thread, grown to the largest call and kept. */
+static _Thread_local float* qb_buffer;
+static _Thread_local int64_t qb_floats;
+
+static float* qb_scratch(int64_t floats)
+{
+    if (floats > qb_floats) {
+        free(qb_buffer);
+        const int64_t bytes = (floats * (int64_t)sizeof(float) + 63) / 64 * 64;
+        qb_buffer = (float*)aligned_alloc(64, (size_t)bytes);
+        qb_floats = qb_buffer ? floats : 0;
+    }
+    return qb_buffer;
+}
+
+static int linear_qb(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                     void* out)
+{
+    const int64_t x_floats = (m * k + 15) / 16 * 16, b_floats = (n + 15) / 16 * 16;
+    float* xf = qb_scratch(x_floats + b_floats + m * n);
+    if (!xf) return -1;
+    float* bf = xf + x_floats;
+    float* of = bf + b_floats;
+    const uint16_t* xb = (const uint16_t*)x;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < k; ++j) xf[r * k + j] = bf16_to_f32(xb[r * ldx + j]);
+    if (bias)
+        for (int64_t j = 0; j < n; ++j) bf[j] = bf16_to_f32(((const uint16_t*)bias)[j]);
+    const QuantWeight* q = (const QuantWeight*)w;
+    const int rc = quant_linear_f32(xf, m, k, (int)q->kind, q->qs, q->scales, q->mins, q->group, n, k,
+                                    bias ? bf : 0, of, n);
+    if (rc) return rc;
+    uint16_t* ob = (uint16_t*)out;
+    for (int64_t i = 0; i < m * n; ++i) ob[i] = f32_to_bf16(of[i]);
+    return 0;
+}
 static int linear_f(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                     void* out)
 {
@@ -156,6 +196,8 @@ static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix
 static const Kernels DP = {2, rmsnorm_bf16_v, linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v, 0};
 static const Kernels F32 = {4, rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
 static const Kernels QF32 = {4, rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
+static const Kernels QBF16 = {2, rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
+                              0};
 
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
 static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
@@ -219,4 +261,9 @@ int decode_layers_f32(const DecodeStep* s, const DecodeLayer* layers, int64_t nu
 int decode_layers_qf32(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
 {
     return run_layers(&QF32, s, layers, num_layers);
+}
+
+int decode_layers_qbf16(const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    return run_layers(&QBF16, s, layers, num_layers);
 }
