@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from runtime.engine.quant.loading import DUAL_METHOD  # (its activations follow the dense rule)
+
 logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -64,11 +66,6 @@ def cpu_supports_bf16() -> bool:
             except Exception:  # a probe that fails means "unknown": fall through to fp32
                 logger.debug("bf16 probe %s failed", probe, exc_info=True)
     return False
-
-
-# --quantization's method that keeps dense values beside the blocks: its activations follow the
-# dense model's rule (runtime.engine.quant.loading names the methods; this module imports no model code)
-DUAL_METHOD = "gguf_dual"
 
 
 def dtype_reason(name: str | torch.dtype, device: str | torch.device = "cpu", quantization: str | None = None) -> str:

@@ -31,6 +31,7 @@ from runtime.engine.loading.weight_loader import checkpoint_files, load_model_we
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.ops import DeviceOps
+from runtime.engine.quant.loading import DUAL_METHOD
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 # --quantization methods whose weights reload in place: dense ones, and gguf_dual (its dense values
 # keep their tensors; its blocks are made again from the new file, as at start-up). Where only the
 # blocks are resident (gguf, int8) the layers hold no dense parameter to load into.
-RELOADABLE_METHODS = (None, "gguf_dual")
+RELOADABLE_METHODS = (None, DUAL_METHOD)
 
 
 class WeightReloadError(ValueError):

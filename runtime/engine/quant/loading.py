@@ -38,9 +38,10 @@ from runtime.engine.quant.weight import QuantizedWeight, attach_blocks, cat_rows
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "gguf_dual", "int8", "w8a8_int8")
+QUANTIZATION_METHODS = ("gguf", "gguf_dual", "int8", "w8a8_int8")  # (DUAL_METHOD below)
 INT8_METHODS = ("int8", "w8a8_int8")
-GGUF_METHODS = ("gguf", "gguf_dual")  # the GGUF file's blocks are kept (gguf_dual: beside the dense values)
+DUAL_METHOD = "gguf_dual"  # the blocks beside the dense values
+GGUF_METHODS = ("gguf", DUAL_METHOD)  # the GGUF file's blocks are kept
 
 
 # auto keeps both forms (gguf_dual) only while they take at most this share of the host's RAM (every
@@ -85,7 +86,7 @@ def resolve_quantization(
         return "gguf", "auto: this CPU has no native bf16 matmul, where the GGUF blocks serve best"
     if gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
         return None, f"auto: dense bf16 (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)"
-    return "gguf_dual", "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
+    return DUAL_METHOD, "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
 
 
 def check_quantization(method: str | None, is_gguf: bool) -> None:
@@ -148,7 +149,7 @@ def finish_loading(model: nn.Module, method: str | None) -> None:
             quantized = quantize_int8(dense_weight(module))
         pending.parts.clear()
         if quantized is not None:
-            (_attach if method == "gguf_dual" else _replace)(module, quantized)
+            (_attach if method == DUAL_METHOD else _replace)(module, quantized)
             kept[quantized.source] = kept.get(quantized.source, 0) + 1
     if kept:
         logger.info("weights kept quantized: %s", ", ".join(f"{n} {src}" for src, n in sorted(kept.items())))
