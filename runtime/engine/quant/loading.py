@@ -38,10 +38,10 @@ from runtime.engine.quant.weight import QuantizedWeight, attach_blocks, cat_rows
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "gguf_dual", "int8", "w8a8_int8")  # (DUAL_METHOD below)
-INT8_METHODS = ("int8", "w8a8_int8")
 DUAL_METHOD = "gguf_dual"  # the blocks beside the dense values
 GGUF_METHODS = ("gguf", DUAL_METHOD)  # the GGUF file's blocks are kept
+INT8_METHODS = ("int8", "w8a8_int8")
+QUANTIZATION_METHODS = (*GGUF_METHODS, *INT8_METHODS)
 
 
 # auto keeps both forms (gguf_dual) only while they take at most this share of the host's RAM (every
