@@ -59,7 +59,8 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
         "beside them for prefills and loaded batches (the memory of both); int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
         "activations are quantized to int8 per block on the fly; none: weights dense in --dtype, "
         "a GGUF file's dequantized at load; auto: for a GGUF file with --dtype auto on a CPU, gguf "
-        "without native bf16 matmul (AVX2, AVX-512 without BF16) and gguf_dual with it (while both "
+        "without native bf16 matmul (AVX2, AVX-512 without BF16) and gguf_dual with it but without "
+        "AMX tiles (while both "
         "forms take at most a third of RAM), where each serves one user and a loaded server best, "
         "else none (default auto)",
     )

@@ -68,6 +68,16 @@ def cpu_supports_bf16() -> bool:
     return False
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles (torch's probe, as ``cpu_supports_bf16`` reads it)."""
+    probe = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except Exception:  # a probe that fails means "unknown": not AMX
+        logger.debug("AMX probe failed", exc_info=True)
+        return False
+
+
 def dtype_reason(name: str | torch.dtype, device: str | torch.device = "cpu", quantization: str | None = None) -> str:
     """Why ``resolve_dtype(name, device, quantization)`` is what it is, for the start-up log."""
     if isinstance(name, torch.dtype) or name.strip().lower() != "auto":

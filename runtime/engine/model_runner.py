@@ -31,7 +31,14 @@ from runtime.engine.attention.registry import (
 )
 from runtime.engine.cuda.graph_runner import CudaGraphRunner, eager_forward, setup_cuda_graphs
 from runtime.engine.cuda.triton_common import interpreted_dtype
-from runtime.engine.device import concrete_device, cpu_supports_bf16, dtype_reason, resolve_device, resolve_dtype
+from runtime.engine.device import (
+    concrete_device,
+    cpu_has_amx,
+    cpu_supports_bf16,
+    dtype_reason,
+    resolve_device,
+    resolve_dtype,
+)
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
@@ -105,6 +112,7 @@ class ModelRunner:
             self.device,
             gguf_footprint(self.model_path),
             cpu_supports_bf16(),
+            cpu_has_amx(),
             int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
         )
         self.dtype = resolve_dtype(dtype, self.device, quantization)

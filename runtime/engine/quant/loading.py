@@ -16,7 +16,7 @@
 - None or ``none``: every weight dense in the serving dtype, a GGUF file's dequantized at load
   (greedy output then equals transformers' on the dequantized model, the project's oracle).
 - ``auto`` (launch.py's default): for a GGUF file with ``--dtype auto`` on a CPU, ``gguf`` without
-  native bf16 matmul, ``gguf_dual`` with it (where both forms fit), else dense
+  native bf16 matmul, ``gguf_dual`` with it on AVX512-BF16 without AMX (where both forms fit), else dense
   (``resolve_quantization`` says why).
 
 A layer collects the quantized shards its loader is handed (``PendingShards``), and
@@ -64,6 +64,7 @@ def resolve_quantization(
     device: torch.device,
     gguf: GGUFFootprint | None,
     native_bf16: bool,
+    amx: bool,
     ram_share_bytes: int,
 ) -> tuple[str | None, str]:
     """The method a model loads with (None: dense) and why, for the start-up log: ``method``, or
@@ -77,13 +78,17 @@ def resolve_quantization(
     - With native bf16, both forms (``gguf_dual``): one user 151 tok/s against 94 dense bf16 on a
       2-core AVX-512 EPYC, 64 users 500 against 502 (dense bf16 values for prefills and large
       batches, the blocks for decode steps of a few rows), at the memory of both; dense bf16 where
-      both would take more than ``ram_share_bytes``."""
+      both would take more than ``ram_share_bytes``, and on CPUs with AMX tiles (``amx``), whose
+      dense kernels the blocks were never measured against: dense bf16 stays their default until
+      an AMX host's figures say otherwise."""
     if method != "auto":
         return (None if method in (None, "none") else method), "--quantization"
     if device.type != "cpu" or dtype != "auto" or gguf is None or gguf.block_bytes == 0:
         return None, "auto: dense (a GPU, --dtype given, or no quantized GGUF weights)"
     if not native_bf16:
         return "gguf", "auto: this CPU has no native bf16 matmul, where the GGUF blocks serve best"
+    if amx:
+        return None, "auto: dense bf16 on AMX tiles (both forms not yet measured on an AMX host)"
     if gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
         return None, f"auto: dense bf16 (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)"
     return DUAL_METHOD, "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"

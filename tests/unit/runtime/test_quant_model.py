@@ -171,6 +171,7 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     from runtime.engine import model_runner
 
     monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: False)
     path = _gguf(tiny_checkpoints, files, "llama", "Q4_1")
 
     def auto(checkpoint: Path, **kwargs: Any) -> ModelRunner:
@@ -180,7 +181,11 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     if native_bf16:
         assert chosen.quantization == "gguf_dual" and chosen.dtype == torch.bfloat16
         assert all(blocks_of(w) is not None for w in _weights(chosen).values())
-        # where both forms would take more than their share of RAM: dense
+        # on AMX tiles (not measured there) and where both forms would take more than their share
+        # of RAM: dense
+        monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: True)
+        assert auto(path, dtype="auto", quantization="auto").quantization is None
+        monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: False)
         monkeypatch.setattr(model_runner, "DUAL_RAM_SHARE", 1e-9)
         assert auto(path, dtype="auto", quantization="auto").quantization is None
     else:
