@@ -100,5 +100,9 @@ def describe(report: dict[str, Any]) -> str:
     return (
         f"CPU kernels {report['isa'] or 'off'} ({report['isa_reason']}; this CPU: {', '.join(report['host_levels'])}); "
         f"linear weights: {linears}; decode step: "
-        + (f"one C call ({stack} kernels)" if stack else "layer by layer (the one-call stack does not take this model)")
+        + (
+            f"one C call (kernels: {stack})"
+            if stack
+            else "layer by layer (the one-call stack does not take this model)"
+        )
     )
