@@ -60,6 +60,12 @@ class AttentionBackend(ABC):
             loc = translate(loc)
         self._ops.store_kv(pool, layer.layer_id, loc, k, v)
 
+    def claim_decode_step(self, batch: ForwardBatch, num_layers: int) -> Any | None:
+        """This decode (or verify) forward's decode-key mirror, for a device's whole-layer kernels that
+        run all ``num_layers`` layers' KV writes and attention themselves (the CPU's one-call stack),
+        or None: the backend keeps no such mirror (the base), or cannot hand this step over."""
+        return None
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Plan once per forward (indices, split counts); stored in ``batch.attn_metadata``."""

@@ -4,10 +4,14 @@
   AMX where present, AVX-512, AVX2, plain C) and loads the best one this CPU runs;
 - ``kernels`` and ``attention_kernels`` (+ ``attention_kernels_f32``): the C kernels' wrappers,
   bf16 and fp32;
-- ``prepacked``: packed copies of the linears' weights (oneDNN's layouts, the fp32 panels), kept
-  on the weights themselves, never on the layers;
-- ``decode_layers``: ``CpuLayerStack``, a decode step's decoder layers in one C call (the layer
-  stack ``CpuOps.layer_stack`` gives the model runner);
+- ``prepacked``: packed copies of the linears' weights (oneDNN's layouts, the fp32 panels) and the
+  calls of the kernels that read them;
+- ``weight_plan``: ``CpuWeightPlan``, each linear weight's kernel at each row count, made once and
+  owned by its layer: the one place that decides which kernel runs a weight;
+- ``quant_kernels``: products on weights kept quantized (or a dual weight's blocks);
+- ``decode_layers`` and ``stack_description``: ``CpuLayerStack``, a decode step's decoder layers in
+  one C call (the layer stack ``CpuOps.layer_stack`` gives the model runner), and the per-model
+  description it runs from (which declared layer choices the C layer implements, every weight's address);
 - ``ops``: ``CpuOps``, the device-ops seam's CPU implementation (the layers' C kernels
   and prepacked linears behind ``runtime.engine.ops``);
 - ``attention``, ``attention_plan`` and ``decode_mirror``: the torch-native attention backend's

@@ -9,21 +9,22 @@ layer from C: the results are the layer stack's bit for bit, the interpreter wor
 one call.
 
 It takes the steady state of serving, a decode step that appends to the attention backend's
-decode-key mirror (``runtime.engine.cpu.decode_mirror``), of Llama-family layers that the kernels run
-whole: no tensor parallelism, no per-head q/k norm, no windowed layers, and linears that the
-layer stack too would run on one of our kernels for this many rows: bf16 with every weight in
-the layout the AMX kernel reads (AMX on) or in oneDNN's AVX512-BF16 layout that
-``dp_linear_bf16`` reads (CPUs without AMX), at most ``AMX_LINEAR_MAX_ROWS`` requests; fp32
-(what AVX2 hosts serve) with every weight's panel copy and a row count in ``fp32_panel_rows()``, or
-fp32 with every linear kept quantized (``--quantization``: ``quant_linear_f32``, any row count).
-Anything else (``run`` returns None) goes through the layers one by one.
+decode-key mirror (``runtime.engine.cpu.decode_mirror``), of layers whose own class declares what
+they are and whose every declared choice the C layer implements (``stack_description.c_layer_declines``:
+pre-norm RMSNorm, a dense silu-gated MLP, neox rotary, no q/k norm, no window, no soft-cap), with
+no tensor parallelism, and whose linears' plans (``runtime.engine.cpu.weight_plan``) give this many
+rows one kernel set: bf16 on the AMX tile kernel or the AVX512-BF16 dot-product one (up to
+``AMX_LINEAR_MAX_ROWS`` requests), fp32 on the panel kernel (``fp32_panel_rows()``), or either
+dtype on weights kept quantized, or on a dual weight's blocks for up to ``BLOCK_ROWS_MAX`` rows
+(``quant_linear_f32``). Anything else (``run`` returns None) goes through the layers one by one.
 ``TINYSERVE_CPU_DECODE_LAYERS=0`` (or ``use_decode_layers(False)``) turns it off.
 
 Who picks it: the model runner asks its device ops for a layer stack once (``CpuOps.layer_stack``
 gives a ``CpuLayerStack`` of the model) and hands it to every forward it runs eagerly; the
 stack asks ``run`` on every forward and falls back to the model's own ``run_layers``. What the
-C call needs of each layer comes from the model (``decode_weights``: ``DecoderLayerWeights``),
-never from its attribute names; the packed copies of the weights come from ``prepacked``.
+C call needs of each layer comes from the layer (``describe`` and ``decode_weights``:
+``DecoderLayerWeights``), never from its attribute names; which kernel reads which copy of each
+weight, from the weight's plan, the same record the layers' own products read.
 
 Ownership: the C call writes the KV pool's and the mirror's rows of the step's new tokens (as
 the backend's ``forward`` would) and the residual stream (the embeddings' buffer, as the layer
@@ -46,15 +47,10 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
-from runtime.engine.cpu.layer_description import QUANT_SETS, StackDescription, _Layer, describe_layers, has_blocks
-from runtime.engine.cpu.prepacked import (
-    AMX_LINEAR_MAX_ROWS,
-    fp32_panel_rows,
-    packed_generation,
-)
-from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
+from runtime.engine.cpu.stack_description import StackDescription, _Layer, c_layer_declines, describe_layers
+from runtime.engine.cpu.weight_plan import layer_plan, stack_kernels, stack_runs
 from runtime.engine.forward_batch import ForwardMode
-from runtime.engine.ops.layer_stack import DecoderStackModel
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel, declared_description
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import rope_cos_sin
 
@@ -171,17 +167,20 @@ class CpuLayerStack:
     """A model's decoder layers on CPU (``CpuOps.layer_stack``): a decode step the C call runs whole
     goes through it, every other forward through the model's layers one by one.
 
-    Owns the description of the model's layers for the call (re-made when a packed copy it read was
-    made or dropped since; a model the call declined stays declined until then).
+    Owns the descriptions of the model's layers for the call, one per kernel set a step's rows take
+    (a dual model's few-row steps read the blocks, larger ones the dense copies), each made from the
+    layers' plans and made again when any of those plans was replaced (a reload, a repack): the
+    plans are compared by identity, once per step.
     """
 
     def __init__(self, model: DecoderStackModel) -> None:
         self.model = model
-        self.described: StackDescription | None = None
-        # a dual model's (--quantization gguf_dual) few-row steps: the kernels that read the blocks
-        self.described_blocks: StackDescription | None = None
-        self._generation = -1  # the packed_generation() self.described was made at (-1: never)
         self.scratch = StepScratch()
+        self._records: list[DecoderLayerWeights] | None = None  # (None: the model's layers are not taken)
+        self.declined: str | None = None  # why the C layer does not take the model's layers (None: it does)
+        self._records = self._layer_records()
+        self._plans: list[Any] = []  # every linear's plan the descriptions were made from
+        self._described: dict[str, StackDescription | None] = {}
 
     def __call__(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
@@ -190,41 +189,40 @@ class CpuLayerStack:
         whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
 
-    def description(self, rows: int | None = None) -> StackDescription | None:
-        """The cached ``describe_layers`` of the model's layers (one integer compare while current)
-        for a step of ``rows`` rows: a dual model's blocks up to ``BLOCK_ROWS_MAX`` rows, as its
-        layers' linears read them (``CpuOps.linear``), the dense values above (and for None)."""
-        generation = packed_generation()
-        if generation != self._generation:
-            weights = self.model.decode_weights()
-            self.described = describe_layers(weights) if weights else None
-            self.described_blocks = describe_layers(weights, blocks=True) if weights and has_blocks(weights) else None
-            self._generation = generation
-        if rows is not None and rows <= BLOCK_ROWS_MAX and self.described_blocks is not None:
-            return self.described_blocks
-        return self.described
+    def _layer_records(self) -> list[DecoderLayerWeights] | None:
+        """Every decoder layer's record where each layer's own class declares what it is and the C
+        layer implements all of it (``c_layer_declines``), else None (and ``declined`` says why)."""
+        layers = list(self.model.decoder_layers())
+        if not layers:
+            self.declined = "the model declares no decoder layers"
+            return None
+        for index, layer in enumerate(layers):
+            description = declared_description(layer)
+            reason = "its class declares no description" if description is None else c_layer_declines(description)
+            if reason is not None:
+                self.declined = f"layer {index} ({type(layer).__name__}): {reason}"
+                return None
+        return [layer.decode_weights() for layer in layers]
 
-
-def _rows_taken(dtype: torch.dtype, n: int, kernels: str | None = None) -> bool:
-    """Whether the step's linear kernel runs a batch of ``n`` rows (as the layer stack's would;
-    ``kernels``: the set, once known)."""
-    if kernels in QUANT_SETS:
-        return n > 0  # (the quantized kernel takes any rows)
-    if dtype == torch.bfloat16:
-        return 0 < n <= AMX_LINEAR_MAX_ROWS
-    return dtype == torch.float32 and n in fp32_panel_rows()
-
-
-def _kernels_run(kernels: str, lib: Any) -> bool:
-    """Whether the set's kernels run in this process as the layer stack would reach them (else the
-    stack's linears or attention take another path: the call must not run)."""
-    if kernels == "amx":
-        return lib.tinyserve_amx(-1) == 1
-    if kernels in ("dp", "qbf16"):
-        # (dp_linear_bf16 declines in other builds, and the bf16 attention kernels are the layer
-        # stack's path only in this one)
-        return kernel_library.level() == "avx512bf16"
-    return attn_f32.applies()  # (f32, qf32)
+    def description(self, rows: int = 1, dtype: torch.dtype | None = None) -> StackDescription | None:
+        """The stack's description for a step of ``rows`` rows of ``dtype`` activations (default: the
+        layers' own dtype): the kernel set that every layer's plans give those rows, described once
+        per set while the plans stay the same; None where the call does not take such a step."""
+        records = self._records
+        if records is None:
+            return None
+        plans = [linear.plan for record in records for linear in record.linears]
+        if plans != self._plans:  # (identity: a plan is replaced, never changed)
+            self._plans, self._described = plans, {}
+        first = layer_plan(records[0].qkv)
+        dtype = dtype or records[0].input_norm.dtype
+        kernels = stack_kernels(first.band(rows, dtype) if first is not None else None, dtype)
+        if kernels is None:
+            return None
+        if kernels not in self._described:
+            self._described[kernels] = describe_layers(records, kernels)
+        stack = self._described[kernels]
+        return stack if stack is not None and rows in stack.rows else None
 
 
 def run(
@@ -241,18 +239,15 @@ def run(
     ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
     (nothing is touched then: run the layers)."""
     n, dtype = hidden.shape[0], hidden.dtype
-    if not enabled() or not (_rows_taken(dtype, n) or (dtype == torch.float32 and n > 0)):
+    if n == 0 or not enabled() or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
         return None
-    claim = getattr(backend, "claim_decode_step", None)
     lib = kernel_library.load()
-    if claim is None or lib is None or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
+    if lib is None:
         return None
-    stack = layers.description(n)
-    if stack is None or stack.dtype != dtype or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
+    stack = layers.description(n, dtype)
+    if stack is None or hidden.shape != (n, stack.hidden) or not hidden.is_contiguous():
         return None
-    if not _rows_taken(dtype, n, stack.kernels):
-        return None
-    if not _kernels_run(stack.kernels, lib):
+    if not stack_runs(stack.kernels, lib):
         return None
     half = rotary_dim // 2
     if (
@@ -268,7 +263,7 @@ def run(
     num_layers = len(stack.layers)
     if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != num_layers:
         return None
-    mirror = claim(batch, num_layers)  # from here on the step is committed to this call
+    mirror = backend.claim_decode_step(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
     return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool)

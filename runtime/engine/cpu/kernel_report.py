@@ -19,9 +19,10 @@ from torch import nn
 
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.decode_layers import CpuLayerStack
-from runtime.engine.cpu.prepacked import DP_ADDRESS, linear_weights, packed_copy, tile_layout
 from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
-from runtime.engine.quant.weight import QuantizedWeight, blocks_of
+from runtime.engine.cpu.weight_plan import CpuWeightPlan, layer_plan
+from runtime.engine.ops.linear_weights import LinearWeightLayer
+from runtime.engine.quant.weight import QuantizedWeight
 
 # Each linear path's name in the report, with what runs it.
 PATHS = {
@@ -46,41 +47,40 @@ def isa_reason() -> str:
     return f"chosen in this process; this CPU runs up to {best}"
 
 
-def linear_path(weight: torch.Tensor | QuantizedWeight) -> str:
-    """The report's name of the path a linear with this weight takes for a decode step (a dual
-    weight: its blocks' up to ``BLOCK_ROWS_MAX`` rows, then its dense values')."""
-    if isinstance(weight, QuantizedWeight):
-        return f"kept_{weight.source}"
-    blocks = blocks_of(weight)
-    if blocks is not None:
-        return f"kept_{blocks.source}_upto_{BLOCK_ROWS_MAX}_rows+{_dense_path(weight)}"
-    return _dense_path(weight)
+def linear_plans(model: nn.Module) -> list[tuple[torch.Tensor | QuantizedWeight, CpuWeightPlan | None]]:
+    """Each linear weight of ``model`` with its plan (None: the layer holds none), each weight once
+    (a tied LM head's is the embedding's), in module order."""
+    seen: set[int] = set()
+    plans: list[tuple[torch.Tensor | QuantizedWeight, CpuWeightPlan | None]] = []
+    for module in model.modules():
+        if isinstance(module, LinearWeightLayer) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            plans.append((module.weight, layer_plan(module)))
+    return plans
 
 
-def _dense_path(weight: torch.Tensor) -> str:
-    packed = packed_copy(weight)
-    if packed is None:
-        return "torch"
-    if weight.dtype == torch.float32:
-        return "fp32_panels"
-    if tile_layout(packed):
-        return "amx_bf16"
-    if getattr(packed, DP_ADDRESS, 0):
-        return "dp_bf16"
-    return "onednn"
+def linear_path(weight: torch.Tensor | QuantizedWeight, plan: CpuWeightPlan | None) -> str:
+    """The report's name of the path a linear with this weight and plan takes for a decode step."""
+    if plan is not None:
+        return plan.path
+    return f"kept_{weight.source}" if isinstance(weight, QuantizedWeight) else "torch"
 
 
 def kernel_report(model: nn.Module, stack: Any) -> dict[str, Any]:
     """The CPU's choices for ``model`` (after ``prepare_model``), ``stack`` its layer stack."""
     level = kernel_library.level()
     built = level is not None and kernel_library.load() is not None
-    dense = linear_weights(model)
-    attached = {id(blocks_of(w)) for w in dense}  # a dual weight's blocks: reported with it
-    kept = (m for m in model.modules() if isinstance(m, QuantizedWeight) and id(m) not in attached)
-    weights: list[Any] = [*dense, *kept]
-    paths = Counter(linear_path(weight) for weight in {id(w): w for w in weights}.values())
-    description = stack.description() if isinstance(stack, CpuLayerStack) and built else None
-    few_rows = stack.description(1) if isinstance(stack, CpuLayerStack) and built else None
+    plans = linear_plans(model)
+    # each weight once: the linears' by their plans, and the other weights kept quantized (an
+    # embedding's; a dual weight's blocks are reported with its plan)
+    reported = {id(weight) for weight, _ in plans}
+    reported |= {id(band.operand) for _, plan in plans if plan is not None for band in plan.bands}
+    kept = {id(m): m for m in model.modules() if isinstance(m, QuantizedWeight) and id(m) not in reported}
+    paths = Counter(linear_path(weight, plan) for weight, plan in plans)
+    paths.update(f"kept_{weight.source}" for weight in kept.values())
+    layer_stack = stack if isinstance(stack, CpuLayerStack) and built else None
+    description = layer_stack.description(BLOCK_ROWS_MAX + 1) if layer_stack is not None else None
+    few_rows = layer_stack.description(1) if layer_stack is not None else None
     decode_stack = description.kernels if description is not None else None
     if few_rows is not None and few_rows is not description:
         decode_stack = f"{few_rows.kernels} up to {BLOCK_ROWS_MAX} rows, {decode_stack or 'layer by layer'} above"

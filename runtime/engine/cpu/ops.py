@@ -1,8 +1,9 @@
 """``CpuOps``: the device-ops seam on CPU.
 
-Each op goes to its C kernel (``runtime.engine.cpu.kernels``) or prepacked weight
-(``runtime.engine.cpu.prepacked``) under exactly the conditions the kernel states (dtype, packed
-heads, sizes within its bounds, the library built), and to the plain torch op otherwise.
+Each op goes to its C kernel (``runtime.engine.cpu.kernels``) under exactly the conditions the
+kernel states (dtype, packed heads, sizes within its bounds, the library built), and to the plain
+torch op otherwise. A linear runs as its weight's plan says (``runtime.engine.cpu.weight_plan``:
+made by ``prepare_model``, owned by the layer, handed back with every product).
 bf16 takes each of them. fp32 (what an AVX2-only host serves in, and what the equivalence
 tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and rotary,
 which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
@@ -23,20 +24,14 @@ from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
-from runtime.engine.cpu.prepacked import (
-    amx_linear_silu_mul,
-    drop_packed_copy,
-    float_linear,
-    linear,
-    packed_copy,
-    prepack_model,
-)
-from runtime.engine.cpu.quant_kernels import quant_linear, takes_blocks
+from runtime.engine.cpu.quant_kernels import quant_linear
+from runtime.engine.cpu.weight_plan import CpuWeightPlan, plan_linear, plan_linear_silu_mul, plan_model
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.engine.platform import ServingPlatform
-from runtime.engine.quant.weight import QuantizedWeight, blocks_of
+from runtime.engine.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +47,7 @@ class CpuOps(TorchOps):
         return CPU_PLATFORM
 
     def prepare_model(self, model: nn.Module) -> None:
-        # every packable linear (the copies hang off the weights, see prepacked); fp32 takes the
-        # packed copy for a decode batch's rows only
-        prepack_model(model)
-
-    def weight_loaded(self, weight: torch.Tensor) -> None:
-        drop_packed_copy(weight)
+        plan_model(model)  # every linear layer's plan: which kernel at which rows, with its packed copy
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
@@ -67,24 +57,24 @@ class CpuOps(TorchOps):
         return {"ops": self.name, **report, "summary": describe(report)}
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
-            out = quant_linear(x, weight, bias)  # int8 products on the packed bytes
-            return out if out is not None else super().linear(x, weight, bias)
-        blocks = _few_rows_blocks(x, weight)
-        if blocks is not None and (out := quant_linear(x, blocks, bias)) is not None:
-            return out
-        return linear(x, weight, bias, packed_copy(weight))
+        current = _current(plan, weight)
+        out = plan_linear(current, x, bias) if current is not None else _unplanned(x, weight, bias)
+        return out if out is not None else super().linear(x, weight, bias)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
+    def float_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+    ) -> torch.Tensor:
+        current = _current(plan, weight)
+        out = plan_linear(current, x, None, float_out=True) if current is not None else None
+        if out is None and current is None and isinstance(weight, QuantizedWeight):
             out = quant_linear(x, weight, None, float_out=True)
-            return out if out is not None else super().float_linear(x, weight)
-        blocks = _few_rows_blocks(x, weight)
-        if blocks is not None and (out := quant_linear(x, blocks, None, float_out=True)) is not None:
-            return out
-        return float_linear(x, weight, packed_copy(weight))
+        return out if out is not None else super().float_linear(x, weight)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -105,12 +95,15 @@ class CpuOps(TorchOps):
         return fused if fused is not None else super().silu_and_mul(x)
 
     def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight) or _few_rows_blocks(x, weight) is not None:
-            return super().linear_silu_and_mul(x, weight, bias)  # (self.linear: the blocks)
-        fused = amx_linear_silu_mul(x, weight, bias, packed_copy(weight))  # a decode batch on AMX: one pass
-        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias)
+        current = _current(plan, weight)
+        fused = plan_linear_silu_mul(current, x, bias) if current is not None else None  # AMX: one pass
+        return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias, plan)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
@@ -127,10 +120,18 @@ class CpuOps(TorchOps):
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
 
 
-def _few_rows_blocks(x: torch.Tensor, weight: torch.Tensor) -> QuantizedWeight | None:
-    """A dual weight's blocks where a product of ``x``'s rows reads them (``takes_blocks``), else None."""
-    blocks = blocks_of(weight)
-    return blocks if blocks is not None and takes_blocks(x, weight.shape[-1]) else None
+def _current(plan: WeightPlan | None, weight: torch.Tensor | QuantizedWeight) -> CpuWeightPlan | None:
+    """``plan`` where it is a CPU plan for this very weight (a layer hands its own; a plan of another
+    weight is never read), else None."""
+    return plan if isinstance(plan, CpuWeightPlan) and plan.weight is weight else None
+
+
+def _unplanned(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A product no plan covers (made before ``prepare_model``, or an expert's weight without one): a
+    weight kept quantized still runs on its kernel; a dense one on ``F.linear`` (None)."""
+    return quant_linear(x, weight, bias) if isinstance(weight, QuantizedWeight) else None
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

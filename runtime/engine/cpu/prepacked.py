@@ -40,29 +40,24 @@ once, after the weights are loaded, saves that work:
   depend on the other rows of the batch. The fp32 greedy tokens still equal transformers'
   (tests/unit/runtime/test_model_equivalence.py).
 
-The packed copy is kept here, not by the layer: it hangs off the plain weight parameter it
-was made from (``packed_copy``; attribute ``PACKED_ATTR``), so it lives exactly as long as
-that weight, and a tied LM head shares the embedding's one copy. The plain weight stays the
-source of truth: a layer's weight loader tells its device ops that the weight changed
-(``DeviceOps.weight_loaded``, which drops the copy here), so a reload can never leave a
-stale one in use; every copy made or dropped bumps ``packed_generation`` (what a cached
-description of the copies, ``runtime.engine.cpu.decode_layers``, checks once per step). A weight
-oneDNN refuses (bf16 on an AVX2-only CPU), or an fp32 weight whose rows are not a multiple
-of 16, gets no copy and its layer stays on F.linear.
+Who owns a copy: nobody here. ``pack_weight`` makes a ``PackedCopy`` (the copy, its layout and the
+address the C kernels read), and the weight's plan (``runtime.engine.cpu.weight_plan``), which its
+layer owns and replaces when the weight is loaded again, keeps it alive and decides which kernel
+reads it at which row count. This module only lays weights out and calls the kernels on a layout
+they read. A weight oneDNN refuses (bf16 on an AVX2-only CPU), or an fp32 weight whose rows are not
+a multiple of 16, gets no copy and its layer stays on F.linear.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from runtime.engine.cpu import kernel_library
-from runtime.engine.ops.base import LinearWeightLayer
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +76,32 @@ PANEL = 16  # columns per panel of the fp32 copy (csrc/linear_f32.c: PANEL)
 # cache blocking wins: bench/cpu_linear.py --dtype bfloat16 --m 64 128 256).
 AMX_LINEAR_MAX_ROWS = 64  # csrc/amx_linear.c: AMX_LINEAR_MAX_ROWS
 PACK_BATCH_HINT = 64  # the batch size oneDNN is told to pack for
-TILE_ADDRESS = "tile_address"  # attribute of a bf16 packed copy: its address if amx_linear reads it, else 0
-DP_ADDRESS = "dp_address"  # attribute of a bf16 packed copy: its address if dp_linear reads it, else 0
 DP_COLUMNS = 64  # csrc/dp_linear.c: DP_COLS, columns per block of the layout it reads
-PACKED_ATTR = "cpu_packed"  # attribute of a weight parameter: its packed copy (see packed_copy)
-# Bumped whenever a packed copy is made or dropped (what a cached description of them checks).
-_generation = [0]
+
+# The layouts of a packed copy: what reads it.
+PANELS = "panels"  # fp32 [out / 16][in][16]: linear_f32
+AMX_TILES = "amx_tiles"  # bf16 as oneDNN's AB16b32a2b: amx_linear_bf16 (and oneDNN)
+DP_PAIRS = "dp_pairs"  # bf16 [out / 64][in / 2][64][2], oneDNN's AVX512-BF16 packing: dp_linear_bf16 (and oneDNN)
+ONEDNN = "onednn"  # any other oneDNN layout: oneDNN's own kernel only
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 kernel_library.declare("amx_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
 kernel_library.declare("amx_linear_silu_mul_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr], ctypes.c_int)
 kernel_library.declare("linear_f32", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], ctypes.c_int)
 kernel_library.declare("dp_linear_bf16", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr], ctypes.c_int)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedCopy:
+    """A weight laid out for a kernel: the copy (``tensor``, which keeps the memory alive), its
+    ``layout`` (one of the names above) and the address our C kernels read (0 for ``ONEDNN``: only
+    oneDNN reads it, through the tensor)."""
+
+    tensor: torch.Tensor
+    layout: str
+    address: int
+    out_features: int
+    in_features: int
 
 
 def prepack_available() -> bool:
@@ -106,15 +115,18 @@ def prepack_available() -> bool:
         return False
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> PackedCopy | None:
     """The packed copy of a ``[out, in]`` CPU weight, or None where it cannot be made: fp32 as
-    ``panel_copy``, half precision by oneDNN. A bf16 copy carries its address as ``TILE_ADDRESS``
-    when it is in the layout ``amx_linear_bf16`` reads, as ``DP_ADDRESS`` when in the one
-    ``dp_linear_bf16`` reads (0 otherwise)."""
+    ``panel_copy``, half precision by oneDNN, whose layout (picked by shape, dtype and CPU) is read
+    back from the copy's bytes: ``AMX_TILES`` or ``DP_PAIRS`` where our bf16 kernels read it."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    out_features, in_features = weight.shape
     if weight.dtype == torch.float32:
-        return panel_copy(weight)
+        panels = panel_copy(weight)
+        if panels is None:
+            return None
+        return PackedCopy(panels, PANELS, panel_address(panels, out_features, in_features), out_features, in_features)
     if weight.dtype not in ONEDNN_DTYPES or not prepack_available():
         return None
     try:
@@ -123,10 +135,13 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torc
     except RuntimeError:
         logger.debug("oneDNN could not pack a %s weight of shape %s", weight.dtype, tuple(weight.shape), exc_info=True)
         return None
+    layout, address = ONEDNN, 0
     if weight.dtype == torch.bfloat16:
-        setattr(packed, TILE_ADDRESS, _tile_address(weight, packed))
-        setattr(packed, DP_ADDRESS, _dp_address(weight, packed) if not getattr(packed, TILE_ADDRESS) else 0)
-    return packed
+        if tile_address := _tile_address(weight, packed):
+            layout, address = AMX_TILES, tile_address
+        elif dp_address := _dp_address(weight, packed):
+            layout, address = DP_PAIRS, dp_address
+    return PackedCopy(packed, layout, address, out_features, in_features)
 
 
 def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
@@ -146,28 +161,10 @@ def fp32_panel_rows() -> range:
     return range(low, FP32_PANEL_MAX_ROWS + 1) if low and kernel_library.load() is not None else range(0)
 
 
-def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` runs ``x`` through a packed copy of ``weight`` (given one)."""
-    if x.dtype != weight.dtype:
-        return False
-    if x.dtype != torch.float32:
-        return True
-    return x.numel() // max(x.shape[-1], 1) in fp32_panel_rows()
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed copy when there is one and it is faster."""
-    if packed is not None and takes_packed(x, weight):
-        if x.dtype == torch.float32:
-            out = panel_linear(x, packed, bias, weight.shape[0])
-            return out if out is not None else F.linear(x, weight, bias)
-        out = _bf16_kernel_linear(x, packed, bias, weight.shape[0]) if x.dtype == torch.bfloat16 else None
-        if out is not None:
-            return out
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def onednn_linear(x: torch.Tensor, packed: PackedCopy, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through oneDNN's kernel on its packed copy (bf16/fp16; the same kernel F.linear
+    runs, without re-laying the weight out in the call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
 
 
 def _packed_bytes(weight: torch.Tensor, packed: torch.Tensor) -> tuple[int, torch.Tensor] | None:
@@ -210,11 +207,6 @@ def dp_layout_of(weight: torch.Tensor, raw: torch.Tensor) -> bool:
         return False
     pairs = weight.detach().view(torch.int16).view(out_features // DP_COLUMNS, DP_COLUMNS, in_features // 2, 2)
     return torch.equal(raw.view(out_features // DP_COLUMNS, in_features // 2, DP_COLUMNS, 2), pairs.transpose(1, 2))
-
-
-def tile_layout(packed: torch.Tensor | None) -> bool:
-    """Whether ``amx_linear`` can read this packed copy (see ``_tile_address``)."""
-    return bool(getattr(packed, TILE_ADDRESS, 0))
 
 
 def panel_address(panels: torch.Tensor, out_features: int, in_features: int) -> int:
@@ -269,23 +261,11 @@ def panel_linear(
     return out.view(*x.shape[:-1], out_features) if rc == 0 else None
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """``linear(x, weight, None, packed).float()``: the bf16 kernels write those fp32 values
-    themselves where they run (the bf16-rounded sums, widened), saving the bf16 result's copy."""
-    if packed is not None and takes_packed(x, weight) and x.dtype == torch.bfloat16:
-        out = _bf16_kernel_linear(x, packed, None, weight.shape[0], float_out=True)
-        if out is not None:
-            return out
-    return linear(x, weight, None, packed).float()
-
-
-def _kernel_operand(x: torch.Tensor, packed: torch.Tensor | None, tag: str) -> tuple[Any, torch.Tensor, int] | None:
-    """``(library, x as [rows, in] with unit column stride, packed copy's address)`` when a bf16
-    kernel takes bf16 ``x`` against ``packed``: at most ``AMX_LINEAR_MAX_ROWS`` rows, the library
-    built, and ``packed`` in the kernel's layout (its address under ``tag``: ``TILE_ADDRESS`` for
-    the AMX kernels, ``DP_ADDRESS`` for the AVX512-BF16 one); else None."""
-    address = getattr(packed, tag, 0)
-    if not address or x.dtype != torch.bfloat16:
+def _kernel_operand(x: torch.Tensor, packed: PackedCopy, layout: str) -> tuple[Any, torch.Tensor] | None:
+    """``(library, x as [rows, in] with unit column stride)`` when a bf16 kernel that reads
+    ``layout`` takes bf16 ``x`` against ``packed``: at most ``AMX_LINEAR_MAX_ROWS`` rows, the
+    library built, and ``packed`` in that layout; else None."""
+    if packed.layout != layout or not packed.address or x.dtype != torch.bfloat16:
         return None
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
@@ -295,34 +275,34 @@ def _kernel_operand(x: torch.Tensor, packed: torch.Tensor | None, tag: str) -> t
     if lib is None:
         return None
     x2 = x.reshape(rows, in_features)
-    return (lib, x2, address) if x2.stride(1) == 1 else None
+    return (lib, x2) if x2.stride(1) == 1 else None
 
 
 def _packed_kernel_linear(
     kernel: str,
-    tag: str,
+    layout: str,
     x: torch.Tensor,
-    packed: torch.Tensor,
+    packed: PackedCopy,
     bias: torch.Tensor | None,
-    out_features: int,
     float_out: bool,
 ) -> torch.Tensor | None:
     """bf16 ``x`` times ``packed`` (plus ``bias``) through the C ``kernel`` (``amx_linear_bf16`` or
     ``dp_linear_bf16``: one signature), or None where it does not apply (``_kernel_operand``)."""
+    out_features = packed.out_features
     if bias is not None and (
         bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous() or bias.numel() != out_features
     ):
         return None
-    operand = _kernel_operand(x, packed, tag)
+    operand = _kernel_operand(x, packed, layout)
     if operand is None:
         return None
-    lib, x2, address = operand
+    lib, x2 = operand
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32 if float_out else torch.bfloat16)
     rc = getattr(lib, kernel)(
         x2.data_ptr(),
         x2.shape[0],
         x2.stride(0),
-        address,
+        packed.address,
         out_features,
         x2.shape[1],
         bias.data_ptr() if bias is not None else None,
@@ -333,100 +313,33 @@ def _packed_kernel_linear(
 
 
 def amx_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
+    x: torch.Tensor, packed: PackedCopy, bias: torch.Tensor | None, float_out: bool = False
 ) -> torch.Tensor | None:
     """bf16 ``x [..., in]`` times the oneDNN-packed ``packed`` through ``amx_linear_bf16``, or None
     where it does not apply (AMX off, or see ``_kernel_operand``).
     ``float_out``: the bf16 results widened to fp32 (``.float()`` of the bf16 result)."""
-    return _packed_kernel_linear("amx_linear_bf16", TILE_ADDRESS, x, packed, bias, out_features, float_out)
+    return _packed_kernel_linear("amx_linear_bf16", AMX_TILES, x, packed, bias, float_out)
 
 
 def dp_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
+    x: torch.Tensor, packed: PackedCopy, bias: torch.Tensor | None, float_out: bool = False
 ) -> torch.Tensor | None:
     """The same through ``dp_linear_bf16`` where oneDNN packed for AVX512-BF16 without AMX."""
-    return _packed_kernel_linear("dp_linear_bf16", DP_ADDRESS, x, packed, bias, out_features, float_out)
+    return _packed_kernel_linear("dp_linear_bf16", DP_PAIRS, x, packed, bias, float_out)
 
 
-def _bf16_kernel_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, float_out: bool = False
-) -> torch.Tensor | None:
-    """The AMX kernel, else the AVX512-BF16 one (a copy is in at most one of their layouts), else None."""
-    out = amx_linear(x, packed, bias, out_features, float_out)
-    return out if out is not None else dp_linear(x, packed, bias, out_features, float_out)
-
-
-def amx_linear_silu_mul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` (a merged gate/up weight, gate
-    rows first) in one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear
-    followed by the silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None
-    where it does not apply (a bias, or see ``_kernel_operand``; then run the two)."""
-    operand = _kernel_operand(x, packed, TILE_ADDRESS) if bias is None and weight.shape[0] % 64 == 0 else None
+def amx_linear_silu_mul(x: torch.Tensor, packed: PackedCopy, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``x`` times ``packed`` (a merged gate/up weight, gate rows first) in
+    one call of ``amx_linear_silu_mul_bf16``: the same bf16 values as the linear followed by the
+    silu*mul kernel, without writing the ``[rows, 2 * inter]`` intermediate. None where it does not
+    apply (a bias, rows not in whole column blocks, or see ``_kernel_operand``; then run the two)."""
+    operand = _kernel_operand(x, packed, AMX_TILES) if bias is None and packed.out_features % 64 == 0 else None
     if operand is None:
         return None
-    lib, x2, address = operand
-    inter = weight.shape[0] // 2
+    lib, x2 = operand
+    inter = packed.out_features // 2
     out = torch.empty(x2.shape[0], inter, dtype=torch.bfloat16)
     rc = lib.amx_linear_silu_mul_bf16(
-        x2.data_ptr(), x2.shape[0], x2.stride(0), address, inter, x2.shape[1], out.data_ptr()
+        x2.data_ptr(), x2.shape[0], x2.stride(0), packed.address, inter, x2.shape[1], out.data_ptr()
     )
     return out.view(*x.shape[:-1], inter) if rc == 0 else None
-
-
-def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy made of ``weight`` by ``prepack_model``, else None (one attribute read)."""
-    return getattr(weight, PACKED_ATTR, None)
-
-
-def set_packed_copy(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
-    """Hang ``packed`` (None: no copy) off ``weight``, where the CPU ops keep it (they make and drop it)."""
-    setattr(weight, PACKED_ATTR, packed)
-    _generation[0] += 1
-
-
-def drop_packed_copy(weight: torch.Tensor) -> None:
-    """Forget ``weight``'s packed copy (its values were just rewritten), if it has one."""
-    if packed_copy(weight) is not None:
-        set_packed_copy(weight, None)
-
-
-def packed_generation() -> int:
-    """A number that changes whenever any packed copy is made or dropped."""
-    return _generation[0]
-
-
-def prepack_model(model: nn.Module) -> int:
-    """Pack the weight of every linear layer of ``model`` (see ``linear_weights``) that is packable;
-    returns how many. fp32 weights only where ``linear_f32`` can run (else their copy would never
-    be read).
-
-    Call after the weights are loaded.
-    """
-    count = 0
-    fp32_kernel = len(fp32_panel_rows()) > 0
-    for weight in linear_weights(model):
-        if weight.dtype == torch.float32 and not fp32_kernel:
-            continue
-        packed = pack_weight(weight)
-        if packed is not None:
-            set_packed_copy(weight, packed)
-            count += 1
-    if count:
-        logger.info("prepacked %d linear weights", count)
-    return count
-
-
-def linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights of ``model``'s ``LinearWeightLayer``s (the linear layers and the LM head; each tensor
-    once, a tied head's being the embedding's), in module order."""
-    seen: set[int] = set()
-    weights: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, LinearWeightLayer):
-            weight = module.weight
-            if isinstance(weight, torch.Tensor) and id(weight) not in seen:  # (a quantized one has its own kernels)
-                seen.add(id(weight))
-                weights.append(weight)
-    return weights

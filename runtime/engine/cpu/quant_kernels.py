@@ -33,13 +33,9 @@ _KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind
 # A weight kept in both forms (--quantization gguf_dual) reads its blocks for products of at most
 # this many rows (a decode step of a few requests, or a verify step): there the weight's bytes bound
 # the product and the blocks are a fraction of them; more rows take the dense values, whose
-# products cost no dequantization (docs/benchmarks.md, "Blocks and dense values together").
+# products cost no dequantization (docs/benchmarks.md, "Blocks and dense values together"). The
+# weight's plan (runtime.engine.cpu.weight_plan) gives its blocks these rows.
 BLOCK_ROWS_MAX = 4
-
-
-def takes_blocks(x: torch.Tensor, in_features: int) -> bool:
-    """Whether a product of ``x`` (``[..., in_features]``) reads a dual weight's blocks."""
-    return x.numel() <= BLOCK_ROWS_MAX * in_features
 
 
 def quant_linear(

@@ -21,6 +21,7 @@ from torch import nn
 
 from runtime.engine.cuda.triton_common import prepare_triton_for_device
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
+from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
 from runtime.engine.quant.weight import QuantizedWeight
@@ -74,22 +75,28 @@ class TritonOps(TorchOps):
         return self._module
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
             from runtime.engine.cuda.quant_matmul import quant_matmul
 
             return quant_matmul(x, weight, bias)
-        return super().linear(x, weight, bias)
+        return super().linear(x, weight, bias, plan)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def float_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+    ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             self._kernels(x.device)
             from runtime.engine.cuda.quant_matmul import quant_matmul
 
             return quant_matmul(x, weight, None, out_dtype=torch.float32)
-        return super().float_linear(x, weight)
+        return super().float_linear(x, weight, plan)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

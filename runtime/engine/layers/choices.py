@@ -19,8 +19,9 @@ from runtime.engine.layers.norm import RMSNorm, UnitOffsetRMSNorm
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps, RopeInputs
 from runtime.engine.ops.experts import ExpertActivation, ExpertWeight
+from runtime.engine.ops.linear_weights import WeightPlan
 
-# activation name -> act(gate) * up of a merged gate/up projection's output (weight, bias), through
+# activation name -> act(gate) * up of a merged gate/up projection's output (weight, bias, plan), through
 # the device ops (one pass with the projection where the device fuses them). "swish" is silu's
 # other name. (A sparse MLP's experts hand theirs to the device ops' expert loop.)
 GatedActivation = ExpertActivation
@@ -28,14 +29,16 @@ GatedActivation = ExpertActivation
 Rotation = Callable[[DeviceOps, torch.Tensor, torch.Tensor, RopeInputs], None]
 
 
-def _silu_and_mul(ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return ops.linear_silu_and_mul(x, weight, bias)
+def _silu_and_mul(
+    ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None, plan: WeightPlan | None
+) -> torch.Tensor:
+    return ops.linear_silu_and_mul(x, weight, bias, plan)
 
 
 def _gelu_tanh_and_mul(
-    ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None
+    ops: DeviceOps, x: torch.Tensor, weight: ExpertWeight, bias: torch.Tensor | None, plan: WeightPlan | None
 ) -> torch.Tensor:
-    return ops.gelu_tanh_and_mul(ops.linear(x, weight, bias))
+    return ops.gelu_tanh_and_mul(ops.linear(x, weight, bias, plan))
 
 
 def _neox_rotation(ops: DeviceOps, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:

@@ -16,8 +16,8 @@ from torch import nn
 from runtime.engine.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from runtime.engine.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.engine.ops import DeviceOps, default_ops
-from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.loading import PendingShards, dense_weight
+from runtime.engine.ops.linear_weights import LinearWeightLayer
+from runtime.engine.quant.loading import PendingShards
 from runtime.engine.quant.weight import QuantizedWeight
 
 
@@ -51,9 +51,11 @@ class VocabParallelEmbedding(nn.Module):
         self.quant_shards = PendingShards()
         self.pads_rows = True
         self.tied_to: VocabParallelEmbedding | None = None  # (a tied LM head: the embedding whose weight it is)
+        self.tied_head: ParallelLMHead | None = None  # (the LM head that shares this weight, if tied)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values (a tied head's too)
+        if self.tied_head is not None:
+            self.tied_head.drop_plan()  # the head's plan read the old values
         check_shape(name, weight.shape, (self.vocab_size, self.hidden_size))
         n = max(self.vocab_end - self.vocab_start, 0)
         with torch.no_grad():
@@ -71,18 +73,25 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearWeightLayer):
-    """Output projection to the vocabulary; shares the embedding's weight when tied."""
+    """Output projection to the vocabulary; shares the embedding's weight when tied (then the
+    embedding's loader drops this head's plan, which read the shared values)."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (its loader fills it; any device copy of it is one for both,
         and so is its quantized form, ``runtime.engine.quant.loading``)."""
         self.weight = embedding.weight
-        object.__setattr__(self, "tied_to", embedding)  # a reference, not a sub-module (no second set of names)
+        # references, not sub-modules (no second set of names)
+        object.__setattr__(self, "tied_to", embedding)
+        object.__setattr__(embedding, "tied_head", self)
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        self.drop_plan()  # (an untied head's own weight: its plan read the old values)
+        super().weight_loader(param, weight, name, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[n, hidden]`` in model dtype -> fp32 logits ``[n, vocab_size]``."""
         if self.tp_size == 1:  # (one rank: no padding rows, nothing to gather)
-            return self.ops.float_linear(hidden, self.weight)
-        logits = self.ops.linear(hidden, self.weight, None)
+            return self.ops.float_linear(hidden, self.weight, self.plan)
+        logits = self.ops.linear(hidden, self.weight, None, self.plan)
         logits = tensor_model_parallel_all_gather(logits, self.tp_size, dim=-1)
         return logits[:, : self.vocab_size].float()

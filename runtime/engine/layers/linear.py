@@ -23,8 +23,8 @@ from torch import nn
 
 from runtime.engine.distributed import tensor_model_parallel_all_reduce
 from runtime.engine.ops import DeviceOps, default_ops
-from runtime.engine.ops.base import LinearWeightLayer
-from runtime.engine.quant.loading import PendingShards, dense_weight, quantized_shard
+from runtime.engine.ops.linear_weights import LinearWeightLayer
+from runtime.engine.quant.loading import PendingShards, quantized_shard
 
 
 class LazyWeight(Protocol):
@@ -98,7 +98,36 @@ def replicated_weight_loader(param: nn.Parameter, weight: LazyWeight, name: str,
     copy_into(param, weight.load(), name)
 
 
-class ReplicatedLinear(LinearWeightLayer):
+class LinearBase(LinearWeightLayer):
+    """What every linear layer holds: this rank's ``[out_rows, in_cols]`` weight (filled by the
+    subclass's ``weight_loader``, which decides the sharding), an optional bias of ``out_rows``
+    (filled by ``bias_loader``), the quantized shards its loader is handed, and its device ops."""
+
+    def __init__(
+        self,
+        out_rows: int,
+        in_cols: int,
+        bias: bool,
+        params_dtype: torch.dtype | None,
+        ops: DeviceOps | None,
+        bias_loader: WeightLoader | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops or default_ops(params_dtype)
+        self.weight = nn.Parameter(torch.empty(out_rows, in_cols, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
+        self.int8_quantizable = True
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_rows, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = bias_loader or self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
+        raise NotImplementedError  # (each subclass shards its own way)
+
+
+class ReplicatedLinear(LinearBase):
     """A full (unsharded) linear; used where every rank needs the whole result."""
 
     def __init__(
@@ -109,28 +138,19 @@ class ReplicatedLinear(LinearWeightLayer):
         params_dtype: torch.dtype | None = None,
         ops: DeviceOps | None = None,
     ) -> None:
-        super().__init__()
-        self.ops = ops or default_ops(params_dtype)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
-        self.int8_quantizable = True
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
-            self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+        super().__init__(out_features, in_features, bias, params_dtype, ops, bias_loader=replicated_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
+        self.drop_plan()  # the device's plan read the old values
         check_shape(name, weight.shape, param.shape)
         if not self.quant_shards.take(weight, 0, 0, param.shape[0], 0):
             replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, self.plan)
 
 
-class ColumnParallelLinear(LinearWeightLayer):
+class ColumnParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's output rows split over ranks; the output stays sharded.
 
     ``output_sizes`` lists the logical sub-matrices stacked along the output dim (e.g.
@@ -150,25 +170,15 @@ class ColumnParallelLinear(LinearWeightLayer):
         local_sizes: Sequence[int] | None = None,
         ops: DeviceOps | None = None,
     ) -> None:
-        super().__init__()
-        self.ops = ops or default_ops(params_dtype)
+        if local_sizes is None:
+            local_sizes = [divide(s, tp_size, "output features") for s in output_sizes]
+        super().__init__(sum(local_sizes), in_features, bias, params_dtype, ops)  # (the bias shards as the rows)
         self.in_features = in_features
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.output_sizes = list(output_sizes)
-        if local_sizes is None:
-            local_sizes = [divide(s, tp_size, "output features") for s in self.output_sizes]
         self.local_sizes = list(local_sizes)
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
-        out_local = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=params_dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
-        self.int8_quantizable = True
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def _shard_range(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, start row in the full sub-matrix, number of rows)."""
@@ -185,7 +195,7 @@ class ColumnParallelLinear(LinearWeightLayer):
             for part, (start, size) in enumerate(zip(starts, self.output_sizes)):
                 self.weight_loader(param, WeightRows(weight, start, size), name, part)
             return
-        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
+        self.drop_plan()  # the device's plan read the old values
         shard = int(shard_id or 0)
         full_rows = self.output_sizes[shard]
         expected = (full_rows, self.in_features) if param.dim() == 2 else (full_rows,)
@@ -196,7 +206,7 @@ class ColumnParallelLinear(LinearWeightLayer):
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, self.plan)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -260,7 +270,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.local_sizes[1]
 
 
-class RowParallelLinear(LinearWeightLayer):
+class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's input columns split over ranks; partial sums are all-reduced.
 
     The input must already be sharded along its last dim (it comes from a column-parallel
@@ -279,31 +289,23 @@ class RowParallelLinear(LinearWeightLayer):
         ops: DeviceOps | None = None,
         reduce_results: bool = True,
     ) -> None:
-        super().__init__()
-        self.ops = ops or default_ops(params_dtype)
+        in_local = divide(in_features, tp_size, "input features")
+        super().__init__(out_features, in_local, bias, params_dtype, ops, bias_loader=replicated_weight_loader)
         self.reduce_results = reduce_results
         self.in_features = in_features
         self.out_features = out_features
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.in_local = divide(in_features, tp_size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=params_dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant_shards = PendingShards()  # blocks kept quantized (runtime.engine.quant.loading)
-        self.int8_quantizable = True
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
-            self.bias.weight_loader = replicated_weight_loader  # type: ignore[attr-defined]
+        self.in_local = in_local
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        self.ops.weight_loaded(dense_weight(self))  # the device drops any copy of the old values
+        self.drop_plan()  # the device's plan read the old values
         check_shape(name, weight.shape, (self.out_features, self.in_features))
         if not self.quant_shards.take(weight, 1, self.tp_rank * self.in_local, self.in_local, 0):
             copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.linear(x, self.weight, None)
+        out = self.ops.linear(x, self.weight, None, self.plan)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out if self.bias is None else out + self.bias

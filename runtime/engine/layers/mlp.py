@@ -54,4 +54,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        return self.down_proj(self._act_and_mul(gate_up.ops, x, gate_up.weight, gate_up.bias))
+        return self.down_proj(self._act_and_mul(gate_up.ops, x, gate_up.weight, gate_up.bias, gate_up.plan))

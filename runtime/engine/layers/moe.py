@@ -34,6 +34,7 @@ from runtime.engine.layers.mlp import GatedMLP
 from runtime.engine.model_config import ModelConfig, MoeConfig
 from runtime.engine.ops import DeviceOps
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight
+from runtime.engine.ops.linear_weights import WeightPlan
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> ExpertRouting:
@@ -107,6 +108,10 @@ class SparseMoeMLP(ExpertLayer):
     def expert_weights(self, expert: int) -> tuple[ExpertWeight, ExpertWeight]:
         mlp = self._by_id[expert]
         return mlp.gate_up_proj.weight, mlp.down_proj.weight
+
+    def expert_plans(self, expert: int) -> tuple[WeightPlan | None, WeightPlan | None]:
+        mlp = self._by_id[expert]
+        return mlp.gate_up_proj.plan, mlp.down_proj.plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ops.moe_experts(x, route(self.gate(x), self.moe), self)

@@ -14,8 +14,9 @@ What a model owes:
 - ``checkpoint_targets``: every checkpoint tensor name it needs -> (parameter, shard id), so a
   missing tensor is named before serving starts; ``load_weights`` fills them (given here once for
   every model: each parameter's own ``weight_loader`` does the sharding);
-- ``decode_weights``: each decoder layer as a device's whole-layer kernels read it, or None when
-  its layers have no such form (the device then never runs them in one call);
+- ``decoder_layers``: its decoder layers in order, each declaring what it is made of
+  (``runtime.engine.ops.layer_stack.LayerDescription``), for a device's whole-layer kernels (none,
+  the default: the device never runs them in one call);
 - ``run_layers``: the decoder layers one by one, what a layer stack falls back to.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.forward_batch import ForwardBatch
 from runtime.engine.layers.linear import LazyWeight, replicated_weight_loader
 from runtime.engine.model_config import ModelConfig
-from runtime.engine.ops import DecoderLayerWeights, LayerStack, RopeInputs
+from runtime.engine.ops import LayerStack, RopeInputs
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,11 @@ class CausalLM(nn.Module, abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
 
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
-        """Each decoder layer as a device's whole-layer kernels read it; None (the default): this
-        model's layers are not of that form."""
-        return None
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        """The decoder layers in order, for a device's whole-layer kernels, which take a layer only
+        where its own class declares what it is (``ops.layer_stack.declared_description``). None
+        (the default): a model that declares nothing never runs in one call."""
+        return ()
 
     def checkpoint_name(self, name: str) -> str:
         """The target name of checkpoint tensor ``name`` (a family whose checkpoints nest the model

@@ -15,11 +15,14 @@ What differs from Llama, and where each difference lives:
   give its windowed layers their own RoPE (Gemma 3): ``GemmaModel.run_layers`` hands each layer its
   type's rotary inputs.
 
-The layers have four norms, not the pre-norm form the CPU's one-call decode stack reads, so
-``decode_weights`` says so and the layers run one by one on every device.
+Each layer declares what it is (``GemmaDecoderLayer.describe``: four norms, Gemma's norm form and
+activation, any soft-cap and window), and a device's whole-layer kernels take only the choices they
+implement: the CPU's one-call decode stack implements none of these, so the layers run one by one.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +32,8 @@ from runtime.engine.layers.choices import norm_layer
 from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from runtime.engine.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs
+from runtime.engine.ops import DeviceOps, LayerStack, RopeInputs
+from runtime.engine.ops.layer_stack import LayerDescription
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -56,8 +60,9 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
-    def decode_weights(self) -> DecoderLayerWeights:
-        raise NotImplementedError("a Gemma layer has no pre-norm DecoderLayerWeights form")
+    def describe(self) -> LayerDescription:
+        """The Llama layer's description with Gemma's four norms per layer (the sandwich placement)."""
+        return replace(LlamaDecoderLayer.describe(self), norm_placement="sandwich")
 
 
 class GemmaModel(LlamaModel):
@@ -108,6 +113,3 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
-        return None  # four norms per layer: not the record's pre-norm form

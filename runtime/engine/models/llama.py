@@ -16,6 +16,8 @@ layer at construction.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -30,6 +32,7 @@ from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM, CheckpointTargets
 from runtime.engine.ops import DecoderLayerWeights, DeviceOps, LayerStack, RopeInputs, default_ops
+from runtime.engine.ops.layer_stack import LayerDescription
 
 # checkpoint sub-module name -> (our merged module name, shard id)
 _STACKED: dict[str, tuple[str, object]] = {
@@ -126,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, layer_id, tp_rank, tp_size, dtype, ops)
         self.input_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
         self.post_attention_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
-        self.norm_form, self.rope_style = config.norm, config.rope_style
+        self.norm_form, self.rope_style, self.rotary_dim = config.norm, config.rope_style, config.rotary_dim
 
     def make_mlp(
         self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
@@ -174,34 +177,48 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         return self.self_attn(rope, hidden, batch, backend), residual
 
+    def describe(self) -> LayerDescription:
+        """What this layer computes (``runtime.engine.ops.layer_stack``): pre-norm, a dense gated MLP,
+        the family's choices of norm form, activation, rope style and share, q/k norm per head,
+        soft-cap and window as its config made them."""
+        attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, GatedMLP), "a dense layer's MLP (a sparse layer's class declares its own)"
+        return LayerDescription(
+            norm=self.norm_form,
+            norm_placement="pre",
+            activation=mlp.activation,
+            mlp="dense",
+            rope_style=self.rope_style,
+            rotary_dim=self.rotary_dim,
+            head_dim=attn.head_dim,
+            qk_norm="head" if attn.q_norm is not None else None,
+            attn_softcap=attn.spec.logit_softcap,
+            window=attn.spec.sliding_window,
+            qkv_bias=attn.qkv_proj.bias is not None,
+            o_bias=attn.o_proj.bias is not None,
+            mlp_bias=mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None,
+        )
+
     def decode_weights(self) -> DecoderLayerWeights:
-        """This layer's tensors and shapes for a device's whole-layer kernels (the CPU's one-call
-        decode stack, ``runtime.engine.cpu.decode_layers``): what ``forward`` computes with, named."""
+        """This layer's tensors and linears for a device's whole-layer kernels (the CPU's one-call
+        decode stack, ``runtime.engine.cpu.decode_layers``), asked once the device accepted its
+        ``describe()``: what ``forward`` computes with, named."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "only a dense layer has the record's form"
         return DecoderLayerWeights(
+            description=self.describe(),
             input_norm=self.input_layernorm.weight,
             input_norm_eps=self.input_layernorm.eps,
             post_norm=self.post_attention_layernorm.weight,
             post_norm_eps=self.post_attention_layernorm.eps,
-            qkv=attn.qkv_proj.weight,
-            qkv_bias=attn.qkv_proj.bias,
-            o=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
-            gate_up=mlp.gate_up_proj.weight,
-            gate_up_bias=mlp.gate_up_proj.bias,
-            down=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
+            qkv=attn.qkv_proj,
+            o=attn.o_proj,
+            gate_up=mlp.gate_up_proj,
+            down=mlp.down_proj,
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
             scaling=attn.spec.scaling,
-            sliding_window=attn.spec.sliding_window,
-            qk_norm=attn.q_norm is not None,
             tp_size=attn.qkv_proj.tp_size,
-            activation=mlp.activation,
-            norm=self.norm_form,
-            rope_style=self.rope_style,
         )
 
 
@@ -305,10 +322,10 @@ class LlamaForCausalLM(CausalLM):
 
     # ---- a device's layer stack (DeviceOps.layer_stack) -------------------------------
 
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
-        """Every decoder layer's ``decode_weights``, in order (asked once per description of the
-        stack, not per step)."""
-        return [self._layer(i).decode_weights() for i in range(len(self.model.layers))]
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        """The decoder layers in order; each declares what it is (``LlamaDecoderLayer.describe``, or
+        its subclass's own declaration: one that declares nothing is never run in one call)."""
+        return list(self.model.layers)
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend

@@ -13,6 +13,8 @@ them are counted once).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from runtime.engine.distributed import tensor_model_parallel_all_gather
@@ -21,6 +23,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaAttention
 from runtime.engine.models.qwen_moe import MoeDecoderLayer, MoeModel, QwenMoeForCausalLM
 from runtime.engine.ops import DeviceOps
+from runtime.engine.ops.layer_stack import LayerDescription
 
 
 class ProjectionRMSNorm(RMSNorm):
@@ -85,6 +88,12 @@ class OlmoeAttention(LlamaAttention):
 
 class OlmoeDecoderLayer(MoeDecoderLayer):
     attention_class = OlmoeAttention
+
+    def describe(self) -> LayerDescription:
+        """The sparse layer's description with OLMoE's q/k norms over the whole projection and its clamp."""
+        attn = self.self_attn
+        assert isinstance(attn, OlmoeAttention)
+        return replace(MoeDecoderLayer.describe(self), qk_norm="projection", qkv_clip=attn.clip)
 
 
 class OlmoeModel(MoeModel):

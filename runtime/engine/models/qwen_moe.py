@@ -7,8 +7,8 @@ sizes one) unless the config keeps it dense (``mlp_only_layers``, ``decoder_spar
 ``MoeConfig.sparse_layers``), in which case it is the dense gated MLP of ``intermediate_size``.
 Mixtral and OLMoE reuse these classes (``mixtral``, ``olmoe``).
 
-The sparse layers are not of the pre-norm dense form a device's one-call decode stack reads, so the
-layers run one by one on every device (each expert's projections still take the device's prepacked
+Each layer declares its MLP (``MoeDecoderLayer.describe``: routed experts, or dense); the CPU's
+one-call decode stack implements no routed experts, so a sparse model's layers run one by one (each expert's projections still take the device's prepacked
 or kept-quantized weights through ``DeviceOps.moe_experts``).
 """
 
@@ -20,7 +20,8 @@ from torch import nn
 from runtime.engine.layers.moe import SparseMoeMLP
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from runtime.engine.ops import DecoderLayerWeights, DeviceOps
+from runtime.engine.ops import DeviceOps
+from runtime.engine.ops.layer_stack import LayerDescription
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -33,6 +34,31 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             return SparseMoeMLP(config, tp_rank, tp_size, dtype, ops)
         return super().make_mlp(config, layer_id, tp_rank, tp_size, dtype, ops)
 
+    def describe(self) -> LayerDescription:
+        """A dense layer's description (``LlamaDecoderLayer.describe``), or for a sparse one the
+        routed experts: top-k, whether their weights are renormalised, a shared expert."""
+        mlp = self.mlp
+        if not isinstance(mlp, SparseMoeMLP):
+            return LlamaDecoderLayer.describe(self)
+        attn = self.self_attn
+        return LayerDescription(
+            norm=self.norm_form,
+            norm_placement="pre",
+            activation=mlp.activation,
+            mlp="experts",
+            rope_style=self.rope_style,
+            rotary_dim=self.rotary_dim,
+            head_dim=attn.head_dim,
+            qk_norm="head" if attn.q_norm is not None else None,
+            attn_softcap=attn.spec.logit_softcap,
+            window=attn.spec.sliding_window,
+            experts_top_k=mlp.moe.top_k,
+            experts_renormalize=mlp.moe.renormalize,
+            shared_expert=mlp.shared_expert is not None,
+            qkv_bias=attn.qkv_proj.bias is not None,
+            o_bias=attn.o_proj.bias is not None,
+        )
+
 
 class MoeModel(LlamaModel):
     layer_class = MoeDecoderLayer
@@ -42,6 +68,3 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE / Qwen3-MoE (see the module docstring)."""
 
     model_class = MoeModel
-
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
-        return None  # sparse MLPs: not the one-call stack's dense form

@@ -7,8 +7,9 @@ the device assumes (``platform``: memory defaults, CUDA graphs) and for the devi
 own way of running a model's decoder layers (``layer_stack``), never the device type.
 ``runtime.engine.ops.get_ops`` picks the implementation once per (device, dtype). The records
 handed across the seam have modules of their own: ``rope.py`` (one forward's rotary inputs),
-``layer_stack.py`` (what a device's whole-layer kernels read of a model) and ``experts.py`` (what its
-expert kernels read of a mixture-of-experts layer).
+``layer_stack.py`` (what a device's whole-layer kernels read of a model), ``linear_weights.py`` (a linear
+layer's weight and the device's plan for it) and ``experts.py`` (what its expert kernels read of a
+mixture-of-experts layer).
 """
 
 from __future__ import annotations
@@ -20,18 +21,10 @@ from torch import nn
 
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight
-
-
-class LinearWeightLayer(nn.Module):
-    """A layer whose ``weight`` multiplies activations through ``DeviceOps.linear`` /
-    ``float_linear`` (the linear layers and the LM head): the weights a device may keep its own
-    copy of (``prepare_model``). A marker base, so that a device finds them without importing
-    the layers (which import the device ops)."""
-
-    weight: nn.Parameter | QuantizedWeight  # (kept quantized: see runtime.engine.quant.loading)
 
 
 class DeviceOps(Protocol):
@@ -50,19 +43,15 @@ class DeviceOps(Protocol):
         ...
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Device-specific copies of the loaded weights (call after every full load). The device ops own
-        those copies (the CPU's hang off the weight tensors they copy); a layer never sees them."""
+        """The device's plan for every ``LinearWeightLayer``'s loaded weight (call after every full
+        load): set as the layer's ``plan``, which the layer owns and drops when its weight is written
+        again (``runtime.engine.ops.linear_weights``)."""
         ...
 
     def graph_safe(self, model: nn.Module) -> bool:
         """Whether ``model``'s decode forward asks nothing of this device that a CUDA graph cannot
         capture (a host read of routing, as an expert loop makes); the model runner captures no graph
         otherwise."""
-        ...
-
-    def weight_loaded(self, weight: torch.Tensor) -> None:
-        """``weight``'s values were just (re)written by its layer's loader: drop any device copy of
-        it (``prepare_model`` makes them again)."""
         ...
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
@@ -76,9 +65,13 @@ class DeviceOps(Protocol):
         ...
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` (through the device's copy of ``weight`` where it keeps one);
+        """``F.linear(x, weight, bias)`` (run as the device's ``plan`` for ``weight`` says, where it made one);
         a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
         the kernel's quantization of ``x``."""
         ...
@@ -88,7 +81,9 @@ class DeviceOps(Protocol):
         dequantized."""
         ...
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def float_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+    ) -> torch.Tensor:
         """``linear(x, weight, None).float()`` (the LM head's fp32 logits), where a device can write
         the fp32 result directly."""
         ...
@@ -116,7 +111,11 @@ class DeviceOps(Protocol):
         ...
 
     def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
         """``silu_and_mul(linear(x, weight, bias))`` (a gated MLP's merged gate/up projection), in
         one pass where a device can fuse the two."""

@@ -17,12 +17,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.quant.weight import QuantizedWeight
 
 ExpertWeight = torch.Tensor | QuantizedWeight
-# ``act(gate) * up`` of ``linear(x, weight, bias)`` through the given device ops (the first argument, a
-# ``DeviceOps``): a gated MLP's activation choice (``runtime.engine.layers.choices``)
-ExpertActivation = Callable[[Any, torch.Tensor, ExpertWeight, "torch.Tensor | None"], torch.Tensor]
+# ``act(gate) * up`` of ``linear(x, weight, bias, plan)`` through the given device ops (the first argument,
+# a ``DeviceOps``): a gated MLP's activation choice (``runtime.engine.layers.choices``)
+ExpertActivation = Callable[[Any, torch.Tensor, ExpertWeight, "torch.Tensor | None", "WeightPlan | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,4 +48,9 @@ class ExpertLayer(nn.Module):
     def expert_weights(self, expert: int) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up, down)`` of local expert ``expert`` (a global id): ``[2 * I, H]`` with the gate
         rows first, and ``[H, I]``; dense or kept quantized, read at call time (loading may swap them)."""
+        raise NotImplementedError
+
+    def expert_plans(self, expert: int) -> tuple[WeightPlan | None, WeightPlan | None]:
+        """The device's plans for ``expert_weights(expert)`` (``DeviceOps.prepare_model`` made them on
+        the experts' linear layers), to hand back with each product."""
         raise NotImplementedError

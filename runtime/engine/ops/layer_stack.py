@@ -1,62 +1,100 @@
 """What a device's whole-layer kernels (the CPU's one-call decode stack) read of a model, and
 what the model runner hands a model's forward: the layer stack.
 
-A model describes each decoder layer in a ``DecoderLayerWeights`` record (the pre-norm layer the
-Llama-style families share, with its layer choices named) or says its layers have no such form;
-the device never reads a model's attribute names.
+Each decoder layer class declares what it is made of (``LayerDescription``: norm form and placement,
+activation, MLP kind, attention soft-cap, q/k norm and its span, rotary style and share, window,
+biases) in a ``describe`` method of its own class; a device's whole-layer kernels run a layer iff
+they implement every declared choice (decided in one place by the device, from this data). A layer
+whose class declares nothing, a subclass that changes a layer without declaring what it is now
+included (``declared_description`` reads only the layer's own class), never runs in one call. A
+layer the kernels take then names its tensors in a ``DecoderLayerWeights`` record; the device never
+reads a model's attribute names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.ops.rope import RopeInputs
-from runtime.engine.quant.weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class LayerDescription:
+    """What one decoder layer computes, as data (each field a choice some family makes)."""
+
+    norm: str  # the norm form (runtime.engine.layers.choices: "rms", "rms_unit_offset")
+    norm_placement: str  # "pre": input and post-attention norms; "sandwich": Gemma's four per layer
+    activation: str  # the gated MLP's (or the experts') activation
+    mlp: str  # "dense" (one gated MLP) or "experts" (a routed sparse MLP)
+    rope_style: str  # how q and k rotate ("neox": the two halves of the rotary dims)
+    rotary_dim: int  # the dims of each head that rotate (its share of head_dim)
+    head_dim: int
+    qk_norm: str | None = None  # None, "head" (each head's q and k), "projection" (the whole q / k: OLMoE)
+    qkv_clip: float | None = None  # q, k, v clamped to +-clip after the norms (OLMoE's clip_qkv)
+    attn_softcap: float | None = None  # attention scores soft-capped (Gemma 2)
+    window: int | None = None  # the layer attends within this many keys (None: all)
+    experts_top_k: int = 0  # "experts": each token's experts ...
+    experts_renormalize: bool = False  # ... with their weights divided by their sum
+    shared_expert: bool = False  # "experts": an always-on expert beside the routed ones (Qwen2-MoE)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+
+def declared_description(layer: object) -> LayerDescription | None:
+    """``layer.describe()`` where the layer's own class declares it (defines ``describe`` itself),
+    else None: a subclass inherits no declaration, so one that changes what a layer computes and
+    says nothing is never taken for its parent by a device's whole-layer kernels."""
+    describe = type(layer).__dict__.get("describe")
+    return describe(layer) if callable(describe) else None
 
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
-    """One pre-norm decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a device's
-    whole-layer kernels read it: the layer's own parameters (owned, and loaded, by the layer; the
-    record only names them), shapes and layer choices, made by the model (``CausalLM.decode_weights``)
-    so that a device never reads a model's attribute names."""
+    """One pre-norm dense decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a
+    device's whole-layer kernels read it: its declared description, the layer's own parameters and
+    linear layers (owned, and loaded, by the layer; the record only names them: a linear's weight
+    and the device's plan for it are read from the layer when the device describes the stack) and
+    shapes, made by the layer (``decode_weights``) so that a device never reads attribute names."""
 
+    description: LayerDescription
     input_norm: torch.Tensor  # [hidden]
     input_norm_eps: float
     post_norm: torch.Tensor  # [hidden]
     post_norm_eps: float
-    # the linears' weights: dense, or kept quantized (runtime.engine.quant)
-    qkv: torch.Tensor | QuantizedWeight  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor | QuantizedWeight  # [hidden, q_heads * head_dim]
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor | QuantizedWeight  # [2 * inter, hidden]: gate rows first
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | QuantizedWeight  # [hidden, inter]
-    down_bias: torch.Tensor | None
+    qkv: LinearWeightLayer  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
+    o: LinearWeightLayer  # [hidden, q_heads * head_dim]
+    gate_up: LinearWeightLayer  # [2 * inter, hidden]: gate rows first
+    down: LinearWeightLayer  # [hidden, inter]
     num_heads: int  # query heads (on this rank)
     num_kv_heads: int
-    head_dim: int
     scaling: float  # attention's softmax scale
-    sliding_window: int | None  # None: full attention
-    qk_norm: bool  # per-head RMSNorm of q and k before rotary
     tp_size: int  # ranks the layer's linears are split over
-    # The family's layer choices (runtime.engine.layers.choices): a device's kernels take the
-    # layers whose choices they implement and leave the others to the layers one by one.
-    activation: str
-    norm: str
-    rope_style: str
+
+    @property
+    def linears(self) -> tuple[LinearWeightLayer, LinearWeightLayer, LinearWeightLayer, LinearWeightLayer]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class DescribedLayer(Protocol):
+    """A decoder layer a device's whole-layer kernels may take: its description, and its record
+    (asked only after the device accepted the description)."""
+
+    def describe(self) -> LayerDescription: ...
+
+    def decode_weights(self) -> DecoderLayerWeights: ...
 
 
 class DecoderStackModel(Protocol):
-    """What a device's layer stack needs of a model: its layers' weights (None: its layers are not
-    of the record's form, and the stack always runs them one by one), and running the layers one
-    by one (for the forwards the stack does not take)."""
+    """What a device's layer stack needs of a model: its decoder layers in order (none: the stack
+    always runs them one by one through the model), and running the layers one by one (for the
+    forwards the stack does not take)."""
 
-    def decode_weights(self) -> list[DecoderLayerWeights] | None: ...
+    def decoder_layers(self) -> Sequence[Any]: ...
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any

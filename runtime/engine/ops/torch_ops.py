@@ -19,6 +19,7 @@ from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cuda.memory import CUDA_PLATFORM
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
+from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight, embedding_rows, reference_linear
@@ -44,9 +45,6 @@ class TorchOps:
         # the expert loop reads each layer's routing on the host
         return not any(isinstance(m, ExpertLayer) for m in model.modules())
 
-    def weight_loaded(self, weight: torch.Tensor) -> None:
-        return None  # no device copies
-
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
@@ -54,7 +52,11 @@ class TorchOps:
         return {"ops": self.name, "summary": f"{self.name} ops: plain torch"}
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return reference_linear(x, weight, bias)
@@ -65,13 +67,19 @@ class TorchOps:
             return embedding_rows(ids, weight, dtype)
         return F.embedding(ids, weight)
 
-    def float_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        return self.linear(x, weight, None).float()
+    def float_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+    ) -> torch.Tensor:
+        return self.linear(x, weight, None, plan).float()
 
     def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None,
+        plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        return self.silu_and_mul(self.linear(x, weight, bias))
+        return self.silu_and_mul(self.linear(x, weight, bias, plan))
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -118,9 +126,10 @@ class TorchOps:
             if count == 0 or expert not in experts.local_experts:
                 continue
             gate_up, down = experts.expert_weights(expert)
+            gate_up_plan, down_plan = experts.expert_plans(expert)
             tokens = pairs // top_k
-            hidden = experts.act_and_mul(self, x.index_select(0, tokens), gate_up, None)
-            weighted = self.linear(hidden, down, None) * flat_weights.index_select(0, pairs).unsqueeze(1)
+            hidden = experts.act_and_mul(self, x.index_select(0, tokens), gate_up, None, gate_up_plan)
+            weighted = self.linear(hidden, down, None, down_plan) * flat_weights.index_select(0, pairs).unsqueeze(1)
             out.index_add_(0, tokens, weighted.to(x.dtype))
         return out
 
@@ -134,8 +143,9 @@ class TorchOps:
             if ids[choice] not in experts.local_experts:
                 continue
             gate_up, down = experts.expert_weights(ids[choice])
-            hidden = experts.act_and_mul(self, x, gate_up, None)
-            out.add_((self.linear(hidden, down, None) * weights[choice]).to(x.dtype))
+            gate_up_plan, down_plan = experts.expert_plans(ids[choice])
+            hidden = experts.act_and_mul(self, x, gate_up, None, gate_up_plan)
+            out.add_((self.linear(hidden, down, None, down_plan) * weights[choice]).to(x.dtype))
         return out
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -6,8 +6,8 @@
   other types (F32, F16, the rarer quants) load dense as before. Every weight of a layer is kept,
   the token embedding (rows dequantized as they are looked up) and a tied LM head with it.
 - ``gguf_dual``: the same blocks, and the dense values beside them (dequantized from the blocks, as
-  the dense load makes them): the blocks hang off each dense weight (``attach_blocks``) and are a
-  sub-module of its layer (``weight_blocks``, so the model's buffers count them). A decode step of
+  the dense load makes them): the blocks are a sub-module of the weight's layer (``weight_blocks``,
+  so the model's buffers count them; a tied LM head reads its embedding's, ``quant.weight.weight_blocks``). A decode step of
   few rows reads the blocks (a fraction of the bytes), a prefill or a loaded batch the dense values
   (no dequantization per product): both at the memory of both.
 - ``int8`` / ``w8a8_int8``: every linear layer's weight (not the embedding or an untied LM head,
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.quant.weight import QuantizedWeight, attach_blocks, cat_rows, quantize_int8, zero_rows
+from runtime.engine.ops.linear_weights import LinearWeightLayer
+from runtime.engine.quant.weight import QuantizedWeight, cat_rows, quantize_int8, zero_rows
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def finish_loading(model: nn.Module, method: str | None) -> None:
         if tied is not None:
             if isinstance(tied.weight, QuantizedWeight):
                 _replace(module, tied.weight)
-            continue  # (gguf_dual: the tied weight is the same tensor, its blocks hang off it already)
+            continue  # (gguf_dual: the same tensor; the head reads its embedding's blocks, weight_blocks)
         quantized = _stacked(module, pending)
         if quantized is None and method in INT8_METHODS and getattr(module, "int8_quantizable", False):
             quantized = quantize_int8(dense_weight(module))
@@ -189,9 +190,7 @@ def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | Non
 def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:
     """``module.weight`` becomes ``quantized`` (a sub-module: its buffers are the model's); the dense
     parameter is dropped (its memory freed once no other module shares it)."""
-    ops = getattr(module, "ops", None)
-    if ops is not None and isinstance(module.weight, torch.Tensor):
-        ops.weight_loaded(module.weight)  # drop any device copy of the dense values
+    _drop_plan(module)  # the device's plan was for the dense values
     del module.weight
     module.weight = quantized
 
@@ -202,11 +201,16 @@ def _attach(module: nn.Module, quantized: QuantizedWeight) -> None:
     weight = dense_weight(module)
     with torch.no_grad():
         weight.data.copy_(quantized.dequantize())
-    ops = getattr(module, "ops", None)
-    if ops is not None:
-        ops.weight_loaded(weight)  # drop any device copy made of the values before
+    _drop_plan(module)  # the device's plan was made of the values before, without the blocks
     module.weight_blocks = quantized  # (a sub-module: its buffers are the model's)
-    attach_blocks(weight, quantized)
+
+
+def _drop_plan(module: nn.Module) -> None:
+    """Drop the device's plan for ``module``'s weight (a linear layer's, or a tied LM head's through
+    its embedding's loader), whose values or form just changed."""
+    for layer in (module, getattr(module, "tied_head", None)):
+        if isinstance(layer, LinearWeightLayer):
+            layer.drop_plan()
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:

@@ -103,19 +103,15 @@ class QuantizedWeight(nn.Module):
         return f"{self.source} as {self.kind}, shape {self.shape}, {self.nbytes()} bytes"
 
 
-# The attribute of a dense weight that holds its blocks too (``--quantization gguf_dual``): decode
-# steps of few rows read the blocks, larger products the dense values (runtime.engine.cpu.ops).
-_BLOCKS = "_tinyserve_blocks"
-
-
-def attach_blocks(weight: torch.Tensor, blocks: QuantizedWeight) -> None:
-    """Hang ``blocks`` (the same values, kept quantized) off the dense ``weight``."""
-    setattr(weight, _BLOCKS, blocks)
-
-
-def blocks_of(weight: object) -> QuantizedWeight | None:
-    """The blocks hung off a dense weight by ``attach_blocks``, else None."""
-    return getattr(weight, _BLOCKS, None) if isinstance(weight, torch.Tensor) else None
+def weight_blocks(layer: nn.Module) -> QuantizedWeight | None:
+    """A layer's blocks kept beside its dense weight (``--quantization gguf_dual``: its
+    ``weight_blocks`` sub-module, or for a tied LM head its embedding's), else None. Decode steps of
+    few rows read them, larger products the dense values (the device's plan decides)."""
+    blocks = layer._modules.get("weight_blocks")
+    if blocks is None:
+        tied = getattr(layer, "tied_to", None)
+        blocks = tied._modules.get("weight_blocks") if isinstance(tied, nn.Module) else None
+    return blocks if isinstance(blocks, QuantizedWeight) else None
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

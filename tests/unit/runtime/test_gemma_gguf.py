@@ -23,7 +23,7 @@ import torch
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.quant.weight import QuantizedWeight
 from tests.support.checkpoints import GEMMA_WINDOW, TinyCheckpoints, hf_greedy, random_prompt
 from tests.support.gguf_files import gguf_test_folder, reference_tensor, write_checkpoint_gguf

@@ -18,7 +18,7 @@ import torch
 from runtime.engine.cpu import attention_kernels_f32, decode_layers
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.quant.weight import QuantizedWeight, blocks_of, reference_linear
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf

@@ -1,0 +1,189 @@
+"""A model's decoder layers as the one-call decode stack's C code reads them (``describe_layers``),
+and what that C layer implements (``c_layer_declines``: the one place that decides it).
+
+The description is per model and kernel set, not per step: the set of kernels that runs the call
+(and so its dtype), the shapes, every layer's weight addresses as the layers' plans hold them
+(``runtime.engine.cpu.weight_plan``), made once from the layers' ``DecoderLayerWeights`` and again only
+when a plan it read was replaced. A layer whose declared description
+(``runtime.engine.ops.layer_stack.LayerDescription``) asks for a choice the C layer does not implement,
+or whose linears' plans do not all run on the set's kernels, gets None, and the model's steps run
+the layers one by one. ``decode_layers.py`` runs the steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu.weight_plan import (
+    QUANT_SETS,
+    STACK_DTYPES,
+    CpuWeightPlan,
+    KernelBand,
+    layer_plan,
+    stack_kernels,
+)
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
+from runtime.engine.quant.weight import QuantizedWeight
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    """csrc/decode_layers.c: DecodeLayer."""
+
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "post_norm",
+            "gate_up",
+            "down",
+            "k_pool",
+            "v_pool",
+            "k_t",
+            "v",
+            "prefix_k",
+            "prefix_v",
+        )
+    ]
+
+
+class _QuantWeight(ctypes.Structure):
+    """csrc/decode_layers.c: QuantWeight (a ``QuantizedWeight``'s tensors, as ``quant_linear_f32`` reads them)."""
+
+    _fields_ = [("kind", _i64), ("group", _i64), ("qs", _ptr), ("scales", _ptr), ("mins", _ptr)]
+
+
+_QUANT_KINDS = {"q8": 0, "q4": 1}  # csrc/quant_linear.c: kind
+# What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
+# dense silu-gated MLP, neox rotary halves over any share of the head, full attention, no q/k norm,
+# no clamp, no soft-cap, and a bias on the qkv projection only.
+C_ACTIVATIONS = ("silu", "swish")
+
+
+def c_layer_declines(description: LayerDescription) -> str | None:
+    """Why the C layer cannot compute a layer of this description (None: it computes it exactly as
+    the layer's forward does). The one place that decides which declared choices the C layer runs."""
+    checks = (
+        (description.norm == "rms", f"norm form {description.norm}"),
+        (description.norm_placement == "pre", f"{description.norm_placement} norms"),
+        (description.activation in C_ACTIVATIONS, f"activation {description.activation}"),
+        (description.mlp == "dense", f"{description.mlp} MLP"),
+        (description.rope_style == "neox", f"rope style {description.rope_style}"),
+        (description.rotary_dim <= description.head_dim, "rotary dims past the head"),
+        (description.qk_norm is None, f"q/k norm over the {description.qk_norm}"),
+        (description.qkv_clip is None, "a q/k/v clamp"),
+        (description.attn_softcap is None, "an attention soft-cap"),
+        (description.window is None, "a sliding window"),
+        (not description.o_bias and not description.mlp_bias, "biases past the qkv projection"),
+    )
+    return next((reason for ok, reason in checks if not ok), None)
+
+
+@dataclass
+class StackDescription:
+    """The per-model part of the call: the set of kernels (and so its dtype), the row counts every
+    layer's plans give that set, the shapes and every layer's weight addresses."""
+
+    kernels: str  # a key of decode_layers._ENTRY_POINTS
+    rows: range  # the step sizes whose every linear runs on the set's kernel
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+    layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
+    # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
+    quant: list[_QuantWeight] = field(default_factory=list, repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return STACK_DTYPES[self.kernels]
+
+
+def _linear_band(plan: CpuWeightPlan | None, kernels: str) -> KernelBand | None:
+    """The plan's band that the set ``kernels`` runs (None: the plan has none, or not on this CPU's copy)."""
+    if plan is None:
+        return None
+    band = plan.band_of("blocks" if kernels in QUANT_SETS else kernels)
+    return band if band is not None and stack_kernels(band, STACK_DTYPES[kernels]) == kernels else None
+
+
+def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
+    """The address the set's linear kernel reads for ``band``: the packed copy's, or for the quantized
+    sets a ``_QuantWeight`` describing the blocks (appended to ``quant``, which keeps it alive)."""
+    operand = band.operand
+    if not isinstance(operand, QuantizedWeight):
+        return band.address
+    mins = operand.mins
+    desc = _QuantWeight(
+        _QUANT_KINDS[operand.kind],
+        operand.group,
+        operand.qs.data_ptr(),
+        operand.scales.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+    )
+    quant.append(desc)
+    return ctypes.addressof(desc)
+
+
+def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDescription | None:
+    """The stack's ``StackDescription`` on the set ``kernels`` when the C call runs every layer exactly
+    as its forward would, else None."""
+    first = layers[0]
+    dtype = STACK_DTYPES[kernels]
+    q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.description.head_dim
+    hidden, inter = first.input_norm.shape[0], first.down.weight.shape[1]
+    eps, scale = first.input_norm_eps, first.scaling
+    group = q_heads // kv_heads
+    if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
+        return None
+    if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
+        return None
+    array = (_Layer * len(layers))()
+    quant: list[_QuantWeight] = []
+    rows = range(0, 1 << 62)
+    for layer, entry in zip(layers, array):
+        if layer.tp_size != 1 or c_layer_declines(layer.description) is not None or layer.scaling != scale:
+            return None
+        if (layer.num_heads, layer.num_kv_heads, layer.description.head_dim) != (q_heads, kv_heads, head_dim):
+            return None
+        norms = ((layer.input_norm, layer.input_norm_eps), (layer.post_norm, layer.post_norm_eps))
+        if any(
+            norm_eps != eps or norm.shape != (hidden,) or norm.dtype != dtype or not norm.is_contiguous()
+            for norm, norm_eps in norms
+        ):
+            return None
+        shapes = (
+            ((q_heads + 2 * kv_heads) * head_dim, hidden),
+            (hidden, q_heads * head_dim),
+            (2 * inter, hidden),
+            (hidden, inter),
+        )
+        bands = [_linear_band(layer_plan(linear), kernels) for linear in layer.linears]
+        if any(band is None for band in bands) or any(
+            tuple(linear.weight.shape) != shape for linear, shape in zip(layer.linears, shapes)
+        ):
+            return None
+        if kernels == "amx" and inter % 32:
+            return None  # (the fused AMX gate/up kernel's column blocks)
+        bias = layer.qkv.bias
+        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+            return None
+        for band in bands:
+            assert band is not None
+            rows = range(max(rows.start, band.rows.start), min(rows.stop, band.rows.stop))
+        entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+        entry.qkv, entry.o, entry.gate_up, entry.down = (_address(band, quant) for band in bands if band is not None)
+        entry.qkv_bias = bias.data_ptr() if bias is not None else None
+    return StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
