@@ -52,8 +52,9 @@ from runtime.checkpoints.hub import HubError
 from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
+from runtime.engine.config_reading import UnsupportedModelError
 from runtime.engine.kv_sizing import READY_NOTE_PREFIX, host_kv_pool, ready_note
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.protocol.child_process import configure_logging, recv_status, run_child, send_status
 
 logger = logging.getLogger("launch")

@@ -74,8 +74,8 @@ def main() -> None:
     from runtime.engine.cpu import kernels as cpu_kernels
     from runtime.engine.cpu.host_memory import keep_freed_memory_in_process
     from runtime.engine.layers.rotary import RotaryEmbedding
-    from runtime.engine.model_config import RopeConfig
     from runtime.engine.ops.torch_ops import TorchOps, rotate_half_
+    from runtime.engine.rope_config import RopeConfig
 
     torch.set_num_threads(1)
     keep_freed_memory_in_process()  # as CpuOps.prepare_process: outputs reuse freed blocks, no page faults

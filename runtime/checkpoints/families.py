@@ -46,7 +46,8 @@ QK_NORM_SPANS: tuple[str, ...] = ("head", "projection")
 @dataclass(frozen=True)
 class MoeKeys:
     """How a mixture-of-experts family's ``config.json`` describes its sparse MLP layers (read by
-    ``runtime.engine.model_config``; a config whose expert count is 0 is dense)."""
+    the mixtures' own config, ``runtime.engine.models.moe_config``; a config whose expert count is 0
+    is dense)."""
 
     experts_keys: tuple[str, ...]  # the number of routed experts: the first of these keys present
     expert_size_key: str  # each routed expert's intermediate size

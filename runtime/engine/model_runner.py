@@ -127,6 +127,7 @@ class ModelRunner:
         torch.manual_seed(random_seed)
 
         # ep_size: of the tp_size ranks, the groups that each hold whole experts (a mixture of experts)
+        self.ep_size = ep_size
         self.model_config = ModelConfig.from_pretrained(self.model_path, context_length=context_length, ep_size=ep_size)
         cfg = self.model_config
         self.context_len = cfg.context_len

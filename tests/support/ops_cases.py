@@ -8,8 +8,8 @@ import torch
 
 from memory.kv_pool import MHATokenToKVPool
 from runtime.engine.layers.rotary import RotaryEmbedding
-from runtime.engine.model_config import RopeConfig
 from runtime.engine.ops import DeviceOps, TorchOps
+from runtime.engine.rope_config import RopeConfig
 
 REFERENCE = TorchOps()
 LLAMA3_ROPE = RopeConfig(

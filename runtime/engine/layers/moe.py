@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.engine.config_reading import MoeConfig
 from runtime.engine.distributed import tensor_model_parallel_all_reduce
 from runtime.engine.layers.choices import GATED_ACTIVATIONS
 from runtime.engine.layers.linear import ReplicatedLinear
 from runtime.engine.layers.mlp import GatedMLP
-from runtime.engine.model_config import ModelConfig, MoeConfig
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight
 from runtime.engine.ops.linear_weights import WeightPlan
@@ -59,12 +60,13 @@ def _router(hidden_size: int, outputs: int, dtype: torch.dtype, ops: DeviceOps) 
 
 
 class SparseMoeMLP(ExpertLayer):
-    """A decoder layer's sparse MLP on one rank (see the module doc)."""
+    """A decoder layer's sparse MLP on one rank (see the module doc): ``moe`` says its experts and
+    routing (a mixture of experts' own config holds it), ``config`` its sizes and activation."""
 
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps) -> None:
+    def __init__(
+        self, config: ModelConfig, moe: MoeConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
+    ) -> None:
         super().__init__()
-        moe = config.moe
-        assert moe is not None, "a sparse MLP needs the model's MoeConfig"
         if tp_size % moe.ep_size:
             raise ValueError(f"--tp-size ({tp_size}) must be a multiple of --ep-size ({moe.ep_size})")
         self.moe, self.ops, self.tp_size = moe, ops, tp_size

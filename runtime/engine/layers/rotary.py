@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
-from runtime.engine.model_config import RopeConfig, longrope_switch_len
 from runtime.engine.ops.torch_ops import rotate_half_
+from runtime.engine.rope_config import RopeConfig, longrope_switch_len
 
 
 def rope_inv_freq(rotary_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:

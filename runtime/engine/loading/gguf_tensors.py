@@ -214,7 +214,7 @@ def iterate_gguf_weights(
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     norm_offset = BY_NAME[config.family].gguf_norm_offset
     for entry in tqdm(index.tensors, desc=f"Loading {index.file.name}", unit="tensor", disable=not progress):
-        tensors = list(_model_tensors(entry, names, wanted, config.moe is not None))
+        tensors = list(_model_tensors(entry, names, wanted, config.num_experts > 0))
         if not tensors:
             logger.debug("GGUF tensor %s is not used by this model", entry.name)
             continue

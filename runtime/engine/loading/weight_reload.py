@@ -58,6 +58,7 @@ class ReloadTarget(Protocol):
     ops: DeviceOps
     device: torch.device
     tp_size: int
+    ep_size: int  # --ep-size: a new config is read for the same split of the experts
     quantization: str | None
 
 
@@ -109,9 +110,7 @@ def check_reload(runner: ReloadTarget, folder: Path, load_format: str | None) ->
         raise WeightReloadError(f"{folder} holds {'GGUF' if gguf else 'safetensors'} weights, not {load_format}")
     current = runner.model_config
     try:
-        new = ModelConfig.from_pretrained(
-            folder, context_length=current.context_len, ep_size=current.moe.ep_size if current.moe else 1
-        )
+        new = ModelConfig.from_pretrained(folder, context_length=current.context_len, ep_size=runner.ep_size)
     except Exception as exc:
         raise WeightReloadError(f"cannot read the config of {folder}: {exc}") from None
     differs = config_difference(current, new)

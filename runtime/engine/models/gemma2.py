@@ -9,8 +9,9 @@ What differs from Llama, and where each difference lives:
 - the embeddings are scaled by sqrt(hidden) (rounded to the model's dtype first, as transformers
   does): ``GemmaModel.embed``;
 - the softmax scale is ``query_pre_attn_scalar ** -0.5`` and attention scores and final logits are
-  soft-capped (``ModelConfig.attn_logit_softcap`` / ``final_logit_softcap``): the attention layer's
-  spec carries the first (every backend applies it), ``Gemma2ForCausalLM.forward`` the second;
+  soft-capped (the family's own config, ``gemma_config.GemmaConfig``): ``GemmaAttention``'s spec
+  carries the scale and the first cap (every backend applies it), ``Gemma2ForCausalLM.forward`` the
+  second;
 - windowed and full layers alternate (the family's window rule in ``model_config``); a family may
   give its windowed layers their own RoPE (Gemma 3): ``GemmaModel.run_layers`` hands each layer its
   type's rotary inputs.
@@ -31,13 +32,29 @@ from runtime.engine.forward_batch import ForwardBatch
 from runtime.engine.layers.choices import norm_layer
 from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import ModelConfig
-from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from runtime.engine.models.gemma_config import GemmaConfig
+from runtime.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from runtime.engine.ops import DeviceOps, LayerStack, RopeInputs
 from runtime.engine.ops.layer_stack import LayerDescription
 
 
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's softmax scale and attention-score soft-cap in its spec."""
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
+    ) -> None:
+        super().__init__(config, layer_id, tp_rank, tp_size, dtype, ops)
+        gemma = config.family_config_as(GemmaConfig)
+        self.spec = replace(
+            self.spec, scaling=gemma.attention_scaling(config.head_dim), logit_softcap=gemma.attn_logit_softcap
+        )
+
+
 class GemmaDecoderLayer(LlamaDecoderLayer):
     """The Llama layer with Gemma's extra norms around attention and MLP outputs."""
+
+    attention_class = GemmaAttention
 
     def __init__(
         self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
@@ -74,10 +91,11 @@ class GemmaModel(LlamaModel):
         super().__init__(config, tp_rank, tp_size, dtype, ops)
         # sqrt(hidden) as transformers applies it: an fp32 value rounded to the model's dtype
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype))
-        self.local_layers = config.local_layers or (False,) * config.num_hidden_layers
+        gemma = config.family_config_as(GemmaConfig)
+        self.local_layers = gemma.local_layers
         self.rotary_local: RotaryEmbedding | None = None
-        if config.rope_local is not None:
-            self.rotary_local = RotaryEmbedding(config.head_dim, config.context_len, config.rope_local)
+        if gemma.rope_local is not None:
+            self.rotary_local = RotaryEmbedding(config.head_dim, config.context_len, gemma.rope_local)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
@@ -109,7 +127,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """fp32 logits at ``batch.logit_rows()``, soft-capped where the config says
         (``cap * tanh(logits / cap)``, the operations transformers does)."""
         logits = super().forward(batch, backend, layer_stack)
-        cap = self.config.final_logit_softcap
+        cap = self.config.family_config_as(GemmaConfig).final_logit_softcap
         if cap is None:
             return logits
         return torch.tanh(logits / cap) * cap

@@ -4,7 +4,7 @@ multimodal ``Gemma3ForConditionalGeneration`` checkpoints, 4B and up): the Gemma
 - per-head q/k norms of Gemma's unit-offset form before RoPE (the family table's ``qk_norm``);
 - five windowed layers to each full one (the family's window rule, or the config's
   ``layer_types`` / ``sliding_window_pattern``), the windowed ones with their own RoPE base
-  (``rope_local_base_freq``, ``ModelConfig.rope_local``) and the full ones with the config's
+  (``rope_local_base_freq``, ``GemmaConfig.rope_local``) and the full ones with the config's
   scaling, if any;
 - no soft-capping by default (the config's ``final_logit_softcapping`` / ``attn_logit_softcapping``
   are honoured where set).

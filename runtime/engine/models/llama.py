@@ -89,9 +89,8 @@ class LlamaAttention(nn.Module):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=config.head_dim,
-            scaling=config.attention_scaling,
+            scaling=config.head_dim**-0.5,  # (a family may scale otherwise: Gemma's attention)
             sliding_window=config.layer_windows[layer_id] if config.layer_windows else None,
-            logit_softcap=config.attn_logit_softcap,
         )
 
     def forward(

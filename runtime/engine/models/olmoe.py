@@ -3,7 +3,8 @@
 Every layer is sparse; the top-k weights are not renormalised unless ``norm_topk_prob`` says so (the
 family table's ``MoeKeys``). Its attention differs from Llama's in two ways, both before RoPE: q and
 k are each RMS-normed over the whole projection (every head's dims together: ``q_norm`` has
-``num_heads * head_dim`` weights), and q, k and v may be clamped to ``+-clip_qkv`` after that.
+``num_heads * head_dim`` weights), and q, k and v may be clamped to ``+-clip_qkv`` after that
+(the family's own config, ``olmoe_config.OlmoeConfig``).
 
 Under tensor parallelism a rank holds only some heads, so the norm gathers the rank's q (or k)
 from every rank, norms the whole projection with the full weight and keeps this rank's part: the
@@ -21,6 +22,7 @@ from runtime.engine.distributed import tensor_model_parallel_all_gather
 from runtime.engine.layers.norm import RMSNorm
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaAttention
+from runtime.engine.models.olmoe_config import OlmoeConfig
 from runtime.engine.models.qwen_moe import MoeDecoderLayer, MoeModel, QwenMoeForCausalLM
 from runtime.engine.ops import DeviceOps
 from runtime.engine.ops.layer_stack import LayerDescription
@@ -69,7 +71,7 @@ class OlmoeAttention(LlamaAttention):
         self.k_norm = ProjectionRMSNorm(
             config, config.num_key_value_heads * d, kv_local, tp_size, kv_replicas, dtype, ops
         )
-        self.clip = config.clip_qkv
+        self.clip = config.family_config_as(OlmoeConfig).clip_qkv
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]

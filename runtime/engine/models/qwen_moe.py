@@ -4,12 +4,14 @@ Each family's attention is its dense sibling's (Qwen2-MoE: q/k/v biases; Qwen3-M
 norms, read from the family table by the Llama attention). What is theirs: a layer's MLP is the
 sparse block (``runtime.engine.layers.moe``, with Qwen2-MoE's gated shared expert where the config
 sizes one) unless the config keeps it dense (``mlp_only_layers``, ``decoder_sparse_step``: read into
-``MoeConfig.sparse_layers``), in which case it is the dense gated MLP of ``intermediate_size``.
+``MoeConfig.sparse_layers`` by the families' own config, ``moe_config``), in which case it is the dense
+gated MLP of ``intermediate_size``.
 Mixtral and OLMoE reuse these classes (``mixtral``, ``olmoe``).
 
 Each layer declares its MLP (``MoeDecoderLayer.describe``: routed experts, or dense); the CPU's
-one-call decode stack implements no routed experts, so a sparse model's layers run one by one (each expert's projections still take the device's prepacked
-or kept-quantized weights through ``DeviceOps.moe_experts``).
+one-call decode stack implements no routed experts, so a sparse model's layers run one by one
+(each expert's projections still take the device's plans for their weights, prepacked or kept
+quantized, through ``DeviceOps.moe_experts``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from runtime.engine.layers.moe import SparseMoeMLP
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.ops import DeviceOps
 from runtime.engine.ops.layer_stack import LayerDescription
 
@@ -30,8 +33,9 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     def make_mlp(
         self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, dtype: torch.dtype, ops: DeviceOps
     ) -> nn.Module:
-        if config.moe is not None and config.moe.sparse_layers[layer_id]:
-            return SparseMoeMLP(config, tp_rank, tp_size, dtype, ops)
+        moe = config.family_config_as(MoeFamilyConfig).moe
+        if moe is not None and moe.sparse_layers[layer_id]:
+            return SparseMoeMLP(config, moe, tp_rank, tp_size, dtype, ops)
         return super().make_mlp(config, layer_id, tp_rank, tp_size, dtype, ops)
 
     def describe(self) -> LayerDescription:

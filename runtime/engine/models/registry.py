@@ -2,14 +2,17 @@
 
 The architectures a checkpoint may name, and which family each belongs to, are the family table's
 (``runtime.checkpoints.families``); this registry owns which implementation serves each family.
-A test keeps the two in step: every family has an implementation here and nothing else does.
+A test keeps the two in step: every family has an implementation here and nothing else does. The
+config half, which family reads keys of its own into which ``FamilyConfig``, is ``family_configs``
+(a table without torch: reading a config imports no model).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.config_reading import UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 
 # family name -> "module:class" (lazy: building one family never imports another's module)

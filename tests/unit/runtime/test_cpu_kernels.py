@@ -227,7 +227,7 @@ def test_merge_attention_reads_strided_operands() -> None:
 def test_rotary_in_place_is_bit_identical_to_torch(rotary_dim: int) -> None:
     """On the q and k heads of a fused qkv output (strided rows), including a partial rotary dim."""
     from runtime.engine.layers.rotary import RotaryEmbedding
-    from runtime.engine.model_config import RopeConfig
+    from runtime.engine.rope_config import RopeConfig
 
     torch.manual_seed(4)
     t, heads, kv_heads, d = 9, 4, 2, 64

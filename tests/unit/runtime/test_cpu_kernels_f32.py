@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.layers.rotary import RotaryEmbedding
-from runtime.engine.model_config import RopeConfig
+from runtime.engine.rope_config import RopeConfig
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every build this CPU runs (tests/conftest.py)
 

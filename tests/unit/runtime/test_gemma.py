@@ -19,6 +19,7 @@ import pytest
 from runtime.config.args import ServerArgs
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.models.gemma_config import GemmaConfig
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.scheduler import Scheduler
@@ -68,16 +69,17 @@ def test_gemma3_config_in_both_spellings(tiny_checkpoints: TinyCheckpoints, tmp_
     """transformers 5 writes per-layer-type RoPE and ``layer_types``; older Gemma 3 configs give
     ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``: the same model."""
     new = ModelConfig.from_pretrained(tiny_checkpoints.path("gemma3"))
+    gemma = new.family_config_as(GemmaConfig)
     assert new.layer_windows == (GEMMA_WINDOW, None, GEMMA_WINDOW)
-    assert new.rope_local is not None and new.local_layers == (True, False, True)
-    assert [(new.rope_local if local else new.rope).theta for local in new.local_layers] == [
+    assert gemma.rope_local is not None and gemma.local_layers == (True, False, True)
+    assert [(gemma.rope_local if local else new.rope).theta for local in gemma.local_layers] == [
         10000.0,
         1000000.0,
         10000.0,
     ]
     assert (new.rope.rope_type, new.rope.factor) == ("linear", 2.0)
     assert (new.hidden_act, new.norm, new.qk_norm) == ("gelu_pytorch_tanh", "rms_unit_offset", True)
-    assert new.attention_scaling == 32**-0.5
+    assert gemma.attention_scaling(new.head_dim) == 32**-0.5
     raw = {k: v for k, v in new.raw.items() if k not in ("rope_parameters", "layer_types")}
     old = ModelConfig.from_dict(
         {
@@ -91,17 +93,18 @@ def test_gemma3_config_in_both_spellings(tiny_checkpoints: TinyCheckpoints, tmp_
         tmp_path,
     )
     assert old.layer_windows == (16, 16, None, 16, 16, None, 16)
-    assert old.rope == new.rope and old.rope_local == new.rope_local
+    assert old.rope == new.rope and old.family_config_as(GemmaConfig).rope_local == gemma.rope_local
     default_pattern = ModelConfig.from_dict({**raw, "num_hidden_layers": 7}, tmp_path)
     assert default_pattern.layer_windows == (16,) * 5 + (None, 16)  # the family's five to one
 
 
 def test_gemma2_config_alternates_and_caps(tiny_checkpoints: TinyCheckpoints) -> None:
     config = ModelConfig.from_pretrained(tiny_checkpoints.path("gemma2"))
+    gemma = config.family_config_as(GemmaConfig)
     assert config.layer_windows == (GEMMA_WINDOW, None)
-    assert (config.attn_logit_softcap, config.final_logit_softcap) == (2.0, 3.0)
-    assert config.attention_scaling == 24**-0.5 and config.rope_local is None
-    assert config.local_layers == (True, False)
+    assert (gemma.attn_logit_softcap, gemma.final_logit_softcap) == (2.0, 3.0)
+    assert gemma.attention_scaling(config.head_dim) == 24**-0.5 and gemma.rope_local is None
+    assert gemma.local_layers == (True, False)
 
 
 def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tiny_checkpoints: TinyCheckpoints) -> None:
@@ -142,9 +145,11 @@ def test_a_released_multimodal_config_fills_what_its_text_config_leaves_out(tmp_
         34,
     )
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
-    assert config.attention_scaling == 256**-0.5 and config.vocab_size == 262208 and config.tie_word_embeddings
+    gemma = config.family_config_as(GemmaConfig)
+    assert gemma.attention_scaling(config.head_dim) == 256**-0.5
+    assert config.vocab_size == 262208 and config.tie_word_embeddings
     assert (config.rope.rope_type, config.rope.factor, config.rope.theta) == ("linear", 8.0, 1000000.0)
-    assert config.rope_local is not None and config.rope_local.theta == 10000.0
+    assert gemma.rope_local is not None and gemma.rope_local.theta == 10000.0
     assert config.layer_windows[:6] == (1024,) * 5 + (None,)
     assert config.eos_token_ids == [1, 106]
 

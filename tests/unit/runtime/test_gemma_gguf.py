@@ -23,6 +23,7 @@ import torch
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.models.gemma_config import GemmaConfig
 from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.quant.weight import QuantizedWeight
 from tests.support.checkpoints import GEMMA_WINDOW, TinyCheckpoints, hf_greedy, random_prompt
@@ -75,12 +76,10 @@ def test_greedy_equals_transformers_gguf_loading(
     ours, source = runner.model_config, ModelConfig.from_pretrained(tiny_checkpoints.path(CHECKPOINTS[family]))
     assert ours.family == family and ours.tie_word_embeddings
     # what the file says and the family's defaults add up to the source checkpoint's reading
-    for field in ("head_dim", "layer_windows", "rope", "rope_local", "query_pre_attn_scalar"):
+    for field in ("head_dim", "layer_windows", "rope"):
         assert getattr(ours, field) == getattr(source, field), field
-    assert (ours.attn_logit_softcap, ours.final_logit_softcap) == (
-        source.attn_logit_softcap,
-        source.final_logit_softcap,
-    )
+    # Gemma's own: the softmax scale, both soft-caps, the windowed layers and their RoPE
+    assert ours.family_config_as(GemmaConfig) == source.family_config_as(GemmaConfig)
     assert None in ours.layer_windows and GEMMA_WINDOW in ours.layer_windows
     _assert_same_generation(runner, transformers_gguf(path, eager=True))
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.engine.config_reading import UnsupportedModelError
 from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
 from runtime.engine.device import cpu_supports_bf16, dtype_reason, resolve_device, resolve_dtype
 from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, copy_checkpoint, random_prompt
 from tests.support.harness import Harness

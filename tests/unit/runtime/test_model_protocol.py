@@ -24,10 +24,13 @@ from runtime.checkpoints.families import (
 )
 from runtime.checkpoints.gguf.config import hf_config
 from runtime.checkpoints.gguf.reader import read_gguf
+from runtime.engine.config_reading import UnsupportedModelError
 from runtime.engine.cpu.decode_layers import CpuLayerStack
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.models.base import CausalLM
+from runtime.engine.models.family_configs import FAMILY_CONFIGS
+from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.models.registry import MODEL_CLASSES, get_model_class
 from runtime.engine.ops import DecoderLayerWeights, RopeInputs
 from tests.support import REPO_ROOT
@@ -42,6 +45,22 @@ def test_every_family_has_one_implementation_and_nothing_else_does(tiny_checkpoi
     for name in FAMILY_CHECKPOINTS:
         config = ModelConfig.from_pretrained(tiny_checkpoints.path(name))
         assert config.family == name and issubclass(get_model_class(config), CausalLM)
+
+
+def test_each_family_reads_its_own_config_and_no_other(tiny_checkpoints) -> None:
+    """The families' own configs (``family_configs``) belong to families of the table, every mixture
+    of experts reads its experts, and a model asking for another family's config is refused."""
+    assert set(FAMILY_CONFIGS) <= set(BY_NAME)
+    assert {n for n, f in BY_NAME.items() if f.moe is not None} == {
+        n for n, kind in FAMILY_CONFIGS.items() if issubclass(kind, MoeFamilyConfig)
+    }
+    for name in FAMILY_CHECKPOINTS:
+        config = ModelConfig.from_pretrained(tiny_checkpoints.path(name))
+        kind = FAMILY_CONFIGS.get(name)
+        assert (type(config.family_config) if kind else None) is kind, name
+    gemma = ModelConfig.from_pretrained(tiny_checkpoints.path("gemma2"))
+    with pytest.raises(TypeError, match="a gemma2 config has no MoeFamilyConfig"):
+        gemma.family_config_as(MoeFamilyConfig)
 
 
 def test_an_unknown_family_is_refused_by_the_registry(tiny_checkpoints) -> None:
@@ -177,10 +196,12 @@ def test_the_layers_implement_exactly_the_choices_the_table_lists() -> None:
 
 
 def test_reading_a_config_imports_no_torch(tiny_checkpoints) -> None:
-    """The tokenizer process reads the config for its limits; the family table is plain data."""
+    """The tokenizer process reads the config for its limits; the family table is plain data, and
+    so are the families' own configs (read beside their models, which need torch)."""
+    paths = [str(tiny_checkpoints.path(name)) for name in ("qwen3", "gemma3", "olmoe")]
     code = (
         "import sys; from runtime.engine.model_config import ModelConfig; "
-        f"ModelConfig.from_pretrained({str(tiny_checkpoints.path('qwen3'))!r}); print('torch' in sys.modules)"
+        f"[ModelConfig.from_pretrained(p) for p in {paths!r}]; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -21,9 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.checkpoints.families import BY_NAME
+from runtime.engine.config_reading import MoeConfig, UnsupportedModelError
 from runtime.engine.layers.moe import SparseMoeMLP, route
-from runtime.engine.model_config import ModelConfig, MoeConfig, UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.models.moe_config import MoeFamilyConfig
+from runtime.engine.models.olmoe_config import OlmoeConfig
 from runtime.engine.ops import get_ops
 from runtime.engine.ops.experts import ExpertRouting
 from runtime.engine.quant.weight import QuantizedWeight
@@ -115,7 +119,9 @@ class _Experts(SparseMoeMLP):
 
     def __init__(self, num_experts: int, local: range | None, dtype: torch.dtype, act: str = "silu") -> None:
         config = _tiny_config(num_experts, act)
-        super().__init__(config, 0, 1, dtype, get_ops("cpu", dtype))
+        moe = config.family_config_as(MoeFamilyConfig).moe
+        assert moe is not None
+        super().__init__(config, moe, 0, 1, dtype, get_ops("cpu", dtype))
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():
             for p in self.parameters():
@@ -266,7 +272,10 @@ def test_two_ranks_reproduce_one(
 
 
 def test_sparse_layers_and_expert_counts_are_read_per_family(tiny_checkpoints: TinyCheckpoints) -> None:
-    got = {n: ModelConfig.from_pretrained(tiny_checkpoints.path(n)).moe for n in MOE_CHECKPOINT_NAMES}
+    got = {
+        n: ModelConfig.from_pretrained(tiny_checkpoints.path(n)).family_config_as(MoeFamilyConfig).moe
+        for n in MOE_CHECKPOINT_NAMES
+    }
     summary = {
         n: (m.num_experts, m.top_k, m.intermediate_size, m.renormalize, m.weights_in_model_dtype, m.sparse_layers)
         for n, m in got.items()
@@ -280,11 +289,11 @@ def test_sparse_layers_and_expert_counts_are_read_per_family(tiny_checkpoints: T
     }
     assert got["qwen2_moe"] is not None and got["qwen2_moe"].shared_expert_intermediate_size == 96
     olmoe = ModelConfig.from_pretrained(tiny_checkpoints.path("olmoe"))
-    assert (olmoe.qk_norm_span, olmoe.clip_qkv) == ("projection", 1.5)
+    assert (BY_NAME[olmoe.family].qk_norm_span, olmoe.family_config_as(OlmoeConfig).clip_qkv) == ("projection", 1.5)
 
 
 def test_expert_parallelism_is_checked_against_the_model(tiny_checkpoints: TinyCheckpoints) -> None:
-    assert ModelConfig.from_pretrained(tiny_checkpoints.path("olmoe"), ep_size=2).moe is not None
+    assert ModelConfig.from_pretrained(tiny_checkpoints.path("olmoe"), ep_size=2).num_experts == 6
     with pytest.raises(UnsupportedModelError, match="6 experts cannot be split evenly over --ep-size 4"):
         ModelConfig.from_pretrained(tiny_checkpoints.path("olmoe"), ep_size=4)
     with pytest.raises(UnsupportedModelError, match="needs a mixture-of-experts model"):

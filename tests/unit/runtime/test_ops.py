@@ -19,9 +19,9 @@ from runtime.engine.cpu.ops import CpuOps
 from runtime.engine.cuda.ops import TritonOps
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.layers.rotary import RotaryEmbedding
-from runtime.engine.model_config import RopeConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops import OPS_ENV, TorchOps, get_ops
+from runtime.engine.rope_config import RopeConfig
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

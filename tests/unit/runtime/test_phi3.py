@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from runtime.config.args import ServerArgs
+from runtime.engine.config_reading import UnsupportedModelError
 from runtime.engine.forward_batch import ForwardMode
-from runtime.engine.model_config import ModelConfig, UnsupportedModelError
+from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams

@@ -301,12 +301,15 @@ def test_stacked_experts_of_one_rank_view_the_stack_and_map_remote_ids(tiny_chec
     from runtime.engine.cuda.ops import TritonOps, stack_experts
     from runtime.engine.layers.moe import SparseMoeMLP
     from runtime.engine.model_config import ModelConfig
+    from runtime.engine.models.moe_config import MoeFamilyConfig
     from runtime.engine.ops import TorchOps
     from runtime.engine.ops.experts import ExpertRouting
 
     config = ModelConfig.from_pretrained(tiny_checkpoints.path("qwen3_moe"), ep_size=2)
     ops = TritonOps()
-    layer = SparseMoeMLP(config, tp_rank=1, tp_size=2, dtype=FP32, ops=ops)
+    moe = config.family_config_as(MoeFamilyConfig).moe
+    assert moe is not None
+    layer = SparseMoeMLP(config, moe, tp_rank=1, tp_size=2, dtype=FP32, ops=ops)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in layer.parameters():

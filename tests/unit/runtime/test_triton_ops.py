@@ -59,7 +59,7 @@ def test_store_kv(head_dim: int) -> None:
 def test_layouts_a_kernel_does_not_take_fall_back_to_torch() -> None:
     from runtime.engine.cuda import kernels as triton_kernels
     from runtime.engine.layers.rotary import RotaryEmbedding
-    from runtime.engine.model_config import RopeConfig
+    from runtime.engine.rope_config import RopeConfig
 
     assert triton_kernels.silu_and_mul(torch.randn(4, 9)) is None  # odd width
     cache = RotaryEmbedding(16, 32, RopeConfig(rope_type="default", theta=10000.0))

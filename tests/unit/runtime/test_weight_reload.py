@@ -32,6 +32,13 @@ def test_only_what_does_not_shape_the_model_may_differ(tiny_checkpoints: Any) ->
     )
     rope = dataclasses.replace(config, rope=dataclasses.replace(config.rope, theta=1.0))
     assert (config_difference(config, rope) or "").startswith("its rope is")
+    # a family's own keys shape its model too (Gemma 2's final soft-cap): compared by value
+    gemma = ModelConfig.from_pretrained(tiny_checkpoints.path("gemma2"))
+    assert gemma.family_config is not None
+    copied = dataclasses.replace(gemma, family_config=dataclasses.replace(gemma.family_config))
+    assert config_difference(gemma, copied) is None
+    recapped = ModelConfig.from_dict({**gemma.raw, "final_logit_softcapping": 5.0}, gemma.path)
+    assert (config_difference(gemma, recapped) or "").startswith("its family_config is")
 
 
 def test_a_quantized_server_refuses_a_reload(tiny_checkpoints: Any) -> None:
