@@ -2,7 +2,7 @@
 
 The installed distribution's version (``pyproject.toml``'s, read through
 importlib.metadata), else ``VERSION`` when the code runs from a checkout that was never
-installed; tests/unit/runtime/test_args.py keeps the two equal.
+installed; tests/unit/runtime/config/test_args.py keeps the two equal.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ parallelism over gloo between scheduler processes, with the features a dense mod
 - a regex-constrained request and a repeated prompt (a prefix-cache hit) on the same server;
 - the memory invariant after.
 
-The per-rank math is tests/unit/runtime/test_moe.py's; here the processes, the collectives and the
+The per-rank math is tests/unit/runtime/engine/layers/test_moe.py's; here the processes, the collectives and the
 front door carry it.
 """
 

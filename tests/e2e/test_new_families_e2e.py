@@ -3,7 +3,7 @@ alternating windows, sandwich norms) and Phi-3 with LongRoPE (fused weights, par
 ``--tp-size 2 --dp-size 2`` (four scheduler ranks, TP over gloo between processes, a DP
 controller), greedy equal to transformers; their text prompts tokenized by the server as
 transformers' tokenizer does, and the memory invariant after. The math per rank is the unit suites'
-(tests/unit/runtime/test_gemma.py, test_phi3.py); here the processes, the collectives and the
+(tests/unit/runtime/engine/models/test_gemma.py, test_phi3.py); here the processes, the collectives and the
 front door carry it.
 """
 

@@ -1,7 +1,7 @@
 """Soft-capped attention logits on a GPU: the compiled Triton decode and extend kernels (device
 tanh, tensor-core dots) and torch_native on cuda, through the batches of
 ``tests.support.attention_softcap``, against the formula of transformers' eager Gemma 2 attention
-(the interpreter runs the same batches in fp32 in tests/unit/runtime/test_attention_softcap.py).
+(the interpreter runs the same batches in fp32 in tests/unit/runtime/engine/attention/test_attention_softcap.py).
 
 Compiled Triton is needed here, so when this session set TRITON_INTERPRET=1 (the CPU kernel tests
 do, for the whole process) the tests run in a fresh process without it.

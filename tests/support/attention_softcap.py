@@ -1,6 +1,6 @@
 """A batch sequence that reaches every attention path, checked against the soft-capping formula.
 
-Shared by tests/unit/runtime/test_attention_softcap.py (torch_native, the CPU backend, Triton under
+Shared by tests/unit/runtime/engine/attention/test_attention_softcap.py (torch_native, the CPU backend, Triton under
 the interpreter) and tests/gpu/test_attention_softcap_gpu.py (the compiled kernels).
 
 ``run_steps`` drives one backend through ``STEPS`` over a two-layer pool (layer 0 full attention,

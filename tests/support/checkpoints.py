@@ -44,7 +44,7 @@ SWA_WINDOWS: dict[str, int] = {"mistral_swa": 16, "qwen2_swa": 24}
 # sequence longer than this. The parametrized tests' sequences (prompt and output) stay within
 # it: transformers' generate re-runs a sequence that outgrows it during decoding with the long
 # factors (Phi3ForCausalLM.prepare_inputs_for_generation), which serving does not. Prompts
-# across it, and decoding past it, are tests/unit/runtime/test_phi3.py's.
+# across it, and decoding past it, are tests/unit/runtime/engine/models/test_phi3.py's.
 PHI3_ORIGINAL_MAX = 96
 # the multimodal checkpoint's image placeholder, begin- and end-of-image ids: text prompts stay below
 GEMMA_IMAGE_TOKENS = (380, 381, 382)

@@ -1,4 +1,4 @@
-"""Random fused-experts inputs shared by the interpreter tests (tests/unit/runtime/test_triton_moe.py)
+"""Random fused-experts inputs shared by the interpreter tests (tests/unit/runtime/engine/cuda/test_triton_moe.py)
 and their compiled twins on a GPU (tests/gpu/test_fused_moe_gpu.py)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why a module of its own: ``runtime.engine.cpu.attention.CpuAttnBackend`` decides, per group,
 which path runs (from its plan and the decode-key mirror); these functions only compute, from
 the tensors they are given, with no plan, batch or mirror state, so each can be checked against
-a reference and timed on its own (tests/unit/runtime/test_attention_fastpaths.py,
+a reference and timed on its own (tests/unit/runtime/engine/cpu/test_attention_fastpaths.py,
 bench/cpu_attention_f32.py, bench/cpu_prefill_attention.py).
 
 - ``_few_query_attention``: a one-token group's queries (GQA folded) against each request's

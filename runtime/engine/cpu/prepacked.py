@@ -30,15 +30,15 @@ once, after the weights are loaded, saves that work:
   every row count from one: a row count left to F.linear would give those rows MKL's bits while a
   call of more rows gives them the kernel's, so a row's bits would depend on how many rows share
   its call (a speculative verify's rows against the decode steps they replay,
-  tests/unit/runtime/test_cpu_verify_one_call.py). Prefill sizes, where
+  tests/unit/runtime/engine/cpu/test_cpu_verify_one_call.py). Prefill sizes, where
   MKL's blocking wins, stay on F.linear. The
   copy is made only where the kernel can run (a vector build of the kernels). The kernel sums
   each output in its own order (blocks of 256 products in sequence, then the blocks), so its
   result is not F.linear's bits: each output is within a few fp32 epsilons of
-  ``sum_k |x_k * w_k|`` of F.linear's (``tests/unit/runtime/test_cpu_prepack.py`` holds the bound), the size
-  of the difference between two valid fp32 sums; inside the band a row's result does not
+  ``sum_k |x_k * w_k|`` of F.linear's (``tests/unit/runtime/engine/cpu/test_cpu_prepack.py`` holds the
+  bound), the size of the difference between two valid fp32 sums; inside the band a row's result does not
   depend on the other rows of the batch. The fp32 greedy tokens still equal transformers'
-  (tests/unit/runtime/test_model_equivalence.py).
+  (tests/unit/runtime/engine/test_model_equivalence.py).
 
 Who owns a copy: nobody here. ``pack_weight`` makes a ``PackedCopy`` (the copy, its layout and the
 address the C kernels read), and the weight's plan (``runtime.engine.cpu.weight_plan``), which its

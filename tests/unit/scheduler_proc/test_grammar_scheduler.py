@@ -59,7 +59,7 @@ TAGS = {
 }
 # Strings are bounded by ``pattern``, not ``maxLength``: xgrammar 0.2.8 compiles a length-bounded
 # string to a class that admits raw control characters (invalid JSON), see
-# tests/unit/runtime/test_grammar.py::test_length_bounded_json_string_refuses_control_characters.
+# tests/unit/runtime/text/grammar/test_grammar.py::test_length_bounded_json_string_refuses_control_characters.
 PROMPTS = [
     "Hello world",
     "The quick brown fox",

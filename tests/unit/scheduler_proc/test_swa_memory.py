@@ -2,8 +2,8 @@
 scheduler serving the tiny windowed checkpoints in-process (real ModelRunner, fp32 CPU).
 
 The scheduler tests compare every request's greedy tokens with transformers (whose sliding-window
-mask tests/unit/scheduler_proc/test_sliding_window.py checks), so an SWA slot freed while a window still sees it, or
-a prefix matched without its SWA half, changes the tokens.
+mask tests/unit/runtime/engine/attention/test_sliding_window.py checks), so an SWA slot freed while a
+window still sees it, or a prefix matched without its SWA half, changes the tokens.
 """
 
 from __future__ import annotations

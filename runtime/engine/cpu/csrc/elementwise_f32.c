@@ -94,7 +94,7 @@ void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out)
  * 2^max(4, ceil(log2(size)) / 4) vectors (less rounding error than one running sum), the
  * vectors past the last group of four into partial 0, the partials summed, then 0 + the
  * row's scalar tail + the L lanes in order. Each square is rounded (torch materialises
- * x.pow(2)). tests/unit/runtime/test_cpu_kernels_f32.py holds this to the installed torch. */
+ * x.pow(2)). tests/unit/runtime/engine/cpu/test_cpu_kernels_f32.py holds this to the installed torch. */
 #define SUM_LANES 8
 #define SUM_LEVELS 4
 #define SUM_ILP 4

@@ -238,7 +238,7 @@ def test_tiny_llama_greedy_matches_torch_native(tiny_llama_path: Path) -> None:
 def test_sliding_window_models_greedy_match_torch_native(tiny_checkpoints, name: str) -> None:
     """Windowed layers through the Triton plans (decode: the last W keys; extend: the last W - 1
     cached keys and the kernel's window mask), whole and chunked (29 > W), equal torch_native's
-    tokens (which tests/unit/scheduler_proc/test_sliding_window.py and the parity suites check
+    tokens (which tests/unit/runtime/engine/attention/test_sliding_window.py and the parity suites check
     against transformers). Gemma 2 adds the kernels' logit soft-cap and alternating windowed and
     full layers, Gemma 3 windowed layers with their own RoPE base, Phi-3 partial rotary."""
     path = tiny_checkpoints.path(name)

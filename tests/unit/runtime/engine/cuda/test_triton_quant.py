@@ -24,7 +24,7 @@ from runtime.engine.cuda.ops import TritonOps  # noqa: E402
 from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
 from runtime.engine.quant.weight import QuantizedWeight, reference_linear  # noqa: E402
 from tests.support.triton_interp import replace_tests_with_fresh_process_run  # noqa: E402
-from tests.unit.runtime.test_quant_kernels import _random_weight  # noqa: E402
+from tests.unit.runtime.engine.cpu.test_quant_kernels import _random_weight  # noqa: E402
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 OPS = TritonOps()

@@ -247,7 +247,7 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(
     bf16 rounding of the fp32 product and of oneDNN's own result, for row counts around the
     kernel's 16- and 32-row blocks, strided rows and a 3-d input; beyond the band, without AMX or
     on a build without it, the AVX512-BF16 kernel where oneDNN packed for it
-    (tests/unit/runtime/test_cpu_dp_linear.py), else oneDNN's call itself."""
+    (tests/unit/runtime/engine/cpu/test_cpu_dp_linear.py), else oneDNN's call itself."""
     if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
         pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
     gen = torch.Generator().manual_seed(out_features + in_features)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,7 @@ import launch
 from runtime.config.args import ServerArgs
 from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cpu.process_env import CPU_OPENMP_ENV
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support import REPO_ROOT as REPO
 
 
 def test_cpu_serving_processes_get_a_short_openmp_spin_then_sleep(monkeypatch: pytest.MonkeyPatch) -> None:

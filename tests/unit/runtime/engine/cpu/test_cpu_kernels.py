@@ -75,7 +75,7 @@ def test_operands_it_does_not_take() -> None:
     k_t = torch.randn(2, 2, 64, 8).bfloat16()
     v = torch.randn(2, 2, 8, 64).bfloat16()
     assert attn_kernels.supports(q, k_t, v, None)
-    # fp32: its own kernels at the vector builds (tests/unit/runtime/test_cpu_attention_kernels_f32.py), torch in plain C
+    # fp32: its own kernels at the vector builds (test_cpu_attention_kernels_f32.py), torch in plain C
     assert attn_kernels.supports(q.float(), k_t.float(), v.float(), None) == (kernel_library.level() != "baseline")
     assert not attn_kernels.supports(q, k_t.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
     assert not attn_kernels.supports(q, k_t, v, torch.zeros(2, 1, 1, 8, dtype=torch.bfloat16))
@@ -141,7 +141,7 @@ def test_silu_and_mul_matches_torch_bf16(inter: int) -> None:
     assert torch.equal(out.isnan(), want.isnan())
     finite = ~want.isnan()
     _ulp_close(out[finite], want[finite])
-    assert cpu_kernels.silu_and_mul(gate_up.half()) is None  # fp32: tests/unit/runtime/test_cpu_kernels_f32.py
+    assert cpu_kernels.silu_and_mul(gate_up.half()) is None  # fp32: test_cpu_kernels_f32.py
 
 
 @pytest.mark.parametrize("n", [0, 5, 300])  # 300: the parallel loop

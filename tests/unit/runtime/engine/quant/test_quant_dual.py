@@ -21,9 +21,9 @@ from runtime.engine.quant.loading import quantized_bytes
 from runtime.engine.quant.weight import QuantizedWeight, blocks_of
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
-from tests.unit.runtime import test_cpu_decode_layers
-from tests.unit.runtime.test_cpu_decode_layers import BF16_KERNELS, _decode_logits
-from tests.unit.runtime.test_quant_model import _weights
+from tests.unit.runtime.engine.cpu import test_cpu_decode_layers
+from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import BF16_KERNELS, _decode_logits
+from tests.unit.runtime.engine.quant.test_quant_model import _weights
 
 calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
 

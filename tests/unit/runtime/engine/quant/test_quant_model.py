@@ -23,8 +23,8 @@ from runtime.engine.quant.weight import QuantizedWeight, blocks_of, reference_li
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound
-from tests.unit.runtime import test_cpu_decode_layers
-from tests.unit.runtime.test_cpu_decode_layers import _decode_logits
+from tests.unit.runtime.engine.cpu import test_cpu_decode_layers
+from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import _decode_logits
 
 calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
 
