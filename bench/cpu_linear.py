@@ -133,14 +133,15 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
         n_out, n_in = weight.shape
         tagged = pack_weight(weight, batch_hint)  # the same copy, with the layout checks the runtime makes
         for name, kernel in (("amx", amx_linear), ("dp", dp_linear)):
-            if tagged is not None and kernel(weight.new_zeros(m, n_in), tagged, None, n_out) is not None:  # applies
-                variants[name] = lambda x, kernel=kernel: kernel(x, tagged, None, n_out)
+            if tagged is not None and kernel(weight.new_zeros(m, n_in), tagged, None) is not None:  # applies
+                variants[name] = lambda x, kernel=kernel: kernel(x, tagged, None)
     variants["panel"] = None
     if weight.dtype == torch.float32:
         from runtime.engine.cpu.prepacked import pack_weight, panel_linear
 
         n_out, n_in = weight.shape
-        panels = pack_weight(weight)
+        copy = pack_weight(weight)
+        panels = copy.tensor if copy is not None else None
         if panels is not None and panel_linear(weight.new_zeros(m, n_in), panels, None, n_out) is not None:
             variants["panel"] = lambda x: panel_linear(x, panels, None, n_out)
     variants["mkl"] = None

@@ -107,13 +107,15 @@ class MatmulMeter:
 
     def _packed_linear_gflops(self, x: Any, ws: list[Any]) -> float | None:
         """The same product through prepacked weights; None where the runtime would not pack."""
-        from runtime.engine.cpu.prepacked import linear, pack_weight
+        from runtime.engine.cpu.ops import CpuOps
+        from runtime.engine.cpu.weight_plan import plan_weight
 
         if self.device.type != "cpu":
             return None
-        packed = [pack_weight(w) for w in ws]
-        if any(p is None for p in packed):
+        plans = [plan_weight(w) for w in ws]
+        if not all(plan.bands for plan in plans):  # (a weight nothing packs runs F.linear: no other rate)
             return None
+        ops = CpuOps()
         m, k = x.shape
         n = ws[0].shape[0]
         it = itertools.count()
@@ -121,7 +123,7 @@ class MatmulMeter:
 
             def call() -> Any:
                 i = next(it) % len(ws)
-                return linear(x, ws[i], None, packed[i])
+                return ops.linear(x, ws[i], None, plans[i])
 
             sec = time_op(call, self._sync, self.min_time_s)
         return 2.0 * m * k * n / sec / 1e9

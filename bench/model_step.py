@@ -208,23 +208,6 @@ def scenario_batches(driver: StepDriver, name: str, args: argparse.Namespace) ->
 def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     """The step's linear layers alone, on the model's weights (same M, K, N as the model)."""
     import torch
-    import torch.nn.functional as F
-
-    try:
-        from runtime.engine.cpu.prepacked import linear
-    except ImportError:  # a checkout from before prepacked weights (for before/after runs)
-
-        def linear(x: Any, weight: Any, bias: Any, packed: Any) -> Any:
-            return F.linear(x, weight, bias)
-
-    def packed_of(layer: Any) -> Any:
-        """The layer's packed weight: hung off the weight (``prepacked.packed_copy``), or, in a
-        checkout from before that, the layer's own ``packed_weight`` slot."""
-        try:
-            from runtime.engine.cpu.prepacked import packed_copy
-        except ImportError:
-            return getattr(layer, "packed_weight", None)
-        return packed_copy(layer.weight)
 
     model = runner.model
     hidden = model.config.hidden_size
@@ -240,10 +223,9 @@ def matmul_step(runner: Any, tokens: int, sampled: int) -> Callable[[], None]:
     xs = x[:sampled]
 
     def mm(inp: Any, layer: Any) -> None:
-        if isinstance(layer.weight, torch.Tensor):
-            linear(inp, layer.weight, None, packed_of(layer))
-        else:  # kept quantized (--quantization): the device's quantized kernel
-            runner.ops.linear(inp, layer.weight, None)
+        # as the layer multiplies: the device ops with the weight's plan (its packed copy, its
+        # blocks, or the kept-quantized kernel)
+        runner.ops.linear(inp, layer.weight, None, layer.plan)
 
     def run() -> None:
         for qkv, o, gu, down in layers:  # through the same (possibly prepacked) weights as the model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.engine.cpu import kernel_library
-from runtime.engine.cpu.prepacked import DP_ADDRESS, pack_weight, tile_layout
+from runtime.engine.cpu.prepacked import AMX_TILES, DP_PAIRS, pack_weight
 
 
 def bf16_kernels() -> str | None:
@@ -17,9 +17,10 @@ def bf16_kernels() -> str | None:
         return None
     distinct = (torch.arange(64 * 64) % 251).view(64, 64).to(torch.bfloat16)  # (a constant weight fits any layout)
     packed = pack_weight(distinct)
-    if kernel_library.amx_available() and tile_layout(packed):
+    layout = packed.layout if packed is not None else None
+    if kernel_library.amx_available() and layout == AMX_TILES:
         return "amx"
-    return "dp" if getattr(packed, DP_ADDRESS, 0) else None
+    return "dp" if layout == DP_PAIRS else None
 
 
 needs_amx = pytest.mark.skipif(

@@ -23,11 +23,12 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.attention import CpuAttnBackend
-from runtime.engine.cpu.prepacked import drop_packed_copy, packed_copy, prepack_available, prepack_model
+from runtime.engine.cpu.prepacked import PackedCopy, prepack_available
+from runtime.engine.cpu.weight_plan import plan_model
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.loading.weight_loader import load_model_weights
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.ops.base import LinearWeightLayer
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 from tests.support.checkpoints import random_prompt
 from tests.support.harness import Harness
 
@@ -218,18 +219,18 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     refusal = _onednn_packing_refusal(torch.bfloat16)
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="bfloat16", max_total_tokens=4096, load_progress=False)
     slots = [m for m in runner.model.modules() if isinstance(m, LinearWeightLayer)]
-    packed = [m for m in slots if packed_copy(m.weight) is not None]
+    packed = [m for m in slots if _has_packed_copy(m)]
     assert slots, "the model has no linear layer"
     if refusal is None:
         assert len(packed) == len(slots), "oneDNN packs bf16 weights on this CPU, yet some linears were left unpacked"
     else:
         assert packed == [], f"linears were packed although oneDNN refuses: {refusal}"
-        assert prepack_model(runner.model) == 0  # a refusal is no error: the model serves unpacked
+        assert plan_model(runner.model) == 0  # a refusal is no error: the model serves unpacked
     gen = torch.Generator().manual_seed(0)
     for m in slots:  # each layer's linear is F.linear's bits, packed or not
         x = torch.randn(7, m.weight.shape[1], generator=gen).to(torch.bfloat16)
         bias = getattr(m, "bias", None)
-        got = runner.ops.linear(x, m.weight, bias)
+        got = runner.ops.linear(x, m.weight, bias, m.plan)  # (as the layer calls it: with its plan)
         assert torch.equal(got, torch.nn.functional.linear(x, m.weight, bias)), (type(m).__name__, refusal)
     prompts = [random_prompt(n, runner.vocab_size, seed=n) for n in (3, 17, 30)]
 
@@ -246,11 +247,16 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
     if refusal is not None:
         return  # nothing was packed: the model above ran on F.linear alone
     for m in packed:
-        drop_packed_copy(m.weight)
+        m.drop_plan()
     assert torch.equal(as_loaded, logits())
-    assert prepack_model(runner.model) == len(slots)
-    load_model_weights(runner.model, tiny_llama_path, progress=False)  # a reload drops every packed copy
-    assert all(packed_copy(m.weight) is None for m in slots)
+    assert plan_model(runner.model) == len(slots)
+    load_model_weights(runner.model, tiny_llama_path, progress=False)  # a reload drops every plan (and its copy)
+    assert all(m.plan is None for m in slots)
+
+
+def _has_packed_copy(layer: LinearWeightLayer) -> bool:
+    """Whether the layer's plan reads a packed copy of its weight."""
+    return layer.plan is not None and any(isinstance(band.operand, PackedCopy) for band in layer.plan.bands)
 
 
 @pytest.mark.parametrize(

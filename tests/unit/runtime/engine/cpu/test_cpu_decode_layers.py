@@ -51,8 +51,8 @@ DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernels), pytest.param("floa
 
 def _kernels_taken(runner: ModelRunner) -> str:
     assert isinstance(runner.layer_stack, decode_layers.CpuLayerStack)
-    stack = runner.layer_stack.described
-    assert stack is not None, "the one-call path never described this model"
+    stack = runner.layer_stack.description()
+    assert stack is not None, "the one-call path does not describe this model"
     return stack.kernels
 
 
@@ -92,10 +92,12 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_chec
     layered = _decode_logits(runner, [False] * steps)
     calls.clear()
     one_call = _decode_logits(runner, [True] * steps)
-    # per-head q/k RMSNorm (qwen3) is the layers' own path, and so is a Gemma layer (four norms: its
-    # model has no decode_weights); the dot-product kernel reads weights in 64-column blocks, which
-    # mistral's qkv (96 columns) is not: oneDNN's call runs it there
-    one_by_one = name == "qwen3" or runner.model.decode_weights() is None
+    # per-head q/k RMSNorm (qwen3) is the layers' own path, and so is a Gemma layer (four norms):
+    # their declared descriptions ask for what the C layer lacks; the dot-product kernel reads weights
+    # in 64-column blocks, which mistral's qkv (96 columns) is not: oneDNN's call runs it there
+    assert isinstance(runner.layer_stack, decode_layers.CpuLayerStack)
+    one_by_one = runner.layer_stack.declined is not None
+    assert one_by_one or name != "qwen3", "qwen3's per-head q/k norms were taken"
     taken = not one_by_one and not (dtype == "bfloat16" and BF16_KERNELS == "dp" and name == "mistral")
     # the first decode step builds the mirror (the layers' path), the rest append to it
     assert calls == [False] * 2 + [False] + [taken] * (steps - 1), calls
@@ -126,14 +128,14 @@ def test_one_call_with_a_shared_prefix_and_alternating_paths(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_dropped_packed_copy_is_never_read_and_a_repack_is_taken_up(
+def test_a_dropped_plan_is_never_read_and_a_new_plan_is_taken_up(
     dtype: str, tiny_checkpoints, calls: list[bool]
 ) -> None:
-    """A weight reload drops a layer's packed copy (its address is stale) and packs again after:
-    meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
+    """A weight reload drops a layer's plan with its packed copy (its address is stale) and plans again
+    after: meanwhile the layers run one by one; after ``prepare_model`` the one call is back, same bits."""
     runner = _runner(tiny_checkpoints.path("llama"), dtype)
     reference = _decode_logits(runner, [False] * 3)
-    runner.ops.weight_loaded(runner.model.model.layers[0].self_attn.qkv_proj.weight)  # as its weight_loader does
+    runner.model.model.layers[0].self_attn.qkv_proj.drop_plan()  # as its weight_loader does
     calls.clear()
     _decode_logits(runner, [True] * 3)
     assert not any(calls), calls

@@ -2,7 +2,8 @@
 AVX512-BF16 and no AMX: the kernel on a layout built by hand (every row count around its 6-row
 blocks, depth tails, bias, fp32 output) within one bf16 rounding of the fp32 product, each row
 independent of the batch; and, in a process whose oneDNN is capped at AVX512_CORE_BF16 (the
-packing such a CPU gets), ``prepacked.linear`` finds that layout in oneDNN's copy and runs it.
+packing such a CPU gets), ``prepacked.pack_weight`` finds that layout in oneDNN's copy and the
+weight's plan runs it.
 """
 
 from __future__ import annotations
@@ -91,23 +92,28 @@ def test_dp_layout_is_told_apart_from_the_amx_layout() -> None:
 
 _CAPPED = textwrap.dedent("""
     import torch
-    from runtime.engine.cpu.prepacked import DP_ADDRESS, TILE_ADDRESS, dp_linear, float_linear, linear, pack_weight
+    from runtime.engine.cpu.ops import CpuOps
+    from runtime.engine.cpu.prepacked import DP_PAIRS, dp_linear, onednn_linear, pack_weight
+    from runtime.engine.cpu.weight_plan import plan_weight
+    ops = CpuOps()
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 1024, generator=gen).bfloat16()
     bias = torch.randn(1536, generator=gen).bfloat16()
     packed = pack_weight(weight)
-    assert getattr(packed, DP_ADDRESS) and not getattr(packed, TILE_ADDRESS), "oneDNN packed another layout"
+    assert packed is not None and packed.layout == DP_PAIRS, "oneDNN packed another layout"
+    plan = plan_weight(weight)
+    assert [band.kernel for band in plan.bands] == ["dp", "onednn"]
     for rows in (1, 7, 64):
         x = torch.randn(rows, 1024, generator=gen).bfloat16()
-        got = linear(x, weight, bias, packed)
-        assert torch.equal(got, dp_linear(x, packed, bias, 1536))
+        got = ops.linear(x, weight, bias, plan)
+        assert torch.equal(got, dp_linear(x, packed, bias))
         exact = x.float() @ weight.float().T + bias.float()
         sums = x.float().abs() @ weight.float().abs().T  # fp32 sums in another order: within ~k eps of these
         assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + sums * 1e-5).all()
-        assert torch.equal(float_linear(x, weight, packed), dp_linear(x, packed, None, 1536, float_out=True))
+        assert torch.equal(ops.float_linear(x, weight, plan), dp_linear(x, packed, None, float_out=True))
     x = torch.randn(65, 1024, generator=gen).bfloat16()
-    assert dp_linear(x, packed, bias, 1536) is None
-    assert torch.equal(linear(x, weight, bias, packed), torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+    assert dp_linear(x, packed, bias) is None
+    assert torch.equal(ops.linear(x, weight, bias, plan), onednn_linear(x, packed, bias))
     print("ok")
 """)
 

@@ -18,28 +18,26 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.ops import CpuOps
 from runtime.engine.cpu.prepacked import (
     AMX_LINEAR_MAX_ROWS,
-    DP_ADDRESS,
+    AMX_TILES,
+    DP_PAIRS,
     FP32_PANEL_MAX_ROWS,
+    PackedCopy,
     amx_linear,
     amx_linear_silu_mul,
     dp_linear,
-    float_linear,
     fp32_panel_rows,
-    linear,
-    linear_weights,
+    onednn_linear,
     pack_weight,
-    packed_copy,
     panel_linear,
     prepack_available,
-    prepack_model,
-    set_packed_copy,
-    takes_packed,
-    tile_layout,
 )
+from runtime.engine.cpu.weight_plan import CpuWeightPlan, plan_model, plan_weight
 from runtime.engine.loading.weight_loader import load_model_weights
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 from tests.support.checkpoints import hf_greedy, load_hf_model, random_prompt
 from tests.support.harness import Harness
 
@@ -52,6 +50,28 @@ NEW_TOKENS = 16
 def _kernel_runs() -> bool:
     """Whether ``linear_f32`` runs with the kernels' build in use (a vector build that loaded)."""
     return len(fp32_panel_rows()) > 0
+
+
+_OPS = CpuOps()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: CpuWeightPlan) -> torch.Tensor:
+    """The CPU's linear as a layer calls it: its weight's plan, then F.linear where no band runs."""
+    return _OPS.linear(x, weight, bias, plan)
+
+
+def takes_packed(x: torch.Tensor, plan: CpuWeightPlan) -> bool:
+    """Whether the plan runs a product of ``x``'s rows on a packed copy."""
+    band = plan.band(x.numel() // x.shape[-1], x.dtype)
+    return band is not None and isinstance(band.operand, PackedCopy)
+
+
+def _has_copy(layer: LinearWeightLayer) -> bool:
+    return layer.plan is not None and any(isinstance(b.operand, PackedCopy) for b in layer.plan.bands)
+
+
+def _linears(runner: ModelRunner) -> list[LinearWeightLayer]:
+    return [m for m in runner.model.modules() if isinstance(m, LinearWeightLayer)]
 
 
 @pytest.mark.usefixtures("kernel_level")
@@ -67,15 +87,16 @@ def test_fp32_panel_linear_is_within_the_bound(out_features: int, in_features: i
     weight = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     packed = pack_weight(weight)
-    assert packed is not None and packed.shape == (out_features // 16, in_features, 16)
+    assert packed is not None and packed.tensor.shape == (out_features // 16, in_features, 16)
+    plan = plan_weight(weight)
     band = fp32_panel_rows()
     eps = torch.finfo(torch.float32).eps
     wide = torch.randn(FP32_PANEL_MAX_ROWS + 1, in_features + 40, generator=gen)
     for rows in (1, 2, 3, 4, 5, 6, 7, 9, 13, 64, FP32_PANEL_MAX_ROWS, FP32_PANEL_MAX_ROWS + 1):
         x = wide[:rows, 8 : 8 + in_features]  # rows in_features + 40 apart
-        got = linear(x, weight, bias, packed)
+        got = linear(x, weight, bias, plan)
         plain = F.linear(x, weight, bias)
-        direct = panel_linear(x, packed, bias, out_features)
+        direct = panel_linear(x, packed.tensor, bias, out_features)
         assert (direct is not None) == _kernel_runs(), (
             f"rows={rows}: the kernel ran where it cannot, or not where it can"
         )
@@ -84,16 +105,16 @@ def test_fp32_panel_linear_is_within_the_bound(out_features: int, in_features: i
             excess = (direct - plain).abs() - BOUND_EPS * eps * scale
             assert excess.max().item() <= 0, f"rows={rows}: {(direct - plain).abs().max().item():.3e} off F.linear"
         if rows in band:
-            assert takes_packed(x, weight) and direct is not None
+            assert takes_packed(x, plan) and direct is not None
             assert torch.equal(got, direct), f"rows={rows}: inside the band linear must run the kernel"
         else:
-            assert not takes_packed(x, weight)
+            assert not takes_packed(x, plan)
             assert torch.equal(got, plain), f"rows={rows}: outside the band linear must be F.linear"
     x3 = torch.randn(2, 8, in_features, generator=gen)  # [batch, seq, in]: rows are counted over both
-    assert takes_packed(x3, weight) == (16 in band)
-    got3 = linear(x3, weight, bias, packed)
+    assert takes_packed(x3, plan) == (16 in band)
+    got3 = linear(x3, weight, bias, plan)
     assert got3.shape == (2, 8, out_features)
-    assert torch.equal(got3, linear(x3.reshape(16, -1), weight, bias, packed).view(2, 8, -1))
+    assert torch.equal(got3, linear(x3.reshape(16, -1), weight, bias, plan).view(2, 8, -1))
     assert torch.allclose(got3, F.linear(x3, weight, bias), rtol=1e-5, atol=1e-5)
 
 
@@ -106,7 +127,9 @@ def test_fp32_panel_linear_rows_are_batch_independent_and_level_independent(
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
     bias = torch.randn(out_features, generator=gen)
-    packed = pack_weight(weight)
+    copy = pack_weight(weight)
+    assert copy is not None
+    packed = copy.tensor
     x = torch.randn(FP32_PANEL_MAX_ROWS, in_features, generator=gen)
     results = {}
     for level in kernel_library.host_levels():
@@ -128,8 +151,9 @@ def test_fp32_panel_linear_rows_are_batch_independent_and_level_independent(
 
 def test_fp32_panel_copy_refuses_what_the_kernel_cannot_read() -> None:
     assert pack_weight(torch.randn(40, 64)) is None  # columns not a multiple of 16: F.linear only
-    packed = pack_weight(torch.randn(64, 64))
-    assert packed is not None and not tile_layout(packed)
+    copy = pack_weight(torch.randn(64, 64))
+    assert copy is not None and copy.layout != AMX_TILES
+    packed = copy.tensor
     x = torch.randn(8, 64)
     assert panel_linear(x, packed, None, 48) is None  # a copy of another shape is never read
     assert panel_linear(x, packed, torch.randn(32), 64) is None  # nor a bias of the wrong size
@@ -141,19 +165,20 @@ def test_fp32_panel_copy_refuses_what_the_kernel_cannot_read() -> None:
 
 def test_mixed_dtypes_never_take_the_packed_copy() -> None:
     weight = torch.randn(32, 16)
-    assert not takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), weight)
-    assert takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), weight.bfloat16())  # half precision: any size
+    assert not takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), plan_weight(weight))
+    if prepack_available() and pack_weight(weight.bfloat16()) is not None:  # half precision: any size
+        assert takes_packed(torch.randn(8, 16, dtype=torch.bfloat16), plan_weight(weight.bfloat16()))
 
 
 def test_fp32_model_packs_every_linear_and_a_reload_drops_them(tiny_llama_path: Path) -> None:
     if not _kernel_runs():
         pytest.skip("needs a CPU with AVX2 or AVX-512: fp32 copies are made only for the panel kernel")
     runner = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=1024, load_progress=False)
-    weights = linear_weights(runner.model)
-    assert weights and all(packed_copy(w) is not None for w in weights)
-    load_model_weights(runner.model, tiny_llama_path, progress=False)  # the loader drops every packed copy
-    assert all(packed_copy(w) is None for w in weights)
-    assert prepack_model(runner.model) == len(weights)
+    layers = _linears(runner)
+    assert layers and all(_has_copy(m) for m in layers)
+    load_model_weights(runner.model, tiny_llama_path, progress=False)  # the loader drops every plan (and copy)
+    assert all(m.plan is None for m in layers)
+    assert plan_model(runner.model) == len(layers)
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +221,15 @@ def _greedy_equals_transformers(path: Path, model: Any) -> ModelRunner:
 
 def test_packed_fp32_greedy_equals_transformers(wide_checkpoint: Path, wide_reference: Any) -> None:
     runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
-    packed = [w for w in linear_weights(runner.model) if packed_copy(w) is not None]
+    packed = [m for m in _linears(runner) if _has_copy(m)]
     if not _kernel_runs():  # no copy that nothing would read
         assert not packed
         return
     assert packed, "fp32 linears were not packed"
-    x = torch.randn(8, packed[-1].shape[1], generator=torch.Generator().manual_seed(0))
-    assert not torch.equal(linear(x, packed[-1], None, packed_copy(packed[-1])), F.linear(x, packed[-1])), (
+    last = packed[-1]
+    assert isinstance(last.weight, torch.Tensor) and isinstance(last.plan, CpuWeightPlan)
+    x = torch.randn(8, last.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(linear(x, last.weight, None, last.plan), F.linear(x, last.weight)), (
         "the packed path gave F.linear's bits: nothing was tested"
     )
 
@@ -217,7 +244,7 @@ def test_kernels_off_serve_unpacked(
     try:
         assert len(fp32_panel_rows()) == 0
         runner = _greedy_equals_transformers(wide_checkpoint, wide_reference)
-        assert all(packed_copy(w) is None for w in linear_weights(runner.model))
+        assert not any(_has_copy(m) for m in _linears(runner))
     finally:
         monkeypatch.delenv("TINYSERVE_CPU_KERNELS")
         kernel_library.reset()
@@ -255,20 +282,19 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     packed = pack_weight(weight)
     assert packed is not None
+    plan = plan_weight(weight)
     if "avx512bf16" in kernel_library.host_levels() and out_features % 64 == 0:
-        assert tile_layout(packed) or getattr(
-            packed, DP_ADDRESS
-        )  # oneDNN packed for AMX or AVX512-BF16: ours read both
-    amx = amx and tile_layout(packed)  # (with oneDNN kept off AMX, as on a CPU without it, it packs the other)
+        assert packed.layout in (AMX_TILES, DP_PAIRS)  # oneDNN packed for AMX or AVX512-BF16: ours read both
+    amx = amx and packed.layout == AMX_TILES  # (with oneDNN kept off AMX, as on a CPU without it, it packs the other)
     wide = torch.randn(AMX_LINEAR_MAX_ROWS + 1, in_features + 64, generator=gen).bfloat16()
     for rows in (1, 15, 16, 17, 32, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = wide[:rows, 32 : 32 + in_features]  # rows in_features + 64 apart
-        onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        got = amx_linear(x, packed, bias, out_features)
-        dp = dp_linear(x, packed, bias, out_features)
-        assert torch.equal(linear(x, weight, bias, packed), got if got is not None else onednn if dp is None else dp)
+        onednn = onednn_linear(x, packed, bias)
+        got = amx_linear(x, packed, bias)
+        dp = dp_linear(x, packed, bias)
+        assert torch.equal(linear(x, weight, bias, plan), got if got is not None else onednn if dp is None else dp)
         if bias is None:  # the LM head's call: those values widened to fp32 (by the kernel, where it runs)
-            assert torch.equal(float_linear(x, weight, packed), linear(x, weight, None, packed).float())
+            assert torch.equal(_OPS.float_linear(x, weight, plan), linear(x, weight, None, plan).float())
         if not amx or rows > AMX_LINEAR_MAX_ROWS:
             assert got is None
             continue
@@ -278,25 +304,26 @@ def test_bf16_decode_rows_take_the_amx_kernel_on_onednns_copy(
         assert ((got.float() - exact).abs() <= bf16_step).all(), f"rows={rows}"
         assert ((got.float() - onednn.float()).abs() <= 2 * bf16_step).all(), f"rows={rows}"
     x3 = torch.randn(2, 8, in_features, generator=gen).bfloat16()
-    got3 = amx_linear(x3, packed, bias, out_features)
+    got3 = amx_linear(x3, packed, bias)
     assert (got3 is not None) == amx
     if got3 is not None:
-        assert torch.equal(got3, amx_linear(x3.reshape(16, in_features), packed, bias, out_features).view(2, 8, -1))
+        assert torch.equal(got3, amx_linear(x3.reshape(16, in_features), packed, bias).view(2, 8, -1))
 
 
 def test_amx_linear_reads_only_the_tile_layout() -> None:
     """Shapes oneDNN does not block by 32 x 32 are never read by the AMX kernel, nor fp32 inputs."""
     for shape in ((100, 72), (64, 48)):
         packed_bf16 = pack_weight(torch.randn(shape).bfloat16())
-        assert not tile_layout(packed_bf16)
         if packed_bf16 is not None:
-            assert amx_linear(torch.randn(4, shape[1]).bfloat16(), packed_bf16, None, shape[0]) is None
+            assert packed_bf16.layout != AMX_TILES
+            assert amx_linear(torch.randn(4, shape[1]).bfloat16(), packed_bf16, None) is None
     weight = torch.randn(64, 64)
     packed = pack_weight(weight)  # fp32: the panel kernel (or F.linear), never the bf16 kernel
+    assert packed is not None
     x = torch.randn(8, 64)
-    assert amx_linear(x, packed, None, 64) is None
-    panel = panel_linear(x, packed, None, 64)
-    assert torch.equal(linear(x, weight, None, packed), F.linear(x, weight) if panel is None else panel)
+    assert amx_linear(x, packed, None) is None
+    panel = panel_linear(x, packed.tensor, None, 64)
+    assert torch.equal(linear(x, weight, None, plan_weight(weight)), F.linear(x, weight) if panel is None else panel)
 
 
 @pytest.mark.usefixtures("kernel_level")
@@ -305,7 +332,6 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     the linear followed by the silu*mul kernel, at row counts around the 16- and 32-row blocks;
     CpuOps.linear_silu_and_mul falls back to the two wherever the fused call does not apply."""
     from runtime.engine.cpu import kernels as cpu_kernels
-    from runtime.engine.cpu.ops import CpuOps
 
     if not prepack_available() or pack_weight(torch.ones(32, 32).bfloat16()) is None:
         pytest.skip("oneDNN does not pack bf16 weights on this CPU (no AVX-512)")
@@ -313,20 +339,22 @@ def test_gate_up_and_silu_mul_in_one_pass_equal_the_two(amx: bool) -> None:
     inter, hidden = 96, 256
     weight = (torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5 * 4).bfloat16()
     packed = pack_weight(weight)
-    amx = amx and tile_layout(packed)  # oneDNN kept off AMX (as on a CPU without it) packs another layout
-    ops = CpuOps()
-    set_packed_copy(weight, packed)  # what CpuOps reads for this weight (prepack_model does it for a model)
+    assert packed is not None
+    amx = amx and packed.layout == AMX_TILES  # oneDNN kept off AMX (as on a CPU without it) packs another layout
+    ops = _OPS
+    plan = plan_weight(weight)  # what a layer hands CpuOps for this weight (plan_model makes it for a model)
     for rows in (1, 15, 16, 17, 33, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, hidden, generator=gen).bfloat16()
-        two = ops.silu_and_mul(linear(x, weight, None, packed))
-        fused = amx_linear_silu_mul(x, weight, None, packed)
+        two = ops.silu_and_mul(linear(x, weight, None, plan))
+        fused = amx_linear_silu_mul(x, packed, None)
         assert (fused is not None) == (amx and rows <= AMX_LINEAR_MAX_ROWS), f"rows={rows}"
         if fused is not None:
             assert torch.equal(fused, two), f"rows={rows}"
-            assert cpu_kernels.silu_and_mul(linear(x, weight, None, packed)) is not None  # the kernel ran in `two`
-        assert torch.equal(ops.linear_silu_and_mul(x, weight, None), two)
+            assert cpu_kernels.silu_and_mul(linear(x, weight, None, plan)) is not None  # the kernel ran in `two`
+        assert torch.equal(ops.linear_silu_and_mul(x, weight, None, plan), two)
     x = torch.randn(4, hidden, generator=gen).bfloat16()
     bias = torch.randn(2 * inter, generator=gen).bfloat16()
-    assert amx_linear_silu_mul(x, weight, bias, packed) is None  # a bias: the two calls
-    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias), ops.silu_and_mul(linear(x, weight, bias, packed)))
-    assert amx_linear_silu_mul(x.float(), weight.float(), None, pack_weight(weight.float())) is None
+    assert amx_linear_silu_mul(x, packed, bias) is None  # a bias: the two calls
+    assert torch.equal(ops.linear_silu_and_mul(x, weight, bias, plan), ops.silu_and_mul(linear(x, weight, bias, plan)))
+    fp32_copy = pack_weight(weight.float())
+    assert fp32_copy is None or amx_linear_silu_mul(x.float(), fp32_copy, None) is None

@@ -18,8 +18,10 @@ import random
 import pytest
 import torch
 
-from runtime.engine.cpu import attention_kernels_f32, decode_layers, kernel_library, prepacked
+from runtime.engine.cpu import attention_kernels_f32, decode_layers, kernel_library
+from runtime.engine.cpu.ops import CpuOps
 from runtime.engine.cpu.prepacked import fp32_panel_rows
+from runtime.engine.cpu.weight_plan import plan_weight
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import random_prompt
@@ -201,19 +203,21 @@ def test_kernel_rows_share_mirror_rows(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("level", [name for name in kernel_library.host_levels() if name != "baseline"])
 def test_fp32_linear_rows_do_not_depend_on_the_batch_size(level: str) -> None:
     """What the fp32 verify above rests on, at every vector level this host runs (AVX2, AVX-512,
-    AVX-512 + BF16): ``prepacked.linear`` gives a row the same bits in a call of any decode size,
+    AVX-512 + BF16): a weight's plan gives a row the same bits in a call of any decode size,
     one row included. (The AVX-512 builds once left one to three rows to F.linear, MKL's sums, so a
     3-request decode step and the same rows in a 7-row verify differed in the last bits.)"""
     torch.manual_seed(1)
     weight, bias = torch.randn(96, 300), torch.randn(96)
-    packed = prepacked.panel_copy(weight)
     x = torch.randn(9, 300)
+    ops = CpuOps()
     with kernel_library.use_level(level):
         if not fp32_panel_rows():
             pytest.skip(f"no vector build of the {level} kernels here (a compiler is needed)")
         assert 1 in fp32_panel_rows(), f"{level}: one row must take the panel kernel as larger batches do"
-        whole = prepacked.linear(x, weight, bias, packed)
+        plan = plan_weight(weight)  # (made at this level: its band is this level's)
+        assert [band.kernel for band in plan.bands] == ["f32"]
+        whole = ops.linear(x, weight, bias, plan)
         for m in range(1, x.shape[0]):
             for r0 in (0, x.shape[0] - m):
-                part = prepacked.linear(x[r0 : r0 + m], weight, bias, packed)
+                part = ops.linear(x[r0 : r0 + m], weight, bias, plan)
                 assert torch.equal(part, whole[r0 : r0 + m]), f"{level}: rows {r0}..{r0 + m - 1} alone differ"

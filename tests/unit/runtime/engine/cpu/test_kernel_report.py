@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from runtime.engine.cpu import kernel_library
-from runtime.engine.cpu.kernel_report import kernel_report, linear_path
-from runtime.engine.cpu.prepacked import linear_weights
+from runtime.engine.cpu.kernel_report import kernel_report, linear_path, linear_plans
 from runtime.engine.model_runner import ModelRunner
 
 
@@ -27,9 +26,9 @@ def test_the_report_names_every_linear_and_the_decode_stack(tiny_llama_path: Pat
     report = runner.kernels
     level = kernel_library.level()
     assert report["ops"] == "cpu" and report["isa"] == level and report["host_levels"][0] in report["summary"]
-    weights = {id(w): w for w in linear_weights(runner.model)}
-    assert sum(report["linears"].values()) == len(weights)
-    assert report["linears"] == dict(sorted(Counter(linear_path(w) for w in weights.values()).items()))
+    plans = linear_plans(runner.model)
+    assert sum(report["linears"].values()) == len(plans)
+    assert report["linears"] == dict(sorted(Counter(linear_path(w, plan) for w, plan in plans).items()))
     if dtype == "float32" and level != "baseline":
         assert set(report["linears"]) == {"fp32_panels"}  # every tiny weight is a multiple of 16 rows
     if dtype == "bfloat16" and "avx512bf16" in kernel_library.host_levels():

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from runtime.engine.cuda.triton_common import triton_loaded_interpreted  # noqa: E402
+from runtime.engine.ops.linear_weights import LinearWeightLayer
 
 IN_PROCESS = "triton" not in sys.modules or triton_loaded_interpreted()
 
@@ -156,10 +157,12 @@ def test_padded_rows_write_only_the_padding_slot(runner: ModelRunner, monkeypatc
     # every decode-sized call on it, real rows of eager and of the padded replay can be compared
     # bit for bit (where the kernel runs: a vector build, widths it takes).
     monkeypatch.setattr(prepacked, "FP32_PANEL_MIN_ROWS", dict.fromkeys(prepacked.FP32_PANEL_MIN_ROWS, 1))
-    panel_weights = [w for w in prepacked.linear_weights(runner.model) if prepacked.packed_copy(w) is not None]
-    if prepacked.panel_linear(torch.zeros(1, 32), prepacked.pack_weight(torch.zeros(32, 32)), None, 32) is None:
-        for weight in panel_weights:  # no panel kernel here: F.linear everywhere, still one GEMM kind per call
-            monkeypatch.setattr(weight, prepacked.PACKED_ATTR, None)
+    runner.ops.prepare_model(runner.model)  # the plans' bands as of the band above
+    copy = prepacked.pack_weight(torch.zeros(32, 32))
+    if copy is None or prepacked.panel_linear(torch.zeros(1, 32), copy.tensor, None, 32) is None:
+        for layer in runner.model.modules():  # no panel kernel here: F.linear everywhere, one GEMM kind per call
+            if isinstance(layer, LinearWeightLayer):
+                monkeypatch.setattr(layer, "plan", None)
     graphs = cgr.CudaGraphRunner(runner, SIZES, replay="eager")
     graphs.capture()
     harness = Harness(runner)

@@ -33,6 +33,7 @@ from runtime.engine.models.family_configs import FAMILY_CONFIGS
 from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.models.registry import MODEL_CLASSES, get_model_class
 from runtime.engine.ops import DecoderLayerWeights, RopeInputs
+from runtime.engine.ops.layer_stack import LayerDescription
 from tests.support import REPO_ROOT
 from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.gguf_files import write_checkpoint_gguf
@@ -138,18 +139,30 @@ def test_the_runner_sizes_attention_from_the_models_attention_layers(tiny_checkp
     assert (runner.num_heads, runner.num_kv_heads) == (specs[0].num_heads, specs[0].num_kv_heads)
 
 
+class _RewrittenLayer:
+    """A decoder layer whose declared description is rewritten (the choices named in ``rewrite``)."""
+
+    def __init__(self, layer: Any, rewrite: dict[str, str]) -> None:
+        self.layer, self.rewrite = layer, rewrite
+
+    def describe(self) -> LayerDescription:
+        return dataclasses.replace(self.layer.describe(), **self.rewrite)
+
+    def decode_weights(self) -> DecoderLayerWeights:
+        return dataclasses.replace(self.layer.decode_weights(), description=self.describe())
+
+
 class _Declared:
-    """A model as a layer stack sees it, whose layer records are rewritten (or withheld: None)."""
+    """A model as a layer stack sees it, whose layers' descriptions are rewritten (or withheld: None,
+    a model that declares no layers)."""
 
     def __init__(self, model: CausalLM, rewrite: dict[str, str] | None) -> None:
         self.model, self.rewrite = model, rewrite
 
-    def decode_weights(self) -> list[DecoderLayerWeights] | None:
+    def decoder_layers(self) -> list[Any]:
         if self.rewrite is None:
-            return None
-        weights = self.model.decode_weights()
-        assert weights is not None
-        return [dataclasses.replace(w, **self.rewrite) for w in weights]
+            return []
+        return [_RewrittenLayer(layer, self.rewrite) for layer in self.model.decoder_layers()]
 
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
@@ -166,7 +179,7 @@ def test_the_cpu_stack_takes_only_the_layer_choices_it_implements(tiny_checkpoin
 
 
 def test_a_model_without_stackable_layers_serves_through_its_layers(tiny_checkpoints) -> None:
-    """``decode_weights() -> None`` (the protocol's default) costs nothing but the one-call path."""
+    """``decoder_layers() -> ()`` (the protocol's default) costs nothing but the one-call path."""
     from runtime.engine.forward_batch import ForwardMode
     from tests.support.harness import Harness
 

@@ -16,14 +16,15 @@ import torch
 
 from runtime.engine.cpu import decode_layers, kernel_library
 from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX, quant_linear
+from runtime.engine.cpu.weight_plan import plan_weight
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.quant.loading import quantized_bytes
-from runtime.engine.quant.weight import QuantizedWeight, blocks_of
+from runtime.engine.quant.weight import QuantizedWeight, weight_blocks
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.unit.runtime.engine.cpu import test_cpu_decode_layers
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import BF16_KERNELS, _decode_logits
-from tests.unit.runtime.engine.quant.test_quant_model import _weights
+from tests.unit.runtime.engine.quant.test_quant_model import _modules, _weights
 
 calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
 
@@ -56,12 +57,13 @@ def test_dense_values_are_the_dense_loads_and_blocks_the_gguf_loads(gguf_path: P
     kept = _weights(_runner(gguf_path, dtype="float32", quantization="gguf"))
     dual_weights, dense_weights = _weights(dual), _weights(dense)
     assert dual_weights.keys() == dense_weights.keys() == kept.keys()
+    dual_modules = _modules(dual)
     for name, weight in dual_weights.items():
         assert isinstance(weight, torch.Tensor) and torch.equal(weight, dense_weights[name]), name
-        blocks, reference = blocks_of(weight), kept[name]
+        blocks, reference = weight_blocks(dual_modules[name]), kept[name]
         assert blocks is not None and isinstance(reference, QuantizedWeight), name
         assert blocks.source == reference.source and torch.equal(blocks.dequantize(), reference.dequantize()), name
-    assert blocks_of(dual.model.lm_head.weight) is blocks_of(dual.model.model.embed_tokens.weight)  # tied: once
+    assert weight_blocks(dual.model.lm_head) is weight_blocks(dual.model.model.embed_tokens)  # tied: once
     # both forms are resident: the dense model's bytes plus the blocks'
     assert dual.weight_bytes() == dense.weight_bytes() + sum(quantized_bytes(dual.model).values())
     assert set(quantized_bytes(dual.model)) == {"Q4_1", "Q8_0"}
@@ -69,23 +71,24 @@ def test_dense_values_are_the_dense_loads_and_blocks_the_gguf_loads(gguf_path: P
 
 def test_few_rows_read_the_blocks_more_the_dense_values(gguf_path: Path) -> None:
     runner = _runner(gguf_path, quantization="gguf_dual")
-    weight = runner.model.model.layers[0].mlp.gate_up_proj.weight
-    blocks = blocks_of(weight)
-    assert blocks is not None
+    layer = runner.model.model.layers[0].mlp.gate_up_proj
+    weight, blocks = layer.weight, weight_blocks(layer)
+    assert blocks is not None and [band.kernel for band in layer.plan.bands][0] == "blocks"
     gen = torch.Generator().manual_seed(5)
     for rows in (1, BLOCK_ROWS_MAX, BLOCK_ROWS_MAX + 1, 40):
         x = torch.randn(rows, weight.shape[1], generator=gen).bfloat16()
-        got = runner.ops.linear(x, weight, None)
+        got = runner.ops.linear(x, weight, None, layer.plan)
         if rows <= BLOCK_ROWS_MAX:
             want = quant_linear(x, blocks, None)
         else:
-            want = runner.ops.linear(x, weight.detach().clone(), None)  # the same values without blocks
+            want = runner.ops.linear(x, weight, None, plan_weight(weight))  # the same values without blocks
         assert want is not None and torch.equal(got, want), rows
-    head = runner.model.lm_head.weight
-    x = torch.randn(2, head.shape[1], generator=gen).bfloat16()
-    head_blocks = blocks_of(head)
+    head = runner.model.lm_head
+    x = torch.randn(2, head.weight.shape[1], generator=gen).bfloat16()
+    head_blocks = weight_blocks(head)
     assert head_blocks is not None
-    assert torch.equal(runner.ops.float_linear(x, head), quant_linear(x, head_blocks, None, float_out=True))
+    got = runner.ops.float_linear(x, head.weight, head.plan)
+    assert torch.equal(got, quant_linear(x, head_blocks, None, float_out=True))
 
 
 @needs_bf16_kernels
@@ -127,10 +130,11 @@ def test_weights_reload_in_place_blocks_and_dense_values(
     other_folder = _runner(other, quantization="gguf_dual").model_path
     reload_weights(runner, other_folder)
     fresh = _runner(other, quantization="gguf_dual")
-    for name, weight in _weights(runner).items():
-        want = _weights(fresh)[name]
-        assert torch.equal(weight, want), name
-        got_blocks, want_blocks = blocks_of(weight), blocks_of(want)
+    fresh_modules = _modules(fresh)
+    for name, module in _modules(runner).items():
+        want = fresh_modules[name]
+        assert torch.equal(module.weight, want.weight), name
+        got_blocks, want_blocks = weight_blocks(module), weight_blocks(want)
         assert got_blocks is not None and want_blocks is not None
         assert torch.equal(got_blocks.dequantize(), want_blocks.dequantize()), name
     for a, b in zip(_decode_logits(runner, [True] * 3, requests=2), _decode_logits(fresh, [True] * 3, requests=2)):

@@ -19,7 +19,7 @@ from runtime.engine.cpu import attention_kernels_f32, decode_layers
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops.linear_weights import LinearWeightLayer
-from runtime.engine.quant.weight import QuantizedWeight, blocks_of, reference_linear
+from runtime.engine.quant.weight import QuantizedWeight, reference_linear, weight_blocks
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound
@@ -39,13 +39,18 @@ def _runner(path: Path, **kwargs: Any) -> ModelRunner:
     return ModelRunner(path, device="cpu", dtype="float32", max_total_tokens=2048, load_progress=False, **kwargs)
 
 
-def _weights(runner: ModelRunner) -> dict[str, Any]:
-    """Every linear's and the embedding's weight, by module name."""
+def _modules(runner: ModelRunner) -> dict[str, Any]:
+    """Every linear layer and the embedding, by module name."""
     return {
-        name: module.weight
+        name: module
         for name, module in runner.model.named_modules()
         if isinstance(module, (LinearWeightLayer, VocabParallelEmbedding))
     }
+
+
+def _weights(runner: ModelRunner) -> dict[str, Any]:
+    """Every linear's and the embedding's weight, by module name."""
+    return {name: module.weight for name, module in _modules(runner).items()}
 
 
 def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type: str, **kwargs: Any) -> Path:
@@ -149,8 +154,9 @@ def test_one_call_decode_equals_the_layers_bit_for_bit(
     one_call = _decode_logits(runner, [True] * 4, requests=3)
     assert calls == [False] * 3 + [True] * 3, calls  # two prefills, the mirror's rebuild, then the call
     stack = runner.layer_stack
-    assert isinstance(stack, decode_layers.CpuLayerStack) and stack.described is not None
-    assert stack.described.kernels == "qf32"
+    assert isinstance(stack, decode_layers.CpuLayerStack)
+    described = stack.description(3)
+    assert described is not None and described.kernels == "qf32"
     for step, (a, b) in enumerate(zip(layered, one_call)):
         assert torch.equal(a, b), f"decode step {step} differs"
 
@@ -180,7 +186,7 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     chosen = auto(path, dtype="auto", quantization="auto")
     if native_bf16:
         assert chosen.quantization == "gguf_dual" and chosen.dtype == torch.bfloat16
-        assert all(blocks_of(w) is not None for w in _weights(chosen).values())
+        assert all(weight_blocks(m) is not None for m in _modules(chosen).values())
         # on AMX tiles (not measured there) and where both forms would take more than their share
         # of RAM: dense
         monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: True)
