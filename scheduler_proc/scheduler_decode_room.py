@@ -69,28 +69,27 @@ class SchedulerDecodeRoomMixin(SchedulerWiring):
 
     def _retract(self, req: Req) -> None:
         """A running request (nothing of it in flight) gives its memory back and waits at the front:
-        its KV becomes cache, and it resumes from whatever of it is still cached. One past a LongRoPE
-        switch resumes long (``long_rope.mark_long``, after its short KV was cached under its short
-        namespace): its re-prefill recomputes every token with the long factors."""
+        its KV becomes cache, and it resumes from whatever of it is still cached. It is settled on
+        the model's RoPE switch again (``RopeSwitch.settle``, after its KV was cached under its old
+        namespace): one past a LongRoPE switch re-prefills every token with the long factors."""
         self.queues.retract(req)
         self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
         req.is_retracted = True
-        if self.long_rope is not None:
-            self.long_rope.mark_long(req)
+        self.rope_switch.settle(req)
 
     def _recompute_past_rope_switch(self) -> None:
-        """Retract the running requests whose next forward would outgrow a LongRoPE switch with
-        short-rotated KV, so that they re-prefill prompt + outputs with the long factors, as
-        transformers' ``generate`` re-runs the sequence at that step (``scheduler_proc.long_rope``).
+        """Retract the running requests the model's ``RopeSwitch`` says must be recomputed (a LongRoPE
+        request whose next forward would outgrow the switch with short-rotated KV re-prefills prompt +
+        outputs with the long factors, as transformers' ``generate`` re-runs the sequence at that step).
         Before any batch that decodes them is planned; the step in flight is completed first
         (retraction needs the exact host state). Not a memory shortage: ``new_token_ratio`` stays."""
-        if self.long_rope is None or not self.long_rope.crossing(self.queues.running):
+        if not self.rope_switch.must_recompute(self.queues.running):
             return
         self.drain()
-        crossing = self.long_rope.crossing(self.queues.running)  # (the drained step may finish some)
-        for req in crossing:
+        recompute = self.rope_switch.must_recompute(self.queues.running)  # (the drained step may finish some)
+        for req in recompute:
             self._retract(req)
-        self.stats["num_rope_recomputations"] += len(crossing)
+        self.stats["num_rope_recomputations"] += len(recompute)
 
     def _preempt_for_priority(self, plan: PrefillPlan) -> None:
         """Retract the running requests ``PriorityPreemption`` picks for the request the plan was

@@ -56,8 +56,7 @@ class SchedulerInputMixin(SchedulerWiring):
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
         )
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
-        if self.long_rope is not None:  # a prompt past a LongRoPE switch is long from the start
-            self.long_rope.mark_long(req)
+        self.rope_switch.settle(req)  # (a prompt past a LongRoPE switch is long from the start)
         if req.sampling_params.stop_strs or req.sampling_params.stop_regex:
             self.output.stop_checker.load_tokenizer(self.args)
         input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)

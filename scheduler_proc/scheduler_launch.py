@@ -99,7 +99,11 @@ class SchedulerLaunchMixin(SchedulerWiring):
         reqs = self._reserve_decode()
         if not reqs:
             return None
-        drafts = None if self.spec is None else self.spec.propose(reqs, self.allocator.available_size())
+        drafts = (
+            None
+            if self.spec is None
+            else self.spec.propose(reqs, self.allocator.available_size(), self.rope_switch.draft_room)
+        )
         batch, future = (
             (self.builder.build_verify(reqs, drafts), None)
             if drafts is not None

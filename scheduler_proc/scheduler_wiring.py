@@ -28,7 +28,7 @@ from scheduler_proc.batch_builder import BatchBuilder
 from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
-from scheduler_proc.long_rope import LongRopeSwitch
+from scheduler_proc.long_rope import create_rope_switch
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import (
     ForwardRunner,
@@ -83,11 +83,9 @@ class SchedulerWiring:
             self.max_running_requests,
             self.host_tier,
         )
-        # A LongRoPE model's switch length and its rules (None: one RoPE at every length).
-        self.long_rope = LongRopeSwitch.create(model_runner.rope_switch_len)
-        self.builder = BatchBuilder(
-            model_runner, self.allocator, self.tree_cache, self.page_size, long_rope=self.long_rope is not None
-        )
+        # How the model's RoPE depends on a request's length (a LongRoPE switch, or one RoPE throughout).
+        self.rope_switch = create_rope_switch(model_runner.rope_switch_len)
+        self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size, self.rope_switch)
         self.output = OutputProcessor(
             StopChecker(set(model_runner.eos_token_ids), self.context_len),
             server_args.stream_interval,
@@ -101,8 +99,6 @@ class SchedulerWiring:
             self.stats,  # None: no speculation
             torch.device(model_runner.device),
         )
-        if self.spec is not None:
-            self.spec.long_rope = self.long_rope
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
