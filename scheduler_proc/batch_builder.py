@@ -22,6 +22,7 @@ from memory.prefix_cache import BasePrefixCache
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from scheduler_proc import input_logprobs
+from scheduler_proc.long_rope import RopeSwitch
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
@@ -42,12 +43,11 @@ class BatchBuilder:
         allocator: Allocator,
         tree_cache: BasePrefixCache,
         page_size: int,
-        long_rope: bool = False,
+        rope_switch: RopeSwitch,
     ) -> None:
         self.runner = model_runner
-        # The model's RoPE switches with length (scheduler_proc.long_rope): extend batches carry
-        # each request's choice (ForwardBatch.long_rope).
-        self.long_rope = long_rope
+        # Whether extend rows carry each request's rotation (ForwardBatch.long_rope; scheduler_proc.long_rope).
+        self.rope_switch = rope_switch
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = page_size
@@ -261,6 +261,8 @@ class BatchBuilder:
         if future:
             both = t([i for i, _ in future] + [src for _, src in future]).view(2, -1)
             future_inputs = FutureInputs(positions=both[0], source_rows=both[1])
+        extends = mode in (ForwardMode.EXTEND, ForwardMode.MIXED)  # (decode and verify rows go by position)
+        rope_flags = self.rope_switch.extend_flags(reqs) if extends else None
         batch = ForwardBatch(
             forward_mode=mode,
             input_ids=t(cat("input_ids")),
@@ -282,9 +284,7 @@ class BatchBuilder:
             input_logprobs=None
             if mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
             else input_logprobs.plan_batch(reqs, prefix_lens, extend_lens, self.device),
-            long_rope=torch.tensor([r.long_rope for r in reqs], dtype=torch.bool, device=self.device)
-            if self.long_rope and mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
-            else None,
+            long_rope=None if rope_flags is None else torch.tensor(rope_flags, dtype=torch.bool, device=self.device),
         )
         return batch, future_inputs
 

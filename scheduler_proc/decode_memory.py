@@ -4,9 +4,9 @@
 still use (admission reserves KV by it): it starts optimistic, jumps up on retraction
 and decays back while decoding succeeds.
 
-This module only decides. The scheduler (``Scheduler._reserve_decode``) checks the room
-through the batch builder (which evicts cache to make it) and carries the decisions out
-itself, in this order: complete the step in flight, requeue the half-prefilled prompt,
+This module only decides. The scheduler's ``BatchLauncher`` (``scheduler_launch``) checks
+the room through the batch builder (which evicts cache to make it) and carries the decisions
+out itself, in this order: complete the step in flight, requeue the half-prefilled prompt,
 then retract the requests of ``retraction_order`` one at a time until the step fits. A
 retracted or requeued request goes back to the front of the queue; its computed KV becomes
 evictable cache (``cache_finished_req``), so it resumes from whatever of it is still cached.

@@ -44,6 +44,13 @@ class SchedulerParts(Protocol):
     def kv_usage(self) -> float: ...
 
 
+def kv_usage(allocator: Allocator, tree_cache: BasePrefixCache, max_total_tokens: int) -> float:
+    """The share of KV slots that are neither free nor evictable cache (what log lines and
+    ``server_info`` call KV usage)."""
+    free = allocator.available_size() + tree_cache.evictable_size()
+    return 1.0 - free / max_total_tokens
+
+
 def memory_invariant(
     queues: RequestQueues,
     allocator: Allocator,

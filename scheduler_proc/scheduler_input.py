@@ -1,49 +1,63 @@
-"""The scheduler's inputs: messages, new requests, aborts, and the grammar and deadline hand-offs.
+"""The scheduler's inputs: new requests, aborts, and the grammar hand-off.
 
 Why a module of its own: everything that enters the scheduler from outside the step (a
-tokenized request, an abort, a control request, a compiled grammar, an expired deadline)
-arrives here and becomes a queue change or a mark on a request; the step then carries the
-marks out. Refusals are decided elsewhere (``QueueBound``, ``Deadlines``, ``GrammarQueue``);
-this mixin only acts on their answers.
+tokenized request, an abort, a compiled grammar) arrives here and becomes a queue change or a
+mark on a request; the step then carries the marks out. Refusals are decided elsewhere
+(``QueueBound``, ``GrammarQueue``); this class only acts on their answers. The scheduler itself
+keeps the deadlines (its step loop checks them; an expired one comes back here as an abort) and
+answers control requests (they read or reset all of it).
 """
 
 from __future__ import annotations
 
-from runtime.protocol.messages import (
-    SchedAbortReq,
-    SchedControlReq,
-    SchedulerInput,
-    TokenizedGenerateReq,
-)
+from runtime.config.args import ServerArgs
+from runtime.protocol.messages import TokenizedGenerateReq
 from scheduler_proc import input_logprobs
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
-from scheduler_proc.queue_bound import OVERLOADED
+from scheduler_proc.grammar_queue import GrammarQueue
+from scheduler_proc.long_rope import RopeSwitch
+from scheduler_proc.output import OutputProcessor
+from scheduler_proc.queue_bound import OVERLOADED, QueueBound
+from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req
-from scheduler_proc.scheduler_wiring import SchedulerWiring
+from scheduler_proc.scheduler_release import RequestRelease
 
 CLIENT_ABORT = "aborted by the client"
 
 
-class SchedulerInputMixin(SchedulerWiring):
+class RequestIntake:
     """Turns inputs into queued requests or abort marks (see the module docstring)."""
 
-    def handle_message(self, msg: SchedulerInput) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
-            self.stats["num_received"] += 1
-            self.add_request(msg)
-        elif isinstance(msg, SchedAbortReq):
-            self.abort(msg.rid, msg.reason or CLIENT_ABORT)
-        elif isinstance(msg, SchedControlReq):
-            self.control_request(msg)  # (scheduler_control: some answer later, a weight update)
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_len: int,
+        queues: RequestQueues,
+        grammars: GrammarQueue,
+        queue_bound: QueueBound,
+        rope_switch: RopeSwitch,
+        output: OutputProcessor,
+        release: RequestRelease,
+    ) -> None:
+        self.args = args
+        self.context_len = context_len
+        self.queues = queues
+        self.grammars = grammars
+        self.queue_bound = queue_bound
+        self.rope_switch = rope_switch
+        self.output = output
+        self.stats = output.stats
+        self.release = release
 
-    def add_request(self, msg: TokenizedGenerateReq) -> None:
+    def add_request(self, msg: TokenizedGenerateReq) -> Req | None:
         """Queue a request the tokenizer validated (prompt length, vocabulary, parameters), unless
-        the queue is full (--max-queued-requests): then it is refused at once with ``overloaded``."""
+        the queue is full (--max-queued-requests): then it is refused at once with ``overloaded``
+        (None). Returns the request queued (or waiting for its grammar)."""
         refusal = self.queue_bound.admit(self.num_waiting())
         if refusal is not None:
             self.stats["num_refused_overloaded"] += 1
             self.output.error(msg.rid, OVERLOADED, refusal)
-            return
+            return None
         req = Req(
             rid=msg.rid,
             origin_input_ids=list(msg.input_ids),
@@ -56,19 +70,17 @@ class SchedulerInputMixin(SchedulerWiring):
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
         )
         assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
-        if self.long_rope is not None:  # a prompt past a LongRoPE switch is long from the start
-            self.long_rope.mark_long(req)
+        self.rope_switch.settle(req)  # (a prompt past a LongRoPE switch is long from the start)
         if req.sampling_params.stop_strs or req.sampling_params.stop_regex:
             self.output.stop_checker.load_tokenizer(self.args)
         input_logprobs.begin(req)  # (max_new_tokens 0 still prefills: its prompt logprobs, its cache entry)
-        if msg.deadline is not None and self.tp_rank == 0:
-            self.deadlines.add(req, msg.deadline)
         if req.sampling_params.constraint is not None:
             self.grammars.add(req)
-            return
-        self.queues.add(req)
+        else:
+            self.queues.add(req)
+        return req
 
-    def _admit_compiled(self) -> None:
+    def admit_compiled(self) -> None:
         """Constrained requests whose grammar is ready join the queue; failed ones end with the reason."""
         ready, failed = self.grammars.poll()
         for req in ready:
@@ -88,7 +100,7 @@ class SchedulerInputMixin(SchedulerWiring):
             hit += 1
             self.queues.remove_waiting(req)
             self.stats["num_aborted"] += 1
-            self._release_unscheduled(req)
+            self.release.release_unscheduled(req)
             self.output.finish(req, {"type": "abort", "message": message})
         for req in self.queues.holders():
             if rid in ("", req.rid) and req.to_abort is None:
@@ -100,7 +112,3 @@ class SchedulerInputMixin(SchedulerWiring):
     def num_waiting(self) -> int:
         """Requests received and not running: what --max-queued-requests bounds."""
         return len(self.queues.waiting) + len(self.grammars)
-
-    def expired_rids(self) -> list[str]:
-        """The live requests whose deadline has passed (rank 0 decides; scheduler_proc.deadlines)."""
-        return [req.rid for req in self.deadlines.expired()]

@@ -1,29 +1,68 @@
-"""The scheduler's results: complete a step in flight, take its tokens, finish and release requests.
+"""The scheduler's results: the step in flight, and completing it (its tokens, its finished requests).
 
-Why a module of its own: this is the one path by which a request's memory goes back (a
-finished request's KV becomes cache through ``cache_finished_req``, an unfinished prefill's
-through ``cache_unfinished_req``), and under overlap it must get the in-flight counts right
-(a request that finished at step N after being placed in step N+1 drops that extra token and
-is released once, when its last step in flight completes). ``OutputProcessor`` decides what a
-token means (stop checks, streaming, the outbox); this mixin carries it out on the queues and
-the prefix cache.
+Why a module of its own: under overlap a step is launched before the previous one's results are
+read, so the step in flight is state of its own (``StepResults.inflight``) that the step loop, the
+launches (which must complete it before a retraction) and the control side (which reads the exact
+host state) all consult. Completing it must get the in-flight counts right: a request that finished
+at step N after being placed in step N+1 drops that extra token and is released once, when its last
+step in flight completes. ``OutputProcessor`` decides what a token means (stop checks, streaming,
+the outbox); ``RequestRelease`` gives memory back; this class carries a step's tokens out on the
+queues and the prefix cache.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
+from memory.prefix_cache import BasePrefixCache
+from memory.req_to_token_pool import ReqToTokenPool
 from scheduler_proc import input_logprobs, swa_memory
+from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.jump_forward import jump_forward
-from scheduler_proc.model_worker import StepResult
+from scheduler_proc.memory_setup import Allocator
+from scheduler_proc.model_worker import LaunchedStep, StepResult
+from scheduler_proc.output import OutputProcessor
+from scheduler_proc.queues import RequestQueues
 from scheduler_proc.req import Req
-from scheduler_proc.scheduler_wiring import SchedulerWiring
+from scheduler_proc.scheduler_release import RequestRelease
+from scheduler_proc.spec.verify import SpecDecoder
 
 
-class SchedulerResultsMixin(SchedulerWiring):
-    """Processes a completed step's tokens and ends requests (see the module docstring)."""
+class StepResults:
+    """Holds the step in flight and processes its tokens when it completes (see the module docstring)."""
 
-    def _complete_inflight(self) -> None:
+    def __init__(
+        self,
+        queues: RequestQueues,
+        tree_cache: BasePrefixCache,
+        allocator: Allocator,
+        req_to_token_pool: ReqToTokenPool,
+        output: OutputProcessor,
+        spec: SpecDecoder | None,
+        grammars: GrammarQueue,
+        jump_forward: bool,
+        context_len: int,
+        release: RequestRelease,
+    ) -> None:
+        self.queues = queues
+        self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.output = output
+        self.spec = spec
+        self.grammars = grammars
+        self.jump_forward = jump_forward  # (after a step: append the text a grammar forces)
+        self.context_len = context_len
+        self.release = release
+        # The step launched and not yet processed (the step loop sets it; None: the host state is exact).
+        self.inflight: LaunchedStep | None = None
+
+    def drain(self) -> None:
+        """Process the step in flight, if any: afterwards the host state is exact."""
+        if self.inflight is not None:
+            self.complete()
+
+    def complete(self) -> None:
         """Wait for the step in flight and process its tokens."""
         step, self.inflight = self.inflight, None
         assert step is not None
@@ -49,7 +88,7 @@ class SchedulerResultsMixin(SchedulerWiring):
                     self.output,
                     self.req_to_token_pool.req_to_token,
                     self.allocator.free,
-                    self.finish,
+                    self.release.finish,
                 )
             )
         else:
@@ -68,9 +107,9 @@ class SchedulerResultsMixin(SchedulerWiring):
             ):
                 if req.finish_reason is not None:
                     self.queues.remove_running(req)
-                    self.finish(req, req.finish_reason)
+                    self.release.finish(req, req.finish_reason)
                 else:  # its row goes back as in a retraction; the next prefill computes the forced text
-                    self._retract(req)
+                    self.release.retract(req)
 
     def _take_tokens(
         self, rows: Iterable[tuple[int, Req]], result: StepResult, finished: set[Req], prefilled: bool
@@ -82,33 +121,11 @@ class SchedulerResultsMixin(SchedulerWiring):
                 # It finished at the step before, which this one had already included: the
                 # token is dropped, its KV kept with the rest; release once nothing is in flight.
                 if req.num_inflight == 0:
-                    self._release(req)
+                    self.release.release(req)
                 continue
             output.append_token(req, result, row)
             if req.finish_reason is not None:
                 finished.add(req)
-                self.finish(req, req.finish_reason)
+                self.release.finish(req, req.finish_reason)
             elif prefilled:
                 self.tree_cache.cache_unfinished_req(req)
-
-    def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
-        """Tell the client, then release the request's memory unless a step still uses it."""
-        if req.to_abort is not None:  # here, or when its step in flight completed (overlap)
-            self.stats["num_aborted"] += 1
-        self.output.finish(req, reason, error_code)
-        if self.spec is not None:
-            self.spec.finished(req)
-        if req.num_inflight == 0:
-            self._release(req)
-
-    def _release(self, req: Req) -> None:
-        # Caches what has KV, frees the rest and the row, and drops the prefix lock.
-        self.tree_cache.cache_finished_req(req, kv_len=req.kv_committed_len)
-
-    def _release_unscheduled(self, req: Req) -> None:
-        """A waiting request holds nothing: no lock, no row (retracted ones released theirs)."""
-        self.tree_cache.drop_match(req)
-
-    def take_outbox(self) -> list[Any]:
-        """The outputs since the last call (tokens, finishes, control replies), for the process to send."""
-        return self.output.take_outbox()

@@ -1,55 +1,47 @@
-"""The scheduler's parts, built once: pools, prefix cache, queues, the deciders and the model worker.
+"""The scheduler's parts, built once: pools, prefix cache, queues, the deciders, the executors
+of their decisions and the model worker.
 
-Why a module of its own: ``Scheduler`` is composed of one mixin per job (``scheduler_input``,
-``scheduler_launch``, ``scheduler_decode_room``, ``scheduler_results``, ``scheduler_control``;
-the step loop is ``scheduler.py``), and every job works on this one set of parts. Each mixin
-subclasses ``SchedulerWiring``, so it reads the parts typed without importing ``scheduler.py``
-(the import graph allows no circle, ``TYPE_CHECKING`` imports included), and a new feature's
-part has a single place to be built.
-
-The seams: the few methods one job calls in another are declared at the end of this class.
-Each is defined by exactly one mixin, which ``Scheduler`` lists before this class, so a
-declaration here never runs (it raises if a mixin is left out) and mypy checks each definition
-against it. Calls inside one job need no declaration.
+Why a module of its own: a new feature's part has a single place to be built, and each part gets
+the others it uses as constructor arguments, so what a part depends on is written where it is
+built. The deciders (``Admission``, ``DecodeMemory``, ``PriorityPreemption``, ``BatchBuilder``...)
+only decide; the executors carry decisions out on the queues and the prefix cache, one job each:
+``RequestIntake`` (``scheduler_input``: requests and aborts in), ``BatchLauncher``
+(``scheduler_launch``: the next batch and the room it needs), ``StepResults`` (``scheduler_results``:
+the step in flight and its tokens) and ``RequestRelease`` (``scheduler_release``: memory going back).
+They call each other only through public methods, in that order downwards. ``Scheduler``
+(``scheduler.py``) is this class plus the step loop and the control side.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from memory.invariant import InvariantReport
 from memory.prefix_cache import BasePrefixCache
 from runtime.config.args import ServerArgs
-from runtime.protocol.messages import SchedControlReq
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder
 from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
-from scheduler_proc.long_rope import LongRopeSwitch
+from scheduler_proc.long_rope import create_rope_switch
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
-from scheduler_proc.model_worker import (
-    ForwardRunner,
-    LaunchedStep,
-    create_model_runner,
-    create_model_worker,
-    overlap_default,
-)
+from scheduler_proc.model_worker import ForwardRunner, create_model_runner, create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
-from scheduler_proc.prefill_adder import PrefillPlan
 from scheduler_proc.priority import PriorityPreemption
 from scheduler_proc.profiler import StepProfiler, tp_agreement
 from scheduler_proc.queue_bound import QueueBound
 from scheduler_proc.queues import RequestQueues
-from scheduler_proc.req import Req, StopChecker
+from scheduler_proc.req import StopChecker
+from scheduler_proc.scheduler_input import RequestIntake
+from scheduler_proc.scheduler_launch import BatchLauncher
+from scheduler_proc.scheduler_release import RequestRelease
+from scheduler_proc.scheduler_results import StepResults
 from scheduler_proc.spec.verify import SpecDecoder
-from scheduler_proc.weight_update import PendingWeightUpdate, ServedWeights
+from scheduler_proc.weight_update import ServedWeights
 
 
 class SchedulerWiring:
-    """Builds and holds one TP rank's scheduler parts; the base of every job mixin."""
+    """Builds and holds one TP rank's scheduler parts (see the module docstring)."""
 
     def __init__(
         self,
@@ -83,11 +75,9 @@ class SchedulerWiring:
             self.max_running_requests,
             self.host_tier,
         )
-        # A LongRoPE model's switch length and its rules (None: one RoPE at every length).
-        self.long_rope = LongRopeSwitch.create(model_runner.rope_switch_len)
-        self.builder = BatchBuilder(
-            model_runner, self.allocator, self.tree_cache, self.page_size, long_rope=self.long_rope is not None
-        )
+        # How the model's RoPE depends on a request's length (a LongRoPE switch, or one RoPE throughout).
+        self.rope_switch = create_rope_switch(model_runner.rope_switch_len)
+        self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size, self.rope_switch)
         self.output = OutputProcessor(
             StopChecker(set(model_runner.eos_token_ids), self.context_len),
             server_args.stream_interval,
@@ -101,8 +91,6 @@ class SchedulerWiring:
             self.stats,  # None: no speculation
             torch.device(model_runner.device),
         )
-        if self.spec is not None:
-            self.spec.long_rope = self.long_rope
         self.preemption = PriorityPreemption() if server_args.priority_preemption else None
         overlap = server_args.disable_overlap_schedule
         overlap = overlap_default(torch.device(model_runner.device)) if overlap is None else not overlap
@@ -134,62 +122,46 @@ class SchedulerWiring:
             server_args.dp_size,
             tp_agreement(server_args.tp_size, device),
         )
-        self.weight_update: PendingWeightUpdate | None = None
         self.served_weights = ServedWeights(str(getattr(model_runner, "model_path", None) or server_args.model_path))
-        self.inflight: LaunchedStep | None = None
-        self._was_idle = True
-        self.last_invariant: InvariantReport | None = None
-
-    # ------------------------------------------------------------------ seams between the jobs
-
-    def drain(self) -> None:
-        """Defined in ``scheduler.py`` (the step loop)."""
-        raise NotImplementedError
-
-    def control(self, kind: str) -> dict[str, Any]:
-        """Defined in ``scheduler_control``."""
-        raise NotImplementedError
-
-    def kv_usage(self) -> float:
-        """Defined in ``scheduler_control``."""
-        raise NotImplementedError
-
-    def control_request(self, msg: SchedControlReq) -> None:
-        """Defined in ``scheduler_control``."""
-        raise NotImplementedError
-
-    def abort(self, rid: str, message: str) -> None:
-        """Defined in ``scheduler_input``."""
-        raise NotImplementedError
-
-    def num_waiting(self) -> int:
-        """Defined in ``scheduler_input``."""
-        raise NotImplementedError
-
-    def finish(self, req: Req, reason: dict[str, Any] | None, error_code: str | None = None) -> None:
-        """Defined in ``scheduler_results``."""
-        raise NotImplementedError
-
-    def _release_unscheduled(self, req: Req) -> None:
-        """Defined in ``scheduler_results``."""
-        raise NotImplementedError
-
-    def _reserve_decode(self) -> list[Req]:
-        """Defined in ``scheduler_decode_room``."""
-        raise NotImplementedError
-
-    def _retract(self, req: Req) -> None:
-        """Defined in ``scheduler_decode_room``."""
-        raise NotImplementedError
-
-    def _recompute_past_rope_switch(self) -> None:
-        """Defined in ``scheduler_decode_room``."""
-        raise NotImplementedError
-
-    def _preempt_for_priority(self, plan: PrefillPlan) -> None:
-        """Defined in ``scheduler_decode_room``."""
-        raise NotImplementedError
-
-    def _requeue(self, req: Req) -> None:
-        """Defined in ``scheduler_decode_room``."""
-        raise NotImplementedError
+        # The executors (module docstring), each given the parts it works on.
+        self.release = RequestRelease(self.queues, self.tree_cache, self.output, self.spec, self.rope_switch)
+        self.intake = RequestIntake(
+            server_args,
+            self.context_len,
+            self.queues,
+            self.grammars,
+            self.queue_bound,
+            self.rope_switch,
+            self.output,
+            self.release,
+        )
+        self.results = StepResults(
+            self.queues,
+            self.tree_cache,
+            self.allocator,
+            self.req_to_token_pool,
+            self.output,
+            self.spec,
+            self.grammars,
+            self.jump_forward,
+            self.context_len,
+            self.release,
+        )
+        self.launcher = BatchLauncher(
+            self.queues,
+            self.admission,
+            self.memory,
+            self.preemption,
+            self.rope_switch,
+            self.builder,
+            self.worker,
+            self.spec,
+            self.allocator,
+            self.tree_cache,
+            self.max_total_tokens,
+            self.host_tier,
+            self.output,
+            self.results,
+            self.release,
+            server_args.enable_mixed_chunk,
+        )

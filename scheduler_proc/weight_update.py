@@ -8,7 +8,7 @@ same inputs and runs the same schedule, so all of them reach the quiet step toge
 that step. The KV cached before it was computed by the old weights: a successful reload flushes the
 prefix cache.
 
-The scheduler carries this out (``scheduler_control``); this module holds the pending update and the
+The scheduler carries this out (its control side, ``scheduler.py``); this module holds the pending update and the
 rules: when the scheduler is quiet enough, and the reply's shape (SGLang's ``success``, ``message``,
 ``num_paused_requests``, with the loaded ``model_path`` and ``weight_version`` for the front door).
 """

@@ -40,7 +40,6 @@ import torch
 from runtime.config.args import ServerArgs
 from runtime.config.spec_args import resolve_speculative_algorithm, speculative_reason
 from runtime.protocol.spec_stats import SPEC_STATS
-from scheduler_proc.long_rope import LongRopeSwitch
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.req import Req
@@ -78,8 +77,6 @@ class SpecDecoder:
             args.speculative_max_step_tokens if args.speculative_max_step_tokens is not None else step_tokens
         )
         self.stats = stats
-        # A LongRoPE model's switch (set by the wiring): a short request drafts up to it, no further.
-        self.long_rope: LongRopeSwitch | None = None
         for key in SPEC_STATS:
             stats.setdefault(key, 0)
 
@@ -100,24 +97,27 @@ class SpecDecoder:
         )
         return SpecDecoder(args, context_len, stats, platform.spec_step_tokens) if algorithm is not None else None
 
-    def draft_limit(self, req: Req) -> int:
-        """Most drafts ``req`` may take this step: one fewer than the tokens it may still emit."""
+    def draft_limit(self, req: Req, room: int | None) -> int:
+        """Most drafts ``req`` may take this step: one fewer than the tokens it may still emit, and
+        at most ``room`` (the model's positions' bound; None: none)."""
         params = req.sampling_params
         if req.num_inflight or len(req.output_ids) < params.min_new_tokens:
             return 0
         limit = min(req.remaining_new_tokens(), self.context_len - req.scheduled_len) - 1
-        room = None if self.long_rope is None else self.long_rope.draft_room(req)
         return limit if room is None else min(limit, room)
 
-    def propose(self, reqs: Sequence[Req], free_slots: int) -> list[list[int]] | None:
+    def propose(
+        self, reqs: Sequence[Req], free_slots: int, draft_room: Callable[[Req], int | None]
+    ) -> list[list[int]] | None:
         """Each request's drafts, within ``free_slots`` and the step's token budget beyond its one
         token per request, shared evenly (a request that drafts less leaves the rest to those after
-        it); None when no request has any (the step is then a plain decode)."""
+        it); None when no request has any (the step is then a plain decode). ``draft_room``: the
+        most drafts the model's positions allow a request (``RopeSwitch.draft_room``; None: no bound)."""
         room = free_slots if self.step_tokens is None else min(free_slots, self.step_tokens)
         budget = room - len(reqs)
         drafts: list[list[int]] = []
         for i, req in enumerate(reqs):
-            limit = min(self.draft_limit(req), budget // (len(reqs) - i)) if budget > 0 else 0
+            limit = min(self.draft_limit(req, draft_room(req)), budget // (len(reqs) - i)) if budget > 0 else 0
             draft: list[int] = []
             if limit > 0:
                 tokens = req.known_ids()

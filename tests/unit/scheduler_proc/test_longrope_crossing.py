@@ -19,7 +19,7 @@ from runtime.config.args import ServerArgs
 from runtime.engine.model_runner import ModelRunner
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
-from scheduler_proc.long_rope import LONG_NAMESPACE, LongRopeSwitch
+from scheduler_proc.long_rope import LONG_NAMESPACE, LongRopeSwitch, OneRope, create_rope_switch
 from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
@@ -175,16 +175,17 @@ def _req(n: int, outputs: int = 0, inflight: int = 0) -> Req:
 
 def test_switch_rules() -> None:
     switch = LongRopeSwitch(10)
-    assert LongRopeSwitch.create(None) is None
+    assert isinstance(create_rope_switch(None), OneRope) and isinstance(create_rope_switch(10), LongRopeSwitch)
     within, crossing, inflight = _req(10), _req(9, outputs=2), _req(9, outputs=1, inflight=1)
-    assert switch.crossing([within, crossing, inflight]) == [crossing, inflight]
+    assert switch.must_recompute([within, crossing, inflight]) == [crossing, inflight]
     assert switch.draft_room(within) == 0 and switch.draft_room(_req(6)) == 4
-    switch.mark_long(within)
+    switch.settle(within)
     assert not within.long_rope and within.extra_key is None
-    switch.mark_long(crossing)
+    switch.settle(crossing)
     assert crossing.long_rope and crossing.extra_key == LONG_NAMESPACE
-    assert switch.draft_room(crossing) is None and switch.crossing([crossing]) == []
-    switch.mark_long(crossing)  # (once)
+    assert switch.draft_room(crossing) is None and switch.must_recompute([crossing]) == []
+    assert switch.extend_flags([within, crossing]) == [False, True]
+    switch.settle(crossing)  # (once)
     assert crossing.extra_key == LONG_NAMESPACE
 
 
@@ -207,7 +208,7 @@ def test_models_without_a_switch_build_no_flags(tiny_checkpoints: TinyCheckpoint
     runner = _runner(tiny_checkpoints.path("phi3"))
     assert runner.rope_switch_len is None
     sched = _scheduler(runner)
-    assert sched.long_rope is None and sched.builder.long_rope is False
+    assert isinstance(sched.rope_switch, OneRope) and sched.builder.rope_switch is sched.rope_switch
     seen = _extend_flags(runner)
     _serve(sched, [random_prompt(ORIG + 5, runner.vocab_size, seed=61)])
     assert seen == [None]

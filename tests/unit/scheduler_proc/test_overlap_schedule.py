@@ -142,12 +142,12 @@ def test_a_prefill_is_processed_before_anything_is_launched_after_it() -> None:
     slots freed, SWA slots moved): no later step may be in flight while that happens."""
     sched = make(overlap=True, chunked_prefill_size=16)
     events: list[str] = []
-    launch, complete = sched.worker.launch, sched._complete_inflight
+    launch, complete = sched.worker.launch, sched.results.complete
     sched.worker.launch = lambda batch, future=None: (  # type: ignore[method-assign]
         events.append("decode" if batch.forward_mode.is_decode() else "prefill"),
         launch(batch, future),
     )[1]
-    sched._complete_inflight = lambda: (events.append("done"), complete())[1]  # type: ignore[method-assign]
+    sched.results.complete = lambda: (events.append("done"), complete())[1]  # type: ignore[method-assign]
     rng = random.Random(8)
     for i in range(6):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 40))]

@@ -134,8 +134,8 @@ def test_the_step_budget_shares_drafts_and_steps_aside_under_load(
     sizes: list[list[int]] = []
     real = SpecDecoder.propose
 
-    def propose(self: SpecDecoder, reqs: Any, free_slots: int) -> Any:
-        drafts = real(self, reqs, free_slots)
+    def propose(self: SpecDecoder, reqs: Any, free_slots: int, draft_room: Any) -> Any:
+        drafts = real(self, reqs, free_slots, draft_room)
         sizes.append([len(d) for d in drafts] if drafts is not None else [0] * len(reqs))
         return drafts
 
