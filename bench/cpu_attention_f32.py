@@ -4,7 +4,7 @@ Shapes are the bench model's (16 query heads, 4 KV heads, head dim 64), one laye
 
 - ``decode``: 64 requests x 160 keys through the decode-key mirror (``cap`` 192): the C
   kernel (``attn_kernels.decode_attention``) vs two batched matmuls around an fp32 softmax
-  (``_few_query_attention``'s torch path);
+  (``few_query_attention``'s torch path);
 - ``cascade``: the same requests sharing a 512-key prefix, 64 keys of their own: the packed
   prefix kernel then the decode kernel continuing each softmax (``init``) vs the torch cascade
   (flash over the prefix, the matmul path over the own keys, the log-sum-exp merge);
@@ -88,7 +88,7 @@ def decode_case(args: argparse.Namespace, gen: torch.Generator, n: int, hkv: int
     bias[..., width:] = float("-inf")
 
     def dec() -> Any:
-        return cpu_attention._few_query_attention(q, k_t, v, bias, d**-0.5, False, width=width)
+        return cpu_attention.few_query_attention(q, k_t, v, bias, d**-0.5, False, width=width)
 
     return f"decode {n} x {width} keys", dec, torch_only(dec)
 
@@ -109,7 +109,7 @@ def cascade_case(args: argparse.Namespace, gen: torch.Generator, n: int, hkv: in
         return attn_kernels.decode_attention(q, k_t, v, bias, scale, own, False, None, init)[0]
 
     def reference() -> Any:
-        return cpu_attention._cascade(q, kp, vp, k_t, v, bias, scale, own)
+        return cpu_attention.cascade_attention(q, kp, vp, k_t, v, bias, scale, own)
 
     return f"cascade {n} x ({p} shared + {own} own)", kernel, torch_only(reference)
 

@@ -5,7 +5,7 @@ Each shape is ``n`` prompts of ``L`` new tokens with no cached keys, the bench m
 the model has them. Paths, timed one after another on the same inputs:
 
 - ``C kernel``: ``attn_kernels.causal_attention`` (what the torch-native backend runs);
-- ``matmul path``: ``fastpaths._matmul_causal_attention`` (bf16 GEMMs around the C row
+- ``matmul path``: ``fastpaths.matmul_causal_attention`` (bf16 GEMMs around the C row
   softmax; where the kernel does not apply);
 - ``flash``: ``F.scaled_dot_product_attention(is_causal=True)`` (torch's CPU flash kernel).
 
@@ -70,7 +70,7 @@ def measure(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any
     scale = d**-0.5
     paths: dict[str, Callable[[], Any]] = {
         "C kernel": lambda: attn_kernels.causal_attention(q, k, v, scale),
-        "matmul path": lambda: fastpaths._matmul_causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale),
+        "matmul path": lambda: fastpaths.matmul_causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale),
     }
     if not args.skip_flash:
         paths["flash"] = lambda: torch.nn.functional.scaled_dot_product_attention(

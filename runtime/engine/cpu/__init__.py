@@ -2,7 +2,7 @@
 
 - ``kernel_library``: builds ``csrc/*.c`` once per instruction-set level (AVX-512 + BF16 with
   AMX where present, AVX-512, AVX2, plain C) and loads the best one this CPU runs;
-- ``kernels`` and ``attention_kernels`` (+ ``attention_kernels_f32``): the C kernels' wrappers,
+- ``kernels`` and ``attention_kernels`` (+ ``attention_kernels_f32``, ``attention_abi``): the C kernels' wrappers,
   bf16 and fp32;
 - ``prepacked``: packed copies of the linears' weights (oneDNN's layouts, the fp32 panels) and the
   calls of the kernels that read them;

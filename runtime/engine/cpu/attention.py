@@ -194,9 +194,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             )
         elif prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
-            og = fastpaths._cascade(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append, softcap)
+            og = fastpaths.cascade_attention(qg, kp, vp, kd_t, vd, mask, layer.scaling, width, append, softcap)
         else:
-            og, _ = fastpaths._few_query_attention(
+            og, _ = fastpaths.few_query_attention(
                 qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append, softcap=softcap
             )
         return og.reshape(n, layer.num_heads, layer.head_dim)
@@ -221,7 +221,7 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         if softcap is not None:
             self.softcap_seen = True
         matmul_prefill = (
-            softcap is None and g.keys_are_new and fastpaths._matmul_prefill_applies(q, q_len, layer.head_dim)
+            softcap is None and g.keys_are_new and fastpaths.matmul_prefill_applies(q, q_len, layer.head_dim)
         )
         if g.shared_loc is None and not matmul_prefill:
             return super()._extend(q, k, v, k_buf, v_buf, layer, g)  # the plain SDPA of the plan (capped: explicit)
@@ -230,10 +230,10 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         qg = qs.view(n, q_len, h, d).transpose(1, 2)  # [n, H, q_len, D]
         kg, vg = self._group_keys(k, v, k_buf, v_buf, layer, g)
         if g.shared_loc is None:
-            return fastpaths._causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
+            return fastpaths.causal_prefill_attention(qs.view(n, q_len, h, d), kg, vg, layer.scaling)[0]
         # Cascade: own keys (causal, returning the log-sum-exp) ...
         if matmul_prefill:
-            o_own, lse_own = fastpaths._causal_prefill_attention(
+            o_own, lse_own = fastpaths.causal_prefill_attention(
                 qs.view(n, q_len, h, d), kg, vg, layer.scaling, with_lse=True
             )
             assert lse_own is not None
@@ -272,16 +272,16 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
                 k_buf.index_select(0, g.shared_loc).to(real.dtype), v_buf.index_select(0, g.shared_loc).to(real.dtype)
             )
             o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
-            merged = fastpaths._merge(
+            merged = fastpaths.merge_partial_attention(
                 o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group)
             )
             return merged.reshape(t, h, d)
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
         kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
         vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
-        o_pre, lse_pre = fastpaths._attend_shared_keys(q_all, kp, vp, layer.scaling, softcap)
+        o_pre, lse_pre = fastpaths.attend_shared_keys(q_all, kp, vp, layer.scaling, softcap)
         # (reshape: views where the layouts allow, which they do on the bf16 paths)
-        merged = fastpaths._merge(
+        merged = fastpaths.merge_partial_attention(
             o_pre.reshape(hkv, t, group, d).permute(1, 0, 2, 3),
             lse_pre.reshape(hkv, t, group).permute(1, 0, 2),
             o_own.reshape(t, hkv, group, d),

@@ -6,16 +6,16 @@ the tensors they are given, with no plan, batch or mirror state, so each can be 
 a reference and timed on its own (tests/unit/runtime/engine/cpu/test_attention_fastpaths.py,
 bench/cpu_attention_f32.py, bench/cpu_prefill_attention.py).
 
-- ``_few_query_attention``: a one-token group's queries (GQA folded) against each request's
+- ``few_query_attention``: a one-token group's queries (GQA folded) against each request's
   keys: the C decode kernel of ``runtime.engine.cpu.attention_kernels`` where it applies, else
   two batched matmuls around an fp32 softmax;
-- ``_cascade`` / ``_attend_prefix``: a one-token group's softmax over a prefix every member
-  shares (one GEMM per KV head for all members' queries) and each member's own keys, merged by
-  log-sum-exp (``_merge``);
-- ``_causal_prefill_attention`` (``_matmul_prefill_applies`` says where): equal-length prompts'
+- ``cascade_attention`` (with ``_attend_prefix``): a one-token group's softmax over a prefix every
+  member shares (one GEMM per KV head for all members' queries) and each member's own keys, merged
+  by log-sum-exp (``merge_partial_attention``, which the backend's extend cascade also merges with);
+- ``causal_prefill_attention`` (``matmul_prefill_applies`` says where): equal-length prompts'
   causal self-attention over their new tokens, through the C causal kernel or bf16 GEMMs around
-  the C row softmax (``_matmul_causal_attention``), in cache-sized chunks;
-- ``_attend_shared_keys``: many queries against one key set with no mask (the shared prefix of a
+  the C row softmax (``matmul_causal_attention``), in cache-sized chunks;
+- ``attend_shared_keys``: many queries against one key set with no mask (the shared prefix of a
   prefill's cascade), bf16 GEMMs around ``cpu_kernels.softmax_rows`` or the flash op.
 
 Soft-capped logits (``softcap``, Gemma 2's ``attn_logit_softcapping``): none of the C kernels nor
@@ -23,8 +23,11 @@ the flash op cap, so where a ``softcap`` is given these functions never call the
 the scores in torch (``runtime.engine.attention.softcap``: scale, cap, mask, fp32 softmax); the
 cascade's merge by log-sum-exp stays exact, as the cap acts on each score alone.
 
-The names keep their leading underscore: they are the backend's internals, shared with it alone
-(it calls them through this module, so a test's ``monkeypatch`` of one here reaches the backend).
+The functions above are this module's public interface, because another module calls each: the
+backend every one but ``matmul_causal_attention``, which the bench and the tests run on its own
+(where the C causal kernel would otherwise take the call). The backend calls them through the
+module (``fastpaths.name``), so a test's ``monkeypatch`` of one here reaches it. ``_attend_prefix``
+and the chunk sizes stay private: only this module's functions use them.
 """
 
 from __future__ import annotations
@@ -39,23 +42,24 @@ _MATMUL_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 # Longer prompts keep SDPA (the matmul path splits them into runs of query positions, each
 # a GEMM against the keys before its end; far longer prompts make many small GEMMs).
 _MATMUL_PREFILL_MAX_LEN = 4096
-# Score bytes per chunk in _matmul_causal_attention and _attend_shared_keys (cache-sized).
+# Score bytes per chunk in matmul_causal_attention and attend_shared_keys (cache-sized).
 _PREFILL_SCORE_BYTES = 4 << 20
-# _matmul_causal_attention splits prompts at least this long into at least two runs of query
+# matmul_causal_attention splits prompts at least this long into at least two runs of query
 # positions, so the first run's scores skip the keys after it (a quarter of the work).
 _PREFILL_SPLIT_MIN_LEN = 256
 
 
-def _matmul_prefill_applies(q: torch.Tensor, q_len: int, head_dim: int) -> bool:
-    """Whether prompts of ``q_len`` new tokens (no padding) go through ``_causal_prefill_attention``:
+def matmul_prefill_applies(q: torch.Tensor, q_len: int, head_dim: int) -> bool:
+    """Whether prompts of ``q_len`` new tokens (no padding) go through ``causal_prefill_attention``:
     half precision up to ``_MATMUL_PREFILL_MAX_LEN`` tokens, fp32 where its causal kernel runs
-    (``attn_kernels.causal_attention``: faster than the flash kernel at every length measured)."""
+    (``attn_kernels.causal_attention``: faster than the flash kernel at every length measured).
+    The backend asks before it takes an extend group of new keys off the plan's SDPA path."""
     if q.dtype == torch.float32:
         return attn_kernels.prefix_supported(q.dtype, q.device, head_dim)
     return q.dtype in _MATMUL_PREFILL_DTYPES and q_len <= _MATMUL_PREFILL_MAX_LEN
 
 
-def _causal_prefill_attention(
+def causal_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal self-attention of ``n`` equal-length prompts over their new tokens, as matmuls.
@@ -66,7 +70,7 @@ def _causal_prefill_attention(
     AVX-512 CPU, and fp32 on AVX2 / AVX-512 builds, go to ``attn_kernels.causal_attention``
     (the same work in one pass, fp32 scores: in bf16 ~2.3x faster at 64 x 128 tokens, ~1.8x
     at 512-2048). Otherwise
-    (``_matmul_causal_attention``) each KV head's query group is folded position-major into
+    (``matmul_causal_attention``) each KV head's query group is folded position-major into
     one ``[L * group, D]`` operand (one GEMM per request and KV head, no repeated keys), the
     bf16 scores go through the causal row softmax of ``cpu_kernels`` in place (torch ops in
     fp32 where it is unavailable). Work is cut into cache-sized chunks: several requests at
@@ -75,15 +79,22 @@ def _causal_prefill_attention(
     bench model (64 prompts x 128 tokens, 16 heads, 4 KV heads, bf16, 2 cores) this takes
     ~12 ms per layer where the CPU flash kernel takes ~40 ms; precision is that of
     transformers' eager attention (bf16 scores and probabilities, fp32 softmax).
+
+    The backend's path for such a group (``matmul_prefill_applies``), alone or as a cascade's
+    own-keys half (``with_lse``).
     """
     fused = attn_kernels.causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, with_lse)
-    return fused if fused is not None else _matmul_causal_attention(q, k, v, scale, with_lse)
+    return fused if fused is not None else matmul_causal_attention(q, k, v, scale, with_lse)
 
 
-def _matmul_causal_attention(
+def matmul_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_causal_prefill_attention`` as bf16 matmuls around the row softmax (see there)."""
+    """``causal_prefill_attention`` as bf16 matmuls around the row softmax (see there).
+
+    Public for the bench and the tests, which run this path on its own where the C causal kernel
+    would take ``causal_prefill_attention``'s call.
+    """
     n, length, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
@@ -123,12 +134,17 @@ def _matmul_causal_attention(
     return out.view(n * length, h, d), None if lse_out is None else lse_out.view(n * length, h)
 
 
-def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge_partial_attention(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
     """Softmax over the union of two key sets from each set's output and log-sum-exp.
 
     ``o_*`` ``[..., D]`` in the model dtype, ``lse_*`` ``[...]`` fp32; computed in fp32.
     bf16 ``[T, A, B, D]`` operands (any strides) go through ``cpu_kernels.merge_attention``,
     which reads them in place and returns a contiguous result.
+
+    The second pass of every cascade that attends its two key sets apart: ``cascade_attention``'s,
+    and the backend's extend cascade (a group's own keys, then the cached prefix they share).
     """
     merged = cpu_kernels.merge_attention(o_a, lse_a, o_b, lse_b)
     if merged is not None:
@@ -149,11 +165,11 @@ def _attend_prefix(
     """
     n, hkv, group, d = qg.shape
     q_all = qg.transpose(0, 1).reshape(1, hkv, n * group, d)
-    out_p, lse_p = _attend_shared_keys(q_all, kp, vp, scale, softcap)
+    out_p, lse_p = attend_shared_keys(q_all, kp, vp, scale, softcap)
     return out_p.view(hkv, n, group, d).transpose(0, 1), lse_p.view(hkv, n, group).transpose(0, 1)
 
 
-def _attend_shared_keys(
+def attend_shared_keys(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Many queries ``[1, Hkv, M, D]`` against one key set ``[1, Hkv, P, D]`` (no mask):
@@ -163,6 +179,9 @@ def _attend_shared_keys(
     GEMM, a few thousand query rows at a time (~2x faster than the flash kernel on the
     shared-prefix prefill: 8064 queries x 512 keys per KV head). Otherwise the flash op.
     With a ``softcap``: explicit capped scores in torch (neither caps).
+
+    The backend's extend cascade attends the cached prefix with it (every real query of the group
+    at once) where the prefix kernel does not apply; ``_attend_prefix`` runs it for the decode cascade.
     """
     if softcap is not None:
         out_c, lse_c = softcapped_attention(q, k, v, scale, softcap, with_lse=True)
@@ -185,7 +204,7 @@ def _attend_shared_keys(
     return out, lse
 
 
-def _cascade(
+def cascade_attention(
     qg: torch.Tensor,
     kp: torch.Tensor,
     vp: torch.Tensor,
@@ -204,16 +223,20 @@ def _cascade(
     a key bias ``[n, 1, 1, Ls]``, masks the padding).
     Each call returns its log-sum-exp; the two partial outputs are combined with weights
     ``exp(lse_part - lse_total)``. ``softcap``: both passes cap their logits (torch paths).
+
+    The backend's path for a one-token group with a shared prefix where the two C kernels cannot
+    continue one softmax (no packed prefix from the mirror, a capped layer, operands the decode
+    kernel does not take).
     """
     out_p, lse_p = _attend_prefix(qg, kp, vp, scale, softcap)
-    out_s, lse_s = _few_query_attention(
+    out_s, lse_s = few_query_attention(
         qg, ks_t, vs, suffix_mask, scale, with_lse=True, width=suffix_width, append=append, softcap=softcap
     )
     assert lse_s is not None
-    return _merge(out_p, lse_p, out_s, lse_s).contiguous()
+    return merge_partial_attention(out_p, lse_p, out_s, lse_s).contiguous()
 
 
-def _few_query_attention(
+def few_query_attention(
     qg: torch.Tensor,
     k_t: torch.Tensor,
     v: torch.Tensor,
@@ -242,6 +265,9 @@ def _few_query_attention(
     new keys the kernel stores first. ``softcap``: the logits are capped (the kernel does not cap:
     the matmul path runs, and ``append`` must be None). Returns ``(out [n, Hkv, group, D],
     lse [n, Hkv, group] fp32 or None)``.
+
+    The backend's path for a one-token group without a shared prefix, and ``cascade_attention``'s
+    own-keys pass.
     """
     if softcap is None and attn_kernels.supports(qg, k_t, v, mask):
         return attn_kernels.decode_attention(qg, k_t, v, mask, scale, width or k_t.shape[-1], with_lse, append)

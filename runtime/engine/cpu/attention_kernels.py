@@ -1,13 +1,14 @@
-"""CPU attention kernels (``csrc/cpu_kernels.c`` for bf16, ``csrc/attention_f32.c`` for fp32 through
-``runtime.engine.cpu.attention_kernels_f32``; built by ``runtime.engine.cpu.kernel_library``). Each entry point
-takes either dtype and dispatches on it.
+"""CPU attention kernels (``csrc/attention_bf16.c`` and ``csrc/pair_attention.c`` for bf16, ``csrc/attention_f32.c``
+for fp32 through ``runtime.engine.cpu.attention_kernels_f32``; built by ``runtime.engine.cpu.kernel_library``; the C
+signatures both dtypes share in ``runtime.engine.cpu.attention_abi``). Each entry point takes either dtype and
+dispatches on it.
 
 - ``decode_attention``: a decode step's attention over the decode-key mirror (below),
   storing the step's new keys and values into it first (``KeyAppend``);
 - ``prefix_attention``: every decode query against a prompt prefix all requests share
   (cascade attention), on a pair-packed copy of the prefix (``pack_prefix``): AMX tile products
-  where the CPU has them, else bf16-pair dot products (``csrc/pair_attention.c``); ``decode_attention`` then continues each softmax over the request's own
-  keys (``init``), so no merge is needed;
+  where the CPU has them, else bf16-pair dot products (``csrc/pair_attention.c``); ``decode_attention``
+  then continues each softmax over the request's own keys (``init``), so no merge is needed;
 - ``causal_attention``: a prefill's causal self-attention over its new tokens, each
   (request, KV head) packed as a prefix is and its query rows reading only the keys up to
   their own position (the matmul path computes bf16 scores for the whole square, and
@@ -47,6 +48,7 @@ import torch
 
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.attention_abi import declare_attention_kernels, decode_arguments
 from runtime.engine.cpu.kernel_library import declare
 from runtime.engine.cpu.kernels import available
 
@@ -54,39 +56,8 @@ MAX_GROUP = 16  # the kernels' bounds (csrc: MAX_G, MAX_D; bf16 also group * D <
 MAX_HEAD_DIM = 256
 MAX_GROUP_X_DIM = 2048
 
-_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-declare(
-    "decode_attention_bf16",
-    [
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _f32,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-    ],
-    _int,
-)
-declare("prefix_attention_available", [], _int)
-declare("prefix_attention_bf16", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
-declare("causal_attention_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
+declare_attention_kernels("bf16")
+declare("prefix_attention_available", [], ctypes.c_int)
 
 
 def supports(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -172,36 +143,10 @@ def decode_attention(
     if append is not None:
         new_k, new_v, pos = append.k.data_ptr(), append.v.data_ptr(), append.pos.data_ptr()
         stride_k, stride_v = append.k.stride(0), append.v.stride(0)
-    if q.dtype == torch.float32:
-        rc = attn_f32.decode(
-            q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init, kv_row
-        )
-    else:
-        rc = lib.decode_attention_bf16(
-            q.data_ptr(),
-            q.stride(0),
-            k_t.data_ptr(),
-            v.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            cap,
-            width,
-            out.data_ptr(),
-            lse.data_ptr() if lse is not None else None,
-            n,
-            hkv,
-            group,
-            d,
-            float(scale),
-            new_k,
-            stride_k,
-            new_v,
-            stride_v,
-            pos,
-            init[0].data_ptr() if init is not None else None,
-            init[1].data_ptr() if init is not None else None,
-            kv_row.data_ptr() if kv_row is not None else None,
-            kv_n,
-        )
+    entry = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    rc = entry(
+        *decode_arguments(q, k_t, v, bias, scale, width, out, lse, new_k, stride_k, new_v, stride_v, pos, init, kv_row)
+    )
     if rc != 0:
         raise ValueError(
             f"decode attention kernel rejected group={group}, head_dim={d} (or an append position or mirror row)"

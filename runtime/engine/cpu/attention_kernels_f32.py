@@ -1,5 +1,7 @@
 """fp32 CPU attention kernels (``csrc/attention_f32.c``): what ``runtime.engine.cpu.attention_kernels``
-calls for fp32 operands.
+calls for fp32 operands. (The decode kernel takes the bf16 one's arguments, so
+``attention_kernels.decode_attention`` calls either itself, through ``runtime.engine.cpu.attention_abi``, where
+both dtypes' signatures are declared.)
 
 Why: on hosts without AVX-512 BF16 the server runs in fp32 (bf16 matmuls are emulated there),
 and without these kernels fp32 attention went through torch: a decode step as two batched
@@ -26,43 +28,13 @@ import ctypes
 import torch
 
 from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.attention_abi import data_ptr_or_none, declare_attention_kernels
 from runtime.engine.cpu.kernel_library import declare
 
 KEY_PACK = 16  # csrc: F32_PACK, keys per block of a packed K
 
-_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-declare("attention_f32_vectorised", [], _int)
-declare(
-    "decode_attention_f32",
-    [
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _f32,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-    ],
-    _int,
-)
-declare("prefix_attention_f32", [_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _ptr, _ptr], _int)
-declare("causal_attention_f32", [_ptr, _i64, _ptr, _i64, _ptr, _i64] + [_i64] * 5 + [_f32, _ptr, _ptr], _int)
+declare("attention_f32_vectorised", [], ctypes.c_int)
+declare_attention_kernels("f32")
 
 
 def applies() -> bool:
@@ -70,58 +42,6 @@ def applies() -> bool:
     (AVX2, AVX-512) only; in plain C torch's kernels are faster."""
     lib = kernel_library.load()
     return lib is not None and bool(lib.attention_f32_vectorised())
-
-
-def _ptr_or_none(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
-
-
-def decode(
-    q: torch.Tensor,
-    k_t: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    width: int,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    new_k: int | None,
-    stride_k: int,
-    new_v: int | None,
-    stride_v: int,
-    pos: int | None,
-    init: tuple[torch.Tensor, torch.Tensor] | None,
-    kv_row: torch.Tensor | None = None,
-) -> int:
-    """``decode_attention_f32`` on checked operands (``attention_kernels.decode_attention``); its return code."""
-    lib = kernel_library.load()
-    assert lib is not None
-    n, hkv, group, d = q.shape
-    return lib.decode_attention_f32(
-        q.data_ptr(),
-        q.stride(0),
-        k_t.data_ptr(),
-        v.data_ptr(),
-        _ptr_or_none(bias),
-        k_t.shape[-1],
-        width,
-        out.data_ptr(),
-        _ptr_or_none(lse),
-        n,
-        hkv,
-        group,
-        d,
-        float(scale),
-        new_k,
-        stride_k,
-        new_v,
-        stride_v,
-        pos,
-        _ptr_or_none(init[0] if init is not None else None),
-        _ptr_or_none(init[1] if init is not None else None),
-        _ptr_or_none(kv_row),
-        k_t.shape[0],
-    )
 
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +110,6 @@ def causal(
         d,
         float(scale),
         out.data_ptr(),
-        _ptr_or_none(lse),
+        data_ptr_or_none(lse),
     )
     return None if rc != 0 else (out, lse)

@@ -256,7 +256,7 @@ static inline int64_t chunk_rows(int64_t rows) {
     return (rows + chunks - 1) / chunks;
 }
 
-/* decode_attention_bf16's contract in fp32 (see cpu_kernels.c): q [n, hkv, group, d] (request
+/* decode_attention_bf16's contract in fp32 (see attention_bf16.c): q [n, hkv, group, d] (request
  * rows q_stride apart), kt [n, hkv, d, cap], v [n, hkv, cap, d], bias [n, cap] or NULL, keys
  * [0, width); k_new / v_new [n, hkv, d] (rows *_stride apart) stored first at key pos[b]; init_o
  * [n, hkv, group, d] and init_lse [n, hkv, group] continue an earlier softmax. Writes out

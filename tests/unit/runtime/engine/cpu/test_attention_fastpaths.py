@@ -387,7 +387,7 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(
     q = torch.randn(n, length, heads, d, generator=gen).bfloat16()
     k = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
     v = torch.randn(n, kv_heads, length, d, generator=gen).bfloat16()
-    out, lse = fastpaths._matmul_causal_attention(q, k, v, d**-0.5, with_lse=True)
+    out, lse = fastpaths.matmul_causal_attention(q, k, v, d**-0.5, with_lse=True)
     assert out.shape == (n * length, heads, d) and out.dtype == torch.bfloat16
     assert lse is not None and lse.shape == (n * length, heads) and lse.dtype == torch.float32
     qf, kf = q.float().transpose(1, 2), k.float().repeat_interleave(heads // kv_heads, dim=1)
@@ -404,11 +404,11 @@ def test_half_precision_prefill_matmul_path_is_causal_attention(
     )
     expected_lse = scores.logsumexp(-1).transpose(1, 2).reshape(n * length, heads)
     torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)  # scores were bf16 GEMM outputs
-    assert fastpaths._matmul_causal_attention(q, k, v, d**-0.5)[1] is None
+    assert fastpaths.matmul_causal_attention(q, k, v, d**-0.5)[1] is None
 
 
 def test_bf16_equal_length_prefill_takes_the_matmul_path(monkeypatch) -> None:
-    calls = _record_calls(monkeypatch, fastpaths, "_causal_prefill_attention", lambda q, *args, **kwargs: q.shape[0])
+    calls = _record_calls(monkeypatch, fastpaths, "causal_prefill_attention", lambda q, *args, **kwargs: q.shape[0])
     _run(ForwardMode.EXTEND, [0, 0, 0], [9, 9, 9], dtype=torch.bfloat16)
     assert calls == [3]
 

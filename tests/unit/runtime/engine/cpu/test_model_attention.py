@@ -168,13 +168,13 @@ def test_64_concurrent_decodes_match_one_at_a_time(tiny_llama_path: Path, monkey
     harness.prefill(reqs)
 
     calls = []
-    real_attention = fastpaths._few_query_attention
+    real_attention = fastpaths.few_query_attention
 
     def counting_attention(*args, **kwargs):
         calls.append(args[0].shape[0])
         return real_attention(*args, **kwargs)
 
-    monkeypatch.setattr(fastpaths, "_few_query_attention", counting_attention)
+    monkeypatch.setattr(fastpaths, "few_query_attention", counting_attention)
     with decode_layers.use_decode_layers(False):  # the backend's own calls (the one-call path runs them in C)
         harness.decode(reqs, steps - 1)
     monkeypatch.undo()
