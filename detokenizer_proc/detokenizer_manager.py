@@ -22,6 +22,7 @@ from runtime.protocol.ipc import PullSocket, PushSocket
 from runtime.protocol.messages import (
     BatchStrOut,
     BatchTokenIDOut,
+    ChunkMeta,
     DetokenizerInput,
     ReqOutput,
     SchedControlOut,
@@ -73,26 +74,22 @@ class DetokenizerManager:
             delta = ""
         if out.finished:
             self.states.pop(out.rid, None)
-        meta: dict[str, Any] = {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-        }
-        if out.grammar_compile_seconds is not None:
-            meta["grammar_compile_seconds"] = out.grammar_compile_seconds
-            meta["grammar_cache_hit"] = out.grammar_cache_hit
-        if out.output_logprobs is not None:
-            meta["output_token_logprobs"] = [[lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)]
-        if out.output_top_logprobs is not None:
-            meta["output_top_logprobs"] = out.output_top_logprobs
-        if out.input_token_logprobs is not None:  # (a request's first output only)
-            meta["input_token_logprobs"] = out.input_token_logprobs
-        if out.input_top_logprobs is not None:
-            meta["input_top_logprobs"] = out.input_top_logprobs
-        if out.output_token_ids_logprobs is not None:  # SGLang's token_ids_logprob, per new id
-            meta["output_token_ids_logprobs"] = out.output_token_ids_logprobs
-        if out.input_token_ids_logprobs is not None:  # (a request's first output only)
-            meta["input_token_ids_logprobs"] = out.input_token_ids_logprobs
+        compiled = out.grammar_compile_seconds is not None
+        meta = ChunkMeta(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            grammar_compile_seconds=out.grammar_compile_seconds,
+            grammar_cache_hit=out.grammar_cache_hit if compiled else None,
+            output_token_logprobs=None
+            if out.output_logprobs is None
+            else [[lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)],
+            output_top_logprobs=out.output_top_logprobs,
+            output_token_ids_logprobs=out.output_token_ids_logprobs,  # SGLang's token_ids_logprob, per new id
+            input_token_logprobs=out.input_token_logprobs,  # (the input lists: a request's first output only)
+            input_top_logprobs=out.input_top_logprobs,
+            input_token_ids_logprobs=out.input_token_ids_logprobs,
+        )
         return StrOutput(
             rid=out.rid,
             text_delta=delta,

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from runtime.protocol.messages import GenerateChunk, GenerateReq
 
-# (meta key, whether its entries are top-k lists): the logprob lists a chunk's meta may carry, output
-# ones accumulated over a stream's chunks, input ones sent once.
+# (ChunkMeta field, which is SGLang's meta_info key too; whether its entries are top-k lists): the
+# logprob lists a chunk's meta may carry, output ones accumulated over a stream's chunks, input ones sent once.
 OUTPUT_LISTS = (("output_token_logprobs", False), ("output_top_logprobs", True), ("output_token_ids_logprobs", True))
 INPUT_LISTS = (("input_token_logprobs", False), ("input_top_logprobs", True), ("input_token_ids_logprobs", True))
 # Our meta keys that SGLang names otherwise or that are not a sample's (``index`` is the event's).
@@ -37,11 +37,13 @@ class SampleSoFar:
         self.text += chunk.text
         self.output_ids.extend(chunk.output_ids)
         for key, _ in OUTPUT_LISTS:
-            if key in chunk.meta:
-                self.lists.setdefault(key, []).extend(chunk.meta[key] or ())
+            got = getattr(chunk.meta, key)
+            if got is not None:
+                self.lists.setdefault(key, []).extend(got)
         for key, _ in INPUT_LISTS:
-            if key in chunk.meta:
-                self.lists[key] = list(chunk.meta[key] or ())
+            got = getattr(chunk.meta, key)
+            if got is not None:
+                self.lists[key] = list(got)
 
 
 class NativeReplies:
@@ -64,12 +66,12 @@ class NativeReplies:
         return {"text": sample.text, "output_ids": list(sample.output_ids), "meta_info": self.meta_info(chunk, sample)}
 
     def meta_info(self, chunk: GenerateChunk, sample: SampleSoFar) -> dict[str, Any]:
-        meta = {key: value for key, value in chunk.meta.items() if key not in _NOT_META}
+        meta = {key: value for key, value in chunk.meta.as_dict().items() if key not in _NOT_META}
         meta["id"] = chunk.rid
         meta["finish_reason"] = chunk.finish_reason if chunk.finished else None
         meta["weight_version"] = self.weight_version
-        if chunk.finished and "latency" in chunk.meta:
-            meta["e2e_latency"] = chunk.meta["latency"]
+        if chunk.finished and chunk.meta.latency is not None:
+            meta["e2e_latency"] = chunk.meta.latency
         req = self.reqs.get(chunk.rid)
         if req is not None and req.return_logprob:  # SGLang always has both plain lists then
             meta["input_token_logprobs"] = []

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from runtime.protocol.messages import GenerateChunk
+from runtime.protocol.messages import ChunkMeta, GenerateChunk
 from runtime.text.parsers import (
     ReasoningParser,
     ToolCall,
@@ -58,11 +58,11 @@ class Usage:
 
     def add(self, prompt_index: int, chunk: GenerateChunk) -> None:
         meta = chunk.meta
-        sample = int(meta.get("index", 0))
-        if "completion_tokens" in meta:
-            self.completion[prompt_index, sample] = int(meta["completion_tokens"])
-        if "prompt_tokens" in meta and (sample == 0 or prompt_index not in self.prompt):
-            self.prompt[prompt_index] = (int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0)))
+        sample = meta.index or 0
+        if meta.completion_tokens is not None:
+            self.completion[prompt_index, sample] = meta.completion_tokens
+        if meta.prompt_tokens is not None and (sample == 0 or prompt_index not in self.prompt):
+            self.prompt[prompt_index] = (meta.prompt_tokens, meta.cached_tokens or 0)
 
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(p for p, _ in self.prompt.values())
@@ -84,15 +84,15 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return str(self.tokenizer.decode([int(token_id)]))
 
-    def completion(self, meta: dict[str, Any], text_offset: int, echo: bool = False) -> dict[str, Any]:
+    def completion(self, meta: ChunkMeta, text_offset: int, echo: bool = False) -> dict[str, Any]:
         """``echo``: the prompt's tokens first (the first has no logprob: nothing precedes it)."""
-        pairs = list(meta.get("output_token_logprobs") or [])
-        tops = meta.get("output_top_logprobs")
+        pairs: list[list[Any]] = list(meta.output_token_logprobs or [])
+        tops: list[Any] | None = meta.output_top_logprobs
         if echo:
-            prompt = meta.get("input_token_logprobs") or []
+            prompt = meta.input_token_logprobs or []
             pairs = prompt + pairs
             if tops is not None:
-                tops = (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
+                tops = list(meta.input_top_logprobs or [None] * len(prompt)) + tops
         tokens = [self.token(t) for _, t in pairs]
         offsets, at = [], text_offset
         for tok in tokens:
@@ -108,19 +108,20 @@ class LogprobFormatter:
             out["top_logprobs"] = [None if top is None else {self.token(t): float(lp) for lp, t in top} for top in tops]
         return out
 
-    def chat(self, meta: dict[str, Any]) -> dict[str, Any]:
-        pairs = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
+    def chat(self, meta: ChunkMeta) -> dict[str, Any]:
+        pairs = meta.output_token_logprobs or []
+        tops = meta.output_top_logprobs or [[] for _ in pairs]
         content = []
         for (lp, tid), top in zip(pairs, tops):
-            tok = self.token(tid)
+            tok = self.token(int(tid))
             content.append(
                 {
                     "token": tok,
                     "logprob": float(lp),
                     "bytes": list(tok.encode()),
                     "top_logprobs": [
-                        {"token": (t := self.token(i)), "logprob": float(v), "bytes": list(t.encode())} for v, i in top
+                        {"token": (t := self.token(int(i))), "logprob": float(v), "bytes": list(t.encode())}
+                        for v, i in top
                     ],
                 }
             )
@@ -294,7 +295,7 @@ class OpenAIReply:
         self.usage.add(prompt_index, chunk)
         if not chunk.finished:
             return
-        index = prompt_index * self.n + chunk.meta.get("index", 0)
+        index = prompt_index * self.n + (chunk.meta.index or 0)
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             parsed = self._chat_choice(index)
@@ -333,7 +334,7 @@ class OpenAIReply:
         """The stream event of one chunk (None when it has nothing to show yet: a parser holds
         its text back). ``offsets``: per choice, the text sent so far (absent: not started yet)."""
         self.usage.add(prompt_index, chunk)
-        index = prompt_index * self.n + chunk.meta.get("index", 0)
+        index = prompt_index * self.n + (chunk.meta.index or 0)
         first = index not in offsets
         choice: dict[str, Any] = {"index": index}
         if self.chat:

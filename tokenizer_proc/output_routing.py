@@ -16,9 +16,12 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from runtime.protocol.ipc import AsyncPullSocket, PushSocket
 from runtime.protocol.messages import (
     BatchStrOut,
+    ChunkMeta,
     ErrorReply,
     GenerateChunk,
     GenerateChunks,
@@ -36,7 +39,6 @@ from tokenizer_proc.routing_state import ReqGroup, SampleState
 logger = logging.getLogger(__name__)
 
 # Meta keys of the prompt logprobs: sent once per request (its first output), kept for the last reply.
-INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 class OutputRouter:
@@ -115,19 +117,14 @@ class OutputRouter:
         else:
             sample.text.append(out.text_delta)
             sample.output_ids.extend(out.new_output_ids)
-            sample.token_logprobs.extend(out.meta.get("output_token_logprobs", ()))
-            sample.top_logprobs.extend(out.meta.get("output_top_logprobs", ()))
-            sample.token_ids_logprobs.extend(out.meta.get("output_token_ids_logprobs", ()))
-            sample.input_logprobs.update({key: out.meta[key] for key in INPUT_LOGPROB_KEYS if key in out.meta})
+            got = out.meta
+            sample.token_logprobs.extend(got.output_token_logprobs or ())
+            sample.top_logprobs.extend(got.output_top_logprobs or ())
+            sample.token_ids_logprobs.extend(got.output_token_ids_logprobs or ())
+            if (got.input_token_logprobs, got.input_top_logprobs, got.input_token_ids_logprobs) != (None,) * 3:
+                sample.input_logprobs = got
             if out.finished:
-                meta = self.meta(group, sample, out.meta, out.finish_reason)
-                meta.update(sample.input_logprobs)
-                if sample.token_logprobs or "output_token_logprobs" in out.meta:
-                    meta["output_token_logprobs"] = sample.token_logprobs
-                if sample.top_logprobs or "output_top_logprobs" in out.meta:
-                    meta["output_top_logprobs"] = sample.top_logprobs
-                if sample.token_ids_logprobs or "output_token_ids_logprobs" in out.meta:
-                    meta["output_token_ids_logprobs"] = sample.token_ids_logprobs
+                meta = self.whole_meta(group, sample, out)
                 chunk = GenerateChunk(
                     rid=group.client_rid,
                     text="".join(sample.text),
@@ -168,7 +165,7 @@ class OutputRouter:
         if abort_in_scheduler:
             for sample in unfinished:
                 self.to_scheduler.send(SchedAbortReq(rid=sample.internal_rid))
-                self.note_finished(group, sample, "abort", {})
+                self.note_finished(group, sample, "abort", ChunkMeta())
         self.table.remove(group)
         return unfinished
 
@@ -180,9 +177,9 @@ class OutputRouter:
         if first:
             sample.first_output_at = now
             if m is not None:
-                m.started(int(out.meta.get("prompt_tokens", 0)), int(out.meta.get("cached_tokens", 0)))
-                if "grammar_compile_seconds" in out.meta:
-                    m.constrained(float(out.meta["grammar_compile_seconds"]), bool(out.meta["grammar_cache_hit"]))
+                m.started(out.meta.prompt_tokens or 0, out.meta.cached_tokens or 0)
+                if out.meta.grammar_compile_seconds is not None:
+                    m.constrained(out.meta.grammar_compile_seconds, bool(out.meta.grammar_cache_hit))
                 if group.stream:
                     m.first_token(now - group.started)
         elif m is not None and group.stream:
@@ -194,7 +191,34 @@ class OutputRouter:
             reason = (out.finish_reason or {}).get("type", "stop")
             self.note_finished(group, sample, str(reason), out.meta)
 
-    def note_finished(self, group: ReqGroup, sample: SampleState, reason: str, meta: dict[str, Any]) -> None:
+    def whole_meta(self, group: ReqGroup, sample: SampleState, out: StrOutput) -> ChunkMeta:
+        """A non-stream sample's one reply meta: the last output's counts, the prompt logprobs of
+        whichever output carried them, and every output's logprob lists joined (each list where any
+        output carried it)."""
+        meta = self.meta(group, sample, out.meta, out.finish_reason)
+        carried = sample.input_logprobs
+        if carried is not None:
+            meta = msgspec.structs.replace(
+                meta,
+                input_token_logprobs=carried.input_token_logprobs,
+                input_top_logprobs=carried.input_top_logprobs,
+                input_token_ids_logprobs=carried.input_token_ids_logprobs,
+            )
+        got = out.meta
+        return msgspec.structs.replace(
+            meta,
+            output_token_logprobs=sample.token_logprobs
+            if sample.token_logprobs or got.output_token_logprobs is not None
+            else None,
+            output_top_logprobs=sample.top_logprobs
+            if sample.top_logprobs or got.output_top_logprobs is not None
+            else None,
+            output_token_ids_logprobs=sample.token_ids_logprobs
+            if sample.token_ids_logprobs or got.output_token_ids_logprobs is not None
+            else None,
+        )
+
+    def note_finished(self, group: ReqGroup, sample: SampleState, reason: str, meta: ChunkMeta) -> None:
         latency = time.perf_counter() - group.started
         if self.metrics is not None:
             self.metrics.finished(reason, latency)
@@ -205,23 +229,23 @@ class OutputRouter:
                 group.client_rid,
                 f"[{sample.index}]" if group.n > 1 else "",
                 reason,
-                int(meta.get("prompt_tokens", 0)),
-                int(meta.get("cached_tokens", 0)),
-                int(meta.get("completion_tokens", len(sample.output_ids))),
+                meta.prompt_tokens or 0,
+                meta.cached_tokens or 0,
+                meta.completion_tokens if meta.completion_tokens is not None else len(sample.output_ids),
                 ttft,
                 latency,
             )
 
     def meta(
-        self, group: ReqGroup, sample: SampleState, out_meta: dict[str, Any], finish_reason: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        meta = dict(out_meta)
-        if group.n > 1:
-            meta["index"] = sample.index
-        if sample.finished:
-            meta["finish_reason"] = finish_reason
-            meta["latency"] = time.perf_counter() - group.started
-        return meta
+        self, group: ReqGroup, sample: SampleState, out_meta: ChunkMeta, finish_reason: dict[str, Any] | None
+    ) -> ChunkMeta:
+        """An output's meta as its client gets it: the sample's index (n > 1), and once it finished
+        its finish reason and latency."""
+        index = sample.index if group.n > 1 else out_meta.index
+        if not sample.finished:
+            return out_meta if index == out_meta.index else msgspec.structs.replace(out_meta, index=index)
+        latency = time.perf_counter() - group.started
+        return msgspec.structs.replace(out_meta, index=index, finish_reason=finish_reason, latency=latency)
 
     def final_chunk(self, group: ReqGroup, sample: SampleState, finish_reason: dict[str, Any]) -> GenerateChunk:
         """The last reply of a sample that ends here (abort): what it produced so far (non-stream)."""
@@ -234,7 +258,7 @@ class OutputRouter:
             output_ids=ids,
             finished=True,
             finish_reason=finish_reason,
-            meta=self.meta(group, sample, {"completion_tokens": len(sample.output_ids)}, finish_reason),
+            meta=self.meta(group, sample, ChunkMeta(completion_tokens=len(sample.output_ids)), finish_reason),
         )
 
     async def handle_sched_error(self, err: SchedErrorOut) -> None:
@@ -249,6 +273,6 @@ class OutputRouter:
             self._stats["requests_refused_overloaded"] += 1
             if self.metrics is not None:
                 self.metrics.refused_request("overloaded")
-        self.note_finished(group, sample, "error", {})
+        self.note_finished(group, sample, "error", ChunkMeta())
         self.drop_group(group, abort_in_scheduler=True)  # the other samples are moot
         await self.replies.send(group.identity, ErrorReply(rid=group.client_rid, code=err.code, message=err.message))

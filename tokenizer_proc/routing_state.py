@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.protocol.messages import ChunkMeta
+
 
 @dataclass
 class SampleState:
@@ -29,9 +31,8 @@ class SampleState:
     token_logprobs: list[Any] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)
     token_ids_logprobs: list[Any] = field(default_factory=list)  # non-stream: output_token_ids_logprobs so far
-    # non-stream: the prompt logprobs (input_token_logprobs / input_top_logprobs) from whichever
-    # output carried them, for the final reply's meta
-    input_logprobs: dict[str, Any] = field(default_factory=dict)
+    # non-stream: the output that carried the prompt logprobs (its input_* lists), for the final reply's meta
+    input_logprobs: ChunkMeta | None = None
     first_output_at: float | None = None  # perf_counter of the first output (its prompt is prefilled)
     last_output_at: float = 0.0
 

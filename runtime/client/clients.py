@@ -262,8 +262,8 @@ class AsyncClient(ClientConnection):
                     done = True  # the server has dropped the request
                     raise RequestError(msg.code, msg.message, msg.rid)
                 if isinstance(msg, GenerateChunk) and msg.finished:
-                    index = msg.meta.get("index", 0)
-                    if isinstance(index, int) and 0 <= index < n:
+                    index = msg.meta.index or 0
+                    if 0 <= index < n:
                         results[index] = result_dict(msg)
             done = True
         finally:

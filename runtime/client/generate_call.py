@@ -14,13 +14,13 @@ def chunk_dict(chunk: GenerateChunk) -> dict[str, Any]:
         "output_ids": chunk.output_ids,
         "finished": chunk.finished,
         "finish_reason": chunk.finish_reason,
-        "meta": chunk.meta,
-        "index": chunk.meta.get("index", 0),
+        "meta": chunk.meta.as_dict(),
+        "index": chunk.meta.index or 0,
     }
 
 
 def result_dict(chunk: GenerateChunk) -> dict[str, Any]:
-    return {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.output_ids, "meta": chunk.meta}
+    return {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.output_ids, "meta": chunk.meta.as_dict()}
 
 
 def is_batch(prompt: Any, input_ids: Any, messages: Any) -> bool:

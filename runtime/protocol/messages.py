@@ -118,6 +118,36 @@ class UpdateWeightsReq(msgspec.Struct, tag="update_weights", forbid_unknown_fiel
 ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq]
 
 
+class ChunkMeta(msgspec.Struct, omit_defaults=True):
+    """What an output carries beside its text and ids, from the scheduler's counts to the reply's
+    logprobs; None: not part of this output (only the fields set travel). The Python client and
+    SGLang's ``meta_info`` see the fields set as a dict (``as_dict``)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    index: int | None = None  # the sample's index among a request's n (only when n > 1)
+    finish_reason: dict[str, Any] | None = None  # a finished sample's (as the chunk's own)
+    latency: float | None = None  # a finished sample's seconds from arrival to its last output
+    # A constrained request's first output: its grammar's compile time (0 when cached), and whether cached.
+    grammar_compile_seconds: float | None = None
+    grammar_cache_hit: bool | None = None
+    # Output logprobs: [logprob, token_id] per new id; per new id its k best [[logprob, token_id], ...];
+    # token_ids_logprob: per new id [[logprob, token_id], ...] in the order of the request's ids.
+    output_token_logprobs: list[list[float | int]] | None = None
+    output_top_logprobs: list[list[list[float | int]]] | None = None
+    output_token_ids_logprobs: list[list[list[float | int]]] | None = None
+    # Prompt logprobs (a request's first output only; see ReqOutput): [logprob or None, token_id] per
+    # prompt token, its k best (None for token 0), token_ids_logprob's lists (None for token 0).
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[float | int]] | None] | None = None
+    input_token_ids_logprobs: list[list[list[float | int]] | None] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields set, by name."""
+        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}
+
+
 class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
     """A stream delta, or the whole result when not streaming (then ``finished`` is True)."""
 
@@ -126,7 +156,7 @@ class GenerateChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
     output_ids: list[int]
     finished: bool
     finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
-    meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, latency, logprobs
+    meta: ChunkMeta = msgspec.field(default_factory=ChunkMeta)  # counts, latency, logprobs
 
 
 class GenerateChunks(msgspec.Struct, tag="chunks"):
@@ -250,7 +280,7 @@ class StrOutput(msgspec.Struct, omit_defaults=True):
     new_output_ids: list[int]
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
-    meta: dict[str, Any] = {}
+    meta: ChunkMeta = msgspec.field(default_factory=ChunkMeta)
 
 
 class BatchStrOut(msgspec.Struct, tag="str_out"):

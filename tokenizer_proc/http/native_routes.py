@@ -38,7 +38,7 @@ async def generate(request: Request, http: Http) -> Response:
                 if chunk.finished:
                     sample = SampleSoFar()
                     sample.add(chunk)
-                    results[i][chunk.meta.get("index", 0)] = replies.result(chunk, sample)
+                    results[i][chunk.meta.index or 0] = replies.result(chunk, sample)
     finally:
         run.close()
     flat = [r for per_prompt in results for r in per_prompt]
@@ -56,7 +56,7 @@ async def _native_stream(run: LocalRun, replies: NativeReplies) -> AsyncIterator
     samples: dict[tuple[int, int], SampleSoFar] = {}
     try:
         async for i, chunk in run.events():
-            index = chunk.meta.get("index", 0)
+            index = chunk.meta.index or 0
             sample = samples.setdefault((i, index), SampleSoFar())
             sample.add(chunk)
             out = replies.result(chunk, sample)

@@ -193,10 +193,14 @@ def test_meta_and_logprobs_are_passed_on(tokenizer: Any) -> None:
     )
     o = res.outputs[0]
     assert o.finished and o.finish_reason == {"type": "length", "length": 2}
-    assert o.meta["prompt_tokens"] == 9 and o.meta["completion_tokens"] == 2 and o.meta["cached_tokens"] == 4
-    assert o.meta["output_token_logprobs"] == [[-0.1, 70], [-0.2, 71]]
-    assert o.meta["output_top_logprobs"] == [[[-0.1, 70.0]], [[-0.2, 71.0]]]
-    assert "input_token_logprobs" not in o.meta and "input_top_logprobs" not in o.meta
+    assert (
+        o.meta.as_dict()["prompt_tokens"] == 9
+        and o.meta.as_dict()["completion_tokens"] == 2
+        and o.meta.as_dict()["cached_tokens"] == 4
+    )
+    assert o.meta.as_dict()["output_token_logprobs"] == [[-0.1, 70], [-0.2, 71]]
+    assert o.meta.as_dict()["output_top_logprobs"] == [[[-0.1, 70.0]], [[-0.2, 71.0]]]
+    assert "input_token_logprobs" not in o.meta.as_dict() and "input_top_logprobs" not in o.meta.as_dict()
 
 
 def test_prompt_logprobs_survive_the_message_round_trip(tokenizer: Any) -> None:
@@ -217,8 +221,8 @@ def test_prompt_logprobs_survive_the_message_round_trip(tokenizer: Any) -> None:
     )
     received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
     o = DetokenizerManager(tokenizer).handle(received).outputs[0]
-    assert o.meta["input_token_logprobs"] == [[None, 5], [-1.5, 6]]
-    assert o.meta["input_top_logprobs"] == [None, [[-0.5, 9.0], [-1.5, 6.0]]]
+    assert o.meta.as_dict()["input_token_logprobs"] == [[None, 5], [-1.5, 6]]
+    assert o.meta.as_dict()["input_top_logprobs"] == [None, [[-0.5, 9.0], [-1.5, 6.0]]]
     assert o.new_output_ids == [] and o.text_delta == ""
 
 
@@ -242,7 +246,7 @@ def test_token_ids_logprobs_pass_on_and_every_token_id_stays_an_int(tokenizer: A
         ]
     )
     received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
-    meta = DetokenizerManager(tokenizer).handle(received).outputs[0].meta
+    meta = DetokenizerManager(tokenizer).handle(received).outputs[0].meta.as_dict()
     assert meta["output_token_ids_logprobs"] == [[[-3.0, 9], [-0.0, 4]], [[-2.5, 9], [-1.0, 4]]]
     assert meta["input_token_ids_logprobs"] == [None, [[-4.0, 9], [-2.0, 4]]]
     pairs = [
@@ -258,7 +262,7 @@ def test_token_ids_logprobs_pass_on_and_every_token_id_stays_an_int(tokenizer: A
     ]
     assert len(pairs) == 10
     assert all(type(t) is int and type(lp) is float for lp, t in pairs), pairs
-    plain = DetokenizerManager(tokenizer).handle(out("p", [70])).outputs[0].meta
+    plain = DetokenizerManager(tokenizer).handle(out("p", [70])).outputs[0].meta.as_dict()
     assert "output_token_ids_logprobs" not in plain and "input_token_ids_logprobs" not in plain
 
 

@@ -14,6 +14,7 @@ from runtime.config.args import ServerArgs
 from runtime.protocol.ipc import ClientBusy
 from runtime.protocol.messages import (
     AbortReq,
+    ChunkMeta,
     ControlReply,
     ErrorReply,
     GenerateChunk,
@@ -300,7 +301,7 @@ def test_token_ids_logprob_is_checked_and_gathered_into_the_whole_reply() -> Non
         (internal,) = [x.rid for x in sched.sent if isinstance(x, TokenizedGenerateReq)]
         prompt = [None, [[-0.5, 4], [-1.5, 2]]]
         steps = [[[-1.0, 4], [-2.0, 2]]], [[[-3.0, 4], [-0.25, 2]], [[-4.0, 4], [-0.5, 2]]]
-        first = {"output_token_ids_logprobs": steps[0], "input_token_ids_logprobs": prompt}
+        first = ChunkMeta(output_token_ids_logprobs=steps[0], input_token_ids_logprobs=prompt)
         await m.outputs.handle_outputs([StrOutput(rid=internal, text_delta="a", new_output_ids=[5], meta=first)])
         last = StrOutput(
             rid=internal,
@@ -308,13 +309,13 @@ def test_token_ids_logprob_is_checked_and_gathered_into_the_whole_reply() -> Non
             new_output_ids=[6, 7],
             finished=True,
             finish_reason={"type": "length"},
-            meta={"output_token_ids_logprobs": steps[1]},
+            meta=ChunkMeta(output_token_ids_logprobs=steps[1]),
         )
         await m.outputs.handle_outputs([last])
         replies = [msg for _, msg in router.sent if isinstance(msg, GenerateChunk)]
         assert len(replies) == 1 and replies[0].output_ids == [5, 6, 7]
-        assert replies[0].meta["output_token_ids_logprobs"] == steps[0] + steps[1]
-        assert replies[0].meta["input_token_ids_logprobs"] == prompt
+        assert replies[0].meta.output_token_ids_logprobs == steps[0] + steps[1]
+        assert replies[0].meta.input_token_ids_logprobs == prompt
         assert m.table.is_empty()
 
     asyncio.run(main())

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from runtime.protocol.messages import GenerateChunk, GenerateReq
+from runtime.protocol.messages import ChunkMeta, GenerateChunk, GenerateReq
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from scheduler_proc.req import Req, StopChecker
 from tokenizer_proc.native_protocol import NativeGenerateReq
@@ -81,7 +81,9 @@ def test_types_stay_strict_and_unknown_fields_warn_once(caplog: pytest.LogCaptur
 
 def chunk(rid: str, text: str, ids: list[int], finished: bool, **meta: Any) -> GenerateChunk:
     reason = {"type": "length", "length": 2} if finished else None
-    return GenerateChunk(rid=rid, text=text, output_ids=ids, finished=finished, finish_reason=reason, meta=meta)
+    return GenerateChunk(
+        rid=rid, text=text, output_ids=ids, finished=finished, finish_reason=reason, meta=ChunkMeta(**meta)
+    )
 
 
 def test_the_reply_has_sglang_keys_triples_and_integer_ids() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from runtime.protocol.messages import GenerateChunk
+from runtime.protocol.messages import ChunkMeta, GenerateChunk
 from tokenizer_proc.openai_reply import ChatChoice, LogprobFormatter, OutputParsing, Usage
 from tokenizer_proc.openai_tools import ToolPlan
 
@@ -137,7 +137,7 @@ def test_usage_so_far_counts_each_prompt_once_and_every_sample() -> None:
                 text="",
                 output_ids=[],
                 finished=False,
-                meta={"index": sample, "prompt_tokens": prompt_tokens, "completion_tokens": done, "cached_tokens": 2},
+                meta=ChunkMeta(index=sample, prompt_tokens=prompt_tokens, completion_tokens=done, cached_tokens=2),
             ),
         )
 
@@ -159,12 +159,12 @@ class _CharTokenizer:
 
 
 def test_echoed_logprobs_put_the_prompt_first() -> None:
-    meta = {
-        "input_token_logprobs": [[None, 0], [-1.5, 1]],
-        "input_top_logprobs": [None, [[-1.0, 2], [-1.5, 1]]],
-        "output_token_logprobs": [[-0.5, 3]],
-        "output_top_logprobs": [[[-0.5, 3]]],
-    }
+    meta = ChunkMeta(
+        input_token_logprobs=[[None, 0], [-1.5, 1]],
+        input_top_logprobs=[None, [[-1.0, 2], [-1.5, 1]]],
+        output_token_logprobs=[[-0.5, 3]],
+        output_top_logprobs=[[[-0.5, 3]]],
+    )
     out = LogprobFormatter(_CharTokenizer()).completion(meta, 0, echo=True)
     assert out == {
         "tokens": ["a", "b", "d"],

@@ -20,6 +20,7 @@ import zmq
 from runtime.client import AsyncClient, Client, RequestError, RequestTimeout
 from runtime.protocol.messages import (
     AbortReq,
+    ChunkMeta,
     ClientRequest,
     ControlReply,
     ErrorReply,
@@ -89,7 +90,7 @@ def echo_handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
                     output_ids=[ord(c)],
                     finished=i == len(text) - 1,
                     finish_reason={"type": "length", "length": len(text)} if i == len(text) - 1 else None,
-                    meta=meta,
+                    meta=ChunkMeta(**meta),
                 )
                 for i, c in enumerate(text)
             ]
@@ -100,7 +101,7 @@ def echo_handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
                 output_ids=[ord(c) for c in text],
                 finished=True,
                 finish_reason={"type": "length", "length": len(text)},
-                meta={**meta, **({"index": i} if n > 1 else {})},
+                meta=ChunkMeta(**meta, **({"index": i} if n > 1 else {})),
             )
             for i in reversed(range(n))  # out of order on purpose
         ]
