@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runtime.protocol.field_refs import FieldNames
 from runtime.protocol.messages import GenerateReq
 from tokenizer_proc.openai_tools import Tool, ToolChoice, ToolError, ToolPlan, message_for_template, plan_tools
 
@@ -43,9 +43,6 @@ _OPENAI_NAMES = {
     "input_ids": "prompt",
     "json_schema": "response_format",
 }
-# A server field name in a refusal's message: ``sampling_params.<field>``, or one of those named otherwise in
-# OpenAI's schema (a bare "prompt" or "stop" is left alone: the same word in both).
-_SERVER_NAME = re.compile(r"\bsampling_params\.(\w+)|\b(?<!\.)(max_new_tokens|min_new_tokens|top_logprobs_num)\b")
 # ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Known OpenAI fields this server cannot honour: a 400 naming the field says why (a silent
@@ -372,7 +369,8 @@ def openai_param(field: str | None, chat: bool, body: BaseModel | None = None) -
     return _OPENAI_NAMES.get(field, field)
 
 
-def openai_message(message: str, chat: bool, body: BaseModel | None = None) -> str:
-    """A refusal's message in the client's names: ``sampling_params.X`` and the server's own field
-    names (``max_new_tokens``, ...) become the OpenAI fields the values came from."""
-    return _SERVER_NAME.sub(lambda m: openai_param(m.group(1) or m.group(2), chat, body) or m.group(0), message)
+def openai_names(chat: bool, body: BaseModel | None = None) -> FieldNames:
+    """How a refusal names the fields of this body (``runtime.protocol.field_refs``): the OpenAI
+    fields the values came from (``max_tokens`` for ``max_new_tokens``, ...); set by the route
+    that parsed the body, for the error reply (``http/errors.py``)."""
+    return lambda ref: openai_param(ref.name, chat, body) or ref.name

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import msgspec
 
+from runtime.protocol.field_refs import FieldRef, Message, as_message, render
 from runtime.protocol.messages import GenerateReq, TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
@@ -45,12 +46,15 @@ MAX_TOKEN_IDS_LOGPROB = 1024
 
 class Rejected(Exception):
     """A request the server refuses; ``code`` goes to the client in an ErrorReply, and
-    ``param`` names the offending field where there is one (HTTP reports it)."""
+    ``param`` names the offending field where there is one (HTTP reports it). ``parts`` keeps the
+    fields the message names as references (``runtime.protocol.field_refs``): the ZMQ reply words
+    them in the server's names (``message``), an HTTP front door in the names its body sent."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, code: str, message: str | Message, param: str | None = None) -> None:
+        self.parts = as_message(message)
+        self.message = render(self.parts)
+        super().__init__(self.message)
         self.code = code
-        self.message = message
         self.param = param
 
 
@@ -161,18 +165,20 @@ class RequestBuilder:
             _check_stop_strs(params.stop_strs)
             params.validate(self.limits.vocab_size)
         except SamplingParamsError as exc:
-            raise Rejected("invalid_request", str(exc), exc.field) from None
+            raise Rejected("invalid_request", exc.parts, exc.field) from None
         self._check_constraint(params)
         if params.n > MAX_N:
-            raise Rejected("invalid_request", f"sampling_params.n: must be <= {MAX_N}, got {params.n}", "n")
+            raise Rejected("invalid_request", (FieldRef("n", True), f": must be <= {MAX_N}, got {params.n}"), "n")
         if req.top_logprobs_num < 0:
             raise Rejected(
-                "invalid_request", f"top_logprobs_num: must be >= 0, got {req.top_logprobs_num}", "top_logprobs_num"
+                "invalid_request",
+                (FieldRef("top_logprobs_num"), f": must be >= 0, got {req.top_logprobs_num}"),
+                "top_logprobs_num",
             )
         if req.top_logprobs_num > self.limits.vocab_size:
             raise Rejected(
                 "invalid_request",
-                f"top_logprobs_num: must be <= vocab size {self.limits.vocab_size}",
+                (FieldRef("top_logprobs_num"), f": must be <= vocab size {self.limits.vocab_size}"),
                 "top_logprobs_num",
             )
         return params
@@ -187,7 +193,7 @@ class RequestBuilder:
         if self.grammar_backend == "none":
             raise Rejected(
                 "invalid_request",
-                f"sampling_params.{kind}: constrained decoding is off on this server (--grammar-backend none)",
+                (FieldRef(kind, True), ": constrained decoding is off on this server (--grammar-backend none)"),
                 kind,
             )
         from runtime.text.grammar import GrammarError, check_constraint  # xgrammar: only for constrained requests
@@ -195,7 +201,7 @@ class RequestBuilder:
         try:
             check_constraint(kind, text)
         except GrammarError as exc:
-            raise Rejected("invalid_request", f"sampling_params.{exc}", kind) from None
+            raise Rejected("invalid_request", (FieldRef(exc.kind, True), f": {exc.reason}"), kind) from None
 
     def _input_ids(self, req: GenerateReq) -> list[int]:
         given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]
@@ -324,9 +330,12 @@ class RequestBuilder:
         if explicit:
             raise Rejected(
                 "too_long",
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{n + params.max_new_tokens} exceeds the context length "
-                f"{self.limits.context_len}",
+                (
+                    f"prompt ({n} tokens) + ",
+                    FieldRef("max_new_tokens"),
+                    f" ({params.max_new_tokens}) = {n + params.max_new_tokens} exceeds the context length "
+                    f"{self.limits.context_len}",
+                ),
                 "max_new_tokens",
             )
         return msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from runtime.protocol.field_refs import FieldRef, Message, as_message, render
+
 # Temperatures below this are treated as greedy: dividing logits by a denormal-sized
 # temperature overflows fp32, and the resulting distribution is one-hot anyway.
 GREEDY_TEMPERATURE_EPS = 1e-6
@@ -38,11 +40,14 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is unknown, of the wrong type, or out of range.
 
     ``field`` names the offending parameter so the server can report it back to the
-    client (and tests can assert on it) without parsing the message.
+    client (and tests can assert on it) without parsing the message; ``parts`` is the message with
+    the fields it names kept as references (``runtime.protocol.field_refs``), for a front door to
+    word in its client's names.
     """
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"sampling_params.{field}: {message}")
+    def __init__(self, field: str, message: str | Message) -> None:
+        self.parts: Message = (FieldRef(field, sampling=True), ": ", *as_message(message))
+        super().__init__(render(self.parts))
         self.field = field
 
 
@@ -126,7 +131,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             "min_new_tokens",
             self.min_new_tokens <= self.max_new_tokens,
             self.min_new_tokens,
-            f"must be <= max_new_tokens ({self.max_new_tokens})",
+            ("must be <= ", FieldRef("max_new_tokens"), f" ({self.max_new_tokens})"),
         )
         _finite("repetition_penalty", self.repetition_penalty)
         _check("repetition_penalty", self.repetition_penalty > 0.0, self.repetition_penalty, "must be > 0")
@@ -265,6 +270,6 @@ def _finite(name: str, value: float) -> None:
     _check(name, math.isfinite(value), value, "must be a finite number")
 
 
-def _check(name: str, ok: bool, value: object, problem: str) -> None:
+def _check(name: str, ok: bool, value: object, problem: str | Message) -> None:
     if not ok:
-        raise SamplingParamsError(name, f"{problem}, got {value!r}")
+        raise SamplingParamsError(name, (*as_message(problem), f", got {value!r}"))

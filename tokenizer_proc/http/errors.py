@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.protocol.field_refs import FieldNames, FieldRef, bare_name, render
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.request_builder import Rejected
 
@@ -74,18 +75,12 @@ async def _bad_request(request: Request, exc: oai.BadRequest) -> JSONResponse:
 
 
 async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
-    """A refusal of the shared request path; on /v1/ its param and message name the OpenAI fields the
-    client sent (``max_tokens``, not ``max_new_tokens``), told apart by the body the route kept on
-    ``request.state.openai_body``."""
-    if not request.url.path.startswith("/v1/"):  # the native body: the message names the param itself
-        message = exc.message
-        if exc.param is not None and message.startswith(f"sampling_params.{exc.param}:"):
-            message = exc.param + message[len(f"sampling_params.{exc.param}") :]
-        return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, exc.param)
-    chat = request.url.path.endswith("/chat/completions")
-    body = getattr(request.state, "openai_body", None)
-    param = oai.openai_param(exc.param, chat, body)
-    message = oai.openai_message(exc.message, chat, body)
+    """A refusal of the shared request path, its param and message in the names the client's body
+    used: the route that parsed the body set them (``request.state.field_names``: an OpenAI body's
+    ``max_tokens`` for ``max_new_tokens``, ...); other bodies (SGLang's) name every field as sent."""
+    names: FieldNames = getattr(request.state, "field_names", bare_name)
+    message = render(exc.parts, names)
+    param = names(FieldRef(exc.param)) if exc.param is not None else None
     return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, param)
 
 

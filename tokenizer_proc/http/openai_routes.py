@@ -58,7 +58,7 @@ async def _openai_generate(
     """Both generation routes: read and check the body, run it, reply whole or as a stream."""
     http.authorize(request)
     body: Any = await read_body(request, schema, http.max_request_bytes)
-    request.state.openai_body = body  # a refusal names the fields this body sent (http/errors.py)
+    request.state.field_names = oai.openai_names(kind == "chat", body)  # a refusal names this body's fields
     http.check_model(body.model)
     assert http.logprobs is not None
     if kind == "chat":

@@ -31,6 +31,7 @@ class GrammarError(ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.reason = message  # (the message without the kind: a caller may name the kind its own way)
 
 
 def _reason(exc: BaseException) -> str:

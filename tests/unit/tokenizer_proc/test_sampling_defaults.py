@@ -25,7 +25,9 @@ from runtime.checkpoints.sampling_defaults import (
     read_model_sampling,
 )
 from runtime.config.args import ServerArgs
+from runtime.protocol.field_refs import FieldRef, bare_name, render
 from runtime.protocol.messages import GenerateReq
+from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import write_checkpoint_gguf
 from tokenizer_proc import openai_protocol as oai
@@ -217,12 +219,32 @@ def test_a_chat_refusal_names_max_tokens_when_the_client_sent_it() -> None:
 
 
 def test_a_refusals_message_uses_the_clients_names() -> None:
-    too_long = "prompt (9 tokens) + max_new_tokens (1000000) = 1000009 exceeds the context length 512"
-    assert oai.openai_message(too_long, True, _chat(max_tokens=10**6)).startswith("prompt (9 tokens) + max_tokens (")
-    assert oai.openai_message("sampling_params.max_new_tokens: must be >= 0, got -1", False) == (
-        "max_tokens: must be >= 0, got -1"
+    too_long = (
+        "prompt (9 tokens) + ",
+        FieldRef("max_new_tokens"),
+        " (1000000) = 1000009 exceeds the context length 512",
     )
-    assert oai.openai_message("sampling_params.min_new_tokens: must be <= max_new_tokens (4)", True) == (
-        "min_tokens: must be <= max_completion_tokens (4)"
+    assert render(too_long, oai.openai_names(True, _chat(max_tokens=10**6))).startswith(
+        "prompt (9 tokens) + max_tokens ("
     )
-    assert oai.openai_message("sampling_params.top_p: must be in (0, 1]", True) == "top_p: must be in (0, 1]"
+    assert render(too_long).startswith("prompt (9 tokens) + max_new_tokens (")  # the server's own (ZMQ) names
+    negative = (FieldRef("max_new_tokens", True), ": must be >= 0, got -1")
+    assert render(negative, oai.openai_names(False)) == "max_tokens: must be >= 0, got -1"
+    assert render(negative) == "sampling_params.max_new_tokens: must be >= 0, got -1"
+    assert render(negative, bare_name) == "max_new_tokens: must be >= 0, got -1"  # SGLang's body
+    above = (FieldRef("min_new_tokens", True), ": must be <= ", FieldRef("max_new_tokens"), " (4)")
+    assert render(above, oai.openai_names(True)) == "min_tokens: must be <= max_completion_tokens (4)"
+    top_p = (FieldRef("top_p", True), ": must be in (0, 1]")
+    assert render(top_p, oai.openai_names(True)) == "top_p: must be in (0, 1]"
+
+
+def test_a_sampling_refusal_keeps_its_fields_as_references() -> None:
+    """SamplingParams' checks name the fields they refuse (and mention) as references, so no front door
+    has to find them in the text."""
+    with pytest.raises(SamplingParamsError) as caught:
+        SamplingParams(max_new_tokens=4, min_new_tokens=9).validate()
+    assert str(caught.value) == "sampling_params.min_new_tokens: must be <= max_new_tokens (4), got 9"
+    assert (
+        caught.value.parts[0] == FieldRef("min_new_tokens", True) and FieldRef("max_new_tokens") in caught.value.parts
+    )
+    assert render(caught.value.parts, oai.openai_names(False)) == "min_tokens: must be <= max_tokens (4), got 9"
