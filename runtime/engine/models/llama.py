@@ -16,7 +16,7 @@ layer at construction.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -180,13 +180,18 @@ class LlamaDecoderLayer(nn.Module):
         """What this layer computes (``runtime.engine.ops.layer_stack``): pre-norm, a dense gated MLP,
         the family's choices of norm form, activation, rope style and share, q/k norm per head,
         soft-cap and window as its config made them."""
-        attn, mlp = self.self_attn, self.mlp
+        mlp = self.mlp
         assert isinstance(mlp, GatedMLP), "a dense layer's MLP (a sparse layer's class declares its own)"
+        mlp_bias = mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
+        return self.describe_with_mlp(activation=mlp.activation, mlp="dense", mlp_bias=mlp_bias)
+
+    def describe_with_mlp(self, **mlp_choices: Any) -> LayerDescription:
+        """The pre-norm layer's attention, norm and rotary choices as built from its config, with the
+        MLP's (``mlp_choices``: the ``LayerDescription`` fields of the MLP its class builds)."""
+        attn = self.self_attn
         return LayerDescription(
             norm=self.norm_form,
             norm_placement="pre",
-            activation=mlp.activation,
-            mlp="dense",
             rope_style=self.rope_style,
             rotary_dim=self.rotary_dim,
             head_dim=attn.head_dim,
@@ -195,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
             window=attn.spec.sliding_window,
             qkv_bias=attn.qkv_proj.bias is not None,
             o_bias=attn.o_proj.bias is not None,
-            mlp_bias=mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None,
+            **mlp_choices,
         )
 
     def decode_weights(self) -> DecoderLayerWeights:

@@ -44,23 +44,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         mlp = self.mlp
         if not isinstance(mlp, SparseMoeMLP):
             return LlamaDecoderLayer.describe(self)
-        attn = self.self_attn
-        return LayerDescription(
-            norm=self.norm_form,
-            norm_placement="pre",
+        return self.describe_with_mlp(
             activation=mlp.activation,
             mlp="experts",
-            rope_style=self.rope_style,
-            rotary_dim=self.rotary_dim,
-            head_dim=attn.head_dim,
-            qk_norm="head" if attn.q_norm is not None else None,
-            attn_softcap=attn.spec.logit_softcap,
-            window=attn.spec.sliding_window,
             experts_top_k=mlp.moe.top_k,
             experts_renormalize=mlp.moe.renormalize,
             shared_expert=mlp.shared_expert is not None,
-            qkv_bias=attn.qkv_proj.bias is not None,
-            o_bias=attn.o_proj.bias is not None,
         )
 
 
