@@ -24,8 +24,13 @@ from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
-from runtime.engine.cpu.quant_kernels import quant_linear
-from runtime.engine.cpu.weight_plan import CpuWeightPlan, plan_linear, plan_linear_silu_mul, plan_model
+from runtime.engine.cpu.weight_plan import (
+    CpuWeightPlan,
+    plan_linear,
+    plan_linear_silu_mul,
+    plan_model,
+    unplanned_linear,
+)
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.rope import RopeInputs
@@ -64,16 +69,17 @@ class CpuOps(TorchOps):
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
         current = _current(plan, weight)
-        out = plan_linear(current, x, bias) if current is not None else _unplanned(x, weight, bias)
+        out = plan_linear(current, x, bias) if current is not None else unplanned_linear(x, weight, bias)
         return out if out is not None else super().linear(x, weight, bias)
 
     def float_linear(
         self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
     ) -> torch.Tensor:
         current = _current(plan, weight)
-        out = plan_linear(current, x, None, float_out=True) if current is not None else None
-        if out is None and current is None and isinstance(weight, QuantizedWeight):
-            out = quant_linear(x, weight, None, float_out=True)
+        if current is not None:
+            out = plan_linear(current, x, None, float_out=True)
+        else:
+            out = unplanned_linear(x, weight, None, float_out=True)
         return out if out is not None else super().float_linear(x, weight)
 
     def rms_norm(
@@ -124,14 +130,6 @@ def _current(plan: WeightPlan | None, weight: torch.Tensor | QuantizedWeight) ->
     """``plan`` where it is a CPU plan for this very weight (a layer hands its own; a plan of another
     weight is never read), else None."""
     return plan if isinstance(plan, CpuWeightPlan) and plan.weight is weight else None
-
-
-def _unplanned(
-    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """A product no plan covers (made before ``prepare_model``, or an expert's weight without one): a
-    weight kept quantized still runs on its kernel; a dense one on ``F.linear`` (None)."""
-    return quant_linear(x, weight, bias) if isinstance(weight, QuantizedWeight) else None
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -205,6 +205,16 @@ def plan_linear(
     return None
 
 
+def unplanned_linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, float_out: bool = False
+) -> torch.Tensor | None:
+    """A product no plan covers (one made before ``prepare_model``, or after a load dropped the plan):
+    a weight kept quantized still runs on its kernel; a dense one on F.linear (None)."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight, bias, float_out=float_out)
+    return None
+
+
 def plan_linear_silu_mul(plan: CpuWeightPlan, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``silu(gate) * up`` of a merged gate/up product in one pass, where the plan's band for ``x``'s
     rows is the AMX kernel (which fuses the two); None: run the product, then the activation."""
