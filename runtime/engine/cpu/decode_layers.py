@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import operator
 import os
 from typing import Any, Iterator
 
@@ -125,6 +126,7 @@ _STAGES = (
     "down linear",
 )
 _enabled: list[bool] = []  # use_decode_layers' stack of settings
+_PLAN_OF = operator.attrgetter("plan")  # a linear layer's current plan (one C-level read per layer a step)
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,8 +181,10 @@ class CpuLayerStack:
         self._records: list[DecoderLayerWeights] | None = None  # (None: the model's layers are not taken)
         self.declined: str | None = None  # why the C layer does not take the model's layers (None: it does)
         self._records = self._layer_records()
+        self._linears = [linear for record in self._records or () for linear in record.linears]
         self._plans: list[Any] = []  # every linear's plan the descriptions were made from
-        self._described: dict[str, StackDescription | None] = {}
+        self._described: dict[str, StackDescription | None] = {}  # by kernel set
+        self._by_step: dict[tuple[int, torch.dtype], StackDescription | None] = {}  # by (rows, dtype)
 
     def __call__(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
@@ -211,11 +215,17 @@ class CpuLayerStack:
         records = self._records
         if records is None:
             return None
-        plans = [linear.plan for record in records for linear in record.linears]
+        plans = list(map(_PLAN_OF, self._linears))
         if plans != self._plans:  # (identity: a plan is replaced, never changed)
-            self._plans, self._described = plans, {}
-        first = layer_plan(records[0].qkv)
+            self._plans, self._described, self._by_step = plans, {}, {}
         dtype = dtype or records[0].input_norm.dtype
+        key = (rows, dtype)
+        if key not in self._by_step:
+            self._by_step[key] = self._describe(records, rows, dtype)
+        return self._by_step[key]
+
+    def _describe(self, records: list[DecoderLayerWeights], rows: int, dtype: torch.dtype) -> StackDescription | None:
+        first = layer_plan(records[0].qkv)
         kernels = stack_kernels(first.band(rows, dtype) if first is not None else None, dtype)
         if kernels is None:
             return None
