@@ -48,7 +48,7 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
-from runtime.engine.cpu.stack_description import StackDescription, _Layer, c_layer_declines, describe_layers
+from runtime.engine.cpu.stack_description import CLayer, StackDescription, c_layer_declines, describe_layers
 from runtime.engine.cpu.weight_plan import layer_plan, stack_kernels, stack_runs
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.ops.layer_stack import DecoderLayerWeights, DecoderStackModel, declared_description
@@ -113,7 +113,7 @@ _ENTRY_POINTS = {
     "qbf16": "decode_layers_qbf16",
 }
 for _name in _ENTRY_POINTS.values():
-    declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i64], ctypes.c_int)
+    declare(_name, [ctypes.POINTER(_Step), ctypes.POINTER(CLayer), _i64], ctypes.c_int)
 
 _STAGES = (
     "",
@@ -178,9 +178,9 @@ class CpuLayerStack:
     def __init__(self, model: DecoderStackModel) -> None:
         self.model = model
         self.scratch = StepScratch()
-        self._records: list[DecoderLayerWeights] | None = None  # (None: the model's layers are not taken)
         self.declined: str | None = None  # why the C layer does not take the model's layers (None: it does)
-        self._records = self._layer_records()
+        # the layers' records (None: the model's layers are not taken; ``declined`` says why)
+        self._records: list[DecoderLayerWeights] | None = self._layer_records()
         self._linears = [linear for record in self._records or () for linear in record.linears]
         self._plans: list[Any] = []  # every linear's plan the descriptions were made from
         self._described: dict[str, StackDescription | None] = {}  # by kernel set

@@ -28,7 +28,7 @@ declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]
 # weights"), and one pass over the weight is small next to rows x its size of products.
 DENSE_MIN_ROWS = 256
 
-_KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind
+KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind (and decode_layers.c's QuantWeight.kind)
 
 # A weight kept in both forms (--quantization gguf_dual) reads its blocks for products of at most
 # this many rows (a decode step of a few requests, or a verify step): there the weight's bytes bound
@@ -65,7 +65,7 @@ def quant_linear(
         dense = torch.empty(out_features, in_features, dtype=torch.float32)
         if (
             lib.quant_dequantize_f32(
-                _KIND_CODES[weight.kind],
+                KIND_CODES[weight.kind],
                 weight.qs.data_ptr(),
                 weight.scales.data_ptr(),
                 mins.data_ptr() if mins is not None else None,
@@ -82,7 +82,7 @@ def quant_linear(
         rows.data_ptr(),
         rows.shape[0],
         rows.stride(0),
-        _KIND_CODES[weight.kind],
+        KIND_CODES[weight.kind],
         weight.qs.data_ptr(),
         weight.scales.data_ptr(),
         mins.data_ptr() if mins is not None else None,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu.quant_kernels import KIND_CODES
 from runtime.engine.cpu.weight_plan import (
     QUANT_SETS,
     STACK_DTYPES,
@@ -33,7 +34,7 @@ from runtime.engine.quant.weight import QuantizedWeight
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class _Layer(ctypes.Structure):
+class CLayer(ctypes.Structure):
     """csrc/decode_layers.c: DecodeLayer."""
 
     _fields_ = [
@@ -62,7 +63,6 @@ class _QuantWeight(ctypes.Structure):
     _fields_ = [("kind", _i64), ("group", _i64), ("qs", _ptr), ("scales", _ptr), ("mins", _ptr)]
 
 
-_QUANT_KINDS = {"q8": 0, "q4": 1}  # csrc/quant_linear.c: kind
 # What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
 # dense silu-gated MLP, neox rotary halves over any share of the head, full attention, no q/k norm,
 # no clamp, no soft-cap, and a bias on the qkv projection only.
@@ -102,7 +102,7 @@ class StackDescription:
     inter: int
     eps: float
     scale: float
-    layers: Any = field(repr=False)  # ctypes array of _Layer (weight fields filled)
+    layers: Any = field(repr=False)  # ctypes array of CLayer (weight fields filled)
     # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
     quant: list[_QuantWeight] = field(default_factory=list, repr=False)
 
@@ -127,7 +127,7 @@ def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
         return band.address
     mins = operand.mins
     desc = _QuantWeight(
-        _QUANT_KINDS[operand.kind],
+        KIND_CODES[operand.kind],
         operand.group,
         operand.qs.data_ptr(),
         operand.scales.data_ptr(),
@@ -139,7 +139,8 @@ def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
 
 def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDescription | None:
     """The stack's ``StackDescription`` on the set ``kernels`` when the C call runs every layer exactly
-    as its forward would, else None."""
+    as its forward would, else None. ``layers``: the records of layers whose declared descriptions
+    the C layer implements (``c_layer_declines``, checked once when the stack takes the model)."""
     first = layers[0]
     dtype = STACK_DTYPES[kernels]
     q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.description.head_dim
@@ -150,11 +151,11 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
         return None
     if dtype == torch.bfloat16 and group * head_dim > attn_kernels.MAX_GROUP_X_DIM:
         return None
-    array = (_Layer * len(layers))()
+    array = (CLayer * len(layers))()
     quant: list[_QuantWeight] = []
     rows = range(0, 1 << 62)
     for layer, entry in zip(layers, array):
-        if layer.tp_size != 1 or c_layer_declines(layer.description) is not None or layer.scaling != scale:
+        if layer.tp_size != 1 or layer.scaling != scale:
             return None
         if (layer.num_heads, layer.num_kv_heads, layer.description.head_dim) != (q_heads, kv_heads, head_dim):
             return None

@@ -16,6 +16,7 @@ with ``tp_size > 1`` refuses to run rather than silently returning a partial sum
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -98,7 +99,7 @@ def replicated_weight_loader(param: nn.Parameter, weight: LazyWeight, name: str,
     copy_into(param, weight.load(), name)
 
 
-class LinearBase(LinearWeightLayer):
+class LinearBase(LinearWeightLayer, abc.ABC):
     """What every linear layer holds: this rank's ``[out_rows, in_cols]`` weight (filled by the
     subclass's ``weight_loader``, which decides the sharding), an optional bias of ``out_rows``
     (filled by ``bias_loader``), the quantized shards its loader is handed, and its device ops."""
@@ -123,8 +124,10 @@ class LinearBase(LinearWeightLayer):
             self.bias = nn.Parameter(torch.empty(out_rows, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = bias_loader or self.weight_loader  # type: ignore[attr-defined]
 
+    @abc.abstractmethod
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
-        raise NotImplementedError  # (each subclass shards its own way)
+        """Fill ``param`` (the weight, or the bias where it shards as the rows) with this rank's shard
+        of checkpoint tensor ``weight``: each layer kind shards its own way."""
 
 
 class ReplicatedLinear(LinearBase):
