@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.stack_description import c_layer_declines
 from runtime.engine.forward_batch import ForwardMode
@@ -88,8 +89,15 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
 def test_a_subclass_that_changes_a_layer_without_saying_so_is_declined(tiny_checkpoints) -> None:
     """The same model with one layer's class swapped for a subclass that computes something else and
     declares nothing: the stack declines it (it would have run it as a plain Llama layer: wrong
-    answers), and its decode steps still give the subclass's results through the layers one by one."""
-    runner = _runner(tiny_checkpoints.path("llama"))
+    answers), and its decode steps still give the subclass's results through the layers one by one.
+    The kernels' AVX2 build, which every x86 host this suite runs on has, is set for the test: the
+    plain model's fp32 linears then have the panel kernel the one call runs."""
+    with kernel_library.use_level("avx2"):
+        _subclass_declined(tiny_checkpoints.path("llama"))
+
+
+def _subclass_declined(path: Path) -> None:
+    runner = _runner(path)
     assert CpuLayerStack(runner.model).description(1) is not None  # the plain model is taken
     layer = runner.model.decoder_layers()[0]
     layer.__class__ = _ScaledMlpLayer
