@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from runtime.protocol.messages import ControlReply, ErrorReply, GenerateReq
+from runtime.protocol.messages import ControlReply, DetokenizeReq, ErrorReply, GenerateReq, TokenizeReq
 from tokenizer_proc.control import ControlRequest
 from tokenizer_proc.metrics import Metrics
 
@@ -53,6 +53,10 @@ class FrontDoor(Protocol):
 
     def close_local(self, identity: bytes) -> None:
         """The local client is done or went away: abort whatever it still has in flight."""
+
+    async def tokenize(self, req: TokenizeReq | DetokenizeReq) -> dict[str, Any]:
+        """A prompt's token ids as it would be served (``tokens``, ``count``, ``max_model_len``), or
+        token ids as text (``text``); raises ``request_builder.Rejected`` when the request is malformed."""
 
     async def local_control(self, req: ControlRequest) -> ControlReply | ErrorReply:
         """One control round trip through the scheduler (server info, flush, health, profiling, weight

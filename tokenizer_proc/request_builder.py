@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import msgspec
 
 from runtime.protocol.field_refs import FieldRef, Message, as_message, render
-from runtime.protocol.messages import GenerateReq, TokenizedGenerateReq
+from runtime.protocol.messages import DetokenizeReq, GenerateReq, TokenizedGenerateReq, TokenizeReq
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
 
@@ -143,6 +143,31 @@ class RequestBuilder:
             )
         return out
 
+    def tokenize(self, req: TokenizeReq) -> list[int]:
+        """A prompt's token ids as ``build`` would serve them (a chat rendered by the same template with
+        the same checks), without the serving limits: a prompt longer than the server admits is counted,
+        not refused, since finding that out is what a client counts tokens for."""
+        given = [name for name in ("text", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise Rejected("invalid_request", f"give exactly one of text, messages (got {', '.join(given) or 'none'})")
+        if req.text is not None:
+            return list(self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens is not False))
+        assert req.messages is not None
+        if not req.messages:
+            raise Rejected("invalid_request", "empty prompt: messages is []")
+        return self._render_chat(
+            req.messages,
+            req.tools,
+            req.chat_template_kwargs,
+            add_special_tokens=bool(req.add_special_tokens),
+            bounded=False,
+        )
+
+    def detokenize(self, req: DetokenizeReq) -> str:
+        """Token ids of the vocabulary back to text (``/detokenize``)."""
+        self._check_vocab(req.tokens, "tokens")
+        return str(self.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens))
+
     def _deadline(self, req: GenerateReq, arrived: float) -> float | None:
         """The absolute deadline (time.monotonic()) the scheduler enforces: ``deadline_s`` after
         arrival, else ``--request-timeout``, else none."""
@@ -228,7 +253,11 @@ class RequestBuilder:
         messages: Sequence[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
+        add_special_tokens: bool = False,
+        bounded: bool = True,
     ) -> list[int]:
+        """The chat rendered by the model's template and tokenized (the template writes its own special
+        tokens); ``bounded``: a text longer than a servable prompt is refused before it is tokenized."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise Rejected("invalid_request", "messages: the model's tokenizer has no chat template")
         for i, m in enumerate(messages):
@@ -247,8 +276,9 @@ class RequestBuilder:
             text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # template errors are the client's message structure
             raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
-        self._check_text_size(text)
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if bounded:
+            self._check_text_size(text)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise Rejected("invalid_request", "empty prompt: the rendered chat is empty")
         return ids
@@ -272,12 +302,13 @@ class RequestBuilder:
                 f"the prompt has {len(ids)} tokens; the maximum is {self.limits.max_req_input_len}",
                 "prompt",
             )
+        self._check_vocab(ids, "input_ids")
+
+    def _check_vocab(self, ids: list[int], field: str) -> None:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Rejected(
-                "invalid_request", f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})", "input_ids"
-            )
+            raise Rejected("invalid_request", f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field)
 
     def _token_ids_logprob(self, ids: list[int] | None) -> list[int] | None:
         """SGLang's token_ids_logprob: at most ``MAX_TOKEN_IDS_LOGPROB`` ids of the vocabulary (an empty

@@ -53,6 +53,7 @@ from runtime.protocol.messages import (
     AbortReq,
     ClientRequest,
     ControlReply,
+    DetokenizeReq,
     ErrorReply,
     FlushCacheReq,
     GenerateReq,
@@ -60,6 +61,7 @@ from runtime.protocol.messages import (
     ProfileReq,
     ServerInfoReq,
     TokenizedGenerateReq,
+    TokenizeReq,
     UpdateWeightsReq,
 )
 from tokenizer_proc.client_replies import ClientReplies, is_local
@@ -197,6 +199,11 @@ class TokenizerManager:
                 await self.handle_abort(identity, req)
             elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq)):
                 await self.begin_control(identity, req)
+            elif isinstance(req, (TokenizeReq, DetokenizeReq)):
+                payload = await self.tokenize(req)
+                await self.replies.send(
+                    identity, ControlReply(rid=req.rid, kind=req.__struct_config__.tag, payload=payload)
+                )
         except Rejected as exc:
             self.note_rejected(exc)
             await self.replies.send(identity, ErrorReply(rid=req.rid, code=exc.code, message=exc.message))
@@ -361,6 +368,16 @@ class TokenizerManager:
         except Rejected as exc:
             self.note_rejected(exc)
             raise
+
+    async def tokenize(self, req: TokenizeReq | DetokenizeReq) -> dict[str, Any]:
+        """A ``/tokenize`` (``tokens``, ``count``, ``max_model_len``) or ``/detokenize`` (``text``)
+        answer, computed on the tokenize thread (a long text must not hold this loop); Rejected
+        when the request is malformed. Nothing of it reaches the scheduler."""
+        loop = asyncio.get_running_loop()
+        if isinstance(req, DetokenizeReq):
+            return {"text": await loop.run_in_executor(self.executor, self.builder.detokenize, req)}
+        ids = await loop.run_in_executor(self.executor, self.builder.tokenize, req)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.context_len}
 
     async def local_control(self, req: ControlRequest) -> ControlReply | ErrorReply:
         """A control round trip for the HTTP server (server info, flush, health, profiling, weights);

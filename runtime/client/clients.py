@@ -41,6 +41,7 @@ from runtime.client.generate_call import GenerateCall, chunk_dict, is_batch, res
 from runtime.protocol.messages import (
     AbortReq,
     ControlReply,
+    DetokenizeReq,
     ErrorReply,
     FlushCacheReq,
     GenerateChunk,
@@ -49,6 +50,7 @@ from runtime.protocol.messages import (
     ProfileOptions,
     ProfileReq,
     ServerInfoReq,
+    TokenizeReq,
     UpdateWeightsReq,
     WeightUpdate,
 )
@@ -206,6 +208,37 @@ class AsyncClient(ClientConnection):
         rid = uuid.uuid4().hex
         update = WeightUpdate(model_path, load_format, weight_version, abort_all_requests)
         return await self._control("ctl", UpdateWeightsReq(rid=rid, update=update, api_key=self.api_key), rid)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> dict[str, Any]:
+        """A prompt's token ids as the server would serve it (``POST /tokenize``): a text, or ``messages``
+        rendered with the model's chat template (the generation prompt on). The answer: ``tokens``,
+        ``count``, ``max_model_len``. ``add_special_tokens`` defaults to on for a text and off for a
+        chat (its template writes them)."""
+        rid = uuid.uuid4().hex
+        req = TokenizeReq(
+            rid=rid,
+            text=prompt,
+            messages=messages,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_special_tokens=add_special_tokens,
+            api_key=self.api_key,
+        )
+        return await self._control("ctl", req, rid)
+
+    async def detokenize(self, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
+        """Token ids back to text (``POST /detokenize``)."""
+        rid = uuid.uuid4().hex
+        req = DetokenizeReq(rid=rid, tokens=tokens, skip_special_tokens=skip_special_tokens, api_key=self.api_key)
+        return str((await self._control("ctl", req, rid))["text"])
 
     async def health(self, timeout: float | None = None) -> bool:
         """True when the server answered through a scheduler round trip within ``timeout``

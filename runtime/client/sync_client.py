@@ -159,6 +159,28 @@ class Client:
             )
         )
 
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            self._async.tokenize(
+                prompt,
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+        )
+
+    def detokenize(self, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
+        return self._call(self._async.detokenize(tokens, skip_special_tokens=skip_special_tokens))
+
     def health(self, timeout: float | None = None) -> bool:
         return self._call(self._async.health(timeout))
 

@@ -115,7 +115,43 @@ class UpdateWeightsReq(msgspec.Struct, tag="update_weights", forbid_unknown_fiel
     api_key: str | None = None
 
 
-ClientRequest = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq]
+class TokenizeReq(msgspec.Struct, tag="tokenize", forbid_unknown_fields=True, omit_defaults=True):
+    """A prompt's token ids as a generate request would be served them (``/tokenize``; Anthropic's
+    ``count_tokens``): exactly one of ``text``, ``messages`` (rendered with the chat template, the
+    generation prompt on unless ``chat_template_kwargs`` turns it off). ``add_special_tokens``: the
+    tokenizer's BOS/EOS around a text (default on for a text, off for a rendered chat, whose template
+    writes its own). Answered by the front door alone (``ControlReply`` kind ``tokenize``: ``tokens``,
+    ``count``, ``max_model_len``)."""
+
+    rid: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    api_key: str | None = None
+
+
+class DetokenizeReq(msgspec.Struct, tag="detokenize", forbid_unknown_fields=True, omit_defaults=True):
+    """Token ids back to text (``/detokenize``): ``ControlReply`` kind ``detokenize``, ``text``."""
+
+    rid: str
+    tokens: list[int]
+    skip_special_tokens: bool = False
+    api_key: str | None = None
+
+
+ClientRequest = Union[
+    GenerateReq,
+    AbortReq,
+    FlushCacheReq,
+    ServerInfoReq,
+    HealthReq,
+    ProfileReq,
+    UpdateWeightsReq,
+    TokenizeReq,
+    DetokenizeReq,
+]
 
 
 class ChunkMeta(msgspec.Struct, omit_defaults=True):
@@ -175,7 +211,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
 class ControlReply(msgspec.Struct, tag="control"):
     rid: str
     kind: str  # "flush_cache" | "server_info" | "health" | "abort" | "start_profile" | "stop_profile"
-    # | "update_weights"
+    # | "update_weights" | "tokenize" | "detokenize"
     payload: dict[str, Any]
 
 

@@ -2,19 +2,25 @@
 exists) and the helpers every route group needs (readiness, the api key, the model name, starting
 a ``LocalRun``). ``build_app`` stores one ``HttpContext`` on ``app.state``; a route receives it as
 the typed dependency ``Http``, the FastAPI way, instead of closing over the server object, so
-that the routes can live in their own modules (tokenizer_proc/http/*_routes.py)."""
+that the routes can live in their own modules (tokenizer_proc/http/*_routes.py).
+
+Every route group is an ``api_router``: its dependency runs before any route of the group, says which
+API's error shape the group answers in, and refuses every request with 503 (``Retry-After``) until the
+server is ready, so that no route can reach a front door, a tokenizer or a formatter that is not there
+yet (tests/unit/tokenizer_proc/test_http_readiness.py walks every route of the app)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 
 from runtime.config.args import ServerArgs
 from runtime.protocol.messages import GenerateReq
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.front_door import FrontDoor
+from tokenizer_proc.http.errors import ErrorShape, openai_error
 from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.request_builder import check_api_key
 
@@ -42,10 +48,11 @@ class HttpContext:
         return self.door
 
     def authorize(self, request: Request) -> None:
-        """Rejected (401) unless the request carries --api-key as a bearer token."""
+        """Rejected (401) unless the request carries --api-key: as a bearer token (OpenAI's clients)
+        or in ``x-api-key`` (Anthropic's)."""
         header = request.headers.get("authorization")
         key = header[7:].strip() if header is not None and header[:7].lower() == "bearer " else None
-        check_api_key(self.server_args.api_key, key)
+        check_api_key(self.server_args.api_key, key if key is not None else request.headers.get("x-api-key"))
 
     def check_model(self, model: str) -> None:
         """An OpenAI request names the served model (or --model-path as given), else 404."""
@@ -95,3 +102,14 @@ def http_context(request: Request) -> HttpContext:
 
 # A route parameter ``http: Http`` receives the app's HttpContext.
 Http = Annotated[HttpContext, Depends(http_context)]
+
+
+def api_router(error_shape: ErrorShape = openai_error) -> APIRouter:
+    """A route group of one API: its errors in ``error_shape``, and none of its routes run before the
+    server is ready (503 "starting", with ``Retry-After``, in that shape)."""
+
+    async def ready(request: Request) -> None:
+        request.state.error_shape = error_shape
+        http_context(request).ready_door()
+
+    return APIRouter(dependencies=[Depends(ready)])

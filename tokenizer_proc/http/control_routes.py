@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.protocol.messages import (
@@ -24,7 +24,7 @@ from runtime.protocol.messages import (
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.control import ControlRequest
 from tokenizer_proc.http.body import read_body
-from tokenizer_proc.http.context import Http, HttpContext
+from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.control_bodies import AbortBody, ProfileBody, UpdateWeightsBody, optional_body
 from tokenizer_proc.http.errors import RequestFailed, error_response
 from tokenizer_proc.http.run import abort_on_disconnect
@@ -32,7 +32,7 @@ from tokenizer_proc.request_builder import Rejected
 
 ABORT_MESSAGE = "aborted by /abort_request"
 
-router = APIRouter()
+router = api_router()
 
 
 async def _control(http: HttpContext, request: Request, req: ControlRequest) -> dict[str, Any]:

@@ -1,11 +1,16 @@
-"""How the HTTP server fails: OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``)
-with the status that the ZMQ error code maps to, and the app's exception handlers that turn every
-exception a route raises into such a reply. Kept apart from the routes so that every route
-group fails the same way: a route only raises."""
+"""How the HTTP server fails: an error body with the status that the ZMQ error code maps to, and the
+app's exception handlers that turn every exception a route raises into such a reply. Kept apart from
+the routes so that every route group fails the same way: a route only raises.
+
+The body's shape is the API's the route speaks: OpenAI's (``{"error": {"message", "type", "param",
+"code"}}``) unless the route's router says otherwise (``api_router(error_shape=...)`` in
+tokenizer_proc/http/context.py sets ``request.state.error_shape`` before the route runs), so that an
+Anthropic or Ollama client reads a refusal the way its SDK expects."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,7 +39,7 @@ STATUS_OF_CODE = {
     "internal": 500,
 }
 # Refusals a client should retry elsewhere or later: their 503 says after how many seconds.
-RETRY_AFTER_S = {"draining": 1, "overloaded": 1}
+RETRY_AFTER_S = {"draining": 1, "overloaded": 1, "starting": 1}
 _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -63,15 +68,33 @@ def error_type(status: int) -> str:
     return _ERROR_TYPE.get(status, "server_error")
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI error body; a retryable refusal (RETRY_AFTER_S) says when to retry."""
-    body = {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+# An API's error body: (status, message, code, param) -> the JSON its clients read.
+ErrorShape = Callable[[int, str, str, "str | None"], Any]
+
+
+def openai_error(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
+    """OpenAI's error body (also what SGLang's routes answer)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, code: str, param: str | None = None, shape: ErrorShape = openai_error
+) -> JSONResponse:
+    """An error body of ``shape`` (OpenAI's by default); a retryable refusal (RETRY_AFTER_S) says
+    when to retry."""
     retry = RETRY_AFTER_S.get(code)
-    return JSONResponse(body, status_code=status, headers=None if retry is None else {"Retry-After": str(retry)})
+    headers = None if retry is None else {"Retry-After": str(retry)}
+    return JSONResponse(shape(status, message, code, param), status_code=status, headers=headers)
+
+
+def shape_of(request: Request) -> ErrorShape:
+    """The error shape of the API the request's route speaks (OpenAI's unless its router set one)."""
+    shape: ErrorShape = getattr(request.state, "error_shape", openai_error)
+    return shape
 
 
 async def _bad_request(request: Request, exc: oai.BadRequest) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.code, exc.param)
+    return error_response(exc.status, exc.message, exc.code, exc.param, shape_of(request))
 
 
 async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
@@ -81,11 +104,11 @@ async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
     names: FieldNames = getattr(request.state, "field_names", bare_name)
     message = render(exc.parts, names)
     param = names(FieldRef(exc.param)) if exc.param is not None else None
-    return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, param)
+    return error_response(STATUS_OF_CODE.get(exc.code, 400), message, exc.code, param, shape_of(request))
 
 
 async def _failed(request: Request, exc: RequestFailed) -> JSONResponse:
-    return error_response(STATUS_OF_CODE.get(exc.code, 500), exc.message, exc.code)
+    return error_response(STATUS_OF_CODE.get(exc.code, 500), exc.message, exc.code, shape=shape_of(request))
 
 
 async def _went_away(request: Request, exc: ClientWentAway) -> Response:
@@ -94,7 +117,7 @@ async def _went_away(request: Request, exc: ClientWentAway) -> Response:
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"{type(exc).__name__}: {exc}", "internal")
+    return error_response(500, f"{type(exc).__name__}: {exc}", "internal", shape=shape_of(request))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

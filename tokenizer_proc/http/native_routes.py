@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from tokenizer_proc.http.body import read_body
-from tokenizer_proc.http.context import Http, HttpContext
+from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import RequestFailed
 from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
 from tokenizer_proc.native_protocol import NativeGenerateReq
 from tokenizer_proc.native_reply import NativeReplies, SampleSoFar
 
-router = APIRouter()
+router = api_router()
 
 
 @router.post("/generate")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
@@ -14,11 +14,11 @@ from starlette.background import BackgroundTask
 from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.http.body import read_body
-from tokenizer_proc.http.context import Http, HttpContext
+from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import STATUS_OF_CODE, RequestFailed, error_type
 from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
 
-router = APIRouter()
+router = api_router()
 
 
 @router.get("/v1/models")

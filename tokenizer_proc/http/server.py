@@ -19,6 +19,7 @@ dependency (tokenizer_proc/http/context.py):
 
 - openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
 - native_routes.py: POST /generate (SGLang's native body)
+- token_routes.py: POST /tokenize, /detokenize (SGLang's and vLLM's bodies)
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
 - chat_page.py: GET /, the chat page for a person with a browser (static/chat.html)
@@ -35,7 +36,7 @@ from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http import chat_page, control_routes, native_routes, openai_routes
+from tokenizer_proc.http import chat_page, control_routes, native_routes, openai_routes, token_routes
 from tokenizer_proc.http.context import HttpContext
 from tokenizer_proc.http.errors import add_error_handlers
 
@@ -97,12 +98,13 @@ class _Server(uvicorn.Server):
 
 def build_app(context: HttpContext) -> FastAPI:
     """The app: ``context`` on ``app.state`` (the routes' ``Http`` dependency), the error
-    handlers, the three route groups and the chat page."""
+    handlers, the route groups and the chat page."""
     app = FastAPI(title="tinyserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.http = context
     add_error_handlers(app)
     app.include_router(control_routes.router)
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(token_routes.router)
     app.include_router(chat_page.router)
     return app
