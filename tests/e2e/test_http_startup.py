@@ -119,6 +119,16 @@ def _get(url: str) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
+def _post(url: str, body: Any) -> tuple[int, Any, Any]:
+    """(status, headers, JSON body) of a POST that is expected to be refused."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.headers, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read())
+
+
 def _title(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -158,6 +168,15 @@ def test_health_is_503_until_the_scheduler_is_ready_and_titles_show(tmp_path: Pa
             status, body = wait_until(health, 60, "the HTTP server to listen")
             assert status == 503 and body["error"]["code"] == "starting"
             assert _get(url + "/v1/models")[0] == 503
+            # the generation routes too, with a body and the key, and each says when to retry
+            for path, body in (
+                ("/v1/completions", {"model": REPO_ID, "prompt": "hi", "logprobs": 1}),
+                ("/v1/chat/completions", {"model": REPO_ID, "messages": [{"role": "user", "content": "hi"}]}),
+                ("/generate", {"text": "hi"}),
+                ("/tokenize", {"prompt": "hi"}),
+            ):
+                status, headers, reply = _post(url + path, body)
+                assert (status, reply["error"]["code"], headers.get("Retry-After")) == (503, "starting", "1"), path
             assert server.address is None  # not ready either
         finally:
             os.kill(scheduler, signal.SIGCONT)
