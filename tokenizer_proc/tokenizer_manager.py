@@ -202,7 +202,10 @@ class TokenizerManager:
             elif isinstance(req, (TokenizeReq, DetokenizeReq)):
                 payload = await self.tokenize(req)
                 await self.replies.send(
-                    identity, ControlReply(rid=req.rid, kind=req.__struct_config__.tag, payload=payload)
+                    identity,
+                    ControlReply(
+                        rid=req.rid, kind="tokenize" if isinstance(req, TokenizeReq) else "detokenize", payload=payload
+                    ),
                 )
         except Rejected as exc:
             self.note_rejected(exc)

@@ -6,7 +6,7 @@ tokenized exactly as a generate request would be (``FrontDoor.tokenize``: the sa
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -94,7 +94,7 @@ async def detokenize(request: Request, http: Http) -> JSONResponse:
     body: DetokenizeBody = await read_body(request, DetokenizeBody, http.max_request_bytes)
     door = http.ready_door()
     batch = bool(body.tokens) and isinstance(body.tokens[0], list)
-    ids: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[list-item]
+    ids = cast("list[list[int]]", body.tokens if batch else [body.tokens])
     texts = [
         (
             await door.tokenize(
