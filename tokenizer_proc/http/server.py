@@ -19,6 +19,7 @@ dependency (tokenizer_proc/http/context.py):
 
 - openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
 - native_routes.py: POST /generate (SGLang's native body)
+- ollama_routes.py: Ollama's API: POST /api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version; HEAD /
 - token_routes.py: POST /tokenize, /detokenize (SGLang's and vLLM's bodies)
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
@@ -36,7 +37,7 @@ from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http import chat_page, control_routes, native_routes, openai_routes, token_routes
+from tokenizer_proc.http import chat_page, control_routes, native_routes, ollama_routes, openai_routes, token_routes
 from tokenizer_proc.http.context import HttpContext
 from tokenizer_proc.http.errors import add_error_handlers
 
@@ -106,5 +107,6 @@ def build_app(context: HttpContext) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(token_routes.router)
+    app.include_router(ollama_routes.router)
     app.include_router(chat_page.router)
     return app
