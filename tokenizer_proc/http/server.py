@@ -20,6 +20,8 @@ dependency (tokenizer_proc/http/context.py):
 - openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
 - native_routes.py: POST /generate (SGLang's native body)
 - ollama_routes.py: Ollama's API: POST /api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version; HEAD /
+- anthropic_routes.py: POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, in
+  its error shape)
 - token_routes.py: POST /tokenize, /detokenize (SGLang's and vLLM's bodies)
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
@@ -37,7 +39,15 @@ from fastapi import FastAPI
 
 from runtime.config.args import ServerArgs, endpoint
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.http import chat_page, control_routes, native_routes, ollama_routes, openai_routes, token_routes
+from tokenizer_proc.http import (
+    anthropic_routes,
+    chat_page,
+    control_routes,
+    native_routes,
+    ollama_routes,
+    openai_routes,
+    token_routes,
+)
 from tokenizer_proc.http.context import HttpContext
 from tokenizer_proc.http.errors import add_error_handlers
 
@@ -106,6 +116,7 @@ def build_app(context: HttpContext) -> FastAPI:
     app.include_router(control_routes.router)
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(token_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(chat_page.router)
