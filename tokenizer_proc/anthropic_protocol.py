@@ -68,8 +68,11 @@ REFUSED: dict[str, str] = {
     "mcp_servers": "MCP connectors are not supported; give the tools as custom tools",
     "container": "containers (code execution) are not supported",
 }
-# Why a block of another type is refused (its type and place are named before this).
-_TEXT_ONLY = "this server reads text, tool_use and tool_result blocks"
+# What each place takes (a block of another type is refused naming its type and place).
+_READ = (
+    "this server reads text: a user turn takes text and tool_result blocks, an assistant turn "
+    "text, thinking and tool_use blocks, a system prompt and a tool result text blocks"
+)
 
 
 def anthropic_names(ref: FieldRef) -> str:
@@ -291,7 +294,7 @@ def _kind(raw: Any, where: str) -> str:
 
 
 def _unsupported(kind: str, where: str) -> oai.BadRequest:
-    return oai.BadRequest(f"{where}: {kind} blocks are not supported here ({_TEXT_ONLY})", where)
+    return oai.BadRequest(f"{where}: {kind} blocks are not supported here ({_READ})", where)
 
 
 def _text_of(value: str | list[dict[str, Any]], where: str) -> str:
