@@ -22,6 +22,7 @@ class FrontDoorFlags(Protocol):
     graceful_shutdown_timeout: float
     stream_interval: int
     request_timeout: float | None
+    responses_store_size: int
 
     def resolved_http_port(self) -> int: ...
 
@@ -99,6 +100,14 @@ def add_front_door_args(parser: argparse.ArgumentParser, defaults: FrontDoorFlag
         "aborted (finish reason abort, message 'timeout'), unless the request gives its "
         "own deadline_s (default: none)",
     )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=d.responses_store_size,
+        help="responses POST /v1/responses keeps in memory (store, on by default) for "
+        "previous_response_id and GET /v1/responses/ID; the least recently used beyond this many "
+        f"are forgotten; 0 keeps none (default {d.responses_store_size})",
+    )
 
 
 def check_addresses(args: FrontDoorFlags) -> None:
@@ -120,6 +129,12 @@ def check_timeouts(args: FrontDoorFlags) -> None:
         raise ValueError(f"--graceful-shutdown-timeout must be >= 0, got {args.graceful_shutdown_timeout}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+
+
+def check_responses_store_size(args: FrontDoorFlags) -> None:
+    """0 is a store that keeps nothing; a negative size means nothing."""
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size must be >= 0 (0 keeps none), got {args.responses_store_size}")
 
 
 def check_api_key(args: FrontDoorFlags) -> None:

@@ -101,6 +101,8 @@ class ServerArgs:
     max_controls_per_client: int = 16
     max_request_bytes: int | None = None
     graceful_shutdown_timeout: float = 30.0
+    # Responses kept for /v1/responses' previous_response_id and GET (tokenizer_proc/response_store.py); 0: none.
+    responses_store_size: int = 1000
     # Production lifecycle (scheduler_proc/queue_bound.py, scheduler_proc/deadlines.py): None = unbounded / none.
     max_queued_requests: int | None = None
     request_timeout: float | None = None
@@ -255,6 +257,7 @@ CHECKS: tuple[Callable[[ServerArgs], None], ...] = (
     front_door_args.check_addresses,
     check_counts,
     front_door_args.check_timeouts,
+    front_door_args.check_responses_store_size,
     output_args.check_grammar_compile_timeout,
     logging_args.check_watchdog_timeout,
     execution_args.check_cuda_graph_bs,

@@ -18,6 +18,7 @@ per group, each an ``APIRouter`` that reaches the shared state through the ``Htt
 dependency (tokenizer_proc/http/context.py):
 
 - openai_routes.py: POST /v1/completions, /v1/chat/completions; GET /v1/models
+- responses_routes.py: POST /v1/responses; GET, DELETE /v1/responses/{id} (OpenAI's Responses API)
 - native_routes.py: POST /generate (SGLang's native body)
 - ollama_routes.py: Ollama's API: POST /api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version; HEAD /
 - anthropic_routes.py: POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, in
@@ -46,6 +47,7 @@ from tokenizer_proc.http import (
     native_routes,
     ollama_routes,
     openai_routes,
+    responses_routes,
     token_routes,
 )
 from tokenizer_proc.http.context import HttpContext
@@ -117,6 +119,7 @@ def build_app(context: HttpContext) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(token_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(chat_page.router)
