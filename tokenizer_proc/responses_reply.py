@@ -24,7 +24,7 @@ The stream's events, in order (each with ``type`` and an increasing ``sequence_n
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from runtime.protocol.messages import GenerateChunk
@@ -77,11 +77,13 @@ def _text_part(text: str) -> dict[str, Any]:
 
 @dataclass
 class _Outcome:
+    """How the response stands: its status and what the Response object says of it."""
+
     status: str = "in_progress"
     incomplete_details: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     completed_at: int | None = None
-    usage: dict[str, Any] | None = field(default=None)
+    usage: dict[str, Any] | None = None
 
 
 class ResponsesReply:
