@@ -25,7 +25,7 @@ from tokenizer_proc.anthropic_reply import MessageReply, MessageStream, anthropi
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import STATUS_OF_CODE, RequestFailed
-from tokenizer_proc.http.run import LocalRun, abort_on_disconnect
+from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.openai_reply import OutputParsing
 
 router = api_router(error_shape=anthropic_error)
@@ -57,16 +57,9 @@ async def messages(request: Request, http: Http) -> Response:
             _stream(stream, run), media_type="text/event-stream", background=BackgroundTask(run.close)
         )
     reply = MessageReply(parsing, http.model_name, body.stop_sequences)
-    final: GenerateChunk | None = None
-    try:
-        async with abort_on_disconnect(request, run):
-            async for _, chunk in run.events():
-                if chunk.finished:
-                    final = chunk
-    finally:
-        run.close()
-    assert final is not None  # events() ends only once the request has finished
-    return JSONResponse(reply.body(final))
+    finished: list[GenerateChunk] = []
+    await run.collect(request, lambda _, chunk: finished.append(chunk) if chunk.finished else None)
+    return JSONResponse(reply.body(finished[-1]))  # collect ends only once the request has finished
 
 
 async def _stream(stream: MessageStream, run: LocalRun) -> AsyncIterator[bytes]:

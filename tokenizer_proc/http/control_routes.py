@@ -27,7 +27,6 @@ from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.control_bodies import AbortBody, ProfileBody, UpdateWeightsBody, optional_body
 from tokenizer_proc.http.errors import RequestFailed, error_response
-from tokenizer_proc.http.run import abort_on_disconnect
 from tokenizer_proc.request_builder import Rejected
 
 ABORT_MESSAGE = "aborted by /abort_request"
@@ -65,13 +64,9 @@ async def health_generate(request: Request, http: Http) -> Response:
         [GenerateReq(rid="health_generate", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})]
     )
     try:
-        async with abort_on_disconnect(request, run):
-            async for _ in run.events():
-                pass
+        await run.collect(request, lambda _, __: None)
     except RequestFailed as exc:
         return error_response(503, exc.message, exc.code)
-    finally:
-        run.close()
     return Response(status_code=200)
 
 

@@ -10,10 +10,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from runtime.protocol.messages import GenerateChunk
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import RequestFailed
-from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
+from tokenizer_proc.http.run import SSE_DONE, LocalRun, sse
 from tokenizer_proc.native_protocol import NativeGenerateReq
 from tokenizer_proc.native_reply import NativeReplies, SampleSoFar
 
@@ -32,15 +33,14 @@ async def generate(request: Request, http: Http) -> Response:
             _native_stream(run, replies), media_type="text/event-stream", background=BackgroundTask(run.close)
         )
     results: list[list[dict[str, Any]]] = [[{} for _ in range(run.n)] for _ in reqs]
-    try:
-        async with abort_on_disconnect(request, run):
-            async for i, chunk in run.events():
-                if chunk.finished:
-                    sample = SampleSoFar()
-                    sample.add(chunk)
-                    results[i][chunk.meta.index or 0] = replies.result(chunk, sample)
-    finally:
-        run.close()
+
+    def take(i: int, chunk: GenerateChunk) -> None:
+        if chunk.finished:
+            sample = SampleSoFar()
+            sample.add(chunk)
+            results[i][chunk.meta.index or 0] = replies.result(chunk, sample)
+
+    await run.collect(request, take)
     flat = [r for per_prompt in results for r in per_prompt]
     return JSONResponse(flat if batch or run.n > 1 else flat[0])
 

@@ -15,7 +15,7 @@ each answers 501 saying so."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +26,7 @@ from tokenizer_proc import openai_protocol as oai
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import RequestFailed
-from tokenizer_proc.http.run import LocalRun, abort_on_disconnect
+from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.ollama_models import ModelFacts, model_facts
 from tokenizer_proc.ollama_protocol import (
     ChatBody,
@@ -102,21 +102,7 @@ async def tags(request: Request, http: Http) -> JSONResponse:
     """The served model, as Ollama lists the models it has."""
     http.authorize(request)
     facts = _facts(http)
-    name = ollama_name(http.model_name)
-    return JSONResponse(
-        {
-            "models": [
-                {
-                    "name": name,
-                    "model": name,
-                    "modified_at": rfc3339(facts.modified_at),
-                    "size": facts.size,
-                    "digest": facts.digest,
-                    "details": facts.details(),
-                }
-            ]
-        }
-    )
+    return JSONResponse({"models": [{**_listing(http, facts), "modified_at": rfc3339(facts.modified_at)}]})
 
 
 @router.post("/api/show")
@@ -153,23 +139,9 @@ async def show(request: Request, http: Http) -> JSONResponse:
 async def ps(request: Request, http: Http) -> JSONResponse:
     """The loaded model (always the served one); ``size_vram`` is not measured here: 0."""
     http.authorize(request)
-    facts = _facts(http)
-    name = ollama_name(http.model_name)
+    listing = _listing(http, _facts(http))
     return JSONResponse(
-        {
-            "models": [
-                {
-                    "name": name,
-                    "model": name,
-                    "size": facts.size,
-                    "digest": facts.digest,
-                    "details": facts.details(),
-                    "expires_at": NEVER,
-                    "size_vram": 0,
-                    "context_length": http.ready_door().context_len,
-                }
-            ]
-        }
+        {"models": [{**listing, "expires_at": NEVER, "size_vram": 0, "context_length": http.ready_door().context_len}]}
     )
 
 
@@ -203,6 +175,12 @@ def _check_model(http: HttpContext, model: str) -> None:
         raise not_found(model)
 
 
+def _listing(http: HttpContext, facts: ModelFacts) -> dict[str, Any]:
+    """What /api/tags and /api/ps say of the served model alike."""
+    name = ollama_name(http.model_name)
+    return {"name": name, "model": name, "size": facts.size, "digest": facts.digest, "details": facts.details()}
+
+
 def _facts(http: HttpContext) -> ModelFacts:
     """The served checkpoint's facts (the folder a weight update moved to, if one did)."""
     folder = http.ready_door().model_info().get("model_path") or http.server_args.resolved_model_path()
@@ -214,12 +192,7 @@ async def _reply(request: Request, run: LocalRun, reply: OllamaReply, stream: bo
     has its request aborted)."""
     if stream:
         return StreamingResponse(_stream(reply, run), media_type=NDJSON, background=BackgroundTask(run.close))
-    try:
-        async with abort_on_disconnect(request, run):
-            async for _, chunk in run.events():
-                reply.add(chunk)
-    finally:
-        run.close()
+    await run.collect(request, lambda _, chunk: reply.add(chunk))
     return JSONResponse(reply.body())
 
 

@@ -16,7 +16,7 @@ from tokenizer_proc import openai_reply as reply_fmt
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import STATUS_OF_CODE, RequestFailed, error_type
-from tokenizer_proc.http.run import SSE_DONE, LocalRun, abort_on_disconnect, sse
+from tokenizer_proc.http.run import SSE_DONE, LocalRun, sse
 
 router = api_router()
 
@@ -74,12 +74,7 @@ async def _openai_generate(
         return StreamingResponse(
             _openai_stream(reply, run), media_type="text/event-stream", background=BackgroundTask(run.close)
         )
-    try:
-        async with abort_on_disconnect(request, run):
-            async for i, chunk in run.events():
-                reply.add(i, chunk)
-    finally:
-        run.close()
+    await run.collect(request, reply.add)
     return JSONResponse(reply.body())
 
 

@@ -19,7 +19,7 @@ from starlette.background import BackgroundTask
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router, http_context
 from tokenizer_proc.http.errors import RequestFailed
-from tokenizer_proc.http.run import LocalRun, abort_on_disconnect
+from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.response_store import ResponseStore
 from tokenizer_proc.responses_protocol import ResponsesRequest, responses_errors, responses_names
 from tokenizer_proc.responses_reply import Event, ResponsesReply
@@ -67,12 +67,7 @@ async def create_response(request: Request, http: Http, store: Store) -> Respons
         return StreamingResponse(
             _stream(reply, run, store, kept), media_type="text/event-stream", background=BackgroundTask(run.close)
         )
-    try:
-        async with abort_on_disconnect(request, run):
-            async for _, chunk in run.events():
-                reply.add(chunk)
-    finally:
-        run.close()
+    await run.collect(request, lambda _, chunk: reply.add(chunk))
     result = reply.body()
     if kept is not None:
         store.put(result, kept)

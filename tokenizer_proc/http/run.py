@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import Request
@@ -60,6 +60,17 @@ class LocalRun:
                 raise RequestFailed(msg.code, msg.message)
             elif isinstance(msg, BaseException):
                 raise msg
+
+    async def collect(self, request: Request, take: Callable[[int, GenerateChunk], None]) -> None:
+        """A whole (non-stream) reply's run: each (prompt index, chunk) to ``take`` until every sample
+        has finished; aborted (ClientWentAway) if the HTTP client goes away first; closed either way.
+        Every API's non-stream route reads its run this way."""
+        try:
+            async with abort_on_disconnect(request, self):
+                async for prompt_index, chunk in self.events():
+                    take(prompt_index, chunk)
+        finally:
+            self.close()
 
     def disconnected(self) -> None:
         """The client went away: abort, and wake ``events`` with ClientWentAway."""
