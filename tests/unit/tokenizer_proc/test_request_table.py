@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import assume, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -396,5 +396,10 @@ class RequestTableMachine(RuleBasedStateMachine):
             assert self.table.groups_of(client) == [] and self.table.num_building(client) == 0
 
 
-RequestTableMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+# The rules' ``assume``s drop the draws of a rid already in flight (the intake refuses those), which with
+# few clients and rids is common by design; hypothesis's filter health check, which a random run trips
+# now and then (a suite failed on it once), is about a strategy that wastes draws, not about this machine.
+RequestTableMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+)
 TestRequestTableMachine = RequestTableMachine.TestCase
