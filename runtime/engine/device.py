@@ -78,27 +78,37 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def dtype_reason(name: str | torch.dtype, device: str | torch.device = "cpu", quantization: str | None = None) -> str:
-    """Why ``resolve_dtype(name, device, quantization)`` is what it is, for the start-up log."""
+def dtype_reason(
+    name: str | torch.dtype,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    native_bf16: bool | None = None,
+) -> str:
+    """Why ``resolve_dtype(name, device, quantization, native_bf16)`` is what it is, for the start-up log."""
     if isinstance(name, torch.dtype) or name.strip().lower() != "auto":
         return "--dtype"
     if torch.device(device).type == "cuda":
         return "auto: the GPU's half precision"
     if quantization is not None and quantization != DUAL_METHOD:
         return "auto with --quantization: the kept-quantized kernels' one-call decode stack takes fp32 activations"
-    if cpu_supports_bf16():
+    if cpu_supports_bf16() if native_bf16 is None else native_bf16:
         return "auto: this CPU has native bf16 matmul (AVX512-BF16 or AMX)"
     return "auto: this CPU has no native bf16 matmul (bf16 would be emulated: slower and less exact)"
 
 
 def resolve_dtype(
-    name: str | torch.dtype = "auto", device: str | torch.device = "cpu", quantization: str | None = None
+    name: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    native_bf16: bool | None = None,
 ) -> torch.dtype:
     """``auto`` -> bf16 on cuda (fp16 on GPUs without bf16); on CPUs fp32 with weights kept quantized
     (``quantization``: the quantized kernels' decode stack runs fp32 activations, and a bf16 model
     with quantized weights took twice the time a token for one user and no less under load on an
     AVX512-BF16 EPYC; with ``gguf_dual``, whose dense values serve the large products, the dense
-    rule), else bf16 where the CPU has native bf16 matmul, else fp32."""
+    rule), else bf16 where the CPU has native bf16 matmul, else fp32. ``native_bf16``: the CPU class
+    the caller decided on (None: this host's, ``cpu_supports_bf16``), so that one reading of the CPU
+    decides every rule of a start, and a test can set the class it assumes."""
     if isinstance(name, torch.dtype):
         return name
     key = name.strip().lower()
@@ -108,7 +118,7 @@ def resolve_dtype(
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if quantization is not None and quantization != DUAL_METHOD:
             return torch.float32
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        return torch.bfloat16 if (cpu_supports_bf16() if native_bf16 is None else native_bf16) else torch.float32
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}: use auto, bfloat16, float16 or float32")
     return _DTYPES[key]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.engine.config_reading import UnsupportedModelError
 from runtime.engine.cpu.host_memory import cpu_mem_total_bytes
-from runtime.engine.device import cpu_supports_bf16, dtype_reason, resolve_device, resolve_dtype
+from runtime.engine.device import dtype_reason, resolve_device, resolve_dtype
 from runtime.engine.loading.weight_loader import MissingWeightError, checkpoint_files
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import ModelRunner
@@ -175,12 +175,20 @@ def test_eos_ids_from_config_and_generation_config(tmp_path: Path) -> None:
     assert cfg.eos_token_ids == [9, 7]
 
 
-def test_device_and_dtype_resolution() -> None:
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["no-native-bf16", "native-bf16"])
+def test_device_and_dtype_resolution(native_bf16: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules for each CPU class, set here (never the host's): the host's probe answers as the class
+    says, and the class can also be handed in (what ModelRunner does with its one reading)."""
+    from runtime.engine import device
+
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: native_bf16)
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("float32", "cpu") is torch.float32
     assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
-    assert resolve_dtype("auto", "cpu") is (torch.bfloat16 if cpu_supports_bf16() else torch.float32)
+    auto = torch.bfloat16 if native_bf16 else torch.float32
+    assert resolve_dtype("auto", "cpu") is auto
+    assert resolve_dtype("auto", "cpu", native_bf16=not native_bf16) is not auto  # the class handed in wins
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", "cpu")
     # weights kept quantized on a CPU: fp32 activations (the quantized kernels' one-call decode stack),
@@ -190,7 +198,8 @@ def test_device_and_dtype_resolution() -> None:
         assert resolve_dtype("bfloat16", "cpu", method) is torch.bfloat16
         assert "fp32 activations" in dtype_reason("auto", "cpu", method)
     assert dtype_reason("float32", "cpu") == "--dtype"
-    assert ("native bf16" in dtype_reason("auto", "cpu")) is cpu_supports_bf16()
+    assert ("has native bf16" in dtype_reason("auto", "cpu")) is native_bf16
+    assert ("has native bf16" in dtype_reason("auto", "cpu", native_bf16=not native_bf16)) is not native_bf16
 
 
 def test_runner_attributes(tiny_llama_path: Path) -> None:
