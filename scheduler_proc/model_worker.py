@@ -308,6 +308,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
         disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
         quantization=server_args.quantization,
+        int8_activations=server_args.quantized_activations == "int8",
     )
 
 

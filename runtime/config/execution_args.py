@@ -14,6 +14,8 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # runtime.engine.quant.loading.resolve_quantization) and none (dense)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf_dual", "int8", "w8a8_int8")
 QUANTIZATION_CLI_DEFAULT = "auto"
+# How kept-quantized weights multiply their activations on a CPU (runtime/engine/cpu/csrc/quant_linear.c)
+QUANTIZED_ACTIVATIONS_CHOICES = ("none", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 
 
@@ -24,6 +26,7 @@ class ExecutionFlags(Protocol):
     device: str
     dtype: str
     quantization: str | None
+    quantized_activations: str
     attention_backend: str
     random_seed: int | None
     disable_cuda_graph: bool
@@ -63,6 +66,17 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
         "AMX tiles (while both "
         "forms take at most a third of RAM), where each serves one user and a loaded server best, "
         "else none (default auto)",
+    )
+    g.add_argument(
+        "--quantized-activations",
+        type=str,
+        default=d.quantized_activations,
+        choices=QUANTIZED_ACTIVATIONS_CHOICES,
+        help="how a weight kept quantized (gguf, gguf_dual) multiplies its activations on a CPU: none "
+        "keeps them as they are (weight-only: each block is dequantized in cache, and the answers are the "
+        "dense model's); int8 quantizes them per block of 32 for decode steps of a few rows, as llama.cpp "
+        "does (integer products: less compute, but a small model's greedy answers can change). The int8 "
+        "method's weights always quantize them (default none)",
     )
     g.add_argument(
         "--attention-backend",
@@ -107,6 +121,7 @@ def check_device_and_dtype(args: ExecutionFlags) -> None:
     choice("--dtype", args.dtype, DTYPE_CHOICES)
     if args.quantization is not None:
         choice("--quantization", args.quantization, QUANTIZATION_CHOICES)
+    choice("--quantized-activations", args.quantized_activations, QUANTIZED_ACTIVATIONS_CHOICES)
 
 
 def check_attention_backend(args: ExecutionFlags) -> None:

@@ -43,6 +43,7 @@ class ServerArgs:
     # None or "none": weights dense in --dtype (a GGUF file's dequantized); "auto" (launch.py's default):
     # the CPU's choice (runtime.engine.quant.loading.resolve_quantization)
     quantization: str | None = None
+    quantized_activations: str = "none"  # kept-quantized weights' numerics on a CPU: none (weight-only) or int8
     tp_size: int = 1
     ep_size: int = 1  # of the tp_size ranks: groups that each hold whole experts (a mixture of experts)
     dp_size: int = 1

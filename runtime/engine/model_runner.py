@@ -48,7 +48,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
-from runtime.engine.quant.loading import DUAL_RAM_SHARE, quantized_bytes, resolve_quantization
+from runtime.engine.quant.loading import DUAL_RAM_SHARE, activation_numerics, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class ModelRunner:
         swa_full_tokens_ratio: float = 0.8,
         disable_hybrid_swa_memory: bool = False,
         quantization: str | None = None,
+        int8_activations: bool = False,
     ) -> None:
         start = time.perf_counter()
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
@@ -106,16 +107,17 @@ class ModelRunner:
             dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
         platform = get_ops(self.device, torch.float32).platform(self.device)
         host_ram = platform.ram_bytes() if platform.ram_bytes is not None else 0
+        native_bf16 = cpu_supports_bf16()  # the CPU class, read once: every rule below follows it
         quantization, quantization_why = resolve_quantization(
             quantization,
             dtype,
             self.device,
             gguf_footprint(self.model_path),
-            cpu_supports_bf16(),
+            native_bf16,
             cpu_has_amx(),
             int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
         )
-        self.dtype = resolve_dtype(dtype, self.device, quantization)
+        self.dtype = resolve_dtype(dtype, self.device, quantization, native_bf16)
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
         self.ops.prepare_process()
@@ -136,16 +138,17 @@ class ModelRunner:
         # (the scheduler keeps each request's KV on one side of it: scheduler_proc.long_rope)
         self.rope_switch_len = cfg.rope_switch_len
         logger.info(
-            "loading %s (%s, %d layers, hidden %d) on %s as %s (%s), weights %s (%s), tp %d/%d",
+            "loading %s (%s, %d layers, hidden %d) on %s as %s (%s), weights %s (%s; %s), tp %d/%d",
             self.model_path,
             cfg.architecture,
             cfg.num_hidden_layers,
             cfg.hidden_size,
             self.device,
             self.dtype,
-            dtype_reason(dtype, self.device, quantization),
+            dtype_reason(dtype, self.device, quantization, native_bf16),
             f"kept quantized ({quantization})" if quantization else "dense",
             quantization_why,
+            activation_numerics(quantization, int8_activations),
             tp_rank,
             tp_size,
         )
@@ -155,8 +158,13 @@ class ModelRunner:
                 cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops
             )
         self.quantization = quantization  # --quantization: which weights stay quantized (runtime.engine.quant.loading)
+        self.int8_activations = int8_activations  # --quantized-activations int8: how the kept blocks multiply
         load_model_weights(
-            self.model, self.model_path, progress=load_progress and tp_rank == 0, quantization=quantization
+            self.model,
+            self.model_path,
+            progress=load_progress and tp_rank == 0,
+            quantization=quantization,
+            int8_activations=int8_activations,
         )
         self.model.eval()
         self.ops.prepare_model(self.model)
@@ -272,6 +280,7 @@ class ModelRunner:
         return {
             "bytes": self.weight_bytes(),
             "quantization": self.quantization,
+            "activations": activation_numerics(self.quantization, self.int8_activations),
             "quantized_bytes": quantized_bytes(self.model),
             "kernels": self.kernels,
         }

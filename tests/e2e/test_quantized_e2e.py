@@ -4,7 +4,9 @@ clients, and ``server_info`` reporting the weights' resident bytes as the format
 
 - ``gguf``: the GGUF file's Q4_1 linears and its Q8_0 token embedding (tied to the LM head) stay
   in their blocks: 0.75 bytes a value for Q4_1 as repacked (a fp32 scale and min per 32 values),
-  1.125 for Q8_0.
+  1.125 for Q8_0. Multiplied weight-only (the default ``--quantized-activations none``: the auto rule's
+  choice on CPUs without native bf16), their greedy answers are the dense fp32 model's token for token;
+  with int8 activations the README's own question was answered wrong.
 - ``int8``: the same model as a safetensors checkpoint (the file's values, dense fp32, written by
   the fixture), every linear made per-channel int8 at load (1 byte a value and a fp32 scale a row),
   the embedding dense; in process, through the model runner the scheduler builds.
@@ -28,6 +30,7 @@ from runtime.text.tokenizer import load_tokenizer
 from tests.e2e.test_real_model_e2e import (
     ANSWER_TOKENS,
     BF16_QUESTIONS,
+    CHATS,
     QUESTIONS,
     ask_both_clients,
     assert_idle_and_nothing_leaked,
@@ -49,6 +52,19 @@ def gguf_server(real_model_cache: Path) -> Iterator[ServedClient]:
     yield from serve_real_model(
         real_model_cache, real_model_args("float32", "--quantization", "gguf", max_total_tokens=2048)
     )
+
+
+def test_kept_blocks_answer_as_the_dense_model_does(gguf_server: ServedClient, smollm2_server: ServedClient) -> None:
+    """The README's question and eight chats, greedy: the Q4_1 blocks multiplied weight-only give the
+    dense fp32 model's tokens (the session's server: the same file dequantized at load)."""
+    greedy = {"max_new_tokens": 24, "temperature": 0}
+    chats = [[{"role": "user", "content": "What is the capital of France?"}], *CHATS[:8]]
+    kept = gguf_server.generate(messages=chats, sampling_params=greedy)
+    dense = smollm2_server.generate(messages=chats, sampling_params=greedy)
+    assert [r["output_ids"] for r in kept] == [r["output_ids"] for r in dense]
+    assert "Paris" in kept[0]["text"]
+    assert gguf_server.server_info()["weights"]["activations"].startswith("weight-only")
+    assert_idle_and_nothing_leaked(gguf_server)
 
 
 def test_gguf_blocks_answer_right_and_take_the_formats_bytes(gguf_server: ServedClient) -> None:

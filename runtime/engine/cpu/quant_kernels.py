@@ -1,7 +1,8 @@
 """ctypes wrapper of ``csrc/quant_linear.c``: linear layers on weights kept quantized
-(``runtime.engine.quant.weight.QuantizedWeight``): a few rows with activations quantized per block of 32 on
-the fly, more rows on tiles of the weight dequantized in cache, a long prefill's on the whole weight
-dequantized for the BLAS (``DENSE_MIN_ROWS``).
+(``runtime.engine.quant.weight.QuantizedWeight``): up to a long prefill on tiles of the weight dequantized in
+cache with the activations as they are (weight-only: the dense model's numbers), or for a few rows of a
+weight marked ``int8_activations`` with the activations quantized per block of 32 on the fly; a long
+prefill's on the whole weight dequantized for the BLAS (``DENSE_MIN_ROWS``).
 
 ``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
 the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
@@ -29,6 +30,7 @@ declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]
 DENSE_MIN_ROWS = 256
 
 KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind (and decode_layers.c's QuantWeight.kind)
+INT8_ACTIVATIONS = 2  # csrc: QUANT_INT8_ACTIVATIONS, the kind's numerics bit
 
 # A weight kept in both forms (--quantization gguf_dual) reads its blocks for products of at most
 # this many rows (a decode step of a few requests, or a verify step): there the weight's bytes bound
@@ -36,6 +38,11 @@ KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind (and decode_lay
 # products cost no dequantization (docs/benchmarks.md, "Blocks and dense values together"). The
 # weight's plan (runtime.engine.cpu.weight_plan) gives its blocks these rows.
 BLOCK_ROWS_MAX = 4
+
+
+def kind_code(weight: QuantizedWeight) -> int:
+    """The kernel's ``kind`` for ``weight``: its layout, and whether few rows quantize the activations."""
+    return KIND_CODES[weight.kind] | (INT8_ACTIVATIONS if weight.int8_activations else 0)
 
 
 def quant_linear(
@@ -65,7 +72,7 @@ def quant_linear(
         dense = torch.empty(out_features, in_features, dtype=torch.float32)
         if (
             lib.quant_dequantize_f32(
-                KIND_CODES[weight.kind],
+                kind_code(weight),
                 weight.qs.data_ptr(),
                 weight.scales.data_ptr(),
                 mins.data_ptr() if mins is not None else None,
@@ -82,7 +89,7 @@ def quant_linear(
         rows.data_ptr(),
         rows.shape[0],
         rows.stride(0),
-        KIND_CODES[weight.kind],
+        kind_code(weight),
         weight.qs.data_ptr(),
         weight.scales.data_ptr(),
         mins.data_ptr() if mins is not None else None,

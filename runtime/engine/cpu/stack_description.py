@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from runtime.engine.cpu import attention_kernels as attn_kernels
-from runtime.engine.cpu.quant_kernels import KIND_CODES
+from runtime.engine.cpu.quant_kernels import kind_code
 from runtime.engine.cpu.weight_plan import (
     QUANT_SETS,
     STACK_DTYPES,
@@ -127,7 +127,7 @@ def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
         return band.address
     mins = operand.mins
     desc = _QuantWeight(
-        KIND_CODES[operand.kind],
+        kind_code(operand),
         operand.group,
         operand.qs.data_ptr(),
         operand.scales.data_ptr(),

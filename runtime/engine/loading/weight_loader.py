@@ -23,7 +23,13 @@ from runtime.engine.layers.linear import LazyWeight
 from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.models.base import CausalLM
 from runtime.engine.quant.gguf_blocks import KEPT_TYPES
-from runtime.engine.quant.loading import GGUF_METHODS, GGUFFootprint, check_quantization, finish_loading
+from runtime.engine.quant.loading import (
+    GGUF_METHODS,
+    GGUFFootprint,
+    HeldWeights,
+    check_quantization,
+    finish_loading,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +108,19 @@ def gguf_footprint(folder: str | Path) -> GGUFFootprint | None:
 
 
 def load_model_weights(
-    model: CausalLM, folder: str | Path, progress: bool = True, quantization: str | None = None
+    model: CausalLM,
+    folder: str | Path,
+    progress: bool = True,
+    quantization: str | None = None,
+    int8_activations: bool = False,
+    refill: HeldWeights | None = None,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
     folder runtime.checkpoints.gguf.prepare made); errors name the tensor at fault. ``quantization`` (the
-    ``--quantization`` method, ``runtime.engine.quant.loading``): which weights stay quantized."""
+    ``--quantization`` method, ``runtime.engine.quant.loading``): which weights stay quantized;
+    ``int8_activations`` (``--quantized-activations int8``): how their kernels multiply them; ``refill``
+    (a weight update of a model whose weights are kept quantized: ``quant.loading.hold_kept_weights``):
+    the served blocks that take the new ones in place."""
     targets = model.checkpoint_targets()
     is_gguf = is_gguf_folder(Path(folder))
     check_quantization(quantization, is_gguf)
@@ -122,5 +136,5 @@ def load_model_weights(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MissingWeightError(f"checkpoint {folder} has no tensor {missing[0]}{more}")
-    finish_loading(model, quantization)
+    finish_loading(model, quantization, int8_activations, refill)
     logger.info("loaded %d tensors from %s", len(loaded), folder)

@@ -31,7 +31,7 @@ from runtime.engine.loading.weight_loader import checkpoint_files, load_model_we
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.ops import DeviceOps
-from runtime.engine.quant.loading import DUAL_METHOD
+from runtime.engine.quant.loading import DUAL_METHOD, GGUF_METHODS, hold_kept_weights, release_kept_weights
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,11 @@ logger = logging.getLogger(__name__)
 # served ones: the scheduler read them at start-up).
 MAY_DIFFER = frozenset({"path", "raw", "checkpoint_dtype", "eos_token_ids", "bos_token_id", "pad_token_id"})
 LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
-# --quantization methods whose weights reload in place: dense ones, and gguf_dual (its dense values
-# keep their tensors; its blocks are made again from the new file, as at start-up). Where only the
-# blocks are resident (gguf, int8) the layers hold no dense parameter to load into.
-RELOADABLE_METHODS = (None, DUAL_METHOD)
+# --quantization methods whose weights reload in place: dense ones, gguf_dual (its dense values keep
+# their tensors; its blocks are made again from the new file, as at start-up) and gguf (the new file's
+# blocks are written into the served ones, which must be of the same formats). int8's are made at
+# load from the dense values, which are not kept: nothing to load into.
+RELOADABLE_METHODS = (None, DUAL_METHOD, "gguf")
 
 
 class WeightReloadError(ValueError):
@@ -60,6 +61,7 @@ class ReloadTarget(Protocol):
     tp_size: int
     ep_size: int  # --ep-size: a new config is read for the same split of the experts
     quantization: str | None
+    int8_activations: bool  # --quantized-activations int8: the kept blocks' numerics
 
 
 def reload_weights(runner: ReloadTarget, folder: Path, load_format: str | None = None) -> None:
@@ -71,7 +73,7 @@ def reload_weights(runner: ReloadTarget, folder: Path, load_format: str | None =
     try:
         check_reload(runner, folder, load_format)
         touched = True
-        load_model_weights(runner.model, folder, progress=False, quantization=runner.quantization)
+        _load(runner, folder)
     except Exception as exc:  # refused (WeightReloadError) or failed half-way: undone below
         failure = str(exc) if isinstance(exc, WeightReloadError) else f"loading {folder} failed: {exc}"
     failed_ranks = _failed_ranks(runner, failure is not None)
@@ -84,12 +86,30 @@ def reload_weights(runner: ReloadTarget, folder: Path, load_format: str | None =
         failure = f"{failed_ranks} other TP rank(s) could not load {folder} (see their log)"
     if touched:  # this rank wrote some of the new weights: the served checkpoint again
         try:
-            load_model_weights(runner.model, served, progress=False, quantization=runner.quantization)
+            _load(runner, served)
         except Exception as exc:  # not a WeightReloadError: the caller must not serve on
             raise RuntimeError(f"{failure}; reloading the served weights from {served} failed too: {exc}") from exc
         runner.ops.prepare_model(runner.model)
     logger.warning("weights not reloaded, still serving %s: %s", served, failure)
     raise WeightReloadError(failure)
+
+
+def _load(runner: ReloadTarget, folder: Path) -> None:
+    """The start-up loader over the served model; weights kept in their blocks (``gguf``) take the new
+    file's blocks in place (``hold_kept_weights``), and keep the served ones if the load fails."""
+    held = hold_kept_weights(runner.model) if runner.quantization in GGUF_METHODS else None
+    try:
+        load_model_weights(
+            runner.model,
+            folder,
+            progress=False,
+            quantization=runner.quantization,
+            int8_activations=runner.int8_activations,
+            refill=held,
+        )
+    finally:
+        if held is not None:
+            release_kept_weights(held)
 
 
 def check_reload(runner: ReloadTarget, folder: Path, load_format: str | None) -> None:
@@ -99,15 +119,20 @@ def check_reload(runner: ReloadTarget, folder: Path, load_format: str | None) ->
         raise WeightReloadError(f"load_format {load_format!r} is not supported; choose from {formats} (or null)")
     if runner.quantization not in RELOADABLE_METHODS:
         raise WeightReloadError(
-            f"this server keeps its weights quantized (--quantization {runner.quantization}, "
-            "chosen by auto for a GGUF file on a CPU unless given); reloading them in place is not "
-            "supported: start it with --quantization none to update its weights from disk"
+            f"this server made its weights int8 at load (--quantization {runner.quantization}) and keeps "
+            "no dense values to load new ones into: start it with --quantization none to update its "
+            "weights from disk"
         )
     if not folder.is_dir():
         raise WeightReloadError(f"model_path {folder} is not a checkpoint folder")
     gguf = is_gguf_folder(folder)
     if load_format in ("safetensors", "gguf") and gguf != (load_format == "gguf"):
         raise WeightReloadError(f"{folder} holds {'GGUF' if gguf else 'safetensors'} weights, not {load_format}")
+    if runner.quantization == "gguf" and not gguf:
+        raise WeightReloadError(
+            f"{folder} holds safetensors weights; this server keeps a GGUF file's blocks (--quantization gguf, "
+            "chosen by auto on a CPU without native bf16 unless given) and reloads only GGUF files of the same formats"
+        )
     current = runner.model_config
     try:
         new = ModelConfig.from_pretrained(folder, context_length=current.context_len, ep_size=runner.ep_size)

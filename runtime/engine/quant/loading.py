@@ -19,6 +19,11 @@
   native bf16 matmul, ``gguf_dual`` with it on AVX512-BF16 without AMX (where both forms fit), else dense
   (``resolve_quantization`` says why).
 
+How the kept weights multiply their activations on a CPU (``--quantized-activations``,
+``activation_numerics``): weight-only by default (each block dequantized in cache, the activations as
+they are: the dense model's answers), or with the activations quantized to int8 per block for decode
+steps of a few rows (llama.cpp's numerics), which the int8 method's weights always use.
+
 A layer collects the quantized shards its loader is handed (``PendingShards``), and
 ``finish_loading`` (after the whole checkpoint is read) swaps its dense ``weight`` parameter for
 the stacked ``QuantizedWeight``; a layer whose shards came in different layouts, or only partly
@@ -95,6 +100,17 @@ def resolve_quantization(
     return DUAL_METHOD, "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
 
 
+def activation_numerics(method: str | None, int8_activations: bool) -> str:
+    """How the weights kept by ``method`` multiply their activations, and why, for the start-up line."""
+    if method is None:
+        return "dense weights"
+    if method in INT8_METHODS:
+        return "int8 activations (w8a8)"
+    if int8_activations:
+        return "int8 activations for decode steps of a few rows (--quantized-activations int8, llama.cpp's numerics)"
+    return "weight-only: the activations as they are, the dense model's answers (--quantized-activations none)"
+
+
 def check_quantization(method: str | None, is_gguf: bool) -> None:
     """ValueError for a method this checkpoint cannot be loaded with."""
     if method is not None and method not in QUANTIZATION_METHODS:
@@ -137,9 +153,46 @@ class PendingShards:
         return True
 
 
-def finish_loading(model: nn.Module, method: str | None) -> None:
+HeldWeights = dict[nn.Module, QuantizedWeight]
+
+
+def hold_kept_weights(model: nn.Module) -> HeldWeights:
+    """Before a ``gguf`` model's weights are loaded again (a weight update): each layer whose weight is
+    kept in its blocks (not a tied head, which shares its embedding's) gets back a stand-in parameter
+    of the dense shape on the meta device, with its loader, so that the loader is handed the new
+    file's blocks as at start-up (nothing is ever written to the stand-in). ``finish_loading(refill=)``
+    then writes the new blocks into the served ones; ``release_kept_weights`` puts back whatever a
+    failed load left standing in."""
+    held: HeldWeights = {}
+    for module in list(model.modules()):
+        weight = module._modules.get("weight")
+        if getattr(module, "quant_shards", None) is None or getattr(module, "tied_to", None) is not None:
+            continue
+        if isinstance(weight, QuantizedWeight):
+            del module.weight
+            stand_in = nn.Parameter(torch.empty(weight.shape, device="meta"), requires_grad=False)
+            stand_in.weight_loader = module.weight_loader  # type: ignore[attr-defined]
+            module.weight = stand_in
+            held[module] = weight
+    return held
+
+
+def release_kept_weights(held: HeldWeights) -> None:
+    """Every layer of ``held`` whose stand-in is still in place gets its served blocks back."""
+    for module, weight in held.items():
+        if not isinstance(module._modules.get("weight"), QuantizedWeight):
+            _replace(module, weight)
+
+
+def finish_loading(
+    model: nn.Module, method: str | None, int8_activations: bool = False, refill: HeldWeights | None = None
+) -> None:
     """Swap every layer's dense weight for its quantized one (see the module doc); call once, after
-    the checkpoint is read. Logs the weights kept quantized, by format."""
+    the checkpoint is read. ``int8_activations`` (--quantized-activations int8): the kept blocks'
+    products for few rows quantize the activations (``QuantizedWeight.int8_activations``; the int8
+    method's always do). ``refill`` (``hold_kept_weights``): the layers whose served blocks take the
+    new ones in place (same formats and shapes, else ValueError naming the layer). Logs the weights
+    kept quantized, by format."""
     kept: dict[str, int] = {}
     for module in list(model.modules()):  # (weights become sub-modules below)
         pending: PendingShards | None = getattr(module, "quant_shards", None)
@@ -150,20 +203,27 @@ def finish_loading(model: nn.Module, method: str | None) -> None:
             if isinstance(tied.weight, QuantizedWeight):
                 _replace(module, tied.weight)
             continue  # (gguf_dual: the same tensor; the head reads its embedding's blocks, weight_blocks)
+        if refill is not None and module in refill:
+            _refill(module, _stacked(module, pending, refill[module].device), refill[module])
+            pending.parts.clear()
+            kept[refill[module].source] = kept.get(refill[module].source, 0) + 1
+            continue
         quantized = _stacked(module, pending)
         if quantized is None and method in INT8_METHODS and getattr(module, "int8_quantizable", False):
             quantized = quantize_int8(dense_weight(module))
         pending.parts.clear()
         if quantized is not None:
+            quantized.int8_activations = int8_activations or method in INT8_METHODS
             (_attach if method == DUAL_METHOD else _replace)(module, quantized)
             kept[quantized.source] = kept.get(quantized.source, 0) + 1
     if kept:
         logger.info("weights kept quantized: %s", ", ".join(f"{n} {src}" for src, n in sorted(kept.items())))
 
 
-def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | None:
-    """The module's quantized weight from its shards, or None (dense: any quantized shard of a
-    weight that cannot be all quantized is dequantized into the dense parameter)."""
+def _stacked(module: nn.Module, pending: PendingShards, device: torch.device | None = None) -> QuantizedWeight | None:
+    """The module's quantized weight from its shards, on ``device`` (default: its dense weight's), or
+    None (dense: any quantized shard of a weight that cannot be all quantized is dequantized into the
+    dense parameter)."""
     if not pending.parts:
         return None
     weight = dense_weight(module)
@@ -175,7 +235,7 @@ def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | Non
     if offsets_ok and len(layouts) == 1 and (padding == 0 or (padding > 0 and getattr(module, "pads_rows", False))):
         parts = [p for _, p in rows] + ([zero_rows(rows[0][1], padding)] if padding else [])
         stacked = cat_rows(parts) if len(parts) > 1 else parts[0]
-        return stacked.to(weight.device)
+        return stacked.to(device if device is not None else weight.device)
     logger.info(
         "%s: shards of mixed formats (%s) load dense",
         type(module).__name__,
@@ -185,6 +245,28 @@ def _stacked(module: nn.Module, pending: PendingShards) -> QuantizedWeight | Non
         for offset, part in rows:
             weight.data[offset : offset + part.shape[0]].copy_(part.dequantize(dtype=weight.dtype))
     return None
+
+
+def _refill(module: nn.Module, new: QuantizedWeight | None, served: QuantizedWeight) -> None:
+    """The served blocks take ``new``'s values in place (every tensor keeps its storage, as a dense
+    reload keeps its parameters'); the layer gets them back as its weight."""
+    if new is None or (new.kind, new.group, new.shape, new.mins is None) != (
+        served.kind,
+        served.group,
+        served.shape,
+        served.mins is None,
+    ):
+        found = "dense values" if new is None else f"{new.source} blocks as {new.kind}"
+        raise ValueError(
+            f"{type(module).__name__}: the new checkpoint's weight is {found}, where the served one is "
+            f"{served.source} blocks as {served.kind}: a weight kept quantized reloads only in the same format"
+        )
+    with torch.no_grad():
+        served.qs.copy_(new.qs)
+        served.scales.copy_(new.scales)
+        if served.mins is not None and new.mins is not None:
+            served.mins.copy_(new.mins)
+    _replace(module, served)
 
 
 def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:

@@ -51,6 +51,7 @@ class QuantizedWeight(nn.Module):
         scales: torch.Tensor,
         mins: torch.Tensor | None = None,
         group: int = BLOCK,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         out_features, in_features = shape
@@ -64,6 +65,11 @@ class QuantizedWeight(nn.Module):
         if in_features % group or scales.shape != (out_features, in_features // group):
             raise ValueError(f"{source}: scales of shape {tuple(scales.shape)} for groups of {group} of {shape}")
         self.kind, self.source, self.group = kind, source, group
+        # How a CPU kernel multiplies it for a few rows (runtime.engine.cpu.quant_kernels): False, the
+        # activations as they are (weight-only: the dense model's numbers); True, the activations
+        # quantized to int8 per block of 32 (llama.cpp's numerics: --quantized-activations int8, and
+        # the int8 method's w8a8 always). Set once, as the checkpoint loads.
+        self.int8_activations = int8_activations
         self.shape = (out_features, in_features)
         self.register_buffer("qs", qs.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
@@ -100,7 +106,8 @@ class QuantizedWeight(nn.Module):
         return dense.reshape(scales.shape[0], -1).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.source} as {self.kind}, shape {self.shape}, {self.nbytes()} bytes"
+        numerics = ", int8 activations" if self.int8_activations else ""
+        return f"{self.source} as {self.kind}{numerics}, shape {self.shape}, {self.nbytes()} bytes"
 
 
 def weight_blocks(layer: nn.Module) -> QuantizedWeight | None:
@@ -173,4 +180,6 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight | None:
     scales = dense.abs().amax(dim=1, keepdim=True) / 127.0
     qs = torch.where(scales > 0, dense / torch.where(scales > 0, scales, 1.0), 0.0).round().clamp(-127, 127)
     out_features, in_features = dense.shape
-    return QuantizedWeight("q8", "int8", (out_features, in_features), qs.to(torch.int8), scales, group=in_features)
+    return QuantizedWeight(
+        "q8", "int8", (out_features, in_features), qs.to(torch.int8), scales, group=in_features, int8_activations=True
+    )

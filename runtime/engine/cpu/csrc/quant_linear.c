@@ -1,12 +1,19 @@
 /* Linear layers on weights kept quantized (runtime/quant/weight.py: the q8 and q4 layouts), for any
- * number of rows, with the activations quantized to int8 on the fly as llama.cpp's CPU backend does.
+ * number of rows, in one of two numerics (the caller's choice, per weight: bit 2 of `kind`):
  *
- * Why: a decode step of a few requests streams every weight once; a 4-bit weight is an eighth of
- * the fp32 bytes. Dequantizing to fp32 first would make the step compute-bound on conversions, so
- * the products stay integer: each block of 32 activations of a row gets one fp32 scale
- * (max |x| / 127) and int8 values, a block's 32 products are summed exactly in int32, and the
- * block's scales (the weight's and the activation's) are applied to that sum in fp32.
+ * - weight-only (the default): the activations are not rounded at all. Each tile of weight rows is
+ *   dequantized to fp32 once (into the thread's cache) and every activation row passes over it as
+ *   plain fp32 dot products, so the result is the dense (dequantized) model's, its sums in another
+ *   order. For one row (a decode step) the weight's bytes still bound the product: a 4-bit weight
+ *   is streamed at an eighth of its fp32 bytes, and the conversion runs from L1.
+ * - int8 activations (QUANT_INT8_ACTIVATIONS, llama.cpp's CPU numerics), for fewer than
+ *   QGEMM_MIN_ROWS rows: each block of 32 activations of a row gets one fp32 scale (max |x| / 127)
+ *   and int8 values, a block's 32 products are summed exactly in int32, and the block's scales (the
+ *   weight's and the activation's) are applied to that sum in fp32. Fewer instructions per value
+ *   than a conversion and an FMA, but the rounding of the activations changes a small model's
+ *   greedy answers (docs/quantization.md), so it is an explicit choice (--quantized-activations int8).
  *
+ * int8 activations, in detail:
  * - q8 (int8 weights, a scale per 16 or 32 values, or per row): vpmaddubsw takes an unsigned and a
  *   signed operand, so the weight's sign moves onto the activation (|w| times x * sign(w)) and the
  *   pair sums fit in int16 (2 * 128 * 127). The int32 lanes 0-3 of a block hold its first 16
@@ -14,22 +21,21 @@
  * - q4 (values 0..15 two a byte, a scale and a min per 32): w = s * q + m, so
  *   x . w = s * (x . q) + m * sum(x); q is unsigned already, and sum(x) is the exact fp32 sum of
  *   the activation block (computed once with its quantization).
- *
  * The integer sums use vpdpbusd where the build has AVX512-VNNI (with VL) or AVX-VNNI, vpmaddubsw
  * with AVX2, plain C elsewhere; the only rounding that differs between builds is the order of the
  * fp32 sums of the blocks. Threads split the output rows (OpenMP).
  *
- * Many rows (QGEMM_MIN_ROWS and more: a prefill, a loaded server's decode batch) take another path:
- * (below it the dequantization, shared by too few rows, cost more than the integer products saved)
- * the integer products cost a conversion and a scale per block and activation row (vpmaddubsw,
- * vpmaddwd, a conversion, an FMA per 32 values), which is more than an fp32 FMA per value once the
- * weight is no longer what bounds the step. There each tile of weight rows is dequantized once to
- * fp32 (into the thread's cache) and every activation row passes over it as plain fp32 dot
- * products: the activations are not rounded at all, and the dequantization is shared by all rows. */
+ * Many rows (QGEMM_MIN_ROWS and more: a prefill, a loaded server's decode batch) take the weight-only
+ * path in either numerics: there the integer products cost a conversion and a scale per block and
+ * activation row (vpmaddubsw, vpmaddwd, a conversion, an FMA per 32 values), which is more than an
+ * fp32 FMA per value once the weight is no longer what bounds the step, and the dequantization is
+ * shared by all rows. */
 #include "lanes_f32.h"
 #include "entry_points.h"
 
 #define QBLOCK 32
+#define QUANT_LAYOUT_Q4 1           /* kind bit 1: the q4 layout (else q8) */
+#define QUANT_INT8_ACTIVATIONS 2    /* kind bit 2: quantize the activations to int8 for few rows */
 #define QROWS 8      /* activation rows per pass over a weight row (its unpacked blocks serve them all) */
 #define OUT_CHUNK 8  /* weight rows per chunk: every activation row group passes over them */
 
@@ -176,7 +182,8 @@ static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, con
     }
 }
 
-/* ---- many rows: dequantize a tile of weight rows once, fp32 dot products for every row ---- */
+/* ---- weight-only (and many rows in either numerics): dequantize a tile of weight rows once, fp32 dot
+ * products for every row ---- */
 #define QGEMM_MIN_ROWS 24  /* from this many activation rows on (docs/benchmarks.md, "Quantized weights") */
 #define DQ_W 8             /* weight rows dequantized per tile */
 #define DQ_K 512           /* depths per tile: DQ_W x DQ_K fp32 = 16 KiB, in L1 while every row passes */
@@ -278,18 +285,124 @@ static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, con
     }
 }
 
+/* ---- weight-only, few rows: each block dequantized in registers, fp32 FMAs against the rows ---- */
+#define WO_ROWS 4      /* activation rows per pass over a weight row (its dequantized blocks serve them all) */
+#define WO_MAX_ROWS 8  /* below this many rows; from it on the dequantized tiles (shared by more rows) */
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Block b of a weight row as four vectors of 8 fp32 values (value j in lane j % 8 of v[j / 8]): the
+ * same values dequantize_row writes (q4: one FMA, s * q + m; q8: s * q). */
+static inline __attribute__((always_inline)) void block_values(int q4, const uint8_t* wq, const float* ws,
+                                                               const float* wm, int64_t scale_step, int half,
+                                                               int64_t b, __m256 v[4])
+{
+    if (q4) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        const __m256 s = _mm256_set1_ps(ws[b]), m = _mm256_set1_ps(wm[b]);
+        v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m);
+        v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, m);
+        v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m);
+        v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, m);
+        return;
+    }
+    const __m128i raw0 = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK));
+    const __m128i raw1 = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK + 16));
+    const float* sp = ws + b * scale_step;
+    const __m256 s0 = _mm256_set1_ps(sp[0]), s1 = _mm256_set1_ps(sp[half]);
+    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw0)), s0);
+    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw0, 8))), s0);
+    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw1)), s1);
+    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw1, 8))), s1);
+}
+
+/* out[r] = weight row . activation row r (fp32, rows ldx apart), for r < rows (a constant in each
+ * caller). Each row keeps `chains` accumulators (4 for one row, 2 for two, else 1), so that
+ * independent FMA chains hide their latency while the registers last. */
+static inline __attribute__((always_inline)) void wo_row_dots(const int rows, int q4, const uint8_t* wq,
+                                                              const float* ws, const float* wm, int64_t scale_step,
+                                                              int half, int64_t nb, const float* x, int64_t ldx,
+                                                              float* out)
+{
+    const int chains = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    __m256 acc[WO_ROWS][4];
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < chains; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4];
+        block_values(q4, wq, ws, wm, scale_step, half, b, v);
+        for (int r = 0; r < rows; ++r) {
+            const float* xr = x + r * ldx + b * QBLOCK;
+            for (int j = 0; j < 4; ++j)
+                acc[r][j % chains] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % chains]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        __m256 sum = acc[r][0];
+        for (int c = 1; c < chains; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+        out[r] = hsum8(sum);
+    }
+}
+
+static void wo_row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, const float* wm, int64_t scale_step,
+                          int half, int64_t nb, const float* x, int64_t ldx, float* out)
+{
+    switch (rows) {  /* one unrolled copy per row count */
+#define WO_CASE(R) case R: wo_row_dots(R, q4, wq, ws, wm, scale_step, half, nb, x, ldx, out); break;
+        WO_CASE(1) WO_CASE(2) WO_CASE(3) WO_CASE(4)
+#undef WO_CASE
+    }
+}
+
+/* quant_linear_f32's weight-only product of a few rows (same operands): chunks of output rows split
+ * among the threads, each weight row streamed once per WO_ROWS activation rows. */
+static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const float* scales,
+                             const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
+                             int64_t ldo)
+{
+    const int64_t nb = k / QBLOCK, scales_per_row = k / group;
+    const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
+    const int half = group == 16;
+    const int64_t row_bytes = q4 ? k / 2 : k;
+    const int64_t chunks = (n + OUT_CHUNK - 1) / OUT_CHUNK;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
+        for (int64_t r0 = 0; r0 < m; r0 += WO_ROWS) {
+            const int rows = (int)(m - r0 < WO_ROWS ? m - r0 : WO_ROWS);
+            for (int64_t o = o0; o < o1; ++o) {
+                float dots[WO_ROWS] = {0};
+                wo_row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, scales + o * scales_per_row,
+                              q4 ? mins + o * scales_per_row : NULL, scale_step, half, nb, x + r0 * ldx, ldx, dots);
+                const float add = bias ? bias[o] : 0.0f;
+                for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[r] + add;
+            }
+        }
+    }
+}
+#endif
+
 /* The whole weight dequantized: out [n, k] fp32 (kind, layouts and groups as quant_linear_f32's).
  * For a product of many rows (a long prefill) the caller hands the dense weight to the BLAS, whose
  * blocking for large products beats these kernels; the conversion is one pass over the weight.
  * Returns 0, or -1 (nothing written) for operands quant_linear_f32 would not take. */
+/* Whether `kind` names a layout and numerics these kernels know, with groups that layout takes. */
+static int takes_kind(int kind, const float* mins, int64_t group, int64_t k)
+{
+    if (kind & ~(QUANT_LAYOUT_Q4 | QUANT_INT8_ACTIVATIONS)) return 0;
+    if (kind & QUANT_LAYOUT_Q4) return group == QBLOCK && mins != NULL;
+    return group == 16 || group == QBLOCK || group == k;
+}
+
 int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
                          int64_t n, int64_t k, float* out)
 {
-    if (n < 1 || k < QBLOCK || k % QBLOCK) return -1;
-    if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
+    if (n < 1 || k < QBLOCK || k % QBLOCK || !takes_kind(kind, mins, group, k)) return -1;
+    const int q4 = kind & QUANT_LAYOUT_Q4;
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < n; ++o)
-        dequantize_row(kind == 1, (const uint8_t*)qs, scales, mins, group, k, o, 0, k, out + o * k);
+        dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o, 0, k, out + o * k);
     return 0;
 }
 
@@ -297,17 +410,25 @@ int quant_dequantize_f32(int kind, const void* qs, const float* scales, const fl
  * [n, k] (+ bias [n] when not NULL).
  * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL.
  * kind 1 (q4): qs uint8 [n, k / 2]; scales and mins [n, k / 32]; group 32.
+ * kind | QUANT_INT8_ACTIVATIONS: fewer than QGEMM_MIN_ROWS rows quantize the activations to int8
+ * (see the top of this file); without it every product is weight-only.
  * Returns 0, or -1 (nothing written) for operands it does not take: k not a multiple of 32,
- * another group, m < 1. */
+ * another group or kind, m < 1. */
 int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
                      int64_t ldo)
 {
     if (m < 1 || n < 1 || k < QBLOCK || k % QBLOCK || ldx < k || ldo < n) return -1;
-    if (kind == 1 ? (group != QBLOCK || mins == NULL) : (group != 16 && group != QBLOCK && group != k)) return -1;
+    if (!takes_kind(kind, mins, group, k)) return -1;
     const int64_t nb = k / QBLOCK;
-    const int q4 = kind == 1;
-    if (m >= QGEMM_MIN_ROWS) {
+    const int q4 = kind & QUANT_LAYOUT_Q4;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m < WO_MAX_ROWS && !(kind & QUANT_INT8_ACTIVATIONS)) {
+        weight_only_rows(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
+        return 0;
+    }
+#endif
+    if (m >= QGEMM_MIN_ROWS || !(kind & QUANT_INT8_ACTIVATIONS)) {
         dequantized_gemm(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
         return 0;
     }

@@ -1,9 +1,11 @@
 """The quantized linear kernels (csrc/quant_linear.c) against the dequantize-then-matmul reference,
-at every build level this CPU runs, on odd shapes: 1..300 activation rows (the integer products' row
-groups of 8 and their remainders below 24 rows, the dequantized tiles from 24, the whole weight
-dequantized for the BLAS from 256), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the
-kernel's chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. The
-error bound is derived (tests/support/quant_bounds.py), the reference computed in float64.
+at every build level this CPU runs, on odd shapes: 1..300 activation rows (with int8 activations the
+integer products' row groups of 8 and their remainders below 24 rows; the dequantized tiles, which
+weight-only products take at every row count and int8 ones from 24; the whole weight dequantized for
+the BLAS from 256), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the kernel's
+chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. Weight-only products
+equal the reference to fp32 rounding; int8 ones stay within a derived error bound
+(tests/support/quant_bounds.py); the reference is computed in float64.
 """
 
 from __future__ import annotations
@@ -20,30 +22,63 @@ from runtime.engine.quant.weight import QuantizedWeight, quantize_int8, referenc
 from tests.support.quant_bounds import EPS32, quantized_linear_bound
 
 
-def _random_weight(layout: str, out_features: int, in_features: int, gen: torch.Generator) -> QuantizedWeight:
+def _random_weight(
+    layout: str, out_features: int, in_features: int, gen: torch.Generator, int8_activations: bool = False
+) -> QuantizedWeight:
     """A random weight of ``layout``: q8 per 32 / per 16 / per row, or q4 (scale and min per 32)."""
     if layout == "q4":
         qs = torch.randint(0, 256, (out_features, in_features // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
         scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.02
         mins = (torch.rand(out_features, in_features // 32, generator=gen) - 0.5) * 0.2
-        return QuantizedWeight("q4", "test", (out_features, in_features), qs, scales, mins)
+        return QuantizedWeight(
+            "q4", "test", (out_features, in_features), qs, scales, mins, int8_activations=int8_activations
+        )
     group = {"q8": 32, "q8_16": 16, "q8_row": in_features}[layout]
     qs = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int32).to(torch.int8)
     scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01
-    return QuantizedWeight("q8", "test", (out_features, in_features), qs, scales, group=group)
+    return QuantizedWeight(
+        "q8", "test", (out_features, in_features), qs, scales, group=group, int8_activations=int8_activations
+    )
+
+
+SHAPES = [(1, 37, 32), (3, 9, 96), (5, 61, 544), (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)]
 
 
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
-@pytest.mark.parametrize(
-    ("rows", "out_features", "in_features"),
-    [(1, 37, 32), (3, 9, 96), (5, 61, 544), (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)],
-)
-def test_kernel_within_the_activation_quantization_bound(
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), SHAPES)
+def test_weight_only_products_are_the_dequantized_weights(
+    layout: str, rows: int, out_features: int, in_features: int
+) -> None:
+    """The default numerics, at every row count: the activations are not rounded, so the result is the
+    dequantized weight's product to fp32 rounding (the dense model's numbers, far inside the int8 bound)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = _random_weight(layout, out_features, in_features, gen)
+    x = torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    bias = torch.randn(out_features, generator=gen)
+    got = quant_linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, out_features) and got.dtype == torch.float32
+    want = reference_linear(x.double(), _double(weight), bias.double())
+    # fp32 rounding of each product and sum: a few eps of the terms' magnitude
+    magnitude = x.double().abs() @ weight.dequantize().double().abs().T + bias.double().abs()
+    err = (got.double() - want).abs()
+    assert bool((err <= (in_features // 32 + 16) * EPS32 * magnitude).all())
+    if rows < 24:  # the int8 numerics of the same product do differ by more: the two paths are distinct
+        int8 = _random_weight(
+            layout, out_features, in_features, torch.Generator().manual_seed(rows * 1000 + in_features), True
+        )
+        rounded = quant_linear(x, int8, bias)
+        assert rounded is not None and float((rounded.double() - want).abs().max()) > float(err.max())
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), SHAPES)
+def test_int8_activations_within_the_activation_quantization_bound(
     layout: str, rows: int, out_features: int, in_features: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
-    weight = _random_weight(layout, out_features, in_features, gen)
+    weight = _random_weight(layout, out_features, in_features, gen, int8_activations=True)
     x = torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     x[0, :32] = 0.0  # an all-zero block: scale 0
     bias = torch.randn(out_features, generator=gen)
@@ -138,10 +173,10 @@ def test_int8_per_channel_rounds_each_value_to_its_step() -> None:
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
 def test_many_rows_take_the_dequantized_weight_unrounded(layout: str) -> None:
-    """From 24 rows on the activations are not quantized: the result is the dequantized weight's
-    product to fp32 rounding (far inside the activation-quantization bound)."""
+    """With int8 activations too, from 24 rows on the activations are not quantized: the result is the
+    dequantized weight's product to fp32 rounding (far inside the activation-quantization bound)."""
     gen = torch.Generator().manual_seed(11)
-    weight = _random_weight(layout, 40, 544, gen)
+    weight = _random_weight(layout, 40, 544, gen, int8_activations=True)
     for rows in (24, 64, 256):
         x = torch.randn(rows, 544, generator=gen)
         got = quant_linear(x, weight, None)
