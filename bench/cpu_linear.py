@@ -23,8 +23,10 @@ slows them alike):
   so it is timed packed for exactly the M of the row: its best case.
 - ``q8_0`` / ``q4_1``: ``quant_kernels.quant_linear`` (``csrc/quant_linear.c``) on the weight
   quantized to GGUF Q8_0 / Q4_1 by the ``gguf`` package and kept so (``--quantization gguf``;
-  activations quantized per block of 32 on the fly), fp32 only; their ``diff`` is the
-  quantization's error (the weight's and the activations'), not rounding.
+  weight-only: the activations as they are), fp32 only; ``q8_0_a8`` / ``q4_1_a8`` the same blocks
+  with the activations quantized per block of 32 on the fly below 24 rows
+  (``--quantized-activations int8``). Their ``diff`` is the quantization's error (the weight's, and
+  the activations' for ``_a8``), not rounding.
 
 A variant this CPU or dtype refuses prints ``-``. ``diff`` is the largest ``|variant - plain|``
 over the output and ``rel`` that over ``max |plain|``; 0 means bit-identical.
@@ -80,7 +82,7 @@ ISA_ENV = {
     }
 }
 SAMPLE_SECONDS = 0.02
-VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl", "q8_0", "q4_1")
+VARIANTS = ("plain", "onednn", "amx", "dp", "panel", "mkl", "q8_0", "q4_1", "q8_0_a8", "q4_1_a8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,7 +153,12 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
             variants["mkl"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, None, m)
         except (RuntimeError, AttributeError):
             pass
-    for name, type_name in (("q8_0", "Q8_0"), ("q4_1", "Q4_1")):
+    for name, type_name, int8 in (
+        ("q8_0", "Q8_0", False),
+        ("q4_1", "Q4_1", False),
+        ("q8_0_a8", "Q8_0", True),
+        ("q4_1_a8", "Q4_1", True),
+    ):
         variants[name] = None
         if weight.dtype == torch.float32:
             from gguf import GGMLQuantizationType, quantize
@@ -160,6 +167,7 @@ def make_variants(weight: Any, m: int, batch_hint: int) -> dict[str, Callable[[A
             from runtime.engine.quant.gguf_blocks import from_gguf
 
             blocks = from_gguf(quantize(weight.numpy(), GGMLQuantizationType[type_name]), type_name, weight.shape[1])
+            blocks.int8_activations = int8
             if quant_linear(weight.new_zeros(m, weight.shape[1]), blocks, None) is not None:
                 variants[name] = lambda x, blocks=blocks: quant_linear(x, blocks, None)
     return variants

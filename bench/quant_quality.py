@@ -3,14 +3,14 @@ agreement, for the dense weights and each ``--quantization`` method, on one mode
 
 Each configuration loads a ``ModelRunner`` (fp32 activations, the CPU) and runs the whole text as
 one prefill, then again as extends of ``--chunk`` tokens (4: the few-row kernels of a decode step,
-whose quantized linears round the activations to int8), asking for every position's logprob
+whose quantized linears round the activations to int8 where asked: ``gguf_a8``, ``int8``), asking for every position's logprob
 (SGLang's input logprobs); perplexity is
 ``exp(-mean logprob)`` over the text's tokens after the first. ``top1`` is the share of positions
 whose most likely next token equals the dense model's (how often greedy decoding would agree,
 token for token, given the same context). The text is a few paragraphs of plain expository English
 written for this benchmark (``TEXT``), so the figure is reproducible without a dataset.
 
-    .venv/bin/python -m bench.quant_quality                     # the default model: dense, gguf, int8
+    .venv/bin/python -m bench.quant_quality                     # the default model: dense, gguf, gguf_a8, int8
     .venv/bin/python -m bench.quant_quality --methods none int8 --model-path DIR
 """
 
@@ -45,7 +45,9 @@ TEXT = (
     "program, and writes the results back. Because memory is much slower than the processor, modern "
     "chips keep small, fast caches of recently used data close to their arithmetic units."
 )
-METHODS = ("none", "gguf", "int8")
+# gguf: the blocks multiplied weight-only (the default); gguf_a8: the same blocks with
+# --quantized-activations int8 (llama.cpp's numerics); int8: w8a8 of the dense values
+METHODS = ("none", "gguf", "gguf_a8", "int8")
 
 
 def text_logprobs(runner: Any, ids: list[int], chunk: int | None = None) -> tuple[Any, Any]:
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype="float32",
             max_total_tokens=4096,
             load_progress=False,
-            quantization=None if method == "none" else method,
+            quantization=None if method == "none" else method.removesuffix("_a8"),
+            int8_activations=method.endswith("_a8"),
         )
         ids = list(load_tokenizer(str(runner.model_path)).encode(TEXT))
         logprobs, top1 = text_logprobs(runner, ids)

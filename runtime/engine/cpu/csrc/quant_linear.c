@@ -286,62 +286,73 @@ static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, con
 }
 
 /* ---- weight-only, few rows: each block dequantized in registers, fp32 FMAs against the rows ---- */
-#define WO_ROWS 4      /* activation rows per pass over a weight row (its dequantized blocks serve them all) */
-#define WO_MAX_ROWS 8  /* below this many rows; from it on the dequantized tiles (shared by more rows) */
+#define WO_ROWS 8        /* activation rows per pass over a weight row (its dequantized blocks serve them all) */
+#define WO_MAX_ROWS 24   /* below this many rows; from it on the dequantized tiles (shared by more rows) */
+#define WO_VECS (QBLOCK / AV_W)  /* vectors per block: 2 with AVX-512, 4 with AVX2 */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* Block b of a weight row as four vectors of 8 fp32 values (value j in lane j % 8 of v[j / 8]): the
- * same values dequantize_row writes (q4: one FMA, s * q + m; q8: s * q). */
+/* Block b of a weight row as WO_VECS vectors of AV_W fp32 values (value j in lane j % AV_W of
+ * v[j / AV_W]): the values dequantize_row writes (q4: one FMA, s * q + m; q8: s * q). */
 static inline __attribute__((always_inline)) void block_values(int q4, const uint8_t* wq, const float* ws,
                                                                const float* wm, int64_t scale_step, int half,
-                                                               int64_t b, __m256 v[4])
+                                                               int64_t b, av v[WO_VECS])
 {
     if (q4) {
         const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
-        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-        const __m256 s = _mm256_set1_ps(ws[b]), m = _mm256_set1_ps(wm[b]);
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));                   /* values 0..15 */
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)); /* values 16..31 */
+        const av s = av_set1(ws[b]), m = av_set1(wm[b]);
+#if defined(__AVX512F__)
+        v[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
+        v[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
+#else
         v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m);
         v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, m);
         v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m);
         v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, m);
+#endif
         return;
     }
     const __m128i raw0 = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK));
     const __m128i raw1 = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK + 16));
     const float* sp = ws + b * scale_step;
-    const __m256 s0 = _mm256_set1_ps(sp[0]), s1 = _mm256_set1_ps(sp[half]);
+    const av s0 = av_set1(sp[0]), s1 = av_set1(sp[half]); /* values 0..15, 16..31 */
+#if defined(__AVX512F__)
+    v[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw0)), s0);
+    v[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw1)), s1);
+#else
     v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw0)), s0);
     v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw0, 8))), s0);
     v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw1)), s1);
     v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw1, 8))), s1);
+#endif
 }
 
 /* out[r] = weight row . activation row r (fp32, rows ldx apart), for r < rows (a constant in each
- * caller). Each row keeps `chains` accumulators (4 for one row, 2 for two, else 1), so that
- * independent FMA chains hide their latency while the registers last. */
+ * caller). Each row keeps `chains` accumulators (up to WO_VECS for one row, fewer as rows grow), so
+ * that independent FMA chains hide their latency while the registers last. */
 static inline __attribute__((always_inline)) void wo_row_dots(const int rows, int q4, const uint8_t* wq,
                                                               const float* ws, const float* wm, int64_t scale_step,
                                                               int half, int64_t nb, const float* x, int64_t ldx,
                                                               float* out)
 {
-    const int chains = rows == 1 ? 4 : rows == 2 ? 2 : 1;
-    __m256 acc[WO_ROWS][4];
+    const int chains = rows == 1 ? WO_VECS : rows == 2 && WO_VECS > 2 ? 2 : 1;
+    av acc[WO_ROWS][WO_VECS];
     for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < chains; ++c) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < chains; ++c) acc[r][c] = av_set1(0.0f);
     for (int64_t b = 0; b < nb; ++b) {
-        __m256 v[4];
+        av v[WO_VECS];
         block_values(q4, wq, ws, wm, scale_step, half, b, v);
         for (int r = 0; r < rows; ++r) {
             const float* xr = x + r * ldx + b * QBLOCK;
-            for (int j = 0; j < 4; ++j)
-                acc[r][j % chains] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % chains]);
+            for (int j = 0; j < WO_VECS; ++j)
+                acc[r][j % chains] = av_fma(v[j], av_load(xr + AV_W * j), acc[r][j % chains]);
         }
     }
     for (int r = 0; r < rows; ++r) {
-        __m256 sum = acc[r][0];
-        for (int c = 1; c < chains; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
-        out[r] = hsum8(sum);
+        av sum = acc[r][0];
+        for (int c = 1; c < chains; ++c) sum = av_add(sum, acc[r][c]);
+        out[r] = av_hsum(sum);
     }
 }
 
@@ -350,7 +361,7 @@ static void wo_row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, 
 {
     switch (rows) {  /* one unrolled copy per row count */
 #define WO_CASE(R) case R: wo_row_dots(R, q4, wq, ws, wm, scale_step, half, nb, x, ldx, out); break;
-        WO_CASE(1) WO_CASE(2) WO_CASE(3) WO_CASE(4)
+        WO_CASE(1) WO_CASE(2) WO_CASE(3) WO_CASE(4) WO_CASE(5) WO_CASE(6) WO_CASE(7) WO_CASE(8)
 #undef WO_CASE
     }
 }
