@@ -38,7 +38,7 @@ def add_memory_args(parser: argparse.ArgumentParser, defaults: MemoryFlags) -> N
         type=float,
         default=d.mem_fraction_static,
         help="fraction of device memory for weights + KV cache, in (0, 1); given, the KV pool takes all of it "
-        "(default: cuda 0.8; cpu: the pool is sized by the work, at most 0.25 of RAM)",
+        "(default: cuda 0.8; cpu: the pool is sized by the work, with the weights at most 0.75 of RAM)",
     )
     g.add_argument(
         "--max-total-tokens",

@@ -120,6 +120,27 @@ def ready_note(pool: dict[str, Any] | None) -> str:
 MIN_POOL_PAGES = 16
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_weights_fit(weight_bytes: int, share_bytes: float, fraction: float, ranks: int) -> None:
+    """RuntimeError, naming the bytes, when one scheduler's weights (estimated before they are loaded:
+    ``weight_bytes``) take all of its memory share (``share_bytes``: ``fraction`` of the device's
+    memory, split between ``ranks`` schedulers) and leave the KV pool nothing: the model cannot serve
+    here, and saying so before a load of minutes that would end in the same refusal (or the OOM
+    killer) is what a user needs."""
+    if weight_bytes < share_bytes:
+        return
+    split = f", split between {ranks} schedulers" if ranks > 1 else ""
+    raise RuntimeError(
+        f"the model's weights need at least {_size(weight_bytes)} here, more than the "
+        f"{_size(share_bytes)} ({fraction:.0%} of memory{split}) this scheduler may use for its weights "
+        "and KV cache: keep them quantized (--quantization gguf), load them in bfloat16 (--dtype), split them "
+        "over more ranks, or raise --mem-fraction-static"
+    )
+
+
 def kv_pool_tokens(
     *,
     per_token: int,

@@ -41,8 +41,8 @@ from runtime.engine.device import (
 )
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
-from runtime.engine.kv_sizing import KVPoolSize, kv_pool_tokens
-from runtime.engine.loading.weight_loader import gguf_footprint, load_model_weights
+from runtime.engine.kv_sizing import KVPoolSize, check_weights_fit, kv_pool_tokens
+from runtime.engine.loading.weight_loader import gguf_footprint, load_model_weights, weight_bytes_estimate
 from runtime.engine.loading.weight_reload import reload_weights
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
@@ -153,6 +153,15 @@ class ModelRunner:
             tp_size,
         )
 
+        if max_total_tokens is None:  # (a pool given outright: the user sized the memory)
+            share = mem_fraction_static if mem_fraction_static is not None else platform.mem_fraction
+            ranks = tp_size * dp_size
+            check_weights_fit(
+                weight_bytes_estimate(self.model_path, self.dtype, quantization) // tp_size,
+                platform.budget_bytes(self.device, share, 0, ranks),
+                share,
+                ranks,
+            )
         with torch.device(self.device):
             self.model: CausalLM = get_model_class(cfg)(
                 cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype, ops=self.ops

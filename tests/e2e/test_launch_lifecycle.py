@@ -79,9 +79,9 @@ def test_default_model_serves_and_sigterm_cleans_up(real_model_cache: Path, shor
         assert info["server_args"]["served_model_name"] == SERVED_NAME
         # The ready line says what the KV pool reserved (issue 47): the default model's pool is
         # sized by the work (64 requests of 512 tokens: 4 of its 8192-token context), not by RAM
-        # (a machine under ~14 GiB, where a quarter of RAM holds less, gets that quarter).
+        # (a machine under ~5 GiB, where three quarters of RAM less the weights hold less, gets that).
         pool = info["kv_pool"]
-        assert pool["context_len"] == 8192 and (pool["tokens"] == 64 * 512 or pool["share_of_ram"] > 0.15), pool
+        assert pool["context_len"] == 8192 and (pool["tokens"] == 64 * 512 or pool["share_of_ram"] > 0.4), pool
         assert server.ready_line == f"ready: {server.address}{ready_note(pool)}"
         assert f"(KV pool: {pool['tokens']} tokens, " in server.ready_line
         assert f": {pool['tokens'] // 8192} full-length requests of 8192 tokens)" in server.ready_line

@@ -1,6 +1,7 @@
 """Host-memory settings of a CPU serving process: how big the KV pool is by default (what the
-configured work needs, never more than a share of MemTotal less the weights: ``CPU_PLATFORM``,
-what the model runner assumes on CPU), and keeping freed activation blocks inside the process."""
+configured work needs, within what the machine can hold: MemTotal less a stated headroom, less the
+weights: ``CPU_PLATFORM``, what the model runner assumes on CPU), and keeping freed activation
+blocks inside the process."""
 
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ from runtime.engine.platform import ServingPlatform
 # for more with --max-total-tokens, --max-running-requests or --mem-fraction-static.
 CPU_PLANNED_RUNNING_REQUESTS = 64
 CPU_TYPICAL_REQUEST_TOKENS = 512
-# ...and never more than this share of MemTotal for the weights and the KV pool together (with
-# the CPU backend's decode mirror, which may take as much again: ``kv_bytes_per_token``): the
-# bound a big model's pool hits on a small machine. The rest is for the OS and page cache, the
-# tokenizer and detokenizer processes, a chunked prefill's activations, and an optional host
-# tier of the hierarchical cache (--hicache-ratio 2 by default, outside this share). MemTotal,
-# not MemAvailable: the same machine and flags always give the same pool, whatever other
-# processes hold at start. An explicit --mem-fraction-static sizes the pool by this share alone.
-CPU_DEFAULT_MEM_FRACTION = 0.25
+# ...within what the machine can hold: the weights and the KV pool together (with the CPU
+# backend's decode mirror, which may take as much again: ``kv_bytes_per_token``) take at most this
+# share of MemTotal, split between the host's schedulers. The headroom, a quarter of MemTotal, is
+# for the OS and page cache, the tokenizer and detokenizer processes (~0.4 GB each), a chunked
+# prefill's activations and an optional host tier of the hierarchical cache (--hicache-ratio x the
+# pool, outside this share). The work's demand bounds the pool first, so a small model takes what
+# its work needs (SmolLM2-135M: 1.4 GiB of 24); the share is what lets a big one start: a 1.5B
+# model in fp32 (6.2 GB of weights) was refused at the old share of a quarter of RAM (a budget of
+# -0.75 GiB on 24 GiB) and now gets its whole demand. MemTotal, not MemAvailable: the same machine
+# and flags always give the same pool, whatever other processes hold at start. An explicit
+# --mem-fraction-static sizes the pool by its share alone.
+CPU_DEFAULT_MEM_FRACTION = 0.75
 
 
 def cpu_mem_total_bytes() -> int:

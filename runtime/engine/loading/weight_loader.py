@@ -24,7 +24,9 @@ from runtime.engine.loading.gguf_tensors import iterate_gguf_weights
 from runtime.engine.models.base import CausalLM
 from runtime.engine.quant.gguf_blocks import KEPT_TYPES
 from runtime.engine.quant.loading import (
+    DUAL_METHOD,
     GGUF_METHODS,
+    INT8_METHODS,
     GGUFFootprint,
     HeldWeights,
     check_quantization,
@@ -105,6 +107,26 @@ def gguf_footprint(folder: str | Path) -> GGUFFootprint | None:
     dense = sum(2 * math.prod(t.shape) for t in tensors)
     blocks = sum(t.n_bytes for t in tensors if t.type_name in KEPT_TYPES and len(t.shape) == 2)
     return GGUFFootprint(dense, blocks)
+
+
+def weight_bytes_estimate(folder: str | Path, dtype: torch.dtype, quantization: str | None) -> int:
+    """At least the bytes the checkpoint's weights take once loaded in ``dtype`` under ``quantization``,
+    from its index or headers alone (nothing is read): every tensor dense in ``dtype``; under ``gguf``
+    only the kept blocks as the file stores them (repacked they take more, and the rest is dense on
+    top); ``gguf_dual`` both. A lower bound, so that a model refused for it surely cannot fit."""
+    gguf = gguf_footprint(folder)
+    if gguf is not None:
+        values, per_value = gguf.dense_bytes // 2, dtype.itemsize
+        if quantization == "gguf":
+            return gguf.block_bytes
+        if quantization == DUAL_METHOD:
+            return values * per_value + gguf.block_bytes
+    else:
+        values = 0
+        for file in checkpoint_files(folder):
+            with safe_open(str(file), framework="pt") as f:
+                values += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return values * (1 if quantization in INT8_METHODS else dtype.itemsize)  # (int8: its linears' byte a value)
 
 
 def load_model_weights(

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.engine.cpu import host_memory
 from runtime.engine.cpu.host_memory import (
@@ -70,13 +71,23 @@ def test_the_default_holds_one_request_of_the_full_context() -> None:
     # A long-context model: one full request (131072 tokens) rather than 64 x 512...
     long = cpu_kv_pool_tokens(mem_total=512 * GIB, weight_bytes=0, per_token=1024, context_len=131072)
     assert long == 131072
-    # ...unless that is over the RAM share, which still bounds the default (25% of 24 GiB).
-    capped = cpu_kv_pool_tokens(mem_total=24 * GIB, weight_bytes=0, per_token=65536, context_len=131072)
-    assert capped == int(24 * GIB * CPU_DEFAULT_MEM_FRACTION // 65536) < 131072
+    # ...unless that is over the RAM share, which still bounds the default (75% of 24 GiB).
+    capped = cpu_kv_pool_tokens(mem_total=24 * GIB, weight_bytes=0, per_token=262144, context_len=131072)
+    assert capped == int(24 * GIB * CPU_DEFAULT_MEM_FRACTION // 262144) < 131072
+
+
+def test_a_big_model_whose_weights_fit_gets_its_work_pool() -> None:
+    """Issue 57: Qwen2.5-Coder-1.5B in fp32 (6.2 GB of weights, 114,688 bytes of KV and mirror a token,
+    a 32,768-token context) was refused on a 24 GiB machine: the old share, a quarter of RAM, left a
+    budget of -0.75 GiB. Within what the machine holds less a quarter's headroom it gets what its
+    configured work needs, and says what it reserved."""
+    tokens = cpu_kv_pool_tokens(mem_total=24 * GIB, weight_bytes=6_175_000_000, per_token=114688, context_len=32768)
+    assert tokens == 32768  # one request of the full context (64 x 512 is the same 32,768)
+    assert 6_175_000_000 + tokens * 114688 < 0.75 * 24 * GIB
 
 
 def test_a_small_machine_hits_the_share_of_ram() -> None:
-    mem_total = 8 * GIB
+    mem_total = 2 * GIB
     tokens = smollm2(mem_total)
     assert tokens == int((mem_total * CPU_DEFAULT_MEM_FRACTION - SMOLLM2_WEIGHTS) // SMOLLM2_PER_TOKEN)
     assert tokens < 64 * 512
@@ -247,3 +258,31 @@ def test_the_host_pool_adds_replicas_and_tp_ranks_bytes() -> None:
     assert host["share_of_ram"] == pytest.approx(4 * 2048 * 1000 / (24 * GIB))
     assert host["full_length_requests"] == 0 and host["max_running_requests"] == 2 * 64
     assert host_kv_pool({}) is None
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_loads(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights that take the whole share are refused before anything is loaded, naming the bytes; a
+    pool given outright (--max-total-tokens) is the user's sizing and is not second-guessed."""
+    from runtime.engine import model_runner
+    from runtime.engine.loading.weight_loader import weight_bytes_estimate
+
+    weights = weight_bytes_estimate(tiny_llama_path, torch.float32, None)
+    assert weights > 0
+    monkeypatch.setattr(host_memory, "cpu_mem_total_bytes", lambda: int(weights / CPU_DEFAULT_MEM_FRACTION * 0.9))
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(model_runner, "load_model_weights", never)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"weights need at least {weights / 2**20:.1f} MiB here, more than the \d+\.\d MiB \(75% of memory\)",
+    ):
+        ModelRunner(tiny_llama_path, device="cpu", dtype="float32", load_progress=False)
+    with pytest.raises(AssertionError, match="were loaded"):  # past the check: the user sized the pool
+        ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=64, load_progress=False)
+    # kept quantized or in bf16 the same weights take less: the estimate follows the form they load in
+    assert weight_bytes_estimate(tiny_llama_path, torch.bfloat16, None) * 2 == weights
+    assert weight_bytes_estimate(tiny_llama_path, torch.float32, "int8") * 4 == weights
