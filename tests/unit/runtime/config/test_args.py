@@ -26,6 +26,7 @@ EXPECTED_DEFAULTS = {
     "device": "auto",
     "dtype": "auto",
     "quantization": None,
+    "quantized_activations": "none",
     "tp_size": 1,
     "ep_size": 1,
     "dp_size": 1,
