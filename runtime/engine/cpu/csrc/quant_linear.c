@@ -366,6 +366,54 @@ static void wo_row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, 
     }
 }
 
+#if defined(__AVX512F__)
+/* wo_row_dots for two weight rows at once (AVX-512, where the accumulators of both fit the registers):
+ * each activation vector loaded serves both rows' FMAs, which halves the loads that bound the product
+ * of several rows. Same sums in the same order as wo_row_dots of 2 or more rows (one chain a row). */
+static inline __attribute__((always_inline)) void wo_pair_dots(const int rows, int q4, const uint8_t* wq,
+                                                               int64_t row_bytes, const float* ws, const float* wm,
+                                                               int64_t scales_per_row, int64_t scale_step, int half,
+                                                               int64_t nb, const float* x, int64_t ldx, float* out0,
+                                                               float* out1)
+{
+    av acc0[WO_ROWS], acc1[WO_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = av_set1(0.0f);
+    const float* wm1 = q4 ? wm + scales_per_row : NULL;
+    for (int64_t b = 0; b < nb; ++b) {
+        av v0[WO_VECS], v1[WO_VECS];
+        block_values(q4, wq, ws, wm, scale_step, half, b, v0);
+        block_values(q4, wq + row_bytes, ws + scales_per_row, wm1, scale_step, half, b, v1);
+        for (int r = 0; r < rows; ++r) {
+            const float* xr = x + r * ldx + b * QBLOCK;
+            for (int j = 0; j < WO_VECS; ++j) {
+                const av xv = av_load(xr + AV_W * j);
+                acc0[r] = av_fma(v0[j], xv, acc0[r]);
+                acc1[r] = av_fma(v1[j], xv, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        out0[r] = av_hsum(acc0[r]);
+        out1[r] = av_hsum(acc1[r]);
+    }
+}
+
+static void wo_pair_dots_n(int rows, int q4, const uint8_t* wq, int64_t row_bytes, const float* ws, const float* wm,
+                           int64_t scales_per_row, int64_t scale_step, int half, int64_t nb, const float* x,
+                           int64_t ldx, float* out0, float* out1)
+{
+    switch (rows) {  /* one unrolled copy per row count (a single row takes wo_row_dots' chains) */
+#define PAIR_CASE(R) \
+    case R: wo_pair_dots(R, q4, wq, row_bytes, ws, wm, scales_per_row, scale_step, half, nb, x, ldx, out0, out1); break;
+        PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7) PAIR_CASE(8)
+#undef PAIR_CASE
+    }
+}
+#define WO_PAIRS 1
+#else
+#define WO_PAIRS 0
+#endif
+
 /* quant_linear_f32's weight-only product of a few rows (same operands): chunks of output rows split
  * among the threads, each weight row streamed once per WO_ROWS activation rows. */
 static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const float* scales,
@@ -382,12 +430,23 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
         const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
         for (int64_t r0 = 0; r0 < m; r0 += WO_ROWS) {
             const int rows = (int)(m - r0 < WO_ROWS ? m - r0 : WO_ROWS);
-            for (int64_t o = o0; o < o1; ++o) {
-                float dots[WO_ROWS] = {0};
-                wo_row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, scales + o * scales_per_row,
-                              q4 ? mins + o * scales_per_row : NULL, scale_step, half, nb, x + r0 * ldx, ldx, dots);
-                const float add = bias ? bias[o] : 0.0f;
-                for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[r] + add;
+            for (int64_t o = o0; o < o1;) {
+                float dots[2][WO_ROWS] = {{0}};
+                const int pair = WO_PAIRS && rows > 1 && o + 1 < o1;
+                const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
+                const float* ws = scales + o * scales_per_row;
+                const float* wm = q4 ? mins + o * scales_per_row : NULL;
+#if defined(__AVX512F__)
+                if (pair)
+                    wo_pair_dots_n(rows, q4, wq, row_bytes, ws, wm, scales_per_row, scale_step, half, nb,
+                                   x + r0 * ldx, ldx, dots[0], dots[1]);
+                else
+#endif
+                    wo_row_dots_n(rows, q4, wq, ws, wm, scale_step, half, nb, x + r0 * ldx, ldx, dots[0]);
+                for (int p = 0; p <= pair; ++p, ++o) {
+                    const float add = bias ? bias[o] : 0.0f;
+                    for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[p][r] + add;
+                }
             }
         }
     }
