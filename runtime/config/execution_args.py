@@ -57,10 +57,10 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
         type=str,
         default=QUANTIZATION_CLI_DEFAULT,
         choices=QUANTIZATION_CHOICES,
-        help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights in "
+        help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights in "
         "their blocks; gguf_dual keeps the blocks for decode steps of a few rows and dense values "
         "beside them for prefills and loaded batches (the memory of both); int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
-        "activations are quantized to int8 per block on the fly; none: weights dense in --dtype, "
+        "--quantized-activations says how the kept blocks multiply; none: weights dense in --dtype, "
         "a GGUF file's dequantized at load; auto: for a GGUF file with --dtype auto on a CPU, gguf "
         "without native bf16 matmul (AVX2, AVX-512 without BF16) and gguf_dual with it but without "
         "AMX tiles (while both "

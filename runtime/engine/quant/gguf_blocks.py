@@ -1,7 +1,8 @@
 """GGUF quantized blocks repacked into the kernels' two layouts (``runtime.engine.quant.weight``), losslessly.
 
 Q8_0, Q4_0 and Q4_1 keep their values as they are (only the fp16 scales become fp32, and Q4_0's
-implicit offset of 8 becomes an explicit min). The K-quants are repacked into an equivalent the
+implicit offset of 8 becomes an explicit min); Q5_0's 5-bit values, less their offset of 16, become
+int8 (one ``d`` per 32: 1.125 bytes a value, from 0.6875). The K-quants are repacked into an equivalent the
 kernels read with the same loop as the simple formats: Q4_K's 256-value super-block becomes eight
 q4 blocks of 32 with their own ``d * sc`` and ``-dmin * m`` (0.75 bytes a value, from 0.5625),
 Q6_K's becomes int8 values with one ``d * sc`` per 16 (1.25 bytes a value, from 0.82). The
@@ -17,7 +18,7 @@ import torch
 from runtime.engine.quant.weight import BLOCK, QuantizedWeight
 
 # GGUF types kept quantized by --quantization gguf (the others are dequantized at load)
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -46,11 +47,29 @@ def from_gguf(raw: np.ndarray, type_name: str, in_features: int, source: str | N
         mins = -8.0 * scales if type_name == "Q4_0" else _f16(blocks[..., 2:4])
         qs = blocks[..., head:].reshape(rows, in_features // 2)
         return QuantizedWeight("q4", name, shape, _tensor(qs), _tensor(scales), _tensor(mins))
+    if type_name == "Q5_0":
+        return _from_q5_0(raw, rows, in_features, name)
     if type_name == "Q4_K":
         return _from_q4_k(raw, rows, in_features, name)
     if type_name == "Q6_K":
         return _from_q6_k(raw, rows, in_features, name)
     raise ValueError(f"GGUF type {type_name} is not kept quantized (kept: {', '.join(KEPT_TYPES)})")
+
+
+def _from_q5_0(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
+    blocks = raw.reshape(-1, 22)  # d (fp16), 4 bytes of high bits, 16 bytes of low nibbles
+    d = _f16(blocks[:, 0:2])
+    high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
+    low = blocks[:, 6:22]
+    low = np.concatenate([low & 0xF, low >> 4], axis=1)  # byte j: value j low, value j + 16 high
+    values = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return QuantizedWeight(
+        "q8",
+        name,
+        (rows, in_features),
+        _tensor(values.reshape(rows, in_features)),
+        _tensor(d.reshape(rows, in_features // BLOCK)),
+    )
 
 
 def _from_q4_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:

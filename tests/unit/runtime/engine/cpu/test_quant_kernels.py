@@ -134,13 +134,13 @@ def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.G
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
-    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
     for at in fields:
         raw[..., at : at + 2] = (rng.random(raw.shape[:2]) * 0.05 + 1e-3).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
     from gguf import GGMLQuantizationType, dequantize
 
@@ -154,6 +154,7 @@ def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
         "Q8_0": 1 + 4 / 32,
         "Q4_0": 0.5 + 8 / 32,
         "Q4_1": 0.5 + 8 / 32,
+        "Q5_0": 1 + 4 / 32,
         "Q4_K": 0.5 + 8 / 32,
         "Q6_K": 1 + 4 / 16,
     }[type_name]

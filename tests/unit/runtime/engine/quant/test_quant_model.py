@@ -63,7 +63,7 @@ def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type
     )
 
 
-@pytest.mark.parametrize(("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False)])
+@pytest.mark.parametrize(("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False), ("Q5_0", False)])
 def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
     tiny_checkpoints: TinyCheckpoints, files: Path, weight_type: str, tie: bool
 ) -> None:
@@ -81,7 +81,7 @@ def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
         assert kept["lm_head"] is kept["model.embed_tokens"]
     # resident bytes: the formats' (q8: 1 + 4/32 bytes a value, q4: 0.5 + 8/32), the rest dense fp32
     values = {name: w.shape[0] * w.shape[1] for name, w in kept.items() if not (tie and name == "lm_head")}
-    per_value = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75}
+    per_value = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q5_0": 1.125}
     expected = sum(int(n * per_value[kept[name].source]) for name, n in values.items())
     rest = dense.weight_bytes() - sum(n * 4 for n in values.values())  # norms, rotary tables: dense in both
     assert quantized.weight_bytes() == expected + rest
