@@ -57,7 +57,7 @@ def add_execution_args(parser: argparse.ArgumentParser, defaults: ExecutionFlags
         type=str,
         default=QUANTIZATION_CLI_DEFAULT,
         choices=QUANTIZATION_CHOICES,
-        help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights in "
+        help="keep weights quantized: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in "
         "their blocks; gguf_dual keeps the blocks for decode steps of a few rows and dense values "
         "beside them for prefills and loaded batches (the memory of both); int8 (= w8a8_int8) makes per-channel int8 linears of any checkpoint; "
         "--quantized-activations says how the kept blocks multiply; none: weights dense in --dtype, "

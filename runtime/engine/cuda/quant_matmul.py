@@ -9,7 +9,7 @@ quantized: a GPU is bound by the weight's bytes at decode batch sizes, not by th
 
 A program computes a ``BLOCK_M x BLOCK_N`` tile of the output over the depth in steps of
 ``BLOCK_K`` (a multiple of the layouts' block of 32): it loads the tile's packed values, the
-scale (q8: one per ``GROUP`` values, 16, 32 or the whole row; q4: one per 32, and a min), forms
+scale (q8: one per ``GROUP`` values, 16, 32 or the whole row, with groups of 32 maybe a min; q4: one per 32, and a min), forms
 ``scale * q (+ min)`` in fp32, rounds it to the activations' dtype (the reference rounds the fp32
 dequantized weight the same way) and accumulates ``x @ w^T`` in fp32.
 
@@ -45,6 +45,7 @@ def _quant_matmul_kernel(
     K,
     GROUP: tl.constexpr,
     IS_Q4: tl.constexpr,
+    HAS_MINS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,6 +80,8 @@ def _quant_matmul_kernel(
             q = tl.load(QS + w_rows * qs_stride + depth[None, :], mask=w_mask, other=0).to(tl.float32)
             scale = tl.load(S + w_rows * s_stride + (depth // GROUP)[None, :], mask=w_mask, other=0.0)
             w = q * scale
+            if HAS_MINS:  # a q8 weight with a min per 32 (Q5_1, Q5_K; GROUP is 32 then)
+                w += tl.load(MINS + w_rows * s_stride + (depth // 32)[None, :], mask=w_mask, other=0.0)
         acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -100,7 +103,7 @@ def quant_matmul(
     m = rows.shape[0]
     out = torch.empty(m, out_features, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        mins = weight.mins if weight.mins is not None else weight.scales  # (not read by a q8 weight)
+        mins = weight.mins if weight.mins is not None else weight.scales  # (not read without mins)
         tensors = [rows, weight.qs, weight.scales, mins, out] + ([bias] if bias is not None else [])
         check_launch(_quant_matmul_kernel, *tensors)
         grid = (cdiv(m, BLOCK_M), cdiv(out_features, BLOCK_N))
@@ -120,6 +123,7 @@ def quant_matmul(
             in_features,
             GROUP=weight.group,
             IS_Q4=weight.kind == "q4",
+            HAS_MINS=weight.kind == "q8" and weight.mins is not None,
             HAS_BIAS=bias is not None,
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,

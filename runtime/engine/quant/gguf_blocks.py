@@ -2,9 +2,11 @@
 
 Q8_0, Q4_0 and Q4_1 keep their values as they are (only the fp16 scales become fp32, and Q4_0's
 implicit offset of 8 becomes an explicit min); Q5_0's 5-bit values, less their offset of 16, become
-int8 (one ``d`` per 32: 1.125 bytes a value, from 0.6875). The K-quants are repacked into an equivalent the
+int8 (one ``d`` per 32: 1.125 bytes a value, from 0.6875), and Q5_1's int8 with a ``d`` and an ``m`` per
+32 (1.25 bytes a value, from 0.75). The K-quants are repacked into an equivalent the
 kernels read with the same loop as the simple formats: Q4_K's 256-value super-block becomes eight
-q4 blocks of 32 with their own ``d * sc`` and ``-dmin * m`` (0.75 bytes a value, from 0.5625),
+q4 blocks of 32 with their own ``d * sc`` and ``-dmin * m`` (0.75 bytes a value, from 0.5625), Q5_K's
+eight int8 blocks of 32 with the same scale and min (1.25 bytes a value, from 0.6875),
 Q6_K's becomes int8 values with one ``d * sc`` per 16 (1.25 bytes a value, from 0.82). The
 repacked weight's ``dequantize`` equals the ``gguf`` package's, value for value (fp32 products of
 the same factors), which the tests check on random blocks.
@@ -18,7 +20,7 @@ import torch
 from runtime.engine.quant.weight import BLOCK, QuantizedWeight
 
 # GGUF types kept quantized by --quantization gguf (the others are dequantized at load)
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -47,8 +49,10 @@ def from_gguf(raw: np.ndarray, type_name: str, in_features: int, source: str | N
         mins = -8.0 * scales if type_name == "Q4_0" else _f16(blocks[..., 2:4])
         qs = blocks[..., head:].reshape(rows, in_features // 2)
         return QuantizedWeight("q4", name, shape, _tensor(qs), _tensor(scales), _tensor(mins))
-    if type_name == "Q5_0":
-        return _from_q5_0(raw, rows, in_features, name)
+    if type_name in ("Q5_0", "Q5_1"):
+        return _from_q5(raw, rows, in_features, name, with_min=type_name == "Q5_1")
+    if type_name == "Q5_K":
+        return _from_q5_k(raw, rows, in_features, name)
     if type_name == "Q4_K":
         return _from_q4_k(raw, rows, in_features, name)
     if type_name == "Q6_K":
@@ -56,19 +60,55 @@ def from_gguf(raw: np.ndarray, type_name: str, in_features: int, source: str | N
     raise ValueError(f"GGUF type {type_name} is not kept quantized (kept: {', '.join(KEPT_TYPES)})")
 
 
-def _from_q5_0(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
-    blocks = raw.reshape(-1, 22)  # d (fp16), 4 bytes of high bits, 16 bytes of low nibbles
+def _five_bits(low_nibbles: np.ndarray, high_bits: np.ndarray) -> np.ndarray:
+    """5-bit values of blocks of 32: ``low_nibbles`` [.., 16] bytes (value j low, value j + 16 high),
+    ``high_bits`` [.., 32] the fifth bit of each value."""
+    low = np.concatenate([low_nibbles & 0xF, low_nibbles >> 4], axis=-1)
+    return low | (high_bits.astype(np.uint8) << 4)
+
+
+def _from_q5(raw: np.ndarray, rows: int, in_features: int, name: str, with_min: bool) -> QuantizedWeight:
+    """Q5_0 (d, 4 bytes of fifth bits, 16 of nibbles: w = d * (q - 16)) or Q5_1 (d, m, then the same:
+    w = d * q + m), as int8 values with a scale (and Q5_1's min) per 32."""
+    head = 4 if with_min else 2
+    blocks = raw.reshape(-1, head + 4 + BLOCK // 2)
     d = _f16(blocks[:, 0:2])
-    high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
-    low = blocks[:, 6:22]
-    low = np.concatenate([low & 0xF, low >> 4], axis=1)  # byte j: value j low, value j + 16 high
-    values = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    fifth = (blocks[:, head : head + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    values = _five_bits(blocks[:, head + 4 :], fifth).astype(np.int8)
+    per_row = in_features // BLOCK
+    mins = _tensor(_f16(blocks[:, 2:4]).reshape(rows, per_row)) if with_min else None
+    return QuantizedWeight(
+        "q8",
+        name,
+        (rows, in_features),
+        _tensor((values if with_min else values - np.int8(16)).reshape(rows, in_features)),
+        _tensor(d.reshape(rows, per_row)),
+        mins,
+    )
+
+
+def _from_q5_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
+    from gguf.quants import Q4_K
+
+    # d, dmin (fp16), 12 bytes of 6-bit scales and mins (Q4_K's packing), 32 bytes of fifth bits, 128 of nibbles
+    blocks = raw.reshape(-1, 176)
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scales = d[:, None] * sc.astype(np.float32)  # [super-blocks, 8]: the gguf package's products
+    mins = -(dmin[:, None] * m.astype(np.float32))
+    # sub-blocks 2j and 2j + 1 share 32 bytes of nibbles (low, high); sub-block s's fifth bits are bit s
+    nibbles = blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (nibbles & 0xF).reshape(-1, 8, 32)
+    high = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    values = (low | (high << 4)).astype(np.int8)
+    per_row = in_features // BLOCK
     return QuantizedWeight(
         "q8",
         name,
         (rows, in_features),
         _tensor(values.reshape(rows, in_features)),
-        _tensor(d.reshape(rows, in_features // BLOCK)),
+        _tensor(scales.reshape(rows, per_row)),
+        _tensor(mins.reshape(rows, per_row)),
     )
 
 

@@ -7,8 +7,10 @@ a parameter where the dense fp32 copy is 4. The kernels (``runtime.engine.cpu.qu
 them at load, losslessly (the dequantized values are the source's, bit for bit):
 
 - ``q8``: int8 values, one fp32 scale per ``group`` values of a row: ``w = scale * q``. GGUF Q8_0
-  (group 32), GGUF Q6_K (its 6-bit values widened to int8, one scale per 16: ``d * sub-scale``),
-  and the per-output-channel int8 of ``--quantization int8`` (group = the row).
+  (group 32), Q5_0 (its 5-bit values less 16), GGUF Q6_K (its 6-bit values widened to int8, one scale
+  per 16: ``d * sub-scale``), and the per-output-channel int8 of ``--quantization int8`` (group = the
+  row). With groups of 32 it may carry a min per block too, ``w = scale * q + min``: GGUF Q5_1
+  (``d``, ``m``) and Q5_K (each 32-value sub-block's ``d * sc`` and ``-dmin * m``), 5-bit values.
 - ``q4``: 4-bit values packed two a byte, per block of 32 a scale and a min, both fp32:
   ``w = scale * q + min``. GGUF Q4_0 (``min = -8 * d``), Q4_1 (``d``, ``m``) and Q4_K (each
   32-value sub-block's ``d * sc`` and ``-dmin * m``). Within a block, byte ``j`` holds value ``j``
@@ -62,6 +64,8 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"{source}: packed values of shape {tuple(qs.shape)} do not hold a {shape} weight")
         if kind == "q4" and (group != BLOCK or mins is None or mins.shape != scales.shape):
             raise ValueError(f"{source}: a q4 weight needs one scale and one min per block of {BLOCK}")
+        if kind == "q8" and mins is not None and (group != BLOCK or mins.shape != scales.shape):
+            raise ValueError(f"{source}: a q8 weight's mins come one per block of {BLOCK}, with its scales")
         if in_features % group or scales.shape != (out_features, in_features // group):
             raise ValueError(f"{source}: scales of shape {tuple(scales.shape)} for groups of {group} of {shape}")
         self.kind, self.source, self.group = kind, source, group

@@ -138,8 +138,8 @@ static inline __attribute__((always_inline)) void row_dots(
             acc0[r] = _mm256_fmadd_ps(block_dot(q4, wq, ws, scale_step, half, b, xq + r * k),
                                       _mm256_set1_ps(xd[r * nb + b]), acc0[r]);
     for (int r = 0; r < rows; ++r) {
-        float msum = 0.0f;  /* q4: the blocks' mins times the activation blocks' sums */
-        if (q4)
+        float msum = 0.0f;  /* a weight with mins: the blocks' mins times the activation blocks' sums */
+        if (wm)
             for (int64_t j = 0; j < nb; ++j) msum += wm[j] * xs[r * nb + j];
         out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + msum;
     }
@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void row_dots(
                     s1 += (int32_t)w[j + QBLOCK / 2] * a[j + QBLOCK / 2];
                 }
                 const float* sp = ws + b * scale_step;
-                acc += ((float)s0 * sp[0] + (float)s1 * sp[half]) * xd[r * nb + b];
+                acc += ((float)s0 * sp[0] + (float)s1 * sp[half]) * xd[r * nb + b] + (wm ? wm[b] * xs[r * nb + b] : 0.0f);
             }
         }
         out[r] = acc;
@@ -215,16 +215,20 @@ static void dequantize_row(int q4, const uint8_t* qs, const float* scales, const
 #endif
         } else {
             const int8_t* w = (const int8_t*)qs + o * k + b * QBLOCK;
+            const float mn = mins ? mins[o * per_row + b] : 0.0f; /* (mins come with groups of 32) */
             for (int half = 0; half < 2; ++half) {
                 const float sc = scales[o * per_row + (b * QBLOCK + half * 16) / group];
 #if defined(__AVX2__)
                 const __m256 vs = _mm256_set1_ps(sc);
                 for (int j = 0; j < 16; j += 8) {
                     const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + half * 16 + j));
-                    _mm256_storeu_ps(dst + half * 16 + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vs));
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                    _mm256_storeu_ps(dst + half * 16 + j,
+                                     mins ? _mm256_fmadd_ps(q, vs, _mm256_set1_ps(mn)) : _mm256_mul_ps(q, vs));
                 }
 #else
-                for (int j = 0; j < 16; ++j) dst[half * 16 + j] = sc * (float)w[half * 16 + j];
+                for (int j = 0; j < 16; ++j)
+                    dst[half * 16 + j] = mins ? sc * (float)w[half * 16 + j] + mn : sc * (float)w[half * 16 + j];
 #endif
             }
         }
@@ -318,14 +322,20 @@ static inline __attribute__((always_inline)) void block_values(int q4, const uin
     const float* sp = ws + b * scale_step;
     const av s0 = av_set1(sp[0]), s1 = av_set1(sp[half]); /* values 0..15, 16..31 */
 #if defined(__AVX512F__)
-    v[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw0)), s0);
-    v[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw1)), s1);
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw0));
+    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw1));
 #else
-    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw0)), s0);
-    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw0, 8))), s0);
-    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw1)), s1);
-    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw1, 8))), s1);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw0));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw0, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw1));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw1, 8)));
 #endif
+    if (wm) { /* a q8 weight with mins (Q5_1, Q5_K): s * q + m, one FMA as q4's */
+        const av m = av_set1(wm[b]);
+        for (int j = 0; j < WO_VECS; ++j) v[j] = av_fma(v[j], j < WO_VECS / 2 ? s0 : s1, m);
+    } else {
+        for (int j = 0; j < WO_VECS; ++j) v[j] = av_mul(v[j], j < WO_VECS / 2 ? s0 : s1);
+    }
 }
 
 /* out[r] = weight row . activation row r (fp32, rows ldx apart), for r < rows (a constant in each
@@ -378,7 +388,7 @@ static inline __attribute__((always_inline)) void wo_pair_dots(const int rows, i
 {
     av acc0[WO_ROWS], acc1[WO_ROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = av_set1(0.0f);
-    const float* wm1 = q4 ? wm + scales_per_row : NULL;
+    const float* wm1 = wm ? wm + scales_per_row : NULL;
     for (int64_t b = 0; b < nb; ++b) {
         av v0[WO_VECS], v1[WO_VECS];
         block_values(q4, wq, ws, wm, scale_step, half, b, v0);
@@ -435,7 +445,7 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
                 const int pair = WO_PAIRS && rows > 1 && o + 1 < o1;
                 const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
                 const float* ws = scales + o * scales_per_row;
-                const float* wm = q4 ? mins + o * scales_per_row : NULL;
+                const float* wm = mins ? mins + o * scales_per_row : NULL;
 #if defined(__AVX512F__)
                 if (pair)
                     wo_pair_dots_n(rows, q4, wq, row_bytes, ws, wm, scales_per_row, scale_step, half, nb,
@@ -462,6 +472,7 @@ static int takes_kind(int kind, const float* mins, int64_t group, int64_t k)
 {
     if (kind & ~(QUANT_LAYOUT_Q4 | QUANT_INT8_ACTIVATIONS)) return 0;
     if (kind & QUANT_LAYOUT_Q4) return group == QBLOCK && mins != NULL;
+    if (mins != NULL) return group == QBLOCK; /* q8 with a min per block of 32 (Q5_1, Q5_K) */
     return group == 16 || group == QBLOCK || group == k;
 }
 
@@ -478,7 +489,8 @@ int quant_dequantize_f32(int kind, const void* qs, const float* scales, const fl
 
 /* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
  * [n, k] (+ bias [n] when not NULL).
- * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL.
+ * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL, or with group
+ *   32 a min per block [n, k / 32] (w = s * q + m).
  * kind 1 (q4): qs uint8 [n, k / 2]; scales and mins [n, k / 32]; group 32.
  * kind | QUANT_INT8_ACTIVATIONS: fewer than QGEMM_MIN_ROWS rows quantize the activations to int8
  * (see the top of this file); without it every product is weight-only.
@@ -521,7 +533,7 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
             for (int64_t o = o0; o < o1; ++o) {
                 float dots[QROWS] = {0};
                 row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, scales + o * scales_per_row,
-                           q4 ? mins + o * scales_per_row : NULL, scale_step, half, nb, xq + r0 * k,
+                           mins ? mins + o * scales_per_row : NULL, scale_step, half, nb, xq + r0 * k,
                            xd + r0 * nb, xs + r0 * nb, k, dots);
                 const float add = bias ? bias[o] : 0.0f;
                 for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[r] + add;

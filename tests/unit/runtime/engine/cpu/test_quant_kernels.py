@@ -25,7 +25,8 @@ from tests.support.quant_bounds import EPS32, quantized_linear_bound
 def _random_weight(
     layout: str, out_features: int, in_features: int, gen: torch.Generator, int8_activations: bool = False
 ) -> QuantizedWeight:
-    """A random weight of ``layout``: q8 per 32 / per 16 / per row, or q4 (scale and min per 32)."""
+    """A random weight of ``layout``: q8 per 32 / per 16 / per row / per 32 with a min (Q5_1, Q5_K), or q4
+    (scale and min per 32)."""
     if layout == "q4":
         qs = torch.randint(0, 256, (out_features, in_features // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
         scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.02
@@ -33,11 +34,12 @@ def _random_weight(
         return QuantizedWeight(
             "q4", "test", (out_features, in_features), qs, scales, mins, int8_activations=int8_activations
         )
-    group = {"q8": 32, "q8_16": 16, "q8_row": in_features}[layout]
+    group = {"q8": 32, "q8_16": 16, "q8_row": in_features, "q8_min": 32}[layout]
     qs = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int32).to(torch.int8)
     scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01
+    mins = (torch.rand(out_features, in_features // 32, generator=gen) - 0.5) * 0.2 if layout == "q8_min" else None
     return QuantizedWeight(
-        "q8", "test", (out_features, in_features), qs, scales, group=group, int8_activations=int8_activations
+        "q8", "test", (out_features, in_features), qs, scales, mins, group=group, int8_activations=int8_activations
     )
 
 
@@ -45,7 +47,7 @@ SHAPES = [(1, 37, 32), (3, 9, 96), (5, 61, 544), (8, 13, 544), (24, 5, 544), (13
 
 
 @pytest.mark.usefixtures("kernel_level")
-@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q8_min", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), SHAPES)
 def test_weight_only_products_are_the_dequantized_weights(
     layout: str, rows: int, out_features: int, in_features: int
@@ -72,7 +74,7 @@ def test_weight_only_products_are_the_dequantized_weights(
 
 
 @pytest.mark.usefixtures("kernel_level")
-@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q8_min", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), SHAPES)
 def test_int8_activations_within_the_activation_quantization_bound(
     layout: str, rows: int, out_features: int, in_features: int
@@ -134,13 +136,14 @@ def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.G
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
-    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
-    for at in fields:
+    scale_fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2]}
+    scale_fields.update({"Q5_K": [0, 2], "Q6_K": [208]})
+    for at in scale_fields[type_name]:
         raw[..., at : at + 2] = (rng.random(raw.shape[:2]) * 0.05 + 1e-3).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
     from gguf import GGMLQuantizationType, dequantize
 
@@ -155,7 +158,9 @@ def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
         "Q4_0": 0.5 + 8 / 32,
         "Q4_1": 0.5 + 8 / 32,
         "Q5_0": 1 + 4 / 32,
+        "Q5_1": 1 + 8 / 32,
         "Q4_K": 0.5 + 8 / 32,
+        "Q5_K": 1 + 8 / 32,
         "Q6_K": 1 + 4 / 16,
     }[type_name]
     assert ours.nbytes() == int(5 * 512 * per_value)
@@ -172,7 +177,7 @@ def test_int8_per_channel_rounds_each_value_to_its_step() -> None:
 
 
 @pytest.mark.usefixtures("kernel_level")
-@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q8_min", "q4"])
 def test_many_rows_take_the_dequantized_weight_unrounded(layout: str) -> None:
     """With int8 activations too, from 24 rows on the activations are not quantized: the result is the
     dequantized weight's product to fp32 rounding (far inside the activation-quantization bound)."""

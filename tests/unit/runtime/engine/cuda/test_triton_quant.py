@@ -1,6 +1,6 @@
 """The Triton dequantizing matmul (runtime/engine/cuda/quant_matmul.py, through ``TritonOps.linear``)
 against the dequantize-then-matmul reference, on CPU under Triton's interpreter in fp32: every
-layout (q8 per 32 / per 16 / per row, q4), activation rows below, at and above the tile's 16,
+layout (q8 per 32 / per 16 / per row / per 32 with a min, q4), activation rows below, at and above the tile's 16,
 depths that are and are not whole tiles of 64, output rows not a multiple of the tile's 64.
 
 The kernel forms the same fp32 weight values as the reference and sums the products in another
@@ -31,7 +31,7 @@ OPS = TritonOps()
 EPS32 = float(torch.finfo(torch.float32).eps)
 
 
-@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q4"])
+@pytest.mark.parametrize("layout", ["q8", "q8_16", "q8_row", "q8_min", "q4"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 37, 96), (17, 70, 128)])
 def test_dequantizing_matmul_equals_the_reference(layout: str, rows: int, out_features: int, in_features: int) -> None:
     gen = torch.Generator().manual_seed(rows + in_features)

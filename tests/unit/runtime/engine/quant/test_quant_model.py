@@ -63,7 +63,9 @@ def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type
     )
 
 
-@pytest.mark.parametrize(("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False), ("Q5_0", False)])
+@pytest.mark.parametrize(
+    ("weight_type", "tie"), [("Q4_1", True), ("Q8_0", False), ("Q4_0", False), ("Q5_0", False), ("Q5_1", False)]
+)
 def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
     tiny_checkpoints: TinyCheckpoints, files: Path, weight_type: str, tie: bool
 ) -> None:
@@ -81,17 +83,18 @@ def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
         assert kept["lm_head"] is kept["model.embed_tokens"]
     # resident bytes: the formats' (q8: 1 + 4/32 bytes a value, q4: 0.5 + 8/32), the rest dense fp32
     values = {name: w.shape[0] * w.shape[1] for name, w in kept.items() if not (tie and name == "lm_head")}
-    per_value = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q5_0": 1.125}
+    per_value = {"Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25}
     expected = sum(int(n * per_value[kept[name].source]) for name, n in values.items())
     rest = dense.weight_bytes() - sum(n * 4 for n in values.values())  # norms, rotary tables: dense in both
     assert quantized.weight_bytes() == expected + rest
-    assert quantized.weight_bytes() < dense.weight_bytes() / 3
+    assert quantized.weight_bytes() < dense.weight_bytes() / 2.5  # (Q5_1: 1.25 bytes a value against 4)
 
 
 def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
-    """A Q4_K_M-like file: a qkv of Q4_K q/k and a Q5_K v cannot be one quantized weight (no kernel
-    reads Q5_K): it loads dense; the Q4_K and Q6_K ones stay in their (repacked) blocks."""
-    mix = {"blk.1.attn_v.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K"}
+    """A Q4_K_M-like file: a qkv of Q4_K q/k (the q4 layout) and a Q5_K v (repacked as q8 with mins)
+    cannot be one quantized weight: it loads dense; the Q4_K, Q5_K and Q6_K ones stay in their
+    (repacked) blocks."""
+    mix = {"blk.1.attn_v.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_K"}
     path = _gguf(tiny_checkpoints, files, "llama_hd64", "Q4_K", types=mix)
     dense, quantized = _weights(_runner(path)), _weights(_runner(path, quantization="gguf"))
     assert isinstance(quantized["model.layers.1.self_attn.qkv_proj"], torch.Tensor)
@@ -100,6 +103,8 @@ def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints
     assert isinstance(down, QuantizedWeight) and (down.source, down.kind, down.group) == ("Q6_K", "q8", 16)
     q4k = quantized["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(q4k, QuantizedWeight) and q4k.source == "Q4_K"
+    q5k = quantized["model.layers.1.mlp.down_proj"]
+    assert isinstance(q5k, QuantizedWeight) and (q5k.source, q5k.kind, q5k.mins is not None) == ("Q5_K", "q8", True)
     for name, weight in quantized.items():
         if isinstance(weight, QuantizedWeight):
             assert torch.equal(weight.dequantize(), dense[name]), name
