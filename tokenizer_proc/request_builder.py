@@ -113,7 +113,8 @@ class RequestBuilder:
         params = self._sampling_params(req)
         input_ids = self._input_ids(req)
         self._check_ids(input_ids)
-        params = self._fit_context(len(input_ids), params, explicit="max_new_tokens" in (req.sampling_params or {}))
+        explicit = "max_new_tokens" in (req.sampling_params or {}) and not req.fit_max_tokens
+        params = self._fit_context(len(input_ids), params, explicit=explicit)
         top_logprobs_num = max(req.top_logprobs_num, params.top_logprobs_num)
         return_logprob = req.return_logprob or top_logprobs_num > 0
         token_ids_logprob = self._token_ids_logprob(req.token_ids_logprob)

@@ -53,6 +53,9 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # any): still waiting or running then, the request is aborted (finish_reason abort, "timeout").
     # Not the client's own ``timeout``, which only stops waiting for the reply.
     deadline_s: float | None = None
+    # A max_new_tokens past the context's room is shortened to fit (the reply then stops for length)
+    # instead of refused: Anthropic's clients (Claude Code) ask for their model's whole output budget.
+    fit_max_tokens: bool = False
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):

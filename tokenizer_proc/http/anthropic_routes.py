@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -50,7 +51,9 @@ async def messages(request: Request, http: Http) -> Response:
     """A message, whole or streamed; any ``model`` name is served by the one model."""
     body, parsing, reqs = await _read(request, http, MessagesRequest)
     assert isinstance(body, MessagesRequest)
-    run = await http.start(reqs)
+    # Claude Code asks for its model's whole output budget (tens of thousands of tokens): past the
+    # context's room the reply stops for length (stop_reason max_tokens) rather than being refused.
+    run = await http.start([msgspec.structs.replace(r, fit_max_tokens=True) for r in reqs])
     if body.stream:
         stream = MessageStream(parsing, http.model_name, body.stop_sequences)
         return StreamingResponse(

@@ -157,6 +157,7 @@ def test_a_whole_reply_names_the_served_model() -> None:
     [req] = door.submitted
     assert req.sampling_params == {"n": 1, "max_new_tokens": 8, "temperature": 0.0, "stop": ["END"]}
     assert not req.stream and door.closed >= 1
+    assert req.fit_max_tokens  # Claude Code's budget past the context is shortened, not refused
 
 
 def test_a_stream_is_anthropics_event_sequence() -> None:

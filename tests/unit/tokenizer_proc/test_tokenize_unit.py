@@ -77,3 +77,14 @@ def test_malformed_requests_are_refused_by_name() -> None:
 def test_ids_come_back_as_text() -> None:
     assert builder().detokenize(DetokenizeReq(rid="d", tokens=[256, 104, 105])) == "<s>hi"
     assert builder().detokenize(DetokenizeReq(rid="d", tokens=[256, 104, 105], skip_special_tokens=True)) == "hi"
+
+
+def test_a_budget_past_the_context_is_refused_unless_it_may_be_fitted() -> None:
+    """An explicit max_new_tokens past the context's room is refused (OpenAI's and SGLang's bodies); a
+    request that may be fitted (Anthropic's: Claude Code asks for its model's whole budget) is shortened
+    to the room instead."""
+    ask = {"max_new_tokens": 1000}
+    with pytest.raises(Rejected, match="exceeds the context length"):
+        builder().build(GenerateReq(rid="g", text="hi", sampling_params=ask))
+    (fitted,) = builder().build(GenerateReq(rid="g", text="hi", sampling_params=ask, fit_max_tokens=True))
+    assert fitted.sampling_params.max_new_tokens == LIMITS.context_len - len(fitted.input_ids)
