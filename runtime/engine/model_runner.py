@@ -107,12 +107,13 @@ class ModelRunner:
             dtype = interpreted_dtype(self.device) or dtype  # the Triton interpreter gets bf16 math wrong
         platform = get_ops(self.device, torch.float32).platform(self.device)
         host_ram = platform.ram_bytes() if platform.ram_bytes is not None else 0
+        footprint = gguf_footprint(self.model_path)  # (None: not a GGUF file's folder)
         native_bf16 = cpu_supports_bf16()  # the CPU class, read once: every rule below follows it
         quantization, quantization_why = resolve_quantization(
             quantization,
             dtype,
             self.device,
-            gguf_footprint(self.model_path),
+            footprint,
             native_bf16,
             cpu_has_amx(),
             int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
@@ -157,7 +158,7 @@ class ModelRunner:
             share = mem_fraction_static if mem_fraction_static is not None else platform.mem_fraction
             ranks = tp_size * dp_size
             check_weights_fit(
-                weight_bytes_estimate(self.model_path, self.dtype, quantization) // tp_size,
+                weight_bytes_estimate(self.model_path, self.dtype, quantization, footprint) // tp_size,
                 platform.budget_bytes(self.device, share, 0, ranks),
                 share,
                 ranks,

@@ -109,12 +109,14 @@ def gguf_footprint(folder: str | Path) -> GGUFFootprint | None:
     return GGUFFootprint(dense, blocks)
 
 
-def weight_bytes_estimate(folder: str | Path, dtype: torch.dtype, quantization: str | None) -> int:
+def weight_bytes_estimate(
+    folder: str | Path, dtype: torch.dtype, quantization: str | None, gguf: GGUFFootprint | None
+) -> int:
     """At least the bytes the checkpoint's weights take once loaded in ``dtype`` under ``quantization``,
     from its index or headers alone (nothing is read): every tensor dense in ``dtype``; under ``gguf``
     only the kept blocks as the file stores them (repacked they take more, and the rest is dense on
-    top); ``gguf_dual`` both. A lower bound, so that a model refused for it surely cannot fit."""
-    gguf = gguf_footprint(folder)
+    top); ``gguf_dual`` both. A lower bound, so that a model refused for it surely cannot fit. ``gguf``: the
+    folder's ``gguf_footprint`` (None for a safetensors folder), which the caller has read already."""
     if gguf is not None:
         values, per_value = gguf.dense_bytes // 2, dtype.itemsize
         if quantization == "gguf":

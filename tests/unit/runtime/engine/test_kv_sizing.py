@@ -268,7 +268,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(
     from runtime.engine import model_runner
     from runtime.engine.loading.weight_loader import weight_bytes_estimate
 
-    weights = weight_bytes_estimate(tiny_llama_path, torch.float32, None)
+    weights = weight_bytes_estimate(tiny_llama_path, torch.float32, None, None)
     assert weights > 0
     monkeypatch.setattr(host_memory, "cpu_mem_total_bytes", lambda: int(weights / CPU_DEFAULT_MEM_FRACTION * 0.9))
 
@@ -284,5 +284,5 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(
     with pytest.raises(AssertionError, match="were loaded"):  # past the check: the user sized the pool
         ModelRunner(tiny_llama_path, device="cpu", dtype="float32", max_total_tokens=64, load_progress=False)
     # kept quantized or in bf16 the same weights take less: the estimate follows the form they load in
-    assert weight_bytes_estimate(tiny_llama_path, torch.bfloat16, None) * 2 == weights
-    assert weight_bytes_estimate(tiny_llama_path, torch.float32, "int8") * 4 == weights
+    assert weight_bytes_estimate(tiny_llama_path, torch.bfloat16, None, None) * 2 == weights
+    assert weight_bytes_estimate(tiny_llama_path, torch.float32, "int8", None) * 4 == weights
