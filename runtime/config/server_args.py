@@ -93,6 +93,8 @@ class ServerArgs:
     chat_template: str | None = None
     # Where unset sampling fields come from (runtime/config/model_args.py): the model's, or OpenAI's.
     sampling_defaults: str = "model"
+    is_embedding: bool = False  # serve embeddings / scores: prefill only (runtime.checkpoints.pooling)
+    pooling: str | None = None  # --pooling: mean | cls | last; None: the folder's rule
     enable_metrics: bool = False
     log_requests: bool = False
     decode_log_interval: int = 40
@@ -255,6 +257,7 @@ CHECKS: tuple[Callable[[ServerArgs], None], ...] = (
     output_args.check_parsers,
     model_args.check_chat_template,
     model_args.check_sampling_defaults,
+    model_args.check_embedding,
     front_door_args.check_addresses,
     check_counts,
     front_door_args.check_timeouts,

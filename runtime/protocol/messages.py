@@ -56,6 +56,15 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # A max_new_tokens past the context's room is shortened to fit (the reply then stops for length)
     # instead of refused: Anthropic's clients (Claude Code) ask for their model's whole output budget.
     fit_max_tokens: bool = False
+    # An embedding request (a server started with --is-embedding): the prompt is prefilled, never
+    # decoded, and the reply's meta carries ``embedding``: the model's pooled, (normalised) hidden
+    # state, or a cross-encoder's label scores. ``text_pair``: the second text of a cross-encoder's
+    # pair (query, document), tokenized with ``text`` as the tokenizer joins pairs (token types 0/1).
+    embed: bool = False
+    text_pair: str | None = None
+    # Cut a prompt longer than this many tokens to its first ones (-1: the model's positions)
+    # instead of refusing it; None: refuse (vLLM's and SGLang's ``truncate_prompt_tokens``).
+    truncate_prompt_tokens: int | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
@@ -171,6 +180,8 @@ class ChunkMeta(msgspec.Struct, omit_defaults=True):
     # A constrained request's first output: its grammar's compile time (0 when cached), and whether cached.
     grammar_compile_seconds: float | None = None
     grammar_cache_hit: bool | None = None
+    # An embedding request's result: the pooled vector (or a cross-encoder's label scores), fp32.
+    embedding: list[float] | None = None
     # Output logprobs: [logprob, token_id] per new id; per new id its k best [[logprob, token_id], ...];
     # token_ids_logprob: per new id [[logprob, token_id], ...] in the order of the request's ids.
     output_token_logprobs: list[list[float | int]] | None = None
@@ -236,6 +247,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     # requests runs on the tokenizer's node) past which the scheduler aborts it; None: no deadline.
     deadline: float | None = None
     priority: int = 0  # larger first, with --enable-priority-scheduling (the scheduler ignores it otherwise)
+    # An embedding request: prefilled, never decoded; its ReqOutput carries ``embedding``.
+    embed: bool = False
+    token_type_ids: list[int] | None = None  # an encoder's segment id per prompt token (None: all 0)
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
@@ -290,6 +304,8 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # A constrained request's first ReqOutput: its grammar's compile time (0 when cached).
     grammar_compile_seconds: float | None = None
     grammar_cache_hit: bool = False
+    # An embedding request's result (its only ReqOutput, finished): the pooled vector, fp32.
+    embedding: list[float] | None = None
 
 
 class BatchTokenIDOut(msgspec.Struct, tag="token_ids"):

@@ -18,6 +18,11 @@ What a model owes:
   (``runtime.engine.ops.layer_stack.LayerDescription``), for a device's whole-layer kernels (none,
   the default: the device never runs them in one call);
 - ``run_layers``: the decoder layers one by one, what a layer stack falls back to.
+
+What an embedding server (``--is-embedding``) asks besides: ``hidden_states``, the final hidden
+states at chosen rows (what the pooler reduces, ``runtime.engine.pooling``), and ``classify``, a
+sequence-classification model's label scores of its pooled rows. An encoder (``is_encoder``: BERT,
+XLM-RoBERTa) serves through the same protocol: its ``forward`` has no logits to give.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class CausalLM(nn.Module, abc.ABC):
     uninitialised; ``load_weights`` fills them."""
 
     config: ModelConfig
+    # Every token attends to every token of its own request (attention never reads the KV pool), so
+    # the model serves embeddings only: the scheduler neither chunks nor reuses prefixes for it.
+    is_encoder: bool = False
 
     @abc.abstractmethod
     def forward(
@@ -66,6 +74,22 @@ class CausalLM(nn.Module, abc.ABC):
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` after every decoder layer, one by one, for the embeddings ``hidden``."""
+
+    def hidden_states(
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        rows: torch.Tensor,
+        layer_stack: LayerStack | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states ``[len(rows), hidden]`` (after the final norm, before any head) at
+        ``rows`` of the packed tokens: what an embedding is pooled from."""
+        raise NotImplementedError(f"{type(self).__name__} does not give its hidden states")
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor | None:
+        """A sequence-classification model's fp32 label scores ``[n, num_labels]`` of ``pooled``
+        (each request's first-token hidden state); None: the model has no such head."""
+        return None
 
     def decoder_layers(self) -> Sequence[nn.Module]:
         """The decoder layers in order, for a device's whole-layer kernels, which take a layer only

@@ -316,6 +316,16 @@ class LlamaForCausalLM(CausalLM):
         rows = batch.logit_rows()
         return self.lm_head(self.model(batch, backend, rows, layer_stack))
 
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        rows: torch.Tensor,
+        layer_stack: LayerStack | None = None,
+    ) -> torch.Tensor:
+        return self.model(batch, backend, rows, layer_stack)
+
     def attention_layers(self) -> list[AttentionLayerSpec]:
         return [self._layer(i).self_attn.spec for i in range(len(self.model.layers))]
 
