@@ -63,6 +63,8 @@ EXPECTED_DEFAULTS = {
     "served_model_name": None,
     "chat_template": None,
     "sampling_defaults": "model",
+    "is_embedding": False,
+    "pooling": None,
     "enable_metrics": False,
     "log_requests": False,
     "decode_log_interval": 40,
