@@ -261,6 +261,7 @@ class BatchBuilder:
         if future:
             both = t([i for i, _ in future] + [src for _, src in future]).view(2, -1)
             future_inputs = FutureInputs(positions=both[0], source_rows=both[1])
+        token_types = _token_types(parts)
         extends = mode in (ForwardMode.EXTEND, ForwardMode.MIXED)  # (decode and verify rows go by position)
         rope_flags = self.rope_switch.extend_flags(reqs) if extends else None
         batch = ForwardBatch(
@@ -285,6 +286,7 @@ class BatchBuilder:
             if mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
             else input_logprobs.plan_batch(reqs, prefix_lens, extend_lens, self.device),
             long_rope=None if rope_flags is None else torch.tensor(rope_flags, dtype=torch.bool, device=self.device),
+            token_type_ids=None if token_types is None else t(token_types),
         )
         return batch, future_inputs
 
@@ -293,6 +295,21 @@ def _rows(reqs: Sequence[Req]) -> list[int]:
     """The ReqToTokenPool rows of requests that all hold one (being prefilled or decoded; not
     checked here, per decode step: a request without a row makes the index tensor fail)."""
     return cast(list[int], [r.cache_handle.req_pool_idx for r in reqs])
+
+
+def _token_types(parts: Sequence["_Parts"]) -> list[int] | None:
+    """Each packed token's segment (an encoder's pair: the second text's tokens 1), by its position
+    in its request; None when no request of the batch has types (all 0)."""
+    if not any(r.token_type_ids for p in parts for r in p.reqs):
+        return None
+    types: list[int] = []
+    for p in parts:
+        offset = 0
+        for req, n in zip(p.reqs, p.extend_lens):
+            own = req.token_type_ids or []
+            types.extend(own[i] if i < len(own) else 0 for i in p.positions[offset : offset + n])
+            offset += n
+    return types
 
 
 def _outputs_for_sampling(req: Req) -> list[int]:

@@ -78,6 +78,8 @@ class StepResult:
     input_logprobs: list[float] | None = None
     input_top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
     input_token_ids_logprobs: list[list[float]] | None = None
+    # An embedding step's: row i's part of its request's pooled vector, fp32 on the host [bs, width].
+    pooled: torch.Tensor | None = None
 
 
 class PendingStep:
@@ -128,6 +130,9 @@ def _host_copy(output: Any) -> Any:
     named = getattr(output, "token_ids_logprobs", None)  # (a stub runner's output has none)
     if named is not None:
         copy.token_ids_logprobs = host(named)
+    pooled = getattr(output, "pooled", None)
+    if pooled is not None:
+        copy.pooled = host(pooled)
     prompt = getattr(output, "input_token_logprobs", None)
     if prompt is not None:
         copy.input_token_logprobs = host(prompt)
@@ -154,6 +159,9 @@ def _to_result(output: Any) -> StepResult:
     named = getattr(output, "token_ids_logprobs", None)  # (a stub runner's output has none)
     if named is not None:
         result.token_ids_logprobs = named.tolist()
+    pooled = getattr(output, "pooled", None)
+    if pooled is not None:
+        result.pooled = pooled.to("cpu", torch.float32)
     prompt = getattr(output, "input_token_logprobs", None)
     if prompt is not None:
         result.input_logprobs = prompt.tolist()
@@ -285,6 +293,7 @@ class OverlapModelWorker(ModelWorker):
 
 def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
     """The real model runner of one TP rank, configured by the server flags."""
+    from runtime.checkpoints.pooling import pooling_of
     from runtime.engine.model_runner import ModelRunner  # the model code: imported only when serving
 
     return ModelRunner(
@@ -309,6 +318,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
         quantization=server_args.quantization,
         int8_activations=server_args.quantized_activations == "int8",
+        pooling=pooling_of(server_args.resolved_model_path(), server_args.pooling) if server_args.is_embedding else None,
     )
 
 

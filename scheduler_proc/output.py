@@ -14,6 +14,7 @@ from typing import Any
 from runtime.protocol.messages import BatchTokenIDOut, ReqOutput, SchedErrorOut
 from runtime.protocol.spec_stats import spec_summary
 from scheduler_proc import input_logprobs
+from scheduler_proc.embedding import EMBED_FINISH
 from scheduler_proc.model_worker import StepResult
 from scheduler_proc.req import Req, StopChecker
 
@@ -59,8 +60,10 @@ class OutputProcessor:
         if not req.output_ids and not req.is_retracted:
             req.cached_tokens = req.first_prefix_len
         if len(req.output_ids) >= req.sampling_params.max_new_tokens:
-            # max_new_tokens 0: the prefill ran (for its prompt logprobs); its sample is dropped.
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            # max_new_tokens 0: the prefill ran (for its prompt logprobs, or its embedding); its sample is dropped.
+            req.finish_reason = (
+                dict(EMBED_FINISH) if req.embedding is not None else {"type": "length", "length": len(req.output_ids)}
+            )
             return
         token = result.token_ids[row]
         req.output_ids.append(token)
@@ -125,6 +128,7 @@ class OutputProcessor:
             skip_special_tokens=params.skip_special_tokens,
             stop_strs=(params.stop_strs or None) if start == 0 else None,  # the detokenizer keeps them
             no_stop_trim=params.no_stop_trim,
+            embedding=req.embedding,
         )
         if not req.input_logprobs_sent and input_logprobs.wants(req):  # the first output carries them
             # (token_ids_logprob alone asks for its own prompt values, not these)

@@ -68,8 +68,11 @@ class RequestIntake:
             logprob_start_len=msg.logprob_start_len,
             token_ids_logprob=msg.token_ids_logprob or None,
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
+            embed=msg.embed,
+            token_type_ids=msg.token_type_ids,
         )
-        assert 0 < req.seqlen < self.context_len, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
+        # (an embedding prompt may fill the context: it is never decoded)
+        assert 0 < req.seqlen < self.context_len + req.embed, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
         self.rope_switch.settle(req)  # (a prompt past a LongRoPE switch is long from the start)
         if req.sampling_params.stop_strs or req.sampling_params.stop_regex:
             self.output.stop_checker.load_tokenizer(self.args)

@@ -16,7 +16,8 @@ from typing import Iterable
 
 from memory.prefix_cache import BasePrefixCache
 from memory.req_to_token_pool import ReqToTokenPool
-from scheduler_proc import input_logprobs, swa_memory
+from runtime.checkpoints.pooling import PoolingSpec
+from scheduler_proc import embedding, input_logprobs, swa_memory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.jump_forward import jump_forward
 from scheduler_proc.memory_setup import Allocator
@@ -43,7 +44,10 @@ class StepResults:
         jump_forward: bool,
         context_len: int,
         release: RequestRelease,
+        pooling: PoolingSpec | None = None,
     ) -> None:
+        """``pooling``: an embedding server's rule (scheduler_proc.embedding); None: a generation server."""
+        self.pooling = pooling
         self.queues = queues
         self.tree_cache = tree_cache
         self.allocator = allocator
@@ -68,6 +72,8 @@ class StepResults:
         assert step is not None
         result = step.pending.wait()
         input_logprobs.take([item.req for item in step.extend], result)  # before any first output goes out
+        if self.pooling is not None:  # an embedding server: the prefills' pooled parts
+            embedding.take_parts(step.extend, result, self.pooling)
         finished: set[Req] = set()
         sampled: list[tuple[int, Req]] = []
         for row, item in enumerate(step.extend):

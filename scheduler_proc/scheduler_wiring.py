@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from memory.prefix_cache import BasePrefixCache
+from runtime.checkpoints.pooling import PoolingSpec
 from runtime.config.args import ServerArgs
+from scheduler_proc import embedding
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder
 from scheduler_proc.deadlines import Deadlines
@@ -51,12 +53,16 @@ class SchedulerWiring:
         kv_events: bool = False,
         dp_rank: int = 0,
     ) -> None:
-        self.args = server_args
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
         if model_runner is None:
             model_runner = create_model_runner(server_args, tp_rank)
         self.runner = model_runner
+        # An embedding server's rule (the runner's, read from the model folder): what it allows of the
+        # prefix cache and chunking is applied to the flags once, here (scheduler_proc.embedding).
+        self.pooling: PoolingSpec | None = getattr(model_runner, "pooling", None)
+        server_args = embedding.serving_args(server_args, self.pooling)
+        self.args = server_args
         self.page_size = server_args.page_size
         self.context_len: int = model_runner.context_len
         self.max_running_requests: int = model_runner.max_running_requests
@@ -146,6 +152,7 @@ class SchedulerWiring:
             self.jump_forward,
             self.context_len,
             self.release,
+            self.pooling,
         )
         self.launcher = BatchLauncher(
             self.queues,

@@ -82,6 +82,9 @@ class ForwardBatch:
     # scheduler's per-request choice, scheduler_proc.long_rope: a chunk's seq_lens may not reach the
     # switch that the request's whole sequence is past); None: by seq_lens. Extend and mixed batches.
     long_rope: torch.Tensor | None = None
+    # int64 [num_tokens]: an encoder's segment (token type) of each token, a pair's second text 1;
+    # None: all 0 (every causal model's batch, and every unpaired prompt's).
+    token_type_ids: torch.Tensor | None = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 

@@ -23,6 +23,7 @@ from memory.kv_pool import MHATokenToKVPool
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
 from runtime.checkpoints.model_source import checkpoint_folder
+from runtime.checkpoints.pooling import PoolingSpec
 from runtime.engine.attention.base import AttentionBackend
 from runtime.engine.attention.registry import (
     create_attention_backend,
@@ -48,6 +49,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
+from runtime.engine.pooling import pooled_parts
 from runtime.engine.quant.loading import DUAL_RAM_SHARE, activation_numerics, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
@@ -70,6 +72,9 @@ class ModelOutput:
     input_top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
     # and with token_ids_logprob, float32 [m, width]: each prompt row's logprobs at its ids
     input_token_ids_logprobs: torch.Tensor | None = None
+    # An embedding forward's (``pooling``): float32 [bs, width], each request's part of its pooled
+    # vector (runtime.engine.pooling); next_token_ids are then zeros, never read.
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -98,8 +103,12 @@ class ModelRunner:
         disable_hybrid_swa_memory: bool = False,
         quantization: str | None = None,
         int8_activations: bool = False,
+        pooling: PoolingSpec | None = None,
     ) -> None:
+        """``pooling``: an embedding server's rule (--is-embedding): every forward pools hidden states
+        instead of sampling (``runtime.engine.pooling``)."""
         start = time.perf_counter()
+        self.pooling = pooling
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
         self.device = concrete_device(resolve_device(device))
         self.attention_backend_name = resolve_attention_backend_name(attention_backend, self.device)
@@ -337,6 +346,10 @@ class ModelRunner:
         ``top_logprobs_num`` (default: ``batch.top_logprobs_num``, the largest any request
         in the batch asked for) asks for the k best logprobs of every request.
         """
+        if self.pooling is not None:
+            parts = pooled_parts(self.model, batch, self.attn_backend, self.pooling, self.layer_stack)
+            zeros = torch.zeros(batch.batch_size, dtype=torch.int64, device=parts.device)
+            return ModelOutput(next_token_ids=zeros, pooled=parts)
         k = top_logprobs_num if top_logprobs_num is not None else batch.top_logprobs_num
         logits = self.compute_logits(batch)
         prompt = None

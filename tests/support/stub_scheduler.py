@@ -35,7 +35,8 @@ def expected_output(prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def collect(sched: Scheduler, results: dict[str, dict]) -> None:
-    """Add the outbox's outputs to ``results`` (rid -> ids, finished, reason, cached, or error)."""
+    """Add the outbox's outputs to ``results`` (rid -> ids, finished, reason, cached, an embedding's
+    vector, or error)."""
     for msg in sched.take_outbox():
         if isinstance(msg, SchedErrorOut):
             results[msg.rid] = {"error": msg.code}
@@ -47,6 +48,8 @@ def collect(sched: Scheduler, results: dict[str, dict]) -> None:
             entry["finished"] = out.finished
             entry["reason"] = out.finish_reason
             entry["cached"] = out.cached_tokens
+            if out.embedding is not None:
+                entry["embedding"] = out.embedding
 
 
 def run_until_idle(
