@@ -50,6 +50,7 @@ from typing import Any, Sequence
 from runtime.checkpoints.gguf.reader import GGUFError
 from runtime.checkpoints.hub import HubError
 from runtime.checkpoints.model_source import DEFAULT_MODEL, ModelSourceError, checkpoint_folder, has_tokenizer
+from runtime.checkpoints.pooling import PoolingError, pooling_of
 from runtime.config.args import ServerArgs
 from runtime.config.port_args import PortArgs
 from runtime.engine.config_reading import UnsupportedModelError
@@ -63,6 +64,7 @@ STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL delay when stopping children
 DRAIN_MARGIN_S = 5.0  # past --graceful-shutdown-timeout, for the tokenizer to abort the rest and report
 READY_PREFIX = "ready: "
 HTTP_PREFIX = "http: "  # printed just before the ready line
+EMBEDDING_NOTE_PREFIX = " (embeddings: "  # an embedding server's ready line: its pooling rule, last
 
 
 def parse_ready_line(line: str) -> str | None:
@@ -70,7 +72,7 @@ def parse_ready_line(line: str) -> str | None:
     pools' note, ``kv_sizing.ready_note``), or None for any other line."""
     if not line.startswith(READY_PREFIX):
         return None
-    return line[len(READY_PREFIX) :].partition(READY_NOTE_PREFIX)[0].strip()
+    return line[len(READY_PREFIX) :].partition(READY_NOTE_PREFIX)[0].partition(EMBEDDING_NOTE_PREFIX)[0].strip()
 
 
 @dataclass
@@ -324,11 +326,22 @@ def resolve_paths(server_args: ServerArgs) -> ServerArgs:
     )
 
 
-def check_model(server_args: ServerArgs) -> None:
+def check_model(server_args: ServerArgs) -> str:
     """UnsupportedModelError (naming the supported architectures) for a checkpoint no family
-    serves, or whose experts ``--ep-size`` cannot split, before any child starts: reading its
-    config needs no torch."""
-    ModelConfig.from_pretrained(server_args.resolved_model_path(), ep_size=server_args.ep_size)
+    serves, or whose experts ``--ep-size`` cannot split, or an encoder without ``--is-embedding``,
+    before any child starts: reading its config needs no torch. Returns the ready line's note of an
+    embedding server (its pooling rule; PoolingError for one its files ask for and nothing serves)."""
+    folder = server_args.resolved_model_path()
+    ModelConfig.from_pretrained(folder, ep_size=server_args.ep_size)
+    pooling = pooling_of(folder, server_args.pooling)
+    if not server_args.is_embedding:
+        if pooling.encoder:
+            raise UnsupportedModelError(
+                f"{server_args.served_model_name or folder} is an encoder: it serves embeddings and scores "
+                "only; start it with --is-embedding"
+            )
+        return ""
+    return f"{EMBEDDING_NOTE_PREFIX}{pooling.describe()})"
 
 
 def apply_platform_env(server_args: ServerArgs) -> dict[str, str]:
@@ -368,8 +381,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(server_args.log_level, "launch")
     try:
         server_args = resolve_paths(server_args)
-        check_model(server_args)
-    except (HubError, GGUFError, ModelSourceError, UnsupportedModelError, OSError) as exc:  # OSError: unreadable
+        embedding_note = check_model(server_args)
+    except (
+        HubError,
+        GGUFError,
+        ModelSourceError,
+        UnsupportedModelError,
+        PoolingError,
+        OSError,
+    ) as exc:  # OSError: unreadable
         logger.error("%s", exc)
         return 1
     applied = apply_platform_env(server_args)
@@ -386,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http = supervisor.http_address()
         if http is not None:
             print(f"{HTTP_PREFIX}{http}", flush=True)
-        note = supervisor.kv_pool_note()
+        note = supervisor.kv_pool_note() + embedding_note
         print(f"{READY_PREFIX}{address}{note}", flush=True)
         logger.info("serving on %s%s", address, note)
         supervisor.supervise()

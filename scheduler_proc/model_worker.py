@@ -318,7 +318,9 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
         quantization=server_args.quantization,
         int8_activations=server_args.quantized_activations == "int8",
-        pooling=pooling_of(server_args.resolved_model_path(), server_args.pooling) if server_args.is_embedding else None,
+        pooling=pooling_of(server_args.resolved_model_path(), server_args.pooling)
+        if server_args.is_embedding
+        else None,
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from memory.invariant import InvariantReport, check_memory_invariant
 from memory.prefix_cache import BasePrefixCache
+from runtime.checkpoints.pooling import PoolingSpec
 from runtime.engine.kv_sizing import KVPoolSize
 from runtime.protocol.messages import KVEvent, LoadReport
 from runtime.protocol.spec_stats import spec_summary
@@ -140,4 +141,12 @@ def server_info(sched: SchedulerParts, invariant: InvariantReport) -> dict[str, 
         **dataclasses.asdict(grammar.stats),
         **stats,
         **spec_summary(stats),  # (speculative decoding only)
+        **embedding_info(getattr(sched.runner, "pooling", None)),
     }
+
+
+def embedding_info(pooling: PoolingSpec | None) -> dict[str, Any]:
+    """An embedding server's pooling rule (``server_info``'s ``embedding``); nothing for a generation server."""
+    if pooling is None:
+        return {}
+    return {"embedding": {**dataclasses.asdict(pooling), "rule": pooling.describe()}}

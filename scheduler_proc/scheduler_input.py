@@ -72,7 +72,9 @@ class RequestIntake:
             token_type_ids=msg.token_type_ids,
         )
         # (an embedding prompt may fill the context: it is never decoded)
-        assert 0 < req.seqlen < self.context_len + req.embed, f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
+        assert 0 < req.seqlen < self.context_len + req.embed, (
+            f"{req.rid}: {req.seqlen} prompt tokens reached the scheduler"
+        )
         self.rope_switch.settle(req)  # (a prompt past a LongRoPE switch is long from the start)
         if req.sampling_params.stop_strs or req.sampling_params.stop_regex:
             self.output.stop_checker.load_tokenizer(self.args)

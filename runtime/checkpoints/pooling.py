@@ -77,7 +77,11 @@ def _sentence_transformers_rule(folder: Path) -> tuple[str, bool] | None:
     config_file = folder / str(pooling.get("path") or "1_Pooling") / "config.json"
     config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
     chosen = [method for key, method in _SENTENCE_TRANSFORMERS_MODES if config.get(key)]
-    others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in dict(_SENTENCE_TRANSFORMERS_MODES)]
+    others = [
+        k
+        for k, v in config.items()
+        if k.startswith("pooling_mode_") and v and k not in dict(_SENTENCE_TRANSFORMERS_MODES)
+    ]
     if others or len(chosen) > 1:
         raise PoolingError(
             f"{config_file} asks for {', '.join(others + chosen)}: served pooling is one of "

@@ -100,7 +100,6 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         f"(default {d.sampling_defaults})",
     )
 
-
     g.add_argument(
         "--is-embedding",
         action="store_true",
