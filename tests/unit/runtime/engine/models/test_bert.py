@@ -192,3 +192,18 @@ def test_what_the_encoder_cannot_serve_is_refused_before_any_weight(
     raw = json.loads((path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_dict({**raw, key: value}, path)
+
+
+def test_the_tiny_folders_say_their_pooling(tiny_checkpoints: TinyCheckpoints) -> None:
+    """The "bert" folder is a sentence-transformers one (mean pooling, normalised, read from its files);
+    the classifiers score their first token; the plain XLM-RoBERTa gets the encoder default."""
+    from runtime.checkpoints.pooling import pooling_of
+
+    bert = pooling_of(tiny_checkpoints.path("bert"))
+    assert (bert.method, bert.normalize, bert.classifier, bert.encoder) == ("mean", True, False, True)
+    assert "sentence-transformers" in bert.source
+    for name in ENCODER_NUM_LABELS:
+        spec = pooling_of(tiny_checkpoints.path(name))
+        assert spec.classifier and spec.encoder and not spec.normalize
+    xlmr = pooling_of(tiny_checkpoints.path("xlm_roberta"))
+    assert (xlmr.method, xlmr.normalize, xlmr.source) == ("cls", True, "the encoder default")
