@@ -24,7 +24,7 @@ if str(_TESTS.parent) not in sys.path:
 # Test modules import helpers from tests.support before pytest would rewrite their asserts.
 pytest.register_assert_rewrite("tests.support")
 
-from tests.support.checkpoints import CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
+from tests.support.checkpoints import CHECKPOINT_NAMES, ENCODER_CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.support.tp_threads import ThreadTPGroup
@@ -54,6 +54,14 @@ def tiny_llama_other_weights(tiny_llama_path: Path, tmp_path_factory: pytest.Tem
 @pytest.fixture(scope="session", params=CHECKPOINT_NAMES)
 def tiny_checkpoint(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Iterator[tuple[str, Path]]:
     """``(name, folder)`` for each tiny architecture: llama, mistral, qwen2, qwen3, llama_tied_llama3."""
+    yield request.param, tiny_checkpoints.path(request.param)
+
+
+@pytest.fixture(scope="session", params=ENCODER_CHECKPOINT_NAMES)
+def tiny_encoder_checkpoint(
+    request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints
+) -> Iterator[tuple[str, Path]]:
+    """``(name, folder)`` for each tiny encoder: bert, bert_classifier, xlm_roberta, xlm_roberta_classifier."""
     yield request.param, tiny_checkpoints.path(request.param)
 
 

@@ -36,8 +36,11 @@ class WindowRule(Enum):
 # needs no torch.
 # the gated MLP's act(gate) * up ("swish" is silu; "gelu_pytorch_tanh": gelu's tanh approximation)
 ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu_pytorch_tanh")
-# rms: x / rms(x) * weight, fp32 statistics; rms_unit_offset (Gemma): x / rms(x) * (1 + weight)
-NORM_FORMS: tuple[str, ...] = ("rms", "rms_unit_offset")
+# an ungated MLP's act(up(x)) (an encoder's: BERT's intermediate layer); "gelu": the exact (erf) GELU
+PLAIN_ACTIVATIONS: tuple[str, ...] = ("gelu",)
+# rms: x / rms(x) * weight, fp32 statistics; rms_unit_offset (Gemma): x / rms(x) * (1 + weight);
+# layer_norm: (x - mean(x)) / std(x) * weight + bias (BERT's, torch's LayerNorm)
+NORM_FORMS: tuple[str, ...] = ("rms", "rms_unit_offset", "layer_norm")
 ROPE_STYLES: tuple[str, ...] = ("neox",)  # the two halves of a head's rotary dims rotate as pairs
 # what a q/k norm normalises: each head (Qwen3, Gemma 3) or the whole projection of every head (OLMoE)
 QK_NORM_SPANS: tuple[str, ...] = ("head", "projection")
@@ -95,7 +98,10 @@ class Family:
     # embeddings and scores only (``--is-embedding``): no decoding, no prefix reuse, no chunking.
     encoder: bool = False
     # Layer choices, read by the layers (``runtime.engine.layers``), never compared by name elsewhere:
-    activation: str = "silu"  # the gated MLP's activation (config ``hidden_act`` when it names one)
+    # the MLP gates (act(gate) * up, the activation one of ACTIVATIONS) or not (act(up), one of
+    # PLAIN_ACTIVATIONS: BERT's)
+    gated_mlp: bool = True
+    activation: str = "silu"  # the MLP's activation (config ``hidden_act`` when it names one)
     norm: str = "rms"  # the norm form: ``rms`` is x / rms(x) * weight
     rope_style: str = "neox"  # neox: the two halves of each head's rotary dims rotate as pairs
 
@@ -213,6 +219,30 @@ FAMILIES: tuple[Family, ...] = (
         # OLMoE configs have none); a file that states it gets it
         gguf_float_keys=(("attention.clamp_kqv", "clip_qkv", None),),
     ),
+    # Encoders (``--is-embedding`` only): post-norm LayerNorm layers, an ungated GELU MLP, absolute
+    # position and token-type embeddings; the sequence classifiers are cross-encoder rerankers. Served
+    # from safetensors only (no GGUF form). XLM-RoBERTa's positions start past its padding id (its own
+    # config, ``runtime.engine.models.bert_config``).
+    Family(
+        "bert",
+        ("BertModel", "BertForSequenceClassification"),
+        (),
+        always_qkv_bias=True,
+        encoder=True,
+        gated_mlp=False,
+        activation="gelu",
+        norm="layer_norm",
+    ),
+    Family(
+        "xlm_roberta",
+        ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
+        (),
+        always_qkv_bias=True,
+        encoder=True,
+        gated_mlp=False,
+        activation="gelu",
+        norm="layer_norm",
+    ),
 )
 
 # llama.cpp's ``llama`` converter interleaves the rows of each Q and K head for its RoPE (Mistral
@@ -244,5 +274,8 @@ def family_of_gguf(architecture: str, general_name: str, expert_count: int = 0) 
 
 
 def gguf_architecture_of(family: Family) -> str:
-    """The ``general.architecture`` llama.cpp's converter writes for ``family``."""
+    """The ``general.architecture`` llama.cpp's converter writes for ``family`` (ValueError: a family
+    served from safetensors only, the encoders)."""
+    if family.gguf_converted_as is None and not family.gguf_architectures:
+        raise ValueError(f"the {family.name} family has no GGUF form here")
     return family.gguf_converted_as or family.gguf_architectures[0]

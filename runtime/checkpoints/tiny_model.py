@@ -288,8 +288,10 @@ def build_checkpoint(
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    auto_class: Any = None,
 ) -> Path:
-    """Random-initialise ``AutoModelForCausalLM.from_config(config)`` under ``seed`` and save it.
+    """Random-initialise ``auto_class.from_config(config)`` (default ``AutoModelForCausalLM``; an
+    encoder's ``AutoModel`` or ``AutoModelForSequenceClassification``) under ``seed`` and save it.
 
     Uses transformers' own init and ``save_pretrained`` (safetensors), so the folder is a
     genuine HF checkpoint: config.json with ``architectures``, generation_config.json.
@@ -302,7 +304,7 @@ def build_checkpoint(
     # transformers' init draws from the global torch RNG: hold it alone while seeding and drawing.
     with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=torch.float32)
         if init_fn is not None:
             init_fn(model)
     model = model.to(dtype)

@@ -56,6 +56,12 @@ class FamilyConfig(abc.ABC):
         parallelism, a GGUF file's expert tensors)."""
         return 0
 
+    @property
+    def reserved_positions(self) -> int:
+        """Rows of the position table before the first token's (XLM-RoBERTa's: its padding id + 1);
+        0 (the default): none. The served context is that much shorter than ``max_position_embeddings``."""
+        return 0
+
 
 @dataclass(frozen=True)
 class MoeConfig:

@@ -82,8 +82,8 @@ class ForwardBatch:
     # scheduler's per-request choice, scheduler_proc.long_rope: a chunk's seq_lens may not reach the
     # switch that the request's whole sequence is past); None: by seq_lens. Extend and mixed batches.
     long_rope: torch.Tensor | None = None
-    # int64 [num_tokens]: an encoder's segment (token type) of each token, a pair's second text 1;
-    # None: all 0 (every causal model's batch, and every unpaired prompt's).
+    # int64 [num_tokens]: each token's segment (BERT's token types: 0 for a pair's first text, 1 for
+    # its second) for an encoder with a token-type table; None: every token's is 0.
     token_type_ids: torch.Tensor | None = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None

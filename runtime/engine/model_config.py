@@ -5,8 +5,9 @@ What a family's config means beyond the common keys (Qwen2's QKV bias that its c
 Qwen3's per-head q/k RMSNorm, which layers a ``sliding_window`` windows, the layers' activation, norm
 form and rope style) is the family's entry in ``runtime.checkpoints.families``, read here and nowhere
 else by name. Keys that only one family's model reads (Gemma's softmax scale, soft-caps and windowed
-layers' RoPE; a mixture of experts' experts; OLMoE's q/k/v clamp) are that family's own config, read by
-its config module (``runtime.engine.models.family_configs`` names them) into ``family_config``.
+layers' RoPE; a mixture of experts' experts; OLMoE's q/k/v clamp; an encoder's LayerNorm epsilon, token
+types, classifier and first position) are that family's own config, read by its config module
+(``runtime.engine.models.family_configs`` names them) into ``family_config``.
 
 Sliding windows (``Family.window_rule``, ``config_reading.declared_layer_windows``): Mistral's
 ``sliding_window`` makes every layer attend only to its last W tokens; Qwen2/Qwen3 with
@@ -27,6 +28,7 @@ from runtime.checkpoints.families import (
     ACTIVATIONS,
     BY_ARCHITECTURE,
     NORM_FORMS,
+    PLAIN_ACTIVATIONS,
     QK_NORM_SPANS,
     ROPE_STYLES,
     SUPPORTED_ARCHITECTURES,
@@ -57,7 +59,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
-    context_len: int  # what the server admits: min(max_position_embeddings, --context-length)
+    # what the server admits: min(max_position_embeddings less the family's reserved rows, --context-length)
+    context_len: int
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
@@ -73,6 +76,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (Phi-4-mini: 0.75)
     # The keys only this family's model reads (its config module's dataclass); None: it has none.
     family_config: FamilyConfig | None = None
+    # The family is an encoder (BERT, XLM-RoBERTa): every token attends to every token of its request,
+    # so it serves embeddings and scores only (``CausalLM.is_encoder``: no logits, no decoding)
+    is_encoder: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def family_config_as(self, kind: type[OwnConfig]) -> OwnConfig:
@@ -153,7 +159,7 @@ class ModelConfig:
         # Gemma names the MLP's activation ``hidden_activation`` (its ``hidden_act`` is a leftover)
         act = str(raw.get("hidden_activation") or raw.get("hidden_act") or family.activation)
         for what, value, supported in (
-            ("hidden_act", act, ACTIVATIONS),
+            ("hidden_act", act, ACTIVATIONS if family.gated_mlp else PLAIN_ACTIVATIONS),
             ("norm form", family.norm, NORM_FORMS),
             ("rope style", family.rope_style, ROPE_STYLES),
             ("q/k norm span", family.qk_norm_span, QK_NORM_SPANS),
@@ -165,8 +171,11 @@ class ModelConfig:
         max_pos = int(raw.get("max_position_embeddings", 2048))
         rope = parse_rope(raw, folder)
         num_layers = int(raw["num_hidden_layers"])
+        reader = FAMILY_CONFIGS.get(family.name)
+        family_config = reader.from_hf(raw, ConfigReading(family, folder, num_layers, ep_size)) if reader else None
 
-        context_len = max_pos
+        # (XLM-RoBERTa's first rows of its position table are never a token's: 514 rows, 512 tokens)
+        context_len = max_pos - (family_config.reserved_positions if family_config is not None else 0)
         layer_windows = declared_layer_windows(raw, family, num_layers)
         if context_length is not None:
             if context_length <= 0:
@@ -180,8 +189,6 @@ class ModelConfig:
         if all(w is None or w >= context_len for w in layer_windows):
             layer_windows = (None,) * len(layer_windows)  # no sequence outgrows the window: attention is full
 
-        reader = FAMILY_CONFIGS.get(family.name)
-        family_config = reader.from_hf(raw, ConfigReading(family, folder, num_layers, ep_size)) if reader else None
         if ep_size > 1 and (family_config is None or family_config.num_experts == 0):
             raise UnsupportedModelError(
                 f"--ep-size {ep_size} needs a mixture-of-experts model ({family.name} is dense)"
@@ -216,6 +223,7 @@ class ModelConfig:
             layer_windows=layer_windows,
             partial_rotary_factor=float(raw.get("partial_rotary_factor") or 1.0),
             family_config=family_config,
+            is_encoder=family.encoder,
             raw=raw,
         )
 

@@ -1,10 +1,14 @@
 """The one place that builds tiny test checkpoints (Llama, Mistral, Qwen2, Qwen3, tied Llama 3,
-Gemma 2/3, Phi-3, the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE, and the
-sliding-window Mistral and hybrid Qwen2).
+Gemma 2/3, Phi-3, the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE, the
+sliding-window Mistral and hybrid Qwen2, and the encoders BERT and XLM-RoBERTa with their
+sequence classifiers).
 
 Each is a genuine HF folder made with transformers' config classes and save_pretrained
-(through ``runtime.checkpoints.tiny_model.build_checkpoint``) plus a BPE tokenizer that AutoTokenizer
-loads. Shapes are tiny (hidden 64, 2 layers) so a whole test session stays fast on CPU.
+(through ``runtime.checkpoints.tiny_model.build_checkpoint``) plus a tokenizer that AutoTokenizer
+loads: byte-level BPE for the decoders; for the encoders BERT's WordPiece and XLM-RoBERTa's
+sentencepiece-style Unigram, trained on the same embedded corpus, both taking sentence pairs
+(``tok(text, text_pair)``; BERT's gives token types). The "bert" folder is a sentence-transformers
+one too (mean pooling, normalised: ``modules.json``, ``1_Pooling/config.json``). Shapes are tiny (hidden 64, 2 layers) so a whole test session stays fast on CPU.
 All 1-D weights (norm scales, biases) are randomised after transformers' init, which
 leaves them at 1 / 0: otherwise a loader that dropped them would go unnoticed.
 """
@@ -36,6 +40,11 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "olmoe",
     "qwen2_moe",
 )
+# The encoders (embedding tests; not decoders, so not in CHECKPOINT_NAMES): hidden 64, 2 layers, 4
+# heads, 128 positions; the classifiers score 1 label (a reranker's) and 3.
+ENCODER_CHECKPOINT_NAMES: tuple[str, ...] = ("bert", "bert_classifier", "xlm_roberta", "xlm_roberta_classifier")
+ENCODER_MAX_POSITIONS = 128
+ENCODER_NUM_LABELS: dict[str, int] = {"bert_classifier": 1, "xlm_roberta_classifier": 3}
 # the mixtures of experts among them (MoE tests: tensor and expert parallelism, the router)
 MOE_CHECKPOINT_NAMES: tuple[str, ...] = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 # Sliding-window checkpoints (sliding-window tests): window of their windowed layers.
@@ -241,14 +250,134 @@ def _randomise_1d_weights(seed: int) -> Callable[[nn.Module], None]:
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if p.dim() == 1:
-                    base = 1.0 if "norm" in pname else 0.0
+                    # a norm's scale about 1 (BERT's "LayerNorm.weight" too), its bias and others about 0
+                    base = 1.0 if "norm" in pname.lower() and not pname.endswith(".bias") else 0.0
                     p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
 
     return init
 
 
+def encoder_config(name: str, tok: dict[str, int]) -> Any:
+    """The transformers config of encoder checkpoint ``name`` (tokenizer ids from ``tok``)."""
+    from transformers import BertConfig, XLMRobertaConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": tok["vocab_size"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "initializer_range": 0.1,
+        "pad_token_id": tok["pad_token_id"],
+    }
+    labels = ENCODER_NUM_LABELS.get(name)
+    if labels is not None:
+        common["num_labels"] = labels
+    if name.startswith("bert"):
+        return BertConfig(**common, max_position_embeddings=ENCODER_MAX_POSITIONS, type_vocab_size=2)
+    if name.startswith("xlm_roberta"):  # positions from past the padding id: 2 more rows than tokens
+        return XLMRobertaConfig(
+            **common,
+            max_position_embeddings=ENCODER_MAX_POSITIONS + tok["pad_token_id"] + 1,
+            type_vocab_size=1,
+            bos_token_id=tok["bos_token_id"],
+            eos_token_id=tok["eos_token_id"],
+        )
+    raise ValueError(f"unknown encoder checkpoint {name!r}; known: {', '.join(ENCODER_CHECKPOINT_NAMES)}")
+
+
+def _train_encoder_tokenizer(name: str, out: Path) -> dict[str, int]:
+    """BERT's WordPiece (``[CLS] a [SEP] b [SEP]``, token types 0 then 1) or XLM-RoBERTa's Unigram
+    (``<s> a </s></s> b </s>``, ids ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3 as its own), trained
+    on the embedded corpus and saved as the folder's tokenizer."""
+    from tokenizers import BertWordPieceTokenizer, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertTokenizer, XLMRobertaTokenizer
+
+    from runtime.checkpoints.tiny_model import embedded_corpus
+
+    corpus = embedded_corpus()
+    if name.startswith("bert"):
+        wordpiece = BertWordPieceTokenizer(lowercase=True)
+        wordpiece.train_from_iterator(
+            corpus,
+            vocab_size=TOKENIZER_VOCAB,
+            min_frequency=2,
+            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+            show_progress=False,
+        )
+        bert = BertTokenizer(vocab=wordpiece.get_vocab(), model_max_length=ENCODER_MAX_POSITIONS)
+        bert.save_pretrained(out)
+        ids = bert.convert_tokens_to_ids(["[PAD]", "[CLS]", "[SEP]"])
+        size = len(bert)
+    else:
+        unigram = Tokenizer(models.Unigram())
+        unigram.normalizer = normalizers.NFKC()
+        unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=TOKENIZER_VOCAB,
+            special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+            unk_token="<unk>",
+            show_progress=False,
+        )
+        unigram.train_from_iterator(corpus, trainer=trainer)
+        pieces = [(str(piece), float(score)) for piece, score in json.loads(unigram.to_str())["model"]["vocab"]]
+        xlmr = XLMRobertaTokenizer(vocab=[*pieces, ("<mask>", 0.0)], model_max_length=ENCODER_MAX_POSITIONS)
+        xlmr.save_pretrained(out)
+        ids = xlmr.convert_tokens_to_ids(["<pad>", "<s>", "</s>"])
+        size = len(xlmr)
+    return dict(zip(("pad_token_id", "bos_token_id", "eos_token_id"), ids)) | {"vocab_size": size}
+
+
+def _write_sentence_transformers_files(out: Path) -> None:
+    """sentence-transformers' module list (transformer, mean pooling, normalisation) and pooling config."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {
+        "word_embedding_dimension": 64,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+
+
+def build_encoder_checkpoint(name: str, out_dir: str | Path) -> Path:
+    """Tokenizer + fp32 random weights of encoder checkpoint ``name`` in ``out_dir``."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_encoder_tokenizer(name, out)
+    auto_class = AutoModelForSequenceClassification if name in ENCODER_NUM_LABELS else AutoModel
+    build_checkpoint(
+        encoder_config(name, tok), out, seed=SEED, init_fn=_randomise_1d_weights(SEED + 1), auto_class=auto_class
+    )
+    if name == "bert":
+        _write_sentence_transformers_files(out)
+    return out
+
+
+def load_hf_encoder(path: str | Path) -> Any:
+    """The transformers reference of an encoder checkpoint (its base model, or its sequence
+    classifier), fp32, eval mode."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    auto_class = AutoModelForSequenceClassification if classifier else AutoModel
+    return auto_class.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def build_test_checkpoint(name: str, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
     """Tokenizer + fp32 random weights of checkpoint ``name`` in ``out_dir``."""
+    if name in ENCODER_CHECKPOINT_NAMES:
+        return build_encoder_checkpoint(name, out_dir)
     out = Path(out_dir)
     qwen = name.startswith("qwen")
     tok = train_bpe_tokenizer(TOKENIZER_VOCAB, out, qwen_split=qwen, add_bos=not qwen, model_max_length=MAX_POSITIONS)

@@ -9,6 +9,10 @@ its decode planning in two, as SGLang does: at capture time the plan is made of 
 of buffers allocated once (``init_cuda_graph_state``), so the captured kernels read
 fixed addresses; at replay time the plan for the real batch is written into those same
 buffers in place, outside the graph, before it is replayed.
+
+An encoder's attention (BERT: ``forward_encoder``) is every backend's alike: each request's new
+tokens attend to each other both ways, and the KV pool is neither read nor written (an encoder keeps
+no KV), so it needs no plan and no pool: one SDPA call per group of requests of one length.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from runtime.engine.forward_batch import ForwardBatch
 from runtime.engine.ops import DeviceOps, get_ops
@@ -81,6 +86,47 @@ class AttentionBackend(ABC):
         request's prefix and to the new tokens up to itself.
         """
 
+    def forward_encoder(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """An encoder layer's attention: q ``[T, num_heads, D]``, k/v ``[T, num_kv_heads, D]`` for the T
+        new tokens -> ``[T, num_heads, D]``, each token attending to every new token of its own request
+        (before and after it; never another request's). Nothing is read from or written to the KV pool,
+        so a request's tokens must all be in this forward (none cached before it).
+
+        Requests of equal length share one ``scaled_dot_product_attention`` call (``[n, heads, L, D]``,
+        no mask); a request alone in its length reads its rows as views. KV heads are repeated for
+        their query group (GQA) before the call."""
+        if layer.sliding_window is not None or layer.logit_softcap is not None:
+            raise NotImplementedError("encoder attention is full and plain: no window, no soft-cap")
+        lens = list(batch.extend_lens_cpu) or [int(n) for n in batch.extend_lens.tolist()]
+        prefix = list(batch.prefix_lens_cpu) or [int(n) for n in batch.prefix_lens.tolist()]
+        if any(prefix):
+            raise ValueError("an encoder attends within one forward: a request's tokens cannot follow a cached prefix")
+        group = layer.num_heads // layer.num_kv_heads
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            by_len.setdefault(n, []).append(i)
+        out = q.new_empty(q.shape)
+        for length, members in by_len.items():
+            if len(members) == 1:
+                rows: torch.Tensor | slice = slice(starts[members[0]], starts[members[0]] + length)
+            else:
+                first = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=q.device)
+                rows = (first[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+            n = len(members)
+            qg, kg, vg = (_request_major(x, rows, n, length) for x in (q, k, v))
+            if group > 1:
+                kg, vg = kg.repeat_interleave(group, dim=1), vg.repeat_interleave(group, dim=1)
+            attended = F.scaled_dot_product_attention(qg, kg, vg, scale=layer.scaling)  # [n, Hq, L, D]
+            attended = attended.transpose(1, 2).reshape(n * length, layer.num_heads, -1)
+            if isinstance(rows, slice):
+                out[rows] = attended
+            else:
+                out.index_copy_(0, rows, attended)
+        return out
+
     # ---- decode under CUDA graphs (runtime/engine/cuda/graph_runner.py) ----------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_kv_tokens: int) -> None:
@@ -94,3 +140,10 @@ class AttentionBackend(ABC):
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Rewrite, in place, the plan made at capture for ``batch``'s current contents."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+def _request_major(x: torch.Tensor, rows: torch.Tensor | slice, n: int, length: int) -> torch.Tensor:
+    """The packed tokens ``rows`` of ``x [T, heads, D]`` (n requests of ``length`` tokens, back to
+    back) as ``[n, heads, length, D]``: a view for a slice, one gather otherwise."""
+    picked = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+    return picked.view(n, length, x.shape[1], x.shape[2]).transpose(1, 2)

@@ -9,7 +9,8 @@ tests compare with transformers) takes the fp32 kernels of RMSNorm, silu*mul and
 which keep torch's fp32 formulas (RMSNorm and rotary bit-identical, silu*mul within a few ulp),
 the byte-exact KV row copy and the argmax; its linears take the fp32 panel kernel on the
 weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few
-fp32 epsilons of ``sum |x * w|`` of it, see ``prepacked``).
+fp32 epsilons of ``sum |x * w|`` of it, see ``prepacked``). An encoder's LayerNorm and GELU are
+torch's own (vectorised ATen kernels: ``TorchOps``); its linears take the plans as any others.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``TritonOps``: the device-ops seam on cuda, through the Triton kernels of
 ``runtime.engine.cuda.kernels`` (falling back to the torch op where a kernel does not take a
 layout). Linears stay cuBLAS (``F.linear``), except weights kept quantized (``--quantization``:
-the dequantizing matmul of ``runtime.engine.cuda.quant_matmul``), and greedy argmax stays torch's.
+the dequantizing matmul of ``runtime.engine.cuda.quant_matmul``), and greedy argmax, an encoder's
+LayerNorm and its GELU stay torch's.
 A mixture of experts' routed experts run in the fused kernel (``runtime.engine.cuda.moe_kernels``)
 on their weights stacked once at ``prepare_model`` (each expert's parameters then view its rows of
 the stack: one copy in memory); experts kept quantized run the plain expert loop, eagerly.

@@ -1,7 +1,7 @@
-"""The layer choices a model family makes, turned into work: its gated MLP's activation, its norm
-form, its rope style. Each is a name in the family's entry (``runtime.checkpoints.families``, which
-also lists every name these tables implement) that the layers look up here, so that no runner or
-model compares a family's name to pick a formula.
+"""The layer choices a model family makes, turned into work: its MLP's activation (gated, or an
+encoder's plain one), its norm form, its rope style. Each is a name in the family's entry
+(``runtime.checkpoints.families``, which also lists every name these tables implement) that the
+layers look up here, so that no runner or model compares a family's name to pick a formula.
 
 A name the family table does not list is a family the layers cannot run:
 ``runtime.engine.model_config`` refuses its checkpoint with ``UnsupportedModelError`` before any
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from runtime.engine.layers.norm import RMSNorm, UnitOffsetRMSNorm
+from runtime.engine.layers.norm import LayerNorm, NormLayer, RMSNorm, UnitOffsetRMSNorm
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps, RopeInputs
 from runtime.engine.ops.experts import ExpertActivation, ExpertWeight
@@ -51,14 +51,31 @@ GATED_ACTIVATIONS: dict[str, GatedActivation] = {
     "gelu_pytorch_tanh": _gelu_tanh_and_mul,
 }
 
+# activation name -> act(x) of an ungated MLP's up projection (an encoder's), through the device ops
+PlainActivation = Callable[[DeviceOps, torch.Tensor], torch.Tensor]
+
+
+def _gelu(ops: DeviceOps, x: torch.Tensor) -> torch.Tensor:
+    return ops.gelu(x)
+
+
+PLAIN_ACTIVATIONS: dict[str, PlainActivation] = {"gelu": _gelu}
+
 # norm form -> the layer that computes it (``rms``: x / rms(x) * weight, fp32 statistics;
-# ``rms_unit_offset``: x / rms(x) * (1 + weight), Gemma's)
-NORM_LAYERS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "rms_unit_offset": UnitOffsetRMSNorm}
+# ``rms_unit_offset``: x / rms(x) * (1 + weight), Gemma's; ``layer_norm``: torch's LayerNorm, BERT's)
+NORM_LAYERS: dict[str, type[NormLayer]] = {
+    "rms": RMSNorm,
+    "rms_unit_offset": UnitOffsetRMSNorm,
+    "layer_norm": LayerNorm,
+}
 
 # rope style -> how q and k rotate: ``neox`` pairs the two halves of a head's rotary dims
 ROPE_ROTATIONS: dict[str, Rotation] = {"neox": _neox_rotation}
 
 
-def norm_layer(config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps) -> RMSNorm:
-    """A norm layer of ``config``'s family's form over ``size`` features."""
-    return NORM_LAYERS[config.norm](size, config.rms_norm_eps, params_dtype=dtype, ops=ops)
+def norm_layer(
+    config: ModelConfig, size: int, dtype: torch.dtype, ops: DeviceOps, eps: float | None = None
+) -> NormLayer:
+    """A norm layer of ``config``'s family's form over ``size`` features (``eps``: the config's
+    ``rms_norm_eps`` unless the family's own config names another, BERT's ``layer_norm_eps``)."""
+    return NORM_LAYERS[config.norm](size, config.rms_norm_eps if eps is None else eps, params_dtype=dtype, ops=ops)

@@ -1,4 +1,6 @@
-"""The gated MLP block (``down(act(gate(x)) * up(x))``) that the Llama-style families share.
+"""The MLP blocks: the gated one (``down(act(gate(x)) * up(x))``) that the Llama-style families share,
+and the plain one (``down(act(up(x)))``, with biases) of the encoders (BERT's intermediate and output
+dense layers).
 
 Gate and up are one merged column-parallel projection (one matmul), down is row-parallel; the
 activation is the family's choice (``runtime.engine.layers.choices``). Parameter names
@@ -11,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.engine.layers.choices import GATED_ACTIVATIONS
-from runtime.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from runtime.engine.layers.choices import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS
+from runtime.engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from runtime.engine.ops import DeviceOps
 
 
@@ -55,3 +57,32 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         return self.down_proj(self._act_and_mul(gate_up.ops, x, gate_up.weight, gate_up.bias, gate_up.plan))
+
+
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))`` with both biases: up column-parallel, down row-parallel (its bias added
+    once, after the reduction), the activation one of ``choices.PLAIN_ACTIVATIONS``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        ops: DeviceOps,
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        self._act = PLAIN_ACTIVATIONS[activation]  # (model_config refused any other name)
+        self.up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size], bias=True, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=True, tp_rank=tp_rank, tp_size=tp_size, params_dtype=dtype, ops=ops
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._act(self.up_proj.ops, self.up_proj(x)))

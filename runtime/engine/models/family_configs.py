@@ -10,6 +10,7 @@ in step with the family table.
 from __future__ import annotations
 
 from runtime.engine.config_reading import FamilyConfig
+from runtime.engine.models.bert_config import BertConfig, XLMRobertaConfig
 from runtime.engine.models.gemma_config import GemmaConfig
 from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.models.olmoe_config import OlmoeConfig
@@ -21,4 +22,6 @@ FAMILY_CONFIGS: dict[str, type[FamilyConfig]] = {
     "qwen3_moe": MoeFamilyConfig,
     "mixtral": MoeFamilyConfig,
     "olmoe": OlmoeConfig,
+    "bert": BertConfig,
+    "xlm_roberta": XLMRobertaConfig,
 }

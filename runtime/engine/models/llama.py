@@ -27,7 +27,7 @@ from runtime.engine.layers.choices import ROPE_ROTATIONS, norm_layer
 from runtime.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.engine.layers.mlp import GatedMLP
-from runtime.engine.layers.norm import RMSNorm
+from runtime.engine.layers.norm import NormLayer
 from runtime.engine.layers.rotary import RotaryEmbedding
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM, CheckpointTargets
@@ -78,8 +78,8 @@ class LlamaAttention(nn.Module):
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: NormLayer | None = None
+        self.k_norm: NormLayer | None = None
         if config.qk_norm:
             self.q_norm = norm_layer(config, config.head_dim, dtype, ops)
             self.k_norm = norm_layer(config, config.head_dim, dtype, ops)

@@ -28,6 +28,8 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen3_moe": "runtime.engine.models.qwen_moe:QwenMoeForCausalLM",
     "mixtral": "runtime.engine.models.mixtral:MixtralForCausalLM",
     "olmoe": "runtime.engine.models.olmoe:OlmoeForCausalLM",
+    "bert": "runtime.engine.models.bert:BertModel",
+    "xlm_roberta": "runtime.engine.models.bert:XLMRobertaModel",
 }
 
 

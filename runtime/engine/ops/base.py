@@ -96,6 +96,11 @@ class DeviceOps(Protocol):
         the norm is of that sum."""
         ...
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """``F.layer_norm(x, (H,), weight, bias, eps)`` of ``x [..., H]`` as a new tensor (BERT's
+        LayerNorm: mean and variance over the last dim, then the affine)."""
+        ...
+
     def rope(self, cache: RopeCache, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
         """The forward's rotary inputs for ``positions`` (once per forward, shared by all layers)."""
         ...
@@ -124,6 +129,10 @@ class DeviceOps(Protocol):
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(gate, approximate="tanh") * up`` of ``x [..., 2 * I]`` (gate first) as a new
         ``[..., I]`` tensor (Gemma's gated MLP)."""
+        ...
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.gelu(x)``, the exact (erf) GELU, as a new tensor (an encoder's ungated MLP)."""
         ...
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:

@@ -4,7 +4,8 @@ equal (up to rounding), and what runs where no faster one applies.
 The roundings follow transformers' Llama/Qwen modules op for op, so fp32 results are
 bit-identical to them: RMSNorm computes its statistics in fp32 and casts back before the
 weight multiply; rotary rounds each product, then each sum; silu*mul rounds silu's output
-before the multiply.
+before the multiply. An encoder's LayerNorm and exact GELU are the very torch functions that
+transformers' ``nn.LayerNorm`` and ``ACT2FN["gelu"]`` call.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class TorchOps:
         xf.mul_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
         return weight * xf.to(x.dtype)
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)  # (torch's, as transformers' nn.LayerNorm)
+
     def rope(self, cache: RopeCache, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
         cos, sin = cache.cos_sin(positions, dtype)
         return RopeInputs(positions, cache, cos, sin)
@@ -110,6 +114,9 @@ class TorchOps:
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)  # as transformers' GELUTanh, then the product
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)  # as transformers' ACT2FN["gelu"]
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         if x.shape[0] == 1:

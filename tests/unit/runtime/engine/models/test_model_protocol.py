@@ -201,10 +201,12 @@ def test_the_layers_implement_exactly_the_choices_the_table_lists() -> None:
     from runtime.engine.layers import choices
 
     assert set(choices.GATED_ACTIVATIONS) == set(families.ACTIVATIONS)
+    assert set(choices.PLAIN_ACTIVATIONS) == set(families.PLAIN_ACTIVATIONS)
     assert set(choices.NORM_LAYERS) == set(families.NORM_FORMS)
     assert set(choices.ROPE_ROTATIONS) == set(families.ROPE_STYLES)
     for family in FAMILIES:
-        assert family.activation in families.ACTIVATIONS and family.norm in families.NORM_FORMS
+        activations = families.ACTIVATIONS if family.gated_mlp else families.PLAIN_ACTIVATIONS
+        assert family.activation in activations and family.norm in families.NORM_FORMS
         assert family.rope_style in families.ROPE_STYLES
 
 
@@ -246,4 +248,21 @@ def test_each_family_entry_says_what_its_checkpoints_hold(name: str) -> None:
     arch = gguf_architecture_of(family)
     got = (arch, needs_qk_unpermute(arch), family.always_qkv_bias, family.qk_norm, family.window_rule.value)
     assert got == EXPECTED[name]
-    assert set(BY_NAME) == set(EXPECTED)
+    assert set(BY_NAME) == set(EXPECTED) | set(ENCODERS)
+
+
+# The encoders, served from safetensors only: (their architectures, the MLP's activation and the norm)
+ENCODERS = {
+    "bert": (("BertModel", "BertForSequenceClassification"), "gelu", "layer_norm"),
+    "xlm_roberta": (("XLMRobertaModel", "XLMRobertaForSequenceClassification"), "gelu", "layer_norm"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_the_encoder_entries_have_no_gguf_form_and_an_ungated_mlp(name: str) -> None:
+    family = BY_NAME[name]
+    assert family.encoder and not family.gated_mlp and family.always_qkv_bias
+    assert (family.architectures, family.activation, family.norm) == ENCODERS[name]
+    assert family.gguf_architectures == () and family_of_gguf(name, name) is None
+    with pytest.raises(ValueError, match=f"the {name} family has no GGUF form"):
+        gguf_architecture_of(family)

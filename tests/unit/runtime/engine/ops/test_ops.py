@@ -157,3 +157,24 @@ def test_plain_torch_backend_matches_the_reference(dtype: torch.dtype, monkeypat
     ):
         meta = run(mode, prefix, ext, dtype=dtype)
         assert all(type(g) is AttnGroup and g.shared_loc is None for g in meta.groups)  # no CPU plan fields
+
+
+@pytest.mark.parametrize("ops", [TorchOps(), CpuOps(), TritonOps()], ids=lambda ops: ops.name)
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_layer_norm_and_gelu_are_their_formulas(ops: TorchOps, dtype: torch.dtype) -> None:
+    """An encoder's LayerNorm and exact GELU on every device's ops, against the formulas in float64:
+    ``(x - mean) / sqrt(var + eps) * w + b`` over the last dim (biased variance) and
+    ``x / 2 * (1 + erf(x / sqrt(2)))``."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=gen) * 3 + 1
+    weight, bias = 1 + 0.2 * torch.randn(96, generator=gen), 0.2 * torch.randn(96, generator=gen)
+    xd = x.to(dtype).double()
+    mean, var = xd.mean(-1, keepdim=True), xd.var(-1, unbiased=False, keepdim=True)
+    want_norm = (xd - mean) / torch.sqrt(var + 1e-12) * weight.to(dtype).double() + bias.to(dtype).double()
+    want_gelu = xd / 2 * (1 + torch.erf(xd / 2**0.5))
+    tol = 1e-5 if dtype == FP32 else 2e-2
+    got_norm = ops.layer_norm(x.to(dtype), weight.to(dtype), bias.to(dtype), 1e-12)
+    got_gelu = ops.gelu(x.to(dtype))
+    assert got_norm.dtype == got_gelu.dtype == dtype
+    torch.testing.assert_close(got_norm.double(), want_norm, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_gelu.double(), want_gelu, atol=tol, rtol=tol)
