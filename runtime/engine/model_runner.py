@@ -245,7 +245,8 @@ class ModelRunner:
         # (the CPU's one-call decode stack), captured graphs for decode batches (cuda).
         self.layer_stack: LayerStack | None = self.ops.layer_stack(self.model)
         self.graph_runner: CudaGraphRunner | None = None
-        if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs:
+        # (an encoder has no decode step to capture)
+        if not disable_cuda_graph and self.ops.platform(self.device).cuda_graphs and not self.model.is_encoder:
             if self.ops.graph_safe(self.model):
                 self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
             else:

@@ -38,7 +38,8 @@ def pooled_parts(
 ) -> torch.Tensor:
     """fp32 ``[batch size, width]``: each request's part of its pooled vector from this forward (see
     the module docstring), or a classifier's label scores of its first token."""
-    backend.init_forward_metadata(batch)
+    if not model.is_encoder:  # (an encoder's attention reads no KV: nothing to plan)
+        backend.init_forward_metadata(batch)
     hidden = model.hidden_states(batch, backend, pooled_rows(batch, spec.method), layer_stack).float()
     if spec.classifier:
         scores = model.classify(hidden)

@@ -130,3 +130,47 @@ def test_rules_that_read_the_first_tokens_serve_without_the_prefix_cache(tiny_ch
     for rid in "ab":
         torch.testing.assert_close(torch.tensor(results[rid]["embedding"]), expected, atol=2e-5, rtol=1e-4)
     assert_idle_invariant(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_encoders_embed_and_score_whole_prompts_as_transformers_does(tiny_checkpoints: Any, overlap: bool) -> None:
+    """The tiny BERT's folder says mean pooling, normalised (its sentence-transformers files); the
+    classifiers answer their heads' logits. Prompts longer than the chunk size the flags ask for run
+    whole (an encoder is never chunked), pairs with their token types, and nothing is cached."""
+    from runtime.checkpoints.pooling import pooling_of
+    from tests.support.checkpoints import load_hf_encoder
+
+    for name in ("bert", "bert_classifier", "xlm_roberta_classifier"):
+        path = tiny_checkpoints.path(name)
+        spec = pooling_of(path)
+        runner = ModelRunner(
+            path, device="cpu", dtype="float32", max_total_tokens=2048, load_progress=False, pooling=spec
+        )
+        args = ServerArgs(max_total_tokens=2048, chunked_prefill_size=16, disable_overlap_schedule=not overlap)
+        sched = Scheduler(args, model_runner=runner)
+        assert sched.args.chunked_prefill_size is None and sched.args.disable_radix_cache
+        batch = prompts(5, seed=11, vocab=runner.vocab_size)
+        types = [None, [0] * 10 + [1] * (len(batch[1]) - 10), None, None, None] if name.startswith("bert") else None
+        for i, prompt in enumerate(batch):
+            sched.handle_message(
+                TokenizedGenerateReq(
+                    rid=f"{name}{i}",
+                    input_ids=prompt,
+                    sampling_params=SamplingParams(max_new_tokens=0),
+                    embed=True,
+                    token_type_ids=types[i] if types else None,
+                )
+            )
+        results = run_until_idle(sched)
+        hf = load_hf_encoder(path)
+        for i, prompt in enumerate(batch):
+            kwargs = {"token_type_ids": torch.tensor([types[i]])} if types and types[i] else {}
+            with torch.no_grad():
+                out = hf(torch.tensor([prompt]), **kwargs)
+            if spec.classifier:
+                expected = out.logits[0]
+            else:
+                expected = torch.nn.functional.normalize(out.last_hidden_state[0].mean(0), dim=0)
+            got = torch.tensor(results[f"{name}{i}"]["embedding"])
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=f"{name} request {i}")
+        assert_idle_invariant(sched)
