@@ -19,28 +19,19 @@ JSON, as SGLang's and vLLM's servers answer on these routes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from runtime.protocol.messages import GenerateChunk, GenerateReq
 from tokenizer_proc import embedding_reply as replies
 from tokenizer_proc import openai_protocol as oai
-from tokenizer_proc.embedding_build import NOT_AN_EMBEDDING_SERVER
-from tokenizer_proc.embedding_model import DimensionsError, EmbeddingModel
 from tokenizer_proc.embedding_protocol import EmbeddingRequest, EncodeRequest, RerankRequest, ScoreRequest, names
+from tokenizer_proc.http import embedding_run
 from tokenizer_proc.http.body import read_body
-from tokenizer_proc.http.context import Http, HttpContext, api_router
+from tokenizer_proc.http.context import Http, api_router
 from tokenizer_proc.http.errors import RequestFailed
-from tokenizer_proc.http.run import LocalRun
 
 router = api_router()
 
-CROSS_ENCODER_HAS_NO_VECTORS = (
-    "the model is a cross-encoder (a reranker): it scores (query, document) pairs and has no embeddings; "
-    "use /v1/rerank, or /encode for its raw label scores"
-)
 NOT_A_CROSS_ENCODER = (
     "the model is not a cross-encoder: /v1/rerank needs a sequence-classification reranker "
     "(such as a BertForSequenceClassification or XLMRobertaForSequenceClassification checkpoint) "
@@ -57,16 +48,18 @@ async def embeddings(request: Request, http: Http) -> JSONResponse:
     http.authorize(request)
     body: EmbeddingRequest = await read_body(request, EmbeddingRequest, http.max_request_bytes)
     http.check_model(body.model)
-    model = _embedding_model(http)
+    model = embedding_run.embedding_model(http)
     if model.classifier:
-        raise oai.BadRequest(CROSS_ENCODER_HAS_NO_VECTORS, "model")
-    _check_dimensions(model, body.dimensions)
+        raise oai.BadRequest(embedding_run.CROSS_ENCODER_HAS_NO_VECTORS, "model")
+    embedding_run.check_dimensions(model, body.dimensions)
     field = body.field
     request.state.field_names = names({"text": field, "input_ids": field, "prompt": field})
     reqs = body.generate_reqs()
-    chunks = await _run(request, http, reqs, (lambda i: f"input[{i}]") if body.batch else None)
-    vectors = [_cut(model, _vector(chunk), body.dimensions) for chunk in chunks]
-    return JSONResponse(replies.embeddings_body(vectors, body.encoding_format, http.model_name, _prompt_tokens(chunks)))
+    chunks = await embedding_run.run_all(request, http, reqs, (lambda i: f"input[{i}]") if body.batch else None)
+    vectors = [embedding_run.cut(model, embedding_run.vector(chunk), body.dimensions) for chunk in chunks]
+    return JSONResponse(
+        replies.embeddings_body(vectors, body.encoding_format, http.model_name, embedding_run.prompt_tokens(chunks))
+    )
 
 
 @router.api_route("/encode", methods=["POST", "PUT"])
@@ -74,13 +67,16 @@ async def encode(request: Request, http: Http) -> JSONResponse:
     """SGLang's: ``{embedding, meta_info}``, a list of them for a batch."""
     http.authorize(request)
     body: EncodeRequest = await read_body(request, EncodeRequest, http.max_request_bytes)
-    model = _embedding_model(http)
-    _check_dimensions(model, body.dimensions)
+    model = embedding_run.embedding_model(http)
+    embedding_run.check_dimensions(model, body.dimensions)
     reqs, batch, field = body.generate_reqs()
     request.state.field_names = names({"prompt": field})
-    chunks = await _run(request, http, reqs, (lambda i: f"{field}[{i}]") if batch else None)
+    chunks = await embedding_run.run_all(request, http, reqs, (lambda i: f"{field}[{i}]") if batch else None)
     version = http.ready_door().weight_version
-    results = [replies.encode_result(c, _cut(model, _vector(c), body.dimensions), version) for c in chunks]
+    results = [
+        replies.encode_result(c, embedding_run.cut(model, embedding_run.vector(c), body.dimensions), version)
+        for c in chunks
+    ]
     return JSONResponse(results if batch else results[0])
 
 
@@ -93,15 +89,17 @@ async def rerank(request: Request, http: Http) -> JSONResponse:
     body: RerankRequest = await read_body(request, RerankRequest, http.max_request_bytes)
     if body.model is not None:
         http.check_model(body.model)
-    model = _embedding_model(http)
+    model = embedding_run.embedding_model(http)
     if not model.classifier:
         raise oai.BadRequest(NOT_A_CROSS_ENCODER, "model")
     documents, top_n = body.texts(), body.kept()
     request.state.field_names = names({"text": "query", "text_pair": "documents", "prompt": "documents"})
-    chunks = await _run(request, http, body.generate_reqs(), lambda i: f"documents[{i}]")
-    scores = [replies.relevance_score(_vector(chunk)) for chunk in chunks]
+    chunks = await embedding_run.run_all(request, http, body.generate_reqs(), lambda i: f"documents[{i}]")
+    scores = [replies.relevance_score(embedding_run.vector(chunk)) for chunk in chunks]
     return JSONResponse(
-        replies.rerank_body(scores, documents, top_n, body.return_documents, http.model_name, _prompt_tokens(chunks))
+        replies.rerank_body(
+            scores, documents, top_n, body.return_documents, http.model_name, embedding_run.prompt_tokens(chunks)
+        )
     )
 
 
@@ -118,7 +116,7 @@ async def score(request: Request, http: Http) -> JSONResponse:
     request.state.field_names = names(
         {"text": "items", "input_ids": "items", "prompt": "items", "token_ids_logprob": "label_token_ids"}
     )
-    chunks = await _run(request, http, body.generate_reqs(), lambda i: f"items[{i}]")
+    chunks = await embedding_run.run_all(request, http, body.generate_reqs(), lambda i: f"items[{i}]")
     scores = []
     for chunk in chunks:
         positions = chunk.meta.output_token_ids_logprobs
@@ -128,61 +126,4 @@ async def score(request: Request, http: Http) -> JSONResponse:
             )
         scores.append(replies.label_probabilities(positions[0], body.label_token_ids, body.apply_softmax))
     completion = sum(chunk.meta.completion_tokens or 0 for chunk in chunks)
-    return JSONResponse(replies.score_body(scores, http.model_name, _prompt_tokens(chunks), completion))
-
-
-def _embedding_model(http: HttpContext) -> EmbeddingModel:
-    """The embedding model served, or 400 on a generation server."""
-    model = http.ready_door().embedding
-    if model is None:
-        raise oai.BadRequest(NOT_AN_EMBEDDING_SERVER)
-    return model
-
-
-def _check_dimensions(model: EmbeddingModel, dimensions: int | None) -> None:
-    try:
-        model.check_dimensions(dimensions)
-    except DimensionsError as exc:
-        raise oai.BadRequest(f"dimensions: {exc}", "dimensions") from None
-
-
-def _cut(model: EmbeddingModel, vector: list[float], dimensions: int | None) -> list[float]:
-    try:
-        return model.cut(vector, dimensions)
-    except DimensionsError as exc:
-        raise oai.BadRequest(f"dimensions: {exc}", "dimensions") from None
-
-
-async def _run(
-    request: Request, http: HttpContext, reqs: list[GenerateReq], where: Callable[[int], str] | None
-) -> list[GenerateChunk]:
-    """Submit every request as one local client, then wait for all of them: each one's finished
-    chunk, in the order of ``reqs``. A refusal names the input (``where``); an input that ends in an
-    error fails the call (RequestFailed)."""
-    run = LocalRun(http.ready_door(), reqs)
-    await run.submit(where)
-    finished: list[GenerateChunk | None] = [None] * len(reqs)
-
-    def take(index: int, chunk: GenerateChunk) -> None:
-        if chunk.finished:
-            finished[index] = chunk
-
-    await run.collect(request, take)
-    out = [chunk for chunk in finished if chunk is not None]
-    assert len(out) == len(reqs)  # collect returns once every request has finished
-    return out
-
-
-def _vector(chunk: GenerateChunk) -> list[float]:
-    """A finished embedding request's vector; an aborted one (its deadline passed) fails the call."""
-    vector = chunk.meta.embedding
-    if vector is not None:
-        return vector
-    reason: dict[str, Any] = chunk.finish_reason or {}
-    if reason.get("type") == "abort":
-        raise RequestFailed("aborted", f"the request was aborted: {reason.get('message') or 'aborted'}")
-    raise RequestFailed("internal", f"request {chunk.rid} finished without its embedding")
-
-
-def _prompt_tokens(chunks: list[GenerateChunk]) -> int:
-    return sum(chunk.meta.prompt_tokens or 0 for chunk in chunks)
+    return JSONResponse(replies.score_body(scores, http.model_name, embedding_run.prompt_tokens(chunks), completion))

@@ -344,3 +344,48 @@ def test_a_malformed_score_body_is_refused_by_field(body: dict[str, Any], param:
     door = FakeDoor(None, scored)
     assert error_of(post(door, "/v1/score", body))["param"] == param
     assert not door.submitted
+
+
+def with_ollama(door: FakeDoor, calls: Callable[[Any], Any]) -> Any:
+    """Run ``calls(client)`` with Ollama's own Python client, its HTTP going straight into the app."""
+    import httpx
+    import ollama
+
+    async def main() -> Any:
+        transport = httpx.ASGITransport(app=app_of(door))
+        headers = {"authorization": f"Bearer {KEY}"}
+        return await calls(ollama.AsyncClient(host="http://tinyserve", headers=headers, transport=transport))
+
+    return asyncio.run(main())
+
+
+def test_ollamas_client_embeds_on_an_embedding_server() -> None:
+    import ollama
+
+    door = FakeDoor(EMBEDDER, embedded)
+
+    async def calls(client: Any) -> Any:
+        many = await client.embed(model=MODEL, input=TEXTS)
+        cut = await client.embed(model=MODEL, input="x", truncate=False, dimensions=4)
+        loaded = await client.embed(model=MODEL)  # Ollama's load call: no input
+        old = await client.embeddings(model=MODEL, prompt="hello")
+        return many, cut, loaded, old
+
+    many, cut, loaded, old = with_ollama(door, calls)
+    assert many.model == MODEL and many.embeddings == [vector_of(GenerateReq(rid="", text=t)) for t in TEXTS]
+    assert many.prompt_eval_count == sum(len(t.split()) + 2 for t in TEXTS) and many.total_duration > 0
+    full = np.array(vector_of(GenerateReq(rid="", text="x")))
+    assert np.allclose(cut.embeddings[0], full[:4] / np.linalg.norm(full[:4]), atol=1e-6)
+    assert loaded.embeddings == [] and list(old.embedding) == vector_of(GenerateReq(rid="", text="hello"))
+    # Ollama truncates unless told not to
+    assert [r.truncate_prompt_tokens for r in door.submitted] == [-1, -1, -1, None, -1]
+
+    async def refused(client: Any) -> list[int]:
+        codes = []
+        for call in (client.embed(model=MODEL, input="x"), client.embed(model="other", input="x")):
+            with pytest.raises(ollama.ResponseError) as error:
+                await call
+            codes.append(error.value.status_code)
+        return codes
+
+    assert with_ollama(FakeDoor(None, embedded), refused) == [501, 404]
