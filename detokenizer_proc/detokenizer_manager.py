@@ -4,8 +4,9 @@ A plain synchronous loop (it has one input socket and nothing else to wait for).
 It owns one ``DecodeState`` per unfinished request that has produced output; the
 state is freed when the request finishes or errors. The per-request settings (stop
 strings, special-token handling) are taken from a request's first ``ReqOutput`` and
-kept in its state: later outputs need not carry them. Control replies and errors
-from the scheduler pass through unchanged.
+kept in its state: later outputs need not carry them. An embedding request's one
+output has no tokens; its vector passes through to the meta unchanged. Control
+replies and errors from the scheduler pass through unchanged.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class DetokenizerManager:
             cached_tokens=out.cached_tokens,
             grammar_compile_seconds=out.grammar_compile_seconds,
             grammar_cache_hit=out.grammar_cache_hit if compiled else None,
+            embedding=out.embedding,  # an embedding request's one output: the vector, as the scheduler pooled it
             output_token_logprobs=None
             if out.output_logprobs is None
             else [[lp, tid] for lp, tid in zip(out.output_logprobs, out.new_output_ids)],

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from runtime.protocol.messages import ControlReply, DetokenizeReq, ErrorReply, GenerateReq, TokenizeReq
 from tokenizer_proc.control import ControlRequest
+from tokenizer_proc.embedding_model import EmbeddingModel
 from tokenizer_proc.metrics import Metrics
 
 
@@ -25,6 +26,10 @@ class FrontDoor(Protocol):
     @property
     def context_len(self) -> int:
         """The model's context length (``max_model_len`` of /v1/models)."""
+
+    @property
+    def embedding(self) -> EmbeddingModel | None:
+        """An embedding server's model (pooling rule, size); None on a generation server."""
 
     @property
     def metrics(self) -> Metrics | None:

@@ -63,7 +63,7 @@ def send_hwm(max_requests_per_client: int, max_controls_per_client: int) -> int:
 def prompt_chars(req: GenerateReq) -> int:
     """Characters to tokenize for ``req`` (0 for token ids): how long it would hold the loop."""
     if req.text is not None:
-        return len(req.text)
+        return len(req.text) + len(req.text_pair or "")
     if req.messages is not None:
         return sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str))
     return 0

@@ -1,4 +1,5 @@
-"""Ollama's request bodies (``POST /api/chat``, ``/api/generate``, ``/api/show``) and their translation
+"""Ollama's request bodies (``POST /api/chat``, ``/api/generate``, ``/api/show``; ``/api/embed`` and
+``/api/embeddings`` on an embedding server, each input an embedding request) and their translation
 onto the OpenAI chat request (tokenizer_proc/openai_protocol.py), so that an Ollama request takes the
 request path every chat request takes: the same sampling checks, chat template, tool plan, structured
 outputs and parsers. Replies are tokenizer_proc/ollama_reply.py; routes tokenizer_proc/http/ollama_routes.py.
@@ -26,6 +27,7 @@ A refusal names the field as Ollama's body calls it (``options.num_predict``, ``
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -306,6 +308,47 @@ class ShowBody(oai.LenientBody):
         if not (self.model or self.name):
             raise oai.BadRequest("model: required", "model")
         return self.model or self.name or ""
+
+
+class EmbedBody(oai.LenientBody):
+    """``POST /api/embed`` on an embedding server: ``input`` a text or a list of them (none: Ollama's
+    load call, answered with no embeddings); ``truncate`` (Ollama's default true) cuts an input past
+    the model's limit instead of refusing it; ``options`` and ``keep_alive`` are accepted and ignored
+    (nothing is sampled; the model stays loaded)."""
+
+    body_name = "ollama embed"
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+    def texts(self) -> list[str]:
+        return [] if not self.input else [self.input] if isinstance(self.input, str) else list(self.input)
+
+    def generate_reqs(self) -> list[GenerateReq]:
+        """One embedding request per input, in order."""
+        return [_embed_req(text, self.truncate) for text in self.texts()]
+
+
+class EmbeddingsBody(oai.LenientBody):
+    """``POST /api/embeddings``, Ollama's older form: one ``prompt`` (none or empty: the load call)."""
+
+    body_name = "ollama embeddings"
+    model: str
+    prompt: str | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+def _embed_req(text: str, truncate: bool) -> GenerateReq:
+    return GenerateReq(rid=uuid.uuid4().hex, embed=True, text=text, truncate_prompt_tokens=-1 if truncate else None)
+
+
+def embed_req(text: str) -> GenerateReq:
+    """The older route's one request (Ollama cuts its prompt to the context)."""
+    return _embed_req(text, truncate=True)
 
 
 def _chat_request(fields: dict[str, Any]) -> oai.ChatCompletionRequest:

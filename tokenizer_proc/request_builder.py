@@ -3,6 +3,11 @@
 Every check a client can fail lives here, so that the rejection (code + message
 naming the problem) is decided in one place and nothing malformed ever reaches the
 scheduler: the scheduler trusts what it receives.
+
+A server serves one kind of request: generation, or, started with ``--is-embedding``, embeddings
+(``GenerateReq.embed``: prefilled and answered with the pooled vector, or a cross-encoder's scores).
+A request of the other kind is refused here, whichever front door it came through, with a message
+that says what the server serves. An embedding request is built in tokenizer_proc/embedding_build.py.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from typing import Any, Mapping, Sequence
 
 import msgspec
 
-from runtime.protocol.field_refs import FieldRef, Message, as_message, render
+from runtime.protocol.field_refs import FieldRef
 from runtime.protocol.messages import DetokenizeReq, GenerateReq, TokenizedGenerateReq, TokenizeReq
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
+from tokenizer_proc.embedding_build import AN_EMBEDDING_SERVER, NOT_AN_EMBEDDING_SERVER, embed_request
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
+from tokenizer_proc.rejected import Rejected as Rejected  # (its home is rejected.py; imported from here too)
 
 # apply_chat_template arguments a client's chat_template_kwargs may not override: they decide
 # what the call returns or which messages and tools it renders, which the server owns.
@@ -42,20 +49,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 MAX_N = 64  # parallel samples per request: a bound, so one request cannot flood the queue
 # token_ids_logprob: ids per request, a bound on the [rows, ids] gather every logit row of it pays for.
 MAX_TOKEN_IDS_LOGPROB = 1024
-
-
-class Rejected(Exception):
-    """A request the server refuses; ``code`` goes to the client in an ErrorReply, and
-    ``param`` names the offending field where there is one (HTTP reports it). ``parts`` keeps the
-    fields the message names as references (``runtime.protocol.field_refs``): the ZMQ reply words
-    them in the server's names (``message``), an HTTP front door in the names its body sent."""
-
-    def __init__(self, code: str, message: str | Message, param: str | None = None) -> None:
-        self.parts = as_message(message)
-        self.message = render(self.parts)
-        super().__init__(self.message)
-        self.code = code
-        self.param = param
 
 
 # A priority is a signed 64-bit integer: it must fit the scheduler's msgpack frame.
@@ -96,8 +89,10 @@ class RequestBuilder:
         grammar_backend: str = "xgrammar",
         request_timeout: float | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
+        is_embedding: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.is_embedding = is_embedding  # --is-embedding: embedding requests only, else generation only
         self.limits = limits
         self.grammar_backend = grammar_backend  # "none": constrained requests are refused
         self.request_timeout = request_timeout  # --request-timeout: the deadline of requests without deadline_s
@@ -108,8 +103,16 @@ class RequestBuilder:
 
     def build(self, req: GenerateReq, arrived: float | None = None) -> list[TokenizedGenerateReq]:
         """One scheduler request per sample (``n`` of them, with fresh internal rids). ``arrived``
-        (``time.monotonic()`` when the request reached the front door; default now) starts its deadline."""
+        (``time.monotonic()`` when the request reached the front door; default now) starts its deadline.
+        An embedding request is one scheduler request (``embed_request``)."""
+        self._check_kind(req)
         deadline = self._deadline(req, time.monotonic() if arrived is None else arrived)
+        if req.embed:
+            _check_priority(req.priority)
+            return [embed_request(self, req, deadline)]
+        for name in ("text_pair", "truncate_prompt_tokens"):
+            if getattr(req, name) is not None:
+                raise Rejected("invalid_request", f"{name}: applies to an embedding request (embed) only", name)
         params = self._sampling_params(req)
         input_ids = self._input_ids(req)
         self._check_ids(input_ids)
@@ -156,7 +159,7 @@ class RequestBuilder:
         assert req.messages is not None
         if not req.messages:
             raise Rejected("invalid_request", "empty prompt: messages is []")
-        return self._render_chat(
+        return self.render_chat(
             req.messages,
             req.tools,
             req.chat_template_kwargs,
@@ -166,8 +169,16 @@ class RequestBuilder:
 
     def detokenize(self, req: DetokenizeReq) -> str:
         """Token ids of the vocabulary back to text (``/detokenize``)."""
-        self._check_vocab(req.tokens, "tokens")
+        self.check_vocab(req.tokens, "tokens")
         return str(self.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens))
+
+    def _check_kind(self, req: GenerateReq) -> None:
+        """A generation request on an embedding server, or an embedding request on a generation
+        server, is refused with what the server serves."""
+        if req.embed and not self.is_embedding:
+            raise Rejected("invalid_request", NOT_AN_EMBEDDING_SERVER, "embed")
+        if self.is_embedding and not req.embed:
+            raise Rejected("invalid_request", AN_EMBEDDING_SERVER)
 
     def _deadline(self, req: GenerateReq, arrived: float) -> float | None:
         """The absolute deadline (time.monotonic()) the scheduler enforces: ``deadline_s`` after
@@ -238,7 +249,7 @@ class RequestBuilder:
         if req.text is not None:
             if not req.text:
                 raise Rejected("invalid_request", "empty prompt: text is ''")
-            self._check_text_size(req.text)
+            self.check_text_size(req.text)
             return list(self.tokenizer.encode(req.text))
         if req.input_ids is not None:
             if not req.input_ids:
@@ -247,18 +258,21 @@ class RequestBuilder:
         assert req.messages is not None
         if not req.messages:
             raise Rejected("invalid_request", "empty prompt: messages is []")
-        return self._render_chat(req.messages, req.tools, req.chat_template_kwargs)
+        return self.render_chat(req.messages, req.tools, req.chat_template_kwargs)
 
-    def _render_chat(
+    def render_chat(
         self,
         messages: Sequence[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
         bounded: bool = True,
+        generation_prompt: bool = True,
     ) -> list[int]:
         """The chat rendered by the model's template and tokenized (the template writes its own special
-        tokens); ``bounded``: a text longer than a servable prompt is refused before it is tokenized."""
+        tokens); ``bounded``: a text longer than a servable prompt is refused before it is tokenized;
+        ``generation_prompt``: the default of the template's ``add_generation_prompt`` (off to embed a
+        conversation: no turn of the model follows)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise Rejected("invalid_request", "messages: the model's tokenizer has no chat template")
         for i, m in enumerate(messages):
@@ -272,19 +286,19 @@ class RequestBuilder:
                 f"chat_template_kwargs: {', '.join(reserved)} cannot be set this way",
                 "chat_template_kwargs",
             )
-        kwargs.setdefault("add_generation_prompt", True)
+        kwargs.setdefault("add_generation_prompt", generation_prompt)
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # template errors are the client's message structure
             raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
         if bounded:
-            self._check_text_size(text)
+            self.check_text_size(text)
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise Rejected("invalid_request", "empty prompt: the rendered chat is empty")
         return ids
 
-    def _check_text_size(self, text: str) -> None:
+    def check_text_size(self, text: str) -> None:
         """A text too long in bytes to be a prompt the server admits is refused before it is
         tokenized (that would take the tokenizer's time and memory for nothing)."""
         # Characters are never more than bytes: the cheap bound first, the UTF-8 length after.
@@ -303,9 +317,9 @@ class RequestBuilder:
                 f"the prompt has {len(ids)} tokens; the maximum is {self.limits.max_req_input_len}",
                 "prompt",
             )
-        self._check_vocab(ids, "input_ids")
+        self.check_vocab(ids, "input_ids")
 
-    def _check_vocab(self, ids: list[int], field: str) -> None:
+    def check_vocab(self, ids: list[int], field: str) -> None:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

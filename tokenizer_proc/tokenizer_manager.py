@@ -67,6 +67,7 @@ from runtime.protocol.messages import (
 from tokenizer_proc.client_replies import ClientReplies, is_local
 from tokenizer_proc.control import ControlCalls, ControlRequest, resolve_weight_update
 from tokenizer_proc.drain import DRAINING_MESSAGE, Drain
+from tokenizer_proc.embedding_model import EmbeddingModel, load_embedding_model
 from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.output_routing import OutputRouter
@@ -95,9 +96,14 @@ class TokenizerManager:
         to_scheduler: PushSocket[Any],
         metrics: Metrics | None = None,
         sampling_defaults: SamplingDefaults | None = None,
+        embedding: EmbeddingModel | None = None,
     ) -> None:
         self.server_args = server_args
         self.limits = limits
+        # An embedding server's model (its pooling rule, its size), read once here; None: a generation server.
+        self.embedding = embedding
+        if embedding is None and server_args.is_embedding:
+            self.embedding = load_embedding_model(server_args.resolved_model_path(), server_args.pooling)
         # Where unset sampling fields come from (--sampling-defaults); none given: the built-in ones.
         self.sampling_defaults = sampling_defaults or SamplingDefaults(server_args.sampling_defaults)
         self.builder = RequestBuilder(
@@ -106,6 +112,7 @@ class TokenizerManager:
             grammar_backend=server_args.grammar_backend,
             request_timeout=server_args.request_timeout,
             sampling_defaults=self.sampling_defaults.values,
+            is_embedding=server_args.is_embedding,
         )
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
@@ -349,7 +356,7 @@ class TokenizerManager:
         return {
             **self.served_weights,
             "tokenizer_path": self.server_args.resolved_tokenizer_path(),
-            "is_generation": True,
+            "is_generation": self.embedding is None,
             "context_len": self.limits.context_len,
             **self.sampling_defaults.info(),
         }

@@ -150,6 +150,46 @@ class AsyncClient(ClientConnection):
             reqs, run=lambda: self._run(reqs, batch, n), stream=(lambda: self._stream(reqs[0], n)) if stream else None
         )
 
+    async def embed(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        text_pair: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        *,
+        rid: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> list[float]:
+        """The embedding of ``text`` or ``input_ids`` on a server started with ``--is-embedding``: the
+        model's pooled vector (normalised where its pooling rule says), or for a cross-encoder its label
+        scores, with ``text_pair`` the pair's second text (query, document). ``truncate_prompt_tokens``:
+        keep the first k tokens of a longer input (-1: as many as the model takes) instead of having it
+        refused (``RequestError`` code ``too_long``). Several calls in flight at once (``asyncio.gather``)
+        are batched by the server."""
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of text, input_ids")
+        if text_pair is not None and text is None:
+            raise ValueError("text_pair goes with text")
+        req = GenerateReq(
+            rid=rid if rid is not None else uuid.uuid4().hex,
+            text=text,
+            input_ids=input_ids,
+            text_pair=text_pair,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            embed=True,
+            api_key=self.api_key,
+            deadline_s=deadline_s,
+            priority=priority,
+        )
+        result = await self._run([req], False, 1)
+        meta: dict[str, Any] = result["meta"]
+        embedding = meta.get("embedding")
+        if embedding is None:  # aborted (its deadline passed) before the server pooled it
+            reason = meta.get("finish_reason") or {}
+            raise RequestError("aborted", str(reason.get("message") or "the request was aborted"), req.rid)
+        return list(embedding)
+
     async def abort(self, rid: str) -> bool:
         """Abort a request of this client; True if it was still in flight."""
         payload = await self._control("abort", AbortReq(rid=rid, api_key=self.api_key), rid)

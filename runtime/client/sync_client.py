@@ -105,6 +105,25 @@ class Client:
 
         return self._call(run())
 
+    def embed(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        text_pair: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        *,
+        rid: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> list[float]:
+        """The embedding of ``text`` or ``input_ids`` (``AsyncClient.embed``); call it from several threads
+        to have the server batch the inputs."""
+        return self._call(
+            self._async.embed(
+                text, input_ids, text_pair, truncate_prompt_tokens, rid=rid, deadline_s=deadline_s, priority=priority
+            )
+        )
+
     def _iterate(self, call: GenerateCall) -> Iterator[dict[str, Any]]:
         agen = call.__aiter__()
         try:

@@ -58,11 +58,16 @@ async def health(http: Http) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request, http: Http) -> Response:
-    """200 once a one-token generation went through the whole pipeline."""
+    """200 once a one-token generation (on an embedding server: a one-token embedding) went through the
+    whole pipeline."""
     http.authorize(request)
-    run = await http.start(
-        [GenerateReq(rid="health_generate", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})]
-    )
+    if http.ready_door().embedding is not None:
+        probe = GenerateReq(rid="health_generate", input_ids=[0], embed=True)
+    else:
+        probe = GenerateReq(
+            rid="health_generate", input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
+    run = await http.start([probe])
     try:
         await run.collect(request, lambda _, __: None)
     except RequestFailed as exc:

@@ -9,9 +9,12 @@ Errors are Ollama's ``{"error": "..."}`` with the HTTP status; an error after a 
 its last line. With --api-key every route but ``/api/version`` and ``HEAD /`` needs it (``Authorization:
 Bearer``; Ollama's clients send none unless given headers or ``OLLAMA_API_KEY``).
 
-Not served: embeddings (``/api/embed``, ``/api/embeddings``: the model is generative only) and the
-model store (pull, push, create, copy, delete, blobs: the server serves the model it was started with);
-each answers 501 saying so."""
+On an embedding server (``--is-embedding``): ``POST /api/embed`` and its older form ``/api/embeddings``,
+each input one embedding request of the shared path (tokenizer_proc/http/embedding_run.py); a generation
+server answers them 501, as Ollama's clients read a route that is not served.
+
+Not served: the model store (pull, push, create, copy, delete, blobs: the server serves the model it was
+started with); each answers 501 saying so."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from starlette.background import BackgroundTask
 
 from runtime.config.version import package_version
 from tokenizer_proc import openai_protocol as oai
+from tokenizer_proc.embedding_model import EmbeddingModel
+from tokenizer_proc.http import embedding_run
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import RequestFailed
@@ -30,8 +35,11 @@ from tokenizer_proc.http.run import LocalRun
 from tokenizer_proc.ollama_models import ModelFacts, model_facts
 from tokenizer_proc.ollama_protocol import (
     ChatBody,
+    EmbedBody,
+    EmbeddingsBody,
     GenerateBody,
     ShowBody,
+    embed_req,
     names_model,
     not_found,
     ollama_name,
@@ -146,12 +154,64 @@ async def ps(request: Request, http: Http) -> JSONResponse:
 
 
 @router.post("/api/embed")
-@router.post("/api/embeddings")
-async def embed(request: Request, http: Http) -> Response:
+async def embed(request: Request, http: Http) -> JSONResponse:
+    """Ollama's embeddings on an embedding server (--is-embedding): ``embeddings`` in input order."""
+    timing = Timing()
     http.authorize(request)
-    raise oai.BadRequest(
-        "embeddings are not served: this server runs a generative model only", status=501, code="not_implemented"
+    body: EmbedBody = await read_body(request, EmbedBody, http.max_request_bytes)
+    _check_model(http, body.model)
+    model = _embedder(http)
+    embedding_run.check_dimensions(model, body.dimensions)
+    request.state.field_names = lambda ref: _EMBED_NAMES.get(ref.name, ref.name)
+    reqs = body.generate_reqs()
+    batch = isinstance(body.input, list)
+    chunks = await embedding_run.run_all(request, http, reqs, (lambda i: f"input[{i}]") if batch else None)
+    timing.accept()  # (the load: none here; the durations below are the whole call's)
+    vectors = [embedding_run.cut(model, embedding_run.vector(c), body.dimensions) for c in chunks]
+    durations = timing.durations()
+    return JSONResponse(
+        {
+            "model": body.model,
+            "embeddings": vectors,
+            "total_duration": durations["total_duration"],
+            "load_duration": 0,
+            "prompt_eval_count": embedding_run.prompt_tokens(chunks),
+        }
     )
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request, http: Http) -> JSONResponse:
+    """Ollama's older embeddings route: one prompt, ``{"embedding": [...]}``."""
+    http.authorize(request)
+    body: EmbeddingsBody = await read_body(request, EmbeddingsBody, http.max_request_bytes)
+    _check_model(http, body.model)
+    _embedder(http)
+    if not body.prompt:
+        return JSONResponse({"embedding": []})
+    request.state.field_names = lambda ref: "prompt" if ref.name in ("text", "prompt") else ref.name
+    (chunk,) = await embedding_run.run_all(request, http, [embed_req(body.prompt)], None)
+    return JSONResponse({"embedding": embedding_run.vector(chunk)})
+
+
+# A refusal of an embedding input, in Ollama's names.
+_EMBED_NAMES = {"text": "input", "prompt": "input", "truncate_prompt_tokens": "truncate"}
+
+
+def _embedder(http: HttpContext) -> EmbeddingModel:
+    """The embedding model; a generation server answers 501 as Ollama's routes do for what is not
+    served, and a cross-encoder has no vectors (400)."""
+    model = http.ready_door().embedding
+    if model is None:
+        raise oai.BadRequest(
+            "embeddings are not served: this server generates text; start one with --is-embedding and an "
+            "embedding model to embed",
+            status=501,
+            code="not_implemented",
+        )
+    if model.classifier:
+        raise oai.BadRequest(embedding_run.CROSS_ENCODER_HAS_NO_VECTORS, "model")
+    return model
 
 
 @router.post("/api/pull")

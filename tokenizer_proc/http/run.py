@@ -15,6 +15,7 @@ from fastapi import Request
 from runtime.protocol.messages import ErrorReply, GenerateChunk, GenerateReq
 from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.http.errors import ClientWentAway, RequestFailed
+from tokenizer_proc.rejected import Rejected
 
 SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -35,10 +36,19 @@ class LocalRun:
         self.prompt_index = {r.rid: i for i, r in enumerate(reqs)}
         self.n = 1  # samples per prompt (the requests share their sampling params)
 
-    async def submit(self) -> None:
-        """Validate and send every request; Rejected (and nothing left running) when one fails."""
+    async def submit(self, where: Callable[[int], str] | None = None) -> None:
+        """Validate and send every request; Rejected (and nothing left running) when one fails, its
+        message led by ``where(i)`` for the ``i``-th request when given (``input[3]: ...``: which input
+        of a batch was refused)."""
         try:
-            samples = [await self.door.submit_local(self.identity, req) for req in self.reqs]
+            samples = []
+            for i, req in enumerate(self.reqs):
+                try:
+                    samples.append(await self.door.submit_local(self.identity, req))
+                except Rejected as exc:
+                    if where is None:
+                        raise
+                    raise Rejected(exc.code, (f"{where(i)}: ", *exc.parts), exc.param) from None
         except BaseException:
             self.close()
             raise

@@ -24,6 +24,8 @@ dependency (tokenizer_proc/http/context.py):
 - anthropic_routes.py: POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, in
   its error shape)
 - token_routes.py: POST /tokenize, /detokenize (SGLang's and vLLM's bodies)
+- embedding_routes.py: POST /v1/embeddings, /encode, /v1/rerank (/rerank, /v2/rerank) on an embedding
+  server (--is-embedding); POST /v1/score (SGLang's label-token probabilities) on a generation server
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
 - chat_page.py: GET /, the chat page for a person with a browser (static/chat.html)
@@ -44,6 +46,7 @@ from tokenizer_proc.http import (
     anthropic_routes,
     chat_page,
     control_routes,
+    embedding_routes,
     native_routes,
     ollama_routes,
     openai_routes,
@@ -122,5 +125,6 @@ def build_app(context: HttpContext) -> FastAPI:
     app.include_router(responses_routes.router)
     app.include_router(token_routes.router)
     app.include_router(ollama_routes.router)
+    app.include_router(embedding_routes.router)
     app.include_router(chat_page.router)
     return app

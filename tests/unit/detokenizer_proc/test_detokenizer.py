@@ -266,6 +266,35 @@ def test_token_ids_logprobs_pass_on_and_every_token_id_stays_an_int(tokenizer: A
     assert "output_token_ids_logprobs" not in plain and "input_token_ids_logprobs" not in plain
 
 
+def test_an_embedding_passes_through_as_its_fp32_vector(tokenizer: Any) -> None:
+    """An embedding request's one output (no tokens) reaches the meta with its vector exactly as the
+    scheduler sent it, through the typed msgpack decoder both ways; no text, no state kept."""
+    import msgspec
+
+    vector = [0.25, -1.5, 3.0e-8, 0.0]
+    sent = BatchTokenIDOut(
+        outputs=[
+            ReqOutput(
+                rid="e",
+                new_output_ids=[],
+                finished=True,
+                finish_reason={"type": "stop", "matched": None},
+                prompt_tokens=7,
+                embedding=vector,
+            )
+        ]
+    )
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=BatchTokenIDOut)
+    m = DetokenizerManager(tokenizer)
+    out_msg = m.handle(received)
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(out_msg), type=BatchStrOut).outputs[0]
+    assert again.meta.embedding == vector and again.meta.prompt_tokens == 7
+    assert again.text_delta == "" and again.new_output_ids == [] and again.finished
+    assert m.states == {}
+    plain = m.handle(out("p", [70])).outputs[0].meta
+    assert plain.embedding is None and "embedding" not in plain.as_dict()
+
+
 def test_errors_free_state_and_control_passes_through(tokenizer: Any) -> None:
     m = DetokenizerManager(tokenizer)
     m.handle(out("r", tokenizer.encode("héllo", add_special_tokens=False)[:2]))

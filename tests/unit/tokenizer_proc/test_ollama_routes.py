@@ -44,6 +44,7 @@ class ScriptedDoor:
         self.metrics = None
         self.draining = False
         self.weight_version = "default"
+        self.embedding = None  # a generation server
         self.reqs: list[GenerateReq] = []
         self.closed = 0
         self.queue: asyncio.Queue[Any] | None = None

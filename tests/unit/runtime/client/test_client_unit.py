@@ -395,3 +395,56 @@ def test_async_client_encoding_failure_is_a_request_error(server: FakeServer) ->
             assert (await c.generate("ab"))["text"] == "ba"
 
     uvloop.run(main())
+
+
+def embedding_handler(server: FakeServer, identity: bytes, req: Any) -> list[Any]:
+    """An embedding server: the vector of a request is its rid's length and its input's length;
+    ``long`` is refused as too long; ``late`` finishes aborted (its deadline passed) without a vector."""
+    if not isinstance(req, GenerateReq) or not req.embed:
+        return [ErrorReply(rid=getattr(req, "rid", ""), code="invalid_request", message="serves embeddings")]
+    if req.text == "long":
+        return [ErrorReply(rid=req.rid, code="too_long", message="the input has 600 tokens")]
+    if req.text == "late":
+        reason = {"type": "abort", "message": "timeout"}  # (a finished chunk's meta repeats it, as the server's does)
+        meta = ChunkMeta(finish_reason=reason)
+        return [GenerateChunk(rid=req.rid, text="", output_ids=[], finished=True, finish_reason=reason, meta=meta)]
+    size = len(req.text or "") + len(req.text_pair or "") + len(req.input_ids or [])
+    meta = ChunkMeta(prompt_tokens=size, completion_tokens=0, embedding=[float(len(req.rid)), float(size), 0.5])
+    return [
+        GenerateChunk(rid=req.rid, text="", output_ids=[], finished=True, finish_reason={"type": "stop"}, meta=meta)
+    ]
+
+
+def test_embed_sends_an_embedding_request_and_returns_its_vector() -> None:
+    s = FakeServer(embedding_handler)
+    try:
+        with Client(s.address, api_key="k") as c:
+            assert c.embed("query", text_pair="doc", truncate_prompt_tokens=-1) == [32.0, 8.0, 0.5]
+            sent = s.next_received()
+            assert isinstance(sent, GenerateReq) and sent.embed and sent.api_key == "k"
+            assert (sent.text, sent.text_pair, sent.truncate_prompt_tokens, sent.input_ids) == (
+                "query",
+                "doc",
+                -1,
+                None,
+            )
+            assert c.embed(input_ids=[1, 2, 3], rid="r") == [1.0, 3.0, 0.5]
+            with pytest.raises(RequestError) as exc:
+                c.embed("long")
+            assert exc.value.code == "too_long" and "600 tokens" in exc.value.message
+            with pytest.raises(RequestError) as exc:
+                c.embed("late")
+            assert exc.value.code == "aborted" and exc.value.message == "timeout"
+            with pytest.raises(ValueError):
+                c.embed()
+            with pytest.raises(ValueError):
+                c.embed(input_ids=[1], text_pair="doc")
+
+        async def main() -> None:
+            async with AsyncClient(s.address) as ac:
+                vectors = await asyncio.gather(*(ac.embed(t) for t in ("a", "bb", "ccc")))
+                assert [v[1] for v in vectors] == [1.0, 2.0, 3.0]
+
+        uvloop.run(main())
+    finally:
+        s.close()
