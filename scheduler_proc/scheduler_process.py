@@ -144,7 +144,11 @@ def run_scheduler_process(
             "max_total_tokens": scheduler.max_total_tokens,
             "context_len": scheduler.context_len,
             "vocab_size": scheduler.runner.vocab_size,
-            "max_req_input_len": min(scheduler.context_len - 1, scheduler.max_total_tokens - 2 * scheduler.page_size),
+            # (a generated token needs a position past the prompt; an embedding prompt may fill the context)
+            "max_req_input_len": min(
+                scheduler.context_len - (0 if scheduler.pooling is not None else 1),
+                scheduler.max_total_tokens - 2 * scheduler.page_size,
+            ),
             # What this rank reserved, for launch.py's ready line (kv_sizing.host_kv_pool, ready_note).
             "dp_rank": dp_rank,
             "kv_pool": kv_pool_info(
