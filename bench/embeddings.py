@@ -25,7 +25,8 @@ issue's 0.9999 in fp32) makes the run fail (exit code 1), the figures are of wro
     python -m bench.embeddings --threads 2 --cpus 0-1
     python -m bench.embeddings --threads 2 --cpus 0-1 --llamacpp-server PATH/llama-server --gguf minilm-f32.gguf
 
-Needs the ``bench`` extra (sentence-transformers). Flags it does not know are passed to launch.py.
+The GGUF: ``python llama.cpp/convert_hf_to_gguf.py FOLDER --outtype f32 --outfile minilm-f32.gguf`` with
+FOLDER = ``runtime.checkpoints.model_source.minilm_folder()``. Needs the ``bench`` extra (sentence-transformers). Flags it does not know are passed to launch.py.
 """
 
 from __future__ import annotations
