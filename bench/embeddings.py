@@ -145,6 +145,14 @@ class EmbeddingsClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
 
+    def served_model(self) -> str:
+        """The model the server names first in ``GET /v1/models`` (what a request must name)."""
+        import httpx
+
+        reply = httpx.get(f"{self.base_url}/v1/models", headers=self.headers, timeout=60)
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
+
     def body(self, inputs: list[str]) -> dict[str, Any]:
         return {"model": self.model, "input": inputs, "encoding_format": "float"}
 
@@ -409,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ) as handle:
             if handle.http_address is None:
                 raise SystemExit("the server has no HTTP address")
-            client = EmbeddingsClient(handle.http_address, handle.served_model_name or args.model_path, args.api_key)
+            client = EmbeddingsClient(handle.http_address, args.model_path, args.api_key)
+            client.model = client.served_model()
             got, first = run_server(OURS, client, plan, ways, args.repeats)
         runs += got
         vectors.update({(OURS, lane): v for lane, v in first.items()})

@@ -77,14 +77,20 @@ class StandIn(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     bodies: list[dict[str, Any]] = []
 
+    def do_GET(self) -> None:
+        ok = self.path == "/v1/models"
+        self.reply(200 if ok else 404, {"object": "list", "data": [{"id": "minilm", "object": "model"}]})
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         StandIn.bodies.append({"path": self.path, **body})
         if body["model"] == "nope":
-            status, payload = 404, {"error": {"message": "model 'nope' not found"}}
-        else:
-            data = [{"index": i, "embedding": vector_of(t), "object": "embedding"} for i, t in enumerate(body["input"])]
-            status, payload = 200, {"data": data[::-1], "usage": {"prompt_tokens": 3 * len(data)}}
+            self.reply(404, {"error": {"message": "model 'nope' not found"}})
+            return
+        data = [{"index": i, "embedding": vector_of(t), "object": "embedding"} for i, t in enumerate(body["input"])]
+        self.reply(200, {"data": data[::-1], "usage": {"prompt_tokens": 3 * len(data)}})
+
+    def reply(self, status: int, payload: dict[str, Any]) -> None:
         raw = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -112,7 +118,9 @@ def stand_in() -> Iterator[str]:
 
 def test_the_client_sends_one_call_or_concurrent_chunks_and_keeps_the_order(stand_in: str) -> None:
     sentences = embeddings.draw_sentences(10, seed=3)
-    client = embeddings.EmbeddingsClient(stand_in, "minilm")
+    client = embeddings.EmbeddingsClient(stand_in, "all-minilm-l6-v2")
+    assert client.served_model() == "minilm"
+    client.model = "minilm"
     whole = client.embed(sentences, None)
     assert [b["input"] for b in StandIn.bodies] == [sentences]
     assert StandIn.bodies[0] == {
