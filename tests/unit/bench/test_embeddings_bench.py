@@ -1,4 +1,4 @@
-"""bench/embeddings.py's pieces without a model, a server or sentence-transformers: the sentence plan
+"""bench/embeddings.py's and bench/embedding_runner.py's pieces without a model, a server or sentence-transformers: the sentence plan
 (fresh sentences for every batch), the /v1/embeddings client against a stand-in server, the cosine
 check, the summary's medians, ratios and headline, and the flags."""
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench import embedding_runner as runner
 from bench import embeddings
 from bench.common import format_table
 
@@ -23,23 +24,23 @@ from bench.common import format_table
 
 
 def test_every_batch_of_the_plan_is_fresh_and_the_plan_is_reproducible() -> None:
-    plan = embeddings.sentence_plan(batch_size=24, repeats=3, lanes=2, seed=5)
-    assert sorted(plan) == [(lane, rep) for lane in range(2) for rep in (embeddings.WARMUP, 0, 1, 2)]
+    plan = runner.sentence_plan(batch_size=24, repeats=3, lanes=2, seed=5)
+    assert sorted(plan) == [(lane, rep) for lane in range(2) for rep in (runner.WARMUP, 0, 1, 2)]
     for batch in plan.values():
         assert len(batch) == 24 == len(set(batch)) and all(s.strip() for s in batch)
     for (key_a, a), (key_b, b) in combinations(plan.items(), 2):
         assert not set(a) & set(b), f"{key_a} and {key_b} share sentences: a server could answer from a cache"
-    assert embeddings.sentence_plan(24, 3, 2, seed=5) == plan
-    other = embeddings.sentence_plan(24, 3, 2, seed=6)
+    assert runner.sentence_plan(24, 3, 2, seed=5) == plan
+    other = runner.sentence_plan(24, 3, 2, seed=6)
     assert other[(0, 0)] != plan[(0, 0)]
 
 
 def test_draw_sentences_is_seeded_and_steps_around_what_to_avoid() -> None:
-    first = embeddings.draw_sentences(40, seed=1)
-    assert embeddings.draw_sentences(40, seed=1) == first
-    assert set(embeddings.draw_sentences(40, seed=2)) != set(first)
+    first = runner.draw_sentences(40, seed=1)
+    assert runner.draw_sentences(40, seed=1) == first
+    assert set(runner.draw_sentences(40, seed=2)) != set(first)
     # Avoiding the whole first draw forces a longer draw of the same stream: all fresh.
-    after = embeddings.draw_sentences(40, seed=1, avoid=set(first))
+    after = runner.draw_sentences(40, seed=1, avoid=set(first))
     assert len(after) == 40 == len(set(after)) and not set(after) & set(first)
 
 
@@ -48,22 +49,22 @@ def test_draw_sentences_is_seeded_and_steps_around_what_to_avoid() -> None:
 
 def test_chunks_and_answers_in_input_order() -> None:
     items = [str(i) for i in range(10)]
-    assert [len(c) for c in embeddings.chunks(items, 4)] == [4, 4, 2]
-    assert embeddings.chunks(items, None) == [items]
+    assert [len(c) for c in runner.chunks(items, 4)] == [4, 4, 2]
+    assert runner.chunks(items, None) == [items]
     with pytest.raises(ValueError):
-        embeddings.chunks(items, 0)
+        runner.chunks(items, 0)
     payload = {
         "data": [{"index": 1, "embedding": [0.0, 1.0]}, {"index": 0, "embedding": [1.0, 0.0]}],
         "usage": {"prompt_tokens": 7},
     }
-    assert embeddings.parse_embeddings(payload, 2) == ([[1.0, 0.0], [0.0, 1.0]], 7)
-    with pytest.raises(embeddings.EmbeddingsError):
-        embeddings.parse_embeddings(payload, 3)  # a vector missing
+    assert runner.parse_embeddings(payload, 2) == ([[1.0, 0.0], [0.0, 1.0]], 7)
+    with pytest.raises(runner.EmbeddingsError):
+        runner.parse_embeddings(payload, 3)  # a vector missing
     doubled = {"data": payload["data"] + [{"index": 1, "embedding": [0.0, 1.0]}]}
-    with pytest.raises(embeddings.EmbeddingsError):
-        embeddings.parse_embeddings(doubled, 2)
-    with pytest.raises(embeddings.EmbeddingsError):
-        embeddings.parse_embeddings({"error": {"message": "no"}}, 2)
+    with pytest.raises(runner.EmbeddingsError):
+        runner.parse_embeddings(doubled, 2)
+    with pytest.raises(runner.EmbeddingsError):
+        runner.parse_embeddings({"error": {"message": "no"}}, 2)
 
 
 def vector_of(text: str) -> list[float]:
@@ -117,8 +118,8 @@ def stand_in() -> Iterator[str]:
 
 
 def test_the_client_sends_one_call_or_concurrent_chunks_and_keeps_the_order(stand_in: str) -> None:
-    sentences = embeddings.draw_sentences(10, seed=3)
-    client = embeddings.EmbeddingsClient(stand_in, "all-minilm-l6-v2")
+    sentences = runner.draw_sentences(10, seed=3)
+    client = runner.EmbeddingsClient(stand_in, "all-minilm-l6-v2")
     assert client.served_model() == "minilm"
     client.model = "minilm"
     whole = client.embed(sentences, None)
@@ -139,17 +140,17 @@ def test_the_client_sends_one_call_or_concurrent_chunks_and_keeps_the_order(stan
     np.testing.assert_array_equal(chunked.vectors, whole.vectors)  # reassembled in the batch's order
     assert chunked.prompt_tokens == 30
 
-    record = embeddings.run_record("tinyserve", "1 call", 0, 2, whole)
+    record = runner.run_record("tinyserve", "1 call", 0, 2, whole)
     assert record["embeddings"] == 10 and record["dim"] == 3
     assert record["embeddings_per_s"] == pytest.approx(10 / whole.seconds)
-    with pytest.raises(embeddings.EmbeddingsError, match="404"):
-        embeddings.EmbeddingsClient(stand_in, "nope").embed(sentences, None)
+    with pytest.raises(runner.EmbeddingsError, match="404"):
+        runner.EmbeddingsClient(stand_in, "nope").embed(sentences, None)
 
 
 def test_run_server_warms_every_way_then_measures_fresh_batches(stand_in: str) -> None:
-    plan = embeddings.sentence_plan(batch_size=6, repeats=2, lanes=2, seed=0)
-    ways = embeddings.server_ways(4)
-    runs, first = embeddings.run_server("x", embeddings.EmbeddingsClient(stand_in, "m"), plan, ways, repeats=2)
+    plan = runner.sentence_plan(batch_size=6, repeats=2, lanes=2, seed=0)
+    ways = runner.server_ways(4)
+    runs, first = runner.run_server("x", runner.EmbeddingsClient(stand_in, "m"), plan, ways, repeats=2)
     assert [(r["way"], r["repeat"]) for r in runs] == [
         ("1 call", 0),
         ("concurrent calls of 4", 0),
@@ -174,9 +175,9 @@ def test_min_cosine_matches_torch() -> None:
     b = a + 0.3 * torch.randn(8, 5, generator=gen)
     b[3] *= 7.0  # scale does not change a cosine
     oracle = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1).min().item()
-    assert embeddings.min_cosine(a.numpy(), b.numpy()) == pytest.approx(oracle, abs=1e-12)
-    assert embeddings.min_cosine(a.numpy(), a.numpy()) == pytest.approx(1.0)
-    assert math.isnan(embeddings.min_cosine(a.numpy(), b.numpy()[:4]))  # a vector missing: no figure
+    assert runner.min_cosine(a.numpy(), b.numpy()) == pytest.approx(oracle, abs=1e-12)
+    assert runner.min_cosine(a.numpy(), a.numpy()) == pytest.approx(1.0)
+    assert math.isnan(runner.min_cosine(a.numpy(), b.numpy()[:4]))  # a vector missing: no figure
 
 
 def fake_run(engine: str, way: str, repeat: int, seconds: float, tokens: int | None = None) -> dict[str, Any]:
@@ -221,6 +222,18 @@ def test_summary_medians_ratios_and_headline() -> None:
     table = format_table([*rows, embeddings.not_run_row("llama.cpp", "give --llamacpp-server")], embeddings.COLUMNS)
     assert table.splitlines()[-1].split()[:3] == ["llama.cpp", "not", "run"]
     assert embeddings.headline([r for r in rows if r["engine"] != "tinyserve"]) == {}
+    printed = {r["way"]: r["min_cosine"] for r in embeddings.table_rows(rows)}
+    assert printed["1 call"] == "0.999990" and math.isnan(printed["encode, batch_size 32"])
+
+
+def test_openmp_wait_is_the_servers_unless_the_user_set_one() -> None:
+    from runtime.engine.cpu.process_env import CPU_OPENMP_ENV
+
+    env: dict[str, str] = {"PATH": "/bin"}
+    assert embeddings.openmp_env(env) == dict(CPU_OPENMP_ENV) and env["PATH"] == "/bin"
+    own = {"GOMP_SPINCOUNT": "0"}
+    assert embeddings.openmp_env(own) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "0"}
+    assert own == {"GOMP_SPINCOUNT": "0"}  # one setting: the user's value keeps both of ours out
 
 
 # ---------------------------------------------------------------------- flags
