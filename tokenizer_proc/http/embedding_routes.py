@@ -20,7 +20,6 @@ JSON, as SGLang's and vLLM's servers answer on these routes.
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from tokenizer_proc import embedding_reply as replies
 from tokenizer_proc import openai_protocol as oai
@@ -29,6 +28,7 @@ from tokenizer_proc.http import embedding_run
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, api_router
 from tokenizer_proc.http.errors import RequestFailed
+from tokenizer_proc.http.run import FastJSONResponse
 
 router = api_router()
 
@@ -44,7 +44,7 @@ SCORE_NEEDS_GENERATION = (
 
 
 @router.post("/v1/embeddings")
-async def embeddings(request: Request, http: Http) -> JSONResponse:
+async def embeddings(request: Request, http: Http) -> FastJSONResponse:
     http.authorize(request)
     body: EmbeddingRequest = await read_body(request, EmbeddingRequest, http.max_request_bytes)
     http.check_model(body.model)
@@ -57,13 +57,13 @@ async def embeddings(request: Request, http: Http) -> JSONResponse:
     reqs = body.generate_reqs()
     chunks = await embedding_run.run_all(request, http, reqs, (lambda i: f"input[{i}]") if body.batch else None)
     vectors = [embedding_run.cut(model, embedding_run.vector(chunk), body.dimensions) for chunk in chunks]
-    return JSONResponse(
+    return FastJSONResponse(
         replies.embeddings_body(vectors, body.encoding_format, http.model_name, embedding_run.prompt_tokens(chunks))
     )
 
 
 @router.api_route("/encode", methods=["POST", "PUT"])
-async def encode(request: Request, http: Http) -> JSONResponse:
+async def encode(request: Request, http: Http) -> FastJSONResponse:
     """SGLang's: ``{embedding, meta_info}``, a list of them for a batch."""
     http.authorize(request)
     body: EncodeRequest = await read_body(request, EncodeRequest, http.max_request_bytes)
@@ -77,13 +77,13 @@ async def encode(request: Request, http: Http) -> JSONResponse:
         replies.encode_result(c, embedding_run.cut(model, embedding_run.vector(c), body.dimensions), version)
         for c in chunks
     ]
-    return JSONResponse(results if batch else results[0])
+    return FastJSONResponse(results if batch else results[0])
 
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v2/rerank")
-async def rerank(request: Request, http: Http) -> JSONResponse:
+async def rerank(request: Request, http: Http) -> FastJSONResponse:
     """The documents by relevance to the query, best first (Cohere's and Jina's shape)."""
     http.authorize(request)
     body: RerankRequest = await read_body(request, RerankRequest, http.max_request_bytes)
@@ -96,7 +96,7 @@ async def rerank(request: Request, http: Http) -> JSONResponse:
     request.state.field_names = names({"text": "query", "text_pair": "documents", "prompt": "documents"})
     chunks = await embedding_run.run_all(request, http, body.generate_reqs(), lambda i: f"documents[{i}]")
     scores = [replies.relevance_score(embedding_run.vector(chunk)) for chunk in chunks]
-    return JSONResponse(
+    return FastJSONResponse(
         replies.rerank_body(
             scores, documents, top_n, body.return_documents, http.model_name, embedding_run.prompt_tokens(chunks)
         )
@@ -104,7 +104,7 @@ async def rerank(request: Request, http: Http) -> JSONResponse:
 
 
 @router.post("/v1/score")
-async def score(request: Request, http: Http) -> JSONResponse:
+async def score(request: Request, http: Http) -> FastJSONResponse:
     """SGLang's: per item, the probability of each label token as the next token after query + item."""
     http.authorize(request)
     body: ScoreRequest = await read_body(request, ScoreRequest, http.max_request_bytes)
@@ -126,4 +126,6 @@ async def score(request: Request, http: Http) -> JSONResponse:
             )
         scores.append(replies.label_probabilities(positions[0], body.label_token_ids, body.apply_softmax))
     completion = sum(chunk.meta.completion_tokens or 0 for chunk in chunks)
-    return JSONResponse(replies.score_body(scores, http.model_name, embedding_run.prompt_tokens(chunks), completion))
+    return FastJSONResponse(
+        replies.score_body(scores, http.model_name, embedding_run.prompt_tokens(chunks), completion)
+    )

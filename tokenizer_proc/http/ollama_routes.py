@@ -31,7 +31,7 @@ from tokenizer_proc.http import embedding_run
 from tokenizer_proc.http.body import read_body
 from tokenizer_proc.http.context import Http, HttpContext, api_router
 from tokenizer_proc.http.errors import RequestFailed
-from tokenizer_proc.http.run import LocalRun
+from tokenizer_proc.http.run import FastJSONResponse, LocalRun
 from tokenizer_proc.ollama_models import ModelFacts, model_facts
 from tokenizer_proc.ollama_protocol import (
     ChatBody,
@@ -154,7 +154,7 @@ async def ps(request: Request, http: Http) -> JSONResponse:
 
 
 @router.post("/api/embed")
-async def embed(request: Request, http: Http) -> JSONResponse:
+async def embed(request: Request, http: Http) -> FastJSONResponse:
     """Ollama's embeddings on an embedding server (--is-embedding): ``embeddings`` in input order."""
     timing = Timing()
     http.authorize(request)
@@ -169,7 +169,7 @@ async def embed(request: Request, http: Http) -> JSONResponse:
     timing.accept()  # (the load: none here; the durations below are the whole call's)
     vectors = [embedding_run.cut(model, embedding_run.vector(c), body.dimensions) for c in chunks]
     durations = timing.durations()
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "model": body.model,
             "embeddings": vectors,
@@ -181,17 +181,17 @@ async def embed(request: Request, http: Http) -> JSONResponse:
 
 
 @router.post("/api/embeddings")
-async def embeddings(request: Request, http: Http) -> JSONResponse:
+async def embeddings(request: Request, http: Http) -> FastJSONResponse:
     """Ollama's older embeddings route: one prompt, ``{"embedding": [...]}``."""
     http.authorize(request)
     body: EmbeddingsBody = await read_body(request, EmbeddingsBody, http.max_request_bytes)
     _check_model(http, body.model)
     _embedder(http)
     if not body.prompt:
-        return JSONResponse({"embedding": []})
+        return FastJSONResponse({"embedding": []})
     request.state.field_names = lambda ref: "prompt" if ref.name in ("text", "prompt") else ref.name
     (chunk,) = await embedding_run.run_all(request, http, [embed_req(body.prompt)], None)
-    return JSONResponse({"embedding": embedding_run.vector(chunk)})
+    return FastJSONResponse({"embedding": embedding_run.vector(chunk)})
 
 
 # A refusal of an embedding input, in Ollama's names.

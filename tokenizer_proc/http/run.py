@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from runtime.protocol.messages import ErrorReply, GenerateChunk, GenerateReq
 from tokenizer_proc.front_door import FrontDoor
@@ -19,6 +20,14 @@ from tokenizer_proc.rejected import Rejected
 
 SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSON reply rendered by msgspec: an embedding reply is hundreds of thousands of floats, which
+    the standard library's encoder took a fifth of the front door's time to write (256 MiniLM vectors)."""
+
+    def render(self, content: Any) -> bytes:
+        return _encode(content)
 
 
 def sse(obj: Any) -> bytes:

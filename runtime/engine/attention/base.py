@@ -17,6 +17,7 @@ no KV), so it needs no plan and no pool: one SDPA call per group of requests of 
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -99,23 +100,12 @@ class AttentionBackend(ABC):
         their query group (GQA) before the call."""
         if layer.sliding_window is not None or layer.logit_softcap is not None:
             raise NotImplementedError("encoder attention is full and plain: no window, no soft-cap")
-        lens = list(batch.extend_lens_cpu) or [int(n) for n in batch.extend_lens.tolist()]
-        prefix = list(batch.prefix_lens_cpu) or [int(n) for n in batch.prefix_lens.tolist()]
-        if any(prefix):
-            raise ValueError("an encoder attends within one forward: a request's tokens cannot follow a cached prefix")
+        groups = batch.attn_metadata
+        if not isinstance(groups, EncoderGroups):  # once per forward, shared by every layer
+            groups = batch.attn_metadata = EncoderGroups.of(batch, q.device)
         group = layer.num_heads // layer.num_kv_heads
-        starts = [sum(lens[:i]) for i in range(len(lens))]
-        by_len: dict[int, list[int]] = {}
-        for i, n in enumerate(lens):
-            by_len.setdefault(n, []).append(i)
         out = q.new_empty(q.shape)
-        for length, members in by_len.items():
-            if len(members) == 1:
-                rows: torch.Tensor | slice = slice(starts[members[0]], starts[members[0]] + length)
-            else:
-                first = torch.tensor([starts[i] for i in members], dtype=torch.int64, device=q.device)
-                rows = (first[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-            n = len(members)
+        for length, n, rows in groups.groups:
             qg, kg, vg = (_request_major(x, rows, n, length) for x in (q, k, v))
             if group > 1:
                 kg, vg = kg.repeat_interleave(group, dim=1), vg.repeat_interleave(group, dim=1)
@@ -140,6 +130,34 @@ class AttentionBackend(ABC):
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Rewrite, in place, the plan made at capture for ``batch``'s current contents."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+@dataclass(frozen=True)
+class EncoderGroups:
+    """An encoder forward's requests by length (``AttentionBackend.forward_encoder``): for each length,
+    how many requests have it and their packed rows (a slice for one request, else an index tensor),
+    planned once per forward (``batch.attn_metadata``: an encoder's forward plans nothing else)."""
+
+    groups: tuple[tuple[int, int, torch.Tensor | slice], ...]
+
+    @staticmethod
+    def of(batch: ForwardBatch, device: torch.device) -> "EncoderGroups":
+        lens = list(batch.extend_lens_cpu) or [int(n) for n in batch.extend_lens.tolist()]
+        prefix = list(batch.prefix_lens_cpu) or [int(n) for n in batch.prefix_lens.tolist()]
+        if any(prefix):
+            raise ValueError("an encoder attends within one forward: a request's tokens cannot follow a cached prefix")
+        starts = [0, *itertools.accumulate(lens)][:-1]
+        by_len: dict[int, list[int]] = {}
+        for start, n in zip(starts, lens):
+            by_len.setdefault(n, []).append(start)
+        groups: list[tuple[int, int, torch.Tensor | slice]] = []
+        for length, firsts in by_len.items():
+            if len(firsts) == 1:
+                groups.append((length, 1, slice(firsts[0], firsts[0] + length)))
+            else:
+                first = torch.tensor(firsts, dtype=torch.int64, device=device)
+                groups.append((length, len(firsts), (first[:, None] + torch.arange(length, device=device)).reshape(-1)))
+        return EncoderGroups(tuple(groups))
 
 
 def _request_major(x: torch.Tensor, rows: torch.Tensor | slice, n: int, length: int) -> torch.Tensor:
