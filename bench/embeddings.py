@@ -184,7 +184,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         default=[32, 256],
         help="sentence-transformers' encode batch_size, one way each (default 32, its own default, and 256)",
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="tinyserve's dtype")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="tinyserve's dtype (default auto: the server's own choice, bf16 where the CPU has native bf16)",
+    )
     parser.add_argument("--min-cosine", type=float, default=0.9999, help="tinyserve's vectors must agree this well")
     parser.add_argument("--skip-tinyserve", action="store_true", help="only the baselines")
     g = parser.add_argument_group("llama.cpp (optional: its row says 'not run' without both paths)")
