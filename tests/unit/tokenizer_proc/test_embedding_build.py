@@ -169,3 +169,22 @@ def test_a_conversation_is_embedded_through_the_template_without_a_generation_pr
     assert asked.input_ids == list(b"[user]hi[assistant]")
     (cut,) = builder.build(GenerateReq(rid="c", embed=True, messages=messages, truncate_prompt_tokens=3))
     assert cut.input_ids == list(b"[us")
+
+
+def test_the_rust_tokenizers_own_encoding_equals_transformers_call_and_a_truncation_leaves_it_alone(
+    tokenizer: Any,
+) -> None:
+    """Untruncated texts and pairs take the Rust tokenizer's encode directly; after a truncating call
+    (which leaves its truncation set on the backend) transformers' call encodes instead."""
+    from runtime.checkpoints.tiny_model import embedded_corpus
+    from tokenizer_proc.embedding_build import encode_text
+
+    texts = [*embedded_corpus(200, seed=4), "héllo wörld 🙂", "  spaced  out  "]
+    for i, text in enumerate(texts):
+        pair = texts[i - 1] if i % 3 == 0 else None
+        expected = tokenizer(text, pair, add_special_tokens=True)
+        assert encode_text(tokenizer, text, pair, None) == (expected["input_ids"], expected["token_type_ids"])
+    long_text = " ".join(texts[:20])
+    cut, _ = encode_text(tokenizer, long_text, None, 16)
+    assert len(cut) == 16 and cut[-1] == tokenizer.sep_token_id
+    assert encode_text(tokenizer, long_text, None, None)[0] == tokenizer(long_text)["input_ids"]
