@@ -242,8 +242,9 @@ def test_openmp_wait_is_the_servers_unless_the_user_set_one() -> None:
 def test_flags_defaults_checks_and_llamacpp_command(tmp_path: Path) -> None:
     args, rest = embeddings.parse_args(["--max-running-requests", "256"])
     assert (args.repeats, args.batch_size, args.chunk, args.st_batch_size) == (5, 256, 32, [32, 256])
-    assert args.model_path == "all-minilm-l6-v2" and args.dtype == "float32" and args.min_cosine == 0.9999
+    assert args.model_path == "all-minilm-l6-v2" and args.dtype == "auto" and args.min_cosine == 0.999
     assert rest == ["--max-running-requests", "256"]  # for launch.py
+    assert embeddings.parse_args(["--dtype", "float32"])[0].min_cosine == 0.9999  # fp32 against fp32
     for bad in (["--repeats", "0"], ["--chunk", "0"], ["--gguf", "m.gguf"], ["--address", "tcp://x:1"]):
         with pytest.raises(SystemExit):
             embeddings.parse_args(bad)
