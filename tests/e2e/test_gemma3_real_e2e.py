@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from runtime.checkpoints.model_source import GEMMA3_MODEL, ModelSourceError, gemma3_gguf_file
-from tests.support.real_model import connect, one_torch_thread, real_model_args, start_real_model_server
+from tests.support.real_model import connect, one_gguf_read, one_torch_thread, real_model_args, start_real_model_server
 from tests.support.server_fixtures import is_idle, wait_until
 from tests.support.server_process import ServedClient, ServerProcess
 
@@ -78,7 +78,7 @@ def gemma3_hf(gemma3_file: Path, gemma3_server_process: ServerProcess) -> tuple[
     """transformers' own loading of the same file (fp32), loaded while the server starts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with one_torch_thread():
+    with one_torch_thread(), one_gguf_read():
         tokenizer = AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32
