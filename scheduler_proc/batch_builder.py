@@ -261,8 +261,8 @@ class BatchBuilder:
         if future:
             both = t([i for i, _ in future] + [src for _, src in future]).view(2, -1)
             future_inputs = FutureInputs(positions=both[0], source_rows=both[1])
-        token_types = _token_types(parts)
         extends = mode in (ForwardMode.EXTEND, ForwardMode.MIXED)  # (decode and verify rows go by position)
+        token_types = _token_types(parts) if extends else None  # (a decode step has no prompt tokens)
         rope_flags = self.rope_switch.extend_flags(reqs) if extends else None
         batch = ForwardBatch(
             forward_mode=mode,

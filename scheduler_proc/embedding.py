@@ -59,9 +59,8 @@ def take_parts(items: Sequence[PlannedExtend], result: StepResult, pooling: Pool
                 req.pooled = part
         else:
             req.pooled = part if req.pooled is None else req.pooled + part
-        req.pooled_tokens += item.extend_len
-        if not item.chunked:
-            req.embedding = finish(req.pooled, req.pooled_tokens, pooling)
+        if not item.chunked:  # (every prompt token was pooled: mean and cls serve without cached prefixes)
+            req.embedding = finish(req.pooled, len(req.origin_input_ids), pooling)
 
 
 def finish(pooled: torch.Tensor | None, tokens: int, pooling: PoolingSpec) -> list[float]:

@@ -71,12 +71,11 @@ class Req:
     # Speculative decoding's n-gram index of this request's tokens (scheduler_proc.spec.ngram writes it).
     spec_index: Any = None
     # An embedding request (prefilled, never decoded: scheduler_proc.embedding): the token type of each
-    # prompt token (None: all 0), the running sum of its forwards' pooled parts over how many tokens,
-    # and the finished vector its one output carries.
+    # prompt token (None: all 0), the running sum of its forwards' pooled parts, and the finished
+    # vector its one output carries.
     embed: bool = False
     token_type_ids: list[int] | None = None
     pooled: Any = None
-    pooled_tokens: int = 0
     embedding: list[float] | None = None
 
     finish_reason: dict[str, Any] | None = None
