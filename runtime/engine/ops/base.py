@@ -22,6 +22,7 @@ from torch import nn
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
+from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight
@@ -74,6 +75,13 @@ class DeviceOps(Protocol):
         """``F.linear(x, weight, bias)`` (run as the device's ``plan`` for ``weight`` says, where it made one);
         a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
         the kernel's quantization of ``x``."""
+        ...
+
+    def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
+        """Multi-LoRA: in place, ``out [T, N] += `` each run's adapter product of ``x [T, K]`` (the
+        shrink by its slot's ``A``, the expand by its ``B`` part by part:
+        ``runtime.engine.ops.lora.reference_lora_add``); runs of slot -1 are left as they are.
+        ``out`` is the linear's output before any all-reduce and bias; both are row-contiguous."""
         ...
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ from runtime.engine.cuda.memory import CUDA_PLATFORM
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
+from runtime.engine.ops.lora import LoraSegments, LoraWeights, reference_lora_add
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
 from runtime.engine.quant.weight import QuantizedWeight, embedding_rows, reference_linear
@@ -62,6 +63,9 @@ class TorchOps:
         if isinstance(weight, QuantizedWeight):
             return reference_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
+        reference_lora_add(out, x, weights, segments)
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
