@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 from memory.allocator import SlotAllocator
 from memory.prefix_cache import BasePrefixCache
 from runtime.config.args import ServerArgs
+from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.policy import SchedulePolicy
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder, PrefillPlan
 from scheduler_proc.req import Req
@@ -43,8 +44,11 @@ class Admission:
         max_total_tokens: int,
         max_running_requests: int,
         host_tier: HostTier | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.tree_cache = tree_cache
+        # Multi-LoRA: a request whose adapter would not fit in the slots with the running ones' waits.
+        self.lora = lora
         # A host tier's loads evict while planning: every request is matched right before it is added.
         self.host_tier = host_tier
         self.allocator = allocator
@@ -116,6 +120,8 @@ class Admission:
                 continue
             if self._defer_for_in_batch_prefix(req, in_batch_prefixes):
                 continue
+            if self.lora is not None and not self._adapter_fits(req, running, chunked_req, adder):
+                continue
             result = adder.add_one_req(req)
             if result != AddResult.CONTINUE:
                 if self.report_blocked and not adder.planned and adder.new_chunked_req is None:
@@ -134,6 +140,14 @@ class Admission:
             plan.blocked, plan.blocked_shortfall = req, max(adder.shortfall, 1)
         elif adder.rem_running_slots <= 0:
             plan.blocked = req
+
+    def _adapter_fits(self, req: Req, running: Sequence[Req], chunked_req: Req | None, adder: PrefillAdder) -> bool:
+        """Its adapter and those of the running, chunked and planned requests fit in the LoRA slots."""
+        assert self.lora is not None
+        in_use = [r.lora_uid for r in running] + [item.req.lora_uid for item in adder.planned]
+        if chunked_req is not None:
+            in_use.append(chunked_req.lora_uid)
+        return self.lora.admits(req.lora_uid, in_use)
 
     def _defer_for_in_batch_prefix(self, req: Req, seen: set[tuple[int, ...]]) -> bool:
         """Hold back a request that shares its start with one already in this prefill batch.

@@ -23,6 +23,7 @@ from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 from runtime.engine.sampling.batch_info import SamplingBatchInfo
 from scheduler_proc import input_logprobs
 from scheduler_proc.long_rope import RopeSwitch
+from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.memory_setup import Allocator
 from scheduler_proc.model_worker import ForwardRunner, FutureInputs
 from scheduler_proc.prefill_adder import PlannedExtend, kv_slots_for_extend
@@ -44,8 +45,10 @@ class BatchBuilder:
         tree_cache: BasePrefixCache,
         page_size: int,
         rope_switch: RopeSwitch,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.runner = model_runner
+        self.lora = lora  # multi-LoRA: the slots each batch's adapters sit in (ForwardBatch.lora)
         # Whether extend rows carry each request's rotation (ForwardBatch.long_rope; scheduler_proc.long_rope).
         self.rope_switch = rope_switch
         self.allocator = allocator
@@ -287,6 +290,7 @@ class BatchBuilder:
             else input_logprobs.plan_batch(reqs, prefix_lens, extend_lens, self.device),
             long_rope=None if rope_flags is None else torch.tensor(rope_flags, dtype=torch.bool, device=self.device),
             token_type_ids=None if token_types is None else t(token_types),
+            lora=self.lora.plan(reqs) if self.lora is not None else None,
         )
         return batch, future_inputs
 

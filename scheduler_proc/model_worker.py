@@ -294,7 +294,20 @@ class OverlapModelWorker(ModelWorker):
 def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
     """The real model runner of one TP rank, configured by the server flags."""
     from runtime.checkpoints.pooling import pooling_of
+    from runtime.config.lora_args import lora_enabled, lora_refs
+    from runtime.engine.lora.manager import LoraSettings
     from runtime.engine.model_runner import ModelRunner  # the model code: imported only when serving
+    from scheduler_proc.lora_slots import initial_adapters
+
+    lora = None
+    if lora_enabled(server_args):
+        modules = server_args.lora_target_modules
+        lora = LoraSettings(
+            slots=server_args.max_loras_per_batch,
+            max_rank=server_args.max_lora_rank,
+            target_modules=tuple(modules) if modules else None,
+            initial=initial_adapters(lora_refs(server_args)),
+        )
 
     return ModelRunner(
         server_args.resolved_model_path(),
@@ -321,6 +334,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         pooling=pooling_of(server_args.resolved_model_path(), server_args.pooling)
         if server_args.is_embedding
         else None,
+        lora=lora,
     )
 
 

@@ -39,6 +39,9 @@ class Req:
     # Larger is admitted first and may preempt smaller ones (scheduler_proc.priority); always 0
     # without --enable-priority-scheduling.
     priority: int = 0
+    # The LoRA adapter it runs on, by load id (scheduler_proc.lora_slots); None: the base model. Its
+    # prefix namespace (extra_key) is the adapter's.
+    lora_uid: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
     # The matcher of a constrained request (json_schema / regex / ebnf), set when its grammar

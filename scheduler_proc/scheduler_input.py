@@ -16,6 +16,7 @@ from scheduler_proc import input_logprobs
 from scheduler_proc.deadlines import TIMEOUT_MESSAGE
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.long_rope import RopeSwitch
+from scheduler_proc.lora_slots import LoraSlots, namespace
 from scheduler_proc.output import OutputProcessor
 from scheduler_proc.queue_bound import OVERLOADED, QueueBound
 from scheduler_proc.queues import RequestQueues
@@ -38,8 +39,10 @@ class RequestIntake:
         rope_switch: RopeSwitch,
         output: OutputProcessor,
         release: RequestRelease,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.args = args
+        self.lora = lora
         self.context_len = context_len
         self.queues = queues
         self.grammars = grammars
@@ -58,6 +61,14 @@ class RequestIntake:
             self.stats["num_refused_overloaded"] += 1
             self.output.error(msg.rid, OVERLOADED, refusal)
             return None
+        lora_uid = None
+        if msg.lora_name is not None:
+            adapter = self.lora.servable(msg.lora_name) if self.lora is not None else None
+            if adapter is None:  # (the front door checked; an unload may have begun since)
+                why = "is not loaded" if self.lora is not None else "cannot be served: this server has no --enable-lora"
+                self.output.error(msg.rid, "invalid_request", f"LoRA adapter {msg.lora_name!r} {why}")
+                return None
+            lora_uid = adapter.uid
         req = Req(
             rid=msg.rid,
             origin_input_ids=list(msg.input_ids),
@@ -70,6 +81,9 @@ class RequestIntake:
             priority=msg.priority if self.args.enable_priority_scheduling else 0,
             embed=msg.embed,
             token_type_ids=msg.token_type_ids,
+            lora_uid=lora_uid,
+            # each adapter's KV is its own: the prefix cache keys its requests apart
+            extra_key=namespace(lora_uid) if lora_uid is not None else None,
         )
         # (an embedding prompt may fill the context: it is never decoded)
         assert 0 < req.seqlen < self.context_len + req.embed, (

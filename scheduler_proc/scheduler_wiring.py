@@ -19,6 +19,7 @@ import torch
 from memory.prefix_cache import BasePrefixCache
 from runtime.checkpoints.pooling import PoolingSpec
 from runtime.config.args import ServerArgs
+from runtime.config.lora_args import lora_enabled, lora_refs
 from scheduler_proc import embedding
 from scheduler_proc.admission import Admission
 from scheduler_proc.batch_builder import BatchBuilder
@@ -26,6 +27,7 @@ from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.long_rope import create_rope_switch
+from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, create_model_runner, create_model_worker, overlap_default
 from scheduler_proc.output import OutputProcessor
@@ -73,6 +75,10 @@ class SchedulerWiring:
         self.tree_cache: BasePrefixCache
         # host_tier: the hierarchical cache's per-step copies and load-back (scheduler_proc.hicache).
         self.tree_cache, self.host_tier = create_tree_cache(server_args, model_runner, self.allocator, kv_events)
+        # Multi-LoRA (scheduler_proc/lora_slots.py): the adapters loaded and the slots of each batch.
+        self.lora: LoraSlots | None = None
+        if lora_enabled(server_args):
+            self.lora = LoraSlots(server_args.max_loras_per_batch, server_args.max_loaded_loras, lora_refs(server_args))
         self.admission = Admission(
             server_args,
             self.tree_cache,
@@ -80,10 +86,13 @@ class SchedulerWiring:
             self.max_total_tokens,
             self.max_running_requests,
             self.host_tier,
+            self.lora,
         )
         # How the model's RoPE depends on a request's length (a LongRoPE switch, or one RoPE throughout).
         self.rope_switch = create_rope_switch(model_runner.rope_switch_len)
-        self.builder = BatchBuilder(model_runner, self.allocator, self.tree_cache, self.page_size, self.rope_switch)
+        self.builder = BatchBuilder(
+            model_runner, self.allocator, self.tree_cache, self.page_size, self.rope_switch, self.lora
+        )
         self.output = OutputProcessor(
             StopChecker(set(model_runner.eos_token_ids), self.context_len),
             server_args.stream_interval,
@@ -140,6 +149,7 @@ class SchedulerWiring:
             self.rope_switch,
             self.output,
             self.release,
+            self.lora,
         )
         self.results = StepResults(
             self.queues,

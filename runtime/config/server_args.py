@@ -2,7 +2,7 @@
 
 The flags themselves (names, defaults' wording, help text, checks) live in one module per flag
 group (``model_args``, ``front_door_args``, ``logging_args``, ``execution_args``, ``memory_args``,
-``scheduling_args``, ``output_args``, ``parallel_args``, ``spec_args``), so that adding a flag
+``scheduling_args``, ``output_args``, ``parallel_args``, ``spec_args``, ``lora_args``), so that adding a flag
 touches its group and this dataclass only. ``ServerArgs`` stays one plain dataclass (not one per
 group) because it is handed to spawned child processes, printed in server info and rebuilt from
 flags by tests: one flat object keeps all of that trivial. Importers use ``runtime.config.args``.
@@ -19,6 +19,7 @@ from runtime.config import (
     execution_args,
     front_door_args,
     logging_args,
+    lora_args,
     memory_args,
     model_args,
     output_args,
@@ -119,6 +120,14 @@ class ServerArgs:
     # device's default (ServingPlatform.spec_step_tokens).
     speculative_max_step_tokens: int | None = None
     speculative_ngram_capacity: int = 0  # runs kept across requests (scheduler_proc/spec/ngram_table.py); 0: off
+    # LoRA adapters (runtime/config/lora_args.py: the flags; runtime/engine/lora and scheduler_proc/lora_slots.py:
+    # the work). None: off unless --lora-paths names adapters.
+    enable_lora: bool | None = None
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = lora_args.DEFAULT_MAX_LORAS_PER_BATCH
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
     # ------------------------------------------------------------------ CLI
 
@@ -136,6 +145,7 @@ class ServerArgs:
         output_args.add_output_args(parser, d)
         parallel_args.add_parallel_args(parser, d)
         spec_args.add_spec_args(parser, d)
+        lora_args.add_lora_args(parser, d)
 
     @classmethod
     def make_parser(cls) -> argparse.ArgumentParser:
@@ -273,4 +283,5 @@ CHECKS: tuple[Callable[[ServerArgs], None], ...] = (
     memory_args.check_cache_tiers,
     front_door_args.check_api_key,
     spec_args.check_spec,
+    lora_args.check_lora,
 )

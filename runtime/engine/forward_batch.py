@@ -58,6 +58,16 @@ class InputLogprobRows:
 
 
 @dataclass
+class LoraBatch:
+    """Multi-LoRA: which adapter slot each request of a batch uses (-1: the base model), and the adapters
+    (by load id) to write into slots before its forward; decided by the scheduler
+    (``scheduler_proc.lora_slots``), carried out by the model runner (``runtime.engine.lora.manager``)."""
+
+    slots: list[int]
+    loads: list[tuple[int, str]]
+
+
+@dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
     input_ids: torch.Tensor  # int64 [num_tokens]
@@ -85,6 +95,8 @@ class ForwardBatch:
     # int64 [num_tokens]: each token's segment (BERT's token types: 0 for a pair's first text, 1 for
     # its second) for an encoder with a token-type table; None: every token's is 0.
     token_type_ids: torch.Tensor | None = None
+    # Multi-LoRA: the requests' adapter slots; None where no request of the batch uses an adapter.
+    lora: LoraBatch | None = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 

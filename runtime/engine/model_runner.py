@@ -45,6 +45,7 @@ from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, check_weights_fit, kv_pool_tokens
 from runtime.engine.loading.weight_loader import gguf_footprint, load_model_weights, weight_bytes_estimate
 from runtime.engine.loading.weight_reload import reload_weights
+from runtime.engine.lora.manager import LoraManager, LoraSettings
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
@@ -56,6 +57,11 @@ from runtime.engine.sampling.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 512
+# What a LoRA server's kernel report says of the steps that carry adapters.
+LORA_PATH_NOTE = (
+    "steps whose requests use adapters run the layers one by one (no one-call layer stack, no CUDA graph), "
+    "each adapted linear adding its adapters' products with DeviceOps.lora_add; base-only steps as usual"
+)
 
 
 @dataclass
@@ -104,9 +110,11 @@ class ModelRunner:
         quantization: str | None = None,
         int8_activations: bool = False,
         pooling: PoolingSpec | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         """``pooling``: an embedding server's rule (--is-embedding): every forward pools hidden states
-        instead of sampling (``runtime.engine.pooling``)."""
+        instead of sampling (``runtime.engine.pooling``). ``lora``: serve LoRA adapters over the model
+        (``runtime.engine.lora``): each batch says which of its requests use which."""
         start = time.perf_counter()
         self.pooling = pooling
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
@@ -187,6 +195,7 @@ class ModelRunner:
         )
         self.model.eval()
         self.ops.prepare_model(self.model)
+        self.lora = LoraManager(self.model, lora, self.dtype, self.device) if lora is not None else None
         first_attention = self.model.attention_layers()[0]
         self.num_heads = first_attention.num_heads  # query heads on this rank
         self.num_kv_heads = first_attention.num_kv_heads  # KV heads on this rank
@@ -252,6 +261,8 @@ class ModelRunner:
             else:
                 logger.info("decode runs eagerly: the %s ops cannot capture this model's layers", self.ops.name)
         self.kernels = self.ops.kernel_report(self.model, self.layer_stack)
+        if self.lora is not None:
+            self.kernels["lora"] = LORA_PATH_NOTE
         logger.info("kernels: %s", self.kernels["summary"])
         logger.info(
             "model ready in %.1fs (attention backend %s, %s)",
@@ -259,6 +270,17 @@ class ModelRunner:
             self.attention_backend_name,
             self.graph_runner.summary() if self.graph_runner is not None else "no cuda graphs",
         )
+
+    def load_lora_adapter(self, uid: str, path: str) -> None:
+        """Read and prepare the PEFT adapter at ``path`` as load id ``uid`` (every TP rank at the same
+        step); ``LoraAdapterError`` naming what is wrong, nothing loaded."""
+        if self.lora is None:
+            raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.load(uid, path)
+
+    def unload_lora_adapter(self, uid: str) -> None:
+        if self.lora is not None:
+            self.lora.unload(uid)
 
     def update_weights_from_disk(self, folder: str | Path, load_format: str | None = None) -> None:
         """Reload the weights in place from another checkpoint of this model (every TP rank at the
@@ -336,7 +358,17 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; fp32 logits at ``batch.logit_rows()`` (``[bs, vocab]``, each request's last
         new token, unless the batch asks for prompt logprobs)."""
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        if self.lora is None:
+            return self._logits(batch)
+        self.lora.begin(batch)  # the batch's adapters in their slots, its runs the linears' context
+        try:
+            return self._logits(batch)
+        finally:
+            self.lora.end()
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        # (a captured graph holds no adapter products: a batch with adapters runs eagerly)
+        if batch.lora is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return eager_forward(self, batch)
 

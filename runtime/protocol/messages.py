@@ -65,6 +65,9 @@ class GenerateReq(msgspec.Struct, tag="generate", forbid_unknown_fields=True, om
     # Cut a prompt longer than this many tokens to its first ones (-1: the model's positions)
     # instead of refusing it; None: refuse (vLLM's and SGLang's ``truncate_prompt_tokens``).
     truncate_prompt_tokens: int | None = None
+    # The LoRA adapter to generate with, by the name it was loaded under (a server started with
+    # --enable-lora / --lora-paths); None: the base model.
+    lora_path: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True, omit_defaults=True):
@@ -119,6 +122,21 @@ class WeightUpdate(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     weight_version: str | None = None  # reported by /get_model_info and /server_info once loaded
     # Abort every request first (their replies end with abort); else running ones finish first.
     abort_all_requests: bool = False
+
+
+class LoraControl(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Load or unload a LoRA adapter at run time (SGLang's ``/load_lora_adapter``, ``/unload_lora_adapter``)."""
+
+    lora_name: str
+    lora_path: str | None = None  # a load's PEFT folder
+    pinned: bool = False  # a load's adapter keeps a slot for good
+
+
+class LoraAdapterReq(msgspec.Struct, tag="lora_adapter", forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    load: bool  # False: unload
+    adapter: LoraControl
+    api_key: str | None = None
 
 
 class UpdateWeightsReq(msgspec.Struct, tag="update_weights", forbid_unknown_fields=True, omit_defaults=True):
@@ -250,6 +268,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag="tokenized", omit_defaults=True):
     # An embedding request: prefilled, never decoded; its ReqOutput carries ``embedding``.
     embed: bool = False
     token_type_ids: list[int] | None = None  # an encoder's segment id per prompt token (None: all 0)
+    lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
 
 
 class SchedAbortReq(msgspec.Struct, tag="sched_abort"):
@@ -266,6 +285,7 @@ class SchedControlReq(msgspec.Struct, tag="sched_control", omit_defaults=True):
     kind: str
     profile: ProfileOptions | None = None
     weights: WeightUpdate | None = None
+    lora: LoraControl | None = None  # "load_lora" / "unload_lora"
 
 
 SchedulerInput = Union[TokenizedGenerateReq, SchedAbortReq, SchedControlReq]

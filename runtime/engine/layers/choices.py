@@ -51,6 +51,14 @@ GATED_ACTIVATIONS: dict[str, GatedActivation] = {
     "gelu_pytorch_tanh": _gelu_tanh_and_mul,
 }
 
+# activation name -> act(gate) * up of a merged projection's output already computed (a forward that adds
+# adapter products to it: runtime.engine.ops.lora), through the device ops
+GATED_ACTIVATIONS_OF_OUTPUT: dict[str, Callable[[DeviceOps, torch.Tensor], torch.Tensor]] = {
+    "silu": lambda ops, x: ops.silu_and_mul(x),
+    "swish": lambda ops, x: ops.silu_and_mul(x),
+    "gelu_pytorch_tanh": lambda ops, x: ops.gelu_tanh_and_mul(x),
+}
+
 # activation name -> act(x) of an ungated MLP's up projection (an encoder's), through the device ops
 PlainActivation = Callable[[DeviceOps, torch.Tensor], torch.Tensor]
 

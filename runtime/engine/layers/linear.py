@@ -25,6 +25,7 @@ from torch import nn
 from runtime.engine.distributed import tensor_model_parallel_all_reduce
 from runtime.engine.ops import DeviceOps, default_ops
 from runtime.engine.ops.linear_weights import LinearWeightLayer
+from runtime.engine.ops.lora import LinearLora
 from runtime.engine.quant.loading import PendingShards, quantized_shard
 
 
@@ -123,6 +124,30 @@ class LinearBase(LinearWeightLayer, abc.ABC):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_rows, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = bias_loader or self.weight_loader  # type: ignore[attr-defined]
+        self.lora: LinearLora | None = None  # its adapter slots, on a LoRA server (runtime.engine.lora)
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (this rank's ``x W^T``, before any reduction) plus the forward's adapter products,
+        in place; unchanged where no token uses an adapter."""
+        if self.lora is not None:
+            segments = self.lora.active()
+            if segments is not None:
+                self.ops.lora_add(out, x, self.lora.weights, segments)
+        return out
+
+    def lora_active(self) -> bool:
+        """Some token of this forward adds an adapter's product to this linear's output."""
+        return self.lora is not None and self.lora.active() is not None
+
+    def lora_parts(self) -> list[tuple[object, int, int]]:
+        """``(shard id, first local output row, rows)`` of each checkpoint projection this linear
+        holds, in row order (an adapter's ``B`` of that projection expands into those rows)."""
+        return [(None, 0, int(self.weight.shape[0]))]
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor, shard_id: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's ``a [r, in]`` and ``b [out, r]`` of checkpoint projection
+        ``shard_id`` (None: the whole output), cut as this layer cuts its weight."""
+        return a, b
 
     @abc.abstractmethod
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
@@ -150,7 +175,7 @@ class ReplicatedLinear(LinearBase):
             replicated_weight_loader(param, weight, name, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.plan)
+        return self.add_lora(self.ops.linear(x, self.weight, self.bias, self.plan), x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -208,8 +233,19 @@ class ColumnParallelLinear(LinearBase):
             return
         copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size), name)
 
+    def lora_parts(self) -> list[tuple[object, int, int]]:
+        return [(shard, *self._shard_range(shard)[::2]) for shard in range(len(self.output_sizes))]
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor, shard_id: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard_id is None and len(self.output_sizes) > 1:  # a fused projection: every part's rows
+            starts = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+            rows = [b[first + self._shard_range(i)[1] :][: self._shard_range(i)[2]] for i, first in enumerate(starts)]
+            return a, torch.cat(rows)
+        _, start, size = self._shard_range(int(shard_id or 0))
+        return a, b[start : start + size]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.plan)
+        return self.add_lora(self.ops.linear(x, self.weight, self.bias, self.plan), x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -307,8 +343,12 @@ class RowParallelLinear(LinearBase):
         if not self.quant_shards.take(weight, 1, self.tp_rank * self.in_local, self.in_local, 0):
             copy_into(param, weight.narrow(1, self.tp_rank * self.in_local, self.in_local), name)
 
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor, shard_id: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a``'s columns as the weight's: each rank's product is a partial sum, reduced with the base's."""
+        return a[:, self.tp_rank * self.in_local : (self.tp_rank + 1) * self.in_local], b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.linear(x, self.weight, None, self.plan)
+        out = self.add_lora(self.ops.linear(x, self.weight, None, self.plan), x)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out if self.bias is None else out + self.bias

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.engine.layers.choices import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS
+from runtime.engine.layers.choices import GATED_ACTIVATIONS, GATED_ACTIVATIONS_OF_OUTPUT, PLAIN_ACTIVATIONS
 from runtime.engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from runtime.engine.ops import DeviceOps
 
@@ -36,6 +36,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.activation = activation
         self._act_and_mul = GATED_ACTIVATIONS[activation]  # (model_config refused any other name)
+        self._act_of_output = GATED_ACTIVATIONS_OF_OUTPUT[activation]
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
             [intermediate_size, intermediate_size],
@@ -56,6 +57,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
+        if gate_up.lora_active():  # (an adapter's product joins the projection before the activation)
+            return self.down_proj(self._act_of_output(gate_up.ops, gate_up(x)))
         return self.down_proj(self._act_and_mul(gate_up.ops, x, gate_up.weight, gate_up.bias, gate_up.plan))
 
 

@@ -101,3 +101,25 @@ def reference_lora_add(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights,
             lo, hi = bounds[part], bounds[part + 1]
             delta[:, lo:hi] = shrunk[:, part * rank : (part + 1) * rank] @ weights.b[slot, lo:hi].float().t()
         out[start:end] = (out[start:end].float() + delta).to(out.dtype)
+
+
+class LoraContext:
+    """What every adapted linear of one model reads during a forward: the forward's runs (None: no
+    token of it uses an adapter, and the linears add nothing). Set by the model runner's LoRA manager
+    before each forward, on the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.segments: LoraSegments | None = None
+
+
+@dataclass
+class LinearLora:
+    """A linear's adapter slots and the model's shared context (``LinearBase.lora``)."""
+
+    weights: LoraWeights
+    context: LoraContext
+
+    def active(self) -> LoraSegments | None:
+        """This forward's runs where some token uses an adapter, else None."""
+        segments = self.context.segments
+        return segments if segments is not None and segments.any_adapter else None
