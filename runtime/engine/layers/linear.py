@@ -241,7 +241,7 @@ class ColumnParallelLinear(LinearBase):
             starts = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
             rows = [b[first + self._shard_range(i)[1] :][: self._shard_range(i)[2]] for i, first in enumerate(starts)]
             return a, torch.cat(rows)
-        _, start, size = self._shard_range(int(shard_id or 0))
+        _, start, size = self._shard_range(shard_id if isinstance(shard_id, int) else 0)
         return a, b[start : start + size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

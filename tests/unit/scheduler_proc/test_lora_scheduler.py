@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from runtime.config.args import ServerArgs
+from runtime.config.lora_args import LoraRef
 from runtime.engine.lora.manager import LoraSettings
 from runtime.engine.model_runner import ModelRunner
 from runtime.protocol.messages import TokenizedGenerateReq
 from runtime.protocol.sampling_params import SamplingParams
 from scheduler_proc.lora_slots import initial_adapters
 from scheduler_proc.scheduler import Scheduler
-from runtime.config.lora_args import LoraRef
 from tests.support.checkpoints import hf_greedy
 from tests.support.lora_adapters import AdapterSpec, build_adapter, peft_model
 from tests.support.stub_scheduler import assert_idle_invariant, run_until_idle
