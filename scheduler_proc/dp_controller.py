@@ -153,7 +153,7 @@ def merge_control_replies(kind: str, payloads: list[dict[str, Any]]) -> dict[str
     """One reply for the whole server: per-replica payloads plus the sums a client wants first."""
     if kind == "flush_cache":
         return {"success": all(p.get("success") for p in payloads), "replicas": payloads}
-    if kind in ("start_profile", "stop_profile", "update_weights"):
+    if kind in ("start_profile", "stop_profile", "update_weights", "load_lora", "unload_lora"):
         # Done on every replica: a failure's message (its error code) first, the traces of all.
         failed = [p for p in payloads if not p.get("success")]
         done = {**(failed or payloads)[0], "success": not failed, "replicas": payloads}

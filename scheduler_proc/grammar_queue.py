@@ -87,6 +87,10 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def requests(self) -> list[Req]:
+        """The requests waiting for their grammar."""
+        return [waiting.req for waiting in self._waiting]
+
     @property
     def tokenizer(self) -> Any:
         """The tokenizer the grammars were compiled for (set once the first compile started)."""

@@ -102,6 +102,9 @@ class Scheduler(SchedulerWiring):
             self.profile_due()
         if self.weight_update is not None:  # reloads once no request runs (admission waits meanwhile)
             self.advance_weight_update()
+        if self.lora_control is not None and self.lora_control.pending():  # unloads whose requests are done
+            self.drain()  # (nothing in flight reads an adapter being dropped)
+            self.lora_control.advance()
         # A weight update waits for the running requests: no new one starts meanwhile (weight_update.py).
         launched = self.launcher.launch_next(admission_paused=self.weight_update is not None)
         if launched is not None:
@@ -203,6 +206,9 @@ class Scheduler(SchedulerWiring):
         if msg.kind == "update_weights":
             self._begin_weight_update(msg)
             return
+        if msg.kind in ("load_lora", "unload_lora"):
+            self._lora_adapter_request(msg)
+            return
         if msg.kind in ("start_profile", "stop_profile"):
             self.drain()  # (a stop's trace holds the steps so far; under TP the ranks agree: a collective)
             try:
@@ -237,6 +243,22 @@ class Scheduler(SchedulerWiring):
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+
+    def _lora_adapter_request(self, msg: SchedControlReq) -> None:
+        """Load an adapter now, or begin its unload (answered once its requests have finished)."""
+        control = self.lora_control
+        if control is None or msg.lora is None:
+            why = (
+                "this server serves no LoRA adapters (start it with --enable-lora)" if control is None else "no adapter"
+            )
+            payload = {"success": False, "message": why, "loaded_adapters": []}
+            self.output.outbox.append(SchedControlOut(msg.rid, msg.kind, payload))
+            return
+        self.drain()  # (the step in flight may still write an adapter into its slot)
+        if msg.kind == "load_lora":
+            control.load(msg.rid, msg.lora)
+        else:
+            control.begin_unload(msg.rid, msg.lora)
 
     def _begin_weight_update(self, msg: SchedControlReq) -> None:
         """Hold admission until the running requests have finished (or abort them all first)."""
@@ -299,4 +321,7 @@ class Scheduler(SchedulerWiring):
         info["served_weights"] = self.served_weights.info()
         info["profiling"] = self.profiler.active
         info["weight_update_pending"] = self.weight_update is not None
+        if self.lora is not None:
+            manager = getattr(self.runner, "lora", None)  # (the model runner's: its rank and targets)
+            info["lora"] = {**(manager.info() if manager is not None else {}), "adapters": self.lora.info()}
         return info

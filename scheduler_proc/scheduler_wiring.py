@@ -27,6 +27,7 @@ from scheduler_proc.deadlines import Deadlines
 from scheduler_proc.decode_memory import DecodeMemory
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.long_rope import create_rope_switch
+from scheduler_proc.lora_control import LoraAdapterControl
 from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.memory_setup import create_allocator, create_tree_cache
 from scheduler_proc.model_worker import ForwardRunner, create_model_runner, create_model_worker, overlap_default
@@ -151,6 +152,15 @@ class SchedulerWiring:
             self.release,
             self.lora,
         )
+        # /load_lora_adapter, /unload_lora_adapter (an unload waits for the adapter's requests to finish).
+        self.lora_control: LoraAdapterControl | None = None
+        if self.lora is not None:
+            self.lora_control = LoraAdapterControl(
+                self.lora,
+                model_runner,  # type: ignore[arg-type]  # (a runner of a LoRA server loads adapters)
+                lambda: [*self.queues.waiting, *self.queues.holders(), *self.grammars.requests()],
+                self.output.outbox,
+            )
         self.results = StepResults(
             self.queues,
             self.tree_cache,

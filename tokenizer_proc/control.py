@@ -33,6 +33,7 @@ from runtime.protocol.messages import (
     ErrorReply,
     FlushCacheReq,
     HealthReq,
+    LoraAdapterReq,
     ProfileReq,
     SchedControlOut,
     SchedControlReq,
@@ -47,7 +48,7 @@ CONTROL_TIMEOUT_S = 120.0
 WEIGHT_UPDATE_TIMEOUT_S = 3600.0  # it waits for the running requests to finish, then loads
 _KIND = {FlushCacheReq: "flush_cache", ServerInfoReq: "server_info", HealthReq: "health"}
 
-ControlRequest = FlushCacheReq | ServerInfoReq | HealthReq | ProfileReq | UpdateWeightsReq
+ControlRequest = FlushCacheReq | ServerInfoReq | HealthReq | ProfileReq | UpdateWeightsReq | LoraAdapterReq
 SendReply = Callable[[bytes, Any], Awaitable[bool]]  # ClientReplies.send: False when not delivered
 
 
@@ -70,12 +71,14 @@ class ControlCalls:
         max_per_client: int,
         compose_server_info: Callable[[dict[str, Any]], dict[str, Any]],
         on_weights: Callable[[dict[str, Any]], None] | None = None,
+        on_adapters: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.to_scheduler = to_scheduler
         self.reply = reply
         self.max_per_client = max_per_client
         self.compose_server_info = compose_server_info  # the scheduler's payload -> the whole server info
         self.on_weights = on_weights  # told each successful weight update's payload (model_path, weight_version)
+        self.on_adapters = on_adapters  # told each LoRA load / unload reply (the adapters loaded afterwards)
         self.pending: dict[str, PendingControl] = {}
         self.per_client: dict[bytes, int] = {}
 
@@ -133,6 +136,8 @@ class ControlCalls:
     async def handle_out(self, out: SchedControlOut) -> None:
         if out.kind == "update_weights" and out.payload.get("success") and self.on_weights is not None:
             self.on_weights(out.payload)  # (first: the caller may have stopped waiting)
+        if out.kind in ("load_lora", "unload_lora") and self.on_adapters is not None:
+            self.on_adapters(out.payload)
         pending = self.drop(out.rid)
         if pending is None:
             return
@@ -165,6 +170,8 @@ def client_kind(req: ControlRequest) -> str:
         return "start_profile" if req.start else "stop_profile"
     if isinstance(req, UpdateWeightsReq):
         return "update_weights"
+    if isinstance(req, LoraAdapterReq):
+        return "load_lora" if req.load else "unload_lora"
     return _KIND[type(req)]
 
 
@@ -177,6 +184,8 @@ def scheduler_request(internal: str, kind: str, req: ControlRequest) -> SchedCon
         return SchedControlReq(rid=internal, kind=kind, profile=req.options if req.start else None)
     if isinstance(req, UpdateWeightsReq):
         return SchedControlReq(rid=internal, kind=kind, weights=req.update)
+    if isinstance(req, LoraAdapterReq):
+        return SchedControlReq(rid=internal, kind=kind, lora=req.adapter)
     return SchedControlReq(rid=internal, kind="server_info" if kind == "health" else kind)
 
 
@@ -194,6 +203,6 @@ async def resolve_weight_update(req: UpdateWeightsReq) -> UpdateWeightsReq:
 
 def _timeout_s(kind: str) -> float:
     """How long a control call of ``kind`` waits for the scheduler."""
-    if kind == "update_weights":
+    if kind in ("update_weights", "unload_lora"):  # (an unload waits for the adapter's requests)
         return WEIGHT_UPDATE_TIMEOUT_S
     return HEALTH_TIMEOUT_S if kind == "health" else CONTROL_TIMEOUT_S

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from runtime.protocol.messages import ControlReply, DetokenizeReq, ErrorReply, GenerateReq, TokenizeReq
 from tokenizer_proc.control import ControlRequest
 from tokenizer_proc.embedding_model import EmbeddingModel
+from tokenizer_proc.lora_names import LoraNames
 from tokenizer_proc.metrics import Metrics
 
 
@@ -30,6 +31,10 @@ class FrontDoor(Protocol):
     @property
     def embedding(self) -> EmbeddingModel | None:
         """An embedding server's model (pooling rule, size); None on a generation server."""
+
+    @property
+    def lora(self) -> LoraNames | None:
+        """The LoRA adapters requests may name (listed by /v1/models); None without --enable-lora."""
 
     @property
     def metrics(self) -> Metrics | None:

@@ -14,7 +14,7 @@ way SGLang reads it:
   honour (``structural_tag``, beam search, a watermark, custom logit processors) is a 400 naming it;
 - fields this server does not know are ignored with one warning per name (routers and clients add
   their own), while the SGLang fields that would change the answer and are not served here
-  (images, audio, LoRA adapters, hidden states, sessions) are a 400 naming the field.
+  (images, audio, hidden states, sessions) are a 400 naming the field.
 
 Types stay strict (a string is never a number), so a client's mistake is a 400 naming the field.
 The ZMQ client keeps its own strict ``GenerateReq`` (runtime/protocol/messages.py).
@@ -37,8 +37,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "video_data": "video input is not supported: this server serves text models",
     "audio_data": "audio input is not supported: this server serves text models",
     "input_embeds": "input embeddings are not supported; send text or input_ids",
-    "lora_path": "LoRA adapters are not supported",
-    "lora_id": "LoRA adapters are not supported",
+    "lora_id": "name the adapter with lora_path (the name it was loaded under)",
     "return_hidden_states": "hidden states are not returned by this server",
     "session_params": "sessions are not supported",
     "custom_logit_processor": "custom logit processors are not supported",
@@ -76,6 +75,8 @@ class NativeGenerateReq(LenientBody):
     rid: str | list[str] | None = None
     deadline_s: float | None = None  # server-side deadline, seconds from arrival (GenerateReq.deadline_s)
     priority: int | None = None  # larger first, with --enable-priority-scheduling (ignored without it)
+    # the LoRA adapter of each prompt, by its loaded name (one for all, or a list; None: the base model)
+    lora_path: str | list[str | None] | None = None
 
     def generate_reqs(self) -> tuple[list[GenerateReq], bool]:
         """The requests, and whether the body was a batch (the reply is then a list)."""
@@ -93,6 +94,7 @@ class NativeGenerateReq(LenientBody):
         starts = per_prompt(self.logprob_start_len, n, "logprob_start_len")
         tops = per_prompt(self.top_logprobs_num, n, "top_logprobs_num")
         id_lists = self._token_id_lists(n)
+        adapters: list[str | None] = per_prompt(self.lora_path, n, "lora_path")  # type: ignore[arg-type]
         return [
             GenerateReq(
                 rid=rids[i],
@@ -104,6 +106,7 @@ class NativeGenerateReq(LenientBody):
                 token_ids_logprob=id_lists[i],
                 deadline_s=self.deadline_s,
                 priority=self.priority or 0,
+                lora_path=adapters[i],
                 **{field: prompts[i]},
             )
             for i in range(n)

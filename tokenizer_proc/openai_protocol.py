@@ -178,6 +178,9 @@ class _SamplingFields(_Fields):
     regex: str | None = None
     ebnf: str | None = None
     priority: int = 0  # SGLang's extra field: larger first, with --enable-priority-scheduling
+    # SGLang's extra field: the LoRA adapter (its loaded name); the route also reads it from model
+    # "SERVED:ADAPTER" (HttpContext.adapter_of)
+    lora_path: str | None = None
     # Server-side deadline in seconds from arrival (GenerateReq.deadline_s): aborted when it passes.
     timeout: float | None = None
     deadline_s: float | None = None
@@ -267,6 +270,7 @@ class CompletionRequest(_SamplingFields):
                 logprob_start_len=0 if prompt_logprobs else -1,
                 deadline_s=self.server_deadline_s,
                 priority=self.priority,
+                lora_path=self.lora_path,
                 **({"text": p} if isinstance(p, str) else {"input_ids": p}),
             )
             for p in prompts
@@ -347,6 +351,7 @@ class ChatCompletionRequest(_SamplingFields):
                 chat_template_kwargs=self.chat_template_kwargs,
                 deadline_s=self.server_deadline_s,
                 priority=self.priority,
+                lora_path=self.lora_path,
             )
         ]
 

@@ -26,6 +26,7 @@ from runtime.protocol.messages import DetokenizeReq, GenerateReq, TokenizedGener
 from runtime.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tokenizer_proc.embedding_build import AN_EMBEDDING_SERVER, NOT_AN_EMBEDDING_SERVER, embed_request
 from tokenizer_proc.limits import MAX_STOP_STR_CHARS, MAX_STOP_STRS, max_prompt_bytes
+from tokenizer_proc.lora_names import LoraNames, check_adapter
 from tokenizer_proc.rejected import Rejected as Rejected  # (its home is rejected.py; imported from here too)
 
 # apply_chat_template arguments a client's chat_template_kwargs may not override: they decide
@@ -90,8 +91,10 @@ class RequestBuilder:
         request_timeout: float | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
         is_embedding: bool = False,
+        lora: LoraNames | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.lora = lora  # the LoRA adapters requests may name (None: a server without --enable-lora)
         self.is_embedding = is_embedding  # --is-embedding: embedding requests only, else generation only
         self.limits = limits
         self.grammar_backend = grammar_backend  # "none": constrained requests are refused
@@ -109,7 +112,10 @@ class RequestBuilder:
         deadline = self._deadline(req, time.monotonic() if arrived is None else arrived)
         if req.embed:
             _check_priority(req.priority)
+            if req.lora_path is not None:
+                raise Rejected("invalid_request", "lora_path: an embedding request takes no adapter", "lora_path")
             return [embed_request(self, req, deadline)]
+        lora_name = check_adapter(self.lora, req.lora_path)
         for name in ("text_pair", "truncate_prompt_tokens"):
             if getattr(req, name) is not None:
                 raise Rejected("invalid_request", f"{name}: applies to an embedding request (embed) only", name)
@@ -143,6 +149,7 @@ class RequestBuilder:
                     token_ids_logprob=token_ids_logprob,
                     deadline=deadline,
                     priority=req.priority,
+                    lora_name=lora_name,
                 )
             )
         return out

@@ -48,6 +48,7 @@ from typing import Any
 import msgspec
 
 from runtime.config.args import ServerArgs
+from runtime.config.lora_args import lora_enabled, lora_refs
 from runtime.protocol.ipc import AsyncRouter, PushSocket
 from runtime.protocol.messages import (
     AbortReq,
@@ -58,6 +59,7 @@ from runtime.protocol.messages import (
     FlushCacheReq,
     GenerateReq,
     HealthReq,
+    LoraAdapterReq,
     ProfileReq,
     ServerInfoReq,
     TokenizedGenerateReq,
@@ -69,6 +71,7 @@ from tokenizer_proc.control import ControlCalls, ControlRequest, resolve_weight_
 from tokenizer_proc.drain import DRAINING_MESSAGE, Drain
 from tokenizer_proc.embedding_model import EmbeddingModel, load_embedding_model
 from tokenizer_proc.limits import OFFLOAD_BYTES, prompt_chars
+from tokenizer_proc.lora_names import LoraNames
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.output_routing import OutputRouter
 from tokenizer_proc.request_builder import ModelLimits, Rejected, RequestBuilder, check_api_key
@@ -106,6 +109,8 @@ class TokenizerManager:
             self.embedding = load_embedding_model(server_args.resolved_model_path(), server_args.pooling)
         # Where unset sampling fields come from (--sampling-defaults); none given: the built-in ones.
         self.sampling_defaults = sampling_defaults or SamplingDefaults(server_args.sampling_defaults)
+        # The LoRA adapters requests may name (tokenizer_proc/lora_names.py); None without --enable-lora.
+        self.lora = LoraNames(lora_refs(server_args)) if lora_enabled(server_args) else None
         self.builder = RequestBuilder(
             tokenizer,
             limits,
@@ -113,6 +118,7 @@ class TokenizerManager:
             request_timeout=server_args.request_timeout,
             sampling_defaults=self.sampling_defaults.values,
             is_embedding=server_args.is_embedding,
+            lora=self.lora,
         )
         self.router = router  # read here; ClientReplies sends on it (the process binds and closes it)
         self.to_scheduler = to_scheduler
@@ -138,6 +144,7 @@ class TokenizerManager:
             server_args.max_controls_per_client,
             self.compose_server_info,
             self.weights_updated,
+            self.lora.update if self.lora is not None else None,
         )
         # The checkpoint served and its version (SGLang's weight_version): moved by weight updates.
         self.served_weights: dict[str, Any] = {"model_path": server_args.model_path, "weight_version": "default"}
@@ -204,7 +211,9 @@ class TokenizerManager:
                 await self.handle_generate(identity, req)
             elif isinstance(req, AbortReq):
                 await self.handle_abort(identity, req)
-            elif isinstance(req, (FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq)):
+            elif isinstance(
+                req, (FlushCacheReq, ServerInfoReq, HealthReq, ProfileReq, UpdateWeightsReq, LoraAdapterReq)
+            ):
                 await self.begin_control(identity, req)
             elif isinstance(req, (TokenizeReq, DetokenizeReq)):
                 payload = await self.tokenize(req)

@@ -47,6 +47,8 @@ from runtime.protocol.messages import (
     GenerateChunk,
     GenerateReq,
     HealthReq,
+    LoraAdapterReq,
+    LoraControl,
     ProfileOptions,
     ProfileReq,
     ServerInfoReq,
@@ -88,6 +90,7 @@ class AsyncClient(ClientConnection):
         deadline_s: float | None = None,
         priority: int = 0,
         token_ids_logprob: list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> "GenerateCall":
         """``await`` it for the result (a list for a batch or for n > 1); with
         ``stream=True`` iterate it (``async for chunk in client.generate(...)``).
@@ -103,7 +106,9 @@ class AsyncClient(ClientConnection):
         ``priority``: larger is scheduled first on a server with ``--enable-priority-scheduling``
         (ignored elsewhere). ``token_ids_logprob`` (SGLang's): the logprobs of these token ids at every
         output position, in ``meta["output_token_ids_logprobs"]`` (and at the prompt positions from
-        ``logprob_start_len`` on, in ``meta["input_token_ids_logprobs"]``)."""
+        ``logprob_start_len`` on, in ``meta["input_token_ids_logprobs"]``). ``lora_path``: the LoRA
+        adapter to generate with, by the name it was loaded under (a list: one per prompt of a batch;
+        None: the base model)."""
         if (tools is not None or chat_template_kwargs is not None) and messages is None:
             raise ValueError("tools and chat_template_kwargs go with messages")
         given = [x for x in (prompt, input_ids, messages) if x is not None]
@@ -126,6 +131,12 @@ class AsyncClient(ClientConnection):
         field = "text" if prompt is not None else "input_ids" if input_ids is not None else "messages"
         # One keyword per request; its value's shape is the server's to validate (msgspec).
         input_kwargs: list[dict[str, Any]] = [{field: item} for item in items]
+        if isinstance(lora_path, list):
+            if len(lora_path) != len(items):
+                raise ValueError("lora_path: a list needs one adapter (or None) per prompt")
+            adapters = list(lora_path)
+        else:
+            adapters = [lora_path] * len(items)
         reqs = [
             GenerateReq(
                 rid=r,
@@ -140,9 +151,10 @@ class AsyncClient(ClientConnection):
                 deadline_s=deadline_s,
                 priority=priority,
                 token_ids_logprob=token_ids_logprob,
+                lora_path=adapter,
                 **inputs,
             )
-            for r, inputs in zip(rids, input_kwargs)
+            for r, inputs, adapter in zip(rids, input_kwargs, adapters)
         ]
         n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
         n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
@@ -248,6 +260,25 @@ class AsyncClient(ClientConnection):
         rid = uuid.uuid4().hex
         update = WeightUpdate(model_path, load_format, weight_version, abort_all_requests)
         return await self._control("ctl", UpdateWeightsReq(rid=rid, update=update, api_key=self.api_key), rid)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict[str, Any]:
+        """Load the PEFT adapter folder ``lora_path`` as ``lora_name`` (``POST /load_lora_adapter``);
+        ``pinned``: it keeps a slot for good. SGLang's answer: ``success``, ``message``, and here the
+        adapters loaded afterwards (``loaded_adapters``)."""
+        rid = uuid.uuid4().hex
+        control = LoraControl(lora_name, lora_path, pinned)
+        return await self._control(
+            "ctl", LoraAdapterReq(rid=rid, load=True, adapter=control, api_key=self.api_key), rid
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload adapter ``lora_name`` once the requests running on it have finished (``POST
+        /unload_lora_adapter``); from the call on, new requests naming it are refused."""
+        rid = uuid.uuid4().hex
+        control = LoraControl(lora_name)
+        return await self._control(
+            "ctl", LoraAdapterReq(rid=rid, load=False, adapter=control, api_key=self.api_key), rid
+        )
 
     async def tokenize(
         self,

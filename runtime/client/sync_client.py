@@ -77,6 +77,7 @@ class Client:
         deadline_s: float | None = None,
         priority: int = 0,
         token_ids_logprob: list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Any:
         """A result dict (``text``, ``output_ids``, ``meta``, ``rid``); a list of them for
         a batch of prompts (same order) or for n > 1; a generator of chunk dicts when
@@ -96,6 +97,7 @@ class Client:
             deadline_s=deadline_s,
             priority=priority,
             token_ids_logprob=token_ids_logprob,
+            lora_path=lora_path,
         )
         if stream:
             return self._iterate(call)
@@ -177,6 +179,12 @@ class Client:
                 abort_all_requests=abort_all_requests,
             )
         )
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict[str, Any]:
+        return self._call(self._async.load_lora_adapter(lora_name, lora_path, pinned=pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self._call(self._async.unload_lora_adapter(lora_name))
 
     def tokenize(
         self,

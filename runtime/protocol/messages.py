@@ -179,6 +179,7 @@ ClientRequest = Union[
     HealthReq,
     ProfileReq,
     UpdateWeightsReq,
+    LoraAdapterReq,
     TokenizeReq,
     DetokenizeReq,
 ]
@@ -243,7 +244,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
 class ControlReply(msgspec.Struct, tag="control"):
     rid: str
     kind: str  # "flush_cache" | "server_info" | "health" | "abort" | "start_profile" | "stop_profile"
-    # | "update_weights" | "tokenize" | "detokenize"
+    # | "update_weights" | "load_lora" | "unload_lora" | "tokenize" | "detokenize"
     payload: dict[str, Any]
 
 

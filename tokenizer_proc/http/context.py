@@ -64,6 +64,19 @@ class HttpContext:
                 code="model_not_found",
             )
 
+    def adapter_of(self, model: str, lora_path: str | None) -> str | None:
+        """The LoRA adapter an OpenAI request names: ``model`` as ``SERVED:ADAPTER`` (each adapter's id in
+        /v1/models), or SGLang's extra field ``lora_path`` with the served model (None: the base model).
+        Whether the adapter is loaded is the request builder's check (a 400 naming it)."""
+        for served in (self.model_name, self.server_args.model_path):
+            if served and model.startswith(served + ":"):
+                named = model[len(served) + 1 :]
+                if lora_path is not None and lora_path != named:
+                    raise oai.BadRequest(f"model names adapter {named!r} and lora_path {lora_path!r}", "lora_path")
+                return named
+        self.check_model(model)
+        return lora_path
+
     def output_parsing(self, body: oai.ChatCompletionRequest) -> reply_fmt.OutputParsing:
         """How a chat request's output is read: its tools against --tool-call-parser, its reasoning
         split by --reasoning-parser unless it asked to keep it inline (separate_reasoning false)."""

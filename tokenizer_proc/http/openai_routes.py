@@ -23,23 +23,23 @@ router = api_router()
 
 @router.get("/v1/models")
 async def models(request: Request, http: Http) -> JSONResponse:
+    """The served model, and each LoRA adapter loaded as a model ``SERVED:ADAPTER`` (its parent the base)."""
     http.authorize(request)
     door = http.ready_door()
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": http.model_name,
-                    "object": "model",
-                    "created": http.created,
-                    "owned_by": "tinyserve",
-                    "root": http.server_args.model_path,
-                    "max_model_len": door.context_len,
-                }
-            ],
-        }
-    )
+    base = {
+        "id": http.model_name,
+        "object": "model",
+        "created": http.created,
+        "owned_by": "tinyserve",
+        "root": http.server_args.model_path,
+        "parent": None,
+        "max_model_len": door.context_len,
+    }
+    adapters = door.lora.adapters.values() if door.lora is not None else ()
+    data = [base] + [
+        {**base, "id": f"{http.model_name}:{a['name']}", "root": a["path"], "parent": http.model_name} for a in adapters
+    ]
+    return JSONResponse({"object": "list", "data": data})
 
 
 @router.post("/v1/completions")
@@ -59,7 +59,7 @@ async def _openai_generate(
     http.authorize(request)
     body: Any = await read_body(request, schema, http.max_request_bytes)
     request.state.field_names = oai.openai_names(kind == "chat", body)  # a refusal names this body's fields
-    http.check_model(body.model)
+    body.lora_path = http.adapter_of(body.model, body.lora_path)
     assert http.logprobs is not None
     if kind == "chat":
         parsing = http.output_parsing(body)

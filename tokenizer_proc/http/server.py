@@ -26,6 +26,7 @@ dependency (tokenizer_proc/http/context.py):
 - token_routes.py: POST /tokenize, /detokenize (SGLang's and vLLM's bodies)
 - embedding_routes.py: POST /v1/embeddings, /encode, /v1/rerank (/rerank, /v2/rerank) on an embedding
   server (--is-embedding); POST /v1/score (SGLang's label-token probabilities) on a generation server
+- lora_routes.py: POST /load_lora_adapter, /unload_lora_adapter (SGLang's, with --enable-lora)
 - control_routes.py: GET /health, /health_generate, /get_server_info, /metrics (with
   --enable-metrics); POST /flush_cache, /drain
 - chat_page.py: GET /, the chat page for a person with a browser (static/chat.html)
@@ -47,6 +48,7 @@ from tokenizer_proc.http import (
     chat_page,
     control_routes,
     embedding_routes,
+    lora_routes,
     native_routes,
     ollama_routes,
     openai_routes,
@@ -126,5 +128,6 @@ def build_app(context: HttpContext) -> FastAPI:
     app.include_router(token_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(embedding_routes.router)
+    app.include_router(lora_routes.router)
     app.include_router(chat_page.router)
     return app

@@ -116,5 +116,5 @@ class LoraManager:
             "max_loras_per_batch": self.pool.slots,
             "target_modules": sorted(self.target_leaves),
             "slot_bytes": self.pool.nbytes(),
-            "adapters": {uid: {"path": self.paths[uid], "host_bytes": a.nbytes} for uid, a in self.adapters.items()},
+            "host_bytes": {uid: adapter.nbytes for uid, adapter in self.adapters.items()},
         }
