@@ -34,16 +34,20 @@ class LoraAdapterControl:
     """Carries out load and unload requests on the scheduler's ``LoraSlots`` and the model runner."""
 
     def __init__(
-        self, slots: LoraSlots, runner: AdapterRunner, live_requests: Callable[[], list[Req]], outbox: list[Any]
+        self,
+        slots: LoraSlots,
+        runner: AdapterRunner,
+        live_requests: Callable[[], list[Req]],
+        send: Callable[[SchedControlOut], None],
     ) -> None:
         self.slots = slots
         self.runner = runner
         self.live_requests = live_requests  # every request accepted and not finished
-        self.outbox = outbox
+        self.send = send  # into the scheduler's outbox
 
     def _reply(self, rid: str, kind: str, success: bool, message: str, **extra: Any) -> None:
         payload = {"success": success, "message": message, "loaded_adapters": self.slots.info(), **extra}
-        self.outbox.append(SchedControlOut(rid, kind, payload))
+        self.send(SchedControlOut(rid, kind, payload))
 
     def in_use(self) -> set[str]:
         return {req.lora_uid for req in self.live_requests() if req.lora_uid is not None}

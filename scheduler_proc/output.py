@@ -145,6 +145,10 @@ class OutputProcessor:
         else:
             self.outbox.append(BatchTokenIDOut([out]))
 
+    def outbox_append(self, msg: Any) -> None:
+        """Queue ``msg`` for the detokenizer (the outbox list is replaced at each ``take_outbox``)."""
+        self.outbox.append(msg)
+
     def take_outbox(self) -> list[Any]:
         out, self.outbox = self.outbox, []
         return out

@@ -159,7 +159,7 @@ class SchedulerWiring:
                 self.lora,
                 model_runner,  # type: ignore[arg-type]  # (a runner of a LoRA server loads adapters)
                 lambda: [*self.queues.waiting, *self.queues.holders(), *self.grammars.requests()],
-                self.output.outbox,
+                self.output.outbox_append,
             )
         self.results = StepResults(
             self.queues,
