@@ -20,9 +20,11 @@ host, so a CUDA graph can capture a call (its grid then fixes the run count and 
 
 Where it rounds: the shrink accumulates in fp32 over ``x`` and ``a`` in the model dtype (tensor
 cores for bf16/fp16) and keeps ``h`` in fp32; the expand multiplies ``h`` by ``b`` widened to fp32
--- exactly (``ieee``) for an fp32 model, as tf32 for a bf16/fp16 one, whose ~2^-11 relative error
-per product is far below the final rounding to the model dtype's 8 (bf16) or 11 (fp16) bits --
-accumulates in fp32, adds ``out`` in fp32 and rounds once, as ``reference_lora_add`` does.
+and accumulates in fp32, adds ``out`` in fp32 and rounds once, as ``reference_lora_add`` does. Its
+products are exact (``ieee``) for fp32 and fp16 models; for a bf16 one they run as tf32 (tensor
+cores, ~2^-11 relative error per product: far below the final rounding to bf16's 8 bits; an
+``ieee`` expand runs on the CUDA cores, an estimated tenth or more of a prefill's base GEMM time
+at rank 64, not measured).
 
 Parts: the expand kernel takes up to ``MAX_PARTS`` part boundaries as scalars and loops over the
 parts (a constexpr count) with a dot for each part that overlaps its column block (one, unless a
@@ -263,6 +265,7 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments:
     blocks = lora_blocks(max_len, shrink_cols, depth, rows, rank, out.dtype)
     token_blocks = cdiv(max_len, blocks.block_m)
     precision = dot_precision(out.dtype)
+    expand_precision = "tf32" if out.dtype == torch.bfloat16 else "ieee"  # see the module docstring
 
     h = torch.empty(tokens, shrink_cols, dtype=torch.float32, device=out.device)
     check_launch(_shrink_kernel, out, x, a, b, h, segments.starts, segments.slots)
@@ -312,7 +315,7 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments:
             rank,
             *padded,
             PARTS=len(group) - 1,
-            PRECISION=precision,
+            PRECISION=expand_precision,
             BLOCK_M=blocks.block_m,
             BLOCK_N=blocks.expand_n,
             BLOCK_R=blocks.block_r,
