@@ -36,7 +36,9 @@ does not split K: a decode batch of few runs and a small ``P * R`` gives few pro
 all of ``K``.
 
 Under Triton's interpreter (CPU tests, ``TRITON_INTERPRET=1``) the products are taken in fp32 with
-small blocks: the interpreter's numpy backend has no bf16 (``runtime.engine.cuda.triton_common``).
+small blocks: the interpreter's numpy backend has no bf16 (``runtime.engine.cuda.triton_common``),
+and its fp32 -> bf16 cast truncates where the GPU rounds to nearest (a bf16 ``out`` there is within
+one bf16 step of the reference, not within half of one).
 """
 
 from __future__ import annotations
