@@ -6,6 +6,8 @@ LayerNorm and its GELU stay torch's.
 A mixture of experts' routed experts run in the fused kernel (``runtime.engine.cuda.moe_kernels``)
 on their weights stacked once at ``prepare_model`` (each expert's parameters then view its rows of
 the stack: one copy in memory); experts kept quantized run the plain expert loop, eagerly.
+Multi-LoRA's adapter products run in the segmented shrink and expand kernels of
+``runtime.engine.cuda.lora_kernels``.
 
 The kernel module is imported on first use, after ``prepare_triton_for_device``: on a CPU
 (tests, under Triton's interpreter) that is what switches the interpreter on.
@@ -23,6 +25,7 @@ from torch import nn
 from runtime.engine.cuda.triton_common import prepare_triton_for_device
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.linear_weights import WeightPlan
+from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
 from runtime.engine.quant.weight import QuantizedWeight
@@ -123,6 +126,12 @@ class TritonOps(TorchOps):
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         if not self._kernels(k.device).store_kv(k_buf, v_buf, loc, k, v):
             super().store_kv(pool, layer_id, loc, k, v)
+
+    def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
+        self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
+        from runtime.engine.cuda import lora_kernels
+
+        lora_kernels.lora_add(out, x, weights, segments)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
         import xgrammar  # the grammar engine's own Triton kernel (constrained requests only)
