@@ -27,17 +27,21 @@ import openai
 import pytest
 
 from runtime.client import Client
+from tests.support.checkpoints import hf_greedy
+from tests.support.lora_adapters import AdapterSpec, build_adapter
 from tests.support.real_model import (
     API_KEY,
     CHUNKED_PREFILL_SIZE,
     CLIENT_TIMEOUT_S,
+    REAL_MODEL_LORA_RANK,
     SERVED_NAME,
     chat_ids,
     hf_greedy_until_eos,
+    one_torch_thread,
     real_model_args,
     serve_real_model,
 )
-from tests.support.server_fixtures import assert_idle_and_nothing_leaked, is_idle, wait_until
+from tests.support.server_fixtures import assert_idle_and_nothing_leaked, http_json, is_idle, wait_until
 from tests.support.server_process import ServedClient
 
 pytest_plugins = ["tests.support.real_model"]
@@ -212,6 +216,64 @@ def test_sixteen_at_once_equal_transformers_then_hit_the_prefix_cache(
     check_against_reference(again, reference)
     for r, expected in zip(again, reference):
         assert len(expected.prompt) - 1 <= r["meta"]["cached_tokens"] < len(expected.prompt), r["meta"]
+    assert_idle_and_nothing_leaked(smollm2_server)
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+
+LORA_SPECS = {
+    "attn8": AdapterSpec(r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=21, scale=4.0),
+    "all16": AdapterSpec(
+        r=REAL_MODEL_LORA_RANK,
+        alpha=8,
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        seed=22,
+        scale=4.0,
+    ),
+}
+LORA_TOKENS = 12
+
+
+def test_peft_adapters_on_the_real_model_equal_peft(
+    smollm2_hf: tuple[Any, Any], smollm2_server: ServedClient, tmp_path: Path
+) -> None:
+    """Two adapters made with peft for SmolLM2-135M (ranks 8 and 16, attention only and all seven
+    projections), loaded at run time, in one batch with the base model: each request's greedy tokens
+    equal peft's over transformers' model (fp32); then unloaded."""
+    from peft import PeftModel
+
+    model, tokenizer = smollm2_hf
+    paths = {name: build_adapter(model.config, tmp_path / name, spec) for name, spec in LORA_SPECS.items()}
+    for name, path in paths.items():
+        status, body = http_json(
+            smollm2_server, "POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, key=API_KEY
+        )
+        assert status == 200 and body["success"], body
+    prompts = [chat_ids(tokenizer, messages) for messages in CHATS[:3]]
+    names: list[str | None] = [None, "attn8", "all16"]
+    greedy = {"temperature": 0, "max_new_tokens": LORA_TOKENS, "ignore_eos": True}
+    batch = [(p, n) for p in prompts for n in names]
+    results = smollm2_server.generate(
+        input_ids=[p for p, _ in batch], sampling_params=greedy, lora_path=[n for _, n in batch]
+    )
+    peft = PeftModel.from_pretrained(model, str(paths["attn8"]), adapter_name="attn8")
+    try:
+        peft.load_adapter(str(paths["all16"]), adapter_name="all16")
+        with one_torch_thread():
+            for (prompt, name), result in zip(batch, results):
+                if name is None:
+                    with peft.disable_adapter():
+                        expected, _ = hf_greedy(peft, prompt, LORA_TOKENS)
+                else:
+                    peft.set_adapter(name)
+                    expected, _ = hf_greedy(peft, prompt, LORA_TOKENS)
+                assert result["output_ids"] == expected, name
+        assert len({tuple(r["output_ids"]) for r in results[:3]}) == 3, "each adapter changes the answer"
+    finally:
+        peft.unload()  # (the module's transformers model is the base again)
+    for name in paths:
+        status, body = http_json(smollm2_server, "POST", "/unload_lora_adapter", {"lora_name": name}, key=API_KEY)
+        assert status == 200 and body["success"], body
     assert_idle_and_nothing_leaked(smollm2_server)
 
 

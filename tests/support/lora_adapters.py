@@ -29,15 +29,22 @@ class AdapterSpec:
     scale: float = 1.0  # multiplies every LoRA matrix (a tiny model's random adapter at peft's init is small)
 
 
-def build_adapter(base: str | Path, out_dir: str | Path, spec: AdapterSpec) -> Path:
-    """A PEFT adapter folder for checkpoint ``base`` made by ``spec`` (reproducible: ``spec.seed``)."""
+def build_adapter(base: str | Path | Any, out_dir: str | Path, spec: AdapterSpec) -> Path:
+    """A PEFT adapter folder made by ``spec`` (reproducible: ``spec.seed``) for checkpoint folder ``base``,
+    or for a model of transformers config ``base`` (an adapter's matrices do not depend on the base
+    weights: a real model's adapters are made on a randomly initialised model of its config)."""
     from peft import LoraConfig, get_peft_model
 
     out = Path(out_dir)
     if (out / "adapter_config.json").is_file():
         return out
     torch.manual_seed(spec.seed)
-    model = load_hf_model(base)
+    if isinstance(base, (str, Path)):
+        model = load_hf_model(base)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(base, dtype=torch.float32)
     config = LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,

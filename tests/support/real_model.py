@@ -41,6 +41,7 @@ SERVED_NAME = DEFAULT_MODEL
 """The model name the server reports (launch.py's default model)."""
 API_KEY = "real-model-key"
 CLIENT_TIMEOUT_S = 300.0
+REAL_MODEL_LORA_RANK = 16  # the session fp32 server's --max-lora-rank
 CHUNKED_PREFILL_SIZE = 32
 """Small enough that every chat prompt (the template's system prompt alone is ~30 tokens) is
 prefilled in several chunks, or alongside other requests' chunks."""
@@ -120,11 +121,22 @@ def private_model_cache(folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_server_process(real_model_cache: Path) -> Iterator[ServerProcess]:
-    """The session's fp32 server, started but not waited for (``smollm2_server`` waits)."""
+    """The session's fp32 server, started but not waited for (``smollm2_server`` waits). It serves LoRA
+    adapters too (none at start): steps without adapters run as on any server."""
     server = start_real_model_server(
         real_model_cache,
         real_model_args(
-            "float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--speculative-algorithm", "ngram"
+            "float32",
+            "--chunked-prefill-size",
+            str(CHUNKED_PREFILL_SIZE),
+            "--speculative-algorithm",
+            "ngram",
+            # adapters are loaded at run time by the LoRA test (tests/e2e/test_real_model_e2e.py)
+            "--enable-lora",
+            "--max-lora-rank",
+            str(REAL_MODEL_LORA_RANK),
+            "--max-loras-per-batch",
+            "2",
         ),
         wait=False,
     )
