@@ -11,21 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from runtime.checkpoints.lora_targets import LORA_TARGET_MODULES
 from runtime.config.flag_checks import positive
 
-# The projections an adapter may target, in checkpoint (PEFT) names: attention and the dense MLP, plus
-# the fused names of checkpoints that store them fused (Phi-3). ``all`` asks for every one the model has.
-LORA_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "qkv_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "gate_up_proj",
-)
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's default
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.config.lora_args import LORA_TARGET_MODULES
+from runtime.checkpoints.lora_targets import LORA_TARGET_MODULES
 from runtime.engine.forward_batch import ForwardBatch
 from runtime.engine.lora.adapter import LoraAdapter, LoraAdapterError, read_adapter
 from runtime.engine.lora.pool import LoraPool, PreparedAdapter, model_projections

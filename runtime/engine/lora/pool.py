@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.config.lora_args import LORA_TARGET_MODULES
+from runtime.checkpoints.lora_targets import LORA_TARGET_MODULES
 from runtime.engine.layers.linear import LinearBase
 from runtime.engine.lora.adapter import LoraAdapter, LoraAdapterError
 from runtime.engine.ops.lora import LinearLora, LoraContext, LoraWeights
