@@ -50,12 +50,13 @@ async def create_response(request: Request, http: Http, store: Store) -> Respons
     http.authorize(request)
     body: ResponsesRequest = await read_body(request, ResponsesRequest, http.max_request_bytes)
     request.state.field_names = responses_names()  # a refusal of the request path names this API's fields
-    http.check_model(body.model)
+    adapter = http.adapter_of(body.model, None)  # (an adapter is a model "SERVED:ADAPTER" here too)
     earlier = (
         store.get(body.previous_response_id, "previous_response_id").conversation if body.previous_response_id else []
     )
     items = [*earlier, *body.input_items()]
     chat = body.chat_request(items)
+    chat.lora_path = adapter
     with responses_errors():
         parsing = http.output_parsing(chat)
         reqs = chat.generate_reqs(parsing.tools)
