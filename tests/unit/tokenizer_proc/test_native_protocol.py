@@ -57,7 +57,8 @@ def test_a_batch_spreads_single_values_and_takes_per_prompt_lists() -> None:
         ({"text": []}, "text"),
         ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "structural_tag"),
         ({"text": "a", "sampling_params": [{"beam_width": 2}]}, "beam_width"),
-        ({"text": "a", "lora_path": "adapter"}, "lora_path"),
+        ({"text": ["a", "b"], "lora_path": ["x"]}, "lora_path"),
+        ({"text": "a", "lora_id": "x"}, "lora_id"),
         ({"text": "a", "image_data": ["x.png"]}, "image_data"),
     ],
 )
@@ -65,6 +66,13 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as refused:
         reqs_of(body)
     assert refused.value.param == param and refused.value.status == 400
+
+
+def test_lora_path_is_one_adapter_for_all_prompts_or_one_per_prompt() -> None:
+    reqs, _ = reqs_of({"text": ["a", "b"], "lora_path": "x"})
+    assert [r.lora_path for r in reqs] == ["x", "x"]
+    reqs, _ = reqs_of({"text": ["a", "b"], "lora_path": [None, "y"]})
+    assert [r.lora_path for r in reqs] == [None, "y"]
 
 
 def test_types_stay_strict_and_unknown_fields_warn_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -93,6 +93,13 @@ EXPECTED_DEFAULTS = {
     "speculative_ngram_max_match_window_size": 12,
     "speculative_max_step_tokens": None,
     "speculative_ngram_capacity": 0,
+    # SGLang's LoRA flags and defaults
+    "enable_lora": None,
+    "lora_paths": None,
+    "max_loras_per_batch": 8,
+    "max_loaded_loras": None,
+    "max_lora_rank": None,
+    "lora_target_modules": None,
 }
 
 
