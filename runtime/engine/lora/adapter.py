@@ -61,9 +61,10 @@ class LoraAdapter:
 
 def _pattern_value(patterns: dict[str, object], module: str, default: float) -> float:
     """PEFT's rule for ``rank_pattern`` / ``alpha_pattern``: the first key that matches the end of the
-    module's name (at a dot boundary, or the whole name) wins; none: the adapter's default."""
+    module's name (at a dot boundary, or the whole name) wins; none: the adapter's default. A key is a
+    regex, grouped as PEFT groups it, so an alternation (``k_proj|o_proj``) is anchored as a whole."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return float(value)  # type: ignore[arg-type]
     return default
 
