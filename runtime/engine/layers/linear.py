@@ -149,6 +149,12 @@ class LinearBase(LinearWeightLayer, abc.ABC):
         ``shard_id`` (None: the whole output), cut as this layer cuts its weight."""
         return a, b
 
+    def lora_full_shape(self, shard_id: object) -> tuple[int, int]:
+        """``(out, in)`` of checkpoint projection ``shard_id`` before any sharding: the rows of an
+        adapter's ``b`` and the columns of its ``a`` (checked before ``shard_lora`` cuts them, since a
+        cut of a larger matrix would fit)."""
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
     @abc.abstractmethod
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, name: str, shard_id: Any = None) -> None:
         """Fill ``param`` (the weight, or the bias where it shards as the rows) with this rank's shard
@@ -243,6 +249,10 @@ class ColumnParallelLinear(LinearBase):
             return a, torch.cat(rows)
         _, start, size = self._shard_range(shard_id if isinstance(shard_id, int) else 0)
         return a, b[start : start + size]
+
+    def lora_full_shape(self, shard_id: object) -> tuple[int, int]:
+        rows = self.output_sizes[shard_id] if isinstance(shard_id, int) else sum(self.output_sizes)
+        return rows, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_lora(self.ops.linear(x, self.weight, self.bias, self.plan), x)
@@ -346,6 +356,9 @@ class RowParallelLinear(LinearBase):
     def shard_lora(self, a: torch.Tensor, b: torch.Tensor, shard_id: object) -> tuple[torch.Tensor, torch.Tensor]:
         """``a``'s columns as the weight's: each rank's product is a partial sum, reduced with the base's."""
         return a[:, self.tp_rank * self.in_local : (self.tp_rank + 1) * self.in_local], b
+
+    def lora_full_shape(self, shard_id: object) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.add_lora(self.ops.linear(x, self.weight, None, self.plan), x)

@@ -6,8 +6,9 @@ per adapted module. The update a module's output gets is ``scaling * B (A x)`` w
 alpha / r`` (rsLoRA: ``alpha / sqrt(r)``), where ``r`` and ``alpha`` may differ per module
 (``rank_pattern`` / ``alpha_pattern``, keys matched against the module's name as PEFT matches them).
 Dropout is a training-time operation and is not applied. Anything a plain LoRA adapter does not do
-(DoRA, trained biases, whole modules saved beside the adapter, embedding or LM-head targets) is
-refused with a message that names it, so an adapter never serves as something it is not.
+(DoRA, trained biases, whole modules saved beside the adapter, embedding or LM-head targets, expert
+weights adapted as parameters) is refused with a message that names it, so an adapter never serves as
+something it is not.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class LoraAdapter:
 
 def _pattern_value(patterns: dict[str, object], module: str, default: float) -> float:
     """PEFT's rule for ``rank_pattern`` / ``alpha_pattern``: the first key that matches the end of the
-    module's name (at a dot boundary, or the whole name) wins; none: the adapter's default."""
+    module's name (at a dot boundary, or the whole name) wins; none: the adapter's default. A key is a
+    regex, grouped as PEFT groups it, so an alternation (``k_proj|o_proj``) is anchored as a whole."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return float(value)  # type: ignore[arg-type]
     return default
 
@@ -86,6 +88,12 @@ def _read_config(folder: Path) -> dict[str, object]:
             raise LoraAdapterError(f"{folder}: {what} adapters are not served ({key} is set)")
     if str(config.get("bias", "none")) != "none":
         raise LoraAdapterError(f"{folder}: an adapter with trained biases (bias={config['bias']!r}) is not served")
+    if config.get("target_parameters"):  # (peft's way to adapt a mixture of experts' expert weights)
+        raise LoraAdapterError(
+            f"{folder}: the adapter targets parameters, not projections (target_parameters="
+            f"{config['target_parameters']}, such as a mixture of experts' experts); only attention and dense MLP "
+            "projections take adapters"
+        )
     if config.get("modules_to_save"):
         raise LoraAdapterError(
             f"{folder}: the adapter saves whole modules beside it ({config['modules_to_save']}); not served"
@@ -129,6 +137,11 @@ def read_adapter(path: str | Path) -> LoraAdapter:
                 pairs.setdefault(module, {})[side] = tensor
                 break
         else:
+            if ".base_layer." in name:  # (peft saves it beside an adapter on the embeddings or the LM head)
+                raise LoraAdapterError(
+                    f"{folder}: tensor {key} is a whole weight of {name.split('.base_layer.')[0]}, not a LoRA "
+                    "matrix (an adapter on the embeddings or the LM head); not served"
+                )
             if "lora_embedding" in name or "lora_magnitude" in name:
                 raise LoraAdapterError(f"{folder}: tensor {key} is not a plain LoRA matrix; not served")
             raise LoraAdapterError(f"{folder}: tensor {key} is not a LoRA matrix")

@@ -142,13 +142,15 @@ class LoraPool:
                 b_block = torch.zeros(weights.b.shape[1:], dtype=self.dtype)
                 blocks[ref.linear_name] = (a_block, b_block)
             a_block, b_block = blocks[ref.linear_name]
-            a, b = linear.shard_lora(module.a, module.b * module.scaling, ref.shard_id)
-            lo, hi = weights.part_rows[ref.part], weights.part_rows[ref.part + 1]
-            if a.shape[1] != a_block.shape[1] or b.shape[0] != hi - lo:
+            out_rows, in_cols = linear.lora_full_shape(ref.shard_id)  # (before the cut: a cut of more would fit)
+            if module.a.shape[1] != in_cols or module.b.shape[0] != out_rows:
                 raise LoraAdapterError(
                     f"{adapter.path}: {projection}: lora_A {tuple(module.a.shape)} / lora_B {tuple(module.b.shape)} "
-                    "do not fit the model's projection (another base model's adapter?)"
+                    f"do not fit the model's projection ({out_rows} x {in_cols}; another base model's adapter?)"
                 )
+            a, b = linear.shard_lora(module.a, module.b * module.scaling, ref.shard_id)
+            lo, hi = weights.part_rows[ref.part], weights.part_rows[ref.part + 1]
+            assert a.shape[1] == a_block.shape[1] and b.shape[0] == hi - lo, (projection, a.shape, b.shape)
             rank = module.rank
             first = ref.part * self.rank
             a_block[first : first + rank] = a.to(self.dtype)
