@@ -9,7 +9,8 @@ A stream asks for ``stream_options.include_usage`` so that the token count comes
 the server, whatever ``--stream-interval`` groups into one event. Other OpenAI-compatible
 servers (llama.cpp's ``llama-server``, bench/llamacpp_baseline.py) take the same requests;
 ``extra_body`` adds the fields only they read, and a usage without ``prompt_tokens_details``
-counts no cached tokens.
+counts no cached tokens. A request on a LoRA adapter names it as OpenAI clients do, with the model
+``SERVED:ADAPTER`` (each adapter's id in ``/v1/models``).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class CompletionsClient:
         if api_key is not None:
             self.headers.append(("Authorization", f"Bearer {api_key}"))
 
-    def body(self, input_ids: list[int], max_new_tokens: int, stream: bool) -> bytes:
+    def body(self, input_ids: list[int], max_new_tokens: int, stream: bool, adapter: str | None = None) -> bytes:
+        """The request's JSON; ``adapter``: the LoRA adapter it runs on (None: the base model)."""
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model if adapter is None else f"{self.model}:{adapter}",
             "prompt": input_ids,
             "max_tokens": max_new_tokens,
             "temperature": 0.0,
@@ -109,9 +111,11 @@ class CompletionsClient:
         finally:
             writer.close()
 
-    async def stream(self, input_ids: list[int], max_new_tokens: int) -> AsyncIterator[Event]:
+    async def stream(
+        self, input_ids: list[int], max_new_tokens: int, adapter: str | None = None
+    ) -> AsyncIterator[Event]:
         buf = b""
-        async for piece in self._post(self.body(input_ids, max_new_tokens, stream=True)):
+        async for piece in self._post(self.body(input_ids, max_new_tokens, stream=True, adapter=adapter)):
             buf += piece
             while b"\n\n" in buf:
                 line, buf = buf.split(b"\n\n", 1)
@@ -128,8 +132,9 @@ class CompletionsClient:
                         choice=False, completion_tokens=usage["completion_tokens"], cached_tokens=_cached_tokens(usage)
                     )
 
-    async def complete(self, input_ids: list[int], max_new_tokens: int) -> Event:
-        raw = b"".join([piece async for piece in self._post(self.body(input_ids, max_new_tokens, stream=False))])
+    async def complete(self, input_ids: list[int], max_new_tokens: int, adapter: str | None = None) -> Event:
+        body = self.body(input_ids, max_new_tokens, stream=False, adapter=adapter)
+        raw = b"".join([piece async for piece in self._post(body)])
         usage = json.loads(raw)["usage"]
         return Event(choice=False, completion_tokens=usage["completion_tokens"], cached_tokens=_cached_tokens(usage))
 
@@ -140,16 +145,22 @@ def _cached_tokens(usage: dict[str, Any]) -> int:
 
 
 async def send(
-    client: CompletionsClient, input_ids: list[int], max_new_tokens: int, stream: bool, rec: RequestRecord, start: float
+    client: CompletionsClient,
+    input_ids: list[int],
+    max_new_tokens: int,
+    stream: bool,
+    rec: RequestRecord,
+    start: float,
+    adapter: str | None = None,
 ) -> None:
-    """One bench request; fills ``rec`` as the ZMQ path does:
-    TTFT at the first token event, a gap per later event, token counts from the usage."""
+    """One bench request (on LoRA adapter ``adapter``, None: the base); fills ``rec`` as the ZMQ path
+    does: TTFT at the first token event, a gap per later event, token counts from the usage."""
     if not stream:
-        done = await client.complete(input_ids, max_new_tokens)
+        done = await client.complete(input_ids, max_new_tokens, adapter)
         rec.output_len, rec.cached_tokens = done.completion_tokens, done.cached_tokens
         return
     last = start
-    async for event in client.stream(input_ids, max_new_tokens):
+    async for event in client.stream(input_ids, max_new_tokens, adapter):
         now = time.perf_counter()
         if event.choice:
             if rec.ttft is None:

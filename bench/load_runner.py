@@ -4,7 +4,8 @@ summarises the records and is the command line).
 Each request goes as ``input_ids`` with greedy sampling and ``ignore_eos`` (the same work
 for every engine; a json-schema chat request goes as ``messages`` with its ``json_schema``
 instead, and ends where its grammar does), through the Python client (``backend="zmq"``)
-or the HTTP front door (``backend="http"``, bench/http_backend.py). Chains (multi-turn sessions) start at their
+or the HTTP front door (``backend="http"``, bench/http_backend.py); a request with a ``lora_path``
+runs on that LoRA adapter (the client's ``lora_path``, or the OpenAI model ``SERVED:ADAPTER``). Chains (multi-turn sessions) start at their
 arrival times, all at once or as a Poisson process; within a chain each request waits for
 the previous one.
 """
@@ -69,6 +70,8 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
 
     rec = RequestRecord(index=req.index, prompt_len=len(req.input_ids))
     prompt: dict[str, Any] = {"messages": req.messages} if req.messages is not None else {"input_ids": req.input_ids}
+    # Only a LoRA request names an adapter (the keyword stays out of other requests).
+    adapter: dict[str, Any] = {"lora_path": req.lora_path} if req.lora_path is not None else {}
     if req.json_schema is not None:
         rec.text = ""
     start = time.perf_counter()
@@ -77,10 +80,10 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
         if isinstance(client, CompletionsClient):
             if req.messages is not None:
                 raise ValueError("the http backend sends token-id prompts only")
-            await send(client, req.input_ids, req.max_new_tokens, stream, rec, start)
+            await send(client, req.input_ids, req.max_new_tokens, stream, rec, start, adapter=req.lora_path)
         elif stream:
             last = start
-            async for chunk in client.generate(**prompt, sampling_params=sampling_params(req), stream=True):
+            async for chunk in client.generate(**prompt, **adapter, sampling_params=sampling_params(req), stream=True):
                 now = time.perf_counter()
                 n = len(chunk["output_ids"])
                 if n:
@@ -95,7 +98,7 @@ async def _send_one(client: Any, req: BenchRequest, stream: bool, t0: float, bar
                 if chunk["finished"]:
                     _take_meta(rec, chunk["meta"])
         else:
-            result = await client.generate(**prompt, sampling_params=sampling_params(req))
+            result = await client.generate(**prompt, **adapter, sampling_params=sampling_params(req))
             rec.output_len = len(result["output_ids"])
             if rec.text is not None:
                 rec.text = result["text"]

@@ -23,6 +23,7 @@ class BenchRequest:
     messages: list[dict[str, str]] | None = None
     json_schema: str | None = None
     until_eos: bool = False  # greedy up to EOS (max_new_tokens a cap), not exactly max_new_tokens
+    lora_path: str | None = None  # the LoRA adapter to generate with, by its served name (None: the base)
 
 
 @dataclass
