@@ -59,8 +59,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = 512
 # What a LoRA server's kernel report says of the steps that carry adapters.
 LORA_PATH_NOTE = (
-    "steps whose requests use adapters run the layers one by one (no one-call layer stack, no CUDA graph), "
-    "each adapted linear adding its adapters' products with DeviceOps.lora_add; base-only steps as usual"
+    "each adapted linear adds its adapters' products after its base product (DeviceOps.lora_add), in the "
+    "device's layer stack too where it has one (the CPU's one-call decode stack, in C); a step with adapters "
+    "runs no CUDA graph"
 )
 
 

@@ -101,8 +101,14 @@ class _Step(ctypes.Structure):
                 "kv_row",
             )
         ]
-        + [("kv_rows", _i64)]
+        + [("kv_rows", _i64), ("lora", _ptr)]
     )
+
+
+class _LoraRuns(ctypes.Structure):
+    """csrc/decode_layers.c: LoraRuns (a step's ``runtime.engine.ops.lora.LoraSegments``)."""
+
+    _fields_ = [("slots", _i64), ("rank", _i64), ("n", _i64), ("starts", _ptr), ("run_slots", _ptr)]
 
 
 _ENTRY_POINTS = {
@@ -124,6 +130,7 @@ _STAGES = (
     "o linear",
     "gate/up + silu",
     "down linear",
+    "adapter (LoRA) product",
 )
 _enabled: list[bool] = []  # use_decode_layers' stack of settings
 _PLAN_OF = operator.attrgetter("plan")  # a linear layer's current plan (one C-level read per layer a step)
@@ -192,6 +199,14 @@ class CpuLayerStack:
         cos, sin = rope_cos_sin(rope, hidden.dtype)
         whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
+
+    def lora_segments(self) -> Any:
+        """The forward's adapter runs where some row uses an adapter (a LoRA server's linears share one
+        context: ``runtime.engine.ops.lora``), else None."""
+        for linear in self._linears[:1]:
+            lora = getattr(linear, "lora", None)
+            return lora.active() if lora is not None else None
+        return None
 
     def _layer_records(self) -> list[DecoderLayerWeights] | None:
         """Every decoder layer's record where each layer's own class declares what it is and the C
@@ -273,10 +288,25 @@ def run(
     num_layers = len(stack.layers)
     if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != num_layers:
         return None
+    runs = _lora_runs(layers, stack, n)
+    if runs is False:
+        return None
     mirror = backend.claim_decode_step(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
-    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool)
+    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs or None)
+
+
+def _lora_runs(layers: CpuLayerStack, stack: StackDescription, n: int) -> _LoraRuns | None | bool:
+    """The step's adapter runs for the C call (None: no row uses an adapter), or False where the
+    description has no adapter slots the C layer can read (the layers then run one by one)."""
+    segments = layers.lora_segments()
+    if segments is None:
+        return None
+    if stack.lora_shape is None or segments.starts_cpu[-1] != n:
+        return False
+    slots, rank = stack.lora_shape
+    return _LoraRuns(slots, rank, len(segments.slots_cpu), segments.starts.data_ptr(), segments.slots.data_ptr())
 
 
 def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
@@ -295,6 +325,7 @@ def _call(
     rotary_dim: int,
     loc: torch.Tensor,
     pool: Any,
+    lora: _LoraRuns | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = hidden.shape
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
@@ -307,8 +338,8 @@ def _call(
     kv_row = plan.kv_row
     assert (kv_row is None and kv_n == n) or (kv_row is not None and kv_row.shape == (n,) and kv_row.is_contiguous())
     widths = {"normed": h, "qkv": q_cols + 2 * kv_cols, "attn": q_cols, "o": h, "mid": stack.inter}
-    if stack.kernels != "amx":  # the gate/up linear's output, before silu*mul (the AMX kernel fuses them)
-        widths["gate_up"] = 2 * stack.inter
+    if stack.kernels != "amx" or lora is not None:  # the gate/up linear's output, before silu*mul (the AMX
+        widths["gate_up"] = 2 * stack.inter  # kernel fuses them, but not with an adapter's product between)
     scratch = {name: buffers.rows(name, n, cols, stack.dtype) for name, cols in widths.items()}
     scratch["hidden_out"] = torch.empty(n, h, dtype=stack.dtype)  # returned: the caller's, not reused
     prefix_len = prefix_pad = 0
@@ -350,6 +381,7 @@ def _call(
         mask=plan.mask.data_ptr(),
         kv_row=kv_row.data_ptr() if kv_row is not None else None,
         kv_rows=kv_n,
+        lora=ctypes.addressof(lora) if lora is not None else None,
         **{name: t.data_ptr() for name, t in scratch.items()},
     )
     rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))

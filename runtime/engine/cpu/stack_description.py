@@ -34,6 +34,12 @@ from runtime.engine.quant.weight import QuantizedWeight
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+class CLoraLinear(ctypes.Structure):
+    """csrc/decode_layers.c: LoraLinear (a linear's adapter slots, ``runtime.engine.ops.lora.LoraWeights``)."""
+
+    _fields_ = [("a", _ptr), ("b", _ptr), ("part_rows", _ptr), ("parts", _i64)]
+
+
 class CLayer(ctypes.Structure):
     """csrc/decode_layers.c: DecodeLayer."""
 
@@ -54,7 +60,7 @@ class CLayer(ctypes.Structure):
             "prefix_k",
             "prefix_v",
         )
-    ]
+    ] + [("lora", CLoraLinear * 4)]  # qkv, o, gate_up, down
 
 
 class _QuantWeight(ctypes.Structure):
@@ -105,6 +111,10 @@ class StackDescription:
     layers: Any = field(repr=False)  # ctypes array of CLayer (weight fields filled)
     # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
     quant: list[_QuantWeight] = field(default_factory=list, repr=False)
+    # Multi-LoRA: the slots' count and rank where the layers' linears take adapters in this set's dtype
+    # (their addresses are in the layers' ``lora`` entries), else None: a step with adapters runs the layers
+    lora_shape: tuple[int, int] | None = None
+    lora_keep: list[torch.Tensor] = field(default_factory=list, repr=False)  # the part_rows arrays the layers point at
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,4 +197,30 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.qkv, entry.o, entry.gate_up, entry.down = (_address(band, quant) for band in bands if band is not None)
         entry.qkv_bias = bias.data_ptr() if bias is not None else None
-    return StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
+    description = StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
+    description.lora_shape = _describe_lora(layers, array, dtype, description.lora_keep)
+    return description
+
+
+def _describe_lora(
+    layers: list[DecoderLayerWeights], array: Any, dtype: torch.dtype, keep: list[torch.Tensor]
+) -> tuple[int, int] | None:
+    """Fill each layer's adapter slots (a LoRA server's linears hold them: ``LinearBase.lora``); the
+    slots' (count, rank), or None where no linear takes adapters or their dtype is not the set's."""
+    shape = None
+    for layer, entry in zip(layers, array):
+        for index, linear in enumerate(layer.linears):
+            lora = getattr(linear, "lora", None)
+            if lora is None:
+                continue
+            weights = lora.weights
+            if weights.a.dtype != dtype or not (weights.a.is_contiguous() and weights.b.is_contiguous()):
+                return None
+            slots = (int(weights.a.shape[0]), weights.rank)
+            if shape not in (None, slots):
+                return None
+            shape = slots
+            rows = torch.tensor(weights.part_rows, dtype=torch.int64)
+            keep.append(rows)
+            entry.lora[index] = CLoraLinear(weights.a.data_ptr(), weights.b.data_ptr(), rows.data_ptr(), weights.num_parts)
+    return shape

@@ -337,10 +337,7 @@ def eager_forward(model_runner: Any, batch: ForwardBatch) -> torch.Tensor:
     """The model's fp32 logits through the ordinary (ungraphed) path, with the runner's layer
     stack (``ModelRunner.layer_stack``: the device's own way of running the layers, if any)."""
     model_runner.attn_backend.init_forward_metadata(batch)
-    # (a batch that adds LoRA adapters' products runs the layers one by one: a layer stack's kernels
-    # read the base weights only)
-    stack = model_runner.layer_stack if batch.lora is None else None
-    return model_runner.model(batch, model_runner.attn_backend, stack)
+    return model_runner.model(batch, model_runner.attn_backend, model_runner.layer_stack)
 
 
 def _check_batch_size(sizes: Sequence[int]) -> int:

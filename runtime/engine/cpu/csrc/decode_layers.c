@@ -46,7 +46,24 @@ typedef struct {
     float* prefix_lse;             /* [n, q_heads] fp32 */
     const int64_t* kv_row;         /* [n]: each row's mirror row (NULL: row i is request i) */
     int64_t kv_rows;               /* the mirror's rows (kv_row's bound) */
+    const struct LoraRuns* lora;   /* the step's adapter runs (NULL: no row uses an adapter) */
 } DecodeStep;
+
+/* Multi-LoRA (lora.c): which runs of the step's rows use which adapter slot, and the slots' shape. */
+typedef struct LoraRuns {
+    int64_t slots, rank, n;        /* S, R, the number of runs */
+    const int32_t* starts;         /* [n + 1]: run i is rows starts[i] .. starts[i + 1] */
+    const int32_t* run_slots;      /* [n]: its slot (-1: the base model) */
+} LoraRuns;
+
+/* One linear's adapter slots, as lora.c reads them (a NULL: the linear takes no adapter). */
+typedef struct {
+    const void *a, *b;             /* [S, parts R, in], [S, out, R] */
+    const int64_t* part_rows;      /* [parts + 1] */
+    int64_t parts;
+} LoraLinear;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };
 
 /* One layer's weights (the addresses the linear kernels read) and KV buffers. */
 typedef struct {
@@ -54,9 +71,10 @@ typedef struct {
     char *k_pool, *v_pool;         /* [pool_slots, kv_heads, head_dim] */
     void *k_t, *v;                 /* the mirror: [n, kv_heads, head_dim, cap], [n, kv_heads, cap, head_dim] */
     const void *prefix_k, *prefix_v;
+    LoraLinear lora[LORA_LINEARS];  /* its linears' adapter slots (a server with --enable-lora) */
 } DecodeLayer;
 
-enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN };
+enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN, STAGE_LORA };
 
 /* One set of kernels, each in the layer loop's terms. */
 typedef struct {
@@ -76,6 +94,9 @@ typedef struct {
     /* NULL, or both in one pass: mid [m, inter] = silu(gate) * up of x times the gate/up weight
      * ([2 inter, k], gate rows first) */
     int (*fused_gate_up)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid);
+    /* out [m, n] += the step's adapter products of x [m, k] (lora.c, in the set's element type) */
+    int (*lora_add)(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t m, int64_t k, int64_t n,
+                    const LoraLinear* w, const LoraRuns* runs);
 } Kernels;
 
 /* The element-wise and attention kernels of one element type, in the loop's terms: each kernel is
@@ -190,14 +211,39 @@ static int linear_f(const void* x, int64_t m, int64_t ldx, const void* w, int64_
     return linear_f32(x, m, ldx, w, n, k, bias, out);
 }
 
+static int lora_bf16_v(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t m, int64_t k, int64_t n,
+                       const LoraLinear* w, const LoraRuns* r)
+{
+    return lora_add_bf16(x, ldx, out, ldo, m, k, n, w->a, w->b, r->slots, r->rank, w->parts, w->part_rows,
+                         r->starts, r->run_slots, r->n);
+}
+static int lora_f32_v(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t m, int64_t k, int64_t n,
+                      const LoraLinear* w, const LoraRuns* r)
+{
+    return lora_add_f32(x, ldx, out, ldo, m, k, n, w->a, w->b, r->slots, r->rank, w->parts, w->part_rows, r->starts,
+                        r->run_slots, r->n);
+}
+
 /* (without a fused gate/up, the two calls the layer stack makes: the linear, then silu*mul) */
 static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
-                            fused_gate_up_amx};
-static const Kernels DP = {2, rmsnorm_bf16_v, linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v, 0};
-static const Kernels F32 = {4, rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
-static const Kernels QF32 = {4, rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v, silu_mul_f32_v, 0};
-static const Kernels QBF16 = {2, rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
-                              0};
+                            fused_gate_up_amx, lora_bf16_v};
+static const Kernels DP = {2,       rmsnorm_bf16_v,  linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
+                           silu_mul_bf16_v, 0,     lora_bf16_v};
+static const Kernels F32 = {4,       rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v,
+                            silu_mul_f32_v, 0,     lora_f32_v};
+static const Kernels QF32 = {4,       rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v,
+                             silu_mul_f32_v, 0,     lora_f32_v};
+static const Kernels QBF16 = {2,       rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
+                              silu_mul_bf16_v, 0,     lora_bf16_v};
+
+/* out += the step's adapter products for linear ``which`` of layer l, where it takes adapters; 0 or -1 */
+static int add_lora(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l, int which, const void* x,
+                    int64_t ldx, void* out, int64_t k, int64_t n)
+{
+    const LoraLinear* w = &l->lora[which];
+    if (!s->lora || !w->a) return 0;
+    return kn->lora_add(x, ldx, out, n, s->n, k, n, w, s->lora) ? -1 : 0;
+}
 
 /* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
 static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
@@ -214,6 +260,7 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
                     s->eps, s->normed);
         if (kn->linear(s->normed, n, s->hidden, l->qkv, qkv_cols, s->hidden, l->qkv_bias, s->qkv))
             return fail - STAGE_QKV;
+        if (add_lora(kn, s, l, LORA_QKV, s->normed, s->hidden, s->qkv, s->hidden, qkv_cols)) return fail - STAGE_LORA;
         kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
         if (store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
                           kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots))
@@ -229,16 +276,22 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             return fail - STAGE_ATTENTION;
         if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;
+        if (add_lora(kn, s, l, LORA_O, s->attn, q_cols, s->o, q_cols, s->hidden)) return fail - STAGE_LORA;
         kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
-        if (kn->fused_gate_up) {
+        /* (an adapter's product joins gate/up before the activation: no fused pass then) */
+        if (kn->fused_gate_up && !(s->lora && l->lora[LORA_GATE_UP].a)) {
             if (kn->fused_gate_up(s->normed, n, l->gate_up, s->inter, s->hidden, s->mid)) return fail - STAGE_MLP;
         } else {
             if (kn->linear(s->normed, n, s->hidden, l->gate_up, 2 * s->inter, s->hidden, 0, s->gate_up))
                 return fail - STAGE_MLP;
+            if (add_lora(kn, s, l, LORA_GATE_UP, s->normed, s->hidden, s->gate_up, s->hidden, 2 * s->inter))
+                return fail - STAGE_LORA;
             kn->silu_mul(s->gate_up, n, s->inter, s->mid);
         }
         if (kn->linear(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, s->hidden_out))
             return fail - STAGE_DOWN;
+        if (add_lora(kn, s, l, LORA_DOWN, s->mid, s->inter, s->hidden_out, s->inter, s->hidden))
+            return fail - STAGE_LORA;
     }
     return 0;
 }
