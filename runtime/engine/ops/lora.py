@@ -70,7 +70,8 @@ class LoraSegments:
     @classmethod
     def from_runs(cls, lengths: list[int], slots: list[int], device: torch.device) -> "LoraSegments":
         """Runs of ``lengths`` tokens using ``slots``, adjacent runs of one slot merged."""
-        starts, merged = [0], []
+        starts: list[int] = [0]
+        merged: list[int] = []
         for length, slot in zip(lengths, slots):
             if length == 0:
                 continue
