@@ -354,6 +354,17 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
             if (!bt) continue;
             const Span chunk = chunks[item / blocks_n];
             const Block blk = blocks[item % blocks_n];
+            if (item + 1 < chunks_n * blocks_n) {
+                /* the next item's rows of out, a few hundred bytes on each of up to 16 rows: too
+                 * many streams for the hardware prefetcher (a long prefill's expand ran 35%
+                 * slower without) */
+                const Span next = chunks[(item + 1) / blocks_n];
+                const Block next_blk = blocks[(item + 1) % blocks_n];
+                for (int64_t q = next.first; q < next.first + next.tokens; ++q) {
+                    const char* row = (const char*)out + (order[q] * ldo + next_blk.n0) * es;
+                    for (int64_t l = 0; l < next_blk.m * es; l += 64) __builtin_prefetch(row + l, 1, 3);
+                }
+            }
             const void* bs = (const char*)b + (chunk.slot * N + blk.n0) * R * es;
             if (bf16) transpose_block(1, bs, R, blk.m, bt);
             else transpose_block(0, bs, R, blk.m, bt);
