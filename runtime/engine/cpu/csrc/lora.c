@@ -2,24 +2,27 @@
  * each run of tokens that uses an adapter slot, out[run] += expand(shrink(x[run])), where the shrink
  * is h = x a_s^T ([L, P*R], kept in fp32) and the expand adds, part by part, h's R columns of the
  * part times b_s's rows of that part. The meaning is runtime/engine/ops/lora.py's
- * reference_lora_add; this computes it in fp32 and rounds once per output on the store.
+ * reference_lora_add; this computes it in fp32 and rounds once per output on the store. A plain C
+ * entry point per type (entry_points.h): decode_layers.c can call it as the Python wrapper does.
  *
  * Why tokens are grouped by slot, not by run: a decode batch has many short runs (one to a few
- * tokens each) and only a few slots. Each slot's A rows are read once per 4 of its tokens, and
- * each block of its B once per call, however the runs interleave.
+ * tokens each) and only a few slots. However the runs interleave, each slot's A rows are read once
+ * per 4 of its tokens and its B once per 16.
  *
  * The shrink is dot products (a's rows and x's rows are both contiguous in K): 4 tokens x 4 rows
  * of a per block, 16 sums over K in plain C that the compiler vectorises at every build level
  * (with AVX512-BF16, bf16 pairs go through VDPBF16PS instead: half the instructions, no
- * widening). Blocks are split among the threads.
+ * widening). The threads split the blocks; each writes its own entries of h.
  *
- * The expand is vectorised over output rows n: b is [N, R] (R contiguous), so each thread copies
- * its block of NB rows of b transposed ([R][NB], fp32) once per slot, then each token adds R
- * broadcasts of h times those rows, 4 tokens and two vectors at a time (8 accumulators in
- * registers; the compiler kept plain-C accumulators of this loop in memory, hence the lane
- * vectors of lanes_f32.h). The 8 x 8 transposes are AVX shuffles (plain C moved ~1 element per
- * cycle: as long as the products themselves for a decode batch). Threads own disjoint columns of
- * out: no races, no reduction.
+ * The expand is vectorised over output rows n. b is [N, R] (R contiguous), so an item, a chunk of
+ * up to 16 tokens of one slot times a block of NB rows of one part, first copies its block of b
+ * transposed ([R][NB], fp32), then adds R broadcasts of h times those rows, 4 tokens and two
+ * vectors at a time (8 accumulators in registers: the compiler kept plain-C accumulators of this
+ * loop in memory, hence the lane vectors of lanes_f32.h). The 8 x 8 transposes are AVX shuffles
+ * (plain C moved ~1 element per cycle: as long as the products themselves in a decode batch).
+ * Items are chunk-major, so a thread works along its chunk's rows of out; threads own disjoint
+ * tiles of out: no races, no reduction. Every output's sums run in one order whatever the thread
+ * count and whichever other tokens share the call (it depends on K, R and the build level only).
  *
  * A call with little work runs on the calling thread (PAR_MIN_FMAS). */
 #include <omp.h>
@@ -294,8 +297,9 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
     Span* chunks = malloc((size_t)(adapted / EXPAND_CHUNK + groups_max) * sizeof(Span));
     Block* blocks = malloc((size_t)blocks_n * sizeof(Block));
     float* h = malloc((size_t)(adapted * PR) * sizeof(float));
-    if (!group_of || !order || !groups || !tiles || !chunks || !blocks || !h) {
-        free(group_of); free(order); free(groups); free(tiles); free(chunks); free(blocks); free(h);
+    float* bts = malloc((size_t)(omp_get_max_threads() * R * NB) * sizeof(float));  /* a block of b per thread */
+    if (!group_of || !order || !groups || !tiles || !chunks || !blocks || !h || !bts) {
+        free(group_of); free(order); free(groups); free(tiles); free(chunks); free(blocks); free(h); free(bts);
         return -5;
     }
     for (int64_t i = 0; i < n; ++i)
@@ -320,7 +324,6 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
 
     const int64_t j_blocks = (PR + SHRINK_J - 1) / SHRINK_J;
     const int64_t fmas = adapted * (PR * K + N * R);
-    int failed = 0;
 #pragma omp parallel if (fmas >= PAR_MIN_FMAS)
     {
         /* shrink: item = (tile, 4 rows of a), the tile's rows of x in cache while a's stream by; a
@@ -344,14 +347,9 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
         /* expand: item = (chunk, block of a part's rows), blocks inner: a chunk's rows of out stay
          * in cache and are read and written along each row (a long prefill's out is larger than the
          * cache); the block of b is transposed once per chunk */
-        float* bt = malloc((size_t)(R * NB) * sizeof(float));
-        if (!bt) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float* bt = bts + omp_get_thread_num() * R * NB;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < chunks_n * blocks_n; ++item) {
-            if (!bt) continue;
             const Span chunk = chunks[item / blocks_n];
             const Block blk = blocks[item % blocks_n];
             if (item + 1 < chunks_n * blocks_n) {
@@ -381,12 +379,17 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
                 else expand_n(0, tokens, hr, bt, R, o, blk.m);
             }
         }
-        free(bt);
     }
-    free(group_of); free(order); free(groups); free(tiles); free(chunks); free(blocks); free(h);
-    return failed ? -5 : 0;
+    free(group_of); free(order); free(groups); free(tiles); free(chunks); free(blocks); free(h); free(bts);
+    return 0;
 }
 
+/* out[t, :] (rows ldo apart, N wide) += the adapter product of x[t, :] (rows ldx apart, K wide) for
+ * t in each run i (starts[i] .. starts[i + 1], T tokens in all) whose slot s = slots[i] is >= 0:
+ * a [S, P*R, K] and b [S, N, R] contiguous, part p of out's rows part_rows[p] .. part_rows[p + 1]
+ * (P + 1 boundaries, 0 to N). Returns 0, or, having read none of x, out, a and b: -1 sizes or
+ * strides that do not fit, -2 part_rows that do not split 0 .. N, -3 runs outside 0 .. T or out of
+ * order, -4 a slot >= S; -5 out of memory (out unchanged). */
 int lora_add_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t T, int64_t K, int64_t N,
                  const float* a, const float* b, int64_t S, int64_t R, int64_t P, const int64_t* part_rows,
                  const int32_t* starts, const int32_t* slots, int64_t n)

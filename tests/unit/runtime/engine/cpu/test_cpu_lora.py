@@ -123,6 +123,21 @@ def test_cpu_ops_lora_add_is_the_reference(dtype: torch.dtype) -> None:
     _check(got, out, x, weights, segments)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tokens_result_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """Each output's sums run in one order whatever tokens share the call (csrc/lora.c): a token
+    alone gives the same bits as in a batch, where it shares tiles and chunks with others."""
+    out, x, weights, segments = _make(CASES["mixed"], dtype, seed=5)
+    batch = out.clone()
+    assert lora_kernels.lora_add(batch, x, weights, segments)
+    for token in (0, 4, 9, 30, 41):
+        run = max(i for i, start in enumerate(segments.starts_cpu[:-1]) if start <= token)
+        alone = out[token : token + 1].clone()
+        one = LoraSegments.from_runs([1], [segments.slots_cpu[run]], CPU)
+        assert lora_kernels.lora_add(alone, x[token : token + 1], weights, one)
+        assert torch.equal(alone, batch[token : token + 1])
+
+
 def test_runs_without_an_adapter_write_nothing() -> None:
     out, x, weights, _ = _make(CASES["mixed"], torch.float32)
     got = out.clone()
