@@ -87,7 +87,7 @@ def _bf16_ulp(values: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(values), exponent - 8)
 
 
-def _check(got: torch.Tensor, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments):
+def _check(got: torch.Tensor, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
     expected = out.clone()
     reference_lora_add(expected, x, weights, segments)
     exact, fp32_error = _exact(out, x, weights, segments), 1e-5 * _magnitude(out, x, weights, segments)
@@ -165,7 +165,9 @@ def test_a_single_row_of_any_stride() -> None:
     ],
     ids=["slot_S", "slot_99", "parts_short", "parts_unordered"],
 )
-def test_bad_arguments_are_refused_before_any_read(lengths, run_slots, part_rows) -> None:
+def test_bad_arguments_are_refused_before_any_read(
+    lengths: list[int], run_slots: list[int], part_rows: tuple[int, ...] | None
+) -> None:
     out, x, weights, _ = _make(CASES["mixed"], torch.float32)
     if part_rows is not None:
         weights = LoraWeights(a=weights.a, b=weights.b, part_rows=part_rows)
