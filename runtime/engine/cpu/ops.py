@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.cpu import lora_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
@@ -34,6 +35,7 @@ from runtime.engine.cpu.weight_plan import (
 )
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
+from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.engine.platform import ServingPlatform
@@ -111,6 +113,10 @@ class CpuOps(TorchOps):
         current = _current(plan, weight)
         fused = plan_linear_silu_mul(current, x, bias) if current is not None else None  # AMX: one pass
         return fused if fused is not None else super().linear_silu_and_mul(x, weight, bias, plan)
+
+    def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
+        if not lora_kernels.lora_add(out, x, weights, segments):  # csrc/lora.c: fp32 and bf16
+            super().lora_add(out, x, weights, segments)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)

@@ -50,4 +50,12 @@ int prefix_attention_f32(const float* q, int64_t q_stride, const float* kp, cons
                          int64_t p_pad, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
                          float* out, float* lse);
 
+/* lora.c: multi-LoRA's shrink and expand of one linear (runtime/engine/ops/lora.py's meaning) */
+int lora_add_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t T, int64_t K, int64_t N,
+                 const float* a, const float* b, int64_t S, int64_t R, int64_t P, const int64_t* part_rows,
+                 const int32_t* starts, const int32_t* slots, int64_t n);
+int lora_add_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t ldo, int64_t T, int64_t K, int64_t N,
+                  const uint16_t* a, const uint16_t* b, int64_t S, int64_t R, int64_t P, const int64_t* part_rows,
+                  const int32_t* starts, const int32_t* slots, int64_t n);
+
 #endif
