@@ -288,25 +288,27 @@ def run(
     num_layers = len(stack.layers)
     if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != num_layers:
         return None
-    runs = _lora_runs(layers, stack, n)
-    if runs is False:
+    takes, runs = _lora_runs(layers, stack, n)
+    if not takes:
         return None
     mirror = backend.claim_decode_step(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
-    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs or None)
+    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs)
 
 
-def _lora_runs(layers: CpuLayerStack, stack: StackDescription, n: int) -> _LoraRuns | None | bool:
-    """The step's adapter runs for the C call (None: no row uses an adapter), or False where the
-    description has no adapter slots the C layer can read (the layers then run one by one)."""
+def _lora_runs(layers: CpuLayerStack, stack: StackDescription, n: int) -> tuple[bool, _LoraRuns | None]:
+    """Whether the C call takes the step, and its adapter runs (None: no row uses an adapter); not
+    where rows use adapters and the description has no slots the C layer can read (the layers then
+    run one by one)."""
     segments = layers.lora_segments()
     if segments is None:
-        return None
+        return True, None
     if stack.lora_shape is None or segments.starts_cpu[-1] != n:
-        return False
+        return False, None
     slots, rank = stack.lora_shape
-    return _LoraRuns(slots, rank, len(segments.slots_cpu), segments.starts.data_ptr(), segments.slots.data_ptr())
+    runs = _LoraRuns(slots, rank, len(segments.slots_cpu), segments.starts.data_ptr(), segments.slots.data_ptr())
+    return True, runs
 
 
 def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:

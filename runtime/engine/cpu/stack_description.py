@@ -222,5 +222,7 @@ def _describe_lora(
             shape = slots
             rows = torch.tensor(weights.part_rows, dtype=torch.int64)
             keep.append(rows)
-            entry.lora[index] = CLoraLinear(weights.a.data_ptr(), weights.b.data_ptr(), rows.data_ptr(), weights.num_parts)
+            entry.lora[index] = CLoraLinear(
+                weights.a.data_ptr(), weights.b.data_ptr(), rows.data_ptr(), weights.num_parts
+            )
     return shape
