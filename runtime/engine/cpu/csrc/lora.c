@@ -131,10 +131,10 @@ AI void shrink_block_dp(const int tb, const int jb, const uint16_t* const* x, co
 }
 #endif
 
-/* h[i * jb + j] for tb x jb = 16 (4 x 4, 2 x 8 or 1 x 16: a tile of fewer tokens takes more rows of
- * a rather than repeating a token). Plain C: sixteen sums the compiler keeps in vector registers
- * (each split into lanes by -fassociative-math) and adds up after the loop; within a few percent
- * of the FMA units' rate with AVX-512 (hand-written, with the reduction above: +4%). */
+/* h[i * jb + j] for tb x jb <= 16 (a tile of fewer tokens takes more rows of a rather than repeating
+ * a token). Plain C: the sums the compiler keeps in vector registers (each split into lanes by
+ * -fassociative-math) and adds up after the loop; within a few percent of the FMA units' rate with
+ * AVX-512 (hand-written, with the reduction above: +4%). */
 AI void shrink_block(const int bf16, const int tb, const int jb, const void* const* x, const void* const* a,
                      int64_t K, float h[16])
 {
@@ -152,15 +152,18 @@ AI void shrink_block(const int bf16, const int tb, const int jb, const void* con
         for (int i = 0; i < tb; ++i)
             for (int j = 0; j < jb; ++j) s[i * jb + j] += xv[i] * wv[j];
     }
-    for (int q = 0; q < 16; ++q) h[q] = s[q];
+    for (int q = 0; q < tb * jb; ++q) h[q] = s[q];
 }
 
-/* The tile's tokens (x rows xr[0..tokens)) times a's rows ar[0..16), into h[i * 16 + j]: as 4 x 4
- * blocks (3 tokens: the last repeated), 2 x 8 or 1 x 16. */
+/* The tile's tokens (x rows xr[0..tokens)) times a's rows ar[0..16), into h[i * 16 + j]. AVX-512:
+ * 4 x 4 blocks (3 tokens: the last repeated), 2 x 8 or 1 x 16. With 16 vector registers (AVX2,
+ * plain C) 16 sums and their operands spill: 2 x 4 or 1 x 8 (AVX2 at K = 576: 41 GFMA/s a core
+ * against 24 for 4 x 4). */
 AI void shrink_tile(const int bf16, int64_t tokens, const void* const xr[4], const void* const ar[16], int64_t K,
                     float h[4 * 16])
 {
     float hb[16];
+#if AV_W == 16
     if (tokens >= 3) {
         const void* const x4[4] = {xr[0], xr[1], xr[2], xr[tokens - 1]};
         for (int j0 = 0; j0 < 16; j0 += 4) {
@@ -176,6 +179,22 @@ AI void shrink_tile(const int bf16, int64_t tokens, const void* const xr[4], con
         shrink_block(bf16, 1, 16, xr, ar, K, hb);
         for (int q = 0; q < 16; ++q) h[q] = hb[q];
     }
+#else
+    if (tokens >= 2) {
+        for (int64_t i0 = 0; i0 < tokens; i0 += 2) {
+            const void* const x2[2] = {xr[i0], xr[i0 + 1 < tokens ? i0 + 1 : i0]};
+            for (int j0 = 0; j0 < 16; j0 += 4) {
+                shrink_block(bf16, 2, 4, x2, ar + j0, K, hb);
+                for (int q = 0; q < 8; ++q) h[(i0 + q / 4) * 16 + j0 + q % 4] = hb[q];
+            }
+        }
+    } else {
+        for (int j0 = 0; j0 < 16; j0 += 8) {
+            shrink_block(bf16, 1, 8, xr, ar + j0, K, hb);
+            for (int q = 0; q < 8; ++q) h[j0 + q] = hb[q];
+        }
+    }
+#endif
 }
 
 /* ---- expand ---- */
