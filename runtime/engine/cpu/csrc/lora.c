@@ -36,8 +36,12 @@
 
 #define SHRINK_T 4            /* tokens per shrink tile */
 #define SHRINK_J 16           /* rows of a per shrink item */
+#if AV_W > 1
 #define EXPAND_V 2            /* lane vectors per expand block row */
 #define NB (EXPAND_V * AV_W)  /* output rows per expand block */
+#else
+#define NB 8                  /* plain C: two SSE2 or NEON vectors the compiler makes of each row */
+#endif
 #define EXPAND_T 4            /* tokens per expand step */
 #define EXPAND_CHUNK 16       /* tokens per expand item: their rows of out (up to 16 x 9000 fp32) fit in L2 */
 #define PAR_MIN_FMAS (1 << 17)  /* below: the calling thread alone (a fork costs ~ that many FMAs) */
@@ -244,6 +248,7 @@ AI void transpose_block(const int bf16, const void* b, int64_t R, int64_t m, flo
 
 /* out rows o[0..tokens) columns [0, m) += h rows hr[0..tokens) (R values each) times bt; tokens
  * is a constant in each caller (expand_n), so the accumulators are registers. */
+#if AV_W > 1
 AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
                       void* const o[EXPAND_T], int64_t m)
 {
@@ -265,6 +270,34 @@ AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EX
             add_store(bf16, (char*)o[t] + v * AV_W * es, acc[t][v], left < AV_W ? left : AV_W);
         }
 }
+#else
+/* The baseline build (every non-x86 host): GCC's portable vectors of 4 floats (SSE2, NEON), 2 a
+ * row; plain arrays of accumulators stayed in memory here too. */
+typedef float f32x4 __attribute__((vector_size(16)));
+AI f32x4 load4(const float* p) { f32x4 v; memcpy(&v, p, sizeof v); return v; }
+AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
+                      void* const o[EXPAND_T], int64_t m)
+{
+    f32x4 acc[EXPAND_T][2];
+    for (int t = 0; t < tokens; ++t) acc[t][0] = acc[t][1] = (f32x4){0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t r = 0; r < R; ++r) {
+        const f32x4 w0 = load4(bt + r * NB), w1 = load4(bt + r * NB + 4);
+        for (int t = 0; t < tokens; ++t) {
+            const float u = hr[t][r];
+            acc[t][0] += u * w0;
+            acc[t][1] += u * w1;
+        }
+    }
+    for (int t = 0; t < tokens; ++t) {
+        float sum[NB];
+        memcpy(sum, acc[t], sizeof sum);
+        for (int64_t i = 0; i < m; ++i) {
+            if (bf16) ((uint16_t*)o[t])[i] = f32_to_bf16(bf16_to_f32(((uint16_t*)o[t])[i]) + sum[i]);
+            else ((float*)o[t])[i] += sum[i];
+        }
+    }
+}
+#endif
 
 AI void expand_n(const int bf16, int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
                  void* const o[EXPAND_T], int64_t m)
