@@ -159,46 +159,52 @@ AI void shrink_block(const int bf16, const int tb, const int jb, const void* con
     for (int q = 0; q < tb * jb; ++q) h[q] = s[q];
 }
 
-/* The tile's tokens (x rows xr[0..tokens)) times a's rows ar[0..16), into h[i * 16 + j]. AVX-512:
- * 4 x 4 blocks (3 tokens: the last repeated), 2 x 8 or 1 x 16. With 16 vector registers (AVX2,
+/* The tile's tokens (x rows xr[0..tokens)) times a's rows ar[0..rows), into h[i * 16 + j] (ar holds
+ * 16 rows, the last repeated past `rows`; blocks wholly past it are skipped). AVX-512: 4 x 4
+ * blocks (3 tokens: the last repeated), 2 x 8, 1 x 16 or 1 x 8. With 16 vector registers (AVX2,
  * plain C) 16 sums and their operands spill: 2 x 4 or 1 x 8 (AVX2 at K = 576: 41 GFMA/s a core
  * against 24 for 4 x 4). */
-AI void shrink_tile(const int bf16, int64_t tokens, const void* const xr[4], const void* const ar[16], int64_t K,
-                    float h[4 * 16])
+AI void shrink_tile(const int bf16, int64_t tokens, const void* const xr[4], const void* const ar[16], int64_t rows,
+                    int64_t K, float h[4 * 16])
 {
     float hb[16];
 #if AV_W == 16
     if (tokens >= 3) {
         const void* const x4[4] = {xr[0], xr[1], xr[2], xr[tokens - 1]};
-        for (int j0 = 0; j0 < 16; j0 += 4) {
+        for (int j0 = 0; j0 < rows; j0 += 4) {
             shrink_block(bf16, 4, 4, x4, ar + j0, K, hb);
             for (int q = 0; q < 16; ++q) h[(q / 4) * 16 + j0 + q % 4] = hb[q];
         }
-    } else if (tokens == 2) {
-        for (int j0 = 0; j0 < 16; j0 += 8) {
+        return;
+    }
+    if (tokens == 2) {
+        for (int j0 = 0; j0 < rows; j0 += 8) {
             shrink_block(bf16, 2, 8, xr, ar + j0, K, hb);
             for (int q = 0; q < 16; ++q) h[(q / 8) * 16 + j0 + q % 8] = hb[q];
         }
-    } else {
+        return;
+    }
+    if (rows > 8) {
         shrink_block(bf16, 1, 16, xr, ar, K, hb);
         for (int q = 0; q < 16; ++q) h[q] = hb[q];
+        return;
     }
 #else
     if (tokens >= 2) {
         for (int64_t i0 = 0; i0 < tokens; i0 += 2) {
             const void* const x2[2] = {xr[i0], xr[i0 + 1 < tokens ? i0 + 1 : i0]};
-            for (int j0 = 0; j0 < 16; j0 += 4) {
+            for (int j0 = 0; j0 < rows; j0 += 4) {
                 shrink_block(bf16, 2, 4, x2, ar + j0, K, hb);
                 for (int q = 0; q < 8; ++q) h[(i0 + q / 4) * 16 + j0 + q % 4] = hb[q];
             }
         }
-    } else {
-        for (int j0 = 0; j0 < 16; j0 += 8) {
-            shrink_block(bf16, 1, 8, xr, ar + j0, K, hb);
-            for (int q = 0; q < 8; ++q) h[j0 + q] = hb[q];
-        }
+        return;
     }
 #endif
+    for (int j0 = 0; j0 < rows; j0 += 8) {  /* one token */
+        shrink_block(bf16, 1, 8, xr, ar + j0, K, hb);
+        for (int q = 0; q < 8; ++q) h[j0 + q] = hb[q];
+    }
 }
 
 /* ---- expand ---- */
@@ -410,8 +416,8 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
             for (int j = 0; j < SHRINK_J; ++j)
                 ar[j] = (const char*)a + (tile.slot * PR + j0 + (j < rows ? j : rows - 1)) * K * es;
             float hb[SHRINK_T * SHRINK_J];
-            if (bf16) shrink_tile(1, tile.tokens, xr, ar, K, hb);
-            else shrink_tile(0, tile.tokens, xr, ar, K, hb);
+            if (bf16) shrink_tile(1, tile.tokens, xr, ar, rows, K, hb);
+            else shrink_tile(0, tile.tokens, xr, ar, rows, K, hb);
             for (int64_t i = 0; i < tile.tokens; ++i)
                 for (int64_t j = 0; j < rows; ++j) h[(tile.first + i) * PR + j0 + j] = hb[i * SHRINK_J + j];
         }
