@@ -9,10 +9,13 @@
  * tokens each) and only a few slots. However the runs interleave, each slot's A rows are read once
  * per 4 of its tokens and its B once per 16.
  *
- * The shrink is dot products (a's rows and x's rows are both contiguous in K): 4 tokens x 4 rows
- * of a per block, 16 sums over K in plain C that the compiler vectorises at every build level
- * (with AVX512-BF16, bf16 pairs go through VDPBF16PS instead: half the instructions, no
- * widening). The threads split the blocks; each writes its own entries of h.
+ * The shrink is dot products (a's rows and x's rows are both contiguous in K): blocks of 16 sums
+ * over K, 4 tokens x 4 rows of a (a slot's last 1 or 2 tokens: 1 x 16 or 2 x 8, not repeated
+ * tokens), in plain C that the compiler vectorises at every build level (with AVX512-BF16, bf16
+ * pairs go through VDPBF16PS instead: half the instructions, no widening). The threads split
+ * (tile, 16 rows of a) items; each writes its own entries of h. A decode batch of a few tokens
+ * per slot is bound by reading a and b (fp32, 8 slots of K = 576, N = 960, R = 16, P = 3: 1.4 MB
+ * a call), not by the products.
  *
  * The expand is vectorised over output rows n. b is [N, R] (R contiguous), so an item, a chunk of
  * up to 16 tokens of one slot times a block of NB rows of one part, first copies its block of b
@@ -31,10 +34,14 @@
 
 #define AI static inline __attribute__((always_inline))
 
-#define SHRINK_T 4            /* tokens per shrink block */
-#define SHRINK_J 4            /* rows of a per shrink block */
+#define SHRINK_T 4            /* tokens per shrink tile */
+#define SHRINK_J 16           /* rows of a per shrink item */
+#if AV_W > 1
 #define EXPAND_V 2            /* lane vectors per expand block row */
 #define NB (EXPAND_V * AV_W)  /* output rows per expand block */
+#else
+#define NB 8                  /* plain C: two SSE2 or NEON vectors the compiler makes of each row */
+#endif
 #define EXPAND_T 4            /* tokens per expand step */
 #define EXPAND_CHUNK 16       /* tokens per expand item: their rows of out (up to 16 x 9000 fp32) fit in L2 */
 #define PAR_MIN_FMAS (1 << 17)  /* below: the calling thread alone (a fork costs ~ that many FMAs) */
@@ -84,79 +91,120 @@ AI void add_store(const int bf16, void* o, av d, int64_t m)
     }
 }
 
-/* ---- shrink: h[i][j] = x_i . a_j over K, 4 x 4 ---- */
+/* ---- shrink: h[i][j] = x_i . a_j over K, tb tokens x jb rows (16 sums) ---- */
 #if defined(__AVX512BF16__)
-/* The 16 sums as one vector, lane 4 i + j = the sum of acc[i][j]'s lanes: 256-bit halves, then
- * 128-bit quarters of pairs of vectors added, then lanes (15 combines of two shuffles and an add,
- * where one reduction per sum costs 8 instructions: at K = 576 a third of the dot products' 18
- * steps). */
-AI __m512 reduce_4x4(__m512 acc[SHRINK_T][SHRINK_J])
+/* The 16 sums as one vector, lane q = the sum of acc[q]'s lanes: 256-bit halves, then 128-bit
+ * quarters of pairs of vectors added, then lanes (15 combines of two shuffles and an add, where a
+ * reduction per sum costs 8 instructions: at K = 576 a third of the dot products' 18 steps). Each
+ * sum's lanes are added in the same pattern, whatever its place. */
+AI __m512 reduce_16(const __m512 acc[16])
 {
     __m512 v[16], w[8], x[4];
-    for (int i = 0; i < SHRINK_T; ++i)
-        for (int j = 0; j < SHRINK_J; ++j) v[4 * j + i] = acc[i][j];
+    for (int q = 0; q < 16; ++q) v[4 * (q % 4) + q / 4] = acc[q];
     for (int k = 0; k < 8; ++k)  /* w[k]: v[2k]'s 8 partial sums, then v[2k + 1]'s */
         w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
                              _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xee));
-    for (int m = 0; m < 4; ++m)  /* 128-bit block q of x[m]: v[4m + q]'s 4 partial sums */
+    for (int m = 0; m < 4; ++m)  /* 128-bit block c of x[m]: v[4m + c]'s 4 partial sums */
         x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0x88),
                              _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0xdd));
     const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
     const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
     const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y0), _mm512_castps_pd(y1));
     const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y0), _mm512_castps_pd(y1));
-    return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  /* block q: v[q], v[4 + q], ... */
+    return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  /* lane 4c + p: v[4p + c] */
 }
 
 /* bf16 with AVX512-BF16: 32 depths a step, VDPBF16PS adding each pair's two products into a lane
  * (half the instructions of widening to fp32, none of the widening), the last step masked (zeros
  * add nothing). */
-AI void shrink_block_dp(const uint16_t* const x[SHRINK_T], const uint16_t* const a[SHRINK_J], int64_t K,
-                        float h[SHRINK_T][SHRINK_J])
+AI void shrink_block_dp(const int tb, const int jb, const uint16_t* const* x, const uint16_t* const* a, int64_t K,
+                        float h[16])
 {
-    __m512 acc[SHRINK_T][SHRINK_J];
-    for (int i = 0; i < SHRINK_T; ++i)
-        for (int j = 0; j < SHRINK_J; ++j) acc[i][j] = _mm512_setzero_ps();
+    __m512 acc[16];
+    for (int q = 0; q < 16; ++q) acc[q] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (K - k)) - 1);
-        __m512i xv[SHRINK_T], wv[SHRINK_J];
-        for (int i = 0; i < SHRINK_T; ++i) xv[i] = _mm512_maskz_loadu_epi16(mask, x[i] + k);
-        for (int j = 0; j < SHRINK_J; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, a[j] + k);
-        for (int i = 0; i < SHRINK_T; ++i)
-            for (int j = 0; j < SHRINK_J; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv[i], (__m512bh)wv[j]);
+        __m512i xv[4], wv[16];
+        for (int i = 0; i < tb; ++i) xv[i] = _mm512_maskz_loadu_epi16(mask, x[i] + k);
+        for (int j = 0; j < jb; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, a[j] + k);
+        for (int i = 0; i < tb; ++i)
+            for (int j = 0; j < jb; ++j)
+                acc[i * jb + j] = _mm512_dpbf16_ps(acc[i * jb + j], (__m512bh)xv[i], (__m512bh)wv[j]);
     }
-    _mm512_storeu_ps(&h[0][0], reduce_4x4(acc));
+    _mm512_storeu_ps(h, reduce_16(acc));
 }
 #endif
 
-/* Plain C: sixteen sums the compiler keeps in vector registers (each split into lanes by
- * -fassociative-math) and adds up after the loop; within a few percent of the FMA units' rate
- * with AVX-512 (hand-written, with the reduction above: +4%). */
-AI void shrink_block(const int bf16, const void* const x[SHRINK_T], const void* const a[SHRINK_J], int64_t K,
-                     float h[SHRINK_T][SHRINK_J])
+/* h[i * jb + j] for tb x jb <= 16 (a tile of fewer tokens takes more rows of a rather than repeating
+ * a token). Plain C: the sums the compiler keeps in vector registers (each split into lanes by
+ * -fassociative-math) and adds up after the loop; within a few percent of the FMA units' rate with
+ * AVX-512 (hand-written, with the reduction above: +4%). */
+AI void shrink_block(const int bf16, const int tb, const int jb, const void* const* x, const void* const* a,
+                     int64_t K, float h[16])
 {
 #if defined(__AVX512BF16__)
     if (bf16) {
-        shrink_block_dp((const uint16_t* const*)x, (const uint16_t* const*)a, K, h);
+        shrink_block_dp(tb, jb, (const uint16_t* const*)x, (const uint16_t* const*)a, K, h);
         return;
     }
 #endif
-    const void *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
-    float s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
-    float s20 = 0, s21 = 0, s22 = 0, s23 = 0, s30 = 0, s31 = 0, s32 = 0, s33 = 0;
+    float s[16] = {0};
     for (int64_t k = 0; k < K; ++k) {
-        const float v0 = ld(bf16, x0, k), v1 = ld(bf16, x1, k), v2 = ld(bf16, x2, k), v3 = ld(bf16, x3, k);
-        const float w0 = ld(bf16, a0, k), w1 = ld(bf16, a1, k), w2 = ld(bf16, a2, k), w3 = ld(bf16, a3, k);
-        s00 += v0 * w0; s01 += v0 * w1; s02 += v0 * w2; s03 += v0 * w3;
-        s10 += v1 * w0; s11 += v1 * w1; s12 += v1 * w2; s13 += v1 * w3;
-        s20 += v2 * w0; s21 += v2 * w1; s22 += v2 * w2; s23 += v2 * w3;
-        s30 += v3 * w0; s31 += v3 * w1; s32 += v3 * w2; s33 += v3 * w3;
+        float xv[4], wv[16];
+        for (int i = 0; i < tb; ++i) xv[i] = ld(bf16, x[i], k);
+        for (int j = 0; j < jb; ++j) wv[j] = ld(bf16, a[j], k);
+        for (int i = 0; i < tb; ++i)
+            for (int j = 0; j < jb; ++j) s[i * jb + j] += xv[i] * wv[j];
     }
-    h[0][0] = s00; h[0][1] = s01; h[0][2] = s02; h[0][3] = s03;
-    h[1][0] = s10; h[1][1] = s11; h[1][2] = s12; h[1][3] = s13;
-    h[2][0] = s20; h[2][1] = s21; h[2][2] = s22; h[2][3] = s23;
-    h[3][0] = s30; h[3][1] = s31; h[3][2] = s32; h[3][3] = s33;
+    for (int q = 0; q < tb * jb; ++q) h[q] = s[q];
+}
+
+/* The tile's tokens (x rows xr[0..tokens)) times a's rows ar[0..rows), into h[i * 16 + j] (ar holds
+ * 16 rows, the last repeated past `rows`; blocks wholly past it are skipped). AVX-512: 4 x 4
+ * blocks (3 tokens: the last repeated), 2 x 8, 1 x 16 or 1 x 8. With 16 vector registers (AVX2,
+ * plain C) 16 sums and their operands spill: 2 x 4 or 1 x 8 (AVX2 at K = 576: 41 GFMA/s a core
+ * against 24 for 4 x 4). */
+AI void shrink_tile(const int bf16, int64_t tokens, const void* const xr[4], const void* const ar[16], int64_t rows,
+                    int64_t K, float h[4 * 16])
+{
+    float hb[16];
+#if AV_W == 16
+    if (tokens >= 3) {
+        const void* const x4[4] = {xr[0], xr[1], xr[2], xr[tokens - 1]};
+        for (int j0 = 0; j0 < rows; j0 += 4) {
+            shrink_block(bf16, 4, 4, x4, ar + j0, K, hb);
+            for (int q = 0; q < 16; ++q) h[(q / 4) * 16 + j0 + q % 4] = hb[q];
+        }
+        return;
+    }
+    if (tokens == 2) {
+        for (int j0 = 0; j0 < rows; j0 += 8) {
+            shrink_block(bf16, 2, 8, xr, ar + j0, K, hb);
+            for (int q = 0; q < 16; ++q) h[(q / 8) * 16 + j0 + q % 8] = hb[q];
+        }
+        return;
+    }
+    if (rows > 8) {
+        shrink_block(bf16, 1, 16, xr, ar, K, hb);
+        for (int q = 0; q < 16; ++q) h[q] = hb[q];
+        return;
+    }
+#else
+    if (tokens >= 2) {
+        for (int64_t i0 = 0; i0 < tokens; i0 += 2) {
+            const void* const x2[2] = {xr[i0], xr[i0 + 1 < tokens ? i0 + 1 : i0]};
+            for (int j0 = 0; j0 < rows; j0 += 4) {
+                shrink_block(bf16, 2, 4, x2, ar + j0, K, hb);
+                for (int q = 0; q < 8; ++q) h[(i0 + q / 4) * 16 + j0 + q % 4] = hb[q];
+            }
+        }
+        return;
+    }
+#endif
+    for (int j0 = 0; j0 < rows; j0 += 8) {  /* one token */
+        shrink_block(bf16, 1, 8, xr, ar + j0, K, hb);
+        for (int q = 0; q < 8; ++q) h[j0 + q] = hb[q];
+    }
 }
 
 /* ---- expand ---- */
@@ -206,6 +254,7 @@ AI void transpose_block(const int bf16, const void* b, int64_t R, int64_t m, flo
 
 /* out rows o[0..tokens) columns [0, m) += h rows hr[0..tokens) (R values each) times bt; tokens
  * is a constant in each caller (expand_n), so the accumulators are registers. */
+#if AV_W > 1
 AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
                       void* const o[EXPAND_T], int64_t m)
 {
@@ -227,6 +276,34 @@ AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EX
             add_store(bf16, (char*)o[t] + v * AV_W * es, acc[t][v], left < AV_W ? left : AV_W);
         }
 }
+#else
+/* The baseline build (every non-x86 host): GCC's portable vectors of 4 floats (SSE2, NEON), 2 a
+ * row; plain arrays of accumulators stayed in memory here too. */
+typedef float f32x4 __attribute__((vector_size(16)));
+AI f32x4 load4(const float* p) { f32x4 v; memcpy(&v, p, sizeof v); return v; }
+AI void expand_tokens(const int bf16, const int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
+                      void* const o[EXPAND_T], int64_t m)
+{
+    f32x4 acc[EXPAND_T][2];
+    for (int t = 0; t < tokens; ++t) acc[t][0] = acc[t][1] = (f32x4){0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t r = 0; r < R; ++r) {
+        const f32x4 w0 = load4(bt + r * NB), w1 = load4(bt + r * NB + 4);
+        for (int t = 0; t < tokens; ++t) {
+            const float u = hr[t][r];
+            acc[t][0] += u * w0;
+            acc[t][1] += u * w1;
+        }
+    }
+    for (int t = 0; t < tokens; ++t) {
+        float sum[NB];
+        memcpy(sum, acc[t], sizeof sum);
+        for (int64_t i = 0; i < m; ++i) {
+            if (bf16) ((uint16_t*)o[t])[i] = f32_to_bf16(bf16_to_f32(((uint16_t*)o[t])[i]) + sum[i]);
+            else ((float*)o[t])[i] += sum[i];
+        }
+    }
+}
+#endif
 
 AI void expand_n(const int bf16, int tokens, const float* const hr[EXPAND_T], const float* bt, int64_t R,
                  void* const o[EXPAND_T], int64_t m)
@@ -326,8 +403,8 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
     const int64_t fmas = adapted * (PR * K + N * R);
 #pragma omp parallel if (fmas >= PAR_MIN_FMAS)
     {
-        /* shrink: item = (tile, 4 rows of a), the tile's rows of x in cache while a's stream by; a
-         * short tile or block repeats its last token or row, and stores only its own */
+        /* shrink: item = (tile of up to 4 tokens of one slot, 16 rows of a); a block short of
+         * rows repeats its last, and stores only its own */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < tiles_n * j_blocks; ++item) {
             const Span tile = tiles[item / j_blocks];
@@ -338,11 +415,11 @@ AI int lora_add(const int bf16, const void* x, int64_t ldx, void* out, int64_t l
                 xr[i] = (const char*)x + order[tile.first + (i < tile.tokens ? i : tile.tokens - 1)] * ldx * es;
             for (int j = 0; j < SHRINK_J; ++j)
                 ar[j] = (const char*)a + (tile.slot * PR + j0 + (j < rows ? j : rows - 1)) * K * es;
-            float hb[SHRINK_T][SHRINK_J];
-            if (bf16) shrink_block(1, xr, ar, K, hb);
-            else shrink_block(0, xr, ar, K, hb);
+            float hb[SHRINK_T * SHRINK_J];
+            if (bf16) shrink_tile(1, tile.tokens, xr, ar, rows, K, hb);
+            else shrink_tile(0, tile.tokens, xr, ar, rows, K, hb);
             for (int64_t i = 0; i < tile.tokens; ++i)
-                for (int64_t j = 0; j < rows; ++j) h[(tile.first + i) * PR + j0 + j] = hb[i][j];
+                for (int64_t j = 0; j < rows; ++j) h[(tile.first + i) * PR + j0 + j] = hb[i * SHRINK_J + j];
         }
         /* expand: item = (chunk, block of a part's rows), blocks inner: a chunk's rows of out stay
          * in cache and are read and written along each row (a long prefill's out is larger than the
