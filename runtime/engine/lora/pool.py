@@ -128,11 +128,11 @@ class LoraPool:
             ref = self.parts.get(projection)
             if ref is None:
                 leaf = projection.rpartition(".")[2]
-                why = (
-                    f"{leaf} is not among the server's LoRA target modules ({', '.join(sorted(self.target_leaves))})"
-                    if leaf in LORA_TARGET_MODULES
-                    else "only attention and dense MLP projections take adapters"
-                )
+                if leaf in LORA_TARGET_MODULES and leaf not in self.target_leaves:
+                    targets = ", ".join(sorted(self.target_leaves))
+                    why = f"{leaf} is not among the server's LoRA target modules ({targets})"
+                else:  # (a name of a routed expert, the LM head, or another model's module)
+                    why = "only this model's attention and dense MLP projections take adapters"
                 raise LoraAdapterError(f"{adapter.path}: the adapter adapts {projection}, and {why}")
             linear = self.linears[ref.linear_name]
             assert linear.lora is not None

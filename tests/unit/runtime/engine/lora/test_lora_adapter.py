@@ -256,7 +256,24 @@ def test_an_lm_head_target_is_refused(runner: ModelRunner, llama: Path, folders:
     )
     adapter: LoraAdapter = read_adapter(lora_only)
     assert "lm_head" in adapter.modules
-    refused_load(runner, lora_only, "adapts lm_head", "only attention and dense MLP projections take adapters")
+    refused_load(runner, lora_only, "adapts lm_head", "only this model's attention and dense MLP projections")
+
+
+def test_a_target_name_at_a_module_the_model_lacks_is_refused_as_such(runner: ModelRunner, tmp_path: Path) -> None:
+    """A projection name the server targets, at a place this model has no such projection (an old
+    per-expert adapter's ``mlp.experts.0.q_proj``, say): refused as no projection of this model, not
+    as a target outside the server's."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "per-expert"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.q_proj"
+    save_file(
+        {f"{prefix}.lora_A.weight": torch.zeros(2, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 2)},
+        str(folder / "adapter_model.safetensors"),
+    )
+    refused_load(runner, folder, "adapts model.layers.0.mlp.experts.0.q_proj", "only this model's attention")
 
 
 def test_another_models_adapter_is_refused(runner: ModelRunner, tiny_checkpoints: Any, folders: Path) -> None:
