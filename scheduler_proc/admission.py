@@ -110,6 +110,12 @@ class Admission:
         ordered = self.policy.order(waiting)
         matched = self.policy.effective_policy(len(waiting)) in ("lpm", "dfs-weight")
         in_batch_prefixes: set[tuple[int, ...]] = set()
+        # the adapters every batch this plan leads to holds (the running and chunked requests'), once
+        adapters = None
+        if self.lora is not None:
+            adapters = {r.lora_uid for r in running if r.lora_uid is not None}
+            if chunked_req is not None and chunked_req.lora_uid is not None:
+                adapters.add(chunked_req.lora_uid)
         for req in ordered:
             if adder.new_chunked_req is not None:
                 break
@@ -120,7 +126,7 @@ class Admission:
                 continue
             if self._defer_for_in_batch_prefix(req, in_batch_prefixes):
                 continue
-            if self.lora is not None and not self._adapter_fits(req, running, chunked_req, adder):
+            if adapters is not None and not self._adapter_fits(req, adapters, adder):
                 continue
             result = adder.add_one_req(req)
             if result != AddResult.CONTINUE:
@@ -141,13 +147,13 @@ class Admission:
         elif adder.rem_running_slots <= 0:
             plan.blocked = req
 
-    def _adapter_fits(self, req: Req, running: Sequence[Req], chunked_req: Req | None, adder: PrefillAdder) -> bool:
-        """Its adapter and those of the running, chunked and planned requests fit in the LoRA slots."""
+    def _adapter_fits(self, req: Req, adapters: set[str], adder: PrefillAdder) -> bool:
+        """Its adapter and those of the running and chunked requests (``adapters``) and of the planned
+        ones fit in the LoRA slots."""
         assert self.lora is not None
-        in_use = [r.lora_uid for r in running] + [item.req.lora_uid for item in adder.planned]
-        if chunked_req is not None:
-            in_use.append(chunked_req.lora_uid)
-        return self.lora.admits(req.lora_uid, in_use)
+        if req.lora_uid is None or req.lora_uid in adapters:
+            return True
+        return self.lora.admits(req.lora_uid, adapters | {item.req.lora_uid for item in adder.planned})
 
     def _defer_for_in_batch_prefix(self, req: Req, seen: set[tuple[int, ...]]) -> bool:
         """Hold back a request that shares its start with one already in this prefill batch.

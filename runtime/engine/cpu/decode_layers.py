@@ -203,10 +203,8 @@ class CpuLayerStack:
     def lora_segments(self) -> Any:
         """The forward's adapter runs where some row uses an adapter (a LoRA server's linears share one
         context: ``runtime.engine.ops.lora``), else None."""
-        for linear in self._linears[:1]:
-            lora = getattr(linear, "lora", None)
-            return lora.active() if lora is not None else None
-        return None
+        lora = getattr(self._linears[0], "lora", None) if self._linears else None
+        return lora.active() if lora is not None else None
 
     def _layer_records(self) -> list[DecoderLayerWeights] | None:
         """Every decoder layer's record where each layer's own class declares what it is and the C

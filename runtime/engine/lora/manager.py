@@ -52,7 +52,6 @@ class LoraManager:
         self.target_leaves = self._target_leaves(model, settings.target_modules, read.values())
         self.pool = LoraPool(model, settings.slots, rank, self.target_leaves, dtype, device)
         self.adapters: dict[str, PreparedAdapter] = {}
-        self.paths: dict[str, str] = {}
         for uid, adapter in read.items():
             self._add(uid, adapter)
         logger.info(
@@ -82,7 +81,6 @@ class LoraManager:
 
     def _add(self, uid: str, adapter: LoraAdapter) -> None:
         self.adapters[uid] = self.pool.prepare(adapter)
-        self.paths[uid] = adapter.path
 
     def load(self, uid: str, path: str) -> None:
         """Read and prepare the adapter at ``path`` as ``uid`` (``LoraAdapterError`` naming what is wrong;
@@ -92,7 +90,6 @@ class LoraManager:
     def unload(self, uid: str) -> None:
         """Forget ``uid`` (the scheduler has freed its slot and no request uses it)."""
         self.adapters.pop(uid, None)
-        self.paths.pop(uid, None)
 
     def begin(self, batch: ForwardBatch) -> None:
         """Before ``batch``'s forward: its adapters in their slots, its runs as the linears' context."""

@@ -14,6 +14,7 @@ part over all rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +58,13 @@ class LoraSegments:
     starts_cpu: list[int]
     slots_cpu: list[int]
 
-    @property
+    @functools.cached_property
     def max_len(self) -> int:
-        """The longest run that uses an adapter (0: none does)."""
+        """The longest run that uses an adapter (0: none does); once per forward, not per linear."""
         lens = [e - s for s, e, slot in zip(self.starts_cpu, self.starts_cpu[1:], self.slots_cpu) if slot >= 0]
         return max(lens, default=0)
 
-    @property
+    @functools.cached_property
     def any_adapter(self) -> bool:
         return any(slot >= 0 for slot in self.slots_cpu)
 
@@ -105,8 +106,8 @@ def reference_lora_add(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights,
 
 
 class LoraContext:
-    """What every adapted linear of one model reads during a forward: the forward's runs (None: no
-    token of it uses an adapter, and the linears add nothing). Set by the model runner's LoRA manager
+    """What every adapted linear of one model reads during a forward: the forward's runs, set only where
+    some token uses an adapter (None: the linears add nothing). Set by the model runner's LoRA manager
     before each forward, on the thread that runs it."""
 
     def __init__(self) -> None:
@@ -121,6 +122,6 @@ class LinearLora:
     context: LoraContext
 
     def active(self) -> LoraSegments | None:
-        """This forward's runs where some token uses an adapter, else None."""
-        segments = self.context.segments
-        return segments if segments is not None and segments.any_adapter else None
+        """This forward's runs where some token uses an adapter, else None (the manager sets none for a
+        forward whose tokens all run on the base model)."""
+        return self.context.segments

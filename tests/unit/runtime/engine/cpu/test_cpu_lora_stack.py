@@ -11,10 +11,12 @@ from typing import Any, Sequence
 import pytest
 import torch
 
+from runtime.config.lora_args import LoraRef
 from runtime.engine.cpu import decode_layers
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode, LoraBatch
 from runtime.engine.lora.manager import LoraSettings
 from runtime.engine.model_runner import ModelRunner
+from scheduler_proc.lora_slots import initial_adapters
 from tests.support.checkpoints import hf_greedy, random_prompt
 from tests.support.harness import Harness, HarnessRequest
 from tests.support.lora_adapters import AdapterSpec, build_adapter, peft_model
@@ -47,7 +49,7 @@ class LoraHarness(Harness):
 def lora_runner(tiny_checkpoints: Any, dtype: str) -> tuple[ModelRunner, dict[str, Path]]:
     base = tiny_checkpoints.path("llama")
     paths = {name: build_adapter(base, tiny_checkpoints.root / f"stack-lora-{name}", s) for name, s in SPECS.items()}
-    initial = tuple((f"{name}#{i}", str(path)) for i, (name, path) in enumerate(paths.items()))
+    initial = initial_adapters([LoraRef(name, str(path)) for name, path in paths.items()])
     runner = ModelRunner(
         base,
         device="cpu",
