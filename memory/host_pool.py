@@ -2,7 +2,8 @@
 
 Owner: the hierarchical radix cache (:mod:`memory.hiradix_cache`) owns every host slot it
 stores in a node's ``host_value``; the rest are free in ``HostKVPool.allocator``. The
-layout per layer is the device pool's (``[slots, kv_heads, head_dim]`` for K and for V,
+layout per layer is the device pool's (``[slots, kv_heads, row_width]`` for K and for V, in the
+device pool's format: a quantized cache takes as few host bytes as device ones;
 slot 0 a padding slot, whole pages when ``page_size > 1``), so a set of slots moves
 between the tiers with one gather and one scatter per layer and a node's pages stay
 pages in both tiers. When the device pool is on cuda the host buffers are pinned, so
@@ -41,13 +42,14 @@ class HostKVPool:
     def __init__(self, device_pool: MHATokenToKVPool, size: int) -> None:
         self.size = size
         self.page_size = device_pool.page_size
-        self.dtype = device_pool.dtype
+        self.dtype = device_pool.dtype  # the device pool's storage: a quantized cache is quantized here too
+        self.format = device_pool.format
         self.num_layers = device_pool.num_layers
         self.kv_heads = device_pool.kv_heads
         self.head_dim = device_pool.head_dim
         # Pinned only when there is a device to DMA to; pinning needs a CUDA runtime.
         self.pinned = device_pool.device.type == "cuda"
-        shape = (size + self.page_size, self.kv_heads, self.head_dim)
+        shape = (size + self.page_size, self.kv_heads, device_pool.row_width)
         self.k_buffer = [self._buffer(shape) for _ in range(self.num_layers)]
         self.v_buffer = [self._buffer(shape) for _ in range(self.num_layers)]
         self.allocator = BaseTokenToKVPoolAllocator(size, self.page_size, "cpu")
@@ -62,4 +64,4 @@ class HostKVPool:
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.pinned)
 
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype)  # the device layout
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.format)  # the device layout

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from memory.kv_format import KVCacheFormat
 from memory.kv_pool import MHATokenToKVPool
 
 
 class SWAKVPool(MHATokenToKVPool):
     """Per-layer K/V buffers: full layers ``[full_size + page, Hkv, D]``, windowed ``[swa_size + page, Hkv, D]``.
 
-    ``get_kv_buffer``/``set_kv_buffer`` are the plain pool's: a layer's own buffers, at the slots
+    ``get_kv_buffer``/``set_kv_buffer``/``kv_rows`` are the plain pool's: a layer's own buffers, at the slots
     the caller passes (SWA slots for a windowed layer)."""
 
     def __init__(
@@ -36,6 +37,7 @@ class SWAKVPool(MHATokenToKVPool):
         kv_heads: int,
         head_dim: int,
         device: str | torch.device,
+        kv_format: KVCacheFormat | None = None,
     ) -> None:  # (its own layout: the plain pool's constructor is not called)
         if full_size <= 0 or swa_size <= 0:
             raise ValueError(f"SWAKVPool needs full_size > 0 and swa_size > 0, got {full_size}, {swa_size}")
@@ -44,19 +46,16 @@ class SWAKVPool(MHATokenToKVPool):
         self.size = full_size  # the slots req_to_token refers to
         self.swa_size = swa_size
         self.page_size = page_size
-        self.dtype = dtype
-        self.num_layers = len(layer_windows)
+        self._init_format(dtype, kv_format, len(layer_windows), kv_heads, head_dim)
         self.layer_windows = tuple(layer_windows)
         self.windowed = [w is not None for w in layer_windows]
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
         self.device = torch.device(device)
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
         for windowed in self.windowed:
             rows = (swa_size if windowed else full_size) + page_size
-            self.k_buffer.append(torch.zeros((rows, kv_heads, head_dim), dtype=dtype, device=self.device))
-            self.v_buffer.append(torch.zeros((rows, kv_heads, head_dim), dtype=dtype, device=self.device))
+            self.k_buffer.append(torch.zeros((rows, kv_heads, self.row_width), dtype=self.dtype, device=self.device))
+            self.v_buffer.append(torch.zeros((rows, kv_heads, self.row_width), dtype=self.dtype, device=self.device))
         # Owned here, written by the SWA allocator only.
         self.full_to_swa = torch.zeros(full_size + page_size, dtype=torch.int64, device=self.device)
 
@@ -73,7 +72,7 @@ class SWAKVPool(MHATokenToKVPool):
             v[dst] = v[src]
 
     def layer_bytes_per_token(self) -> int:
-        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.kv_heads * self.format.head_bytes(self.head_dim)
 
     def bytes_per_token(self) -> int:
         """Bytes of one full slot plus its share of the SWA pool (``swa_size / full_size`` of a slot)."""

@@ -329,6 +329,7 @@ def create_model_runner(server_args: ServerArgs, tp_rank: int) -> ForwardRunner:
         cuda_graph_bs=server_args.cuda_graph_bs,
         swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
         disable_hybrid_swa_memory=server_args.disable_hybrid_swa_memory,
+        kv_cache_dtype=server_args.kv_cache_dtype,
         quantization=server_args.quantization,
         int8_activations=server_args.quantized_activations == "int8",
         pooling=pooling_of(server_args.resolved_model_path(), server_args.pooling)

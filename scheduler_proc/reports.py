@@ -92,6 +92,8 @@ def kv_pool_info(runner: Any, max_total_tokens: int, context_len: int, max_runni
         max_running_requests,
         getattr(sized, "bytes_per_token", None),
         getattr(sized, "ram_bytes", None),
+        getattr(sized, "kv_dtype", None),
+        getattr(sized, "kv_bytes_per_token", None),
     ).info()
 
 

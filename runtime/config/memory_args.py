@@ -10,6 +10,9 @@ from runtime.config.flag_checks import choice
 
 EVICTION_POLICY_CHOICES = ("lru", "lfu")
 HICACHE_WRITE_POLICY_CHOICES = ("write_through", "write_back")
+# --kv-cache-dtype: SGLang's names (``bfloat16`` is ``bf16``'s other spelling) plus int8 (llama.cpp's
+# q8_0 idea per token and KV head); what each stores: memory.kv_format.
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 class MemoryFlags(Protocol):
@@ -18,6 +21,7 @@ class MemoryFlags(Protocol):
 
     mem_fraction_static: float | None
     max_total_tokens: int | None
+    kv_cache_dtype: str
     page_size: int
     disable_radix_cache: bool
     radix_eviction_policy: str
@@ -47,6 +51,15 @@ def add_memory_args(parser: argparse.ArgumentParser, defaults: MemoryFlags) -> N
         help="KV cache size in tokens; overrides --mem-fraction-static (default: cuda from memory; cpu what "
         "the work needs, N x min(context, 512) with N --max-running-requests or 64, at least one context; "
         "launch.py's ready line says it)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=str,
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help="how the KV cache stores K and V: auto (the model's dtype), bf16, fp8_e4m3 / fp8_e5m2 (one byte, a "
+        "per-layer scale: 1.0 or the checkpoint's k_scale/v_scale), int8 (one byte, one fp32 scale per token "
+        f"and KV head): about twice the tokens of a bf16 cache in the same memory (default {d.kv_cache_dtype})",
     )
     g.add_argument(
         "--page-size", type=int, default=d.page_size, help=f"tokens per KV page, a power of two (default {d.page_size})"
@@ -112,6 +125,7 @@ def check_cache_policies(args: MemoryFlags) -> None:
     """--radix-eviction-policy and --hicache-write-policy name policies the caches have."""
     choice("--radix-eviction-policy", args.radix_eviction_policy, EVICTION_POLICY_CHOICES)
     choice("--hicache-write-policy", args.hicache_write_policy, HICACHE_WRITE_POLICY_CHOICES)
+    choice("--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
 
 
 def check_page_size(args: MemoryFlags) -> None:

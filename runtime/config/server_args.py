@@ -65,6 +65,7 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_through"
+    kv_cache_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype), bf16, fp8_e4m3, fp8_e5m2, int8
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
     context_length: int | None = None

@@ -20,6 +20,8 @@ class KVPoolSize:
     max_running_requests: int  # request slots (requests decoding at once)
     bytes_per_token: int | None = None  # budgeted memory per token (the pool plus its decode mirror's room)
     ram_bytes: int | None = None  # MemTotal on CPU; None where the pool is not in host RAM (cuda)
+    kv_dtype: str | None = None  # the cache's format (--kv-cache-dtype resolved: bfloat16, int8, fp8_e4m3, ...)
+    kv_bytes_per_token: int | None = None  # the pool's own bytes per token (K and V of every layer, no mirror)
 
     @property
     def bytes(self) -> int | None:
@@ -47,6 +49,8 @@ class KVPoolSize:
             "full_length_requests": self.full_length_requests,
             "context_len": self.context_len,
             "max_running_requests": self.max_running_requests,
+            "kv_dtype": self.kv_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
         }
 
     def log_line(self) -> str:
@@ -58,9 +62,19 @@ class KVPoolSize:
             memory.append(f"{100 * self.share_of_ram:.1f}% of RAM")
         sized = f" ({', '.join(memory)})" if memory else ""
         return (
-            f"KV pool: {self.tokens} tokens{sized}: {self.full_length_requests} full-length requests of "
-            f"{self.context_len} tokens, {self.max_running_requests} request slots"
+            f"KV pool: {self.tokens} tokens{sized}{format_note(self.kv_dtype, self.kv_bytes_per_token)}: "
+            f"{self.full_length_requests} full-length requests of {self.context_len} tokens, "
+            f"{self.max_running_requests} request slots"
         )
+
+
+def format_note(kv_dtype: str | None, kv_bytes_per_token: int | None) -> str:
+    """`` in int8, 20,160 bytes a token`` (empty where the runner did not say): the cache's format and
+    what one token of it costs, for the start-up and ``ready:`` lines."""
+    if kv_dtype is None:
+        return ""
+    cost = f", {kv_bytes_per_token:,} bytes a token" if kv_bytes_per_token is not None else ""
+    return f" in {kv_dtype}{cost}"
 
 
 def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,6 +82,9 @@ def merge_kv_pools(pools: list[dict[str, Any]]) -> dict[str, Any]:
     replica has its own pool and slots); shares of RAM add up too (the replicas share the host's
     RAM); the context length is every replica's."""
     merged: dict[str, Any] = {"context_len": pools[0]["context_len"] if pools else 0}
+    # (every replica serves the same model with the same flags: one format, one cost a token)
+    merged["kv_dtype"] = pools[0].get("kv_dtype") if pools else None
+    merged["kv_bytes_per_token"] = pools[0].get("kv_bytes_per_token") if pools else None
     for key in ("tokens", "bytes", "share_of_ram", "full_length_requests", "max_running_requests"):
         values = [p.get(key) for p in pools]
         merged[key] = None if any(v is None for v in values) else sum(values)
@@ -111,8 +128,8 @@ def ready_note(pool: dict[str, Any] | None) -> str:
     if pool.get("share_of_ram") is not None:
         sized.append(f"{100 * pool['share_of_ram']:.1f}% of RAM")
     return (
-        f"{READY_NOTE_PREFIX}{', '.join(sized)}: {pool['full_length_requests']} full-length requests of "
-        f"{pool['context_len']} tokens)"
+        f"{READY_NOTE_PREFIX}{', '.join(sized)}{format_note(pool.get('kv_dtype'), pool.get('kv_bytes_per_token'))}: "
+        f"{pool['full_length_requests']} full-length requests of {pool['context_len']} tokens)"
     )
 
 

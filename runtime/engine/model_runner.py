@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from memory.kv_pool import MHATokenToKVPool
+from memory.kv_format import KVCacheFormat, kv_cache_format
+from memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from memory.req_to_token_pool import ReqToTokenPool
 from memory.swa_kv_pool import SWAKVPool, swa_pool_sizes
 from runtime.checkpoints.model_source import checkpoint_folder
@@ -43,6 +44,7 @@ from runtime.engine.device import (
 from runtime.engine.distributed import get_tp_group
 from runtime.engine.forward_batch import ForwardBatch, InputLogprobRows
 from runtime.engine.kv_sizing import KVPoolSize, check_weights_fit, kv_pool_tokens
+from runtime.engine.loading.kv_scales import checkpoint_kv_scales
 from runtime.engine.loading.weight_loader import gguf_footprint, load_model_weights, weight_bytes_estimate
 from runtime.engine.loading.weight_reload import reload_weights
 from runtime.engine.lora.manager import LoraManager, LoraSettings
@@ -108,6 +110,7 @@ class ModelRunner:
         cuda_graph_bs: list[int] | None = None,
         swa_full_tokens_ratio: float = 0.8,
         disable_hybrid_swa_memory: bool = False,
+        kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         int8_activations: bool = False,
         pooling: PoolingSpec | None = None,
@@ -115,7 +118,8 @@ class ModelRunner:
     ) -> None:
         """``pooling``: an embedding server's rule (--is-embedding): every forward pools hidden states
         instead of sampling (``runtime.engine.pooling``). ``lora``: serve LoRA adapters over the model
-        (``runtime.engine.lora``): each batch says which of its requests use which."""
+        (``runtime.engine.lora``): each batch says which of its requests use which. ``kv_cache_dtype``
+        (--kv-cache-dtype): the KV cache's format (``memory.kv_format``)."""
         start = time.perf_counter()
         self.pooling = pooling
         self.model_path = checkpoint_folder(str(model_path))  # a GGUF file or a model name works too
@@ -201,6 +205,7 @@ class ModelRunner:
         self.num_heads = first_attention.num_heads  # query heads on this rank
         self.num_kv_heads = first_attention.num_kv_heads  # KV heads on this rank
         self.head_dim = cfg.head_dim
+        self.kv_format = kv_cache_format(kv_cache_dtype, self.dtype)
 
         self.max_total_tokens = self._kv_capacity(max_total_tokens, mem_fraction_static, max_running_requests)
         self.max_running_requests = max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens)
@@ -225,6 +230,7 @@ class ModelRunner:
                 self.num_kv_heads,
                 cfg.head_dim,
                 self.device,
+                self.kv_format,
             )
         else:
             if cfg.is_hybrid_swa and not disable_hybrid_swa_memory:
@@ -237,7 +243,12 @@ class ModelRunner:
                 self.num_kv_heads,
                 cfg.head_dim,
                 self.device,
+                self.kv_format,
             )
+        if self.kv_format.is_fp8:  # (int8 scales each token itself; an unquantized cache has none)
+            scales = checkpoint_kv_scales(self.model_path, cfg.num_hidden_layers)
+            if scales is not None:
+                self.token_to_kv_pool.set_layer_scales(*scales)
         # Budgeted bytes per token: the pool's own (a hybrid SWA pool's is smaller than the formula's)
         # plus its share of the backend's extra KV copy.
         ram = self.ops.platform(self.device).ram_bytes
@@ -247,6 +258,8 @@ class ModelRunner:
             max_running_requests=self.max_running_requests,
             bytes_per_token=int(self.token_to_kv_pool.bytes_per_token() * self._kv_copy_factor()),
             ram_bytes=ram() if ram is not None else None,
+            kv_dtype=self.kv_format.name,
+            kv_bytes_per_token=self.token_to_kv_pool.bytes_per_token(),
         )
         logger.info("%s", self.kv_pool.log_line())
         self.attn_backend: AttentionBackend = create_attention_backend(self.attention_backend_name, self)
@@ -295,8 +308,11 @@ class ModelRunner:
         """Memory one token of KV pool capacity costs: its K and V in every layer, plus the share
         of any extra KV copy the attention backend keeps (``kv_copy_fraction``: the CPU decode
         mirror), so that a pool sized from a memory budget leaves room for that copy inside it."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        pool = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.model_config.head_dim * elem
+        return self._kv_bytes_per_token(self.kv_format)
+
+    def _kv_bytes_per_token(self, kv_format: KVCacheFormat) -> int:
+        cfg = self.model_config
+        pool = kv_bytes_per_token(cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, kv_format)
         return int(pool * self._kv_copy_factor())
 
     def _kv_copy_factor(self) -> float:
@@ -343,6 +359,9 @@ class ModelRunner:
         demand = None
         if platform.demand_tokens is not None and mem_fraction_static is None:
             demand = platform.demand_tokens(max_running_requests, self.context_len)
+            # The work's need is memory at the model's dtype: a narrower cache (--kv-cache-dtype) holds
+            # more tokens in it (an int8 cache about twice a bf16 one's), the point of choosing it.
+            demand = demand * self._kv_bytes_per_token(kv_cache_format("auto", self.dtype)) // self.kv_bytes_per_token()
         return kv_pool_tokens(
             per_token=self.kv_bytes_per_token(),
             budget_bytes=budget,

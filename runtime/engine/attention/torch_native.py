@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from memory.kv_format import KVRows
 from runtime.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from runtime.engine.attention.plan import (
     AttnGroup,
@@ -180,7 +181,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         self.store_kv(k, v, layer, batch)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = pool.kv_rows(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None
         for g in meta.groups if layer.sliding_window is None else self._window_groups(batch, layer.sliding_window):
@@ -221,9 +222,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         return q.index_select(0, g.q_index.view(-1))
 
     @staticmethod
-    def _gather(buf: torch.Tensor, flat_loc: torch.Tensor, n: int) -> torch.Tensor:
-        """``[n, Hkv, L, D]`` (a strided view) of the pool rows at ``flat_loc`` (``n * L`` slots)."""
-        return buf.index_select(0, flat_loc).view(n, -1, buf.shape[1], buf.shape[2]).transpose(1, 2)
+    def _gather(rows: KVRows, flat_loc: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, Hkv, L, D]`` (a strided view) of the pool's values at ``flat_loc`` (``n * L`` slots) in
+        ``dtype`` (a quantized cache's gathered rows dequantized: only those, never the whole cache)."""
+        values = rows.gather(flat_loc, dtype)
+        return values.view(n, -1, values.shape[1], values.shape[2]).transpose(1, 2)
 
     @classmethod
     def _folded_queries(cls, q: torch.Tensor, layer: AttentionLayerSpec, g: AttnGroup) -> torch.Tensor:
@@ -236,8 +239,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        k_buf: KVRows,
+        v_buf: KVRows,
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> torch.Tensor:
@@ -245,7 +248,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         qg = self._folded_queries(q, layer, g)
         n = qg.shape[0]
         assert g.kv_flat is not None
-        kd, vd = self._gather(k_buf, g.kv_flat, n).to(qg.dtype), self._gather(v_buf, g.kv_flat, n).to(qg.dtype)
+        kd, vd = self._gather(k_buf, g.kv_flat, n, qg.dtype), self._gather(v_buf, g.kv_flat, n, qg.dtype)
         if layer.logit_softcap is not None:  # (SDPA cannot cap: explicit scores, the fp32 key bias as it is)
             og, _ = softcapped_attention(qg, kd, vd, layer.scaling, layer.logit_softcap, mask=g.mask)
             return og.reshape(n, layer.num_heads, layer.head_dim)
@@ -258,8 +261,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        k_buf: KVRows,
+        v_buf: KVRows,
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> torch.Tensor:
@@ -283,8 +286,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        k_buf: KVRows,
+        v_buf: KVRows,
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,4 +302,4 @@ class TorchNativeAttnBackend(AttentionBackend):
             vg = v[g.q_start : end].view(n, q_len, hkv, d).transpose(1, 2)
             return kg, vg
         assert g.kv_flat is not None
-        return self._gather(k_buf, g.kv_flat, n).to(k.dtype), self._gather(v_buf, g.kv_flat, n).to(k.dtype)
+        return self._gather(k_buf, g.kv_flat, n, k.dtype), self._gather(v_buf, g.kv_flat, n, k.dtype)

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from memory.kv_format import KVRows
 from runtime.engine.attention import torch_native
 from runtime.engine.attention.base import AttentionLayerSpec
 from runtime.engine.attention.plan import AttnGroup, TorchNativeMetadata, host_list
@@ -89,6 +90,12 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.verify_plan = None
+        if batch.token_to_kv_pool.format.quantized:
+            # (the mirror's copies and kernels take the model's dtype: a quantized cache's decode
+            # gathers and dequantizes the rows it reads)
+            self.mirror.reset()
+            super().init_forward_metadata(batch)
+            return
         if batch.forward_mode == ForwardMode.VERIFY and self.mirrored_layers in (
             None,
             len(batch.token_to_kv_pool.k_buffer),
@@ -148,8 +155,8 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        k_buf: KVRows,
+        v_buf: KVRows,
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> torch.Tensor:
@@ -167,20 +174,24 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             if softcap is None:
                 append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
             kd_t, vd, prefix = self.mirror.keys(
-                layer.layer_id, g.mirror, k, v, k_buf, v_buf, defer_append=append is not None
+                layer.layer_id, g.mirror, k, v, k_buf.buffer, v_buf.buffer, defer_append=append is not None
             )
             mask = g.mirror.mask
         elif g.shared is not None:
             plan = g.shared
-            prefix = (self._gather(k_buf, plan.loc, 1).transpose(-1, -2), self._gather(v_buf, plan.loc, 1))
+            prefix = (
+                self._gather(k_buf, plan.loc, 1, qg.dtype).transpose(-1, -2),
+                self._gather(v_buf, plan.loc, 1, qg.dtype),
+            )
             kd_t, vd = (
-                self._gather(k_buf, plan.suffix_loc, n).transpose(-1, -2),
-                self._gather(v_buf, plan.suffix_loc, n),
+                self._gather(k_buf, plan.suffix_loc, n, qg.dtype).transpose(-1, -2),
+                self._gather(v_buf, plan.suffix_loc, n, qg.dtype),
             )
             mask = plan.suffix_mask
         else:
             assert g.kv_flat is not None
-            kd_t, vd = self._gather(k_buf, g.kv_flat, n).transpose(-1, -2), self._gather(v_buf, g.kv_flat, n)
+            kd_t = self._gather(k_buf, g.kv_flat, n, qg.dtype).transpose(-1, -2)
+            vd = self._gather(v_buf, g.kv_flat, n, qg.dtype)
             mask = g.mask
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
@@ -206,8 +217,8 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        k_buf: KVRows,
+        v_buf: KVRows,
         layer: AttentionLayerSpec,
         g: AttnGroup,
     ) -> torch.Tensor:
@@ -268,17 +279,15 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         group = h // hkv
         if softcap is None and attn_kernels.prefix_supported(real.dtype, real.device, d):
             # the prefix kernel: a tile of query rows of a KV head against each key load
-            packed = attn_kernels.pack_prefix(
-                k_buf.index_select(0, g.shared_loc).to(real.dtype), v_buf.index_select(0, g.shared_loc).to(real.dtype)
-            )
+            packed = attn_kernels.pack_prefix(k_buf.gather(g.shared_loc, real.dtype), v_buf.gather(g.shared_loc, real.dtype))
             o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
             merged = fastpaths.merge_partial_attention(
                 o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group)
             )
             return merged.reshape(t, h, d)
         q_all = real.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
-        kp = k_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
-        vp = v_buf.index_select(0, g.shared_loc).to(qg.dtype).unsqueeze(0).transpose(1, 2)
+        kp = k_buf.gather(g.shared_loc, qg.dtype).unsqueeze(0).transpose(1, 2)
+        vp = v_buf.gather(g.shared_loc, qg.dtype).unsqueeze(0).transpose(1, 2)
         o_pre, lse_pre = fastpaths.attend_shared_keys(q_all, kp, vp, layer.scaling, softcap)
         # (reshape: views where the layouts allow, which they do on the bf16 paths)
         merged = fastpaths.merge_partial_attention(

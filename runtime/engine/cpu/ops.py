@@ -119,6 +119,9 @@ class CpuOps(TorchOps):
             super().lora_add(out, x, weights, segments)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if pool.format.quantized:  # (the pool's own store quantizes: the reference)
+            super().store_kv(pool, layer_id, loc, k, v)
+            return
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         if not cpu_kernels.store_kv(k_buf, v_buf, loc, k, v):
             super().store_kv(pool, layer_id, loc, k, v)

@@ -77,6 +77,7 @@ EXPECTED_DEFAULTS = {
     "hicache_size": 0.0,
     "hicache_write_policy": "write_through",
     "swa_full_tokens_ratio": 0.8,
+    "kv_cache_dtype": "auto",
     "disable_hybrid_swa_memory": False,
     "grammar_backend": "xgrammar",
     "grammar_compile_timeout": 60.0,
