@@ -30,7 +30,12 @@ INT8_MAX = 127.0
 SCALE_BYTES = 4  # an int8 row's fp32 scale, after its D values
 
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-_FLOAT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FLOAT_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",  # (the stub runner's)
+}
 
 
 @dataclass(frozen=True)

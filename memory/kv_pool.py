@@ -86,6 +86,17 @@ class MHATokenToKVPool:
         self.k_buffer[layer_id][loc] = self.format.quantize(k, self.k_scales[layer_id])
         self.v_buffer[layer_id][loc] = self.format.quantize(v, self.v_scales[layer_id])
 
+    def stored_values(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` as the cache holds them: quantized and read back (themselves for an unquantized
+        cache of their dtype). An extend's new tokens attend to these, so that a prompt reads the same
+        values whether its keys were computed in this forward, an earlier chunk or a cached prefix."""
+        if not self.format.quantized and k.dtype == self.dtype:
+            return k, v
+        fmt, ks, vs = self.format, self.k_scales[layer_id], self.v_scales[layer_id]
+        return fmt.dequantize(fmt.quantize(k, ks), ks, k.dtype), fmt.dequantize(fmt.quantize(v, vs), vs, v.dtype)
+
     def copy_slots(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """Copy every layer's KV from ``src_loc`` to ``dst_loc`` (copy-on-write of a shared partial page)."""
         for k, v in zip(self.k_buffer, self.v_buffer):

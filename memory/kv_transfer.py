@@ -50,11 +50,11 @@ class KVTransfer:
     asynchronous = False  # ops are complete when they are returned
 
     def __init__(self, device_pool: MHATokenToKVPool, host_pool: HostKVPool) -> None:
-        if (device_pool.num_layers, device_pool.kv_heads, device_pool.head_dim, device_pool.dtype) != (
+        if (device_pool.num_layers, device_pool.kv_heads, device_pool.head_dim, device_pool.format) != (
             host_pool.num_layers,
             host_pool.kv_heads,
             host_pool.head_dim,
-            host_pool.dtype,
+            host_pool.format,
         ):
             raise ValueError("the host pool's layout differs from the device pool's")
         self.device_pool = device_pool
@@ -131,7 +131,7 @@ class CudaKVTransfer(KVTransfer):
 
     def _staging(self, n: int) -> torch.Tensor:
         d = self.device_pool
-        return torch.empty((2 * d.num_layers, n, d.kv_heads, d.head_dim), dtype=d.dtype, pin_memory=True)
+        return torch.empty((2 * d.num_layers, n, d.kv_heads, d.row_width), dtype=d.dtype, pin_memory=True)
 
     def _events(self) -> tuple[Any, Any]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -181,6 +181,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         self.store_kv(k, v, layer, batch)
+        if not batch.forward_mode.is_decode():  # (a decode reads every key, its own too, from the pool)
+            k, v = pool.stored_values(layer.layer_id, k, v)
         k_buf, v_buf = pool.kv_rows(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
         out: torch.Tensor | None = None

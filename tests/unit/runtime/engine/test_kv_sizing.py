@@ -160,7 +160,8 @@ def test_the_runner_pool_does_not_change_with_mem_available(
     assert pool.ram_bytes == 24 * GIB and pool.bytes == pool.tokens * runner.kv_bytes_per_token()
     assert (
         f"KV pool: {pool.tokens} tokens (" in caplog.text
-        and "% of RAM): 64 full-length requests of 512 tokens" in caplog.text
+        and f"% of RAM) in float32, {runner.token_to_kv_pool.bytes_per_token():,} bytes a token: 64 full-length "
+        "requests of 512 tokens" in caplog.text
     )
 
 
@@ -173,6 +174,9 @@ def test_kv_pool_figures_and_log_line() -> None:
     assert pool.log_line() == (
         "KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM): 19 full-length requests of 8192 tokens, 512 request slots"
     )
+    int8 = KVPoolSize(158696, 8192, 512, 92160, 24 * GIB, kv_dtype="int8", kv_bytes_per_token=24480)
+    assert int8.log_line().startswith("KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM) in int8, 24,480 bytes a token: ")
+    assert int8.info()["kv_dtype"] == "int8" and int8.info()["kv_bytes_per_token"] == 24480
     gpu = KVPoolSize(tokens=1000, context_len=100, max_running_requests=4, bytes_per_token=10)
     assert gpu.share_of_ram is None and "% of RAM" not in gpu.log_line()
     assert gpu.info() == {
@@ -182,11 +186,13 @@ def test_kv_pool_figures_and_log_line() -> None:
         "full_length_requests": 10,
         "context_len": 100,
         "max_running_requests": 4,
+        "kv_dtype": None,
+        "kv_bytes_per_token": None,
     }
 
 
 def test_dp_replicas_pools_add_up() -> None:
-    a = KVPoolSize(1000, 100, 4, 10, 100_000).info()
+    a = KVPoolSize(1000, 100, 4, 10, 100_000, "int8", 5).info()
     merged = merge_kv_pools([a, a])
     assert merged == {
         "tokens": 2000,
@@ -195,6 +201,8 @@ def test_dp_replicas_pools_add_up() -> None:
         "full_length_requests": 20,
         "context_len": 100,
         "max_running_requests": 8,
+        "kv_dtype": "int8",  # (every replica's format and cost a token: the same flags)
+        "kv_bytes_per_token": 5,
     }
     stub = KVPoolSize(1000, 100, 4).info()
     assert merge_kv_pools([a, stub])["bytes"] is None
@@ -245,6 +253,11 @@ def test_ready_note_says_what_was_reserved_and_keeps_the_address_parseable() -> 
         ready_note(KVPoolSize(4096, 512, 8).info()) == " (KV pool: 4096 tokens: 8 full-length requests of 512 tokens)"
     )
     assert ready_note(None) == ""
+    quantized = KVPoolSize(65536, 8192, 64, 24480, 24 * GIB, kv_dtype="int8", kv_bytes_per_token=12240).info()
+    assert ready_note(quantized) == (
+        " (KV pool: 65536 tokens, 1.49 GiB, 6.2% of RAM in int8, 12,240 bytes a token: 8 full-length requests of "
+        "8192 tokens)"
+    )
 
 
 def test_the_host_pool_adds_replicas_and_tp_ranks_bytes() -> None:
