@@ -85,11 +85,12 @@ def test_teacher_forced_drift_is_bounded_and_argmax_agrees_where_the_margin_is_c
         assert largest > 0.0, f"{family} {kv_dtype}: the logits did not move: is the cache quantized?"
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_swa"])
+@pytest.mark.parametrize("kv_dtype", list(DRIFT_BOUND))
 def test_a_prompt_reads_the_same_values_chunked_cached_or_in_one_prefill(
-    checkpoints: TinyCheckpoints, kv_dtype: str
+    checkpoints: TinyCheckpoints, kv_dtype: str, family: str
 ) -> None:
-    runner = _runner(checkpoints.path("llama"), kv_dtype)
+    runner = _runner(checkpoints.path(family), kv_dtype)
     prompt = random_prompt(48, runner.vocab_size, 7)
     whole = Harness(runner).generate([prompt], 6, return_logprob=True)[0]
     chunked = Harness(runner).generate([prompt], 6, chunk_size=16, return_logprob=True)[0]
