@@ -86,9 +86,7 @@ class MHATokenToKVPool:
         self.k_buffer[layer_id][loc] = self.format.quantize(k, self.k_scales[layer_id])
         self.v_buffer[layer_id][loc] = self.format.quantize(v, self.v_scales[layer_id])
 
-    def stored_values(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def stored_values(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``/``v`` as the cache holds them: quantized and read back (themselves for an unquantized
         cache of their dtype). An extend's new tokens attend to these, so that a prompt reads the same
         values whether its keys were computed in this forward, an earlier chunk or a cached prefix."""

@@ -81,7 +81,9 @@ def test_chunked_cached_and_host_loaded_prompts_read_the_same_quantized_values(
     # has been evicted to the host tier by the time it runs.
     openings = [random_prompt(110, vocab, seed=500 + s) for s in range(3)]
     firsts = [client.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in openings]
-    turns = [p + f["output_ids"] + random_prompt(12, vocab, seed=600 + s) for s, (p, f) in enumerate(zip(openings, firsts))]
+    turns = [
+        p + f["output_ids"] + random_prompt(12, vocab, seed=600 + s) for s, (p, f) in enumerate(zip(openings, firsts))
+    ]
     seconds = [client.generate(input_ids=[t], sampling_params=GREEDY)[0] for t in turns]
     want = _reference(tiny_checkpoints.path("llama_long"), kv_dtype, openings + turns)
     assert [r["output_ids"] for r in firsts + seconds] == want

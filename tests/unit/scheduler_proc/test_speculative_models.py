@@ -256,3 +256,17 @@ def test_constrained_requests_draft_what_their_grammar_takes(
     for i in range(len(prompts)):
         text = tokenizer.decode(on[str(i)], skip_special_tokens=True)
         assert re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_verifies_drafts_over_the_stored_values(tiny_llama_path: Path, kv_dtype: str) -> None:
+    """A verify step's new tokens attend to their stored (quantized) values, as the decode steps they
+    replace read them from the cache: greedy output with drafts is the output without, on the same
+    quantized cache, with 8-token chunks and prefix hits."""
+    runner = runner_for(tiny_llama_path, kv_cache_dtype=kv_dtype)
+    prompts = calls_for(runner.vocab_size, 8, seed=6)
+    prompts += [prompts[0] + [7, 8, 9]]  # a prefix hit on the first request's prompt
+    params = [{"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}] * len(prompts)
+    on = generate(runner, prompts, params, spec=True, chunked_prefill_size=8)
+    assert ids(on) == ids(generate(runner, prompts, params, spec=False, chunked_prefill_size=8))
+    assert on["stats"]["spec_draft_tokens"] > 0 and on["stats"]["cached_prompt_tokens"] > 0

@@ -9,7 +9,8 @@ is checked is what holds:
   twice that bound;
 - a prompt reads the same values however its keys got into the cache: one prefill, chunked prefill, or
   a prefix another request cached (an extend's new tokens attend to their stored values too);
-- the pool's bytes per token and the CPU default pool's tokens follow the format.
+- the pool's bytes per token and the CPU default pool's tokens follow the format;
+- TP=2 ranks, each quantizing its own KV heads, give TP=1's greedy output.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
 from tests.support.checkpoints import TinyCheckpoints, random_prompt
 from tests.support.harness import Harness
+from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 
 FAMILIES = ("llama", "qwen2_swa", "gemma3", "phi3")
 # Largest |log-probability| change of the unquantized cache's greedy token at any teacher-forced step,
@@ -119,3 +121,22 @@ def test_the_cpu_default_pool_holds_more_tokens_of_a_narrower_cache(checkpoints:
     assert quant.kv_pool.bytes is not None and dense.kv_pool.bytes is not None
     assert quant.kv_pool.bytes == pytest.approx(dense.kv_pool.bytes, rel=0.02)  # the same memory
     assert " in int8, " in quant.kv_pool.log_line()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_tp2_ranks_quantize_their_own_heads_as_tp1_does(
+    checkpoints: TinyCheckpoints, thread_tp_group: ThreadTPGroup, kv_dtype: str
+) -> None:
+    """A (token, KV head) row is quantized on its own (int8's scale) or by its layer's scale (fp8), so each
+    rank's half of the heads holds the same stored values as the whole model's pool: the greedy output
+    of TP=2 is TP=1's, with the same quantized cache."""
+    path = checkpoints.path("llama")
+    whole = _runner(path, kv_dtype)
+    prompts = [random_prompt(n, whole.vocab_size, seed=80 + n) for n in (9, 41)]
+    expected = [r.output_ids for r in Harness(whole).generate(prompts, 6)]
+    ranks = [_runner(path, kv_dtype, tp_rank=r, tp_size=2) for r in range(2)]
+    assert ranks[0].token_to_kv_pool.bytes_per_token() * 2 == whole.token_to_kv_pool.bytes_per_token()
+    outputs = run_on_ranks(
+        thread_tp_group, lambda rank: [r.output_ids for r in Harness(ranks[rank]).generate(prompts, 6)]
+    )
+    assert outputs[0] == outputs[1] == expected

@@ -161,7 +161,8 @@ def test_the_runner_pool_does_not_change_with_mem_available(
     assert (
         f"KV pool: {pool.tokens} tokens (" in caplog.text
         and f"% of RAM) in float32, {runner.token_to_kv_pool.bytes_per_token():,} bytes a token: 64 full-length "
-        "requests of 512 tokens" in caplog.text
+        "requests of 512 tokens"
+        in caplog.text
     )
 
 
@@ -175,7 +176,9 @@ def test_kv_pool_figures_and_log_line() -> None:
         "KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM): 19 full-length requests of 8192 tokens, 512 request slots"
     )
     int8 = KVPoolSize(158696, 8192, 512, 92160, 24 * GIB, kv_dtype="int8", kv_bytes_per_token=24480)
-    assert int8.log_line().startswith("KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM) in int8, 24,480 bytes a token: ")
+    assert int8.log_line().startswith(
+        "KV pool: 158696 tokens (13.621 GiB, 56.8% of RAM) in int8, 24,480 bytes a token: "
+    )
     assert int8.info()["kv_dtype"] == "int8" and int8.info()["kv_bytes_per_token"] == 24480
     gpu = KVPoolSize(tokens=1000, context_len=100, max_running_requests=4, bytes_per_token=10)
     assert gpu.share_of_ram is None and "% of RAM" not in gpu.log_line()
