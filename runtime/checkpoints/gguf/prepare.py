@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from runtime.checkpoints.gguf.config import hf_config, needs_qk_unpermute
-from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError, TensorEntry, read_gguf
+from runtime.checkpoints.gguf.reader import GGUFContents, GGUFError, TensorEntry, read_gguf, shared_parse
 from runtime.checkpoints.model_cache import build_once, cache_root
 from runtime.checkpoints.sampling_defaults import GENERATION_CONFIG, gguf_sampling
 
@@ -142,17 +142,18 @@ def _write_tokenizer(contents: GGUFContents, out: Path) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: a slow import
 
     folder, name = str(contents.path.parent), contents.path.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        # AutoTokenizer first reads the model's config from the file, which transformers' GGUF
-        # loader refuses for architectures it does not load (OLMoE's): the fast tokenizer it builds
-        # from the same tokenizer.ggml.* metadata does without that config.
+    with shared_parse(contents):  # (the file parsed once, not once more for each of transformers' reads)
         try:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
-        except (ValueError, KeyError, NotImplementedError):
-            raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
-        logger.info("%s: tokenizer converted without a model config (%s)", contents.path, exc)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except (ValueError, KeyError, NotImplementedError) as exc:
+            # AutoTokenizer first reads the model's config from the file, which transformers' GGUF
+            # loader refuses for architectures it does not load (OLMoE's): the fast tokenizer it builds
+            # from the same tokenizer.ggml.* metadata does without that config.
+            try:
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+            except (ValueError, KeyError, NotImplementedError):
+                raise GGUFError(f"{contents.path}: its tokenizer cannot be converted: {exc}") from None
+            logger.info("%s: tokenizer converted without a model config (%s)", contents.path, exc)
     tokenizer.save_pretrained(str(out))
     _drop_tokens_beyond_the_file(out, int(contents.metadata["tokenizer.ggml.tokens#count"]))
     os.chmod(out, 0o755)

@@ -9,10 +9,11 @@ is plain data (metadata values and a tensor index) so it can be written to JSON 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # The types gguf's numpy dequantization handles that tinyserve loads (llama.cpp's common
 # weight types; the importance-matrix IQ types and the 1-2 bit ternary ones are left out).
@@ -75,6 +76,8 @@ class GGUFContents:
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, TensorEntry]
+    # The gguf package's parse of the file (``shared_parse``: transformers' converters read it too).
+    reader: Any = field(default=None, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
@@ -146,4 +149,27 @@ def read_gguf(path: str | Path) -> GGUFContents:
             raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {end}, the file has {size}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensors[t.name] = TensorEntry(t.name, qtype.name, shape, int(t.data_offset), int(t.n_bytes))
-    return GGUFContents(path, metadata, tensors)
+    return GGUFContents(path, metadata, tensors, reader)
+
+
+@contextlib.contextmanager
+def shared_parse(contents: GGUFContents) -> Iterator[None]:
+    """Within the block, the gguf package's reader opened on ``contents.path`` is the parse
+    ``read_gguf`` made. transformers parses a GGUF file anew for the config and again for the tokenizer
+    it converts, and the reader walks the token table element by element: for Gemma 3's 262k tokens
+    ~20 s a parse on two cores, twice, at a model's first start. (transformers imports the reader
+    when it reads a file, so the module attribute is what it finds.)"""
+    import gguf
+
+    original = gguf.GGUFReader
+    parsed = contents.reader
+
+    def open_reader(path: Any, mode: str = "r") -> Any:
+        same = parsed is not None and mode == "r" and Path(path).resolve() == contents.path.resolve()
+        return parsed if same else original(path, mode)
+
+    gguf.GGUFReader = open_reader  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
