@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -77,7 +78,7 @@ class GGUFContents:
     metadata: dict[str, Any]
     tensors: dict[str, TensorEntry]
     # The gguf package's parse of the file (``shared_parse``: transformers' converters read it too).
-    reader: Any = field(default=None, repr=False, compare=False)
+    reader: Any = dataclass_field(default=None, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
