@@ -106,12 +106,12 @@ def test_tiny_llama_greedy_matches_torch_native_on_quantized_caches(tiny_llama_p
                 load_progress=False,
             )
             assert runner.token_to_kv_pool.format.name == kv
-            outputs[backend] = [r.output_ids for r in Harness(runner).generate(prompts, max_new_tokens=5)]
+            outputs[backend] = [r.output_ids for r in Harness(runner).generate(prompts, max_new_tokens=4)]
         assert outputs["triton"] == outputs["torch_native"], kv
     graphs = cgr.setup_cuda_graphs(runner, batch_sizes=[2], replay="eager")
     assert graphs is not None
     runner.graph_runner = graphs
-    assert [r.output_ids for r in Harness(runner).generate(prompts, max_new_tokens=5)] == outputs["triton"]
+    assert [r.output_ids for r in Harness(runner).generate(prompts, max_new_tokens=4)] == outputs["triton"]
 
 
 if not IN_PROCESS:
