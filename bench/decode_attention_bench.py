@@ -6,7 +6,16 @@ Decode attention is memory bound, so besides time per call the table shows the a
 bandwidth: bytes of K and V the call must read (plus q, o and the indices) over time.
 The torch reference first gathers each request's KV into a dense tensor (what a naive
 backend does), so it moves those bytes three times; its "SDPA only" row times SDPA on the
-already gathered tensors. Run:
+already gathered tensors.
+
+``--kv-cache-dtypes auto,int8,fp8_e4m3`` adds the same kernels over a quantized cache (the pool
+quantized once up front with ``KVCacheFormat.quantize``; the kernels dequantize as they load): one
+row per format, its bytes the format's, its error against attention over the dequantized values.
+One user at 8k context, the case a quantized cache is for:
+
+    .venv/bin/python bench/decode_attention_bench.py --batch 1 --context 8192 --kv-cache-dtypes auto,int8,fp8_e4m3
+
+Run:
 
     .venv/bin/python bench/decode_attention_bench.py [--batch 64 --context 4096 ...]
 
@@ -40,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--page-size", type=int, default=16, help="KV slots come in runs of this many (shuffled pages)")
     p.add_argument("--max-kv-splits", type=int, default=8)
+    p.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="comma-separated KV cache formats to time (auto: --dtype; int8, fp8_e4m3, fp8_e5m2, bf16)",
+    )
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -82,6 +96,63 @@ def build_inputs(args: argparse.Namespace, device: torch.device) -> dict[str, to
     kv_indices = slots.reshape(-1).to(torch.int32).to(device)
     kv_indptr = torch.arange(0, (bs + 1) * ctx, ctx, dtype=torch.int32, device=device)
     return dict(q=q, k_buf=k_buf, v_buf=v_buf, kv_indices=kv_indices, kv_indptr=kv_indptr, slots=slots.to(device))
+
+
+def quantized_rows(
+    args: argparse.Namespace,
+    x: dict[str, torch.Tensor],
+    fmt_name: str,
+    num_kv_splits: torch.Tensor,
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    other_bytes: int,
+) -> list[dict[str, Any]]:
+    """The kernels over the pool quantized to ``fmt_name`` (grouped and per head): time, bandwidth
+    (the format's K/V bytes) and error against SDPA over the dequantized values."""
+    from memory.kv_format import kv_cache_format
+    from runtime.engine.cuda.attention_kernels.decode_attention import decode_attention_fwd
+
+    fmt = kv_cache_format(fmt_name, DTYPES[args.dtype])
+    q, slots = x["q"], x["slots"]
+    k_buf, v_buf = fmt.quantize(x["k_buf"]), fmt.quantize(x["v_buf"])  # (layer scales 1.0)
+    bs, num_heads, head_dim = q.shape
+    scale = head_dim**-0.5
+    k = fmt.dequantize(k_buf[slots], dtype=torch.float32).transpose(1, 2)  # [bs, Hkv, ctx, D]
+    v = fmt.dequantize(v_buf[slots], dtype=torch.float32).transpose(1, 2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, scale=scale, enable_gqa=num_heads != args.num_kv_heads
+    )[:, :, 0, :]
+    del k, v
+    kv_bytes = 2 * bs * args.context * args.num_kv_heads * fmt.head_bytes(head_dim)
+    rows = []
+    for label, grouped in (("grouped (GQA)", True), ("per head", False)):
+        out = torch.empty_like(q)
+
+        def call(out: torch.Tensor = out, grouped: bool = grouped) -> None:
+            decode_attention_fwd(
+                q,
+                k_buf,
+                v_buf,
+                out,
+                x["kv_indptr"],
+                x["kv_indices"],
+                logits,
+                lse,
+                num_kv_splits,
+                args.max_kv_splits,
+                scale,
+                grouped=grouped,
+                kv_format=fmt,
+            )
+
+        call()
+        err = float((out.float() - expected).abs().max())
+        ms = time_cuda(call, args.warmup, args.iters)
+        gbps = (kv_bytes + other_bytes) / (ms * 1e-3) / 1e9
+        rows.append(
+            {"kernel": f"triton split-K, {label}, {fmt_name} cache", "ms": ms, "gbps": gbps, "max_abs_err": err}
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,9 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         ("torch gather + SDPA", torch_ref, io_bytes, 0.0),
         ("torch SDPA only (pre-gathered)", sdpa_only, io_bytes, 0.0),
     ]
+    formats = [f.strip() for f in args.kv_cache_dtypes.split(",") if f.strip()]
+    if "auto" not in formats:  # only the quantized rows: the torch rows time the model-dtype cache
+        cases = []
     for name, fn, nbytes, err in cases:
         ms = time_cuda(fn, args.warmup, args.iters)
         rows.append({"kernel": name, "ms": ms, "gbps": nbytes / (ms * 1e-3) / 1e9, "max_abs_err": err})
+    for fmt_name in formats:
+        if fmt_name != "auto":
+            rows.extend(quantized_rows(args, x, fmt_name, num_kv_splits, logits, lse, io_bytes - kv_bytes))
 
     splits = num_kv_splits.tolist()
     title = (

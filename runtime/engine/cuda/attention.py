@@ -20,6 +20,10 @@ Soft-capped layers (``AttentionLayerSpec.logit_softcap``, Gemma 2) pass their ca
 (``logit_cap``, a compile-time constant: one specialisation per cap value, captured into a CUDA
 graph like any other); the plans do not depend on it.
 
+A quantized pool (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``, or bf16 under an fp32 model) is
+read by the same kernels, dequantizing as they load (``runtime.engine.cuda.kv_quant``); the store
+(``TritonOps.store_kv``) quantizes. An extend's new tokens attend to their own K/V unquantized.
+
 Under CUDA graphs (decode only) the plan lives in buffers allocated once by
 ``init_cuda_graph_state``: capture hands the kernels views of them, replay rewrites them
 in place with the same planning kernels as the eager path. Padded rows of a graph batch
@@ -283,6 +287,10 @@ class TritonAttnBackend(AttentionBackend):
         if layer.sliding_window is not None:
             plan = self._window_plan(batch, layer.sliding_window)
             kv_indptr, kv_indices, num_kv_splits = plan.kv_indptr, plan.kv_indices, plan.num_kv_splits
+        # The pool's format and this layer's fp8 scales (fixed after load: plain arguments of each
+        # layer's launches, captured into a CUDA graph as they are).
+        lid = layer.layer_id
+        quant = dict(kv_format=pool.format, k_scale=pool.k_scales[lid], v_scale=pool.v_scales[lid])
         q = _last_dim_contiguous(q.reshape(-1, layer.num_heads, layer.head_dim))
         out = q.new_empty(q.shape[0], layer.num_heads, layer.head_dim)
         if meta.is_decode:
@@ -304,6 +312,7 @@ class TritonAttnBackend(AttentionBackend):
                 self.max_kv_splits,
                 layer.scaling,
                 logit_cap=layer.logit_softcap or 0.0,
+                **quant,
             )
         else:
             k = _last_dim_contiguous(k.reshape(-1, layer.num_kv_heads, layer.head_dim))
@@ -322,6 +331,7 @@ class TritonAttnBackend(AttentionBackend):
                 layer.scaling,
                 layer.sliding_window,
                 logit_cap=layer.logit_softcap or 0.0,
+                **quant,
             )
         return out
 

@@ -1,5 +1,6 @@
 """Triton kernels for the layers' non-matmul work on cuda: fused residual-add + RMSNorm,
-in-place rotary on q and k, silu*mul and the KV pool store.
+in-place rotary on q and k, silu*mul and the KV pool store (quantizing
+into an int8 / fp8 cache as it writes: ``runtime.engine.cuda.kv_quant``).
 
 Each is one pass over memory where torch needs several ops and temporaries, and each rounds
 where transformers' modules round (the residual sum and the normalised value to the model
@@ -23,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memory.kv_format import SCALE_BYTES, KVCacheFormat
+from runtime.engine.cuda.kv_quant import BF16, INT8, fp32_reciprocal, store_mode, store_rows
 from runtime.engine.cuda.triton_common import cdiv, check_launch, next_power_of_2
 
 _SILU_BLOCK = 1024  # columns of silu*mul per program
@@ -231,10 +234,18 @@ def _store_kv_kernel(
     Loc,
     KBuf,
     VBuf,
+    KScales,  # int8: the fp32 views of KBuf / VBuf (each row's scale); else unused
+    VScales,
     buf_stride_slot,
     buf_stride_h,
     num_heads,
     head_dim,
+    k_scale,  # fp8: the layer's K / V scales and their fp32 reciprocals
+    v_scale,
+    k_inv,
+    v_inv,
+    STORE_MODE: tl.constexpr,  # kv_quant: PLAIN (a cast), BF16, INT8, FP8_E4M3, FP8_E5M2
+    RECIPROCAL: tl.constexpr,  # divide by a layer scale as torch does on CUDA (times the reciprocal)
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -243,27 +254,48 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (dims < head_dim)
-    dst = slot * buf_stride_slot + heads * buf_stride_h + dims
-    k = tl.load(K + i * k_stride_t + heads * k_stride_h + dims, mask=mask)
-    tl.store(KBuf + dst, k.to(KBuf.dtype.element_ty), mask=mask)
-    v = tl.load(V + i * v_stride_t + heads * v_stride_h + dims, mask=mask)
-    tl.store(VBuf + dst, v.to(VBuf.dtype.element_ty), mask=mask)
+    row = slot * buf_stride_slot + heads * buf_stride_h
+    scale_at = tl.reshape((row + head_dim) // 4, [BLOCK_H])  # int8: the fp32 after the row's codes
+    row_mask = tl.arange(0, BLOCK_H) < num_heads
+    k = tl.load(K + i * k_stride_t + heads * k_stride_h + dims, mask=mask, other=0.0)
+    store_rows(k, KBuf, row + dims, KScales, scale_at, mask, row_mask, k_scale, k_inv, STORE_MODE, RECIPROCAL)
+    v = tl.load(V + i * v_stride_t + heads * v_stride_h + dims, mask=mask, other=0.0)
+    store_rows(v, VBuf, row + dims, VScales, scale_at, mask, row_mask, v_scale, v_inv, STORE_MODE, RECIPROCAL)
 
 
-def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def store_kv(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_format: KVCacheFormat | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    reciprocal: bool | None = None,
+) -> bool:
     """Write ``k``/``v`` ``[n, Hkv, D]`` (token rows and heads may be strided) at slots ``loc``
-    (``[n]``) of ``k_buf``/``v_buf`` ``[slots, Hkv, D]``; False where the layout does not fit.
+    (``[n]``) of ``k_buf``/``v_buf`` ``[slots, Hkv, row_width]``, in the pool's ``kv_format`` (None:
+    the buffers' own dtype; quantized with the fp8 layer scales ``k_scale``/``v_scale``): the bytes of
+    ``KVCacheFormat.quantize`` on the same device (``reciprocal``: divide by a scale as torch does on
+    CUDA, times its fp32 reciprocal; None: when the tensors are on CUDA). False where the layout
+    does not fit.
     Slots are not range-checked (that would need a host sync): the allocator hands out valid ones."""
     n = loc.shape[0] if loc.dim() == 1 else -1
-    row = tuple(k_buf.shape[1:])
-    if len(row) != 2 or v_buf.shape != k_buf.shape or v_buf.stride() != k_buf.stride() or k_buf.stride(2) != 1:
+    if k_buf.dim() != 3 or v_buf.shape != k_buf.shape or v_buf.stride() != k_buf.stride() or k_buf.stride(2) != 1:
         return False
-    if any(tuple(t.shape) != (n, *row) or t.stride(2) != 1 for t in (k, v)):
+    mode = store_mode(kv_format, k_buf.dtype, k.dtype)
+    heads = k_buf.shape[1]
+    dim = k_buf.shape[2] - (SCALE_BYTES if mode == INT8 else 0)
+    if any(tuple(t.shape) != (n, heads, dim) or t.stride(2) != 1 for t in (k, v)):
         return False
+    if mode == INT8 and (dim % SCALE_BYTES or k_buf.stride(0) % SCALE_BYTES or k_buf.stride(1) % SCALE_BYTES):
+        return False  # (the scales are written through the fp32 view)
     if n == 0:
         return True
     check_launch(_store_kv_kernel, k_buf, v_buf, loc, k, v)
-    heads, dim = row
+    bufs = (k_buf, v_buf) if mode != BF16 else (k_buf.view(torch.int16), v_buf.view(torch.int16))
+    scales = (k_buf.view(torch.float32), v_buf.view(torch.float32)) if mode == INT8 else bufs
     _store_kv_kernel[(n,)](
         k,
         k.stride(0),
@@ -272,12 +304,18 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         v.stride(0),
         v.stride(1),
         loc,
-        k_buf,
-        v_buf,
+        *bufs,
+        *scales,
         k_buf.stride(0),
         k_buf.stride(1),
         heads,
         dim,
+        k_scale,
+        v_scale,
+        fp32_reciprocal(k_scale),
+        fp32_reciprocal(v_scale),
+        STORE_MODE=mode,
+        RECIPROCAL=k.device.type == "cuda" if reciprocal is None else reciprocal,
         BLOCK_H=next_power_of_2(heads),
         BLOCK_D=next_power_of_2(dim),
     )

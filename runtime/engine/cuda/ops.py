@@ -123,11 +123,9 @@ class TritonOps(TorchOps):
         return out if out is not None else super().silu_and_mul(x)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if pool.format.quantized:  # (the pool's own store quantizes: the reference)
-            super().store_kv(pool, layer_id, loc, k, v)
-            return
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
-        if not self._kernels(k.device).store_kv(k_buf, v_buf, loc, k, v):
+        k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
+        if not self._kernels(k.device).store_kv(k_buf, v_buf, loc, k, v, pool.format, k_scale, v_scale):
             super().store_kv(pool, layer_id, loc, k, v)
 
     def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:

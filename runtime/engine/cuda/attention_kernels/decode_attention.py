@@ -16,6 +16,12 @@ per group and QK^T / PV run as tensor-core dots). The grouped one is picked for 
 Soft-capped logits (Gemma 2): ``logit_cap`` C > 0 makes stage 1 take ``C * tanh(score / C)`` of
 each scaled score before the mask (``logit_cap.soft_cap``); stage 2 merges the capped parts as any.
 
+A quantized cache (``memory.kv_format``: int8 rows with their scale, fp8 with per-layer scales)
+is dequantized as each block is loaded (``runtime.engine.cuda.kv_quant``): the codes enter the dots
+in the model's dtype, an int8 row's scale multiplies its key's score and softmax weight, the fp8
+layer scales fold into the softmax scale and the output. A plain cache in another dtype than the
+model's (bf16 under fp32) is cast to the model's dtype as it loads.
+
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``attn_logits``/``attn_lse`` are scratch owned by the caller (the backend's per-forward
 metadata); ``o`` is the caller's output.
@@ -27,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cuda.attention_kernels.logit_cap import soft_cap
+from runtime.engine.cuda.kv_quant import INT8_MODE, int8_row_scales, kv_read, load_kv
 from runtime.engine.cuda.triton_common import (
     cdiv,
     check_launch,
@@ -70,13 +78,16 @@ def min_tokens_per_split() -> int:
     return 16 if interpreter_requested() else 128
 
 
-@triton.autotune(configs=_stage1_configs(grouped=False), key=["Lk", "Lv", "kv_group_num"])
+@triton.autotune(configs=_stage1_configs(grouped=False), key=["Lk", "Lv", "kv_group_num", "KV_MODE"])
 @triton.jit
 def _decode_stage1_per_head(
     Q,  # [bs, H, Lk]
-    K_Buf,  # [slots, Hkv, Lk]
-    V_Buf,  # [slots, Hkv, Lv]
-    sm_scale,
+    K_Buf,  # [slots, Hkv, row]: row = Lk values (int8: Lk codes, then the fp32 scale's 4 bytes)
+    V_Buf,  # [slots, Hkv, row]
+    K_Scales,  # int8: fp32 views of K_Buf / V_Buf (the rows' scales); else unused
+    V_Scales,
+    sm_scale,  # the softmax scale times KVRead.k_factor
+    v_factor,  # KVRead.v_factor: multiplies the output
     kv_indptr,  # [bs + 1]
     kv_indices,  # [total]
     num_kv_splits,  # [bs]
@@ -100,6 +111,7 @@ def _decode_stage1_per_head(
     BLOCK_DV: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
+    KV_MODE: tl.constexpr,  # kv_quant: PLAIN, INT8, FP8_E4M3, FP8_E5M2
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -129,37 +141,39 @@ def _decode_stage1_per_head(
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < s1
             loc = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_Buf + loc[:, None] * stride_kt + kv_h * stride_kh + offs_dk[None, :],
-                mask=mask_n[:, None] & mask_dk[None, :],
-                other=0.0,
-            )
-            qk = soft_cap(tl.sum(q[None, :] * k.to(tl.float32), 1) * sm_scale, LOGIT_CAP)
-            qk = tl.where(mask_n, qk, float("-inf"))
+            k_rows = loc * stride_kt + kv_h * stride_kh
+            k = load_kv(K_Buf + k_rows[:, None] + offs_dk[None, :], mask_n[:, None] & mask_dk[None, :], KV_MODE)
+            qk = tl.sum(q[None, :] * k.to(tl.float32), 1) * sm_scale
+            if KV_MODE == INT8_MODE:
+                qk = qk * int8_row_scales(K_Scales, k_rows, Lk, mask_n)
+            qk = tl.where(mask_n, soft_cap(qk, LOGIT_CAP), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new)
-            v = tl.load(
-                V_Buf + loc[:, None] * stride_vt + kv_h * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            v_rows = loc * stride_vt + kv_h * stride_vh
+            v = load_kv(V_Buf + v_rows[:, None] + offs_dv[None, :], mask_n[:, None] & mask_dv[None, :], KV_MODE)
+            pv = p
+            if KV_MODE == INT8_MODE:
+                pv = p * int8_row_scales(V_Scales, v_rows, Lv, mask_n)
+            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
 
         base = Att_Out + b * stride_ab + h * stride_ah + split * stride_as
-        tl.store(base + offs_dv, acc / l_i, mask=mask_dv)
+        tl.store(base + offs_dv, acc / l_i * v_factor, mask=mask_dv)
         tl.store(Att_Lse + b * stride_lb + h * stride_lh + split, m_i + tl.log(l_i))
 
 
-@triton.autotune(configs=_stage1_configs(grouped=True), key=["Lk", "Lv", "kv_group_num"])
+@triton.autotune(configs=_stage1_configs(grouped=True), key=["Lk", "Lv", "kv_group_num", "KV_MODE"])
 @triton.jit
 def _decode_stage1_grouped(
     Q,
     K_Buf,
     V_Buf,
+    K_Scales,
+    V_Scales,
     sm_scale,
+    v_factor,
     kv_indptr,
     kv_indices,
     num_kv_splits,
@@ -188,6 +202,7 @@ def _decode_stage1_grouped(
     FP32_MATH: tl.constexpr,
     PRECISION: tl.constexpr,
     LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
+    KV_MODE: tl.constexpr,  # kv_quant: PLAIN, INT8, FP8_E4M3, FP8_E5M2
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -228,31 +243,29 @@ def _decode_stage1_grouped(
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < s1
             loc = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(  # [BLOCK_DK, BLOCK_N]: K^T of this block
-                K_Buf + loc[None, :] * stride_kt + kv_h * stride_kh + offs_dk[:, None],
-                mask=mask_n[None, :] & mask_dk[:, None],
-                other=0.0,
-            )
-            if FP32_MATH:
-                k = k.to(tl.float32)
-            qk = soft_cap(tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale, LOGIT_CAP)
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            k_rows = loc * stride_kt + kv_h * stride_kh
+            # [BLOCK_DK, BLOCK_N]: K^T of this block, in q's dtype (a quantized cache's codes are exact there)
+            k = load_kv(K_Buf + k_rows[None, :] + offs_dk[:, None], mask_n[None, :] & mask_dk[:, None], KV_MODE)
+            k = k.to(q.dtype)
+            qk = tl.dot(q, k, input_precision=PRECISION) * sm_scale
+            if KV_MODE == INT8_MODE:
+                qk = qk * int8_row_scales(K_Scales, k_rows, Lk, mask_n)[None, :]
+            qk = tl.where(mask_n[None, :], soft_cap(qk, LOGIT_CAP), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
-            v = tl.load(
-                V_Buf + loc[:, None] * stride_vt + kv_h * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            )
-            if FP32_MATH:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            v_rows = loc * stride_vt + kv_h * stride_vh
+            v = load_kv(V_Buf + v_rows[:, None] + offs_dv[None, :], mask_n[:, None] & mask_dv[None, :], KV_MODE)
+            v = v.to(q.dtype)
+            pv = p
+            if KV_MODE == INT8_MODE:
+                pv = p * int8_row_scales(V_Scales, v_rows, Lv, mask_n)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
         base = Att_Out + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_dv[None, :]
-        tl.store(base, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        tl.store(base, acc / l_i[:, None] * v_factor, mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(Att_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=mask_h)
 
 
@@ -353,20 +366,26 @@ def decode_attention_fwd(
     sm_scale: float,
     grouped: bool | None = None,
     logit_cap: float = 0.0,
+    kv_format: KVCacheFormat | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention of ``q [bs, H, Dk]`` over each request's paged KV, written into ``o [bs, H, Dv]``.
 
     ``grouped`` selects the stage-1 variant: None picks grouped when ``H / Hkv > 1``.
     ``logit_cap`` C > 0: the scaled scores are soft-capped, ``C * tanh(score / C)`` (Gemma 2); 0: off.
+    ``kv_format``: the pool's (None: its buffers hold values; quantized: dequantized as loaded, fp8
+    with the layer scales ``k_scale``/``v_scale``).
     ``num_kv_splits[i]`` must lie in ``[1, max_kv_splits]``; ``attn_logits``/``attn_lse``
     need room for ``max_kv_splits`` parts per (request, head).
     """
     bs, num_heads, lk = q.shape
     num_kv_heads = k_buffer.shape[1]
-    lv = v_buffer.shape[-1]
+    read = kv_read(kv_format, k_scale, v_scale)
+    lv = read.head_dim(v_buffer)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if k_buffer.shape[-1] != lk or tuple(o.shape) != (bs, num_heads, lv):
+    if read.head_dim(k_buffer) != lk or tuple(o.shape) != (bs, num_heads, lv):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, o {tuple(o.shape)}")
     if attn_logits.shape[2] < max_kv_splits or attn_lse.shape[2] < max_kv_splits:
         raise ValueError("attn_logits/attn_lse have fewer split slots than max_kv_splits")
@@ -402,8 +421,12 @@ def decode_attention_fwd(
         BLOCK_DV=block_dv,
         SPLIT_ALIGN=align,
         LOGIT_CAP=float(logit_cap),
+        KV_MODE=read.mode,
     )
-    args = (q, k_buffer, v_buffer, sm_scale, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse)
+    args = (
+        *(q, k_buffer, v_buffer, read.scales(k_buffer), read.scales(v_buffer)),
+        *(sm_scale * read.k_factor, read.v_factor, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse),
+    )
     if grouped:
         check_launch(_decode_stage1_grouped, q, k_buffer, v_buffer, kv_indices, attn_logits)
         heads_per_prog = min(_BLOCK_H, group)
@@ -415,7 +438,7 @@ def decode_attention_fwd(
             PROGS_PER_KV=progs_per_kv,
             BLOCK_H=_BLOCK_H,
             FP32_MATH=use_fp32_math(),
-            PRECISION=dot_precision(k_buffer.dtype if not use_fp32_math() else torch.float32),
+            PRECISION=dot_precision(q.dtype if not use_fp32_math() else torch.float32),
         )
     else:
         check_launch(_decode_stage1_per_head, q, k_buffer, v_buffer, kv_indices, attn_logits)

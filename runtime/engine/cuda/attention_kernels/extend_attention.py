@@ -21,6 +21,13 @@ by that distance and starts stage 2 at the first block any row of the block can 
 Soft-capped logits (Gemma 2): ``logit_cap`` C > 0 makes both stages take ``C * tanh(score / C)``
 of each scaled score before the causal and window masks (``logit_cap.soft_cap``).
 
+A quantized cache (``memory.kv_format``) is dequantized as stage 1 loads each block of the prefix,
+as in the decode kernels (``runtime.engine.cuda.kv_quant``): codes in the model's dtype, an int8
+row's scale on its key's score and softmax weight, the fp8 layer scales on the prefix's scores and
+values. Stage 2 reads the new tokens' K/V of this forward as they are, unquantized (what SGLang's
+extend kernel does too): they are at hand in full precision, and quantizing them for their own
+attention would only add error; from the next forward on they are read from the pool like any.
+
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``q_extend``/``k_extend``/``v_extend`` are the layer's activations; ``o_extend`` is the caller's.
 """
@@ -31,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cuda.attention_kernels.logit_cap import soft_cap
+from runtime.engine.cuda.kv_quant import INT8_MODE, int8_row_scales, kv_read, load_kv
 from runtime.engine.cuda.triton_common import (
     check_launch,
     dot_precision,
@@ -54,29 +63,35 @@ def _extend_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION: tl.constexpr):
-    """Fold one block of scores ``qk [M, N]`` (masked entries -inf) and values ``v [N, Dv]`` into the state."""
+def _online_softmax_step(acc, m_i, l_i, qk, v, v_weight, PRECISION: tl.constexpr):
+    """Fold one block of scores ``qk [M, N]`` (masked entries -inf) and values ``v [N, Dv]`` into the
+    state; ``v_weight`` multiplies each key's softmax weight in the sum over ``v`` (an int8 row's
+    scale ``[1, N]``, else 1.0)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot((p * v_weight).to(v.dtype), v, input_precision=PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_extend_configs(), key=["Lk", "Lv", "kv_group_num"])
+@triton.autotune(configs=_extend_configs(), key=["Lk", "Lv", "kv_group_num", "KV_MODE"])
 @triton.jit
 def _extend_kernel(
     Q_Ext,  # [T, H, Lk]
     K_Ext,  # [T, Hkv, Lk]
     V_Ext,  # [T, Hkv, Lv]
     O_Ext,  # [T, H, Lv]
-    K_Buf,  # [slots, Hkv, Lk]
-    V_Buf,  # [slots, Hkv, Lv]
+    K_Buf,  # [slots, Hkv, row]: row = Lk values (int8: Lk codes, then the fp32 scale's 4 bytes)
+    V_Buf,  # [slots, Hkv, row]
+    K_Scales,  # int8: fp32 views of K_Buf / V_Buf (the rows' scales); else unused
+    V_Scales,
     qo_indptr,  # [bs + 1]
     kv_indptr,  # [bs + 1]: prefix only
     kv_indices,
     sm_scale,
+    k_factor,  # KVRead's: multiply the prefix's scores / values (fp8's layer scales), else 1.0
+    v_factor,
     window,  # W > 0: keys less than W positions behind each query only (USE_WINDOW)
     stride_qt,
     stride_qh,
@@ -99,6 +114,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     LOGIT_CAP: tl.constexpr,  # C > 0: scores become C * tanh(score / C); 0: plain scores
+    KV_MODE: tl.constexpr,  # the pool's (kv_quant: PLAIN, INT8, FP8_E4M3, FP8_E5M2)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -139,25 +155,24 @@ def _extend_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < pre_len
             loc = tl.load(kv_indices + pre_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(  # [BLOCK_DK, BLOCK_N]
-                K_Buf + loc[None, :] * stride_kt + kv_h * stride_kh + offs_dk[:, None],
-                mask=mask_n[None, :] & mask_dk[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                V_Buf + loc[:, None] * stride_vt + kv_h * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            )
-            if FP32_MATH:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = soft_cap(tl.dot(q.to(k.dtype), k, input_precision=PRECISION) * sm_scale, LOGIT_CAP)
+            k_rows = loc * stride_kt + kv_h * stride_kh
+            v_rows = loc * stride_vt + kv_h * stride_vh
+            # [BLOCK_DK, BLOCK_N] and [BLOCK_N, BLOCK_DV], in q's dtype (a quantized cache's codes are exact there)
+            k = load_kv(K_Buf + k_rows[None, :] + offs_dk[:, None], mask_n[None, :] & mask_dk[:, None], KV_MODE)
+            v = load_kv(V_Buf + v_rows[:, None] + offs_dv[None, :], mask_n[:, None] & mask_dv[None, :], KV_MODE)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            qk = tl.dot(q, k, input_precision=PRECISION) * (sm_scale * k_factor)
+            v_weight = v_factor
+            if KV_MODE == INT8_MODE:
+                qk = qk * int8_row_scales(K_Scales, k_rows, Lk, mask_n)[None, :]
+                v_weight = int8_row_scales(V_Scales, v_rows, Lv, mask_n)[None, :]
+            qk = soft_cap(qk, LOGIT_CAP)
             visible = mask_n[None, :]
             if USE_WINDOW:
                 visible = visible & ((pre_len + offs_m[:, None] - offs_n[None, :]) < window)
             qk = tl.where(visible, qk, float("-inf"))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, v_weight, PRECISION)
 
         # Stage 2: the new tokens themselves, causal; no row of this block sees past its last row
         # (nor, windowed, before the first row's window).
@@ -187,7 +202,7 @@ def _extend_kernel(
             if USE_WINDOW:
                 causal = causal & ((offs_m[:, None] - offs_n[None, :]) < window)
             qk = tl.where(causal, qk, float("-inf"))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, 1.0, PRECISION)
 
         # (a padded row past the last query may see no key at all under a window: l_i = 0, never stored)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -212,6 +227,9 @@ def extend_attention_fwd(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_cap: float = 0.0,
+    kv_format: KVCacheFormat | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of the packed new tokens ``q_extend [T, H, Dk]`` into ``o_extend [T, H, Dv]``.
 
@@ -221,6 +239,8 @@ def extend_attention_fwd(
     ``sliding_window`` W: each query sees keys less than W positions behind it; the prefix
     must then be the cached tokens right before the new ones (at most the last W - 1).
     ``logit_cap`` C > 0: the scaled scores are soft-capped, ``C * tanh(score / C)`` (Gemma 2); 0: off.
+    ``kv_format``: the pool's (None: its buffers hold values; quantized: the prefix is dequantized as
+    loaded, fp8 with the layer scales ``k_scale``/``v_scale``).
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
@@ -230,9 +250,10 @@ def extend_attention_fwd(
     num_kv_heads = k_extend.shape[1]
     lv = v_extend.shape[-1]
     bs = int(qo_indptr.shape[0]) - 1
+    read = kv_read(kv_format, k_scale, v_scale)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if k_buffer.shape[1] != num_kv_heads or k_buffer.shape[-1] != lk or v_buffer.shape[-1] != lv:
+    if k_buffer.shape[1] != num_kv_heads or read.head_dim(k_buffer) != lk or read.head_dim(v_buffer) != lv:
         raise ValueError(f"pool shape {tuple(k_buffer.shape)} does not match k_extend {tuple(k_extend.shape)}")
     if tuple(o_extend.shape) != (num_tokens, num_heads, lv):
         raise ValueError(f"o_extend has shape {tuple(o_extend.shape)}, expected {(num_tokens, num_heads, lv)}")
@@ -254,10 +275,14 @@ def extend_attention_fwd(
         o_extend,
         k_buffer,
         v_buffer,
+        read.scales(k_buffer),
+        read.scales(v_buffer),
         qo_indptr,
         kv_indptr,
         kv_indices,
         sm_scale,
+        read.k_factor,
+        read.v_factor,
         sliding_window or 0,
         q_extend.stride(0),
         q_extend.stride(1),
@@ -277,7 +302,8 @@ def extend_attention_fwd(
         BLOCK_DK=max(16, next_power_of_2(lk)),  # tl.dot needs K, N >= 16; padding is masked
         BLOCK_DV=max(16, next_power_of_2(lv)),
         FP32_MATH=fp32_math,
-        PRECISION=dot_precision(torch.float32 if fp32_math else k_buffer.dtype),
+        PRECISION=dot_precision(torch.float32 if fp32_math else q_extend.dtype),
         USE_WINDOW=sliding_window is not None,
         LOGIT_CAP=float(logit_cap),
+        KV_MODE=read.mode,
     )
