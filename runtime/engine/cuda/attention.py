@@ -22,7 +22,8 @@ graph like any other); the plans do not depend on it.
 
 A quantized pool (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``, or bf16 under an fp32 model) is
 read by the same kernels, dequantizing as they load (``runtime.engine.cuda.kv_quant``); the store
-(``TritonOps.store_kv``) quantizes. An extend's new tokens attend to their own K/V unquantized.
+(``TritonOps.store_kv``) quantizes. An extend's new tokens attend to their stored values
+(``MHATokenToKVPool.stored_values``), as torch_native's do and as every later step reads them.
 
 Under CUDA graphs (decode only) the plan lives in buffers allocated once by
 ``init_cuda_graph_state``: capture hands the kernels views of them, replay rewrites them
@@ -315,6 +316,9 @@ class TritonAttnBackend(AttentionBackend):
                 **quant,
             )
         else:
+            # The new tokens attend to their stored values, as every later step reads them (the same
+            # rule as torch_native's: a prompt's answer does not depend on how its prefix got cached).
+            k, v = pool.stored_values(lid, k, v)
             k = _last_dim_contiguous(k.reshape(-1, layer.num_kv_heads, layer.head_dim))
             v = _last_dim_contiguous(v.reshape(-1, layer.num_kv_heads, layer.head_dim))
             ops.extend_attention_fwd(

@@ -24,9 +24,9 @@ of each scaled score before the causal and window masks (``logit_cap.soft_cap``)
 A quantized cache (``memory.kv_format``) is dequantized as stage 1 loads each block of the prefix,
 as in the decode kernels (``runtime.engine.cuda.kv_quant``): codes in the model's dtype, an int8
 row's scale on its key's score and softmax weight, the fp8 layer scales on the prefix's scores and
-values. Stage 2 reads the new tokens' K/V of this forward as they are, unquantized (what SGLang's
-extend kernel does too): they are at hand in full precision, and quantizing them for their own
-attention would only add error; from the next forward on they are read from the pool like any.
+values. Stage 2 reads the new tokens' K/V of this forward as the caller hands them: the backend
+gives them as the pool stores them (``MHATokenToKVPool.stored_values``), so that a prompt reads the
+same values whether its keys were computed now, in an earlier chunk or came from a cached prefix.
 
 Memory: ``k_buffer``/``v_buffer`` are one layer of the MHATokenToKVPool (read only);
 ``q_extend``/``k_extend``/``v_extend`` are the layer's activations; ``o_extend`` is the caller's.
