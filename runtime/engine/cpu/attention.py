@@ -279,7 +279,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         group = h // hkv
         if softcap is None and attn_kernels.prefix_supported(real.dtype, real.device, d):
             # the prefix kernel: a tile of query rows of a KV head against each key load
-            packed = attn_kernels.pack_prefix(k_buf.gather(g.shared_loc, real.dtype), v_buf.gather(g.shared_loc, real.dtype))
+            packed = attn_kernels.pack_prefix(
+                k_buf.gather(g.shared_loc, real.dtype), v_buf.gather(g.shared_loc, real.dtype)
+            )
             o_pre, lse_pre = attn_kernels.prefix_attention(real.view(t, hkv, group, d), packed, layer.scaling)
             merged = fastpaths.merge_partial_attention(
                 o_pre.to(real.dtype), lse_pre, o_own.reshape(t, hkv, group, d), lse_own.reshape(t, hkv, group)
