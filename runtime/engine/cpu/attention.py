@@ -58,6 +58,7 @@ from runtime.engine.attention.plan import AttnGroup, TorchNativeMetadata, host_l
 from runtime.engine.attention.softcap import softcapped_attention
 from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_q8 as attn_q8
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.engine.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
@@ -213,9 +214,19 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
     def _quantized_mirror(
         self, qg: torch.Tensor, k_rows: KVRows, v_rows: KVRows, layer: AttentionLayerSpec, plan: MirrorPlan
     ) -> torch.Tensor:
-        """A one-token group's attention over a quantized mirror (``[n, Hkv, group, D]``): the copies'
-        values dequantized in torch (a pass over them), then the paths of the model's dtype."""
-        keys, prefix = self.mirror.quantized_keys(layer.layer_id, plan, k_rows, v_rows)
+        """A one-token group's attention over a quantized mirror (``[n, Hkv, group, D]``): the quantized
+        kernel (it copies the step's stored rows in, widens the codes in registers, and continues a
+        shared prefix's softmax from the prefix kernel); a capped layer, or operands it does not take,
+        the copies' values dequantized in torch (a pass over them), then the paths of the model's dtype."""
+        softcap = layer.logit_softcap
+        append = self.mirror.pool_append(layer.layer_id, plan, qg, k_rows, v_rows) if softcap is None else None
+        keys, prefix = self.mirror.quantized_keys(layer.layer_id, plan, k_rows, v_rows, defer_append=append is not None)
+        packed = self.mirror.packed_prefix(layer.layer_id) if prefix is not None else None
+        if softcap is None and (prefix is None or packed is not None) and attn_q8.supports(qg, keys, plan.mask):
+            init = attn_kernels.prefix_attention(qg, packed, layer.scaling) if packed is not None else None
+            og, _ = attn_q8.decode_attention(qg, keys, plan.mask, layer.scaling, plan.width, False, append, init)
+            return og
+        assert append is None  # (pool_append asks what the kernel takes)
         kd_t, vd = keys.dequantized(qg.dtype)
         if prefix is not None:
             kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)

@@ -39,9 +39,10 @@ import torch
 from memory.kv_format import KVCacheFormat, KVRows
 from runtime.engine.attention.plan import host_list, key_bias, length_mask
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_q8 as attn_q8
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu import mirror_codes
-from runtime.engine.cpu.attention_kernels_q8 import QuantizedKeys
+from runtime.engine.cpu.attention_kernels_q8 import PoolAppend, QuantizedKeys
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.engine.forward_batch import ForwardBatch
 
@@ -332,6 +333,21 @@ class DecodeKVMirror:
             return None
         append = attn_kernels.KeyAppend(k_new, v_new, plan.append_pos)
         return append if attn_kernels.append_supported(append, dense_k) else None
+
+    def pool_append(
+        self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_rows: KVRows, v_rows: KVRows
+    ) -> PoolAppend | None:
+        """``kernel_append`` for quantized copies: the rows the pool stored this step as the quantized
+        kernel's job, when it will run on this layer's copies; else None and ``quantized_keys`` copies them."""
+        if plan.rebuild or plan.append_pos is None or plan.new_loc is None or layer_id >= len(self.k):
+            return None
+        if self.format is None or self.k[layer_id] is None or self.v[layer_id] is None:
+            return None
+        keys = self._codes(layer_id, k_rows, v_rows)
+        if not attn_q8.supports(qg, keys, plan.mask):
+            return None
+        append = PoolAppend(k_rows.buffer, v_rows.buffer, plan.new_loc, plan.append_pos)
+        return append if attn_q8.append_supported(append, keys, qg.shape[0]) else None
 
     def keys(
         self,

@@ -14,6 +14,7 @@ import torch
 
 from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_q8 as attn_q8
 from runtime.engine.cpu import decode_layers, kv_quant_kernels, mirror_codes
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
@@ -64,17 +65,27 @@ def test_the_copies_hold_the_pools_codes_after_rebuilds_and_appends(tiny_checkpo
 
 
 @pytest.mark.parametrize("kv", FORMATS)
-def test_decode_through_the_mirror_equals_the_gather_path(tiny_checkpoints: Any, kv: str) -> None:
-    """The mirror's values are the gathered rows' values: the same tokens, logprobs to fp32 rounding."""
+def test_decode_through_the_mirror_equals_the_gather_path(
+    tiny_checkpoints: Any, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mirror's values are the gathered rows' values: the same tokens, logprobs to fp32 rounding. The
+    layers' path (the one-call stack off): each append step's attention is the quantized kernel's."""
+    kernel_calls = []
+    kernel = attn_q8.decode_attention
+    monkeypatch.setattr(attn_q8, "decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
     outputs = []
     for mirrored in (True, False):
         runner = _runner(tiny_checkpoints, kv)
         if not mirrored:
             runner.attn_backend.mirrored_layers = 0  # no copies: every step gathers (and dequantizes) its rows
         prompts = [random_prompt(4 + 6 * i, runner.vocab_size, seed=50 + i) for i in range(3)]
-        reqs = Harness(runner).generate(prompts, 10, return_logprob=True)
+        kernel_calls.clear()
+        with decode_layers.use_decode_layers(False):
+            reqs = Harness(runner).generate(prompts, 10, return_logprob=True)
         outputs.append([(r.output_ids, r.logprobs) for r in reqs])
         assert (runner.attn_backend.mirror.format is not None) == mirrored
+        layers = runner.model_config.num_hidden_layers
+        assert len(kernel_calls) == (9 * layers if mirrored else 0)  # every decode step (the rebuild's too)
     for (ids_a, lp_a), (ids_b, lp_b) in zip(*outputs):
         assert ids_a == ids_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
@@ -112,3 +123,17 @@ def test_a_shared_prefix_is_kept_once_dequantized_where_the_prefix_kernel_runs(t
         want = k_rows.gather(mirror.prefix_slots).unsqueeze(0).permute(0, 2, 3, 1)
         assert torch.equal(prefix_k, want)
     _assert_mirror_holds_the_pool(runner, reqs)
+
+
+def test_soft_capped_layers_read_the_copies_in_torch(tiny_checkpoints: Any) -> None:
+    """Gemma 2 (capped logits, windowed layers): its full layers keep quantized copies, which the torch
+    paths read dequantized (the kernel does not cap): the gather path's tokens."""
+    outputs = []
+    for mirrored in (True, False):
+        runner = _runner(tiny_checkpoints, "int8", name="gemma2")
+        if not mirrored:
+            runner.attn_backend.mirrored_layers = 0
+        prompts = [random_prompt(5 + 7 * i, runner.vocab_size, seed=11 + i) for i in range(3)]
+        outputs.append([r.output_ids for r in Harness(runner).generate(prompts, 8)])
+        assert (runner.attn_backend.mirror.format is not None) == mirrored
+    assert outputs[0] == outputs[1]
