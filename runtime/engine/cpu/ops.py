@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu import kv_quant_kernels, lora_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
@@ -62,8 +63,10 @@ class CpuOps(TorchOps):
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
 
-    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
-        report = kernel_report(model, stack)
+    def kernel_report(
+        self, model: nn.Module, stack: LayerStack | None, kv_format: KVCacheFormat | None = None
+    ) -> dict[str, Any]:
+        report = kernel_report(model, stack, kv_format)
         return {"ops": self.name, **report, "summary": describe(report)}
 
     def linear(

@@ -200,7 +200,10 @@ Q8_INLINE void q8_values(const int R, const int FMT, const float* p, int64_t ps,
     if (i0 < d) q8_values_tile(R, 1, FMT, p, ps, jn, v, d, i0, d - i0, o, os, lut, pf);
 }
 
-/* Online-softmax update of one row (m, l, o [d]) with scores s[0, jn): s becomes the probabilities. */
+/* Online-softmax update of one row (m, l, o [d]) with scores s[0, jn): s becomes the probabilities.
+ * A row gives the same bits whatever the call's width (a verify step's longest request, or a batch's):
+ * the scores' last partial vector is a masked one computed lane for lane as a whole one, the sums add
+ * its lanes as a wider block would (its masked keys add 0), and masked keys add 0 to the values. */
 static inline void q8_softmax(float* s, int64_t jn, float* m, float* l, float* o, int64_t d) {
     float mx = -INFINITY;
     int64_t j = 0;
@@ -223,6 +226,15 @@ static inline void q8_softmax(float* s, int64_t jn, float* m, float* l, float* o
         vsum = av_add(vsum, e);
         av_store(s + j, e);
     }
+#if AV_W > 1
+    if (j < jn) {  /* the last keys as one masked vector: the lane sums of a wider block (masked lanes add 0) */
+        const int64_t rem = jn - j;
+        const av e = av_exp_neg(av_sub(av_load_n(s + j, rem), vmn));
+        av_store_n(s + j, e, rem);
+        vsum = av_add(vsum, av_load_n(s + j, rem));
+        j = jn;
+    }
+#endif
     float sum = av_hsum(vsum);
     for (; j < jn; ++j) { s[j] = fast_exp(s[j] - m_new); sum += s[j]; }
     if (corr != 1.0f && *l != 0.0f) {
