@@ -274,7 +274,7 @@ class ModelRunner:
                 self.graph_runner = setup_cuda_graphs(self, max_bs=cuda_graph_max_bs, batch_sizes=cuda_graph_bs)
             else:
                 logger.info("decode runs eagerly: the %s ops cannot capture this model's layers", self.ops.name)
-        self.kernels = self.ops.kernel_report(self.model, self.layer_stack)
+        self.kernels = self.ops.kernel_report(self.model, self.layer_stack, self.kv_format)
         if self.lora is not None:
             self.kernels["lora"] = LORA_PATH_NOTE
         logger.info("kernels: %s", self.kernels["summary"])
@@ -300,7 +300,7 @@ class ModelRunner:
         """Reload the weights in place from another checkpoint of this model (every TP rank at the
         same step); ``weight_reload.WeightReloadError``, the served weights kept, when it cannot."""
         reload_weights(self, Path(folder), load_format)
-        self.kernels = self.ops.kernel_report(self.model, self.layer_stack)  # (its copies were made again)
+        self.kernels = self.ops.kernel_report(self.model, self.layer_stack, self.kv_format)  # (copies made again)
 
     # ---- memory sizing ---------------------------------------------------------------
 

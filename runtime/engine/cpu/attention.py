@@ -11,7 +11,8 @@ What keeps it fast (each measured on the 200M bench model, see bench/model_step.
   per request;
 - consecutive decode steps of the same requests keep a dense copy of each request's keys
   (``runtime.engine.cpu.decode_mirror``): a step appends the new token to it instead of gathering
-  every cached key from the pool again, and attention reads contiguous per-head rows;
+  every cached key from the pool again, and attention reads contiguous per-head rows (a
+  quantized pool's copies hold its codes: ``_quantized_mirror``);
 - an extend group whose members all have the same cached prefix (the shared-prefix
   prefill after the first request warmed the cache) attends to that prefix in one call
   for all of its queries and to the new tokens causally, merged the same way;
@@ -57,6 +58,7 @@ from runtime.engine.attention.plan import AttnGroup, TorchNativeMetadata, host_l
 from runtime.engine.attention.softcap import softcapped_attention
 from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_q8 as attn_q8
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.engine.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
@@ -90,12 +92,6 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.verify_plan = None
-        if batch.token_to_kv_pool.format.quantized:
-            # (the mirror's copies and kernels take the model's dtype: a quantized cache's decode
-            # gathers and dequantizes the rows it reads)
-            self.mirror.reset()
-            super().init_forward_metadata(batch)
-            return
         if batch.forward_mode == ForwardMode.VERIFY and self.mirrored_layers in (
             None,
             len(batch.token_to_kv_pool.k_buffer),
@@ -170,6 +166,9 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             self.softcap_seen = True
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         append: attn_kernels.KeyAppend | None = None
+        if g.mirror is not None and self.mirror.format is not None:
+            og = self._quantized_mirror(qg, k_buf, v_buf, layer, g.mirror)
+            return og.reshape(n, layer.num_heads, layer.head_dim)
         if g.mirror is not None:
             if softcap is None:
                 append = self.mirror.kernel_append(layer.layer_id, g.mirror, qg, k, v)
@@ -211,6 +210,33 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
                 qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append, softcap=softcap
             )
         return og.reshape(n, layer.num_heads, layer.head_dim)
+
+    def _quantized_mirror(
+        self, qg: torch.Tensor, k_rows: KVRows, v_rows: KVRows, layer: AttentionLayerSpec, plan: MirrorPlan
+    ) -> torch.Tensor:
+        """A one-token group's attention over a quantized mirror (``[n, Hkv, group, D]``): the quantized
+        kernel (it copies the step's stored rows in, widens the codes in registers, and continues a
+        shared prefix's softmax from the prefix kernel); a capped layer, or operands it does not take,
+        the copies' values dequantized in torch (a pass over them), then the paths of the model's dtype."""
+        softcap = layer.logit_softcap
+        append = self.mirror.pool_append(layer.layer_id, plan, qg, k_rows, v_rows) if softcap is None else None
+        keys, prefix = self.mirror.quantized_keys(layer.layer_id, plan, k_rows, v_rows, defer_append=append is not None)
+        packed = self.mirror.packed_prefix(layer.layer_id) if prefix is not None else None
+        if softcap is None and (prefix is None or packed is not None) and attn_q8.supports(qg, keys, plan.mask):
+            init = attn_kernels.prefix_attention(qg, packed, layer.scaling) if packed is not None else None
+            og, _ = attn_q8.decode_attention(qg, keys, plan.mask, layer.scaling, plan.width, False, append, init)
+            return og
+        assert append is None  # (pool_append asks what the kernel takes)
+        kd_t, vd = keys.dequantized(qg.dtype)
+        if prefix is not None:
+            kp, vp = prefix[0].transpose(-1, -2).to(qg.dtype), prefix[1].to(qg.dtype)
+            return fastpaths.cascade_attention(
+                qg, kp, vp, kd_t, vd, plan.mask, layer.scaling, plan.width, None, layer.logit_softcap
+            )
+        og, _ = fastpaths.few_query_attention(
+            qg, kd_t, vd, plan.mask, layer.scaling, with_lse=False, width=plan.width, softcap=layer.logit_softcap
+        )
+        return og
 
     def _extend(
         self,

@@ -48,6 +48,9 @@ class MirrorPlan:
     # row i reading request kv_row[i]'s copies (int64 [n]); append_pos and mask are per row, each
     # token seeing its request's keys up to itself. None: row i is request i.
     kv_row: torch.Tensor | None = None
+    # The step's new tokens' pool slots (out_cache_loc), one per row: a quantized mirror's appends
+    # copy the rows the pool stored there (so the copies always hold the pool's bytes).
+    new_loc: torch.Tensor | None = None
 
 
 @dataclass

@@ -9,7 +9,9 @@ layer from C: the results are the layer stack's bit for bit, the interpreter wor
 one call.
 
 It takes the steady state of serving, a decode step that appends to the attention backend's
-decode-key mirror (``runtime.engine.cpu.decode_mirror``), of layers whose own class declares what
+decode-key mirror (``runtime.engine.cpu.decode_mirror``), over a pool of the step's dtype or a
+quantized one (``--kv-cache-dtype int8|fp8_*``: the call then quantizes the new K/V into the pool,
+``csrc/kv_quant.c``, and attends over the quantized mirror, ``csrc/attention_q8.c``), of layers whose own class declares what
 they are and whose every declared choice the C layer implements (``stack_description.c_layer_declines``:
 pre-norm RMSNorm, a dense silu-gated MLP, neox rotary, no q/k norm, no window, no soft-cap), with
 no tensor parallelism, and whose linears' plans (``runtime.engine.cpu.weight_plan``) give this many
@@ -48,6 +50,7 @@ from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
+from runtime.engine.cpu.kv_quant_kernels import format_code
 from runtime.engine.cpu.stack_description import CLayer, StackDescription, c_layer_declines, describe_layers
 from runtime.engine.cpu.weight_plan import layer_plan, stack_kernels, stack_runs
 from runtime.engine.forward_batch import ForwardMode
@@ -101,7 +104,7 @@ class _Step(ctypes.Structure):
                 "kv_row",
             )
         ]
-        + [("kv_rows", _i64), ("lora", _ptr)]
+        + [("kv_rows", _i64), ("lora", _ptr), ("kv_format", _i64)]
     )
 
 
@@ -284,7 +287,7 @@ def run(
     if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
         return None
     num_layers = len(stack.layers)
-    if getattr(pool, "dtype", None) != dtype or len(getattr(pool, "k_buffer", ())) != num_layers:
+    if _kv_format_code(pool, dtype) is None or len(getattr(pool, "k_buffer", ())) != num_layers:
         return None
     takes, runs = _lora_runs(layers, stack, n)
     if not takes:
@@ -293,6 +296,15 @@ def run(
     if mirror is None:
         return None
     return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs)
+
+
+def _kv_format_code(pool: Any, dtype: torch.dtype) -> int | None:
+    """The C call's code of the pool's format for a step of ``dtype`` activations (csrc/kv_codes.h;
+    0: the step's own dtype), or None where the call cannot write and read it."""
+    kv_format = getattr(pool, "format", None)
+    if kv_format is not None and kv_format.quantized:
+        return format_code(kv_format) if kv_format.compute == dtype else None
+    return 0 if getattr(pool, "dtype", None) == dtype else None
 
 
 def _lora_runs(layers: CpuLayerStack, stack: StackDescription, n: int) -> tuple[bool, _LoraRuns | None]:
@@ -332,7 +344,10 @@ def _call(
     plan = mirror.plan
     kv_n, cap = mirror.k[0].shape[0], mirror.k[0].shape[-1]  # (a verify step's rows share their request's)
     # (every layer's copies are made alike in one rebuild: the first layer's stand for all)
-    assert mirror.k[0].shape == (kv_n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == stack.dtype
+    kv_code = _kv_format_code(pool, stack.dtype)
+    assert kv_code is not None and (mirror.kv_format is None) == (kv_code == 0)
+    copies = mirror.kv_format.storage if mirror.kv_format is not None else stack.dtype
+    assert mirror.k[0].shape == (kv_n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == copies
     assert mirror.v[0].shape == (kv_n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
     kv_row = plan.kv_row
@@ -353,6 +368,11 @@ def _call(
         k_pool, v_pool = pool.get_kv_buffer(i)
         entry.k_pool, entry.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
         entry.k_t, entry.v = mirror.k[i].data_ptr(), mirror.v[i].data_ptr()
+        if kv_code:
+            entry.k_scale, entry.v_scale = pool.k_scales[i], pool.v_scales[i]
+            scales = mirror.k_scales is not None and mirror.v_scales is not None
+            entry.k_scales = mirror.k_scales[i].data_ptr() if scales else None
+            entry.v_scales = mirror.v_scales[i].data_ptr() if scales else None
         if mirror.prefix is not None:
             packed = mirror.prefix[i]
             if packed.length != prefix_len or _padded_keys(packed, stack.dtype) != prefix_pad:
@@ -382,6 +402,7 @@ def _call(
         kv_row=kv_row.data_ptr() if kv_row is not None else None,
         kv_rows=kv_n,
         lora=ctypes.addressof(lora) if lora is not None else None,
+        kv_format=kv_code,
         **{name: t.data_ptr() for name, t in scratch.items()},
     )
     rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))

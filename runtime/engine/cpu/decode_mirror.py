@@ -9,6 +9,25 @@ Memory: the copies may take up to ``MIRROR_MAX_POOL_FRACTION`` of the KV pool's 
 least ``MIRROR_MIN_BUDGET_BYTES``). The model runner counts that share in its KV sizing
 (``kv_copy_fraction`` of the CPU backend), so a pool sized from a memory budget leaves room
 for its mirror inside that budget.
+
+A quantized pool (``--kv-cache-dtype int8|fp8_*``) keeps quantized copies: the codes, one byte per
+value, in the same two layouts, and for int8 each key's fp32 scales ``[n, kv_heads, cap]`` (fp8's
+scale is the layer's). They are the pool's bytes moved, never dequantized: a rebuild gathers them
+in C (``kv_quant_kernels.mirror_gather``) and an append copies the rows the pool stored at the
+step's ``out_cache_loc`` slots, so the copies always equal the pool; the decode kernel
+(``attention_kernels_q8``) widens them in registers. The budget counts their bytes. A dense
+copy in the model's dtype would undo the saving: twice (bf16) the bytes each step reads, and
+memory the sizing never gave it.
+
+The cascade (a decode group's shared prompt prefix) with a quantized pool: the prefix is gathered
+and dequantized into the model's dtype once per rebuild, into the copies the prefix kernel reads
+(``pack_prefix``), and each request's own keys stay quantized. Per step that reads P keys of the
+model's dtype once for the whole group, where copying the prefix into every request's quantized
+row would read n * P bytes a step and hold n copies; a per-step dequantization of the prefix
+would be a pass over cache rows the step does not need to make. Where the prefix kernel does not
+run for the model's dtype and head dim (``attn_kernels.prefix_supported``: bf16 needs AVX-512 and
+a head dim that is a multiple of 64) the cascade is off for a quantized pool and each request's
+row holds its whole keys, so every step stays in the quantized kernel.
 """
 
 from __future__ import annotations
@@ -17,9 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memory.kv_format import KVCacheFormat, KVRows
 from runtime.engine.attention.plan import host_list, key_bias, length_mask
 from runtime.engine.cpu import attention_kernels as attn_kernels
+from runtime.engine.cpu import attention_kernels_q8 as attn_q8
 from runtime.engine.cpu import kernels as cpu_kernels
+from runtime.engine.cpu import mirror_codes
+from runtime.engine.cpu.attention_kernels_q8 import PoolAppend, QuantizedKeys
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
 from runtime.engine.forward_batch import ForwardBatch
 
@@ -41,6 +64,10 @@ class MirrorStep:
     k: list[torch.Tensor] = field(repr=False)  # per layer: K^T [n, Hkv, D, cap]
     v: list[torch.Tensor] = field(repr=False)  # per layer: V [n, Hkv, cap, D]
     prefix: list[attn_kernels.PackedPrefix] | None = field(repr=False)  # per layer when plan.prefix_len
+    # a quantized mirror: its format (k and v then hold codes) and, for int8, each layer's key scales
+    kv_format: KVCacheFormat | None = None
+    k_scales: list[torch.Tensor] | None = field(default=None, repr=False)  # per layer: [n, Hkv, cap] fp32
+    v_scales: list[torch.Tensor] | None = field(default=None, repr=False)
 
 
 class DecodeKVMirror:
@@ -65,6 +92,9 @@ class DecodeKVMirror:
         self.prefix_k: list[torch.Tensor | None] = []
         self.prefix_v: list[torch.Tensor | None] = []
         self.prefix_packed: list[attn_kernels.PackedPrefix | None] = []  # for attn_kernels.prefix_attention
+        self.format: KVCacheFormat | None = None  # a quantized pool's: k and v hold its codes
+        self.k_scales: list[torch.Tensor | None] = []  # int8: each key's scales [n, Hkv, cap] fp32
+        self.v_scales: list[torch.Tensor | None] = []
         self.rows: torch.Tensor | None = None  # req_to_token rows of the mirrored requests, in batch order
         self.own_lens: list[int] = []  # own keys mirrored per request (after the shared prefix)
         self.own_slots: torch.Tensor | None = None  # int64 [n, W]: their pool slots (0-padded)
@@ -79,6 +109,7 @@ class DecodeKVMirror:
         self.rows = self.own_slots = self.prefix_slots = None
         self.own_lens = []
         self.k, self.v, self.prefix_k, self.prefix_v, self.prefix_packed = [], [], [], [], []
+        self.k_scales, self.v_scales = [], []
         self.layers_done = 0
 
     def plan(
@@ -91,20 +122,19 @@ class DecodeKVMirror:
         pool = batch.token_to_kv_pool
         kv_loc = group.kv_loc
         device = kv_loc.device
-        p = int(group.shared.loc.numel()) if group.shared is not None else 0
+        p = int(group.shared.loc.numel()) if group.shared is not None and mirror_codes.cascades(pool) else 0
         own_lens = [length - p for length in seq_lens]
         width = max(own_lens)
         own = kv_loc[:, p : p + width]
         prefix_slots = kv_loc[0, :p]
         num_layers = len(pool.k_buffer)  # copies are indexed by layer id
         mirrored = num_layers if mirrored_layers is None else mirrored_layers
-        _, hkv, d = pool.k_buffer[0].shape
         starts = [length - 1 for length in own_lens]  # the new key's index in each row
         append = self._can_append(batch, own, starts, p, prefix_slots, num_layers, width, mirrored)
         if append:
             mask = length_mask(own_lens, self.cap, device)
             pos = torch.tensor(starts, dtype=torch.int64, device=device)
-            result: MirrorPlan | None = MirrorPlan(False, width, p, None, None, pos, mask)
+            result: MirrorPlan | None = MirrorPlan(False, width, p, None, None, pos, mask, None, batch.out_cache_loc)
         else:
             result = self._rebuild_plan(batch, own, p, prefix_slots, own_lens, num_layers, mirrored)
             if result is None:
@@ -126,21 +156,29 @@ class DecodeKVMirror:
         ``own_lens``); None (and the copies dropped) when they would exceed their memory budget."""
         pool = batch.token_to_kv_pool
         n, width = own.shape[0], max(own_lens)
-        _, hkv, d = pool.k_buffer[0].shape
         cap = -(-(width + MIRROR_CAP_STEP) // MIRROR_CAP_STEP) * MIRROR_CAP_STEP
         mask = length_mask(own_lens, cap, own.device)
         buf = pool.k_buffer[0]
-        # (the prefix counted twice: a packed copy is kept for attn_kernels.prefix_attention)
-        nbytes = 2 * mirrored * (n * cap + 2 * p) * hkv * d * buf.element_size()
+        fmt: KVCacheFormat | None = pool.format if pool.format.quantized else None
         pool_bytes = 2 * sum(b.numel() for b in pool.k_buffer) * buf.element_size()
-        if nbytes > max(MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES):
+        if mirror_codes.nbytes_of_copies(n, cap, p, pool.kv_heads, pool.head_dim, mirrored, pool.format) > max(
+            MIRROR_MAX_POOL_FRACTION * pool_bytes, MIRROR_MIN_BUDGET_BYTES
+        ):
             self.reset()
             return None
-        if cap != self.cap or self.rows is None or self.rows.numel() != n or len(self.k) != num_layers:
+        if (
+            cap != self.cap
+            or self.rows is None
+            or self.rows.numel() != n
+            or len(self.k) != num_layers
+            or fmt != self.format
+        ):
             self.k, self.v = [None] * num_layers, [None] * num_layers  # reallocated layer by layer
+            self.k_scales, self.v_scales = [None] * num_layers, [None] * num_layers
         self.prefix_k, self.prefix_v = [None] * num_layers, [None] * num_layers
         self.prefix_packed = [None] * num_layers
         self.cap = cap
+        self.format = fmt
         return MirrorPlan(
             True, width, p, own[:, :width].contiguous().reshape(-1), prefix_slots.contiguous(), None, mask
         )
@@ -196,7 +234,7 @@ class DecodeKVMirror:
             or not self._can_append(batch, own, starts, p, prefix_slots, num_layers, max(own_lens), mirrored)
         ):
             shared = plan_shared_prefix(kv_loc, [length + 1 for length in prefix_lens])  # (keeps every new token own)
-            p = int(shared.loc.numel()) if shared is not None else 0
+            p = int(shared.loc.numel()) if shared is not None and mirror_codes.cascades(pool) else 0
             starts = [length - p for length in prefix_lens]
             own_lens = [length - p for length in seq_lens]
             own, prefix_slots = kv_loc[:, p : p + max(own_lens)], kv_loc[0, :p]
@@ -205,8 +243,12 @@ class DecodeKVMirror:
                 return None
             self.layers_done = 0
             for layer in range(num_layers):  # (the new tokens' columns gather stale keys: the step overwrites them)
-                k_buf, v_buf = pool.get_kv_buffer(layer)
-                self.keys(layer, rebuild, k_buf[:0], v_buf[:0], k_buf, v_buf)
+                k_rows, v_rows = pool.kv_rows(layer)
+                if self.format is not None:
+                    self.quantized_keys(layer, rebuild, k_rows, v_rows)
+                else:
+                    k_buf, v_buf = k_rows.buffer, v_rows.buffer
+                    self.keys(layer, rebuild, k_buf[:0], v_buf[:0], k_buf, v_buf)
         ext_lens = host_list(batch.extend_lens_cpu, batch.extend_lens)
         kv_row = torch.repeat_interleave(
             torch.arange(len(starts), device=device), torch.tensor(ext_lens, device=device)
@@ -216,7 +258,7 @@ class DecodeKVMirror:
         )
         mask = key_bias((torch.arange(self.cap, device=device)[None, :] <= pos[:, None])[:, None, None, :])
         self._record(batch, own, own_lens, prefix_slots, num_layers, mirrored)
-        return MirrorPlan(False, max(own_lens), p, None, None, pos, mask, kv_row)
+        return MirrorPlan(False, max(own_lens), p, None, None, pos, mask, kv_row, batch.out_cache_loc)
 
     def _can_append(
         self,
@@ -265,8 +307,14 @@ class DecodeKVMirror:
             prefix = [p for p in self.prefix_packed if p is not None]
             if len(prefix) != num_layers:
                 return None
+        k_scales = v_scales = None
+        if self.format is not None and self.format.name == "int8":
+            k_scales = [t for t in self.k_scales if t is not None]
+            v_scales = [t for t in self.v_scales if t is not None]
+            if len(k_scales) != num_layers or len(v_scales) != num_layers:
+                return None
         self.layers_done = num_layers
-        return MirrorStep(plan, k, v, prefix)
+        return MirrorStep(plan, k, v, prefix, self.format, k_scales, v_scales)
 
     def packed_prefix(self, layer_id: int) -> attn_kernels.PackedPrefix | None:
         """Layer ``layer_id``'s shared prefix packed for ``attn_kernels.prefix_attention``, if made."""
@@ -285,6 +333,21 @@ class DecodeKVMirror:
             return None
         append = attn_kernels.KeyAppend(k_new, v_new, plan.append_pos)
         return append if attn_kernels.append_supported(append, dense_k) else None
+
+    def pool_append(
+        self, layer_id: int, plan: MirrorPlan, qg: torch.Tensor, k_rows: KVRows, v_rows: KVRows
+    ) -> PoolAppend | None:
+        """``kernel_append`` for quantized copies: the rows the pool stored this step as the quantized
+        kernel's job, when it will run on this layer's copies; else None and ``quantized_keys`` copies them."""
+        if plan.rebuild or plan.append_pos is None or plan.new_loc is None or layer_id >= len(self.k):
+            return None
+        if self.format is None or self.k[layer_id] is None or self.v[layer_id] is None:
+            return None
+        keys = self._codes(layer_id, k_rows, v_rows)
+        if not attn_q8.supports(qg, keys, plan.mask):
+            return None
+        append = PoolAppend(k_rows.buffer, v_rows.buffer, plan.new_loc, plan.append_pos)
+        return append if attn_q8.append_supported(append, keys, qg.shape[0]) else None
 
     def keys(
         self,
@@ -322,11 +385,9 @@ class DecodeKVMirror:
                 dense_k[..., :w].copy_(k_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).permute(0, 2, 3, 1))
                 dense_v[:, :, :w].copy_(v_buf.index_select(0, plan.own_flat).view(n, w, hkv, d).transpose(1, 2))
             if plan.prefix_len:
-                k_pre, v_pre = k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
-                self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()
-                self.prefix_v[layer_id] = v_pre.unsqueeze(0).transpose(1, 2).contiguous()
-                if attn_kernels.prefix_supported(k_buf.dtype, k_buf.device, d):
-                    self.prefix_packed[layer_id] = attn_kernels.pack_prefix(k_pre, v_pre)
+                self._keep_prefix(
+                    layer_id, k_buf.index_select(0, plan.prefix_loc), v_buf.index_select(0, plan.prefix_loc)
+                )
         elif not defer_append:
             assert dense_k is not None and dense_v is not None and plan.append_pos is not None
             rows = torch.arange(n, device=dense_k.device)  # request b's new key goes to column append_pos[b]
@@ -334,9 +395,60 @@ class DecodeKVMirror:
             dense_v[rows, :, plan.append_pos] = v_new.to(dense_v.dtype)
         assert dense_k is not None and dense_v is not None
         self.layers_done += 1
-        prefix = None
-        if plan.prefix_len:
-            pk, pv = self.prefix_k[layer_id], self.prefix_v[layer_id]
-            assert pk is not None and pv is not None
-            prefix = (pk, pv)
-        return dense_k, dense_v, prefix
+        return dense_k, dense_v, self._prefix(layer_id, plan)
+
+    def _keep_prefix(self, layer_id: int, k_pre: torch.Tensor, v_pre: torch.Tensor) -> None:
+        """A rebuild's copies of the shared prefix's keys ``[P, Hkv, D]`` (values, the model's dtype):
+        K^T and V for the torch paths, packed for the prefix kernel where it runs."""
+        self.prefix_k[layer_id] = k_pre.unsqueeze(0).permute(0, 2, 3, 1).contiguous()
+        self.prefix_v[layer_id] = v_pre.unsqueeze(0).transpose(1, 2).contiguous()
+        if attn_kernels.prefix_supported(k_pre.dtype, k_pre.device, k_pre.shape[-1]):
+            self.prefix_packed[layer_id] = attn_kernels.pack_prefix(k_pre, v_pre)
+
+    def _prefix(self, layer_id: int, plan: MirrorPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not plan.prefix_len:
+            return None
+        pk, pv = self.prefix_k[layer_id], self.prefix_v[layer_id]
+        assert pk is not None and pv is not None
+        return pk, pv
+
+    def quantized_keys(
+        self, layer_id: int, plan: MirrorPlan, k_rows: KVRows, v_rows: KVRows, defer_append: bool = False
+    ) -> tuple[QuantizedKeys, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``keys`` for a quantized pool (``k_rows``/``v_rows``: the layer's, ``pool.kv_rows``): its
+        copies brought up to date (a rebuild gathers the pool's codes, an append copies the rows the
+        pool stored at ``plan.new_loc``; ``defer_append``: the kernel copies them), as
+        ``QuantizedKeys``, with the shared prefix's K^T and V (dequantized once per rebuild) or None."""
+        codes_k, codes_v = self.k[layer_id], self.v[layer_id]
+        if plan.rebuild:
+            assert plan.mask is not None and plan.own_flat is not None and plan.prefix_loc is not None
+            if codes_k is None or codes_v is None:
+                keys = mirror_codes.new_copies(k_rows, v_rows, plan.mask.shape[0], self.cap)
+                self.k[layer_id], self.v[layer_id] = keys.k, keys.v
+                self.k_scales[layer_id], self.v_scales[layer_id] = keys.k_scales, keys.v_scales
+            else:
+                keys = self._codes(layer_id, k_rows, v_rows)
+            mirror_codes.gather(keys, k_rows, v_rows, plan.own_flat, plan.width)
+            if plan.prefix_len:
+                self._keep_prefix(layer_id, k_rows.gather(plan.prefix_loc), v_rows.gather(plan.prefix_loc))
+        else:
+            keys = self._codes(layer_id, k_rows, v_rows)
+            if not defer_append:
+                assert plan.append_pos is not None and plan.new_loc is not None
+                mirror_codes.append(keys, k_rows, v_rows, plan.new_loc, plan.append_pos, plan.kv_row)
+        self.layers_done += 1
+        return keys, self._prefix(layer_id, plan)
+
+    def _codes(self, layer_id: int, k_rows: KVRows, v_rows: KVRows) -> QuantizedKeys:
+        """Layer ``layer_id``'s quantized copies as they are."""
+        codes_k, codes_v = self.k[layer_id], self.v[layer_id]
+        assert codes_k is not None and codes_v is not None
+        return QuantizedKeys(
+            k_rows.format,
+            codes_k,
+            codes_v,
+            self.k_scales[layer_id],
+            self.v_scales[layer_id],
+            k_rows.scale,
+            v_rows.scale,
+        )

@@ -1,5 +1,6 @@
 """What the CPU path chose for a model, and why: the kernels' build level and what picked it, each
-linear weight's kernel, and whether a decode step runs as the one C call. The model runner logs it
+linear weight's kernel, whether a decode step runs as the one C call, and the KV cache's format with
+what writes and reads it (a quantized cache: its codes stored and attended in C). The model runner logs it
 at start-up and ``server_info`` carries it (``weights.kernels``), so that a user, a benchmark note
 or a bug report says which code served, rather than which code a CPU of that name would run.
 
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.decode_layers import CpuLayerStack
+from runtime.engine.cpu.kv_quant_kernels import format_code
 from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
 from runtime.engine.cpu.weight_plan import CpuWeightPlan, layer_plan
 from runtime.engine.ops.linear_weights import LinearWeightLayer
@@ -32,6 +35,8 @@ PATHS = {
     "fp32_panels": "fp32 column panels (csrc/linear_f32.c) for decode rows, MKL for prefill",
     "torch": "F.linear (no packed copy: the kernel cannot read this weight here)",
 }
+# What writes and reads a quantized KV cache's codes on this path.
+KV_CACHE_KERNELS = "stored by csrc/kv_quant.c, attended as codes by csrc/attention_q8.c (decode mirror kept quantized)"
 
 
 def isa_reason() -> str:
@@ -66,8 +71,9 @@ def linear_path(weight: torch.Tensor | QuantizedWeight, plan: CpuWeightPlan | No
     return f"kept_{weight.source}" if isinstance(weight, QuantizedWeight) else "torch"
 
 
-def kernel_report(model: nn.Module, stack: Any) -> dict[str, Any]:
-    """The CPU's choices for ``model`` (after ``prepare_model``), ``stack`` its layer stack."""
+def kernel_report(model: nn.Module, stack: Any, kv_format: KVCacheFormat | None = None) -> dict[str, Any]:
+    """The CPU's choices for ``model`` (after ``prepare_model``), ``stack`` its layer stack, ``kv_format``
+    its KV cache's format (``kv_cache``: what writes and reads it)."""
     level = kernel_library.level()
     built = level is not None and kernel_library.load() is not None
     plans = linear_plans(model)
@@ -90,6 +96,19 @@ def kernel_report(model: nn.Module, stack: Any) -> dict[str, Any]:
         "host_levels": list(kernel_library.host_levels()),
         "linears": dict(sorted(paths.items())),
         "decode_stack": decode_stack,
+        "kv_cache": kv_cache_report(kv_format, built),
+    }
+
+
+def kv_cache_report(kv_format: KVCacheFormat | None, built: bool) -> dict[str, Any] | None:
+    """The KV cache's format and, quantized, what writes and reads its codes (None: not said)."""
+    if kv_format is None:
+        return None
+    quantized = kv_format.quantized and format_code(kv_format) is not None
+    return {
+        "dtype": kv_format.name,
+        "description": kv_format.describe(),
+        "kernels": KV_CACHE_KERNELS if quantized and built else None,
     }
 
 
@@ -97,6 +116,10 @@ def describe(report: dict[str, Any]) -> str:
     """The report as one log line."""
     linears = ", ".join(f"{count} {path}" for path, count in report["linears"].items()) or "none"
     stack = report["decode_stack"]
+    kv = report.get("kv_cache")
+    kv_line = ""
+    if kv is not None:
+        kv_line = f"; KV cache: {kv['description']}" + (f", {kv['kernels']}" if kv["kernels"] else "")
     return (
         f"CPU kernels {report['isa'] or 'off'} ({report['isa_reason']}; this CPU: {', '.join(report['host_levels'])}); "
         f"linear weights: {linears}; decode step: "
@@ -105,4 +128,5 @@ def describe(report: dict[str, Any]) -> str:
             if stack
             else "layer by layer (the one-call stack does not take this model)"
         )
+        + kv_line
     )

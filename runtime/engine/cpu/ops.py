@@ -11,6 +11,8 @@ the byte-exact KV row copy and the argmax; its linears take the fp32 panel kerne
 weights' panel copies for a decode batch's rows, where it beats ``F.linear`` (within a few
 fp32 epsilons of ``sum |x * w|`` of it, see ``prepacked``). An encoder's LayerNorm and GELU are
 torch's own (vectorised ATen kernels: ``TorchOps``); its linears take the plans as any others.
+A quantized KV cache (``--kv-cache-dtype``) is written by the C quantizing store
+(``runtime.engine.cpu.kv_quant_kernels``: the bytes of the pool's own, reference, store).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import kernels as cpu_kernels
-from runtime.engine.cpu import lora_kernels
+from runtime.engine.cpu import kv_quant_kernels, lora_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
@@ -60,8 +63,10 @@ class CpuOps(TorchOps):
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
 
-    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
-        report = kernel_report(model, stack)
+    def kernel_report(
+        self, model: nn.Module, stack: LayerStack | None, kv_format: KVCacheFormat | None = None
+    ) -> dict[str, Any]:
+        report = kernel_report(model, stack, kv_format)
         return {"ops": self.name, **report, "summary": describe(report)}
 
     def linear(
@@ -119,11 +124,13 @@ class CpuOps(TorchOps):
             super().lora_add(out, x, weights, segments)
 
     def store_kv(self, pool: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if pool.format.quantized:  # (the pool's own store quantizes: the reference)
-            super().store_kv(pool, layer_id, loc, k, v)
-            return
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
-        if not cpu_kernels.store_kv(k_buf, v_buf, loc, k, v):
+        if pool.format.quantized:  # quantized in C, the bytes of the pool's own (reference) store
+            k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
+            stored = kv_quant_kernels.store_kv(k_buf, v_buf, pool.format, k_scale, v_scale, loc, k, v)
+        else:
+            stored = cpu_kernels.store_kv(k_buf, v_buf, loc, k, v)
+        if not stored:
             super().store_kv(pool, layer_id, loc, k, v)
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:

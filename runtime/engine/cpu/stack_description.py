@@ -31,7 +31,7 @@ from runtime.engine.cpu.weight_plan import (
 from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
 from runtime.engine.quant.weight import QuantizedWeight
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class CLoraLinear(ctypes.Structure):
@@ -60,7 +60,10 @@ class CLayer(ctypes.Structure):
             "prefix_k",
             "prefix_v",
         )
-    ] + [("lora", CLoraLinear * 4)]  # qkv, o, gate_up, down
+    ]
+    _fields_ += [("lora", CLoraLinear * 4)]  # qkv, o, gate_up, down
+    _fields_ += [("k_scales", _ptr), ("v_scales", _ptr)]  # a quantized mirror's per-key scales (int8), per step
+    _fields_ += [("k_scale", _f32), ("v_scale", _f32)]  # a quantized pool's layer scales (fp8), per step
 
 
 class _QuantWeight(ctypes.Structure):

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
@@ -60,9 +61,12 @@ class DeviceOps(Protocol):
         runner runs eagerly (the CPU's one-call stack), or None: the model runs them one by one."""
         ...
 
-    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
+    def kernel_report(
+        self, model: nn.Module, stack: LayerStack | None, kv_format: KVCacheFormat | None = None
+    ) -> dict[str, Any]:
         """What this device chose to run ``model`` with (after ``prepare_model``), and why, with a
-        one-line ``summary``: logged at start-up and reported by ``server_info``."""
+        one-line ``summary``: logged at start-up and reported by ``server_info``. ``kv_format``: the
+        KV cache's (what reads and writes it, where the device's kernels depend on it)."""
         ...
 
     def linear(

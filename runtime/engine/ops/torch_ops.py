@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cuda.memory import CUDA_PLATFORM
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
@@ -50,7 +51,9 @@ class TorchOps:
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return None  # the model runs its layers one by one
 
-    def kernel_report(self, model: nn.Module, stack: LayerStack | None) -> dict[str, Any]:
+    def kernel_report(
+        self, model: nn.Module, stack: LayerStack | None, kv_format: KVCacheFormat | None = None
+    ) -> dict[str, Any]:
         return {"ops": self.name, "summary": f"{self.name} ops: plain torch"}
 
     def linear(

@@ -12,12 +12,18 @@
  * (quant_linear_f32; bf16 activations widened for it and its results rounded back).
  * Each is a table of the kernels it calls (Kernels), the layer loop is written once.
  *
+ * A quantized KV cache (DecodeStep.kv_format, kv_codes.h) changes two calls in every set: the pool
+ * write quantizes the new rows (store_kv_rows_q, the pool's reference bytes) and decode attention
+ * reads the quantized mirror (decode_attention_q8, copying those stored rows in first); the
+ * shared prefix stays the set's own kernel on its dequantized packed copy.
+ *
  * Called by runtime/cpu/decode_layers.py only after it checked every bound the kernels check
  * (AMX: on, and the tile layout of every weight; dp: oneDNN's AVX512-BF16 layout and this build;
  * both at most 64 rows; fp32: panel copies and a row count the panel kernel takes; head shapes),
  * so a failure here means a broken precondition: the return value says which layer and stage. */
 #include "common.h"
 #include "entry_points.h"
+#include "kv_codes.h"
 
 /* What every layer shares (one decode batch of n rows: one per request, or, in a speculative verify
  * step, each request's input token and drafts, which share its mirror row through kv_row and
@@ -47,6 +53,7 @@ typedef struct {
     const int64_t* kv_row;         /* [n]: each row's mirror row (NULL: row i is request i) */
     int64_t kv_rows;               /* the mirror's rows (kv_row's bound) */
     const struct LoraRuns* lora;   /* the step's adapter runs (NULL: no row uses an adapter) */
+    int64_t kv_format;             /* the KV pool's format (kv_codes.h; KV_PLAIN: the step's dtype) */
 } DecodeStep;
 
 /* Multi-LoRA (lora.c): which runs of the step's rows use which adapter slot, and the slots' shape. */
@@ -68,10 +75,12 @@ enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };
 /* One layer's weights (the addresses the linear kernels read) and KV buffers. */
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    char *k_pool, *v_pool;         /* [pool_slots, kv_heads, head_dim] */
+    char *k_pool, *v_pool;         /* [pool_slots, kv_heads, head_dim] (quantized: kv_row_bytes per head) */
     void *k_t, *v;                 /* the mirror: [n, kv_heads, head_dim, cap], [n, kv_heads, cap, head_dim] */
     const void *prefix_k, *prefix_v;
     LoraLinear lora[LORA_LINEARS];  /* its linears' adapter slots (a server with --enable-lora) */
+    float *k_scales, *v_scales;    /* a quantized mirror's per-key scales [n, kv_heads, cap] (int8; else NULL) */
+    float k_scale, v_scale;        /* fp8's layer scales (1 otherwise) */
 } DecodeLayer;
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN, STAGE_LORA };
@@ -262,17 +271,27 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             return fail - STAGE_QKV;
         if (add_lora(kn, s, l, LORA_QKV, s->normed, s->hidden, s->qkv, s->hidden, qkv_cols)) return fail - STAGE_LORA;
         kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
-        if (store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
-                          kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots))
+        const int fmt = (int)s->kv_format;
+        if (fmt == KV_PLAIN ? store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
+                                            kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots)
+                            : store_kv_rows_q(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, kn->elem,
+                                              s->out_loc, n, s->kv_heads, hd, fmt, l->k_scale, l->v_scale, l->k_pool,
+                                              l->v_pool, s->pool_slots))
             return fail - STAGE_KV_STORE;
         if (s->prefix_len > 0 &&
             kn->prefix(s->qkv, qkv_cols, l->prefix_k, l->prefix_v, s->prefix_len, s->prefix_pad, n, s->kv_heads,
                        group, hd, s->scale, s->prefix_out, s->prefix_lse))
             return fail - STAGE_PREFIX;
-        if (kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n, s->kv_heads, group, hd,
-                       s->scale, k_new, qkv_cols, v_new, qkv_cols, s->append_pos,
-                       s->prefix_len > 0 ? s->prefix_out : 0, s->prefix_len > 0 ? s->prefix_lse : 0, s->kv_row,
-                       s->kv_rows))
+        const float* init_o = s->prefix_len > 0 ? s->prefix_out : 0;
+        const float* init_lse = s->prefix_len > 0 ? s->prefix_lse : 0;
+        if (fmt == KV_PLAIN ? kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n,
+                                         s->kv_heads, group, hd, s->scale, k_new, qkv_cols, v_new, qkv_cols,
+                                         s->append_pos, init_o, init_lse, s->kv_row, s->kv_rows)
+                            : decode_attention_q8(s->qkv, qkv_cols, kn->elem == 2, fmt, l->k_t, l->v, l->k_scales,
+                                                  l->v_scales, l->k_scale, l->v_scale, s->mask, s->cap, s->width,
+                                                  s->attn, 0, n, s->kv_heads, group, hd, s->scale, l->k_pool,
+                                                  l->v_pool, s->pool_slots, s->out_loc, s->append_pos, init_o,
+                                                  init_lse, s->kv_row, s->kv_rows))
             return fail - STAGE_ATTENTION;
         if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;

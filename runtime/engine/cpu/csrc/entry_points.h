@@ -11,6 +11,18 @@ void rotary_bf16(uint16_t* x, int64_t T, int64_t row_stride, int64_t heads, int6
                  const uint16_t* cos, const uint16_t* sin);
 int store_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* loc,
                   int64_t n, int64_t row_bytes, char* k_buf, char* v_buf, int64_t slots);
+/* kv_quant.c: a quantized KV pool's write (kv_codes.h names the formats) */
+int store_kv_rows_q(const char* k, int64_t k_stride, const char* v, int64_t v_stride, int64_t elem,
+                    const int64_t* loc, int64_t n, int64_t hkv, int64_t d, int fmt, float k_scale, float v_scale,
+                    char* k_buf, char* v_buf, int64_t slots);
+/* attention_q8.c: decode attention over a quantized decode mirror */
+int decode_attention_q8(
+    const void* q, int64_t q_stride, int q_bf16, int fmt,
+    uint8_t* kt, uint8_t* v, float* ks, float* vs, float k_scale, float v_scale,
+    const float* bias, int64_t cap, int64_t width,
+    void* out, float* lse, int64_t n, int64_t hkv, int64_t group, int64_t d, float scale,
+    const char* k_pool, const char* v_pool, int64_t pool_slots, const int64_t* loc, const int64_t* pos,
+    const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows);
 int decode_attention_bf16(
     const uint16_t* q, int64_t q_stride,
     uint16_t* kt, uint16_t* v, const float* bias, int64_t cap, int64_t width,
