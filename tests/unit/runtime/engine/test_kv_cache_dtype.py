@@ -101,7 +101,9 @@ def test_a_prompt_reads_the_same_values_chunked_cached_or_in_one_prefill(
     harness.decode([first, second], 5, return_logprob=True)
     for other in (chunked, second):
         assert other.output_ids == whole.output_ids
-        assert other.logprobs[-5:] == pytest.approx(whole.logprobs[-5:], abs=1e-4)  # (the decode steps')
+        # (the decode steps': the same values read, summed in another order where two requests share
+        # a prefix: the cascade attends to it once for both)
+        assert other.logprobs[-5:] == pytest.approx(whole.logprobs[-5:], abs=1e-3)
 
 
 def test_the_cpu_default_pool_holds_more_tokens_of_a_narrower_cache(checkpoints: TinyCheckpoints) -> None:
