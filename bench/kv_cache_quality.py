@@ -18,7 +18,10 @@ Positions are the decode steps only (a prompt's prefill attends to its own fresh
 so the first new token is the same by construction), up to and including the baseline's first EOS
 (else ``--max-new-tokens``). Every run steps the same sequences at every step, so the batch shapes
 (and any numerics that depend on them) are the baseline's. Under an fp32 model the ``bf16`` cache is
-measured too, as a yardstick: the drift a bf16 cache already causes.
+measured too, as a yardstick: the drift a bf16 cache already causes. A quantized cache is read through
+the torch gather path or the C kernels, whichever the backend has: the figures are the formats' (the
+kernels dequantize to the same values), not the kernels' speed. Each model and dtype's rows are
+printed to stderr as they come (SmolLM2-135M in fp32 takes ~20 min on one busy core).
 
     python -m bench.kv_cache_quality --device cpu --cpus 0-1
     python -m bench.kv_cache_quality --models smollm2-135m-instruct --dtypes float32 --max-new-tokens 64
@@ -39,7 +42,15 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import default_output_path, machine_info, parse_cpu_list, pin_threads, print_table, write_json
+from bench.common import (
+    default_output_path,
+    format_table,
+    machine_info,
+    parse_cpu_list,
+    pin_threads,
+    print_table,
+    write_json,
+)
 from bench.quant_quality import TEXT as BREAD_RIVERS_COMPUTERS
 from bench.sequence_driver import SequenceDriver, slots_needed
 
@@ -387,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{[len(r) for r in reference]}, contexts up to {max(contexts)}; {time.perf_counter() - t0:.0f} s",
                 file=sys.stderr,
             )
+            # (a long run's figures as they come: the whole table is printed at the end)
+            print(format_table(rows[-len(found) :], COLUMNS, digits=4), file=sys.stderr, flush=True)
     print_table(
         rows,
         COLUMNS,
