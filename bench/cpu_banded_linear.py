@@ -70,11 +70,13 @@ def _q6(rows: int, gen: Any) -> Any:
 
 
 def make_weights(gen: Any) -> dict[str, Any]:
-    """One copy of each variant's weight (the bands' int8 variant shares nothing with the others)."""
-    from runtime.engine.quant.weight import QuantizedBands
+    """One copy of each variant's weight (the int8-activation bands share the bands' tensors)."""
+    from runtime.engine.quant.weight import QuantizedBands, QuantizedWeight
 
     bands = QuantizedBands([_q4(Q_ROWS + KV_ROWS, gen), _q6(KV_ROWS, gen)])
-    bands_a8 = QuantizedBands([_q4(Q_ROWS + KV_ROWS, gen), _q6(KV_ROWS, gen)])
+    bands_a8 = QuantizedBands(
+        [QuantizedWeight(p.kind, p.source, p.shape, p.qs, p.scales, p.mins, p.group) for p in bands.weights()]
+    )
     bands_a8.int8_activations = True
     return {
         "dense_f32": bands.dequantize(),

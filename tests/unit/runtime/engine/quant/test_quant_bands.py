@@ -7,8 +7,8 @@ Q6_K v, a Q4_K gate beside a Q6_K up) kept in their blocks as row bands (``Quant
   files with no dense fallback, at the formats' bytes, and their greedy tokens are the dequantized
   dense model's (``--quantization none`` of the same file) under the weight-only numerics, at TP=1
   and TP=2 (each rank's rows of each part);
-- the one-call decode stack takes such a layer (its qf32 set's weight chain) and equals the layers
-  run one by one bit for bit, with int8 activations too;
+- the one-call decode stack takes such a layer (its qf32 and qbf16 sets' weight chain) and equals the
+  layers run one by one bit for bit, with int8 activations too;
 - a weight reload refills the bands in place, and refuses a file whose bands differ;
 - ``gguf_dual`` keeps the bands beside the dense values, for few-row products.
 """
@@ -37,6 +37,7 @@ from tests.support.tp_threads import ThreadTPGroup, run_on_ranks
 from tests.unit.runtime.engine.cpu import test_cpu_decode_layers
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import _decode_logits
 from tests.unit.runtime.engine.cpu.test_quant_kernels import _random_weight
+from tests.unit.runtime.engine.quant.test_quant_dual import needs_bf16_kernels
 from tests.unit.runtime.engine.quant.test_quant_model import _weights
 
 calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-call path ran)
@@ -181,6 +182,25 @@ def test_one_call_decode_takes_the_bands_bit_for_bit(
     assert isinstance(stack, decode_layers.CpuLayerStack)
     described = stack.description(3)
     assert described is not None and described.kernels == "qf32"
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("method", ["gguf", "gguf_dual"])
+def test_bf16_one_call_decode_takes_the_bands_bit_for_bit(
+    tiny_checkpoints: TinyCheckpoints, files: Path, method: str, calls: list[bool]
+) -> None:
+    """bf16 activations: the qbf16 set widens them and multiplies band by band as the layers do."""
+    runner = _runner(_gguf(tiny_checkpoints, files, "llama_hd64"), dtype="bfloat16", quantization=method)
+    layered = _decode_logits(runner, [False] * 4, requests=3)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * 4, requests=3)
+    assert calls[-3:] == [True] * 3 and not any(calls[:-3]), calls
+    stack = runner.layer_stack
+    assert isinstance(stack, decode_layers.CpuLayerStack)
+    described = stack.description(3)
+    assert described is not None and described.kernels == "qbf16"
     for step, (a, b) in enumerate(zip(layered, one_call)):
         assert torch.equal(a, b), f"decode step {step} differs"
 
