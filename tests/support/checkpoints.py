@@ -114,6 +114,12 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
             tie_word_embeddings=False,
         )
+    if (
+        name == "qwen2_hd64"
+    ):  # rows of 256 (one K-quant super-block) with Qwen2's q/k/v biases; not in the parametrized set
+        return Qwen2Config(
+            **{**c, "hidden_size": 256, "intermediate_size": 256}, rope_theta=1000000.0, tie_word_embeddings=False
+        )
     if name == "mistral_swa":  # every layer windowed (W = 16); not in the parametrized set
         return MistralConfig(**{**c, "num_key_value_heads": 1}, rope_theta=10000.0, sliding_window=SWA_WINDOWS[name])
     if name == "qwen2_swa":  # 4 layers: 0-1 full attention, 2-3 windowed (W = 24); not in the parametrized set
@@ -239,7 +245,7 @@ def checkpoint_config(name: str, tok: dict[str, int]) -> Any:
             },
         )
     raise ValueError(
-        f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, llama_hd64, "
+        f"unknown test checkpoint {name!r}; known: {', '.join(CHECKPOINT_NAMES)}, llama_long, llama_hd64, qwen2_hd64, "
         f"gemma2_gguf, gemma3_gguf, {', '.join(SWA_WINDOWS)}"
     )
 

@@ -25,7 +25,7 @@ from runtime.engine.cpu.kv_quant_kernels import format_code
 from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
 from runtime.engine.cpu.weight_plan import CpuWeightPlan, layer_plan
 from runtime.engine.ops.linear_weights import LinearWeightLayer
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, QuantizedWeight
 
 # Each linear path's name in the report, with what runs it.
 PATHS = {
@@ -52,11 +52,11 @@ def isa_reason() -> str:
     return f"chosen in this process; this CPU runs up to {best}"
 
 
-def linear_plans(model: nn.Module) -> list[tuple[torch.Tensor | QuantizedWeight, CpuWeightPlan | None]]:
+def linear_plans(model: nn.Module) -> list[tuple[torch.Tensor | KeptWeight, CpuWeightPlan | None]]:
     """Each linear weight of ``model`` with its plan (None: the layer holds none), each weight once
     (a tied LM head's is the embedding's), in module order."""
     seen: set[int] = set()
-    plans: list[tuple[torch.Tensor | QuantizedWeight, CpuWeightPlan | None]] = []
+    plans: list[tuple[torch.Tensor | KeptWeight, CpuWeightPlan | None]] = []
     for module in model.modules():
         if isinstance(module, LinearWeightLayer) and id(module.weight) not in seen:
             seen.add(id(module.weight))
@@ -64,11 +64,11 @@ def linear_plans(model: nn.Module) -> list[tuple[torch.Tensor | QuantizedWeight,
     return plans
 
 
-def linear_path(weight: torch.Tensor | QuantizedWeight, plan: CpuWeightPlan | None) -> str:
+def linear_path(weight: torch.Tensor | KeptWeight, plan: CpuWeightPlan | None) -> str:
     """The report's name of the path a linear with this weight and plan takes for a decode step."""
     if plan is not None:
         return plan.path
-    return f"kept_{weight.source}" if isinstance(weight, QuantizedWeight) else "torch"
+    return f"kept_{weight.source}" if isinstance(weight, KEPT_WEIGHTS) else "torch"
 
 
 def kernel_report(model: nn.Module, stack: Any, kv_format: KVCacheFormat | None = None) -> dict[str, Any]:
@@ -78,9 +78,13 @@ def kernel_report(model: nn.Module, stack: Any, kv_format: KVCacheFormat | None 
     built = level is not None and kernel_library.load() is not None
     plans = linear_plans(model)
     # each weight once: the linears' by their plans, and the other weights kept quantized (an
-    # embedding's; a dual weight's blocks are reported with its plan)
+    # embedding's; a dual weight's blocks are reported with its plan; a weight in bands, once as a
+    # whole: kept_Q4_K+Q6_K)
     reported = {id(weight) for weight, _ in plans}
     reported |= {id(band.operand) for _, plan in plans if plan is not None for band in plan.bands}
+    reported |= {
+        id(part) for m in model.modules() if id(m) in reported and isinstance(m, KEPT_WEIGHTS) for _, part in m.bands()
+    }
     kept = {id(m): m for m in model.modules() if isinstance(m, QuantizedWeight) and id(m) not in reported}
     paths = Counter(linear_path(weight, plan) for weight, plan in plans)
     paths.update(f"kept_{weight.source}" for weight in kept.values())

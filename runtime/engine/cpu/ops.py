@@ -42,7 +42,7 @@ from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
 from runtime.engine.platform import ServingPlatform
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class CpuOps(TorchOps):
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
@@ -81,7 +81,7 @@ class CpuOps(TorchOps):
         return out if out is not None else super().linear(x, weight, bias)
 
     def float_linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None = None
     ) -> torch.Tensor:
         current = _current(plan, weight)
         if current is not None:
@@ -111,7 +111,7 @@ class CpuOps(TorchOps):
     def linear_silu_and_mul(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
@@ -143,7 +143,7 @@ class CpuOps(TorchOps):
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
 
 
-def _current(plan: WeightPlan | None, weight: torch.Tensor | QuantizedWeight) -> CpuWeightPlan | None:
+def _current(plan: WeightPlan | None, weight: torch.Tensor | KeptWeight) -> CpuWeightPlan | None:
     """``plan`` where it is a CPU plan for this very weight (a layer hands its own; a plan of another
     weight is never read), else None."""
     return plan if isinstance(plan, CpuWeightPlan) and plan.weight is weight else None

@@ -18,7 +18,7 @@ import torch
 
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.kernel_library import declare
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight, QuantizedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
@@ -46,10 +46,12 @@ def kind_code(weight: QuantizedWeight) -> int:
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, float_out: bool = False
+    x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, float_out: bool = False
 ) -> torch.Tensor | None:
     """``x [..., in] @ weight.T (+ bias)`` in ``x``'s dtype (fp32 with ``float_out``), or None where
-    the kernel does not apply."""
+    the kernel does not apply. A weight in bands (``QuantizedBands``) runs one call per band, each
+    writing its columns of the one output (the kernel's output row stride), with its bias slice:
+    each column's sums are those of the band's weight alone."""
     lib = kernel_library.load()
     if (
         lib is None
@@ -67,40 +69,45 @@ def quant_linear(
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out.reshape(*x.shape[:-1], out_features).to(torch.float32 if float_out else x.dtype)
-    mins = weight.mins
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = torch.empty(out_features, in_features, dtype=torch.float32)
-        if (
+        if all(
             lib.quant_dequantize_f32(
-                kind_code(weight),
-                weight.qs.data_ptr(),
-                weight.scales.data_ptr(),
-                mins.data_ptr() if mins is not None else None,
-                weight.group,
-                out_features,
+                kind_code(band),
+                band.qs.data_ptr(),
+                band.scales.data_ptr(),
+                _address(band.mins),
+                band.group,
+                band.shape[0],
                 in_features,
-                dense.data_ptr(),
+                dense[first:].data_ptr(),
             )
             == 0
+            for first, band in weight.bands()
         ):
             out = torch.nn.functional.linear(rows, dense, bias).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
-    rc = lib.quant_linear_f32(
-        rows.data_ptr(),
-        rows.shape[0],
-        rows.stride(0),
-        kind_code(weight),
-        weight.qs.data_ptr(),
-        weight.scales.data_ptr(),
-        mins.data_ptr() if mins is not None else None,
-        weight.group,
-        out_features,
-        in_features,
-        bias.data_ptr() if bias is not None else None,
-        out.data_ptr(),
-        out_features,
-    )
-    if rc != 0:
-        return None
+    for first, band in weight.bands():
+        rc = lib.quant_linear_f32(
+            rows.data_ptr(),
+            rows.shape[0],
+            rows.stride(0),
+            kind_code(band),
+            band.qs.data_ptr(),
+            band.scales.data_ptr(),
+            _address(band.mins),
+            band.group,
+            band.shape[0],
+            in_features,
+            bias[first:].data_ptr() if bias is not None else None,
+            out[:, first:].data_ptr(),
+            out_features,
+        )
+        if rc != 0:
+            return None
     out = out.reshape(*x.shape[:-1], out_features)
     return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None

@@ -29,7 +29,7 @@ from runtime.engine.cpu.weight_plan import (
     stack_kernels,
 )
 from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KEPT_WEIGHTS
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -67,9 +67,19 @@ class CLayer(ctypes.Structure):
 
 
 class _QuantWeight(ctypes.Structure):
-    """csrc/decode_layers.c: QuantWeight (a ``QuantizedWeight``'s tensors, as ``quant_linear_f32`` reads them)."""
+    """csrc/decode_layers.c: QuantWeight (a ``QuantizedWeight``'s tensors, as ``quant_linear_f32`` reads
+    them): one band of ``rows`` output rows, and the next band's (a ``QuantizedBands``: a merged
+    layer whose parts' formats differ, multiplied band by band as ``quant_linear`` does), or NULL."""
 
-    _fields_ = [("kind", _i64), ("group", _i64), ("qs", _ptr), ("scales", _ptr), ("mins", _ptr)]
+    _fields_ = [
+        ("kind", _i64),
+        ("group", _i64),
+        ("qs", _ptr),
+        ("scales", _ptr),
+        ("mins", _ptr),
+        ("rows", _i64),
+        ("next", _ptr),
+    ]
 
 
 # What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
@@ -134,20 +144,27 @@ def _linear_band(plan: CpuWeightPlan | None, kernels: str) -> KernelBand | None:
 
 def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
     """The address the set's linear kernel reads for ``band``: the packed copy's, or for the quantized
-    sets a ``_QuantWeight`` describing the blocks (appended to ``quant``, which keeps it alive)."""
+    sets the first of the ``_QuantWeight`` s describing the blocks, band by band (each appended to
+    ``quant``, which keeps it alive)."""
     operand = band.operand
-    if not isinstance(operand, QuantizedWeight):
+    if not isinstance(operand, KEPT_WEIGHTS):
         return band.address
-    mins = operand.mins
-    desc = _QuantWeight(
-        kind_code(operand),
-        operand.group,
-        operand.qs.data_ptr(),
-        operand.scales.data_ptr(),
-        mins.data_ptr() if mins is not None else None,
-    )
-    quant.append(desc)
-    return ctypes.addressof(desc)
+    following: int | None = None
+    for _, part in reversed(operand.bands()):  # (each band points at the one after it)
+        mins = part.mins
+        desc = _QuantWeight(
+            kind_code(part),
+            part.group,
+            part.qs.data_ptr(),
+            part.scales.data_ptr(),
+            mins.data_ptr() if mins is not None else None,
+            part.shape[0],
+            following,
+        )
+        quant.append(desc)
+        following = ctypes.addressof(desc)
+    assert following is not None
+    return following
 
 
 def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDescription | None:

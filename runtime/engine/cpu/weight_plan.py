@@ -53,7 +53,7 @@ from runtime.engine.cpu.prepacked import (
 )
 from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX, quant_linear
 from runtime.engine.ops.linear_weights import LinearWeightLayer, WeightPlan
-from runtime.engine.quant.weight import QuantizedWeight, weight_blocks
+from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, weight_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,13 @@ QUANT_SETS = ("qf32", "qbf16")  # the sets whose linears read blocks
 class KernelBand:
     """One kernel's share of a weight's products: the row counts it takes, the activations' dtype
     (None: fp32 or bf16, which the blocks' kernel takes alike), what it reads (a ``PackedCopy`` or a
-    ``QuantizedWeight``, kept alive here) and the address the C kernels read (0: none)."""
+    weight kept quantized, one ``QuantizedWeight`` or its ``QuantizedBands``, kept alive here) and the
+    address the C kernels read (0: none)."""
 
     kernel: str  # "blocks", "amx", "dp", "f32" or "onednn"
     rows: range
     dtype: torch.dtype | None
-    operand: PackedCopy | QuantizedWeight
+    operand: PackedCopy | KeptWeight
     address: int = 0
 
     def takes(self, rows: int, dtype: torch.dtype) -> bool:
@@ -91,7 +92,7 @@ class CpuWeightPlan(WeightPlan):
     """How a ``[out, in]`` weight runs on this CPU at each row count (see the module doc); identity
     compares (a new plan is a new weight state)."""
 
-    weight: torch.Tensor | QuantizedWeight  # the weight as its layer holds it (the source of truth)
+    weight: torch.Tensor | KeptWeight  # the weight as its layer holds it (the source of truth)
     bands: tuple[KernelBand, ...]  # in the order tried
 
     def band(self, rows: int, dtype: torch.dtype) -> KernelBand | None:
@@ -109,11 +110,11 @@ class CpuWeightPlan(WeightPlan):
     def path(self) -> str:
         """The kernel report's name of what runs this weight (``kernel_report``)."""
         kernels = [band.kernel for band in self.bands]
-        if isinstance(self.weight, QuantizedWeight):
+        if isinstance(self.weight, KEPT_WEIGHTS):
             return f"kept_{self.weight.source}"
         dense = _DENSE_PATHS.get(next((k for k in kernels if k != "blocks"), ""), "torch")
         blocks = self.band_of("blocks")
-        if blocks is not None and isinstance(blocks.operand, QuantizedWeight):
+        if blocks is not None and isinstance(blocks.operand, KEPT_WEIGHTS):
             return f"kept_{blocks.operand.source}_upto_{blocks.rows.stop - 1}_rows+{dense}"
         return dense
 
@@ -122,12 +123,12 @@ class CpuWeightPlan(WeightPlan):
 _DENSE_PATHS = {"amx": "amx_bf16", "dp": "dp_bf16", "onednn": "onednn", "f32": "fp32_panels"}
 
 
-def plan_weight(weight: torch.Tensor | QuantizedWeight, blocks: QuantizedWeight | None = None) -> CpuWeightPlan:
+def plan_weight(weight: torch.Tensor | KeptWeight, blocks: KeptWeight | None = None) -> CpuWeightPlan:
     """The plan for ``weight`` (with its ``blocks`` kept beside it, for a dual weight): packs the
     copy its kernels read. fp32 weights get a panel copy only where ``linear_f32`` runs (else it
     would never be read)."""
     bands: list[KernelBand] = []
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, KEPT_WEIGHTS):
         if weight.device.type == "cpu":
             bands.append(KernelBand("blocks", ANY_ROWS, None, weight))
         return CpuWeightPlan(weight, tuple(bands))
@@ -206,11 +207,11 @@ def plan_linear(
 
 
 def unplanned_linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, float_out: bool = False
+    x: torch.Tensor, weight: torch.Tensor | KeptWeight, bias: torch.Tensor | None, float_out: bool = False
 ) -> torch.Tensor | None:
     """A product no plan covers (one made before ``prepare_model``, or after a load dropped the plan):
     a weight kept quantized still runs on its kernel; a dense one on F.linear (None)."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, KEPT_WEIGHTS):
         return quant_linear(x, weight, bias, float_out=float_out)
     return None
 
@@ -226,7 +227,7 @@ def plan_linear_silu_mul(plan: CpuWeightPlan, x: torch.Tensor, bias: torch.Tenso
 
 def _run_band(band: KernelBand, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool) -> torch.Tensor | None:
     operand = band.operand
-    if isinstance(operand, QuantizedWeight):
+    if isinstance(operand, KEPT_WEIGHTS):
         return quant_linear(x, operand, bias, float_out=float_out)
     if band.kernel == "f32":
         return panel_linear(x, operand.tensor, bias, operand.out_features)

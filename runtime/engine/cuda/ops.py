@@ -28,7 +28,7 @@ from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight
 
 
 class StackedExperts(NamedTuple):
@@ -81,11 +81,11 @@ class TritonOps(TorchOps):
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, KEPT_WEIGHTS):
             self._kernels(x.device)  # (switches the interpreter on for CPU tensors first)
             from runtime.engine.cuda.quant_matmul import quant_matmul
 
@@ -93,9 +93,9 @@ class TritonOps(TorchOps):
         return super().linear(x, weight, bias, plan)
 
     def float_linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None = None
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, KEPT_WEIGHTS):
             self._kernels(x.device)
             from runtime.engine.cuda.quant_matmul import quant_matmul
 
@@ -144,7 +144,7 @@ def stack_experts(layer: ExpertLayer) -> StackedExperts | None:
     """``layer``'s local experts stacked for the fused kernel, their parameters re-pointed at the
     stack's rows (a later load writes through them into it); None when any expert is kept quantized."""
     pairs = [layer.expert_weights(e) for e in layer.local_experts]
-    dense = [(g, d) for g, d in pairs if not isinstance(g, QuantizedWeight) and not isinstance(d, QuantizedWeight)]
+    dense = [(g, d) for g, d in pairs if not isinstance(g, KEPT_WEIGHTS) and not isinstance(d, KEPT_WEIGHTS)]
     if not dense or len(dense) != len(pairs):
         return None
     w13 = torch.stack([g.detach() for g, _ in dense])

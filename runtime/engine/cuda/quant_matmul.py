@@ -1,5 +1,5 @@
 """A Triton dequantizing matmul for weights kept quantized (``runtime.engine.quant.weight``: the q8 and q4
-layouts), ``TritonOps.linear``'s path for a ``QuantizedWeight``.
+layouts), ``TritonOps.linear``'s path for a weight kept quantized (one ``QuantizedWeight``, or its bands).
 
 Why dequantize in the kernel rather than once at load: the weight stays in device memory at its
 quantized size (a quarter to an eighth of bf16's), and each program expands only the tile it
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from runtime.engine.cuda.triton_common import cdiv, check_launch, dot_precision
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight, QuantizedWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -93,9 +93,11 @@ def _quant_matmul_kernel(
 
 
 def quant_matmul(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """``x [..., in] @ dequantized weight.T (+ bias)`` in ``out_dtype`` (default: ``x``'s)."""
+    """``x [..., in] @ dequantized weight.T (+ bias)`` in ``out_dtype`` (default: ``x``'s). A weight
+    in bands (``QuantizedBands``: a merged layer whose parts' formats differ) launches once per band,
+    each writing its columns of the one output (the kernel takes the output's row stride)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
@@ -103,31 +105,39 @@ def quant_matmul(
     m = rows.shape[0]
     out = torch.empty(m, out_features, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        mins = weight.mins if weight.mins is not None else weight.scales  # (not read without mins)
-        tensors = [rows, weight.qs, weight.scales, mins, out] + ([bias] if bias is not None else [])
-        check_launch(_quant_matmul_kernel, *tensors)
-        grid = (cdiv(m, BLOCK_M), cdiv(out_features, BLOCK_N))
-        _quant_matmul_kernel[grid](
-            rows,
-            rows.stride(0),
-            weight.qs,
-            weight.qs.stride(0),
-            weight.scales,
-            weight.scales.stride(0),
-            mins,
-            out,
-            out.stride(0),
-            bias if bias is not None else out,
-            m,
-            out_features,
-            in_features,
-            GROUP=weight.group,
-            IS_Q4=weight.kind == "q4",
-            HAS_MINS=weight.kind == "q8" and weight.mins is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            PRECISION=dot_precision(x.dtype),
-        )
+        for first, band in weight.bands():
+            columns = slice(first, first + band.shape[0])
+            _launch(rows, band, bias[columns] if bias is not None else None, out[:, columns])
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _launch(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """One weight's product of ``rows [m, in]`` into ``out [m, weight's rows]`` (rows ``out.stride(0)`` apart)."""
+    m, (out_features, in_features) = rows.shape[0], weight.shape
+    mins = weight.mins if weight.mins is not None else weight.scales  # (not read without mins)
+    tensors = [rows, weight.qs, weight.scales, mins, out] + ([bias] if bias is not None else [])
+    check_launch(_quant_matmul_kernel, *tensors)
+    grid = (cdiv(m, BLOCK_M), cdiv(out_features, BLOCK_N))
+    _quant_matmul_kernel[grid](
+        rows,
+        rows.stride(0),
+        weight.qs,
+        weight.qs.stride(0),
+        weight.scales,
+        weight.scales.stride(0),
+        mins,
+        out,
+        out.stride(0),
+        bias if bias is not None else out,
+        m,
+        out_features,
+        in_features,
+        GROUP=weight.group,
+        IS_Q4=weight.kind == "q4",
+        HAS_MINS=weight.kind == "q8" and weight.mins is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        PRECISION=dot_precision(rows.dtype),
+    )

@@ -18,11 +18,11 @@ from runtime.engine.layers.linear import LazyWeight, check_shape, copy_into
 from runtime.engine.ops import DeviceOps, default_ops
 from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.quant.loading import PendingShards
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight
 
 
 class VocabParallelEmbedding(nn.Module):
-    weight: nn.Parameter | QuantizedWeight  # (kept quantized: see runtime.engine.quant.loading)
+    weight: nn.Parameter | KeptWeight  # (kept quantized: see runtime.engine.quant.loading)
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight
 
 
 class DeviceOps(Protocol):
@@ -72,12 +72,12 @@ class DeviceOps(Protocol):
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (run as the device's ``plan`` for ``weight`` says, where it made one);
-        a ``QuantizedWeight`` multiplies as its dequantized values would (``reference_linear``), up to
+        a weight kept quantized (``KeptWeight``) multiplies as its dequantized values would (``reference_linear``), up to
         the kernel's quantization of ``x``."""
         ...
 
@@ -88,13 +88,13 @@ class DeviceOps(Protocol):
         ``out`` is the linear's output before any all-reduce and bias; both are row-contiguous."""
         ...
 
-    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | KeptWeight, dtype: torch.dtype) -> torch.Tensor:
         """``F.embedding(ids, weight)`` in ``dtype``; of a quantized weight only the looked-up rows are
         dequantized."""
         ...
 
     def float_linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None = None
     ) -> torch.Tensor:
         """``linear(x, weight, None).float()`` (the LM head's fp32 logits), where a device can write
         the fp32 result directly."""
@@ -130,7 +130,7 @@ class DeviceOps(Protocol):
     def linear_silu_and_mul(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:

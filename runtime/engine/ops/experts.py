@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from runtime.engine.ops.linear_weights import WeightPlan
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight
 
-ExpertWeight = torch.Tensor | QuantizedWeight
+ExpertWeight = torch.Tensor | KeptWeight
 # ``act(gate) * up`` of ``linear(x, weight, bias, plan)`` through the given device ops (the first argument,
 # a ``DeviceOps``): a gated MLP's activation choice (``runtime.engine.layers.choices``)
 ExpertActivation = Callable[[Any, torch.Tensor, ExpertWeight, "torch.Tensor | None", "WeightPlan | None"], torch.Tensor]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from runtime.engine.quant.weight import QuantizedWeight
+from runtime.engine.quant.weight import KeptWeight
 
 
 class WeightPlan:
@@ -31,7 +31,7 @@ class LinearWeightLayer(nn.Module):
     (``prepare_model``). A base the device finds them by without importing the layers (which import
     the device ops)."""
 
-    weight: nn.Parameter | QuantizedWeight  # (kept quantized: see runtime.engine.quant.loading)
+    weight: nn.Parameter | KeptWeight  # (kept quantized: see runtime.engine.quant.loading)
     bias: nn.Parameter | None  # (declared here for the type checker; the linear layers set it, the LM head has none)
     plan: WeightPlan | None = None  # the device's plan for ``weight`` (None: none made, or dropped)
 

@@ -25,7 +25,7 @@ from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights, reference_lora_add
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.platform import ServingPlatform
-from runtime.engine.quant.weight import QuantizedWeight, embedding_rows, reference_linear
+from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, embedding_rows, reference_linear
 
 
 class TorchOps:
@@ -59,31 +59,31 @@ class TorchOps:
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, KEPT_WEIGHTS):
             return reference_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def lora_add(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, segments: LoraSegments) -> None:
         reference_lora_add(out, x, weights, segments)
 
-    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | KeptWeight, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(weight, KEPT_WEIGHTS):
             return embedding_rows(ids, weight, dtype)
         return F.embedding(ids, weight)
 
     def float_linear(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, plan: WeightPlan | None = None
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None = None
     ) -> torch.Tensor:
         return self.linear(x, weight, None, plan).float()
 
     def linear_silu_and_mul(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | QuantizedWeight,
+        weight: torch.Tensor | KeptWeight,
         bias: torch.Tensor | None,
         plan: WeightPlan | None = None,
     ) -> torch.Tensor:

@@ -26,8 +26,11 @@ steps of a few rows (llama.cpp's numerics), which the int8 method's weights alwa
 
 A layer collects the quantized shards its loader is handed (``PendingShards``), and
 ``finish_loading`` (after the whole checkpoint is read) swaps its dense ``weight`` parameter for
-the stacked ``QuantizedWeight``; a layer whose shards came in different layouts, or only partly
-quantized, stays dense (the quantized parts are dequantized into it).
+the stacked ``QuantizedWeight``. A merged layer whose shards came in different layouts (a Q4_K_M
+file's Q4_K q/k and Q6_K v: most K-quant files mix formats so) keeps each run of shards of one
+layout as a band of a ``QuantizedBands`` (``runtime.engine.quant.weight`` says why bands); a layer
+only partly quantized (a shard in F16, or in a type not kept) stays dense (the quantized parts are
+dequantized into it).
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ import torch
 from torch import nn
 
 from runtime.engine.ops.linear_weights import LinearWeightLayer
-from runtime.engine.quant.weight import QuantizedWeight, cat_rows, quantize_int8, zero_rows
+from runtime.engine.quant.weight import (
+    KEPT_WEIGHTS,
+    KeptWeight,
+    QuantizedBands,
+    QuantizedWeight,
+    cat_rows,
+    quantize_int8,
+    zero_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +164,7 @@ class PendingShards:
         return True
 
 
-HeldWeights = dict[nn.Module, QuantizedWeight]
+HeldWeights = dict[nn.Module, KeptWeight]
 
 
 def hold_kept_weights(model: nn.Module) -> HeldWeights:
@@ -168,7 +179,7 @@ def hold_kept_weights(model: nn.Module) -> HeldWeights:
         weight = module._modules.get("weight")
         if getattr(module, "quant_shards", None) is None or getattr(module, "tied_to", None) is not None:
             continue
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, KEPT_WEIGHTS):
             del module.weight
             stand_in = nn.Parameter(torch.empty(weight.shape, device="meta"), requires_grad=False)
             stand_in.weight_loader = module.weight_loader  # type: ignore[attr-defined]
@@ -180,7 +191,7 @@ def hold_kept_weights(model: nn.Module) -> HeldWeights:
 def release_kept_weights(held: HeldWeights) -> None:
     """Every layer of ``held`` whose stand-in is still in place gets its served blocks back."""
     for module, weight in held.items():
-        if not isinstance(module._modules.get("weight"), QuantizedWeight):
+        if not isinstance(module._modules.get("weight"), KEPT_WEIGHTS):
             _replace(module, weight)
 
 
@@ -200,7 +211,7 @@ def finish_loading(
             continue
         tied = getattr(module, "tied_to", None)
         if tied is not None:
-            if isinstance(tied.weight, QuantizedWeight):
+            if isinstance(tied.weight, KEPT_WEIGHTS):
                 _replace(module, tied.weight)
             continue  # (gguf_dual: the same tensor; the head reads its embedding's blocks, weight_blocks)
         if refill is not None and module in refill:
@@ -220,24 +231,25 @@ def finish_loading(
         logger.info("weights kept quantized: %s", ", ".join(f"{n} {src}" for src, n in sorted(kept.items())))
 
 
-def _stacked(module: nn.Module, pending: PendingShards, device: torch.device | None = None) -> QuantizedWeight | None:
-    """The module's quantized weight from its shards, on ``device`` (default: its dense weight's), or
-    None (dense: any quantized shard of a weight that cannot be all quantized is dequantized into the
-    dense parameter)."""
+def _stacked(module: nn.Module, pending: PendingShards, device: torch.device | None = None) -> KeptWeight | None:
+    """The module's quantized weight from its shards, on ``device`` (default: its dense weight's):
+    one ``QuantizedWeight`` where the shards share a layout, else a ``QuantizedBands`` of each run
+    of shards of one layout; or None (dense: any quantized shard of a weight that cannot be all
+    quantized is dequantized into the dense parameter)."""
     if not pending.parts:
         return None
     weight = dense_weight(module)
     rows = sorted(pending.parts.items())
     covered = sum(p.shape[0] for _, p in rows)
     offsets_ok = all(o == sum(p.shape[0] for _, p in rows[:i]) for i, (o, _) in enumerate(rows))
-    layouts = {(p.kind, p.group) for _, p in rows}
     padding = weight.shape[0] - covered
-    if offsets_ok and len(layouts) == 1 and (padding == 0 or (padding > 0 and getattr(module, "pads_rows", False))):
-        parts = [p for _, p in rows] + ([zero_rows(rows[0][1], padding)] if padding else [])
-        stacked = cat_rows(parts) if len(parts) > 1 else parts[0]
+    if offsets_ok and (padding == 0 or (padding > 0 and getattr(module, "pads_rows", False))):
+        parts = [p for _, p in rows] + ([zero_rows(rows[-1][1], padding)] if padding else [])
+        bands = [cat_rows(run) if len(run) > 1 else run[0] for run in _layout_runs(parts)]
+        stacked: KeptWeight = bands[0] if len(bands) == 1 else QuantizedBands(bands)
         return stacked.to(device if device is not None else weight.device)
     logger.info(
-        "%s: shards of mixed formats (%s) load dense",
+        "%s: shards in %s beside dense ones load dense",
         type(module).__name__,
         ", ".join(sorted({p.source for _, p in rows})),
     )
@@ -247,29 +259,52 @@ def _stacked(module: nn.Module, pending: PendingShards, device: torch.device | N
     return None
 
 
-def _refill(module: nn.Module, new: QuantizedWeight | None, served: QuantizedWeight) -> None:
+def _layout_runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
+    """``parts`` (in row order) cut into runs of one layout (kind, group, with or without mins):
+    each run stacks into one band."""
+    runs: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if runs and _layout(runs[-1][-1]) == _layout(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+def _layout(weight: QuantizedWeight) -> tuple[str, int, bool]:
+    return weight.kind, weight.group, weight.mins is None
+
+
+def _refill(module: nn.Module, new: KeptWeight | None, served: KeptWeight) -> None:
     """The served blocks take ``new``'s values in place (every tensor keeps its storage, as a dense
-    reload keeps its parameters'); the layer gets them back as its weight."""
-    if new is None or (new.kind, new.group, new.shape, new.mins is None) != (
-        served.kind,
-        served.group,
-        served.shape,
-        served.mins is None,
+    reload keeps its parameters'); the layer gets them back as its weight. Bands refill band by
+    band: the new file must bring the same bands (formats and rows)."""
+    served_bands = served.bands()
+    new_bands = [] if new is None else new.bands()
+    if len(new_bands) != len(served_bands) or any(
+        (o, n.kind, n.group, n.shape, n.mins is None) != (p, s.kind, s.group, s.shape, s.mins is None)
+        for (o, n), (p, s) in zip(new_bands, served_bands)
     ):
-        found = "dense values" if new is None else f"{new.source} blocks as {new.kind}"
+        found = "dense values" if new is None else f"{new.source} blocks as {_kinds(new)}"
         raise ValueError(
             f"{type(module).__name__}: the new checkpoint's weight is {found}, where the served one is "
-            f"{served.source} blocks as {served.kind}: a weight kept quantized reloads only in the same format"
+            f"{served.source} blocks as {_kinds(served)}: a weight kept quantized reloads only in the same format"
         )
     with torch.no_grad():
-        served.qs.copy_(new.qs)
-        served.scales.copy_(new.scales)
-        if served.mins is not None and new.mins is not None:
-            served.mins.copy_(new.mins)
+        for (_, part), (_, fresh) in zip(served_bands, new_bands):
+            part.qs.copy_(fresh.qs)
+            part.scales.copy_(fresh.scales)
+            if part.mins is not None and fresh.mins is not None:
+                part.mins.copy_(fresh.mins)
     _replace(module, served)
 
 
-def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:
+def _kinds(weight: KeptWeight) -> str:
+    """The layouts of ``weight``'s bands, for an error message (``q4``, ``q4+q8``)."""
+    return "+".join(part.kind for _, part in weight.bands())
+
+
+def _replace(module: nn.Module, quantized: KeptWeight) -> None:
     """``module.weight`` becomes ``quantized`` (a sub-module: its buffers are the model's); the dense
     parameter is dropped (its memory freed once no other module shares it)."""
     _drop_plan(module)  # the device's plan was for the dense values
@@ -277,7 +312,7 @@ def _replace(module: nn.Module, quantized: QuantizedWeight) -> None:
     module.weight = quantized
 
 
-def _attach(module: nn.Module, quantized: QuantizedWeight) -> None:
+def _attach(module: nn.Module, quantized: KeptWeight) -> None:
     """``gguf_dual``: the dense ``module.weight`` gets the blocks' values (what the dense load gives:
     the blocks dequantized to fp32, then cast) and keeps the blocks beside them."""
     weight = dense_weight(module)

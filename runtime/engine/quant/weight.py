@@ -21,6 +21,17 @@ real resident bytes and ``.to()`` moves it. A layer hands it to ``DeviceOps.line
 a dense weight; ``TorchOps`` dequantizes and multiplies (the reference every kernel is tested
 against), the CPU and Triton ops run their kernels on the packed bytes. Owned by its layer (a
 tied LM head shares the embedding's).
+
+A merged linear (q/k/v, gate/up) whose checkpoint parts come in different formats (a Q4_K_M file's
+Q4_K q/k beside a Q6_K v) is a ``QuantizedBands``: consecutive row ranges, each a
+``QuantizedWeight`` in its own layout. Why bands and not one common layout: no layout takes every
+format losslessly at its own size. Q4_K (q4, 0.75 bytes a value) would become int8 values with a
+scale and a min per 32 (1.25 bytes), and Q6_K's two scales per 32 (``d * sc`` per 16, any two int8
+``sc``) fit one scale per 32 only when one divides the other with the values still in int8, which a
+real file does not promise; a common per-16 layout with mins would take 1.5 bytes a value for all.
+Bands keep each part at its format's bytes, and the kernels already write any run of output columns
+(their output row stride): each band is one call into its columns of the one output
+(``KeptWeight.bands``). ``KeptWeight`` is either form, what a layer's ``weight`` may be.
 """
 
 from __future__ import annotations
@@ -109,12 +120,77 @@ class QuantizedWeight(nn.Module):
             dense += (self.mins if rows is None else self.mins.index_select(0, rows)).unsqueeze(-1)
         return dense.reshape(scales.shape[0], -1).to(dtype)
 
+    def bands(self) -> list[tuple[int, QuantizedWeight]]:
+        """``(first output row, weight)`` of each band: one, the whole weight (see ``QuantizedBands``)."""
+        return [(0, self)]
+
     def extra_repr(self) -> str:
         numerics = ", int8 activations" if self.int8_activations else ""
         return f"{self.source} as {self.kind}{numerics}, shape {self.shape}, {self.nbytes()} bytes"
 
 
-def weight_blocks(layer: nn.Module) -> QuantizedWeight | None:
+class QuantizedBands(nn.Module):
+    """``[out, in]`` weight made of consecutive row bands, each a ``QuantizedWeight`` of its own
+    layout (see the module doc: a merged linear whose parts' formats differ). ``source`` names the
+    formats (``Q4_K+Q6_K``); each band is a sub-module, so the model's buffers and
+    ``quantized_bytes`` count each at its own format. A kernel multiplies band by band into the
+    band's columns of one output; the plain-torch meaning is the bands' rows stacked."""
+
+    shape: tuple[int, int]
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        super().__init__()
+        if len(parts) < 2 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("bands need two or more weights of the same input width")
+        self.parts = nn.ModuleList(parts)
+        self.offsets = tuple(sum(p.shape[0] for p in parts[:i]) for i in range(len(parts)))
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.source = "+".join(sorted({p.source for p in parts}))
+
+    def weights(self) -> list[QuantizedWeight]:
+        """The bands' weights, in row order."""
+        return [p for p in self.parts if isinstance(p, QuantizedWeight)]
+
+    def bands(self) -> list[tuple[int, QuantizedWeight]]:
+        """``(first output row, weight)`` of each band, in row order."""
+        return list(zip(self.offsets, self.weights()))
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the bands' few-row products quantize the activations (set on all alike)."""
+        return all(p.int8_activations for p in self.weights())
+
+    @int8_activations.setter
+    def int8_activations(self, value: bool) -> None:
+        for part in self.weights():
+            part.int8_activations = value
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The first band's packed dtype (never a float, as ``QuantizedWeight.dtype``)."""
+        return self.weights()[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights()[0].device
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.weights())
+
+    def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight (or its rows ``rows``) in ``dtype``: each band's values, stacked."""
+        dense = torch.cat([p.dequantize(dtype=dtype) for p in self.weights()])
+        return dense if rows is None else dense.index_select(0, rows)
+
+    def extra_repr(self) -> str:
+        return f"{self.source} in {len(self.parts)} bands, shape {self.shape}, {self.nbytes()} bytes"
+
+
+KeptWeight = QuantizedWeight | QuantizedBands  # a weight a layer keeps quantized, in one layout or in bands
+KEPT_WEIGHTS = (QuantizedWeight, QuantizedBands)  # (for isinstance)
+
+
+def weight_blocks(layer: nn.Module) -> KeptWeight | None:
     """A layer's blocks kept beside its dense weight (``--quantization gguf_dual``: its
     ``weight_blocks`` sub-module, or for a tied LM head its embedding's), else None. Decode steps of
     few rows read them, larger products the dense values (the device's plan decides)."""
@@ -122,16 +198,16 @@ def weight_blocks(layer: nn.Module) -> QuantizedWeight | None:
     if blocks is None:
         tied = getattr(layer, "tied_to", None)
         blocks = tied._modules.get("weight_blocks") if isinstance(tied, nn.Module) else None
-    return blocks if isinstance(blocks, QuantizedWeight) else None
+    return blocks if isinstance(blocks, KEPT_WEIGHTS) else None
 
 
-def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` of ``x`` by the dequantized weight: what every quantized kernel approximates
     (they quantize ``x`` too) and what runs where no kernel does."""
     return F.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
 
-def embedding_rows(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+def embedding_rows(ids: torch.Tensor, weight: KeptWeight, dtype: torch.dtype) -> torch.Tensor:
     """``F.embedding(ids, dequantized weight)``: only the looked-up rows are dequantized."""
     flat = ids.reshape(-1)
     return weight.dequantize(flat, dtype).reshape(*ids.shape, weight.shape[1])

@@ -162,18 +162,36 @@ static int linear_dp(const void* x, int64_t m, int64_t ldx, const void* w, int64
     return dp_linear_bf16(x, m, ldx, w, n, k, bias, 0, out);
 }
 /* A weight kept quantized (runtime/quant/weight.py), as quant_linear_f32 reads it: the "address" a
- * layer of the qf32 set gives for each linear. */
-typedef struct {
+ * layer of the qf32 set gives for each linear. A weight in bands (QuantizedBands: a merged layer whose
+ * parts' formats differ) is a chain: each band its `rows` output rows, the next band after them,
+ * one quant_linear_f32 call per band into its columns of the output, as quant_kernels.py calls them. */
+typedef struct QuantWeight {
     int64_t kind, group;
     const void* qs;
     const float* scales;
     const float* mins;
+    int64_t rows;                    /* this band's output rows */
+    const struct QuantWeight* next;  /* the next band (NULL: the last) */
 } QuantWeight;
+/* out [m, n] fp32 (rows n apart) = x times the bands of w (+ bias); 0, or the first band's failure (or
+ * -1 where the bands' rows do not add up to n). */
+static int quant_bands(const float* x, int64_t m, int64_t ldx, const QuantWeight* w, int64_t n, int64_t k,
+                       const float* bias, float* out)
+{
+    int64_t first = 0;
+    for (const QuantWeight* q = w; q; q = q->next) {
+        if (first + q->rows > n) return -1;
+        const int rc = quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k,
+                                        bias ? bias + first : 0, out + first, n);
+        if (rc) return rc;
+        first += q->rows;
+    }
+    return first == n ? 0 : -1;
+}
 static int linear_q(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
                     void* out)
 {
-    const QuantWeight* q = (const QuantWeight*)w;
-    return quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, n, k, bias, out, n);
+    return quant_bands((const float*)x, m, ldx, (const QuantWeight*)w, n, k, (const float*)bias, (float*)out);
 }
 /* The qbf16 set's linear: bf16 activations against a weight kept quantized, as the layer stack's
  * quant_linear runs them (runtime/engine/cpu/quant_kernels.py): x and the bias widened to fp32 (exact),
@@ -206,9 +224,7 @@ static int linear_qb(const void* x, int64_t m, int64_t ldx, const void* w, int64
         for (int64_t j = 0; j < k; ++j) xf[r * k + j] = bf16_to_f32(xb[r * ldx + j]);
     if (bias)
         for (int64_t j = 0; j < n; ++j) bf[j] = bf16_to_f32(((const uint16_t*)bias)[j]);
-    const QuantWeight* q = (const QuantWeight*)w;
-    const int rc = quant_linear_f32(xf, m, k, (int)q->kind, q->qs, q->scales, q->mins, q->group, n, k,
-                                    bias ? bf : 0, of, n);
+    const int rc = quant_bands(xf, m, k, (const QuantWeight*)w, n, k, bias ? bf : 0, of);
     if (rc) return rc;
     uint16_t* ob = (uint16_t*)out;
     for (int64_t i = 0; i < m * n; ++i) ob[i] = f32_to_bf16(of[i]);

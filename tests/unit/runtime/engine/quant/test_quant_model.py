@@ -9,6 +9,7 @@ tests/e2e/test_quantized_e2e.py.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +20,7 @@ from runtime.engine.cpu import attention_kernels_f32, decode_layers
 from runtime.engine.layers.embedding import VocabParallelEmbedding
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops.linear_weights import LinearWeightLayer
-from runtime.engine.quant.weight import QuantizedWeight, reference_linear, weight_blocks
+from runtime.engine.quant.weight import QuantizedBands, QuantizedWeight, reference_linear, weight_blocks
 from tests.support.checkpoints import TinyCheckpoints
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.quant_bounds import quantized_linear_bound
@@ -90,15 +91,31 @@ def test_gguf_weights_stay_in_their_blocks_with_the_files_values(
     assert quantized.weight_bytes() < dense.weight_bytes() / 2.5  # (Q5_1: 1.25 bytes a value against 4)
 
 
-def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints, files: Path) -> None:
+def test_mixed_formats_in_one_layer_stay_in_bands(
+    tiny_checkpoints: TinyCheckpoints, files: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A Q4_K_M-like file: a qkv of Q4_K q/k (the q4 layout) and a Q5_K v (repacked as q8 with mins)
-    cannot be one quantized weight: it loads dense; the Q4_K, Q5_K and Q6_K ones stay in their
-    (repacked) blocks."""
-    mix = {"blk.1.attn_v.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_K"}
+    stays quantized as two bands of those layouts; the Q4_K, Q5_K and Q6_K single-format ones stay in
+    their (repacked) blocks; a gate/up whose up is in a type not kept (Q3_K) loads dense."""
+    mix = {
+        "blk.1.attn_v.weight": "Q5_K",
+        "blk.0.ffn_down.weight": "Q6_K",
+        "blk.1.ffn_down.weight": "Q5_K",
+        "blk.1.ffn_up.weight": "Q3_K",
+    }
     path = _gguf(tiny_checkpoints, files, "llama_hd64", "Q4_K", types=mix)
-    dense, quantized = _weights(_runner(path)), _weights(_runner(path, quantization="gguf"))
-    assert isinstance(quantized["model.layers.1.self_attn.qkv_proj"], torch.Tensor)
-    assert torch.equal(quantized["model.layers.1.self_attn.qkv_proj"], dense["model.layers.1.self_attn.qkv_proj"])
+    dense = _weights(_runner(path))
+    with caplog.at_level(logging.INFO, logger="runtime.engine.quant.loading"):
+        quantized = _weights(_runner(path, quantization="gguf"))
+    dense_notes = [r.getMessage() for r in caplog.records if "load dense" in r.getMessage()]
+    assert dense_notes == ["MergedColumnParallelLinear: shards in Q4_K beside dense ones load dense"]
+    qkv = quantized["model.layers.1.self_attn.qkv_proj"]
+    assert isinstance(qkv, QuantizedBands) and qkv.source == "Q4_K+Q5_K"
+    assert [(first, w.source, w.kind, w.shape[0]) for first, w in qkv.bands()] == [
+        (0, "Q4_K", "q4", 384),
+        (384, "Q5_K", "q8", 128),
+    ]
+    assert isinstance(quantized["model.layers.1.mlp.gate_up_proj"], torch.Tensor)
     down = quantized["model.layers.0.mlp.down_proj"]
     assert isinstance(down, QuantizedWeight) and (down.source, down.kind, down.group) == ("Q6_K", "q8", 16)
     q4k = quantized["model.layers.0.self_attn.qkv_proj"]
@@ -106,8 +123,7 @@ def test_mixed_formats_in_one_layer_load_dense(tiny_checkpoints: TinyCheckpoints
     q5k = quantized["model.layers.1.mlp.down_proj"]
     assert isinstance(q5k, QuantizedWeight) and (q5k.source, q5k.kind, q5k.mins is not None) == ("Q5_K", "q8", True)
     for name, weight in quantized.items():
-        if isinstance(weight, QuantizedWeight):
-            assert torch.equal(weight.dequantize(), dense[name]), name
+        assert torch.equal(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), dense[name]), name
 
 
 @pytest.mark.parametrize("source", ["gguf", "int8", "int8-of-gguf"])
