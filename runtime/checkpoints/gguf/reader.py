@@ -165,7 +165,7 @@ def shared_parse(contents: GGUFContents) -> Iterator[None]:
     original = gguf.GGUFReader
     parsed = contents.reader
 
-    def open_reader(path: Any, mode: str = "r") -> Any:
+    def open_reader(path: Any, mode: Any = "r") -> Any:
         same = parsed is not None and mode == "r" and Path(path).resolve() == contents.path.resolve()
         return parsed if same else original(path, mode)
 
