@@ -69,6 +69,8 @@ declare("argmax_rows_f32", [_ptr, _i64, _i64, _i64, _ptr], None)
 declare("silu_mul_f32", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
+for _suffix in ("bf16", "f32"):
+    declare(f"rmsnorm_heads_{_suffix}", [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None)
 
 # dtype -> the suffix of its elementwise kernels (silu_mul_*, rmsnorm_*, rotary_*)
 _ELEMENTWISE = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -275,7 +277,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of ``x [..., H]`` (of ``residual + x`` when ``residual`` is given, which then
     holds that sum, in place) as a new tensor, or None where the kernel does not apply: every
-    operand contiguous, one dtype (bf16 with ``H <= MAX_NORM_HIDDEN``, or fp32)."""
+    operand contiguous, one dtype (bf16 with ``H <= MAX_NORM_HIDDEN``, or fp32); or, without a
+    residual, ``x [T, heads, D]`` with packed heads in strided rows (a per-head q/k norm)."""
+    if residual is None and not x.is_contiguous():
+        return _rms_norm_heads(x, weight, eps)
     tensors = (x, weight) if residual is None else (x, weight, residual)
     hidden = x.shape[-1]
     suffix = _elementwise_suffix(*tensors)
@@ -294,6 +299,28 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         hidden,
         float(eps),
         out.data_ptr(),
+    )
+    return out
+
+
+def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of each head of ``x [T, heads, D]`` whose heads are packed within a row and whose rows
+    may be strided (the q or k part of a fused qkv output: a per-head q/k norm) as a new contiguous
+    tensor, or None where the kernel does not apply. The kernel the one-call decode stack runs on its
+    qkv buffer (csrc/head_norm.c), so both paths give the same bits."""
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.device.type != "cpu":
+        return None
+    t, heads, d = x.shape
+    suffix = _elementwise_suffix(weight)
+    if suffix is None or x.dtype != weight.dtype or weight.shape != (d,) or not available():
+        return None
+    if suffix == "bf16" and d > MAX_NORM_HIDDEN:
+        return None
+    out = torch.empty(t, heads, d, dtype=x.dtype)
+    lib = kernel_library.load()
+    assert lib is not None
+    getattr(lib, f"rmsnorm_heads_{suffix}")(
+        x.data_ptr(), t, x.stride(0), heads, d, weight.data_ptr(), float(eps), out.data_ptr(), heads * d
     )
     return out
 

@@ -64,6 +64,7 @@ class CLayer(ctypes.Structure):
     _fields_ += [("lora", CLoraLinear * 4)]  # qkv, o, gate_up, down
     _fields_ += [("k_scales", _ptr), ("v_scales", _ptr)]  # a quantized mirror's per-key scales (int8), per step
     _fields_ += [("k_scale", _f32), ("v_scale", _f32)]  # a quantized pool's layer scales (fp8), per step
+    _fields_ += [("q_norm", _ptr), ("k_norm", _ptr), ("qk_eps", _f32)]  # per-head q/k norms (NULL: none)
 
 
 class _QuantWeight(ctypes.Structure):
@@ -83,8 +84,8 @@ class _QuantWeight(ctypes.Structure):
 
 
 # What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
-# dense silu-gated MLP, neox rotary halves over any share of the head, full attention, no q/k norm,
-# no clamp, no soft-cap, and a bias on the qkv projection only.
+# dense silu-gated MLP, neox rotary halves over any share of the head, full attention, RMSNorm of
+# each q and k head before RoPE or none, no clamp, no soft-cap, and a bias on the qkv projection only.
 C_ACTIVATIONS = ("silu", "swish")
 
 
@@ -98,7 +99,7 @@ def c_layer_declines(description: LayerDescription) -> str | None:
         (description.mlp == "dense", f"{description.mlp} MLP"),
         (description.rope_style == "neox", f"rope style {description.rope_style}"),
         (description.rotary_dim <= description.head_dim, "rotary dims past the head"),
-        (description.qk_norm is None, f"q/k norm over the {description.qk_norm}"),
+        (description.qk_norm in (None, "head"), f"q/k norm over the {description.qk_norm}"),
         (description.qkv_clip is None, "a q/k/v clamp"),
         (description.attn_softcap is None, "an attention soft-cap"),
         (description.window is None, "a sliding window"),
@@ -211,15 +212,33 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
         bias = layer.qkv.bias
         if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
             return None
+        if not _qk_norms_taken(layer, dtype):
+            return None
         for band in bands:
             assert band is not None
             rows = range(max(rows.start, band.rows.start), min(rows.stop, band.rows.stop))
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.qkv, entry.o, entry.gate_up, entry.down = (_address(band, quant) for band in bands if band is not None)
         entry.qkv_bias = bias.data_ptr() if bias is not None else None
+        if layer.q_norm is not None and layer.k_norm is not None:
+            entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+            entry.qk_eps = layer.qk_norm_eps
     description = StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
     description.lora_shape = _describe_lora(layers, array, dtype, description.lora_keep)
     return description
+
+
+def _qk_norms_taken(layer: DecoderLayerWeights, dtype: torch.dtype) -> bool:
+    """Whether the C layer norms this layer's q and k heads exactly as its forward does: both norms
+    or neither, as the description declares, each one weight of a head's size in the set's dtype."""
+    norms = (layer.q_norm, layer.k_norm)
+    if layer.description.qk_norm is None:
+        return all(norm is None for norm in norms)
+    head_dim = layer.description.head_dim
+    return all(
+        norm is not None and norm.shape == (head_dim,) and norm.dtype == dtype and norm.is_contiguous()
+        for norm in norms
+    )
 
 
 def _describe_lora(

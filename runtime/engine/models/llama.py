@@ -209,6 +209,11 @@ class LlamaDecoderLayer(nn.Module):
         ``describe()``: what ``forward`` computes with, named."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "only a dense layer has the record's form"
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        if (q_norm is None) != (k_norm is None) or (
+            q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps
+        ):
+            raise ValueError("a layer's q and k norms come as a pair with one eps")
         return DecoderLayerWeights(
             description=self.describe(),
             input_norm=self.input_layernorm.weight,
@@ -223,6 +228,9 @@ class LlamaDecoderLayer(nn.Module):
             num_kv_heads=attn.num_kv_heads,
             scaling=attn.spec.scaling,
             tp_size=attn.qkv_proj.tp_size,
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            qk_norm_eps=q_norm.eps if q_norm is not None else 0.0,
         )
 
 

@@ -74,6 +74,11 @@ class DecoderLayerWeights:
     num_kv_heads: int
     scaling: float  # attention's softmax scale
     tp_size: int  # ranks the layer's linears are split over
+    # per-head q/k norms before RoPE (``description.qk_norm == "head"``): each [head_dim], applied to
+    # every query (key) head of the qkv output as its layer's norm does, with their eps; None: none
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
 
     @property
     def linears(self) -> tuple[LinearWeightLayer, LinearWeightLayer, LinearWeightLayer, LinearWeightLayer]:

@@ -1,6 +1,6 @@
 /* A decode step's decoder layers in one call: for each layer, the same kernels in the same order
  * as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv linear,
- * rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
+ * each q and k head's RMSNorm where the layer has them (head_norm.c), rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
  * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear), so the results are
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
@@ -81,6 +81,8 @@ typedef struct {
     LoraLinear lora[LORA_LINEARS];  /* its linears' adapter slots (a server with --enable-lora) */
     float *k_scales, *v_scales;    /* a quantized mirror's per-key scales [n, kv_heads, cap] (int8; else NULL) */
     float k_scale, v_scale;        /* fp8's layer scales (1 otherwise) */
+    const void *q_norm, *k_norm;   /* [head_dim]: RMSNorm of each q and k head before RoPE (NULL: none) */
+    float qk_eps;
 } DecodeLayer;
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN, STAGE_LORA };
@@ -106,6 +108,8 @@ typedef struct {
     /* out [m, n] += the step's adapter products of x [m, k] (lora.c, in the set's element type) */
     int (*lora_add)(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t m, int64_t k, int64_t n,
                     const LoraLinear* w, const LoraRuns* runs);
+    /* RMSNorm of each head of T strided rows of packed heads, in place (head_norm.c) */
+    void (*head_norm)(void* x, int64_t T, int64_t stride, int64_t heads, int64_t d, const void* w, float eps);
 } Kernels;
 
 /* The element-wise and attention kernels of one element type, in the loop's terms: each kernel is
@@ -141,6 +145,11 @@ typedef struct {
     static void silu_mul_##T##_v(const void* gate_up, int64_t rows, int64_t inter, void* out)                 \
     {                                                                                                          \
         silu_mul_##T(gate_up, rows, inter, out);                                                               \
+    }                                                                                                          \
+    static void head_norm_##T##_v(void* x, int64_t rows, int64_t stride, int64_t heads, int64_t d,           \
+                                  const void* w, float eps)                                                    \
+    {                                                                                                          \
+        rmsnorm_heads_##T(x, rows, stride, heads, d, w, eps, x, stride);                                       \
     }
 
 ELEMENT_KERNELS(bf16)
@@ -251,15 +260,15 @@ static int lora_f32_v(const void* x, int64_t ldx, void* out, int64_t ldo, int64_
 
 /* (without a fused gate/up, the two calls the layer stack makes: the linear, then silu*mul) */
 static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
-                            fused_gate_up_amx, lora_bf16_v};
+                            fused_gate_up_amx, lora_bf16_v, head_norm_bf16_v};
 static const Kernels DP = {2,       rmsnorm_bf16_v,  linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
-                           silu_mul_bf16_v, 0,     lora_bf16_v};
+                           silu_mul_bf16_v, 0,     lora_bf16_v, head_norm_bf16_v};
 static const Kernels F32 = {4,       rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v,
-                            silu_mul_f32_v, 0,     lora_f32_v};
+                            silu_mul_f32_v, 0,     lora_f32_v, head_norm_f32_v};
 static const Kernels QF32 = {4,       rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v,
-                             silu_mul_f32_v, 0,     lora_f32_v};
+                             silu_mul_f32_v, 0,     lora_f32_v, head_norm_f32_v};
 static const Kernels QBF16 = {2,       rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
-                              silu_mul_bf16_v, 0,     lora_bf16_v};
+                              silu_mul_bf16_v, 0,     lora_bf16_v, head_norm_bf16_v};
 
 /* out += the step's adapter products for linear ``which`` of layer l, where it takes adapters; 0 or -1 */
 static int add_lora(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l, int which, const void* x,
@@ -286,6 +295,10 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
         if (kn->linear(s->normed, n, s->hidden, l->qkv, qkv_cols, s->hidden, l->qkv_bias, s->qkv))
             return fail - STAGE_QKV;
         if (add_lora(kn, s, l, LORA_QKV, s->normed, s->hidden, s->qkv, s->hidden, qkv_cols)) return fail - STAGE_LORA;
+        if (l->q_norm) { /* (describe_layers gives both norms or neither) */
+            kn->head_norm(s->qkv, n, qkv_cols, s->q_heads, hd, l->q_norm, l->qk_eps);
+            kn->head_norm((char*)s->qkv + q_cols * kn->elem, n, qkv_cols, s->kv_heads, hd, l->k_norm, l->qk_eps);
+        }
         kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
         const int fmt = (int)s->kv_format;
         if (fmt == KV_PLAIN ? store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,

@@ -42,6 +42,11 @@ void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_
 
 void rmsnorm_f32(const float* x, float* residual, const float* w, int64_t rows, int64_t hidden, float eps,
                  float* out);
+/* head_norm.c: RMSNorm of each head of strided rows of packed heads (out may be x) */
+void rmsnorm_heads_bf16(const uint16_t* x, int64_t T, int64_t x_stride, int64_t heads, int64_t d,
+                        const uint16_t* w, float eps, uint16_t* out, int64_t out_stride);
+void rmsnorm_heads_f32(const float* x, int64_t T, int64_t x_stride, int64_t heads, int64_t d, const float* w,
+                       float eps, float* out, int64_t out_stride);
 void rotary_f32(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
                 const float* cos, const float* sin);
 void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);

@@ -2,7 +2,7 @@
 csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
 bit, step after step (the decode-key mirror appended by either path, alternating), on every
 architecture the call takes, with and without a shared prefix, in bf16 and in fp32; and the cases
-it must leave to the layers (per-head q/k norm, windowed layers, a mirror rebuild, AMX off in
+it must leave to the layers (Gemma's sandwich norms, windowed layers, a mirror rebuild, AMX off in
 bf16, a row count the fp32 panel kernel does not take) run there untouched.
 
 bf16 runs its linears on AMX tiles, or, on a CPU with AVX512-BF16 and no AMX, on the dot-product
@@ -92,12 +92,12 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_chec
     layered = _decode_logits(runner, [False] * steps)
     calls.clear()
     one_call = _decode_logits(runner, [True] * steps)
-    # per-head q/k RMSNorm (qwen3) is the layers' own path, and so is a Gemma layer (four norms):
-    # their declared descriptions ask for what the C layer lacks; the dot-product kernel reads weights
-    # in 64-column blocks, which mistral's qkv (96 columns) is not: oneDNN's call runs it there
+    # a Gemma layer (four norms) and routed experts are the layers' own path: their declared
+    # descriptions ask for what the C layer lacks; the dot-product kernel reads weights in 64-column
+    # blocks, which mistral's qkv (96 columns) is not: oneDNN's call runs it there
     assert isinstance(runner.layer_stack, decode_layers.CpuLayerStack)
     one_by_one = runner.layer_stack.declined is not None
-    assert one_by_one or name != "qwen3", "qwen3's per-head q/k norms were taken"
+    assert not one_by_one or name not in ("llama", "qwen2", "qwen3", "phi3"), runner.layer_stack.declined
     taken = not one_by_one and not (dtype == "bfloat16" and BF16_KERNELS == "dp" and name == "mistral")
     # the first decode step builds the mirror (the layers' path), the rest append to it
     assert calls == [False] * 2 + [False] + [taken] * (steps - 1), calls

@@ -22,9 +22,9 @@ from runtime.engine.ops.layer_stack import LayerDescription, declared_descriptio
 from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.harness import Harness
 
-# family -> whether the C layer implements its tiny checkpoint's layers (qwen3: per-head q/k norms;
-# gemma: four unit-offset norms, GELU; the sparse families: routed experts)
-TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": False, "mistral": True, "gemma2": False, "gemma3": False}
+# family -> whether the C layer implements its tiny checkpoint's layers (gemma: four unit-offset
+# norms, GELU; the sparse families: routed experts)
+TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": True, "mistral": True, "gemma2": False, "gemma3": False}
 TAKEN.update(dict.fromkeys(MOE_CHECKPOINT_NAMES, False))
 
 
@@ -74,7 +74,6 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
         {"activation": "gelu_pytorch_tanh"},
         {"mlp": "experts", "experts_top_k": 2},
         {"rope_style": "gptj"},
-        {"qk_norm": "head"},
         {"qk_norm": "projection"},
         {"qkv_clip": 8.0},
         {"attn_softcap": 50.0},
@@ -84,6 +83,7 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
     ):
         assert c_layer_declines(dataclasses.replace(base, **change)) is not None, change
     assert c_layer_declines(dataclasses.replace(base, qkv_bias=True)) is None  # (Qwen2's biases: the C layer adds them)
+    assert c_layer_declines(dataclasses.replace(base, qk_norm="head")) is None  # (Qwen3's: each q and k head normed)
 
 
 def test_a_subclass_that_changes_a_layer_without_saying_so_is_declined(tiny_checkpoints) -> None:

@@ -1,0 +1,124 @@
+"""The families beyond Llama in the one-call CPU decode stack (csrc/decode_layers.c): Qwen2's q/k/v
+biases with linear RoPE scaling, Qwen3's per-head q/k RMSNorm before RoPE (head_dim 32, not
+hidden / heads), Phi-3's fused projections with a partial rotary share and LongRoPE. For each, in
+bf16 and fp32, one request and several: the greedy tokens through the call equal the layers' run
+one by one (and in fp32 transformers'), every decode step after the mirror's first runs in the call,
+and the kernel report says the stack takes the model; with GGUF weights kept in their blocks the
+call's logits equal the layers' bit for bit. The per-head norm kernel both paths run
+(csrc/head_norm.c) is each head's plain RMSNorm, at every kernel level this CPU runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from runtime.engine.cpu import decode_layers, kernel_library, kernels
+from runtime.engine.cpu.kernel_report import describe
+from runtime.engine.cpu.prepacked import fp32_panel_rows
+from runtime.engine.model_runner import ModelRunner
+from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
+from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
+from tests.support.harness import Harness
+from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import DTYPES, _decode_logits, needs_fp32_kernels
+
+FAMILIES = ["qwen2", "qwen3", "phi3_longrope"]
+STEPS = 8  # decode tokens per request (phi3_longrope's prompts and outputs stay under PHI3_ORIGINAL_MAX)
+
+
+@pytest.fixture
+def calls(one_call_runs: list[bool]) -> list[bool]:
+    """Per forward that asked: whether ``decode_layers.run`` ran the layers (True) or declined."""
+    return one_call_runs
+
+
+def _runner(path: Path, dtype: str, **kwargs: Any) -> ModelRunner:
+    return ModelRunner(path, device="cpu", dtype=dtype, max_total_tokens=2048, load_progress=False, **kwargs)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], on: bool) -> list[list[int]]:
+    h = Harness(runner)
+    with decode_layers.use_decode_layers(on):
+        reqs = h.generate(prompts, STEPS)
+    h.reset()
+    return [list(req.output_ids) for req in reqs]
+
+
+@pytest.mark.parametrize("requests", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_call_takes_the_family_and_gives_the_layers_tokens(
+    name: str, dtype: str, requests: int, tiny_checkpoints: TinyCheckpoints, calls: list[bool]
+) -> None:
+    if dtype == "float32" and requests not in fp32_panel_rows():
+        pytest.skip(f"this build's fp32 panel kernel does not take {requests} rows (F.linear runs them)")
+    path = tiny_checkpoints.path(name)
+    runner = _runner(path, dtype)
+    assert runner.kernels["decode_stack"] is not None, runner.kernels
+    assert "decode step: one C call" in describe(runner.kernels)
+    prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=900 + i) for i in range(requests)]
+    assert max(map(len, prompts)) + STEPS < PHI3_ORIGINAL_MAX
+    layered = _greedy(runner, prompts, on=False)
+    calls.clear()
+    one_call = _greedy(runner, prompts, on=True)
+    # the prefill, the first decode step (it builds the mirror), then every decode step in the call
+    assert calls == [False, False] + [True] * (STEPS - 2), calls
+    assert one_call == layered
+    if dtype == "float32":
+        reference = load_hf_model(path)
+        assert one_call == [hf_greedy(reference, prompt, STEPS)[0] for prompt in prompts]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with gguf_test_folder(tmp_path_factory, "family-stacks") as folder:
+        yield folder
+
+
+@needs_fp32_kernels
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_kept_quantized_gguf_in_the_call_bit_for_bit(
+    name: str, tiny_checkpoints: TinyCheckpoints, gguf_files: Path, calls: list[bool]
+) -> None:
+    """The family's GGUF file (Q8_0) served with its blocks kept: the call's quantized set (qf32)
+    runs the biases and the q/k norms too, bit for bit the layers."""
+    gguf = write_checkpoint_gguf(
+        tiny_checkpoints.path(name), gguf_files / f"{name}-Q8_0.gguf", weight_type="Q8_0", tokenizer=False
+    )
+    runner = _runner(gguf, "float32", quantization="gguf")
+    layered = _decode_logits(runner, [False] * 4, requests=3)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * 4, requests=3)
+    assert calls == [False] * 3 + [True] * 3, calls  # two prefills, the mirror's rebuild, then the call
+    stack = runner.layer_stack
+    assert isinstance(stack, decode_layers.CpuLayerStack)
+    described = stack.description(3)
+    assert described is not None and described.kernels == "qf32"
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("level", kernel_library.host_levels())
+def test_the_head_norm_kernel_is_each_heads_rmsnorm(level: str, dtype: torch.dtype) -> None:
+    """The q and k parts of a fused qkv output (strided rows of packed heads): each head normed as the
+    plain RMSNorm kernel norms a row of head_dim, bit for bit, and within rounding of torch's formula."""
+    tokens, q_heads, kv_heads, head_dim, eps = 5, 6, 2, 32, 1e-6
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    weight = torch.randn(head_dim, generator=gen).to(dtype)
+    with kernel_library.use_level(level):
+        q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        for part in (q, k):
+            normed = kernels.rms_norm(part, None, weight, eps)
+            rows = kernels.rms_norm(part.reshape(-1, head_dim).contiguous(), None, weight, eps)
+            assert normed is not None and rows is not None and normed.is_contiguous()
+            assert torch.equal(normed.reshape(-1, head_dim), rows)
+            x = part.float()
+            expected = weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float()
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(normed.float(), expected, rtol=tol, atol=tol)
