@@ -86,7 +86,8 @@ class KVCacheFormat:
             limit = torch.finfo(self.fp8_dtype).max
             return (xf / scale).clamp_(-limit, limit).to(self.fp8_dtype).view(torch.uint8)
         amax = xf.abs().amax(dim=-1, keepdim=True)
-        # 127 / amax as one fp32 division, then one multiply per value (what the C store does too);
+        # 127 / amax as torch computes a scalar over a tensor: fp32 reciprocal(amax), times 127 (two
+        # roundings, not one division; csrc/kv_quant.c does the same), then one multiply per value;
         # an all-zero head has scale 0 and values 0.
         inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
         q = (xf * inv).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
