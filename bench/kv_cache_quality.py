@@ -30,6 +30,7 @@ printed to stderr as they come (SmolLM2-135M in fp32 takes ~20 min on one busy c
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import sys
 import time
@@ -270,7 +271,8 @@ def measure(
     rows = []
     for kv in kv_dtypes:
         t0 = time.perf_counter()
-        runner = driver = None  # (the last runner's pool freed before the next is made)
+        runner = driver = None
+        release_runners()
         runner = make_runner(kv, capacity)
         with SequenceDriver(runner, prompts) as driver:
             forced = teacher_forced(driver, reference)
@@ -285,7 +287,17 @@ def measure(
                 "seconds": time.perf_counter() - t0,
             }
         )
+    runner = driver = None
+    release_runners()
     return rows, reference
+
+
+def release_runners() -> None:
+    """Free the runners no longer referenced. A runner and its attention backend refer to each other,
+    so only the cycle collector frees one, and it runs by object counts, not bytes: without this a
+    run of several models and dtypes kept every runner's weights and pool (the OOM killer stopped
+    one at 14 GiB)."""
+    gc.collect()
 
 
 # ---------------------------------------------------------------------- CLI
@@ -331,6 +343,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.max_new_tokens < 2:
         p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill)")
     return args
+
+
+def save(
+    args: argparse.Namespace, pinning: Any, chosen: Sequence[Prompt], results: list[Any], skipped: list[str]
+) -> Path:
+    """The JSON of everything measured so far (rewritten after each model and dtype)."""
+    if args.output is None:
+        args.output = str(default_output_path("kv_cache_quality", "-".join(args.dtypes)))
+    return write_json(
+        args.output,
+        {
+            "kind": "kv_cache_quality",
+            "machine": machine_info(pinning),
+            "settings": vars(args),
+            "prompts": [q.name for q in chosen],
+            "results": results,
+            "skipped": skipped,
+        },
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -398,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{[len(r) for r in reference]}, contexts up to {max(contexts)}; {time.perf_counter() - t0:.0f} s",
                 file=sys.stderr,
             )
-            # (a long run's figures as they come: the whole table is printed at the end)
+            save(args, pinning, chosen, results, skipped)  # (a long run's figures kept as they come)
             print(format_table(rows[-len(found) :], COLUMNS, digits=4), file=sys.stderr, flush=True)
     print_table(
         rows,
@@ -410,17 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for note in skipped:
         print(f"skipped: {note}")
-    out = write_json(
-        args.output or default_output_path("kv_cache_quality", "-".join(args.dtypes)),
-        {
-            "kind": "kv_cache_quality",
-            "machine": machine_info(pinning),
-            "settings": vars(args),
-            "prompts": [q.name for q in chosen],
-            "results": results,
-            "skipped": skipped,
-        },
-    )
+    out = save(args, pinning, chosen, results, skipped)
     print(f"\nwrote {out}")
     return 0
 

@@ -28,6 +28,7 @@ bytes per token and bytes, per KV dtype.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -144,6 +145,8 @@ def measure_scenario(
     base = next((r["output_tok_s"] for r in rows if r["kv_cache_dtype"] == BASELINE), float("nan"))
     for row in rows:
         row["vs_auto"] = row["output_tok_s"] / base
+    runners.clear()
+    gc.collect()  # (a runner and its attention backend form a cycle: only gc frees their pools)
     return rows
 
 
@@ -167,6 +170,7 @@ def default_pools(make_runner: Callable[[str], Any], kv_dtypes: Sequence[str]) -
             }
         )
         del runner, pool
+        gc.collect()
     base = next((r["tokens"] for r in rows if r["kv_cache_dtype"] == BASELINE), float("nan"))
     for row in rows:
         row["vs_auto"] = row["tokens"] / base
