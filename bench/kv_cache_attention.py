@@ -58,19 +58,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24, help="whole decode steps timed per context")
     p.add_argument("--no-step", action="store_true", help="time the attention only (no model, no prefill)")
     p.add_argument("--threads", type=int, default=None, help="threads (default: one per cpu this process may use)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall-clock time, or this process's CPU time (with --threads 1: what a step costs, whoever else runs)",
+    )
     p.add_argument("--model", type=Path, default=None, help="a checkpoint for the whole step (default: built)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here (default: bench/results/)")
     p.add_argument("--no-json", action="store_true")
     return p.parse_args(argv)
 
 
-def median_ms(fn: Callable[[], Any], repeat: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def median_ms(fn: Callable[[], Any], repeat: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((clock() - start) * 1e3)
     return statistics.median(times)
 
 
@@ -156,7 +165,9 @@ def model_path(args: argparse.Namespace) -> Path:
     )
 
 
-def decode_step_ms(path: Path, name: str, contexts: list[int], steps: int) -> dict[int, float]:
+def decode_step_ms(
+    path: Path, name: str, contexts: list[int], steps: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[int, float]:
     """Per context: the median time of a whole decode step (after the context's chunked prefill)."""
     from runtime.engine.forward_batch import ForwardMode
     from runtime.engine.model_runner import ModelRunner
@@ -178,9 +189,9 @@ def decode_step_ms(path: Path, name: str, contexts: list[int], steps: int) -> di
         h.prefill([req], chunk_size=2048)
         times = []
         for _ in range(steps):
-            start = time.perf_counter()
+            start = clock()
             h.step([req], ForwardMode.DECODE)
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((clock() - start) * 1e3)
         out[context] = statistics.median(times[1:])  # (the first step gathers the mirror)
         h.reset()
     return out
@@ -195,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for context in args.contexts:
         for name in args.formats:
-            ms = median_ms(attention_step(args, name, context, torch.Generator().manual_seed(context)), args.repeat)
+            step = attention_step(args, name, context, torch.Generator().manual_seed(context))
+            ms = median_ms(step, args.repeat, CLOCKS[args.clock])
             rows.append({"context": context, "cache": name, "attention_ms": ms})
     if not args.no_step:
         path = model_path(args)
         for name in args.formats:
-            for context, ms in decode_step_ms(path, name, args.contexts, args.steps).items():
+            for context, ms in decode_step_ms(path, name, args.contexts, args.steps, CLOCKS[args.clock]).items():
                 row = next(r for r in rows if r["context"] == context and r["cache"] == name)
                 row["step_ms"], row["tok_s"] = ms, 1e3 / ms
     for row in rows:
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         columns += [("step_ms", "decode step ms"), ("tok_s", "tok/s"), ("tok_s_x", f"vs {args.formats[0]}")]
     title = (
         f"one user decoding, {args.layers} layers x {args.heads} heads / {args.kv_heads} KV heads x D {args.head_dim} "
-        f"(bf16 model), kernels {kernel_library.level()}, {pinning.num_threads} thread(s), medians"
+        f"(bf16 model), kernels {kernel_library.level()}, {pinning.num_threads} thread(s), {args.clock} time, medians"
     )
     print_table(rows, columns, title=title, digits=2)
     if not args.no_json:
