@@ -229,6 +229,8 @@ def test_server_info_replies_are_summed_and_kept_per_replica() -> None:
         "full_length_requests": 4,
         "context_len": 50,
         "max_running_requests": 16,
+        "kv_dtype": None,  # (the replicas' KVPoolSize said no format)
+        "kv_bytes_per_token": None,
     }
     assert merged["cache_hit_rate"] == pytest.approx(40 / 80)
     assert merged["memory_invariant"]["ok"] is True
