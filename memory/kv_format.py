@@ -36,6 +36,12 @@ _FLOAT_NAMES = {
     torch.float16: "float16",
     torch.float64: "float64",  # (the stub runner's)
 }
+# Each format's buffer element, looked up once (``storage`` is read on every reference store).
+_STORAGE: dict[str, torch.dtype] = {
+    **{name: dtype for dtype, name in _FLOAT_NAMES.items()},
+    "int8": torch.int8,
+    **{name: torch.uint8 for name in _FP8},  # (the fp8 bits)
+}
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,7 @@ class KVCacheFormat:
     @property
     def storage(self) -> torch.dtype:
         """The pool buffers' element dtype."""
-        if self.is_fp8:
-            return torch.uint8
-        if self.name == "int8":
-            return torch.int8
-        return {v: k for k, v in _FLOAT_NAMES.items()}[self.name]
+        return _STORAGE[self.name]
 
     def row_width(self, head_dim: int) -> int:
         """Elements of one (token, KV head) row of the pool: ``D``, or ``D + 4`` (int8: its scale)."""
@@ -74,7 +76,7 @@ class KVCacheFormat:
 
     def head_bytes(self, head_dim: int) -> int:
         """Bytes one token's K (or V) of one KV head takes."""
-        return self.row_width(head_dim) * torch.empty((), dtype=self.storage).element_size()
+        return self.row_width(head_dim) * self.storage.itemsize
 
     def quantize(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """``x [..., D]`` (any float dtype) as pool rows ``[..., row_width]`` of ``storage``: the
