@@ -24,6 +24,7 @@ if str(_TESTS.parent) not in sys.path:
 # Test modules import helpers from tests.support before pytest would rewrite their asserts.
 pytest.register_assert_rewrite("tests.support")
 
+from tests.support.background_typecheck import pytest_collection_finish, pytest_sessionfinish  # noqa: E402, F401
 from tests.support.checkpoints import CHECKPOINT_NAMES, ENCODER_CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
 
 if TYPE_CHECKING:
