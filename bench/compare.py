@@ -4,8 +4,9 @@ One invocation pins this process (cpu affinity + torch threads), starts a server
 (which inherits the affinity and gets the same thread count via OMP_NUM_THREADS),
 runs each workload ``--repeat`` times against it, stops it, then loads the same
 checkpoint in transformers with the same dtype and runs the same workloads
-``--repeat`` times. Rows are the medians over the repeats; the ratio row is
-tinyserve / baseline (above 1 means tinyserve is faster).
+``--repeat`` times. Each repeat draws its own prompts (``--seed`` + the repeat), the same for both
+engines, so no repeat is answered from a prefix cache. Rows are the medians over the repeats; the
+ratio row is tinyserve / baseline (above 1 means tinyserve is faster).
 
     python -m bench.compare --model bench --workload uniform shared-prefix --repeat 3 --device cpu
     python -m bench.compare --model bench --workload uniform shared-prefix --device cpu \
@@ -162,7 +163,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     serving.add_workload_args(parser)
     parser.add_argument("--repeat", type=int, default=3, help="runs per engine and workload; medians are quoted")
     parser.add_argument("--device", default="auto", help="both engines (auto: cuda when available)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="both engines")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="both engines; auto (with --baseline llamacpp, whose file fixes its own): launch.py's own choice "
+        "for this CPU, weights and quantization included (tinyserve's defaults)",
+    )
     parser.add_argument("--batch-size", type=int, default=hf_baseline.DEFAULT_BATCH_SIZE, help="baseline batch size")
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="tinyserve arrivals (default: all at once)"
@@ -233,6 +240,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         parser.error("--baseline llamacpp needs --llamacpp-server")
     if not llamacpp and (args.llamacpp_server or args.gguf or args.llamacpp_arg):
         parser.error("--llamacpp-server, --gguf and --llamacpp-arg go with --baseline llamacpp")
+    if args.dtype == "auto" and not llamacpp and not args.skip_baseline:
+        parser.error("--dtype auto goes with --baseline llamacpp (or --skip-baseline): the other baselines need one")
     if args.slots < 1 or args.llamacpp_ctx_per_slot < 1:
         parser.error("--slots and --llamacpp-ctx-per-slot must be >= 1")
     if args.workload is None:
@@ -256,7 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pinning = pin_threads(args.threads, parse_cpu_list(args.cpus) if args.cpus else None)
     model_path = serving.resolve_model_path(args)
-    workloads = serving.build_workloads(args, model_path)
+    # Fresh prompts per repeat (seed + repeat), the same ones for both engines: a repeat is never
+    # answered from an engine's prefix cache, and both engines see the same token lengths.
+    per_repeat = [
+        serving.build_workloads(argparse.Namespace(**{**vars(args), "seed": args.seed + rep}), model_path)
+        for rep in range(args.repeat)
+    ]
+    workloads = per_repeat[0]
     dims = ModelDims.from_path(model_path).as_dict()
     machine = machine_info(pinning)
     runs: list[dict[str, Any]] = []
@@ -266,14 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_ours:
         flags = ["--device", args.device, "--dtype", args.dtype, *server_flags]
         with serving.server_for(None, model_path, flags, None, pinning) as handle:
-            for rep in range(args.repeat):
+            for rep, rep_workloads in enumerate(per_repeat):
                 for run in serving.benchmark_workloads(
                     handle,
-                    workloads,
+                    rep_workloads,
                     request_rate=args.request_rate,
                     max_concurrency=args.max_concurrency,
                     stream=not args.no_stream,
-                    seed=args.seed,
+                    seed=args.seed + rep,
                     warmup=args.warmup,
                     timeout=None,
                     backend=backend,
@@ -294,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline_info = llamacpp_baseline.describe(config)
         for run in llamacpp_baseline.run_llamacpp_baseline(
             config,
-            workloads,
-            args.repeat,
+            per_repeat,
             stream=not args.no_stream,
             warmup=args.warmup,
             seed=args.seed,
@@ -312,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append(run)
     elif not args.skip_baseline:
         runner = hf_baseline.HFRunner(model_path, args.device, args.dtype)
-        for rep in range(args.repeat):
-            for wl in workloads:
+        for rep, rep_workloads in enumerate(per_repeat):
+            for wl in rep_workloads:
                 runner.warm_up(wl, args.batch_size, args.warmup)
                 run = hf_baseline.run_baseline(runner, wl, args.batch_size, dims, model_path)
                 run.update(repeat=rep, machine=machine)

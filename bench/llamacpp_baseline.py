@@ -129,8 +129,7 @@ def llama_server(
 
 def run_llamacpp_baseline(
     config: LlamaServerConfig,
-    workloads: Sequence[Any],
-    repeat: int,
+    per_repeat: Sequence[Sequence[Any]],
     *,
     stream: bool,
     warmup: int,
@@ -138,14 +137,15 @@ def run_llamacpp_baseline(
     env: dict[str, str] | None = None,
     log_path: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run records in serving.py's layout, one per (repeat, workload), from one llama-server."""
+    """Run records in serving.py's layout, one per (repeat, workload), from one llama-server:
+    ``per_repeat[r]`` are repeat r's workloads (each repeat its own prompts)."""
     from bench.load_runner import run_workload
     from bench.serving import summarize_run, warm_up
 
     via = {"backend": "http", "model": config.model_name, "extra_body": EXTRA_BODY}
     runs: list[dict[str, Any]] = []
     with llama_server(config, env=env, log_path=log_path) as url:
-        for rep in range(repeat):
+        for rep, workloads in enumerate(per_repeat):
             for wl in workloads:
                 warm_up(url, None, wl, warmup, stream=stream, **via)  # (as the timed run sends them)
                 records, duration = run_workload(url, wl, stream=stream, seed=seed, **via)

@@ -144,13 +144,16 @@ def test_a_llamacpp_run_starts_the_server_with_our_slots_and_threads_and_sends_t
     assert argv[argv.index("-c") + 1] == "768" and argv[argv.index("-t") + 1] == "1"
     bodies = [e["body"] for e in entries if "body" in e]
     data = read_json(out)
-    wanted = argparse.Namespace(
-        workload=["single", "uniform"], workload_arg=["prompt_len=5"], num_requests=2, max_new_tokens=3, seed=0
-    )
-    workloads = serving.build_workloads(wanted, str(checkpoint_folder(str(gguf))))  # the folder both engines read
-    prompts = sorted(r.input_ids for w in workloads for r in w.requests)
+    folder = str(checkpoint_folder(str(gguf)))  # the folder both engines read
+    prompts = []  # each repeat its own prompts (seed + repeat): no repeat is answered from a prefix cache
+    for seed in (0, 1):
+        wanted = argparse.Namespace(
+            workload=["single", "uniform"], workload_arg=["prompt_len=5"], num_requests=2, max_new_tokens=3, seed=seed
+        )
+        prompts.append(sorted(r.input_ids for w in serving.build_workloads(wanted, folder) for r in w.requests))
+    assert prompts[0] != prompts[1]
     assert len(bodies) == 2 * 2 * 4  # per repeat: each workload's warm-up and timed run (2 requests each)
-    assert sorted(b["prompt"] for b in bodies if b["max_tokens"] == 3) == sorted(prompts * 2)
+    assert sorted(b["prompt"] for b in bodies if b["max_tokens"] == 3) == sorted(prompts[0] + prompts[1])
     assert {b["max_tokens"] for b in bodies} == {2, 3}  # warm-ups ask for 2 tokens
     assert all(
         b["temperature"] == 0.0 and b["ignore_eos"] and b["cache_prompt"] is False and not b["stream"] for b in bodies
