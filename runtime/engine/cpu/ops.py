@@ -36,6 +36,7 @@ from runtime.engine.cpu.weight_plan import (
     plan_model,
     unplanned_linear,
 )
+from runtime.engine.ops.experts import ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
@@ -95,6 +96,13 @@ class CpuOps(TorchOps):
     ) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # one pass, torch's roundings
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
+
+    def moe_route(self, logits: torch.Tensor, top_k: int, renormalize: bool, in_model_dtype: bool) -> ExpertRouting:
+        routed = cpu_kernels.moe_route(logits, top_k, renormalize)  # csrc/moe_mlp.c: the one-call stack's routing
+        if routed is None:
+            return super().moe_route(logits, top_k, renormalize, in_model_dtype)
+        ids, weights = routed
+        return ExpertRouting(ids=ids, weights=weights.to(logits.dtype) if in_model_dtype else weights)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
         cos, sin = rope_cos_sin(rope, q.dtype)

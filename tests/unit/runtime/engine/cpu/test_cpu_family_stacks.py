@@ -25,7 +25,7 @@ from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import DTYPES, _decode_logits, needs_fp32_kernels
 
-FAMILIES = ["qwen2", "qwen3", "phi3_longrope"]
+FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "qwen3_moe", "olmoe"]
 STEPS = 8  # decode tokens per request (phi3_longrope's prompts and outputs stay under PHI3_ORIGINAL_MAX)
 
 
@@ -79,7 +79,7 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @needs_fp32_kernels
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe", "olmoe"])
 def test_kept_quantized_gguf_in_the_call_bit_for_bit(
     name: str, tiny_checkpoints: TinyCheckpoints, gguf_files: Path, calls: list[bool]
 ) -> None:
