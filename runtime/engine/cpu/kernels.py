@@ -71,6 +71,8 @@ declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 declare("moe_route", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr], None)
 for _suffix in ("bf16", "f32"):
+    declare(f"moe_router_{_suffix}", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], _int)
+for _suffix in ("bf16", "f32"):
     declare(f"rmsnorm_heads_{_suffix}", [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None)
 
 # dtype -> the suffix of its elementwise kernels (silu_mul_*, rmsnorm_*, rotary_*)
@@ -346,6 +348,23 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
         logits.data_ptr(), logits.element_size(), t, e, top_k, int(renormalize), ids.data_ptr(), weights.data_ptr()
     )
     return ids, weights
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x [T, H] @ weight [E, H]^T`` as fp32 dot products rounded to the dtype (csrc/moe_mlp.c: the
+    router product the one-call decode stack runs where no kernel set reads the router's weight),
+    or None where the kernel does not apply (both contiguous, one dtype: bf16 or fp32)."""
+    suffix = _elementwise_suffix(x, weight)
+    if suffix is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    getattr(lib, f"moe_router_{suffix}")(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], x.shape[1], None, out.data_ptr()
+    )
+    return out
 
 
 def merge_attention(

@@ -34,6 +34,7 @@ from runtime.engine.cpu.weight_plan import (
     plan_linear,
     plan_linear_silu_mul,
     plan_model,
+    stack_kernels,
     unplanned_linear,
 )
 from runtime.engine.ops.experts import ExpertRouting
@@ -97,10 +98,29 @@ class CpuOps(TorchOps):
         fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # one pass, torch's roundings
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
 
-    def moe_route(self, logits: torch.Tensor, top_k: int, renormalize: bool, in_model_dtype: bool) -> ExpertRouting:
-        routed = cpu_kernels.moe_route(logits, top_k, renormalize)  # csrc/moe_mlp.c: the one-call stack's routing
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        """The router's product and the routing as the one-call decode stack runs them (csrc/moe_mlp.c):
+        the product on the plan's kernel where a kernel set of the stack runs it, else the plain dot
+        kernel where it applies; the routing kernel (softmax, top-k) on its logits."""
+        current = _current(plan, weight)
+        rows = x.numel() // max(x.shape[-1], 1)
+        band = current.band(rows, x.dtype) if current is not None else None
+        logits = None
+        if stack_kernels(band, x.dtype) is None and isinstance(weight, torch.Tensor) and x.dim() == 2:
+            logits = cpu_kernels.router_logits(x, weight)
+        if logits is None:
+            logits = self.linear(x, weight, None, plan)
+        routed = cpu_kernels.moe_route(logits, top_k, renormalize)
         if routed is None:
-            return super().moe_route(logits, top_k, renormalize, in_model_dtype)
+            return super().moe_route(x, weight, plan, top_k, renormalize, in_model_dtype)
         ids, weights = routed
         return ExpertRouting(ids=ids, weights=weights.to(logits.dtype) if in_model_dtype else weights)
 

@@ -79,6 +79,7 @@ class CMoeLayer(ctypes.Structure):
 
 # csrc/moe_mlp.h: MOE_ROUTER_*, the kernel of a router kept dense in a set whose linears read blocks
 _DENSE_ROUTERS = {"qf32": ("f32", 1), "qbf16": ("dp", 2)}
+_DOT_ROUTER = 4  # MOE_ROUTER_DOT: a router no set's kernel reads, on the plain dot kernel
 
 
 class _QuantWeight(ctypes.Structure):
@@ -278,12 +279,14 @@ def describe_experts(
         dense, router_code = _DENSE_ROUTERS[kernels]
         router = router_plan.band_of(dense)
         router = router if router is not None and stack_kernels(router, dtype) == dense else None
-    if router is None or tuple(experts.router.weight.shape) != (num, hidden) or experts.router.bias is not None:
+    weight = experts.router.weight
+    dot = router is None and router_plan is not None and _dot_router(router_plan, weight, dtype)
+    if not (router is not None or dot) or tuple(weight.shape) != (num, hidden) or experts.router.bias is not None:
         return None
     inter = experts.down[0].weight.shape[1]
     if kernels == "amx" and inter % 32:
         return None  # (the fused AMX gate/up kernel's column blocks)
-    rows = router.rows
+    rows = router.rows if router is not None else range(1, 1 << 62)
     addresses: list[list[int]] = [[], []]
     for linears, shape, out in ((experts.gate_up, (2 * inter, hidden), 0), (experts.down, (hidden, inter), 1)):
         for linear in linears:
@@ -295,19 +298,32 @@ def describe_experts(
             rows = range(max(rows.start, 1), min(rows.stop, stop))
             addresses[out].append(_address(band, quant))
     gate_up, down = ((ctypes.c_void_p * num)(*column) for column in addresses)
+    router_address = _address(router, quant) if router is not None else weight.data_ptr()
     moe = CMoeLayer(
         num,
         experts.top_k,
         inter,
         experts.renormalize,
         experts.weights_in_model_dtype,
-        router_code,
-        _address(router, quant),
+        router_code if router is not None else _DOT_ROUTER,
+        router_address,
         ctypes.addressof(gate_up),
         ctypes.addressof(down),
     )
     keep.extend((moe, gate_up, down))
     return moe, rows
+
+
+def _dot_router(plan: CpuWeightPlan, weight: Any, dtype: torch.dtype) -> bool:
+    """Whether the router's product runs on the plain dot kernel (MOE_ROUTER_DOT) on both paths: no
+    band of its plan is a kernel set's (too few experts to pack), and its weight is dense, contiguous,
+    of the set's dtype (``CpuOps.moe_route``)."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == dtype
+        and weight.is_contiguous()
+        and all(stack_kernels(band, dtype) is None for band in plan.bands)
+    )
 
 
 def _leading_rows(plan: CpuWeightPlan, band: KernelBand, dtype: torch.dtype) -> int:

@@ -123,12 +123,12 @@ class SparseMoeMLP(ExpertLayer):
             weights_in_model_dtype=self.moe.weights_in_model_dtype,
         )
 
-    def _route(self, logits: torch.Tensor) -> ExpertRouting:
-        moe = self.moe
-        return self.ops.moe_route(logits, moe.top_k, moe.renormalize, moe.weights_in_model_dtype)
+    def _route(self, x: torch.Tensor) -> ExpertRouting:
+        moe, gate = self.moe, self.gate
+        return self.ops.moe_route(x, gate.weight, gate.plan, moe.top_k, moe.renormalize, moe.weights_in_model_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.moe_experts(x, self._route(self.gate(x)), self)
+        out = self.ops.moe_experts(x, self._route(x), self)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return tensor_model_parallel_all_reduce(out, self.tp_size)

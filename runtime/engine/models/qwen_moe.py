@@ -24,7 +24,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.ops import DeviceOps
-from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription, RoutedExperts
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

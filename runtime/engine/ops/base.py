@@ -147,11 +147,19 @@ class DeviceOps(Protocol):
         """``F.gelu(x)``, the exact (erf) GELU, as a new tensor (an encoder's ungated MLP)."""
         ...
 
-    def moe_route(self, logits: torch.Tensor, top_k: int, renormalize: bool, in_model_dtype: bool) -> ExpertRouting:
-        """Each token's ``top_k`` experts from its router ``logits [T, E]`` (the model's dtype): the
-        softmax's fp32 probabilities' top k, in descending order, divided by their sum where
-        ``renormalize``, rounded to ``logits``' dtype where ``in_model_dtype``
-        (``runtime.engine.ops.experts.route_experts``: transformers' routers)."""
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        """Each token's ``top_k`` experts for ``x [T, H]`` from its router logits ``linear(x, weight,
+        None, plan)`` ``[T, E]`` (the model's dtype): the softmax's fp32 probabilities' top k, in
+        descending order, divided by their sum where ``renormalize``, rounded to the logits' dtype
+        where ``in_model_dtype`` (``runtime.engine.ops.experts.route_experts``: transformers' routers)."""
         ...
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:

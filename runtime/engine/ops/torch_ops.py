@@ -125,8 +125,16 @@ class TorchOps:
     def gelu(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x)  # as transformers' ACT2FN["gelu"]
 
-    def moe_route(self, logits: torch.Tensor, top_k: int, renormalize: bool, in_model_dtype: bool) -> ExpertRouting:
-        return route_experts(logits, top_k, renormalize, in_model_dtype)
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        return route_experts(self.linear(x, weight, None, plan), top_k, renormalize, in_model_dtype)
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         if x.shape[0] == 1:

@@ -284,6 +284,7 @@ static MoeLinear router_linear(const Kernels* kn, int64_t code)
     case MOE_ROUTER_F32: return linear_f;
     case MOE_ROUTER_DP: return linear_dp;
     case MOE_ROUTER_AMX: return linear_amx;
+    case MOE_ROUTER_DOT: return kn->elem == 2 ? moe_router_bf16 : moe_router_f32;
     default: return kn->linear;
     }
 }

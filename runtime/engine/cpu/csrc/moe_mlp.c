@@ -54,6 +54,34 @@ void moe_route(const void* logits, int64_t elem, int64_t T, int64_t E, int64_t t
     }
 }
 
+int moe_router_bf16(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                    void* out)
+{
+    (void)bias;
+    const uint16_t *xb = (const uint16_t*)x, *wb = (const uint16_t*)w;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t e = 0; e < n; ++e) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < k; ++j) acc += bf16_to_f32(xb[r * ldx + j]) * bf16_to_f32(wb[e * k + j]);
+            ((uint16_t*)out)[r * n + e] = f32_to_bf16(acc);
+        }
+    return 0;
+}
+
+int moe_router_f32(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                   void* out)
+{
+    (void)bias;
+    const float *xf = (const float*)x, *wf = (const float*)w;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t e = 0; e < n; ++e) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < k; ++j) acc += xf[r * ldx + j] * wf[e * k + j];
+            ((float*)out)[r * n + e] = acc;
+        }
+    return 0;
+}
+
 static _Thread_local char* moe_buffer;
 static _Thread_local int64_t moe_bytes;
 

@@ -21,7 +21,15 @@ typedef struct {
 
 /* Which kernel runs the router in a set whose linears read quantized blocks (a GGUF file keeps its
  * router dense): the set's own, or the dense kernel of its dtype the router's plan gives. */
-enum { MOE_ROUTER_SET = 0, MOE_ROUTER_F32, MOE_ROUTER_DP, MOE_ROUTER_AMX };
+enum { MOE_ROUTER_SET = 0, MOE_ROUTER_F32, MOE_ROUTER_DP, MOE_ROUTER_AMX, MOE_ROUTER_DOT };
+
+/* A router whose weight no kernel set reads (too few experts for a packed copy: MOE_ROUTER_DOT):
+ * out [m, E] = x [m, k] (rows ldx apart) times w [E, k], as plain dot products in fp32 rounded to
+ * the type (CpuOps.moe_route runs it too). The bias is unused (routers have none); returns 0. */
+int moe_router_bf16(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                    void* out);
+int moe_router_f32(const void* x, int64_t m, int64_t ldx, const void* w, int64_t n, int64_t k, const void* bias,
+                   void* out);
 
 /* One sparse layer (runtime/engine/cpu/stack_description.py: CMoeLayer). */
 typedef struct MoeLayer {
