@@ -298,7 +298,11 @@ def describe_experts(
             rows = range(max(rows.start, 1), min(rows.stop, stop))
             addresses[out].append(_address(band, quant))
     gate_up, down = ((ctypes.c_void_p * num)(*column) for column in addresses)
-    router_address = _address(router, quant) if router is not None else weight.data_ptr()
+    if router is not None:
+        router_address = _address(router, quant)
+    else:
+        assert isinstance(weight, torch.Tensor)  # (_dot_router)
+        router_address = weight.data_ptr()
     moe = CMoeLayer(
         num,
         experts.top_k,

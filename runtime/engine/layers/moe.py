@@ -111,9 +111,10 @@ class SparseMoeMLP(ExpertLayer):
         return mlp.gate_up_proj.plan, mlp.down_proj.plan
 
     def routed_experts(self) -> RoutedExperts:
-        """The router and every expert's linears for a device's whole-layer kernels (all experts
-        local: the stack takes no expert parallelism, ``tp_size == 1``)."""
-        ids = range(self.num_experts)
+        """The router and this rank's experts' linears for a device's whole-layer kernels (every
+        expert without expert parallelism; with it, fewer than the router's rows, which such a
+        device declines)."""
+        ids = self.local_experts
         return RoutedExperts(
             router=self.gate,
             gate_up=tuple(self._by_id[expert].gate_up_proj for expert in ids),

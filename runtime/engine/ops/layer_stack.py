@@ -60,7 +60,8 @@ class RoutedExperts:
     reads their weights and plans), and how the top-k weights are made (``runtime.engine.layers.moe``)."""
 
     router: LinearWeightLayer  # [num_experts, hidden]
-    gate_up: tuple[LinearWeightLayer, ...]  # per expert: [2 * inter, hidden], gate rows first
+    # per expert this rank holds, in id order (all of them but under expert parallelism)
+    gate_up: tuple[LinearWeightLayer, ...]  # [2 * inter, hidden], gate rows first
     down: tuple[LinearWeightLayer, ...]  # per expert: [hidden, inter]
     top_k: int
     renormalize: bool  # the top-k weights divided by their sum
