@@ -30,11 +30,12 @@ from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
 from runtime.engine.cpu.weight_plan import (
+    DOT_ROUTER_ROWS,
     CpuWeightPlan,
+    dot_router,
     plan_linear,
     plan_linear_silu_mul,
     plan_model,
-    stack_kernels,
     unplanned_linear,
 )
 from runtime.engine.ops.experts import ExpertRouting
@@ -108,13 +109,13 @@ class CpuOps(TorchOps):
         in_model_dtype: bool,
     ) -> ExpertRouting:
         """The router's product and the routing as the one-call decode stack runs them (csrc/moe_mlp.c):
-        the product on the plan's kernel where a kernel set of the stack runs it, else the plain dot
-        kernel where it applies; the routing kernel (softmax, top-k) on its logits."""
+        the product on the plan's kernel, or for a decode step's rows of a router no kernel set reads,
+        the plain dot kernel (``dot_router``); the routing kernel (softmax, top-k) on its logits."""
         current = _current(plan, weight)
         rows = x.numel() // max(x.shape[-1], 1)
-        band = current.band(rows, x.dtype) if current is not None else None
         logits = None
-        if stack_kernels(band, x.dtype) is None and isinstance(weight, torch.Tensor) and x.dim() == 2:
+        if current is not None and rows in DOT_ROUTER_ROWS and dot_router(current, x.dtype) and x.dim() == 2:
+            assert isinstance(weight, torch.Tensor)  # (dot_router)
             logits = cpu_kernels.router_logits(x, weight)
         if logits is None:
             logits = self.linear(x, weight, None, plan)

@@ -21,10 +21,12 @@ import torch
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu.quant_kernels import kind_code
 from runtime.engine.cpu.weight_plan import (
+    DOT_ROUTER_ROWS,
     QUANT_SETS,
     STACK_DTYPES,
     CpuWeightPlan,
     KernelBand,
+    dot_router,
     layer_plan,
     stack_kernels,
 )
@@ -280,13 +282,13 @@ def describe_experts(
         router = router_plan.band_of(dense)
         router = router if router is not None and stack_kernels(router, dtype) == dense else None
     weight = experts.router.weight
-    dot = router is None and router_plan is not None and _dot_router(router_plan, weight, dtype)
+    dot = router is None and router_plan is not None and dot_router(router_plan, dtype)
     if not (router is not None or dot) or tuple(weight.shape) != (num, hidden) or experts.router.bias is not None:
         return None
     inter = experts.down[0].weight.shape[1]
     if kernels == "amx" and inter % 32:
         return None  # (the fused AMX gate/up kernel's column blocks)
-    rows = router.rows if router is not None else range(1, 1 << 62)
+    rows = router.rows if router is not None else DOT_ROUTER_ROWS
     addresses: list[list[int]] = [[], []]
     for linears, shape, out in ((experts.gate_up, (2 * inter, hidden), 0), (experts.down, (hidden, inter), 1)):
         for linear in linears:
@@ -301,7 +303,7 @@ def describe_experts(
     if router is not None:
         router_address = _address(router, quant)
     else:
-        assert isinstance(weight, torch.Tensor)  # (_dot_router)
+        assert isinstance(weight, torch.Tensor)  # (dot_router)
         router_address = weight.data_ptr()
     moe = CMoeLayer(
         num,
@@ -316,18 +318,6 @@ def describe_experts(
     )
     keep.extend((moe, gate_up, down))
     return moe, rows
-
-
-def _dot_router(plan: CpuWeightPlan, weight: Any, dtype: torch.dtype) -> bool:
-    """Whether the router's product runs on the plain dot kernel (MOE_ROUTER_DOT) on both paths: no
-    band of its plan is a kernel set's (too few experts to pack), and its weight is dense, contiguous,
-    of the set's dtype (``CpuOps.moe_route``)."""
-    return (
-        isinstance(weight, torch.Tensor)
-        and weight.dtype == dtype
-        and weight.is_contiguous()
-        and all(stack_kernels(band, dtype) is None for band in plan.bands)
-    )
 
 
 def _leading_rows(plan: CpuWeightPlan, band: KernelBand, dtype: torch.dtype) -> int:

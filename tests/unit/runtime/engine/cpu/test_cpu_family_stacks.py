@@ -19,11 +19,13 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime.engine.cpu import decode_layers, kernel_library, kernels
 from runtime.engine.cpu.kernel_report import describe
 from runtime.engine.cpu.prepacked import fp32_panel_rows
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops.experts import route_experts
 from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
@@ -135,3 +137,30 @@ def test_the_head_norm_kernel_is_each_heads_rmsnorm(level: str, dtype: torch.dty
             expected = weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float()
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(normed.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_routing_kernels_choose_as_transformers_routers(dtype: torch.dtype) -> None:
+    """The router product and routing that both paths run for a sparse layer (csrc/moe_mlp.c): the dot
+    kernel within rounding of F.linear; the softmax's top-k the experts torch.topk picks, in its order,
+    their weights within an ulp of torch's (renormalised to sum to 1 where asked), the lower id first
+    among equal probabilities."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    weight = torch.randn(6, 64, generator=gen).to(dtype)
+    logits = kernels.router_logits(x, weight)
+    assert logits is not None and logits.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits.float(), F.linear(x.float(), weight.float()), rtol=tol, atol=tol)
+    for renormalize in (False, True):
+        routed = kernels.moe_route(logits, 2, renormalize)
+        assert routed is not None
+        ids, weights = routed
+        reference = route_experts(logits, 2, renormalize, in_model_dtype=False)
+        assert torch.equal(ids, reference.ids)
+        torch.testing.assert_close(weights, reference.weights, rtol=2e-7, atol=1e-7)
+        sums = weights.sum(-1)
+        assert torch.allclose(sums, torch.ones_like(sums)) == renormalize
+    tied = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0, 0.0]], dtype=dtype)
+    routed = kernels.moe_route(tied, 2, False)
+    assert routed is not None and routed[0].tolist() == [[1, 2]]
