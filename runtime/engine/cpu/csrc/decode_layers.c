@@ -1,7 +1,8 @@
 /* A decode step's decoder layers in one call: for each layer, the same kernels in the same order
  * as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv linear,
  * each q and k head's RMSNorm where the layer has them (head_norm.c), rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
- * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear), so the results are
+ * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear, or a sparse layer's
+ * routed experts: moe_mlp.c), so the results are
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
