@@ -69,6 +69,9 @@ declare("argmax_rows_f32", [_ptr, _i64, _i64, _i64, _ptr], None)
 declare("silu_mul_f32", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
+declare("moe_route", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr], None)
+for _suffix in ("bf16", "f32"):
+    declare(f"moe_router_{_suffix}", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], _int)
 for _suffix in ("bf16", "f32"):
     declare(f"rmsnorm_heads_{_suffix}", [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None)
 
@@ -280,6 +283,9 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     operand contiguous, one dtype (bf16 with ``H <= MAX_NORM_HIDDEN``, or fp32); or, without a
     residual, ``x [T, heads, D]`` with packed heads in strided rows (a per-head q/k norm)."""
     if residual is None and not x.is_contiguous():
+        if x.dim() == 2:  # strided rows (a q or k part of a fused qkv output, normed whole: OLMoE)
+            rows = _rms_norm_heads(x.unsqueeze(1), weight, eps)
+            return rows.view(x.shape) if rows is not None else None
         return _rms_norm_heads(x, weight, eps)
     tensors = (x, weight) if residual is None else (x, weight, residual)
     hidden = x.shape[-1]
@@ -321,6 +327,42 @@ def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     assert lib is not None
     getattr(lib, f"rmsnorm_heads_{suffix}")(
         x.data_ptr(), t, x.stride(0), heads, d, weight.data_ptr(), float(eps), out.data_ptr(), heads * d
+    )
+    return out
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's ``top_k`` experts from router ``logits [T, E]`` (bf16 or fp32, contiguous) as
+    ``(ids int64 [T, k], fp32 weights [T, k])``: the softmax's fp32 probabilities' largest (the lower
+    id first among equals), divided by their sum where ``renormalize`` (csrc/moe_mlp.c: the routing
+    the one-call decode stack runs, so both paths route alike); None where the kernel does not apply."""
+    if logits.dim() != 2 or _elementwise_suffix(logits) is None or not 0 < top_k <= logits.shape[1]:
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    lib.moe_route(
+        logits.data_ptr(), logits.element_size(), t, e, top_k, int(renormalize), ids.data_ptr(), weights.data_ptr()
+    )
+    return ids, weights
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x [T, H] @ weight [E, H]^T`` as fp32 dot products rounded to the dtype (csrc/moe_mlp.c: the
+    router product the one-call decode stack runs where no kernel set reads the router's weight),
+    or None where the kernel does not apply (both contiguous, one dtype: bf16 or fp32)."""
+    suffix = _elementwise_suffix(x, weight)
+    if suffix is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    getattr(lib, f"moe_router_{suffix}")(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], x.shape[1], None, out.data_ptr()
     )
     return out
 

@@ -30,12 +30,15 @@ from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
 from runtime.engine.cpu.kernel_report import describe, kernel_report
 from runtime.engine.cpu.weight_plan import (
+    DOT_ROUTER_ROWS,
     CpuWeightPlan,
+    dot_router,
     plan_linear,
     plan_linear_silu_mul,
     plan_model,
     unplanned_linear,
 )
+from runtime.engine.ops.experts import ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
@@ -95,6 +98,32 @@ class CpuOps(TorchOps):
     ) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, residual, weight, eps)  # one pass, torch's roundings
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual)
+
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        """The router's product and the routing as the one-call decode stack runs them (csrc/moe_mlp.c):
+        the product on the plan's kernel, or for a decode step's rows of a router no kernel set reads,
+        the plain dot kernel (``dot_router``); the routing kernel (softmax, top-k) on its logits."""
+        current = _current(plan, weight)
+        rows = x.numel() // max(x.shape[-1], 1)
+        logits = None
+        if current is not None and rows in DOT_ROUTER_ROWS and dot_router(current, x.dtype) and x.dim() == 2:
+            assert isinstance(weight, torch.Tensor)  # (dot_router)
+            logits = cpu_kernels.router_logits(x, weight)
+        if logits is None:
+            logits = self.linear(x, weight, None, plan)
+        routed = cpu_kernels.moe_route(logits, top_k, renormalize)
+        if routed is None:
+            return super().moe_route(x, weight, plan, top_k, renormalize, in_model_dtype)
+        ids, weights = routed
+        return ExpertRouting(ids=ids, weights=weights.to(logits.dtype) if in_model_dtype else weights)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
         cos, sin = rope_cos_sin(rope, q.dtype)

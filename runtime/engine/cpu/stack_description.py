@@ -21,14 +21,16 @@ import torch
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu.quant_kernels import kind_code
 from runtime.engine.cpu.weight_plan import (
+    DOT_ROUTER_ROWS,
     QUANT_SETS,
     STACK_DTYPES,
     CpuWeightPlan,
     KernelBand,
+    dot_router,
     layer_plan,
     stack_kernels,
 )
-from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription, RoutedExperts
 from runtime.engine.quant.weight import KEPT_WEIGHTS
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -65,6 +67,21 @@ class CLayer(ctypes.Structure):
     _fields_ += [("k_scales", _ptr), ("v_scales", _ptr)]  # a quantized mirror's per-key scales (int8), per step
     _fields_ += [("k_scale", _f32), ("v_scale", _f32)]  # a quantized pool's layer scales (fp8), per step
     _fields_ += [("q_norm", _ptr), ("k_norm", _ptr), ("qk_eps", _f32)]  # per-head q/k norms (NULL: none)
+    _fields_ += [("qk_whole", _i64), ("clip", _f32)]  # OLMoE: the norms span the projection; the q/k/v clamp (0: none)
+    _fields_ += [("moe", _ptr)]  # a sparse layer's CMoeLayer (NULL: a dense MLP)
+
+
+class CMoeLayer(ctypes.Structure):
+    """csrc/moe_mlp.h: MoeLayer (a sparse layer's router and experts, ``RoutedExperts``)."""
+
+    _fields_ = [
+        (name, _i64) for name in ("experts", "top_k", "inter", "renormalize", "round_weights", "router_kernel")
+    ] + [("router", _ptr), ("gate_up", _ptr), ("down", _ptr)]
+
+
+# csrc/moe_mlp.h: MOE_ROUTER_*, the kernel of a router kept dense in a set whose linears read blocks
+_DENSE_ROUTERS = {"qf32": ("f32", 1), "qbf16": ("dp", 2)}
+_DOT_ROUTER = 4  # MOE_ROUTER_DOT: a router no set's kernel reads, on the plain dot kernel
 
 
 class _QuantWeight(ctypes.Structure):
@@ -84,8 +101,10 @@ class _QuantWeight(ctypes.Structure):
 
 
 # What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
-# dense silu-gated MLP, neox rotary halves over any share of the head, full attention, RMSNorm of
-# each q and k head before RoPE or none, no clamp, no soft-cap, and a bias on the qkv projection only.
+# dense silu-gated MLP or routed silu-gated experts without a shared expert (csrc/moe_mlp.c), neox
+# rotary halves over any share of the head, full attention, RMSNorm of each q and k head or of the
+# whole q and k projections before RoPE or none, q/k/v clamped or not, no soft-cap, and a bias on
+# the qkv projection only.
 C_ACTIVATIONS = ("silu", "swish")
 
 
@@ -96,11 +115,11 @@ def c_layer_declines(description: LayerDescription) -> str | None:
         (description.norm == "rms", f"norm form {description.norm}"),
         (description.norm_placement == "pre", f"{description.norm_placement} norms"),
         (description.activation in C_ACTIVATIONS, f"activation {description.activation}"),
-        (description.mlp == "dense", f"{description.mlp} MLP"),
+        (description.mlp in ("dense", "experts"), f"{description.mlp} MLP"),
+        (not description.shared_expert, "a shared expert"),
         (description.rope_style == "neox", f"rope style {description.rope_style}"),
         (description.rotary_dim <= description.head_dim, "rotary dims past the head"),
-        (description.qk_norm in (None, "head"), f"q/k norm over the {description.qk_norm}"),
-        (description.qkv_clip is None, "a q/k/v clamp"),
+        (description.qk_norm in (None, "head", "projection"), f"q/k norm over the {description.qk_norm}"),
         (description.attn_softcap is None, "an attention soft-cap"),
         (description.window is None, "a sliding window"),
         (not description.o_bias and not description.mlp_bias, "biases past the qkv projection"),
@@ -129,6 +148,7 @@ class StackDescription:
     # (their addresses are in the layers' ``lora`` entries), else None: a step with adapters runs the layers
     lora_shape: tuple[int, int] | None = None
     lora_keep: list[torch.Tensor] = field(default_factory=list, repr=False)  # the part_rows arrays the layers point at
+    moe_keep: list[Any] = field(default_factory=list, repr=False)  # the sparse layers' CMoeLayer s and address arrays
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,7 +195,8 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
     first = layers[0]
     dtype = STACK_DTYPES[kernels]
     q_heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.description.head_dim
-    hidden, inter = first.input_norm.shape[0], first.down.weight.shape[1]
+    hidden = first.input_norm.shape[0]
+    inter = next((layer.down.weight.shape[1] for layer in layers if layer.down is not None), 0)
     eps, scale = first.input_norm_eps, first.scaling
     group = q_heads // kv_heads
     if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
@@ -184,6 +205,7 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
         return None
     array = (CLayer * len(layers))()
     quant: list[_QuantWeight] = []
+    moe_keep: list[Any] = []
     rows = range(0, 1 << 62)
     for layer, entry in zip(layers, array):
         if layer.tp_size != 1 or layer.scaling != scale:
@@ -196,18 +218,19 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
             for norm, norm_eps in norms
         ):
             return None
-        shapes = (
-            ((q_heads + 2 * kv_heads) * head_dim, hidden),
-            (hidden, q_heads * head_dim),
-            (2 * inter, hidden),
-            (hidden, inter),
-        )
-        bands = [_linear_band(layer_plan(linear), kernels) for linear in layer.linears]
+        shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim)]
+        linears = [layer.qkv, layer.o]
+        if layer.experts is None:
+            if layer.gate_up is None or layer.down is None:
+                return None
+            shapes += [(2 * inter, hidden), (hidden, inter)]
+            linears += [layer.gate_up, layer.down]
+        bands = [_linear_band(layer_plan(linear), kernels) for linear in linears]
         if any(band is None for band in bands) or any(
-            tuple(linear.weight.shape) != shape for linear, shape in zip(layer.linears, shapes)
+            tuple(linear.weight.shape) != shape for linear, shape in zip(linears, shapes)
         ):
             return None
-        if kernels == "amx" and inter % 32:
+        if kernels == "amx" and layer.experts is None and inter % 32:
             return None  # (the fused AMX gate/up kernel's column blocks)
         bias = layer.qkv.bias
         if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
@@ -218,26 +241,111 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
             assert band is not None
             rows = range(max(rows.start, band.rows.start), min(rows.stop, band.rows.stop))
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-        entry.qkv, entry.o, entry.gate_up, entry.down = (_address(band, quant) for band in bands if band is not None)
+        addresses = [_address(band, quant) for band in bands if band is not None]
+        entry.qkv, entry.o = addresses[:2]
+        if layer.experts is not None:
+            described = describe_experts(layer.experts, kernels, hidden, quant, moe_keep)
+            if described is None:
+                return None
+            moe, expert_rows = described
+            rows = range(max(rows.start, expert_rows.start), min(rows.stop, expert_rows.stop))
+            entry.moe = ctypes.addressof(moe)
+        else:
+            entry.gate_up, entry.down = addresses[2:]
         entry.qkv_bias = bias.data_ptr() if bias is not None else None
         if layer.q_norm is not None and layer.k_norm is not None:
             entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
             entry.qk_eps = layer.qk_norm_eps
+            entry.qk_whole = layer.description.qk_norm == "projection"
+        entry.clip = layer.description.qkv_clip or 0.0
     description = StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
+    description.moe_keep = moe_keep
     description.lora_shape = _describe_lora(layers, array, dtype, description.lora_keep)
     return description
 
 
+def describe_experts(
+    experts: RoutedExperts, kernels: str, hidden: int, quant: list[_QuantWeight], keep: list[Any]
+) -> tuple[CMoeLayer, range] | None:
+    """A sparse layer's ``CMoeLayer`` on the set ``kernels`` and the step sizes it takes (each
+    appended to ``keep`` with the arrays of the experts' addresses, which keeps them alive), or None
+    where the C call would not run its products on the kernels the layer's own loop takes: the
+    router's n rows on the set's linear (or, in a set reading blocks, a router kept dense on the
+    dense kernel of its dtype), and every expert's products of m rows, for every m up to the step's,
+    on the set's linear."""
+    dtype = STACK_DTYPES[kernels]
+    num = len(experts.gate_up)
+    router_plan = layer_plan(experts.router)
+    router, router_code = _linear_band(router_plan, kernels), 0
+    if router is None and router_plan is not None and kernels in _DENSE_ROUTERS:
+        dense, router_code = _DENSE_ROUTERS[kernels]
+        router = router_plan.band_of(dense)
+        router = router if router is not None and stack_kernels(router, dtype) == dense else None
+    weight = experts.router.weight
+    dot = router is None and router_plan is not None and dot_router(router_plan, dtype)
+    if not (router is not None or dot) or tuple(weight.shape) != (num, hidden) or experts.router.bias is not None:
+        return None
+    inter = experts.down[0].weight.shape[1]
+    if kernels == "amx" and inter % 32:
+        return None  # (the fused AMX gate/up kernel's column blocks)
+    rows = router.rows if router is not None else DOT_ROUTER_ROWS
+    addresses: list[list[int]] = [[], []]
+    for linears, shape, out in ((experts.gate_up, (2 * inter, hidden), 0), (experts.down, (hidden, inter), 1)):
+        for linear in linears:
+            plan = layer_plan(linear)
+            band = _linear_band(plan, kernels)
+            if plan is None or band is None or tuple(linear.weight.shape) != shape or linear.bias is not None:
+                return None
+            stop = _leading_rows(plan, band, dtype)
+            rows = range(max(rows.start, 1), min(rows.stop, stop))
+            addresses[out].append(_address(band, quant))
+    gate_up, down = ((ctypes.c_void_p * num)(*column) for column in addresses)
+    if router is not None:
+        router_address = _address(router, quant)
+    else:
+        assert isinstance(weight, torch.Tensor)  # (dot_router)
+        router_address = weight.data_ptr()
+    moe = CMoeLayer(
+        num,
+        experts.top_k,
+        inter,
+        experts.renormalize,
+        experts.weights_in_model_dtype,
+        router_code if router is not None else _DOT_ROUTER,
+        router_address,
+        ctypes.addressof(gate_up),
+        ctypes.addressof(down),
+    )
+    keep.extend((moe, gate_up, down))
+    return moe, rows
+
+
+def _leading_rows(plan: CpuWeightPlan, band: KernelBand, dtype: torch.dtype) -> int:
+    """The first row count from 1 whose product the plan does not run on ``band`` (an expert takes
+    any number of a step's rows: every count up to the step's must run on the set's kernel); a
+    count runs on the first band that takes it (``CpuWeightPlan.band``)."""
+    if band.rows.start > 1:
+        return 1
+    stop = band.rows.stop
+    for earlier in plan.bands[: plan.bands.index(band)]:
+        if (earlier.dtype is None or earlier.dtype == dtype) and len(earlier.rows) and earlier.rows.stop > 1:
+            stop = min(stop, max(earlier.rows.start, 1))
+    return stop
+
+
 def _qk_norms_taken(layer: DecoderLayerWeights, dtype: torch.dtype) -> bool:
-    """Whether the C layer norms this layer's q and k heads exactly as its forward does: both norms
-    or neither, as the description declares, each one weight of a head's size in the set's dtype."""
+    """Whether the C layer norms this layer's q and k exactly as its forward does: both norms or
+    neither, as the description declares, each one weight of a head's size (or, over the whole
+    projection, of its q or k part's) in the set's dtype."""
     norms = (layer.q_norm, layer.k_norm)
-    if layer.description.qk_norm is None:
+    span = layer.description.qk_norm
+    if span is None:
         return all(norm is None for norm in norms)
     head_dim = layer.description.head_dim
+    heads = (layer.num_heads, layer.num_kv_heads) if span == "projection" else (1, 1)
     return all(
-        norm is not None and norm.shape == (head_dim,) and norm.dtype == dtype and norm.is_contiguous()
-        for norm in norms
+        norm is not None and norm.shape == (parts * head_dim,) and norm.dtype == dtype and norm.is_contiguous()
+        for norm, parts in zip(norms, heads)
     )
 
 
@@ -248,7 +356,7 @@ def _describe_lora(
     slots' (count, rank), or None where no linear takes adapters or their dtype is not the set's."""
     shape = None
     for layer, entry in zip(layers, array):
-        for index, linear in enumerate(layer.linears):
+        for index, linear in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
             lora = getattr(linear, "lora", None)
             if lora is None:
                 continue

@@ -68,6 +68,10 @@ STACK_DTYPES = {
     "qf32": torch.float32,
 }
 QUANT_SETS = ("qf32", "qbf16")  # the sets whose linears read blocks
+# A sparse layer's router that no set's kernel reads (too few experts for a packed copy: Mixtral's 8)
+# runs products of these rows (decode steps) on the plain dot kernel (csrc/moe_mlp.c: moe_router_*)
+# on both paths, the layers' (CpuOps.moe_route) and the one-call stack's; larger ones keep F.linear.
+DOT_ROUTER_ROWS = range(1, AMX_LINEAR_MAX_ROWS + 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,6 +181,19 @@ def stack_kernels(band: KernelBand | None, dtype: torch.dtype) -> str | None:
     if band.kernel == "blocks":
         return {torch.float32: "qf32", torch.bfloat16: "qbf16"}.get(dtype)
     return band.kernel if band.kernel in STACK_DTYPES and STACK_DTYPES[band.kernel] == dtype else None
+
+
+def dot_router(plan: CpuWeightPlan, dtype: torch.dtype) -> bool:
+    """Whether a router with this plan runs its products of ``DOT_ROUTER_ROWS`` rows of ``dtype``
+    activations on the plain dot kernel: no band of the plan is a kernel set's, and its weight is
+    dense, contiguous, of ``dtype``."""
+    weight = plan.weight
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == dtype
+        and weight.is_contiguous()
+        and all(stack_kernels(band, dtype) is None for band in plan.bands)
+    )
 
 
 def stack_runs(kernels: str, lib: Any) -> bool:

@@ -34,21 +34,16 @@ from runtime.engine.layers.linear import ReplicatedLinear
 from runtime.engine.layers.mlp import GatedMLP
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps
-from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight
+from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight, route_experts
+from runtime.engine.ops.layer_stack import RoutedExperts
 from runtime.engine.ops.linear_weights import WeightPlan
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> ExpertRouting:
-    """Each token's top-k experts from its router ``logits [T, E]`` (the model's dtype), as
-    transformers' routers choose them: softmax in fp32, ``torch.topk`` (ties broken as it breaks them),
-    renormalised if the family says so, rounded to ``logits``' dtype if its router rounds."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
-    if moe.weights_in_model_dtype:
-        weights = weights.to(logits.dtype)
-    return ExpertRouting(ids=ids, weights=weights)
+    """Each token's top-k experts from its router ``logits [T, E]`` (the model's dtype) as
+    transformers' routers choose them (``route_experts``: the plain meaning of ``DeviceOps.moe_route``,
+    which the layer calls)."""
+    return route_experts(logits, moe.top_k, moe.renormalize, moe.weights_in_model_dtype)
 
 
 def _router(hidden_size: int, outputs: int, dtype: torch.dtype, ops: DeviceOps) -> ReplicatedLinear:
@@ -115,8 +110,26 @@ class SparseMoeMLP(ExpertLayer):
         mlp = self._by_id[expert]
         return mlp.gate_up_proj.plan, mlp.down_proj.plan
 
+    def routed_experts(self) -> RoutedExperts:
+        """The router and this rank's experts' linears for a device's whole-layer kernels (every
+        expert without expert parallelism; with it, fewer than the router's rows, which such a
+        device declines)."""
+        ids = self.local_experts
+        return RoutedExperts(
+            router=self.gate,
+            gate_up=tuple(self._by_id[expert].gate_up_proj for expert in ids),
+            down=tuple(self._by_id[expert].down_proj for expert in ids),
+            top_k=self.moe.top_k,
+            renormalize=self.moe.renormalize,
+            weights_in_model_dtype=self.moe.weights_in_model_dtype,
+        )
+
+    def _route(self, x: torch.Tensor) -> ExpertRouting:
+        moe, gate = self.moe, self.gate
+        return self.ops.moe_route(x, gate.weight, gate.plan, moe.top_k, moe.renormalize, moe.weights_in_model_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.moe_experts(x, route(self.gate(x), self.moe), self)
+        out = self.ops.moe_experts(x, self._route(x), self)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return tensor_model_parallel_all_reduce(out, self.tp_size)

@@ -207,13 +207,20 @@ class LlamaDecoderLayer(nn.Module):
         """This layer's tensors and linears for a device's whole-layer kernels (the CPU's one-call
         decode stack, ``runtime.engine.cpu.decode_layers``), asked once the device accepted its
         ``describe()``: what ``forward`` computes with, named."""
-        attn, mlp = self.self_attn, self.mlp
+        mlp = self.mlp
         assert isinstance(mlp, GatedMLP), "only a dense layer has the record's form"
+        return self.decode_weights_with_mlp(gate_up=mlp.gate_up_proj, down=mlp.down_proj)
+
+    def decode_weights_with_mlp(self, **mlp_fields: Any) -> DecoderLayerWeights:
+        """The pre-norm layer's record with its MLP's (``mlp_fields``: the ``DecoderLayerWeights``
+        fields of the MLP its class builds)."""
+        attn = self.self_attn
         q_norm, k_norm = attn.q_norm, attn.k_norm
         if (q_norm is None) != (k_norm is None) or (
             q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps
         ):
             raise ValueError("a layer's q and k norms come as a pair with one eps")
+        fields: dict[str, Any] = {"gate_up": None, "down": None, **mlp_fields}
         return DecoderLayerWeights(
             description=self.describe(),
             input_norm=self.input_layernorm.weight,
@@ -222,8 +229,6 @@ class LlamaDecoderLayer(nn.Module):
             post_norm_eps=self.post_attention_layernorm.eps,
             qkv=attn.qkv_proj,
             o=attn.o_proj,
-            gate_up=mlp.gate_up_proj,
-            down=mlp.down_proj,
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             scaling=attn.spec.scaling,
@@ -231,6 +236,7 @@ class LlamaDecoderLayer(nn.Module):
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
             qk_norm_eps=q_norm.eps if q_norm is not None else 0.0,
+            **fields,
         )
 
 

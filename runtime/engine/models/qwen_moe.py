@@ -8,10 +8,10 @@ sizes one) unless the config keeps it dense (``mlp_only_layers``, ``decoder_spar
 gated MLP of ``intermediate_size``.
 Mixtral and OLMoE reuse these classes (``mixtral``, ``olmoe``).
 
-Each layer declares its MLP (``MoeDecoderLayer.describe``: routed experts, or dense); the CPU's
-one-call decode stack implements no routed experts, so a sparse model's layers run one by one
-(each expert's projections still take the device's plans for their weights, prepacked or kept
-quantized, through ``DeviceOps.moe_experts``).
+Each layer declares its MLP (``MoeDecoderLayer.describe``: routed experts, or dense) and names
+its router and experts' linears for a device's whole-layer kernels (``decode_weights``: the CPU's
+one-call decode stack runs the routed experts in C, ``csrc/moe_mlp.c``, on the same plans the
+layers' ``DeviceOps.moe_experts`` reads, prepacked or kept quantized).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from runtime.engine.models.moe_config import MoeFamilyConfig
 from runtime.engine.ops import DeviceOps
-from runtime.engine.ops.layer_stack import LayerDescription
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -51,6 +51,13 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             experts_renormalize=mlp.moe.renormalize,
             shared_expert=mlp.shared_expert is not None,
         )
+
+    def decode_weights(self) -> DecoderLayerWeights:
+        """A dense layer's record, or for a sparse one its router and experts' linears."""
+        mlp = self.mlp
+        if not isinstance(mlp, SparseMoeMLP):
+            return LlamaDecoderLayer.decode_weights(self)
+        return self.decode_weights_with_mlp(experts=mlp.routed_experts())
 
 
 class MoeModel(LlamaModel):

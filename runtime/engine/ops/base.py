@@ -147,6 +147,21 @@ class DeviceOps(Protocol):
         """``F.gelu(x)``, the exact (erf) GELU, as a new tensor (an encoder's ungated MLP)."""
         ...
 
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        """Each token's ``top_k`` experts for ``x [T, H]`` from its router logits ``linear(x, weight,
+        None, plan)`` ``[T, E]`` (the model's dtype): the softmax's fp32 probabilities' top k, in
+        descending order, divided by their sum where ``renormalize``, rounded to the logits' dtype
+        where ``in_model_dtype`` (``runtime.engine.ops.experts.route_experts``: transformers' routers)."""
+        ...
+
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         """This rank's share of a sparse MLP layer's output for ``x [T, H]``: for each token, the sum
         over its routed experts that this rank holds of ``weight * down(act(gate) * up)`` (the product

@@ -34,6 +34,20 @@ class ExpertRouting:
     weights: torch.Tensor  # [T, top_k]: fp32, or the model's dtype (Family.MoeKeys.weights_in_model_dtype)
 
 
+def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool, in_model_dtype: bool) -> ExpertRouting:
+    """Each token's ``top_k`` experts from its router ``logits [T, E]`` (the model's dtype), as
+    transformers' routers choose them: softmax in fp32, ``torch.topk`` (ties broken as it breaks them),
+    renormalised to sum to 1 if asked, rounded to ``logits``' dtype if ``in_model_dtype``: the plain
+    meaning of ``DeviceOps.moe_route``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    if in_model_dtype:
+        weights = weights.to(logits.dtype)
+    return ExpertRouting(ids=ids, weights=weights)
+
+
 class ExpertLayer(nn.Module):
     """A sparse MLP layer's routed experts on this rank (a marker base, so that a device finds them
     without importing the layers): ``num_experts`` in the whole model, of which this rank holds

@@ -54,8 +54,27 @@ def declared_description(layer: object) -> LayerDescription | None:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """A sparse layer's MLP (``description.mlp == "experts"``) as a device's whole-layer kernels read
+    it: the router, every expert's linears by global id (the layer owns and loads them; a device
+    reads their weights and plans), and how the top-k weights are made (``runtime.engine.layers.moe``)."""
+
+    router: LinearWeightLayer  # [num_experts, hidden]
+    # per expert this rank holds, in id order (all of them but under expert parallelism)
+    gate_up: tuple[LinearWeightLayer, ...]  # [2 * inter, hidden], gate rows first
+    down: tuple[LinearWeightLayer, ...]  # per expert: [hidden, inter]
+    top_k: int
+    renormalize: bool  # the top-k weights divided by their sum
+    weights_in_model_dtype: bool  # the weights rounded to the model's dtype before they scale
+
+    @property
+    def linears(self) -> tuple[LinearWeightLayer, ...]:
+        return (self.router, *self.gate_up, *self.down)
+
+
+@dataclass(frozen=True)
 class DecoderLayerWeights:
-    """One pre-norm dense decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP) as a
+    """One pre-norm decoder layer (RMSNorm, fused-qkv attention, RMSNorm, gated MLP or routed experts) as a
     device's whole-layer kernels read it: its declared description, the layer's own parameters and
     linear layers (owned, and loaded, by the layer; the record only names them: a linear's weight
     and the device's plan for it are read from the layer when the device describes the stack) and
@@ -68,21 +87,25 @@ class DecoderLayerWeights:
     post_norm_eps: float
     qkv: LinearWeightLayer  # [(q_heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
     o: LinearWeightLayer  # [hidden, q_heads * head_dim]
-    gate_up: LinearWeightLayer  # [2 * inter, hidden]: gate rows first
-    down: LinearWeightLayer  # [hidden, inter]
+    gate_up: LinearWeightLayer | None  # [2 * inter, hidden]: gate rows first (None: a sparse layer)
+    down: LinearWeightLayer | None  # [hidden, inter]
     num_heads: int  # query heads (on this rank)
     num_kv_heads: int
     scaling: float  # attention's softmax scale
     tp_size: int  # ranks the layer's linears are split over
-    # per-head q/k norms before RoPE (``description.qk_norm == "head"``): each [head_dim], applied to
-    # every query (key) head of the qkv output as its layer's norm does, with their eps; None: none
+    # q/k norms before RoPE: per head (``description.qk_norm == "head"``: each [head_dim], applied to
+    # every query (key) head of the qkv output) or over the whole projection ("projection": q_norm
+    # [num_heads * head_dim], k_norm [num_kv_heads * head_dim]), with their eps; None: none
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
+    experts: RoutedExperts | None = None  # a sparse layer's MLP (gate_up and down are None then)
 
     @property
-    def linears(self) -> tuple[LinearWeightLayer, LinearWeightLayer, LinearWeightLayer, LinearWeightLayer]:
-        return self.qkv, self.o, self.gate_up, self.down
+    def linears(self) -> tuple[LinearWeightLayer, ...]:
+        """Every linear the layer's kernels read: qkv, o, then gate_up and down, or the experts'."""
+        mlp = self.experts.linears if self.experts is not None else (self.gate_up, self.down)
+        return tuple(linear for linear in (self.qkv, self.o, *mlp) if linear is not None)
 
 
 class DescribedLayer(Protocol):

@@ -19,7 +19,7 @@ from torch import nn
 from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu.host_memory import CPU_PLATFORM
 from runtime.engine.cuda.memory import CUDA_PLATFORM
-from runtime.engine.ops.experts import ExpertLayer, ExpertRouting
+from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, route_experts
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
 from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights, reference_lora_add
@@ -124,6 +124,17 @@ class TorchOps:
 
     def gelu(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x)  # as transformers' ACT2FN["gelu"]
+
+    def moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | KeptWeight,
+        plan: WeightPlan | None,
+        top_k: int,
+        renormalize: bool,
+        in_model_dtype: bool,
+    ) -> ExpertRouting:
+        return route_experts(self.linear(x, weight, None, plan), top_k, renormalize, in_model_dtype)
 
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         if x.shape[0] == 1:

@@ -1,7 +1,8 @@
 /* A decode step's decoder layers in one call: for each layer, the same kernels in the same order
  * as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv linear,
  * each q and k head's RMSNorm where the layer has them (head_norm.c), rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
- * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear), so the results are
+ * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear, or a sparse layer's
+ * routed experts: moe_mlp.c), so the results are
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
@@ -24,6 +25,7 @@
 #include "common.h"
 #include "entry_points.h"
 #include "kv_codes.h"
+#include "moe_mlp.h"
 
 /* What every layer shares (one decode batch of n rows: one per request, or, in a speculative verify
  * step, each request's input token and drafts, which share its mirror row through kv_row and
@@ -83,6 +85,11 @@ typedef struct {
     float k_scale, v_scale;        /* fp8's layer scales (1 otherwise) */
     const void *q_norm, *k_norm;   /* [head_dim]: RMSNorm of each q and k head before RoPE (NULL: none) */
     float qk_eps;
+    /* OLMoE: the q/k norms span the whole projection (q_norm [q_heads head_dim], k_norm [kv_heads
+     * head_dim]) and q, k, v are clamped to +-clip after them (0: no clamp) */
+    int64_t qk_whole;
+    float clip;
+    const MoeLayer* moe;           /* a sparse layer's routed experts in place of gate_up/down (moe_mlp.c; NULL: dense) */
 } DecodeLayer;
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN, STAGE_LORA };
@@ -270,6 +277,35 @@ static const Kernels QF32 = {4,       rmsnorm_f32_v, linear_q, rotary_f32_v, pre
 static const Kernels QBF16 = {2,       rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
                               silu_mul_bf16_v, 0,     lora_bf16_v, head_norm_bf16_v};
 
+/* The kernel of a sparse layer's router (moe_mlp.h: MOE_ROUTER_*): the set's linear, or in a set
+ * whose linears read blocks, the dense kernel of its dtype that the router's plan gives. */
+static MoeLinear router_linear(const Kernels* kn, int64_t code)
+{
+    switch (code) {
+    case MOE_ROUTER_F32: return linear_f;
+    case MOE_ROUTER_DP: return linear_dp;
+    case MOE_ROUTER_AMX: return linear_amx;
+    case MOE_ROUTER_DOT: return kn->elem == 2 ? moe_router_bf16 : moe_router_f32;
+    default: return kn->linear;
+    }
+}
+
+/* q, k and v of n rows of the qkv buffer clamped to +-clip in place (OLMoE's clip_qkv, after the q/k
+ * norms): each value compared in fp32 and the bound rounded to the buffer's type, as torch's clamp_. */
+static void clamp_rows(void* qkv, int64_t elem, int64_t n, int64_t cols, float clip)
+{
+    for (int64_t i = 0; i < n * cols; ++i) {
+        if (elem == 2) {
+            uint16_t* x = (uint16_t*)qkv + i;
+            const float v = bf16_to_f32(*x);
+            *x = v > clip ? f32_to_bf16(clip) : v < -clip ? f32_to_bf16(-clip) : *x;
+        } else {
+            float* x = (float*)qkv + i;
+            *x = *x > clip ? clip : *x < -clip ? -clip : *x;
+        }
+    }
+}
+
 /* out += the step's adapter products for linear ``which`` of layer l, where it takes adapters; 0 or -1 */
 static int add_lora(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l, int which, const void* x,
                     int64_t ldx, void* out, int64_t k, int64_t n)
@@ -296,9 +332,12 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             return fail - STAGE_QKV;
         if (add_lora(kn, s, l, LORA_QKV, s->normed, s->hidden, s->qkv, s->hidden, qkv_cols)) return fail - STAGE_LORA;
         if (l->q_norm) { /* (describe_layers gives both norms or neither) */
-            kn->head_norm(s->qkv, n, qkv_cols, s->q_heads, hd, l->q_norm, l->qk_eps);
-            kn->head_norm((char*)s->qkv + q_cols * kn->elem, n, qkv_cols, s->kv_heads, hd, l->k_norm, l->qk_eps);
+            const int64_t q_parts = l->qk_whole ? 1 : s->q_heads, kv_parts = l->qk_whole ? 1 : s->kv_heads;
+            kn->head_norm(s->qkv, n, qkv_cols, q_parts, q_cols / q_parts, l->q_norm, l->qk_eps);
+            kn->head_norm((char*)s->qkv + q_cols * kn->elem, n, qkv_cols, kv_parts, kv_cols / kv_parts, l->k_norm,
+                          l->qk_eps);
         }
+        if (l->clip > 0) clamp_rows(s->qkv, kn->elem, n, qkv_cols, l->clip);
         kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
         const int fmt = (int)s->kv_format;
         if (fmt == KV_PLAIN ? store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
@@ -326,6 +365,12 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             return fail - STAGE_O;
         if (add_lora(kn, s, l, LORA_O, s->attn, q_cols, s->o, q_cols, s->hidden)) return fail - STAGE_LORA;
         kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
+        if (l->moe) {
+            const MoeKernels moe = {kn->elem, kn->linear, router_linear(kn, l->moe->router_kernel), kn->silu_mul,
+                                    kn->fused_gate_up};
+            if (moe_mlp(&moe, l->moe, s->normed, n, s->hidden, s->hidden_out)) return fail - STAGE_MLP;
+            continue;
+        }
         /* (an adapter's product joins gate/up before the activation: no fused pass then) */
         if (kn->fused_gate_up && !(s->lora && l->lora[LORA_GATE_UP].a)) {
             if (kn->fused_gate_up(s->normed, n, l->gate_up, s->inter, s->hidden, s->mid)) return fail - STAGE_MLP;

@@ -1,6 +1,10 @@
 """The families beyond Llama in the one-call CPU decode stack (csrc/decode_layers.c): Qwen2's q/k/v
 biases with linear RoPE scaling, Qwen3's per-head q/k RMSNorm before RoPE (head_dim 32, not
-hidden / heads), Phi-3's fused projections with a partial rotary share and LongRoPE. For each, in
+hidden / heads), Phi-3's fused projections with a partial rotary share and LongRoPE, and the sparse
+families' routed experts (csrc/moe_mlp.c: Qwen3-MoE's renormalised top-4 of 16 beside a dense layer,
+Mixtral's renormalised top-2 with fp32 weights, OLMoE's top-2 not renormalised with its q/k norms
+over the whole projection and its q/k/v clamp; their routers too small for a packed copy run on the
+plain dot kernel that the layers' routing runs too). For each, in
 bf16 and fp32, one request and several: the greedy tokens through the call equal the layers' run
 one by one (and in fp32 transformers'), every decode step after the mirror's first runs in the call,
 and the kernel report says the stack takes the model; with GGUF weights kept in their blocks the
@@ -15,17 +19,29 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime.engine.cpu import decode_layers, kernel_library, kernels
 from runtime.engine.cpu.kernel_report import describe
 from runtime.engine.cpu.prepacked import fp32_panel_rows
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.ops.experts import route_experts
 from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import DTYPES, _decode_logits, needs_fp32_kernels
 
-FAMILIES = ["qwen2", "qwen3", "phi3_longrope"]
+FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "qwen3_moe", "mixtral", "olmoe"]
+# (family, dtype) cases: all but bf16 Mixtral, whose tiny experts' gate/up ([96, 64]: intermediate 48)
+# no bf16 kernel set reads (oneDNN's own layout), so its bf16 layers run one by one
+CASES = [
+    pytest.param(name, dtype.values[0], marks=dtype.marks)
+    for name in FAMILIES
+    for dtype in DTYPES
+    if (name, dtype.values[0]) != ("mixtral", "bfloat16")
+]
+# the GGUF files kept in Q8_0 blocks (not Mixtral's: its intermediate 48 is no multiple of the 32-value block)
+KEPT_FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "olmoe"]
 STEPS = 8  # decode tokens per request (phi3_longrope's prompts and outputs stay under PHI3_ORIGINAL_MAX)
 
 
@@ -48,8 +64,7 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], on: bool) -> list[lis
 
 
 @pytest.mark.parametrize("requests", [1, 4])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_the_call_takes_the_family_and_gives_the_layers_tokens(
     name: str, dtype: str, requests: int, tiny_checkpoints: TinyCheckpoints, calls: list[bool]
 ) -> None:
@@ -79,7 +94,7 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @needs_fp32_kernels
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", KEPT_FAMILIES)
 def test_kept_quantized_gguf_in_the_call_bit_for_bit(
     name: str, tiny_checkpoints: TinyCheckpoints, gguf_files: Path, calls: list[bool]
 ) -> None:
@@ -122,3 +137,30 @@ def test_the_head_norm_kernel_is_each_heads_rmsnorm(level: str, dtype: torch.dty
             expected = weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float()
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(normed.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_routing_kernels_choose_as_transformers_routers(dtype: torch.dtype) -> None:
+    """The router product and routing that both paths run for a sparse layer (csrc/moe_mlp.c): the dot
+    kernel within rounding of F.linear; the softmax's top-k the experts torch.topk picks, in its order,
+    their weights within an ulp of torch's (renormalised to sum to 1 where asked), the lower id first
+    among equal probabilities."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    weight = torch.randn(6, 64, generator=gen).to(dtype)
+    logits = kernels.router_logits(x, weight)
+    assert logits is not None and logits.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits.float(), F.linear(x.float(), weight.float()), rtol=tol, atol=tol)
+    for renormalize in (False, True):
+        routed = kernels.moe_route(logits, 2, renormalize)
+        assert routed is not None
+        ids, weights = routed
+        reference = route_experts(logits, 2, renormalize, in_model_dtype=False)
+        assert torch.equal(ids, reference.ids)
+        torch.testing.assert_close(weights, reference.weights, rtol=2e-7, atol=1e-7)
+        sums = weights.sum(-1)
+        assert torch.allclose(sums, torch.ones_like(sums)) == renormalize
+    tied = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0, 0.0]], dtype=dtype)
+    routed = kernels.moe_route(tied, 2, False)
+    assert routed is not None and routed[0].tolist() == [[1, 2]]

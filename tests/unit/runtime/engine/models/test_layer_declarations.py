@@ -23,9 +23,11 @@ from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.harness import Harness
 
 # family -> whether the C layer implements its tiny checkpoint's layers (gemma: four unit-offset
-# norms, GELU; the sparse families: routed experts)
+# norms, GELU; the sparse families: routed experts, but not Qwen2-MoE's shared expert; Mixtral's window
+# spans the whole served context: ModelConfig.layer_windows drops it)
 TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": True, "mistral": True, "gemma2": False, "gemma3": False}
-TAKEN.update(dict.fromkeys(MOE_CHECKPOINT_NAMES, False))
+TAKEN.update({"qwen3_moe": True, "olmoe": True, "mixtral": True, "qwen2_moe": False})
+assert set(MOE_CHECKPOINT_NAMES) <= set(TAKEN)
 
 
 def _runner(path: Path) -> ModelRunner:
@@ -72,10 +74,8 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
         {"norm": "rms_unit_offset"},
         {"norm_placement": "sandwich"},
         {"activation": "gelu_pytorch_tanh"},
-        {"mlp": "experts", "experts_top_k": 2},
+        {"mlp": "experts", "experts_top_k": 2, "shared_expert": True},
         {"rope_style": "gptj"},
-        {"qk_norm": "projection"},
-        {"qkv_clip": 8.0},
         {"attn_softcap": 50.0},
         {"window": 4096},
         {"o_bias": True},
@@ -84,6 +84,9 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
         assert c_layer_declines(dataclasses.replace(base, **change)) is not None, change
     assert c_layer_declines(dataclasses.replace(base, qkv_bias=True)) is None  # (Qwen2's biases: the C layer adds them)
     assert c_layer_declines(dataclasses.replace(base, qk_norm="head")) is None  # (Qwen3's: each q and k head normed)
+    # routed experts (csrc/moe_mlp.c); OLMoE's norms over the whole q and k projections and its clamp
+    assert c_layer_declines(dataclasses.replace(base, mlp="experts", experts_top_k=2)) is None
+    assert c_layer_declines(dataclasses.replace(base, qk_norm="projection", qkv_clip=8.0)) is None
 
 
 def test_a_subclass_that_changes_a_layer_without_saying_so_is_declined(tiny_checkpoints) -> None:
