@@ -199,20 +199,18 @@ class CpuLayerStack:
         self._described: dict[str, StackDescription | None] = {}  # by kernel set
         self._by_step: dict[tuple[int, torch.dtype], StackDescription | None] = {}  # by (rows, dtype)
         # whether some layer rotates with the model's second table (Gemma 3's windowed layers)
-        self._second_table = any(record.rope_table for record in self._records or ())
+        self.second_table = any(record.rope_table for record in self._records or ())
 
     def __call__(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_cos_sin(rope, hidden.dtype)
         local = None
-        if self._second_table and batch.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
+        if self.second_table and batch.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
             tables = self.model.rope_tables(rope, hidden.dtype)
             if len(tables) == 2 and tables[1].cache.rotary_dim == rope.cache.rotary_dim:
                 local = rope_cos_sin(tables[1], hidden.dtype)
-        whole = None
-        if local is not None or not self._second_table:
-            whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend, local)
+        whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend, local)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
 
     def lora_segments(self) -> Any:
@@ -281,6 +279,8 @@ def run(
     n, dtype = hidden.shape[0], hidden.dtype
     if n == 0 or not enabled() or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
         return None
+    if layers.second_table and local is None:
+        return None  # (some layer rotates with a table the model did not give)
     lib = kernel_library.load()
     if lib is None:
         return None
