@@ -13,7 +13,9 @@ decode-key mirror (``runtime.engine.cpu.decode_mirror``), over a pool of the ste
 quantized one (``--kv-cache-dtype int8|fp8_*``: the call then quantizes the new K/V into the pool,
 ``csrc/kv_quant.c``, and attends over the quantized mirror, ``csrc/attention_q8.c``), of layers whose own class declares what
 they are and whose every declared choice the C layer implements (``stack_description.c_layer_declines``:
-pre-norm RMSNorm, a dense silu-gated MLP, neox rotary, per-head q/k norms or none, no window, no soft-cap), with
+RMSNorm before attention and MLP or Gemma's sandwich of four, a dense silu- or gelu_tanh-gated MLP, neox rotary
+(each layer with its model's rotary table: ``rope_tables``), per-head q/k norms or none, full attention or a
+window (its keys gathered from the windowed layers' pool each step, as the backend does), no soft-cap), with
 no tensor parallelism, and whose linears' plans (``runtime.engine.cpu.weight_plan``) give this many
 rows one kernel set: bf16 on the AMX tile kernel or the AVX512-BF16 dot-product one (up to
 ``AMX_LINEAR_MAX_ROWS`` requests), fp32 on the panel kernel (``fp32_panel_rows()``), or either
