@@ -59,8 +59,9 @@ from runtime.engine.attention.softcap import softcapped_attention
 from runtime.engine.cpu import attention_fastpaths as fastpaths
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_q8 as attn_q8
+from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu.attention_plan import CpuAttnGroup, MirrorPlan, plan_shared_prefix
-from runtime.engine.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep
+from runtime.engine.cpu.decode_mirror import MIRROR_MAX_POOL_FRACTION, DecodeKVMirror, MirrorStep, WindowStep
 from runtime.engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -83,6 +84,7 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         # Windowed layers (their own plan, window_plan) never read the mirror, the cascade or the
         # unmasked prefill paths: only the full-attention layers count as the mirror's readers.
         windows = getattr(getattr(model_runner, "model_config", None), "layer_windows", ()) or ()
+        self.layer_windows: tuple[int | None, ...] = tuple(windows)
         self.mirrored_layers: int | None = sum(w is None for w in windows) if windows else None
         # Whether a layer with soft-capped logits has run through this backend (noted where a group
         # reads the cap, not per layer call): the one-call decode stack's C attention cannot cap, so
@@ -129,22 +131,42 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
         """This decode (or verify) forward's mirror, for a caller that runs all ``num_layers`` layers'
         KV writes and attention through the kernels itself (``runtime.engine.cpu.decode_layers``: the same
         kernels ``forward`` would call), marked as updated; None where ``forward`` must run per layer
-        (a rebuild, windowed layers, a batch that is not one in-order decode group, a verify the
-        copies could not take, a model with soft-capped logits)."""
+        (a rebuild, a batch that is not one in-order decode group, a verify the copies could not take,
+        a model with soft-capped logits, windowed layers of a quantized pool or of several windows).
+        A model with windowed layers: the step also carries their plan (``MirrorStep.window``: the
+        keys ``_one_token`` would gather for them), and their entries of the copies are None."""
         if self.softcap_seen:
             return None  # (the kernels of the one call do not cap)
         meta: TorchNativeMetadata | None = batch.attn_metadata
         if batch.forward_mode == ForwardMode.VERIFY:
             return None if self.verify_plan is None else self.mirror.claim_append_step(self.verify_plan, num_layers)
-        if meta is None or not batch.forward_mode.is_decode() or self.mirrored_layers not in (None, num_layers):
-            return None  # (windowed layers read their own plan)
-        if len(meta.groups) != 1:
+        if meta is None or not batch.forward_mode.is_decode() or len(meta.groups) != 1:
             return None
         (g,) = meta.groups
         assert isinstance(g, CpuAttnGroup)
         if g.mirror is None or g.out_tokens is not None or g.q_start != 0:
             return None
-        return self.mirror.claim_append_step(g.mirror, num_layers)
+        if self.mirrored_layers in (None, num_layers):
+            return self.mirror.claim_append_step(g.mirror, num_layers)
+        window = self._window_step(batch, num_layers)
+        if window is None:
+            return None
+        windowed = [w is not None for w in self.layer_windows]
+        return self.mirror.claim_append_step(g.mirror, num_layers, windowed, window)
+
+    def _window_step(self, batch: ForwardBatch, num_layers: int) -> WindowStep | None:
+        """The windowed layers' keys for a decode step the one call runs (one window, a plain pool, one
+        in-order group): the plan's slots and key bias, and the new tokens' slots in their pool."""
+        windows = {w for w in self.layer_windows if w is not None}
+        pool = batch.token_to_kv_pool
+        if len(self.layer_windows) != num_layers or len(windows) != 1 or pool.format.quantized:
+            return None
+        (group,) = self._window_groups(batch, windows.pop())
+        if group.out_tokens is not None or group.q_start != 0 or group.kv_flat is None:
+            return None
+        translate = getattr(pool, "translate_swa", None)
+        loc = batch.out_cache_loc
+        return WindowStep(group.kv_flat, group.kv_loc.shape[1], group.mask, translate(loc) if translate else loc)
 
     def _one_token(
         self,
@@ -189,8 +211,11 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
             mask = plan.suffix_mask
         else:
             assert g.kv_flat is not None
-            kd_t = self._gather(k_buf, g.kv_flat, n, qg.dtype).transpose(-1, -2)
-            vd = self._gather(v_buf, g.kv_flat, n, qg.dtype)
+            gathered = self._gather_dense(k_buf, v_buf, g.kv_flat, n, qg.dtype)
+            kd_t, vd = gathered or (
+                self._gather(k_buf, g.kv_flat, n, qg.dtype).transpose(-1, -2),
+                self._gather(v_buf, g.kv_flat, n, qg.dtype),
+            )
             mask = g.mask
         kd_t, vd = kd_t.to(qg.dtype), vd.to(qg.dtype)
         width = g.mirror.width if g.mirror is not None else None  # the mirror's keys past it are padding
@@ -210,6 +235,22 @@ class CpuAttnBackend(torch_native.TorchNativeAttnBackend):
                 qg, kd_t, vd, mask, layer.scaling, with_lse=False, width=width, append=append, softcap=softcap
             )
         return og.reshape(n, layer.num_heads, layer.head_dim)
+
+    @staticmethod
+    def _gather_dense(
+        k_buf: KVRows, v_buf: KVRows, flat_loc: torch.Tensor, n: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A plain pool's keys at ``flat_loc`` (``n * L`` slots) as contiguous K^T ``[n, Hkv, D, L]`` and V
+        ``[n, Hkv, L, D]`` (the mirror's gather kernel), which the decode kernel reads as they are: a
+        windowed layer's path, the same gather and kernel the one-call stack runs for it. None where
+        the pool is quantized or of another dtype, or the kernel does not apply."""
+        k, v = k_buf.buffer, v_buf.buffer
+        if k_buf.format.quantized or k.dtype != dtype or flat_loc.numel() % max(n, 1):
+            return None
+        width = flat_loc.numel() // n
+        dense_k = k.new_empty(n, k.shape[1], k.shape[2], width)
+        dense_v = v.new_empty(n, v.shape[1], width, v.shape[2])
+        return (dense_k, dense_v) if cpu_kernels.mirror_gather(k, v, flat_loc, width, dense_k, dense_v) else None
 
     def _quantized_mirror(
         self, qg: torch.Tensor, k_rows: KVRows, v_rows: KVRows, layer: AttentionLayerSpec, plan: MirrorPlan

@@ -13,8 +13,10 @@ decode-key mirror (``runtime.engine.cpu.decode_mirror``), over a pool of the ste
 quantized one (``--kv-cache-dtype int8|fp8_*``: the call then quantizes the new K/V into the pool,
 ``csrc/kv_quant.c``, and attends over the quantized mirror, ``csrc/attention_q8.c``), of layers whose own class declares what
 they are and whose every declared choice the C layer implements (``stack_description.c_layer_declines``:
-pre-norm RMSNorm, a dense silu-gated MLP or routed experts (``csrc/moe_mlp.c``), neox rotary, q/k norms per
-head or over the projection or none, no window, no soft-cap), with
+RMSNorm before attention and MLP or Gemma's sandwich of four, a dense silu- or gelu_tanh-gated MLP or routed
+experts (``csrc/moe_mlp.c``), neox rotary (each layer with its model's rotary table: ``rope_tables``), q/k
+norms per head or over the projection or none, full attention or a window (its keys gathered from the
+windowed layers' pool each step, as the backend does), no soft-cap), with
 no tensor parallelism, and whose linears' plans (``runtime.engine.cpu.weight_plan``) give this many
 rows one kernel set: bf16 on the AMX tile kernel or the AVX512-BF16 dot-product one (up to
 ``AMX_LINEAR_MAX_ROWS`` requests), fp32 on the panel kernel (``fp32_panel_rows()``), or either
@@ -50,6 +52,7 @@ import torch
 from runtime.engine.cpu import attention_kernels as attn_kernels
 from runtime.engine.cpu import attention_kernels_f32 as attn_f32
 from runtime.engine.cpu import kernel_library
+from runtime.engine.cpu.decode_mirror import WindowStep
 from runtime.engine.cpu.kernel_library import declare
 from runtime.engine.cpu.kv_quant_kernels import format_code
 from runtime.engine.cpu.stack_description import CLayer, StackDescription, c_layer_declines, describe_layers
@@ -105,7 +108,9 @@ class _Step(ctypes.Structure):
                 "kv_row",
             )
         ]
-        + [("kv_rows", _i64), ("lora", _ptr), ("kv_format", _i64)]
+        + [("kv_rows", _i64), ("lora", _ptr), ("kv_format", _i64), ("activation", _i64)]
+        + [("cos_local", _ptr), ("sin_local", _ptr), ("win_out_loc", _ptr), ("win_slots", _ptr)]
+        + [("win_len", _i64), ("win_pool_slots", _i64), ("win_mask", _ptr), ("win_k", _ptr), ("win_v", _ptr)]
     )
 
 
@@ -196,12 +201,19 @@ class CpuLayerStack:
         self._plans: list[Any] = []  # every linear's plan the descriptions were made from
         self._described: dict[str, StackDescription | None] = {}  # by kernel set
         self._by_step: dict[tuple[int, torch.dtype], StackDescription | None] = {}  # by (rows, dtype)
+        # whether some layer rotates with the model's second table (Gemma 3's windowed layers)
+        self.second_table = any(record.rope_table for record in self._records or ())
 
     def __call__(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_cos_sin(rope, hidden.dtype)
-        whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend)
+        local = None
+        if self.second_table and batch.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
+            tables = self.model.rope_tables(rope, hidden.dtype)
+            if len(tables) == 2 and tables[1].cache.rotary_dim == rope.cache.rotary_dim:
+                local = rope_cos_sin(tables[1], hidden.dtype)
+        whole = run(self, hidden, cos, sin, rope.cache.rotary_dim, batch, backend, local)
         return whole if whole is not None else self.model.run_layers(rope, hidden, batch, backend)
 
     def lora_segments(self) -> Any:
@@ -260,14 +272,18 @@ def run(
     rotary_dim: int,
     batch: Any,
     backend: Any,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(hidden, residual)`` after every layer of ``layers`` for a decode batch's embeddings
     ``hidden [n, H]`` (which become the residual stream, as in the layer stack), with the rotary
-    ``cos``/``sin`` ``[n, 1, rotary_dim // 2]``; None where the one-call path does not apply
-    (nothing is touched then: run the layers)."""
+    ``cos``/``sin`` ``[n, 1, rotary_dim // 2]`` (``local``: the second table's, where some layer
+    rotates with it); None where the one-call path does not apply (nothing is touched then: run
+    the layers)."""
     n, dtype = hidden.shape[0], hidden.dtype
     if n == 0 or not enabled() or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
         return None
+    if layers.second_table and local is None:
+        return None  # (some layer rotates with a table the model did not give)
     lib = kernel_library.load()
     if lib is None:
         return None
@@ -280,7 +296,7 @@ def run(
     if (
         rotary_dim % 2
         or rotary_dim > stack.head_dim
-        or any(t.dtype != dtype or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin))
+        or any(t.dtype != dtype or t.shape != (n, 1, half) or not t.is_contiguous() for t in (cos, sin, *(local or ())))
     ):
         return None
     loc = batch.out_cache_loc
@@ -288,15 +304,18 @@ def run(
     if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
         return None
     num_layers = len(stack.layers)
-    if _kv_format_code(pool, dtype) is None or len(getattr(pool, "k_buffer", ())) != num_layers:
-        return None
+    kv_code = _kv_format_code(pool, dtype)
+    if kv_code is None or len(getattr(pool, "k_buffer", ())) != num_layers or (stack.window and kv_code):
+        return None  # (windowed layers: a plain pool only)
     takes, runs = _lora_runs(layers, stack, n)
     if not takes:
         return None
     mirror = backend.claim_decode_step(batch, num_layers)  # from here on the step is committed to this call
     if mirror is None:
         return None
-    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs)
+    if (mirror.window is None) != (stack.window is None):
+        raise ValueError("the backend's windowed layers are not the stack's")
+    return _call(lib, stack, layers.scratch, mirror, hidden, cos, sin, rotary_dim, loc, pool, runs, local)
 
 
 def _kv_format_code(pool: Any, dtype: torch.dtype) -> int | None:
@@ -322,6 +341,30 @@ def _lora_runs(layers: CpuLayerStack, stack: StackDescription, n: int) -> tuple[
     return True, runs
 
 
+def _window_fields(
+    window: WindowStep | None, buffers: StepScratch, n: int, stack: StackDescription, pool: Any
+) -> dict[str, Any]:
+    """The step's ``win_*`` fields (csrc/decode_layers.c: DecodeStep) for the windowed layers' keys
+    (none: no windowed layer); the gathered K^T and V are scratch reused by every windowed layer."""
+    if window is None:
+        return {}
+    length, d, hkv = window.length, stack.head_dim, stack.kv_heads
+    assert window.slots.dtype == torch.int64 and window.slots.shape == (n * length,) and window.slots.is_contiguous()
+    assert window.out_loc.dtype == torch.int64 and window.out_loc.shape == (n,) and window.out_loc.is_contiguous()
+    mask = window.mask
+    assert mask is None or (mask.dtype == torch.float32 and mask.numel() == n * length and mask.is_contiguous())
+    first_windowed = next(i for i, entry in enumerate(stack.layers) if entry.windowed)
+    return {
+        "win_out_loc": window.out_loc.data_ptr(),
+        "win_slots": window.slots.data_ptr(),
+        "win_len": length,
+        "win_pool_slots": pool.get_kv_buffer(first_windowed)[0].shape[0],
+        "win_mask": mask.data_ptr() if mask is not None else None,
+        "win_k": buffers.rows("win_k", n, hkv * d * length, stack.dtype).data_ptr(),
+        "win_v": buffers.rows("win_v", n, hkv * length * d, stack.dtype).data_ptr(),
+    }
+
+
 def _padded_keys(prefix: attn_kernels.PackedPrefix, dtype: torch.dtype) -> int:
     """The packed prefix's key count with its zero padding (its K's key blocks times their width)."""
     return prefix.k.shape[1] * (attn_kernels.PREFIX_KEY_BLOCK if dtype == torch.bfloat16 else attn_f32.KEY_PACK)
@@ -339,36 +382,48 @@ def _call(
     loc: torch.Tensor,
     pool: Any,
     lora: _LoraRuns | None = None,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = hidden.shape
     q_cols, kv_cols = stack.q_heads * stack.head_dim, stack.kv_heads * stack.head_dim
     plan = mirror.plan
-    kv_n, cap = mirror.k[0].shape[0], mirror.k[0].shape[-1]  # (a verify step's rows share their request's)
-    # (every layer's copies are made alike in one rebuild: the first layer's stand for all)
+    # (every mirrored layer's copies are made alike in one rebuild: the first one's stand for all)
+    first_k, first_v = next((k, v) for k, v in zip(mirror.k, mirror.v) if k is not None and v is not None)
+    kv_n, cap = first_k.shape[0], first_k.shape[-1]  # (a verify step's rows share their request's)
     kv_code = _kv_format_code(pool, stack.dtype)
     assert kv_code is not None and (mirror.kv_format is None) == (kv_code == 0)
     copies = mirror.kv_format.storage if mirror.kv_format is not None else stack.dtype
-    assert mirror.k[0].shape == (kv_n, stack.kv_heads, stack.head_dim, cap) and mirror.k[0].dtype == copies
-    assert mirror.v[0].shape == (kv_n, stack.kv_heads, cap, stack.head_dim) and mirror.k[0].is_contiguous()
+    assert first_k.shape == (kv_n, stack.kv_heads, stack.head_dim, cap) and first_k.dtype == copies
+    assert first_v.shape == (kv_n, stack.kv_heads, cap, stack.head_dim) and first_k.is_contiguous()
     assert plan.mask.dtype == torch.float32 and plan.mask.numel() == n * cap and plan.append_pos.shape == (n,)
     kv_row = plan.kv_row
     assert (kv_row is None and kv_n == n) or (kv_row is not None and kv_row.shape == (n,) and kv_row.is_contiguous())
     widths = {"normed": h, "qkv": q_cols + 2 * kv_cols, "attn": q_cols, "o": h, "mid": stack.inter}
-    if stack.kernels != "amx" or lora is not None:  # the gate/up linear's output, before silu*mul (the AMX
-        widths["gate_up"] = 2 * stack.inter  # kernel fuses them, but not with an adapter's product between)
+    if stack.kernels != "amx" or lora is not None or stack.activation:  # the gate/up linear's output, before
+        widths["gate_up"] = 2 * stack.inter  # the activation (the AMX kernel fuses silu's, not with an adapter's)
     scratch = {name: buffers.rows(name, n, cols, stack.dtype) for name, cols in widths.items()}
     scratch["hidden_out"] = torch.empty(n, h, dtype=stack.dtype)  # returned: the caller's, not reused
     prefix_len = prefix_pad = 0
     if mirror.prefix is not None:
-        prefix_len = mirror.prefix[0].length
-        prefix_pad = _padded_keys(mirror.prefix[0], stack.dtype)
+        first_prefix = next(packed for packed in mirror.prefix if packed is not None)  # (a mirrored layer's)
+        prefix_len = first_prefix.length
+        prefix_pad = _padded_keys(first_prefix, stack.dtype)
         scratch["prefix_out"] = buffers.rows("prefix_out", n, q_cols, torch.float32)
         scratch["prefix_lse"] = buffers.rows("prefix_lse", n, stack.q_heads, torch.float32)
+    window = _window_fields(mirror.window, buffers, n, stack, pool)
     layers = stack.layers
+    pool_slots = 0
     for i, entry in enumerate(layers):
         k_pool, v_pool = pool.get_kv_buffer(i)
         entry.k_pool, entry.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
-        entry.k_t, entry.v = mirror.k[i].data_ptr(), mirror.v[i].data_ptr()
+        k_t, v_t = mirror.k[i], mirror.v[i]
+        if (k_t is None) != bool(entry.windowed) or (v_t is None) != bool(entry.windowed):
+            raise ValueError(f"layer {i}: the mirror's windowed layers are not the stack's")
+        entry.k_t = k_t.data_ptr() if k_t is not None else None
+        entry.v = v_t.data_ptr() if v_t is not None else None
+        if k_t is None:
+            continue  # (a windowed layer: no shared prefix, no quantized pool)
+        pool_slots = k_pool.shape[0]
         if kv_code:
             entry.k_scale, entry.v_scale = pool.k_scales[i], pool.v_scales[i]
             scales = mirror.k_scales is not None and mirror.v_scales is not None
@@ -376,6 +431,7 @@ def _call(
             entry.v_scales = mirror.v_scales[i].data_ptr() if scales else None
         if mirror.prefix is not None:
             packed = mirror.prefix[i]
+            assert packed is not None
             if packed.length != prefix_len or _padded_keys(packed, stack.dtype) != prefix_pad:
                 raise ValueError("the decode mirror's packed prefixes differ between layers")
             entry.prefix_k, entry.prefix_v = packed.k.data_ptr(), packed.v.data_ptr()
@@ -391,7 +447,7 @@ def _call(
         width=plan.width,
         prefix_len=prefix_len,
         prefix_pad=prefix_pad,
-        pool_slots=k_pool.shape[0],
+        pool_slots=pool_slots,
         eps=stack.eps,
         scale=stack.scale,
         residual=hidden.data_ptr(),
@@ -404,6 +460,10 @@ def _call(
         kv_rows=kv_n,
         lora=ctypes.addressof(lora) if lora is not None else None,
         kv_format=kv_code,
+        activation=stack.activation,
+        cos_local=local[0].data_ptr() if local is not None else None,
+        sin_local=local[1].data_ptr() if local is not None else None,
+        **window,
         **{name: t.data_ptr() for name, t in scratch.items()},
     )
     rc = getattr(lib, _ENTRY_POINTS[stack.kernels])(ctypes.byref(step), layers, len(layers))

@@ -56,18 +56,32 @@ MIRROR_CAP_STEP = 32
 
 
 @dataclass
+class WindowStep:
+    """A decode step's windowed layers' keys (``runtime.engine.attention.window_plan``: each request's
+    last W keys), for a caller that attends over them itself: their slots in the windowed layers'
+    pool, the key bias, and the step's new tokens' slots there."""
+
+    slots: torch.Tensor = field(repr=False)  # int64 [n * L]: each request's window keys' slots (0-padded)
+    length: int  # L
+    mask: torch.Tensor | None = field(repr=False)  # fp32 key bias [n, 1, 1, L] (None: every key real)
+    out_loc: torch.Tensor = field(repr=False)  # int64 [n]: the new tokens' slots in that pool
+
+
+@dataclass
 class MirrorStep:
     """An append step's copies, for a caller that runs every layer's decode kernel itself
-    (``runtime.engine.cpu.decode_layers``): the kernel stores each layer's new K/V at ``plan.append_pos``."""
+    (``runtime.engine.cpu.decode_layers``): the kernel stores each layer's new K/V at ``plan.append_pos``.
+    Each list is per layer id; a windowed layer's entries are None (it reads ``window``'s keys)."""
 
     plan: MirrorPlan = field(repr=False)
-    k: list[torch.Tensor] = field(repr=False)  # per layer: K^T [n, Hkv, D, cap]
-    v: list[torch.Tensor] = field(repr=False)  # per layer: V [n, Hkv, cap, D]
-    prefix: list[attn_kernels.PackedPrefix] | None = field(repr=False)  # per layer when plan.prefix_len
+    k: list[torch.Tensor | None] = field(repr=False)  # per layer: K^T [n, Hkv, D, cap]
+    v: list[torch.Tensor | None] = field(repr=False)  # per layer: V [n, Hkv, cap, D]
+    prefix: list[attn_kernels.PackedPrefix | None] | None = field(repr=False)  # per layer when plan.prefix_len
     # a quantized mirror: its format (k and v then hold codes) and, for int8, each layer's key scales
     kv_format: KVCacheFormat | None = None
     k_scales: list[torch.Tensor] | None = field(default=None, repr=False)  # per layer: [n, Hkv, cap] fp32
     v_scales: list[torch.Tensor] | None = field(default=None, repr=False)
+    window: WindowStep | None = None  # the windowed layers' keys (None: no layer is windowed)
 
 
 class DecodeKVMirror:
@@ -290,22 +304,33 @@ class DecodeKVMirror:
         kept = torch.arange(cols, device=own.device)[None, :] < torch.tensor(starts, device=own.device)[:, None]
         return bool(((own[:, :cols] == self.own_slots[:, :cols]) | ~kept).all())
 
-    def claim_append_step(self, plan: MirrorPlan, num_layers: int) -> MirrorStep | None:
-        """This append step's copies of all ``num_layers`` layers (every one mirrored, none run yet,
-        each shared prefix packed), marked up to date: the caller runs the kernels that append and
-        attend for every layer. None (nothing marked) where the step is not such a step."""
+    def claim_append_step(
+        self,
+        plan: MirrorPlan,
+        num_layers: int,
+        windowed: list[bool] | None = None,
+        window: WindowStep | None = None,
+    ) -> MirrorStep | None:
+        """This append step's copies of all ``num_layers`` layers (every one mirrored but the
+        ``windowed`` ones, whose keys ``window`` plans; none run yet, each shared prefix packed),
+        marked up to date: the caller runs the kernels that append and attend for every layer.
+        None (nothing marked) where the step is not such a step."""
         if plan.rebuild or plan.append_pos is None or plan.mask is None or self.layers_done:
             return None
-        if num_layers != self.mirrored_layers or len(self.k) != num_layers or len(self.v) != num_layers:
+        skip = windowed or [False] * num_layers
+        mirrored = skip.count(False)
+        if len(skip) != num_layers or (window is not None) != (mirrored != num_layers):
             return None
-        k = [t for t in self.k if t is not None]
-        v = [t for t in self.v if t is not None]
-        if len(k) != num_layers or len(v) != num_layers:
+        if mirrored != self.mirrored_layers or len(self.k) != num_layers or len(self.v) != num_layers:
+            return None
+        k = [None if w else t for w, t in zip(skip, self.k)]
+        v = [None if w else t for w, t in zip(skip, self.v)]
+        if any(t is None for w, t in zip(skip, k) if not w) or any(t is None for w, t in zip(skip, v) if not w):
             return None
         prefix = None
         if plan.prefix_len:
-            prefix = [p for p in self.prefix_packed if p is not None]
-            if len(prefix) != num_layers:
+            prefix = [None if w else p for w, p in zip(skip, self.prefix_packed)]
+            if len(prefix) != num_layers or any(p is None for w, p in zip(skip, prefix) if not w):
                 return None
         k_scales = v_scales = None
         if self.format is not None and self.format.name == "int8":
@@ -313,8 +338,8 @@ class DecodeKVMirror:
             v_scales = [t for t in self.v_scales if t is not None]
             if len(k_scales) != num_layers or len(v_scales) != num_layers:
                 return None
-        self.layers_done = num_layers
-        return MirrorStep(plan, k, v, prefix, self.format, k_scales, v_scales)
+        self.layers_done = mirrored
+        return MirrorStep(plan, k, v, prefix, self.format, k_scales, v_scales, window)
 
     def packed_prefix(self, layer_id: int) -> attn_kernels.PackedPrefix | None:
         """Layer ``layer_id``'s shared prefix packed for ``attn_kernels.prefix_attention``, if made."""

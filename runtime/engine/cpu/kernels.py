@@ -10,7 +10,8 @@ where torch's bf16 ops round:
   returning each row's log-sum-exp), for the prefill paths that compute scores with
   bf16 matmuls (one pass where torch needs a float copy, a scale, a mask add, a softmax
   and a cast back);
-- ``silu_and_mul``: the gated MLP activation;
+- ``silu_and_mul``, ``gelu_tanh_and_mul``: the gated MLP activations (Gemma's: gelu's tanh form
+  as ``x * sigmoid(z)``, one exp);
 - ``store_kv``: a forward's new K/V rows into their KV pool slots (torch's indexed
   assignment costs ~200 ns per row);
 - ``mirror_gather``: the decode mirror's rebuild, pool rows straight into its transposed K and
@@ -27,8 +28,8 @@ where torch's bf16 ops round:
 
 The attention kernels (decode, shared prefix, causal prefill) are in ``runtime.engine.cpu.attention_kernels``.
 
-They apply to bf16 CPU tensors, except three that also take fp32: ``silu_and_mul``,
-``rms_norm`` and ``rotary_`` (``csrc/elementwise_f32.c``). fp32 is what a host without
+They apply to bf16 CPU tensors, except four that also take fp32: ``silu_and_mul``,
+``gelu_tanh_and_mul``, ``rms_norm`` and ``rotary_`` (``csrc/elementwise_f32.c``). fp32 is what a host without
 native bf16 (AVX2 only: torch emulates bf16 there) serves in, and what the equivalence tests
 compare with transformers, so the fp32 kernels compute torch's fp32 formulas: rotary and
 RMSNorm bit-identical (each product rounded, no FMA contraction, RMSNorm's sum of squares in
@@ -62,11 +63,13 @@ declare("softmax_rows_bf16", [_ptr, _i64, _i64, _f32, _i64, _i64, _i64, _ptr], _
 declare("store_kv_rows", [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64], _int)
 declare("mirror_gather", [_ptr, _ptr, _i64, _ptr] + [_i64] * 6 + [_ptr, _ptr], _int)
 declare("silu_mul_bf16", [_ptr, _i64, _i64, _ptr], None)
+declare("gelu_tanh_mul_bf16", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_bf16", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("merge_attn_bf16", [_i64] * 4 + ([_ptr] + [_i64] * 3) * 4 + [_ptr], None)
 declare("rotary_bf16", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 declare("argmax_rows_f32", [_ptr, _i64, _i64, _i64, _ptr], None)
 declare("silu_mul_f32", [_ptr, _i64, _i64, _ptr], None)
+declare("gelu_tanh_mul_f32", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 declare("moe_route", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr], None)
@@ -264,6 +267,17 @@ def mirror_gather(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``gate_up [..., 2 * I]`` (gate first; bf16 or fp32, contiguous) as a
     new ``[..., I]`` tensor, or None where the kernel does not apply (then use torch)."""
+    return _gated("silu_mul", gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``gelu(gate, approximate="tanh") * up`` of ``gate_up [..., 2 * I]`` (Gemma's MLP) as
+    ``silu_and_mul``: the kernel the one-call decode stack runs too, so both give the same bits."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """The gated activation ``kernel`` (``silu_mul``, ``gelu_tanh_mul``) of ``gate_up``, or None."""
     suffix = _elementwise_suffix(gate_up)
     if not (suffix and gate_up.shape[-1] % 2 == 0 and available()):
         return None
@@ -273,7 +287,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return out
     lib = kernel_library.load()
     assert lib is not None
-    getattr(lib, f"silu_mul_{suffix}")(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
+    getattr(lib, f"{kernel}_{suffix}")(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
     return out
 
 

@@ -137,6 +137,10 @@ class CpuOps(TorchOps):
         fused = cpu_kernels.silu_and_mul(x)
         return fused if fused is not None else super().silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernels.gelu_tanh_and_mul(x)  # (the one-call decode stack's kernel too)
+        return fused if fused is not None else super().gelu_tanh_and_mul(x)
+
     def linear_silu_and_mul(
         self,
         x: torch.Tensor,

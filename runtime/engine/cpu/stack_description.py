@@ -69,6 +69,8 @@ class CLayer(ctypes.Structure):
     _fields_ += [("q_norm", _ptr), ("k_norm", _ptr), ("qk_eps", _f32)]  # per-head q/k norms (NULL: none)
     _fields_ += [("qk_whole", _i64), ("clip", _f32)]  # OLMoE: the norms span the projection; the q/k/v clamp (0: none)
     _fields_ += [("moe", _ptr)]  # a sparse layer's CMoeLayer (NULL: a dense MLP)
+    _fields_ += [("pre_mlp_norm", _ptr), ("post_mlp_norm", _ptr)]  # Gemma's sandwich norms (NULL: pre-norm)
+    _fields_ += [("rope_table", _i64), ("windowed", _i64)]  # its rotary table; attends over its window
 
 
 class CMoeLayer(ctypes.Structure):
@@ -100,20 +102,25 @@ class _QuantWeight(ctypes.Structure):
     ]
 
 
-# What the C layer (csrc/decode_layers.c) computes: pre-norm RMSNorm with the weight as it is, a
-# dense silu-gated MLP or routed silu-gated experts without a shared expert (csrc/moe_mlp.c), neox
-# rotary halves over any share of the head, full attention, RMSNorm of each q and k head or of the
-# whole q and k projections before RoPE or none, q/k/v clamped or not, no soft-cap, and a bias on
-# the qkv projection only.
-C_ACTIVATIONS = ("silu", "swish")
+# What the C layer (csrc/decode_layers.c) computes: RMSNorm with the weight as the norm layer holds it
+# (Gemma's unit offset is added to its weight at load: runtime.engine.layers.norm.UnitOffsetRMSNorm),
+# placed before attention and MLP or Gemma's sandwich of four, a dense silu- or gelu_tanh-gated MLP or
+# routed silu-gated experts without a shared expert (csrc/moe_mlp.c), neox rotary halves over any share
+# of the head (a layer's own table: Gemma 3's windowed layers), full or windowed attention, RMSNorm of
+# each q and k head or of the whole q and k projections before RoPE or none, q/k/v clamped or not, no
+# soft-cap, and a bias on the qkv projection only.
+C_NORMS = ("rms", "rms_unit_offset")
+C_NORM_PLACEMENTS = ("pre", "sandwich")
+# activation name -> the C layer's code (csrc/decode_layers.c: ACT_SILU, ACT_GELU_TANH)
+C_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
 
 def c_layer_declines(description: LayerDescription) -> str | None:
     """Why the C layer cannot compute a layer of this description (None: it computes it exactly as
     the layer's forward does). The one place that decides which declared choices the C layer runs."""
     checks = (
-        (description.norm == "rms", f"norm form {description.norm}"),
-        (description.norm_placement == "pre", f"{description.norm_placement} norms"),
+        (description.norm in C_NORMS, f"norm form {description.norm}"),
+        (description.norm_placement in C_NORM_PLACEMENTS, f"{description.norm_placement} norms"),
         (description.activation in C_ACTIVATIONS, f"activation {description.activation}"),
         (description.mlp in ("dense", "experts"), f"{description.mlp} MLP"),
         (not description.shared_expert, "a shared expert"),
@@ -121,7 +128,6 @@ def c_layer_declines(description: LayerDescription) -> str | None:
         (description.rotary_dim <= description.head_dim, "rotary dims past the head"),
         (description.qk_norm in (None, "head", "projection"), f"q/k norm over the {description.qk_norm}"),
         (description.attn_softcap is None, "an attention soft-cap"),
-        (description.window is None, "a sliding window"),
         (not description.o_bias and not description.mlp_bias, "biases past the qkv projection"),
     )
     return next((reason for ok, reason in checks if not ok), None)
@@ -141,6 +147,8 @@ class StackDescription:
     inter: int
     eps: float
     scale: float
+    activation: int  # the gated MLP's code in the C layer (C_ACTIVATIONS), every layer's
+    window: int | None  # the windowed layers' window (None: no layer is windowed)
     layers: Any = field(repr=False)  # ctypes array of CLayer (weight fields filled)
     # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
     quant: list[_QuantWeight] = field(default_factory=list, repr=False)
@@ -198,6 +206,11 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
     hidden = first.input_norm.shape[0]
     inter = next((layer.down.weight.shape[1] for layer in layers if layer.down is not None), 0)
     eps, scale = first.input_norm_eps, first.scaling
+    activation = C_ACTIVATIONS[first.description.activation]
+    windows = {layer.description.window for layer in layers} - {None}
+    if len(windows) > 1:
+        return None  # (one windowed plan per step)
+    window = next(iter(windows), None)
     group = q_heads // kv_heads
     if q_heads % kv_heads or group > attn_kernels.MAX_GROUP or head_dim > attn_kernels.MAX_HEAD_DIM:
         return None
@@ -208,11 +221,21 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
     moe_keep: list[Any] = []
     rows = range(0, 1 << 62)
     for layer, entry in zip(layers, array):
-        if layer.tp_size != 1 or layer.scaling != scale:
+        if layer.tp_size != 1 or layer.scaling != scale or C_ACTIVATIONS[layer.description.activation] != activation:
+            return None
+        if layer.rope_table not in (0, 1):
             return None
         if (layer.num_heads, layer.num_kv_heads, layer.description.head_dim) != (q_heads, kv_heads, head_dim):
             return None
-        norms = ((layer.input_norm, layer.input_norm_eps), (layer.post_norm, layer.post_norm_eps))
+        norms = [(layer.input_norm, layer.input_norm_eps), (layer.post_norm, layer.post_norm_eps)]
+        sandwich = layer.description.norm_placement == "sandwich"
+        mlp_norms = (layer.pre_mlp_norm, layer.post_mlp_norm)
+        if sandwich:
+            if layer.pre_mlp_norm is None or layer.post_mlp_norm is None:
+                return None
+            norms += [(layer.pre_mlp_norm, layer.post_norm_eps), (layer.post_mlp_norm, layer.post_norm_eps)]
+        elif any(norm is not None for norm in mlp_norms):
+            return None
         if any(
             norm_eps != eps or norm.shape != (hidden,) or norm.dtype != dtype or not norm.is_contiguous()
             for norm, norm_eps in norms
@@ -230,7 +253,7 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
             tuple(linear.weight.shape) != shape for linear, shape in zip(linears, shapes)
         ):
             return None
-        if kernels == "amx" and layer.experts is None and inter % 32:
+        if kernels == "amx" and layer.experts is None and activation == 0 and inter % 32:
             return None  # (the fused AMX gate/up kernel's column blocks)
         bias = layer.qkv.bias
         if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
@@ -258,7 +281,13 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
             entry.qk_eps = layer.qk_norm_eps
             entry.qk_whole = layer.description.qk_norm == "projection"
         entry.clip = layer.description.qkv_clip or 0.0
-    description = StackDescription(kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, array, quant)
+        if sandwich:
+            entry.pre_mlp_norm, entry.post_mlp_norm = (norm.data_ptr() for norm in mlp_norms if norm is not None)
+        entry.rope_table = layer.rope_table
+        entry.windowed = int(layer.description.window is not None)
+    description = StackDescription(
+        kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, activation, window, array, quant
+    )
     description.moe_keep = moe_keep
     description.lora_shape = _describe_lora(layers, array, dtype, description.lora_keep)
     return description

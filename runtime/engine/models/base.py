@@ -91,6 +91,11 @@ class CausalLM(nn.Module, abc.ABC):
         (each request's first-token hidden state); None: the model has no such head."""
         return None
 
+    def rope_tables(self, rope: RopeInputs, dtype: torch.dtype) -> tuple[RopeInputs, ...]:
+        """The forward's rotary inputs for a device's whole-layer kernels: ``rope`` first, then the
+        other tables some layers rotate with (``DecoderLayerWeights.rope_table``); the default: one."""
+        return (rope,)
+
     def decoder_layers(self) -> Sequence[nn.Module]:
         """The decoder layers in order, for a device's whole-layer kernels, which take a layer only
         where its own class declares what it is (``ops.layer_stack.declared_description``). None

@@ -18,7 +18,8 @@ What differs from Llama, and where each difference lives:
 
 Each layer declares what it is (``GemmaDecoderLayer.describe``: four norms, Gemma's norm form and
 activation, any soft-cap and window), and a device's whole-layer kernels take only the choices they
-implement: the CPU's one-call decode stack implements none of these, so the layers run one by one.
+implement: the CPU's one-call decode stack takes Gemma 3's (its per-layer rotary tables from
+``rope_tables``, its windowed layers' keys read from their pool), not Gemma 2's soft-capped attention.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.gemma_config import GemmaConfig
 from runtime.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from runtime.engine.ops import DeviceOps, LayerStack, RopeInputs
-from runtime.engine.ops.layer_stack import LayerDescription
+from runtime.engine.ops.layer_stack import DecoderLayerWeights, LayerDescription
 
 
 class GemmaAttention(LlamaAttention):
@@ -62,6 +63,9 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         super().__init__(config, layer_id, tp_rank, tp_size, dtype, ops)
         self.pre_feedforward_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
         self.post_feedforward_layernorm = norm_layer(config, config.hidden_size, dtype, ops)
+        gemma = config.family_config_as(GemmaConfig)
+        # the model's rotary inputs this layer takes (GemmaModel.rope_tables: 1, the windowed layers' own)
+        self.rope_table = 1 if gemma.rope_local is not None and gemma.local_layers[layer_id] else 0
 
     def forward(
         self,
@@ -81,6 +85,16 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         """The Llama layer's description with Gemma's four norms per layer (the sandwich placement)."""
         return replace(LlamaDecoderLayer.describe(self), norm_placement="sandwich")
 
+    def decode_weights(self) -> DecoderLayerWeights:
+        """The Llama layer's record with the two MLP norms and the layer's rotary table (``forward``:
+        ``post_attention_layernorm`` norms the attention output alone, ``pre_feedforward_layernorm``
+        the residual stream after its add, ``post_feedforward_layernorm`` the MLP's output)."""
+        pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre.eps != self.post_attention_layernorm.eps or post.eps != pre.eps:
+            raise ValueError("a Gemma layer's attention and MLP norms share one eps")
+        record = LlamaDecoderLayer.decode_weights(self)
+        return replace(record, pre_mlp_norm=pre.weight, post_mlp_norm=post.weight, rope_table=self.rope_table)
+
 
 class GemmaModel(LlamaModel):
     """Gemma's decoder stack: scaled embeddings, sandwich-norm layers, per-layer-type RoPE."""
@@ -92,7 +106,6 @@ class GemmaModel(LlamaModel):
         # sqrt(hidden) as transformers applies it: an fp32 value rounded to the model's dtype
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype))
         gemma = config.family_config_as(GemmaConfig)
-        self.local_layers = gemma.local_layers
         self.rotary_local: RotaryEmbedding | None = None
         if gemma.rope_local is not None:
             self.rotary_local = RotaryEmbedding(config.head_dim, config.context_len, gemma.rope_local)
@@ -100,17 +113,22 @@ class GemmaModel(LlamaModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
 
+    def rope_tables(self, rope: RopeInputs, dtype: torch.dtype) -> tuple[RopeInputs, ...]:
+        """``(rope,)``, or ``(rope, the windowed layers' own)`` where the config gives them one (each
+        layer's ``rope_table`` says which it takes)."""
+        if self.rotary_local is None:
+            return (rope,)
+        return rope, self.ops.rope(self.rotary_local, rope.positions, dtype)
+
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers one by one, each with its type's rotary inputs (``rope`` for full-attention
-        layers; the windowed ones' own, made once here, where the config gives them one)."""
-        local = rope
-        if self.rotary_local is not None:
-            local = self.ops.rope(self.rotary_local, rope.positions, hidden.dtype)
+        """The layers one by one, each with its type's rotary inputs (``rope_tables``, made once here)."""
+        tables = self.rope_tables(rope, hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer, is_local in zip(self.layers, self.local_layers):
-            hidden, residual = layer(local if is_local else rope, hidden, residual, batch, backend)
+        for layer in self.layers:
+            assert isinstance(layer, GemmaDecoderLayer)
+            hidden, residual = layer(tables[layer.rope_table], hidden, residual, batch, backend)
         assert residual is not None, "model has no layers"
         return hidden, residual
 
@@ -119,6 +137,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2 (and, through its subclass, Gemma 3 text): see the module docstring."""
 
     model_class = GemmaModel
+
+    def rope_tables(self, rope: RopeInputs, dtype: torch.dtype) -> tuple[RopeInputs, ...]:
+        model = self.model
+        assert isinstance(model, GemmaModel)
+        return model.rope_tables(rope, dtype)
 
     @torch.inference_mode()
     def forward(

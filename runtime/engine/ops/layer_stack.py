@@ -100,6 +100,14 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
     experts: RoutedExperts | None = None  # a sparse layer's MLP (gate_up and down are None then)
+    # the sandwich placement (``description.norm_placement == "sandwich"``, Gemma): ``post_norm`` norms the
+    # attention output alone, ``pre_mlp_norm`` the residual stream after its add (the MLP's input) and
+    # ``post_mlp_norm`` the MLP's output, each [hidden] with ``post_norm_eps``; None: the pre placement
+    pre_mlp_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    # which of the model's rotary inputs the layer rotates with (an index into ``DecoderStackModel.rope_tables``:
+    # Gemma 3's windowed layers have their own base)
+    rope_table: int = 0
 
     @property
     def linears(self) -> tuple[LinearWeightLayer, ...]:
@@ -127,6 +135,11 @@ class DecoderStackModel(Protocol):
     def run_layers(
         self, rope: RopeInputs, hidden: torch.Tensor, batch: Any, backend: Any
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rope_tables(self, rope: RopeInputs, dtype: torch.dtype) -> tuple[RopeInputs, ...]:
+        """The forward's rotary inputs, ``rope`` first, then any a family's layers use instead
+        (``DecoderLayerWeights.rope_table`` indexes them)."""
+        ...
 
 
 class LayerStack(Protocol):

@@ -128,6 +128,11 @@ static inline __m512 fast_exp16(__m512 x)
 }
 #endif
 
+/* GELU's tanh form as a sigmoid: 0.5 x (1 + tanh(k (x + c x^3))) = x * sigmoid(z), z = 2k (x + c x^3)
+ * (k = sqrt(2 / pi), c = 0.044715), one exp and no cancellation in 1 + tanh. */
+#define GELU_2K 1.5957691216057308f
+#define GELU_2KC 0.0713548162726f
+
 #ifdef __AVX512F__
 /* bf16(bf16(silu(g)) * u) on 16 lanes of bf16 values g (gate) and u (up), in fp32 as torch's bf16
  * silu and multiply round: silu(g) = g * (g >= 0 ? 1 : e) / (1 + e), e = exp(-|g|). */
@@ -135,6 +140,18 @@ static inline __m256i silu_mul16(__m512 g, __m512 u) {
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), one);
+    const __m512 act = round_bf16x16(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))));
+    return f32x16_to_bf16(_mm512_mul_ps(act, u));
+}
+
+/* bf16(bf16(gelu_tanh(g)) * u) on 16 lanes, as torch's bf16 F.gelu(approximate="tanh") then the
+ * product round; sigmoid(z) = (z >= 0 ? 1 : e) / (1 + e), e = exp(-|z|), as silu_mul16. */
+static inline __m256i gelu_tanh_mul16(__m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 z = _mm512_mul_ps(g, _mm512_add_ps(_mm512_set1_ps(GELU_2K),
+                                                    _mm512_mul_ps(_mm512_set1_ps(GELU_2KC), _mm512_mul_ps(g, g))));
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+    const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ), one);
     const __m512 act = round_bf16x16(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))));
     return f32x16_to_bf16(_mm512_mul_ps(act, u));
 }

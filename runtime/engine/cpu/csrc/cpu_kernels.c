@@ -63,6 +63,30 @@ void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_
     }
 }
 
+/* out [rows, inter] = bf16(bf16(gelu_tanh(gate)) * up), gate_up [rows, 2 * inter] (gate first):
+ * torch's bf16 F.gelu(gate, approximate="tanh").mul_(up), gelu_tanh as x * sigmoid(z) (common.h). */
+void gelu_tanh_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gate_up + r * 2 * inter;
+        const uint16_t* u = g + inter;
+        uint16_t* o = out + r * inter;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= inter; j += 16)  /* the loop below on 16 lanes, the same operations */
+            _mm256_storeu_si256((__m256i*)(o + j), gelu_tanh_mul16(load_bf16x16(g + j), load_bf16x16(u + j)));
+#endif
+        for (; j < inter; ++j) {
+            const float x = bf16_to_f32(g[j]);
+            const float z = x * (GELU_2K + GELU_2KC * (x * x));
+            const float e = fast_exp(-fabsf(z));
+            const float sig = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[j] = f32_to_bf16(round_bf16(x * sig) * bf16_to_f32(u[j]));
+        }
+    }
+}
+
 /* The pool write of a forward's new K and V: row i of k and v (row_bytes each, rows
  * k_stride / v_stride bytes apart) to slot loc[i] of k_buf / v_buf (packed rows of row_bytes).
  * Returns -1, writing nothing, when a slot is outside [0, slots). torch's index_put takes

@@ -1,8 +1,12 @@
 /* A decode step's decoder layers in one call: for each layer, the same kernels in the same order
  * as the Python layer stack calls them one by one (RMSNorm with the residual add, the qkv linear,
- * each q and k head's RMSNorm where the layer has them (head_norm.c), rotary on q and k, the KV pool write, the shared-prefix and decode-mirror attention with the
- * mirror append, the o linear, RMSNorm, gate/up + silu*mul, the down linear, or a sparse layer's
- * routed experts: moe_mlp.c), so the results are
+ * each q and k head's RMSNorm where the layer has them (head_norm.c), rotary on q and k (a layer's
+ * own table where it has one: Gemma 3's windowed layers), the KV pool write, the shared-prefix and
+ * decode-mirror attention with the mirror append (a windowed layer: its window's keys gathered from
+ * its own pool, as the backend's windowed path gathers them), the o linear, RMSNorm (Gemma's
+ * sandwich: the attention output's norm, then the residual's), gate/up + silu*mul or gelu_tanh*mul,
+ * the down linear (sandwich: and its output's norm), or a sparse layer's routed experts: moe_mlp.c),
+ * so the results are
  * bit for bit those of that stack; what goes is the interpreter and dispatch work between the
  * kernels, during which the other OpenMP threads wait.
  *
@@ -56,7 +60,22 @@ typedef struct {
     int64_t kv_rows;               /* the mirror's rows (kv_row's bound) */
     const struct LoraRuns* lora;   /* the step's adapter runs (NULL: no row uses an adapter) */
     int64_t kv_format;             /* the KV pool's format (kv_codes.h; KV_PLAIN: the step's dtype) */
+    int64_t activation;            /* the gated MLP's: ACT_SILU or ACT_GELU_TANH (every layer's) */
+    const void* cos_local;         /* [n, rot_dim / 2]: the second rotary table (a layer's rope_table 1) */
+    const void* sin_local;
+    /* Windowed layers (DecodeLayer.windowed): their own pool (pool rows win_pool_slots), the new
+     * tokens' slots there (win_out_loc [n]), and each request's last win_len keys' slots there
+     * (win_slots [n, win_len], 0-padded) with their key bias (win_mask [n, win_len] or NULL),
+     * gathered into win_k [n, kv_heads, head_dim, win_len] and win_v [n, kv_heads, win_len, head_dim]
+     * (the caller's scratch) for the decode attention kernel, as the backend's windowed path does. */
+    const int64_t* win_out_loc;
+    const int64_t* win_slots;
+    int64_t win_len, win_pool_slots;
+    const float* win_mask;
+    void *win_k, *win_v;
 } DecodeStep;
+
+enum { ACT_SILU, ACT_GELU_TANH };
 
 /* Multi-LoRA (lora.c): which runs of the step's rows use which adapter slot, and the slots' shape. */
 typedef struct LoraRuns {
@@ -90,6 +109,11 @@ typedef struct {
     int64_t qk_whole;
     float clip;
     const MoeLayer* moe;           /* a sparse layer's routed experts in place of gate_up/down (moe_mlp.c; NULL: dense) */
+    /* Gemma's sandwich norms (NULL: pre-norm): post_norm then norms the attention output alone,
+     * pre_mlp_norm the residual stream after its add, post_mlp_norm the MLP's output */
+    const void *pre_mlp_norm, *post_mlp_norm;
+    int64_t rope_table;            /* 0: the step's cos/sin; 1: cos_local/sin_local */
+    int64_t windowed;              /* 1: attends over its window's keys in its own pool (DecodeStep.win_*) */
 } DecodeLayer;
 
 enum { STAGE_QKV = 1, STAGE_KV_STORE, STAGE_PREFIX, STAGE_ATTENTION, STAGE_O, STAGE_MLP, STAGE_DOWN, STAGE_LORA };
@@ -109,6 +133,7 @@ typedef struct {
                   int64_t k_new_stride, const void* v_new, int64_t v_new_stride, const int64_t* pos,
                   const float* init_o, const float* init_lse, const int64_t* kv_row, int64_t kv_rows);
     void (*silu_mul)(const void* gate_up, int64_t rows, int64_t inter, void* out);
+    void (*gelu_tanh_mul)(const void* gate_up, int64_t rows, int64_t inter, void* out);
     /* NULL, or both in one pass: mid [m, inter] = silu(gate) * up of x times the gate/up weight
      * ([2 inter, k], gate rows first) */
     int (*fused_gate_up)(const void* x, int64_t m, const void* w, int64_t inter, int64_t k, void* mid);
@@ -152,6 +177,10 @@ typedef struct {
     static void silu_mul_##T##_v(const void* gate_up, int64_t rows, int64_t inter, void* out)                 \
     {                                                                                                          \
         silu_mul_##T(gate_up, rows, inter, out);                                                               \
+    }                                                                                                          \
+    static void gelu_tanh_mul_##T##_v(const void* gate_up, int64_t rows, int64_t inter, void* out)            \
+    {                                                                                                          \
+        gelu_tanh_mul_##T(gate_up, rows, inter, out);                                                          \
     }                                                                                                          \
     static void head_norm_##T##_v(void* x, int64_t rows, int64_t stride, int64_t heads, int64_t d,           \
                                   const void* w, float eps)                                                    \
@@ -267,15 +296,15 @@ static int lora_f32_v(const void* x, int64_t ldx, void* out, int64_t ldo, int64_
 
 /* (without a fused gate/up, the two calls the layer stack makes: the linear, then silu*mul) */
 static const Kernels AMX = {2, rmsnorm_bf16_v, linear_amx, rotary_bf16_v, prefix_bf16_v, decode_bf16_v, silu_mul_bf16_v,
-                            fused_gate_up_amx, lora_bf16_v, head_norm_bf16_v};
+                            gelu_tanh_mul_bf16_v, fused_gate_up_amx, lora_bf16_v, head_norm_bf16_v};
 static const Kernels DP = {2,       rmsnorm_bf16_v,  linear_dp, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
-                           silu_mul_bf16_v, 0,     lora_bf16_v, head_norm_bf16_v};
+                           silu_mul_bf16_v, gelu_tanh_mul_bf16_v, 0, lora_bf16_v, head_norm_bf16_v};
 static const Kernels F32 = {4,       rmsnorm_f32_v, linear_f, rotary_f32_v, prefix_f32_v, decode_f32_v,
-                            silu_mul_f32_v, 0,     lora_f32_v, head_norm_f32_v};
+                            silu_mul_f32_v, gelu_tanh_mul_f32_v, 0, lora_f32_v, head_norm_f32_v};
 static const Kernels QF32 = {4,       rmsnorm_f32_v, linear_q, rotary_f32_v, prefix_f32_v, decode_f32_v,
-                             silu_mul_f32_v, 0,     lora_f32_v, head_norm_f32_v};
+                             silu_mul_f32_v, gelu_tanh_mul_f32_v, 0, lora_f32_v, head_norm_f32_v};
 static const Kernels QBF16 = {2,       rmsnorm_bf16_v, linear_qb, rotary_bf16_v, prefix_bf16_v, decode_bf16_v,
-                              silu_mul_bf16_v, 0,     lora_bf16_v, head_norm_bf16_v};
+                              silu_mul_bf16_v, gelu_tanh_mul_bf16_v, 0, lora_bf16_v, head_norm_bf16_v};
 
 /* The kernel of a sparse layer's router (moe_mlp.h: MOE_ROUTER_*): the set's linear, or in a set
  * whose linears read blocks, the dense kernel of its dtype that the router's plan gives. */
@@ -315,13 +344,66 @@ static int add_lora(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l
     return kn->lora_add(x, ldx, out, n, s->n, k, n, w, s->lora) ? -1 : 0;
 }
 
-/* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
-static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+/* A windowed layer's KV write and attention: the new rows into its own pool (at win_out_loc), its
+ * window's keys gathered from there (mirror_gather, as the backend's windowed path gathers them),
+ * the decode kernel over them. 0, or the stage that refused. (A plain pool only: decode_layers.py
+ * hands no quantized one with windowed layers.) */
+static int attend_window(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l)
 {
     const int64_t n = s->n, hd = s->head_dim, group = s->q_heads / s->kv_heads;
     const int64_t q_cols = s->q_heads * hd, kv_cols = s->kv_heads * hd, qkv_cols = q_cols + 2 * kv_cols;
     const char* k_new = (const char*)s->qkv + q_cols * kn->elem;
     const char* v_new = (const char*)s->qkv + (q_cols + kv_cols) * kn->elem;
+    if (s->kv_format != KV_PLAIN ||
+        store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->win_out_loc, n, kv_cols * kn->elem,
+                      l->k_pool, l->v_pool, s->win_pool_slots) ||
+        mirror_gather(l->k_pool, l->v_pool, s->win_pool_slots, s->win_slots, n, s->win_len, s->kv_heads, hd,
+                      s->win_len, kn->elem, (char*)s->win_k, (char*)s->win_v))
+        return STAGE_KV_STORE;
+    if (kn->decode(s->qkv, qkv_cols, s->win_k, s->win_v, s->win_mask, s->win_len, s->win_len, s->attn, n,
+                   s->kv_heads, group, hd, s->scale, 0, 0, 0, 0, 0, 0, 0, 0, n))
+        return STAGE_ATTENTION;
+    return 0;
+}
+
+/* A full-attention layer's KV write (the pool's format) and attention over the shared prefix and
+ * the decode mirror, whose new key the attention kernel appends. 0, or the stage that refused. */
+static int attend_mirror(const Kernels* kn, const DecodeStep* s, const DecodeLayer* l)
+{
+    const int64_t n = s->n, hd = s->head_dim, group = s->q_heads / s->kv_heads;
+    const int64_t q_cols = s->q_heads * hd, kv_cols = s->kv_heads * hd, qkv_cols = q_cols + 2 * kv_cols;
+    const char* k_new = (const char*)s->qkv + q_cols * kn->elem;
+    const char* v_new = (const char*)s->qkv + (q_cols + kv_cols) * kn->elem;
+    const int fmt = (int)s->kv_format;
+    if (fmt == KV_PLAIN ? store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
+                                        kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots)
+                        : store_kv_rows_q(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, kn->elem,
+                                          s->out_loc, n, s->kv_heads, hd, fmt, l->k_scale, l->v_scale, l->k_pool,
+                                          l->v_pool, s->pool_slots))
+        return STAGE_KV_STORE;
+    if (s->prefix_len > 0 &&
+        kn->prefix(s->qkv, qkv_cols, l->prefix_k, l->prefix_v, s->prefix_len, s->prefix_pad, n, s->kv_heads,
+                   group, hd, s->scale, s->prefix_out, s->prefix_lse))
+        return STAGE_PREFIX;
+    const float* init_o = s->prefix_len > 0 ? s->prefix_out : 0;
+    const float* init_lse = s->prefix_len > 0 ? s->prefix_lse : 0;
+    if (fmt == KV_PLAIN ? kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n,
+                                     s->kv_heads, group, hd, s->scale, k_new, qkv_cols, v_new, qkv_cols,
+                                     s->append_pos, init_o, init_lse, s->kv_row, s->kv_rows)
+                        : decode_attention_q8(s->qkv, qkv_cols, kn->elem == 2, fmt, l->k_t, l->v, l->k_scales,
+                                              l->v_scales, l->k_scale, l->v_scale, s->mask, s->cap, s->width,
+                                              s->attn, 0, n, s->kv_heads, group, hd, s->scale, l->k_pool,
+                                              l->v_pool, s->pool_slots, s->out_loc, s->append_pos, init_o,
+                                              init_lse, s->kv_row, s->kv_rows))
+        return STAGE_ATTENTION;
+    return 0;
+}
+
+/* Returns 0, or -(layer * 16 + stage) for the first kernel that refused. */
+static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer* layers, int64_t num_layers)
+{
+    const int64_t n = s->n, hd = s->head_dim;
+    const int64_t q_cols = s->q_heads * hd, kv_cols = s->kv_heads * hd, qkv_cols = q_cols + 2 * kv_cols;
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecodeLayer* l = layers + i;
         const int fail = -(int)(i * 16);
@@ -338,33 +420,19 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
                           l->qk_eps);
         }
         if (l->clip > 0) clamp_rows(s->qkv, kn->elem, n, qkv_cols, l->clip);
-        kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim, s->cos, s->sin);
-        const int fmt = (int)s->kv_format;
-        if (fmt == KV_PLAIN ? store_kv_rows(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, s->out_loc, n,
-                                            kv_cols * kn->elem, l->k_pool, l->v_pool, s->pool_slots)
-                            : store_kv_rows_q(k_new, qkv_cols * kn->elem, v_new, qkv_cols * kn->elem, kn->elem,
-                                              s->out_loc, n, s->kv_heads, hd, fmt, l->k_scale, l->v_scale, l->k_pool,
-                                              l->v_pool, s->pool_slots))
-            return fail - STAGE_KV_STORE;
-        if (s->prefix_len > 0 &&
-            kn->prefix(s->qkv, qkv_cols, l->prefix_k, l->prefix_v, s->prefix_len, s->prefix_pad, n, s->kv_heads,
-                       group, hd, s->scale, s->prefix_out, s->prefix_lse))
-            return fail - STAGE_PREFIX;
-        const float* init_o = s->prefix_len > 0 ? s->prefix_out : 0;
-        const float* init_lse = s->prefix_len > 0 ? s->prefix_lse : 0;
-        if (fmt == KV_PLAIN ? kn->decode(s->qkv, qkv_cols, l->k_t, l->v, s->mask, s->cap, s->width, s->attn, n,
-                                         s->kv_heads, group, hd, s->scale, k_new, qkv_cols, v_new, qkv_cols,
-                                         s->append_pos, init_o, init_lse, s->kv_row, s->kv_rows)
-                            : decode_attention_q8(s->qkv, qkv_cols, kn->elem == 2, fmt, l->k_t, l->v, l->k_scales,
-                                                  l->v_scales, l->k_scale, l->v_scale, s->mask, s->cap, s->width,
-                                                  s->attn, 0, n, s->kv_heads, group, hd, s->scale, l->k_pool,
-                                                  l->v_pool, s->pool_slots, s->out_loc, s->append_pos, init_o,
-                                                  init_lse, s->kv_row, s->kv_rows))
-            return fail - STAGE_ATTENTION;
+        kn->rotary(s->qkv, n, qkv_cols, s->q_heads + s->kv_heads, hd, s->rot_dim,
+                   l->rope_table ? s->cos_local : s->cos, l->rope_table ? s->sin_local : s->sin);
+        const int stage = l->windowed ? attend_window(kn, s, l) : attend_mirror(kn, s, l);
+        if (stage) return fail - stage;
         if (kn->linear(s->attn, n, q_cols, l->o, s->hidden, q_cols, 0, s->o))
             return fail - STAGE_O;
         if (add_lora(kn, s, l, LORA_O, s->attn, q_cols, s->o, q_cols, s->hidden)) return fail - STAGE_LORA;
-        kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
+        if (l->pre_mlp_norm) { /* sandwich: the attention output normed alone, then added and normed again */
+            kn->rmsnorm(s->o, 0, l->post_norm, n, s->hidden, s->eps, s->o);
+            kn->rmsnorm(s->o, s->residual, l->pre_mlp_norm, n, s->hidden, s->eps, s->normed);
+        } else {
+            kn->rmsnorm(s->o, s->residual, l->post_norm, n, s->hidden, s->eps, s->normed);
+        }
         if (l->moe) {
             const MoeKernels moe = {kn->elem, kn->linear, router_linear(kn, l->moe->router_kernel), kn->silu_mul,
                                     kn->fused_gate_up};
@@ -372,19 +440,22 @@ static int run_layers(const Kernels* kn, const DecodeStep* s, const DecodeLayer*
             continue;
         }
         /* (an adapter's product joins gate/up before the activation: no fused pass then) */
-        if (kn->fused_gate_up && !(s->lora && l->lora[LORA_GATE_UP].a)) {
+        if (kn->fused_gate_up && s->activation == ACT_SILU && !(s->lora && l->lora[LORA_GATE_UP].a)) {
             if (kn->fused_gate_up(s->normed, n, l->gate_up, s->inter, s->hidden, s->mid)) return fail - STAGE_MLP;
         } else {
             if (kn->linear(s->normed, n, s->hidden, l->gate_up, 2 * s->inter, s->hidden, 0, s->gate_up))
                 return fail - STAGE_MLP;
             if (add_lora(kn, s, l, LORA_GATE_UP, s->normed, s->hidden, s->gate_up, s->hidden, 2 * s->inter))
                 return fail - STAGE_LORA;
-            kn->silu_mul(s->gate_up, n, s->inter, s->mid);
+            (s->activation == ACT_GELU_TANH ? kn->gelu_tanh_mul : kn->silu_mul)(s->gate_up, n, s->inter, s->mid);
         }
-        if (kn->linear(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, s->hidden_out))
+        /* (sandwich: the MLP's output goes through its own norm into hidden_out) */
+        void* down_out = l->post_mlp_norm ? s->o : s->hidden_out;
+        if (kn->linear(s->mid, n, s->inter, l->down, s->hidden, s->inter, 0, down_out))
             return fail - STAGE_DOWN;
-        if (add_lora(kn, s, l, LORA_DOWN, s->mid, s->inter, s->hidden_out, s->inter, s->hidden))
+        if (add_lora(kn, s, l, LORA_DOWN, s->mid, s->inter, down_out, s->inter, s->hidden))
             return fail - STAGE_LORA;
+        if (l->post_mlp_norm) kn->rmsnorm(s->o, 0, l->post_mlp_norm, n, s->hidden, s->eps, s->hidden_out);
     }
     return 0;
 }

@@ -86,6 +86,27 @@ void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out)
     }
 }
 
+/* out [rows, inter] = gelu_tanh(gate) * up, gate_up [rows, 2 * inter] (gate first): torch's
+ * F.gelu(gate, approximate="tanh").mul_(up) with gelu_tanh(x) = 0.5 x (1 + tanh(k (x + c x^3)))
+ * computed as x / (1 + exp(-z)), z = 2k (x + c x^3) (common.h): one exp, no cancellation in
+ * 1 + tanh (within a few ulp of torch's where torch's own sum does not cancel). */
+void gelu_tanh_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out)
+{
+#pragma omp parallel for schedule(static) if (rows * inter >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+        for (int64_t j = 0; j < inter; j += AV_W) {
+            const int64_t m = lanes(inter - j);
+            const av x = av_load_n(g + j, m);
+            const av z = av_mul(x, av_add(av_set1(GELU_2K), av_mul(av_set1(GELU_2KC), av_mul(x, x))));
+            const av gelu = av_div(x, av_add(av_set1(1.0f), av_expf(av_sub(av_set1(0.0f), z))));
+            av_store_n(o + j, av_mul(gelu, av_load_n(u + j, m)), m);
+        }
+    }
+}
+
 /* The sum of squares of v[0..n) in exactly torch's order, so that RMSNorm's statistic (and
  * with it every output) is bit-identical to torch's x.pow(2).mean(-1): aten's cascade sum
  * (SumKernel.cpp) over vectors of L = 8 floats (its sum kernel is registered for AVX2 and

@@ -9,6 +9,9 @@ void rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, int6
                   float eps, uint16_t* out);
 void rotary_bf16(uint16_t* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
                  const uint16_t* cos, const uint16_t* sin);
+/* cpu_kernels.c: pool rows at loc [n * w] into a decode mirror's K^T [n, hkv, d, cap] and V [n, hkv, cap, d] */
+int mirror_gather(const char* k_pool, const char* v_pool, int64_t slots, const int64_t* loc, int64_t n, int64_t w,
+                  int64_t hkv, int64_t d, int64_t cap, int64_t elem, char* kt, char* v);
 int store_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* loc,
                   int64_t n, int64_t row_bytes, char* k_buf, char* v_buf, int64_t slots);
 /* kv_quant.c: a quantized KV pool's write (kv_codes.h names the formats) */
@@ -39,6 +42,7 @@ int amx_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t ldx, const ui
 int dp_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t n, int64_t k,
                    const uint16_t* bias, int float_out, void* out);
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out);
+void gelu_tanh_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out);
 
 void rmsnorm_f32(const float* x, float* residual, const float* w, int64_t rows, int64_t hidden, float eps,
                  float* out);
@@ -50,6 +54,7 @@ void rmsnorm_heads_f32(const float* x, int64_t T, int64_t x_stride, int64_t head
 void rotary_f32(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t d, int64_t rot_dim,
                 const float* cos, const float* sin);
 void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);
+void gelu_tanh_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);
 int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
                const float* bias, float* out);
 int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,

@@ -1,9 +1,10 @@
 """A decode step's decoder layers in one C call (runtime/engine/cpu/decode_layers.py,
 csrc/decode_layers.c) against the same model running its layers one by one: the same logits bit for
 bit, step after step (the decode-key mirror appended by either path, alternating), on every
-architecture the call takes, with and without a shared prefix, in bf16 and in fp32; and the cases
-it must leave to the layers (Gemma's sandwich norms, windowed layers, a mirror rebuild, AMX off in
-bf16, a row count the fp32 panel kernel does not take) run there untouched.
+architecture the call takes (Gemma 3's sandwich norms and windowed layers too, past the window), with
+and without a shared prefix, in bf16 and in fp32; and the cases it must leave to the layers (Gemma 2's
+soft-capped attention, a model whose every layer is windowed, a mirror rebuild, AMX off in bf16, a row
+count the fp32 panel kernel does not take) run there untouched.
 
 bf16 runs its linears on AMX tiles, or, on a CPU with AVX512-BF16 and no AMX, on the dot-product
 kernel (oneDNN packs for it there): the bf16 tests run with whichever this process has, and once
@@ -67,14 +68,15 @@ def _runner(path: Path, dtype: str = "bfloat16") -> ModelRunner:
 
 
 def _decode_logits(
-    runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5
+    runner: ModelRunner, modes: list[bool], shared_prefix: int = 0, requests: int = 5, first_len: int = 2
 ) -> list[torch.Tensor]:
-    """Prefill ``requests`` prompts (the first ``shared_prefix`` tokens common, cached once), then
-    one decode step per entry of ``modes`` (True: the one-call path allowed); each step's logits."""
+    """Prefill ``requests`` prompts (the first ``shared_prefix`` tokens common, cached once; request i's
+    own ``first_len + 3 i`` tokens), then one decode step per entry of ``modes`` (True: the one-call
+    path allowed); each step's logits."""
     h = Harness(runner)
     vocab = runner.vocab_size
     prefix = random_prompt(shared_prefix, vocab, seed=3) if shared_prefix else []
-    prompts = [prefix + random_prompt(2 + 3 * i, vocab, seed=30 + i) for i in range(requests)]
+    prompts = [prefix + random_prompt(first_len + 3 * i, vocab, seed=30 + i) for i in range(requests)]
     reqs = h.prefill_sharing(prompts, shared_prefix)
     logits = []
     for on in modes:
@@ -92,16 +94,16 @@ def test_one_call_equals_the_layers_bit_for_bit(name: str, dtype: str, tiny_chec
     layered = _decode_logits(runner, [False] * steps)
     calls.clear()
     one_call = _decode_logits(runner, [True] * steps)
-    # a Gemma layer (four norms) and Qwen2-MoE's shared expert are the layers' own path: their declared
-    # descriptions ask for what the C layer lacks; the routed experts of the other sparse families run
-    # in the call (csrc/moe_mlp.c). The dot-product kernel reads weights in 64-column blocks, which
-    # mistral's qkv (96 columns) and Mixtral's experts' gate/up (96) are not, and the fused AMX gate/up
-    # takes 32-column halves, which Mixtral's intermediate 48 is not: oneDNN's call runs them there
+    # Gemma 2's soft-capped attention and Qwen2-MoE's shared expert are the layers' own path: their declared
+    # descriptions ask for what the C layer lacks (Gemma 3 is taken: its 5 requests' 2..14-token prompts and
+    # 6 steps cross its window of 16; the routed experts of the other sparse families run in the call:
+    # csrc/moe_mlp.c). The dot-product kernel reads weights in 64-column blocks, which mistral's qkv (96
+    # columns) and Mixtral's experts' gate/up (96) are not, and the fused AMX gate/up takes 32-column
+    # halves, which Mixtral's intermediate 48 is not: oneDNN's call runs them there
     assert isinstance(runner.layer_stack, decode_layers.CpuLayerStack)
     one_by_one = runner.layer_stack.declined is not None
-    assert not one_by_one or name not in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "olmoe"), (
-        runner.layer_stack.declined
-    )
+    taken_families = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "olmoe")
+    assert not one_by_one or name not in taken_families, runner.layer_stack.declined
     unpacked = (BF16_KERNELS == "dp" and name == "mistral") or name == "mixtral"
     taken = not one_by_one and not (dtype == "bfloat16" and unpacked)
     # the first decode step builds the mirror (the layers' path), the rest append to it
@@ -242,9 +244,23 @@ def test_fp32_rows_below_the_panel_kernel_stay_with_the_layers(
     assert all(torch.equal(a, b) for a, b in zip(layered, asked))
 
 
-@pytest.mark.parametrize("name", ["mistral_swa", "qwen2_swa"])
-def test_windowed_layers_stay_with_the_layers(name: str, tiny_checkpoints, calls: list[bool]) -> None:
-    runner = _runner(tiny_checkpoints.path(name))
+@needs_bf16_kernels
+def test_windowed_layers_in_the_call_past_the_window(tiny_checkpoints, calls: list[bool]) -> None:
+    """qwen2_swa: two full layers (the mirror), two windowed ones (W = 24, their own pool's slots): the
+    call writes and gathers the windowed layers' keys as the backend does, bit for bit, while the
+    requests' keys pass the window."""
+    runner = _runner(tiny_checkpoints.path("qwen2_swa"))
+    layered = _decode_logits(runner, [False] * 5, requests=3, first_len=20)
+    calls.clear()
+    one_call = _decode_logits(runner, [True] * 5, requests=3, first_len=20)
+    assert calls == [False] * 3 + [True] * 4, calls  # two prefills, the mirror's rebuild, then the call
+    for step, (a, b) in enumerate(zip(layered, one_call)):
+        assert torch.equal(a, b), f"decode step {step} differs"
+
+
+def test_a_model_of_windowed_layers_only_stays_with_the_layers(tiny_checkpoints, calls: list[bool]) -> None:
+    """mistral_swa: every layer windowed, so no layer keeps a decode mirror for the call to append to."""
+    runner = _runner(tiny_checkpoints.path("mistral_swa"))
     logits = _decode_logits(runner, [True] * 3)
     assert not any(calls) and all(torch.isfinite(x).all() for x in logits)
 

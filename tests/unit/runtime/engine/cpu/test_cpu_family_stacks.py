@@ -1,15 +1,17 @@
 """The families beyond Llama in the one-call CPU decode stack (csrc/decode_layers.c): Qwen2's q/k/v
 biases with linear RoPE scaling, Qwen3's per-head q/k RMSNorm before RoPE (head_dim 32, not
-hidden / heads), Phi-3's fused projections with a partial rotary share and LongRoPE, and the sparse
-families' routed experts (csrc/moe_mlp.c: Qwen3-MoE's renormalised top-4 of 16 beside a dense layer,
-Mixtral's renormalised top-2 with fp32 weights, OLMoE's top-2 not renormalised with its q/k norms
-over the whole projection and its q/k/v clamp; their routers too small for a packed copy run on the
-plain dot kernel that the layers' routing runs too). For each, in
-bf16 and fp32, one request and several: the greedy tokens through the call equal the layers' run
-one by one (and in fp32 transformers'), every decode step after the mirror's first runs in the call,
-and the kernel report says the stack takes the model; with GGUF weights kept in their blocks the
-call's logits equal the layers' bit for bit. The per-head norm kernel both paths run
-(csrc/head_norm.c) is each head's plain RMSNorm, at every kernel level this CPU runs.
+hidden / heads), Phi-3's fused projections with a partial rotary share and LongRoPE, Gemma 3's
+sandwich norms, unit-offset norms, gelu_tanh MLP, query_pre_attn_scalar, and windowed layers with
+their own RoPE base (past the window of 16), and the sparse families' routed experts (csrc/moe_mlp.c:
+Qwen3-MoE's renormalised top-4 of 16 beside a dense layer, Mixtral's renormalised top-2 with fp32
+weights, OLMoE's top-2 not renormalised with its q/k norms over the whole projection and its q/k/v
+clamp; their routers too small for a packed copy run on the plain dot kernel that the layers' routing
+runs too). For each, in bf16 and fp32, one request and several: the greedy tokens through the call
+equal the layers' run one by one (and in fp32 transformers'), every decode step after the mirror's
+first runs in the call, and the kernel report says the stack takes the model; with GGUF weights kept
+in their blocks the call's logits equal the layers' bit for bit. The per-head norm kernel both paths
+run (csrc/head_norm.c) is each head's plain RMSNorm, and the gelu_tanh*mul kernel both paths run is
+torch's formula within rounding, at every kernel level this CPU runs.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from runtime.engine.cpu.kernel_report import describe
 from runtime.engine.cpu.prepacked import fp32_panel_rows
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.ops.experts import route_experts
-from tests.support.checkpoints import PHI3_ORIGINAL_MAX, TinyCheckpoints, hf_greedy, load_hf_model, random_prompt
+from tests.support.checkpoints import (
+    GEMMA_WINDOW,
+    PHI3_ORIGINAL_MAX,
+    TinyCheckpoints,
+    hf_greedy,
+    load_hf_model,
+    random_prompt,
+)
 from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import DTYPES, _decode_logits, needs_fp32_kernels
 
-FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "qwen3_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "gemma3", "qwen3_moe", "mixtral", "olmoe"]
 # (family, dtype) cases: all but bf16 Mixtral, whose tiny experts' gate/up ([96, 64]: intermediate 48)
 # no bf16 kernel set reads (oneDNN's own layout), so its bf16 layers run one by one
 CASES = [
@@ -41,8 +50,13 @@ CASES = [
     if (name, dtype.values[0]) != ("mixtral", "bfloat16")
 ]
 # the GGUF files kept in Q8_0 blocks (not Mixtral's: its intermediate 48 is no multiple of the 32-value block)
-KEPT_FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "olmoe"]
+KEPT_FAMILIES = ["qwen2", "qwen3", "gemma3", "qwen3_moe", "olmoe"]
 STEPS = 8  # decode tokens per request (phi3_longrope's prompts and outputs stay under PHI3_ORIGINAL_MAX)
+# the first request's prompt length: gemma3's requests cross its window (GEMMA_WINDOW) while decoding
+FIRST_PROMPT = {"gemma3": GEMMA_WINDOW - 4}
+# the checkpoint a family's GGUF test writes: what a GGUF file of it loads back as (gemma3_gguf: the file keeps
+# no layer types, so the default pattern, five windowed layers to one full, over six layers of head_dim 256)
+GGUF_CHECKPOINT = {"gemma3": "gemma3_gguf"}
 
 
 @pytest.fixture
@@ -74,7 +88,8 @@ def test_the_call_takes_the_family_and_gives_the_layers_tokens(
     runner = _runner(path, dtype)
     assert runner.kernels["decode_stack"] is not None, runner.kernels
     assert "decode step: one C call" in describe(runner.kernels)
-    prompts = [random_prompt(5 + 9 * i, runner.vocab_size, seed=900 + i) for i in range(requests)]
+    first = FIRST_PROMPT.get(name, 5)
+    prompts = [random_prompt(first + 9 * i, runner.vocab_size, seed=900 + i) for i in range(requests)]
     assert max(map(len, prompts)) + STEPS < PHI3_ORIGINAL_MAX
     layered = _greedy(runner, prompts, on=False)
     calls.clear()
@@ -99,14 +114,19 @@ def test_kept_quantized_gguf_in_the_call_bit_for_bit(
     name: str, tiny_checkpoints: TinyCheckpoints, gguf_files: Path, calls: list[bool]
 ) -> None:
     """The family's GGUF file (Q8_0) served with its blocks kept: the call's quantized set (qf32)
-    runs the biases and the q/k norms too, bit for bit the layers."""
+    runs the biases, the q/k norms and Gemma 3's layers too (its requests past the window), bit for
+    bit the layers."""
     gguf = write_checkpoint_gguf(
-        tiny_checkpoints.path(name), gguf_files / f"{name}-Q8_0.gguf", weight_type="Q8_0", tokenizer=False
+        tiny_checkpoints.path(GGUF_CHECKPOINT.get(name, name)),
+        gguf_files / f"{name}-Q8_0.gguf",
+        weight_type="Q8_0",
+        tokenizer=False,
     )
     runner = _runner(gguf, "float32", quantization="gguf")
-    layered = _decode_logits(runner, [False] * 4, requests=3)
+    first = FIRST_PROMPT.get(name, 2)
+    layered = _decode_logits(runner, [False] * 4, requests=3, first_len=first)
     calls.clear()
-    one_call = _decode_logits(runner, [True] * 4, requests=3)
+    one_call = _decode_logits(runner, [True] * 4, requests=3, first_len=first)
     assert calls == [False] * 3 + [True] * 3, calls  # two prefills, the mirror's rebuild, then the call
     stack = runner.layer_stack
     assert isinstance(stack, decode_layers.CpuLayerStack)
@@ -164,3 +184,23 @@ def test_the_routing_kernels_choose_as_transformers_routers(dtype: torch.dtype) 
     tied = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0, 0.0]], dtype=dtype)
     routed = kernels.moe_route(tied, 2, False)
     assert routed is not None and routed[0].tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("level", kernel_library.host_levels())
+def test_the_gelu_tanh_kernel_is_torchs_gated_gelu(level: str, dtype: torch.dtype) -> None:
+    """Gemma's gated MLP activation (csrc gelu_tanh_mul_*, which the layers and the call both run):
+    torch's ``F.gelu(gate, approximate="tanh") * up`` within fp32 rounding (the kernel's x * sigmoid(z)
+    form does not cancel where torch's 1 + tanh does: the far negative tail differs by a few 1e-7), and
+    in bf16 within one rounding of the activation (a bf16 ulp of its result)."""
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(3, 2 * 80, generator=gen) * 3).to(dtype)  # (80: a 16-lane loop and a tail)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    with kernel_library.use_level(level):
+        out = kernels.gelu_tanh_and_mul(gate_up)
+    assert out is not None and out.shape == (3, 80) and out.dtype == dtype
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1e-5)

@@ -22,10 +22,11 @@ from runtime.engine.ops.layer_stack import LayerDescription, declared_descriptio
 from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.harness import Harness
 
-# family -> whether the C layer implements its tiny checkpoint's layers (gemma: four unit-offset
-# norms, GELU; the sparse families: routed experts, but not Qwen2-MoE's shared expert; Mixtral's window
-# spans the whole served context: ModelConfig.layer_windows drops it)
-TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": True, "mistral": True, "gemma2": False, "gemma3": False}
+# family -> whether the C layer implements its tiny checkpoint's layers (gemma2: soft-capped attention;
+# gemma3's four unit-offset norms, GELU and windows it runs; the sparse families: routed experts, but not
+# Qwen2-MoE's shared expert; Mixtral's window spans the whole served context: ModelConfig.layer_windows
+# drops it)
+TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": True, "mistral": True, "gemma2": False, "gemma3": True}
 TAKEN.update({"qwen3_moe": True, "olmoe": True, "mixtral": True, "qwen2_moe": False})
 assert set(MOE_CHECKPOINT_NAMES) <= set(TAKEN)
 
@@ -70,14 +71,16 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
     )
     assert c_layer_declines(base) is None
     assert c_layer_declines(dataclasses.replace(base, rotary_dim=32)) is None  # a partial rotary share is run
+    gemma3 = {"norm": "rms_unit_offset", "norm_placement": "sandwich", "activation": "gelu_pytorch_tanh"}
+    for change in ({"window": 4096}, {**gemma3, "qk_norm": "head", "window": 512}):  # (Gemma 3's: run)
+        assert c_layer_declines(dataclasses.replace(base, **change)) is None, change
     for change in (
-        {"norm": "rms_unit_offset"},
-        {"norm_placement": "sandwich"},
-        {"activation": "gelu_pytorch_tanh"},
+        {"norm": "layer_norm"},
+        {"norm_placement": "post"},
+        {"activation": "gelu"},
         {"mlp": "experts", "experts_top_k": 2, "shared_expert": True},
         {"rope_style": "gptj"},
         {"attn_softcap": 50.0},
-        {"window": 4096},
         {"o_bias": True},
         {"mlp_bias": True},
     ):
