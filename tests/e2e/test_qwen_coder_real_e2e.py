@@ -42,7 +42,7 @@ from tests.support.server_process import ServedClient, ServerProcess
 
 pytest_plugins = ["tests.support.real_model"]
 
-NEW_TOKENS = 28
+NEW_TOKENS = 24
 CHATS = (
     [{"role": "user", "content": "What is the capital of France?"}],
     [
