@@ -24,7 +24,6 @@ if str(_TESTS.parent) not in sys.path:
 # Test modules import helpers from tests.support before pytest would rewrite their asserts.
 pytest.register_assert_rewrite("tests.support")
 
-from tests.support.background_typecheck import pytest_collection_finish, pytest_sessionfinish  # noqa: E402, F401
 from tests.support.checkpoints import CHECKPOINT_NAMES, ENCODER_CHECKPOINT_NAMES, TinyCheckpoints  # noqa: E402
 
 if TYPE_CHECKING:
@@ -134,6 +133,15 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The plugins that run slow work beside the tests: the type check, real models' references."""
+    from tests.support import background_reference, background_typecheck
+
+    for plugin in (background_typecheck, background_reference):
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,6 +11,7 @@ their window) and all are sent again to come from the prefix cache (hybrid SWA r
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from runtime.checkpoints.model_source import GEMMA3_MODEL, ModelSourceError, gemma3_gguf_file
+from tests.support.background_reference import background_reference
 from tests.support.real_model import connect, one_gguf_read, one_torch_thread, real_model_args, start_real_model_server
 from tests.support.server_fixtures import is_idle, wait_until
 from tests.support.server_process import ServedClient, ServerProcess
@@ -73,17 +75,28 @@ def gemma3_server_process(real_model_cache: Path, gemma3_file: Path) -> Iterator
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def gemma3_hf(gemma3_file: Path, gemma3_server_process: ServerProcess) -> tuple[Any, Any]:
-    """transformers' own loading of the same file (fp32), loaded while the server starts."""
+def transformers_reference() -> dict[str, Any]:
+    """transformers' own loading of the same file (fp32): the prompts' texts and ids and their greedy
+    continuations. Run beside the tests by tests/support/background_reference.py: loading Gemma 3's
+    262k-token vocabulary and weights alone takes ~40 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with one_torch_thread(), one_gguf_read():
-        tokenizer = AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32
-        )
-    return model.eval(), tokenizer
+    path = gemma3_gguf_file()
+    with one_gguf_read():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    texts = [*SHORT_PROMPTS, long_prompt(40, tokenizer), long_prompt(320, tokenizer)]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    return {"texts": texts, "prompts": prompts, "greedy": [hf_greedy_ids(model.eval(), p) for p in prompts]}
+
+
+BACKGROUND_REFERENCE = transformers_reference.__name__
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference(gemma3_server_process: ServerProcess) -> dict[str, Any]:
+    """The background reference's result (tests/support/background_reference.py)."""
+    return background_reference(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +122,10 @@ def hf_greedy_ids(model: Any, prompt: list[int]) -> list[int]:
 
 
 def test_gemma3_greedy_equals_transformers_past_the_window_and_from_the_prefix_cache(
-    gemma3_hf: tuple[Any, Any], gemma3_server: ServedClient
+    gemma3_reference: dict[str, Any], gemma3_server: ServedClient
 ) -> None:
-    model, tokenizer = gemma3_hf
-    texts = [*SHORT_PROMPTS, long_prompt(40, tokenizer), long_prompt(320, tokenizer)]
-    prompts = [tokenizer(t).input_ids for t in texts]
+    texts, prompts, expected = gemma3_reference["texts"], gemma3_reference["prompts"], gemma3_reference["greedy"]
     assert max(len(p) for p in prompts) > WINDOW + CHUNK  # chunks whose windows drop earlier chunks' keys
-    expected = [hf_greedy_ids(model, p) for p in prompts]
     greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
     one_by_one = [gemma3_server.generate(t, greedy) for t in texts]

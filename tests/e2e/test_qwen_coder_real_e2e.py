@@ -18,6 +18,7 @@ a reply stays content; the test holds that too, and that the content is the righ
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from runtime.checkpoints.model_source import QWEN_CODER_05B_MODEL, ModelSourceError, chunked_gguf_file
+from tests.support.background_reference import background_reference
 from tests.support.real_model import (
     API_KEY,
     CLIENT_TIMEOUT_S,
@@ -33,7 +35,6 @@ from tests.support.real_model import (
     connect,
     hf_greedy_until_eos,
     one_gguf_read,
-    one_torch_thread,
     real_model_args,
     start_real_model_server,
 )
@@ -64,6 +65,7 @@ WEATHER = {
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TEMPLATE_CASES = ((CHATS[0], None), (CHATS[1], None), (ASK_WEATHER, [WEATHER]))  # (chat, tools)
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +89,38 @@ def qwen_server_process(real_model_cache: Path, qwen_file: Path) -> Iterator[Ser
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def qwen_hf(qwen_file: Path, qwen_server_process: ServerProcess) -> tuple[Any, Any]:
-    """transformers' own loading of the same file (fp32), loaded while the server starts."""
+def transformers_reference() -> dict[str, Any]:
+    """transformers' own loading of the file (fp32): the chats' and the code's prompt ids and greedy
+    continuations, and the template's renderings (text and ids) of the chats, with and without tools.
+    Run beside the tests by tests/support/background_reference.py: the load alone takes ~40 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with one_torch_thread(), one_gguf_read():
-        tokenizer = AutoTokenizer.from_pretrained(str(qwen_file.parent), gguf_file=qwen_file.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(qwen_file.parent), gguf_file=qwen_file.name, dtype=torch.float32
-        )
-    return model.eval(), tokenizer
+    path = chunked_gguf_file(QWEN_CODER_05B_MODEL)
+    with one_gguf_read():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    prompts = [chat_ids(tokenizer, chat) for chat in CHATS] + [tokenizer(CODE).input_ids]
+    renderings = []
+    for chat, tools in TEMPLATE_CASES:
+        text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+        renderings.append({"text": text, "ids": tokenizer(text, add_special_tokens=False).input_ids})
+    return {
+        "prompts": prompts,
+        "greedy": hf_greedy_until_eos(
+            model.eval(), prompts, NEW_TOKENS, tokenizer.eos_token_id, tokenizer.pad_token_id
+        ),
+        "eos": tokenizer.eos_token_id,
+        "renderings": renderings,
+    }
+
+
+BACKGROUND_REFERENCE = transformers_reference.__name__
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(qwen_server_process: ServerProcess) -> dict[str, Any]:
+    """The background reference's result (tests/support/background_reference.py)."""
+    return background_reference(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -110,33 +133,29 @@ def qwen_server(qwen_server_process: ServerProcess) -> Iterator[ServedClient]:
 
 
 def test_qwen_coder_greedy_equals_transformers_on_chats_and_code(
-    qwen_hf: tuple[Any, Any], qwen_server: ServedClient
+    qwen_reference: dict[str, Any], qwen_server: ServedClient
 ) -> None:
-    model, tokenizer = qwen_hf
-    prompts = [chat_ids(tokenizer, chat) for chat in CHATS] + [tokenizer(CODE).input_ids]
-    expected = hf_greedy_until_eos(model, prompts, NEW_TOKENS, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    assert expected[0][-1] == tokenizer.eos_token_id and len(expected[-1]) == NEW_TOKENS  # an answer, and code
+    prompts, expected = qwen_reference["prompts"], qwen_reference["greedy"]
+    assert expected[0][-1] == qwen_reference["eos"] and len(expected[-1]) == NEW_TOKENS  # an answer, and code
     greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
     served = [qwen_server.generate(messages=chat, sampling_params=greedy) for chat in CHATS]
     served.append(qwen_server.generate(CODE, greedy))
     for prompt, want, got in zip(prompts, expected, served, strict=True):
         assert got["meta"]["prompt_tokens"] == len(prompt)
-        assert got["output_ids"] == want, (tokenizer.decode(want), got["text"])
+        assert got["output_ids"] == want, (qwen_server.detokenize(want), got["text"])
     assert "Paris" in served[0]["text"]
 
     info = wait_until(lambda: is_idle(qwen_server), 60, "an idle server")
     assert info["memory_invariant"]["ok"], info["memory_invariant"]
 
 
-def test_qwen_coder_chat_template_is_the_models_own(qwen_hf: tuple[Any, Any], qwen_server: ServedClient) -> None:
+def test_qwen_coder_chat_template_is_the_models_own(qwen_reference: dict[str, Any], qwen_server: ServedClient) -> None:
     """The server renders the GGUF file's template (Qwen's default system prompt, its tool block) as
     transformers does, with and without tools."""
-    _, tokenizer = qwen_hf
-    for chat, tools in ((CHATS[0], None), (CHATS[1], None), (ASK_WEATHER, [WEATHER])):
-        text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+    for (chat, tools), rendering in zip(TEMPLATE_CASES, qwen_reference["renderings"], strict=True):
         served = qwen_server.tokenize(messages=chat, tools=tools)["tokens"]
-        assert served == tokenizer(text, add_special_tokens=False).input_ids
-        assert qwen_server.detokenize(served) == text
+        assert served == rendering["ids"]
+        assert qwen_server.detokenize(served) == rendering["text"]
     assert "You are Qwen, created by Alibaba Cloud." in qwen_server.detokenize(
         qwen_server.tokenize(messages=CHATS[0])["tokens"]
     )

@@ -64,6 +64,8 @@ def typecheck_result(timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     global _running
+    if session.config.option.collectonly:
+        return
     if _running is None and any(item.nodeid == TYPE_TEST for item in session.items):
         _running = _start()
 
