@@ -65,8 +65,8 @@ def _record_path(path: str) -> Path | None:
     return cache_root() / "tokenizer_classes" / f"{key}.json"
 
 
-def _recorded_class(record: Path) -> type | None:
-    """The recorded class, or None (no record, or one that no longer names a transformers class)."""
+def _recorded_class(record: Path) -> Any:
+    """The recorded tokenizer class, or None (no record, or one that no longer names a transformers class)."""
     try:
         entry = json.loads(record.read_text())
         module, name = entry["module"], entry["name"]
