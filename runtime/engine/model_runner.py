@@ -53,13 +53,8 @@ from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
 from runtime.engine.pooling import pooled_parts
-from runtime.engine.quant.loading import (
-    DUAL_RAM_SHARE,
-    activation_numerics,
-    bf16_prefill,
-    quantized_bytes,
-    resolve_quantization,
-)
+from runtime.engine.quant import loading as quant_loading
+from runtime.engine.quant.loading import DUAL_RAM_SHARE, activation_numerics, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -147,8 +142,7 @@ class ModelRunner:
             int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
         )
         self.dtype = resolve_dtype(dtype, self.device, quantization, native_bf16)
-        # the kept blocks' long prefills in bf16 (QuantizedWeight.bf16_prefill), by the same CPU class
-        self.bf16_prefill = bf16_prefill(quantization, dtype, self.device, native_bf16)
+        self.bf16_prefill = quant_loading.bf16_prefill(quantization, dtype, self.device, native_bf16)  # same class
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
         self.ops.prepare_process()
