@@ -53,6 +53,7 @@ from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
 from runtime.engine.pooling import pooled_parts
+from runtime.engine.quant import loading as quant_loading
 from runtime.engine.quant.loading import DUAL_RAM_SHARE, activation_numerics, quantized_bytes, resolve_quantization
 from runtime.engine.sampling.sampler import Sampler
 
@@ -141,6 +142,7 @@ class ModelRunner:
             int(host_ram * DUAL_RAM_SHARE) // max(dp_size, 1),
         )
         self.dtype = resolve_dtype(dtype, self.device, quantization, native_bf16)
+        self.bf16_prefill = quant_loading.bf16_prefill(quantization, dtype, self.device, native_bf16)  # same class
         # Device-specific work (fused kernels, prepacked weights, process settings): picked once.
         self.ops: DeviceOps = get_ops(self.device, self.dtype)
         self.ops.prepare_process()
@@ -171,7 +173,7 @@ class ModelRunner:
             dtype_reason(dtype, self.device, quantization, native_bf16),
             f"kept quantized ({quantization})" if quantization else "dense",
             quantization_why,
-            activation_numerics(quantization, int8_activations),
+            activation_numerics(quantization, int8_activations, self.bf16_prefill),
             tp_rank,
             tp_size,
         )
@@ -197,6 +199,7 @@ class ModelRunner:
             progress=load_progress and tp_rank == 0,
             quantization=quantization,
             int8_activations=int8_activations,
+            bf16_prefill=self.bf16_prefill,
         )
         self.model.eval()
         self.ops.prepare_model(self.model)
@@ -339,7 +342,7 @@ class ModelRunner:
         return {
             "bytes": self.weight_bytes(),
             "quantization": self.quantization,
-            "activations": activation_numerics(self.quantization, self.int8_activations),
+            "activations": activation_numerics(self.quantization, self.int8_activations, self.bf16_prefill),
             "quantized_bytes": quantized_bytes(self.model),
             "kernels": self.kernels,
         }

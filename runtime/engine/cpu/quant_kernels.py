@@ -2,7 +2,8 @@
 (``runtime.engine.quant.weight.QuantizedWeight``): up to a long prefill on tiles of the weight dequantized in
 cache with the activations as they are (weight-only: the dense model's numbers), or for a few rows of a
 weight marked ``int8_activations`` with the activations quantized per block of 32 on the fly; a long
-prefill's on the whole weight dequantized for the BLAS (``DENSE_MIN_ROWS``).
+prefill's on the whole weight dequantized for the BLAS (``DENSE_MIN_ROWS``), in fp32 or, for a weight
+marked ``bf16_prefill`` (a CPU with native bf16 matmul), in bf16.
 
 ``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
 the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
@@ -85,7 +86,7 @@ def quant_linear(
             == 0
             for first, band in weight.bands()
         ):
-            out = torch.nn.functional.linear(rows, dense, bias).reshape(*x.shape[:-1], out_features)
+            out = _dense_product(rows, dense, bias, weight.bf16_prefill).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
     for first, band in weight.bands():
         rc = lib.quant_linear_f32(
@@ -107,6 +108,16 @@ def quant_linear(
             return None
     out = out.reshape(*x.shape[:-1], out_features)
     return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _dense_product(rows: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:
+    """A long prefill's fp32 ``rows @ dense.T (+ bias)`` on the dequantized weight: in fp32, or with
+    ``bf16`` (a weight marked ``bf16_prefill``) with the weight and the rows rounded to bf16 (the
+    product rounded to bf16, as a dense bf16 model's, then the bias added in fp32)."""
+    if not bf16:
+        return torch.nn.functional.linear(rows, dense, bias)
+    out = torch.nn.functional.linear(rows.bfloat16(), dense.bfloat16()).float()
+    return out if bias is None else out.add_(bias)
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

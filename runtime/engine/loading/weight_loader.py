@@ -138,11 +138,13 @@ def load_model_weights(
     quantization: str | None = None,
     int8_activations: bool = False,
     refill: HeldWeights | None = None,
+    bf16_prefill: bool = False,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint (safetensors, or the GGUF file of a
     folder runtime.checkpoints.gguf.prepare made); errors name the tensor at fault. ``quantization`` (the
     ``--quantization`` method, ``runtime.engine.quant.loading``): which weights stay quantized;
-    ``int8_activations`` (``--quantized-activations int8``): how their kernels multiply them; ``refill``
+    ``int8_activations`` (``--quantized-activations int8``) and ``bf16_prefill``
+    (``quant.loading.bf16_prefill``): how their kernels multiply them; ``refill``
     (a weight update of a model whose weights are kept quantized: ``quant.loading.hold_kept_weights``):
     the served blocks that take the new ones in place."""
     targets = model.checkpoint_targets()
@@ -160,5 +162,5 @@ def load_model_weights(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MissingWeightError(f"checkpoint {folder} has no tensor {missing[0]}{more}")
-    finish_loading(model, quantization, int8_activations, refill)
+    finish_loading(model, quantization, int8_activations, refill, bf16_prefill)
     logger.info("loaded %d tensors from %s", len(loaded), folder)

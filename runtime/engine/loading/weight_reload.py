@@ -62,6 +62,7 @@ class ReloadTarget(Protocol):
     ep_size: int  # --ep-size: a new config is read for the same split of the experts
     quantization: str | None
     int8_activations: bool  # --quantized-activations int8: the kept blocks' numerics
+    bf16_prefill: bool  # the kept blocks' long prefills in bf16 (quant.loading.bf16_prefill)
 
 
 def reload_weights(runner: ReloadTarget, folder: Path, load_format: str | None = None) -> None:
@@ -106,6 +107,7 @@ def _load(runner: ReloadTarget, folder: Path) -> None:
             quantization=runner.quantization,
             int8_activations=runner.int8_activations,
             refill=held,
+            bf16_prefill=runner.bf16_prefill,
         )
     finally:
         if held is not None:

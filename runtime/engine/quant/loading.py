@@ -97,7 +97,9 @@ def resolve_quantization(
       batches, the blocks for decode steps of a few rows), at the memory of both; dense bf16 where
       both would take more than ``ram_share_bytes``, and on CPUs with AMX tiles (``amx``), whose
       dense kernels the blocks were never measured against: dense bf16 stays their default until
-      an AMX host's figures say otherwise."""
+      an AMX host's figures say otherwise. The blocks alone with their long prefills in bf16
+      (``bf16_prefill``) take a third of the memory but prefilled 2000 tokens of Qwen2.5-Coder-1.5B
+      Q4_K_M in 33.5 s against gguf_dual's 27.8 s (fp32: 58.9 s) on that EPYC: not yet the default."""
     if method != "auto":
         return (None if method in (None, "none") else method), "--quantization"
     if device.type != "cpu" or dtype != "auto" or gguf is None or gguf.block_bytes == 0:
@@ -111,15 +113,32 @@ def resolve_quantization(
     return DUAL_METHOD, "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
 
 
-def activation_numerics(method: str | None, int8_activations: bool) -> str:
+def bf16_prefill(method: str | None, dtype: str | torch.dtype, device: torch.device, native_bf16: bool) -> bool:
+    """Whether the weights ``method`` keeps in their blocks (``gguf``) multiply a long prefill in bf16
+    (``QuantizedWeight.bf16_prefill``): the weight dequantized, then it and the activations rounded to
+    bf16, ~1.75x fp32's speed (docs/quantization.md), with gguf_dual's prefill numerics (its dense
+    bf16 values). Only on a CPU with native bf16 matmul (``native_bf16``, the CPU class the caller
+    decided on: emulated bf16 is slower than fp32) and with ``--dtype auto``: a dtype asked for (fp32
+    for the oracle's exactness) keeps the fp32 product. ``gguf_dual``'s prefills read its dense
+    values; the int8 methods' weights keep fp32."""
+    return method == "gguf" and device.type == "cpu" and dtype == "auto" and native_bf16
+
+
+def activation_numerics(method: str | None, int8_activations: bool, bf16_prefill: bool = False) -> str:
     """How the weights kept by ``method`` multiply their activations, and why, for the start-up line."""
     if method is None:
         return "dense weights"
     if method in INT8_METHODS:
         return "int8 activations (w8a8)"
+    prefill = ", long prefills in bf16 (native bf16 matmul)" if bf16_prefill else ""
     if int8_activations:
-        return "int8 activations for decode steps of a few rows (--quantized-activations int8, llama.cpp's numerics)"
-    return "weight-only: the activations as they are, the dense model's answers (--quantized-activations none)"
+        return (
+            "int8 activations for decode steps of a few rows (--quantized-activations int8, llama.cpp's numerics)"
+            + prefill
+        )
+    return (
+        "weight-only: the activations as they are, the dense model's answers (--quantized-activations none)" + prefill
+    )
 
 
 def check_quantization(method: str | None, is_gguf: bool) -> None:
@@ -196,13 +215,18 @@ def release_kept_weights(held: HeldWeights) -> None:
 
 
 def finish_loading(
-    model: nn.Module, method: str | None, int8_activations: bool = False, refill: HeldWeights | None = None
+    model: nn.Module,
+    method: str | None,
+    int8_activations: bool = False,
+    refill: HeldWeights | None = None,
+    bf16_prefill: bool = False,
 ) -> None:
     """Swap every layer's dense weight for its quantized one (see the module doc); call once, after
     the checkpoint is read. ``int8_activations`` (--quantized-activations int8): the kept blocks'
     products for few rows quantize the activations (``QuantizedWeight.int8_activations``; the int8
-    method's always do). ``refill`` (``hold_kept_weights``): the layers whose served blocks take the
-    new ones in place (same formats and shapes, else ValueError naming the layer). Logs the weights
+    method's always do). ``bf16_prefill`` (the rule of that name): the kept blocks' long-prefill
+    products run in bf16 (``QuantizedWeight.bf16_prefill``). ``refill`` (``hold_kept_weights``): the
+    layers whose served blocks take the new ones in place (same formats and shapes, else ValueError naming the layer). Logs the weights
     kept quantized, by format."""
     kept: dict[str, int] = {}
     for module in list(model.modules()):  # (weights become sub-modules below)
@@ -225,6 +249,7 @@ def finish_loading(
         pending.parts.clear()
         if quantized is not None:
             quantized.int8_activations = int8_activations or method in INT8_METHODS
+            quantized.bf16_prefill = bf16_prefill and method not in INT8_METHODS
             (_attach if method == DUAL_METHOD else _replace)(module, quantized)
             kept[quantized.source] = kept.get(quantized.source, 0) + 1
     if kept:

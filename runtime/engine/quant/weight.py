@@ -85,6 +85,10 @@ class QuantizedWeight(nn.Module):
         # quantized to int8 per block of 32 (llama.cpp's numerics: --quantized-activations int8, and
         # the int8 method's w8a8 always). Set once, as the checkpoint loads.
         self.int8_activations = int8_activations
+        # How it multiplies a long prefill's rows (``quant_kernels.DENSE_MIN_ROWS`` on), dequantized
+        # whole: False in fp32; True in bf16 (the weight and the activations rounded to bf16, as a dense
+        # bf16 model's products: ``loading.bf16_prefill`` says where). Set once, as the checkpoint loads.
+        self.bf16_prefill = False
         self.shape = (out_features, in_features)
         self.register_buffer("qs", qs.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
@@ -125,7 +129,9 @@ class QuantizedWeight(nn.Module):
         return [(0, self)]
 
     def extra_repr(self) -> str:
-        numerics = ", int8 activations" if self.int8_activations else ""
+        numerics = (", int8 activations" if self.int8_activations else "") + (
+            ", bf16 prefill" if self.bf16_prefill else ""
+        )
         return f"{self.source} as {self.kind}{numerics}, shape {self.shape}, {self.nbytes()} bytes"
 
 
@@ -164,6 +170,16 @@ class QuantizedBands(nn.Module):
     def int8_activations(self, value: bool) -> None:
         for part in self.weights():
             part.int8_activations = value
+
+    @property
+    def bf16_prefill(self) -> bool:
+        """Whether the bands' long-prefill products run in bf16 (set on all alike)."""
+        return all(p.bf16_prefill for p in self.weights())
+
+    @bf16_prefill.setter
+    def bf16_prefill(self, value: bool) -> None:
+        for part in self.weights():
+            part.bf16_prefill = value
 
     @property
     def dtype(self) -> torch.dtype:
