@@ -56,7 +56,7 @@ def server(tiny_llama_path: Path, profiles: Path) -> Iterator[Client]:
     # SGLang's variable: where traces go when /start_profile names no output_dir
     env = {"SGLANG_TORCH_PROFILER_DIR": str(profiles / "default")}
     with launch_server(
-        base_args(tiny_llama_path, "--api-key", API_KEY), env=env, client_timeout=CLIENT_TIMEOUT_S
+        base_args(tiny_llama_path, "--api-key", API_KEY), extra_env=env, client_timeout=CLIENT_TIMEOUT_S
     ) as client:
         yield client
 

@@ -33,7 +33,8 @@ class ServerStartError(RuntimeError):
 
 class ServerProcess:
     """A server running ``launch.py`` in a subprocess; its stderr goes to ``log_path``
-    (by default a temporary file, read back and removed at ``stop``)."""
+    (by default a temporary file, read back and removed at ``stop``). ``env`` is the server's whole
+    environment (None: this process's), so a caller can also leave variables out of it."""
 
     def __init__(
         self,
@@ -154,19 +155,22 @@ def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
 def launch_server(
     args: Sequence[str] | ServerArgs = (),
     *,
-    env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
     ready_timeout: float = 300.0,
     client_timeout: float | None = None,
 ) -> Iterator[ServedClient]:
     """Start a server and yield a connected ``Client``; stop both on exit.
 
     Without ``--port`` the server picks a free port. The client carries the
-    server's api key, and ``client.server`` is the ``ServerProcess``.
+    server's api key, and ``client.server`` is the ``ServerProcess``. ``extra_env``: variables set
+    on top of this process's environment (a server given only them would have no PATH: its
+    kernels' build finds no linker, and it serves without them after a long failed compile).
     """
     argv = server_argv(args)
     if "--port" not in argv and not any(a.startswith("--port=") for a in argv):
         argv += ["--port", "0"]
     parsed = ServerArgs.from_cli(argv)
+    env = {**os.environ, **extra_env} if extra_env else None
     server = ServerProcess(argv, env=env, ready_timeout=ready_timeout)
     client = None
     try:
