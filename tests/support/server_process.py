@@ -155,6 +155,7 @@ def server_argv(args: Sequence[str] | ServerArgs) -> list[str]:
 def launch_server(
     args: Sequence[str] | ServerArgs = (),
     *,
+    env: dict[str, str] | None = None,
     extra_env: dict[str, str] | None = None,
     ready_timeout: float = 300.0,
     client_timeout: float | None = None,
@@ -162,15 +163,17 @@ def launch_server(
     """Start a server and yield a connected ``Client``; stop both on exit.
 
     Without ``--port`` the server picks a free port. The client carries the
-    server's api key, and ``client.server`` is the ``ServerProcess``. ``extra_env``: variables set
-    on top of this process's environment (a server given only them would have no PATH: its
-    kernels' build finds no linker, and it serves without them after a long failed compile).
+    server's api key, and ``client.server`` is the ``ServerProcess``. ``env``: the server's whole
+    environment (None: this process's); ``extra_env``: variables set on top of it (a server given
+    only them would have no PATH: its kernels' build finds no linker, and it serves without them
+    after a long failed compile).
     """
     argv = server_argv(args)
     if "--port" not in argv and not any(a.startswith("--port=") for a in argv):
         argv += ["--port", "0"]
     parsed = ServerArgs.from_cli(argv)
-    env = {**os.environ, **extra_env} if extra_env else None
+    if extra_env:
+        env = {**(os.environ if env is None else env), **extra_env}
     server = ServerProcess(argv, env=env, ready_timeout=ready_timeout)
     client = None
     try:
