@@ -353,12 +353,12 @@ def _window_fields(
     assert window.out_loc.dtype == torch.int64 and window.out_loc.shape == (n,) and window.out_loc.is_contiguous()
     mask = window.mask
     assert mask is None or (mask.dtype == torch.float32 and mask.numel() == n * length and mask.is_contiguous())
-    first_windowed = next(i for i, entry in enumerate(stack.layers) if entry.windowed)
+    assert stack.first_windowed is not None  # (a windowed plan comes with windowed layers: run checks)
     return {
         "win_out_loc": window.out_loc.data_ptr(),
         "win_slots": window.slots.data_ptr(),
         "win_len": length,
-        "win_pool_slots": pool.get_kv_buffer(first_windowed)[0].shape[0],
+        "win_pool_slots": pool.get_kv_buffer(stack.first_windowed)[0].shape[0],
         "win_mask": mask.data_ptr() if mask is not None else None,
         "win_k": buffers.rows("win_k", n, hkv * d * length, stack.dtype).data_ptr(),
         "win_v": buffers.rows("win_v", n, hkv * length * d, stack.dtype).data_ptr(),

@@ -149,6 +149,7 @@ class StackDescription:
     scale: float
     activation: int  # the gated MLP's code in the C layer (C_ACTIVATIONS), every layer's
     window: int | None  # the windowed layers' window (None: no layer is windowed)
+    first_windowed: int | None  # the first windowed layer's index (its pool gives the windowed slots' count)
     layers: Any = field(repr=False)  # ctypes array of CLayer (weight fields filled)
     # the qf32 and qbf16 sets: each quantized linear's _QuantWeight, whose addresses the layers hold (kept alive here)
     quant: list[_QuantWeight] = field(default_factory=list, repr=False)
@@ -286,7 +287,20 @@ def describe_layers(layers: list[DecoderLayerWeights], kernels: str) -> StackDes
         entry.rope_table = layer.rope_table
         entry.windowed = int(layer.description.window is not None)
     description = StackDescription(
-        kernels, rows, hidden, q_heads, kv_heads, head_dim, inter, eps, scale, activation, window, array, quant
+        kernels,
+        rows,
+        hidden,
+        q_heads,
+        kv_heads,
+        head_dim,
+        inter,
+        eps,
+        scale,
+        activation,
+        window,
+        next((i for i, layer in enumerate(layers) if layer.description.window is not None), None),
+        array,
+        quant,
     )
     description.moe_keep = moe_keep
     description.lora_shape = _describe_lora(layers, array, dtype, description.lora_keep)
