@@ -105,7 +105,9 @@ def split_step(before: dict[str, float], after: dict[str, float], step_s: float)
     }
 
 
-def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], str]:
+def in_process(
+    model_path: str, dtype: str, prompt: list[int], new_tokens: int, quantization: str | None = None
+) -> tuple[dict[str, float], str]:
     """Median ms per decode step of each component, and which path ran the layers."""
     from runtime.config.args import ServerArgs
     from runtime.engine.cpu import decode_layers
@@ -116,7 +118,9 @@ def in_process(model_path: str, dtype: str, prompt: list[int], new_tokens: int) 
     from scheduler_proc.model_worker import create_model_runner
     from scheduler_proc.scheduler import Scheduler
 
-    args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, disable_overlap_schedule=True)
+    args = ServerArgs(
+        model_path=model_path, device="cpu", dtype=dtype, quantization=quantization, disable_overlap_schedule=True
+    )
     sched = Scheduler(args, model_runner=create_model_runner(args, tp_rank=0))
     timers = Timers()
     steps: list[dict[str, float]] = []
@@ -241,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     serving.add_model_args(parser)
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="launch.py's --quantization, in process and served (default: its auto rule)",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3, help="served runs per mode; medians are quoted")
@@ -258,12 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = serving.resolve_model_path(args)
     low, high = token_range_for(model_path)
     prompt = single(prompt_len=args.prompt_len, vocab_low=low, vocab_high=high).requests[0].input_ids
-    parts, layers_path = in_process(model_path, args.dtype, prompt, args.new_tokens)
+    parts, layers_path = in_process(model_path, args.dtype, prompt, args.new_tokens, args.quantization)
     server = None
     if not args.skip_server:
         server = served(
             model_path,
-            ["--device", "cpu", "--dtype", args.dtype, *flags],
+            ["--device", "cpu", "--dtype", args.dtype, *flags]
+            + (["--quantization", args.quantization] if args.quantization else []),
             prompt,
             args.new_tokens,
             args.repeat,

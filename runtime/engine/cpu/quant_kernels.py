@@ -7,8 +7,11 @@ marked ``bf16_prefill`` (a CPU with native bf16 matmul), in bf16.
 
 ``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
 the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
-the CPU, activations neither fp32 nor bf16. bf16 activations are widened to fp32 for the call and
-the result rounded back (the weight's bytes, not the activations', are what a step streams).
+the CPU, activations neither fp32 nor bf16. A few rows of bf16 activations go to
+``quant_linear_bf16`` (``csrc/quant_linear_bf16.c``: AVX512-BF16 dot products on the rows as they are,
+where the build has them); elsewhere bf16 activations are widened to fp32 for ``quant_linear_f32`` and
+the result rounded back. Each band takes the same kernel ``csrc/decode_layers.c``'s qbf16 set gives it,
+so the one-call decode stack and the layers agree bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from runtime.engine.quant.weight import KeptWeight, QuantizedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("quant_linear_bf16", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
 declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
 
 # From this many rows on (a long prefill) the weight is dequantized whole and the product is the
@@ -63,8 +67,11 @@ def quant_linear(
         return None
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-        rows = rows.float().contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    # bf16 rows as they are for quant_linear_bf16 (None: fp32 rows, nothing to try)
+    bf16_rows = rows if rows.dtype == torch.bfloat16 and rows.shape[0] < DENSE_MIN_ROWS else None
+    rows = rows.float()
     if bias is not None:
         bias = bias.float().contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
@@ -89,6 +96,8 @@ def quant_linear(
             out = _dense_product(rows, dense, bias, weight.bf16_prefill).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
     for first, band in weight.bands():
+        if bf16_rows is not None and _takes_bf16_rows(lib, bf16_rows, band, bias, first, out, out_features):
+            continue
         rc = lib.quant_linear_f32(
             rows.data_ptr(),
             rows.shape[0],
@@ -108,6 +117,35 @@ def quant_linear(
             return None
     out = out.reshape(*x.shape[:-1], out_features)
     return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _takes_bf16_rows(
+    lib: ctypes.CDLL,
+    rows: torch.Tensor,
+    band: QuantizedWeight,
+    bias: torch.Tensor | None,
+    first: int,
+    out: torch.Tensor,
+    out_features: int,
+) -> bool:
+    """Whether ``quant_linear_bf16`` wrote ``band``'s columns of ``out`` from the bf16 ``rows`` (False: it
+    declined, nothing written: a build without AVX512-BF16, too many rows, int8 activations)."""
+    rc = lib.quant_linear_bf16(
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.stride(0),
+        kind_code(band),
+        band.qs.data_ptr(),
+        band.scales.data_ptr(),
+        _address(band.mins),
+        band.group,
+        band.shape[0],
+        rows.shape[1],
+        bias[first:].data_ptr() if bias is not None else None,
+        out[:, first:].data_ptr(),
+        out_features,
+    )
+    return rc == 0
 
 
 def _dense_product(rows: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:

@@ -239,9 +239,10 @@ static int linear_q(const void* x, int64_t m, int64_t ldx, const void* w, int64_
     return quant_bands((const float*)x, m, ldx, (const QuantWeight*)w, n, k, (const float*)bias, (float*)out);
 }
 /* The qbf16 set's linear: bf16 activations against a weight kept quantized, as the layer stack's
- * quant_linear runs them (runtime/engine/cpu/quant_kernels.py): x and the bias widened to fp32 (exact),
- * quant_linear_f32, its fp32 result rounded to bf16 (nearest even). The fp32 copies live in a buffer
- * of the calling thread, grown to the largest call and kept. */
+ * quant_linear runs them (runtime/engine/cpu/quant_kernels.py): each band through quant_linear_bf16
+ * (the rows as they are), or, where it declines (a build without AVX512-BF16, many rows), x and the
+ * bias widened to fp32 (exact) for quant_linear_f32; the fp32 result rounded to bf16 (nearest even).
+ * The fp32 copies live in a buffer of the calling thread, grown to the largest call and kept. */
 static _Thread_local float* qb_buffer;
 static _Thread_local int64_t qb_floats;
 
@@ -260,17 +261,31 @@ static int linear_qb(const void* x, int64_t m, int64_t ldx, const void* w, int64
                      void* out)
 {
     const int64_t x_floats = (m * k + 15) / 16 * 16, b_floats = (n + 15) / 16 * 16;
-    float* xf = qb_scratch(x_floats + b_floats + m * n);
-    if (!xf) return -1;
-    float* bf = xf + x_floats;
-    float* of = bf + b_floats;
+    float* of = qb_scratch(x_floats + b_floats + m * n);
+    if (!of) return -1;
+    float* bf = of + m * n;
+    float* xf = bf + b_floats;
     const uint16_t* xb = (const uint16_t*)x;
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = 0; j < k; ++j) xf[r * k + j] = bf16_to_f32(xb[r * ldx + j]);
     if (bias)
         for (int64_t j = 0; j < n; ++j) bf[j] = bf16_to_f32(((const uint16_t*)bias)[j]);
-    const int rc = quant_bands(xf, m, k, (const QuantWeight*)w, n, k, bias ? bf : 0, of);
-    if (rc) return rc;
+    int widened = 0;
+    int64_t first = 0;
+    for (const QuantWeight* q = (const QuantWeight*)w; q; q = q->next) {
+        if (first + q->rows > n) return -1;
+        const float* band_bias = bias ? bf + first : 0;
+        if (quant_linear_bf16(xb, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k, band_bias,
+                              of + first, n)) {
+            if (!widened)
+                for (int64_t r = 0; r < m; ++r)
+                    for (int64_t j = 0; j < k; ++j) xf[r * k + j] = bf16_to_f32(xb[r * ldx + j]);
+            widened = 1;
+            const int rc = quant_linear_f32(xf, m, k, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k,
+                                            band_bias, of + first, n);
+            if (rc) return rc;
+        }
+        first += q->rows;
+    }
+    if (first != n) return -1;
     uint16_t* ob = (uint16_t*)out;
     for (int64_t i = 0; i < m * n; ++i) ob[i] = f32_to_bf16(of[i]);
     return 0;
