@@ -2,7 +2,7 @@
 at every build level this CPU runs, on odd shapes: 1..300 activation rows (with int8 activations the
 integer products' row groups of 8 and their remainders below 24 rows; the dequantized tiles, which
 weight-only products take at every row count and int8 ones from 24; the whole weight dequantized for
-the BLAS from 256), depths of 1, 3 and 17 blocks of 32, output rows not a multiple of the kernel's
+the BLAS from 256), depths of 1, 3, 4, 8 and 17 blocks of 32, output rows not a multiple of the kernel's
 chunk of 8; and GGUF's blocks repacked into our layouts against the gguf package. Weight-only products
 equal the reference to fp32 rounding; int8 ones stay within a derived error bound
 (tests/support/quant_bounds.py); the reference is computed in float64.
@@ -43,7 +43,9 @@ def _random_weight(
     )
 
 
-SHAPES = [(1, 37, 32), (3, 9, 96), (5, 61, 544), (8, 13, 544), (24, 5, 544), (130, 19, 96), (300, 11, 64)]
+# (depths of 4 and 8 blocks: the AVX-512 q4 kernel's whole groups of four, quant_q4_rows.c; 17: and a remainder)
+SHAPES = [(1, 37, 32), (1, 21, 128), (3, 9, 96), (5, 61, 544), (8, 13, 544), (13, 9, 256), (24, 5, 544)]
+SHAPES += [(130, 19, 96), (300, 11, 64)]
 
 
 @pytest.mark.usefixtures("kernel_level")
