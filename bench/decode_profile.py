@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog="Any other flag is passed to launch.py."
     )
     serving.add_model_args(parser)
-    parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="float32", choices=("auto", "bfloat16", "float16", "float32"))
     parser.add_argument(
         "--quantization",
         default=None,

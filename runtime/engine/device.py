@@ -89,9 +89,12 @@ def dtype_reason(
         return "--dtype"
     if torch.device(device).type == "cuda":
         return "auto: the GPU's half precision"
+    native = cpu_supports_bf16() if native_bf16 is None else native_bf16
+    if quantization == "gguf" and native:
+        return "auto with --quantization gguf on a CPU with native bf16: the blocks' bf16 kernels"
     if quantization is not None and quantization != DUAL_METHOD:
         return "auto with --quantization: the kept-quantized kernels' one-call decode stack takes fp32 activations"
-    if cpu_supports_bf16() if native_bf16 is None else native_bf16:
+    if native:
         return "auto: this CPU has native bf16 matmul (AVX512-BF16 or AMX)"
     return "auto: this CPU has no native bf16 matmul (bf16 would be emulated: slower and less exact)"
 
@@ -102,11 +105,13 @@ def resolve_dtype(
     quantization: str | None = None,
     native_bf16: bool | None = None,
 ) -> torch.dtype:
-    """``auto`` -> bf16 on cuda (fp16 on GPUs without bf16); on CPUs fp32 with weights kept quantized
-    (``quantization``: the quantized kernels' decode stack runs fp32 activations, and a bf16 model
-    with quantized weights took twice the time a token for one user and no less under load on an
-    AVX512-BF16 EPYC; with ``gguf_dual``, whose dense values serve the large products, the dense
-    rule), else bf16 where the CPU has native bf16 matmul, else fp32. ``native_bf16``: the CPU class
+    """``auto`` -> bf16 on cuda (fp16 on GPUs without bf16); on CPUs with weights kept quantized
+    (``quantization``) fp32, but for a GGUF file's blocks (``gguf``) on a CPU with native bf16 matmul:
+    bf16, whose few rows run on AVX512-BF16 dot products (csrc/quant_linear_bf16.c: Qwen2.5-Coder-1.5B
+    Q4_K_M's decode layers 38.6 ms a token against fp32's 51.0 on a 2-core AVX-512 EPYC) and whose
+    many rows on the weight dequantized to bf16 (``quant_kernels.BF16_DENSE_MIN_ROWS``); with
+    ``gguf_dual``, whose dense values serve the large products, the dense rule; else bf16 where the
+    CPU has native bf16 matmul, else fp32. ``native_bf16``: the CPU class
     the caller decided on (None: this host's, ``cpu_supports_bf16``), so that one reading of the CPU
     decides every rule of a start, and a test can set the class it assumes."""
     if isinstance(name, torch.dtype):
@@ -116,9 +121,10 @@ def resolve_dtype(
     if key == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = cpu_supports_bf16() if native_bf16 is None else native_bf16
         if quantization is not None and quantization != DUAL_METHOD:
-            return torch.float32
-        return torch.bfloat16 if (cpu_supports_bf16() if native_bf16 is None else native_bf16) else torch.float32
+            return torch.bfloat16 if quantization == "gguf" and native else torch.float32
+        return torch.bfloat16 if native else torch.float32
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}: use auto, bfloat16, float16 or float32")
     return _DTYPES[key]

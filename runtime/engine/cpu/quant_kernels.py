@@ -3,7 +3,7 @@
 cache with the activations as they are (weight-only: the dense model's numbers), or for a few rows of a
 weight marked ``int8_activations`` with the activations quantized per block of 32 on the fly; a long
 prefill's on the whole weight dequantized for the BLAS (``DENSE_MIN_ROWS``), in fp32 or, for a weight
-marked ``bf16_prefill`` (a CPU with native bf16 matmul), in bf16.
+marked ``bf16_prefill`` (a CPU with native bf16 matmul), in bf16 from ``BF16_DENSE_MIN_ROWS`` rows on.
 
 ``quant_linear`` returns None (the caller takes the torch reference, ``reference_linear``) where
 the kernel does not apply: kernels off (``TINYSERVE_CPU_KERNELS=0``) or not built, a weight not on
@@ -28,11 +28,17 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
 declare("quant_linear_bf16", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
 declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
+declare("quant_dequantize_bf16", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
 
 # From this many rows on (a long prefill) the weight is dequantized whole and the product is the
 # BLAS's: its blocking for large products beats the kernel's tiles (docs/benchmarks.md, "Quantized
 # weights"), and one pass over the weight is small next to rows x its size of products.
 DENSE_MIN_ROWS = 256
+# A weight marked ``bf16_prefill`` (a CPU with native bf16 matmul) takes that product from this many
+# rows on, in bf16: the few-row kernels' limit (csrc/quant_rows.h, QROW_MAX_ROWS). Its bf16 product
+# (oneDNN's AVX512-BF16 or AMX kernel on the weight dequantized straight to bf16) beats the fp32 tiles
+# at every row count past them: a verify step of many requests, a short prompt's prefill.
+BF16_DENSE_MIN_ROWS = 24
 
 KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind (and decode_layers.c's QuantWeight.kind)
 INT8_ACTIVATIONS = 2  # csrc: QUANT_INT8_ACTIVATIONS, the kind's numerics bit
@@ -77,23 +83,10 @@ def quant_linear(
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out.reshape(*x.shape[:-1], out_features).to(torch.float32 if float_out else x.dtype)
-    if rows.shape[0] >= DENSE_MIN_ROWS:
-        dense = torch.empty(out_features, in_features, dtype=torch.float32)
-        if all(
-            lib.quant_dequantize_f32(
-                kind_code(band),
-                band.qs.data_ptr(),
-                band.scales.data_ptr(),
-                _address(band.mins),
-                band.group,
-                band.shape[0],
-                in_features,
-                dense[first:].data_ptr(),
-            )
-            == 0
-            for first, band in weight.bands()
-        ):
-            out = _dense_product(rows, dense, bias, weight.bf16_prefill).reshape(*x.shape[:-1], out_features)
+    if rows.shape[0] >= (BF16_DENSE_MIN_ROWS if weight.bf16_prefill else DENSE_MIN_ROWS):
+        dense = _dequantized(lib, weight, torch.bfloat16 if weight.bf16_prefill else torch.float32)
+        if dense is not None:
+            out = _dense_product(rows, dense, bias).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
     for first, band in weight.bands():
         if bf16_rows is not None and _takes_bf16_rows(lib, bf16_rows, band, bias, first, out, out_features):
@@ -148,13 +141,26 @@ def _takes_bf16_rows(
     return rc == 0
 
 
-def _dense_product(rows: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:
-    """A long prefill's fp32 ``rows @ dense.T (+ bias)`` on the dequantized weight: in fp32, or with
-    ``bf16`` (a weight marked ``bf16_prefill``) with the weight and the rows rounded to bf16 (the
-    product rounded to bf16, as a dense bf16 model's, then the bias added in fp32)."""
-    if not bf16:
+def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> torch.Tensor | None:
+    """The whole weight dequantized, in fp32 or rounded to bf16 (nearest even), band by band; None
+    where the kernel declines a band's operands."""
+    out_features, in_features = weight.shape
+    dense = torch.empty(out_features, in_features, dtype=dtype)
+    dequantize = lib.quant_dequantize_bf16 if dtype == torch.bfloat16 else lib.quant_dequantize_f32
+    for first, band in weight.bands():
+        args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), band.group, band.shape[0])
+        if dequantize(kind_code(band), *args, in_features, dense[first:].data_ptr()) != 0:
+            return None
+    return dense
+
+
+def _dense_product(rows: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A long prefill's fp32 ``rows @ dense.T (+ bias)`` on the dequantized weight: in fp32, or, for a
+    bf16 ``dense`` (a weight marked ``bf16_prefill``), with the rows rounded to bf16 too (the product
+    rounded to bf16, as a dense bf16 model's, then the bias added in fp32)."""
+    if dense.dtype == torch.float32:
         return torch.nn.functional.linear(rows, dense, bias)
-    out = torch.nn.functional.linear(rows.bfloat16(), dense.bfloat16()).float()
+    out = torch.nn.functional.linear(rows.bfloat16(), dense).float()
     return out if bias is None else out.add_(bias)
 
 

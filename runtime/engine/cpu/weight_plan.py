@@ -4,8 +4,11 @@ decided once, here, and read by both paths that multiply by it.
 A CPU weight can run on several kernels (``prepacked`` lays the copies out and calls the C code):
 
 - ``blocks``: the weight's quantized blocks through ``quant_linear_f32`` (``quant_kernels``): every
-  row count for a weight kept quantized, up to ``BLOCK_ROWS_MAX`` rows for a dense weight that keeps
-  its blocks beside it (``--quantization gguf_dual``); fp32 or bf16 activations (bf16 widened);
+  row count for a weight kept quantized (below ``BF16_DENSE_MIN_ROWS`` for one marked ``bf16_prefill``),
+  up to ``BLOCK_ROWS_MAX`` rows for a dense weight that keeps its blocks beside it (``--quantization
+  gguf_dual``); fp32 or bf16 activations (bf16 on ``quant_linear_bf16`` where the build has it);
+- ``dequantized_bf16``: a ``bf16_prefill`` weight's products of more rows, on the weight dequantized
+  to bf16 for oneDNN (``quant_kernels``: no set of the one-call stack runs it);
 - ``amx`` / ``dp``: bf16, up to ``AMX_LINEAR_MAX_ROWS`` rows, on oneDNN's packed copy where it is in
   the layout ``amx_linear_bf16`` (AMX tiles) or ``dp_linear_bf16`` (AVX512-BF16 dot products) reads;
 - ``f32``: fp32, the rows of ``fp32_panel_rows()``, on the panel copy (``linear_f32``);
@@ -51,7 +54,7 @@ from runtime.engine.cpu.prepacked import (
     pack_weight,
     panel_linear,
 )
-from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX, quant_linear
+from runtime.engine.cpu.quant_kernels import BF16_DENSE_MIN_ROWS, BLOCK_ROWS_MAX, quant_linear
 from runtime.engine.ops.linear_weights import LinearWeightLayer, WeightPlan
 from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, weight_blocks
 
@@ -81,7 +84,7 @@ class KernelBand:
     weight kept quantized, one ``QuantizedWeight`` or its ``QuantizedBands``, kept alive here) and the
     address the C kernels read (0: none)."""
 
-    kernel: str  # "blocks", "amx", "dp", "f32" or "onednn"
+    kernel: str  # "blocks", "dequantized_bf16", "amx", "dp", "f32" or "onednn"
     rows: range
     dtype: torch.dtype | None
     operand: PackedCopy | KeptWeight
@@ -133,7 +136,11 @@ def plan_weight(weight: torch.Tensor | KeptWeight, blocks: KeptWeight | None = N
     would never be read)."""
     bands: list[KernelBand] = []
     if isinstance(weight, KEPT_WEIGHTS):
-        if weight.device.type == "cpu":
+        if weight.device.type == "cpu" and weight.bf16_prefill:
+            # (the product of many rows is the dequantized weight's in bf16: no kernel set's linear)
+            bands.append(KernelBand("blocks", range(0, BF16_DENSE_MIN_ROWS), None, weight))
+            bands.append(KernelBand("dequantized_bf16", ANY_ROWS, None, weight))
+        elif weight.device.type == "cpu":
             bands.append(KernelBand("blocks", ANY_ROWS, None, weight))
         return CpuWeightPlan(weight, tuple(bands))
     if blocks is not None and blocks.device.type == "cpu":

@@ -59,6 +59,8 @@ int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n
                const float* bias, float* out);
 int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
                          int64_t n, int64_t k, float* out);
+int quant_dequantize_bf16(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
+                          int64_t n, int64_t k, uint16_t* out);
 int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
                      int64_t ldo);

@@ -489,6 +489,32 @@ int quant_dequantize_f32(int kind, const void* qs, const float* scales, const fl
     return 0;
 }
 
+/* quant_dequantize_f32's values rounded to bf16 (nearest even) into out [n, k]: a product of many
+ * bf16 rows on the dequantized weight reads half the bytes, and no fp32 copy is written first. */
+int quant_dequantize_bf16(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
+                          int64_t n, int64_t k, uint16_t* out)
+{
+    if (n < 1 || k < QBLOCK || k % QBLOCK || !takes_kind(kind, mins, group, k)) return -1;
+    const int q4 = kind & QUANT_LAYOUT_Q4;
+#pragma omp parallel
+    {
+        float row[DQ_K] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < n; ++o)
+            for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
+                const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
+                dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o, k0, kc, row);
+                int64_t j = 0;
+#if defined(__AVX512F__)
+                for (; j + 16 <= kc; j += 16)
+                    _mm256_storeu_si256((__m256i*)(out + o * k + k0 + j), f32x16_to_bf16(_mm512_load_ps(row + j)));
+#endif
+                for (; j < kc; ++j) out[o * k + k0 + j] = f32_to_bf16(row[j]);
+            }
+    }
+    return 0;
+}
+
 /* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
  * [n, k] (+ bias [n] when not NULL).
  * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL, or with group

@@ -16,7 +16,7 @@ import torch
 
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.ops import CpuOps
-from runtime.engine.cpu.quant_kernels import DENSE_MIN_ROWS, quant_linear
+from runtime.engine.cpu.quant_kernels import BF16_DENSE_MIN_ROWS, DENSE_MIN_ROWS, quant_linear
 from runtime.engine.quant.gguf_blocks import from_gguf
 from runtime.engine.quant.weight import QuantizedWeight, quantize_int8, reference_linear
 from tests.support.quant_bounds import EPS32, quantized_linear_bound
@@ -121,24 +121,26 @@ def test_bf16_activations_and_fp32_logits() -> None:
 
 @pytest.mark.parametrize("layout", ["q8", "q4"])
 def test_a_long_prefill_of_a_bf16_prefill_weight_is_the_bf16_product(layout: str) -> None:
-    """A weight marked ``bf16_prefill``: from ``DENSE_MIN_ROWS`` rows its product is the dequantized
+    """A weight marked ``bf16_prefill``: from ``BF16_DENSE_MIN_ROWS`` rows its product is the dequantized
     weight and the rows rounded to bf16, multiplied (the dense bf16 model's product), then the fp32
-    bias; unmarked, the fp32 product; below ``DENSE_MIN_ROWS`` rows the mark changes nothing. (The
-    kernel's q4 dequantization may differ from torch's by fp32 rounding, which bf16 rounding hides but
-    for a value on a rounding boundary: none is at this seed.)"""
+    bias; unmarked, the fp32 product (the dequantized weight's from ``DENSE_MIN_ROWS``, the tiles'
+    below); below ``BF16_DENSE_MIN_ROWS`` rows the mark changes nothing. (The kernel's q4
+    dequantization may differ from torch's by fp32 rounding, which bf16 rounding hides but for a value
+    on a rounding boundary: none is at this seed.)"""
     gen = torch.Generator().manual_seed(11)
     weight = _random_weight(layout, 72, 96, gen)
     bias = torch.randn(72, generator=gen)
     x = torch.randn(DENSE_MIN_ROWS, 96, generator=gen)
-    fp32 = quant_linear(x, weight, bias)
-    few_fp32 = quant_linear(x[:-1], weight, bias)
+    counts = (DENSE_MIN_ROWS, BF16_DENSE_MIN_ROWS, BF16_DENSE_MIN_ROWS - 1)
+    fp32 = [quant_linear(x[:rows], weight, bias) for rows in counts]
     weight.bf16_prefill = True
-    got, few = quant_linear(x, weight, bias), quant_linear(x[:-1], weight, bias)
-    assert got is not None and fp32 is not None and got.dtype == torch.float32
-    want = torch.nn.functional.linear(x.bfloat16(), weight.dequantize().bfloat16()).float() + bias
-    assert torch.equal(got, want)
-    assert not torch.equal(got, fp32)  # (the two numerics are distinct: the fp32 one is tested above)
-    assert few is not None and few_fp32 is not None and torch.equal(few, few_fp32)
+    marked = [quant_linear(x[:rows], weight, bias) for rows in counts]
+    for rows, got, unmarked in zip(counts[:2], marked, fp32):
+        assert got is not None and unmarked is not None and got.dtype == torch.float32
+        want = torch.nn.functional.linear(x[:rows].bfloat16(), weight.dequantize().bfloat16()).float() + bias
+        assert torch.equal(got, want)
+        assert not torch.equal(got, unmarked)  # (the two numerics are distinct: the fp32 one is tested above)
+    assert marked[2] is not None and fp32[2] is not None and torch.equal(marked[2], fp32[2])
 
 
 def test_kernels_off_fall_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -192,11 +192,15 @@ def test_device_and_dtype_resolution(native_bf16: bool, monkeypatch: pytest.Monk
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", "cpu")
     # weights kept quantized on a CPU: fp32 activations (the quantized kernels' one-call decode stack),
-    # whatever the CPU; an explicit --dtype still wins
+    # but a GGUF file's blocks on a CPU with native bf16 (their bf16 kernels); an explicit --dtype wins
     for method in ("gguf", "int8"):
-        assert resolve_dtype("auto", "cpu", method) is torch.float32
+        kept = torch.bfloat16 if method == "gguf" and native_bf16 else torch.float32
+        assert resolve_dtype("auto", "cpu", method) is kept
         assert resolve_dtype("bfloat16", "cpu", method) is torch.bfloat16
-        assert "fp32 activations" in dtype_reason("auto", "cpu", method)
+        assert resolve_dtype("float32", "cpu", method) is torch.float32
+        reason = dtype_reason("auto", "cpu", method)
+        assert ("blocks' bf16 kernels" in reason) is (kept is torch.bfloat16)
+        assert ("fp32 activations" in reason) is (kept is torch.float32)
     assert dtype_reason("float32", "cpu") == "--dtype"
     assert ("has native bf16" in dtype_reason("auto", "cpu")) is native_bf16
     assert ("has native bf16" in dtype_reason("auto", "cpu", native_bf16=not native_bf16)) is not native_bf16

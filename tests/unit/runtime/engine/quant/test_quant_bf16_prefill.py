@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from runtime.engine.cpu.quant_kernels import DENSE_MIN_ROWS
+from runtime.engine.cpu.quant_kernels import BF16_DENSE_MIN_ROWS, DENSE_MIN_ROWS
 from runtime.engine.forward_batch import ForwardMode
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.quant.loading import bf16_prefill
@@ -88,7 +88,7 @@ def test_the_runner_marks_every_kept_weight_by_the_rule(
     monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda: native)
     path = _file(tiny_checkpoints, files, "Q8_0")
     runner = _runner(path, "auto", "gguf")
-    assert runner.bf16_prefill is native and runner.dtype == torch.float32
+    assert runner.bf16_prefill is native and runner.dtype == (torch.bfloat16 if native else torch.float32)
     assert _kept(runner) and all(w.bf16_prefill is native for w in _kept(runner))
     assert ("long prefills in bf16" in runner.weight_info()["activations"]) is native
     exact = _runner(path, "float32", "gguf")  # the oracle's dtype keeps the fp32 product everywhere
@@ -115,7 +115,7 @@ def test_a_long_prefills_greedy_tokens_are_gguf_duals(
     rounding, which either may break); its logits are the bf16 product's (the same runner with the mark
     cleared answers otherwise) and no further from the fp32 dense model's than gguf_dual's (which
     rounds its activations to bf16 too). (Only the prefill's tokens: the decode steps that follow
-    differ by design, fp32 activations on the blocks against gguf_dual's bf16 ones.)"""
+    differ by design, the blocks' bf16 kernel against gguf_dual's.)"""
     path = _file(tiny_checkpoints, files, weight_type)
     blocks, dual = _runner(path, "auto", "gguf"), _runner(path, "auto", "gguf_dual")
     assert blocks.bf16_prefill and dual.quantization == "gguf_dual" and dual.dtype == torch.bfloat16
@@ -134,3 +134,29 @@ def test_a_long_prefills_greedy_tokens_are_gguf_duals(
         weight.bf16_prefill = False
     _, fp32_logits = _prefill(blocks, prompts)
     assert not torch.equal(logits, fp32_logits)
+
+
+@pytest.mark.usefixtures("native_bf16")
+def test_blocks_take_few_rows_in_bf16_and_more_rows_the_dequantized_weight(
+    tiny_checkpoints: TinyCheckpoints, files: Path
+) -> None:
+    """With native bf16, auto's blocks-only model runs bf16 activations: every kept weight's plan gives
+    its blocks the rows below ``BF16_DENSE_MIN_ROWS`` (the few-row kernels, which the one-call decode
+    stack's qbf16 set runs) and more rows the weight dequantized to bf16 (no set's linear: the stack
+    declines such a step and the layers run it, on the same record)."""
+    from runtime.engine.cpu.weight_plan import layer_plan
+    from runtime.engine.ops.linear_weights import LinearWeightLayer
+
+    runner = _runner(_file(tiny_checkpoints, files, "Q4_K"), "auto", "gguf")
+    assert runner.dtype == torch.bfloat16
+    plans = [layer_plan(m) for m in runner.model.modules() if isinstance(m, LinearWeightLayer)]
+    kept = [p for p in plans if p is not None and isinstance(p.weight, KEPT_WEIGHTS)]
+    assert kept
+    for plan in kept:
+        assert plan.band(BF16_DENSE_MIN_ROWS - 1, torch.bfloat16).kernel == "blocks"
+        assert plan.band(BF16_DENSE_MIN_ROWS, torch.bfloat16).kernel == "dequantized_bf16"
+    stack = runner.layer_stack
+    assert stack is not None
+    few = stack.description(BF16_DENSE_MIN_ROWS - 1)
+    assert few is not None and few.kernels == "qbf16"
+    assert stack.description(BF16_DENSE_MIN_ROWS) is None
