@@ -35,10 +35,10 @@ declare("quant_dequantize_bf16", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr
 # weights"), and one pass over the weight is small next to rows x its size of products.
 DENSE_MIN_ROWS = 256
 # A weight marked ``bf16_prefill`` (a CPU with native bf16 matmul) takes that product from this many
-# rows on, in bf16: the few-row kernels' limit (csrc/quant_rows.h, QROW_MAX_ROWS). Its bf16 product
-# (oneDNN's AVX512-BF16 or AMX kernel on the weight dequantized straight to bf16) beats the fp32 tiles
-# at every row count past them: a verify step of many requests, a short prompt's prefill.
-BF16_DENSE_MIN_ROWS = 24
+# rows on, in bf16 (oneDNN's AVX512-BF16 or AMX kernel on the weight dequantized straight to bf16):
+# past the bf16 rows' kernel (csrc/quant_linear_bf16.c, QB_MAX_ROWS), where fp32 rows would take the
+# fp32 tiles, which it beats at every row count (a short prompt's prefill, a large verify step).
+BF16_DENSE_MIN_ROWS = 33
 
 KIND_CODES = {"q8": 0, "q4": 1}  # csrc: quant_linear_f32's kind (and decode_layers.c's QuantWeight.kind)
 INT8_ACTIVATIONS = 2  # csrc: QUANT_INT8_ACTIVATIONS, the kind's numerics bit
@@ -141,11 +141,20 @@ def _takes_bf16_rows(
     return rc == 0
 
 
+# The buffer each dtype's dequantized weights are written into, grown to the largest and kept: a fresh
+# tensor per product would fault in its pages on every call (for a forward of the 1.5B model, about 2.6 GB
+# of new pages: most of the dequantization's time). A product's dense weight is read before the next.
+_dequantize_buffers: dict[torch.dtype, torch.Tensor] = {}
+
+
 def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> torch.Tensor | None:
-    """The whole weight dequantized, in fp32 or rounded to bf16 (nearest even), band by band; None
-    where the kernel declines a band's operands."""
+    """The whole weight dequantized, in fp32 or rounded to bf16 (nearest even), band by band, in this
+    dtype's buffer (valid until the next call); None where the kernel declines a band's operands."""
     out_features, in_features = weight.shape
-    dense = torch.empty(out_features, in_features, dtype=dtype)
+    buffer = _dequantize_buffers.get(dtype)
+    if buffer is None or buffer.numel() < out_features * in_features:
+        buffer = _dequantize_buffers[dtype] = torch.empty(out_features * in_features, dtype=dtype)
+    dense = buffer[: out_features * in_features].view(out_features, in_features)
     dequantize = lib.quant_dequantize_bf16 if dtype == torch.bfloat16 else lib.quant_dequantize_f32
     for first, band in weight.bands():
         args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), band.group, band.shape[0])

@@ -19,12 +19,18 @@
  * between builds. The results are fp32 (the caller rounds them to bf16).
  *
  * quant_linear_bf16 returns -1 (nothing written) where it does not apply: a build without AVX512-BF16,
- * QROW_MAX_ROWS rows or more, int8 activations asked, or operands quant_linear_f32 would not take; the
+ * QB_MAX_ROWS rows or more, int8 activations asked, or operands quant_linear_f32 would not take; the
  * callers (decode_layers.c's qbf16 set and runtime/engine/cpu/quant_kernels.py, the same rule) then
  * widen the rows for quant_linear_f32. */
 #include "common.h"
 #include "entry_points.h"
 #include "quant_rows.h"
+
+/* Rows it takes: up to 32, past quant_linear.c's few-row limit (a verify step of several requests'
+ * drafts): the weight's 16-bit words serve every row from registers. From 33 rows the weight
+ * dequantized to bf16 for oneDNN is faster (quant_kernels.BF16_DENSE_MIN_ROWS: a Q4_K 17920 x 1536
+ * weight on 2 EPYC cores, 9.4 against 10.3 ms at 32 rows, 14.9 against 13.4 at 48). */
+#define QB_MAX_ROWS 33
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* Block b of a q4 weight row (16 bytes: values 0..15 low nibbles, 16..31 high) as bf16 of q + 128. */
@@ -167,7 +173,7 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
                       int64_t ldo)
 {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (m < 1 || m >= QROW_MAX_ROWS || n < 1 || k < QROW_BLOCK || k % QROW_BLOCK || ldx < k || ldo < n) return -1;
+    if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QROW_BLOCK || k % QROW_BLOCK || ldx < k || ldo < n) return -1;
     if (kind & ~QROW_LAYOUT_Q4) return -1; /* int8 activations (or an unknown bit): quant_linear_f32's */
     const int q4 = kind & QROW_LAYOUT_Q4;
     if (q4 ? (group != QROW_BLOCK || !mins) : (mins ? group != QROW_BLOCK : !(group == 16 || group == QROW_BLOCK || group == k)))

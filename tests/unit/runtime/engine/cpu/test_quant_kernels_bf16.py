@@ -1,8 +1,8 @@
 """The weight-only kernel for a few rows of bf16 activations (csrc/quant_linear_bf16.c: AVX512-BF16 dot
 products on the rows as they are) against the dequantize-then-matmul reference in float64, on every
 layout, at depths that exercise q4's four-block groups and their remainders (1, 3, 4, 8, 17 blocks)
-and at 1..23 rows (its register row groups of 8 and their remainders); and the rule that picks it:
-the avx512bf16 build takes these products, every other build and 24 rows or more decline them (the
+and at 1..32 rows (its register row groups of 8 and their remainders); and the rule that picks it:
+the avx512bf16 build takes these products, every other build and 33 rows or more decline them (the
 widened fp32 kernel then serves, which test_quant_kernels.py covers). A build needs a CPU with
 AVX512-BF16 to run: the test of its products names that feature where the host lacks it.
 """
@@ -20,6 +20,7 @@ from tests.unit.runtime.engine.cpu.test_quant_kernels import _double, _random_we
 
 LAYOUTS = ["q8", "q8_16", "q8_row", "q8_min", "q4"]
 SHAPES = [(1, 37, 32), (3, 9, 96), (1, 21, 128), (5, 61, 544), (8, 13, 256), (9, 7, 544), (23, 5, 128)]
+SHAPES += [(31, 6, 160), (32, 3, 128)]
 
 
 def _call(weight: QuantizedWeight, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> int:
@@ -46,13 +47,13 @@ def _call(weight: QuantizedWeight, x: torch.Tensor, out: torch.Tensor, bias: tor
 
 
 @pytest.mark.usefixtures("kernel_level")
-@pytest.mark.parametrize("rows", [1, 23, 24])
+@pytest.mark.parametrize("rows", [1, 32, 33])
 def test_the_bf16_build_takes_few_rows_and_the_others_decline(kernel_level: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight = _random_weight("q4", 16, 128, gen)
     x = torch.randn(rows, 128, generator=gen).bfloat16()
     out = torch.full((rows, 16), float("nan"))
-    takes = kernel_level == "avx512bf16" and rows < 24
+    takes = kernel_level == "avx512bf16" and rows <= 32
     assert _call(weight, x, out) == (0 if takes else -1)
     assert bool(out.isnan().all()) != takes  # declined: nothing written
     int8 = _random_weight("q4", 16, 128, torch.Generator().manual_seed(rows), int8_activations=True)
