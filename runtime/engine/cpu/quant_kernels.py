@@ -144,17 +144,23 @@ def _takes_bf16_rows(
 # The buffer each dtype's dequantized weights are written into, grown to the largest and kept: a fresh
 # tensor per product would fault in its pages on every call (for a forward of the 1.5B model, about 2.6 GB
 # of new pages: most of the dequantization's time). A product's dense weight is read before the next.
+# A weight larger than this (a large vocabulary's LM head) takes a tensor of its own, so that the kept
+# buffer stays a layer's size.
 _dequantize_buffers: dict[torch.dtype, torch.Tensor] = {}
+DEQUANTIZE_BUFFER_MAX_BYTES = 256 << 20
 
 
 def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> torch.Tensor | None:
     """The whole weight dequantized, in fp32 or rounded to bf16 (nearest even), band by band, in this
     dtype's buffer (valid until the next call); None where the kernel declines a band's operands."""
     out_features, in_features = weight.shape
+    values = out_features * in_features
     buffer = _dequantize_buffers.get(dtype)
-    if buffer is None or buffer.numel() < out_features * in_features:
-        buffer = _dequantize_buffers[dtype] = torch.empty(out_features * in_features, dtype=dtype)
-    dense = buffer[: out_features * in_features].view(out_features, in_features)
+    if buffer is None or buffer.numel() < values:
+        buffer = torch.empty(values, dtype=dtype)
+        if buffer.nbytes <= DEQUANTIZE_BUFFER_MAX_BYTES:
+            _dequantize_buffers[dtype] = buffer
+    dense = buffer[:values].view(out_features, in_features)
     dequantize = lib.quant_dequantize_bf16 if dtype == torch.bfloat16 else lib.quant_dequantize_f32
     for first, band in weight.bands():
         args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), band.group, band.shape[0])

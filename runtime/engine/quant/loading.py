@@ -62,8 +62,8 @@ QUANTIZATION_METHODS = (*GGUF_METHODS, *INT8_METHODS)
 
 
 # auto keeps both forms (gguf_dual) only while they take at most this share of the host's RAM (every
-# data-parallel replica's copy): where memory is what limits, the dense values alone leave the KV
-# pool the room the blocks would take.
+# data-parallel replica's copy): where memory is what limits, the blocks alone (with their bf16
+# kernels) take a third of it and leave the KV pool the rest.
 DUAL_RAM_SHARE = 1 / 3
 
 
@@ -94,12 +94,14 @@ def resolve_quantization(
       users 152 against 160 output tok/s, in an eighth of the memory.
     - With native bf16, both forms (``gguf_dual``): one user 151 tok/s against 94 dense bf16 on a
       2-core AVX-512 EPYC, 64 users 500 against 502 (dense bf16 values for prefills and large
-      batches, the blocks for decode steps of a few rows), at the memory of both; dense bf16 where
-      both would take more than ``ram_share_bytes``, and on CPUs with AMX tiles (``amx``), whose
-      dense kernels the blocks were never measured against: dense bf16 stays their default until
-      an AMX host's figures say otherwise. The blocks alone with their long prefills in bf16
-      (``bf16_prefill``) take a third of the memory but prefilled 2000 tokens of Qwen2.5-Coder-1.5B
-      Q4_K_M in 33.5 s against gguf_dual's 27.8 s (fp32: 58.9 s) on that EPYC: not yet the default."""
+      batches, the blocks for decode steps of a few rows), at the memory of both. Where both would
+      take more than ``ram_share_bytes``, the blocks alone (``gguf``, bf16 activations: their own
+      kernel up to 32 rows, the weight dequantized to bf16 above): Qwen2.5-Coder-1.5B Q4_K_M on that
+      EPYC served in 4.45 GiB against gguf_dual's 9.69 (dense bf16 alone: about 7), a 2,000-token
+      prompt in 14.7 s against 13.3 s, but 16 users at 31.6 output tok/s against 46.0 (its
+      16-row steps on the blocks' bf16 dot products against oneDNN's on dense values). On CPUs with
+      AMX tiles (``amx``), whose dense kernels the blocks were never measured against, dense bf16
+      stays the default until an AMX host's figures say otherwise."""
     if method != "auto":
         return (None if method in (None, "none") else method), "--quantization"
     if device.type != "cpu" or dtype != "auto" or gguf is None or gguf.block_bytes == 0:
@@ -109,7 +111,10 @@ def resolve_quantization(
     if amx:
         return None, "auto: dense bf16 on AMX tiles (both forms not yet measured on an AMX host)"
     if gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
-        return None, f"auto: dense bf16 (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)"
+        return (
+            "gguf",
+            f"auto: the blocks alone, bf16 activations (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)",
+        )
     return DUAL_METHOD, "auto: blocks for decode steps of a few rows, dense bf16 values for the rest"
 
 

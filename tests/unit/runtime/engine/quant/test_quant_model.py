@@ -192,9 +192,9 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     tiny_checkpoints: TinyCheckpoints, files: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
 ) -> None:
     """launch.py's --quantization auto: a GGUF file on a CPU without native bf16 matmul (AVX2) keeps
-    its blocks, with fp32 activations; with native bf16 both forms, bf16 activations; with a dtype
-    asked for, or a safetensors folder, or none, or (with native bf16) too little RAM for both
-    forms, the weights are dense."""
+    its blocks, with fp32 activations; with native bf16 both forms, bf16 activations, or, with too
+    little RAM for both forms, the blocks alone with bf16 activations; with a dtype asked for, or a
+    safetensors folder, or none, or (with native bf16) AMX tiles, the weights are dense."""
     from runtime.engine import model_runner
 
     monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda: native_bf16)
@@ -208,13 +208,15 @@ def test_auto_keeps_a_gguf_files_blocks_where_the_cpu_has_no_native_bf16(
     if native_bf16:
         assert chosen.quantization == "gguf_dual" and chosen.dtype == torch.bfloat16
         assert all(weight_blocks(m) is not None for m in _modules(chosen).values())
-        # on AMX tiles (not measured there) and where both forms would take more than their share
-        # of RAM: dense
+        # on AMX tiles (not measured there): dense; where both forms would take more than their share
+        # of RAM: the blocks alone, bf16 activations
         monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: True)
         assert auto(path, dtype="auto", quantization="auto").quantization is None
         monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: False)
         monkeypatch.setattr(model_runner, "DUAL_RAM_SHARE", 1e-9)
-        assert auto(path, dtype="auto", quantization="auto").quantization is None
+        alone = auto(path, dtype="auto", quantization="auto")
+        assert alone.quantization == "gguf" and alone.dtype == torch.bfloat16 and alone.bf16_prefill
+        assert all(isinstance(w, QuantizedWeight) for w in _weights(alone).values())
     else:
         assert chosen.quantization == "gguf" and chosen.dtype == torch.float32
         assert all(isinstance(w, QuantizedWeight) for w in _weights(chosen).values())
