@@ -64,10 +64,6 @@ int quant_dequantize_bf16(int kind, const void* qs, const float* scales, const f
 int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
                      int64_t ldo);
-/* quant_q4_rows.c: a few fp32 rows against a q4 weight on AVX-512 (else -1; quant_linear_f32 calls it) */
-int quant_q4_rows_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
-                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                      int64_t ldo);
 /* quant_linear_bf16.c: the same weights, a few rows of bf16 activations (AVX512-BF16 builds; else -1) */
 int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
                       const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,

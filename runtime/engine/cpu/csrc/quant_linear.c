@@ -5,9 +5,8 @@
  *   dequantized to fp32 once (into the thread's cache) and every activation row passes over it as
  *   plain fp32 dot products, so the result is the dense (dequantized) model's, its sums in another
  *   order. For one row (a decode step) the weight's bytes still bound the product: a 4-bit weight
- *   is streamed at an eighth of its fp32 bytes, and the conversion runs from L1. (A q4 weight's few
- *   rows on AVX-512 go to quant_q4_rows.c, whose values need no conversion instruction; bf16 rows
- *   on AVX512-BF16 to quant_linear_bf16.c, through their callers.)
+ *   is streamed at an eighth of its fp32 bytes, and the conversion runs from L1. (bf16 rows on
+ *   AVX512-BF16 go to quant_linear_bf16.c, through its callers.)
  * - int8 activations (QUANT_INT8_ACTIVATIONS, llama.cpp's CPU numerics), for fewer than
  *   QGEMM_MIN_ROWS rows: each block of 32 activations of a row gets one fp32 scale (max |x| / 127)
  *   and int8 values, a block's 32 products are summed exactly in int32, and the block's scales (the
@@ -532,9 +531,6 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
     if (!takes_kind(kind, mins, group, k)) return -1;
     const int64_t nb = k / QBLOCK;
     const int q4 = kind & QUANT_LAYOUT_Q4;
-    if (m < WO_MAX_ROWS && !(kind & QUANT_INT8_ACTIVATIONS)
-        && quant_q4_rows_f32(x, m, ldx, kind, qs, scales, mins, group, n, k, bias, out, ldo) == 0)
-        return 0; /* (q4 on AVX-512: quant_q4_rows.c) */
 #if defined(__AVX2__) && defined(__FMA__)
     if (m < WO_MAX_ROWS && !(kind & QUANT_INT8_ACTIVATIONS)) {
         weight_only_rows(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);

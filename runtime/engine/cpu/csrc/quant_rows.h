@@ -1,6 +1,6 @@
-/* What the few-row kernels on kept blocks that reorder their rows share (quant_linear_bf16.c,
- * quant_q4_rows.c): quant_linear.c's layout constants and the threads' split, and the block terms a
- * weight's mins and its values' offset add to a dot product. */
+/* What a few-row kernel on kept blocks beside quant_linear.c needs of its layout (quant_linear_bf16.c):
+ * the layout constants and the threads' split, and the block terms a weight's mins and its values'
+ * offset add to a dot product. */
 #ifndef TINYSERVE_CPU_QUANT_ROWS_H
 #define TINYSERVE_CPU_QUANT_ROWS_H
 #include "common.h"
@@ -8,7 +8,6 @@
 #define QROW_BLOCK 32          /* values per block (a scale and a min each, in q4) */
 #define QROW_LAYOUT_Q4 1       /* quant_linear.c's kind bits: the q4 layout */
 #define QROW_INT8_ACTIVATIONS 2 /* ... and int8 activations (not these kernels') */
-#define QROW_MAX_ROWS 24       /* quant_linear.c's WO_MAX_ROWS: from this many rows on, its tiles */
 #define QROW_ROWS 8            /* activation rows per pass over a weight row */
 #define QROW_CHUNK 8           /* weight rows per chunk of the threads' split */
 

@@ -43,7 +43,6 @@ def _random_weight(
     )
 
 
-# (depths of 4 and 8 blocks: the AVX-512 q4 kernel's whole groups of four, quant_q4_rows.c; 17: and a remainder)
 SHAPES = [(1, 37, 32), (1, 21, 128), (3, 9, 96), (5, 61, 544), (8, 13, 544), (13, 9, 256), (24, 5, 544)]
 SHAPES += [(130, 19, 96), (300, 11, 64)]
 
