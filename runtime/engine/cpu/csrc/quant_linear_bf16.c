@@ -24,7 +24,28 @@
  * widen the rows for quant_linear_f32. */
 #include "common.h"
 #include "entry_points.h"
-#include "quant_rows.h"
+
+#define QB_BLOCK 32          /* values per block (a scale and a min each, in q4) */
+#define QB_LAYOUT_Q4 1       /* quant_linear.c's kind bits: the q4 layout */
+#define QB_ROWS 8            /* activation rows per pass over a weight row */
+#define QB_CHUNK 8           /* weight rows per chunk of the threads' split */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* sum over blocks b < nb of (m_b + offset s_b) * xs_b (wm NULL: no mins): the share of a dot product
+ * that the weight's mins, and the offset its values were given, add through the rows' block sums xs. */
+static inline float block_terms(float offset, const float* ws, const float* wm, int64_t nb, const float* xs)
+{
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 by = _mm512_set1_ps(offset);
+    for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 lanes = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
+        const __m512 s = _mm512_maskz_loadu_ps(lanes, ws + b);
+        const __m512 m = wm ? _mm512_maskz_loadu_ps(lanes, wm + b) : _mm512_setzero_ps();
+        acc = _mm512_fmadd_ps(_mm512_fmadd_ps(by, s, m), _mm512_maskz_loadu_ps(lanes, xs + b), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
 
 /* Rows it takes: up to 32, past quant_linear.c's few-row limit (a verify step of several requests'
  * drafts): the weight's 16-bit words serve every row from registers. From 33 rows the weight
@@ -36,7 +57,7 @@
 /* Block b of a q4 weight row (16 bytes: values 0..15 low nibbles, 16..31 high) as bf16 of q + 128. */
 static inline __m512bh q4_block(const uint8_t* wq, int64_t b)
 {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QROW_BLOCK / 2)));
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QB_BLOCK / 2)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
     return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(0x4300));
 }
@@ -44,8 +65,8 @@ static inline __m512bh q4_block(const uint8_t* wq, int64_t b)
 /* Block b of a q8 weight row (32 int8 values) as bf16 (exact). */
 static inline __m512bh q8_block(const uint8_t* wq, int64_t b)
 {
-    const __m128i lo = _mm_loadu_si128((const __m128i*)(wq + b * QROW_BLOCK));
-    const __m128i hi = _mm_loadu_si128((const __m128i*)(wq + b * QROW_BLOCK + 16));
+    const __m128i lo = _mm_loadu_si128((const __m128i*)(wq + b * QB_BLOCK));
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(wq + b * QB_BLOCK + 16));
     return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
 }
@@ -58,7 +79,7 @@ static inline __attribute__((always_inline)) void q4_quad(const int rows, const 
                                                           const float* ws, int64_t b, const uint16_t* xp,
                                                           int64_t ldxp, __m512 acc[][4])
 {
-    const __m512i words = _mm512_loadu_si512(wq + b * (QROW_BLOCK / 2));
+    const __m512i words = _mm512_loadu_si512(wq + b * (QB_BLOCK / 2));
     const __m512i nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
     /* (v & 0x0F) | 0x4300 in one vpternlog: A = v, B = 0x0F, C = 0x4300 -> (A & B) | C */
 #define QB_NIBBLE(v) (__m512bh)_mm512_ternarylogic_epi32((v), nibble, exponent, 0xEA)
@@ -68,12 +89,12 @@ static inline __attribute__((always_inline)) void q4_quad(const int rows, const 
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(ws + b)));
     for (int r = 0; r < rows; ++r) {
-        const uint16_t* xr = xp + r * ldxp + b * QROW_BLOCK;
+        const uint16_t* xr = xp + r * ldxp + b * QB_BLOCK;
         /* two chains of two (the latency of four dependent dot products would bound one row) */
         const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v0, (__m512bh)_mm512_loadu_si512(xr));
-        const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v1, (__m512bh)_mm512_loadu_si512(xr + QROW_BLOCK));
-        const __m512 d2 = _mm512_dpbf16_ps(d0, v2, (__m512bh)_mm512_loadu_si512(xr + 2 * QROW_BLOCK));
-        const __m512 d3 = _mm512_dpbf16_ps(d1, v3, (__m512bh)_mm512_loadu_si512(xr + 3 * QROW_BLOCK));
+        const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v1, (__m512bh)_mm512_loadu_si512(xr + QB_BLOCK));
+        const __m512 d2 = _mm512_dpbf16_ps(d0, v2, (__m512bh)_mm512_loadu_si512(xr + 2 * QB_BLOCK));
+        const __m512 d3 = _mm512_dpbf16_ps(d1, v3, (__m512bh)_mm512_loadu_si512(xr + 3 * QB_BLOCK));
         acc[r][c] = _mm512_fmadd_ps(_mm512_add_ps(d2, d3), s, acc[r][c]);
     }
 }
@@ -84,7 +105,7 @@ static inline __attribute__((always_inline)) void q4_quad(const int rows, const 
 static void x_quads(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, uint16_t* out)
 {
     static const int offset[4] = {0, 16, 1, 17}; /* nibble t of word j: value 2 (j % 8) + offset[t] */
-    const int64_t nb = k / QROW_BLOCK;
+    const int64_t nb = k / QB_BLOCK;
     for (int64_t r = 0; r < m; ++r) {
         const uint16_t* src = x + r * ldx;
         uint16_t* dst = out + r * k;
@@ -92,8 +113,8 @@ static void x_quads(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, uint16
         for (; b + 4 <= nb; b += 4)
             for (int t = 0; t < 4; ++t)
                 for (int j = 0; j < 32; ++j)
-                    dst[b * QROW_BLOCK + t * 32 + j] = src[(b + j / 8) * QROW_BLOCK + 2 * (j % 8) + offset[t]];
-        memcpy(dst + b * QROW_BLOCK, src + b * QROW_BLOCK, sizeof(uint16_t) * (size_t)((nb - b) * QROW_BLOCK));
+                    dst[b * QB_BLOCK + t * 32 + j] = src[(b + j / 8) * QB_BLOCK + 2 * (j % 8) + offset[t]];
+        memcpy(dst + b * QB_BLOCK, src + b * QB_BLOCK, sizeof(uint16_t) * (size_t)((nb - b) * QB_BLOCK));
     }
 }
 
@@ -118,13 +139,13 @@ static inline __attribute__((always_inline)) void qb_block(const int rows, const
     const __m512bh w = q4 ? q4_block(wq, b) : q8_block(wq, b);
     if (mode == SCALE_ROW) {
         for (int r = 0; r < rows; ++r)
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QROW_BLOCK));
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QB_BLOCK));
         return;
     }
     const __m512 s = block_scale(mode, ws, b);
     for (int r = 0; r < rows; ++r) {
         const __m512 dot =
-            _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QROW_BLOCK));
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QB_BLOCK));
         acc[r][c] = _mm512_fmadd_ps(dot, s, acc[r][c]);
     }
 }
@@ -137,7 +158,7 @@ static inline __attribute__((always_inline)) void qb_row_dots(const int rows, in
                                                               const uint16_t* x, int64_t ldx, float* out)
 {
     const int chains = rows == 1 ? 4 : rows == 2 ? 2 : 1;
-    __m512 acc[QROW_ROWS][4];
+    __m512 acc[QB_ROWS][4];
     for (int r = 0; r < rows; ++r)
         for (int c = 0; c < chains; ++c) acc[r][c] = _mm512_setzero_ps();
     int64_t b = 0;
@@ -173,13 +194,13 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
                       int64_t ldo)
 {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QROW_BLOCK || k % QROW_BLOCK || ldx < k || ldo < n) return -1;
-    if (kind & ~QROW_LAYOUT_Q4) return -1; /* int8 activations (or an unknown bit): quant_linear_f32's */
-    const int q4 = kind & QROW_LAYOUT_Q4;
-    if (q4 ? (group != QROW_BLOCK || !mins) : (mins ? group != QROW_BLOCK : !(group == 16 || group == QROW_BLOCK || group == k)))
+    if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QB_BLOCK || k % QB_BLOCK || ldx < k || ldo < n) return -1;
+    if (kind & ~QB_LAYOUT_Q4) return -1; /* int8 activations (or an unknown bit): quant_linear_f32's */
+    const int q4 = kind & QB_LAYOUT_Q4;
+    if (q4 ? (group != QB_BLOCK || !mins) : (mins ? group != QB_BLOCK : !(group == 16 || group == QB_BLOCK || group == k)))
         return -1;
-    const int64_t nb = k / QROW_BLOCK, scales_per_row = k / group, row_bytes = q4 ? k / 2 : k;
-    const int mode = group == 16 ? SCALE_HALF : group == QROW_BLOCK ? SCALE_BLOCK : SCALE_ROW;
+    const int64_t nb = k / QB_BLOCK, scales_per_row = k / group, row_bytes = q4 ? k / 2 : k;
+    const int mode = group == 16 ? SCALE_HALF : group == QB_BLOCK ? SCALE_BLOCK : SCALE_ROW;
     const int terms = q4 || mins; /* whether dots need the rows' block sums */
     float* xs = NULL;
     uint16_t* xp = NULL; /* q4: the rows in x_quads' order */
@@ -193,19 +214,19 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
         if (!xs) { free(xp); return -1; }
         for (int64_t r = 0; r < m; ++r)
             for (int64_t b = 0; b < nb; ++b) {
-                const __m512 lo = load_bf16x16(x + r * ldx + b * QROW_BLOCK);
-                const __m512 hi = load_bf16x16(x + r * ldx + b * QROW_BLOCK + 16);
+                const __m512 lo = load_bf16x16(x + r * ldx + b * QB_BLOCK);
+                const __m512 hi = load_bf16x16(x + r * ldx + b * QB_BLOCK + 16);
                 xs[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
             }
     }
-    const int64_t chunks = (n + QROW_CHUNK - 1) / QROW_CHUNK;
+    const int64_t chunks = (n + QB_CHUNK - 1) / QB_CHUNK;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t o0 = c * QROW_CHUNK, o1 = o0 + QROW_CHUNK < n ? o0 + QROW_CHUNK : n;
-        for (int64_t r0 = 0; r0 < m; r0 += QROW_ROWS) {
-            const int rows = (int)(m - r0 < QROW_ROWS ? m - r0 : QROW_ROWS);
+        const int64_t o0 = c * QB_CHUNK, o1 = o0 + QB_CHUNK < n ? o0 + QB_CHUNK : n;
+        for (int64_t r0 = 0; r0 < m; r0 += QB_ROWS) {
+            const int rows = (int)(m - r0 < QB_ROWS ? m - r0 : QB_ROWS);
             for (int64_t o = o0; o < o1; ++o) {
-                float dots[QROW_ROWS];
+                float dots[QB_ROWS];
                 const float* ws = scales + o * scales_per_row;
                 const float* wm = mins ? mins + o * scales_per_row : NULL;
                 qb_row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, ws, mode, nb,
