@@ -17,6 +17,7 @@ so the one-call decode stack and the layers agree bit for bit.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -89,9 +90,23 @@ def quant_linear(
             out = _dense_product(rows, dense, bias).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
     for first, band in weight.bands():
-        if bf16_rows is not None and _takes_bf16_rows(lib, bf16_rows, band, bias, first, out, out_features):
+        # bf16 rows as they are where quant_linear_bf16 takes them (-1: it declined, nothing written)
+        if bf16_rows is not None and band_product(lib.quant_linear_bf16, bf16_rows, band, bias, first, out) == 0:
             continue
-        rc = lib.quant_linear_f32(
+        if band_product(lib.quant_linear_f32, rows, band, bias, first, out) != 0:
+            return None
+    out = out.reshape(*x.shape[:-1], out_features)
+    return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def band_product(
+    kernel: Any, rows: torch.Tensor, band: QuantizedWeight, bias: torch.Tensor | None, first: int, out: torch.Tensor
+) -> int:
+    """``kernel`` (``quant_linear_f32`` or ``quant_linear_bf16``) on ``rows`` and ``band``, whose output
+    columns start at ``first`` of ``out`` (fp32, rows of its width), with the bias's slice: its return
+    code (0, or -1 where it declined and wrote nothing)."""
+    return int(
+        kernel(
             rows.data_ptr(),
             rows.shape[0],
             rows.stride(0),
@@ -101,44 +116,12 @@ def quant_linear(
             _address(band.mins),
             band.group,
             band.shape[0],
-            in_features,
+            rows.shape[1],
             bias[first:].data_ptr() if bias is not None else None,
             out[:, first:].data_ptr(),
-            out_features,
+            out.shape[1],
         )
-        if rc != 0:
-            return None
-    out = out.reshape(*x.shape[:-1], out_features)
-    return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def _takes_bf16_rows(
-    lib: ctypes.CDLL,
-    rows: torch.Tensor,
-    band: QuantizedWeight,
-    bias: torch.Tensor | None,
-    first: int,
-    out: torch.Tensor,
-    out_features: int,
-) -> bool:
-    """Whether ``quant_linear_bf16`` wrote ``band``'s columns of ``out`` from the bf16 ``rows`` (False: it
-    declined, nothing written: a build without AVX512-BF16, too many rows, int8 activations)."""
-    rc = lib.quant_linear_bf16(
-        rows.data_ptr(),
-        rows.shape[0],
-        rows.stride(0),
-        kind_code(band),
-        band.qs.data_ptr(),
-        band.scales.data_ptr(),
-        _address(band.mins),
-        band.group,
-        band.shape[0],
-        rows.shape[1],
-        bias[first:].data_ptr() if bias is not None else None,
-        out[:, first:].data_ptr(),
-        out_features,
     )
-    return rc == 0
 
 
 # The buffer each dtype's dequantized weights are written into, grown to the largest and kept: a fresh

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.engine.cpu import kernel_library
-from runtime.engine.cpu.quant_kernels import kind_code, quant_linear
+from runtime.engine.cpu.quant_kernels import band_product, quant_linear
 from runtime.engine.quant.weight import QuantizedWeight, reference_linear
 from tests.support.quant_bounds import EPS32
 from tests.unit.runtime.engine.cpu.test_quant_kernels import _double, _random_weight
@@ -27,23 +27,7 @@ def _call(weight: QuantizedWeight, x: torch.Tensor, out: torch.Tensor, bias: tor
     """quant_linear_bf16 on bf16 rows ``x`` (+ fp32 ``bias``) into fp32 ``out``, its return code."""
     lib = kernel_library.load()
     assert lib is not None
-    return int(
-        lib.quant_linear_bf16(
-            x.data_ptr(),
-            x.shape[0],
-            x.stride(0),
-            kind_code(weight),
-            weight.qs.data_ptr(),
-            weight.scales.data_ptr(),
-            weight.mins.data_ptr() if weight.mins is not None else None,
-            weight.group,
-            weight.shape[0],
-            weight.shape[1],
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            weight.shape[0],
-        )
-    )
+    return band_product(lib.quant_linear_bf16, x, weight, bias, 0, out)
 
 
 @pytest.mark.usefixtures("kernel_level")
