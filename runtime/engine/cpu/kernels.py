@@ -73,6 +73,7 @@ declare("gelu_tanh_mul_f32", [_ptr, _i64, _i64, _ptr], None)
 declare("rmsnorm_f32", [_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr], None)
 declare("rotary_f32", [_ptr] + [_i64] * 5 + [_ptr, _ptr], None)
 declare("moe_route", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr], None)
+declare("moe_sigmoid", [_ptr, _i64, _i64, _ptr], None)
 for _suffix in ("bf16", "f32"):
     declare(f"moe_router_{_suffix}", [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], _int)
 for _suffix in ("bf16", "f32"):
@@ -378,6 +379,20 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     getattr(lib, f"moe_router_{suffix}")(
         x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], x.shape[1], None, out.data_ptr()
     )
+    return out
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor | None:
+    """``sigmoid(x)`` of a contiguous bf16 or fp32 tensor in its dtype, computed in fp32 (csrc/moe_mlp.c:
+    moe_sigmoid, the shared expert's gate as the one-call decode stack computes it), or None where the
+    kernel does not apply."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous() or x.device.type != "cpu":
+        return None
+    lib = kernel_library.load()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    lib.moe_sigmoid(x.data_ptr(), x.element_size(), x.numel(), out.data_ptr())
     return out
 
 

@@ -125,6 +125,23 @@ class CpuOps(TorchOps):
         ids, weights = routed
         return ExpertRouting(ids=ids, weights=weights.to(logits.dtype) if in_model_dtype else weights)
 
+    def moe_shared_gate(
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None
+    ) -> torch.Tensor:
+        """The gate as the one-call decode stack runs it (csrc/moe_mlp.c): its product as a router's
+        (the plain dot kernel for a decode step's rows where no kernel set reads it), the sigmoid
+        kernel on the logits."""
+        current = _current(plan, weight)
+        rows = x.numel() // max(x.shape[-1], 1)
+        logits = None
+        if current is not None and rows in DOT_ROUTER_ROWS and dot_router(current, x.dtype) and x.dim() == 2:
+            assert isinstance(weight, torch.Tensor)  # (dot_router)
+            logits = cpu_kernels.router_logits(x, weight)
+        if logits is None:
+            logits = self.linear(x, weight, None, plan)
+        gate = cpu_kernels.sigmoid(logits)
+        return gate if gate is not None else torch.sigmoid(logits)
+
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
         cos, sin = rope_cos_sin(rope, q.dtype)
         rotary_dim = rope.cache.rotary_dim

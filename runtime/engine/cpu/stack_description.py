@@ -79,6 +79,7 @@ class CMoeLayer(ctypes.Structure):
     _fields_ = [
         (name, _i64) for name in ("experts", "top_k", "inter", "renormalize", "round_weights", "router_kernel")
     ] + [("router", _ptr), ("gate_up", _ptr), ("down", _ptr)]
+    _fields_ += [("shared_inter", _i64), ("shared_gate", _ptr), ("shared_gate_up", _ptr), ("shared_down", _ptr)]
 
 
 # csrc/moe_mlp.h: MOE_ROUTER_*, the kernel of a router kept dense in a set whose linears read blocks
@@ -105,7 +106,7 @@ class _QuantWeight(ctypes.Structure):
 # What the C layer (csrc/decode_layers.c) computes: RMSNorm with the weight as the norm layer holds it
 # (Gemma's unit offset is added to its weight at load: runtime.engine.layers.norm.UnitOffsetRMSNorm),
 # placed before attention and MLP or Gemma's sandwich of four, a dense silu- or gelu_tanh-gated MLP or
-# routed silu-gated experts without a shared expert (csrc/moe_mlp.c), neox rotary halves over any share
+# routed silu-gated experts with or without a gated shared expert (csrc/moe_mlp.c), neox rotary halves over any share
 # of the head (a layer's own table: Gemma 3's windowed layers), full or windowed attention, RMSNorm of
 # each q and k head or of the whole q and k projections before RoPE or none, q/k/v clamped or not, no
 # soft-cap, and a bias on the qkv projection only.
@@ -123,7 +124,6 @@ def c_layer_declines(description: LayerDescription) -> str | None:
         (description.norm_placement in C_NORM_PLACEMENTS, f"{description.norm_placement} norms"),
         (description.activation in C_ACTIVATIONS, f"activation {description.activation}"),
         (description.mlp in ("dense", "experts"), f"{description.mlp} MLP"),
-        (not description.shared_expert, "a shared expert"),
         (description.rope_style == "neox", f"rope style {description.rope_style}"),
         (description.rotary_dim <= description.head_dim, "rotary dims past the head"),
         (description.qk_norm in (None, "head", "projection"), f"q/k norm over the {description.qk_norm}"),
@@ -342,6 +342,10 @@ def describe_experts(
             stop = _leading_rows(plan, band, dtype)
             rows = range(max(rows.start, 1), min(rows.stop, stop))
             addresses[out].append(_address(band, quant))
+    shared = _describe_shared(experts, kernels, hidden, quant) if experts.shared is not None else (0, 0, 0, 0, rows)
+    if shared is None:
+        return None
+    rows = range(max(rows.start, shared[4].start), min(rows.stop, shared[4].stop))
     gate_up, down = ((ctypes.c_void_p * num)(*column) for column in addresses)
     if router is not None:
         router_address = _address(router, quant)
@@ -358,9 +362,41 @@ def describe_experts(
         router_address,
         ctypes.addressof(gate_up),
         ctypes.addressof(down),
+        *shared[:4],
     )
     keep.extend((moe, gate_up, down))
     return moe, rows
+
+
+def _describe_shared(
+    experts: RoutedExperts, kernels: str, hidden: int, quant: list[_QuantWeight]
+) -> tuple[int, int, int, int, range] | None:
+    """A sparse layer's shared expert for ``CMoeLayer`` (its intermediate size, the gate's weight and
+    the gate/up and down addresses) and the step sizes it takes, or None where the C call would not run
+    it as ``CpuOps`` does: its gate a dense weight of the step's dtype on the plain dot kernel (decode
+    steps' rows), its linears on the set's kernel for the step's rows."""
+    shared = experts.shared
+    assert shared is not None
+    dtype = STACK_DTYPES[kernels]
+    gate, gate_plan = shared.gate.weight, layer_plan(shared.gate)
+    if gate_plan is None or not dot_router(gate_plan, dtype) or tuple(gate.shape) != (1, hidden):
+        return None
+    assert isinstance(gate, torch.Tensor)  # (dot_router)
+    inter = shared.down.weight.shape[1]
+    rows = DOT_ROUTER_ROWS
+    addresses = []
+    for linear, shape in ((shared.gate_up, (2 * inter, hidden)), (shared.down, (hidden, inter))):
+        plan = layer_plan(linear)
+        band = _linear_band(plan, kernels)
+        if plan is None or band is None or tuple(linear.weight.shape) != shape or linear.bias is not None:
+            return None
+        rows = range(max(rows.start, band.rows.start), min(rows.stop, band.rows.stop))
+        addresses.append(_address(band, quant))
+    if kernels == "amx" and inter % 32:
+        return None  # (the fused AMX gate/up kernel's column blocks)
+    if shared.gate.bias is not None:
+        return None
+    return inter, gate.data_ptr(), addresses[0], addresses[1], rows
 
 
 def _leading_rows(plan: CpuWeightPlan, band: KernelBand, dtype: torch.dtype) -> int:

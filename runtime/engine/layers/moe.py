@@ -35,7 +35,7 @@ from runtime.engine.layers.mlp import GatedMLP
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.ops import DeviceOps
 from runtime.engine.ops.experts import ExpertLayer, ExpertRouting, ExpertWeight, route_experts
-from runtime.engine.ops.layer_stack import RoutedExperts
+from runtime.engine.ops.layer_stack import RoutedExperts, SharedExpert
 from runtime.engine.ops.linear_weights import WeightPlan
 
 
@@ -122,6 +122,9 @@ class SparseMoeMLP(ExpertLayer):
             top_k=self.moe.top_k,
             renormalize=self.moe.renormalize,
             weights_in_model_dtype=self.moe.weights_in_model_dtype,
+            shared=None
+            if self.shared_expert is None or self.shared_expert_gate is None
+            else SharedExpert(self.shared_expert_gate, self.shared_expert.gate_up_proj, self.shared_expert.down_proj),
         )
 
     def _route(self, x: torch.Tensor) -> ExpertRouting:
@@ -131,5 +134,6 @@ class SparseMoeMLP(ExpertLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ops.moe_experts(x, self._route(x), self)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + self.ops.moe_shared_gate(x, gate.weight, gate.plan) * self.shared_expert(x)
         return tensor_model_parallel_all_reduce(out, self.tp_size)

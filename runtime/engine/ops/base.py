@@ -162,6 +162,13 @@ class DeviceOps(Protocol):
         where ``in_model_dtype`` (``runtime.engine.ops.experts.route_experts``: transformers' routers)."""
         ...
 
+    def moe_shared_gate(
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None
+    ) -> torch.Tensor:
+        """``sigmoid(linear(x, weight, None, plan))`` ``[T, 1]`` in ``x``'s dtype: the gate of a sparse
+        layer's always-on shared expert (Qwen2-MoE's ``shared_expert_gate``, a ``[1, H]`` weight)."""
+        ...
+
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         """This rank's share of a sparse MLP layer's output for ``x [T, H]``: for each token, the sum
         over its routed experts that this rank holds of ``weight * down(act(gate) * up)`` (the product

@@ -54,6 +54,16 @@ def declared_description(layer: object) -> LayerDescription | None:
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """A sparse layer's always-on expert (Qwen2-MoE): its output scaled by ``sigmoid(gate(x))`` is
+    added to the routed experts' (``DeviceOps.moe_shared_gate``)."""
+
+    gate: LinearWeightLayer  # [1, hidden]
+    gate_up: LinearWeightLayer  # [2 * inter, hidden], gate rows first
+    down: LinearWeightLayer  # [hidden, inter]
+
+
+@dataclass(frozen=True)
 class RoutedExperts:
     """A sparse layer's MLP (``description.mlp == "experts"``) as a device's whole-layer kernels read
     it: the router, every expert's linears by global id (the layer owns and loads them; a device
@@ -66,10 +76,12 @@ class RoutedExperts:
     top_k: int
     renormalize: bool  # the top-k weights divided by their sum
     weights_in_model_dtype: bool  # the weights rounded to the model's dtype before they scale
+    shared: SharedExpert | None = None
 
     @property
     def linears(self) -> tuple[LinearWeightLayer, ...]:
-        return (self.router, *self.gate_up, *self.down)
+        shared = () if self.shared is None else (self.shared.gate, self.shared.gate_up, self.shared.down)
+        return (self.router, *self.gate_up, *self.down, *shared)
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,11 @@ class TorchOps:
     ) -> ExpertRouting:
         return route_experts(self.linear(x, weight, None, plan), top_k, renormalize, in_model_dtype)
 
+    def moe_shared_gate(
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None
+    ) -> torch.Tensor:
+        return torch.sigmoid(self.linear(x, weight, None, plan))
+
     def moe_experts(self, x: torch.Tensor, routing: ExpertRouting, experts: ExpertLayer) -> torch.Tensor:
         if x.shape[0] == 1:
             return self._one_token_experts(x, routing, experts)

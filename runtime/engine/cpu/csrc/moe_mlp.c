@@ -120,11 +120,37 @@ __attribute__((optimize("fp-contract=off"))) static void add_weighted(int64_t el
     }
 }
 
+void moe_sigmoid(const void* x, int64_t elem, int64_t n, void* out)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = elem == 2 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+        const float s = 1.0f / (1.0f + expf(-v));
+        if (elem == 2)
+            ((uint16_t*)out)[i] = f32_to_bf16(s);
+        else
+            ((float*)out)[i] = s;
+    }
+}
+
+/* The gated MLP of m rows (the set's fused gate/up or its linear then silu_mul; then down) into y. */
+static int gated_mlp(const MoeKernels* kn, const void* rows, int64_t m, int64_t hidden, const void* gate_up_w,
+                     const void* down_w, int64_t inter, void* gate_up, void* mid, void* y)
+{
+    if (kn->fused_gate_up) {
+        if (kn->fused_gate_up(rows, m, gate_up_w, inter, hidden, mid)) return -1;
+    } else {
+        if (kn->linear(rows, m, hidden, gate_up_w, 2 * inter, hidden, 0, gate_up)) return -1;
+        kn->silu_mul(gate_up, m, inter, mid);
+    }
+    return kn->linear(mid, m, inter, down_w, hidden, inter, 0, y);
+}
+
 int moe_mlp(const MoeKernels* kn, const MoeLayer* l, const void* x, int64_t n, int64_t hidden, void* out)
 {
-    const int64_t E = l->experts, k = l->top_k, I = l->inter, el = kn->elem, pairs = n * k;
+    const int64_t E = l->experts, k = l->top_k, el = kn->elem, pairs = n * k;
+    const int64_t I = l->inter > l->shared_inter ? l->inter : l->shared_inter; /* (the scratch's widest) */
     const int64_t sizes[] = {
-        aligned(n * E * el),              /* router logits */
+        aligned(n * (E > 2 ? E : 2) * el),  /* router logits (then the shared gate's logits and values) */
         aligned(pairs * 8),               /* ids */
         aligned(pairs * 4),               /* weights */
         aligned(pairs * 8),               /* one expert's pairs */
@@ -157,15 +183,20 @@ int moe_mlp(const MoeKernels* kn, const MoeLayer* l, const void* x, int64_t n, i
         if (!m) continue;
         for (int64_t j = 0; j < m; ++j)
             memcpy(rows + j * hidden * el, (const char*)x + chosen[j] / k * hidden * el, (size_t)(hidden * el));
-        if (kn->fused_gate_up) {
-            if (kn->fused_gate_up(rows, m, l->gate_up[e], I, hidden, mid)) return -1;
-        } else {
-            if (kn->linear(rows, m, hidden, l->gate_up[e], 2 * I, hidden, 0, gate_up)) return -1;
-            kn->silu_mul(gate_up, m, I, mid);
-        }
-        if (kn->linear(mid, m, I, l->down[e], hidden, I, 0, y)) return -1;
+        if (gated_mlp(kn, rows, m, hidden, l->gate_up[e], l->down[e], l->inter, gate_up, mid, y)) return -1;
         for (int64_t j = 0; j < m; ++j)
             add_weighted(el, y + j * hidden * el, weights[chosen[j]], hidden, (char*)out + chosen[j] / k * hidden * el);
+    }
+    if (l->shared_inter) { /* out + sigmoid(gate . x) * shared(x), each product and sum rounded as torch's */
+        char* gate = (char*)logits;
+        (el == 2 ? moe_router_bf16 : moe_router_f32)(x, n, hidden, l->shared_gate, 1, hidden, 0, gate);
+        moe_sigmoid(gate, el, n, gate + n * el);
+        if (gated_mlp(kn, x, n, hidden, l->shared_gate_up, l->shared_down, l->shared_inter, gate_up, mid, y)) return -1;
+        for (int64_t r = 0; r < n; ++r) {
+            const char* g = gate + (n + r) * el;
+            const float w = el == 2 ? bf16_to_f32(*(const uint16_t*)g) : *(const float*)g;
+            add_weighted(el, y + r * hidden * el, w, hidden, (char*)out + r * hidden * el);
+        }
     }
     return 0;
 }

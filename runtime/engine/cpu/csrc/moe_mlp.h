@@ -40,11 +40,21 @@ typedef struct MoeLayer {
     const void* router;             /* [E, hidden], the address its kernel reads */
     const void* const* gate_up;     /* [E]: each expert's [2 I, hidden] (gate rows first) */
     const void* const* down;        /* [E]: [hidden, I] */
+    /* an always-on shared expert (Qwen2-MoE; shared_inter 0: none): its output times
+     * sigmoid(shared_gate . x) added after the routed experts' */
+    int64_t shared_inter;
+    const void* shared_gate;        /* [1, hidden] dense, in the step's type (moe_router_*'s dot products) */
+    const void* shared_gate_up;     /* [2 shared_inter, hidden], the set's linear */
+    const void* shared_down;        /* [hidden, shared_inter] */
 } MoeLayer;
 
 /* out [n, hidden] (the step's element type) = the sparse MLP of x [n, hidden]; 0, or -1 where a
  * kernel refused or scratch could not be allocated. */
 int moe_mlp(const MoeKernels* kn, const MoeLayer* l, const void* x, int64_t n, int64_t hidden, void* out);
+
+/* out[i] = sigmoid(x[i]) for n values of the type (elem 2: bf16, else fp32), in fp32 then rounded to
+ * the type: the shared expert's gate, here and in the layers one by one (CpuOps.moe_shared_gate). */
+void moe_sigmoid(const void* x, int64_t elem, int64_t n, void* out);
 
 /* Each row's top_k experts from its router logits [T, E] (bf16 with elem 2, else fp32): softmax in
  * fp32, the k largest (the lower id first among equals), renormalised where asked; ids int64

@@ -5,8 +5,9 @@ sandwich norms, unit-offset norms, gelu_tanh MLP, query_pre_attn_scalar, and win
 their own RoPE base (past the window of 16), and the sparse families' routed experts (csrc/moe_mlp.c:
 Qwen3-MoE's renormalised top-4 of 16 beside a dense layer, Mixtral's renormalised top-2 with fp32
 weights, OLMoE's top-2 not renormalised with its q/k norms over the whole projection and its q/k/v
-clamp; their routers too small for a packed copy run on the plain dot kernel that the layers' routing
-runs too). For each, in bf16 and fp32, one request and several: the greedy tokens through the call
+clamp, Qwen2-MoE's top-2 of 8 with its always-on shared expert behind a sigmoid gate, after a dense
+layer; their routers and that gate too small for a packed copy run on the plain dot kernel that the
+layers run too, and the gate's sigmoid on the kernel both paths run). For each, in bf16 and fp32, one request and several: the greedy tokens through the call
 equal the layers' run one by one (and in fp32 transformers'), every decode step after the mirror's
 first runs in the call, and the kernel report says the stack takes the model; with GGUF weights kept
 in their blocks the call's logits equal the layers' bit for bit. The per-head norm kernel both paths
@@ -40,7 +41,7 @@ from tests.support.gguf_files import gguf_test_folder, write_checkpoint_gguf
 from tests.support.harness import Harness
 from tests.unit.runtime.engine.cpu.test_cpu_decode_layers import DTYPES, _decode_logits, needs_fp32_kernels
 
-FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "gemma3", "qwen3_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen2", "qwen3", "phi3_longrope", "gemma3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
 # (family, dtype) cases: all but bf16 Mixtral, whose tiny experts' gate/up ([96, 64]: intermediate 48)
 # no bf16 kernel set reads (oneDNN's own layout), so its bf16 layers run one by one
 CASES = [
@@ -50,7 +51,7 @@ CASES = [
     if (name, dtype.values[0]) != ("mixtral", "bfloat16")
 ]
 # the GGUF files kept in Q8_0 blocks (not Mixtral's: its intermediate 48 is no multiple of the 32-value block)
-KEPT_FAMILIES = ["qwen2", "qwen3", "gemma3", "qwen3_moe", "olmoe"]
+KEPT_FAMILIES = ["qwen2", "qwen3", "gemma3", "qwen3_moe", "olmoe", "qwen2_moe"]
 STEPS = 8  # decode tokens per request (phi3_longrope's prompts and outputs stay under PHI3_ORIGINAL_MAX)
 # the first request's prompt length: gemma3's requests cross its window (GEMMA_WINDOW) while decoding
 FIRST_PROMPT = {"gemma3": GEMMA_WINDOW - 4}
@@ -184,6 +185,11 @@ def test_the_routing_kernels_choose_as_transformers_routers(dtype: torch.dtype) 
     tied = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0, 0.0]], dtype=dtype)
     routed = kernels.moe_route(tied, 2, False)
     assert routed is not None and routed[0].tolist() == [[1, 2]]
+    # the shared expert's gate: torch's sigmoid within an fp32 ulp, then rounded to the dtype (bf16: an ulp)
+    gate = kernels.sigmoid(logits)
+    assert gate is not None and gate.dtype == dtype and gate.shape == logits.shape
+    tol = 2e-7 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(gate.float(), torch.sigmoid(logits.float()), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

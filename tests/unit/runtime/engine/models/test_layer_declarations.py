@@ -23,11 +23,11 @@ from tests.support.checkpoints import MOE_CHECKPOINT_NAMES
 from tests.support.harness import Harness
 
 # family -> whether the C layer implements its tiny checkpoint's layers (gemma2: soft-capped attention;
-# gemma3's four unit-offset norms, GELU and windows it runs; the sparse families: routed experts, but not
-# Qwen2-MoE's shared expert; Mixtral's window spans the whole served context: ModelConfig.layer_windows
+# gemma3's four unit-offset norms, GELU and windows it runs; the sparse families: routed experts, and
+# Qwen2-MoE's gated shared expert; Mixtral's window spans the whole served context: ModelConfig.layer_windows
 # drops it)
 TAKEN = {"llama": True, "qwen2": True, "phi3": True, "qwen3": True, "mistral": True, "gemma2": False, "gemma3": True}
-TAKEN.update({"qwen3_moe": True, "olmoe": True, "mixtral": True, "qwen2_moe": False})
+TAKEN.update({"qwen3_moe": True, "olmoe": True, "mixtral": True, "qwen2_moe": True})
 assert set(MOE_CHECKPOINT_NAMES) <= set(TAKEN)
 
 
@@ -72,13 +72,13 @@ def test_each_declared_choice_the_c_layer_lacks_is_declined() -> None:
     assert c_layer_declines(base) is None
     assert c_layer_declines(dataclasses.replace(base, rotary_dim=32)) is None  # a partial rotary share is run
     gemma3 = {"norm": "rms_unit_offset", "norm_placement": "sandwich", "activation": "gelu_pytorch_tanh"}
-    for change in ({"window": 4096}, {**gemma3, "qk_norm": "head", "window": 512}):  # (Gemma 3's: run)
+    qwen2_moe = {"mlp": "experts", "experts_top_k": 2, "shared_expert": True}
+    for change in ({"window": 4096}, {**gemma3, "qk_norm": "head", "window": 512}, qwen2_moe):  # (all run)
         assert c_layer_declines(dataclasses.replace(base, **change)) is None, change
     for change in (
         {"norm": "layer_norm"},
         {"norm_placement": "post"},
         {"activation": "gelu"},
-        {"mlp": "experts", "experts_top_k": 2, "shared_expert": True},
         {"rope_style": "gptj"},
         {"attn_softcap": 50.0},
         {"o_bias": True},
