@@ -111,14 +111,7 @@ class CpuOps(TorchOps):
         """The router's product and the routing as the one-call decode stack runs them (csrc/moe_mlp.c):
         the product on the plan's kernel, or for a decode step's rows of a router no kernel set reads,
         the plain dot kernel (``dot_router``); the routing kernel (softmax, top-k) on its logits."""
-        current = _current(plan, weight)
-        rows = x.numel() // max(x.shape[-1], 1)
-        logits = None
-        if current is not None and rows in DOT_ROUTER_ROWS and dot_router(current, x.dtype) and x.dim() == 2:
-            assert isinstance(weight, torch.Tensor)  # (dot_router)
-            logits = cpu_kernels.router_logits(x, weight)
-        if logits is None:
-            logits = self.linear(x, weight, None, plan)
+        logits = self._router_product(x, weight, plan)
         routed = cpu_kernels.moe_route(logits, top_k, renormalize)
         if routed is None:
             return super().moe_route(x, weight, plan, top_k, renormalize, in_model_dtype)
@@ -131,16 +124,24 @@ class CpuOps(TorchOps):
         """The gate as the one-call decode stack runs it (csrc/moe_mlp.c): its product as a router's
         (the plain dot kernel for a decode step's rows where no kernel set reads it), the sigmoid
         kernel on the logits."""
+        logits = self._router_product(x, weight, plan)
+        gate = cpu_kernels.sigmoid(logits)
+        return gate if gate is not None else torch.sigmoid(logits)
+
+    def _router_product(
+        self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None
+    ) -> torch.Tensor:
+        """A routing projection's ``linear(x, weight)`` as the one-call decode stack computes it: on the
+        plan's kernel, or for a decode step's rows of a weight no kernel set reads, the plain dot kernel
+        (``dot_router``)."""
         current = _current(plan, weight)
         rows = x.numel() // max(x.shape[-1], 1)
-        logits = None
         if current is not None and rows in DOT_ROUTER_ROWS and dot_router(current, x.dtype) and x.dim() == 2:
             assert isinstance(weight, torch.Tensor)  # (dot_router)
             logits = cpu_kernels.router_logits(x, weight)
-        if logits is None:
-            logits = self.linear(x, weight, None, plan)
-        gate = cpu_kernels.sigmoid(logits)
-        return gate if gate is not None else torch.sigmoid(logits)
+            if logits is not None:
+                return logits
+        return self.linear(x, weight, None, plan)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> None:
         cos, sin = rope_cos_sin(rope, q.dtype)
