@@ -22,8 +22,7 @@ from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import kernel_library
 from runtime.engine.cpu.decode_layers import CpuLayerStack
 from runtime.engine.cpu.kv_quant_kernels import format_code
-from runtime.engine.cpu.quant_kernels import BLOCK_ROWS_MAX
-from runtime.engine.cpu.weight_plan import CpuWeightPlan, layer_plan
+from runtime.engine.cpu.weight_plan import QUANT_SETS, CpuWeightPlan, layer_plan
 from runtime.engine.ops.linear_weights import LinearWeightLayer
 from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, QuantizedWeight
 
@@ -89,11 +88,19 @@ def kernel_report(model: nn.Module, stack: Any, kv_format: KVCacheFormat | None 
     paths = Counter(linear_path(weight, plan) for weight, plan in plans)
     paths.update(f"kept_{weight.source}" for weight in kept.values())
     layer_stack = stack if isinstance(stack, CpuLayerStack) and built else None
-    description = layer_stack.description(BLOCK_ROWS_MAX + 1) if layer_stack is not None else None
     few_rows = layer_stack.description(1) if layer_stack is not None else None
-    decode_stack = description.kernels if description is not None else None
-    if few_rows is not None and few_rows is not description:
-        decode_stack = f"{few_rows.kernels} up to {BLOCK_ROWS_MAX} rows, {decode_stack or 'layer by layer'} above"
+    decode_stack = few_rows.kernels if few_rows is not None else None
+    # a set reading blocks up to some rows (a dual weight's BLOCK_ROWS_MAX; a bf16_prefill weight's few-row
+    # kernel): what takes the steps above
+    if (
+        layer_stack is not None
+        and few_rows is not None
+        and few_rows.kernels in QUANT_SETS
+        and few_rows.rows.stop < 1 << 40
+    ):
+        above = layer_stack.description(few_rows.rows.stop)
+        last = few_rows.rows.stop - 1
+        decode_stack = f"{few_rows.kernels} up to {last} rows, {above.kernels if above else 'layer by layer'} above"
     return {
         "isa": level if built else None,
         "isa_reason": isa_reason() if built or level is None else "no C compiler: the kernels' work runs as torch ops",

@@ -160,3 +160,5 @@ def test_blocks_take_few_rows_in_bf16_and_more_rows_the_dequantized_weight(
     few = stack.description(BF16_DENSE_MIN_ROWS - 1)
     assert few is not None and few.kernels == "qbf16"
     assert stack.description(BF16_DENSE_MIN_ROWS) is None
+    last = BF16_DENSE_MIN_ROWS - 1
+    assert runner.kernels["decode_stack"] == f"qbf16 up to {last} rows, layer by layer above", runner.kernels
