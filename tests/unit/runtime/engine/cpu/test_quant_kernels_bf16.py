@@ -82,3 +82,30 @@ def test_a_strided_bf16_row_view_is_read_in_place() -> None:
         a, b = torch.empty(4, 11), torch.empty(4, 11)
         assert _call(weight, view, a) == 0 and _call(weight, view.contiguous(), b) == 0
         assert torch.equal(a, b)
+
+
+def test_weight_rows_two_at_a_time_sum_as_one_at_a_time() -> None:
+    """A q4 weight's rows are multiplied two at a time for more than two activation rows (one load of
+    an activation vector serving both): each output equals that weight row's product alone, bit for bit
+    (depths with and without a remainder past the groups of four blocks)."""
+    if "avx512bf16" not in kernel_library.host_levels():
+        pytest.skip("needs a CPU with AVX512-BF16 (the kernel's build level)")
+    with kernel_library.use_level("avx512bf16"):
+        for rows, in_features in ((3, 128), (8, 544), (13, 256)):
+            gen = torch.Generator().manual_seed(rows)
+            weight = _random_weight("q4", 6, in_features, gen)
+            x = torch.randn(rows, in_features, generator=gen).bfloat16()
+            together = torch.empty(rows, 6)
+            assert _call(weight, x, together) == 0
+            for row in range(6):
+                alone = QuantizedWeight(
+                    "q4",
+                    "test",
+                    (1, in_features),
+                    weight.qs[row : row + 1],
+                    weight.scales[row : row + 1],
+                    weight.mins[row : row + 1] if weight.mins is not None else None,
+                )
+                out = torch.empty(rows, 1)
+                assert _call(alone, x, out) == 0
+                assert torch.equal(out[:, 0], together[:, row]), (rows, in_features, row)
