@@ -1,4 +1,5 @@
-"""ctypes wrapper of ``csrc/quant_linear.c``: linear layers on weights kept quantized
+"""ctypes wrapper of ``csrc/quant_linear.c`` (and its bf16 rows' and whole-weight dequantization's files,
+``quant_linear_bf16.c``, ``quant_dequantize.c``): linear layers on weights kept quantized
 (``runtime.engine.quant.weight.QuantizedWeight``): up to a long prefill on tiles of the weight dequantized in
 cache with the activations as they are (weight-only: the dense model's numbers), or for a few rows of a
 weight marked ``int8_activations`` with the activations quantized per block of 32 on the fly; a long

@@ -33,10 +33,8 @@
  * shared by all rows. */
 #include "lanes_f32.h"
 #include "entry_points.h"
+#include "quant_layout.h"
 
-#define QBLOCK 32
-#define QUANT_LAYOUT_Q4 1           /* kind bit 1: the q4 layout (else q8) */
-#define QUANT_INT8_ACTIVATIONS 2    /* kind bit 2: quantize the activations to int8 for few rows */
 #define QROWS 8      /* activation rows per pass over a weight row (its unpacked blocks serve them all) */
 #define OUT_CHUNK 8  /* weight rows per chunk: every activation row group passes over them */
 
@@ -191,51 +189,6 @@ static void row_dots_n(int rows, int q4, const uint8_t* wq, const float* ws, con
 #define DOT_W 4            /* weight rows per register tile */
 #define DOT_X 3            /* activation rows per register tile (DOT_W x DOT_X accumulators) */
 
-/* Weight row o's values [k0, k0 + kc) as fp32 into dst (kc a multiple of 32). */
-static void dequantize_row(int q4, const uint8_t* qs, const float* scales, const float* mins, int64_t group,
-                           int64_t k, int64_t o, int64_t k0, int64_t kc, float* dst)
-{
-    const int64_t per_row = k / group;
-    for (int64_t b = k0 / QBLOCK; b < (k0 + kc) / QBLOCK; ++b, dst += QBLOCK) {
-        if (q4) {
-            const uint8_t* w = qs + o * (k / 2) + b * (QBLOCK / 2);
-            const float sc = scales[o * per_row + b], mn = mins[o * per_row + b];
-#if defined(__AVX2__)
-            const __m128i raw = _mm_loadu_si128((const __m128i*)w);
-            const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-            const __m256 vs = _mm256_set1_ps(sc), vm = _mm256_set1_ps(mn);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int j = 0; j < 4; ++j)
-                _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vs, vm));
-#else
-            for (int j = 0; j < QBLOCK / 2; ++j) {
-                dst[j] = sc * (float)(w[j] & 0x0F) + mn;
-                dst[j + QBLOCK / 2] = sc * (float)(w[j] >> 4) + mn;
-            }
-#endif
-        } else {
-            const int8_t* w = (const int8_t*)qs + o * k + b * QBLOCK;
-            const float mn = mins ? mins[o * per_row + b] : 0.0f; /* (mins come with groups of 32) */
-            for (int half = 0; half < 2; ++half) {
-                const float sc = scales[o * per_row + (b * QBLOCK + half * 16) / group];
-#if defined(__AVX2__)
-                const __m256 vs = _mm256_set1_ps(sc);
-                for (int j = 0; j < 16; j += 8) {
-                    const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + half * 16 + j));
-                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-                    _mm256_storeu_ps(dst + half * 16 + j,
-                                     mins ? _mm256_fmadd_ps(q, vs, _mm256_set1_ps(mn)) : _mm256_mul_ps(q, vs));
-                }
-#else
-                for (int j = 0; j < 16; ++j)
-                    dst[half * 16 + j] = mins ? sc * (float)w[half * 16 + j] + mn : sc * (float)w[half * 16 + j];
-#endif
-            }
-        }
-    }
-}
-
 /* acc[r][o] += x row r . w row o over kc depths (kc a multiple of AV_W), for XR x WR rows (constants at
  * each call: the accumulators stay in registers); results added into out (rows ldo apart). */
 static inline __attribute__((always_inline)) void dot_tile(const int XR, const int WR, const float* x, int64_t ldx,
@@ -281,7 +234,7 @@ static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, con
         for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
             const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
             for (int64_t o = 0; o < wn; ++o)
-                dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o0 + o, k0, kc, w + o * DQ_K);
+                quant_dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o0 + o, k0, kc, w + o * DQ_K);
             for (int64_t r = 0; r < m; r += DOT_X)  /* (an activation tile stays in L1 across the weight tiles) */
                 for (int64_t o = 0; o < wn; o += DOT_W)
                     dot_tile_n((int)(m - r < DOT_X ? m - r : DOT_X), (int)(wn - o < DOT_W ? wn - o : DOT_W),
@@ -463,56 +416,6 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
     }
 }
 #endif
-
-/* The whole weight dequantized: out [n, k] fp32 (kind, layouts and groups as quant_linear_f32's).
- * For a product of many rows (a long prefill) the caller hands the dense weight to the BLAS, whose
- * blocking for large products beats these kernels; the conversion is one pass over the weight.
- * Returns 0, or -1 (nothing written) for operands quant_linear_f32 would not take. */
-/* Whether `kind` names a layout and numerics these kernels know, with groups that layout takes. */
-static int takes_kind(int kind, const float* mins, int64_t group, int64_t k)
-{
-    if (kind & ~(QUANT_LAYOUT_Q4 | QUANT_INT8_ACTIVATIONS)) return 0;
-    if (kind & QUANT_LAYOUT_Q4) return group == QBLOCK && mins != NULL;
-    if (mins != NULL) return group == QBLOCK; /* q8 with a min per block of 32 (Q5_1, Q5_K) */
-    return group == 16 || group == QBLOCK || group == k;
-}
-
-int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
-                         int64_t n, int64_t k, float* out)
-{
-    if (n < 1 || k < QBLOCK || k % QBLOCK || !takes_kind(kind, mins, group, k)) return -1;
-    const int q4 = kind & QUANT_LAYOUT_Q4;
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < n; ++o)
-        dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o, 0, k, out + o * k);
-    return 0;
-}
-
-/* quant_dequantize_f32's values rounded to bf16 (nearest even) into out [n, k]: a product of many
- * bf16 rows on the dequantized weight reads half the bytes, and no fp32 copy is written first. */
-int quant_dequantize_bf16(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
-                          int64_t n, int64_t k, uint16_t* out)
-{
-    if (n < 1 || k < QBLOCK || k % QBLOCK || !takes_kind(kind, mins, group, k)) return -1;
-    const int q4 = kind & QUANT_LAYOUT_Q4;
-#pragma omp parallel
-    {
-        float row[DQ_K] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t o = 0; o < n; ++o)
-            for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
-                const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
-                dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o, k0, kc, row);
-                int64_t j = 0;
-#if defined(__AVX512F__)
-                for (; j + 16 <= kc; j += 16)
-                    _mm256_storeu_si256((__m256i*)(out + o * k + k0 + j), f32x16_to_bf16(_mm512_load_ps(row + j)));
-#endif
-                for (; j < kc; ++j) out[o * k + k0 + j] = f32_to_bf16(row[j]);
-            }
-    }
-    return 0;
-}
 
 /* out [m, n] fp32 (rows ldo apart) = x [m, k] fp32 (rows ldx apart) times the quantized weight
  * [n, k] (+ bias [n] when not NULL).

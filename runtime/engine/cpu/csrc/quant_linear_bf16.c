@@ -24,9 +24,8 @@
  * widen the rows for quant_linear_f32. */
 #include "common.h"
 #include "entry_points.h"
+#include "quant_layout.h"
 
-#define QB_BLOCK 32          /* values per block (a scale and a min each, in q4) */
-#define QB_LAYOUT_Q4 1       /* quant_linear.c's kind bits: the q4 layout */
 #define QB_ROWS 8            /* activation rows per pass over a weight row */
 #define QB_CHUNK 8           /* weight rows per chunk of the threads' split */
 
@@ -57,7 +56,7 @@ static inline float block_terms(float offset, const float* ws, const float* wm, 
 /* Block b of a q4 weight row (16 bytes: values 0..15 low nibbles, 16..31 high) as bf16 of q + 128. */
 static inline __m512bh q4_block(const uint8_t* wq, int64_t b)
 {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QB_BLOCK / 2)));
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(wq + b * (QBLOCK / 2)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
     return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(0x4300));
 }
@@ -65,8 +64,8 @@ static inline __m512bh q4_block(const uint8_t* wq, int64_t b)
 /* Block b of a q8 weight row (32 int8 values) as bf16 (exact). */
 static inline __m512bh q8_block(const uint8_t* wq, int64_t b)
 {
-    const __m128i lo = _mm_loadu_si128((const __m128i*)(wq + b * QB_BLOCK));
-    const __m128i hi = _mm_loadu_si128((const __m128i*)(wq + b * QB_BLOCK + 16));
+    const __m128i lo = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK));
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(wq + b * QBLOCK + 16));
     return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
 }
@@ -77,7 +76,7 @@ static inline __m512bh q8_block(const uint8_t* wq, int64_t b)
 static inline __attribute__((always_inline)) __m512 q4_quad_values(const uint8_t* wq, const float* ws, int64_t b,
                                                                    __m512bh v[4])
 {
-    const __m512i words = _mm512_loadu_si512(wq + b * (QB_BLOCK / 2));
+    const __m512i words = _mm512_loadu_si512(wq + b * (QBLOCK / 2));
     const __m512i nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
     /* (v & 0x0F) | 0x4300 in one vpternlog: A = v, B = 0x0F, C = 0x4300 -> (A & B) | C */
 #define QB_NIBBLE(v) (__m512bh)_mm512_ternarylogic_epi32((v), nibble, exponent, 0xEA)
@@ -98,12 +97,12 @@ static inline __attribute__((always_inline)) void q4_quad(const int rows, const 
     __m512bh v[4];
     const __m512 s = q4_quad_values(wq, ws, b, v);
     for (int r = 0; r < rows; ++r) {
-        const uint16_t* xr = xp + r * ldxp + b * QB_BLOCK;
+        const uint16_t* xr = xp + r * ldxp + b * QBLOCK;
         /* two chains of two (the latency of four dependent dot products would bound one row) */
         const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_loadu_si512(xr));
-        const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[1], (__m512bh)_mm512_loadu_si512(xr + QB_BLOCK));
-        const __m512 d2 = _mm512_dpbf16_ps(d0, v[2], (__m512bh)_mm512_loadu_si512(xr + 2 * QB_BLOCK));
-        const __m512 d3 = _mm512_dpbf16_ps(d1, v[3], (__m512bh)_mm512_loadu_si512(xr + 3 * QB_BLOCK));
+        const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[1], (__m512bh)_mm512_loadu_si512(xr + QBLOCK));
+        const __m512 d2 = _mm512_dpbf16_ps(d0, v[2], (__m512bh)_mm512_loadu_si512(xr + 2 * QBLOCK));
+        const __m512 d3 = _mm512_dpbf16_ps(d1, v[3], (__m512bh)_mm512_loadu_si512(xr + 3 * QBLOCK));
         acc[r][c] = _mm512_fmadd_ps(_mm512_add_ps(d2, d3), s, acc[r][c]);
     }
 }
@@ -118,10 +117,10 @@ static inline __attribute__((always_inline)) void q4_quad_pair(const int rows, c
     __m512bh v[4], u[4];
     const __m512 s0 = q4_quad_values(wq0, ws0, b, v), s1 = q4_quad_values(wq1, ws1, b, u);
     for (int r = 0; r < rows; ++r) {
-        const uint16_t* xr = xp + r * ldxp + b * QB_BLOCK;
+        const uint16_t* xr = xp + r * ldxp + b * QBLOCK;
         __m512 d[4], e[4];
         for (int t = 0; t < 4; ++t) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + t * QB_BLOCK);
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + t * QBLOCK);
             d[t] = _mm512_dpbf16_ps(t < 2 ? _mm512_setzero_ps() : d[t - 2], v[t], xv);
             e[t] = _mm512_dpbf16_ps(t < 2 ? _mm512_setzero_ps() : e[t - 2], u[t], xv);
         }
@@ -136,7 +135,7 @@ static inline __attribute__((always_inline)) void q4_quad_pair(const int rows, c
 static void x_quads(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, uint16_t* out)
 {
     static const int offset[4] = {0, 16, 1, 17}; /* nibble t of word j: value 2 (j % 8) + offset[t] */
-    const int64_t nb = k / QB_BLOCK;
+    const int64_t nb = k / QBLOCK;
     for (int64_t r = 0; r < m; ++r) {
         const uint16_t* src = x + r * ldx;
         uint16_t* dst = out + r * k;
@@ -144,8 +143,8 @@ static void x_quads(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, uint16
         for (; b + 4 <= nb; b += 4)
             for (int t = 0; t < 4; ++t)
                 for (int j = 0; j < 32; ++j)
-                    dst[b * QB_BLOCK + t * 32 + j] = src[(b + j / 8) * QB_BLOCK + 2 * (j % 8) + offset[t]];
-        memcpy(dst + b * QB_BLOCK, src + b * QB_BLOCK, sizeof(uint16_t) * (size_t)((nb - b) * QB_BLOCK));
+                    dst[b * QBLOCK + t * 32 + j] = src[(b + j / 8) * QBLOCK + 2 * (j % 8) + offset[t]];
+        memcpy(dst + b * QBLOCK, src + b * QBLOCK, sizeof(uint16_t) * (size_t)((nb - b) * QBLOCK));
     }
 }
 
@@ -170,13 +169,13 @@ static inline __attribute__((always_inline)) void qb_block(const int rows, const
     const __m512bh w = q4 ? q4_block(wq, b) : q8_block(wq, b);
     if (mode == SCALE_ROW) {
         for (int r = 0; r < rows; ++r)
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QB_BLOCK));
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QBLOCK));
         return;
     }
     const __m512 s = block_scale(mode, ws, b);
     for (int r = 0; r < rows; ++r) {
         const __m512 dot =
-            _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QB_BLOCK));
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + r * ldx + b * QBLOCK));
         acc[r][c] = _mm512_fmadd_ps(dot, s, acc[r][c]);
     }
 }
@@ -264,13 +263,11 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
                       int64_t ldo)
 {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QB_BLOCK || k % QB_BLOCK || ldx < k || ldo < n) return -1;
-    if (kind & ~QB_LAYOUT_Q4) return -1; /* int8 activations (or an unknown bit): quant_linear_f32's */
-    const int q4 = kind & QB_LAYOUT_Q4;
-    if (q4 ? (group != QB_BLOCK || !mins) : (mins ? group != QB_BLOCK : !(group == 16 || group == QB_BLOCK || group == k)))
-        return -1;
-    const int64_t nb = k / QB_BLOCK, scales_per_row = k / group, row_bytes = q4 ? k / 2 : k;
-    const int mode = group == 16 ? SCALE_HALF : group == QB_BLOCK ? SCALE_BLOCK : SCALE_ROW;
+    if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QBLOCK || k % QBLOCK || ldx < k || ldo < n) return -1;
+    if ((kind & QUANT_INT8_ACTIVATIONS) || !takes_kind(kind, mins, group, k)) return -1; /* (int8: quant_linear_f32's) */
+    const int q4 = kind & QUANT_LAYOUT_Q4;
+    const int64_t nb = k / QBLOCK, scales_per_row = k / group, row_bytes = q4 ? k / 2 : k;
+    const int mode = group == 16 ? SCALE_HALF : group == QBLOCK ? SCALE_BLOCK : SCALE_ROW;
     const int terms = q4 || mins; /* whether dots need the rows' block sums */
     float* xs = NULL;
     uint16_t* xp = NULL; /* q4: the rows in x_quads' order */
@@ -284,8 +281,8 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
         if (!xs) { free(xp); return -1; }
         for (int64_t r = 0; r < m; ++r)
             for (int64_t b = 0; b < nb; ++b) {
-                const __m512 lo = load_bf16x16(x + r * ldx + b * QB_BLOCK);
-                const __m512 hi = load_bf16x16(x + r * ldx + b * QB_BLOCK + 16);
+                const __m512 lo = load_bf16x16(x + r * ldx + b * QBLOCK);
+                const __m512 hi = load_bf16x16(x + r * ldx + b * QBLOCK + 16);
                 xs[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
             }
     }
