@@ -74,12 +74,9 @@ def quant_linear(
     ):
         return None
     out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features)
+    rows = x.reshape(-1, in_features)  # (in x's dtype: each kernel below widens them only if it needs to)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    # bf16 rows as they are for quant_linear_bf16 (None: fp32 rows, nothing to try)
-    bf16_rows = rows if rows.dtype == torch.bfloat16 and rows.shape[0] < DENSE_MIN_ROWS else None
-    rows = rows.float()
     if bias is not None:
         bias = bias.float().contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
@@ -90,11 +87,13 @@ def quant_linear(
         if dense is not None:
             out = _dense_product(rows, dense, bias).reshape(*x.shape[:-1], out_features)
             return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
+    widened: torch.Tensor | None = None  # fp32 rows, made once, where a band needs them
     for first, band in weight.bands():
         # bf16 rows as they are where quant_linear_bf16 takes them (-1: it declined, nothing written)
-        if bf16_rows is not None and band_product(lib.quant_linear_bf16, bf16_rows, band, bias, first, out) == 0:
+        if rows.dtype == torch.bfloat16 and band_product(lib.quant_linear_bf16, rows, band, bias, first, out) == 0:
             continue
-        if band_product(lib.quant_linear_f32, rows, band, bias, first, out) != 0:
+        widened = rows.float() if widened is None else widened
+        if band_product(lib.quant_linear_f32, widened, band, bias, first, out) != 0:
             return None
     out = out.reshape(*x.shape[:-1], out_features)
     return out if float_out or x.dtype == torch.float32 else out.to(x.dtype)
@@ -154,11 +153,11 @@ def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> to
 
 
 def _dense_product(rows: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A long prefill's fp32 ``rows @ dense.T (+ bias)`` on the dequantized weight: in fp32, or, for a
+    """A long prefill's fp32 ``rows @ dense.T (+ bias)`` on the dequantized weight (``rows`` fp32 or bf16): in fp32, or, for a
     bf16 ``dense`` (a weight marked ``bf16_prefill``), with the rows rounded to bf16 too (the product
     rounded to bf16, as a dense bf16 model's, then the bias added in fp32)."""
     if dense.dtype == torch.float32:
-        return torch.nn.functional.linear(rows, dense, bias)
+        return torch.nn.functional.linear(rows.float(), dense, bias)
     out = torch.nn.functional.linear(rows.bfloat16(), dense).float()
     return out if bias is None else out.add_(bias)
 
