@@ -27,10 +27,10 @@ from runtime.engine.cpu.kernel_library import declare
 from runtime.engine.quant.weight import KeptWeight, QuantizedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
-declare("quant_linear_bf16", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
-declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
-declare("quant_dequantize_bf16", [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
+declare("quant_linear_f32", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("quant_linear_bf16", [_ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], _int)
+declare("quant_dequantize_f32", [_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
+declare("quant_dequantize_bf16", [_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr], _int)
 
 # From this many rows on (a long prefill) the weight is dequantized whole and the product is the
 # BLAS's: its blocking for large products beats the kernel's tiles (docs/benchmarks.md, "Quantized
@@ -114,6 +114,7 @@ def band_product(
             band.qs.data_ptr(),
             band.scales.data_ptr(),
             _address(band.mins),
+            _address(band.supers),
             band.group,
             band.shape[0],
             rows.shape[1],
@@ -146,7 +147,8 @@ def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> to
     dense = buffer[:values].view(out_features, in_features)
     dequantize = lib.quant_dequantize_bf16 if dtype == torch.bfloat16 else lib.quant_dequantize_f32
     for first, band in weight.bands():
-        args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), band.group, band.shape[0])
+        args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), _address(band.supers))
+        args += (band.group, band.shape[0])
         if dequantize(kind_code(band), *args, in_features, dense[first:].data_ptr()) != 0:
             return None
     return dense

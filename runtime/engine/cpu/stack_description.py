@@ -98,6 +98,7 @@ class _QuantWeight(ctypes.Structure):
         ("qs", _ptr),
         ("scales", _ptr),
         ("mins", _ptr),
+        ("supers", _ptr),
         ("rows", _i64),
         ("next", _ptr),
     ]
@@ -181,13 +182,14 @@ def _address(band: KernelBand, quant: list[_QuantWeight]) -> int:
         return band.address
     following: int | None = None
     for _, part in reversed(operand.bands()):  # (each band points at the one after it)
-        mins = part.mins
+        mins, supers = part.mins, part.supers
         desc = _QuantWeight(
             kind_code(part),
             part.group,
             part.qs.data_ptr(),
             part.scales.data_ptr(),
             mins.data_ptr() if mins is not None else None,
+            supers.data_ptr() if supers is not None else None,
             part.shape[0],
             following,
         )

@@ -28,7 +28,7 @@ from runtime.engine.ops.linear_weights import WeightPlan
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeCache, RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps
-from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight
+from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, QuantizedWeight
 
 
 class StackedExperts(NamedTuple):
@@ -49,6 +49,10 @@ class TritonOps(TorchOps):
 
     def prepare_model(self, model: nn.Module) -> None:
         for module in model.modules():
+            # The Triton kernel reads fp32 scales: a K-quant's super-block form is expanded once, here
+            # (a reload refills the plain tensors: runtime.engine.quant.loading).
+            if isinstance(module, QuantizedWeight):
+                module.expand_scales_()
             # A layer stacked already keeps its stack: a reload wrote through its experts' views into
             # it, and captured CUDA graphs read that stack.
             if isinstance(module, ExpertLayer) and module not in self._stacked:

@@ -114,8 +114,9 @@ def quant_matmul(
 def _launch(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """One weight's product of ``rows [m, in]`` into ``out [m, weight's rows]`` (rows ``out.stride(0)`` apart)."""
     m, (out_features, in_features) = rows.shape[0], weight.shape
-    mins = weight.mins if weight.mins is not None else weight.scales  # (not read without mins)
-    tensors = [rows, weight.qs, weight.scales, mins, out] + ([bias] if bias is not None else [])
+    scales, mins = weight.scale_values()  # (fp32: a plain weight's own, see TritonOps.prepare_model)
+    mins = mins if mins is not None else scales  # (not read without mins)
+    tensors = [rows, weight.qs, scales, mins, out] + ([bias] if bias is not None else [])
     check_launch(_quant_matmul_kernel, *tensors)
     grid = (cdiv(m, BLOCK_M), cdiv(out_features, BLOCK_N))
     _quant_matmul_kernel[grid](
@@ -123,8 +124,8 @@ def _launch(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
         rows.stride(0),
         weight.qs,
         weight.qs.stride(0),
-        weight.scales,
-        weight.scales.stride(0),
+        scales,
+        scales.stride(0),
         mins,
         out,
         out.stride(0),

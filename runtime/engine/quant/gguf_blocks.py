@@ -4,12 +4,13 @@ Q8_0, Q4_0 and Q4_1 keep their values as they are (only the fp16 scales become f
 implicit offset of 8 becomes an explicit min); Q5_0's 5-bit values, less their offset of 16, become
 int8 (one ``d`` per 32: 1.125 bytes a value, from 0.6875), and Q5_1's int8 with a ``d`` and an ``m`` per
 32 (1.25 bytes a value, from 0.75). The K-quants are repacked into an equivalent the
-kernels read with the same loop as the simple formats: Q4_K's 256-value super-block becomes eight
-q4 blocks of 32 with their own ``d * sc`` and ``-dmin * m`` (0.75 bytes a value, from 0.5625), Q5_K's
-eight int8 blocks of 32 with the same scale and min (1.25 bytes a value, from 0.6875),
-Q6_K's becomes int8 values with one ``d * sc`` per 16 (1.25 bytes a value, from 0.82). The
-repacked weight's ``dequantize`` equals the ``gguf`` package's, value for value (fp32 products of
-the same factors), which the tests check on random blocks.
+kernels read with the same loop as the simple formats, their scales in the super-block form (the
+file's 6- or 8-bit codes as bytes, its ``d`` and ``dmin`` in fp32 per 256 values: ``weight.py``'s
+module doc): Q4_K's 256-value super-block becomes eight q4 blocks of 32 whose scale and min are
+``d * sc`` and ``-(dmin * m)`` (0.59 bytes a value, from 0.5625), Q5_K's eight int8 blocks of 32 with
+the same scale and min (1.09 bytes a value, from 0.6875), Q6_K's int8 values with a scale ``d * sc``
+per 16 (1.08 bytes a value, from 0.82). The repacked weight's ``dequantize`` equals the ``gguf``
+package's, value for value (fp32 products of the same factors), which the tests check on random blocks.
 """
 
 from __future__ import annotations
@@ -87,51 +88,50 @@ def _from_q5(raw: np.ndarray, rows: int, in_features: int, name: str, with_min: 
     )
 
 
-def _from_q5_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
-    from gguf.quants import Q4_K
+def _super_form(
+    blocks: np.ndarray, rows: int, in_features: int, group: int, with_mins: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A K-quant's scales in the super-block form: the codes per ``group`` (and the min codes per 32),
+    and the fp32 ``d`` and ``dmin`` per super-block (``blocks`` [super-blocks, bytes]; Q4_K/Q5_K: d,
+    dmin, 12 bytes of 6-bit scales and mins; Q6_K: d last, its int8 scales before it)."""
+    per_row = in_features // group
+    if with_mins:
+        from gguf.quants import Q4_K
 
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        codes, min_codes = sc.astype(np.uint8), _tensor(m.astype(np.uint8).reshape(rows, per_row))
+    else:
+        codes, min_codes = blocks[:, 192:208].view(np.int8), None
+        d = _f16(blocks[:, 208:210])
+        dmin = np.zeros_like(d)
+    supers = np.stack([d, dmin], axis=-1).reshape(rows, in_features // 256, 2)
+    return _tensor(codes.reshape(rows, per_row)), min_codes, _tensor(supers)
+
+
+def _from_q5_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
     # d, dmin (fp16), 12 bytes of 6-bit scales and mins (Q4_K's packing), 32 bytes of fifth bits, 128 of nibbles
     blocks = raw.reshape(-1, 176)
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scales = d[:, None] * sc.astype(np.float32)  # [super-blocks, 8]: the gguf package's products
-    mins = -(dmin[:, None] * m.astype(np.float32))
     # sub-blocks 2j and 2j + 1 share 32 bytes of nibbles (low, high); sub-block s's fifth bits are bit s
     nibbles = blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     low = (nibbles & 0xF).reshape(-1, 8, 32)
     high = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     values = (low | (high << 4)).astype(np.int8)
-    per_row = in_features // BLOCK
+    scales, mins, supers = _super_form(blocks, rows, in_features, BLOCK, with_mins=True)
     return QuantizedWeight(
-        "q8",
-        name,
-        (rows, in_features),
-        _tensor(values.reshape(rows, in_features)),
-        _tensor(scales.reshape(rows, per_row)),
-        _tensor(mins.reshape(rows, per_row)),
+        "q8", name, (rows, in_features), _tensor(values.reshape(rows, in_features)), scales, mins, supers=supers
     )
 
 
 def _from_q4_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> QuantizedWeight:
-    from gguf.quants import Q4_K
-
     blocks = raw.reshape(-1, 144)  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of values
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scales = d[:, None] * sc.astype(np.float32)  # [super-blocks, 8]: the gguf package's products
-    mins = -(dmin[:, None] * m.astype(np.float32))
     # 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles): unpack, then pack ours
     packed = blocks[:, 16:].reshape(-1, 4, 1, 32)
     values = ((packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, BLOCK)
     ours = values[:, : BLOCK // 2] | (values[:, BLOCK // 2 :] << 4)
-    per_row = in_features // BLOCK
+    scales, mins, supers = _super_form(blocks, rows, in_features, BLOCK, with_mins=True)
     return QuantizedWeight(
-        "q4",
-        name,
-        (rows, in_features),
-        _tensor(ours.reshape(rows, in_features // 2)),
-        _tensor(scales.reshape(rows, per_row)),
-        _tensor(mins.reshape(rows, per_row)),
+        "q4", name, (rows, in_features), _tensor(ours.reshape(rows, in_features // 2)), scales, mins, supers=supers
     )
 
 
@@ -144,11 +144,6 @@ def _from_q6_k(raw: np.ndarray, rows: int, in_features: int, name: str) -> Quant
     dense = Q6_K.dequantize_blocks(blocks).reshape(-1, 16, 16)  # the package's d * sc * q (-32 <= q < 32)
     safe = np.where(scales == 0, 1.0, scales)[..., None]
     values = np.where(scales[..., None] == 0, 0, np.rint(dense / safe)).astype(np.int8)
-    return QuantizedWeight(
-        "q8",
-        name,
-        (rows, in_features),
-        _tensor(values.reshape(rows, in_features)),
-        _tensor(scales.reshape(rows, in_features // 16)),
-        group=16,
-    )
+    codes, _, supers = _super_form(blocks, rows, in_features, 16, with_mins=False)
+    shape = (rows, in_features)
+    return QuantizedWeight("q8", name, shape, _tensor(values.reshape(shape)), codes, group=16, supers=supers)

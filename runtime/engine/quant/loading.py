@@ -301,8 +301,8 @@ def _layout_runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
     return runs
 
 
-def _layout(weight: QuantizedWeight) -> tuple[str, int, bool]:
-    return weight.kind, weight.group, weight.mins is None
+def _layout(weight: QuantizedWeight) -> tuple[str, int, bool, bool]:
+    return weight.kind, weight.group, weight.mins is None, weight.supers is None
 
 
 def _refill(module: nn.Module, new: KeptWeight | None, served: KeptWeight) -> None:
@@ -313,6 +313,7 @@ def _refill(module: nn.Module, new: KeptWeight | None, served: KeptWeight) -> No
     new_bands = [] if new is None else new.bands()
     if len(new_bands) != len(served_bands) or any(
         (o, n.kind, n.group, n.shape, n.mins is None) != (p, s.kind, s.group, s.shape, s.mins is None)
+        or (s.supers is not None and n.supers is None)  # (served plain, new in super-blocks: expanded below)
         for (o, n), (p, s) in zip(new_bands, served_bands)
     ):
         found = "dense values" if new is None else f"{new.source} blocks as {_kinds(new)}"
@@ -322,6 +323,10 @@ def _refill(module: nn.Module, new: KeptWeight | None, served: KeptWeight) -> No
         )
     with torch.no_grad():
         for (_, part), (_, fresh) in zip(served_bands, new_bands):
+            if part.supers is None:  # (served plain: a device whose kernels read that form only)
+                fresh.expand_scales_()
+            else:
+                part.supers.copy_(fresh.supers)
             part.qs.copy_(fresh.qs)
             part.scales.copy_(fresh.scales)
             if part.mins is not None and fresh.mins is not None:

@@ -16,6 +16,16 @@ them at load, losslessly (the dequantized values are the source's, bit for bit):
   32-value sub-block's ``d * sc`` and ``-dmin * m``). Within a block, byte ``j`` holds value ``j``
   in its low nibble and value ``j + 16`` in its high nibble (GGUF Q4_0/Q4_1's order).
 
+Scales and mins come in one of two forms. Plain: fp32, as above. Super-block (the K-quants: ``supers``
+set): what the fp32 values are products of, an 8-bit code per group (``scales``: uint8 per 32 with a
+uint8 min code per 32 in ``mins``, Q4_K and Q5_K; int8 per 16 without mins, Q6_K) and per 256 values
+the fp32 factors ``d`` and ``dmin`` (``supers [out, in // 256, 2]``): ``scale = d * code``, ``min =
+-(dmin * min code)``, the same fp32 products, 3 bytes per 32 values where the plain form takes 8. A
+decode step reads every weight byte once, so the form is a quarter of a Q4_K weight's bytes a token
+(0.59 bytes a value against 0.75; the file's own 0.5625). The CPU kernels decode a row's scales at a
+time (csrc/quant_layout.h: row_scales); ``scale_values`` gives them for the torch reference and
+``expand_scales_`` turns a weight plain for kernels that read only that form (the Triton kernel).
+
 The weight is an ``nn.Module`` holding its tensors as buffers, so ``model.buffers()`` counts its
 real resident bytes and ``.to()`` moves it. A layer hands it to ``DeviceOps.linear`` in place of
 a dense weight; ``TorchOps`` dequantizes and multiplies (the reference every kernel is tested
@@ -51,8 +61,9 @@ class QuantizedWeight(nn.Module):
     # The buffers registered in __init__ (declared for the type checker: nn.Module's attribute
     # lookup of a buffer is typed ``Tensor | Module``).
     qs: torch.Tensor  # q8: int8 [out, in]; q4: uint8 [out, in // 2]
-    scales: torch.Tensor  # fp32 [out, in // group]
-    mins: torch.Tensor | None  # q4: fp32, scales' shape; None for a q8 weight
+    scales: torch.Tensor  # fp32 [out, in // group] (super-block form: int8 or uint8 codes)
+    mins: torch.Tensor | None  # q4: fp32, scales' shape (super-block form: uint8 codes); None for a q8 weight
+    supers: torch.Tensor | None  # the super-block form's fp32 factors [out, in // 256, 2] (d, dmin); else None
     shape: tuple[int, int]
 
     def __init__(
@@ -65,6 +76,7 @@ class QuantizedWeight(nn.Module):
         mins: torch.Tensor | None = None,
         group: int = BLOCK,
         int8_activations: bool = False,
+        supers: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         out_features, in_features = shape
@@ -79,6 +91,8 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"{source}: a q8 weight's mins come one per block of {BLOCK}, with its scales")
         if in_features % group or scales.shape != (out_features, in_features // group):
             raise ValueError(f"{source}: scales of shape {tuple(scales.shape)} for groups of {group} of {shape}")
+        if supers is not None:
+            _check_super_form(source, shape, scales, mins, group, supers)
         self.kind, self.source, self.group = kind, source, group
         # How a CPU kernel multiplies it for a few rows (runtime.engine.cpu.quant_kernels): False, the
         # activations as they are (weight-only: the dense model's numbers); True, the activations
@@ -91,8 +105,10 @@ class QuantizedWeight(nn.Module):
         self.bf16_prefill = False
         self.shape = (out_features, in_features)
         self.register_buffer("qs", qs.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+        plain = supers is None  # (the super-block form's codes stay 8-bit)
+        self.register_buffer("scales", (scales.float() if plain else scales).contiguous())
+        self.register_buffer("mins", None if mins is None else (mins.float() if plain else mins).contiguous())
+        self.register_buffer("supers", None if supers is None else supers.float().contiguous())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,8 +120,9 @@ class QuantizedWeight(nn.Module):
         return self.qs.device
 
     def nbytes(self) -> int:
-        """Resident bytes: packed values, scales and mins."""
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+        """Resident bytes: packed values, scales and mins (and the super-block form's factors)."""
+        tensors = (self.qs, self.scales, self.mins, self.supers)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The integer values as int32 ``[rows, in]`` (all rows, or those indexed by ``rows``)."""
@@ -115,14 +132,37 @@ class QuantizedWeight(nn.Module):
         blocks = qs.reshape(qs.shape[0], -1, BLOCK // 2).to(torch.int32)
         return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(qs.shape[0], -1)
 
+    def scale_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fp32 scales and mins (None without) ``[rows, in // group]`` of all rows or ``rows``:
+        the plain form's own, or the super-block form's products (``d * code``, ``-(dmin * code)``)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t.index_select(0, rows)
+
+        scales = pick(self.scales)
+        mins = None if self.mins is None else pick(self.mins)
+        if self.supers is None:
+            return scales, mins
+        factors = pick(self.supers).repeat_interleave(256 // self.group, dim=1)  # [rows, groups, 2]
+        decoded = factors[..., 0] * scales.float()
+        return decoded, None if mins is None else -(factors[..., 1] * mins.float())
+
     def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight (or its rows ``rows``) in ``dtype``: fp32 products, as the kernels scale."""
-        scales = self.scales if rows is None else self.scales.index_select(0, rows)
+        scales, mins = self.scale_values(rows)
         values = self.values(rows).float().reshape(scales.shape[0], scales.shape[1], -1)
         dense = values * scales.unsqueeze(-1)
-        if self.mins is not None:
-            dense += (self.mins if rows is None else self.mins.index_select(0, rows)).unsqueeze(-1)
+        if mins is not None:
+            dense += mins.unsqueeze(-1)
         return dense.reshape(scales.shape[0], -1).to(dtype)
+
+    def expand_scales_(self) -> None:
+        """In place, the plain form of the same values (``scale_values``): for kernels that read fp32
+        scales only (the Triton kernel); a no-op on a plain weight."""
+        if self.supers is None:
+            return
+        scales, mins = self.scale_values()
+        self.scales, self.mins, self.supers = scales.contiguous(), mins, None
 
     def bands(self) -> list[tuple[int, QuantizedWeight]]:
         """``(first output row, weight)`` of each band: one, the whole weight (see ``QuantizedBands``)."""
@@ -132,7 +172,33 @@ class QuantizedWeight(nn.Module):
         numerics = (", int8 activations" if self.int8_activations else "") + (
             ", bf16 prefill" if self.bf16_prefill else ""
         )
+        numerics += ", super-block scales" if self.supers is not None else ""
         return f"{self.source} as {self.kind}{numerics}, shape {self.shape}, {self.nbytes()} bytes"
+
+
+def _check_super_form(
+    source: str,
+    shape: tuple[int, int],
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group: int,
+    supers: torch.Tensor,
+) -> None:
+    """Raise where the super-block form's tensors do not fit ``shape`` (see the module doc)."""
+    out_features, in_features = shape
+    codes = torch.int8 if group == 16 else torch.uint8
+    if (
+        in_features % 256
+        or group not in (16, BLOCK)
+        or (mins is None) != (group == 16)
+        or supers.shape != (out_features, in_features // 256, 2)
+        or scales.dtype != codes
+        or (mins is not None and mins.dtype != torch.uint8)
+    ):
+        raise ValueError(
+            f"{source}: super-block scales are {codes} codes per {group} (with uint8 min codes per 32 where "
+            f"group is 32) and fp32 factors [{out_features}, {in_features // 256}, 2]"
+        )
 
 
 class QuantizedBands(nn.Module):
@@ -237,10 +303,12 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         or p.group != first.group
         or p.shape[1] != first.shape[1]
         or (p.mins is None) != (first.mins is None)
+        or (p.supers is None) != (first.supers is None)
         for p in parts
     ):
         raise ValueError("cannot stack quantized weights of different layouts")
     mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    supers = None if first.supers is None else torch.cat([p.supers for p in parts if p.supers is not None])
     source = "+".join(sorted({p.source for p in parts}))
     return QuantizedWeight(
         first.kind,
@@ -250,12 +318,14 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         torch.cat([p.scales for p in parts]),
         mins,
         first.group,
+        supers=supers,
     )
 
 
 def zero_rows(like: QuantizedWeight, rows: int) -> QuantizedWeight:
     """``rows`` rows of zeros in ``like``'s layout (an embedding's padding rows under TP)."""
     mins = None if like.mins is None else like.mins.new_zeros(rows, like.mins.shape[1])
+    supers = None if like.supers is None else like.supers.new_zeros(rows, *like.supers.shape[1:])
     return QuantizedWeight(
         like.kind,
         like.source,
@@ -264,6 +334,7 @@ def zero_rows(like: QuantizedWeight, rows: int) -> QuantizedWeight:
         like.scales.new_zeros(rows, like.scales.shape[1]),
         mins,
         like.group,
+        supers=supers,
     )
 
 

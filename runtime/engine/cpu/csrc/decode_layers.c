@@ -213,8 +213,9 @@ static int linear_dp(const void* x, int64_t m, int64_t ldx, const void* w, int64
 typedef struct QuantWeight {
     int64_t kind, group;
     const void* qs;
-    const float* scales;
-    const float* mins;
+    const void* scales;              /* fp32, or the super-block form's codes (quant_layout.h) */
+    const void* mins;
+    const float* supers;             /* the super-block form's factors, or NULL (the plain form) */
     int64_t rows;                    /* this band's output rows */
     const struct QuantWeight* next;  /* the next band (NULL: the last) */
 } QuantWeight;
@@ -226,7 +227,7 @@ static int quant_bands(const float* x, int64_t m, int64_t ldx, const QuantWeight
     int64_t first = 0;
     for (const QuantWeight* q = w; q; q = q->next) {
         if (first + q->rows > n) return -1;
-        const int rc = quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k,
+        const int rc = quant_linear_f32(x, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->supers, q->group, q->rows, k,
                                         bias ? bias + first : 0, out + first, n);
         if (rc) return rc;
         first += q->rows;
@@ -273,13 +274,13 @@ static int linear_qb(const void* x, int64_t m, int64_t ldx, const void* w, int64
     for (const QuantWeight* q = (const QuantWeight*)w; q; q = q->next) {
         if (first + q->rows > n) return -1;
         const float* band_bias = bias ? bf + first : 0;
-        if (quant_linear_bf16(xb, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k, band_bias,
+        if (quant_linear_bf16(xb, m, ldx, (int)q->kind, q->qs, q->scales, q->mins, q->supers, q->group, q->rows, k, band_bias,
                               of + first, n)) {
             if (!widened)
                 for (int64_t r = 0; r < m; ++r)
                     for (int64_t j = 0; j < k; ++j) xf[r * k + j] = bf16_to_f32(xb[r * ldx + j]);
             widened = 1;
-            const int rc = quant_linear_f32(xf, m, k, (int)q->kind, q->qs, q->scales, q->mins, q->group, q->rows, k,
+            const int rc = quant_linear_f32(xf, m, k, (int)q->kind, q->qs, q->scales, q->mins, q->supers, q->group, q->rows, k,
                                             band_bias, of + first, n);
             if (rc) return rc;
         }

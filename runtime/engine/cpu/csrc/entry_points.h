@@ -57,17 +57,17 @@ void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out)
 void gelu_tanh_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out);
 int linear_f32(const float* x, int64_t m, int64_t ldx, const float* w, int64_t n, int64_t k,
                const float* bias, float* out);
-int quant_dequantize_f32(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
-                         int64_t n, int64_t k, float* out);
-int quant_dequantize_bf16(int kind, const void* qs, const float* scales, const float* mins, int64_t group,
-                          int64_t n, int64_t k, uint16_t* out);
-int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
-                     const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                     int64_t ldo);
+int quant_dequantize_f32(int kind, const void* qs, const void* scales, const void* mins, const float* supers,
+                         int64_t group, int64_t n, int64_t k, float* out);
+int quant_dequantize_bf16(int kind, const void* qs, const void* scales, const void* mins, const float* supers,
+                          int64_t group, int64_t n, int64_t k, uint16_t* out);
+int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const void* scales,
+                     const void* mins, const float* supers, int64_t group, int64_t n, int64_t k, const float* bias,
+                     float* out, int64_t ldo);
 /* quant_linear_bf16.c: the same weights, a few rows of bf16 activations (AVX512-BF16 builds; else -1) */
-int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
-                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                      int64_t ldo);
+int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const void* qs, const void* scales,
+                      const void* mins, const float* supers, int64_t group, int64_t n, int64_t k, const float* bias,
+                      float* out, int64_t ldo);
 int decode_attention_f32(
     const float* q, int64_t q_stride,
     float* kt, float* v, const float* bias, int64_t cap, int64_t width,

@@ -220,25 +220,33 @@ static void dot_tile_n(int xr, int wr, const float* x, int64_t ldx, const float*
 
 /* quant_linear_f32 for m >= QGEMM_MIN_ROWS (same operands): out starts at the bias (or 0), each
  * tile of DQ_W weight rows by DQ_K depths is dequantized and every row's dot products added. */
-static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const float* scales,
-                             const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                             int64_t ldo)
+static void dequantized_gemm(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const void* scales,
+                             const void* mins, const float* supers, int64_t group, int64_t n, int64_t k,
+                             const float* bias, float* out, int64_t ldo)
 {
-    const int64_t tiles = (n + DQ_W - 1) / DQ_W;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-        float w[DQ_W * DQ_K] __attribute__((aligned(64)));
-        const int64_t o0 = t * DQ_W, wn = n - o0 < DQ_W ? n - o0 : DQ_W;
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t o = 0; o < wn; ++o) out[r * ldo + o0 + o] = bias ? bias[o0 + o] : 0.0f;
-        for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
-            const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
-            for (int64_t o = 0; o < wn; ++o)
-                quant_dequantize_row(q4, (const uint8_t*)qs, scales, mins, group, k, o0 + o, k0, kc, w + o * DQ_K);
-            for (int64_t r = 0; r < m; r += DOT_X)  /* (an activation tile stays in L1 across the weight tiles) */
-                for (int64_t o = 0; o < wn; o += DOT_W)
-                    dot_tile_n((int)(m - r < DOT_X ? m - r : DOT_X), (int)(wn - o < DOT_W ? wn - o : DOT_W),
-                               x + r * ldx + k0, ldx, w + o * DQ_K, kc, out + r * ldo + o0 + o, ldo);
+    const int64_t tiles = (n + DQ_W - 1) / DQ_W, per_row = k / group;
+#pragma omp parallel
+    {
+        /* the tile's rows' fp32 scales and mins, decoded once (the super-block form) for all its depths */
+        float buf[supers ? ROW_SCALES_FLOATS(DQ_W, k) : 1];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            float w[DQ_W * DQ_K] __attribute__((aligned(64)));
+            const int64_t o0 = t * DQ_W, wn = n - o0 < DQ_W ? n - o0 : DQ_W;
+            const float *ws, *wm;
+            row_scales(scales, mins, supers, group, k, o0, wn, buf, &ws, &wm);
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t o = 0; o < wn; ++o) out[r * ldo + o0 + o] = bias ? bias[o0 + o] : 0.0f;
+            for (int64_t k0 = 0; k0 < k; k0 += DQ_K) {
+                const int64_t kc = k - k0 < DQ_K ? k - k0 : DQ_K;
+                for (int64_t o = 0; o < wn; ++o)
+                    quant_dequantize_row(q4, (const uint8_t*)qs, ws + o * per_row, wm ? wm + o * per_row : NULL, group,
+                                         k, o0 + o, k0, kc, w + o * DQ_K);
+                for (int64_t r = 0; r < m; r += DOT_X)  /* (an activation tile stays in L1 across the weight tiles) */
+                    for (int64_t o = 0; o < wn; o += DOT_W)
+                        dot_tile_n((int)(m - r < DOT_X ? m - r : DOT_X), (int)(wn - o < DOT_W ? wn - o : DOT_W),
+                                   x + r * ldx + k0, ldx, w + o * DQ_K, kc, out + r * ldo + o0 + o, ldo);
+            }
         }
     }
 }
@@ -380,9 +388,9 @@ static void wo_pair_dots_n(int rows, int q4, const uint8_t* wq, int64_t row_byte
 
 /* quant_linear_f32's weight-only product of a few rows (same operands): chunks of output rows split
  * among the threads, each weight row streamed once per WO_ROWS activation rows. */
-static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const float* scales,
-                             const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                             int64_t ldo)
+static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, const void* qs, const void* scales,
+                             const void* mins, const float* supers, int64_t group, int64_t n, int64_t k,
+                             const float* bias, float* out, int64_t ldo)
 {
     const int64_t nb = k / QBLOCK, scales_per_row = k / group;
     const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
@@ -392,14 +400,15 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
+        float buf[supers ? ROW_SCALES_FLOATS(2, k) : 1]; /* a row pair's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += WO_ROWS) {
             const int rows = (int)(m - r0 < WO_ROWS ? m - r0 : WO_ROWS);
             for (int64_t o = o0; o < o1;) {
                 float dots[2][WO_ROWS] = {{0}};
                 const int pair = WO_PAIRS && rows > 1 && o + 1 < o1;
                 const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
-                const float* ws = scales + o * scales_per_row;
-                const float* wm = mins ? mins + o * scales_per_row : NULL;
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1 + pair, buf, &ws, &wm);
 #if defined(__AVX512F__)
                 if (pair)
                     wo_pair_dots_n(rows, q4, wq, row_bytes, ws, wm, scales_per_row, scale_step, half, nb,
@@ -422,30 +431,31 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
  * kind 0 (q8): qs int8 [n, k]; scales [n, k / group] with group 16, 32 or k; mins NULL, or with group
  *   32 a min per block [n, k / 32] (w = s * q + m).
  * kind 1 (q4): qs uint8 [n, k / 2]; scales and mins [n, k / 32]; group 32.
+ * supers NULL: scales and mins fp32 as above (the plain form); else the super-block form (quant_layout.h:
+ *   row_scales): scales and mins 8-bit codes of those shapes, supers fp32 [n, k / 256, 2].
  * kind | QUANT_INT8_ACTIVATIONS: fewer than QGEMM_MIN_ROWS rows quantize the activations to int8
  * (see the top of this file); without it every product is weight-only.
  * Returns 0, or -1 (nothing written) for operands it does not take: k not a multiple of 32,
  * another group or kind, m < 1. */
-int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
-                     const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                     int64_t ldo)
+int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const void* qs, const void* scales,
+                     const void* mins, const float* supers, int64_t group, int64_t n, int64_t k, const float* bias,
+                     float* out, int64_t ldo)
 {
     if (m < 1 || n < 1 || k < QBLOCK || k % QBLOCK || ldx < k || ldo < n) return -1;
-    if (!takes_kind(kind, mins, group, k)) return -1;
+    if (!takes_kind(kind, mins, supers, group, k)) return -1;
     const int64_t nb = k / QBLOCK;
     const int q4 = kind & QUANT_LAYOUT_Q4;
 #if defined(__AVX2__) && defined(__FMA__)
     if (m < WO_MAX_ROWS && !(kind & QUANT_INT8_ACTIVATIONS)) {
-        weight_only_rows(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
+        weight_only_rows(x, m, ldx, q4, qs, scales, mins, supers, group, n, k, bias, out, ldo);
         return 0;
     }
 #endif
     if (m >= QGEMM_MIN_ROWS || !(kind & QUANT_INT8_ACTIVATIONS)) {
-        dequantized_gemm(x, m, ldx, q4, qs, scales, mins, group, n, k, bias, out, ldo);
+        dequantized_gemm(x, m, ldx, q4, qs, scales, mins, supers, group, n, k, bias, out, ldo);
         return 0;
     }
-    /* scales per weight row, and per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
-    const int64_t scales_per_row = k / group;
+    /* scales per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
     const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
     const int half = group == 16;
     const int64_t row_bytes = q4 ? k / 2 : k;
@@ -458,12 +468,14 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
+        float buf[supers ? ROW_SCALES_FLOATS(1, k) : 1]; /* a row's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
             const int rows = (int)(m - r0 < QROWS ? m - r0 : QROWS);
             for (int64_t o = o0; o < o1; ++o) {
                 float dots[QROWS] = {0};
-                row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, scales + o * scales_per_row,
-                           mins ? mins + o * scales_per_row : NULL, scale_step, half, nb, xq + r0 * k,
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1, buf, &ws, &wm);
+                row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, ws, wm, scale_step, half, nb, xq + r0 * k,
                            xd + r0 * nb, xs + r0 * nb, k, dots);
                 const float add = bias ? bias[o] : 0.0f;
                 for (int r = 0; r < rows; ++r) out[(r0 + r) * ldo + o] = dots[r] + add;

@@ -258,13 +258,13 @@ static void q4_pair_dots_n(int rows, const uint8_t* wq, int64_t row_bytes, const
 }
 #endif
 
-int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const void* qs, const float* scales,
-                      const float* mins, int64_t group, int64_t n, int64_t k, const float* bias, float* out,
-                      int64_t ldo)
+int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const void* qs, const void* scales,
+                      const void* mins, const float* supers, int64_t group, int64_t n, int64_t k, const float* bias,
+                      float* out, int64_t ldo)
 {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (m < 1 || m >= QB_MAX_ROWS || n < 1 || k < QBLOCK || k % QBLOCK || ldx < k || ldo < n) return -1;
-    if ((kind & QUANT_INT8_ACTIVATIONS) || !takes_kind(kind, mins, group, k)) return -1; /* (int8: quant_linear_f32's) */
+    if ((kind & QUANT_INT8_ACTIVATIONS) || !takes_kind(kind, mins, supers, group, k)) return -1; /* (int8: quant_linear_f32's) */
     const int q4 = kind & QUANT_LAYOUT_Q4;
     const int64_t nb = k / QBLOCK, scales_per_row = k / group, row_bytes = q4 ? k / 2 : k;
     const int mode = group == 16 ? SCALE_HALF : group == QBLOCK ? SCALE_BLOCK : SCALE_ROW;
@@ -290,6 +290,7 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * QB_CHUNK, o1 = o0 + QB_CHUNK < n ? o0 + QB_CHUNK : n;
+        float buf[supers ? ROW_SCALES_FLOATS(2, k) : 1]; /* a row pair's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += QB_ROWS) {
             const int rows = (int)(m - r0 < QB_ROWS ? m - r0 : QB_ROWS);
             for (int64_t o = o0; o < o1;) {
@@ -297,18 +298,18 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
                 const int pair = q4 && rows > 2 && o + 1 < o1;
                 float dots[2][QB_ROWS];
                 const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1 + pair, buf, &ws, &wm);
                 if (pair)
-                    q4_pair_dots_n(rows, wq, row_bytes, scales + o * scales_per_row, nb, xp + r0 * k, k, dots[0],
-                                   dots[1]);
+                    q4_pair_dots_n(rows, wq, row_bytes, ws, nb, xp + r0 * k, k, dots[0], dots[1]);
                 else
-                    qb_row_dots_n(rows, q4, wq, scales + o * scales_per_row, mode, nb,
-                                  q4 ? xp + r0 * k : x + r0 * ldx, q4 ? k : ldx, dots[0]);
+                    qb_row_dots_n(rows, q4, wq, ws, mode, nb, q4 ? xp + r0 * k : x + r0 * ldx, q4 ? k : ldx, dots[0]);
                 for (int p = 0; p <= pair; ++p, ++o) {
-                    const float* ws = scales + o * scales_per_row;
-                    const float* wm = mins ? mins + o * scales_per_row : NULL;
+                    const float* row_ws = ws + p * scales_per_row;
+                    const float* row_wm = wm ? wm + p * scales_per_row : NULL;
                     const float add = bias ? bias[o] : 0.0f;
                     for (int r = 0; r < rows; ++r)
-                        out[(r0 + r) * ldo + o] = dots[p][r] + (terms ? block_terms(q4 ? -128.0f : 0.0f, ws, wm, nb, xs + (r0 + r) * nb) : 0.0f) + add;
+                        out[(r0 + r) * ldo + o] = dots[p][r] + (terms ? block_terms(q4 ? -128.0f : 0.0f, row_ws, row_wm, nb, xs + (r0 + r) * nb) : 0.0f) + add;
                 }
             }
         }
@@ -317,7 +318,8 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
     free(xp);
     return 0;
 #else
-    (void)x, (void)m, (void)ldx, (void)kind, (void)qs, (void)scales, (void)mins, (void)group, (void)n, (void)k;
+    (void)x, (void)m, (void)ldx, (void)kind, (void)qs, (void)scales, (void)mins, (void)supers, (void)group, (void)n;
+    (void)k;
     (void)bias, (void)out, (void)ldo;
     return -1;
 #endif

@@ -184,9 +184,10 @@ def test_gguf_blocks_repack_losslessly(type_name: str) -> None:
         "Q4_1": 0.5 + 8 / 32,
         "Q5_0": 1 + 4 / 32,
         "Q5_1": 1 + 8 / 32,
-        "Q4_K": 0.5 + 8 / 32,
-        "Q5_K": 1 + 8 / 32,
-        "Q6_K": 1 + 4 / 16,
+        # the K-quants' super-block form: 8-bit codes per group, fp32 d and dmin per 256
+        "Q4_K": 0.5 + 2 / 32 + 8 / 256,
+        "Q5_K": 1 + 2 / 32 + 8 / 256,
+        "Q6_K": 1 + 1 / 16 + 8 / 256,
     }[type_name]
     assert ours.nbytes() == int(5 * 512 * per_value)
 

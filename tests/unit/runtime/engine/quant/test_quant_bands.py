@@ -44,7 +44,8 @@ calls = test_cpu_decode_layers.calls  # (its fixture: which forwards the one-cal
 
 # Q4_K_M's mix on the 2-layer checkpoints (Q4_K elsewhere): v in Q6_K on every layer, layer 0's up in Q6_K
 MIX = {"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K", "blk.0.ffn_up.weight": "Q6_K"}
-BYTES_PER_VALUE = {"Q4_K": 0.75, "Q6_K": 1.25}  # as repacked: q4 with a scale and min per 32; int8, a scale per 16
+# as repacked: q4 with a scale and a min code per 32, int8 with a scale code per 16; d and dmin in fp32 per 256
+BYTES_PER_VALUE = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q6_K": 1 + 1 / 16 + 8 / 256}
 NEW_TOKENS = 10
 
 
