@@ -75,7 +75,10 @@ def make_weights(gen: Any) -> dict[str, Any]:
 
     bands = QuantizedBands([_q4(Q_ROWS + KV_ROWS, gen), _q6(KV_ROWS, gen)])
     bands_a8 = QuantizedBands(
-        [QuantizedWeight(p.kind, p.source, p.shape, p.qs, p.scales, p.mins, p.group, supers=p.supers) for p in bands.weights()]
+        [
+            QuantizedWeight(p.kind, p.source, p.shape, p.qs, p.scales, p.mins, p.group, supers=p.supers)
+            for p in bands.weights()
+        ]
     )
     bands_a8.int8_activations = True
     return {
