@@ -9,6 +9,7 @@
 #define TINYSERVE_CPU_QUANT_LAYOUT_H
 #include <stdint.h>
 #include <stddef.h>
+#include <immintrin.h>
 
 #define QBLOCK 32                   /* values per block */
 #define QUANT_LAYOUT_Q4 1           /* kind bit 1: the q4 layout (else q8) */
@@ -43,23 +44,43 @@ static inline void row_scales(const void* scales, const void* mins, const float*
         *wm = mins ? (const float*)mins + o * per_row : NULL;
         return;
     }
-    const int64_t n_super = k / QSUPER, per_super = QSUPER / group;
+    const int64_t n_super = count * (k / QSUPER), per_super = QSUPER / group;
     float* s = buf;
     float* mn = mins ? buf + count * per_row : NULL;
-    for (int64_t i = 0; i < count * n_super; ++i) {
-        const float d = supers[(o * n_super + i) * 2], dmin = supers[(o * n_super + i) * 2 + 1];
-        const int64_t at = i * per_super;
-        if (group == 16) {
-            const int8_t* code = (const int8_t*)scales + o * per_row + at;
-            for (int64_t j = 0; j < per_super; ++j) s[at + j] = d * (float)code[j];
-        } else {
-            const uint8_t* code = (const uint8_t*)scales + o * per_row + at;
-            const uint8_t* mcode = (const uint8_t*)mins + o * per_row + at;
-            for (int64_t j = 0; j < per_super; ++j) {
-                s[at + j] = d * (float)code[j];
-                mn[at + j] = -(dmin * (float)mcode[j]);
-            }
+    const float* f = supers + o * (k / QSUPER) * 2; /* d, dmin of each super-block, row after row */
+    int64_t i = 0;
+    /* (a decode step is bound by these kernels' compute at one row: the codes are widened 16 at a time) */
+    if (group == 16) {
+        const int8_t* code = (const int8_t*)scales + o * per_row;
+#if defined(__AVX512F__)
+        for (; i < n_super; ++i)
+            _mm512_storeu_ps(s + i * 16, _mm512_mul_ps(_mm512_set1_ps(f[2 * i]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                                _mm_loadu_si128((const __m128i*)(code + i * 16))))));
+#endif
+        for (; i < n_super; ++i)
+            for (int64_t j = 0; j < per_super; ++j) s[i * 16 + j] = f[2 * i] * (float)code[i * 16 + j];
+    } else {
+        const uint8_t* code = (const uint8_t*)scales + o * per_row;
+        const uint8_t* mcode = (const uint8_t*)mins + o * per_row;
+#if defined(__AVX512F__)
+        /* two super-blocks a vector: lanes 0-7 the first's 8 codes, 8-15 the second's */
+        const __m512i d_at = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i dmin_at = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+        for (; i + 2 <= n_super; i += 2) {
+            const __m512 pair = _mm512_castps128_ps512(_mm_loadu_ps(f + 2 * i));
+            const __m512 d = _mm512_permutexvar_ps(d_at, pair), dmin = _mm512_permutexvar_ps(dmin_at, pair);
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(code + i * 8))));
+            const __m512 mc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mcode + i * 8))));
+            _mm512_storeu_ps(s + i * 8, _mm512_mul_ps(d, sc));
+            _mm512_storeu_si512(mn + i * 8, _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, mc)), sign));
         }
+#endif
+        for (; i < n_super; ++i)
+            for (int64_t j = 0; j < per_super; ++j) {
+                s[i * 8 + j] = f[2 * i] * (float)code[i * 8 + j];
+                mn[i * 8 + j] = -(f[2 * i + 1] * (float)mcode[i * 8 + j]);
+            }
     }
     *ws = s;
     *wm = mn;
