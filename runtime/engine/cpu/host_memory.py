@@ -97,6 +97,31 @@ def cpu_kv_pool_tokens(
     )
 
 
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel once (glibc's ``malloc_trim``), after a load.
+
+    ``keep_freed_memory_in_process`` keeps every freed block, which serving wants, but a load's
+    transient arrays (each GGUF tensor's raw copy and repacking, the dense values a packed copy is
+    made from) would then stay resident for the server's life: on Qwen2.5-Coder-1.5B with
+    ``--quantization gguf`` the scheduler held 4.0 GiB for 1.3 GB of weights and a 1.75 GiB KV pool.
+    Returns False where glibc's ``malloc_trim`` is unavailable."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
+
+
 def keep_freed_memory_in_process() -> bool:
     """Stop glibc from handing big freed blocks back to the kernel (CPU inference).
 
@@ -108,13 +133,8 @@ def keep_freed_memory_in_process() -> bool:
     freed blocks stay in the heap and the next layer reuses them. Returns False where
     glibc's ``mallopt`` is unavailable (other libcs keep their defaults).
     """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h parameter numbers
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))

@@ -27,7 +27,7 @@ from memory.kv_format import KVCacheFormat
 from runtime.engine.cpu import kernels as cpu_kernels
 from runtime.engine.cpu import kv_quant_kernels, lora_kernels
 from runtime.engine.cpu.decode_layers import CpuLayerStack
-from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process
+from runtime.engine.cpu.host_memory import CPU_PLATFORM, keep_freed_memory_in_process, release_freed_memory
 from runtime.engine.cpu.kernel_report import describe, kernel_report
 from runtime.engine.cpu.weight_plan import (
     DOT_ROUTER_ROWS,
@@ -62,6 +62,7 @@ class CpuOps(TorchOps):
 
     def prepare_model(self, model: nn.Module) -> None:
         plan_model(model)  # every linear layer's plan: which kernel at which rows, with its packed copy
+        release_freed_memory()  # (the load's transient arrays: see its doc)
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
