@@ -35,8 +35,8 @@ tied LM head shares the embedding's).
 A merged linear (q/k/v, gate/up) whose checkpoint parts come in different formats (a Q4_K_M file's
 Q4_K q/k beside a Q6_K v) is a ``QuantizedBands``: consecutive row ranges, each a
 ``QuantizedWeight`` in its own layout. Why bands and not one common layout: no layout takes every
-format losslessly at its own size. Q4_K (q4, 0.75 bytes a value) would become int8 values with a
-scale and a min per 32 (1.25 bytes), and Q6_K's two scales per 32 (``d * sc`` per 16, any two int8
+format losslessly at its own size. Q4_K (q4, 0.59 bytes a value) would become int8 values with a
+scale and a min per 32 (1.09 bytes), and Q6_K's two scales per 32 (``d * sc`` per 16, any two int8
 ``sc``) fit one scale per 32 only when one divides the other with the values still in int8, which a
 real file does not promise; a common per-16 layout with mins would take 1.5 bytes a value for all.
 Bands keep each part at its format's bytes, and the kernels already write any run of output columns
