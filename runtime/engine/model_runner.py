@@ -335,12 +335,18 @@ class ModelRunner:
                 total += storage.nbytes()
         return total
 
+    def resident_weight_bytes(self) -> int:
+        """The weights' tensors and what the device laid out beside them (``DeviceOps.prepared_bytes``:
+        a CPU weight's packed copy), the memory the KV pool's budget leaves out."""
+        return self.weight_bytes() + self.ops.prepared_bytes(self.model)
+
     def weight_info(self) -> dict[str, object]:
         """``server_info``'s ``weights``: resident bytes in all, the ``--quantization`` method, the
         bytes of the weights kept quantized by source format (``runtime.engine.quant``: what the format
         says, e.g. 0.75 bytes a value for Q4_1 as repacked), and the kernels the device ops chose."""
         return {
             "bytes": self.weight_bytes(),
+            "prepacked_bytes": self.ops.prepared_bytes(self.model),
             "quantization": self.quantization,
             "activations": activation_numerics(self.quantization, self.int8_activations, self.bf16_prefill),
             "quantized_bytes": quantized_bytes(self.model),
@@ -358,7 +364,7 @@ class ModelRunner:
         frac = platform.mem_fraction if mem_fraction_static is None else mem_fraction_static
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {frac}")
-        budget = platform.budget_bytes(self.device, frac, self.weight_bytes(), self.tp_size * self.dp_size)
+        budget = platform.budget_bytes(self.device, frac, self.resident_weight_bytes(), self.tp_size * self.dp_size)
         demand = None
         if platform.demand_tokens is not None and mem_fraction_static is None:
             demand = platform.demand_tokens(max_running_requests, self.context_len)

@@ -33,6 +33,7 @@ from runtime.engine.cpu.weight_plan import (
     DOT_ROUTER_ROWS,
     CpuWeightPlan,
     dot_router,
+    packed_bytes,
     plan_linear,
     plan_linear_silu_mul,
     plan_model,
@@ -63,6 +64,9 @@ class CpuOps(TorchOps):
     def prepare_model(self, model: nn.Module) -> None:
         plan_model(model)  # every linear layer's plan: which kernel at which rows, with its packed copy
         release_freed_memory()  # (the load's transient arrays: see its doc)
+
+    def prepared_bytes(self, model: nn.Module) -> int:
+        return packed_bytes(model)  # (each linear's packed copy: as many bytes again as a dense bf16 weight)
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)

@@ -103,6 +103,13 @@ class PackedCopy:
     out_features: int
     in_features: int
 
+    @property
+    def nbytes(self) -> int:
+        """The copy's resident bytes (oneDNN's opaque tensor: as oneDNN reports them)."""
+        if self.tensor.is_mkldnn:
+            return int(torch.ops.mkldnn._nbytes(self.tensor))
+        return self.tensor.numel() * self.tensor.element_size()
+
 
 def prepack_available() -> bool:
     """True when this torch build has oneDNN's prepacked linear ops."""

@@ -147,9 +147,8 @@ def _dequantized(lib: ctypes.CDLL, weight: KeptWeight, dtype: torch.dtype) -> to
     dense = buffer[:values].view(out_features, in_features)
     dequantize = lib.quant_dequantize_bf16 if dtype == torch.bfloat16 else lib.quant_dequantize_f32
     for first, band in weight.bands():
-        args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), _address(band.supers))
-        args += (band.group, band.shape[0])
-        if dequantize(kind_code(band), *args, in_features, dense[first:].data_ptr()) != 0:
+        args = (band.qs.data_ptr(), band.scales.data_ptr(), _address(band.mins), _address(band.supers), band.group)
+        if dequantize(kind_code(band), *args, band.shape[0], in_features, dense[first:].data_ptr()) != 0:
             return None
     return dense
 

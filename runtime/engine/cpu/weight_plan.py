@@ -174,6 +174,17 @@ def plan_model(model: nn.Module) -> int:
     return packed
 
 
+def packed_bytes(model: nn.Module) -> int:
+    """The bytes of the packed copies ``model``'s layers' plans hold (each copy once)."""
+    copies: dict[int, PackedCopy] = {}
+    for module in model.modules():
+        plan = layer_plan(module) if isinstance(module, LinearWeightLayer) else None
+        for band in plan.bands if plan is not None else ():
+            if isinstance(band.operand, PackedCopy):
+                copies[id(band.operand)] = band.operand
+    return sum(copy.nbytes for copy in copies.values())
+
+
 def layer_plan(layer: LinearWeightLayer) -> CpuWeightPlan | None:
     """The CPU plan a layer holds (None: none made yet, or dropped since its weight was written)."""
     plan = layer.plan

@@ -50,6 +50,11 @@ class DeviceOps(Protocol):
         again (``runtime.engine.ops.linear_weights``)."""
         ...
 
+    def prepared_bytes(self, model: nn.Module) -> int:
+        """Bytes ``prepare_model`` laid out beside ``model``'s own tensors (a CPU weight's packed copy):
+        resident like the weights, so they come out of the same share of memory as the KV pool."""
+        return 0
+
     def graph_safe(self, model: nn.Module) -> bool:
         """Whether ``model``'s decode forward asks nothing of this device that a CUDA graph cannot
         capture (a host read of routing, as an expert loop makes); the model runner captures no graph

@@ -44,6 +44,9 @@ class TorchOps:
     def prepare_model(self, model: nn.Module) -> None:
         return None
 
+    def prepared_bytes(self, model: nn.Module) -> int:
+        return 0  # (nothing laid out beside the weights)
+
     def graph_safe(self, model: nn.Module) -> bool:
         # the expert loop reads each layer's routing on the host
         return not any(isinstance(m, ExpertLayer) for m in model.modules())

@@ -153,6 +153,11 @@ def test_fp32_panel_copy_refuses_what_the_kernel_cannot_read() -> None:
     assert pack_weight(torch.randn(40, 64)) is None  # columns not a multiple of 16: F.linear only
     copy = pack_weight(torch.randn(64, 64))
     assert copy is not None and copy.layout != AMX_TILES
+    assert (
+        copy.nbytes == 64 * 64 * 4
+    )  # (a whole copy beside the weight: counted with it, ModelRunner.resident_weight_bytes)
+    if prepack_available() and (half := pack_weight(torch.randn(64, 64).bfloat16())) is not None:
+        assert half.nbytes >= 64 * 64 * 2  # oneDNN's opaque copy, as oneDNN reports its bytes
     packed = copy.tensor
     x = torch.randn(8, 64)
     assert panel_linear(x, packed, None, 48) is None  # a copy of another shape is never read

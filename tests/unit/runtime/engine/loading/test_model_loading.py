@@ -214,8 +214,13 @@ def test_runner_attributes(tiny_llama_path: Path) -> None:
     assert runner.req_to_token_pool.req_to_token.shape[1] >= runner.context_len
     assert runner.token_to_kv_pool.k_buffer[0].shape == (2048 + 1, 2, 16)
     sized = ModelRunner(tiny_llama_path, device="cpu", dtype="float32", mem_fraction_static=0.0005, load_progress=False)
-    budget = (cpu_mem_total_bytes() * 0.0005 - sized.weight_bytes()) // sized.kv_bytes_per_token()
-    assert sized.max_total_tokens == budget  # a share of MemTotal less the weights, to the token
+    # a share of MemTotal less the weights and their packed copies (fp32 panels where the kernels read them), to the token
+    resident = sized.weight_bytes() + sized.ops.prepared_bytes(sized.model)
+    assert (
+        sized.resident_weight_bytes() == resident
+        and sized.weight_info()["prepacked_bytes"] == resident - sized.weight_bytes()
+    )
+    assert sized.max_total_tokens == (cpu_mem_total_bytes() * 0.0005 - resident) // sized.kv_bytes_per_token()
 
 
 # ---- tensor parallel shards (communication faked with threads) -----------------------
