@@ -52,6 +52,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.base import CausalLM
 from runtime.engine.models.registry import get_model_class
 from runtime.engine.ops import DeviceOps, LayerStack, get_ops
+from runtime.engine.ops.linear_weights import resident_tensor_bytes
 from runtime.engine.pooling import pooled_parts
 from runtime.engine.quant import loading as quant_loading
 from runtime.engine.quant.loading import DUAL_RAM_SHARE, activation_numerics, quantized_bytes, resolve_quantization
@@ -326,14 +327,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Memory this rank's weights take (parameters and buffers, each storage once): on CPU
         they come out of the same share of RAM as the KV pool."""
-        seen: set[int] = set()
-        total = 0
-        for t in [*self.model.parameters(), *self.model.buffers()]:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return resident_tensor_bytes(self.model)
 
     def resident_weight_bytes(self) -> int:
         """The weights' tensors and what the device laid out beside them (``DeviceOps.prepared_bytes``:

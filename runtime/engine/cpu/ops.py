@@ -41,7 +41,7 @@ from runtime.engine.cpu.weight_plan import (
 )
 from runtime.engine.ops.experts import ExpertRouting
 from runtime.engine.ops.layer_stack import DecoderStackModel, LayerStack
-from runtime.engine.ops.linear_weights import WeightPlan
+from runtime.engine.ops.linear_weights import WeightPlan, values_released
 from runtime.engine.ops.lora import LoraSegments, LoraWeights
 from runtime.engine.ops.rope import RopeInputs
 from runtime.engine.ops.torch_ops import TorchOps, rope_cos_sin, rotate_half_
@@ -86,7 +86,7 @@ class CpuOps(TorchOps):
     ) -> torch.Tensor:
         current = _current(plan, weight)
         out = plan_linear(current, x, bias) if current is not None else unplanned_linear(x, weight, bias)
-        return out if out is not None else super().linear(x, weight, bias)
+        return out if out is not None else super().linear(x, _readable(weight), bias)
 
     def float_linear(
         self, x: torch.Tensor, weight: torch.Tensor | KeptWeight, plan: WeightPlan | None = None
@@ -96,7 +96,7 @@ class CpuOps(TorchOps):
             out = plan_linear(current, x, None, float_out=True)
         else:
             out = unplanned_linear(x, weight, None, float_out=True)
-        return out if out is not None else super().float_linear(x, weight)
+        return out if out is not None else super().float_linear(x, _readable(weight))
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -197,6 +197,16 @@ class CpuOps(TorchOps):
         import xgrammar  # the grammar engine's own CPU kernel (constrained requests only)
 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
+
+
+def _readable(weight: torch.Tensor | KeptWeight) -> torch.Tensor | KeptWeight:
+    """``weight`` for a product off its plan; an error where its values live only in the plan's copy
+    (``LinearWeightLayer.release_values``: no plan should leave such a product to F.linear)."""
+    if values_released(weight):
+        raise RuntimeError(
+            f"a {tuple(weight.shape)} weight's values are held only by its packed copy, which this product does not run on"
+        )
+    return weight
 
 
 def _current(plan: WeightPlan | None, weight: torch.Tensor | KeptWeight) -> CpuWeightPlan | None:

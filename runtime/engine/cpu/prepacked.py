@@ -216,6 +216,23 @@ def dp_layout_of(weight: torch.Tensor, raw: torch.Tensor) -> bool:
     return torch.equal(raw.view(out_features // DP_COLUMNS, in_features // 2, DP_COLUMNS, 2), pairs.transpose(1, 2))
 
 
+def unpacked(copy: PackedCopy) -> torch.Tensor | None:
+    """The bf16 ``[out, in]`` weight a copy in ``AMX_TILES`` or ``DP_PAIRS`` holds, read back from its
+    bytes (which ``pack_weight`` compared with the weight's: the same values, bit for bit); None for
+    another layout."""
+    out_features, in_features = copy.out_features, copy.in_features
+    if copy.layout not in (AMX_TILES, DP_PAIRS) or not copy.address:
+        return None
+    raw = torch.frombuffer(
+        (ctypes.c_int16 * (out_features * in_features)).from_address(copy.address), dtype=torch.int16
+    )
+    if copy.layout == DP_PAIRS:  # [out / 64][in / 2][64][2]
+        rows = raw.view(out_features // DP_COLUMNS, in_features // 2, DP_COLUMNS, 2).transpose(1, 2)
+    else:  # [out / 32][in / 32][16][32][2]
+        rows = raw.view(out_features // 32, in_features // 32, 16, 32, 2).permute(0, 3, 1, 2, 4)
+    return rows.reshape(out_features, in_features).view(torch.bfloat16).clone()
+
+
 def panel_address(panels: torch.Tensor, out_features: int, in_features: int) -> int:
     """The address ``linear_f32`` reads when ``panels`` is a usable ``panel_copy`` of an
     ``[out_features, in_features]`` weight (fp32, contiguous, on the CPU), else 0."""

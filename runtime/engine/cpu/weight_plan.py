@@ -53,9 +53,10 @@ from runtime.engine.cpu.prepacked import (
     onednn_linear,
     pack_weight,
     panel_linear,
+    unpacked,
 )
 from runtime.engine.cpu.quant_kernels import BF16_DENSE_MIN_ROWS, BLOCK_ROWS_MAX, quant_linear
-from runtime.engine.ops.linear_weights import LinearWeightLayer, WeightPlan
+from runtime.engine.ops.linear_weights import LinearWeightLayer, WeightPlan, values_released
 from runtime.engine.quant.weight import KEPT_WEIGHTS, KeptWeight, weight_blocks
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,13 @@ class CpuWeightPlan(WeightPlan):
         """The band of ``kernel``, if the plan has one."""
         return next((band for band in self.bands if band.kernel == kernel), None)
 
+    def weight_values(self) -> torch.Tensor | None:
+        """The dense values the packed copy of our bf16 kernels holds (``prepacked.unpacked``)."""
+        copy = next(
+            (b.operand for b in self.bands if b.kernel in ("amx", "dp") and isinstance(b.operand, PackedCopy)), None
+        )
+        return unpacked(copy) if copy is not None else None
+
     @property
     def path(self) -> str:
         """The kernel report's name of what runs this weight (``kernel_report``)."""
@@ -164,14 +172,35 @@ def plan_weight(weight: torch.Tensor | KeptWeight, blocks: KeptWeight | None = N
 def plan_model(model: nn.Module) -> int:
     """A plan for every ``LinearWeightLayer`` of ``model`` (set as its ``plan``); returns how many
     weights got a packed copy. Call after the weights are loaded (and after every reload)."""
-    packed = 0
+    packed = released = 0
     for module in model.modules():
         if isinstance(module, LinearWeightLayer):
-            module.plan = plan_weight(module.weight, weight_blocks(module))
-            packed += any(isinstance(band.operand, PackedCopy) for band in module.plan.bands)
+            current = layer_plan(module)
+            # (a weight whose values only its plan's copy holds keeps that plan: its values were not
+            # written since, or dropping the plan would have given them back)
+            plan = current if current is not None and values_released(module.weight) else None
+            plan = plan or plan_weight(module.weight, weight_blocks(module))
+            module.plan = plan
+            packed += any(isinstance(band.operand, PackedCopy) for band in plan.bands)
+            if _runs_every_product(plan) and getattr(module, "tied_to", None) is None:
+                module.release_values()
+                released += 1
     if packed:
-        logger.info("prepacked %d linear weights", packed)
+        logger.info("prepacked %d linear weights (%d read only through their packed copy)", packed, released)
     return packed
+
+
+def _runs_every_product(plan: CpuWeightPlan) -> bool:
+    """Whether every product of the plan's weight runs on its packed copy, never on the layer's tensor:
+    a half-precision weight whose copy our kernels read for a decode batch's rows (so no dot-router
+    path reads the tensor: ``dot_router``) and oneDNN for every other row count of its dtype. (An fp32
+    weight's prefills stay on F.linear, which reads the tensor.)"""
+    weight = plan.weight
+    if not isinstance(weight, nn.Parameter) or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    kernels = {band.kernel for band in plan.bands if isinstance(band.operand, PackedCopy)}
+    onednn = plan.band_of("onednn")
+    return bool(kernels & {"amx", "dp"}) and onednn is not None and onednn.rows == ANY_ROWS
 
 
 def packed_bytes(model: nn.Module) -> int:
@@ -208,6 +237,7 @@ def dot_router(plan: CpuWeightPlan, dtype: torch.dtype) -> bool:
     weight = plan.weight
     return (
         isinstance(weight, torch.Tensor)
+        and not values_released(weight)  # (LinearWeightLayer.release_values)
         and weight.dtype == dtype
         and weight.is_contiguous()
         and all(stack_kernels(band, dtype) is None for band in plan.bands)

@@ -94,11 +94,11 @@ def resolve_quantization(
       users 152 against 160 output tok/s, in an eighth of the memory.
     - With native bf16, both forms (``gguf_dual``): one user 151 tok/s against 94 dense bf16 on a
       2-core AVX-512 EPYC, 64 users 500 against 502 (dense bf16 values for prefills and large
-      batches, the blocks for decode steps of a few rows), at the memory of both, the dense values
-      counted twice (the layer's tensor and the packed copy the CPU kernels read). Where that would
-      take more than ``ram_share_bytes``, the blocks alone (``gguf``, bf16 activations: their own
+      batches, the blocks for decode steps of a few rows), at the memory of both (the dense values
+      live in the packed copy the CPU kernels read: ``LinearWeightLayer.release_values``). Where both
+      would take more than ``ram_share_bytes``, the blocks alone (``gguf``, bf16 activations: their own
       kernel up to 32 rows, the weight dequantized to bf16 above): Qwen2.5-Coder-1.5B Q4_K_M on that
-      EPYC served in 3.05 GiB against gguf_dual's 9.19 (PSS; llama.cpp's server 3.49), a 2,000-token
+      EPYC served in 3.05 GiB against gguf_dual's 6.2 (PSS; llama.cpp's server 3.49), a 2,000-token
       prompt in 14.7 s against 13.3 s, but 16 users at 31.6 output tok/s against 46.0 (its
       16-row steps on the blocks' bf16 dot products against oneDNN's on dense values). On CPUs with
       AMX tiles (``amx``), whose dense kernels the blocks were never measured against, dense bf16
@@ -111,7 +111,7 @@ def resolve_quantization(
         return "gguf", "auto: this CPU has no native bf16 matmul, where the GGUF blocks serve best"
     if amx:
         return None, "auto: dense bf16 on AMX tiles (both forms not yet measured on an AMX host)"
-    if 2 * gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
+    if gguf.dense_bytes + gguf.block_bytes > ram_share_bytes:
         return (
             "gguf",
             f"auto: the blocks alone, bf16 activations (both forms would take over {DUAL_RAM_SHARE:.0%} of RAM)",

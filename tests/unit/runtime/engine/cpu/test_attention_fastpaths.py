@@ -231,7 +231,8 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_llama_path: Path) -> None
         x = torch.randn(7, m.weight.shape[1], generator=gen).to(torch.bfloat16)
         bias = getattr(m, "bias", None)
         got = runner.ops.linear(x, m.weight, bias, m.plan)  # (as the layer calls it: with its plan)
-        assert torch.equal(got, torch.nn.functional.linear(x, m.weight, bias)), (type(m).__name__, refusal)
+        plain = torch.nn.functional.linear(x, m.weight_values(), bias)  # (the values its packed copy holds)
+        assert torch.equal(got, plain), (type(m).__name__, refusal)
     prompts = [random_prompt(n, runner.vocab_size, seed=n) for n in (3, 17, 30)]
 
     def logits() -> torch.Tensor:

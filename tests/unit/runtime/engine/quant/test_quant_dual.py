@@ -72,7 +72,7 @@ def test_dense_values_are_the_dense_loads_and_blocks_the_gguf_loads(gguf_path: P
 def test_few_rows_read_the_blocks_more_the_dense_values(gguf_path: Path) -> None:
     runner = _runner(gguf_path, quantization="gguf_dual")
     layer = runner.model.model.layers[0].mlp.gate_up_proj
-    weight, blocks = layer.weight, weight_blocks(layer)
+    weight, values, blocks = layer.weight, layer.weight_values(), weight_blocks(layer)
     assert blocks is not None and [band.kernel for band in layer.plan.bands][0] == "blocks"
     gen = torch.Generator().manual_seed(5)
     for rows in (1, BLOCK_ROWS_MAX, BLOCK_ROWS_MAX + 1, 40):
@@ -81,7 +81,7 @@ def test_few_rows_read_the_blocks_more_the_dense_values(gguf_path: Path) -> None
         if rows <= BLOCK_ROWS_MAX:
             want = quant_linear(x, blocks, None)
         else:
-            want = runner.ops.linear(x, weight, None, plan_weight(weight))  # the same values without blocks
+            want = runner.ops.linear(x, values, None, plan_weight(values))  # the same values without blocks
         assert want is not None and torch.equal(got, want), rows
     head = runner.model.lm_head
     x = torch.randn(2, head.weight.shape[1], generator=gen).bfloat16()
@@ -130,11 +130,10 @@ def test_weights_reload_in_place_blocks_and_dense_values(
     other_folder = _runner(other, quantization="gguf_dual").model_path
     reload_weights(runner, other_folder)
     fresh = _runner(other, quantization="gguf_dual")
-    fresh_modules = _modules(fresh)
+    got_weights, fresh_weights, fresh_modules = _weights(runner), _weights(fresh), _modules(fresh)
     for name, module in _modules(runner).items():
-        want = fresh_modules[name]
-        assert torch.equal(module.weight, want.weight), name
-        got_blocks, want_blocks = weight_blocks(module), weight_blocks(want)
+        assert torch.equal(got_weights[name], fresh_weights[name]), name
+        got_blocks, want_blocks = weight_blocks(module), weight_blocks(fresh_modules[name])
         assert got_blocks is not None and want_blocks is not None
         assert torch.equal(got_blocks.dequantize(), want_blocks.dequantize()), name
     for a, b in zip(_decode_logits(runner, [True] * 3, requests=2), _decode_logits(fresh, [True] * 3, requests=2)):

@@ -50,8 +50,12 @@ def _modules(runner: ModelRunner) -> dict[str, Any]:
 
 
 def _weights(runner: ModelRunner) -> dict[str, Any]:
-    """Every linear's and the embedding's weight, by module name."""
-    return {name: module.weight for name, module in _modules(runner).items()}
+    """Every linear's and the embedding's weight, by module name (a linear's values where only its packed
+    copy holds them: ``LinearWeightLayer.weight_values``)."""
+    return {
+        name: module.weight_values() if isinstance(module, LinearWeightLayer) else module.weight
+        for name, module in _modules(runner).items()
+    }
 
 
 def _gguf(tiny_checkpoints: TinyCheckpoints, files: Path, name: str, weight_type: str, **kwargs: Any) -> Path:
