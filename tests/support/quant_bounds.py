@@ -23,9 +23,10 @@ def quantized_linear_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     xd = x.double().reshape(-1, weight.shape[1])
     blocks = xd.reshape(xd.shape[0], -1, 32)
     half_step = blocks.abs().amax(-1) / 127 / 2  # [rows, blocks]
-    scales = weight.scales.double().cpu()
+    fp32_scales, fp32_mins = weight.scale_values()  # (a K-quant's super-block codes decoded)
+    scales = fp32_scales.double().cpu()
     values = weight.values().cpu().double().reshape(scales.shape[0], scales.shape[1], -1)
     scaled = (values * scales.unsqueeze(-1)).reshape(weight.shape[0], -1, 32).abs().sum(-1)  # [out, blocks]
-    mins = weight.mins.double().abs().cpu() if weight.mins is not None else torch.zeros_like(scaled)
+    mins = fp32_mins.double().abs().cpu() if fp32_mins is not None else torch.zeros_like(scaled)
     magnitude = blocks.abs().sum(-1) @ mins.T + xd.abs() @ weight.dequantize().cpu().double().abs().T
     return half_step @ scaled.T + (weight.shape[1] // 32 + 16) * EPS32 * magnitude

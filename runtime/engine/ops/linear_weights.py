@@ -66,14 +66,14 @@ class LinearWeightLayer(nn.Module):
     def drop_plan(self) -> None:
         """Forget the device's plan: the weight's values are being written again (a load, a reload,
         a swap for its quantized form). ``DeviceOps.prepare_model`` makes a new one. Released values
-        get their storage back first, for the writer to fill (a load writes every part of a weight)."""
+        come back first, read from the plan's copy (a writer may fill only part of a merged weight)."""
         plan, self.plan = self.plan, None
         weight = self.weight
         if isinstance(weight, nn.Parameter) and values_released(weight):
             values = plan.weight_values() if plan is not None else None
-            weight.data = (
-                values if values is not None else torch.empty_like(weight, memory_format=torch.contiguous_format)
-            )
+            if values is None:  # (release_values is called only for a plan that gives them back)
+                raise RuntimeError(f"a {tuple(weight.shape)} weight's released values have no copy to come back from")
+            weight.data = values
 
 
 def values_released(weight: torch.Tensor | KeptWeight) -> bool:

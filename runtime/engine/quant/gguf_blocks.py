@@ -9,7 +9,7 @@ file's 6- or 8-bit codes as bytes, its ``d`` and ``dmin`` in fp32 per 256 values
 module doc): Q4_K's 256-value super-block becomes eight q4 blocks of 32 whose scale and min are
 ``d * sc`` and ``-(dmin * m)`` (0.59 bytes a value, from 0.5625), Q5_K's eight int8 blocks of 32 with
 the same scale and min (1.09 bytes a value, from 0.6875), Q6_K's int8 values with a scale ``d * sc``
-per 16 (1.08 bytes a value, from 0.82). The repacked weight's ``dequantize`` equals the ``gguf``
+per 16 (1.09 bytes a value, from 0.82). The repacked weight's ``dequantize`` equals the ``gguf``
 package's, value for value (fp32 products of the same factors), which the tests check on random blocks.
 """
 

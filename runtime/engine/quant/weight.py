@@ -93,6 +93,8 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"{source}: scales of shape {tuple(scales.shape)} for groups of {group} of {shape}")
         if supers is not None:
             _check_super_form(source, shape, scales, mins, group, supers)
+        elif not scales.is_floating_point() or (mins is not None and not mins.is_floating_point()):
+            raise ValueError(f"{source}: 8-bit scale codes come with their super-block factors (supers)")
         self.kind, self.source, self.group = kind, source, group
         # How a CPU kernel multiplies it for a few rows (runtime.engine.cpu.quant_kernels): False, the
         # activations as they are (weight-only: the dense model's numbers); True, the activations
