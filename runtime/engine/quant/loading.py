@@ -256,7 +256,7 @@ def finish_loading(
         if quantized is not None:
             quantized.int8_activations = int8_activations or method in INT8_METHODS
             quantized.bf16_prefill = bf16_prefill and method not in INT8_METHODS
-            (_attach if method == DUAL_METHOD else _replace)(module, quantized)
+            (_attach if method == DUAL_METHOD and not _lookups_only(module) else _replace)(module, quantized)
             kept[quantized.source] = kept.get(quantized.source, 0) + 1
     if kept:
         logger.info("weights kept quantized: %s", ", ".join(f"{n} {src}" for src, n in sorted(kept.items())))
@@ -346,6 +346,14 @@ def _replace(module: nn.Module, quantized: KeptWeight) -> None:
     _drop_plan(module)  # the device's plan was for the dense values
     del module.weight
     module.weight = quantized
+
+
+def _lookups_only(module: nn.Module) -> bool:
+    """Whether ``module``'s weight is only looked up, never multiplied: a token embedding that no LM head
+    shares. ``gguf_dual`` keeps such a weight in its blocks alone: a lookup dequantizes its rows to the
+    dense values bit for bit (the blocks' fp32 values, cast), so dense values beside them would serve
+    nothing (Qwen2.5-Coder-1.5B: 0.47 GB)."""
+    return not isinstance(module, LinearWeightLayer) and getattr(module, "tied_head", True) is None
 
 
 def _attach(module: nn.Module, quantized: KeptWeight) -> None:

@@ -138,3 +138,16 @@ def test_weights_reload_in_place_blocks_and_dense_values(
         assert torch.equal(got_blocks.dequantize(), want_blocks.dequantize()), name
     for a, b in zip(_decode_logits(runner, [True] * 3, requests=2), _decode_logits(fresh, [True] * 3, requests=2)):
         assert torch.equal(a, b)
+
+
+def test_an_embedding_no_head_shares_keeps_its_blocks_alone(tiny_checkpoints: TinyCheckpoints, tmp_path: Path) -> None:
+    """An untied token embedding is only looked up: dual keeps it in its blocks alone (rows dequantized
+    on lookup, the dense load's values bit for bit), while its LM head keeps both forms."""
+    path = write_checkpoint_gguf(
+        tiny_checkpoints.path("llama"), tmp_path / "untied-Q8_0.gguf", weight_type="Q8_0", tokenizer=False, tie=False
+    )
+    dual, dense = _runner(path, quantization="gguf_dual"), _runner(path)
+    embedding = dual.model.model.embed_tokens
+    assert isinstance(embedding.weight, QuantizedWeight) and weight_blocks(dual.model.lm_head) is not None
+    ids = torch.arange(dual.vocab_size)
+    assert torch.equal(embedding(ids), dense.model.model.embed_tokens(ids))
