@@ -154,8 +154,11 @@ enum { SCALE_ROW = 0, SCALE_BLOCK = 1, SCALE_HALF = 2 };
 /* The weight's scale for block b's 16 pair sums. */
 static inline __m512 block_scale(int mode, const float* ws, int64_t b)
 {
-    if (mode == SCALE_HALF)
-        return _mm512_mask_mov_ps(_mm512_set1_ps(ws[2 * b]), (__mmask16)0xFF00, _mm512_set1_ps(ws[2 * b + 1]));
+    if (mode == SCALE_HALF) { /* lanes 0-7 the first 16 values' scale, 8-15 the last's: one load, one permute */
+        const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128 pair = _mm_castpd_ps(_mm_load_sd((const double*)(ws + 2 * b)));
+        return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(pair));
+    }
     return _mm512_set1_ps(ws[b]);
 }
 
