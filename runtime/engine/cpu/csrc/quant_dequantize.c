@@ -60,7 +60,7 @@ int quant_dequantize_f32(int kind, const void* qs, const void* scales, const voi
     const int q4 = kind & QUANT_LAYOUT_Q4;
 #pragma omp parallel
     {
-        float buf[supers ? ROW_SCALES_FLOATS(1, k) : 1]; /* a row's decoded scales (the super-block form) */
+        float buf[ROW_SCALES_FLOATS(1, k) + 1];
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < n; ++o) {
             const float *ws, *wm;
@@ -81,7 +81,7 @@ int quant_dequantize_bf16(int kind, const void* qs, const void* scales, const vo
 #pragma omp parallel
     {
         float row[DEQ_CHUNK] __attribute__((aligned(64)));
-        float buf[supers ? ROW_SCALES_FLOATS(1, k) : 1]; /* a row's decoded scales (the super-block form) */
+        float buf[ROW_SCALES_FLOATS(1, k) + 1];
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < n; ++o) {
             const float *ws, *wm;

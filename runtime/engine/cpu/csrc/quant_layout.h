@@ -29,7 +29,7 @@ static inline int takes_kind(int kind, const void* mins, const float* supers, in
 }
 
 /* Floats row_scales may write for `count` rows of a weight of k columns (a caller's buffer). */
-#define ROW_SCALES_FLOATS(count, k) ((count) * ((k) / 16)) /* (per 16: scales; per 32: scales, then mins) */
+#define ROW_SCALES_FLOATS(count, k) (2 * (count) * ((k) / 16))
 
 /* Weight rows [o, o + count)'s scales, and mins (*wm NULL without), as fp32, k / group apart: in the
  * plain form the weight's own; in the super-block form (supers [n, k / 256, 2]: d and dmin) decoded into

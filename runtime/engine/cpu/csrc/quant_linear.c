@@ -400,18 +400,15 @@ static void weight_only_rows(const float* x, int64_t m, int64_t ldx, int q4, con
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
-        /* the chunk's scales and mins, decoded once (the super-block form) for all its row groups */
-        float buf[supers ? ROW_SCALES_FLOATS(OUT_CHUNK, k) : 1];
-        const float *chunk_ws, *chunk_wm;
-        row_scales(scales, mins, supers, group, k, o0, o1 - o0, buf, &chunk_ws, &chunk_wm);
+        float buf[supers ? ROW_SCALES_FLOATS(2, k) : 1]; /* a row pair's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += WO_ROWS) {
             const int rows = (int)(m - r0 < WO_ROWS ? m - r0 : WO_ROWS);
             for (int64_t o = o0; o < o1;) {
                 float dots[2][WO_ROWS] = {{0}};
                 const int pair = WO_PAIRS && rows > 1 && o + 1 < o1;
                 const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
-                const float* ws = chunk_ws + (o - o0) * scales_per_row;
-                const float* wm = chunk_wm ? chunk_wm + (o - o0) * scales_per_row : NULL;
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1 + pair, buf, &ws, &wm);
 #if defined(__AVX512F__)
                 if (pair)
                     wo_pair_dots_n(rows, q4, wq, row_bytes, ws, wm, scales_per_row, scale_step, half, nb,
@@ -458,8 +455,7 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
         dequantized_gemm(x, m, ldx, q4, qs, scales, mins, supers, group, n, k, bias, out, ldo);
         return 0;
     }
-    /* scales per weight row, and per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
-    const int64_t scales_per_row = k / group;
+    /* scales per 32-block: 2 (group 16), 1 (group 32), 0 (one per row) */
     const int64_t scale_step = group == 16 ? 2 : (group == QBLOCK ? 1 : 0);
     const int half = group == 16;
     const int64_t row_bytes = q4 ? k / 2 : k;
@@ -472,15 +468,13 @@ int quant_linear_f32(const float* x, int64_t m, int64_t ldx, int kind, const voi
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * OUT_CHUNK, o1 = o0 + OUT_CHUNK < n ? o0 + OUT_CHUNK : n;
-        float buf[supers ? ROW_SCALES_FLOATS(OUT_CHUNK, k) : 1]; /* (as weight_only_rows') */
-        const float *chunk_ws, *chunk_wm;
-        row_scales(scales, mins, supers, group, k, o0, o1 - o0, buf, &chunk_ws, &chunk_wm);
+        float buf[supers ? ROW_SCALES_FLOATS(1, k) : 1]; /* a row's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
             const int rows = (int)(m - r0 < QROWS ? m - r0 : QROWS);
             for (int64_t o = o0; o < o1; ++o) {
                 float dots[QROWS] = {0};
-                const float* ws = chunk_ws + (o - o0) * scales_per_row;
-                const float* wm = chunk_wm ? chunk_wm + (o - o0) * scales_per_row : NULL;
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1, buf, &ws, &wm);
                 row_dots_n(rows, q4, (const uint8_t*)qs + o * row_bytes, ws, wm, scale_step, half, nb, xq + r0 * k,
                            xd + r0 * nb, xs + r0 * nb, k, dots);
                 const float add = bias ? bias[o] : 0.0f;

@@ -293,10 +293,7 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t o0 = c * QB_CHUNK, o1 = o0 + QB_CHUNK < n ? o0 + QB_CHUNK : n;
-        /* the chunk's scales and mins, decoded once (the super-block form) for all its row groups */
-        float buf[supers ? ROW_SCALES_FLOATS(QB_CHUNK, k) : 1];
-        const float *chunk_ws, *chunk_wm;
-        row_scales(scales, mins, supers, group, k, o0, o1 - o0, buf, &chunk_ws, &chunk_wm);
+        float buf[supers ? ROW_SCALES_FLOATS(2, k) : 1]; /* a row pair's decoded scales (the super-block form) */
         for (int64_t r0 = 0; r0 < m; r0 += QB_ROWS) {
             const int rows = (int)(m - r0 < QB_ROWS ? m - r0 : QB_ROWS);
             for (int64_t o = o0; o < o1;) {
@@ -304,8 +301,8 @@ int quant_linear_bf16(const uint16_t* x, int64_t m, int64_t ldx, int kind, const
                 const int pair = q4 && rows > 2 && o + 1 < o1;
                 float dots[2][QB_ROWS];
                 const uint8_t* wq = (const uint8_t*)qs + o * row_bytes;
-                const float* ws = chunk_ws + (o - o0) * scales_per_row;
-                const float* wm = chunk_wm ? chunk_wm + (o - o0) * scales_per_row : NULL;
+                const float *ws, *wm;
+                row_scales(scales, mins, supers, group, k, o, 1 + pair, buf, &ws, &wm);
                 if (pair)
                     q4_pair_dots_n(rows, wq, row_bytes, ws, nb, xp + r0 * k, k, dots[0], dots[1]);
                 else
