@@ -66,7 +66,7 @@ class CpuOps(TorchOps):
         release_freed_memory()  # (the load's transient arrays: see its doc)
 
     def prepared_bytes(self, model: nn.Module) -> int:
-        return packed_bytes(model)  # (each linear's packed copy: as many bytes again as a dense bf16 weight)
+        return packed_bytes(model)  # (each linear's packed copy; a released weight's only values)
 
     def layer_stack(self, model: DecoderStackModel) -> LayerStack | None:
         return CpuLayerStack(model)
